@@ -1,0 +1,1 @@
+"""Built-in dtbench decoders (``dtbench.decoders``), each registered through the ``dtbench.decoders`` entry points."""

@@ -1,0 +1,107 @@
+"""The decoder contract every dtbench decoder follows, built-in or third-party.
+
+A decoder is a class registered under the entry-point group ``dtbench.decoders``. It declares its
+hyperparameters as a pydantic model (``Params``), whether it needs a draft model, and whether it is lossless
+(its greedy output equals the target's greedy output). It generates by yielding one :class:`Step` per target
+verification; the runner, never the decoder, timestamps those steps (DESIGN.md, "Decoder contract").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one target verification (one iteration) committed.
+
+    Attributes:
+        tokens: token ids committed in this iteration, in order (at least one).
+        drafted: draft tokens proposed to the target in this iteration (tree nodes for tree decoders,
+            K for linear speculation, 0 for autoregressive decoding).
+        accepted: drafted tokens that matched the target's greedy prediction and were committed
+            (the committed path length before the bonus token, paper section 3.5).
+        tree_size: number of drafted nodes verified (equal to ``drafted`` for chains, 0 for AR).
+        depth: deepest drafted node in this iteration's tree (K for a chain, 0 for AR).
+        target_forwards: target forward passes this iteration spent (2 for the paper's rebuild strategy).
+    """
+
+    tokens: tuple[int, ...]
+    drafted: int = 0
+    accepted: int = 0
+    tree_size: int = 0
+    depth: int = 0
+    target_forwards: int = 1
+
+
+class DecoderParams(BaseModel):
+    """Base for every decoder's hyperparameters: frozen, unknown keys rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Decoder(ABC):
+    """A generation strategy under benchmark.
+
+    Subclasses set the class attributes and implement :meth:`generate`.
+
+    Class attributes:
+        Params: the pydantic model of the decoder's hyperparameters (validated before any model loads).
+        needs_draft: True if the decoder uses a draft model.
+        lossless: True if its greedy output must equal the reference decoder's output token for token.
+        version: bumped when the algorithm changes, so results stay comparable only within a version.
+    """
+
+    Params: ClassVar[type[DecoderParams]] = DecoderParams
+    needs_draft: ClassVar[bool] = False
+    lossless: ClassVar[bool] = True
+    version: ClassVar[str] = "1"
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, params: DecoderParams):
+        """Bind the models and validated params.
+
+        Args:
+            target: the target causal LM (a transformers ``PreTrainedModel``), in eval mode.
+            draft: the draft causal LM sharing the target's vocabulary, or None if ``needs_draft`` is False.
+            params: an instance of ``self.Params``.
+
+        Raises:
+            ValueError: if the decoder needs a draft model and none is given.
+        """
+        if self.needs_draft and draft is None:
+            raise ValueError(f"decoder {type(self).__name__} needs a draft model, and the suite declares none")
+        self.target = target
+        self.draft = draft
+        self.params = params
+
+    def reference(self) -> tuple[str, dict[str, Any]] | None:
+        """The (decoder name, params) whose output this decoder's output is compared against.
+
+        Greedy full-cache autoregressive decoding (``ar``) by default; a lossy-by-design decoder such as
+        StreamingLLM + speculation names its own exact reference. None means "compare with nothing".
+        """
+        return ("ar", {})
+
+    @abstractmethod
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        """Greedily generate exactly ``max_new_tokens`` new tokens, ignoring EOS.
+
+        Args:
+            input_ids: prompt token ids, shape (1, prompt_len), dtype int64, on the target's device.
+            max_new_tokens: T, the number of tokens to generate (>= 1).
+
+        Yields:
+            One :class:`Step` per target verification. The committed tokens of all steps, concatenated,
+            are the generated continuation; the runner keeps the first T and stops iterating then.
+        """
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The greedy (argmax) token of one logits vector, shape (vocab,), any float dtype."""
+    return int(torch.argmax(logits, dim=-1).item())

@@ -1,0 +1,1 @@
+"""dtbench core (``dtbench.harness``): suites, data, models, registry, runner, measurement, database, CLI."""
