@@ -1,0 +1,112 @@
+"""Per-cell summaries computed from the results database only (pandas).
+
+Paper protocol (section 4.1): the first W prompts of each cell are warmup; means and standard deviations are
+over the rest. Speedup = mean throughput / mean AR throughput of the same dataset, prompt cap and T.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from dtbench.harness.db import Cell, Run, Sample
+from dtbench.harness.errors import DtbenchError
+
+MIB = 2**20
+GROUP = ["dataset", "prompt_cap", "gen_length"]
+
+_SAMPLE_COLS = [
+    "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
+    "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "acceptance_rate",
+    "mean_path_length", "target_forwards", "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes",
+    "lossless", "first_divergence", "output_hash",
+]
+_CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params",
+              "lossless_expected", "reference_label", "status", "error"]
+
+
+def get_run(session: Session, run_id: int | None) -> Run:
+    """The run with ``run_id``, or the newest run.
+
+    Raises:
+        DtbenchError: if there is no such run.
+    """
+    if run_id is None:
+        run = session.scalars(select(Run).order_by(Run.id.desc()).limit(1)).first()
+        if run is None:
+            raise DtbenchError("the database holds no runs yet (dtbench run SUITE first)")
+        return run
+    run = session.get(Run, run_id)
+    if run is None:
+        raise DtbenchError(f"no run {run_id} in the database")
+    return run
+
+
+def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
+    """One row per sample of a run, with its cell's columns (``cell_id``, dataset, label, params, ...)."""
+    rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id, isouter=True).where(Cell.run_id == run_id)).all()
+    records = []
+    for cell, sample in rows:
+        rec = {"cell_id": cell.id, **{c: getattr(cell, c) for c in _CELL_COLS}}
+        rec.update({c: (getattr(sample, c) if sample is not None else None) for c in _SAMPLE_COLS})
+        rec["has_sample"] = sample is not None
+        records.append(rec)
+    return pd.DataFrame.from_records(records, columns=["cell_id", *_CELL_COLS, *_SAMPLE_COLS, "has_sample"])
+
+
+def peak_memory(row: pd.Series) -> float | None:
+    """The peak memory a reader compares: torch allocator peak on CUDA, process RSS peak on CPU (bytes)."""
+    for col in ("peak_allocated_bytes", "peak_rss_bytes"):
+        v = row.get(col)
+        if v is not None and not pd.isna(v):
+            return float(v)
+    return None
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell: mean/std over non-warmup samples, speedup vs the same group's ``ar`` cell.
+
+    Columns: dataset, prompt_cap, gen_length, label, decoder, n, throughput_mean/std (tokens/s), speedup,
+    ttft_ms_mean/std, tpot_ms_mean/std, acceptance_rate, tokens_per_iteration, mean_path_length, iterations,
+    peak_mib, lossless ('yes', 'no', '—' when nothing to compare), lossless_n, divergences, reference, status, error.
+    """
+    out = []
+    for cell_id, cell in frame.groupby("cell_id", sort=False):
+        first = cell.iloc[0]
+        measured = cell[cell["has_sample"]]
+        kept = measured[~measured["warmup"].astype(bool)]
+        basis = kept if len(kept) else measured
+        mem = basis.apply(peak_memory, axis=1) if len(basis) else pd.Series(dtype=float)
+        compared = basis["lossless"].dropna()
+        if len(compared) == 0:
+            lossless = "—"
+        else:
+            lossless = "yes" if bool(compared.all()) else "no"
+        out.append({
+            "cell_id": cell_id, "dataset": first["dataset"], "prompt_cap": int(first["prompt_cap"]),
+            "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
+            "params": first["params"], "decoder_version": first["decoder_version"],
+            "n": len(kept), "warmup_n": len(measured) - len(kept),
+            "throughput_mean": basis["throughput"].mean(), "throughput_std": basis["throughput"].std(ddof=1),
+            "ttft_ms_mean": basis["ttft_s"].mean() * 1e3, "ttft_ms_std": basis["ttft_s"].std(ddof=1) * 1e3,
+            "tpot_ms_mean": basis["tpot_s"].astype(float).mean() * 1e3,
+            "tpot_ms_std": basis["tpot_s"].astype(float).std(ddof=1) * 1e3,
+            "acceptance_rate": basis["acceptance_rate"].astype(float).mean(),
+            "tokens_per_iteration": basis["tokens_per_iteration"].mean(),
+            "mean_path_length": basis["mean_path_length"].astype(float).mean(),
+            "iterations": basis["iterations"].mean(),
+            "peak_mib": mem.mean() / MIB if len(mem.dropna()) else float("nan"),
+            "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
+            "divergences": sorted(int(d) for d in basis["first_divergence"].dropna()),
+            "reference": first["reference_label"], "lossless_expected": bool(first["lossless_expected"]),
+            "status": first["status"], "error": first["error"],
+        })
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    ar = table[table["decoder"] == "ar"].set_index(GROUP)["throughput_mean"]
+    ar = ar[~ar.index.duplicated()]
+    keys = list(zip(*(table[c] for c in GROUP)))
+    table["speedup"] = [row / ar.get(k, float("nan")) for row, k in zip(table["throughput_mean"], keys)]
+    return table
