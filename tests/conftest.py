@@ -1,0 +1,33 @@
+"""Shared fixtures: the local data folder, a temporary database, the embedded SmolLM2 model (loaded once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+DATA_DIR = Path(os.environ.get("DTBENCH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not (DATA_DIR / "wikitext-2-raw" / "wiki.test.raw").is_file():
+        pytest.fail(f"real text not found at {DATA_DIR}: set DTBENCH_DATA_DIR to the shared data folder")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(fp32 target, bf16 draft, tokenizer) of the embedded SmolLM2-135M."""
+    import copy
+
+    import torch
+
+    from dtbench.harness import models
+    from dtbench.harness.suite import ModelSpec
+
+    spec = ModelSpec(model="smollm2-135m", dtype="float32")
+    target = models.load_model(spec, torch.device("cpu")).model
+    draft = copy.deepcopy(target).to(torch.bfloat16)
+    return target, draft, models.load_tokenizer(spec)
