@@ -1,0 +1,41 @@
+"""`harness`, `decoders` and `reports` install only inside the `dtbench` namespace, from a wheel and editable."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_editable_install_maps_the_folders():
+    for sub in ("harness", "decoders", "reports"):
+        spec = importlib.util.find_spec(f"dtbench.{sub}")
+        assert spec is not None and Path(spec.origin).parent == ROOT / sub
+    assert importlib.util.find_spec("harness") is None or "dtbench" not in str(importlib.util.find_spec("harness").origin)
+
+
+def test_wheel_installs_and_imports(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    wheel = next(tmp_path.glob("dtbench-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for sub in ("harness", "decoders", "reports"):
+        assert f"dtbench/{sub}/__init__.py" in names
+        assert not any(n.startswith(f"{sub}/") for n in names), f"{sub} installed as a top-level package"
+    assert any(n.endswith("entry_points.txt") for n in names)
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    # A fresh interpreter that sees only the unpacked wheel (plus dependencies), not the source tree.
+    code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', %r)]; sys.path.insert(0, %r);"
+            "import dtbench.harness.cli, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
+            "assert %r in r.__file__, r.__file__") % (str(ROOT), str(site), str(site))
+    done = subprocess.run([sys.executable, "-I", "-c", code.replace("import sys;", "import sys, site; site.main();")],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
