@@ -1,0 +1,221 @@
+"""transformers' own assisted generation as a benchmarked decoder (paper section 4.3, "HuggingFace Assisted
+Generation"; Table 1).
+
+``target.generate(input_ids, assistant_model=draft, do_sample=False, ...)`` runs the whole loop inside one
+blocking call. To let the runner time every iteration like any other decoder, the call runs in a worker thread
+and a streamer hands each target verification's committed tokens to the consumer: in transformers 5.x
+``GenerationMixin._assisted_decoding`` calls ``streamer.put(valid_tokens)`` exactly once per target forward (after
+selecting the matching candidates plus the bonus token), and once beforehand with the prompt, which is skipped.
+The worker and the consumer run in lockstep: after each ``put`` the worker waits until the consumer asks for the
+next Step, so the runner's device synchronisation and timestamp for a Step happen while the worker is paused,
+and the time of iteration i is exactly the time between Step i-1 being handed over and Step i arriving.
+
+The number of drafted tokens per iteration (``candidate_length`` in transformers) is read by wrapping the
+candidate generator's ``get_candidates`` for the duration of the call (through the private
+``GenerationMixin._get_candidate_generator``; present throughout transformers 4.3x-5.x). Accepted drafts are
+``len(tokens) - 1``: the candidates are capped below the length budget, so the bonus token is never cut off.
+
+The assistant's settings that changed defaults between transformers releases (``num_assistant_tokens``,
+``num_assistant_tokens_schedule``, ``assistant_confidence_threshold``) are explicit parameters. For the call the
+draft model's ``generation_config`` is replaced by a clean one holding only them (and no EOS), and the original
+object is put back afterwards: every result names what ran, a "heuristic" schedule does not carry its adapted
+value from one prompt to the next (transformers would persist it on the assistant's config), and the draft
+neither stops at EOS nor has EOS suppressed (the assistant's generate() otherwise takes EOS from the draft's
+own config and, since the call asks for exactly T tokens, forbids it: drafts then always miss where the target
+predicts EOS). Generation settings that would make the target's choice non-greedy (repetition penalties,
+banned n-grams, forced or suppressed tokens) are forced off.
+
+Environment dependence: with ``assistant_confidence_threshold > 0`` and scikit-learn importable, transformers
+re-fits that threshold during the call from the draft's acceptance history (ROC cost minimisation); without
+scikit-learn it stays fixed. Results are only comparable between environments that agree on this.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from pydantic import Field
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from dtbench.decoders.base import Decoder, DecoderParams, Step
+
+_ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+
+# Generation settings forced to their neutral value, so that a model's own generation_config cannot turn greedy
+# decoding into something else (repetition penalties, banned n-grams, forced or suppressed tokens).
+_NEUTRAL = dict(
+    repetition_penalty=None, no_repeat_ngram_size=None, bad_words_ids=None, suppress_tokens=None,
+    begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None,
+    encoder_repetition_penalty=None, encoder_no_repeat_ngram_size=None, renormalize_logits=None,
+    temperature=None, top_k=None, top_p=None, min_p=None, typical_p=None, epsilon_cutoff=None, eta_cutoff=None,
+)
+
+
+class HFAssistedParams(DecoderParams):
+    """Assistant settings of transformers' assisted generation (explicit, so a result names exactly what ran).
+
+    Attributes:
+        num_assistant_tokens: draft tokens proposed per iteration at the start of the call (transformers 5.x
+            default 20; 4.3x defaulted to 5).
+        num_assistant_tokens_schedule: "constant" keeps it fixed (5.x default); "heuristic" adds 2 after a fully
+            accepted draft and subtracts 1 (min 1) otherwise (4.3x default); "heuristic_transient" is the same. Both
+            heuristics restart from ``num_assistant_tokens`` on every prompt here.
+        assistant_confidence_threshold: the draft stops early when its top-1 probability falls below this
+            (5.x default 0.4; 0 disables).
+    """
+
+    num_assistant_tokens: int = Field(20, ge=1, le=256, description="draft tokens per iteration (initial)")
+    num_assistant_tokens_schedule: Literal["constant", "heuristic", "heuristic_transient"] = Field(
+        "constant", description="how num_assistant_tokens adapts during the call"
+    )
+    assistant_confidence_threshold: float = Field(
+        0.4, ge=0.0, lt=1.0, description="draft stops below this top-1 probability (0 disables)"
+    )
+
+
+class _StopFlag(StoppingCriteria):
+    """Stops generate() at the end of the current iteration once ``event`` is set (the consumer went away)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _Bridge(BaseStreamer):
+    """Streamer run by the worker thread: hands (tokens, drafted) per verification to the consumer, in lockstep.
+
+    Messages on ``out``: ("step", int64 CPU tensor of committed ids, drafted), ("done", None, 0),
+    ("error", exception, 0).
+    """
+
+    def __init__(self):
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.resume = threading.Semaphore(0)
+        self.stop = threading.Event()
+        self.drafted = 0
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first put is the prompt
+            self._prompt_seen = True
+            return
+        self.out.put(("step", value, self.drafted))
+        self.resume.acquire()  # wait until the consumer has taken this Step and asked for the next one
+
+    def end(self) -> None:
+        pass
+
+
+class HFAssisted(Decoder):
+    """transformers' assisted generation (``generate(..., assistant_model=draft)``), greedy, EOS ignored.
+
+    Each Step is one target verification: the tokens transformers committed in it (matched candidates plus
+    the target's bonus token), ``drafted`` = candidates proposed, ``accepted`` = ``len(tokens) - 1``. The first
+    Step therefore includes the prefill and the first verification. Lossless: in fp32/fp64 its output equals
+    ``ar`` (transformers compares argmaxes in float32, so a float64 model can differ only on float32 ties).
+
+    Raises:
+        ValueError: (constructor) without a draft model.
+    """
+
+    Params = HFAssistedParams
+    needs_draft = True
+    lossless = True
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        """Run ``target.generate`` in a worker thread and yield one Step per target verification.
+
+        Args:
+            input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
+            max_new_tokens: T; exactly T tokens are generated (EOS ignored).
+
+        Raises:
+            Whatever ``generate`` raised in the worker, re-raised here.
+            RuntimeError: if this transformers version lacks the candidate-generator hook.
+        """
+        if not hasattr(type(self.target), "_get_candidate_generator"):
+            raise RuntimeError(
+                "this transformers version has no GenerationMixin._get_candidate_generator; hf_assisted cannot "
+                "count drafted tokens per iteration"
+            )
+        bridge = _Bridge()
+        worker = threading.Thread(
+            target=self._work, args=(bridge, input_ids, max_new_tokens), name="dtbench-hf-assisted", daemon=True
+        )
+        worker.start()
+        try:
+            while True:
+                kind, payload, drafted = bridge.out.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise payload
+                tokens = tuple(payload.view(-1).tolist())
+                yield Step(
+                    tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, tree_size=drafted, depth=drafted
+                )
+                bridge.resume.release()
+        finally:
+            bridge.stop.set()
+            bridge.resume.release()  # a worker paused in put() continues, sees the flag and stops
+            worker.join()
+
+    def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+        """Worker thread body: generate() with the hooks installed, then restore the models' state."""
+        target, draft = self.target, self.draft
+        saved_config = draft.generation_config
+        original = type(target)._get_candidate_generator
+
+        def get_candidate_generator(*args, **kwargs):
+            generator = original(target, *args, **kwargs)
+            inner = generator.get_candidates
+
+            def get_candidates(ids, *a, **kw):
+                candidates, logits = inner(ids, *a, **kw)
+                bridge.drafted = candidates.shape[1] - ids.shape[1]
+                return candidates, logits
+
+            generator.get_candidates = get_candidates
+            return generator
+
+        try:
+            pad = target.generation_config.pad_token_id
+            if pad is None:
+                pad = getattr(target.config, "pad_token_id", None)
+            if pad is None:
+                pad = 0
+            # The assistant's generate() fills every setting its caller left unset from the *draft's*
+            # generation_config: a clean one (EOS unset, so drafts neither stop at nor suppress EOS; no penalties)
+            # holding only the assistant settings, swapped in for the call.
+            draft.generation_config = GenerationConfig(
+                **{name: getattr(self.params, name) for name in _ASSISTANT_SETTINGS},
+                eos_token_id=None, pad_token_id=pad, do_sample=False, num_beams=1,
+            )
+            target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
+            target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                assistant_model=draft,
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=pad,
+                streamer=bridge,
+                stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
+                **_NEUTRAL,
+            )
+            bridge.out.put(("done", None, 0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
+            bridge.out.put(("error", exc, 0))
+        finally:
+            target.__dict__.pop("_get_candidate_generator", None)
+            draft.generation_config = saved_config

@@ -1,0 +1,127 @@
+"""Prompt lookup decoding as a dtbench decoder plugin (an example of a third-party decoder package).
+
+Prompt lookup decoding (Saxena 2023, https://github.com/apoorvumang/prompt-lookup-decoding) drafts without a
+draft model: the last ``n`` tokens of the sequence are looked up earlier in the sequence (prompt and generated
+text), and the tokens that followed the most recent earlier occurrence are proposed as the draft. The target
+verifies them in one forward with greedy acceptance, as in linear speculative decoding (Leviathan et al. 2023),
+so the output equals greedy autoregressive decoding token for token.
+
+Only dtbench's public decoder contract is used: :mod:`dtbench.decoders.base` and :mod:`dtbench.decoders.kv`.
+Registered by this distribution's entry point ``prompt_lookup = "dtbench_prompt_lookup:PromptLookup"`` in the
+``dtbench.decoders`` group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from pydantic import Field
+
+from dtbench.decoders import kv
+from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+
+__all__ = ["NgramIndex", "PromptLookup", "PromptLookupParams"]
+__version__ = "0.1.0"
+
+
+class PromptLookupParams(DecoderParams):
+    """Hyperparameters of prompt lookup decoding.
+
+    Attributes:
+        ngram_size: longest n-gram matched (transformers' ``max_matching_ngram_size``); when the last
+            ``ngram_size`` tokens occur nowhere earlier, shorter suffixes are tried, down to one token.
+        num_draft_tokens: tokens copied after the match and verified per iteration (transformers'
+            ``prompt_lookup_num_tokens``).
+    """
+
+    ngram_size: int = Field(3, ge=1, le=16, description="longest n-gram matched (tries shorter ones down to 1)")
+    num_draft_tokens: int = Field(10, ge=1, le=128, description="draft tokens copied per iteration")
+
+
+class NgramIndex:
+    """The most recent earlier occurrence of every n-gram (n = 1 .. max_n) of a growing token sequence.
+
+    ``tokens`` is the sequence (a list of ints, appended to by :meth:`extend`). For each n-gram ending at
+    position ``j`` with a continuation (``j < len(tokens) - 1``), the index maps it to ``j + 1``; later
+    occurrences overwrite earlier ones. Updating costs O(max_n) dictionary operations per token.
+    """
+
+    def __init__(self, max_n: int, tokens: list[int]):
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self._maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.extend(tokens)
+
+    def extend(self, new: list[int] | tuple[int, ...]) -> None:
+        """Append tokens and index every n-gram that now has a continuation."""
+        tokens = self.tokens
+        first = max(len(tokens) - 1, 0)  # position j whose continuation is the first new token
+        tokens.extend(new)
+        for j in range(first, len(tokens) - 1):
+            for n in range(1, min(self.max_n, j + 1) + 1):
+                self._maps[n][tuple(tokens[j - n + 1 : j + 1])] = j + 1
+
+    def lookup(self, count: int) -> list[int]:
+        """Up to ``count`` tokens that followed the most recent earlier occurrence of the longest matching suffix.
+
+        Returns:
+            The draft (possibly shorter than ``count``, empty when no suffix of length 1 .. max_n recurs).
+        """
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens) - 1), 0, -1):
+            start = self._maps[n].get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + count]
+        return []
+
+
+class PromptLookup(Decoder):
+    """Prompt lookup decoding: n-gram-matched drafts from the context, verified greedily by the target.
+
+    The first Step is the prefill. Each later Step is one target forward over ``[pending, *draft]``; a Step
+    whose lookup found nothing verifies no draft and commits one token (``drafted = 0``). Lossless: the output
+    equals ``ar``'s.
+    """
+
+    Params = PromptLookupParams
+    needs_draft = False
+    lossless = True
+    version = "1"
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        """Greedily generate ``max_new_tokens`` tokens (EOS ignored).
+
+        Args:
+            input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
+            max_new_tokens: T (>= 1).
+
+        Yields:
+            One Step per target forward; the last may carry one token beyond T (the runner keeps the first T).
+        """
+        p = self.params
+        cache, logits = kv.prefill(self.target, input_ids)
+        pending = greedy_token(logits)
+        yield Step(tokens=(pending,))
+        index = NgramIndex(p.ngram_size, input_ids[0].tolist() + [pending])
+        produced = 1
+        while produced < max_new_tokens:
+            drafts = index.lookup(min(p.num_draft_tokens, max_new_tokens - produced))
+            prefix_len = kv.cache_len(cache)
+            logits = kv.forward(self.target, [pending, *drafts], cache)
+            if drafts:
+                predicted = torch.argmax(logits, dim=-1).tolist()
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
+                    accepted += 1
+                bonus = predicted[accepted]
+                kv.crop(cache, prefix_len + 1 + accepted)  # rejected drafts sit at the tail
+            else:
+                accepted, bonus = 0, greedy_token(logits[-1])
+            committed = (*drafts[:accepted], bonus)
+            index.extend(committed)
+            pending = bonus
+            produced += len(committed)
+            n = len(drafts)
+            yield Step(tokens=committed, drafted=n, accepted=accepted, tree_size=n, depth=n)
