@@ -19,6 +19,11 @@ from dtbench.harness.errors import DtbenchError
 DB_HELP = "SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; default sqlite:///results.db]"
 
 
+def stdout_console() -> Console:
+    """Console for tables on stdout; a pipe or file gets the full width, not rich's 80-column fallback."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 class _Group(click.Group):
     """Turns DtbenchError into a one-line error and exit 2; unexpected errors likewise unless DTBENCH_DEBUG is set."""
 
@@ -97,17 +102,58 @@ def run(suite_path, db_url, data_dir, resume, no_progress, no_report) -> None:
         _report(sessions, run_id, "table")
 
 
-@cli.command()
+@cli.command(context_settings={"max_content_width": 110})
+@click.argument("runs", nargs=-1, metavar="[BEFORE AFTER]")
 @click.option("--db", "db_url", help=DB_HELP)
-@click.option("--run", "run_id", type=int, help="run id (default: the latest run)")
+@click.option("--run", "run_ids", type=int, multiple=True,
+              help="run id (default: the latest run); repeat it to combine runs for --tables, --figures and --html")
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]), default="table",
               show_default=True, help="table for the terminal; markdown, csv, json to stdout")
-def report(db_url, run_id, fmt) -> None:
-    """Per dataset, prompt cap and T: every decoder's throughput (mean ± std after warmup), speedup vs AR,
-    TTFT, TPOT, acceptance rate, tokens per iteration, path length, #iterations, peak memory and losslessness."""
-    from dtbench.harness import db
+@click.option("--compare", is_flag=True,
+              help="alone: speedup vs AR with a bootstrap CI per cell; with BEFORE AFTER run ids: a run-to-run comparison")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05, show_default=True,
+              help="significance level: Mann-Whitney U for run-to-run marks and gates; CI level 1-alpha for speedups")
+@click.option("--only-changed", is_flag=True, help="run-to-run: hide cells marked 'not significant' or 'still failing'")
+@click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC:THRESHOLD",
+              help="run-to-run gate, repeatable: exit 1 if a comparable cell's METRIC changed significantly beyond "
+                   "THRESHOLD in the bad direction (throughput:-5%, tpot_ms:+10%, peak_mib:+2%); a newly failing "
+                   "cell trips it too")
+@click.option("--tables", is_flag=True, help="the paper's Tables 1-5 (main, latency, efficiency, ablation, memory)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="write the paper tables to DIR as Markdown and CSV instead of stdout (implies --tables)")
+@click.option("--figures", "fig_dir", type=click.Path(file_okay=False),
+              help="write the paper's Figures 3-8 to DIR as PNG and SVG (figures without data are skipped with a note)")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False),
+              help="write one self-contained HTML report (tables, speedup CIs, inline figures) to FILE")
+def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file) -> None:
+    """Report a run from the results database (tables and data to stdout, notes to stderr).
 
-    _report(db.connect(db_url, create=False), run_id, fmt)
+    \b
+    dtbench report [--run ID]                   every cell: throughput (mean ± std after warmup), speedup vs AR,
+                                                TTFT, TPOT, acceptance, L, path length, #Iter, peak memory, lossless
+    dtbench report --compare [--run ID]         each decoder vs the AR cell of the same dataset, L_max and T:
+                                                speedup (ratio of mean throughputs) with a bootstrap 1-alpha CI
+    dtbench report --compare BEFORE AFTER       cells matched by dataset, L_max, T and label: before, after, ratio
+                                                and a mark (better / worse / not significant by Mann-Whitney U on
+                                                per-prompt throughputs; not comparable; newly failing; new; missing)
+      [--only-changed] [--fail-if METRIC:THRESHOLD ...]   gate: exit code 1 when tripped
+    dtbench report --tables [--out DIR]         the paper's Tables 1-5
+    dtbench report --figures DIR                the paper's Figures 3-8 (PNG + SVG)
+    dtbench report --html FILE                  tables, CIs and figures in one HTML file
+
+    \b
+    BEFORE and AFTER are run ids or 'latest'. --tables, --figures and --html accept several --run to combine
+    runs of different suites (suites/paper.yaml and paper-scaling.yaml); a cell held by two runs is taken from
+    the one with more cells at its dataset/L_max/T (ties: the later --run). Gate metrics: throughput, speedup,
+    ttft_ms, tpot_ms, acceptance_rate, tokens_per_iteration, mean_path_length, iterations, peak_mib; THRESHOLD
+    with % is relative, without it absolute in the metric's unit; its sign is the bad direction (no sign: the
+    metric's own, e.g. down for throughput, up for tpot_ms). Exit codes: 0 ok, 1 gate tripped, 2 bad input.
+    """
+    from dtbench.reports.command import report_command
+
+    report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
+                   only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
+                   html_file=html_file)
 
 
 def _report(sessions, run_id, fmt) -> None:
@@ -122,8 +168,7 @@ def _report(sessions, run_id, fmt) -> None:
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
     if fmt == "table":
-        # A pipe or file gets the full width rather than rich's 80-column fallback.
-        out = Console() if sys.stdout.isatty() else Console(width=200)
+        out = stdout_console()
         env = meta["environment"]
         out.print(f"[bold]run {meta['id']}[/bold] · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
                   f"torch {env.get('torch')} · transformers {env.get('transformers')}")
@@ -172,7 +217,7 @@ def list_decoders() -> None:
         )
         table.add_row(name, f"{entry.distribution} {entry.version}", "yes" if cls.lossless else "no",
                       "yes" if cls.needs_draft else "no", params or "—")
-    Console().print(table)
+    stdout_console().print(table)
     for p in problems:
         click.echo(f"warning: {p}", err=True)
 

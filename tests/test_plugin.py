@@ -110,3 +110,70 @@ def test_ngram_index(plugin, tokens, max_n, expected):
     for t in tokens[1:]:
         grown.extend([t])
     assert grown.lookup(3) == expected
+
+
+# --- through the CLI: listed, run by `dtbench run`, and a broken plugin named without stopping the others ---
+
+def _invoke(*args):
+    from click.testing import CliRunner
+
+    from dtbench.harness.cli import cli
+
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+@pytest.fixture()
+def broken_plugin(tmp_path, monkeypatch):
+    """A distribution 'broken-plugin' whose decoder module fails to import."""
+    (tmp_path / "broken_plugin_mod.py").write_text("import no_such_module_anywhere\n")
+    info = tmp_path / "broken_plugin-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[dtbench.decoders]\nbroken = broken_plugin_mod:Broken\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+
+
+def test_cli_lists_plugin_and_names_a_broken_one(plugin, broken_plugin):
+    result = _invoke("decoders")
+    assert result.exit_code == 0
+    assert "prompt_lookup" in result.stdout and "dtbench-prompt-lookup" in result.stdout
+    assert "linear" in result.stdout  # the others still load
+    assert "broken-plugin 0.3" in result.stdout and "failed to load" in result.stdout
+    assert "decoder 'broken' from distribution broken-plugin 0.3 failed to load: ModuleNotFoundError" in result.stderr
+
+
+def test_suite_naming_a_broken_plugin_fails_in_one_line(tmp_path, broken_plugin):
+    suite = tmp_path / "s.yaml"
+    suite.write_text("name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 1}]\ngeneration_lengths: [4]\n"
+                     "decoders: [{name: ar}, {name: broken}]\n")
+    result = _invoke("validate", str(suite))
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: decoder 'broken' from distribution broken-plugin 0.3 failed to load: "
+        "ModuleNotFoundError: No module named 'no_such_module_anywhere'"
+    )
+
+
+@pytest.mark.slow
+def test_dtbench_run_with_the_plugin(plugin, tmp_path, data_dir, broken_plugin):
+    import yaml
+    from sqlalchemy import select
+
+    from dtbench.harness import db
+
+    suite = {
+        "name": "plugin", "device": "cpu", "target": {"model": "smollm2-135m"},
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 48}],
+        "generation_lengths": [12],
+        "decoders": [{"name": "ar"}, {"name": "prompt_lookup", "params": {"ngram_size": 2, "num_draft_tokens": 4}}],
+    }
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    dbfile = tmp_path / "r.db"
+    result = _invoke("run", str(path), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress")
+    assert result.exit_code == 0, result.output
+    with db.connect(str(dbfile))() as s:
+        cell = s.scalars(select(db.Cell).where(db.Cell.decoder == "prompt_lookup")).one()
+        assert cell.decoder_distribution == "dtbench-prompt-lookup" and cell.status == "done"
+        assert [x.lossless for x in cell.samples] == [True, True]
