@@ -163,7 +163,7 @@ class Plan:
 
     suite: Suite
     decoders: list[CellPlan]
-    groups: list[tuple[Any, int, int]] = field(default_factory=list)  # (dataset spec, prompt cap, T)
+    skipped: list[str] = field(default_factory=list)  # optional decoders that are not installed
 
     def decoders_for(self, dataset: str) -> list[CellPlan]:
         return [c for c in self.decoders if c.spec.datasets is None or dataset in c.spec.datasets]
@@ -185,13 +185,17 @@ def plan_suite(suite: Suite) -> Plan:
         data.check_dataset(ds)
     entries = registry.discover()
     plans: list[CellPlan] = []
+    skipped: list[str] = []
     for spec in suite.expanded_decoders():
+        if spec.optional and spec.name not in entries:
+            skipped.append(spec.display)
+            continue
         cls = registry.get(spec.name)
         params = registry.validate_params(spec.name, spec.params)
         if cls.needs_draft and suite.draft is None:
             raise DtbenchError(f"decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
         e = entries[spec.name]
-        plans.append(CellPlan(spec, cls, params, e.distribution, getattr(cls, "version", "1") or e.version))
+        plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})"))
     by_key = {_params_key(p.spec.name, p.params): p for p in plans}
     queue = list(plans)
     while queue:
@@ -207,12 +211,12 @@ def plan_suite(suite: Suite) -> Plan:
             label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
             e = entries[name]
             rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
-                          getattr(rcls, "version", "1"), implicit=True)
+                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True)
             by_key[key] = rp
             plans.append(rp)
             queue.append(rp)
         p.reference_label = by_key[key].spec.display
-    return Plan(suite=suite, decoders=_reference_order(plans))
+    return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
 
 
 def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
@@ -326,6 +330,8 @@ def run_suite(
     """
     console = console or Console(stderr=True)
     plan = plan_suite(suite)
+    for label in plan.skipped:
+        console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
     device = models.resolve_device(suite.device)
 
     # Everything cheap and fallible first: tokenizers, vocabulary, prompts. Then the models.

@@ -73,6 +73,7 @@ class DecoderSpec(_Frozen):
     params: dict[str, Any] = Field(default_factory=dict)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     datasets: list[str] | None = None
+    optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
 
     def expand(self) -> list["DecoderSpec"]:
         """The decoders this entry stands for: itself, or one per point of its sweep grid."""
@@ -86,7 +87,7 @@ class DecoderSpec(_Frozen):
             out.append(
                 DecoderSpec(
                     name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
-                    datasets=self.datasets,
+                    datasets=self.datasets, optional=self.optional,
                 )
             )
         return out
