@@ -117,3 +117,70 @@ def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
     """The run's metadata and per-cell summary rows as JSON (NaN -> null)."""
     rows = json.loads(summary[MACHINE_COLUMNS + ["params"]].to_json(orient="records"))
     return json.dumps({"run": run_meta, "cells": rows}, indent=2, default=str)
+
+
+# --- generic frames (paper tables, comparisons) -------------------------------------------------------------
+
+
+def _is_left(values: pd.Series) -> bool:
+    return not all(isinstance(v, (int, float)) or (isinstance(v, str) and v[:1] in "0123456789+-—.") for v in values)
+
+
+def rich_frame(display: pd.DataFrame, title: str, caption: str = "", row_styles: list[str | None] | None = None) -> Table:
+    """A rich Table of a frame of display strings (text columns left-aligned, numbers right-aligned)."""
+    table = Table(title=title, caption=caption or None, caption_justify="left")
+    for col in display.columns:
+        table.add_column(str(col), justify="left" if _is_left(display[col]) else "right")
+    for i, (_, row) in enumerate(display.iterrows()):
+        style = row_styles[i] if row_styles else None
+        table.add_row(*("" if v is None else str(v) for v in row), style=style)
+    return table
+
+
+def markdown_frame(display: pd.DataFrame, title: str = "", caption: str = "", notes: list[str] | None = None,
+                   level: int = 3) -> str:
+    """GitHub Markdown of a frame of display strings, with an optional heading, caption and notes."""
+    parts = [f"{'#' * level} {title}\n"] if title else []
+    cols = [str(c) for c in display.columns]
+    parts.append("| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |")
+    parts.append("|" + "|".join("---" if _is_left(display[c]) else "---:" for c in display.columns) + "|")
+    for _, row in display.iterrows():
+        parts.append("| " + " | ".join(("" if v is None else str(v)).replace("|", "\\|") for v in row) + " |")
+    if caption:
+        parts.append(f"\n{caption}")
+    for note in notes or []:
+        parts.append(f"\n{note}")
+    parts.append("")
+    return "\n".join(parts)
+
+
+def _f(v, spec: str, suffix: str = "") -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
+
+
+def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Display strings of a :func:`~dtbench.reports.compare.speedup_table` (tokens/s, ×)."""
+    ci = f"{confidence:.0%} CI"
+    return pd.DataFrame([{
+        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "n": str(r["n"]), "Throughput (t/s)": _f(r["throughput_mean"], ".1f"), "AR (t/s)": _f(r["ar_throughput_mean"], ".1f"),
+        "Speedup": _f(r["speedup"], ".3f", "×"),
+        ci: "—" if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
+        "Verdict": r["verdict"],
+    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "n", "Throughput (t/s)", "AR (t/s)",
+                                              "Speedup", ci, "Verdict"])
+
+
+MARK_STYLES = {"better": "green", "worse": "red", "newly failing": "bold red", "still failing": "red",
+               "not comparable": "yellow", "new": "cyan", "missing": "magenta", "no longer failing": "green"}
+VERDICT_STYLES = {"faster": "green", "slower": "red"}
+
+
+def compare_display(table: pd.DataFrame) -> pd.DataFrame:
+    """Display strings of a run-to-run comparison (:func:`~dtbench.reports.compare.compare_runs`)."""
+    return pd.DataFrame([{
+        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "Before (t/s)": _f(r["before"], ".2f"), "After (t/s)": _f(r["after"], ".2f"), "Ratio": _f(r["ratio"], ".3f", "×"),
+        "p": _f(r["p_value"], ".3g"), "Mark": r["mark"], "Note": r["note"],
+    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "Before (t/s)", "After (t/s)", "Ratio",
+                                              "p", "Mark", "Note"])

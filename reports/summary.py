@@ -6,6 +6,9 @@ over the rest. Speedup = mean throughput / mean AR throughput of the same datase
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -15,6 +18,7 @@ from dtbench.harness.errors import DtbenchError
 
 MIB = 2**20
 GROUP = ["dataset", "prompt_cap", "gen_length"]
+KEY = [*GROUP, "label"]
 
 _SAMPLE_COLS = [
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
@@ -23,7 +27,7 @@ _SAMPLE_COLS = [
     "lossless", "first_divergence", "output_hash",
 ]
 _CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params",
-              "lossless_expected", "reference_label", "status", "error"]
+              "lossless_expected", "reference_label", "status", "error", "target_model", "draft_model"]
 
 
 def get_run(session: Session, run_id: int | None) -> Run:
@@ -110,3 +114,75 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     keys = list(zip(*(table[c] for c in GROUP)))
     table["speedup"] = [row / ar.get(k, float("nan")) for row, k in zip(table["throughput_mean"], keys)]
     return table
+
+
+def sweep_labels(suite_text: str) -> dict[str, str]:
+    """Labels of the decoders a suite expanded from a ``sweep:`` entry, mapped to that entry's own label.
+
+    Reports read the suite text stored with the run (never the file) to tell sweep points (Figures 6 and 7)
+    from the decoders of the main tables. An unparsable text yields no sweep labels.
+    """
+    from dtbench.harness.suite import parse_suite
+
+    try:
+        suite = parse_suite(suite_text or "", "<stored suite>")
+    except DtbenchError:
+        return {}
+    out: dict[str, str] = {}
+    for spec in suite.decoders:
+        if spec.sweep:
+            for point in spec.expand():
+                out[point.display] = spec.display
+    return out
+
+
+def base_label(label: str) -> str:
+    """A label without its trailing parenthesised parameters: ``"Linear Spec (K=8)" -> "Linear Spec"``."""
+    return re.sub(r"\s*\([^()]*\)$", "", label) or label
+
+
+def run_summary(session: Session, run: Run) -> pd.DataFrame:
+    """:func:`summarize` of one run plus ``run_id``, ``sweep`` (the cell is a sweep point) and ``sweep_of``."""
+    table = summarize(samples_frame(session, run.id))
+    if table.empty:
+        return table
+    sweeps = sweep_labels(run.suite_text)
+    table.insert(0, "run_id", run.id)
+    table["sweep_of"] = [sweeps.get(label) for label in table["label"]]
+    table["sweep"] = table["sweep_of"].notna()
+    return table
+
+
+def combined_summary(session: Session, run_ids: list[int | None]) -> tuple[pd.DataFrame, list[Run]]:
+    """Per-cell summaries of several runs, for paper tables and figures built from more than one suite run.
+
+    Each run is summarized on its own (speedup always against the AR cell of the same run). Where two runs hold
+    the same (dataset, prompt cap, T, label), the run with more cells in that (dataset, prompt cap, T) wins, so a
+    table's rows come from one run where possible (ties: the run given later); a note goes to stderr. Rows keep
+    the order of their first appearance (the first run's suite order).
+
+    Raises:
+        DtbenchError: an unknown run id, or no cells at all.
+    """
+    runs = [get_run(session, rid) for rid in (run_ids or [None])]
+    if len({r.id for r in runs}) < len(runs):
+        raise DtbenchError("the same run is given twice")
+    parts = [run_summary(session, run) for run in runs]
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        raise DtbenchError(f"run {', '.join(str(r.id) for r in runs)} has no cells")
+    table = pd.concat(parts, ignore_index=True)
+    if len(parts) == 1:
+        return table, runs
+    order = {r.id: i for i, r in enumerate(runs)}
+    table["_first"] = table.groupby(KEY, sort=False).ngroup()
+    table["_group_cells"] = table.groupby([*GROUP, "run_id"])["label"].transform("size")
+    table["_run_order"] = table["run_id"].map(order)
+    ranked = table.sort_values(["_first", "_group_cells", "_run_order"], kind="stable")
+    dup = ranked.duplicated(KEY, keep="last")
+    if dup.any():
+        kept = ranked[~dup]
+        print(f"note: {int(dup.sum())} cells are in more than one run; each is taken from the run with more cells "
+              f"at its dataset/L_max/T (runs used: {', '.join(map(str, sorted(set(kept['run_id']))))})", file=sys.stderr)
+    table = ranked[~dup].drop(columns=["_first", "_group_cells", "_run_order"]).reset_index(drop=True)
+    return table, runs

@@ -1,0 +1,223 @@
+"""``dtbench report``: the command's logic (the click declaration and its help live in ``harness/cli.py``).
+
+Modes, combinable where it makes sense: the per-cell report (default), ``--compare`` within a run (speedup CIs),
+``--compare BEFORE AFTER`` between runs (marks, gate), ``--tables`` / ``--out`` (paper Tables 1-5),
+``--figures`` (paper Figures 3-8), ``--html`` (everything in one file). Tables and data go to stdout; notes,
+written-file lists and gate verdicts to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import pandas as pd
+from rich.console import Console
+
+from dtbench.harness.errors import DtbenchError
+
+
+def _stdout() -> Console:
+    # A pipe or file gets the full width rather than rich's 80-column fallback.
+    return Console() if sys.stdout.isatty() else Console(width=220)
+
+
+def _note(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _run_token(token: str) -> int | None:
+    if token == "latest":
+        return None
+    try:
+        return int(token)
+    except ValueError:
+        raise DtbenchError(f"run id must be an integer or 'latest', not {token!r}") from None
+
+
+def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir,
+                   html_file) -> None:
+    """Validate the option combination, then produce each requested output.
+
+    Raises:
+        DtbenchError: a bad combination of options, an unknown run, an empty run, an unwritable path.
+        click.exceptions.Exit: with code 1 when a ``--fail-if`` gate trips.
+    """
+    from dtbench.harness import db
+    from dtbench.reports.compare import Gate
+
+    pair = len(runs) == 2
+    if runs and not compare:
+        raise DtbenchError("run ids as arguments are for --compare BEFORE AFTER; use --run ID to pick a run")
+    if runs and not pair:
+        raise DtbenchError(f"--compare takes two run ids (BEFORE AFTER) or none, got {len(runs)}")
+    if pair and (run_ids or tables or out_dir or fig_dir or html_file):
+        raise DtbenchError("--compare BEFORE AFTER cannot be combined with --run, --tables, --out, --figures or --html")
+    if (fail_if or only_changed) and not pair:
+        raise DtbenchError("--fail-if and --only-changed need a run-to-run comparison: --compare BEFORE AFTER")
+    gates = [Gate.parse(g) for g in fail_if]
+    files = bool(out_dir or fig_dir or html_file)
+    if len(run_ids) > 1 and (compare or not (tables or files)):
+        raise DtbenchError("several --run combine only for --tables, --figures and --html; give one --run here")
+    if tables and not out_dir and fmt == "csv":
+        raise DtbenchError("--tables prints table, markdown or json; for CSV files use --out DIR")
+
+    sessions = db.connect(db_url, create=False)
+    if pair:
+        failures = compare_pair(sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha,
+                                only_changed=only_changed, gates=gates)
+        if failures:
+            for line in failures:
+                _note(f"gate tripped: {line}")
+            raise click.exceptions.Exit(1)
+        if gates:
+            _note(f"gate passed: {', '.join(g.text for g in gates)}")
+        return
+    if compare:
+        speedups(sessions, run_ids[0] if run_ids else None, fmt=fmt, alpha=alpha)
+    if tables or files:
+        paper_outputs(sessions, run_ids, fmt=fmt, tables=tables or bool(out_dir), out_dir=out_dir, fig_dir=fig_dir,
+                      html_file=html_file, alpha=alpha)
+    if not (compare or tables or files):
+        from dtbench.harness.cli import _report
+
+        _report(sessions, run_ids[0] if run_ids else None, fmt)
+
+
+# --- within a run --------------------------------------------------------------------------------------------
+
+
+def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
+    """Print every decoder's speedup vs AR with a bootstrap (1 - alpha) CI (``--compare`` alone)."""
+    from dtbench.reports import render
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import get_run, samples_frame
+
+    with sessions() as session:
+        run = get_run(session, run_id)
+        frame = samples_frame(session, run.id)
+        rid = run.id
+    if frame.empty:
+        raise DtbenchError(f"run {rid} has no cells")
+    table = speedup_table(frame, confidence=1 - alpha)
+    if table.empty:
+        raise DtbenchError(f"run {rid} has no decoder besides AR to compare")
+    if fmt == "table":
+        styles = [render.VERDICT_STYLES.get(v) for v in table["verdict"]]
+        _stdout().print(render.rich_frame(
+            render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR",
+            "speedup = mean throughput / mean AR throughput (same dataset, L_max, T), prompts after warmup; "
+            "CI: scipy.stats.bootstrap (BCa), prompts resampled in pairs", styles))
+    elif fmt == "markdown":
+        click.echo(render.markdown_frame(render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR"))
+    elif fmt == "csv":
+        click.echo(table.to_csv(index=False), nl=False)
+    else:
+        click.echo(json.dumps({"run": rid, "confidence": 1 - alpha,
+                               "cells": json.loads(table.to_json(orient="records"))}, indent=2))
+
+
+# --- between runs --------------------------------------------------------------------------------------------
+
+
+def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float, only_changed: bool, gates) -> list[str]:
+    """Print the run-to-run comparison; return the gate failures (empty when none tripped)."""
+    from dtbench.reports import render
+    from dtbench.reports.compare import UNCHANGED_MARKS, compare_runs
+    from dtbench.reports.summary import get_run, samples_frame
+
+    with sessions() as session:
+        before, after = (get_run(session, r) for r in run_ids)
+        fb, fa = samples_frame(session, before.id), samples_frame(session, after.id)
+        envb, enva = before.environment, after.environment
+        ids = (before.id, after.id)
+    if before.id == after.id:
+        raise DtbenchError(f"--compare needs two different runs (both are run {before.id})")
+    table, failures = compare_runs(fb, fa, before_env=envb, after_env=enva, alpha=alpha, gates=gates)
+    counts = table["mark"].value_counts()
+    _note(f"run {ids[0]} → run {ids[1]}: {len(table)} cells: " + ", ".join(f"{n} {m}" for m, n in counts.items()))
+    if only_changed:
+        table = table[~table["mark"].isin(UNCHANGED_MARKS)]
+    title = f"run {ids[0]} → run {ids[1]}"
+    caption = (f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
+               f"per-prompt throughputs, better/worse when p < {alpha:g}")
+    if fmt == "table":
+        if table.empty:
+            _note("no changed cells")
+        else:
+            styles = [render.MARK_STYLES.get(m) for m in table["mark"]]
+            _stdout().print(render.rich_frame(render.compare_display(table), title, caption, styles))
+    elif fmt == "markdown":
+        click.echo(render.markdown_frame(render.compare_display(table), title, caption))
+    elif fmt == "csv":
+        click.echo(table.to_csv(index=False), nl=False)
+    else:
+        click.echo(json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
+                               "cells": json.loads(table.to_json(orient="records")),
+                               "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
+    return failures
+
+
+# --- paper tables, figures, HTML -----------------------------------------------------------------------------
+
+
+def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file, alpha) -> None:
+    """Paper tables (stdout or ``out_dir``), figures (``fig_dir``) and the HTML report (``html_file``)."""
+    from dtbench.reports import render
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import combined_summary, samples_frame
+
+    with sessions() as session:
+        summary, runs = combined_summary(session, run_ids)
+        frames = {r.id: samples_frame(session, r.id) for r in runs} if html_file else {}
+    if tables:
+        from dtbench.reports.paper import paper_tables
+
+        made, skipped = paper_tables(summary)
+        for note in skipped:
+            _note(f"note: {note}")
+        if out_dir:
+            write_tables(made, out_dir)
+        elif fmt == "table":
+            out = _stdout()
+            for t in made:
+                out.print(render.rich_frame(t.display, t.title, "\n".join([t.caption, *t.notes])))
+        elif fmt == "markdown":
+            click.echo("\n".join(render.markdown_frame(t.display, t.title, t.caption, t.notes) for t in made))
+        else:
+            click.echo(json.dumps({t.key: {"title": t.title, "caption": t.caption, "notes": t.notes,
+                                           "rows": json.loads(t.data.to_json(orient="records"))} for t in made}, indent=2))
+    if fig_dir:
+        from dtbench.reports.figures import write_figures
+
+        paths, notes = write_figures(summary, fig_dir)
+        for note in notes:
+            _note(f"note: {note}")
+        _note(f"wrote {len(paths)} figure files to {fig_dir}: " + ", ".join(sorted({p.stem for p in paths})))
+    if html_file:
+        from dtbench.reports.html import build_html, write_html
+
+        cis = {rid: speedup_table(f, confidence=1 - alpha) for rid, f in frames.items() if not f.empty}
+        path = write_html(html_file, build_html(summary, runs, cis, confidence=1 - alpha))
+        _note(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
+
+
+def write_tables(made, out_dir: str | Path) -> None:
+    """Each table as ``<key>.md`` (display) and ``<key>.csv`` (numbers), plus ``tables.md`` with all of them."""
+    from dtbench.reports import render
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        docs = []
+        for t in made:
+            md = render.markdown_frame(t.display, t.title, t.caption, t.notes)
+            (out / f"{t.key}.md").write_text(md, encoding="utf-8")
+            t.data.to_csv(out / f"{t.key}.csv", index=False)
+            docs.append(md)
+        (out / "tables.md").write_text("\n".join(docs), encoding="utf-8")
+    except OSError as exc:
+        raise DtbenchError(f"cannot write tables to {out}: {exc.strerror or exc}") from None
+    _note(f"wrote {len(made)} tables to {out}: " + ", ".join(f"{t.key}.md/.csv" for t in made) + ", tables.md")

@@ -1,0 +1,295 @@
+"""The DynaTree paper's tables (Tables 1-5 of ``paper/dynatree.md``) regenerated from the results database.
+
+Input is a per-cell summary (:func:`~dtbench.reports.summary.combined_summary`: one or more runs). Which
+cells go where:
+
+- The *main setting* is the generation length T with the most non-sweep cells (ties: the largest T) and, per
+  dataset, the prompt cap L_max with the most non-sweep cells at that T (ties: the largest cap). The paper's
+  is T=1500, L_max=800 on WikiText-2 and 1000 on PG-19.
+- *Methods* (rows of Tables 1, 2, 3, 5 and Figure 3) are the non-sweep decoders measured on every dataset of
+  the main setting. Labels that differ only in their trailing parenthesis and cover disjoint datasets are one
+  method (``Linear Spec (K=8)`` on WikiText-2 and ``Linear Spec (K=5)`` on PG-19 are the paper's one
+  "Linear Spec" row).
+- *Ablation variants* (Table 4, Figure 4) are the non-sweep ``fixed_tree`` and ``dynatree`` cells of the
+  dataset with the most of them, in suite order; Δ is relative to the first.
+- Sweep points (cells a suite expanded from ``sweep:``) feed Figures 6 and 7 only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from dtbench.reports.summary import base_label
+
+TREE_DECODERS = ("fixed_tree", "dynatree")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The main experimental setting: T and, per dataset (in run order), its prompt cap L_max."""
+
+    T: int
+    caps: dict[str, int]
+
+    def describe(self) -> str:
+        caps = ", ".join(f"{d} L_max={c}" for d, c in self.caps.items())
+        return f"T={self.T}; {caps}"
+
+    def cells(self, summary: pd.DataFrame, dataset: str | None = None) -> pd.DataFrame:
+        """Summary rows at this setting (one dataset, or all), in their stored order."""
+        mask = summary["gen_length"] == self.T
+        caps = self.caps if dataset is None else {dataset: self.caps[dataset]}
+        mask &= pd.Series([caps.get(d) == c for d, c in zip(summary["dataset"], summary["prompt_cap"])],
+                          index=summary.index)
+        return summary[mask]
+
+
+@dataclass
+class Method:
+    """One row of the main tables: a display name and its summary row per dataset."""
+
+    name: str
+    cells: dict[str, pd.Series] = field(default_factory=dict)
+
+    @property
+    def is_ar(self) -> bool:
+        return all(c["decoder"] == "ar" for c in self.cells.values())
+
+
+@dataclass
+class PaperTable:
+    """A regenerated paper table: display strings for Markdown/terminal, numbers for JSON/CSV."""
+
+    key: str
+    title: str
+    caption: str
+    display: pd.DataFrame
+    data: pd.DataFrame
+    notes: list[str] = field(default_factory=list)
+
+
+def _non_sweep(summary: pd.DataFrame) -> pd.DataFrame:
+    return summary[~summary.get("sweep", pd.Series(False, index=summary.index)).astype(bool)]
+
+
+def main_setting(summary: pd.DataFrame) -> Setting | None:
+    """The main setting of a summary (see the module docstring), or None for an empty summary."""
+    base = _non_sweep(summary)
+    if base.empty:
+        base = summary
+    if base.empty:
+        return None
+    counts = base.groupby("gen_length").size()
+    T = int(max(counts.index, key=lambda t: (counts[t], t)))
+    at_T = base[base["gen_length"] == T]
+    caps = {}
+    for ds in dict.fromkeys(at_T["dataset"]):
+        c = at_T[at_T["dataset"] == ds].groupby("prompt_cap").size()
+        caps[ds] = int(max(c.index, key=lambda k: (c[k], k)))
+    return Setting(T=T, caps=caps)
+
+
+def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list[str]]:
+    """The rows of Tables 1, 2, 3, 5: non-sweep decoders present on every dataset of the setting.
+
+    Returns:
+        (methods in stored order, notes naming merged labels, e.g. which K linear speculation used per dataset).
+    """
+    cells = _non_sweep(setting.cells(summary, None))
+    by_label: dict[str, dict[str, pd.Series]] = {}
+    for _, row in cells.iterrows():
+        by_label.setdefault(row["label"], {})[row["dataset"]] = row
+    # Merge labels with a common base and disjoint datasets into one method (the paper's "Linear Spec" row).
+    groups: dict[tuple[str, str], list[str]] = {}
+    for label, per_ds in by_label.items():
+        decoder = next(iter(per_ds.values()))["decoder"]
+        groups.setdefault((decoder, base_label(label)), []).append(label)
+    out, notes, done = [], [], set()
+    for label in by_label:
+        if label in done:
+            continue
+        decoder = next(iter(by_label[label].values()))["decoder"]
+        members = groups[(decoder, base_label(label))]
+        datasets = [d for m in members for d in by_label[m]]
+        if len(members) > 1 and len(datasets) == len(set(datasets)):
+            m = Method(base_label(label), {d: by_label[x][d] for x in members for d in by_label[x]})
+            notes.append(f"{m.name}: " + ", ".join(f"{x} on {', '.join(by_label[x])}" for x in members))
+            done.update(members)
+        else:
+            m = Method(label, dict(by_label[label]))
+            done.add(label)
+        out.append(m)
+    datasets = list(setting.caps)
+    full = [m for m in out if all(d in m.cells for d in datasets)]
+    for m in full:
+        for ds, c in m.cells.items():
+            if c["status"] == "failed":
+                notes.append(f"{c['label']} failed on {ds} after {int(c['n'])} prompts: {str(c['error'] or '')[:160]}")
+    return full, notes
+
+
+def ablation(summary: pd.DataFrame, setting: Setting) -> tuple[str | None, pd.DataFrame]:
+    """Table 4's variants: (dataset, its non-sweep tree cells in stored order), or (None, empty) if < 2."""
+    best, rows = None, summary.iloc[0:0]
+    for ds in setting.caps:
+        cells = _non_sweep(setting.cells(summary, ds))
+        tree = cells[cells["decoder"].isin(TREE_DECODERS)]
+        if len(tree) > len(rows):
+            best, rows = ds, tree
+    return (best, rows) if len(rows) >= 2 else (None, summary.iloc[0:0])
+
+
+# --- formatting ---------------------------------------------------------------------------------------------
+
+
+def _isnan(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def fmt_pm(mean, std, spec: str) -> str:
+    """``mean ± std`` (std omitted when undefined, "—" when the mean is)."""
+    if _isnan(mean):
+        return "—"
+    return format(mean, spec) if _isnan(std) else f"{format(mean, spec)} ± {format(std, spec)}"
+
+
+def fmt(v, spec: str, suffix: str = "") -> str:
+    return "—" if _isnan(v) else format(v, spec) + suffix
+
+
+def _protocol(rows: list[pd.Series]) -> str:
+    n = max((int(r["n"]) for r in rows), default=0)
+    w = max((int(r["warmup_n"]) for r in rows), default=0)
+    return f"mean ± std over {n} prompts after {w} warmup"
+
+
+# --- the tables ---------------------------------------------------------------------------------------------
+
+
+def table1(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
+    """Table 1: throughput (tokens/s, mean ± std over prompts after warmup) and speedup vs AR per dataset."""
+    disp, data = [], []
+    for m in ms:
+        d, n = {"Method": m.name}, {"method": m.name}
+        for ds, c in m.cells.items():
+            d[f"{ds} Throughput (t/s)"] = fmt_pm(c["throughput_mean"], c["throughput_std"], ".1f")
+            d[f"{ds} Speedup"] = fmt(c["speedup"], ".2f", "×")
+            n.update({f"{ds}.throughput_mean": c["throughput_mean"], f"{ds}.throughput_std": c["throughput_std"],
+                      f"{ds}.speedup": c["speedup"], f"{ds}.label": c["label"], f"{ds}.n": c["n"]})
+        disp.append(d)
+        data.append(n)
+    rows = [c for m in ms for c in m.cells.values()]
+    return PaperTable("table1_main", "Table 1 — Main results",
+                      f"{setting.describe()}. Throughput in tokens/s, {_protocol(rows)}; speedup = mean throughput / "
+                      "mean AR throughput of the same dataset, L_max and T.",
+                      pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+
+
+def table2(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
+    """Table 2: TTFT and TPOT (ms, mean ± std over prompts after warmup) per dataset."""
+    disp, data = [], []
+    for m in ms:
+        d, n = {"Method": m.name}, {"method": m.name}
+        for ds, c in m.cells.items():
+            d[f"{ds} TTFT (ms)"] = fmt_pm(c["ttft_ms_mean"], c["ttft_ms_std"], ".1f")
+            d[f"{ds} TPOT (ms)"] = fmt_pm(c["tpot_ms_mean"], c["tpot_ms_std"], ".2f")
+            n.update({f"{ds}.ttft_ms_mean": c["ttft_ms_mean"], f"{ds}.ttft_ms_std": c["ttft_ms_std"],
+                      f"{ds}.tpot_ms_mean": c["tpot_ms_mean"], f"{ds}.tpot_ms_std": c["tpot_ms_std"]})
+        disp.append(d)
+        data.append(n)
+    rows = [c for m in ms for c in m.cells.values()]
+    return PaperTable("table2_latency", "Table 2 — Latency",
+                      f"{setting.describe()}. TTFT: start (prefill included) to the first token; TPOT: (total - TTFT) "
+                      f"/ (T - 1); milliseconds, {_protocol(rows)}.", pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+
+
+def table3(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
+    """Table 3: acceptance rate, tokens per iteration L, committed path length ℓ, #iterations per dataset."""
+    disp, data = [], []
+    for m in ms:
+        d, n = {"Method": m.name}, {"method": m.name}
+        for ds, c in m.cells.items():
+            d[f"{ds} Accept."] = fmt(c["acceptance_rate"] * 100 if not _isnan(c["acceptance_rate"]) else None, ".1f", "%")
+            d[f"{ds} L̄"] = fmt(c["tokens_per_iteration"], ".2f")
+            d[f"{ds} ℓ̄"] = fmt(c["mean_path_length"], ".2f")
+            d[f"{ds} #Iter."] = fmt(c["iterations"], ".0f")
+            n.update({f"{ds}.acceptance_rate": c["acceptance_rate"], f"{ds}.tokens_per_iteration": c["tokens_per_iteration"],
+                      f"{ds}.mean_path_length": c["mean_path_length"], f"{ds}.iterations": c["iterations"]})
+        disp.append(d)
+        data.append(n)
+    rows = [c for m in ms for c in m.cells.values()]
+    return PaperTable("table3_efficiency", "Table 3 — Verification efficiency",
+                      f"{setting.describe()}. Accept. = committed draft tokens / drafted depth summed over iterations "
+                      "(can exceed 100% for trees, as in the paper); L̄ = T / iterations; ℓ̄ = committed path length "
+                      f"before the bonus token; #Iter. = target verifications; {_protocol(rows).replace(' ± std', '')}.",
+                      pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+
+
+def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
+    """Table 4: ablation — throughput (tokens/s), speedup vs AR and Δ throughput vs the first tree variant."""
+    first = rows.iloc[0]["throughput_mean"]
+    disp, data = [], []
+    for _, c in rows.iterrows():
+        delta = 100 * (c["throughput_mean"] - first) / first if first else math.nan
+        disp.append({"Variant": c["label"], "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], ".1f"),
+                     "Speedup": fmt(c["speedup"], ".2f", "×"), f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%")})
+        data.append({"variant": c["label"], "decoder": c["decoder"], "params": c["params"],
+                     "throughput_mean": c["throughput_mean"], "throughput_std": c["throughput_std"],
+                     "speedup": c["speedup"], "delta_pct": delta, "tokens_per_iteration": c["tokens_per_iteration"],
+                     "iterations": c["iterations"], "acceptance_rate": c["acceptance_rate"]})
+    return PaperTable("table4_ablation", "Table 4 — Ablation",
+                      f"{dataset}, L_max={setting.caps[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
+                      "Δ = relative throughput change vs the first tree variant.", pd.DataFrame(disp), pd.DataFrame(data))
+
+
+def table5(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
+    """Table 5: peak memory (MiB = 2^20 bytes) per dataset, their average and the relative change vs AR."""
+    ar = next((m for m in ms if m.is_ar), None)
+
+    def avg(m: Method) -> float:
+        vals = [c["peak_mib"] for c in m.cells.values() if not _isnan(c["peak_mib"])]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    ar_avg = avg(ar) if ar else math.nan
+    disp, data = [], []
+    for m in ms:
+        a = avg(m)
+        rel = 100 * (a - ar_avg) / ar_avg if not (_isnan(a) or _isnan(ar_avg) or ar_avg == 0) else math.nan
+        d, n = {"Method": m.name}, {"method": m.name}
+        for ds, c in m.cells.items():
+            d[f"{ds} Peak (MiB)"] = fmt(c["peak_mib"], ".1f")
+            n[f"{ds}.peak_mib"] = c["peak_mib"]
+        d["Average (MiB)"], d["Rel. change"] = fmt(a, ".1f"), fmt(rel, "+.2f", "%")
+        n["average_mib"], n["rel_change_pct"] = a, rel
+        disp.append(d)
+        data.append(n)
+    rows = [c for m in ms for c in m.cells.values()]
+    return PaperTable("table5_memory", "Table 5 — Peak memory",
+                      f"{setting.describe()}. Peak per sample (torch allocator peak on CUDA, process RSS peak on CPU), "
+                      f"MiB = 2^20 bytes, mean over {max((int(r['n']) for r in rows), default=0)} prompts after warmup; "
+                      "Average over datasets; relative change vs the AR average.",
+                      pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+
+
+def paper_tables(summary: pd.DataFrame) -> tuple[list[PaperTable], list[str]]:
+    """All paper tables the summary has data for, and one-line notes for those skipped."""
+    setting = main_setting(summary)
+    if setting is None:
+        return [], ["no cells: no paper tables"]
+    ms, notes = methods(summary, setting)
+    tables, skipped = [], []
+    if ms:
+        tables += [table1(ms, setting, notes), table2(ms, setting, notes), table3(ms, setting, notes)]
+    else:
+        skipped.append("Tables 1-3, 5 skipped: no decoder was measured on every dataset of the main setting")
+    ds, rows = ablation(summary, setting)
+    if ds is not None:
+        tables.append(table4(ds, rows, setting))
+    else:
+        skipped.append("Table 4 skipped: fewer than two non-sweep tree variants (fixed_tree, dynatree) at the main setting")
+    if ms:
+        tables.append(table5(ms, setting, notes))
+    return tables, skipped
