@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.paper import Setting, ablation, main_setting, methods
+from dtbench.reports.paper import Setting, ablation, main_setting, methods, tps_spec
 
 PALETTE = colormaps["tab10"].colors
 
@@ -62,9 +62,27 @@ def _num(v) -> float:
     return math.nan if v is None else float(v)
 
 
-def _labels(values, spec: str) -> list[str]:
-    """Bar labels; empty for a missing value (a failed cell), never "nan"."""
-    return ["" if v is None or math.isnan(float(v)) else spec.format(float(v)) for v in values]
+def _labels(values, spec: str | None = None) -> list[str]:
+    """Bar labels; empty for a missing value (a failed cell), never "nan". No spec: throughput precision."""
+    out = []
+    for v in values:
+        if v is None or math.isnan(float(v)):
+            out.append("")
+        else:
+            out.append((spec or "{:" + tps_spec(float(v)) + "}").format(float(v)))
+    return out
+
+
+def _unity(ax, values) -> None:
+    """A dashed line at speedup 1 when it falls near the data; far from it, it would flatten the curves."""
+    vals = np.asarray([float(v) for v in values], dtype=float)
+    vals = vals[np.isfinite(vals)]
+    if not len(vals):
+        return
+    lo, hi = vals.min(), vals.max()
+    pad = max(0.5 * (hi - lo), 0.1 * hi)
+    if lo - pad <= 1.0 <= hi + pad:
+        ax.axhline(1.0, color="gray", ls="--", lw=1)
 
 
 # --- Figure 3 -----------------------------------------------------------------------------------------------
@@ -87,7 +105,7 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         spd = [_num(m.cells[ds]["speedup"]) for m in ms]
         lbl = f"{ds} (L_max={setting.caps[ds]})"
         bars = axes[0].bar(off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j])
-        axes[0].bar_label(bars, labels=_labels(thr, "{:.1f}"), fontsize=7, label_type="center", color="white")
+        axes[0].bar_label(bars, labels=_labels(thr), fontsize=7, label_type="center", color="white")
         bars = axes[1].bar(off, spd, width, label=lbl, color=PALETTE[j])
         axes[1].bar_label(bars, labels=_labels(spd, "{:.2f}×"), fontsize=7, padding=2)
     axes[1].axhline(1.0, color="gray", ls="--", lw=1)
@@ -114,7 +132,7 @@ def figure4(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     left, right = fig.subplots(1, 2)
     bars = left.bar(x, rows["throughput_mean"].astype(float), 0.6, yerr=np.nan_to_num(rows["throughput_std"].astype(float)),
                     capsize=3, color=PALETTE[0], label="throughput")
-    left.bar_label(bars, labels=_labels(rows["throughput_mean"], "{:.1f}"), fontsize=7, label_type="center", color="white")
+    left.bar_label(bars, labels=_labels(rows["throughput_mean"]), fontsize=7, label_type="center", color="white")
     twin = left.twinx()
     twin.plot(x, rows["iterations"].astype(float), "o-", color=PALETTE[3], label="#Iter.")
     twin.set_ylabel("#Iter. (verifications)", color=PALETTE[3])
@@ -186,7 +204,7 @@ def figure8(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     a, b = fig.subplots(1, 2)
     _lines(a, cells, "prompt_cap", "throughput_mean")
     _lines(b, cells, "prompt_cap", "speedup")
-    b.axhline(1.0, color="gray", ls="--", lw=1)
+    _unity(b, cells["speedup"])
     _style(a, "throughput (tokens/s)", "(a) throughput")
     _style(b, "speedup vs AR at the same L_max (×)", "(b) speedup")
     for ax in (a, b):
@@ -332,8 +350,8 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     _style(b, ylabel, f"(b) vs τ, B={best['B']:g}")
     b.legend(fontsize=8, ncol=2)
     if metric == "speedup":
-        for ax in (a, b):
-            ax.axhline(1.0, color="gray", ls="--", lw=1)
+        _unity(a, at_tau[metric])
+        _unity(b, at_b[metric])
     heat = at_tau.pivot_table(index="D", columns="B", values=metric)
     im = c.imshow(heat.to_numpy(dtype=float), cmap="viridis", aspect="auto", origin="lower")
     c.set_xticks(range(len(heat.columns)), [f"{v:g}" for v in heat.columns])

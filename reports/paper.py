@@ -160,6 +160,11 @@ def fmt(v, spec: str, suffix: str = "") -> str:
     return "—" if _isnan(v) else format(v, spec) + suffix
 
 
+def tps_spec(v) -> str:
+    """Format spec for a throughput (tokens/s): one decimal from 10 t/s up (the paper's), two below (CPU runs)."""
+    return ".1f" if _isnan(v) or abs(v) >= 10 else ".2f"
+
+
 def _protocol(rows: list[pd.Series]) -> str:
     n = max((int(r["n"]) for r in rows), default=0)
     w = max((int(r["warmup_n"]) for r in rows), default=0)
@@ -175,7 +180,7 @@ def table1(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
     for m in ms:
         d, n = {"Method": m.name}, {"method": m.name}
         for ds, c in m.cells.items():
-            d[f"{ds} Throughput (t/s)"] = fmt_pm(c["throughput_mean"], c["throughput_std"], ".1f")
+            d[f"{ds} Throughput (t/s)"] = fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"]))
             d[f"{ds} Speedup"] = fmt(c["speedup"], ".2f", "×")
             n.update({f"{ds}.throughput_mean": c["throughput_mean"], f"{ds}.throughput_std": c["throughput_std"],
                       f"{ds}.speedup": c["speedup"], f"{ds}.label": c["label"], f"{ds}.n": c["n"]})
@@ -234,7 +239,8 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
     disp, data = [], []
     for _, c in rows.iterrows():
         delta = 100 * (c["throughput_mean"] - first) / first if first else math.nan
-        disp.append({"Variant": c["label"], "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], ".1f"),
+        disp.append({"Variant": c["label"],
+                     "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"])),
                      "Speedup": fmt(c["speedup"], ".2f", "×"), f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%")})
         data.append({"variant": c["label"], "decoder": c["decoder"], "params": c["params"],
                      "throughput_mean": c["throughput_mean"], "throughput_std": c["throughput_std"],
