@@ -68,11 +68,13 @@ def cli() -> None:
 @click.option("--db", "db_url", help=DB_HELP)
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
               help="local dataset folder (holding wikitext-2-raw/, pg19-test/) instead of the hub [env DTBENCH_DATA_DIR]")
-@click.option("--resume", "resume", type=int, default=None, is_flag=False, flag_value=-1,
-              help="continue an interrupted run of this suite (the latest one, or the run id given), skipping stored samples")
+@click.option("--resume", "resume_latest", is_flag=True,
+              help="continue the latest unfinished run of this suite, skipping samples already stored")
+@click.option("--resume-run", "resume", type=int, default=None, metavar="ID",
+              help="continue unfinished run ID of this suite (as --resume, naming the run)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @click.option("--no-report", is_flag=True, help="do not print the report at the end")
-def run(suite_path, db_url, data_dir, resume, no_progress, no_report) -> None:
+def run(suite_path, db_url, data_dir, resume_latest, resume, no_progress, no_report) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
     Each sample is committed as soon as it is measured: Ctrl-C keeps everything measured so far
@@ -86,7 +88,7 @@ def run(suite_path, db_url, data_dir, resume, no_progress, no_report) -> None:
 
     suite, text = load_suite(suite_path)
     sessions = db.connect(db_url)
-    if resume == -1:
+    if resume_latest and resume is None:
         with sessions() as s:
             resume = s.scalar(
                 select(db.Run.id).where(db.Run.suite_hash == suite_hash(text), db.Run.status != "completed")

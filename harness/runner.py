@@ -387,15 +387,18 @@ def run_suite(
                     cell.status = "done" if status == "completed" else "pending"
             session.commit()
     if status == "interrupted":
-        raise RunInterrupted(f"run {run_id} interrupted; measured samples are kept (continue with --resume {run_id})")
+        raise RunInterrupted(f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})")
     return run_id
 
 
+_RESUME_MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
+
+
 def _open_run(session, suite, suite_text, suite_path, resume, device, target, draft) -> Run:
+    env = environment(device)
+    env["target"] = {"model": target.name, "dtype": target.dtype, "params": target.params}
+    env["draft"] = {"model": draft.name, "dtype": draft.dtype, "params": draft.params} if draft else None
     if resume is None:
-        env = environment(device)
-        env["target"] = {"model": target.name, "dtype": target.dtype, "params": target.params}
-        env["draft"] = {"model": draft.name, "dtype": draft.dtype, "params": draft.params} if draft else None
         run = Run(suite_name=suite.name, suite_path=suite_path, suite_text=suite_text, suite_hash=suite_hash(suite_text),
                   status="running", environment=env)
         session.add(run)
@@ -406,6 +409,12 @@ def _open_run(session, suite, suite_text, suite_path, resume, device, target, dr
         raise DtbenchError(f"no run {resume} to resume")
     if run.suite_hash != suite_hash(suite_text):
         raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
+    # Samples of one run must come from one environment, or its comparisons mean nothing.
+    changed = [k for k in _RESUME_MUST_MATCH if run.environment.get(k) != env.get(k)]
+    if changed:
+        k = changed[0]
+        raise DtbenchError(f"run {resume} was measured with {k} = {run.environment.get(k)!r}, this machine has "
+                           f"{env.get(k)!r}; start a new run instead of resuming")
     run.status = "running"
     run.finished_at = None
     return run

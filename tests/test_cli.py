@@ -225,7 +225,7 @@ def test_interrupt_keeps_samples_and_resume_completes(tmp_path, data_dir, monkey
     path = write_suite(tmp_path, suite)
     dbfile = tmp_path / "r.db"
     result = invoke("run", path, "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress")
-    assert result.exit_code == 130 and "interrupted" in result.stderr and "--resume 1" in result.stderr
+    assert result.exit_code == 130 and "interrupted" in result.stderr and "--resume-run 1" in result.stderr
     with db.connect(str(dbfile))() as s:
         run = s.scalars(select(db.Run)).one()
         assert run.status == "interrupted"
@@ -237,7 +237,18 @@ def test_interrupt_keeps_samples_and_resume_completes(tmp_path, data_dir, monkey
     real = registry.discover
     monkeypatch.setattr(registry, "discover", lambda: {**real(), "stopper": registry.DecoderEntry(
         "stopper", "fake-dist", "0", type("EP", (), {"load": staticmethod(lambda: Autoregressive)})())})
-    result = invoke("run", path, "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress", "--resume")
+    # A run measured under other versions is not continued: its samples would not be comparable.
+    with db.connect(str(dbfile))() as s:
+        run = s.scalars(select(db.Run)).one()
+        real_env = dict(run.environment)
+        run.environment = {**real_env, "torch": "0.0.1"}
+        s.commit()
+    one_line_error(invoke("run", "--resume", path, "--db", str(dbfile), "--data-dir", str(data_dir)),
+                   "torch = '0.0.1'", "start a new run")
+    with db.connect(str(dbfile))() as s:
+        s.scalars(select(db.Run)).one().environment = real_env
+        s.commit()
+    result = invoke("run", "--resume", path, "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress")
     assert result.exit_code == 0, result.output
     with db.connect(str(dbfile))() as s:
         run = s.scalars(select(db.Run)).one()
