@@ -17,6 +17,18 @@ def data_dir() -> Path:
     return DATA_DIR
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP spin-waiting makes
+    them many times slower; modules of tiny-model tests use this (``pytestmark``), restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(fp32 target, bf16 draft, tokenizer) of the embedded SmolLM2-135M."""

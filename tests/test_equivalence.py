@@ -11,6 +11,8 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from models import VOCAB, hf_greedy, model_zoo, run_decoder
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=24)
 DRAFTS = ["self", "perturbed", "unrelated"]
 

@@ -25,13 +25,7 @@ from models import VOCAB, model_zoo, perturbed, run_decoder
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (and do not fight other processes for cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
