@@ -1,0 +1,212 @@
+"""DynaTree: confidence-aware adaptive tree drafting (the paper's method, sections 3.2-3.3, Appendix D).
+
+Three components, each switchable for the ablation (paper 4.5, Table 4):
+
+- dynamic breadth: B(u) in {B_min, B_mid, B_max} from the draft confidence c(u) = max_v q_D(v | u) against
+  tau_h > tau_l (:func:`breadth_rule`);
+- dynamic depth: expand u iff d(u) < D_max and p(u) >= rho_stop and (d(u) < D_0 or p(u) >= rho_deep), with
+  p(u) the cumulative draft path probability (:func:`depth_gate`);
+- history adaptation: proportional control of D_0 and tau_h towards a target acceptance a* from the mean
+  a_bar of the last W per-iteration acceptances (:class:`HistoryController`).
+
+Pruning (p(u) < tau) and the node budget N_max are the shared toolkit's, as are drafting, tree-masked
+verification, path selection and cache updates (:mod:`dtbench.decoders.tree`). With all three components
+off, DynaTree is the fixed tree with D = d0 and B = branching.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+from pydantic import Field, model_validator
+
+from dtbench.decoders.base import Step
+from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams
+
+
+def breadth_rule(confidence: torch.Tensor, tau_h: float, tau_l: float, b_min: int, b_mid: int,
+                 b_max: int) -> torch.Tensor:
+    """Per-node branching factor, paper 3.3:
+
+        B(u) = B_min if c(u) >= tau_h;  B_mid if tau_l <= c(u) < tau_h;  B_max if c(u) < tau_l.
+
+    Args:
+        confidence: (E,) float, c(u) = max_v q_D(v | u), a probability.
+        tau_h, tau_l: confidence thresholds (the c >= tau_h case is tested first, so the rule stays defined
+            if history adaptation moves tau_h below tau_l).
+        b_min, b_mid, b_max: branch bounds.
+
+    Returns:
+        (E,) int64.
+    """
+    b = torch.full(confidence.shape, b_max, dtype=torch.long, device=confidence.device)
+    b = torch.where(confidence >= tau_l, b_mid, b)
+    return torch.where(confidence >= tau_h, b_min, b)
+
+
+def depth_gate(depth: int, cum_logp: torch.Tensor, d0: float, d_max: int, rho_stop: float,
+               rho_deep: float) -> torch.Tensor:
+    """Dynamic depth control, paper 3.3: u is expandable iff
+
+        d(u) < D_max  and  p(u) >= rho_stop  and  (d(u) < D_0  or  p(u) >= rho_deep),
+
+    evaluated in log space (log p(u) = cumulative draft log-probability).
+
+    Args:
+        depth: d(u) of the nodes (all the same).
+        cum_logp: float tensor (any shape), log p(u).
+        d0: base depth D_0 (a float under history adaptation: d < D_0 then means d < ceil(D_0)).
+        d_max: hard maximum depth D_max.
+        rho_stop, rho_deep: probability thresholds, 0 < rho_stop < rho_deep < 1.
+
+    Returns:
+        bool tensor shaped like ``cum_logp``.
+    """
+    if depth >= d_max:
+        return torch.zeros(cum_logp.shape, dtype=torch.bool, device=cum_logp.device)
+    ok = cum_logp >= math.log(rho_stop)
+    if depth < d0:
+        return ok
+    return ok & (cum_logp >= math.log(rho_deep))
+
+
+class HistoryController:
+    """History adaptation (paper 3.3, "Historical adjustment"; Algorithm 1 line 7).
+
+    a_r is the per-iteration acceptance statistic of the paper's text: the fraction of drafted tokens
+    committed in iteration r, a_r = accepted_r / tree_size_r (committed path length before the bonus over
+    drafted nodes; iterations that drafted nothing are not recorded). a_bar is the mean of the last W
+    recorded a_r (of all of them while fewer than W exist). After every recorded iteration:
+
+        D_0   <- clip(D_0   + eta_D * (a_bar - a*), 1, D_max - 1)
+        tau_h <- clip(tau_h - eta_h * (a_bar - a*), 0, 1)
+
+    D_0 is kept real-valued (the depth gate compares d(u) < D_0). Only D_0 and tau_h adapt, as in 3.3.
+    """
+
+    def __init__(self, window: int, target: float, eta_depth: float, eta_h: float, d_max: int):
+        self.values: deque[float] = deque(maxlen=window)
+        self.target = target
+        self.eta_depth = eta_depth
+        self.eta_h = eta_h
+        self.d_max = d_max
+
+    def update(self, accepted: int, tree_size: int, d0: float, tau_h: float) -> tuple[float, float]:
+        """Record one iteration and return the adapted (D_0, tau_h); unchanged if tree_size == 0."""
+        if tree_size <= 0:
+            return d0, tau_h
+        self.values.append(accepted / tree_size)
+        err = sum(self.values) / len(self.values) - self.target
+        d0 = min(max(d0 + self.eta_depth * err, 1.0), self.d_max - 1.0)
+        tau_h = min(max(tau_h - self.eta_h * err, 0.0), 1.0)
+        return d0, tau_h
+
+
+class DynaTreeParams(TreeParams):
+    """DynaTree hyperparameters. Defaults: paper Appendix A where it gives them (D_0=5, D_max=8,
+    (B_min, B_max)=(1, 3), (tau_h, tau_l)=(0.9, 0.4), N_max=256, tau=0.1 as the paper's fixed tree); the
+    constants the paper leaves unspecified are our choices, documented per field.
+
+    Attributes:
+        dynamic_breadth: use :func:`breadth_rule`; off = every node gets ``branching`` children.
+        dynamic_depth: use :func:`depth_gate`; off = expand iff d(u) < D_0 (a fixed-depth tree).
+        history_adaptation: adapt D_0 and tau_h online (:class:`HistoryController`); off = constant.
+        b_min, b_mid, b_max: branch bounds (paper: B_min=1, B_max=3; B_mid unspecified: we use 2, the only
+            integer strictly between).
+        branching: children per node when dynamic_breadth is off (2: the paper's Table 4 fixed tree).
+        tau_h, tau_l: confidence thresholds on c(u) = max q_D(. | u) (paper: 0.9, 0.4).
+        d0: base depth D_0 (paper: 5); d_max: hard maximum depth D_max (paper: 8).
+        rho_stop: early stopping, no expansion below this path probability (unspecified: 0.2, above tau so
+            it acts: leaves with tau <= p < rho_stop are verified but not expanded).
+        rho_deep: expansion beyond D_0 only at path probability >= rho_deep (unspecified: 0.5, i.e. the path
+            is more likely than not under the draft).
+        window: W, iterations in the sliding acceptance window (unspecified: 8).
+        target_acceptance: a*, the target of a_bar = mean accepted/tree_size (unspecified: 0.35; accepted
+            over *all* drafted nodes is well below 1 for any branching tree).
+        eta_depth: eta_D, D_0 step per unit acceptance error (unspecified: 2.0, so a 0.1 error moves D_0 by
+            0.2 per iteration).
+        eta_h: eta_h, tau_h step per unit acceptance error (unspecified: 0.2).
+    """
+
+    dynamic_breadth: bool = Field(True, description="confidence-aware branching B(u) (paper 3.3)")
+    dynamic_depth: bool = Field(True, description="depth gating with rho_stop / rho_deep / D_max (paper 3.3)")
+    history_adaptation: bool = Field(True, description="adapt D_0 and tau_h from recent acceptance (paper 3.3)")
+    b_min: int = Field(1, ge=1, le=32, description="B_min, children of a confident node (c >= tau_h)")
+    b_mid: int = Field(2, ge=1, le=32, description="B_mid, children when tau_l <= c < tau_h")
+    b_max: int = Field(3, ge=1, le=32, description="B_max, children of an uncertain node (c < tau_l)")
+    branching: int = Field(2, ge=1, le=32, description="fixed branching when dynamic_breadth is off")
+    tau_h: float = Field(0.9, gt=0.0, lt=1.0, description="high confidence threshold tau_h")
+    tau_l: float = Field(0.4, gt=0.0, lt=1.0, description="low confidence threshold tau_l")
+    d0: int = Field(5, ge=1, le=63, description="base depth D_0")
+    d_max: int = Field(8, ge=2, le=64, description="maximum depth D_max")
+    rho_stop: float = Field(0.2, gt=0.0, lt=1.0, description="early-stopping path probability rho_stop")
+    rho_deep: float = Field(0.5, gt=0.0, lt=1.0, description="deep-expansion path probability rho_deep")
+    window: int = Field(8, ge=1, le=1024, description="history window W (iterations)")
+    target_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target acceptance a* (accepted/tree_size)")
+    eta_depth: float = Field(2.0, gt=0.0, le=100.0, description="step size eta_D for D_0")
+    eta_h: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_h for tau_h")
+
+    @model_validator(mode="after")
+    def _check_orders(self) -> DynaTreeParams:
+        if not self.tau_l < self.tau_h:
+            raise ValueError(f"need tau_l < tau_h, got tau_l={self.tau_l}, tau_h={self.tau_h}")
+        if not self.b_min <= self.b_mid <= self.b_max:
+            raise ValueError(f"need b_min <= b_mid <= b_max, got {self.b_min}, {self.b_mid}, {self.b_max}")
+        if not self.d0 < self.d_max:
+            raise ValueError(f"need d0 < d_max, got d0={self.d0}, d_max={self.d_max}")
+        if not self.rho_stop < self.rho_deep:
+            raise ValueError(f"need rho_stop < rho_deep, got rho_stop={self.rho_stop}, rho_deep={self.rho_deep}")
+        return self
+
+
+class DynamicPolicy(ExpansionPolicy):
+    """DynaTree's expansion policy; holds the adapted D_0 and tau_h (state of one generate() call).
+
+    Attributes:
+        d0: current base depth D_0 (float).
+        tau_h: current high confidence threshold.
+    """
+
+    def __init__(self, params: DynaTreeParams):
+        self.p = params
+        self.d0 = float(params.d0)
+        self.tau_h = params.tau_h
+        self.tau = params.tau
+        self.n_max = params.n_max
+        self.max_breadth = params.b_max if params.dynamic_breadth else params.branching
+        self.history = HistoryController(params.window, params.target_acceptance, params.eta_depth,
+                                         params.eta_h, params.d_max)
+
+    @property
+    def depth_limit(self) -> int:
+        return self.p.d_max if self.p.dynamic_depth else math.ceil(self.d0)
+
+    def breadth(self, confidence: torch.Tensor) -> torch.Tensor:
+        """(E,) float32 c(u) -> (E,) int64 B(u): :func:`breadth_rule`, or ``branching`` when switched off."""
+        p = self.p
+        if not p.dynamic_breadth:
+            return torch.full(confidence.shape, p.branching, dtype=torch.long, device=confidence.device)
+        return breadth_rule(confidence, self.tau_h, p.tau_l, p.b_min, p.b_mid, p.b_max)
+
+    def expandable(self, depth: int, cum_logp: torch.Tensor) -> torch.Tensor:
+        """:func:`depth_gate` with the current D_0, or d(u) < D_0 when dynamic depth is off."""
+        p = self.p
+        if not p.dynamic_depth:
+            return torch.full(cum_logp.shape, depth < self.d0, dtype=torch.bool, device=cum_logp.device)
+        return depth_gate(depth, cum_logp, self.d0, p.d_max, p.rho_stop, p.rho_deep)
+
+    def observe(self, step: Step) -> None:
+        """History adaptation after each verification (no-op when switched off)."""
+        if self.p.history_adaptation:
+            self.d0, self.tau_h = self.history.update(step.accepted, step.tree_size, self.d0, self.tau_h)
+
+
+class DynaTree(TreeDecoder):
+    """DynaTree tree speculative decoder (paper section 3); lossless for greedy decoding."""
+
+    Params = DynaTreeParams
+
+    def make_policy(self) -> DynamicPolicy:
+        return DynamicPolicy(self.params)

@@ -1,0 +1,64 @@
+"""Fixed-tree speculative decoding: the static tree baseline of the paper (section 4.3, "Fixed Tree").
+
+Every node above depth D gets the B most probable draft children, children whose cumulative draft path
+probability falls below tau are pruned, and the tree stops growing at N_max drafted nodes (breadth-first,
+so shallow nodes win the budget). Drafting, verification, path selection and cache updates are the shared
+toolkit's (:mod:`dtbench.decoders.tree`).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams
+
+
+class FixedTreeParams(TreeParams):
+    """Hyperparameters of the fixed tree (paper Table 1: D=8, B=3, tau=0.1, N_max=256; Table 4: D=5, B=2).
+
+    Attributes:
+        depth: D, depth of the deepest drafted node (drafted tokens along a path); a tree with branching 1
+            is linear speculation with K = D.
+        branching: B, children per expanded node (the B most probable draft tokens).
+        tau, n_max, cache_strategy, draft_strategy: see :class:`~dtbench.decoders.tree.TreeParams`.
+    """
+
+    depth: int = Field(8, ge=1, le=64, description="tree depth D (drafted tokens on the longest path)")
+    branching: int = Field(3, ge=1, le=32, description="branching factor B (children per expanded node)")
+
+
+class FixedPolicy(ExpansionPolicy):
+    """Static expansion: B(u) = B for every node; a node is expandable iff d(u) < D (plus pruning/budget).
+
+    Stateless, so ``observe`` is the inherited no-op.
+    """
+
+    def __init__(self, depth: int, branching: int, tau: float, n_max: int):
+        """Args: depth: D >= 1; branching: B >= 1; tau: pruning threshold in [0, 1); n_max: N_max >= 1."""
+        self.depth = depth
+        self.max_breadth = branching
+        self.tau = tau
+        self.n_max = n_max
+
+    @property
+    def depth_limit(self) -> int:
+        return self.depth
+
+    def breadth(self, confidence: torch.Tensor) -> torch.Tensor:
+        """(E,) float32 confidences -> (E,) int64 all equal to B."""
+        return torch.full(confidence.shape, self.max_breadth, dtype=torch.long, device=confidence.device)
+
+    def expandable(self, depth: int, cum_logp: torch.Tensor) -> torch.Tensor:
+        """d(u) < D, broadcast to ``cum_logp``'s shape (bool)."""
+        return torch.full(cum_logp.shape, depth < self.depth, dtype=torch.bool, device=cum_logp.device)
+
+
+class FixedTree(TreeDecoder):
+    """Static tree speculative decoder (depth D, branching B, pruning tau, budget N_max); lossless."""
+
+    Params = FixedTreeParams
+
+    def make_policy(self) -> FixedPolicy:
+        p = self.params
+        return FixedPolicy(p.depth, p.branching, p.tau, p.n_max)

@@ -1,0 +1,381 @@
+"""Pure tests of the tree toolkit (decoders/tree.py) and the DynaTree rules: no language model involved.
+
+Every property is checked against an independent brute-force reference written here, not against the
+implementation's own helpers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from dtbench.decoders import tree as T
+from dtbench.decoders.dynatree import (
+    DynamicPolicy, DynaTreeParams, HistoryController, breadth_rule, depth_gate,
+)
+from dtbench.decoders.fixed_tree import FixedPolicy, FixedTreeParams
+
+FAST = settings(max_examples=60, deadline=None)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny models, one thread
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+@st.composite
+def bfs_parents(draw, max_nodes: int = 40):
+    """Parent arrays of BFS-ordered trees: node 0 the root, each node's parent a node of the previous level."""
+    n = draw(st.integers(1, max_nodes))
+    parents, prev_level = [-1], [0]
+    while len(parents) < n:
+        level = []
+        width = draw(st.integers(1, n - len(parents)))
+        for p in sorted(draw(st.lists(st.sampled_from(prev_level), min_size=width, max_size=width))):
+            parents.append(p)  # children of a level in parent order: index order is BFS order
+            level.append(len(parents) - 1)
+        prev_level = level
+    return parents
+
+
+def depths_of(parents):
+    d = [0] * len(parents)
+    for i in range(1, len(parents)):
+        d[i] = d[parents[i]] + 1
+    return d
+
+
+def ancestors_brute(parents, i):
+    out = {i}
+    while parents[i] >= 0:
+        i = parents[i]
+        out.add(i)
+    return out
+
+
+def build_tree(parents, tokens, n_max=None) -> T.TokenTree:
+    """A TokenTree holding the given BFS tree, built only through TokenTree.add (one child at a time)."""
+    n = len(parents)
+    tree = T.TokenTree(tokens[0], n_max if n_max is not None else n, n, "cpu")
+    depths = depths_of(parents)
+    for i in range(1, n):
+        tree.add(torch.tensor([parents[i]]), torch.tensor([tokens[i]]), torch.tensor([-0.5]),
+                 torch.tensor([-0.5 * depths[i]]), depths[i])
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------- BFS
+
+
+@FAST
+@given(st.data())
+def test_bfs_order_puts_parents_before_children(data):
+    n = data.draw(st.integers(1, 30))
+    perm = data.draw(st.permutations(list(range(n))))  # arbitrary numbering of a random tree
+    shape = [-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, n)]
+    parents = [0] * n
+    for i in range(n):
+        parents[perm[i]] = -1 if shape[i] < 0 else perm[shape[i]]
+    order = T.bfs_order(parents)
+    assert sorted(order) == list(range(n))
+    assert parents[order[0]] == -1
+    pos = {u: k for k, u in enumerate(order)}
+    depth = {order[0]: 0}
+    for u in order[1:]:
+        assert pos[parents[u]] < pos[u]
+        depth[u] = depth[parents[u]] + 1
+    assert [depth[u] for u in order] == sorted(depth[u] for u in order)
+
+
+def test_bfs_order_rejects_non_trees():
+    with pytest.raises(ValueError):
+        T.bfs_order([-1, -1])
+    with pytest.raises(ValueError):
+        T.bfs_order([-1, 2, 1])  # a cycle detached from the root
+
+
+# ---------------------------------------------------------------------------------------------- mask
+
+
+@FAST
+@given(bfs_parents(), st.integers(0, 7), st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_tree_mask_sees_exactly_prefix_and_ancestors(parents, prefix_len, dtype):
+    n = len(parents)
+    tree = build_tree(parents, list(range(n)))
+    anc = tree.ancestors()
+    assert torch.equal(anc, T.ancestor_matrix(torch.tensor([0] + parents[1:])))
+    boolean = T.tree_attention_mask(anc, prefix_len, "bool")
+    additive = T.tree_attention_mask(anc, prefix_len, "additive", dtype)
+    assert boolean.shape == additive.shape == (1, 1, n, prefix_len + n)
+    assert boolean.dtype == torch.bool and additive.dtype == dtype
+    expected = torch.zeros((n, prefix_len + n), dtype=torch.bool)
+    for i in range(n):
+        for j in set(range(prefix_len)) | {prefix_len + a for a in ancestors_brute(parents, i)}:
+            expected[i, j] = True
+    assert torch.equal(boolean[0, 0], expected)
+    min_ = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    assert torch.equal(additive[0, 0], torch.where(expected, torch.zeros((), dtype=dtype), min_))
+
+
+@FAST
+@given(bfs_parents(), st.integers(0, 50))
+def test_position_ids_are_prefix_plus_depth(parents, prefix_len):
+    tree = build_tree(parents, [0] * len(parents))
+    pos = T.tree_position_ids(tree.depths[: tree.size], prefix_len)
+    assert pos.shape == (1, len(parents))
+    assert pos[0].tolist() == [prefix_len + d for d in depths_of(parents)]
+    assert tree.max_depth == max(depths_of(parents))
+
+
+def test_attention_mask_kind():
+    fake = lambda impl: SimpleNamespace(config=SimpleNamespace(_attn_implementation=impl))  # noqa: E731
+    assert T.attention_mask_kind(fake("eager")) == "additive"
+    assert T.attention_mask_kind(fake("sdpa")) == "bool"
+    for impl in ("flash_attention_2", "flash_attention_3", "flex_attention"):
+        with pytest.raises(ValueError, match="4D attention mask"):
+            T.attention_mask_kind(fake(impl))
+
+
+def test_token_tree_budget_is_enforced():
+    tree = T.TokenTree(7, n_max=2, capacity=10, device="cpu")
+    tree.add(torch.tensor([0, 0]), torch.tensor([1, 2]), torch.zeros(2), torch.zeros(2), 1)
+    assert tree.budget_left == 0
+    with pytest.raises(ValueError):
+        tree.add(torch.tensor([1]), torch.tensor([3]), torch.zeros(1), torch.zeros(1), 2)
+    nodes = tree.nodes()
+    assert [(x.token, x.parent, x.depth) for x in nodes] == [(7, -1, 0), (1, 0, 1), (2, 0, 1)]
+
+
+@FAST
+@given(st.integers(1, 5), st.integers(0, 10), st.integers(1, 300))
+def test_tree_capacity(breadth, depth, n_max):
+    full = sum(breadth ** d for d in range(1, depth + 1))
+    assert T.tree_capacity(breadth, depth, n_max) == min(full, n_max) + 1
+
+
+# ---------------------------------------------------------------------------------------------- path selection
+
+
+def select_brute(parents, tokens, pred):
+    """Enumerate every node's root path; keep the deepest greedy-consistent one (first in BFS on ties)."""
+    best = [0]
+    for u in range(1, len(parents)):
+        path = [u]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        if all(tokens[path[k]] == pred[path[k - 1]] for k in range(1, len(path))) and len(path) > len(best):
+            best = path
+    return best, [tokens[u] for u in best[1:]] + [pred[best[-1]]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(bfs_parents(), st.integers(1, 4), st.data())
+def test_select_path_matches_brute_force(parents, vocab, data):
+    n = len(parents)
+    tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    pred = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+    tree = build_tree(parents, tokens)
+    path, committed = T.select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
+                                    torch.tensor(pred))
+    assert (path, committed) == select_brute(parents, tokens, pred)
+
+
+def test_select_path_fallback_and_bonus():
+    # root 0 -> children 1 (token 5), 2 (token 6); 1 -> 3 (token 7)
+    parents, tokens = [-1, 0, 0, 1], [9, 5, 6, 7]
+    tree = build_tree(parents, tokens)
+    args = (tree.tokens[:4], tree.parents[:4], tree.depths[:4], tree.ancestors())
+    assert T.select_path(*args, torch.tensor([4, 0, 0, 0])) == ([0], [4])  # no child matches: one token
+    assert T.select_path(*args, torch.tensor([6, 0, 8, 0])) == ([0, 2], [6, 8])  # second branch + bonus
+    assert T.select_path(*args, torch.tensor([5, 7, 0, 3])) == ([0, 1, 3], [5, 7, 3])  # full depth + bonus
+
+
+# ---------------------------------------------------------------------------------------------- drafting
+
+
+class FakeSession:
+    """Stands in for DraftSession: logits depend only on (token, depth), so every strategy sees the same."""
+
+    def __init__(self, vocab: int, seed: int, temperature: float):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, 32, vocab, generator=g) * temperature
+        self.device = torch.device("cpu")
+        self.forwards = 0
+        self.root = None
+
+    def start(self, root):
+        self.root, self.forwards = root, self.forwards + 1
+        return self.table[root, 0].unsqueeze(0)
+
+    def feed(self, tree, nodes, depth):
+        self.forwards += 1
+        nodes_t = torch.tensor(nodes)
+        assert tree.depths[nodes_t].tolist() == [depth] * len(nodes)
+        return self.table[tree.tokens[nodes_t], depth], nodes_t
+
+
+def random_policy(data):
+    if data.draw(st.booleans()):
+        return FixedPolicy(data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4)),
+                           data.draw(st.sampled_from([0.0, 1e-4, 1e-2, 0.1])), data.draw(st.integers(1, 80)))
+    return DynamicPolicy(random_dynatree_params(data))
+
+
+def random_dynatree_params(data) -> DynaTreeParams:
+    b = sorted(data.draw(st.lists(st.integers(1, 4), min_size=3, max_size=3)))
+    tl, th = sorted(data.draw(st.lists(st.floats(0.01, 0.99), min_size=2, max_size=2, unique=True)))
+    rs, rd = sorted(data.draw(st.lists(st.floats(1e-8, 0.9), min_size=2, max_size=2, unique=True)))
+    d_max = data.draw(st.integers(2, 8))
+    return DynaTreeParams(
+        dynamic_breadth=data.draw(st.booleans()), dynamic_depth=data.draw(st.booleans()),
+        history_adaptation=data.draw(st.booleans()), b_min=b[0], b_mid=b[1], b_max=b[2],
+        branching=data.draw(st.integers(1, 4)), tau_l=tl, tau_h=th, d0=data.draw(st.integers(1, d_max - 1)),
+        d_max=d_max, rho_stop=rs, rho_deep=rd, tau=data.draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.05])),
+        n_max=data.draw(st.integers(1, 80)), window=data.draw(st.integers(1, 5)),
+    )
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_drafted_tree_obeys_rules_and_strategies_agree(data):
+    vocab = data.draw(st.integers(2, 12))
+    seed = data.draw(st.integers(0, 1000))
+    temperature = data.draw(st.sampled_from([0.5, 2.0, 6.0]))
+    policy = random_policy(data)
+    depth_cap = min(policy.depth_limit, data.draw(st.integers(1, 9)))
+    root = data.draw(st.integers(0, vocab - 1))
+    trees = {}
+    for strategy in ("per_level", "per_node"):
+        session = FakeSession(vocab, seed, temperature)
+        tree = T.TokenTree(root, policy.n_max, T.tree_capacity(policy.max_breadth, depth_cap, policy.n_max), "cpu")
+        T.draft_tree(session, tree, root, policy, depth_cap, strategy)
+        trees[strategy] = (tree, session.forwards)
+    (tree, lvl_forwards), (tree_n, node_forwards) = trees["per_level"], trees["per_node"]
+    nodes = tree.nodes()
+    assert nodes == tree_n.nodes()  # same tree, same BFS order
+    n = len(nodes)
+    assert n - 1 <= policy.n_max
+    assert torch.equal(tree.ancestors(), T.ancestor_matrix(tree.parents[:n]))
+    table = FakeSession(vocab, seed, temperature).table
+    children = {i: [] for i in range(n)}
+    for i, u in enumerate(nodes[1:], 1):
+        children[u.parent].append(i)
+        assert u.parent < i and u.depth == nodes[u.parent].depth + 1 and 1 <= u.depth <= depth_cap
+        assert nodes[i - 1].depth <= u.depth  # BFS
+        assert math.isclose(u.cum_logp, nodes[u.parent].cum_logp + u.logp, rel_tol=1e-5, abs_tol=1e-5)
+        assert u.cum_logp >= policy.log_tau  # pruning
+    budget_hit = n - 1 == policy.n_max
+    for i, u in enumerate(nodes):
+        lp = torch.log_softmax(table[u.token, u.depth].float(), -1)
+        top_lp, top_tok = lp.topk(min(policy.max_breadth, vocab))
+        cum = torch.tensor([u.cum_logp], dtype=torch.float32)  # float32 as stored: the same arithmetic
+        could_expand = i == 0 or (u.depth < depth_cap and bool(policy.expandable(u.depth, cum)))
+        kids = children[i]
+        if not could_expand:
+            assert kids == []
+            continue
+        b = int(policy.breadth(top_lp[:1].exp())[0])
+        want = [int(t) for t, c in zip(top_tok[:b], (cum + top_lp)[:b]) if c >= policy.log_tau]
+        got = [nodes[c].token for c in kids]
+        assert got == want[: len(got)]  # the top-B(u) unpruned tokens, in probability order
+        if len(got) < len(want):
+            assert budget_hit  # only the budget can cut a node's children short
+    # one draft forward per level (root included) vs one per expanded node
+    assert lvl_forwards <= tree.max_depth + 1
+    assert node_forwards >= lvl_forwards
+
+
+# ---------------------------------------------------------------------------------------------- DynaTree rules
+
+
+@FAST
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20), st.floats(0.02, 0.98), st.floats(0.01, 0.97),
+       st.lists(st.integers(1, 5), min_size=3, max_size=3))
+def test_breadth_rule_matches_paper(conf, tau_h, tau_l, bs):
+    assume(tau_l < tau_h)
+    b_min, b_mid, b_max = sorted(bs)
+    got = breadth_rule(torch.tensor(conf, dtype=torch.float64), tau_h, tau_l, b_min, b_mid, b_max).tolist()
+    want = [b_min if c >= tau_h else b_mid if tau_l <= c < tau_h else b_max for c in conf]
+    assert got == want
+
+
+@FAST
+@given(st.integers(0, 10), st.lists(st.floats(1e-9, 1.0), min_size=1, max_size=20), st.integers(1, 8),
+       st.integers(2, 10), st.floats(1e-6, 0.5), st.floats(1e-6, 0.99))
+def test_depth_gate_matches_paper(depth, probs, d0, d_max, rho_stop, rho_deep):
+    assume(d0 < d_max and rho_stop < rho_deep)
+    assume(all(abs(p - r) > 1e-9 * max(p, r) * 10 for p in probs for r in (rho_stop, rho_deep)))
+    got = depth_gate(depth, torch.tensor(probs, dtype=torch.float64).log(), d0, d_max, rho_stop, rho_deep).tolist()
+    want = [depth < d_max and p >= rho_stop and (depth < d0 or p >= rho_deep) for p in probs]
+    assert got == want
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 20)), min_size=1, max_size=30), st.integers(1, 6),
+       st.floats(0.05, 0.95), st.floats(0.1, 3.0), st.floats(0.01, 1.0), st.integers(2, 10))
+def test_history_controller_is_the_papers_proportional_update(history, window, target, eta_d, eta_h, d_max):
+    ctl = HistoryController(window, target, eta_d, eta_h, d_max)
+    d0, tau_h, recorded = 2.0, 0.9, []
+    for acc, size in history:
+        acc = min(acc, size)
+        new_d0, new_tau_h = ctl.update(acc, size, d0, tau_h)
+        if size == 0:
+            assert (new_d0, new_tau_h) == (d0, tau_h)
+            continue
+        recorded.append(acc / size)
+        a_bar = sum(recorded[-window:]) / len(recorded[-window:])
+        assert math.isclose(new_d0, min(max(d0 + eta_d * (a_bar - target), 1), d_max - 1), abs_tol=1e-12)
+        assert math.isclose(new_tau_h, min(max(tau_h - eta_h * (a_bar - target), 0), 1), abs_tol=1e-12)
+        d0, tau_h = new_d0, new_tau_h
+        assert 1 <= d0 <= d_max - 1 and 0 <= tau_h <= 1
+
+
+def test_dynamic_policy_switches():
+    p = DynaTreeParams(dynamic_breadth=False, dynamic_depth=False, history_adaptation=False, branching=3, d0=4)
+    pol = DynamicPolicy(p)
+    assert pol.breadth(torch.tensor([0.99, 0.5, 0.01])).tolist() == [3, 3, 3]
+    assert pol.depth_limit == 4 and pol.max_breadth == 3
+    assert pol.expandable(3, torch.tensor([-50.0])).tolist() == [True]
+    assert pol.expandable(4, torch.tensor([0.0])).tolist() == [False]
+    full = DynamicPolicy(DynaTreeParams())
+    assert full.breadth(torch.tensor([0.95, 0.5, 0.1])).tolist() == [1, 2, 3]
+    assert full.depth_limit == 8 and full.max_breadth == 3
+    # deep expansion beyond D0=5 only for likely paths; early stop below rho_stop
+    assert full.expandable(6, torch.tensor([math.log(0.9), math.log(0.3)])).tolist() == [True, False]
+    assert full.expandable(2, torch.tensor([math.log(0.3), math.log(0.1)])).tolist() == [True, False]
+    assert full.expandable(8, torch.tensor([0.0])).tolist() == [False]
+
+
+# ---------------------------------------------------------------------------------------------- params
+
+
+def test_params_validation():
+    DynaTreeParams()
+    FixedTreeParams()
+    bad = [dict(tau_l=0.9, tau_h=0.4), dict(b_min=3, b_mid=2), dict(b_mid=4, b_max=3), dict(d0=8, d_max=8),
+           dict(rho_stop=0.5, rho_deep=0.5), dict(tau=1.0), dict(n_max=0), dict(cache_strategy="x"),
+           dict(draft_strategy="x"), dict(unknown=1)]
+    for kwargs in bad:
+        with pytest.raises(ValidationError):
+            DynaTreeParams(**kwargs)
+    for kwargs in (dict(depth=0), dict(branching=0), dict(tau=-0.1), dict(d0=3)):
+        with pytest.raises(ValidationError):
+            FixedTreeParams(**kwargs)
+    with pytest.raises(ValidationError):
+        FixedTreeParams().depth = 3  # frozen
+
+
+def test_random_params_strategy_is_valid():
+    rnd = random.Random(0)
+    for _ in range(50):
+        b = sorted(rnd.randint(1, 4) for _ in range(3))
+        DynaTreeParams(b_min=b[0], b_mid=b[1], b_max=b[2])
