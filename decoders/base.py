@@ -105,3 +105,21 @@ class Decoder(ABC):
 def greedy_token(logits: torch.Tensor) -> int:
     """The greedy (argmax) token of one logits vector, shape (vocab,), any float dtype."""
     return int(torch.argmax(logits, dim=-1).item())
+
+
+def verify_chain(drafts: list[int], logits: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """Greedy verification of a draft chain (Leviathan et al. 2023, greedy case; paper section 4.3).
+
+    Args:
+        drafts: K drafted token ids.
+        logits: target logits over [pending, *drafts], shape (K + 1, vocab); row i predicts the token after input i.
+
+    Returns:
+        (accepted, committed): the length of the longest draft prefix equal to the target's greedy tokens, and
+        the committed tokens = that prefix plus the target's bonus token (1 <= len(committed) <= K + 1).
+    """
+    predicted = torch.argmax(logits, dim=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
+        accepted += 1
+    return accepted, (*drafts[:accepted], predicted[accepted])

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token, verify_chain
 
 
 class LinearParams(DecoderParams):
@@ -56,12 +56,8 @@ class LinearSpeculative(Decoder):
                 feed = [token]
             # Verify pending + drafts in one target forward; logits[i] predicts the token after input i.
             logits = kv.forward(self.target, [pending, *drafts], t_cache)
-            predicted = torch.argmax(logits, dim=-1).tolist()
-            accepted = 0
-            while accepted < n_draft and drafts[accepted] == predicted[accepted]:
-                accepted += 1
-            bonus = predicted[accepted]
-            committed = (*drafts[:accepted], bonus)
+            accepted, committed = verify_chain(drafts, logits)
+            bonus = committed[-1]
             # Rejected drafts sit at the tails of both caches: a crop rolls them back.
             kv.crop(t_cache, prefix_len + 1 + accepted)
             d_len = kv.cache_len(d_cache)  # = prefix_len + n_draft: the last draft was never fed

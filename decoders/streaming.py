@@ -75,7 +75,7 @@ from pydantic import Field
 from transformers import DynamicCache
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token, verify_chain
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt_neox")
 """``config.model_type`` values whose attention caches rotate_half-RoPE keys of shape (1, kv_heads, seq, head_dim)."""
@@ -496,12 +496,8 @@ class StreamingSpeculative(Decoder):
                 drafts.append(token)
                 feed, exact = [token], False
             logits, forwards = target.forward([pending, *drafts], tentative=True)
-            predicted = torch.argmax(logits, dim=-1).tolist()
-            accepted = 0
-            while accepted < n_draft and drafts[accepted] == predicted[accepted]:
-                accepted += 1
-            bonus = predicted[accepted]
-            committed = (*drafts[:accepted], bonus)
+            accepted, committed = verify_chain(drafts, logits)
+            bonus = committed[-1]
             target.crop(committed_before + 1 + accepted)
             target.enforce_budget()
             draft.crop(min(draft.n, committed_before + 1 + accepted))  # draft.n = committed_before + n_draft

@@ -19,7 +19,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token, verify_chain
 
 __all__ = ["NgramIndex", "PromptLookup", "PromptLookupParams"]
 __version__ = "0.1.0"
@@ -110,16 +110,9 @@ class PromptLookup(Decoder):
             drafts = index.lookup(min(p.num_draft_tokens, max_new_tokens - produced))
             prefix_len = kv.cache_len(cache)
             logits = kv.forward(self.target, [pending, *drafts], cache)
-            if drafts:
-                predicted = torch.argmax(logits, dim=-1).tolist()
-                accepted = 0
-                while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
-                    accepted += 1
-                bonus = predicted[accepted]
-                kv.crop(cache, prefix_len + 1 + accepted)  # rejected drafts sit at the tail
-            else:
-                accepted, bonus = 0, greedy_token(logits[-1])
-            committed = (*drafts[:accepted], bonus)
+            accepted, committed = verify_chain(drafts, logits)  # no drafts: the plain greedy token
+            kv.crop(cache, prefix_len + 1 + accepted)  # rejected drafts sit at the tail
+            bonus = committed[-1]
             index.extend(committed)
             pending = bonus
             produced += len(committed)
