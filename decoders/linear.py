@@ -25,9 +25,10 @@ class LinearSpeculative(Decoder):
     """Draft K tokens greedily with the draft model, verify them in one target forward, commit the longest
     matching prefix plus the target's bonus token.
 
-    State between iterations: both caches hold every committed token except the last one (the bonus token,
-    which is the first input of the next iteration). Rejected drafts sit at the tail of both caches, so a
-    crop rolls them back; the target runs exactly one forward per iteration.
+    State between iterations: the target cache holds every committed token except the newest (the bonus
+    token, the first input of the next iteration); the draft cache holds them except a short backlog (the
+    bonus, and the last draft when all K were accepted, since it was never fed). Rejected drafts sit at the
+    tail of both caches, so a crop rolls them back; the target runs exactly one forward per iteration.
     """
 
     Params = LinearParams

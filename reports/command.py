@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import click
-import pandas as pd
 from rich.console import Console
 
 from dtbench.harness.errors import DtbenchError

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from dtbench.harness.cli import cli
-from dtbench.reports import compare, figures, html, paper
+from dtbench.reports import compare, figures, paper
 from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize, sweep_labels
 
 import reportdb
