@@ -47,7 +47,8 @@ class LinearSpeculative(Decoder):
         draft_backlog = input_ids[0].tolist() + [pending]
         produced = 1
         while produced < max_new_tokens:
-            n_draft = min(k, max_new_tokens - produced)
+            # At most T - produced - 1 drafts: with the bonus token the iteration then commits at most T - produced.
+            n_draft = min(k, max_new_tokens - produced - 1)
             prefix_len = kv.cache_len(t_cache)
             drafts: list[int] = []
             feed = draft_backlog
@@ -63,7 +64,7 @@ class LinearSpeculative(Decoder):
             kv.crop(t_cache, prefix_len + 1 + accepted)
             d_len = kv.cache_len(d_cache)  # = prefix_len + n_draft: the last draft was never fed
             kv.crop(d_cache, min(d_len, prefix_len + 1 + accepted))
-            draft_backlog = ([drafts[-1]] if accepted == n_draft else []) + [bonus]
+            draft_backlog = ([drafts[-1]] if drafts and accepted == n_draft else []) + [bonus]
             pending = bonus
             produced += len(committed)
             yield Step(tokens=committed, drafted=n_draft, accepted=accepted, tree_size=n_draft, depth=n_draft)

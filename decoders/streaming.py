@@ -49,7 +49,7 @@ Transient sizes and splits: during one verification the target cache holds up to
 entries. A forward never holds more than ``R`` new tokens with the masked scheme (a longer verification, K >= R,
 is split, and later pieces hide rather than evict entries a rollback may need); a forward that crosses token
 index ``S + R`` is split there, since the sinks must exist before they are copied (once per generation). Each
-split costs one more target forward, counted in ``Step.target_forwards``. The prompt follows the same policy:
+split costs one more target forward (the runner's forward counter sees it). The prompt follows the same policy:
 its first ``S + R`` tokens in one plain causal forward (identical to ``ar``'s prefill when the prompt fits), the
 rest in masked chunks of at most ``min(R, 256)`` tokens, so prompts longer than ``S + R`` are streamed exactly.
 
@@ -437,10 +437,10 @@ class StreamingAR(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         state = StreamingKV(self.target, self.params.sinks, self.params.window)
-        logits, forwards = state.forward(input_ids[0].tolist(), last_only=True)
+        logits, _ = state.forward(input_ids[0].tolist(), last_only=True)
         state.enforce_budget()
         token = greedy_token(logits[-1])
-        yield Step(tokens=(token,), target_forwards=forwards)
+        yield Step(tokens=(token,))
         for _ in range(max_new_tokens - 1):
             logits, _ = state.forward([token])
             state.enforce_budget()
@@ -476,17 +476,17 @@ class StreamingSpeculative(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         S, R, k = self.params.sinks, self.params.window, self.params.k
         target = StreamingKV(self.target, S, R)
-        logits, forwards = target.forward(input_ids[0].tolist(), last_only=True)
+        logits, _ = target.forward(input_ids[0].tolist(), last_only=True)
         target.enforce_budget()
         pending = greedy_token(logits[-1])
-        yield Step(tokens=(pending,), target_forwards=forwards)
+        yield Step(tokens=(pending,))
         draft = StreamingKV(self.draft, S, R)
         # Invariant between iterations: the target holds every committed token but `pending`; the draft holds
         # every committed token but `backlog` (fed exactly, as committed tokens, at the next round's start).
         backlog = input_ids[0].tolist() + [pending]
         produced = 1
         while produced < max_new_tokens:
-            n_draft = min(k, max_new_tokens - produced)
+            n_draft = min(k, max_new_tokens - produced - 1)  # with the bonus, at most T - produced committed
             committed_before = target.n  # tokens before `pending`
             drafts: list[int] = []
             feed, exact = backlog, True
@@ -495,17 +495,14 @@ class StreamingSpeculative(Decoder):
                 token = greedy_token(d_logits[-1])
                 drafts.append(token)
                 feed, exact = [token], False
-            logits, forwards = target.forward([pending, *drafts], tentative=True)
+            logits, _ = target.forward([pending, *drafts], tentative=True)
             accepted, committed = verify_chain(drafts, logits)
             bonus = committed[-1]
             target.crop(committed_before + 1 + accepted)
             target.enforce_budget()
             draft.crop(min(draft.n, committed_before + 1 + accepted))  # draft.n = committed_before + n_draft
             draft.enforce_budget()
-            backlog = ([drafts[-1]] if accepted == n_draft else []) + [bonus]
+            backlog = ([drafts[-1]] if drafts and accepted == n_draft else []) + [bonus]
             pending = bonus
             produced += len(committed)
-            yield Step(
-                tokens=committed, drafted=n_draft, accepted=accepted, tree_size=n_draft, depth=n_draft,
-                target_forwards=forwards,
-            )
+            yield Step(tokens=committed, drafted=n_draft, accepted=accepted, tree_size=n_draft, depth=n_draft)

@@ -46,6 +46,9 @@ class Run(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     environment: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     error: Mapped[str | None] = mapped_column(Text)
+    owner_host: Mapped[str | None] = mapped_column(String(255))  # host of the process writing the run
+    owner_pid: Mapped[int | None] = mapped_column(Integer)  # its pid
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # refreshed while it runs
     cells: Mapped[list["Cell"]] = relationship(back_populates="run", cascade="all, delete-orphan")
 
 
@@ -97,7 +100,11 @@ class Sample(Base):
     draft_depth: Mapped[int] = mapped_column(Integer)
     acceptance_rate: Mapped[float | None] = mapped_column(Float)
     mean_path_length: Mapped[float | None] = mapped_column(Float)
-    target_forwards: Mapped[int] = mapped_column(Integer)
+    target_forwards: Mapped[int | None] = mapped_column(Integer)
+    draft_forwards: Mapped[int | None] = mapped_column(Integer)
+    acceptance_incl_bonus: Mapped[float | None] = mapped_column(Float)
+    mean_path_length_all: Mapped[float | None] = mapped_column(Float)
+    nvml_scope: Mapped[str | None] = mapped_column(String(20))
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
     step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)  # per iteration: drafted, accepted, tree_size, depth
     step_times_s: Mapped[list[float]] = mapped_column(JSON)  # seconds from start at each iteration's end
