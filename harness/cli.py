@@ -241,7 +241,7 @@ def _report(sessions, run_id, fmt) -> None:
 def validate(suite_path) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
     from dtbench.harness import registry
-    from dtbench.harness.runner import plan_suite, preflight
+    from dtbench.harness.plan import plan_suite, preflight
     from dtbench.harness.suite import load_suite
 
     suite, _ = load_suite(suite_path)
@@ -250,10 +250,9 @@ def validate(suite_path) -> None:
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
-    groups = sum(len(ds.caps) for ds in suite.datasets) * len(suite.generation_lengths)
-    cells = sum(len(plan.decoders_for(ds.name)) * len(ds.caps) for ds in suite.datasets) * len(suite.generation_lengths)
-    samples = sum(len(plan.decoders_for(ds.name)) * len(ds.caps) * ds.prompts for ds in suite.datasets) * len(suite.generation_lengths)
-    click.echo(f"{suite_path}: ok — suite '{suite.name}', {groups} dataset/cap/T groups, {cells} cells, {samples} samples")
+    points = sum(1 for ds, cap, T in plan.points() if plan.decoders_at(ds.name, cap, T))
+    click.echo(f"{suite_path}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
+               f"{plan.n_samples} samples")
 
 
 @cli.command("decoders")

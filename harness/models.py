@@ -211,7 +211,7 @@ def check_context(spec: ModelSpec, tokens: int) -> str | None:
     Returns:
         A warning for a rotary-position model run past its trained context (it runs, quality may degrade;
         the DynaTree paper's PG-19 protocol, L_max 1000 + T 1500 on Pythia's 2048, does this), else None.
-        None too when the config cannot be read here (offline hub id): the load reports that later.
+        None too when the config is not on this machine (a hub id not yet downloaded): checked at load time then.
 
     Raises:
         DtbenchError: for a model with learned absolute positions (GPT-2 style) that cannot embed that many.
@@ -220,16 +220,21 @@ def check_context(spec: ModelSpec, tokens: int) -> str | None:
 
     try:
         source, kwargs = _source_kwargs(spec.model, spec.revision)
-        config = AutoConfig.from_pretrained(source, **kwargs)
+        # Only a local folder or the local hub cache: validation never waits on the network.
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
     except Exception:
         return None
+    return context_problem(config, spec.model, tokens)
+
+
+def context_problem(config, name: str, tokens: int) -> str | None:
+    """:func:`check_context` on a loaded ``config`` (a transformers ``PretrainedConfig``)."""
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if not limit or tokens <= limit:
         return None
-    absolute = getattr(config, "model_type", "") in _LEARNED_POSITIONS
-    if absolute:
-        raise DtbenchError(f"model '{spec.model}' has {limit} learned positions; L_max + T = {tokens} tokens do not fit")
-    return f"model '{spec.model}' was trained on {limit} positions; L_max + T = {tokens} runs past that"
+    if getattr(config, "model_type", "") in _LEARNED_POSITIONS:
+        raise DtbenchError(f"model '{name}' has {limit} learned positions; L_max + T = {tokens} tokens do not fit")
+    return f"model '{name}' was trained on {limit} positions; L_max + T = {tokens} runs past that"
 
 
 def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:

@@ -15,7 +15,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import entry_points
 from typing import Any
 
 from pydantic import ValidationError

@@ -16,8 +16,6 @@ import socket
 import subprocess
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -30,146 +28,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, models, registry
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import Measurement, SampleTimeout, cpu_model, device_name, measure  # noqa: F401
 from dtbench.harness.metrics import first_divergence, sample_row  # noqa: F401  (re-exported)
-from dtbench.harness.suite import DecoderSpec, Suite, suite_hash
-
-
-@dataclass
-class CellPlan:
-    """A decoder configuration with its validated params and its reference's label (None for ``ar``)."""
-
-    spec: DecoderSpec
-    cls: type[Decoder]
-    params: DecoderParams
-    distribution: str
-    version: str
-    reference_label: str | None = None
-    implicit: bool = False
-
-
-@dataclass
-class Plan:
-    """Everything a run needs, validated before any model is loaded."""
-
-    suite: Suite
-    decoders: list[CellPlan]
-    skipped: list[str] = field(default_factory=list)  # optional decoders that are not installed
-
-    def decoders_for(self, dataset: str) -> list[CellPlan]:
-        return [c for c in self.decoders if c.spec.datasets is None or dataset in c.spec.datasets]
-
-
-def _params_key(name: str, params: DecoderParams) -> str:
-    return name + json.dumps(params.model_dump(mode="json"), sort_keys=True)
-
-
-def plan_suite(suite: Suite) -> Plan:
-    """Validate a suite against the registry and expand it, adding implicit reference decoders.
-
-    Reference decoders come first, in dependency order, so each sample can be compared as it is measured.
-
-    Raises:
-        DtbenchError: unknown dataset or decoder, invalid params, a draft-needing decoder without a draft model,
-            a label that collides with a reference's; decoder errors name the suite's file, line and entry.
-    """
-    for ds in suite.datasets:
-        data.check_dataset(ds)
-    found = registry.scan()
-    entries = registry.discover()
-    plans: list[CellPlan] = []
-    skipped: list[str] = []
-    for spec in suite.expanded_decoders():
-        where = f"{spec.where}: " if spec.where else ""
-        if spec.optional and spec.name not in entries and spec.name not in found.ambiguous:
-            skipped.append(spec.display)
-            continue
-        try:
-            cls = registry.get(spec.name)
-            params = registry.validate_params(spec.name, spec.params)
-        except DtbenchError as exc:
-            raise DtbenchError(f"{where}{exc}") from None
-        if cls.needs_draft and suite.draft is None:
-            raise DtbenchError(f"{where}decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
-        e = entries[spec.name]
-        plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})"))
-    by_key = {_params_key(p.spec.name, p.params): p for p in plans}
-    queue = list(plans)
-    while queue:
-        p = queue.pop(0)
-        ref = _reference_of(p)
-        if ref is None:
-            continue
-        name, raw = ref
-        rparams = registry.validate_params(name, raw)
-        key = _params_key(name, rparams)
-        if key not in by_key:
-            rcls = registry.get(name)
-            label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
-            e = entries[name]
-            rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
-                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True)
-            clash = next((q for q in plans if q.spec.display == label), None)
-            if clash is not None:
-                where = f"{clash.spec.where}: " if clash.spec.where else ""
-                raise DtbenchError(f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
-                                   f"the reference decoder '{name}' that dtbench adds; choose another label")
-            by_key[key] = rp
-            plans.append(rp)
-            queue.append(rp)
-        p.reference_label = by_key[key].spec.display
-    return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
-
-
-def preflight(suite: Suite, plan: Plan, console: Console) -> None:
-    """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
-    text; L_max + T fits each model's context (a warning past a rotary model's trained context).
-
-    Raises:
-        DtbenchError: a non-text document, or L_max + T beyond a model's learned position table.
-    """
-    for ds in suite.datasets:
-        data.check_dataset(ds, files=True)
-    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
-    specs = [suite.target]
-    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
-        specs.append(suite.draft)
-    for spec in specs:
-        warning = models.check_context(spec, longest)
-        if warning:
-            console.print(f"[yellow]warning: {warning}[/yellow]")
-
-
-def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
-    """The decoder's declared reference, computed without models (reference() reads params only)."""
-    probe = p.cls.__new__(p.cls)
-    probe.params, probe.target, probe.draft = p.params, None, None
-    return probe.reference()
-
-
-def _reference_order(plans: list[CellPlan]) -> list[CellPlan]:
-    by_label = {p.spec.display: p for p in plans}
-    ordered: list[CellPlan] = []
-    seen: set[str] = set()
-
-    def visit(p: CellPlan, stack: tuple[str, ...] = ()) -> None:
-        if p.spec.display in seen:
-            return
-        if p.spec.display in stack:
-            raise DtbenchError(f"decoder references form a cycle: {' -> '.join(stack)}")
-        if p.reference_label:
-            visit(by_label[p.reference_label], stack + (p.spec.display,))
-        seen.add(p.spec.display)
-        ordered.append(p)
-
-    referenced = {p.reference_label for p in plans if p.reference_label}
-    for p in [p for p in plans if p.spec.display in referenced] + plans:
-        visit(p)
-    return ordered
+from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite, preflight  # noqa: F401  (re-exported)
+from dtbench.harness.suite import Suite, suite_hash
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -305,12 +170,19 @@ def run_suite(
             prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
     with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
         target = models.load_model(suite.target, device)
-    models.check_embedding(target.model, tokenizer, suite.target.model)
+    loaded = [(target, suite.target)]
     draft = None
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
             draft = models.load_model(suite.draft, device)
-        models.check_embedding(draft.model, tokenizer, suite.draft.model)
+        loaded.append((draft, suite.draft))
+    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+    for model, spec in loaded:  # hub models' configs are known only now
+        models.check_embedding(model.model, tokenizer, spec.model)
+        if not models.check_context(spec, longest):  # not warned at preflight already
+            warning = models.context_problem(model.model.config, spec.model, longest)
+            if warning:
+                console.print(f"[yellow]warning: {warning}[/yellow]")
 
     with sessions() as session:
         run = _open_run(session, suite, suite_text, suite_path, resume, force, device, target, draft)
@@ -318,8 +190,7 @@ def run_suite(
         cells = _open_cells(session, run, plan, target, draft)
         session.commit()
 
-    groups = [(ds, cap, T) for ds in suite.datasets for cap in ds.caps for T in suite.generation_lengths]
-    total = sum(len(plan.decoders_for(ds.name)) * ds.prompts for ds, cap, T in groups)
+    groups = plan.groups()
     status, error = "failed", None
     heartbeat = _Heartbeat(sessions, run_id)
     try:
@@ -327,17 +198,16 @@ def run_suite(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), console=console, disable=not progress, transient=False,
         ) as bar:
-            task = bar.add_task("starting", total=total)
-            for ds, cap, T in groups:
-                decs = plan.decoders_for(ds.name)
-                for prompt in prompts[(ds.name, cap)]:
-                    outputs: dict[str, tuple[list[int], float]] = {}
-                    for cp in decs:
-                        bar.update(task, description=f"{ds.name} L_max={cap} T={T} · {cp.spec.display} · "
-                                                     f"prompt {prompt.index + 1}/{ds.prompts}")
-                        _run_one(sessions, run_id, cells[(ds.name, cap, T, cp.spec.display)], cp, prompt, T,
-                                 prompt.index < ds.warmup, outputs, target, draft, device, suite)
-                        bar.advance(task)
+            task = bar.add_task("starting", total=plan.n_samples)
+            for group in groups:
+                prompt = prompts[(group.dataset.name, group.cap)][group.prompt_index]
+                outputs: dict[str, tuple[list[int], float]] = {}
+                for cp in group.decoders:
+                    bar.update(task, description=f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · "
+                                                 f"{cp.label} · prompt {prompt.index + 1}/{group.dataset.prompts}")
+                    _run_one(sessions, run_id, cells[(group.dataset.name, group.cap, group.gen_length, cp.label)], cp,
+                             prompt, group.gen_length, group.warmup, outputs, target, draft, device, suite)
+                    bar.advance(task)
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -460,29 +330,26 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, device, tar
     return run
 
 
-def _open_cells(session, run, plan, target, draft) -> dict[tuple[str, int, int, str], int]:
+def _open_cells(session, run, plan: Plan, target, draft) -> dict[tuple[str, int, int, str], int]:
     existing = {(c.dataset, c.prompt_cap, c.gen_length, c.label): c for c in run.cells}
     ids = {}
-    for ds in plan.suite.datasets:
-        for cap in ds.caps:
-            for T in plan.suite.generation_lengths:
-                for cp in plan.decoders_for(ds.name):
-                    key = (ds.name, cap, T, cp.spec.display)
-                    cell = existing.get(key)
-                    if cell is None:
-                        cell = Cell(
-                            run=run, dataset=ds.name, prompt_cap=cap, gen_length=T, decoder=cp.spec.name,
-                            label=cp.spec.display, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
-                            params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
-                            reference_label=cp.reference_label,
-                            target_model=f"{target.name} ({target.dtype})",
-                            draft_model=f"{draft.name} ({draft.dtype})" if (draft and cp.cls.needs_draft) else None,
-                        )
-                        session.add(cell)
-                    elif cell.status == "failed":
-                        cell.status, cell.error = "pending", None  # a resumed run retries failed cells
-                    session.flush()
-                    ids[key] = cell.id
+    for ds, cap, T, cp in plan.cells():
+        key = (ds.name, cap, T, cp.label)
+        cell = existing.get(key)
+        if cell is None:
+            cell = Cell(
+                run=run, dataset=ds.name, prompt_cap=cap, gen_length=T, decoder=cp.spec.name,
+                label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
+                params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
+                reference_label=cp.reference_label,
+                target_model=f"{target.name} ({target.dtype})",
+                draft_model=f"{draft.name} ({draft.dtype})" if (draft and cp.cls.needs_draft) else None,
+            )
+            session.add(cell)
+        elif cell.status == "failed":
+            cell.status, cell.error = "pending", None  # a resumed run retries failed cells
+        session.flush()
+        ids[key] = cell.id
     return ids
 
 

@@ -82,9 +82,15 @@ class DecoderSpec(_Frozen):
     params: dict[str, Any] = Field(default_factory=dict)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
     datasets: list[str] | None = None
+    generation_lengths: list[int] | None = Field(
+        None, description="run only at these T (a subset of the suite's generation_lengths)")
+    prompt_cap: int | list[int] | None = Field(
+        None, description="run only at these L_max (a subset of each dataset's prompt_cap)")
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
 
     _where: str = PrivateAttr("")  # "file:line: decoders.i" of the suite entry, for one-line errors
+    _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
+    _swept: dict[str, Any] = PrivateAttr(default_factory=dict)  # its point of the sweep grid
 
     @field_validator("sweep")
     @classmethod
@@ -109,11 +115,27 @@ class DecoderSpec(_Frozen):
             suffix = ", ".join(f"{k}={v}" for k, v in point.items())
             spec = DecoderSpec(
                 name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
-                datasets=self.datasets, optional=self.optional,
+                datasets=self.datasets, generation_lengths=self.generation_lengths, prompt_cap=self.prompt_cap,
+                optional=self.optional,
             )
-            spec._where = self._where
+            spec._where, spec._group, spec._swept = self._where, self.display, point
             out.append(spec)
         return out
+
+    @property
+    def sweep_group(self) -> str | None:
+        """Label of the sweep entry this decoder is one point of (None when it was not swept)."""
+        return self._group
+
+    @property
+    def swept(self) -> dict[str, Any]:
+        """This decoder's point of its sweep grid ({} when it was not swept)."""
+        return dict(self._swept)
+
+    @property
+    def caps(self) -> list[int] | None:
+        return None if self.prompt_cap is None else (
+            self.prompt_cap if isinstance(self.prompt_cap, list) else [self.prompt_cap])
 
     @property
     def where(self) -> str:

@@ -1,0 +1,240 @@
+"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (DESIGN.md "The data flow").
+
+Cells are dataset x L_max x T x decoder; a decoder entry may be restricted to some datasets, T and L_max values.
+Reference decoders (``ar``, and any decoder's declared reference) are added where a dependent runs and ordered
+first, so every sample is compared as soon as it is measured. The unit of work is a :class:`PromptGroup`: one
+(dataset, L_max, T, prompt) with the reference and every other decoder, in order, on one device — the runner,
+``validate``, the progress bar and any executor all read this one plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from rich.console import Console
+
+from dtbench.decoders.base import Decoder, DecoderParams
+from dtbench.harness import data, models, registry
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.suite import DatasetSpec, DecoderSpec, Suite
+
+@dataclass
+class CellPlan:
+    """A decoder configuration with its validated params, its reference's label (None for ``ar``) and the
+    (dataset, L_max, T) points it runs at."""
+
+    spec: DecoderSpec
+    cls: type[Decoder]
+    params: DecoderParams
+    distribution: str
+    version: str
+    reference_label: str | None = None
+    implicit: bool = False
+    points: set[tuple[str, int, int]] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        return self.spec.display
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """The unit of work: one prompt of one (dataset, L_max, T), decoded by its decoders in order (references
+    first), all on one device so every speedup and lossless check pairs runs of the same machine."""
+
+    dataset: DatasetSpec
+    cap: int
+    gen_length: int
+    prompt_index: int
+    decoders: tuple[CellPlan, ...]
+
+    @property
+    def warmup(self) -> bool:
+        return self.prompt_index < self.dataset.warmup
+
+
+@dataclass
+class Plan:
+    """Everything a run needs, validated before any model is loaded."""
+
+    suite: Suite
+    decoders: list[CellPlan]
+    skipped: list[str] = field(default_factory=list)  # optional decoders that are not installed
+
+    def points(self) -> list[tuple[DatasetSpec, int, int]]:
+        """(dataset, L_max, T) in run order."""
+        return [(ds, cap, T) for ds in self.suite.datasets for cap in ds.caps for T in self.suite.generation_lengths]
+
+    def decoders_at(self, dataset: str, cap: int, gen_length: int) -> list[CellPlan]:
+        """The decoders that run at one (dataset, L_max, T), references first."""
+        return [c for c in self.decoders if (dataset, cap, gen_length) in c.points]
+
+    def cells(self) -> list[tuple[DatasetSpec, int, int, CellPlan]]:
+        """Every cell (dataset, L_max, T, decoder) in run order."""
+        return [(ds, cap, T, c) for ds, cap, T in self.points() for c in self.decoders_at(ds.name, cap, T)]
+
+    def groups(self) -> list[PromptGroup]:
+        """Every prompt group in run order: (dataset, L_max, T) major, then prompt index."""
+        out = []
+        for ds, cap, T in self.points():
+            decs = tuple(self.decoders_at(ds.name, cap, T))
+            if decs:
+                out.extend(PromptGroup(ds, cap, T, i, decs) for i in range(ds.prompts))
+        return out
+
+    @property
+    def n_samples(self) -> int:
+        return sum(len(g.decoders) for g in self.groups())
+
+
+def _params_key(name: str, params: DecoderParams) -> str:
+    return name + json.dumps(params.model_dump(mode="json"), sort_keys=True)
+
+
+def plan_suite(suite: Suite) -> Plan:
+    """Validate a suite against the registry and expand it, adding implicit reference decoders.
+
+    Reference decoders come first, in dependency order, so each sample can be compared as it is measured.
+
+    Raises:
+        DtbenchError: unknown dataset or decoder, invalid params, a draft-needing decoder without a draft model,
+            a label that collides with a reference's; decoder errors name the suite's file, line and entry.
+    """
+    for ds in suite.datasets:
+        data.check_dataset(ds)
+    found = registry.scan()
+    entries = registry.discover()
+    plans: list[CellPlan] = []
+    skipped: list[str] = []
+    for spec in suite.expanded_decoders():
+        where = f"{spec.where}: " if spec.where else ""
+        if spec.optional and spec.name not in entries and spec.name not in found.ambiguous:
+            skipped.append(spec.display)
+            continue
+        try:
+            cls = registry.get(spec.name)
+            params = registry.validate_params(spec.name, spec.params)
+        except DtbenchError as exc:
+            raise DtbenchError(f"{where}{exc}") from None
+        if cls.needs_draft and suite.draft is None:
+            raise DtbenchError(f"{where}decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
+        e = entries[spec.name]
+        plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
+                              points=_points(suite, spec)))
+    by_key = {_params_key(p.spec.name, p.params): p for p in plans}
+    queue = list(plans)
+    while queue:
+        p = queue.pop(0)
+        ref = _reference_of(p)
+        if ref is None:
+            continue
+        name, raw = ref
+        rparams = registry.validate_params(name, raw)
+        key = _params_key(name, rparams)
+        if key not in by_key:
+            rcls = registry.get(name)
+            label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
+            e = entries[name]
+            rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
+                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True)
+            clash = next((q for q in plans if q.spec.display == label), None)
+            if clash is not None:
+                where = f"{clash.spec.where}: " if clash.spec.where else ""
+                raise DtbenchError(f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
+                                   f"the reference decoder '{name}' that dtbench adds; choose another label")
+            by_key[key] = rp
+            plans.append(rp)
+            queue.append(rp)
+        p.reference_label = by_key[key].spec.display
+    _spread_to_references(plans)
+    return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
+
+
+def preflight(suite: Suite, plan: Plan, console: Console) -> None:
+    """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
+    text; L_max + T fits each model's context (a warning past a rotary model's trained context).
+
+    Raises:
+        DtbenchError: a non-text document, or L_max + T beyond a model's learned position table.
+    """
+    for ds in suite.datasets:
+        data.check_dataset(ds, files=True)
+    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+    specs = [suite.target]
+    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
+        specs.append(suite.draft)
+    for spec in specs:
+        warning = models.check_context(spec, longest)
+        if warning:
+            console.print(f"[yellow]warning: {warning}[/yellow]")
+
+
+def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
+    """The (dataset, L_max, T) a suite entry runs at, after its ``datasets``/``prompt_cap``/``generation_lengths``.
+
+    Raises:
+        DtbenchError: a restriction naming a dataset, L_max or T the suite does not have.
+    """
+    where = f"{spec.where}: " if spec.where else ""
+    names = {ds.name for ds in suite.datasets}
+    for name in spec.datasets or []:
+        if name not in names:
+            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': datasets names '{clip(name, 60)}', "
+                               f"which the suite does not have ({', '.join(sorted(names))})")
+    if spec.generation_lengths is not None:
+        extra = sorted(set(spec.generation_lengths) - set(suite.generation_lengths))
+        if extra:
+            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': generation_lengths {extra} are not in "
+                               f"the suite's generation_lengths")
+    all_caps = {c for ds in suite.datasets for c in ds.caps}
+    if spec.caps is not None and set(spec.caps) - all_caps:
+        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': prompt_cap {sorted(set(spec.caps) - all_caps)}"
+                           f" is not a prompt_cap of any dataset")
+    return {
+        (ds.name, cap, T)
+        for ds in suite.datasets if spec.datasets is None or ds.name in spec.datasets
+        for cap in ds.caps if spec.caps is None or cap in spec.caps
+        for T in suite.generation_lengths if spec.generation_lengths is None or T in spec.generation_lengths
+    }
+
+
+def _spread_to_references(plans: list[CellPlan]) -> None:
+    """A reference runs wherever a decoder that depends on it runs (implicit references only there)."""
+    by_label = {p.label: p for p in plans}
+    changed = True
+    while changed:
+        changed = False
+        for p in plans:
+            ref = by_label.get(p.reference_label) if p.reference_label else None
+            if ref is not None and not p.points <= ref.points:
+                ref.points |= p.points
+                changed = True
+
+
+def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
+    """The decoder's declared reference, computed without models (reference() reads params only)."""
+    probe = p.cls.__new__(p.cls)
+    probe.params, probe.target, probe.draft = p.params, None, None
+    return probe.reference()
+
+
+def _reference_order(plans: list[CellPlan]) -> list[CellPlan]:
+    by_label = {p.spec.display: p for p in plans}
+    ordered: list[CellPlan] = []
+    seen: set[str] = set()
+
+    def visit(p: CellPlan, stack: tuple[str, ...] = ()) -> None:
+        if p.spec.display in seen:
+            return
+        if p.spec.display in stack:
+            raise DtbenchError(f"decoder references form a cycle: {' -> '.join(stack)}")
+        if p.reference_label:
+            visit(by_label[p.reference_label], stack + (p.spec.display,))
+        seen.add(p.spec.display)
+        ordered.append(p)
+
+    referenced = {p.reference_label for p in plans if p.reference_label}
+    for p in [p for p in plans if p.spec.display in referenced] + plans:
+        visit(p)
+    return ordered
