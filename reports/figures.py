@@ -109,10 +109,13 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         spd = [_num(m.cells[ds]["speedup"]) for m in ms]
         lbl = f"{ds} (L_max={setting.caps[ds]})"
         hatch = [PARTIAL_HATCH if bool(m.cells[ds].get("partial", False)) else None for m in ms]
+        mark = ["\npartial" if h else "" for h in hatch]
         bars = axes[0].bar(off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j], hatch=hatch)
-        axes[0].bar_label(bars, labels=_labels(thr), fontsize=7, label_type="center", color="white")
+        axes[0].bar_label(bars, labels=[t + m if t else t for t, m in zip(_labels(thr), mark)], fontsize=7,
+                          label_type="center", color="white")
         bars = axes[1].bar(off, spd, width, label=lbl, color=PALETTE[j], hatch=hatch)
-        axes[1].bar_label(bars, labels=_labels(spd, "{:.2f}×"), fontsize=7, padding=2)
+        axes[1].bar_label(bars, labels=[t + m if t else t for t, m in zip(_labels(spd, "{:.2f}×"), mark)], fontsize=7,
+                          padding=2)
     axes[1].axhline(1.0, color="gray", ls="--", lw=1)
     for ax in axes:
         ax.set_xticks(x, [_wrap(m.name) for m in ms], fontsize=8)

@@ -146,8 +146,9 @@ def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
     if table.empty:
         return table.assign(partial_hidden=pd.Series(dtype=bool))
     partial = table["partial"].fillna(False).astype(bool)
-    ar_partial = {tuple(r[c] for c in GROUP) for _, r in table[partial & (table["decoder"] == "ar")].iterrows()}
-    against = pd.Series([tuple(r[c] for c in GROUP) in ar_partial for _, r in table.iterrows()], index=table.index)
+    group = [*(["run_id"] if "run_id" in table else []), *GROUP]  # speedups are against the AR of the same run
+    ar_partial = {tuple(r[c] for c in group) for _, r in table[partial & (table["decoder"] == "ar")].iterrows()}
+    against = pd.Series([tuple(r[c] for c in group) in ar_partial for _, r in table.iterrows()], index=table.index)
     table.loc[partial, METRIC_COLUMNS] = float("nan")
     table.loc[against, "speedup"] = float("nan")
     table["partial_hidden"] = partial | against

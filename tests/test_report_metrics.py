@@ -326,3 +326,34 @@ def test_run_to_run_compare_with_few_prompts_is_n_too_small(tmp_path):
 def test_min_prompts_is_documented():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert f"fewer than {compare.MIN_PROMPTS} prompts after warmup" in readme
+
+
+def test_speedups_against_a_partial_ar_cell_are_left_out_too(tmp_path):
+    sessions = reportdb.connect(tmp_path / "a.db")
+    with sessions() as s:
+        run = reportdb.add_run(s, "a")
+        ar = reportdb.add_cell(s, run, "AR", "ar", status="failed", error="killed")
+        reportdb.add_samples(s, ar, reportdb.AR_THR[:4], warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "Lin", "linear"), reportdb.DIVERGES_THR, warmup=1)
+        s.commit()
+        summary, _ = combined_summary(s, [run.id])
+    t = {x.key: x for x in paper.paper_tables(summary)[0]}["table1_main"].display.set_index("Method")
+    assert t.loc["Lin", "wikitext-2 Speedup"] == "—" and t.loc["Lin", "wikitext-2 Throughput (t/s)"] != "—"
+    assert t.loc["AR", "wikitext-2 Throughput (t/s)"] == "—"
+
+
+def test_include_partial_reaches_the_paper_outputs_and_is_refused_elsewhere(tricky, capsys):
+    from dtbench.harness.errors import DtbenchError
+    from dtbench.reports.command import report_command
+
+    path, _, _ = tricky
+    kw = dict(runs=(), db_url=f"sqlite:///{path}", run_ids=[], fmt="json", compare=False, alpha=0.05,
+              only_changed=False, fail_if=[], out_dir=None, fig_dir=None, html_file=None)
+    report_command(tables=True, include_partial=True, **kw)
+    rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["table1_main"]["rows"]}
+    assert rows["Partial"]["wikitext-2.throughput_mean"] == pytest.approx(21.5) and rows["Partial"]["wikitext-2.partial"]
+    report_command(tables=True, **kw)
+    rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["table1_main"]["rows"]}
+    assert rows["Partial"]["wikitext-2.throughput_mean"] is None
+    with pytest.raises(DtbenchError, match="--include-partial is for --tables"):
+        report_command(tables=False, include_partial=True, **kw)
