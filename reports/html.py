@@ -65,7 +65,9 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
            f"<h1>dtbench report — run {e(ids)}</h1>",
            f"<p class='caption'>Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from the results database. "
            "Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
-           "exclude the warmup prompts (paper section 4.1).</p>",
+           "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "
+           "A <em>partial</em> cell failed after some prompts: its numbers come from those prompts only and the paper "
+           "tables and figures leave them out unless --include-partial.</p>",
            "<h2>Runs</h2>", _table(_meta(runs))]
     tables, skipped = paper_tables(summary, include_partial)
     out.append("<h2>Paper tables</h2>")

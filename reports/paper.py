@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from dtbench.reports.render import PARTIAL_MARK, fmt, fmt_pm
+from dtbench.reports.render import fmt, fmt_pm
 from dtbench.reports.summary import base_label, without_partial
 
 TREE_DECODERS = ("fixed_tree", "dynatree")
@@ -159,7 +159,7 @@ def cell_notes(c: pd.Series, ds: str) -> list[str]:
 def _display_name(name: str, cells: dict[str, pd.Series]) -> str:
     """A method's display name, marked partial on the datasets where its numbers (shown) are partial."""
     shown = [ds for ds, c in cells.items() if bool(c.get("partial", False)) and not bool(c.get("partial_hidden", False))]
-    return name + (f"{PARTIAL_MARK[:-1]}: {', '.join(shown)})" if shown else "")
+    return name + (f" (partial: {', '.join(shown)})" if shown else "")
 
 
 def ablation(summary: pd.DataFrame, setting: Setting) -> tuple[str | None, pd.DataFrame]:

@@ -70,15 +70,15 @@ def cell_notes(row: pd.Series) -> list[str]:
 def formatted(row: pd.Series) -> dict[str, str]:
     """Display strings of one summary row, keyed by COLUMNS' keys."""
     mark = partial_mark(row)
-    if row["status"] == "failed":
-        lossless = "FAILED" + mark
-    elif row["lossless"] == "—":
+    if row["lossless"] == "—":
         lossless = "—"
-    else:
+    else:  # over every measured sample, warmup included
         ref = row["reference"] if row["reference"] and row["reference"] != "ar" else ""
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "")
         if row["lossless"] == "no" and row["divergences"]:
             lossless += f" (first at {row['divergences'][0]})"
+    if row["status"] == "failed":
+        lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)
     return {
         "label": row["label"],
         "throughput": fmt_pm(row["throughput_mean"], row["throughput_std"], ".1f") + mark,

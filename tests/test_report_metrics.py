@@ -112,7 +112,7 @@ def test_partial_cell_is_marked_in_the_terminal_markdown_csv_and_json(tricky):
     path, _, _ = tricky
     table = invoke("report", "--db", path).stdout
     partial_row = next(line for line in table.splitlines() if "Partial" in line and "│" in line)
-    assert "(partial)" in partial_row and "FAILED (partial)" in partial_row
+    assert "(partial)" in partial_row and "FAILED (partial), yes 3/3" in partial_row
     assert f"Partial is partial: it failed after 3 measured prompts (2 after warmup), its numbers come from those " \
            f"prompts only: {reportdb.PARTIAL_ERROR}" in " ".join(table.split())
     md = invoke("report", "--db", path, "--format", "markdown").stdout
