@@ -149,6 +149,8 @@ def cell_notes(c: pd.Series, ds: str) -> list[str]:
         notes.append(note)
     elif bool(c.get("all_warmup", False)):
         notes.append(f"{c['label']} on {ds}: all {int(c['warmup_n'])} measured prompts are warmup, no numbers after warmup")
+    elif bool(c.get("partial_hidden", False)):
+        notes.append(f"{c['label']} on {ds}: speedup left out, its AR baseline is partial (--include-partial shows it)")
     if c.get("lossless") == "no" and bool(c.get("lossless_expected", True)):
         first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
         notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "

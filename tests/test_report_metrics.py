@@ -337,9 +337,11 @@ def test_speedups_against_a_partial_ar_cell_are_left_out_too(tmp_path):
         reportdb.add_samples(s, reportdb.add_cell(s, run, "Lin", "linear"), reportdb.DIVERGES_THR, warmup=1)
         s.commit()
         summary, _ = combined_summary(s, [run.id])
-    t = {x.key: x for x in paper.paper_tables(summary)[0]}["table1_main"].display.set_index("Method")
+    table1 = {x.key: x for x in paper.paper_tables(summary)[0]}["table1_main"]
+    t = table1.display.set_index("Method")
     assert t.loc["Lin", "wikitext-2 Speedup"] == "—" and t.loc["Lin", "wikitext-2 Throughput (t/s)"] != "—"
     assert t.loc["AR", "wikitext-2 Throughput (t/s)"] == "—"
+    assert "Lin on wikitext-2: speedup left out, its AR baseline is partial (--include-partial shows it)" in table1.notes
 
 
 def test_include_partial_reaches_the_paper_outputs_and_is_refused_elsewhere(tricky, capsys):
