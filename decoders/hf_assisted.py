@@ -35,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -113,7 +114,100 @@ class _Bridge(BaseStreamer):
         pass
 
 
-class HFAssisted(Decoder):
+class _StreamedGenerate(Decoder):
+    """A transformers ``generate`` call run in a worker thread, one Step per streamer ``put`` (see module doc).
+
+    Subclasses give the call's extra keyword arguments (:meth:`_generate_kwargs`) and may wrap the call
+    (:meth:`_around_call`, a context manager) to install and remove hooks.
+    """
+
+    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+        return {}
+
+    def _around_call(self, bridge: _Bridge):
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
+        return Step(tokens=tokens)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        """Run ``target.generate`` in a worker thread and yield one Step per streamer put.
+
+        Args:
+            input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
+            max_new_tokens: T; exactly T tokens are generated (EOS ignored).
+
+        Raises:
+            Whatever ``generate`` raised in the worker, re-raised here.
+        """
+        bridge = _Bridge()
+        worker = threading.Thread(
+            target=self._work, args=(bridge, input_ids, max_new_tokens), name=f"dtbench-{type(self).__name__}",
+            daemon=True,
+        )
+        worker.start()
+        try:
+            while True:
+                kind, payload, drafted = bridge.out.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise payload
+                yield self._step(tuple(payload.view(-1).tolist()), drafted)
+                bridge.resume.release()
+        finally:
+            bridge.stop.set()
+            bridge.resume.release()  # a worker paused in put() continues, sees the flag and stops
+            worker.join()
+
+    def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+        """Worker thread body: greedy generate() of exactly T tokens (EOS ignored) with the subclass's settings."""
+        target = self.target
+        try:
+            pad = target.generation_config.pad_token_id
+            if pad is None:
+                pad = getattr(target.config, "pad_token_id", None)
+            if pad is None:
+                pad = 0
+            with self._around_call(bridge):
+                target.generate(
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    do_sample=False,
+                    num_beams=1,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=max_new_tokens,
+                    eos_token_id=None,
+                    pad_token_id=pad,
+                    streamer=bridge,
+                    stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
+                    **_NEUTRAL,
+                    **self._generate_kwargs(bridge),
+                )
+            bridge.out.put(("done", None, 0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
+            bridge.out.put(("error", exc, 0))
+
+
+class HFGenerateParams(DecoderParams):
+    """transformers' greedy ``generate`` has no hyperparameters here (greedy, EOS ignored, penalties off)."""
+
+
+class HFGenerate(_StreamedGenerate):
+    """transformers' own greedy ``generate()``: one Step per token, so "is our ``ar`` as fast as transformers'?"
+    is a row of any suite (paper section 4.3's AR baseline, on transformers' stack).
+
+    The first Step includes the prefill. Lossless: its output equals ``ar``'s.
+    """
+
+    Params = HFGenerateParams
+    needs_draft = False
+    lossless = True
+
+
+class HFAssisted(_StreamedGenerate):
     """transformers' assisted generation (``generate(..., assistant_model=draft)``), greedy, EOS ignored.
 
     Each Step is one target verification: the tokens transformers committed in it (matched candidates plus
@@ -130,14 +224,9 @@ class HFAssisted(Decoder):
     lossless = True
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        """Run ``target.generate`` in a worker thread and yield one Step per target verification.
-
-        Args:
-            input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
-            max_new_tokens: T; exactly T tokens are generated (EOS ignored).
+        """One Step per target verification (see :class:`_StreamedGenerate`).
 
         Raises:
-            Whatever ``generate`` raised in the worker, re-raised here.
             RuntimeError: if this transformers version lacks the candidate-generator hook.
         """
         if not hasattr(type(self.target), "_get_candidate_generator"):
@@ -145,30 +234,17 @@ class HFAssisted(Decoder):
                 "this transformers version has no GenerationMixin._get_candidate_generator; hf_assisted cannot "
                 "count drafted tokens per iteration"
             )
-        bridge = _Bridge()
-        worker = threading.Thread(
-            target=self._work, args=(bridge, input_ids, max_new_tokens), name="dtbench-hf-assisted", daemon=True
-        )
-        worker.start()
-        try:
-            while True:
-                kind, payload, drafted = bridge.out.get()
-                if kind == "done":
-                    return
-                if kind == "error":
-                    raise payload
-                tokens = tuple(payload.view(-1).tolist())
-                yield Step(
-                    tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, tree_size=drafted, depth=drafted
-                )
-                bridge.resume.release()
-        finally:
-            bridge.stop.set()
-            bridge.resume.release()  # a worker paused in put() continues, sees the flag and stops
-            worker.join()
+        yield from super().generate(input_ids, max_new_tokens)
 
-    def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """Worker thread body: generate() with the hooks installed, then restore the models' state."""
+    def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
+        return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, tree_size=drafted, depth=drafted)
+
+    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+        return {"assistant_model": self.draft}
+
+    @contextmanager
+    def _around_call(self, bridge: _Bridge):
+        """Count candidates per iteration and give the draft a clean generation config, both undone afterwards."""
         target, draft = self.target, self.draft
         saved_config = draft.generation_config
         original = type(target)._get_candidate_generator
@@ -185,12 +261,9 @@ class HFAssisted(Decoder):
             generator.get_candidates = get_candidates
             return generator
 
+        pad = target.generation_config.pad_token_id
+        pad = pad if pad is not None else getattr(target.config, "pad_token_id", None) or 0
         try:
-            pad = target.generation_config.pad_token_id
-            if pad is None:
-                pad = getattr(target.config, "pad_token_id", None)
-            if pad is None:
-                pad = 0
             # The assistant's generate() fills every setting its caller left unset from the *draft's*
             # generation_config: a clean one (EOS unset, so drafts neither stop at nor suppress EOS; no penalties)
             # holding only the assistant settings, swapped in for the call.
@@ -199,23 +272,7 @@ class HFAssisted(Decoder):
                 eos_token_id=None, pad_token_id=pad, do_sample=False, num_beams=1,
             )
             target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
-            target.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                assistant_model=draft,
-                do_sample=False,
-                num_beams=1,
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                eos_token_id=None,
-                pad_token_id=pad,
-                streamer=bridge,
-                stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
-                **_NEUTRAL,
-            )
-            bridge.out.put(("done", None, 0))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
-            bridge.out.put(("error", exc, 0))
+            yield
         finally:
             target.__dict__.pop("_get_candidate_generator", None)
             draft.generation_config = saved_config

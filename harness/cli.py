@@ -127,7 +127,9 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
                        console=console, progress=not no_progress)
     console.print(f"run {run_id} stored in {db.resolve_url(db_url)}")
     if not no_report:
-        _report(sessions, run_id, "table")
+        from dtbench.reports.command import cell_report
+
+        cell_report(sessions, run_id, "table")
     code = run_exit_code(sessions, run_id)
     if code:
         console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged from its reference",
@@ -165,7 +167,8 @@ def run_exit_code(sessions, run_id: int) -> int:
 @click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]), default="table",
               show_default=True, help="table for the terminal; markdown, csv, json to stdout")
 @click.option("--compare", is_flag=True,
-              help="alone: speedup vs AR with a bootstrap CI per cell; with BEFORE AFTER run ids: a run-to-run comparison")
+              help="alone: speedup vs AR with a paired t CI on per-prompt ratios ('n too small' below 5 prompts after "
+                   "warmup); with BEFORE AFTER run ids: a run-to-run comparison")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05, show_default=True,
               help="significance level: Mann-Whitney U for run-to-run marks and gates; CI level 1-alpha for speedups")
 @click.option("--only-changed", is_flag=True, help="run-to-run: hide cells marked 'not significant' or 'still failing'")
@@ -180,14 +183,19 @@ def run_exit_code(sessions, run_id: int) -> int:
               help="write the paper's Figures 3-8 to DIR as PNG and SVG (figures without data are skipped with a note)")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False),
               help="write one self-contained HTML report (tables, speedup CIs, inline figures) to FILE")
-def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file) -> None:
+@click.option("--include-partial", is_flag=True,
+              help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
+                   "marked partial; by default they are left out with a note")
+def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file,
+           include_partial) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
     \b
     dtbench report [--run ID]                   every cell: throughput (mean ± std after warmup), speedup vs AR,
                                                 TTFT, TPOT, acceptance, L, path length, #Iter, peak memory, lossless
     dtbench report --compare [--run ID]         each decoder vs the AR cell of the same dataset, L_max and T:
-                                                speedup (ratio of mean throughputs) with a bootstrap 1-alpha CI
+                                                speedup (ratio of mean throughputs) with a 1-alpha CI from a paired
+                                                t-interval on per-prompt ratios; 'n too small' below 5 prompts
     dtbench report --compare BEFORE AFTER       cells matched by dataset, L_max, T and label: before, after, ratio
                                                 and a mark (better / worse / not significant by Mann-Whitney U on
                                                 per-prompt throughputs; not comparable; newly failing; new; missing)
@@ -208,32 +216,7 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
 
     report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
                    only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
-                   html_file=html_file)
-
-
-def _report(sessions, run_id, fmt) -> None:
-    from dtbench.reports import render
-    from dtbench.reports.summary import get_run, samples_frame, summarize
-
-    with sessions() as session:
-        run = get_run(session, run_id)
-        meta = {"id": run.id, "suite": run.suite_name, "status": run.status, "started_at": str(run.started_at),
-                "finished_at": str(run.finished_at), "environment": run.environment}
-        summary = summarize(samples_frame(session, run.id))
-    if summary.empty:
-        raise DtbenchError(f"run {meta['id']} has no cells")
-    if fmt == "table":
-        out = stdout_console()
-        env = meta["environment"]
-        out.print(f"[bold]run {meta['id']}[/bold] · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
-                  f"torch {env.get('torch')} · transformers {env.get('transformers')}")
-        render.print_tables(summary, out)
-    elif fmt == "markdown":
-        click.echo(render.markdown(summary))
-    elif fmt == "csv":
-        click.echo(render.csv(summary), nl=False)
-    else:
-        click.echo(render.to_json(summary, meta))
+                   html_file=html_file, include_partial=include_partial)
 
 
 @cli.command()

@@ -2,18 +2,29 @@
 
 - Clock: ``time.perf_counter`` after synchronizing the device (CUDA work is asynchronous; a step's tokens are
   only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them).
-- Memory (bytes): on CUDA, the torch allocator peak (``max_memory_allocated``) and the device-wide NVML peak
-  (pynvml, polled; includes other processes and the CUDA context); on CPU, the process resident-set peak
-  (Linux ``VmHWM``, reset per sample through ``/proc/self/clear_refs``; otherwise a polling thread).
-  They answer different questions and are stored apart (optimum-benchmark's memory tracker does the same).
+- Memory (bytes): on CUDA, the torch allocator peak (``max_memory_allocated``; the allocator cache is emptied and
+  its peak reset before each sample) and the NVML peak (pynvml, polled every 5 ms): this process's GPU memory where
+  NVML reports it per process (``nvmlDeviceGetComputeRunningProcesses``, CUDA context included), else the
+  device-wide used memory (other processes included); :attr:`MemoryPeak.nvml_scope` says which. The NVML device is
+  looked up by the CUDA device's UUID, so a ``CUDA_VISIBLE_DEVICES`` remapping cannot point it at another GPU. On
+  CPU, the process resident-set peak (Linux ``VmHWM``, reset per sample through ``/proc/self/clear_refs``;
+  otherwise a polling thread). They answer different questions and are stored apart (optimum-benchmark's memory
+  tracker does the same). A reading that fails is stored as None, never as 0.
+- Hardware: :func:`hardware_flags` records what decides dtype speed (CPU AVX-512/AMX flags, CUDA compute capability).
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -25,39 +36,59 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+NVML_PROCESS, NVML_DEVICE = "process", "device"
+
+
 @dataclass
 class MemoryPeak:
-    """Peak memory of one sample, bytes; None where not measurable on this device."""
+    """Peak memory of one sample, bytes; None where not measurable on this device or where a reading failed.
+
+    ``nvml_scope`` says what ``nvml_bytes`` counts: ``"process"`` (this process's GPU memory, from
+    ``nvmlDeviceGetComputeRunningProcesses``), ``"device"`` (the whole GPU's used memory, other processes
+    included: NVML gives no per-process figure, e.g. inside a container whose PID namespace hides ours), or None
+    (no NVML reading).
+    """
 
     rss_bytes: int | None = None
     allocated_bytes: int | None = None
     nvml_bytes: int | None = None
+    nvml_scope: str | None = None
 
 
 class _Poller(threading.Thread):
-    """Polls a reading every ``interval`` seconds and keeps its maximum."""
+    """Polls a reading (bytes) every ``interval`` seconds and keeps its maximum.
 
-    def __init__(self, read, interval: float = 0.005):
+    ``stop()`` returns None when any reading failed (a peak missing part of the sample is not a peak) or when
+    none succeeded, so a failure is stored as "unknown", never as 0.
+    """
+
+    def __init__(self, read: Callable[[], int], interval: float = 0.005):
         super().__init__(daemon=True)
-        self.read, self.interval, self.peak = read, interval, 0
+        self.read, self.interval = read, interval
+        self.peak: int | None = None
+        self.failed = False
         self._stop_event = threading.Event()
 
+    def _poll(self) -> bool:
+        try:
+            value = int(self.read())
+        except Exception:  # a failed read must never break a measurement
+            self.failed = True
+            return False
+        self.peak = value if self.peak is None else max(self.peak, value)
+        return True
+
     def run(self) -> None:
-        while not self._stop_event.is_set():
-            try:
-                self.peak = max(self.peak, self.read())
-            except Exception:  # a failed read must never break a measurement
-                return
+        while not self._stop_event.is_set() and self._poll():
             self._stop_event.wait(self.interval)
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         self._stop_event.set()
-        self.join()
-        try:
-            self.peak = max(self.peak, self.read())
-        except Exception:
-            pass
-        return self.peak
+        if self.ident is not None:  # started
+            self.join()
+        if not self.failed:
+            self._poll()
+        return None if self.failed else self.peak
 
 
 class MemoryTracker:
@@ -81,12 +112,11 @@ class MemoryTracker:
             proc = psutil.Process()
             self._pollers["rss"] = _Poller(lambda: proc.memory_info().rss)
         if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            handle = _nvml_handle(self.device)
-            if handle is not None:
-                import pynvml
-
-                self._pollers["nvml"] = _Poller(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+            reset_device_memory(self.device)
+            reader = nvml_reader(self.device)
+            if reader is not None:
+                read, self.peak.nvml_scope = reader
+                self._pollers["nvml"] = _Poller(read)
         for p in self._pollers.values():
             p.start()
         return self
@@ -96,8 +126,13 @@ class MemoryTracker:
         peaks = {k: p.stop() for k, p in self._pollers.items()}
         self.peak.rss_bytes = self._read_hwm() if self._hwm else peaks.get("rss")
         if self.device.type == "cuda":
-            self.peak.allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            try:
+                self.peak.allocated_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            except Exception:
+                self.peak.allocated_bytes = None
             self.peak.nvml_bytes = peaks.get("nvml")
+            if self.peak.nvml_bytes is None:
+                self.peak.nvml_scope = None
 
     def _reset_hwm(self) -> bool:
         try:
@@ -116,23 +151,94 @@ class MemoryTracker:
         return None
 
 
+def reset_device_memory(device: torch.device) -> None:
+    """Before a sample on CUDA: return cached allocator blocks to the driver (``torch.cuda.empty_cache``) and reset
+    the allocator's peak (``reset_peak_memory_stats``), so neither the allocator peak nor NVML's figure carries over
+    from the previous sample. A no-op elsewhere; never raises (a failure only leaves the previous state)."""
+    if device.type != "cuda":
+        return
+    for step in (torch.cuda.empty_cache, lambda: torch.cuda.reset_peak_memory_stats(device)):
+        try:
+            step()
+        except Exception:
+            pass
+
+
 _NVML_READY: bool | None = None
 
 
+def _nvml_uuid(device: torch.device) -> str | None:
+    """The NVML UUID string (``GPU-8-4-4-4-12 hex``) of a CUDA device as this process numbers it.
+
+    torch numbers devices after ``CUDA_VISIBLE_DEVICES`` remapping, NVML by physical index: the UUID
+    (``torch.cuda.get_device_properties(i).uuid``, printed without NVML's ``GPU-`` prefix) is the one key both agree on.
+    """
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:
+        return None
+    if not uuid:
+        return None
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
 def _nvml_handle(device: torch.device):
-    """An NVML handle for ``device``, or None when NVML is unavailable (no driver, container limits)."""
+    """An NVML handle for ``device`` looked up by UUID, or None when NVML is unavailable (no driver, container
+    limits, a UUID NVML does not know). Never falls back to the CUDA index: that could be another GPU."""
     global _NVML_READY
+    if _NVML_READY is False:
+        return None
     try:
         import pynvml
 
         if _NVML_READY is None:
             pynvml.nvmlInit()
             _NVML_READY = True
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
     except Exception:
         _NVML_READY = False
         return None
+    uuid = _nvml_uuid(device)
+    if uuid is None:
+        return None
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:
+        return None
+
+
+def nvml_reader(device: torch.device) -> tuple[Callable[[], int], str] | None:
+    """A function reading ``device``'s NVML memory figure (bytes) and its scope, or None without NVML.
+
+    Scope ``"process"`` when NVML lists this process (by PID) among the device's compute processes with a known
+    ``usedGpuMemory``; otherwise ``"device"``: the device's used memory (``nvmlDeviceGetMemoryInfo(...).used``).
+    The scope is chosen once, before the sample, so one sample's peak never mixes the two.
+    """
+    handle = _nvml_handle(device)
+    if handle is None:
+        return None
+    import pynvml
+
+    pid = os.getpid()
+
+    def process_bytes() -> int:
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == pid:
+                if proc.usedGpuMemory is None:  # NVML_VALUE_NOT_AVAILABLE (e.g. Windows WDDM)
+                    raise LookupError("NVML has no per-process memory figure")
+                return int(proc.usedGpuMemory)
+        raise LookupError(f"NVML does not list pid {pid} on this device")
+
+    def device_bytes() -> int:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+
+    for read, scope in ((process_bytes, NVML_PROCESS), (device_bytes, NVML_DEVICE)):
+        try:
+            read()
+        except Exception:
+            continue
+        return read, scope
+    return None
 
 
 def device_name(device: torch.device) -> str:
@@ -150,14 +256,95 @@ def cpu_model() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
 
     return platform.processor() or "unknown CPU"
+
+
+# /proc/cpuinfo flags that decide how fast a dtype runs on CPU: AVX2/AVX-512 vector width, native bf16 and fp16
+# arithmetic (AVX-512 BF16/FP16) and Intel AMX tiles (oneDNN's bf16 matmuls). Without avx512_bf16/amx_bf16 a
+# bfloat16 model is converted on the fly and can be slower than float32 (DESIGN.md, "Embedded default").
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo), or None where unreadable."""
+    try:
+        for line in _CPUINFO.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def hardware_flags(device: torch.device) -> dict[str, Any]:
+    """The hardware features that decide dtype speed, for the run's environment record (``environment["hardware"]``).
+
+    Returns:
+        ``cpu_flags``: ``{flag: bool}`` for each of :data:`CPU_FLAGS` from ``/proc/cpuinfo`` (None where that file
+        is unreadable, e.g. not Linux); ``torch_cpu_capability``: the SIMD level torch's CPU kernels dispatch to
+        (``torch.backends.cpu.get_cpu_capability()``: "DEFAULT", "AVX2", "AVX512", ...; None if unavailable); on
+        CUDA also ``cuda_capability`` ("9.0": ``torch.cuda.get_device_capability``) and ``cuda_bf16`` (compute
+        capability >= 8.0, i.e. native bfloat16 tensor cores; older GPUs only emulate it). Never raises.
+    """
+    flags = _cpuinfo_flags()
+    out: dict[str, Any] = {"cpu_flags": None if flags is None else {f: f in flags for f in CPU_FLAGS}}
+    try:
+        out["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        out["torch_cpu_capability"] = None
+    if device.type == "cuda":
+        try:
+            major, minor = torch.cuda.get_device_capability(device)
+            out["cuda_capability"], out["cuda_bf16"] = f"{major}.{minor}", major >= 8
+        except Exception:
+            out["cuda_capability"], out["cuda_bf16"] = None, None
+    return out
 
 
 def now() -> float:
     """Seconds from a monotonic high-resolution clock."""
     return time.perf_counter()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and hardware of this run, stored with it so results stay interpretable."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    env = {
+        "dtbench": version("dtbench"),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "cpu": cpu_model(),
+        "hardware": hardware_flags(device),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "git_sha": _git_sha(),
+    }
+    return env
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 # --- The measurement loop: one decoder on one prompt, timed per Step, forwards counted, time-limited -----------

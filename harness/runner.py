@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
 import socket
-import subprocess
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import metadata
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -31,46 +29,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from dtbench.harness import data, models, registry
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.measure import Measurement, SampleTimeout, cpu_model, device_name, measure  # noqa: F401
+from dtbench.harness.measure import Measurement, SampleTimeout, environment, measure  # noqa: F401  (re-exported)
 from dtbench.harness.metrics import first_divergence, sample_row  # noqa: F401  (re-exported)
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite, preflight  # noqa: F401  (re-exported)
 from dtbench.harness.suite import Suite, suite_hash
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and hardware of this run, stored with it so results stay interpretable."""
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    env = {
-        "dtbench": version("dtbench"),
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "device_name": device_name(device),
-        "cpu": cpu_model(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda if device.type == "cuda" else None,
-        "git_sha": _git_sha(),
-    }
-    return env
-
-
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 @contextmanager
@@ -200,14 +162,15 @@ def run_suite(
         ) as bar:
             task = bar.add_task("starting", total=plan.n_samples)
             for group in groups:
+                key = (group.dataset.name, group.cap, group.gen_length)
                 prompt = prompts[(group.dataset.name, group.cap)][group.prompt_index]
-                outputs: dict[str, tuple[list[int], float]] = {}
-                for cp in group.decoders:
-                    bar.update(task, description=f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · "
-                                                 f"{cp.label} · prompt {prompt.index + 1}/{group.dataset.prompts}")
-                    _run_one(sessions, run_id, cells[(group.dataset.name, group.cap, group.gen_length, cp.label)], cp,
-                             prompt, group.gen_length, group.warmup, outputs, target, draft, device, suite)
-                    bar.advance(task)
+                where = f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · prompt " \
+                        f"{prompt.index + 1}/{group.dataset.prompts}"
+                done, failed = _group_state(sessions, cells, group)
+                bar.update(task, advance=len(done) + len(failed), description=where)
+                for outcome in run_group(group, prompt, target, draft, device, suite, done, failed):
+                    commit_outcome(sessions, run_id, cells[(*key, outcome.label)], outcome)
+                    bar.update(task, advance=1, description=f"{where} · {outcome.label} done")
         status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
@@ -353,29 +316,33 @@ def _open_cells(session, run, plan: Plan, target, draft) -> dict[tuple[str, int,
     return ids
 
 
-def _run_one(sessions, run_id, cell_id, cp: CellPlan, prompt, T, warmup, outputs, target, draft, device,
-             suite: Suite) -> None:
-    """Measure one (cell, prompt) unless already stored or the cell failed; commit the sample at once.
+@dataclass
+class Outcome:
+    """The result of one (cell, prompt): a samples row, or the error that fails the cell.
+
+    ``row`` is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
+    """
+
+    label: str
+    row: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
+                device, suite: Suite) -> Outcome:
+    """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
-    running past the time limit — fails the cell with the error; only Ctrl-C and the runner's own failures
-    (the database) propagate.
+    running past the time limit — comes back as an :class:`Outcome` with the error; only Ctrl-C propagates.
+
+    Args:
+        cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.data.Prompt`; T: tokens to generate.
+        ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
+        target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
     """
-    label = cp.spec.display
-    with sessions() as session:
-        cell = session.get(Cell, cell_id)
-        if cell.status == "failed":
-            return
-        done = session.scalar(select(Sample).where(Sample.cell_id == cell_id, Sample.prompt_index == prompt.index))
-        if done is not None:
-            outputs[label] = (done.output_tokens, done.total_s)
-            return
-        cell.status = "running"
-        session.commit()
-    ref = outputs.get(cp.reference_label) if cp.reference_label else None
     if cp.reference_label and ref is None:
-        _fail(sessions, cell_id, f"reference decoder '{cp.reference_label}' has no output for prompt {prompt.index}")
-        return
+        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
+                                       f"{prompt.index}")
     timeout = sample_timeout(suite.timeout_s, ref[1] if ref else None)
     try:
         torch.manual_seed(suite.seed)
@@ -386,21 +353,60 @@ def _run_one(sessions, run_id, cell_id, cp: CellPlan, prompt, T, warmup, outputs
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
-        _fail(sessions, cell_id, f"prompt {prompt.index}: timed out after {timeout:g} s")
-        return
+        return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after {timeout:g} s")
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
-        _fail(sessions, cell_id, f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
-        return
-    outputs[label] = (m.tokens, row["total_s"])
+        return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
+    return Outcome(cp.label, row=row)
+
+
+def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
+              done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
+    """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
+
+    Args:
+        group: the unit of work; prompt: its :class:`~dtbench.harness.data.Prompt`.
+        done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
+            but available as references.
+        skip: labels of cells that already failed: not measured.
+    """
+    outputs = dict(done)
+    for cp in group.decoders:
+        if cp.label in outputs or cp.label in skip:
+            continue
+        ref = outputs.get(cp.reference_label) if cp.reference_label else None
+        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite)
+        if outcome.row is not None:
+            outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"])
+        yield outcome
+
+
+def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[list[int], float]], set[str]]:
+    """(stored outputs by label, failed labels) of one prompt group, from the database."""
+    done: dict[str, tuple[list[int], float]] = {}
+    failed: set[str] = set()
     with sessions() as session:
-        session.add(Sample(cell_id=cell_id, **row))
-        session.get(Run, run_id).heartbeat_at = utcnow()
-        session.commit()
+        for cp in group.decoders:
+            cell = session.get(Cell, cells[(group.dataset.name, group.cap, group.gen_length, cp.label)])
+            if cell.status == "failed":
+                failed.add(cp.label)
+                continue
+            sample = session.scalar(select(Sample).where(Sample.cell_id == cell.id,
+                                                         Sample.prompt_index == group.prompt_index))
+            if sample is not None:
+                done[cp.label] = (sample.output_tokens, sample.total_s)
+    return done, failed
 
 
-def _fail(sessions, cell_id: int, message: str) -> None:
+def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
+    """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
     with sessions() as session:
         cell = session.get(Cell, cell_id)
-        cell.status, cell.error = "failed", message[:2000]
+        if outcome.row is not None:
+            session.add(Sample(cell_id=cell_id, **outcome.row, **(extra or {})))
+            if cell.status == "pending":
+                cell.status = "running"
+        else:
+            cell.status, cell.error = "failed", (outcome.error or "")[:2000]
+        session.get(Run, run_id).heartbeat_at = utcnow()
         session.commit()

@@ -248,15 +248,14 @@ def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
     return line
 
 
-def parse_suite(text: str, source: str = "<suite>") -> Suite:
-    """Parse and validate suite YAML.
+MAX_INCLUDE_DEPTH = 8
 
-    Args:
-        text: the YAML document.
-        source: the file name used in error messages.
+
+def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
+    """(data, node) of one YAML document that must be a mapping.
 
     Raises:
-        DtbenchError: one line naming the file, line and field for malformed YAML, unknown keys or bad values.
+        DtbenchError: malformed YAML, not a mapping, or more than MAX_NODES values after alias expansion.
     """
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -265,46 +264,114 @@ def parse_suite(text: str, source: str = "<suite>") -> Suite:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise DtbenchError(f"{where}: malformed YAML: {problem}") from None
+        raise DtbenchError(f"{where}: malformed YAML: {clip(problem)}") from None
     if not isinstance(data, dict):
         raise DtbenchError(f"{source}: a suite must be a YAML mapping (name:, datasets:, decoders:, ...)")
     if _count_nodes(data, MAX_NODES) > MAX_NODES:
         raise DtbenchError(f"{source}: the suite expands to more than {MAX_NODES} values (YAML aliases nested too "
                            f"deeply?); write the values out")
+    return data, node
+
+
+def _validate(data: dict, where_of) -> Suite:
+    """Validate merged suite data; ``where_of(loc)`` gives ``file:line`` of a pydantic location."""
     try:
         suite = Suite.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         field, msg = error_location(exc)
         loc = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
-        line = _line_of(node, loc)
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise DtbenchError(f"{source}:{line}: {clip(field, 100) or 'suite'}: {msg}{more}") from None
+        raise DtbenchError(f"{where_of(loc)}: {clip(field, 100) or 'suite'}: {msg}{more}") from None
     for i, spec in enumerate(suite.decoders):
-        spec._where = f"{source}:{_line_of(node, ('decoders', i))}: decoders.{i}"
+        spec._where = f"{where_of(('decoders', i))}: decoders.{i}"
     return suite
 
 
-def load_suite(path: str | Path) -> tuple[Suite, str]:
-    """Read and validate a suite file.
+def parse_suite(text: str, source: str = "<suite>") -> Suite:
+    """Parse and validate suite YAML (without ``include:``; :func:`load_suite` resolves includes).
 
-    Returns:
-        (suite, its text), the text being stored with the run for reproducibility.
+    Args:
+        text: the YAML document.
+        source: the file name used in error messages.
 
     Raises:
-        DtbenchError: if the file is missing or invalid.
+        DtbenchError: one line naming the file, line and field for malformed YAML, unknown keys or bad values.
     """
-    path = Path(path)
+    data, node = _compose(text, source)
+    if "include" in data:
+        raise DtbenchError(f"{source}: include: needs a suite file (load it with load_suite)")
+    return _validate(data, lambda loc: f"{source}:{_line_of(node, loc)}")
+
+
+def _read(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         raise DtbenchError(f"cannot read suite {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[: exc.start].count(b"\n") + 1
         raise DtbenchError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
-    return parse_suite(text, str(path)), text
+
+
+def _load_tree(path: Path, chain: tuple[Path, ...], texts: list[tuple[Path, str]]) -> tuple[dict, dict]:
+    """Merged data of ``path`` and its includes, and for each top-level key the (file, node) that set it.
+
+    ``include:`` names one file or a list, relative to the including file; they are merged in order, then the
+    including file's own keys override theirs (top-level keys are replaced whole, lm-evaluation-harness style).
+    """
+    if len(chain) > MAX_INCLUDE_DEPTH:
+        raise DtbenchError(f"{path}: include: nested more than {MAX_INCLUDE_DEPTH} levels")
+    text = _read(path)
+    texts.append((path, text))
+    data, node = _compose(text, str(path))
+    merged: dict = {}
+    origin: dict = {}
+    includes = data.pop("include", None)
+    if includes is not None:
+        names = includes if isinstance(includes, list) else [includes]
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise DtbenchError(f"{path}:{_line_of(node, ('include',))}: include: must be a file name or a list "
+                                   f"of them")
+            child = (path.parent / name).resolve()
+            if child in chain or child == path.resolve():
+                raise DtbenchError(f"{path}: include: {clip(name, 100)} includes itself (directly or not)")
+            if not child.is_file():
+                raise DtbenchError(f"{path}:{_line_of(node, ('include',))}: include: {clip(name, 100)} not found")
+            sub, sub_origin = _load_tree(child, chain + (path.resolve(),), texts)
+            merged.update(sub)
+            origin.update(sub_origin)
+    merged.update(data)
+    origin.update({k: (path, node) for k in data})
+    return merged, origin
+
+
+def load_suite(path: str | Path) -> tuple[Suite, str]:
+    """Read and validate a suite file, resolving ``include:`` (files merged in order, this file's keys last).
+
+    Returns:
+        (suite, its text): the text stored with the run (and hashed to match a resumed run) is the file's own
+        text followed by every included file's, so changing an included file makes a new suite.
+
+    Raises:
+        DtbenchError: if a file is missing or invalid, an include cycles or nests too deeply.
+    """
+    path = Path(path)
+    texts: list[tuple[Path, str]] = []
+    data, origin = _load_tree(path, (), texts)
+
+    def where_of(loc: tuple) -> str:
+        src, node = origin.get(loc[0], (path, None)) if loc else (path, None)
+        if node is None:
+            return str(src)
+        return f"{src}:{_line_of(node, loc)}"
+
+    suite = _validate(data, where_of)
+    text = texts[0][1] + "".join(f"\n# --- include: {p} ---\n{t}" for p, t in texts[1:])
+    return suite, text
 
 
 def suite_hash(text: str) -> str:

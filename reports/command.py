@@ -37,8 +37,11 @@ def _run_token(token: str) -> int | None:
 
 
 def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir,
-                   html_file) -> None:
+                   html_file, include_partial: bool = False) -> None:
     """Validate the option combination, then produce each requested output.
+
+    ``include_partial`` (``--include-partial``): show the numbers of partial cells (failed after some prompts) in
+    the paper tables, figures and HTML, marked partial; by default they are left out with a note.
 
     Raises:
         DtbenchError: a bad combination of options, an unknown run, an empty run, an unwritable path.
@@ -62,6 +65,9 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
         raise DtbenchError("several --run combine only for --tables, --figures and --html; give one --run here")
     if tables and not out_dir and fmt == "csv":
         raise DtbenchError("--tables prints table, markdown or json; for CSV files use --out DIR")
+    if include_partial and not (tables or files):
+        raise DtbenchError("--include-partial is for --tables, --out, --figures and --html (the other reports always "
+                           "show partial cells, marked partial)")
 
     sessions = db.connect(db_url, create=False)
     if pair:
@@ -78,20 +84,55 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
         speedups(sessions, run_ids[0] if run_ids else None, fmt=fmt, alpha=alpha)
     if tables or files:
         paper_outputs(sessions, run_ids, fmt=fmt, tables=tables or bool(out_dir), out_dir=out_dir, fig_dir=fig_dir,
-                      html_file=html_file, alpha=alpha)
+                      html_file=html_file, alpha=alpha, include_partial=include_partial)
     if not (compare or tables or files):
-        from dtbench.harness.cli import _report
+        cell_report(sessions, run_ids[0] if run_ids else None, fmt)
 
-        _report(sessions, run_ids[0] if run_ids else None, fmt)
+
+# --- every cell of a run ---------------------------------------------------------------------------------------
+
+
+def cell_report(sessions, run_id: int | None, fmt: str) -> None:
+    """Print every cell of a run (the default report; also what ``dtbench run`` prints at the end).
+
+    ``table``: a header line (run, suite, status, device, versions; a second line with the hardware flags where
+    the run recorded ``environment["hardware"]``), then one rich table per (dataset, L_max, T) with notes for
+    failed, partial and warmup-only cells. ``markdown``/``csv``/``json``: :mod:`dtbench.reports.render`; JSON
+    carries the run's whole environment, hardware flags included.
+
+    Raises:
+        DtbenchError: an unknown run, or a run without cells.
+    """
+    from dtbench.reports import render
+    from dtbench.reports.summary import get_run, samples_frame, summarize
+
+    with sessions() as session:
+        run = get_run(session, run_id)
+        meta = {"id": run.id, "suite": run.suite_name, "status": run.status, "started_at": str(run.started_at),
+                "finished_at": str(run.finished_at), "environment": run.environment or {}}
+        summary = summarize(samples_frame(session, run.id))
+    if summary.empty:
+        raise DtbenchError(f"run {meta['id']} has no cells")
+    if fmt == "table":
+        out = _stdout()
+        out.print(render.run_header(meta), markup=False, highlight=False)
+        render.print_tables(summary, out)
+    elif fmt == "markdown":
+        click.echo(render.markdown(summary))
+    elif fmt == "csv":
+        click.echo(render.csv(summary), nl=False)
+    else:
+        click.echo(render.to_json(summary, meta))
 
 
 # --- within a run --------------------------------------------------------------------------------------------
 
 
 def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
-    """Print every decoder's speedup vs AR with a bootstrap (1 - alpha) CI (``--compare`` alone)."""
+    """Print every decoder's speedup vs AR with a paired t (1 - alpha) CI (``--compare`` alone); "n too small" in
+    place of the CI and the verdict below :data:`~dtbench.reports.compare.MIN_PROMPTS` paired prompts."""
     from dtbench.reports import render
-    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.compare import SPEEDUP_CI_METHOD, speedup_table
     from dtbench.reports.summary import get_run, samples_frame
 
     with sessions() as session:
@@ -103,14 +144,14 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     table = speedup_table(frame, confidence=1 - alpha)
     if table.empty:
         raise DtbenchError(f"run {rid} has no decoder besides AR to compare")
+    caption = ("speedup = mean throughput / mean AR throughput (same dataset, L_max, T), prompts after warmup; "
+               f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}")
     if fmt == "table":
-        styles = [render.VERDICT_STYLES.get(v) for v in table["verdict"]]
-        _stdout().print(render.rich_frame(
-            render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR",
-            "speedup = mean throughput / mean AR throughput (same dataset, L_max, T), prompts after warmup; "
-            "CI: scipy.stats.bootstrap (BCa), prompts resampled in pairs", styles))
+        styles = [render.verdict_style(v) for v in table["verdict"]]
+        _stdout().print(render.rich_frame(render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR",
+                                          caption, styles))
     elif fmt == "markdown":
-        click.echo(render.markdown_frame(render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR"))
+        click.echo(render.markdown_frame(render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR", caption))
     elif fmt == "csv":
         click.echo(table.to_csv(index=False), nl=False)
     else:
@@ -162,8 +203,9 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
 # --- paper tables, figures, HTML -----------------------------------------------------------------------------
 
 
-def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file, alpha) -> None:
-    """Paper tables (stdout or ``out_dir``), figures (``fig_dir``) and the HTML report (``html_file``)."""
+def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file, alpha, include_partial=False) -> None:
+    """Paper tables (stdout or ``out_dir``), figures (``fig_dir``) and the HTML report (``html_file``); partial
+    cells' numbers only with ``include_partial``."""
     from dtbench.reports import render
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.summary import combined_summary, samples_frame
@@ -174,7 +216,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
     if tables:
         from dtbench.reports.paper import paper_tables
 
-        made, skipped = paper_tables(summary)
+        made, skipped = paper_tables(summary, include_partial)
         for note in skipped:
             _note(f"note: {note}")
         if out_dir:
@@ -191,7 +233,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
     if fig_dir:
         from dtbench.reports.figures import write_figures
 
-        paths, notes = write_figures(summary, fig_dir)
+        paths, notes = write_figures(summary, fig_dir, include_partial)
         for note in notes:
             _note(f"note: {note}")
         _note(f"wrote {len(paths)} figure files to {fig_dir}: " + ", ".join(sorted({p.stem for p in paths})))
@@ -199,7 +241,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.html import build_html, write_html
 
         cis = {rid: speedup_table(f, confidence=1 - alpha) for rid, f in frames.items() if not f.empty}
-        path = write_html(html_file, build_html(summary, runs, cis, confidence=1 - alpha))
+        path = write_html(html_file, build_html(summary, runs, cis, confidence=1 - alpha, include_partial=include_partial))
         _note(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
 

@@ -13,6 +13,9 @@ whose data the runs do not hold is skipped with a one-line note, never an error.
 | fig6_dynatree_sensitivity | Figure 6 | >= 2 DynaTree configurations (sweep: tau_h/tau_l, b_min/b_max, d0/d_max) |
 | fig7_fixed_tree_sweep | Figure 7 | >= 2 fixed-tree configurations (sweep: depth D, branching B, tau) |
 | fig8_prompt_length | Figure 8 | non-sweep decoders at >= 2 prompt caps L_max on one dataset at the main T |
+
+Partial cells (failed after some prompts were measured) are left out of every figure, with a note, unless
+``include_partial``; then their bars in Figures 3 and 4 are hatched and a note names them.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.paper import Setting, ablation, main_setting, methods, tps_spec
+from dtbench.reports.paper import Setting, ablation, main_setting, methods, prepare, tps_spec
 
 PALETTE = colormaps["tab10"].colors
+PARTIAL_HATCH = "///"  # bars of partial cells (shown only with include_partial)
 
 
 def _style(ax, ylabel: str, title: str) -> None:
@@ -104,10 +108,14 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         std = [_num(m.cells[ds]["throughput_std"]) for m in ms]
         spd = [_num(m.cells[ds]["speedup"]) for m in ms]
         lbl = f"{ds} (L_max={setting.caps[ds]})"
-        bars = axes[0].bar(off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j])
-        axes[0].bar_label(bars, labels=_labels(thr), fontsize=7, label_type="center", color="white")
-        bars = axes[1].bar(off, spd, width, label=lbl, color=PALETTE[j])
-        axes[1].bar_label(bars, labels=_labels(spd, "{:.2f}×"), fontsize=7, padding=2)
+        hatch = [PARTIAL_HATCH if bool(m.cells[ds].get("partial", False)) else None for m in ms]
+        mark = ["\npartial" if h else "" for h in hatch]
+        bars = axes[0].bar(off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j], hatch=hatch)
+        axes[0].bar_label(bars, labels=[t + m if t else t for t, m in zip(_labels(thr), mark)], fontsize=7,
+                          label_type="center", color="white")
+        bars = axes[1].bar(off, spd, width, label=lbl, color=PALETTE[j], hatch=hatch)
+        axes[1].bar_label(bars, labels=[t + m if t else t for t, m in zip(_labels(spd, "{:.2f}×"), mark)], fontsize=7,
+                          padding=2)
     axes[1].axhline(1.0, color="gray", ls="--", lw=1)
     for ax in axes:
         ax.set_xticks(x, [_wrap(m.name) for m in ms], fontsize=8)
@@ -130,13 +138,14 @@ def figure4(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     x = np.arange(len(rows))
     fig = Figure(figsize=(max(10, 1.5 * len(rows) * 2), 4.4), layout="constrained")
     left, right = fig.subplots(1, 2)
+    hatch = [PARTIAL_HATCH if bool(r.get("partial", False)) else None for _, r in rows.iterrows()]
     bars = left.bar(x, rows["throughput_mean"].astype(float), 0.6, yerr=np.nan_to_num(rows["throughput_std"].astype(float)),
-                    capsize=3, color=PALETTE[0], label="throughput")
+                    capsize=3, color=PALETTE[0], label="throughput", hatch=hatch)
     left.bar_label(bars, labels=_labels(rows["throughput_mean"]), fontsize=7, label_type="center", color="white")
     twin = left.twinx()
     twin.plot(x, rows["iterations"].astype(float), "o-", color=PALETTE[3], label="#Iter.")
     twin.set_ylabel("#Iter. (verifications)", color=PALETTE[3])
-    bars = right.bar(x, rows["tokens_per_iteration"].astype(float), 0.6, color=PALETTE[2], label="L̄")
+    bars = right.bar(x, rows["tokens_per_iteration"].astype(float), 0.6, color=PALETTE[2], label="L̄", hatch=hatch)
     right.bar_label(bars, labels=_labels(rows["tokens_per_iteration"], "{:.2f}"), fontsize=7, label_type="center",
                     color="white")
     twin2 = right.twinx()
@@ -380,12 +389,29 @@ FIGURES: list[tuple[str, Callable[[pd.DataFrame, Setting], Figure | str]]] = [
 ]
 
 
-def build_figures(summary: pd.DataFrame) -> tuple[dict[str, Figure], list[str]]:
-    """Every figure the summary has data for, keyed by file stem, and one-line notes for those skipped."""
+def partial_note(summary: pd.DataFrame, include_partial: bool) -> list[str]:
+    """One note naming the partial cells: left out of the figures, or drawn (hatched) with ``include_partial``."""
+    if summary.empty or "partial" not in summary:
+        return []
+    cells = summary[summary["partial"].fillna(False).astype(bool)]
+    if cells.empty:
+        return []
+    names = ", ".join(f"{r['label']} ({r['dataset']}, L_max={r['prompt_cap']}, T={r['gen_length']})" for _, r in cells.iterrows())
+    if include_partial:
+        return [f"figures include partial cells (failed after some prompts; hatched bars): {names}"]
+    return [f"partial cells left out of the figures (failed after some prompts; --include-partial draws them): {names}"]
+
+
+def build_figures(summary: pd.DataFrame, include_partial: bool = False) -> tuple[dict[str, Figure], list[str]]:
+    """Every figure the summary has data for, keyed by file stem, and one-line notes for those skipped.
+
+    Partial cells are drawn only with ``include_partial`` (:func:`~dtbench.reports.paper.prepare`)."""
+    notes = partial_note(summary, include_partial)
+    summary = prepare(summary, include_partial)
     setting = main_setting(summary)
     if setting is None:
-        return {}, ["no cells: no figures"]
-    figs, notes = {}, []
+        return {}, notes + ["no cells: no figures"]
+    figs = {}
     for stem, make in FIGURES:
         out = make(summary, setting)
         if isinstance(out, str):
@@ -402,8 +428,10 @@ def to_bytes(fig: Figure, fmt: str, dpi: int = 150) -> bytes:
     return buf.getvalue()
 
 
-def write_figures(summary: pd.DataFrame, outdir: str | Path) -> tuple[list[Path], list[str]]:
-    """Write each available figure as ``<stem>.png`` and ``<stem>.svg`` under ``outdir`` (created if needed).
+def write_figures(summary: pd.DataFrame, outdir: str | Path,
+                  include_partial: bool = False) -> tuple[list[Path], list[str]]:
+    """Write each available figure as ``<stem>.png`` and ``<stem>.svg`` under ``outdir`` (created if needed);
+    partial cells only with ``include_partial``.
 
     Returns:
         (paths written, notes for figures skipped).
@@ -412,7 +440,7 @@ def write_figures(summary: pd.DataFrame, outdir: str | Path) -> tuple[list[Path]
         DtbenchError: if the folder cannot be created or written.
     """
     outdir = Path(outdir)
-    figs, notes = build_figures(summary)
+    figs, notes = build_figures(summary, include_partial)
     paths = []
     try:
         outdir.mkdir(parents=True, exist_ok=True)

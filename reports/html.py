@@ -12,6 +12,7 @@ import pandas as pd
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports import render
+from dtbench.reports.compare import SPEEDUP_CI_METHOD
 from dtbench.reports.figures import build_figures, to_bytes
 from dtbench.reports.paper import paper_tables
 
@@ -41,19 +42,21 @@ def _meta(runs) -> pd.DataFrame:
                      "started": str(r.started_at)[:19], "finished": str(r.finished_at)[:19] if r.finished_at else "—",
                      "device": env.get("device_name"), "dtbench": env.get("dtbench"), "torch": env.get("torch"),
                      "transformers": env.get("transformers"), "git": (env.get("git_sha") or "")[:10],
-                     "target": (env.get("target") or {}).get("model"), "draft": (env.get("draft") or {}).get("model")})
+                     "target": (env.get("target") or {}).get("model"), "draft": (env.get("draft") or {}).get("model"),
+                     "hardware": render.hardware_text(env) or "—"})
     return pd.DataFrame(rows)
 
 
 def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | None = None,
-               confidence: float = 0.95) -> str:
+               confidence: float = 0.95, include_partial: bool = False) -> str:
     """The report as one HTML document.
 
     Args:
         summary: :func:`~dtbench.reports.summary.combined_summary` of the runs.
-        runs: the Run rows (metadata).
+        runs: the Run rows (metadata; the hardware flags of ``environment["hardware"]`` where recorded).
         speedups: per run id, :func:`~dtbench.reports.compare.speedup_table` (optional section).
         confidence: the level those intervals were computed at (for the column heading).
+        include_partial: show partial cells' numbers in the paper tables and figures (always in "Every cell").
     """
     e = html.escape
     ids = ", ".join(str(r.id) for r in runs)
@@ -62,9 +65,11 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
            f"<h1>dtbench report — run {e(ids)}</h1>",
            f"<p class='caption'>Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from the results database. "
            "Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
-           "exclude the warmup prompts (paper section 4.1).</p>",
+           "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "
+           "A <em>partial</em> cell failed after some prompts: its numbers come from those prompts only and the paper "
+           "tables and figures leave them out unless --include-partial.</p>",
            "<h2>Runs</h2>", _table(_meta(runs))]
-    tables, skipped = paper_tables(summary)
+    tables, skipped = paper_tables(summary, include_partial)
     out.append("<h2>Paper tables</h2>")
     for t in tables:
         out += [f"<h3>{e(t.title)}</h3>", _table(t.display), f"<p class='caption'>{e(t.caption)}</p>"]
@@ -76,9 +81,9 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
             if table.empty:
                 continue
             out += [f"<h3>run {run_id}</h3>", _table(render.speedup_display(table, confidence)),
-                    "<p class='caption'>Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T; "
-                    "interval: bootstrap (scipy.stats.bootstrap, BCa) over prompts, paired by prompt.</p>"]
-    figs, notes = build_figures(summary)
+                    f"<p class='caption'>Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T; "
+                    f"{e(SPEEDUP_CI_METHOD)}.</p>"]
+    figs, notes = build_figures(summary, include_partial)
     out.append("<h2>Figures</h2>")
     for stem, fig in figs.items():
         svg = base64.b64encode(to_bytes(fig, "svg")).decode()
@@ -89,6 +94,7 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
     for key, group in summary.groupby(["dataset", "prompt_cap", "gen_length"], sort=False):
         disp = pd.DataFrame([{h: render.formatted(row)[c] for h, c in render.COLUMNS} for _, row in group.iterrows()])
         out += [f"<h3>{e(key[0])} · L_max {key[1]} · T={key[2]}</h3>", _table(disp)]
+        out += [f"<p class='note'>{e(n)}</p>" for _, row in group.iterrows() for n in render.cell_notes(row)]
     out.append("</body></html>")
     return "\n".join(out)
 

@@ -13,6 +13,11 @@ cells go where:
 - *Ablation variants* (Table 4, Figure 4) are the non-sweep ``fixed_tree`` and ``dynatree`` cells of the
   dataset with the most of them, in suite order; Δ is relative to the first.
 - Sweep points (cells a suite expanded from ``sweep:``) feed Figures 6 and 7 only.
+
+A *partial* cell (it failed after some prompts were measured) keeps its row but shows no numbers unless
+``include_partial`` is set (``--include-partial``); either way a note names it, and with the option its method is
+marked `` (partial)`` per dataset in the display and ``<dataset>.partial`` in the data. A note also names every
+cell whose samples, warmup included, diverged from the reference, and every cell whose samples are all warmup.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from dtbench.reports.summary import base_label
+from dtbench.reports.render import fmt, fmt_pm
+from dtbench.reports.summary import base_label, without_partial
 
 TREE_DECODERS = ("fixed_tree", "dynatree")
 
@@ -126,9 +132,36 @@ def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list
     full = [m for m in out if all(d in m.cells for d in datasets)]
     for m in full:
         for ds, c in m.cells.items():
-            if c["status"] == "failed":
-                notes.append(f"{c['label']} failed on {ds} after {int(c['n'])} prompts: {str(c['error'] or '')[:160]}")
+            notes += cell_notes(c, ds)
     return full, notes
+
+
+def cell_notes(c: pd.Series, ds: str) -> list[str]:
+    """Notes a paper table owes its reader about one cell: a failure (partial or not), only warmup samples, a
+    divergence from the reference in any sample (warmup included) of a decoder meant to be lossless."""
+    notes = []
+    error = str(c["error"] or "")[:160]
+    if c["status"] == "failed":
+        note = f"{c['label']} failed on {ds} after {int(c['n'])} prompts: {error}"
+        if bool(c.get("partial", False)):
+            note += ("; its partial numbers are left out (--include-partial shows them)"
+                     if bool(c.get("partial_hidden", False)) else "; the numbers shown are partial, from those prompts")
+        notes.append(note)
+    elif bool(c.get("all_warmup", False)):
+        notes.append(f"{c['label']} on {ds}: all {int(c['warmup_n'])} measured prompts are warmup, no numbers after warmup")
+    elif bool(c.get("partial_hidden", False)):
+        notes.append(f"{c['label']} on {ds}: speedup left out, its AR baseline is partial (--include-partial shows it)")
+    if c.get("lossless") == "no" and bool(c.get("lossless_expected", True)):
+        first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
+        notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "
+                     f"{c.get('reference') or 'AR'}{first}")
+    return notes
+
+
+def _display_name(name: str, cells: dict[str, pd.Series]) -> str:
+    """A method's display name, marked partial on the datasets where its numbers (shown) are partial."""
+    shown = [ds for ds, c in cells.items() if bool(c.get("partial", False)) and not bool(c.get("partial_hidden", False))]
+    return name + (f" (partial: {', '.join(shown)})" if shown else "")
 
 
 def ablation(summary: pd.DataFrame, setting: Setting) -> tuple[str | None, pd.DataFrame]:
@@ -149,17 +182,6 @@ def _isnan(v) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def fmt_pm(mean, std, spec: str) -> str:
-    """``mean ± std`` (std omitted when undefined, "—" when the mean is)."""
-    if _isnan(mean):
-        return "—"
-    return format(mean, spec) if _isnan(std) else f"{format(mean, spec)} ± {format(std, spec)}"
-
-
-def fmt(v, spec: str, suffix: str = "") -> str:
-    return "—" if _isnan(v) else format(v, spec) + suffix
-
-
 def tps_spec(v) -> str:
     """Format spec for a throughput (tokens/s): one decimal from 10 t/s up (the paper's), two below (CPU runs)."""
     return ".1f" if _isnan(v) or abs(v) >= 10 else ".2f"
@@ -178,8 +200,9 @@ def table1(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
     """Table 1: throughput (tokens/s, mean ± std over prompts after warmup) and speedup vs AR per dataset."""
     disp, data = [], []
     for m in ms:
-        d, n = {"Method": m.name}, {"method": m.name}
+        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
         for ds, c in m.cells.items():
+            n[f"{ds}.partial"] = bool(c.get("partial", False))
             d[f"{ds} Throughput (t/s)"] = fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"]))
             d[f"{ds} Speedup"] = fmt(c["speedup"], ".2f", "×")
             n.update({f"{ds}.throughput_mean": c["throughput_mean"], f"{ds}.throughput_std": c["throughput_std"],
@@ -197,8 +220,9 @@ def table2(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
     """Table 2: TTFT and TPOT (ms, mean ± std over prompts after warmup) per dataset."""
     disp, data = [], []
     for m in ms:
-        d, n = {"Method": m.name}, {"method": m.name}
+        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
         for ds, c in m.cells.items():
+            n[f"{ds}.partial"] = bool(c.get("partial", False))
             d[f"{ds} TTFT (ms)"] = fmt_pm(c["ttft_ms_mean"], c["ttft_ms_std"], ".1f")
             d[f"{ds} TPOT (ms)"] = fmt_pm(c["tpot_ms_mean"], c["tpot_ms_std"], ".2f")
             n.update({f"{ds}.ttft_ms_mean": c["ttft_ms_mean"], f"{ds}.ttft_ms_std": c["ttft_ms_std"],
@@ -215,8 +239,9 @@ def table3(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
     """Table 3: acceptance rate, tokens per iteration L, committed path length ℓ, #iterations per dataset."""
     disp, data = [], []
     for m in ms:
-        d, n = {"Method": m.name}, {"method": m.name}
+        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
         for ds, c in m.cells.items():
+            n[f"{ds}.partial"] = bool(c.get("partial", False))
             d[f"{ds} Accept."] = fmt(c["acceptance_rate"] * 100 if not _isnan(c["acceptance_rate"]) else None, ".1f", "%")
             d[f"{ds} L̄"] = fmt(c["tokens_per_iteration"], ".2f")
             d[f"{ds} ℓ̄"] = fmt(c["mean_path_length"], ".2f")
@@ -239,16 +264,17 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
     disp, data = [], []
     for _, c in rows.iterrows():
         delta = 100 * (c["throughput_mean"] - first) / first if first else math.nan
-        disp.append({"Variant": c["label"],
+        disp.append({"Variant": _display_name(c["label"], {dataset: c}),
                      "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"])),
                      "Speedup": fmt(c["speedup"], ".2f", "×"), f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%")})
-        data.append({"variant": c["label"], "decoder": c["decoder"], "params": c["params"],
+        data.append({"variant": c["label"], "decoder": c["decoder"], "params": c["params"], "partial": bool(c.get("partial", False)),
                      "throughput_mean": c["throughput_mean"], "throughput_std": c["throughput_std"],
                      "speedup": c["speedup"], "delta_pct": delta, "tokens_per_iteration": c["tokens_per_iteration"],
                      "iterations": c["iterations"], "acceptance_rate": c["acceptance_rate"]})
     return PaperTable("table4_ablation", "Table 4 — Ablation",
                       f"{dataset}, L_max={setting.caps[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
-                      "Δ = relative throughput change vs the first tree variant.", pd.DataFrame(disp), pd.DataFrame(data))
+                      "Δ = relative throughput change vs the first tree variant.", pd.DataFrame(disp), pd.DataFrame(data),
+                      [n for _, c in rows.iterrows() for n in cell_notes(c, dataset)])
 
 
 def table5(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
@@ -264,8 +290,9 @@ def table5(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
     for m in ms:
         a = avg(m)
         rel = 100 * (a - ar_avg) / ar_avg if not (_isnan(a) or _isnan(ar_avg) or ar_avg == 0) else math.nan
-        d, n = {"Method": m.name}, {"method": m.name}
+        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
         for ds, c in m.cells.items():
+            n[f"{ds}.partial"] = bool(c.get("partial", False))
             d[f"{ds} Peak (MiB)"] = fmt(c["peak_mib"], ".1f")
             n[f"{ds}.peak_mib"] = c["peak_mib"]
         d["Average (MiB)"], d["Rel. change"] = fmt(a, ".1f"), fmt(rel, "+.2f", "%")
@@ -280,8 +307,23 @@ def table5(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
                       pd.DataFrame(disp), pd.DataFrame(data), list(notes))
 
 
-def paper_tables(summary: pd.DataFrame) -> tuple[list[PaperTable], list[str]]:
-    """All paper tables the summary has data for, and one-line notes for those skipped."""
+def prepare(summary: pd.DataFrame, include_partial: bool = False) -> pd.DataFrame:
+    """The summary the paper's tables and figures draw: partial cells' numbers blanked
+    (:func:`~dtbench.reports.summary.without_partial`) unless ``include_partial``."""
+    if include_partial:
+        return summary.assign(partial_hidden=False)
+    return without_partial(summary)
+
+
+def paper_tables(summary: pd.DataFrame, include_partial: bool = False) -> tuple[list[PaperTable], list[str]]:
+    """All paper tables the summary has data for, and one-line notes for those skipped.
+
+    Args:
+        summary: :func:`~dtbench.reports.summary.combined_summary` of one or more runs.
+        include_partial: show the numbers of cells that failed after some prompts (marked partial); by default
+            they are left out (a dash) and a note names them.
+    """
+    summary = prepare(summary, include_partial)
     setting = main_setting(summary)
     if setting is None:
         return [], ["no cells: no paper tables"]

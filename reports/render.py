@@ -9,6 +9,7 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from dtbench.reports.compare import MIN_PROMPTS, N_TOO_SMALL
 from dtbench.reports.summary import GROUP
 
 COLUMNS = [
@@ -26,42 +27,69 @@ COLUMNS = [
 ]
 
 
-def _num(v, fmt: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    return format(v, fmt)
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def _pm(mean, std, fmt: str) -> str:
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+def fmt(v, spec: str, suffix: str = "") -> str:
+    """``v`` formatted with ``spec`` and ``suffix``; "—" for a missing value (None, NaN)."""
+    return "—" if _missing(v) else format(v, spec) + suffix
+
+
+def fmt_pm(mean, std, spec: str) -> str:
+    """``mean ± std`` (std omitted when undefined, "—" when the mean is)."""
+    if _missing(mean):
         return "—"
-    if std is None or (isinstance(std, float) and math.isnan(std)):
-        return format(mean, fmt)
-    return f"{format(mean, fmt)} ± {format(std, fmt)}"
+    return format(mean, spec) if _missing(std) else f"{format(mean, spec)} ± {format(std, spec)}"
+
+
+# Appended to the numbers of a partial cell (failed after some prompts were measured) wherever they are shown.
+PARTIAL_MARK = " (partial)"
+
+
+def partial_mark(row) -> str:
+    """:data:`PARTIAL_MARK` for a partial summary row, else ""."""
+    return PARTIAL_MARK if bool(row.get("partial", False)) else ""
+
+
+def cell_notes(row: pd.Series) -> list[str]:
+    """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup."""
+    label, error = row["label"], row["error"] or "unknown error"
+    if bool(row.get("partial", False)):
+        measured = int(row["n"]) + int(row["warmup_n"])
+        return [f"{label} is partial: it failed after {measured} measured prompts ({int(row['n'])} after warmup), "
+                f"its numbers come from those prompts only: {error}"]
+    if row["status"] == "failed":
+        return [f"{label} failed: {error}"]
+    if bool(row.get("all_warmup", False)):
+        return [f"{label}: all {int(row['warmup_n'])} measured prompts are warmup, so it has no numbers after warmup "
+                "(the suite's prompts must exceed its warmup)"]
+    return []
 
 
 def formatted(row: pd.Series) -> dict[str, str]:
     """Display strings of one summary row, keyed by COLUMNS' keys."""
-    if row["status"] == "failed":
-        lossless = "FAILED"
-    elif row["lossless"] == "—":
+    mark = partial_mark(row)
+    if row["lossless"] == "—":
         lossless = "—"
-    else:
+    else:  # over every measured sample, warmup included
         ref = row["reference"] if row["reference"] and row["reference"] != "ar" else ""
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "")
         if row["lossless"] == "no" and row["divergences"]:
             lossless += f" (first at {row['divergences'][0]})"
+    if row["status"] == "failed":
+        lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)
     return {
         "label": row["label"],
-        "throughput": _pm(row["throughput_mean"], row["throughput_std"], ".1f"),
-        "speedup": _num(row["speedup"], ".2f") + ("×" if not pd.isna(row["speedup"]) else ""),
-        "ttft": _pm(row["ttft_ms_mean"], row["ttft_ms_std"], ".1f"),
-        "tpot": _pm(row["tpot_ms_mean"], row["tpot_ms_std"], ".2f"),
+        "throughput": fmt_pm(row["throughput_mean"], row["throughput_std"], ".1f") + mark,
+        "speedup": fmt(row["speedup"], ".2f", "×") + mark,
+        "ttft": fmt_pm(row["ttft_ms_mean"], row["ttft_ms_std"], ".1f"),
+        "tpot": fmt_pm(row["tpot_ms_mean"], row["tpot_ms_std"], ".2f"),
         "acceptance_rate": "—" if pd.isna(row["acceptance_rate"]) else f"{row['acceptance_rate']:.1%}",
-        "tokens_per_iteration": _num(row["tokens_per_iteration"], ".2f"),
-        "mean_path_length": _num(row["mean_path_length"], ".2f"),
-        "iterations": _num(row["iterations"], ".1f"),
-        "peak_mib": _num(row["peak_mib"], ".0f"),
+        "tokens_per_iteration": fmt(row["tokens_per_iteration"], ".2f"),
+        "mean_path_length": fmt(row["mean_path_length"], ".2f"),
+        "iterations": fmt(row["iterations"], ".1f"),
+        "peak_mib": fmt(row["peak_mib"], ".0f"),
         "lossless": lossless,
     }
 
@@ -83,8 +111,10 @@ def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> 
             style = "red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
             table.add_row(*(f[c] for _, c in COLUMNS), style=style)
         console.print(table)
-        for _, row in group[group["status"] == "failed"].iterrows():
-            console.print(f"[red]{row['label']} failed: {row['error']}[/red]")
+        for _, row in group.iterrows():
+            style = "red" if row["status"] == "failed" else "yellow"
+            for note in cell_notes(row):
+                console.print(note, style=style, markup=False, highlight=False)
 
 
 def markdown(summary: pd.DataFrame) -> str:
@@ -97,6 +127,8 @@ def markdown(summary: pd.DataFrame) -> str:
         for _, row in group.iterrows():
             f = formatted(row)
             parts.append("| " + " | ".join(f[c].replace("|", "\\|") for _, c in COLUMNS) + " |")
+        notes = [note for _, row in group.iterrows() for note in cell_notes(row)]
+        parts += [""] + [f"- {note}" for note in notes] if notes else []
         parts.append("")
     return "\n".join(parts)
 
@@ -105,6 +137,7 @@ MACHINE_COLUMNS = [
     "dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "throughput_mean", "throughput_std", "speedup",
     "ttft_ms_mean", "ttft_ms_std", "tpot_ms_mean", "tpot_ms_std", "acceptance_rate", "tokens_per_iteration",
     "mean_path_length", "iterations", "peak_mib", "lossless", "lossless_n", "reference", "status", "error",
+    "warmup_n", "partial", "all_warmup",
 ]
 
 
@@ -154,33 +187,81 @@ def markdown_frame(display: pd.DataFrame, title: str = "", caption: str = "", no
     return "\n".join(parts)
 
 
-def _f(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
-
-
 def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
-    """Display strings of a :func:`~dtbench.reports.compare.speedup_table` (tokens/s, ×)."""
+    """Display strings of a :func:`~dtbench.reports.compare.speedup_table` (tokens/s, ×); "n too small" in place
+    of the interval below :data:`~dtbench.reports.compare.MIN_PROMPTS` paired prompts."""
     ci = f"{confidence:.0%} CI"
+
+    def interval(r) -> str:
+        if r["ci_method"] == N_TOO_SMALL:
+            return f"{N_TOO_SMALL} (n < {MIN_PROMPTS})"
+        return "—" if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+
     return pd.DataFrame([{
         "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
-        "n": str(r["n"]), "Throughput (t/s)": _f(r["throughput_mean"], ".1f"), "AR (t/s)": _f(r["ar_throughput_mean"], ".1f"),
-        "Speedup": _f(r["speedup"], ".3f", "×"),
-        ci: "—" if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
-        "Verdict": r["verdict"],
+        "n": str(r["n"]), "Throughput (t/s)": fmt(r["throughput_mean"], ".1f") + partial_mark(r),
+        "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"), "Speedup": fmt(r["speedup"], ".3f", "×") + partial_mark(r),
+        "Per-prompt (geo. mean)": fmt(r["paired_speedup"], ".3f", "×"), ci: interval(r), "Verdict": r["verdict"],
     } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "n", "Throughput (t/s)", "AR (t/s)",
-                                              "Speedup", ci, "Verdict"])
+                                              "Speedup", "Per-prompt (geo. mean)", ci, "Verdict"])
 
 
 MARK_STYLES = {"better": "green", "worse": "red", "newly failing": "bold red", "still failing": "red",
-               "not comparable": "yellow", "new": "cyan", "missing": "magenta", "no longer failing": "green"}
-VERDICT_STYLES = {"faster": "green", "slower": "red"}
+               "not comparable": "yellow", "new": "cyan", "missing": "magenta", "no longer failing": "green",
+               N_TOO_SMALL: "dim"}
+VERDICT_STYLES = {"faster": "green", "slower": "red", N_TOO_SMALL: "dim"}
+
+
+def verdict_style(verdict: str) -> str | None:
+    """The rich style of a speedup verdict: yellow for a partial cell's, else VERDICT_STYLES'."""
+    return "yellow" if verdict.endswith(PARTIAL_MARK) else VERDICT_STYLES.get(verdict)
 
 
 def compare_display(table: pd.DataFrame) -> pd.DataFrame:
     """Display strings of a run-to-run comparison (:func:`~dtbench.reports.compare.compare_runs`)."""
+    def side(r, which: str) -> str:
+        return fmt(r[which], ".2f") + (PARTIAL_MARK if bool(r.get(f"{which}_partial", False)) else "")
+
     return pd.DataFrame([{
         "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
-        "Before (t/s)": _f(r["before"], ".2f"), "After (t/s)": _f(r["after"], ".2f"), "Ratio": _f(r["ratio"], ".3f", "×"),
-        "p": _f(r["p_value"], ".3g"), "Mark": r["mark"], "Note": r["note"],
+        "Before (t/s)": side(r, "before"), "After (t/s)": side(r, "after"), "Ratio": fmt(r["ratio"], ".3f", "×"),
+        "p": fmt(r["p_value"], ".3g"), "Mark": r["mark"], "Note": r["note"],
     } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "Before (t/s)", "After (t/s)", "Ratio",
                                               "p", "Mark", "Note"])
+
+
+# --- the run's environment ----------------------------------------------------------------------------------
+
+
+def hardware_text(env: dict | None) -> str:
+    """The dtype-relevant hardware flags of a run (``environment["hardware"]``, written by
+    :func:`~dtbench.harness.measure.hardware_flags`) as one line; "" for runs recorded without them.
+
+    Example: ``CPU avx2 avx512f avx512_bf16 (no avx512_fp16 amx_bf16 amx_tile); torch CPU kernels AVX512;
+    CUDA compute capability 9.0, native bf16``.
+    """
+    hw = (env or {}).get("hardware")
+    if not isinstance(hw, dict):
+        return ""
+    parts = []
+    flags = hw.get("cpu_flags")
+    if isinstance(flags, dict) and flags:
+        on = [f for f, v in flags.items() if v]
+        off = [f for f, v in flags.items() if not v]
+        parts.append("CPU " + (" ".join(on) if on else "none of the AVX2/AVX-512/AMX flags")
+                     + (f" (no {' '.join(off)})" if on and off else ""))
+    if hw.get("torch_cpu_capability"):
+        parts.append(f"torch CPU kernels {hw['torch_cpu_capability']}")
+    if hw.get("cuda_capability"):
+        bf16 = {True: ", native bf16", False: ", no native bf16"}.get(hw.get("cuda_bf16"), "")
+        parts.append(f"CUDA compute capability {hw['cuda_capability']}{bf16}")
+    return "; ".join(parts)
+
+
+def run_header(meta: dict) -> str:
+    """The line above a run's tables: id, suite, status, device, versions, and a second line of hardware flags."""
+    env = meta.get("environment") or {}
+    line = (f"run {meta['id']} · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
+            f"torch {env.get('torch')} · transformers {env.get('transformers')}")
+    hw = hardware_text(env)
+    return line + (f"\nhardware: {hw}" if hw else "")

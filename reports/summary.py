@@ -2,6 +2,16 @@
 
 Paper protocol (section 4.1): the first W prompts of each cell are warmup; means and standard deviations are
 over the rest. Speedup = mean throughput / mean AR throughput of the same dataset, prompt cap and T.
+
+Two cell states a reader must not mistake for a normal result:
+
+- *partial*: the cell failed (``cells.status == "failed"``) after some prompts were measured; its numbers come
+  from those prompts only. Reports mark it everywhere and the paper tables and figures leave its numbers out unless
+  asked (:func:`without_partial`).
+- *all warmup*: every measured prompt was a warmup prompt; there is no number to report (never the warmup's).
+
+Whether a cell is lossless is a property of every sample measured, warmup included: a divergence is a
+divergence whenever it happened.
 """
 
 from __future__ import annotations
@@ -68,21 +78,28 @@ def peak_memory(row: pd.Series) -> float | None:
     return None
 
 
+# Per-cell numbers of a summary (everything a partial cell must not contribute to the paper's tables and figures).
+METRIC_COLUMNS = ["throughput_mean", "throughput_std", "speedup", "ttft_ms_mean", "ttft_ms_std", "tpot_ms_mean",
+                  "tpot_ms_std", "acceptance_rate", "tokens_per_iteration", "mean_path_length", "iterations", "peak_mib"]
+
+
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: mean/std over non-warmup samples, speedup vs the same group's ``ar`` cell.
 
-    Columns: dataset, prompt_cap, gen_length, label, decoder, n, throughput_mean/std (tokens/s), speedup,
-    ttft_ms_mean/std, tpot_ms_mean/std, acceptance_rate, tokens_per_iteration, mean_path_length, iterations,
-    peak_mib, lossless ('yes', 'no', '—' when nothing to compare), lossless_n, divergences, reference, status, error.
+    Columns: dataset, prompt_cap, gen_length, label, decoder, n (prompts after warmup), warmup_n,
+    throughput_mean/std (tokens/s), speedup, ttft_ms_mean/std, tpot_ms_mean/std, acceptance_rate,
+    tokens_per_iteration, mean_path_length, iterations, peak_mib (all NaN when no prompt is left after warmup),
+    lossless ('yes', 'no', '—' when nothing to compare) and lossless_n over every measured sample (warmup
+    included), divergences (first divergent token of each diverging sample, warmup included), reference, status,
+    error, partial (failed after some prompts were measured), all_warmup (samples, but all of them warmup).
     """
     out = []
     for cell_id, cell in frame.groupby("cell_id", sort=False):
         first = cell.iloc[0]
         measured = cell[cell["has_sample"]]
-        kept = measured[~measured["warmup"].astype(bool)]
-        basis = kept if len(kept) else measured
+        basis = measured[~measured["warmup"].astype(bool)]
         mem = basis.apply(peak_memory, axis=1) if len(basis) else pd.Series(dtype=float)
-        compared = basis["lossless"].dropna()
+        compared = measured["lossless"].dropna()
         if len(compared) == 0:
             lossless = "—"
         else:
@@ -91,7 +108,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             "cell_id": cell_id, "dataset": first["dataset"], "prompt_cap": int(first["prompt_cap"]),
             "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
             "params": first["params"], "decoder_version": first["decoder_version"],
-            "n": len(kept), "warmup_n": len(measured) - len(kept),
+            "n": len(basis), "warmup_n": len(measured) - len(basis),
             "throughput_mean": basis["throughput"].mean(), "throughput_std": basis["throughput"].std(ddof=1),
             "ttft_ms_mean": basis["ttft_s"].mean() * 1e3, "ttft_ms_std": basis["ttft_s"].std(ddof=1) * 1e3,
             "tpot_ms_mean": basis["tpot_s"].astype(float).mean() * 1e3,
@@ -102,9 +119,11 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             "iterations": basis["iterations"].mean(),
             "peak_mib": mem.mean() / MIB if len(mem.dropna()) else float("nan"),
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
-            "divergences": sorted(int(d) for d in basis["first_divergence"].dropna()),
+            "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),
             "reference": first["reference_label"], "lossless_expected": bool(first["lossless_expected"]),
             "status": first["status"], "error": first["error"],
+            "partial": first["status"] == "failed" and len(measured) > 0,
+            "all_warmup": len(measured) > 0 and len(basis) == 0,
         })
     table = pd.DataFrame(out)
     if table.empty:
@@ -113,6 +132,26 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     ar = ar[~ar.index.duplicated()]
     keys = list(zip(*(table[c] for c in GROUP)))
     table["speedup"] = [row / ar.get(k, float("nan")) for row, k in zip(table["throughput_mean"], keys)]
+    return table
+
+
+def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
+    """A copy of a summary in which partial cells carry no numbers (METRIC_COLUMNS set to NaN), and neither do the
+    speedups measured against a partial AR cell; the affected rows get ``partial_hidden = True``.
+
+    The paper's tables and figures use it unless ``--include-partial`` asks for the partial numbers: a cell that
+    failed after some prompts averages over fewer, possibly easier, prompts than its neighbours.
+    """
+    table = summary.copy()
+    if table.empty:
+        return table.assign(partial_hidden=pd.Series(dtype=bool))
+    partial = table["partial"].fillna(False).astype(bool)
+    group = [*(["run_id"] if "run_id" in table else []), *GROUP]  # speedups are against the AR of the same run
+    ar_partial = {tuple(r[c] for c in group) for _, r in table[partial & (table["decoder"] == "ar")].iterrows()}
+    against = pd.Series([tuple(r[c] for c in group) in ar_partial for _, r in table.iterrows()], index=table.index)
+    table.loc[partial, METRIC_COLUMNS] = float("nan")
+    table.loc[against, "speedup"] = float("nan")
+    table["partial_hidden"] = partial | against
     return table
 
 

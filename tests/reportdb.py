@@ -17,6 +17,9 @@ from dtbench.harness.db import Cell, Run, Sample
 
 ENV = {"dtbench": "0.1.0", "torch": "2.13.0+cpu", "transformers": "5.23.0", "device": "cpu",
        "device_name": "test cpu", "git_sha": "abc"}
+# environment["hardware"] as harness.measure.hardware_flags writes it (runs recorded before it existed lack it).
+HARDWARE = {"cpu_flags": {"avx2": True, "avx512f": True, "avx512_bf16": True, "avx512_fp16": False,
+                          "amx_bf16": False, "amx_tile": False}, "torch_cpu_capability": "AVX512"}
 
 
 def suite_text(name: str, decoders: list[dict[str, Any]], datasets=("wikitext-2",), T=(64,), cap=128) -> str:
@@ -52,8 +55,14 @@ def add_cell(session, run: Run, label: str, decoder: str | None = None, *, datas
 
 def add_samples(session, cell: Cell, throughputs: list[float], *, warmup: int = 0, ttft_s: float = 0.02,
                 acceptance: float | None = None, path: float | None = None, iterations: int | None = None,
-                rss_mib: float = 1000.0, allocated_mib: float | None = None, start: int = 0) -> list[Sample]:
-    """One sample per throughput (tokens/s), prompts ``start..``; the first ``warmup`` are warmup samples."""
+                rss_mib: float = 1000.0, allocated_mib: float | None = None, start: int = 0,
+                diverge: dict[int, int] | None = None) -> list[Sample]:
+    """One sample per throughput (tokens/s), prompts ``start..``; the first ``warmup`` are warmup samples.
+
+    ``diverge`` maps a sample's position in ``throughputs`` to the token at which its output first differs from
+    the reference (that sample is stored with lossless False); every other non-AR sample is lossless.
+    """
+    diverge = diverge or {}
     T = cell.gen_length
     out = []
     for i, thr in enumerate(throughputs):
@@ -68,7 +77,7 @@ def add_samples(session, cell: Cell, throughputs: list[float], *, warmup: int = 
             step_times_s=[total], peak_rss_bytes=int(rss_mib * 2**20),
             peak_allocated_bytes=int(allocated_mib * 2**20) if allocated_mib is not None else None, peak_nvml_bytes=None,
             output_hash=hashlib.sha256(json.dumps([start + i]).encode()).hexdigest(), output_tokens=[0] * T,
-            lossless=None if cell.decoder == "ar" else True, first_divergence=None,
+            lossless=None if cell.decoder == "ar" else i not in diverge, first_divergence=diverge.get(i),
         )
         session.add(s)
         out.append(s)
@@ -164,3 +173,46 @@ def paper_like(session, seed: int = 0) -> list[int]:
                         path=path, iterations=int(1500 / L))
     session.commit()
     return [r1.id, r2.id, r3.id]
+
+
+# --- cells whose numbers are easy to misread (issue 8, "metrics that mean what they say") -----------------------
+
+AR_THR = [50.0, 10.0, 11.0, 9.0, 10.5, 10.2]  # first is warmup: 5 prompts after it
+DIVERGES_THR = [80.0, 16.0, 18.5, 17.0, 15.5, 16.4]  # lossless after warmup; the warmup sample diverges at token 17
+PARTIAL_THR = [90.0, 21.0, 22.0]  # failed at the fourth prompt: 2 prompts after warmup
+WARMUP_ONLY_THR = [70.0, 60.0]  # both warmup
+PARTIAL_ERROR = "RuntimeError: CUDA out of memory"
+
+
+def tricky_run(session, hardware: bool = True) -> int:
+    """One run (wikitext-2, L_max 128, T=64): ``AR``; ``Diverges`` (linear: its warmup sample diverges at token
+    17, the 5 others match); ``Partial`` (dynatree: failed after 3 prompts, 1 of them warmup); ``Warmup only``
+    (fixed_tree: 2 samples, both warmup); ``Broken`` (fixed_tree: failed before any sample). The environment has
+    ``hardware`` flags unless ``hardware=False`` (a run recorded before they existed). Returns the run id."""
+    env = {**ENV, "hardware": HARDWARE} if hardware else ENV
+    decs = [{"name": "ar", "label": "AR"}, {"name": "linear", "label": "Diverges"},
+            {"name": "dynatree", "label": "Partial"}, {"name": "fixed_tree", "label": "Warmup only"},
+            {"name": "fixed_tree", "label": "Broken"}]
+    run = add_run(session, "tricky", env=env, text=suite_text("tricky", decs), status="failed")
+    add_samples(session, add_cell(session, run, "AR", "ar"), AR_THR, warmup=1)
+    add_samples(session, add_cell(session, run, "Diverges", "linear"), DIVERGES_THR, warmup=1, diverge={0: 17},
+                acceptance=0.8, path=3.0)
+    add_samples(session, add_cell(session, run, "Partial", "dynatree", status="failed", error=PARTIAL_ERROR),
+                PARTIAL_THR, warmup=1, acceptance=0.9, path=4.0)
+    add_samples(session, add_cell(session, run, "Warmup only", "fixed_tree"), WARMUP_ONLY_THR, warmup=2,
+                acceptance=0.7, path=2.0)
+    add_cell(session, run, "Broken", "fixed_tree", status="failed", error="ValueError: bad tree")
+    session.commit()
+    return run.id
+
+
+def few_prompts_run(session, ratio: float = 0.77, after_warmup: int = 2) -> int:
+    """The issue's case: AR and Linear on ``after_warmup`` prompts after one warmup, Linear consistently
+    ``ratio`` times AR's throughput (tight per-prompt ratios, so a bootstrap would call it "slower"). Returns the id."""
+    run = add_run(session, "few", text=suite_text("few", [{"name": "ar", "label": "AR"}, {"name": "linear", "label": "Linear"}]))
+    ar = [50.0] + [10.0 + 0.7 * i for i in range(after_warmup)]
+    add_samples(session, add_cell(session, run, "AR", "ar"), ar, warmup=1)
+    lin = [40.0] + [v * ratio * (1 + 0.01 * (-1) ** i) for i, v in enumerate(ar[1:])]
+    add_samples(session, add_cell(session, run, "Linear", "linear"), lin, warmup=1)
+    session.commit()
+    return run.id

@@ -25,7 +25,7 @@ BUILTIN = [
     ("ar", {}), ("linear", {"k": 3}), ("fixed_tree", {"depth": 3, "branching": 2}),
     ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
     ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
-    ("dynatree", {}), ("hf_assisted", {}), ("streaming_ar", {"sinks": 4, "window": 64}),
+    ("dynatree", {}), ("hf_assisted", {}), ("hf_generate", {}), ("streaming_ar", {"sinks": 4, "window": 64}),
     ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}),
 ]
 
@@ -58,7 +58,7 @@ def test_sample_row_and_forward_counts(name, params):
         assert 0 <= row["acceptance_rate"] <= 1
         assert row["acceptance_incl_bonus"] > row["acceptance_rate"]
     assert stats["target_tokens"][0] >= len(PROMPT)  # the prefill fed the whole prompt
-    if name in ("ar", "streaming_ar"):
+    if name in ("ar", "streaming_ar", "hf_generate"):
         assert tf == [1] * T and df is None and row["draft_forwards"] is None
     elif name in ("linear", "streaming_spec"):
         assert tf == [1] * len(tf)

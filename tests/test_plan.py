@@ -1,0 +1,87 @@
+"""The run plan (harness/plan.py) and suite includes: one grid, per-decoder restrictions, references spread to
+wherever a dependent runs, and `include:` merging with errors that name the right file and line."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtbench.harness.errors import DtbenchError
+from dtbench.harness.plan import plan_suite
+from dtbench.harness.suite import load_suite, parse_suite
+from kit import invoke, one_line_error
+
+SUITE = """
+name: grid
+device: cpu
+target: {model: smollm2-135m}
+draft: {model: smollm2-135m, dtype: bfloat16}
+datasets:
+  - {name: wikitext-2, prompts: 3, warmup: 1, prompt_cap: [64, 128]}
+  - {name: pg19, prompts: 2, warmup: 1, prompt_cap: 64}
+generation_lengths: [8, 16, 32]
+decoders:
+  - {name: linear, label: L, params: {k: 2}}
+  - {name: linear, label: L-scaling, params: {k: 4}, generation_lengths: [16, 32], prompt_cap: 64, datasets: [pg19]}
+  - {name: streaming_spec, label: S, params: {sinks: 4, window: 32, k: 2}, generation_lengths: [32], datasets: [pg19]}
+"""
+
+
+def test_restrictions_and_reference_spreading():
+    plan = plan_suite(parse_suite(SUITE))
+    labels = [c.label for c in plan.decoders]
+    # References first: the implicit ar, and the implicit streaming_ar reference of S.
+    assert labels.index("ar") < labels.index("L") and labels.index("streaming_ar (sinks=4, window=32)") < labels.index("S")
+    by = {c.label: c for c in plan.decoders}
+    assert by["L-scaling"].points == {("pg19", 64, 16), ("pg19", 64, 32)}
+    assert by["S"].points == {("pg19", 64, 32)}
+    assert by["streaming_ar (sinks=4, window=32)"].points == by["S"].points  # only where its dependent runs
+    assert by["ar"].points == by["L"].points  # ar everywhere L runs (L is unrestricted): 3 caps x 3 T
+    assert len(by["ar"].points) == 9
+    cells = plan.cells()
+    assert len(cells) == 9 + 9 + 2 + 1 + 1
+    groups = plan.groups()
+    assert len(groups) == 2 * 3 * 3 + 1 * 3 * 2  # wikitext: 2 caps x 3 T x 3 prompts; pg19: 3 T x 2 prompts
+    # wikitext: 6 points x (ar, L) x 3 prompts; pg19 T=8: ar, L; T=16: + L-scaling; T=32: + streaming_ar, S
+    assert plan.n_samples == sum(len(g.decoders) for g in groups) == 6 * 2 * 3 + 2 * (2 + 3 + 5)
+    g = next(g for g in groups if g.dataset.name == "pg19" and g.gen_length == 32)
+    assert [c.label for c in g.decoders][:2] == ["ar", "streaming_ar (sinks=4, window=32)"]
+    assert g.warmup and not groups[1].warmup
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ("{name: linear, generation_lengths: [64]}", "generation_lengths [64] are not in the suite's"),
+    ("{name: linear, prompt_cap: 999}", "prompt_cap [999] is not a prompt_cap of any dataset"),
+    ("{name: linear, datasets: [c4]}", "datasets names 'c4', which the suite does not have"),
+])
+def test_restrictions_must_name_suite_values(tmp_path, entry, needle):
+    text = SUITE.split("decoders:")[0] + f"decoders:\n  - {{name: ar}}\n  - {entry}\n"
+    (tmp_path / "s.yaml").write_text(text)
+    one_line_error(invoke("validate", str(tmp_path / "s.yaml")), "s.yaml:", "decoders.1:", needle)
+
+
+def test_sweep_points_remember_their_group():
+    text = SUITE.split("decoders:")[0] + "decoders:\n  - {name: linear, label: Lin, sweep: {k: [2, 4]}}\n"
+    plan = plan_suite(parse_suite(text))
+    lin = [c for c in plan.decoders if c.spec.name == "linear"]
+    assert [(c.spec.sweep_group, c.spec.swept) for c in lin] == [("Lin", {"k": 2}), ("Lin", {"k": 4})]
+
+
+def test_include_merges_and_names_the_right_file(tmp_path):
+    (tmp_path / "base.yaml").write_text(SUITE)
+    (tmp_path / "child.yaml").write_text("include: base.yaml\nname: child\ngeneration_lengths: [8]\n")
+    suite, text = load_suite(tmp_path / "child.yaml")
+    assert suite.name == "child" and suite.generation_lengths == [8] and len(suite.datasets) == 2
+    assert "# --- include:" in text and "streaming_spec" in text  # the stored text covers the included file
+    (tmp_path / "child.yaml").write_text("include: base.yaml\nname: child\n\ngeneration_lengths: [0]\n")
+    with pytest.raises(DtbenchError, match=r"child\.yaml:4: generation_lengths"):
+        load_suite(tmp_path / "child.yaml")
+    (tmp_path / "bad.yaml").write_text(SUITE.replace("prompts: 2,", "prompts: x,"))
+    (tmp_path / "child.yaml").write_text("include: [bad.yaml]\nname: child\n")
+    with pytest.raises(DtbenchError, match=r"bad\.yaml:8: datasets\.1\.prompts"):
+        load_suite(tmp_path / "child.yaml")
+    (tmp_path / "loop.yaml").write_text("include: loop.yaml\nname: l\n")
+    with pytest.raises(DtbenchError, match="includes itself"):
+        load_suite(tmp_path / "loop.yaml")
+    (tmp_path / "child.yaml").write_text("include: nowhere.yaml\nname: child\n")
+    with pytest.raises(DtbenchError, match="nowhere.yaml not found"):
+        load_suite(tmp_path / "child.yaml")
