@@ -207,9 +207,8 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     \b
     BEFORE and AFTER are run ids or 'latest'. --tables, --figures and --html accept several --run to combine
     runs of different suites (suites/paper.yaml and paper-scaling.yaml); a cell held by two runs is taken from
-    the one with more cells at its dataset/L_max/T (ties: the later --run). Gate metrics: throughput, speedup,
-    ttft_ms, tpot_ms, acceptance_rate, tokens_per_iteration, mean_path_length, iterations, peak_mib; THRESHOLD
-    with % is relative, without it absolute in the metric's unit; its sign is the bad direction (no sign: the
+    the one with more cells at its dataset/L_max/T (ties: the later --run). Gate metrics: {gate_metrics};
+    THRESHOLD with % is relative, without it absolute in the metric's unit; its sign is the bad direction (no sign: the
     metric's own, e.g. down for throughput, up for tpot_ms). Exit codes: 0 ok, 1 gate tripped, 2 bad input.
     """
     from dtbench.reports.command import report_command
@@ -217,6 +216,15 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
                    only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
                    html_file=html_file, include_partial=include_partial)
+
+
+def _gate_metrics() -> str:
+    from dtbench.harness.metrics import GATEABLE
+
+    return ", ".join(GATEABLE)
+
+
+report.help = (report.help or "").replace("{gate_metrics}", _gate_metrics())
 
 
 @cli.command()

@@ -1,4 +1,8 @@
-"""Per-sample metrics: how a :class:`~dtbench.harness.measure.Measurement` becomes one ``samples`` row.
+"""Every metric, in one place: its per-sample derivation from Steps (:func:`sample_row`) and, in :data:`METRICS`,
+its name, unit, header, number format, per-cell aggregation, better direction and ``--fail-if`` aliases.
+
+Reports (summary, tables, CSV/JSON, run-to-run comparison and gates) iterate over :data:`METRICS`; adding a
+metric is one :class:`Metric` entry (plus its samples column, with a migration, and its line in :func:`sample_row`).
 
 Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
 
@@ -10,7 +14,8 @@ Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
 - acceptance_incl_bonus = committed tokens *including* the bonus token / drafted depth, summed over the
   iterations that drafted: the DynaTree paper's Table 3 "Accept." convention, which can exceed 100%.
 - mean_path_length = mean committed path length before the bonus token over the iterations that drafted;
-  mean_path_length_all = the same over every iteration (the paper's ℓ, iterations that drafted nothing count 0).
+  mean_path_length_all = the same over every iteration (the paper's ℓ, iterations that drafted nothing count 0;
+  None when no iteration drafted, as for ``ar``).
 - target_forwards / draft_forwards: forward passes counted by the runner's hooks (never declared by decoders).
 - lossless: the output equals the reference's token for token; otherwise the first divergence is stored.
 """
@@ -19,9 +24,109 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
+MIB = 2**20
+
+
+def peak_memory_bytes(row) -> float | None:
+    """The peak memory a reader compares (bytes): torch allocator peak on CUDA, else the process RSS peak (CPU)."""
+    for col in ("peak_allocated_bytes", "peak_rss_bytes"):
+        v = row.get(col)
+        if v is not None and not (isinstance(v, float) and math.isnan(v)):
+            return float(v)
+    return None
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One per-prompt metric and how every report shows it.
+
+    Attributes:
+        name: the name in summaries, CSV/JSON and ``--fail-if`` (its display unit in the name: ``tpot_ms``).
+        column: the samples column it is read from, or a function of a samples row (e.g. peak memory).
+        header: the column header of the per-cell table (None: not a table column, still in CSV/JSON).
+        unit: the display unit ("tokens/s", "ms", "fraction", "tokens", "MiB", ...).
+        scale: multiplies the stored value (stored units are seconds, bytes, counts) into the display unit.
+        spec: format spec of the displayed number; ``percent`` shows a fraction as a percentage.
+        spread: aggregated per cell as mean ± std (columns ``{name}_mean``/``{name}_std``), else the mean (``{name}``).
+        higher_is_better: the good direction for comparisons and gates; None: no direction.
+        aliases: other names ``--fail-if`` accepts.
+        source: where it is defined (DESIGN.md, the paper), for docs.
+    """
+
+    name: str
+    column: str | Callable
+    header: str | None
+    unit: str
+    scale: float = 1.0
+    spec: str = ".2f"
+    percent: bool = False
+    spread: bool = False
+    higher_is_better: bool | None = None
+    aliases: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def columns(self) -> list[str]:
+        """The summary columns this metric produces."""
+        return [f"{self.name}_mean", f"{self.name}_std"] if self.spread else [self.name]
+
+    def values(self, samples):
+        """Per-sample values in the display unit, a float pandas Series (samples: a frame of samples rows)."""
+        import pandas as pd
+
+        if callable(self.column):
+            raw = samples.apply(self.column, axis=1) if len(samples) else pd.Series(dtype=float)
+        else:
+            raw = samples[self.column]
+        return pd.to_numeric(raw, errors="coerce").astype(float) * self.scale
+
+    def format(self, mean, std=None) -> str:
+        """Display string: ``mean ± std`` (std where given and defined), percent if asked, "—" when missing."""
+        def one(v) -> str:
+            return format(v, ".1%") if self.percent else format(v, self.spec)
+
+        if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+            return "—"
+        if std is None or (isinstance(std, float) and math.isnan(std)):
+            return one(mean)
+        return f"{one(mean)} ± {one(std)}"
+
+
+METRICS: list[Metric] = [
+    Metric("throughput", "throughput", "Throughput (t/s)", "tokens/s", spec=".1f", spread=True,
+           higher_is_better=True, aliases=("tps",), source="T / decode wall time, prefill included"),
+    Metric("ttft_ms", "ttft_s", "TTFT (ms)", "ms", scale=1e3, spec=".1f", spread=True, higher_is_better=False,
+           aliases=("ttft",), source="time to the first committed token"),
+    Metric("tpot_ms", "tpot_s", "TPOT (ms)", "ms", scale=1e3, spec=".2f", spread=True, higher_is_better=False,
+           aliases=("tpot",), source="(total - TTFT) / (T - 1)"),
+    Metric("acceptance_rate", "acceptance_rate", "Accept.", "fraction", percent=True, higher_is_better=True,
+           aliases=("acceptance", "accept"), source="committed drafted tokens / drafted depth"),
+    Metric("acceptance_incl_bonus", "acceptance_incl_bonus", None, "fraction", percent=True, higher_is_better=True,
+           aliases=("accept_bonus",), source="committed tokens incl. the bonus / drafted depth (paper Table 3)"),
+    Metric("tokens_per_iteration", "tokens_per_iteration", "L (tok/iter)", "tokens", higher_is_better=True,
+           aliases=("L",), source="T / iterations"),
+    Metric("mean_path_length", "mean_path_length", "ℓ (path)", "tokens", higher_is_better=True,
+           aliases=("l", "path_length"), source="committed path before the bonus, iterations that drafted"),
+    Metric("mean_path_length_all", "mean_path_length_all", None, "tokens", higher_is_better=True,
+           aliases=("l_all",), source="committed path before the bonus, every iteration (the paper's)"),
+    Metric("iterations", "iterations", "#Iter", "iterations", spec=".1f", higher_is_better=False,
+           aliases=("iter",), source="target verifications, the prefill first"),
+    Metric("peak_mib", peak_memory_bytes, "Peak mem (MiB)", "MiB", scale=1 / MIB, spec=".0f",
+           higher_is_better=False, aliases=("memory", "peak_memory", "mem"),
+           source="torch allocator peak on CUDA, process RSS peak on CPU"),
+]
+BY_NAME = {m.name: m for m in METRICS}
+# Derived per cell against the baseline, not read from one sample: the speedup (throughput / AR throughput).
+SPEEDUP = Metric("speedup", "speedup", "Speedup", "×", spec=".2f", higher_is_better=True,
+                 source="throughput / AR throughput, same dataset, L_max and T")
+GATEABLE = {m.name: m for m in [METRICS[0], SPEEDUP, *METRICS[1:]] if m.higher_is_better is not None}
+ALIASES = {alias: m.name for m in GATEABLE.values() for alias in m.aliases}
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -88,7 +193,7 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
         acceptance_rate=sum(accepted) / depth_sum if depth_sum else None,
         acceptance_incl_bonus=sum(committed[i] for i in drafting) / depth_sum if depth_sum else None,
         mean_path_length=sum(accepted[i] for i in drafting) / len(drafting) if drafting else None,
-        mean_path_length_all=sum(accepted) / iterations,
+        mean_path_length_all=sum(accepted) / iterations if drafting else None,
         target_forwards=sum(target_fw),
         draft_forwards=sum(draft_fw) if draft_counted else None,
         step_tokens=committed,

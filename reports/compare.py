@@ -23,7 +23,9 @@ import pandas as pd
 from scipy import stats
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.summary import GROUP, KEY, MIB
+from dtbench.harness.metrics import ALIASES, GATEABLE, Metric  # noqa: F401  (Metric re-exported)
+from dtbench.harness.metrics import METRICS as REGISTRY
+from dtbench.reports.summary import GROUP, KEY
 
 # Marks of a run-to-run comparison, in the order a reader cares about them.
 BETTER, WORSE, NOT_SIGNIFICANT = "better", "worse", "not significant"
@@ -36,48 +38,22 @@ UNCHANGED_MARKS = (NOT_SIGNIFICANT, FAILING)
 ENV_KEYS = ("dtbench", "torch", "transformers", "device_name")
 
 
-@dataclass(frozen=True)
-class Metric:
-    """A per-prompt metric a comparison or gate can read: its column, unit and which direction is better."""
-
-    name: str
-    unit: str
-    higher_is_better: bool
-
-
-METRICS = {
-    "throughput": Metric("throughput", "tokens/s", True),
-    "speedup": Metric("speedup", "×", True),
-    "ttft_ms": Metric("ttft_ms", "ms", False),
-    "tpot_ms": Metric("tpot_ms", "ms", False),
-    "acceptance_rate": Metric("acceptance_rate", "fraction", True),
-    "tokens_per_iteration": Metric("tokens_per_iteration", "tokens", True),
-    "mean_path_length": Metric("mean_path_length", "tokens", True),
-    "iterations": Metric("iterations", "iterations", False),
-    "peak_mib": Metric("peak_mib", "MiB", False),
-}
-ALIASES = {"ttft": "ttft_ms", "tpot": "tpot_ms", "acceptance": "acceptance_rate", "accept": "acceptance_rate",
-           "L": "tokens_per_iteration", "l": "mean_path_length", "path_length": "mean_path_length",
-           "iter": "iterations", "memory": "peak_mib", "peak_memory": "peak_mib", "mem": "peak_mib",
-           "tps": "throughput"}
+# Metrics a comparison or gate can read, and the names --fail-if also accepts: from the one metric registry.
+METRICS = GATEABLE
 
 
 def per_prompt(frame: pd.DataFrame) -> pd.DataFrame:
     """Non-warmup samples of a :func:`~dtbench.reports.summary.samples_frame`, with every metric of METRICS.
 
-    Adds ``ttft_ms``, ``tpot_ms`` (milliseconds), ``peak_mib`` (MiB: torch allocator peak on CUDA, RSS peak on
-    CPU) and ``speedup`` (the sample's throughput over the AR throughput on the same prompt of the same dataset,
+    Adds every metric of the registry (:data:`dtbench.harness.metrics.METRICS`) in its display unit (``ttft_ms``,
+    ``tpot_ms`` in ms, ``peak_mib`` in MiB, ...) and ``speedup`` (the sample's throughput over the AR throughput on the same prompt of the same dataset,
     cap and T; NaN without an AR sample).
     """
     s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)].copy()
     if s.empty:
-        return s.assign(ttft_ms=[], tpot_ms=[], peak_mib=[], speedup=[])
-    s["ttft_ms"] = s["ttft_s"].astype(float) * 1e3
-    s["tpot_ms"] = s["tpot_s"].astype(float) * 1e3
-    alloc, rss = s["peak_allocated_bytes"].astype(float), s["peak_rss_bytes"].astype(float)
-    s["peak_mib"] = alloc.where(alloc.notna(), rss) / MIB
-    for col in ("acceptance_rate", "mean_path_length", "throughput", "tokens_per_iteration", "iterations"):
-        s[col] = s[col].astype(float)
+        return s.assign(**{m.name: [] for m in REGISTRY}, speedup=[])
+    for m in REGISTRY:
+        s[m.name] = m.values(s)
     ar = s[s["decoder"] == "ar"].drop_duplicates([*GROUP, "prompt_index"]).set_index([*GROUP, "prompt_index"])["throughput"]
     idx = pd.MultiIndex.from_frame(s[[*GROUP, "prompt_index"]])
     s["speedup"] = s["throughput"].to_numpy() / ar.reindex(idx).to_numpy()

@@ -9,22 +9,13 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.reports.compare import MIN_PROMPTS, N_TOO_SMALL
 from dtbench.reports.summary import GROUP
 
-COLUMNS = [
-    ("Decoder", "label"),
-    ("Throughput (t/s)", "throughput"),
-    ("Speedup", "speedup"),
-    ("TTFT (ms)", "ttft"),
-    ("TPOT (ms)", "tpot"),
-    ("Accept.", "acceptance_rate"),
-    ("L (tok/iter)", "tokens_per_iteration"),
-    ("ℓ (path)", "mean_path_length"),
-    ("#Iter", "iterations"),
-    ("Peak mem (MiB)", "peak_mib"),
-    ("Lossless", "lossless"),
-]
+# The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
+_SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
+COLUMNS = [("Decoder", "label"), *((m.header, m.name) for m in _SHOWN), ("Lossless", "lossless")]
 
 
 def _missing(v) -> bool:
@@ -79,19 +70,13 @@ def formatted(row: pd.Series) -> dict[str, str]:
             lossless += f" (first at {row['divergences'][0]})"
     if row["status"] == "failed":
         lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)
-    return {
-        "label": row["label"],
-        "throughput": fmt_pm(row["throughput_mean"], row["throughput_std"], ".1f") + mark,
-        "speedup": fmt(row["speedup"], ".2f", "×") + mark,
-        "ttft": fmt_pm(row["ttft_ms_mean"], row["ttft_ms_std"], ".1f"),
-        "tpot": fmt_pm(row["tpot_ms_mean"], row["tpot_ms_std"], ".2f"),
-        "acceptance_rate": "—" if pd.isna(row["acceptance_rate"]) else f"{row['acceptance_rate']:.1%}",
-        "tokens_per_iteration": fmt(row["tokens_per_iteration"], ".2f"),
-        "mean_path_length": fmt(row["mean_path_length"], ".2f"),
-        "iterations": fmt(row["iterations"], ".1f"),
-        "peak_mib": fmt(row["peak_mib"], ".0f"),
-        "lossless": lossless,
-    }
+    out = {"label": row["label"], "lossless": lossless}
+    for m in _SHOWN:
+        value = m.format(row[f"{m.name}_mean"], row[f"{m.name}_std"]) if m.spread else m.format(row[m.name])
+        if m is SPEEDUP and value != "—":
+            value += "×"
+        out[m.name] = value + (mark if m in (METRICS[0], SPEEDUP) else "")
+    return out
 
 
 def _title(key) -> str:
@@ -134,9 +119,8 @@ def markdown(summary: pd.DataFrame) -> str:
 
 
 MACHINE_COLUMNS = [
-    "dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "throughput_mean", "throughput_std", "speedup",
-    "ttft_ms_mean", "ttft_ms_std", "tpot_ms_mean", "tpot_ms_std", "acceptance_rate", "tokens_per_iteration",
-    "mean_path_length", "iterations", "peak_mib", "lossless", "lossless_n", "reference", "status", "error",
+    "dataset", "prompt_cap", "gen_length", "label", "decoder", "n", *METRICS[0].columns, "speedup",
+    *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "reference", "status", "error",
     "warmup_n", "partial", "all_warmup",
 ]
 

@@ -25,17 +25,16 @@ from sqlalchemy.orm import Session
 
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
-
-MIB = 2**20
+from dtbench.harness.metrics import BASELINE, METRICS, MIB, peak_memory_bytes  # noqa: F401  (MIB re-exported)
 GROUP = ["dataset", "prompt_cap", "gen_length"]
 KEY = [*GROUP, "label"]
 
-_SAMPLE_COLS = [
+_SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
-    "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "acceptance_rate",
-    "mean_path_length", "target_forwards", "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes",
-    "lossless", "first_divergence", "output_hash",
-]
+    "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "target_forwards", "draft_forwards",
+    "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
+    "output_hash", *(m.column for m in METRICS if isinstance(m.column, str)),
+]))
 _CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params",
               "lossless_expected", "reference_label", "status", "error", "target_model", "draft_model"]
 
@@ -69,26 +68,32 @@ def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
     return pd.DataFrame.from_records(records, columns=["cell_id", *_CELL_COLS, *_SAMPLE_COLS, "has_sample"])
 
 
-def peak_memory(row: pd.Series) -> float | None:
-    """The peak memory a reader compares: torch allocator peak on CUDA, process RSS peak on CPU (bytes)."""
-    for col in ("peak_allocated_bytes", "peak_rss_bytes"):
-        v = row.get(col)
-        if v is not None and not pd.isna(v):
-            return float(v)
-    return None
+peak_memory = peak_memory_bytes  # the peak memory a reader compares (bytes); defined with the metrics
 
 
 # Per-cell numbers of a summary (everything a partial cell must not contribute to the paper's tables and figures).
-METRIC_COLUMNS = ["throughput_mean", "throughput_std", "speedup", "ttft_ms_mean", "ttft_ms_std", "tpot_ms_mean",
-                  "tpot_ms_std", "acceptance_rate", "tokens_per_iteration", "mean_path_length", "iterations", "peak_mib"]
+METRIC_COLUMNS = [*METRICS[0].columns, "speedup", *(c for m in METRICS[1:] for c in m.columns)]
+
+
+def _aggregates(basis: pd.DataFrame) -> dict[str, float]:
+    """Every metric's per-cell aggregate over the samples after warmup (NaN when there are none)."""
+    out = {}
+    for m in METRICS:
+        values = m.values(basis).dropna() if len(basis) else pd.Series(dtype=float)
+        mean = values.mean() if len(values) else float("nan")
+        if m.spread:
+            out[f"{m.name}_mean"], out[f"{m.name}_std"] = mean, values.std(ddof=1) if len(values) else float("nan")
+        else:
+            out[m.name] = mean
+    return out
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: mean/std over non-warmup samples, speedup vs the same group's ``ar`` cell.
 
-    Columns: dataset, prompt_cap, gen_length, label, decoder, n (prompts after warmup), warmup_n,
-    throughput_mean/std (tokens/s), speedup, ttft_ms_mean/std, tpot_ms_mean/std, acceptance_rate,
-    tokens_per_iteration, mean_path_length, iterations, peak_mib (all NaN when no prompt is left after warmup),
+    Columns: dataset, prompt_cap, gen_length, label, decoder, n (prompts after warmup), warmup_n, speedup, every
+    metric of :data:`dtbench.harness.metrics.METRICS` (``{name}_mean``/``{name}_std`` for the spread ones such as
+    throughput, ttft_ms, tpot_ms; ``{name}`` for the others; all NaN when no prompt is left after warmup),
     lossless ('yes', 'no', '—' when nothing to compare) and lossless_n over every measured sample (warmup
     included), divergences (first divergent token of each diverging sample, warmup included), reference, status,
     error, partial (failed after some prompts were measured), all_warmup (samples, but all of them warmup).
@@ -98,7 +103,6 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         first = cell.iloc[0]
         measured = cell[cell["has_sample"]]
         basis = measured[~measured["warmup"].astype(bool)]
-        mem = basis.apply(peak_memory, axis=1) if len(basis) else pd.Series(dtype=float)
         compared = measured["lossless"].dropna()
         if len(compared) == 0:
             lossless = "—"
@@ -109,15 +113,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
             "params": first["params"], "decoder_version": first["decoder_version"],
             "n": len(basis), "warmup_n": len(measured) - len(basis),
-            "throughput_mean": basis["throughput"].mean(), "throughput_std": basis["throughput"].std(ddof=1),
-            "ttft_ms_mean": basis["ttft_s"].mean() * 1e3, "ttft_ms_std": basis["ttft_s"].std(ddof=1) * 1e3,
-            "tpot_ms_mean": basis["tpot_s"].astype(float).mean() * 1e3,
-            "tpot_ms_std": basis["tpot_s"].astype(float).std(ddof=1) * 1e3,
-            "acceptance_rate": basis["acceptance_rate"].astype(float).mean(),
-            "tokens_per_iteration": basis["tokens_per_iteration"].mean(),
-            "mean_path_length": basis["mean_path_length"].astype(float).mean(),
-            "iterations": basis["iterations"].mean(),
-            "peak_mib": mem.mean() / MIB if len(mem.dropna()) else float("nan"),
+            **_aggregates(basis),
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
             "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),
             "reference": first["reference_label"], "lossless_expected": bool(first["lossless_expected"]),
@@ -128,7 +124,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    ar = table[table["decoder"] == "ar"].set_index(GROUP)["throughput_mean"]
+    ar = table[table["decoder"] == BASELINE].set_index(GROUP)["throughput_mean"]
     ar = ar[~ar.index.duplicated()]
     keys = list(zip(*(table[c] for c in GROUP)))
     table["speedup"] = [row / ar.get(k, float("nan")) for row, k in zip(table["throughput_mean"], keys)]

@@ -56,8 +56,11 @@ def add_cell(session, run: Run, label: str, decoder: str | None = None, *, datas
 def add_samples(session, cell: Cell, throughputs: list[float], *, warmup: int = 0, ttft_s: float = 0.02,
                 acceptance: float | None = None, path: float | None = None, iterations: int | None = None,
                 rss_mib: float = 1000.0, allocated_mib: float | None = None, start: int = 0,
-                diverge: dict[int, int] | None = None) -> list[Sample]:
+                diverge: dict[int, int] | None = None, bonus: float | None = None) -> list[Sample]:
     """One sample per throughput (tokens/s), prompts ``start..``; the first ``warmup`` are warmup samples.
+
+    ``acceptance`` and ``path`` set the acceptance rate and ℓ (both conventions alike unless ``bonus`` gives the
+    paper's acceptance incl. the bonus token); AR samples get None for all of them, as the runner stores.
 
     ``diverge`` maps a sample's position in ``throughputs`` to the token at which its output first differs from
     the reference (that sample is stored with lossless False); every other non-AR sample is lossless.
@@ -73,6 +76,7 @@ def add_samples(session, cell: Cell, throughputs: list[float], *, warmup: int = 
             new_tokens=T, total_s=total, ttft_s=ttft_s, tpot_s=(total - ttft_s) / (T - 1), throughput=thr,
             iterations=iters, tokens_per_iteration=T / iters, drafted=0 if cell.decoder == "ar" else 4 * iters,
             accepted=0, draft_depth=0, acceptance_rate=acceptance, mean_path_length=path, target_forwards=iters,
+            acceptance_incl_bonus=bonus if bonus is not None else acceptance, mean_path_length_all=path,
             step_tokens=[1] * iters, step_stats={"drafted": [], "accepted": [], "tree_size": [], "depth": []},
             step_times_s=[total], peak_rss_bytes=int(rss_mib * 2**20),
             peak_allocated_bytes=int(allocated_mib * 2**20) if allocated_mib is not None else None, peak_nvml_bytes=None,

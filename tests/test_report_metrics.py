@@ -203,7 +203,7 @@ def test_warmup_only_cell_shows_dashes_and_a_note_not_warmup_numbers(tricky):
     assert bool(row["all_warmup"]) and row["n"] == 0 and row["warmup_n"] == 2
     assert all(math.isnan(row[c]) for c in ("throughput_mean", "speedup", "ttft_ms_mean", "acceptance_rate", "peak_mib"))
     f = render.formatted(row)
-    assert (f["throughput"], f["speedup"], f["ttft"], f["acceptance_rate"]) == ("—", "—", "—", "—")
+    assert (f["throughput"], f["speedup"], f["ttft_ms"], f["acceptance_rate"]) == ("—", "—", "—", "—")
     out = " ".join(invoke("report", "--db", path).stdout.split())
     assert "Warmup only: all 2 measured prompts are warmup, so it has no numbers after warmup" in out
     assert "65.0" not in out  # the warmup mean
