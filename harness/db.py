@@ -53,7 +53,7 @@ class Run(Base):
 
 
 class Cell(Base):
-    """One decoder configuration on one (dataset, prompt cap, T) of a run."""
+    """One decoder configuration on one (dataset, L_max, T) of a run."""
 
     __tablename__ = "cells"
     __table_args__ = (UniqueConstraint("run_id", "dataset", "prompt_cap", "gen_length", "label"),)

@@ -1,9 +1,11 @@
-"""The measurement loop: expand a suite into cells, drive decoders, time every Step, store every sample.
+"""Run orchestration: load what the plan needs, execute its prompt groups, store every outcome, keep the run's
+status true.
 
-Cells are dataset x prompt cap x T x decoder. For each (dataset, cap, T) group and each prompt, the reference
-decoders (``ar``, and any other decoder's declared reference) run first, then the rest, so every sample is
-checked token for token against its reference as soon as it is measured. Each sample is committed at once:
-a killed run loses at most the sample in flight, and ``--resume`` continues where it stopped.
+The plan (harness/plan.py) says what runs in which order; measure.py times one decoder on one prompt; metrics.py
+turns that into a samples row; this module drives them: :func:`measure_one` (one cell x prompt, never raising for a
+decoder's fault), :func:`run_group` (one prompt group, references first), :func:`commit_outcome` (the single
+writer: each sample is committed at once, so a killed run loses at most the sample in flight and ``--resume``
+continues where it stopped), run ownership and heartbeat, and the run's final status.
 """
 
 from __future__ import annotations

@@ -92,6 +92,23 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
 # --- every cell of a run ---------------------------------------------------------------------------------------
 
 
+def emit(fmt: str, *, table, markdown, csv, json) -> None:
+    """The one output-format dispatcher: ``table`` draws on the stdout console; the others return text for stdout.
+
+    Args:
+        fmt: ``table``, ``markdown``, ``csv`` or ``json``.
+        table: callable(console) drawing rich output; markdown, csv, json: callables returning the text.
+    """
+    if fmt == "table":
+        table(_stdout())
+    elif fmt == "markdown":
+        click.echo(markdown())
+    elif fmt == "csv":
+        click.echo(csv(), nl=False)
+    else:
+        click.echo(json())
+
+
 def cell_report(sessions, run_id: int | None, fmt: str) -> None:
     """Print every cell of a run (the default report; also what ``dtbench run`` prints at the end).
 
@@ -113,16 +130,12 @@ def cell_report(sessions, run_id: int | None, fmt: str) -> None:
         summary = summarize(samples_frame(session, run.id))
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
-    if fmt == "table":
-        out = _stdout()
+    def table(out: Console) -> None:
         out.print(render.run_header(meta), markup=False, highlight=False)
         render.print_tables(summary, out)
-    elif fmt == "markdown":
-        click.echo(render.markdown(summary))
-    elif fmt == "csv":
-        click.echo(render.csv(summary), nl=False)
-    else:
-        click.echo(render.to_json(summary, meta))
+
+    emit(fmt, table=table, markdown=lambda: render.markdown(summary), csv=lambda: render.csv(summary),
+         json=lambda: render.to_json(summary, meta))
 
 
 # --- within a run --------------------------------------------------------------------------------------------
@@ -146,17 +159,13 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
         raise DtbenchError(f"run {rid} has no decoder besides AR to compare")
     caption = ("speedup = mean throughput / mean AR throughput (same dataset, L_max, T), prompts after warmup; "
                f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}")
-    if fmt == "table":
-        styles = [render.verdict_style(v) for v in table["verdict"]]
-        _stdout().print(render.rich_frame(render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR",
-                                          caption, styles))
-    elif fmt == "markdown":
-        click.echo(render.markdown_frame(render.speedup_display(table, 1 - alpha), f"run {rid}: speedup vs AR", caption))
-    elif fmt == "csv":
-        click.echo(table.to_csv(index=False), nl=False)
-    else:
-        click.echo(json.dumps({"run": rid, "confidence": 1 - alpha,
-                               "cells": json.loads(table.to_json(orient="records"))}, indent=2))
+    title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
+    emit(fmt,
+         table=lambda out: out.print(render.rich_frame(render.speedup_display(table, 1 - alpha), title, caption, styles)),
+         markdown=lambda: render.markdown_frame(render.speedup_display(table, 1 - alpha), title, caption),
+         csv=lambda: table.to_csv(index=False),
+         json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha,
+                                  "cells": json.loads(table.to_json(orient="records"))}, indent=2))
 
 
 # --- between runs --------------------------------------------------------------------------------------------
@@ -183,20 +192,18 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
     title = f"run {ids[0]} → run {ids[1]}"
     caption = (f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
                f"per-prompt throughputs, better/worse when p < {alpha:g}")
-    if fmt == "table":
+    def rich_table(out: Console) -> None:
         if table.empty:
             _note("no changed cells")
         else:
             styles = [render.MARK_STYLES.get(m) for m in table["mark"]]
-            _stdout().print(render.rich_frame(render.compare_display(table), title, caption, styles))
-    elif fmt == "markdown":
-        click.echo(render.markdown_frame(render.compare_display(table), title, caption))
-    elif fmt == "csv":
-        click.echo(table.to_csv(index=False), nl=False)
-    else:
-        click.echo(json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
-                               "cells": json.loads(table.to_json(orient="records")),
-                               "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
+            out.print(render.rich_frame(render.compare_display(table), title, caption, styles))
+
+    emit(fmt, table=rich_table, markdown=lambda: render.markdown_frame(render.compare_display(table), title, caption),
+         csv=lambda: table.to_csv(index=False),
+         json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
+                                  "cells": json.loads(table.to_json(orient="records")),
+                                  "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
     return failures
 
 
@@ -221,15 +228,17 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
             _note(f"note: {note}")
         if out_dir:
             write_tables(made, out_dir)
-        elif fmt == "table":
-            out = _stdout()
-            for t in made:
-                out.print(render.rich_frame(t.display, t.title, "\n".join([t.caption, *t.notes])))
-        elif fmt == "markdown":
-            click.echo("\n".join(render.markdown_frame(t.display, t.title, t.caption, t.notes) for t in made))
-        else:
-            click.echo(json.dumps({t.key: {"title": t.title, "caption": t.caption, "notes": t.notes,
-                                           "rows": json.loads(t.data.to_json(orient="records"))} for t in made}, indent=2))
+        else:  # csv of several tables is refused up front (--out writes one CSV per table)
+            def rich_tables(out: Console) -> None:
+                for t in made:
+                    out.print(render.rich_frame(t.display, t.title, "\n".join([t.caption, *t.notes])))
+
+            emit(fmt, table=rich_tables,
+                 markdown=lambda: "\n".join(render.markdown_frame(t.display, t.title, t.caption, t.notes) for t in made),
+                 csv=lambda: "",
+                 json=lambda: json.dumps({t.key: {"title": t.title, "caption": t.caption, "notes": t.notes,
+                                                  "rows": json.loads(t.data.to_json(orient="records"))}
+                                          for t in made}, indent=2))
     if fig_dir:
         from dtbench.reports.figures import write_figures
 

@@ -3,10 +3,10 @@
 Two questions, both answered from the stored per-prompt samples (warmup samples excluded, paper section 4.1):
 
 - Within one run (``dtbench report --compare``): is each decoder faster than the AR baseline of the same
-  dataset, prompt cap and T, and by how much? Speedup = mean throughput / mean AR throughput (as in Table 1),
+  dataset, L_max and T, and by how much? Speedup = mean throughput / mean AR throughput (as in Table 1),
   with a t confidence interval over the paired per-prompt ratios (:func:`speedup_table`, :func:`paired_ratio_ci`).
 - Fewer than :data:`MIN_PROMPTS` prompts after warmup give no interval and no verdict or mark: "n too small".
-- Between two runs (``dtbench report --compare BEFORE AFTER``): for each cell matched by (dataset, prompt cap,
+- Between two runs (``dtbench report --compare BEFORE AFTER``): for each cell matched by (dataset, L_max,
   T, label), did throughput change, and is the change more than noise? A Mann-Whitney U test on the per-prompt
   throughputs gives the mark, asv-style (:func:`compare_runs`); a gate (:class:`Gate`) turns a significant
   change beyond a threshold into exit code 1.
@@ -110,7 +110,7 @@ def paired_ratio_ci(ratios, confidence: float = 0.95) -> tuple[float, float, flo
 
 
 def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
-    """Every decoder against the AR cell of the same dataset, prompt cap and T, with a paired confidence interval.
+    """Every decoder against the AR cell of the same dataset, L_max and T, with a paired confidence interval.
 
     Args:
         frame: :func:`~dtbench.reports.summary.samples_frame` of one run.
@@ -273,7 +273,7 @@ def env_differences(before_env: dict, after_env: dict) -> list[str]:
 
 def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict, after_env: dict,
                  alpha: float = 0.05, gates: list[Gate] = ()) -> tuple[pd.DataFrame, list[str]]:
-    """Match two runs' cells by (dataset, prompt cap, T, label) and mark each change.
+    """Match two runs' cells by (dataset, L_max, T, label) and mark each change.
 
     Args:
         before, after: :func:`~dtbench.reports.summary.samples_frame` of the two runs.

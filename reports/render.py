@@ -81,11 +81,11 @@ def formatted(row: pd.Series) -> dict[str, str]:
 
 def _title(key) -> str:
     dataset, cap, T = key
-    return f"{dataset} · prompt cap {cap} · T={T}"
+    return f"{dataset} · L_max={cap} · T={T}"
 
 
 def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> None:
-    """One rich table per (dataset, prompt cap, T), decoders as rows."""
+    """One rich table per (dataset, L_max, T), decoders as rows."""
     for key, group in summary.groupby(GROUP, sort=False):
         n = int(group["n"].max()) if len(group) else 0
         table = Table(title=_title(key), caption=caption or f"mean ± std over {n} prompts after warmup")
@@ -103,7 +103,7 @@ def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> 
 
 
 def markdown(summary: pd.DataFrame) -> str:
-    """The same tables as GitHub Markdown, one section per (dataset, prompt cap, T)."""
+    """The same tables as GitHub Markdown, one section per (dataset, L_max, T)."""
     parts = []
     for key, group in summary.groupby(GROUP, sort=False):
         parts.append(f"### {_title(key)}\n")

@@ -1,7 +1,7 @@
 """Per-cell summaries computed from the results database only (pandas).
 
 Paper protocol (section 4.1): the first W prompts of each cell are warmup; means and standard deviations are
-over the rest. Speedup = mean throughput / mean AR throughput of the same dataset, prompt cap and T.
+over the rest. Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T.
 
 Two cell states a reader must not mistake for a normal result:
 
@@ -192,7 +192,7 @@ def combined_summary(session: Session, run_ids: list[int | None]) -> tuple[pd.Da
     """Per-cell summaries of several runs, for paper tables and figures built from more than one suite run.
 
     Each run is summarized on its own (speedup always against the AR cell of the same run). Where two runs hold
-    the same (dataset, prompt cap, T, label), the run with more cells in that (dataset, prompt cap, T) wins, so a
+    the same (dataset, L_max, T, label), the run with more cells in that (dataset, L_max, T) wins, so a
     table's rows come from one run where possible (ties: the run given later); a note goes to stderr. Rows keep
     the order of their first appearance (the first run's suite order).
 

@@ -57,7 +57,7 @@ def tiny_run(tmp_path_factory, data_dir):
 @pytest.mark.slow
 def test_run_prints_report_and_stores_samples(tiny_run):
     dbfile, result = tiny_run
-    assert "wikitext-2 · prompt cap 16 · T=6" in result.stdout
+    assert "wikitext-2 · L_max=16 · T=6" in result.stdout
     assert "yes 2/2" in result.stdout  # linear is lossless on both prompts (the warmup one counts too)
     sessions = db.connect(str(dbfile), create=False)
     with sessions() as s:
