@@ -66,7 +66,9 @@ class Cell(Base):
     label: Mapped[str] = mapped_column(String(300))
     decoder_version: Mapped[str] = mapped_column(String(100))
     decoder_distribution: Mapped[str] = mapped_column(String(200))
-    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # every param, defaults included
+    sweep_group: Mapped[str | None] = mapped_column(String(300))  # label of the sweep entry this cell is a point of
+    swept: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # its point of that sweep grid
     lossless_expected: Mapped[bool] = mapped_column(Boolean, default=True)
     reference_label: Mapped[str | None] = mapped_column(String(300))
     target_model: Mapped[str] = mapped_column(String(500))

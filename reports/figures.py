@@ -236,20 +236,9 @@ def _decoder_cells(summary: pd.DataFrame, setting: Setting, decoder: str) -> tup
     return ds, cells[(cells["dataset"] == ds) & (cells["prompt_cap"] == cap)]
 
 
-def _defaults(decoder: str) -> dict:
-    """The decoder's param defaults (for cells stored with partial params); empty if it is not installed."""
-    try:
-        from dtbench.harness import registry
-
-        fields = registry.get(decoder).Params.model_fields
-        return {k: f.default for k, f in fields.items() if not f.is_required()}
-    except Exception:  # a report must not depend on the decoder being importable
-        return {}
-
-
 def _param(cells: pd.DataFrame, name: str) -> pd.Series:
-    defaults = _defaults(cells.iloc[0]["decoder"]) if len(cells) else {}
-    return pd.Series([(p or {}).get(name, defaults.get(name)) for p in cells["params"]], index=cells.index)
+    """A param of each cell, from the cells' stored params (the runner stores every param, defaults included)."""
+    return pd.Series([(p or {}).get(name) for p in cells["params"]], index=cells.index)
 
 
 def _baselines(ax, summary: pd.DataFrame, setting: Setting, ds: str, cap: int, metric: str = "throughput_mean") -> None:

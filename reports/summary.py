@@ -35,7 +35,7 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
     "output_hash", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
-_CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params",
+_CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
               "lossless_expected", "reference_label", "status", "error", "target_model", "draft_model"]
 
 
@@ -111,7 +111,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         out.append({
             "cell_id": cell_id, "dataset": first["dataset"], "prompt_cap": int(first["prompt_cap"]),
             "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
-            "params": first["params"], "decoder_version": first["decoder_version"],
+            "params": first["params"], "decoder_version": first["decoder_version"], "sweep_group": first["sweep_group"],
             "n": len(basis), "warmup_n": len(measured) - len(basis),
             **_aggregates(basis),
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
@@ -151,26 +151,6 @@ def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def sweep_labels(suite_text: str) -> dict[str, str]:
-    """Labels of the decoders a suite expanded from a ``sweep:`` entry, mapped to that entry's own label.
-
-    Reports read the suite text stored with the run (never the file) to tell sweep points (Figures 6 and 7)
-    from the decoders of the main tables. An unparsable text yields no sweep labels.
-    """
-    from dtbench.harness.suite import parse_suite
-
-    try:
-        suite = parse_suite(suite_text or "", "<stored suite>")
-    except DtbenchError:
-        return {}
-    out: dict[str, str] = {}
-    for spec in suite.decoders:
-        if spec.sweep:
-            for point in spec.expand():
-                out[point.display] = spec.display
-    return out
-
-
 def base_label(label: str) -> str:
     """A label without its trailing parenthesised parameters: ``"Linear Spec (K=8)" -> "Linear Spec"``."""
     return re.sub(r"\s*\([^()]*\)$", "", label) or label
@@ -181,9 +161,8 @@ def run_summary(session: Session, run: Run) -> pd.DataFrame:
     table = summarize(samples_frame(session, run.id))
     if table.empty:
         return table
-    sweeps = sweep_labels(run.suite_text)
     table.insert(0, "run_id", run.id)
-    table["sweep_of"] = [sweeps.get(label) for label in table["label"]]
+    table["sweep_of"] = table["sweep_group"]  # stored on the cell by the runner (migration 0003 for older runs)
     table["sweep"] = table["sweep_of"].notna()
     return table
 

@@ -41,13 +41,14 @@ def add_run(session, name="t", env=None, text=None, status="completed") -> Run:
 
 
 def add_cell(session, run: Run, label: str, decoder: str | None = None, *, dataset="wikitext-2", cap=128, T=64,
-             params=None, version="1", status="done", error=None, target="smollm2 (float32)", draft=None) -> Cell:
+             params=None, version="1", status="done", error=None, target="smollm2 (float32)", draft=None,
+             sweep_group: str | None = None) -> Cell:
     decoder = decoder or label
     cell = Cell(run=run, dataset=dataset, prompt_cap=cap, gen_length=T, decoder=decoder, label=label,
                 decoder_version=version, decoder_distribution="dtbench", params=params or {},
                 lossless_expected=True, reference_label=None if decoder == "ar" else "ar",
                 target_model=target, draft_model=draft if draft is not None else (None if decoder == "ar" else "draft (bf16)"),
-                status=status, error=error)
+                status=status, error=error, sweep_group=sweep_group)
     session.add(cell)
     session.flush()
     return cell
@@ -148,18 +149,19 @@ def paper_like(session, seed: int = 0) -> list[int]:
             for tau in fixed_sweep["tau"]:
                 thr = 150 + 8 * D + (6 if B == 3 else 0) - (40 * abs(tau - 0.05))
                 c = add_cell(session, r1, f"FT (depth={D}, branching={B}, tau={tau})", "fixed_tree", cap=800, T=1500,
-                             params={"depth": D, "branching": B, "tau": tau})
+                             params={"depth": D, "branching": B, "tau": tau}, sweep_group="FT")
                 add_samples(session, c, _noisy(rng, thr, 10, 10), warmup=2, acceptance=0.6, path=D * 0.7,
                             iterations=int(1500 / (D * 0.8)))
     for th in dyn_sweep["tau_h"]:
         for tl in dyn_sweep["tau_l"]:
             c = add_cell(session, r1, f"DT (tau_h={th}, tau_l={tl})", "dynatree", cap=800, T=1500,
-                         params={**dyn, "tau_h": th, "tau_l": tl})
+                         params={**dyn, "tau_h": th, "tau_l": tl}, sweep_group="DT")
             add_samples(session, c, _noisy(rng, 200 + 30 * th - 20 * tl, 15, 10), warmup=2, acceptance=0.9, path=6.5,
                         iterations=220)
     for label, key, values in (("DTB", "b_max", [2, 4]), ("DTD", "d0", [4, 6])):
         for v in values:
-            c = add_cell(session, r1, f"{label} ({key}={v})", "dynatree", cap=800, T=1500, params={**dyn, key: v})
+            c = add_cell(session, r1, f"{label} ({key}={v})", "dynatree", cap=800, T=1500, params={**dyn, key: v},
+                         sweep_group=label)
             add_samples(session, c, _noisy(rng, 205 + 3 * v, 15, 10), warmup=2, acceptance=0.9, path=6.5, iterations=220)
     r2 = add_run(session, "paper-length", text=suite_text("paper-length", decs[:2] + decs[5:7], T=(100, 500, 1000, 1500), cap=800))
     for T in (100, 500, 1000, 1500):

@@ -85,3 +85,23 @@ def test_include_merges_and_names_the_right_file(tmp_path):
     (tmp_path / "child.yaml").write_text("include: nowhere.yaml\nname: child\n")
     with pytest.raises(DtbenchError, match="nowhere.yaml not found"):
         load_suite(tmp_path / "child.yaml")
+
+
+def test_cells_store_their_sweep_point(tmp_path, data_dir):
+    """Reports read sweep membership from the database (cells.sweep_group / swept), never from re-parsed text."""
+    from sqlalchemy import select
+
+    from dtbench.harness import db
+    from kit import suite_dict, tiny_pair, write_suite
+
+    pair = tiny_pair(tmp_path / "models")
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "label": "Lin", "sweep": {"k": [1, 2]}}])
+    dbfile = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
+                    "--no-progress", "--no-report")
+    assert result.exit_code == 0, result.output
+    with db.connect(str(dbfile))() as s:
+        cells = {c.label: (c.sweep_group, c.swept, c.params) for c in s.scalars(select(db.Cell))}
+    assert cells["ar"] == (None, None, {})
+    assert cells["Lin (k=1)"] == ("Lin", {"k": 1}, {"k": 1})
+    assert cells["Lin (k=2)"] == ("Lin", {"k": 2}, {"k": 2})

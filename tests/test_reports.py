@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from dtbench.harness.cli import cli
 from dtbench.reports import compare, figures, paper
-from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize, sweep_labels
+from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize
 
 import reportdb
 
@@ -126,10 +126,7 @@ def test_paired_ratio_ci_covers_at_its_nominal_level_with_few_prompts():
     assert 0.93 <= hits / trials <= 0.97
 
 
-def test_sweep_labels_and_base_label():
-    text = reportdb.suite_text("s", [{"name": "ar"}, {"name": "fixed_tree", "label": "FT", "sweep": {"depth": [3, 4]}}])
-    assert sweep_labels(text) == {"FT (depth=3)": "FT", "FT (depth=4)": "FT"}
-    assert sweep_labels("not: [valid") == {}
+def test_base_label():
     assert base_label("Linear Spec (K=8)") == "Linear Spec" and base_label("AR") == "AR"
 
 
