@@ -1,6 +1,7 @@
 """Datasets -> prompts: documents from the hub or a local folder, deterministic selection, prompt cap.
 
-Registered datasets:
+Datasets are plugins like decoders: a :class:`Dataset` subclass registered under the entry-point group
+``dtbench.datasets`` (the built-ins register the same way, and their names are reserved). Built-in datasets:
   - ``wikitext-2``: WikiText-2 raw, test split (hub ``wikitext``/``wikitext-2-raw-v1``; local
     ``<data_dir>/wikitext-2-raw/wiki.test.raw``), one document per article (`` = Title = `` headings).
   - ``pg19``: PG-19 test books (hub ``deepmind/pg19``; local ``<data_dir>/pg19-test/*.txt``), Project
@@ -16,11 +17,13 @@ import glob
 import os
 import random
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.registry import Registry
 from dtbench.harness.suite import DatasetSpec
 
 DATA_DIR_ENV = "DTBENCH_DATA_DIR"
@@ -142,23 +145,72 @@ def _hub(load: Callable, name: str):
         ) from None
 
 
-DATASETS: dict[str, Callable[[DatasetSpec, str | None], list[tuple[str, str]]]] = {
-    "wikitext-2": _wikitext,
-    "pg19": _pg19,
-    "text-files": _text_files,
-}
+class Dataset(ABC):
+    """A source of documents for prompts, registered under the ``dtbench.datasets`` entry-point group.
+
+    Subclasses implement :meth:`documents`; the suite's dataset entry (:class:`~dtbench.harness.suite.DatasetSpec`:
+    ``path``, ``data_dir``, ...) is passed in. Prompt selection and the prompt cap are dtbench's, the same for
+    every dataset (:func:`select_prompts`).
+    """
+
+    @abstractmethod
+    def documents(self, spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
+        """(title, text) documents in source order.
+
+        Raises:
+            DtbenchError: missing files or an unreachable source, as one line.
+        """
+
+    def check(self, spec: DatasetSpec) -> None:
+        """Cheap checks before any model loads (``dtbench validate``); reading a local corpus is fine here."""
+
+
+class WikiText2(Dataset):
+    """WikiText-2 raw, test split, one document per article."""
+
+    def documents(self, spec, data_dir):
+        return _wikitext(spec, data_dir)
+
+
+class PG19(Dataset):
+    """PG-19 test books, Project Gutenberg header and footer stripped."""
+
+    def documents(self, spec, data_dir):
+        return _pg19(spec, data_dir)
+
+
+class TextFiles(Dataset):
+    """A user's own corpus: one document per UTF-8 text file (``path:`` a folder or a glob)."""
+
+    def documents(self, spec, data_dir):
+        return _text_files(spec, data_dir)
+
+    def check(self, spec):
+        _text_files(spec, None)
+
+
+REGISTRY = Registry("dtbench.datasets", "dataset", Dataset)
+
+
+def dataset(name: str) -> Dataset:
+    """The registered dataset called ``name``, instantiated.
+
+    Raises:
+        DtbenchError: unknown (with the closest names) or ambiguous name, or a broken plugin.
+    """
+    return REGISTRY.get(name)()
 
 
 def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
-    """Fail early on an unknown dataset name; with ``files``, also read a ``text-files`` corpus (cheap, local).
+    """Fail early on an unknown dataset name; with ``files``, also run the dataset's own cheap checks (e.g. read a
+    ``text-files`` corpus).
 
     Raises:
         DtbenchError: with the registered names, or naming a missing or non-text file.
     """
-    if spec.name not in DATASETS:
-        raise DtbenchError(f"unknown dataset '{spec.name}' (registered: {', '.join(DATASETS)})")
-    if files and spec.name == "text-files":
-        _text_files(spec, None)
+    ds = dataset(spec.name)
+    if files:
+        ds.check(spec)
 
 
 def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> list[tuple[str, str]]:
@@ -167,8 +219,7 @@ def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> list[tuple
     Raises:
         DtbenchError: unknown dataset, missing local files, or the hub unreachable.
     """
-    check_dataset(spec)
-    docs = [(t, x) for t, x in DATASETS[spec.name](spec, data_dir) if x.strip()]
+    docs = [(t, x) for t, x in dataset(spec.name).documents(spec, data_dir) if x.strip()]
     if not docs:
         raise DtbenchError(f"{spec.name}: no non-empty documents")
     return docs

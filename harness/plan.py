@@ -102,7 +102,10 @@ def plan_suite(suite: Suite) -> Plan:
             a label that collides with a reference's; decoder errors name the suite's file, line and entry.
     """
     for ds in suite.datasets:
-        data.check_dataset(ds)
+        try:
+            data.check_dataset(ds)
+        except DtbenchError as exc:
+            raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
     found = registry.scan()
     entries = registry.discover()
     plans: list[CellPlan] = []
@@ -159,7 +162,10 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
         DtbenchError: a non-text document, or L_max + T beyond a model's learned position table.
     """
     for ds in suite.datasets:
-        data.check_dataset(ds, files=True)
+        try:
+            data.check_dataset(ds, files=True)
+        except DtbenchError as exc:
+            raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
     longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):

@@ -47,6 +47,12 @@ class DatasetSpec(_Frozen):
     data_dir: str | None = Field(None, description="local data folder instead of the Hugging Face hub")
     path: str | None = Field(None, description="files for the text-files dataset (folder or glob)")
 
+    _where: str = PrivateAttr("")  # "file:line: datasets.i" of the suite entry, for one-line errors
+
+    @property
+    def where(self) -> str:
+        return self._where
+
     @field_validator("prompt_cap")
     @classmethod
     def _caps_positive(cls, v):
@@ -287,6 +293,8 @@ def _validate(data: dict, where_of) -> Suite:
         raise DtbenchError(f"{where_of(loc)}: {clip(field, 100) or 'suite'}: {msg}{more}") from None
     for i, spec in enumerate(suite.decoders):
         spec._where = f"{where_of(('decoders', i))}: decoders.{i}"
+    for i, ds in enumerate(suite.datasets):
+        ds._where = f"{where_of(('datasets', i))}: datasets.{i}"
     return suite
 
 

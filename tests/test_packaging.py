@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,8 +20,14 @@ def test_editable_install_maps_the_folders():
 
 
 def test_wheel_installs_and_imports(tmp_path):
+    # Built from a copy: setuptools writes build/ and dtbench.egg-info beside the sources, and a stale egg-info in
+    # the checkout would shadow the editable install's entry points for every later test.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "harness", "decoders", "reports"):
+        (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
         capture_output=True, text=True,
     )
     assert out.returncode == 0, out.stderr[-2000:]

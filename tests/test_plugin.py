@@ -171,3 +171,28 @@ def test_dtbench_run_with_the_plugin(plugin, tmp_path, data_dir, broken_plugin):
         cell = s.scalars(select(db.Cell).where(db.Cell.decoder == "prompt_lookup")).one()
         assert cell.decoder_distribution == "dtbench-prompt-lookup" and cell.status == "done"
         assert [x.lossless for x in cell.samples] == [True, True]
+
+
+def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
+    """The example package's `jsonl-text` dataset is found in `dtbench.datasets` by the same Registry class as the
+    decoders, with its distribution; built-in dataset names are reserved the same way."""
+    import json
+
+    from dtbench.harness import data
+    from dtbench.harness.suite import DatasetSpec
+
+    found = data.REGISTRY.scan()
+    assert found.entries["jsonl-text"].distribution == "dtbench-prompt-lookup"
+    assert {n for n, e in found.entries.items() if e.distribution == "dtbench"} == {"wikitext-2", "pg19", "text-files"}
+    corpus = tmp_path / "answers.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"answer {i} " * 40}) for i in range(3)) + "\n")
+    docs = data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus)))
+    assert [t for t, _ in docs] == ["answers.jsonl:1", "answers.jsonl:2", "answers.jsonl:3"]
+    assert docs[2][1].startswith("answer 2 ")
+    corpus.write_text('{"txt": 1}\n')
+    suite = tmp_path / "s.yaml"
+    suite.write_text(f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1}}]\n"
+                     "generation_lengths: [4]\ndecoders: [{name: ar}]\n")
+    result = _invoke("validate", str(suite))
+    assert result.exit_code == 2
+    assert result.stderr.strip().endswith('answers.jsonl:1: not a JSON object with a "text" field')

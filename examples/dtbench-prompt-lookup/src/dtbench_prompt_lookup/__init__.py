@@ -21,8 +21,9 @@ from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
 from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain
+from dtbench.harness.data import Dataset
 
-__all__ = ["NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
+__all__ = ["JsonlText", "NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
 __version__ = "0.1.0"
 
 
@@ -120,3 +121,38 @@ class PromptLookup(Decoder):
         p = self.params
         yield from speculate_chain(KVTarget(self.target), NgramProposer(p.ngram_size), input_ids, max_new_tokens,
                                    p.num_draft_tokens)
+
+
+class JsonlText(Dataset):
+    """A dataset plugin: one document per line of a JSON Lines file (``path:``), its ``"text"`` field.
+
+    Prompt lookup pays off on inputs that repeat themselves (retrieval-augmented answers, code edits); such
+    corpora usually come as JSONL. Registered as ``jsonl-text`` in the ``dtbench.datasets`` group.
+    """
+
+    def documents(self, spec, data_dir):
+        import json
+        from pathlib import Path
+
+        from dtbench.harness.errors import DtbenchError
+
+        if not spec.path:
+            raise DtbenchError("jsonl-text: set `path:` to a .jsonl file")
+        path = Path(spec.path).expanduser()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DtbenchError(f"jsonl-text: cannot read {path}: {exc}") from None
+        docs = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                docs.append((f"{path.name}:{i}", str(json.loads(line)["text"])))
+            except (ValueError, KeyError, TypeError):
+                raise DtbenchError(f"jsonl-text: {path}:{i}: not a JSON object with a \"text\" field") from None
+        return docs
+
+    def check(self, spec):
+        self.documents(spec, None)
+
