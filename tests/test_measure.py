@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dtbench.harness import measure
+from dtbench.harness import memory
 
 MIB = 2**20
 CUDA0 = torch.device("cuda", 0)
@@ -53,7 +54,7 @@ class FakeNvml(types.ModuleType):
 def fake_cuda(monkeypatch):
     """torch.cuda as a process with CUDA_VISIBLE_DEVICES=1 sees it: its device 0 is physical GPU 1 (UUID bbbb)."""
     calls: list[str] = []
-    monkeypatch.setattr(measure, "_NVML_READY", None)
+    monkeypatch.setattr(memory, "_NVML_READY", None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="bbbb"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -70,7 +71,7 @@ def use_nvml(monkeypatch, nvml: FakeNvml) -> FakeNvml:
 
 
 def track(device=CUDA0, body=lambda: None):
-    with measure.MemoryTracker(device) as mem:
+    with memory.MemoryTracker(device) as mem:
         body()
     return mem.peak
 
@@ -148,7 +149,7 @@ def test_poller_returns_none_when_every_read_fails():
     def read():
         raise OSError("gone")
 
-    p = measure._Poller(read)
+    p = memory._Poller(read)
     p.start()
     assert p.stop() is None
 
