@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
 
 
 class ARParams(DecoderParams):
@@ -15,7 +15,8 @@ class ARParams(DecoderParams):
 
 
 class Autoregressive(Decoder):
-    """Greedy AR decoding: one target forward per token (paper section 4.3, "Autoregressive (AR)").
+    """AR decoding: one target forward per token (paper section 4.3, "Autoregressive (AR)"); greedy, or sampled
+    from the target's processed distribution when the suite samples.
 
     Each Step commits exactly one token; the first Step is the prefill (its time is the TTFT).
     """
@@ -23,6 +24,7 @@ class Autoregressive(Decoder):
     Params = ARParams
     needs_draft = False
     lossless = True
+    supports_sampling = True
 
     def reference(self):
         return None  # it *is* the reference
@@ -30,9 +32,9 @@ class Autoregressive(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         cache, logits = kv.prefill(self.target, input_ids)
-        token = greedy_token(logits)
+        token = next_token(logits, self.sampling, self.generator)
         yield Step(tokens=(token,))
         for _ in range(max_new_tokens - 1):
             logits = kv.forward(self.target, [token], cache)
-            token = greedy_token(logits[-1])
+            token = next_token(logits[-1], self.sampling, self.generator)
             yield Step(tokens=(token,))

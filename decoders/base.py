@@ -116,14 +116,22 @@ class Decoder(ABC):
     Class attributes:
         Params: the pydantic model of the decoder's hyperparameters (validated before any model loads).
         needs_draft: True if the decoder uses a draft model.
-        lossless: True if its greedy output must equal the reference decoder's output token for token.
+        lossless: True if its greedy output must equal the reference decoder's output token for token (and, when
+            it samples, its output distribution the target's).
         version: bumped when the algorithm changes, so results stay comparable only within a version.
+        supports_sampling: True if it honours ``self.sampling`` / ``self.generator`` (set by the runner; a suite
+            that samples is refused for decoders without it).
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams
     needs_draft: ClassVar[bool] = False
     lossless: ClassVar[bool] = True
     version: ClassVar[str] = "1"
+    supports_sampling: ClassVar[bool] = False
+
+    # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
+    sampling: Any = None  # SamplingSettings | None
+    generator: torch.Generator | None = None  # the sample's own seeded generator (no global RNG state)
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, params: DecoderParams):
         """Bind the models and validated params.
@@ -167,6 +175,15 @@ class Decoder(ABC):
 def greedy_token(logits: torch.Tensor) -> int:
     """The greedy (argmax) token of one logits vector, shape (vocab,), any float dtype."""
     return int(torch.argmax(logits, dim=-1).item())
+
+
+def next_token(logits: torch.Tensor, sampling, generator: torch.Generator | None) -> int:
+    """The greedy token of ``logits`` (shape (vocab,)), or one sampled from ``sampling.probs(logits)``."""
+    if sampling is None:
+        return greedy_token(logits)
+    from dtbench.decoders.sampling import sample
+
+    return sample(sampling.probs(logits), generator)
 
 
 def verify_chain(drafts: list[int], logits: torch.Tensor) -> tuple[int, tuple[int, ...]]:

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import torch
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Step, greedy_token, verify_chain
+from dtbench.decoders.base import Step, greedy_token, next_token, verify_chain
+from dtbench.decoders.sampling import sample, verify_chain_sampled
 
 
 class Proposer(ABC):
@@ -25,7 +26,15 @@ class Proposer(ABC):
 
     The committed text always ends with the *pending* token: the newest committed token, which the target has
     not been fed yet and which is the first input of the next verification.
+
+    When the decoder samples, :func:`speculate_chain` sets ``sampling`` and ``generator`` before ``begin``; a
+    proposer that draws its drafts at random records the distribution of each in ``draft_probs`` (shape (vocab,)
+    each); a deterministic one leaves it None (verification then treats each draft as drawn with probability 1).
     """
+
+    sampling = None  # SamplingSettings | None, set by speculate_chain
+    generator: torch.Generator | None = None
+    draft_probs: list[torch.Tensor] | None = None
 
     def begin(self, prompt: list[int], pending: int) -> None:
         """Called once after the prefill: the prompt's token ids and the first committed (pending) token."""
@@ -108,9 +117,16 @@ class DraftModelProposer(Proposer):
 
     def propose(self, max_tokens: int) -> list[int]:
         drafts: list[int] = []
+        self.draft_probs = [] if self.sampling is not None else None
         feed, exact = self.backlog, True
         for _ in range(max_tokens):
-            drafts.append(greedy_token(self.forward(feed, exact)))
+            logits = self.forward(feed, exact)
+            if self.sampling is None:
+                drafts.append(greedy_token(logits))
+            else:
+                q = self.sampling.probs(logits)
+                self.draft_probs.append(q)
+                drafts.append(sample(q, self.generator))
             feed, exact = [drafts[-1]], False
         return drafts
 
@@ -124,8 +140,9 @@ class DraftModelProposer(Proposer):
 
 
 def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
-                    k: int) -> Iterator[Step]:
-    """Chain speculative decoding with greedy verification (Leviathan et al. 2023; paper section 4.3).
+                    k: int, sampling=None, generator: torch.Generator | None = None) -> Iterator[Step]:
+    """Chain speculative decoding (Leviathan et al. 2023; paper section 4.3): greedy verification, or speculative
+    sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
 
     Each iteration proposes at most ``min(k, T - produced - 1)`` drafts (so with the bonus token it never
     commits past T), verifies ``[pending, *drafts]`` in one target forward, keeps the longest matching prefix
@@ -137,19 +154,26 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
         max_new_tokens: T (>= 1).
         k: the largest draft chain per iteration (K).
+        sampling, generator: :class:`~dtbench.decoders.sampling.SamplingSettings` and the sample's generator; None
+            for greedy decoding (bit-identical to the greedy-only loop).
 
     Yields:
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
         drafts + bonus, drafted = tree_size = depth = drafts proposed, accepted = drafts committed.
     """
-    pending = greedy_token(target.prefill(input_ids))
+    proposer.sampling, proposer.generator = sampling, generator
+    pending = next_token(target.prefill(input_ids), sampling, generator)
     yield Step(tokens=(pending,))
     proposer.begin(input_ids[0].tolist(), pending)
     produced = 1
     while produced < max_new_tokens:
         drafts = list(proposer.propose(min(k, max_new_tokens - produced - 1)))
         logits = target.verify([pending, *drafts])
-        accepted, committed = verify_chain(drafts, logits)
+        if sampling is None:
+            accepted, committed = verify_chain(drafts, logits)
+        else:
+            accepted, committed = verify_chain_sampled(drafts, proposer.draft_probs if drafts else None,
+                                                       sampling.probs(logits), generator)
         target.keep(1 + accepted)
         proposer.accept(drafts, accepted, committed)
         pending = committed[-1]

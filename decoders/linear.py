@@ -30,8 +30,9 @@ class LinearSpeculative(Decoder):
     Params = LinearParams
     needs_draft = True
     lossless = True
+    supports_sampling = True
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         yield from speculate_chain(KVTarget(self.target), DraftModelProposer(self.draft), input_ids, max_new_tokens,
-                                   self.params.k)
+                                   self.params.k, self.sampling, self.generator)

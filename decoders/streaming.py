@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
 from dtbench.decoders.chain import ChainTarget, DraftModelProposer, speculate_chain
 from dtbench.decoders.streaming_kv import (  # noqa: F401  (re-exported for tests and plugins)
     PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, _Rope,
@@ -66,6 +66,7 @@ class StreamingAR(Decoder):
     Params = StreamingParams
     needs_draft = False
     lossless = False
+    supports_sampling = True
 
     def __init__(self, target, draft, params):
         super().__init__(target, draft, params)
@@ -76,12 +77,12 @@ class StreamingAR(Decoder):
         state = StreamingKV(self.target, self.params.sinks, self.params.window)
         logits, _ = state.forward(input_ids[0].tolist(), last_only=True)
         state.enforce_budget()
-        token = greedy_token(logits[-1])
+        token = next_token(logits[-1], self.sampling, self.generator)
         yield Step(tokens=(token,))
         for _ in range(max_new_tokens - 1):
             logits, _ = state.forward([token])
             state.enforce_budget()
-            token = greedy_token(logits[-1])
+            token = next_token(logits[-1], self.sampling, self.generator)
             yield Step(tokens=(token,))
 
 
@@ -100,6 +101,7 @@ class StreamingSpeculative(Decoder):
     Params = StreamingSpecParams
     needs_draft = True
     lossless = False
+    supports_sampling = True
 
     def __init__(self, target, draft, params):
         super().__init__(target, draft, params)
@@ -113,7 +115,7 @@ class StreamingSpeculative(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         S, R = self.params.sinks, self.params.window
         yield from speculate_chain(StreamingTarget(self.target, S, R), StreamingDraftProposer(self.draft, S, R),
-                                   input_ids, max_new_tokens, self.params.k)
+                                   input_ids, max_new_tokens, self.params.k, self.sampling, self.generator)
 
 
 class StreamingTarget(ChainTarget):

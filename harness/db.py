@@ -69,6 +69,7 @@ class Cell(Base):
     params: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # every param, defaults included
     sweep_group: Mapped[str | None] = mapped_column(String(300))  # label of the sweep entry this cell is a point of
     swept: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # its point of that sweep grid
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # temperature, top_k, top_p, seed; None: greedy
     lossless_expected: Mapped[bool] = mapped_column(Boolean, default=True)
     reference_label: Mapped[str | None] = mapped_column(String(300))
     target_model: Mapped[str] = mapped_column(String(500))

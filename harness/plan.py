@@ -17,7 +17,7 @@ from rich.console import Console
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, models, registry
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.suite import DatasetSpec, DecoderSpec, Suite
+from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
 
 @dataclass
 class CellPlan:
@@ -32,6 +32,7 @@ class CellPlan:
     reference_label: str | None = None
     implicit: bool = False
     points: set[tuple[str, int, int]] = field(default_factory=set)
+    sampling: SamplingSpec | None = None  # effective sampling settings (None: greedy)
 
     @property
     def label(self) -> str:
@@ -123,8 +124,12 @@ def plan_suite(suite: Suite) -> Plan:
         if cls.needs_draft and suite.draft is None:
             raise DtbenchError(f"{where}decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
         e = entries[spec.name]
+        sampling = None if spec.sampling == "greedy" else (spec.sampling or suite.sampling)
+        if sampling is not None and not cls.supports_sampling:
+            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
+                               f"set `sampling: greedy` on it or remove the suite's `sampling:`")
         plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
-                              points=_points(suite, spec)))
+                              points=_points(suite, spec), sampling=sampling))
     by_key = {_params_key(p.spec.name, p.params): p for p in plans}
     queue = list(plans)
     while queue:
@@ -140,7 +145,8 @@ def plan_suite(suite: Suite) -> Plan:
             label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
             e = entries[name]
             rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
-                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True)
+                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True,
+                          sampling=suite.sampling if rcls.supports_sampling else None)
             clash = next((q for q in plans if q.spec.display == label), None)
             if clash is not None:
                 where = f"{clash.spec.where}: " if clash.spec.where else ""

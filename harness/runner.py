@@ -307,6 +307,7 @@ def _open_cells(session, run, plan: Plan, target, draft) -> dict[tuple[str, int,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
                 sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,
+                sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
                 reference_label=cp.reference_label,
                 target_model=f"{target.name} ({target.dtype})",
                 draft_model=f"{draft.name} ({draft.dtype})" if (draft and cp.cls.needs_draft) else None,
@@ -332,7 +333,7 @@ class Outcome:
 
 
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
-                device, suite: Suite) -> Outcome:
+                device, suite: Suite, compare: bool = True) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
@@ -341,6 +342,8 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     Args:
         cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.data.Prompt`; T: tokens to generate.
         ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
+        compare: check the output token for token against the reference's (False when either samples: a sampled
+            output is checked as a distribution, by the tests, never against one draw).
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
     """
     if cp.reference_label and ref is None:
@@ -350,8 +353,10 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     try:
         torch.manual_seed(suite.seed)
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+        if cp.sampling is not None:
+            decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
         m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
-        row = sample_row(m, prompt, warmup, ref[0] if ref else None)
+        row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
         json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise
@@ -361,6 +366,19 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
         return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
     return Outcome(cp.label, row=row)
+
+
+def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
+    """(SamplingSettings, a generator seeded from the base seed and the prompt index) for one sample.
+
+    The seed is ``base * 1_000_003 + prompt_index`` (base: the sampling block's ``seed``, else the suite's), so
+    every prompt draws an independent, reproducible stream, whatever ran before it.
+    """
+    from dtbench.decoders.sampling import SamplingSettings
+
+    base = spec.seed if spec.seed is not None else suite_seed
+    generator = torch.Generator(device=device).manual_seed((base * 1_000_003 + prompt_index) % (1 << 63))
+    return SamplingSettings(spec.temperature, spec.top_k, spec.top_p), generator
 
 
 def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
@@ -374,11 +392,14 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         skip: labels of cells that already failed: not measured.
     """
     outputs = dict(done)
+    by_label = {cp.label: cp for cp in group.decoders}
     for cp in group.decoders:
         if cp.label in outputs or cp.label in skip:
             continue
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
-        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite)
+        ref_plan = by_label.get(cp.reference_label)
+        compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
+        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare)
         if outcome.row is not None:
             outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"])
         yield outcome

@@ -37,6 +37,19 @@ class ModelSpec(_Frozen):
     revision: str | None = None
 
 
+class SamplingSpec(_Frozen):
+    """Sampling instead of greedy decoding (transformers' order: temperature, then top-k, then top-p).
+
+    Every sample draws from its own generator seeded by ``seed`` (default: the suite's ``seed``) and the prompt
+    index, so a seeded run is identical run to run.
+    """
+
+    temperature: float = Field(1.0, gt=0, le=100, description="logits are divided by it")
+    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
+    top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set reaching this probability (1: all)")
+    seed: int | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed)")
+
+
 class DatasetSpec(_Frozen):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
@@ -93,6 +106,8 @@ class DecoderSpec(_Frozen):
     prompt_cap: int | list[int] | None = Field(
         None, description="run only at these L_max (a subset of each dataset's prompt_cap)")
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
+    sampling: SamplingSpec | Literal["greedy"] | None = Field(
+        None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding")
 
     _where: str = PrivateAttr("")  # "file:line: decoders.i" of the suite entry, for one-line errors
     _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
@@ -122,7 +137,7 @@ class DecoderSpec(_Frozen):
             spec = DecoderSpec(
                 name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
                 datasets=self.datasets, generation_lengths=self.generation_lengths, prompt_cap=self.prompt_cap,
-                optional=self.optional,
+                optional=self.optional, sampling=self.sampling,
             )
             spec._where, spec._group, spec._swept = self._where, self.display, point
             out.append(spec)
@@ -165,6 +180,7 @@ class Suite(_Frozen):
     datasets: list[DatasetSpec] = Field(min_length=1)
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
     decoders: list[DecoderSpec] = Field(min_length=1)
+    sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
     timeout_s: float | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.reports.compare import MIN_PROMPTS, N_TOO_SMALL
-from dtbench.reports.summary import GROUP
+from dtbench.reports.summary import GROUP, SAMPLED
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
@@ -61,8 +61,8 @@ def cell_notes(row: pd.Series) -> list[str]:
 def formatted(row: pd.Series) -> dict[str, str]:
     """Display strings of one summary row, keyed by COLUMNS' keys."""
     mark = partial_mark(row)
-    if row["lossless"] == "—":
-        lossless = "—"
+    if row["lossless"] in ("—", SAMPLED):
+        lossless = row["lossless"]
     else:  # over every measured sample, warmup included
         ref = row["reference"] if row["reference"] and row["reference"] != "ar" else ""
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "")

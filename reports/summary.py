@@ -27,6 +27,8 @@ from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE, METRICS, MIB, peak_memory_bytes  # noqa: F401  (MIB re-exported)
 GROUP = ["dataset", "prompt_cap", "gen_length"]
+# The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
+SAMPLED = "sampled (exact by construction, distribution-tested)"
 KEY = [*GROUP, "label"]
 
 _SAMPLE_COLS = list(dict.fromkeys([
@@ -36,6 +38,7 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "output_hash", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
 _CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
+              "sampling",
               "lossless_expected", "reference_label", "status", "error", "target_model", "draft_model"]
 
 
@@ -104,7 +107,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         measured = cell[cell["has_sample"]]
         basis = measured[~measured["warmup"].astype(bool)]
         compared = measured["lossless"].dropna()
-        if len(compared) == 0:
+        if first["sampling"] and bool(first["lossless_expected"]):
+            lossless = SAMPLED
+        elif len(compared) == 0:
             lossless = "—"
         else:
             lossless = "yes" if bool(compared.all()) else "no"

@@ -105,6 +105,7 @@ class PromptLookup(Decoder):
     Params = PromptLookupParams
     needs_draft = False
     lossless = True
+    supports_sampling = True  # deterministic drafts, verified by speculative sampling when the suite samples
     version = "1"
 
     @torch.inference_mode()
@@ -120,7 +121,7 @@ class PromptLookup(Decoder):
         """
         p = self.params
         yield from speculate_chain(KVTarget(self.target), NgramProposer(p.ngram_size), input_ids, max_new_tokens,
-                                   p.num_draft_tokens)
+                                   p.num_draft_tokens, self.sampling, self.generator)
 
 
 class JsonlText(Dataset):

@@ -1,0 +1,201 @@
+"""Lossless speculative sampling, checked as distributions (issue 13).
+
+On tiny float64 models with a 6-token vocabulary, the exact distribution of the first m = 3 generated tokens under
+the target (temperature, top-k, top-p applied in transformers' order) is computed by enumeration; each decoder is
+run many times with independent seeded generators and the empirical distribution is compared with the exact one
+by a chi-square test (bins with expected count < 5 merged). Each test fails with probability ALPHA = 1e-4 when the
+decoder is exact, so the suite's false-failure rate stays well below 1e-3. A deliberately wrong acceptance rule
+must fail the same test (a test of the test).
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+import pytest
+import torch
+from scipy import stats
+
+from dtbench.decoders import chain
+from dtbench.decoders.ar import ARParams, Autoregressive
+from dtbench.decoders.linear import LinearParams, LinearSpeculative
+from dtbench.decoders.sampling import SamplingSettings
+from dtbench.decoders.streaming import StreamingSpecParams, StreamingSpeculative
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, M, RUNS, ALPHA = 6, 3, 1500, 1e-4
+PROMPT = [1, 4, 2, 5]
+
+
+def tiny(seed: int, sharpness: float = 2.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+@lru_cache(maxsize=None)
+def models():
+    import copy
+
+    target = tiny(0)
+    perturbed = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+    return {"self": target, "perturbed": perturbed, "unrelated": tiny(11, sharpness=4.0)}
+
+
+@torch.inference_mode()
+def exact(settings: SamplingSettings) -> dict[tuple[int, ...], float]:
+    """P(x1..xM | PROMPT) under the target's processed distribution, by enumeration."""
+    target = models()["self"]
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=M):
+        ids = torch.tensor([PROMPT + list(seq[:-1])])
+        probs = settings.probs(target(input_ids=ids).logits[0, len(PROMPT) - 1:])
+        out[seq] = float(torch.prod(torch.stack([probs[i, t] for i, t in enumerate(seq)])))
+    return out
+
+
+def empirical(decoder, settings: SamplingSettings) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    for run in range(RUNS):
+        decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(run)
+        tokens: list[int] = []
+        for step in decoder.generate(torch.tensor([PROMPT]), M):
+            tokens.extend(step.tokens)
+        key = tuple(tokens[:M])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def p_value(decoder, settings: SamplingSettings) -> float:
+    """Chi-square p-value of the decoder's empirical distribution against the exact one."""
+    probs = exact(settings)
+    counts = empirical(decoder, settings)
+    assert set(counts) <= {k for k, v in probs.items() if v > 0}, "a sequence the target cannot produce"
+    observed, expected, rest_o, rest_e = [], [], 0, 0.0
+    for key, p in probs.items():
+        e = p * RUNS
+        if e >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(e)
+        else:
+            rest_o += counts.get(key, 0)
+            rest_e += e
+    if rest_e > 0:
+        observed.append(rest_o)
+        expected.append(rest_e)
+    scale = sum(observed) / sum(expected)
+    return float(stats.chisquare(observed, [e * scale for e in expected]).pvalue)
+
+
+SETTINGS = {
+    "t1": SamplingSettings(temperature=1.0),
+    "t0.7-topk4": SamplingSettings(temperature=0.7, top_k=4),
+    "topp0.8": SamplingSettings(temperature=1.0, top_p=0.8),
+}
+
+
+def linear(draft: str, k: int = 2):
+    return LinearSpeculative(models()["self"], models()[draft], LinearParams(k=k))
+
+
+def test_ar_samples_the_target_distribution():
+    assert p_value(Autoregressive(models()["self"], None, ARParams()), SETTINGS["topp0.8"]) > ALPHA
+
+
+@pytest.mark.parametrize("draft, setting", [
+    ("self", "t1"), ("perturbed", "t1"), ("unrelated", "t1"), ("perturbed", "t0.7-topk4"),
+    ("unrelated", "topp0.8"),
+])
+def test_linear_speculative_sampling_is_exact(draft, setting):
+    assert p_value(linear(draft), SETTINGS[setting]) > ALPHA
+
+
+def test_streaming_spec_sampling_is_exact():
+    decoder = StreamingSpeculative(models()["self"], models()["perturbed"],
+                                   StreamingSpecParams(sinks=2, window=32, k=2))
+    assert p_value(decoder, SETTINGS["t1"]) > ALPHA
+
+
+def test_a_wrong_acceptance_rule_fails_the_test(monkeypatch):
+    """Accepting a draft whenever q(x) >= p(x)... or simply always: the output follows the draft, and the test
+    must catch it."""
+    def accept_all(drafts, draft_probs, target_probs, generator):
+        from dtbench.decoders.sampling import sample
+
+        return len(drafts), (*drafts, sample(target_probs[len(drafts)], generator))
+
+    monkeypatch.setattr(chain, "verify_chain_sampled", accept_all)
+    assert p_value(linear("unrelated"), SETTINGS["t1"]) < ALPHA
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_untouched():
+    settings = SETTINGS["t1"]
+
+    def run(seed):
+        d = linear("perturbed")
+        d.sampling, d.generator = settings, torch.Generator().manual_seed(seed)
+        return [t for s in d.generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12]
+
+    assert run(5) == run(5)
+    assert len({tuple(run(s)) for s in range(6)}) > 1
+    greedy = [t for s in linear("perturbed").generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12]
+    ar = [t for s in Autoregressive(models()["self"], None, ARParams()).generate(torch.tensor([PROMPT]), 12)
+          for t in s.tokens]
+    assert greedy == ar
+
+
+def test_processing_matches_transformers_warpers():
+    from transformers.generation.logits_process import (
+        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+    )
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for t, k, p in ((0.7, 10, 0.9), (1.3, 0, 0.5), (1.0, 3, 1.0)):
+        warpers = [TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []) + \
+                  ([TopPLogitsWarper(p)] if p < 1 else [])
+        expected = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), dim=-1)
+        assert torch.allclose(SamplingSettings(t, k, p).probs(logits), expected, atol=1e-12)
+
+
+def test_suite_sampling_through_the_runner(tmp_path, data_dir):
+    """`sampling:` in a suite: stored on each cell, same seed -> same outputs in two runs, report verdict
+    'sampled', greedy override per decoder, and decoders without sampling refused before any model loads."""
+    from sqlalchemy import select
+
+    from dtbench.harness import db
+    from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+
+    pair = tiny_pair(tmp_path / "models")
+    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}},
+                {"name": "linear", "label": "greedy", "params": {"k": 2}, "sampling": "greedy"}]
+    suite = suite_dict(*pair, decoders, sampling={"temperature": 0.8, "top_k": 20})
+    outputs = []
+    for name in ("a.db", "b.db"):
+        result = invoke("run", write_suite(tmp_path, suite), "--db", str(tmp_path / name), "--data-dir",
+                        str(data_dir), "--no-progress")
+        assert result.exit_code == 0, result.output
+        with db.connect(str(tmp_path / name))() as s:
+            rows = s.execute(select(db.Cell.label, db.Cell.sampling, db.Sample.prompt_index, db.Sample.output_tokens,
+                                    db.Sample.lossless).join(db.Sample)).all()
+        outputs.append(sorted((r[0], r[2], tuple(r[3])) for r in rows))
+        sampling = {r[0]: r[1] for r in rows}
+        assert sampling["linear"] == {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "seed": None}
+        assert sampling["greedy"] is None and all(r[4] is None for r in rows)  # no token check against a draw
+    assert outputs[0] == outputs[1]
+    assert "sampled (exact by construction, distribution-tested)" in result.stdout
+    bad = suite_dict(*pair, [{"name": "fixed_tree"}], sampling={"temperature": 0.8})
+    one_line_error(invoke("validate", write_suite(tmp_path, bad, "bad.yaml")), "decoders.0",
+                   "decoder 'fixed_tree' does not support sampling")
