@@ -171,11 +171,17 @@ class _StreamedGenerate(Decoder):
                 pad = getattr(target.config, "pad_token_id", None)
             if pad is None:
                 pad = 0
+            settings = dict(_NEUTRAL, do_sample=False)
+            if self.sampling is not None:
+                # transformers samples from the global torch RNG: seed it from this sample's own generator, so a
+                # seeded run is reproducible (the only global RNG use in dtbench, inside this worker's call).
+                torch.manual_seed(self.generator.initial_seed() if self.generator is not None else 0)
+                settings.update(do_sample=True, temperature=self.sampling.temperature,
+                                top_k=self.sampling.top_k or None, top_p=self.sampling.top_p)
             with self._around_call(bridge):
                 target.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
-                    do_sample=False,
                     num_beams=1,
                     max_new_tokens=max_new_tokens,
                     min_new_tokens=max_new_tokens,
@@ -183,7 +189,7 @@ class _StreamedGenerate(Decoder):
                     pad_token_id=pad,
                     streamer=bridge,
                     stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
-                    **_NEUTRAL,
+                    **settings,
                     **self._generate_kwargs(bridge),
                 )
             bridge.out.put(("done", None, 0))
@@ -205,6 +211,7 @@ class HFGenerate(_StreamedGenerate):
     Params = HFGenerateParams
     needs_draft = False
     lossless = True
+    supports_sampling = True  # generate(do_sample=True, temperature, top_k, top_p): the reference for ar's sampling
 
 
 class HFAssisted(_StreamedGenerate):
@@ -222,6 +229,7 @@ class HFAssisted(_StreamedGenerate):
     Params = HFAssistedParams
     needs_draft = True
     lossless = True
+    supports_sampling = True  # transformers' assisted generation samples with speculative sampling
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """One Step per target verification (see :class:`_StreamedGenerate`).

@@ -199,3 +199,17 @@ def test_suite_sampling_through_the_runner(tmp_path, data_dir):
     bad = suite_dict(*pair, [{"name": "fixed_tree"}], sampling={"temperature": 0.8})
     one_line_error(invoke("validate", write_suite(tmp_path, bad, "bad.yaml")), "decoders.0",
                    "decoder 'fixed_tree' does not support sampling")
+
+
+@pytest.mark.parametrize("name", ["hf_generate", "hf_assisted"])
+def test_transformers_decoders_sample_the_target_distribution(name):
+    """hf_generate (transformers' generate(do_sample=True)) is the reference for ar's sampling; hf_assisted is
+    transformers' own speculative sampling: both must match the enumerated distribution too."""
+    from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams, HFGenerate, HFGenerateParams
+
+    if name == "hf_generate":
+        decoder = HFGenerate(models()["self"], None, HFGenerateParams())
+    else:
+        decoder = HFAssisted(models()["self"], models()["perturbed"],
+                             HFAssistedParams(num_assistant_tokens=2, assistant_confidence_threshold=0.0))
+    assert p_value(decoder, SETTINGS["t0.7-topk4"]) > ALPHA
