@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
-from click.testing import CliRunner
 from sqlalchemy import func, select
 
 from dtbench.harness import db, registry
-from dtbench.harness.cli import cli
+
+from kit import invoke, one_line_error, write_suite
 
 TINY = {
     "name": "tiny",
@@ -23,26 +22,6 @@ TINY = {
     "generation_lengths": [6],
     "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],
 }
-
-
-def write_suite(tmp_path: Path, suite: dict | str, name: str = "suite.yaml") -> str:
-    path = tmp_path / name
-    path.write_text(suite if isinstance(suite, str) else yaml.safe_dump(suite, sort_keys=False))
-    return str(path)
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def one_line_error(result, *needles: str) -> None:
-    """A user error: exit 2, a single 'error:' line on stderr naming the problem, no traceback."""
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
