@@ -109,8 +109,16 @@ def paired_ratio_ci(ratios, confidence: float = 0.95) -> tuple[float, float, flo
     return point, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), "paired t (log ratios)"
 
 
+def _decoding(sampling) -> str:
+    """"greedy", or the sampling settings as a canonical string: speedups pair cells that decode the same way."""
+    import json
+
+    return json.dumps(sampling, sort_keys=True) if isinstance(sampling, dict) and sampling else "greedy"
+
+
 def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
-    """Every decoder against the AR cell of the same dataset, L_max and T, with a paired confidence interval.
+    """Every decoder against the AR cell of the same dataset, L_max and T that decodes the same way (greedy, or
+    the same sampling settings), with a paired confidence interval.
 
     Args:
         frame: :func:`~dtbench.reports.summary.samples_frame` of one run.
@@ -129,11 +137,16 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
     rows = []
     for key, cells in frame.groupby(GROUP, sort=False):
         group = s[(s["dataset"] == key[0]) & (s["prompt_cap"] == key[1]) & (s["gen_length"] == key[2])]
-        ar_label = next((lbl for lbl, d in zip(cells["label"], cells["decoder"]) if d == "ar"), None)
-        ar = group[group["label"] == ar_label].set_index("prompt_index")["throughput"] if ar_label else None
+        decoding = {lbl: _decoding(v) for lbl, v in zip(cells["label"], cells["sampling"])}
+        ar_labels = {}  # the AR cell of each decoding (greedy, or one sampling setting): the first one
+        for lbl, d in zip(cells["label"], cells["decoder"]):
+            if d == "ar":
+                ar_labels.setdefault(decoding[lbl], lbl)
         for label in dict.fromkeys(cells["label"]):
-            if label == ar_label:
+            if label in ar_labels.values():
                 continue
+            ar_label = ar_labels.get(decoding[label])
+            ar = group[group["label"] == ar_label].set_index("prompt_index")["throughput"] if ar_label else None
             mine_cells = cells[cells["label"] == label]
             first = mine_cells.iloc[0]
             partial = first["status"] == "failed" and bool(mine_cells["has_sample"].any())

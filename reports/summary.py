@@ -122,6 +122,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
             "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),
             "reference": first["reference_label"], "lossless_expected": bool(first["lossless_expected"]),
+            "sampling": first["sampling"],
             "status": first["status"], "error": first["error"],
             "partial": first["status"] == "failed" and len(measured) > 0,
             "all_warmup": len(measured) > 0 and len(basis) == 0,
@@ -129,11 +130,15 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    ar = table[table["decoder"] == BASELINE].set_index(GROUP)["throughput_mean"]
+    # Speedup against the AR cell of the same group that decodes the same way (greedy, or the same sampling).
+    from dtbench.reports.compare import _decoding
+
+    table["_decoding"] = [_decoding(v) for v in table["sampling"]]
+    ar = table[table["decoder"] == BASELINE].set_index([*GROUP, "_decoding"])["throughput_mean"]
     ar = ar[~ar.index.duplicated()]
-    keys = list(zip(*(table[c] for c in GROUP)))
+    keys = list(zip(*(table[c] for c in [*GROUP, "_decoding"])))
     table["speedup"] = [row / ar.get(k, float("nan")) for row, k in zip(table["throughput_mean"], keys)]
-    return table
+    return table.drop(columns="_decoding")
 
 
 def without_partial(summary: pd.DataFrame) -> pd.DataFrame:

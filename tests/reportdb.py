@@ -42,13 +42,13 @@ def add_run(session, name="t", env=None, text=None, status="completed") -> Run:
 
 def add_cell(session, run: Run, label: str, decoder: str | None = None, *, dataset="wikitext-2", cap=128, T=64,
              params=None, version="1", status="done", error=None, target="smollm2 (float32)", draft=None,
-             sweep_group: str | None = None) -> Cell:
+             sweep_group: str | None = None, sampling: dict | None = None) -> Cell:
     decoder = decoder or label
     cell = Cell(run=run, dataset=dataset, prompt_cap=cap, gen_length=T, decoder=decoder, label=label,
                 decoder_version=version, decoder_distribution="dtbench", params=params or {},
                 lossless_expected=True, reference_label=None if decoder == "ar" else "ar",
                 target_model=target, draft_model=draft if draft is not None else (None if decoder == "ar" else "draft (bf16)"),
-                status=status, error=error, sweep_group=sweep_group)
+                status=status, error=error, sweep_group=sweep_group, sampling=sampling)
     session.add(cell)
     session.flush()
     return cell

@@ -213,3 +213,26 @@ def test_transformers_decoders_sample_the_target_distribution(name):
         decoder = HFAssisted(models()["self"], models()["perturbed"],
                              HFAssistedParams(num_assistant_tokens=2, assistant_confidence_threshold=0.0))
     assert p_value(decoder, SETTINGS["t0.7-topk4"]) > ALPHA
+
+
+def test_speedups_pair_cells_that_decode_the_same_way(tmp_path):
+    """A sampled decoder's speedup is against the AR cell sampled with the same settings, not the greedy one."""
+    import reportdb
+    from dtbench.harness import db
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import samples_frame, summarize
+
+    sessions = db.connect(str(tmp_path / "r.db"))
+    hot = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": None}
+    with sessions() as s:
+        run = reportdb.add_run(s)
+        for label, dec, sampling, thr in (("AR", "ar", None, 10.0), ("AR hot", "ar", hot, 8.0),
+                                          ("Lin", "linear", None, 15.0), ("Lin hot", "linear", hot, 10.0)):
+            reportdb.add_samples(s, reportdb.add_cell(s, run, label, dec, sampling=sampling), [thr] * 6, warmup=1)
+        s.commit()
+        frame = samples_frame(s, run.id)
+    speedup = summarize(frame).set_index("label")["speedup"]
+    assert speedup["Lin"] == pytest.approx(1.5) and speedup["Lin hot"] == pytest.approx(1.25)
+    assert speedup["AR hot"] == pytest.approx(1.0)
+    table = speedup_table(frame).set_index("label")
+    assert table.loc["Lin hot", "speedup"] == pytest.approx(1.25) and "AR hot" not in table.index
