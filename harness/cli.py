@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from dtbench.harness.dbcli import db_group
 from dtbench.harness.errors import DtbenchError
 
 DB_HELP = "SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; default sqlite:///results.db]"
@@ -222,6 +223,9 @@ def list_decoders() -> None:
     stdout_console().print(table)
     for p in problems:
         click.echo(f"warning: {p}", err=True)
+
+
+cli.add_command(db_group)  # dtbench db upgrade|current (harness/dbcli.py)
 
 
 def main() -> None:
