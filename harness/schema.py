@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -128,7 +130,6 @@ def _lock_engine(url: str) -> Engine:
             dbapi_conn.isolation_level = None  # pysqlite must not issue its own BEGIN: we issue BEGIN EXCLUSIVE
             cur = dbapi_conn.cursor()
             cur.execute(f"PRAGMA busy_timeout={SQLITE_LOCK_TIMEOUT_MS}")
-            cur.execute("PRAGMA journal_mode=WAL")
             cur.close()
 
         @event.listens_for(engine, "begin")
@@ -136,6 +137,25 @@ def _lock_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN EXCLUSIVE")
 
     return engine
+
+
+def _switch_to_wal(engine: Engine) -> None:
+    """Put a SQLite database in WAL mode (a no-op when it is). Changing the journal mode needs the file to itself,
+    and SQLite may answer "database is locked" at once rather than wait while another process holds it (several
+    processes creating a database together): retry for up to the busy timeout."""
+    deadline = time.monotonic() + SQLITE_LOCK_TIMEOUT_MS / 1000
+    raw = engine.raw_connection()  # autocommit: no BEGIN EXCLUSIVE around the journal switch
+    try:
+        while True:
+            try:
+                raw.cursor().execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+    finally:
+        raw.close()
 
 
 def _where(url: str) -> str:
@@ -177,15 +197,25 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
                 command.stamp(_config(conn), BASELINE)
             if before != target:
                 command.upgrade(_config(conn), "head")
+        if conn.dialect.name == "sqlite":  # only now that the file is known to be ours (WAL persists in the file)
+            _switch_to_wal(engine)
     except DtbenchError:
         raise
-    except (SQLAlchemyError, OSError, ImportError) as exc:
-        raise DtbenchError(f"cannot open database {display_url(url)}: {_one_line(exc)}{_hint(url, exc)}") from None
+    except (SQLAlchemyError, sqlite3.Error, OSError, ImportError) as exc:
+        raise _open_error(url, exc) from None
     finally:
         engine.dispose()
     if before is not None and before != target and note is not None:
         note(f"upgraded the results database {where} from schema revision {before} to {target}")
     return before, target
+
+
+def _open_error(url: str, exc: BaseException) -> DtbenchError:
+    """One line for a database that could not be opened, read or changed."""
+    msg = _one_line(exc)
+    if "file is not a database" in msg:
+        return DtbenchError(f"{_where(url)} is not a dtbench results database (not a SQLite file)")
+    return DtbenchError(f"cannot open database {display_url(url)}: {msg}{_hint(url, exc)}")
 
 
 def _hint(url: str, exc: BaseException) -> str:
@@ -205,11 +235,8 @@ def current(engine: Engine, url: str) -> State:
     try:
         with engine.connect() as conn:
             return inspect_state(conn)
-    except SQLAlchemyError as exc:
-        msg = _one_line(exc)
-        if "file is not a database" in msg:
-            raise DtbenchError(f"{_where(url)} is not a dtbench results database (not a SQLite file)") from None
-        raise DtbenchError(f"cannot open database {display_url(url)}: {msg}") from None
+    except (SQLAlchemyError, sqlite3.Error, OSError, ImportError) as exc:
+        raise _open_error(url, exc) from None
 
 
 def upgrade_instruction(url: str) -> str:
