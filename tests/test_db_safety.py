@@ -157,7 +157,7 @@ def current_db(tmp_path) -> Path:
     folder = tmp_path / "current"
     folder.mkdir()
     path = Path(shutil.copy(FIXTURE, folder / "results.db"))
-    db.connect(str(path), note=None)
+    db.connect(str(path))  # upgrades it (a note on stderr)
     return path
 
 
