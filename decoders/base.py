@@ -11,10 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+import types
+import typing
+from typing import Any, ClassVar, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,8 @@ class Step:
             (the committed path length before the bonus token, paper section 3.5).
         tree_size: number of drafted nodes verified (equal to ``drafted`` for chains, 0 for AR).
         depth: deepest drafted node in this iteration's tree (K for a chain, 0 for AR).
-        target_forwards: target forward passes this iteration spent (2 for the paper's rebuild strategy).
+
+    Forward passes are not part of a Step: the runner counts the target's and the draft's with hooks.
     """
 
     tokens: tuple[int, ...]
@@ -37,11 +40,70 @@ class Step:
     accepted: int = 0
     tree_size: int = 0
     depth: int = 0
-    target_forwards: int = 1
 
 
-class DecoderParams(BaseModel):
-    """Base for every decoder's hyperparameters: frozen, unknown keys rejected."""
+def admits_bool(annotation: Any) -> bool:
+    """Whether a type annotation accepts a Python bool as such (``bool``, ``Any``, or a union holding one)."""
+    if annotation is bool or annotation is Any or annotation is object:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return admits_bool(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return any(admits_bool(a) for a in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    return False
+
+
+def bool_misuse(annotation: Any, value: Any, path: str = "") -> str | None:
+    """The path of the first bool in ``value`` where ``annotation`` wants a number or other non-bool, or None.
+
+    Python's ``bool`` is an ``int`` subclass and pydantic's lax mode turns ``true`` into 1: in a benchmark
+    suite ``k: true`` is a typo, never a chain length. Lists and dicts are checked element by element.
+    """
+    if isinstance(value, bool):
+        return None if admits_bool(annotation) else path
+    if admits_bool(annotation):
+        return None
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return bool_misuse(args[0], value, path)
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        problems = [bool_misuse(a, value, path) for a in options]
+        return None if any(p is None for p in problems) else problems[0]
+    if isinstance(value, list) and origin in (list, tuple, set, frozenset) and args:
+        for i, item in enumerate(value):
+            hit = bool_misuse(args[0], item, f"{path}.{i}" if path else str(i))
+            if hit is not None:
+                return hit
+    if isinstance(value, dict) and origin is dict and len(args) == 2:
+        for k, item in value.items():
+            hit = bool_misuse(args[1], item, f"{path}.{k}" if path else str(k))
+            if hit is not None:
+                return hit
+    return None
+
+
+class StrictBools(BaseModel):
+    """Mixin model that rejects ``true``/``false`` where a field wants a number (see :func:`bool_misuse`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bools_as_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, f in cls.model_fields.items():
+                if name in data:
+                    hit = bool_misuse(f.annotation, data[name], name)
+                    if hit is not None:
+                        raise ValueError(f"{hit}: a boolean is not a valid value here (booleans are not numbers)")
+        return data
+
+
+class DecoderParams(StrictBools):
+    """Base for every decoder's hyperparameters: frozen, unknown keys rejected, booleans never taken as numbers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -49,7 +49,7 @@ Transient sizes and splits: during one verification the target cache holds up to
 entries. A forward never holds more than ``R`` new tokens with the masked scheme (a longer verification, K >= R,
 is split, and later pieces hide rather than evict entries a rollback may need); a forward that crosses token
 index ``S + R`` is split there, since the sinks must exist before they are copied (once per generation). Each
-split costs one more target forward, counted in ``Step.target_forwards``. The prompt follows the same policy:
+split costs one more target forward (the runner's forward counter sees it). The prompt follows the same policy:
 its first ``S + R`` tokens in one plain causal forward (identical to ``ar``'s prefill when the prompt fits), the
 rest in masked chunks of at most ``min(R, 256)`` tokens, so prompts longer than ``S + R`` are streamed exactly.
 
@@ -75,7 +75,8 @@ from pydantic import Field
 from transformers import DynamicCache
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token, verify_chain
+from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token
+from dtbench.decoders.chain import ChainTarget, DraftModelProposer, speculate_chain
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt_neox")
 """``config.model_type`` values whose attention caches rotate_half-RoPE keys of shape (1, kv_heads, seq, head_dim)."""
@@ -437,10 +438,10 @@ class StreamingAR(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         state = StreamingKV(self.target, self.params.sinks, self.params.window)
-        logits, forwards = state.forward(input_ids[0].tolist(), last_only=True)
+        logits, _ = state.forward(input_ids[0].tolist(), last_only=True)
         state.enforce_budget()
         token = greedy_token(logits[-1])
-        yield Step(tokens=(token,), target_forwards=forwards)
+        yield Step(tokens=(token,))
         for _ in range(max_new_tokens - 1):
             logits, _ = state.forward([token])
             state.enforce_budget()
@@ -474,38 +475,51 @@ class StreamingSpeculative(Decoder):
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        S, R, k = self.params.sinks, self.params.window, self.params.k
-        target = StreamingKV(self.target, S, R)
-        logits, forwards = target.forward(input_ids[0].tolist(), last_only=True)
-        target.enforce_budget()
-        pending = greedy_token(logits[-1])
-        yield Step(tokens=(pending,), target_forwards=forwards)
-        draft = StreamingKV(self.draft, S, R)
-        # Invariant between iterations: the target holds every committed token but `pending`; the draft holds
-        # every committed token but `backlog` (fed exactly, as committed tokens, at the next round's start).
-        backlog = input_ids[0].tolist() + [pending]
-        produced = 1
-        while produced < max_new_tokens:
-            n_draft = min(k, max_new_tokens - produced)
-            committed_before = target.n  # tokens before `pending`
-            drafts: list[int] = []
-            feed, exact = backlog, True
-            for _ in range(n_draft):
-                d_logits, _ = draft.forward(feed, exact=exact, last_only=True)
-                token = greedy_token(d_logits[-1])
-                drafts.append(token)
-                feed, exact = [token], False
-            logits, forwards = target.forward([pending, *drafts], tentative=True)
-            accepted, committed = verify_chain(drafts, logits)
-            bonus = committed[-1]
-            target.crop(committed_before + 1 + accepted)
-            target.enforce_budget()
-            draft.crop(min(draft.n, committed_before + 1 + accepted))  # draft.n = committed_before + n_draft
-            draft.enforce_budget()
-            backlog = ([drafts[-1]] if accepted == n_draft else []) + [bonus]
-            pending = bonus
-            produced += len(committed)
-            yield Step(
-                tokens=committed, drafted=n_draft, accepted=accepted, tree_size=n_draft, depth=n_draft,
-                target_forwards=forwards,
-            )
+        S, R = self.params.sinks, self.params.window
+        yield from speculate_chain(StreamingTarget(self.target, S, R), StreamingDraftProposer(self.draft, S, R),
+                                   input_ids, max_new_tokens, self.params.k)
+
+
+class StreamingTarget(ChainTarget):
+    """The target's side of streaming speculation: a :class:`StreamingKV`, verified tentatively (nothing a
+    rollback may need is evicted until the verdict), cropped to the kept tokens, then trimmed to ``S + R``."""
+
+    def __init__(self, model: torch.nn.Module, sinks: int, window: int):
+        self.state = StreamingKV(model, sinks, window)
+        self._before = 0
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits, _ = self.state.forward(input_ids[0].tolist(), last_only=True)
+        self.state.enforce_budget()
+        return logits[-1]
+
+    def verify(self, tokens: list[int]) -> torch.Tensor:
+        self._before = self.state.n  # committed tokens before the pending one
+        return self.state.forward(tokens, tentative=True)[0]
+
+    def keep(self, n: int) -> None:
+        self.state.crop(self._before + n)
+        self.state.enforce_budget()
+
+
+class StreamingDraftProposer(DraftModelProposer):
+    """:class:`~dtbench.decoders.chain.DraftModelProposer` over a draft :class:`StreamingKV`: committed tokens
+    (the backlog) are fed exactly; tentative drafts are not evicted within a round, so a crop rolls them back."""
+
+    def __init__(self, draft: torch.nn.Module, sinks: int, window: int):
+        super().__init__(draft)
+        self.sinks, self.window = sinks, window
+
+    def begin(self, prompt: list[int], pending: int) -> None:
+        super().begin(prompt, pending)
+        self.state = StreamingKV(self.draft, self.sinks, self.window)
+
+    def forward(self, feed: list[int], exact: bool) -> torch.Tensor:
+        return self.state.forward(feed, exact=exact, last_only=True)[0][-1]
+
+    def rollback(self, length: int) -> None:
+        self.state.crop(length)
+        self.state.enforce_budget()
+
+    def cached(self) -> int:
+        return self.state.n

@@ -628,7 +628,8 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
     Yields:
         First the prefill's token as a Step (TTFT); then one Step per iteration with tokens = committed path
         tokens + bonus, drafted = tree_size = drafted nodes, accepted = committed path length before the
-        bonus, depth = deepest drafted node, target_forwards = 1 (compact) or 2 (rebuild).
+        bonus, depth = deepest drafted node (the runner counts forwards: 1 target forward per iteration with
+        compact, 2 with rebuild).
 
     Raises:
         ValueError: unknown strategy, or a model whose attention implementation cannot take a tree mask.
@@ -643,7 +644,6 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
     pending = int(torch.argmax(logits).item())
     yield Step(tokens=(pending,))
     produced = 1
-    forwards = 1 if cache_strategy == "compact" else 2
     while produced < max_new_tokens:
         depth_cap = min(policy.depth_limit, max_new_tokens - produced - 1)
         tree = TokenTree(pending, policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
@@ -661,7 +661,7 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
             kv.forward(target, [pending, *committed[:-1]], t_cache, last_only=True)
         session.commit(pending, path, committed)
         step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1,
-                    tree_size=tree.n_drafted, depth=tree.max_depth, target_forwards=forwards)
+                    tree_size=tree.n_drafted, depth=tree.max_depth)
         policy.observe(step)
         pending = committed[-1]
         produced += len(committed)

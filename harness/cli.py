@@ -1,11 +1,13 @@
 """The ``dtbench`` command line: run suites, report results, validate suites, list decoders.
 
 Progress and logs go to stderr, tables and data to stdout (``dtbench report --format csv > out.csv`` works).
-Every user error is one line on stderr and exit code 2; an interrupted run exits with 130.
+Every user error is one line on stderr and exit code 2; an interrupted run exits with 130. Exit codes of
+``dtbench run``: see :data:`RUN_EXIT_CODES`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import traceback
@@ -15,7 +17,22 @@ from rich.console import Console
 from rich.table import Table
 
 from dtbench.harness.dbcli import db_group
-from dtbench.harness.errors import DtbenchError
+from dtbench.harness.errors import DtbenchError, clip
+
+# Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
+EXIT_INTERRUPTED = 130
+RUN_EXIT_CODES = f"""\b
+Exit codes:
+  {EXIT_OK}    every cell ran and every lossless decoder reproduced its reference
+  {EXIT_INTERNAL}    internal error, or the runner itself failed (the run is stored as failed; --resume continues)
+  {EXIT_BAD_INPUT}    bad input (suite, data, models, database); nothing was run
+  {EXIT_DIVERGED}    a lossless decoder's output diverged from its reference on some prompt
+  {EXIT_CELL_FAILED}    a cell failed (a decoder raised, exited or timed out)
+  {EXIT_DIVERGED_AND_FAILED}    both {EXIT_DIVERGED} and {EXIT_CELL_FAILED}
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C, SIGTERM); --resume continues
+"""
 
 DB_HELP = "SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; default sqlite:///results.db]"
 
@@ -32,10 +49,14 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except DtbenchError as exc:
-            from dtbench.harness.runner import RunInterrupted
+            from dtbench.harness.runner import RunFailed, RunInterrupted
 
-            click.echo(f"error: {exc}" if not isinstance(exc, RunInterrupted) else f"{exc}", err=True)
-            ctx.exit(130 if isinstance(exc, RunInterrupted) else 2)
+            message = clip(exc, 1000)
+            if isinstance(exc, RunInterrupted):
+                click.echo(message, err=True)
+                ctx.exit(EXIT_INTERRUPTED)
+            click.echo(f"error: {message}", err=True)
+            ctx.exit(EXIT_INTERNAL if isinstance(exc, RunFailed) else EXIT_BAD_INPUT)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except KeyboardInterrupt:
@@ -44,7 +65,8 @@ class _Group(click.Group):
         except Exception as exc:  # never a traceback for users; DTBENCH_DEBUG=1 shows it
             if os.environ.get("DTBENCH_DEBUG"):
                 traceback.print_exc()
-            click.echo(f"internal error: {type(exc).__name__}: {exc} (set DTBENCH_DEBUG=1 for the traceback)", err=True)
+            click.echo(f"internal error: {type(exc).__name__}: {clip(exc, 500)} (set DTBENCH_DEBUG=1 for the traceback)",
+                       err=True)
             ctx.exit(1)
 
 
@@ -73,13 +95,17 @@ def cli() -> None:
               help="continue the latest unfinished run of this suite, skipping samples already stored")
 @click.option("--resume-run", "resume", type=int, default=None, metavar="ID",
               help="continue unfinished run ID of this suite (as --resume, naming the run)")
+@click.option("--force", is_flag=True,
+              help="resume even if the run's owner still looks alive (same host: its pid runs; another host: a "
+                   "heartbeat in the last 5 minutes)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @click.option("--no-report", is_flag=True, help="do not print the report at the end")
-def run(suite_path, db_url, data_dir, resume_latest, resume, no_progress, no_report) -> None:
+def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress, no_report) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
     Each sample is committed as soon as it is measured: Ctrl-C keeps everything measured so far
-    (the run is marked interrupted; continue it with --resume).
+    (the run is marked interrupted; continue it with --resume). A decoder that raises, exits or runs past the
+    suite's per-sample `timeout_s` fails its cell and the run goes on.
     """
     from sqlalchemy import select
 
@@ -98,11 +124,38 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, no_progress, no_rep
         if resume is None:
             raise DtbenchError(f"no unfinished run of {suite_path} to resume")
     console = Console(stderr=True)
-    run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume,
+    run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
                        console=console, progress=not no_progress)
     console.print(f"run {run_id} stored in {db.resolve_url(db_url)}")
     if not no_report:
         _report(sessions, run_id, "table")
+    code = run_exit_code(sessions, run_id)
+    if code:
+        console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged from its reference",
+                                               EXIT_CELL_FAILED: "a cell failed",
+                                               EXIT_DIVERGED_AND_FAILED: "a lossless decoder diverged and a cell "
+                                                                         "failed"}[code])
+        sys.exit(code)
+
+
+run.help = inspect.cleandoc(run.help or "") + "\n\n" + RUN_EXIT_CODES
+
+
+def run_exit_code(sessions, run_id: int) -> int:
+    """EXIT_DIVERGED if a lossless cell has a sample that diverged (warmup included), EXIT_CELL_FAILED if a cell
+    failed, EXIT_DIVERGED_AND_FAILED for both, else EXIT_OK."""
+    from sqlalchemy import exists, select
+
+    from dtbench.harness import db
+
+    with sessions() as s:
+        failed = s.scalar(select(exists().where(db.Cell.run_id == run_id, db.Cell.status == "failed")))
+        diverged = s.scalar(select(exists().where(
+            db.Sample.cell_id == db.Cell.id, db.Cell.run_id == run_id, db.Cell.lossless_expected.is_(True),
+            db.Sample.lossless.is_(False))))
+    if failed and diverged:
+        return EXIT_DIVERGED_AND_FAILED
+    return EXIT_CELL_FAILED if failed else EXIT_DIVERGED if diverged else EXIT_OK
 
 
 @cli.command(context_settings={"max_content_width": 110})
@@ -188,11 +241,16 @@ def _report(sessions, run_id, fmt) -> None:
 @click.argument("suite_path", type=click.Path(dir_okay=False))
 def validate(suite_path) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
-    from dtbench.harness.runner import plan_suite
+    from dtbench.harness import registry
+    from dtbench.harness.runner import plan_suite, preflight
     from dtbench.harness.suite import load_suite
 
     suite, _ = load_suite(suite_path)
     plan = plan_suite(suite)
+    console = Console(stderr=True)
+    for line in registry.scan().warnings("decoder"):
+        console.print(f"[yellow]warning: {line}[/yellow]")
+    preflight(suite, plan, console)
     groups = sum(len(ds.caps) for ds in suite.datasets) * len(suite.generation_lengths)
     cells = sum(len(plan.decoders_for(ds.name)) * len(ds.caps) for ds in suite.datasets) * len(suite.generation_lengths)
     samples = sum(len(plan.decoders_for(ds.name)) * len(ds.caps) * ds.prompts for ds in suite.datasets) * len(suite.generation_lengths)
@@ -208,6 +266,11 @@ def list_decoders() -> None:
     for col in ("name", "distribution", "lossless", "draft", "params"):
         table.add_column(col)
     problems = []
+    found = registry.scan()
+    for entry in found.refused + [e for es in found.ambiguous.values() for e in es]:
+        why = "refused: built-in name" if entry in found.refused else "ambiguous: name claimed twice"
+        table.add_row(entry.name, f"{entry.distribution} {entry.version}", "—", "—", f"[red]{why}[/red]")
+    problems.extend(found.warnings("decoder"))
     for name, entry in sorted(registry.discover().items()):
         try:
             cls = entry.load()

@@ -108,7 +108,25 @@ def _text_files(spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]
     files = sorted(p.rglob("*.txt")) if p.is_dir() else sorted(Path(f) for f in glob.glob(str(p)))
     if not files:
         raise DtbenchError(f"text-files: no files match {spec.path}")
-    return [(str(f), _read(f)) for f in files]
+    return [(str(f), _read_text_file(f)) for f in files]
+
+
+def _read_text_file(path: Path) -> str:
+    """A user's document as text: UTF-8 without NUL bytes, else a one-line error naming the file.
+
+    Raises:
+        DtbenchError: for an unreadable file, or one that is binary (a NUL byte) or not UTF-8 text.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DtbenchError(f"text-files: cannot read {path}: {exc.strerror}") from None
+    if b"\0" in raw:
+        raise DtbenchError(f"text-files: {path} is not a text document (it holds NUL bytes)")
+    try:
+        return raw.decode("utf-8").replace("\r\n", "\n")
+    except UnicodeDecodeError as exc:
+        raise DtbenchError(f"text-files: {path} is not UTF-8 text (byte {exc.start})") from None
 
 
 def _hub(load: Callable, name: str):
@@ -131,14 +149,16 @@ DATASETS: dict[str, Callable[[DatasetSpec, str | None], list[tuple[str, str]]]] 
 }
 
 
-def check_dataset(spec: DatasetSpec) -> None:
-    """Fail early on an unknown dataset name.
+def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
+    """Fail early on an unknown dataset name; with ``files``, also read a ``text-files`` corpus (cheap, local).
 
     Raises:
-        DtbenchError: with the registered names.
+        DtbenchError: with the registered names, or naming a missing or non-text file.
     """
     if spec.name not in DATASETS:
         raise DtbenchError(f"unknown dataset '{spec.name}' (registered: {', '.join(DATASETS)})")
+    if files and spec.name == "text-files":
+        _text_files(spec, None)
 
 
 def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> list[tuple[str, str]]:

@@ -85,9 +85,8 @@ class Run(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     environment: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     error: Mapped[str | None] = mapped_column(Text)
-    # Revision 0002. The process writing the run (None for runs written before 0002 and for finished runs'
-    # history): host name as socket.gethostname() gives it, its pid, and the last time it showed it is alive
-    # (UTC; updated as samples are committed). `--resume` refuses a run whose owner is still alive.
+    # Revision 0002: the process writing the run, so `--resume` can refuse a live one (None for runs written
+    # before 0002): host (socket.gethostname()), pid, and the last sign of life (UTC; refreshed while it runs).
     owner_host: Mapped[str | None] = mapped_column(String(255))
     owner_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -142,12 +141,12 @@ class Sample(Base):
     draft_depth: Mapped[int] = mapped_column(Integer)
     acceptance_rate: Mapped[float | None] = mapped_column(Float)
     mean_path_length: Mapped[float | None] = mapped_column(Float)
-    # Forward passes counted by the runner's hooks (count; None where not counted, e.g. before revision 0002 for
-    # draft_forwards; target_forwards is nullable since 0002).
+    # Forward passes counted by the runner's hooks (counts; nullable since revision 0002, None where not counted).
     target_forwards: Mapped[int | None] = mapped_column(Integer)
     draft_forwards: Mapped[int | None] = mapped_column(Integer)  # 0002
-    # 0002: acceptance counting the bonus token (fraction, 0..1) and the mean committed path length over all
-    # iterations (tokens per iteration); exact definitions live with the metric definitions in the runner.
+    # 0002 (definitions: harness/metrics.py). acceptance_incl_bonus: committed tokens including the bonus token /
+    # drafted depth, summed over drafting iterations (a ratio, may exceed 1: the paper's Table 3 "Accept.").
+    # mean_path_length_all: committed path length before the bonus token, in tokens, averaged over every iteration.
     acceptance_incl_bonus: Mapped[float | None] = mapped_column(Float)
     mean_path_length_all: Mapped[float | None] = mapped_column(Float)
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
@@ -157,7 +156,7 @@ class Sample(Base):
     peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_nvml_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    nvml_scope: Mapped[str | None] = mapped_column(String(20))  # 0002: what peak_nvml_bytes covers: process|device
+    nvml_scope: Mapped[str | None] = mapped_column(String(20))  # 0002: what peak_nvml_bytes covers (e.g. process|device)
     output_hash: Mapped[str] = mapped_column(String(64))
     output_tokens: Mapped[list[int]] = mapped_column(JSON)
     lossless: Mapped[bool | None] = mapped_column(Boolean)

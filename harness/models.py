@@ -142,7 +142,7 @@ def load_tokenizer(spec: ModelSpec):
     try:
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception as exc:
-        raise DtbenchError(f"cannot load the tokenizer of '{spec.model}': {_short(exc)}") from None
+        raise DtbenchError(f"cannot load the tokenizer of '{spec.model}': {_short(exc, spec.model)}") from None
 
 
 _FP32_CACHE: dict[tuple[str, str | None, str], torch.nn.Module] = {}
@@ -174,7 +174,7 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
                 attn_implementation=spec.attn_implementation, **kwargs,
             )
         except Exception as exc:
-            raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc)}") from None
+            raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc, spec.model)}") from None
         finally:
             hf_logging.enable_progress_bar()
         if spec.model == EMBEDDED:
@@ -185,20 +185,51 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     return LoadedModel(model=model, name=spec.model, dtype=spec.dtype, device=str(device), params=n_params)
 
 
-def check_vocab(target: torch.nn.Module, draft: torch.nn.Module, target_name: str, draft_name: str) -> None:
-    """Speculative decoding compares token ids, so target and draft must share a vocabulary.
+def check_embedding(model: torch.nn.Module, tokenizer, name: str) -> None:
+    """Every token id the tokenizer can produce must index the model's input and output embeddings.
 
-    Compares the embedding sizes of both models (padded embedding rows are allowed when the tokenizer's
-    vocabulary fits both).
+    Padded embeddings (more rows than the tokenizer's vocabulary, common for GPU-friendly sizes such as
+    Pythia's 50,304 vs 50,277 tokens) are fine; fewer rows would fail with an IndexError mid-run.
 
     Raises:
-        DtbenchError: if the vocabulary sizes differ.
+        DtbenchError: if an embedding has fewer rows than ``len(tokenizer)``.
     """
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise DtbenchError(
-            f"target '{target_name}' (vocab {tv}) and draft '{draft_name}' (vocab {dv}) do not share a vocabulary"
-        )
+    vocab = len(tokenizer)
+    for what, emb in (("input", model.get_input_embeddings()), ("output", model.get_output_embeddings())):
+        rows = getattr(emb, "num_embeddings", None) or getattr(emb, "out_features", None)
+        if rows is not None and rows < vocab:
+            raise DtbenchError(f"model '{name}': its {what} embedding has {rows} rows, fewer than the tokenizer's "
+                               f"{vocab} tokens; the tokenizer does not belong to this model")
+
+
+_LEARNED_POSITIONS = {"gpt2", "opt", "gpt_bigcode", "biogpt"}  # model types whose position table is finite
+
+
+def check_context(spec: ModelSpec, tokens: int) -> str | None:
+    """Check that ``tokens`` (L_max + T) fit the model's context, from its config alone (no weights loaded).
+
+    Returns:
+        A warning for a rotary-position model run past its trained context (it runs, quality may degrade;
+        the DynaTree paper's PG-19 protocol, L_max 1000 + T 1500 on Pythia's 2048, does this), else None.
+        None too when the config cannot be read here (offline hub id): the load reports that later.
+
+    Raises:
+        DtbenchError: for a model with learned absolute positions (GPT-2 style) that cannot embed that many.
+    """
+    from transformers import AutoConfig
+
+    try:
+        source, kwargs = _source_kwargs(spec.model, spec.revision)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except Exception:
+        return None
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if not limit or tokens <= limit:
+        return None
+    absolute = getattr(config, "model_type", "") in _LEARNED_POSITIONS
+    if absolute:
+        raise DtbenchError(f"model '{spec.model}' has {limit} learned positions; L_max + T = {tokens} tokens do not fit")
+    return f"model '{spec.model}' was trained on {limit} positions; L_max + T = {tokens} runs past that"
 
 
 def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
@@ -213,9 +244,14 @@ def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -
         raise DtbenchError(f"target '{target_name}' and draft '{draft_name}' tokenizers have different vocabularies")
 
 
-def _short(exc: Exception) -> str:
+def _is_hub_id(name: str) -> bool:
+    return name != EMBEDDED and not Path(name).expanduser().exists() and not name.startswith((".", "/", "~"))
+
+
+def _short(exc: Exception, name: str) -> str:
     text = str(exc).strip().splitlines()
     msg = text[0] if text else type(exc).__name__
-    if os.environ.get("HF_HUB_OFFLINE") or "offline" in msg.lower() or "connect" in msg.lower():
+    hubby = os.environ.get("HF_HUB_OFFLINE") or "offline" in msg.lower() or "connect" in msg.lower()
+    if hubby and _is_hub_id(name):
         msg += " (no network? use a local model folder or the embedded default smollm2-135m)"
     return msg[:400]

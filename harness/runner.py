@@ -8,16 +8,21 @@ a killed run loses at most the sample in flight, and ``--resume`` continues wher
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import platform
 import signal
+import socket
 import subprocess
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 import torch
 from rich.console import Console
@@ -25,123 +30,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, models, registry
 from dtbench.harness.db import Cell, Run, Sample, utcnow
-from dtbench.harness.errors import DtbenchError
-from dtbench.harness.measure import MemoryTracker, device_name, cpu_model, now, synchronize
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.measure import Measurement, SampleTimeout, cpu_model, device_name, measure  # noqa: F401
+from dtbench.harness.metrics import first_divergence, sample_row  # noqa: F401  (re-exported)
 from dtbench.harness.suite import DecoderSpec, Suite, suite_hash
-
-
-@dataclass
-class Measurement:
-    """What the runner saw of one decoder on one prompt (times in seconds from the start of generate)."""
-
-    tokens: list[int]
-    steps: list[Step]
-    step_times: list[float]
-    memory: Any
-
-
-def measure(decoder: Decoder, prompt_ids: list[int] | tuple[int, ...], gen_length: int, device: torch.device) -> Measurement:
-    """Run ``decoder`` on one prompt and time each yielded Step after synchronizing the device.
-
-    The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
-    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed.
-
-    Args:
-        prompt_ids: prompt token ids (length >= 1).
-        gen_length: T, new tokens to generate.
-        device: where the models live (CUDA is synchronized before each clock read).
-
-    Raises:
-        DtbenchError: if the decoder yields an empty step or stops before T tokens.
-        Exception: whatever the decoder raises (the runner marks the cell failed).
-    """
-    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    tokens: list[int] = []
-    steps: list[Step] = []
-    times: list[float] = []
-    synchronize(device)
-    with MemoryTracker(device) as mem:
-        start = now()
-        gen = decoder.generate(input_ids, gen_length)
-        try:
-            for step in gen:
-                synchronize(device)
-                times.append(now() - start)
-                if not step.tokens:
-                    raise DtbenchError(f"decoder yielded a step with no tokens at iteration {len(steps)}")
-                steps.append(step)
-                tokens.extend(step.tokens)
-                if len(tokens) >= gen_length:
-                    break
-        finally:
-            gen.close()
-    if len(tokens) < gen_length:
-        raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
-    return Measurement(tokens=tokens[:gen_length], steps=steps, step_times=times, memory=mem.peak)
-
-
-def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
-    """Index of the first position where ``tokens`` and ``reference`` differ (a length mismatch counts), or None."""
-    for i, (a, b) in enumerate(zip(tokens, reference)):
-        if a != b:
-            return i
-    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
-
-
-def sample_row(m: Measurement, prompt: data.Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
-    """The samples-table columns of one measurement (DESIGN.md "Metrics").
-
-    throughput = T / total wall time (tokens/s); TTFT = time to the first committed token (prefill included);
-    TPOT = (total - TTFT) / (T - 1); tokens per iteration L = T / iterations; acceptance rate = committed draft
-    tokens / drafted depth, summed over iterations (accepted / K for linear speculation; for trees, the committed
-    path length before the bonus token over the depth of the drafted tree; the paper's Table 3 "Accept.");
-    mean path length = mean committed path length before the bonus token over iterations that drafted.
-    """
-    T = len(m.tokens)
-    total, ttft = m.step_times[-1], m.step_times[0]
-    iterations = len(m.steps)
-    drafted = sum(s.drafted for s in m.steps)
-    accepted = sum(s.accepted for s in m.steps)
-    depth = sum(s.depth for s in m.steps)
-    drafting = [s for s in m.steps if s.drafted > 0]
-    div = first_divergence(m.tokens, reference) if reference is not None else None
-    return dict(
-        prompt_index=prompt.index,
-        document=prompt.document[:500],
-        warmup=warmup,
-        prompt_tokens=len(prompt.token_ids),
-        new_tokens=T,
-        total_s=total,
-        ttft_s=ttft,
-        tpot_s=(total - ttft) / (T - 1) if T > 1 else None,
-        throughput=T / total if total > 0 else float("inf"),
-        iterations=iterations,
-        tokens_per_iteration=T / iterations,
-        drafted=drafted,
-        accepted=accepted,
-        draft_depth=depth,
-        acceptance_rate=accepted / depth if depth else None,
-        mean_path_length=sum(s.accepted for s in drafting) / len(drafting) if drafting else None,
-        target_forwards=sum(s.target_forwards for s in m.steps),
-        step_tokens=[len(s.tokens) for s in m.steps],
-        step_stats={
-            "drafted": [s.drafted for s in m.steps],
-            "accepted": [s.accepted for s in m.steps],
-            "tree_size": [s.tree_size for s in m.steps],
-            "depth": [s.depth for s in m.steps],
-        },
-        step_times_s=m.step_times,
-        peak_rss_bytes=m.memory.rss_bytes,
-        peak_allocated_bytes=m.memory.allocated_bytes,
-        peak_nvml_bytes=m.memory.nvml_bytes,
-        output_hash=hashlib.sha256(json.dumps(m.tokens).encode()).hexdigest(),
-        output_tokens=m.tokens,
-        lossless=(div is None) if reference is not None else None,
-        first_divergence=div,
-    )
 
 
 @dataclass
@@ -179,21 +74,27 @@ def plan_suite(suite: Suite) -> Plan:
     Reference decoders come first, in dependency order, so each sample can be compared as it is measured.
 
     Raises:
-        DtbenchError: unknown dataset or decoder, invalid params, a draft-needing decoder without a draft model.
+        DtbenchError: unknown dataset or decoder, invalid params, a draft-needing decoder without a draft model,
+            a label that collides with a reference's; decoder errors name the suite's file, line and entry.
     """
     for ds in suite.datasets:
         data.check_dataset(ds)
+    found = registry.scan()
     entries = registry.discover()
     plans: list[CellPlan] = []
     skipped: list[str] = []
     for spec in suite.expanded_decoders():
-        if spec.optional and spec.name not in entries:
+        where = f"{spec.where}: " if spec.where else ""
+        if spec.optional and spec.name not in entries and spec.name not in found.ambiguous:
             skipped.append(spec.display)
             continue
-        cls = registry.get(spec.name)
-        params = registry.validate_params(spec.name, spec.params)
+        try:
+            cls = registry.get(spec.name)
+            params = registry.validate_params(spec.name, spec.params)
+        except DtbenchError as exc:
+            raise DtbenchError(f"{where}{exc}") from None
         if cls.needs_draft and suite.draft is None:
-            raise DtbenchError(f"decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
+            raise DtbenchError(f"{where}decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
         e = entries[spec.name]
         plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})"))
     by_key = {_params_key(p.spec.name, p.params): p for p in plans}
@@ -212,11 +113,35 @@ def plan_suite(suite: Suite) -> Plan:
             e = entries[name]
             rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
                           f"{rcls.version} ({e.distribution} {e.version})", implicit=True)
+            clash = next((q for q in plans if q.spec.display == label), None)
+            if clash is not None:
+                where = f"{clash.spec.where}: " if clash.spec.where else ""
+                raise DtbenchError(f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
+                                   f"the reference decoder '{name}' that dtbench adds; choose another label")
             by_key[key] = rp
             plans.append(rp)
             queue.append(rp)
         p.reference_label = by_key[key].spec.display
     return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
+
+
+def preflight(suite: Suite, plan: Plan, console: Console) -> None:
+    """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
+    text; L_max + T fits each model's context (a warning past a rotary model's trained context).
+
+    Raises:
+        DtbenchError: a non-text document, or L_max + T beyond a model's learned position table.
+    """
+    for ds in suite.datasets:
+        data.check_dataset(ds, files=True)
+    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+    specs = [suite.target]
+    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
+        specs.append(suite.draft)
+    for spec in specs:
+        warning = models.check_context(spec, longest)
+        if warning:
+            console.print(f"[yellow]warning: {warning}[/yellow]")
 
 
 def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
@@ -305,6 +230,30 @@ class RunInterrupted(DtbenchError):
     """The run was stopped by Ctrl-C or SIGTERM; everything measured so far is stored."""
 
 
+class RunFailed(DtbenchError):
+    """The runner itself failed (not a decoder): the run is stored as ``failed`` and can be resumed."""
+
+
+HEARTBEAT_S = 30.0  # a running run refreshes runs.heartbeat_at this often (and at every committed sample)
+STALE_S = 300.0  # a run of another host whose heartbeat is older than this is taken as dead
+AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
+
+
+def sample_timeout(setting: float | str | None, reference_s: float | None) -> float | None:
+    """The time limit of one sample in seconds (suite ``timeout_s``).
+
+    ``auto``: 10x the reference decoder's time on the same prompt, at least 60 s; a reference itself (or a
+    decoder whose reference time is unknown) gets 1800 s. A number is used as is; None means no limit.
+    """
+    if setting is None:
+        return None
+    if setting != "auto":
+        return float(setting)
+    if reference_s is None:
+        return AUTO_TIMEOUT_REFERENCE_S
+    return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_s)
+
+
 def run_suite(
     suite: Suite,
     suite_text: str,
@@ -313,25 +262,36 @@ def run_suite(
     suite_path: str | None = None,
     data_dir: str | None = None,
     resume: int | None = None,
+    force: bool = False,
     console: Console | None = None,
     progress: bool = True,
 ) -> int:
     """Run a suite and store every sample; return the run id.
 
+    A decoder that raises, exits, yields bad Steps or runs past the per-sample time limit fails its cell (with
+    the error) and the run goes on. The run's recorded status is always true: ``completed`` only when every cell
+    was attempted; ``interrupted`` on Ctrl-C/SIGTERM; ``failed`` (with the error) when the runner itself failed.
+    Both of the latter can be continued with ``resume``.
+
     Args:
         suite, suite_text: the validated suite and its YAML text (stored with the run).
         sessions: a session factory from ``db.connect``.
         data_dir: local dataset folder (else the suite's, ``DTBENCH_DATA_DIR`` or the hub).
-        resume: id of an interrupted run of the same suite to continue (completed samples are skipped).
+        resume: id of an unfinished run of the same suite to continue (completed samples are skipped).
+        force: resume even if the run's owner process still looks alive.
         console: where progress goes (stderr by default).
 
     Raises:
-        DtbenchError: bad suite/models/data (before the run row is written), or RunInterrupted on Ctrl-C.
+        DtbenchError: bad suite/models/data (before the run row is written); RunInterrupted on Ctrl-C/SIGTERM;
+            RunFailed when the runner itself failed mid-run.
     """
     console = console or Console(stderr=True)
     plan = plan_suite(suite)
     for label in plan.skipped:
         console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
+    for line in registry.scan().warnings("decoder"):
+        console.print(f"[yellow]warning: {line}[/yellow]")
+    preflight(suite, plan, console)
     device = models.resolve_device(suite.device)
 
     # Everything cheap and fallible first: tokenizers, vocabulary, prompts. Then the models.
@@ -345,23 +305,25 @@ def run_suite(
             prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
     with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
         target = models.load_model(suite.target, device)
+    models.check_embedding(target.model, tokenizer, suite.target.model)
     draft = None
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
             draft = models.load_model(suite.draft, device)
-        models.check_vocab(target.model, draft.model, suite.target.model, suite.draft.model)
+        models.check_embedding(draft.model, tokenizer, suite.draft.model)
 
     with sessions() as session:
-        run = _open_run(session, suite, suite_text, suite_path, resume, device, target, draft)
+        run = _open_run(session, suite, suite_text, suite_path, resume, force, device, target, draft)
         run_id = run.id
         cells = _open_cells(session, run, plan, target, draft)
         session.commit()
 
     groups = [(ds, cap, T) for ds in suite.datasets for cap in ds.caps for T in suite.generation_lengths]
     total = sum(len(plan.decoders_for(ds.name)) * ds.prompts for ds, cap, T in groups)
-    status = "completed"
+    status, error = "failed", None
+    heartbeat = _Heartbeat(sessions, run_id)
     try:
-        with _sigterm_as_interrupt(), Progress(
+        with _sigterm_as_interrupt(), heartbeat, Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), console=console, disable=not progress, transient=False,
         ) as bar:
@@ -369,54 +331,132 @@ def run_suite(
             for ds, cap, T in groups:
                 decs = plan.decoders_for(ds.name)
                 for prompt in prompts[(ds.name, cap)]:
-                    outputs: dict[str, list[int]] = {}
+                    outputs: dict[str, tuple[list[int], float]] = {}
                     for cp in decs:
-                        bar.update(task, description=f"{ds.name} L={cap} T={T} · {cp.spec.display} · prompt {prompt.index + 1}/{ds.prompts}")
-                        _run_one(sessions, cells[(ds.name, cap, T, cp.spec.display)], cp, prompt, T,
-                                 prompt.index < ds.warmup, outputs, target, draft, device, suite.seed)
+                        bar.update(task, description=f"{ds.name} L_max={cap} T={T} · {cp.spec.display} · "
+                                                     f"prompt {prompt.index + 1}/{ds.prompts}")
+                        _run_one(sessions, run_id, cells[(ds.name, cap, T, cp.spec.display)], cp, prompt, T,
+                                 prompt.index < ds.warmup, outputs, target, draft, device, suite)
                         bar.advance(task)
+        status = "completed"
     except KeyboardInterrupt:
         status = "interrupted"
+    except BaseException as exc:
+        error = clip(f"{type(exc).__name__}: {exc}", 2000)
+        raise RunFailed(f"run {run_id} failed: {clip(error, 300)}; measured samples are kept "
+                        f"(continue with --resume-run {run_id})") from exc
     finally:
-        with sessions() as session:
-            run = session.get(Run, run_id)
-            run.status = status
-            run.finished_at = utcnow()
-            for cell in run.cells:
-                if cell.status != "failed":
-                    cell.status = "done" if status == "completed" else "pending"
-            session.commit()
+        _close_run(sessions, run_id, status, error, console)
     if status == "interrupted":
         raise RunInterrupted(f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})")
     return run_id
 
 
+def _close_run(sessions, run_id: int, status: str, error: str | None, console: Console) -> None:
+    """Record the run's final status; cells not failed become done (completed run) or pending (to resume)."""
+    try:
+        with sessions() as session:
+            run = session.get(Run, run_id)
+            run.status, run.error = status, error
+            run.finished_at = utcnow()
+            for cell in run.cells:
+                if cell.status != "failed":
+                    cell.status = "done" if status == "completed" else "pending"
+            session.commit()
+    except Exception as exc:  # the database itself is failing: the run stays 'running' with a stale heartbeat
+        console.print(f"[red]could not record run {run_id} as {status}: {type(exc).__name__}: {clip(exc)}[/red]")
+
+
+class _Heartbeat:
+    """Refreshes ``runs.heartbeat_at`` every HEARTBEAT_S seconds from a daemon thread while a run is measured."""
+
+    def __init__(self, sessions, run_id: int):
+        self.sessions, self.run_id = sessions, run_id
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="dtbench-heartbeat")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                with self.sessions() as session:
+                    session.get(Run, self.run_id).heartbeat_at = utcnow()
+                    session.commit()
+            except Exception:  # a busy database must not kill the run; the next beat retries
+                pass
+
+    def __enter__(self) -> "_Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _aware(t):
+    from datetime import timezone
+
+    return t if t is None or t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def owner_alive(run: Run) -> str | None:
+    """Why ``run`` still looks owned by a live process (a one-line reason), or None if it is free to resume.
+
+    Same host: the owner pid exists and that process started before the run's last heartbeat (a reused pid
+    started later). Another host: a heartbeat younger than STALE_S seconds.
+    """
+    if run.status != "running" or run.owner_pid is None:
+        return None
+    beat = _aware(run.heartbeat_at)
+    age = (utcnow() - beat).total_seconds() if beat is not None else None
+    if run.owner_host == socket.gethostname():
+        try:
+            proc = psutil.Process(run.owner_pid)
+            started = proc.create_time()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+        if beat is not None and started > beat.timestamp() + 1:
+            return None
+        return f"its owner, pid {run.owner_pid} on this host, is still running"
+    if age is not None and age < STALE_S:
+        return f"its owner on host {run.owner_host} (pid {run.owner_pid}) sent a heartbeat {age:.0f} s ago"
+    return None
+
+
 _RESUME_MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
 
 
-def _open_run(session, suite, suite_text, suite_path, resume, device, target, draft) -> Run:
+def _open_run(session, suite, suite_text, suite_path, resume, force, device, target, draft) -> Run:
     env = environment(device)
     env["target"] = {"model": target.name, "dtype": target.dtype, "params": target.params}
     env["draft"] = {"model": draft.name, "dtype": draft.dtype, "params": draft.params} if draft else None
+    owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
     if resume is None:
         run = Run(suite_name=suite.name, suite_path=suite_path, suite_text=suite_text, suite_hash=suite_hash(suite_text),
-                  status="running", environment=env)
+                  status="running", environment=env, **owner)
         session.add(run)
         session.flush()
         return run
     run = session.get(Run, resume)
     if run is None:
         raise DtbenchError(f"no run {resume} to resume")
+    if run.status == "completed":
+        raise DtbenchError(f"run {resume} is completed; nothing to resume")
     if run.suite_hash != suite_hash(suite_text):
         raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
+    alive = owner_alive(run)
+    if alive and not force:
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
     # Samples of one run must come from one environment, or its comparisons mean nothing.
     changed = [k for k in _RESUME_MUST_MATCH if run.environment.get(k) != env.get(k)]
     if changed:
         k = changed[0]
         raise DtbenchError(f"run {resume} was measured with {k} = {run.environment.get(k)!r}, this machine has "
                            f"{env.get(k)!r}; start a new run instead of resuming")
-    run.status = "running"
+    run.status, run.error = "running", None
     run.finished_at = None
+    for key, value in owner.items():
+        setattr(run, key, value)
     return run
 
 
@@ -446,8 +486,14 @@ def _open_cells(session, run, plan, target, draft) -> dict[tuple[str, int, int, 
     return ids
 
 
-def _run_one(sessions, cell_id, cp: CellPlan, prompt, T, warmup, outputs, target, draft, device, seed) -> None:
-    """Measure one (cell, prompt) unless already stored or the cell failed; commit the sample at once."""
+def _run_one(sessions, run_id, cell_id, cp: CellPlan, prompt, T, warmup, outputs, target, draft, device,
+             suite: Suite) -> None:
+    """Measure one (cell, prompt) unless already stored or the cell failed; commit the sample at once.
+
+    Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
+    running past the time limit — fails the cell with the error; only Ctrl-C and the runner's own failures
+    (the database) propagate.
+    """
     label = cp.spec.display
     with sessions() as session:
         cell = session.get(Cell, cell_id)
@@ -455,26 +501,34 @@ def _run_one(sessions, cell_id, cp: CellPlan, prompt, T, warmup, outputs, target
             return
         done = session.scalar(select(Sample).where(Sample.cell_id == cell_id, Sample.prompt_index == prompt.index))
         if done is not None:
-            outputs[label] = done.output_tokens
+            outputs[label] = (done.output_tokens, done.total_s)
             return
         cell.status = "running"
         session.commit()
-    reference = outputs.get(cp.reference_label) if cp.reference_label else None
-    if cp.reference_label and reference is None:
+    ref = outputs.get(cp.reference_label) if cp.reference_label else None
+    if cp.reference_label and ref is None:
         _fail(sessions, cell_id, f"reference decoder '{cp.reference_label}' has no output for prompt {prompt.index}")
         return
+    timeout = sample_timeout(suite.timeout_s, ref[1] if ref else None)
     try:
-        torch.manual_seed(seed)
+        torch.manual_seed(suite.seed)
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
-        m = measure(decoder, prompt.token_ids, T, device)
+        m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
+        row = sample_row(m, prompt, warmup, ref[0] if ref else None)
+        json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise
-    except Exception as exc:  # a decoder failing mid-run fails its cell, never the run
-        _fail(sessions, cell_id, f"prompt {prompt.index}: {type(exc).__name__}: {exc}")
+    except SampleTimeout:
+        _fail(sessions, cell_id, f"prompt {prompt.index}: timed out after {timeout:g} s")
         return
-    outputs[label] = m.tokens
+    except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
+        kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
+        _fail(sessions, cell_id, f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
+        return
+    outputs[label] = (m.tokens, row["total_s"])
     with sessions() as session:
-        session.add(Sample(cell_id=cell_id, **sample_row(m, prompt, warmup, reference)))
+        session.add(Sample(cell_id=cell_id, **row))
+        session.get(Run, run_id).heartbeat_at = utcnow()
         session.commit()
 
 

@@ -9,7 +9,8 @@
 * :func:`require_current` (readers: ``dtbench report``, ``dtbench db current``) refuses a database that is not at
   this code's revision, with the one-line instruction to upgrade it.
 * A database written before migrations existed has no ``alembic_version`` table: one whose ``runs``, ``cells``
-  and ``samples`` tables have exactly revision 0001's columns is stamped 0001, then upgraded.
+  and ``samples`` tables have revision 0001's columns (plus, at most, the ones that dtbench between commit 3c3e168
+  and the migrations added with ``create_all``) is stamped 0001, then upgraded.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ BASELINE_COLUMNS = {
                 "draft_depth", "acceptance_rate", "mean_path_length", "target_forwards", "step_tokens", "step_stats",
                 "step_times_s", "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "output_hash",
                 "output_tokens", "lossless", "first_divergence", "created_at"},
+}
+# Columns that dtbench between commit 3c3e168 and the migrations added with create_all, without alembic_version:
+# such a database is stamped 0001 as well, and revision 0002 adds only what it lacks.
+INTERIM_COLUMNS = {
+    "runs": {"owner_host", "owner_pid", "heartbeat_at"},
+    "cells": set(),
+    "samples": {"draft_forwards", "acceptance_incl_bonus", "mean_path_length_all", "nvml_scope"},
 }
 PG_LOCK_KEY = 0x64_74_62_65_6E_63_68  # "dtbench": the advisory lock every dtbench process takes to change a schema
 SQLITE_LOCK_TIMEOUT_MS = 30_000
@@ -99,7 +107,8 @@ def inspect_state(conn: Connection) -> State:
         return State("new", None, names)
     insp = inspect(conn)
     if len(ours) == len(TABLES) and all(
-            {c["name"] for c in insp.get_columns(t)} == BASELINE_COLUMNS[t] for t in TABLES):
+            BASELINE_COLUMNS[t] <= cols <= BASELINE_COLUMNS[t] | INTERIM_COLUMNS[t]
+            for t in TABLES for cols in [{c["name"] for c in insp.get_columns(t)}]):
         return State("unversioned", BASELINE, names)
     return State("foreign", None, names)
 

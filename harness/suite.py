@@ -12,14 +12,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from dtbench.harness.errors import DtbenchError
+from dtbench.decoders.base import StrictBools
+from dtbench.harness.errors import DtbenchError, clip, error_location
 
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
+MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
+MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
+MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
 
-class _Frozen(BaseModel):
+
+class _Frozen(StrictBools):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -36,7 +41,7 @@ class DatasetSpec(_Frozen):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
     name: str
-    prompts: int = Field(10, ge=1, description="N, prompts measured (warmup included)")
+    prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
     prompt_cap: int | list[int] = Field(800, description="L_max, maximum prompt length in tokens (a list sweeps it)")
     data_dir: str | None = Field(None, description="local data folder instead of the Hugging Face hub")
@@ -48,6 +53,10 @@ class DatasetSpec(_Frozen):
         caps = v if isinstance(v, list) else [v]
         if not caps or any(c < 1 for c in caps):
             raise ValueError("prompt_cap must be a positive integer or a non-empty list of them")
+        if any(c > MAX_TOKENS for c in caps):
+            raise ValueError(f"prompt_cap must be at most {MAX_TOKENS} tokens")
+        if len(set(caps)) != len(caps):
+            raise ValueError(f"prompt_cap lists a value twice: {clip(caps)}")
         return v
 
     @model_validator(mode="after")
@@ -75,6 +84,20 @@ class DecoderSpec(_Frozen):
     datasets: list[str] | None = None
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
 
+    _where: str = PrivateAttr("")  # "file:line: decoders.i" of the suite entry, for one-line errors
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep_bounded(cls, v):
+        size = 1
+        for key, values in v.items():
+            if not values:
+                raise ValueError(f"sweep over '{clip(key, 60)}' has no values (a sweep needs at least one point)")
+            size *= len(values)
+        if size > MAX_GRID:
+            raise ValueError(f"sweep expands to {size} decoders, more than the limit of {MAX_GRID}")
+        return v
+
     def expand(self) -> list["DecoderSpec"]:
         """The decoders this entry stands for: itself, or one per point of its sweep grid."""
         if not self.sweep:
@@ -84,13 +107,18 @@ class DecoderSpec(_Frozen):
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values))
             suffix = ", ".join(f"{k}={v}" for k, v in point.items())
-            out.append(
-                DecoderSpec(
-                    name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
-                    datasets=self.datasets, optional=self.optional,
-                )
+            spec = DecoderSpec(
+                name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
+                datasets=self.datasets, optional=self.optional,
             )
+            spec._where = self._where
+            out.append(spec)
         return out
+
+    @property
+    def where(self) -> str:
+        """``file:line: decoders.i`` of the suite entry this decoder came from (empty if not parsed from a file)."""
+        return self._where
 
     @property
     def display(self) -> str:
@@ -109,24 +137,76 @@ class Suite(_Frozen):
     datasets: list[DatasetSpec] = Field(min_length=1)
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
     decoders: list[DecoderSpec] = Field(min_length=1)
+    timeout_s: float | Literal["auto"] | None = Field(
+        "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
+        "prompt (at least 60 s; 1800 s for a reference itself); null: none")
 
     @field_validator("generation_lengths")
     @classmethod
     def _positive_lengths(cls, v):
         if any(t < 1 for t in v):
             raise ValueError("generation lengths must be >= 1")
+        if any(t > MAX_TOKENS for t in v):
+            raise ValueError(f"generation lengths must be at most {MAX_TOKENS} tokens")
+        if len(set(v)) != len(v):
+            raise ValueError(f"generation_lengths lists a value twice: {clip(v)}")
         return v
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _positive_timeout(cls, v):
+        if isinstance(v, (int, float)) and not v > 0:
+            raise ValueError("timeout_s must be a positive number of seconds, auto, or null")
+        return v
+
+    @model_validator(mode="after")
+    def _unique_dataset_caps(self):
+        seen: set[tuple[str, int]] = set()
+        for i, ds in enumerate(self.datasets):
+            for cap in ds.caps:
+                if (ds.name, cap) in seen:
+                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with prompt_cap {cap} is listed "
+                                     f"twice (its cells would collide)")
+                seen.add((ds.name, cap))
+        cells = len(seen) * len(self.generation_lengths) * sum(
+            max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
+        if cells > MAX_GRID:
+            raise ValueError(f"the suite expands to {cells} cells, more than the limit of {MAX_GRID}")
+        return self
 
     def expanded_decoders(self) -> list[DecoderSpec]:
         """Decoder entries after sweep expansion, with unique labels."""
         out = [d for spec in self.decoders for d in spec.expand()]
-        seen: dict[str, int] = {}
+        seen: dict[str, DecoderSpec] = {}
         for d in out:
-            seen[d.display] = seen.get(d.display, 0) + 1
-        dup = [k for k, n in seen.items() if n > 1]
-        if dup:
-            raise DtbenchError(f"decoder labels must be unique, repeated: {', '.join(dup)} (set `label:`)")
+            if d.display in seen:
+                raise DtbenchError(f"{d.where or 'suite'}: decoder label '{clip(d.display, 80)}' is used twice "
+                                   f"(set a distinct `label:`)")
+            seen[d.display] = d
         return out
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _count_nodes(data: Any, limit: int) -> int:
+    """Values in ``data`` counted as if YAML aliases were copied, stopping as soon as ``limit`` is passed."""
+    count, stack = 0, [data]
+    while stack:
+        item = stack.pop()
+        count += 1
+        if count > limit:
+            return count
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
@@ -166,18 +246,23 @@ def parse_suite(text: str, source: str = "<suite>") -> Suite:
         raise DtbenchError(f"{where}: malformed YAML: {problem}") from None
     if not isinstance(data, dict):
         raise DtbenchError(f"{source}: a suite must be a YAML mapping (name:, datasets:, decoders:, ...)")
+    if _count_nodes(data, MAX_NODES) > MAX_NODES:
+        raise DtbenchError(f"{source}: the suite expands to more than {MAX_NODES} values (YAML aliases nested too "
+                           f"deeply?); write the values out")
     try:
-        return Suite.model_validate(data)
+        suite = Suite.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = tuple(err["loc"])
+        field, msg = error_location(exc)
+        loc = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
         line = _line_of(node, loc)
-        field = ".".join(str(p) for p in loc) or "suite"
-        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise DtbenchError(f"{source}:{line}: {field}: {msg}{more}") from None
+        raise DtbenchError(f"{source}:{line}: {clip(field, 100) or 'suite'}: {msg}{more}") from None
+    for i, spec in enumerate(suite.decoders):
+        spec._where = f"{source}:{_line_of(node, ('decoders', i))}: decoders.{i}"
+    return suite
 
 
 def load_suite(path: str | Path) -> tuple[Suite, str]:
@@ -194,6 +279,9 @@ def load_suite(path: str | Path) -> tuple[Suite, str]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise DtbenchError(f"cannot read suite {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise DtbenchError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
     return parse_suite(text, str(path)), text
 
 

@@ -177,3 +177,31 @@ def test_upgrade_creates_a_new_database(db_url):
     first = invoke("db", "upgrade", "--db", db_url)
     assert first.exit_code == 0 and f"created at schema revision {schema.head()}" in first.stdout, first.output
     assert "(head)" in invoke("db", "current", "--db", db_url).stdout
+
+
+def test_interim_database_without_alembic_version_upgrades(db_url):
+    """dtbench between commit 3c3e168 and the migrations added the 0002 columns with create_all (INTEGER byte
+    columns, no alembic_version): recognised, stamped 0001 and upgraded to the same schema as a new database."""
+    from alembic import command
+
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        command.upgrade(schema._config(conn), "0001")
+        conn.execute(text("DROP TABLE alembic_version"))
+        stamp = "DATETIME" if conn.dialect.name == "sqlite" else "TIMESTAMP WITH TIME ZONE"  # as create_all made it
+        for table, cols in (("runs", f"owner_host VARCHAR(255)|owner_pid INTEGER|heartbeat_at {stamp}"),
+                            ("samples", "draft_forwards INTEGER|acceptance_incl_bonus FLOAT|"
+                                        "mean_path_length_all FLOAT|nvml_scope VARCHAR(20)")):
+            for col in cols.split("|"):
+                conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {col}"))
+    engine.dispose()
+    notes = []
+    db.connect(db_url, note=notes.append)
+    assert len(notes) == 1 and "from schema revision 0001 to" in notes[0]
+    fresh = db_url.rsplit("/", 1)[0] + "/fresh.db" if db_url.startswith("sqlite") else None
+    if fresh:
+        db.connect(fresh)
+        assert normalized_schema(db_url) == normalized_schema(fresh)
+    else:
+        cols = {c["name"]: str(c["type"]) for c in inspect(create_engine(db_url)).get_columns("samples")}
+        assert cols["peak_rss_bytes"] == "BIGINT" and cols["draft_forwards"] == "INTEGER"

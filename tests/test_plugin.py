@@ -143,8 +143,8 @@ def test_suite_naming_a_broken_plugin_fails_in_one_line(tmp_path, broken_plugin)
                      "decoders: [{name: ar}, {name: broken}]\n")
     result = _invoke("validate", str(suite))
     assert result.exit_code == 2
-    assert result.stderr.strip() == (
-        "error: decoder 'broken' from distribution broken-plugin 0.3 failed to load: "
+    assert result.stderr.strip() == (  # the suite's file, line and entry come first (issue 8 item 7)
+        f"error: {suite}:4: decoders.1: decoder 'broken' from distribution broken-plugin 0.3 failed to load: "
         "ModuleNotFoundError: No module named 'no_such_module_anywhere'"
     )
 

@@ -6,7 +6,8 @@ text), and the tokens that followed the most recent earlier occurrence are propo
 verifies them in one forward with greedy acceptance, as in linear speculative decoding (Leviathan et al. 2023),
 so the output equals greedy autoregressive decoding token for token.
 
-Only dtbench's public decoder contract is used: :mod:`dtbench.decoders.base` and :mod:`dtbench.decoders.kv`.
+Only dtbench's public decoder contract is used: :mod:`dtbench.decoders.base` and the chain loop of
+:mod:`dtbench.decoders.chain` (a :class:`~dtbench.decoders.chain.Proposer` is all a chain method writes).
 Registered by this distribution's entry point ``prompt_lookup = "dtbench_prompt_lookup:PromptLookup"`` in the
 ``dtbench.decoders`` group.
 """
@@ -18,10 +19,10 @@ from collections.abc import Iterator
 import torch
 from pydantic import Field
 
-from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, greedy_token, verify_chain
+from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain
 
-__all__ = ["NgramIndex", "PromptLookup", "PromptLookupParams"]
+__all__ = ["NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
 __version__ = "0.1.0"
 
 
@@ -76,6 +77,22 @@ class NgramIndex:
         return []
 
 
+class NgramProposer(Proposer):
+    """Drafts copied from the context by :class:`NgramIndex` (the committed text, prompt included)."""
+
+    def __init__(self, ngram_size: int):
+        self.ngram_size = ngram_size
+
+    def begin(self, prompt: list[int], pending: int) -> None:
+        self.index = NgramIndex(self.ngram_size, [*prompt, pending])
+
+    def propose(self, max_tokens: int) -> list[int]:
+        return self.index.lookup(max_tokens) if max_tokens > 0 else []
+
+    def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
+        self.index.extend(committed)
+
+
 class PromptLookup(Decoder):
     """Prompt lookup decoding: n-gram-matched drafts from the context, verified greedily by the target.
 
@@ -98,23 +115,8 @@ class PromptLookup(Decoder):
             max_new_tokens: T (>= 1).
 
         Yields:
-            One Step per target forward; the last may carry one token beyond T (the runner keeps the first T).
+            One Step per target forward (dtbench's chain loop: drafts never pass T).
         """
         p = self.params
-        cache, logits = kv.prefill(self.target, input_ids)
-        pending = greedy_token(logits)
-        yield Step(tokens=(pending,))
-        index = NgramIndex(p.ngram_size, input_ids[0].tolist() + [pending])
-        produced = 1
-        while produced < max_new_tokens:
-            drafts = index.lookup(min(p.num_draft_tokens, max_new_tokens - produced))
-            prefix_len = kv.cache_len(cache)
-            logits = kv.forward(self.target, [pending, *drafts], cache)
-            accepted, committed = verify_chain(drafts, logits)  # no drafts: the plain greedy token
-            kv.crop(cache, prefix_len + 1 + accepted)  # rejected drafts sit at the tail
-            bonus = committed[-1]
-            index.extend(committed)
-            pending = bonus
-            produced += len(committed)
-            n = len(drafts)
-            yield Step(tokens=committed, drafted=n, accepted=accepted, tree_size=n, depth=n)
+        yield from speculate_chain(KVTarget(self.target), NgramProposer(p.ngram_size), input_ids, max_new_tokens,
+                                   p.num_draft_tokens)

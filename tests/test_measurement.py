@@ -1,0 +1,99 @@
+"""The runner's measurement and metric code on every built-in decoder (issue 8, items 14 and 15).
+
+Forward passes are counted by hooks the runner installs (never declared by decoders) and must equal the counts
+each algorithm implies; chain decoders never draft past T; every built-in decoder's sample row is consistent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtbench.harness import registry
+from dtbench.harness.data import Prompt
+from dtbench.harness.measure import ForwardCounter, measure
+from dtbench.harness.metrics import sample_row
+from models import model_zoo
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = torch.device("cpu")
+PROMPT = list(range(3, 20))
+
+BUILTIN = [
+    ("ar", {}), ("linear", {"k": 3}), ("fixed_tree", {"depth": 3, "branching": 2}),
+    ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
+    ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
+    ("dynatree", {}), ("hf_assisted", {}), ("streaming_ar", {"sinks": 4, "window": 64}),
+    ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}),
+]
+
+
+def build(name, params, kind="perturbed"):
+    target, draft = model_zoo()[kind]
+    cls = registry.get(name)
+    return cls(target, draft if cls.needs_draft else None, cls.Params(**params))
+
+
+def test_every_builtin_decoder_is_covered():
+    builtin = {n for n, e in registry.discover().items() if e.distribution == "dtbench"}
+    assert builtin == {name for name, _ in BUILTIN}
+
+
+@pytest.mark.parametrize("name, params", BUILTIN, ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in BUILTIN])
+def test_sample_row_and_forward_counts(name, params):
+    T = 12
+    ref = measure(build("ar", {}), PROMPT, T, CPU)
+    m = measure(build(name, params), PROMPT, T, CPU)
+    row = sample_row(m, Prompt(0, "doc", tuple(PROMPT)), False, ref.tokens)
+    assert row["new_tokens"] == T and row["lossless"] is True and row["first_divergence"] is None
+    assert row["iterations"] == len(m.steps) == len(row["step_times_s"]) and sum(row["step_tokens"]) >= T
+    assert row["tokens_per_iteration"] == pytest.approx(T / row["iterations"])
+    assert 0 < row["ttft_s"] <= row["total_s"] and row["throughput"] == pytest.approx(T / row["total_s"])
+    stats = row["step_stats"]
+    tf, df, drafted = stats["target_forwards"], stats["draft_forwards"], stats["drafted"]
+    assert row["target_forwards"] == sum(tf)
+    if row["draft_depth"]:
+        assert 0 <= row["acceptance_rate"] <= 1
+        assert row["acceptance_incl_bonus"] > row["acceptance_rate"]
+    assert stats["target_tokens"][0] >= len(PROMPT)  # the prefill fed the whole prompt
+    if name in ("ar", "streaming_ar"):
+        assert tf == [1] * T and df is None and row["draft_forwards"] is None
+    elif name in ("linear", "streaming_spec"):
+        assert tf == [1] * len(tf)
+        assert df == drafted  # one draft forward per drafted token
+        assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]  # pending + K drafts, one forward
+    elif name in ("fixed_tree", "dynatree"):
+        if params.get("cache_strategy") == "rebuild":
+            assert tf == [1] + [2] * (len(tf) - 1)  # verify, then re-run the committed path (the paper's)
+        else:
+            assert tf == [1] * len(tf)
+            assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]  # root + tree nodes, one forward
+        assert row["draft_forwards"] == sum(df) >= sum(1 for d in drafted if d)
+    elif name == "hf_assisted":
+        assert tf == [1] * len(tf)  # one target verification per Step
+        assert all(d >= 1 for d in df)
+
+
+def test_forward_counter_with_shared_target_and_draft():
+    target, _ = model_zoo()["self"]
+    counter = ForwardCounter(target, target)
+    with counter:
+        target(input_ids=torch.tensor([[3, 4, 5]]))
+    assert counter.snapshot() == (1, None, 3, None)
+    target(input_ids=torch.tensor([[3]]))  # hooks removed on exit
+    assert counter.snapshot()[0] == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 16), k=st.integers(1, 6), kind=st.sampled_from(["self", "perturbed"]),
+       name=st.sampled_from(["linear", "streaming_spec"]))
+def test_chain_decoders_never_draft_past_T(T, k, kind, name):
+    params = {"k": k} if name == "linear" else {"k": k, "sinks": 4, "window": 64}
+    steps = list(build(name, params, kind).generate(torch.tensor([PROMPT]), T))
+    assert sum(len(s.tokens) for s in steps) == T  # nothing committed (or drafted and timed) beyond T
+    produced = 0
+    for s in steps:
+        assert s.drafted <= max(0, T - produced - 1)
+        produced += len(s.tokens)
