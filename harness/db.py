@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, TypeDecorator,
                         UniqueConstraint, create_engine, event, select)
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 from sqlalchemy.pool import NullPool
 
@@ -156,7 +156,7 @@ class Sample(Base):
     peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
     peak_nvml_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    nvml_scope: Mapped[str | None] = mapped_column(String(20))  # 0002: what peak_nvml_bytes covers (e.g. process|device)
+    nvml_scope: Mapped[str | None] = mapped_column(String(20))  # 0002: what peak_nvml_bytes covers (process|device)
     output_hash: Mapped[str] = mapped_column(String(64))
     output_tokens: Mapped[list[int]] = mapped_column(JSON)
     lossless: Mapped[bool | None] = mapped_column(Boolean)

@@ -190,11 +190,13 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
         raise DtbenchError(f"cannot create database {path}: folder {path.parent} does not exist")
     engine = _lock_engine(url)
     from alembic import command
+    from alembic.util import CommandError
 
     target = head()
     try:
         with engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
+            if conn.dialect.name == "postgresql":  # wait at most a minute for another process's schema change
+                conn.execute(text(f"SET LOCAL lock_timeout = '{SQLITE_LOCK_TIMEOUT_MS * 2}ms'"))
                 conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_LOCK_KEY})
             state = inspect_state(conn)
             if state.kind == "foreign" or (state.kind == "new" and state.tables and conn.dialect.name == "sqlite"):
@@ -210,7 +212,7 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
             _switch_to_wal(engine)
     except DtbenchError:
         raise
-    except (SQLAlchemyError, sqlite3.Error, OSError, ImportError) as exc:
+    except (SQLAlchemyError, sqlite3.Error, OSError, ImportError, CommandError) as exc:
         raise _open_error(url, exc) from None
     finally:
         engine.dispose()

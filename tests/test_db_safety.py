@@ -96,7 +96,7 @@ def test_two_concurrent_writers_lose_nothing(db_url):
     db.connect(db_url)
     procs = children(db_url, n=2, samples=25, delay=1.0)
     for p in procs:
-        out, err = p.communicate(timeout=240)
+        _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err[-2000:]
     sessions = db.connect(db_url, create=False)
     with sessions() as s:

@@ -58,7 +58,8 @@ def test_old_database_is_refused_by_report_then_upgrades_and_reports_identically
     up = invoke("db", "upgrade", "--db", str(old_db))
     assert up.exit_code == 0, up.output
     assert f"upgraded from schema revision 0001 to {schema.head()}" in up.stdout
-    assert invoke("db", "current", "--db", str(old_db)).stdout.strip() == f"{url}: schema revision {schema.head()} (head)"
+    shown = invoke("db", "current", "--db", str(old_db)).stdout.strip()
+    assert shown == f"{url}: schema revision {schema.head()} (head)"
     assert_reports_identical(url)
     again = invoke("db", "upgrade", "--db", str(old_db))
     assert again.exit_code == 0 and "already at schema revision" in again.stdout
@@ -89,7 +90,8 @@ def normalized_schema(url: str) -> dict:
                 "unique": sorted(tuple(u["column_names"]) for u in insp.get_unique_constraints(t)),
                 "fks": sorted((tuple(f["constrained_columns"]), f["referred_table"], tuple(f["referred_columns"]),
                                (f.get("options") or {}).get("ondelete")) for f in insp.get_foreign_keys(t)),
-                "indexes": sorted((i["name"], tuple(i["column_names"]), bool(i["unique"])) for i in insp.get_indexes(t)),
+                "indexes": sorted((i["name"], tuple(i["column_names"]), bool(i["unique"]))
+                                  for i in insp.get_indexes(t)),
                 "pk": insp.get_pk_constraint(t)["constrained_columns"],
             }
         return out
@@ -155,7 +157,8 @@ def test_unversioned_postgres_database_upgrades_and_reports_identically(pg_serve
     one_line_error(invoke("report", "--db", url), "revision 0001", "dtbench db upgrade --db")
     notes = []
     db.connect(url, note=notes.append)
-    assert notes == [f"upgraded the results database {db.display_url(url)} from schema revision 0001 to {schema.head()}"]
+    where = db.display_url(url)
+    assert notes == [f"upgraded the results database {where} from schema revision 0001 to {schema.head()}"]
     assert_reports_identical(url)
 
 
