@@ -187,7 +187,7 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
     if path is not None and path.exists() and not path.is_file():
         raise DtbenchError(f"{path} is not a results database file (it is a directory or device)")
     if path is not None and not path.parent.is_dir():
-        raise DtbenchError(f"cannot create database {path}: folder {path.parent} does not exist")
+        raise DtbenchError(f"cannot open database {path}: folder {path.parent} does not exist")
     engine = _lock_engine(url)
     from alembic import command
     from alembic.util import CommandError
