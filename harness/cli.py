@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from dtbench.harness.dbcli import db_group
 from dtbench.harness.errors import DtbenchError, clip
 
 # Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
@@ -275,6 +276,9 @@ def list_decoders() -> None:
     stdout_console().print(table)
     for p in problems:
         click.echo(f"warning: {p}", err=True)
+
+
+cli.add_command(db_group)  # dtbench db upgrade|current (harness/dbcli.py)
 
 
 def main() -> None:

@@ -1,22 +1,33 @@
 """The results database: SQLAlchemy 2.0 typed models and engine setup (SQLite by default, any SQLAlchemy URL).
 
-Tables: ``runs`` (suite text and hash, environment, status), ``cells`` (one decoder configuration on one
+Tables: ``runs`` (suite text and hash, environment, status, owner), ``cells`` (one decoder configuration on one
 dataset x prompt cap x T), ``samples`` (one prompt of one cell, committed as soon as it is measured).
-Times are seconds, memory bytes, throughput tokens/s.
+Times are seconds, memory bytes, throughput tokens/s. Timestamps are stored in UTC and read back as naive UTC
+datetimes on every backend (SQLite keeps no offset; PostgreSQL's ``timestamptz`` is converted), so reports are
+the same whichever database holds the run.
+
+The schema is versioned by Alembic (``harness/migrations``, driven by :mod:`dtbench.harness.schema`): a writer
+(``connect(url)``, ``dtbench run``) creates or upgrades the schema under a cross-process lock; a reader
+(``connect(url, create=False)``, ``dtbench report``) opens the database read-only and refuses one that is not at
+this code's revision. PostgreSQL works through ``postgresql+psycopg://...`` (``pip install dtbench[postgres]``).
 """
 
 from __future__ import annotations
 
 import os
+import sqlite3
+import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
-from sqlalchemy import create_engine, event, select
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, TypeDecorator,
+                        UniqueConstraint, create_engine, event, select)
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from dtbench.harness.errors import DtbenchError
 
@@ -25,7 +36,35 @@ DEFAULT_URL = "sqlite:///results.db"
 
 
 def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (what the models store)."""
     return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """``DateTime(timezone=True)`` that stores UTC and reads back a naive UTC datetime on every backend.
+
+    Aware values are converted to UTC before storing; naive values are taken as UTC. SQLite drops the offset
+    (today's databases hold naive UTC text), PostgreSQL returns ``timestamptz`` in the session's time zone: both
+    come back as the same naive UTC value, so a run reports identically from either database. Compare with
+    ``utcnow().replace(tzinfo=None)``, or make a value aware with ``value.replace(tzinfo=timezone.utc)``.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc)
+            if dialect.name == "sqlite":
+                value = value.replace(tzinfo=None)
+        elif value is not None and dialect.name != "sqlite":
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is not None:
+            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+        return value
 
 
 class Base(DeclarativeBase):
@@ -42,13 +81,15 @@ class Run(Base):
     suite_text: Mapped[str] = mapped_column(Text)
     suite_hash: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(20), default="running")  # running|completed|interrupted|failed
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     environment: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     error: Mapped[str | None] = mapped_column(Text)
-    owner_host: Mapped[str | None] = mapped_column(String(255))  # host of the process writing the run
-    owner_pid: Mapped[int | None] = mapped_column(Integer)  # its pid
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # refreshed while it runs
+    # Revision 0002: the process writing the run, so `--resume` can refuse a live one (None for runs written
+    # before 0002): host (socket.gethostname()), pid, and the last sign of life (UTC; refreshed while it runs).
+    owner_host: Mapped[str | None] = mapped_column(String(255))
+    owner_pid: Mapped[int | None] = mapped_column(Integer)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     cells: Mapped[list["Cell"]] = relationship(back_populates="run", cascade="all, delete-orphan")
 
 
@@ -103,66 +144,190 @@ class Sample(Base):
     draft_depth: Mapped[int] = mapped_column(Integer)
     acceptance_rate: Mapped[float | None] = mapped_column(Float)
     mean_path_length: Mapped[float | None] = mapped_column(Float)
+    # Forward passes counted by the runner's hooks (counts; nullable since revision 0002, None where not counted).
     target_forwards: Mapped[int | None] = mapped_column(Integer)
-    draft_forwards: Mapped[int | None] = mapped_column(Integer)
+    draft_forwards: Mapped[int | None] = mapped_column(Integer)  # 0002
+    # 0002 (definitions: harness/metrics.py). acceptance_incl_bonus: committed tokens including the bonus token /
+    # drafted depth, summed over drafting iterations (a ratio, may exceed 1: the paper's Table 3 "Accept.").
+    # mean_path_length_all: committed path length before the bonus token, in tokens, averaged over every iteration.
     acceptance_incl_bonus: Mapped[float | None] = mapped_column(Float)
     mean_path_length_all: Mapped[float | None] = mapped_column(Float)
-    nvml_scope: Mapped[str | None] = mapped_column(String(20))
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
     step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)  # per iteration: drafted, accepted, tree_size, depth
     step_times_s: Mapped[list[float]] = mapped_column(JSON)  # seconds from start at each iteration's end
-    peak_rss_bytes: Mapped[int | None] = mapped_column(Integer)
-    peak_allocated_bytes: Mapped[int | None] = mapped_column(Integer)
-    peak_nvml_bytes: Mapped[int | None] = mapped_column(Integer)
+    # Bytes. BigInteger since revision 0002: PostgreSQL's INTEGER stops at 2 GiB (SQLite's is 64-bit anyway).
+    peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    peak_allocated_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    peak_nvml_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    nvml_scope: Mapped[str | None] = mapped_column(String(20))  # 0002: what peak_nvml_bytes covers (process|device)
     output_hash: Mapped[str] = mapped_column(String(64))
     output_tokens: Mapped[list[int]] = mapped_column(JSON)
     lossless: Mapped[bool | None] = mapped_column(Boolean)
     first_divergence: Mapped[int | None] = mapped_column(Integer)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 
 def resolve_url(url: str | None) -> str:
-    """``--db`` value, else ``$DTBENCH_DB``, else ``sqlite:///results.db``; a bare path means a SQLite file."""
-    url = url or os.environ.get(DB_ENV) or DEFAULT_URL
+    """``--db`` value, else ``$DTBENCH_DB``, else ``sqlite:///results.db``; a bare path means a SQLite file.
+
+    Raises:
+        DtbenchError: if ``url`` (or ``$DTBENCH_DB`` when it is used) is set but empty.
+    """
+    if url is None:
+        url = os.environ.get(DB_ENV)
+        if url is not None and not url.strip():
+            raise DtbenchError(f"${DB_ENV} is set but empty: give a SQLAlchemy URL or a SQLite file path, or unset it")
+        url = url or DEFAULT_URL
+    if not url.strip():
+        raise DtbenchError("--db is empty: give a SQLAlchemy URL or a SQLite file path")
+    url = url.strip()
     if "://" not in url:
         url = f"sqlite:///{url}"
     return url
 
 
+def display_url(url: str | URL) -> str:
+    """The URL as it may be shown to the user: the password masked."""
+    try:
+        return (url if isinstance(url, URL) else make_url(url)).render_as_string(hide_password=True)
+    except ArgumentError:
+        return str(url)
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError:
+        raise DtbenchError(f"not a database URL: {url!r} (expected e.g. sqlite:///results.db or "
+                           "postgresql+psycopg://user@host/db)") from None
+
+
+def sqlite_path(url: str | URL) -> Path | None:
+    """The file of a SQLite URL; None for other backends and for in-memory SQLite."""
+    u = url if isinstance(url, URL) else make_url(url)
+    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:" or u.database.startswith("file:"):
+        return None
+    return Path(u.database)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:300]
+
+
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
 
 
-def connect(url: str | None = None, *, create: bool = True) -> sessionmaker[Session]:
-    """Open the database (creating tables if ``create``) and return a session factory.
-
-    SQLite connections get WAL journaling, a 30 s busy timeout and foreign keys; other dialects are untouched.
+def writer_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine for writing: SQLite gets WAL journaling, a 30 s busy timeout and foreign keys.
 
     Raises:
-        DtbenchError: if the database cannot be opened or written (bad path, permissions, driver missing).
+        DtbenchError: a malformed URL or a missing driver (e.g. psycopg for PostgreSQL: pip install dtbench[postgres]).
     """
-    url = resolve_url(url)
-    if url.startswith("sqlite:///") and not create:
-        path = Path(url.removeprefix("sqlite:///"))
-        if not path.exists():
-            raise DtbenchError(f"no results database at {path} (run a suite first, or pass --db)")
+    u = _parse(url)
     try:
-        engine: Engine = create_engine(url)
-        if engine.dialect.name == "sqlite":
-            event.listen(engine, "connect", _sqlite_pragmas)
-        if create:
-            Base.metadata.create_all(engine)
-        else:
-            with engine.connect():
-                pass
-    except (SQLAlchemyError, OSError, ImportError) as exc:
-        first = str(exc).strip().splitlines()[0][:300]
-        raise DtbenchError(f"cannot open database {url}: {first}") from None
+        engine = create_engine(u, **kwargs)
+    except (ArgumentError, ImportError) as exc:
+        raise DtbenchError(f"cannot open database {display_url(u)}: {_one_line(exc)}{_driver_hint(u)}") from None
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _driver_hint(u: URL) -> str:
+    return " (pip install 'dtbench[postgres]')" if u.get_backend_name() == "postgresql" else ""
+
+
+def _sqlite_reader(path: Path) -> Callable[[], sqlite3.Connection]:
+    """A DB-API connection factory that opens the SQLite file ``path`` without ever changing it.
+
+    Never a journal-mode switch, never a pragma that writes, ``query_only`` on. While a writer is active (or a
+    crashed one left a ``-wal`` or ``-journal`` file) the file is opened ``mode=ro``: SQLite then reads the
+    existing WAL and touches nothing. Otherwise ``mode=ro`` would leave behind ``-wal``/``-shm`` files of a
+    WAL-mode database (a read-only connection cannot delete them), so the file is opened ``mode=rw`` (never
+    ``rwc``: it is not created) with ``query_only``: nothing can be written, there is nothing to checkpoint, and
+    SQLite removes the ``-wal``/``-shm`` files it made when the connection closes. A file we may not write is
+    opened ``mode=ro``.
+    """
+    from urllib.parse import quote
+
+    resolved = path.resolve()
+    base = "file:" + quote(str(resolved))
+
+    def creator() -> sqlite3.Connection:
+        busy = any(Path(f"{resolved}{suffix}").exists() for suffix in ("-wal", "-journal"))
+        mode = "ro" if busy or not os.access(resolved, os.W_OK) or not os.access(resolved.parent, os.W_OK) else "rw"
+        con = sqlite3.connect(f"{base}?mode={mode}", uri=True, timeout=30, check_same_thread=False)
+        con.execute("PRAGMA query_only=ON")
+        return con
+
+    return creator
+
+
+def reader_engine(url: str) -> Engine:
+    """An engine that cannot change the database: SQLite opened as :func:`_sqlite_reader` says, PostgreSQL with
+    read-only transactions.
+
+    Raises:
+        DtbenchError: a malformed URL, a missing driver, no such SQLite file (or not a regular file).
+    """
+    u = _parse(url)
+    path = sqlite_path(u)
+    try:
+        if path is not None:
+            if not path.exists():
+                raise DtbenchError(f"no results database at {path} (run a suite first, or pass --db)")
+            if not path.is_file():
+                raise DtbenchError(f"{path} is not a results database file (it is a directory or device)")
+            return create_engine("sqlite://", creator=_sqlite_reader(path), poolclass=NullPool)
+        if u.get_backend_name() == "sqlite":
+            raise DtbenchError(f"an in-memory SQLite database ({display_url(u)}) holds no results to read")
+        kwargs: dict[str, Any] = {}
+        if u.get_backend_name() == "postgresql":
+            kwargs["connect_args"] = {"options": "-c default_transaction_read_only=on"}
+        return create_engine(u, **kwargs)
+    except (ArgumentError, ImportError) as exc:
+        raise DtbenchError(f"cannot open database {display_url(u)}: {_one_line(exc)}{_driver_hint(u)}") from None
+
+
+def _stderr_note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def connect(url: str | None = None, *, create: bool = True,
+            note: Callable[[str], None] | None = _stderr_note) -> sessionmaker[Session]:
+    """Open the results database and return a session factory.
+
+    ``create=True`` (a writer: ``dtbench run``): create the database at the newest schema revision if it is new,
+    or upgrade it if it is older (an unversioned database written before migrations existed is recognised as
+    revision 0001), calling ``note`` with one line when it upgrades; the check and upgrade hold a cross-process
+    lock, so several writers may start at once on a new database. SQLite connections get WAL journaling, a 30 s
+    busy timeout and foreign keys.
+
+    ``create=False`` (a reader: ``dtbench report`` and every read-only command): open the database read-only
+    (SQLite: never written, no journal switch, no stray files; PostgreSQL: read-only transactions) and require it
+    to be at this code's revision.
+
+    Raises:
+        DtbenchError: one line, if the URL is empty or malformed, the driver is missing, the database cannot be
+            opened, is not a dtbench results database, is older than this code (readers; the message says to run
+            ``dtbench db upgrade --db URL``), or is newer than this code.
+    """
+    from dtbench.harness import schema
+
+    resolved = resolve_url(url)
+    if create:
+        engine = writer_engine(resolved)
+        schema.ensure_current(resolved, note=note)
+    else:
+        engine = reader_engine(resolved)
+        schema.require_current(engine, resolved)
     return sessionmaker(engine, expire_on_commit=False)
 
 

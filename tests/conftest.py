@@ -1,4 +1,5 @@
-"""Shared fixtures: the local data folder, a temporary database, the embedded SmolLM2 model (loaded once)."""
+"""Shared fixtures: the local data folder, a temporary database, the embedded SmolLM2 model (loaded once), a
+throwaway PostgreSQL server and the `db_url` fixture that runs a database test on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
@@ -43,3 +44,24 @@ def smollm2():
     target = models.load_model(spec, torch.device("cpu")).model
     draft = copy.deepcopy(target).to(torch.bfloat16)
     return target, draft, models.load_tokenizer(spec)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A PostgreSQL server for the test session (see tests/pg.py); skips with the reason when none can be had."""
+    import pg
+
+    reason = pg.unavailable()
+    if reason:
+        pytest.skip(reason)
+    server = pg.Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """The URL of a new, empty results database: a SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'results.db'}"
+    return request.getfixturevalue("pg_server").new_database()

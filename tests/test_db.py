@@ -1,10 +1,15 @@
-"""A sample's measured values survive the round trip through the database; the metrics follow their definitions."""
+"""A sample's measured values survive the round trip through the database (SQLite and PostgreSQL); JSON, UTC
+timestamps, 64-bit byte counts and the unique constraints behave the same on both; the metrics follow their
+definitions."""
 
 from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
@@ -15,8 +20,8 @@ from models import model_zoo
 
 
 @pytest.fixture()
-def sessions(tmp_path):
-    return db.connect(str(tmp_path / "t.db"))
+def sessions(db_url):
+    return db.connect(db_url)
 
 
 def _store(sessions, rows):
@@ -73,3 +78,52 @@ def test_divergent_output_is_recorded(sessions):
     row = sample_row(m, prompt, warmup=True, reference=wrong)
     assert row["lossless"] is False and row["first_divergence"] == 5 and row["warmup"] is True
     assert row["acceptance_rate"] is None and row["mean_path_length"] is None  # AR drafts nothing
+
+
+def _sample(cell, prompt_index=0, **over):
+    row = dict(prompt_index=prompt_index, document="d", warmup=False, prompt_tokens=8, new_tokens=4, total_s=1.0,
+               ttft_s=0.1, tpot_s=0.3, throughput=4.0, iterations=4, tokens_per_iteration=1.0, drafted=0, accepted=0,
+               draft_depth=0, target_forwards=4, step_tokens=[1, 1, 1, 1], step_stats={}, step_times_s=[1.0],
+               output_hash="h", output_tokens=[1, 2, 3, 4])
+    row.update(over)
+    return db.Sample(cell=cell, **row)
+
+
+def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
+    stats = {"drafted": [3, 3], "accepted": [2, 0], "tree_size": [3, 3], "depth": [3, 3], "zé": [0.1 + 0.2, 1e-300]}
+    env = {"z": 1, "a": {"nested": [1, 2.5, None, True, "ü"]}, "m": None}
+    berlin = timezone(timedelta(hours=1))
+    started = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=berlin)
+    with sessions() as s:
+        run = db.Run(suite_name="t", suite_text="", suite_hash="0", environment=env, started_at=started,
+                     heartbeat_at=datetime(2026, 1, 2, 2, 0, 0))  # naive: taken as UTC
+        cell = db.Cell(run=run, dataset="d", prompt_cap=8, gen_length=4, decoder="ar", label="ar",
+                       decoder_version="1", decoder_distribution="dtbench", params={"k": 3}, target_model="m")
+        s.add(_sample(cell, step_stats=stats, peak_allocated_bytes=80 * 2**30, peak_nvml_bytes=2**40,
+                      target_forwards=None, draft_forwards=7, acceptance_incl_bonus=1.25, nvml_scope="process"))
+        s.commit()
+        run_id, cell_id = run.id, cell.id
+    with sessions() as s:
+        run = s.get(db.Run, run_id)
+        assert run.environment == env and list(run.environment) == ["z", "a", "m"]  # key order kept (JSON, not JSONB)
+        assert run.started_at == datetime(2026, 1, 2, 2, 4, 5, 678901)  # naive UTC on every backend
+        assert run.heartbeat_at == datetime(2026, 1, 2, 2, 0, 0) and run.started_at.tzinfo is None
+        sample = s.scalars(select(db.Sample).where(db.Sample.cell_id == cell_id)).one()
+        assert sample.step_stats == stats and sample.step_stats["zé"][0] == 0.1 + 0.2
+        assert sample.peak_allocated_bytes == 80 * 2**30 and sample.peak_nvml_bytes == 2**40  # BIGINT
+        assert sample.target_forwards is None and sample.draft_forwards == 7 and sample.nvml_scope == "process"
+        assert sample.created_at.tzinfo is None and abs(datetime.now(timezone.utc).replace(tzinfo=None)
+                                                        - sample.created_at) < timedelta(minutes=5)
+    with sessions() as s:  # (cell, prompt_index) is unique
+        s.add(_sample(s.get(db.Cell, cell_id), prompt_index=0))
+        with pytest.raises(IntegrityError):
+            s.commit()
+    with sessions() as s:  # (run, dataset, cap, T, label) is unique
+        s.add(db.Cell(run_id=run_id, dataset="d", prompt_cap=8, gen_length=4, decoder="ar", label="ar",
+                      decoder_version="1", decoder_distribution="dtbench", params={}, target_model="m"))
+        with pytest.raises(IntegrityError):
+            s.commit()
+    with sessions() as s:  # deleting a run cascades to its cells and samples
+        s.delete(s.get(db.Run, run_id))
+        s.commit()
+        assert s.scalars(select(db.Sample)).all() == [] and s.scalars(select(db.Cell)).all() == []

@@ -19,6 +19,12 @@ def test_editable_install_maps_the_folders():
     assert importlib.util.find_spec("harness") is None or "dtbench" not in str(importlib.util.find_spec("harness").origin)
 
 
+def _head() -> str:
+    from dtbench.harness import schema
+
+    return schema.head()
+
+
 def test_wheel_installs_and_imports(tmp_path):
     # Built from a copy: setuptools writes build/ and dtbench.egg-info beside the sources, and a stale egg-info in
     # the checkout would shadow the editable install's entry points for every later test.
@@ -37,12 +43,23 @@ def test_wheel_installs_and_imports(tmp_path):
         assert f"dtbench/{sub}/__init__.py" in names
         assert not any(n.startswith(f"{sub}/") for n in names), f"{sub} installed as a top-level package"
     assert any(n.endswith("entry_points.txt") for n in names)
+    # The Alembic migrations ship as package data: without them no database can be created or upgraded.
+    migrations = {p.relative_to(ROOT).as_posix() for p in (ROOT / "harness" / "migrations").rglob("*")
+                  if p.is_file() and p.suffix in (".py", ".mako")}
+    assert migrations >= {"harness/migrations/env.py", "harness/migrations/versions/0001_initial.py"}
+    for rel in migrations:
+        assert f"dtbench/{rel}" in names, f"{rel} missing from the wheel"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # A fresh interpreter that sees only the unpacked wheel (plus dependencies), not the source tree.
     code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', %r)]; sys.path.insert(0, %r);"
             "import dtbench.harness.cli, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
-            "assert %r in r.__file__, r.__file__") % (str(ROOT), str(site), str(site))
+            "assert %r in r.__file__, r.__file__;"
+            # the installed migrations create a database at the newest revision
+            "from dtbench.harness import db, schema; assert %r in schema.MIGRATIONS.as_posix();"
+            "db.connect(%r); assert schema.ensure_current(%r)[0] == schema.head() == %r"
+            ) % (str(ROOT), str(site), str(site), str(site), str(tmp_path / "w.db"), f"sqlite:///{tmp_path / 'w.db'}",
+                 _head())
     done = subprocess.run([sys.executable, "-I", "-c", code.replace("import sys;", "import sys, site; site.main();")],
                           capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
