@@ -30,7 +30,10 @@ class Step:
         accepted: drafted tokens that matched the target's greedy prediction and were committed
             (the committed path length before the bonus token, paper section 3.5).
         tree_size: number of drafted nodes verified (equal to ``drafted`` for chains, 0 for AR).
-        depth: deepest drafted node in this iteration's tree (K for a chain, 0 for AR).
+        depth: drafted tokens on the longest root-to-leaf path of this iteration's tree (K for a chain, 0 for
+            AR), so ``accepted <= depth``. For a tree rooted as the paper roots it (``tree_root: paper``, the
+            draft's top-1 token u0 at depth 0) this is the deepest node's paper depth + 1; for a
+            ``tree_root: pending`` tree it is the deepest node's depth.
 
     Forward passes are not part of a Step: the runner counts the target's and the draft's with hooks.
     """

@@ -6,12 +6,16 @@ Three components, each switchable for the ablation (paper 4.5, Table 4):
   tau_h > tau_l (:func:`breadth_rule`);
 - dynamic depth: expand u iff d(u) < D_max and p(u) >= rho_stop and (d(u) < D_0 or p(u) >= rho_deep), with
   p(u) the cumulative draft path probability (:func:`depth_gate`);
-- history adaptation: proportional control of D_0 and tau_h towards a target acceptance a* from the mean
-  a_bar of the last W per-iteration acceptances (:class:`HistoryController`).
+- history adaptation: proportional control of D_0, tau_h and (``adapt_tau_l``) tau_l towards a target
+  acceptance a* from the mean a_bar of the last W per-iteration acceptances (Algorithm 1 line 7,
+  ADJUST(tau_l, tau_h, D_0); :class:`HistoryController`).
 
 Pruning (p(u) < tau) and the node budget N_max are the shared toolkit's, as are drafting, tree-masked
 verification, path selection and cache updates (:mod:`dtbench.decoders.tree`). With all three components
-off, DynaTree is the fixed tree with D = d0 and B = branching.
+off, DynaTree is the fixed tree with D = d0 and B = branching (same ``tree_root`` and ``prune``).
+
+Depths: with ``tree_root: paper`` (the default) d(u) counts from the draft's top-1 token u0 at depth 0, as
+D_0 and D_max do in the paper; with ``tree_root: pending`` from the pending token (first drafted level 1).
 """
 
 from __future__ import annotations
@@ -73,35 +77,47 @@ def depth_gate(depth: int, cum_logp: torch.Tensor, d0: float, d_max: int, rho_st
 
 
 class HistoryController:
-    """History adaptation (paper 3.3, "Historical adjustment"; Algorithm 1 line 7).
+    """History adaptation (paper 3.3, "Historical adjustment"; Algorithm 1 line 7, ADJUST(tau_l, tau_h, D_0)).
 
     a_r is the per-iteration acceptance statistic of the paper's text: the fraction of drafted tokens
-    committed in iteration r, a_r = accepted_r / tree_size_r (committed path length before the bonus over
+    committed in iteration r, a_r = accepted_r / tree_size_r (committed drafted tokens before the bonus over
     drafted nodes; iterations that drafted nothing are not recorded). a_bar is the mean of the last W
-    recorded a_r (of all of them while fewer than W exist). After every recorded iteration:
+    recorded a_r (of all of them while fewer than W exist). After every recorded iteration, with
+    e = a_bar - a*:
 
-        D_0   <- clip(D_0   + eta_D * (a_bar - a*), 1, D_max - 1)
-        tau_h <- clip(tau_h - eta_h * (a_bar - a*), 0, 1)
+        D_0   <- clip(D_0   + eta_D * e, 1, D_max - 1)
+        tau_h <- clip(tau_h - eta_h * e, 0, 1)
+        tau_l <- clip(tau_l - eta_l * e, 0, 1)      (only when adapting tau_l; eta_l = None leaves it)
 
-    D_0 is kept real-valued (the depth gate compares d(u) < D_0). Only D_0 and tau_h adapt, as in 3.3.
+    The tau_l update is the tau_h one (section 3.3 gives only the D_0 and tau_h forms and says the rest
+    "follow the same principle"): high acceptance lowers both confidence thresholds, so fewer nodes get
+    B_max and more get B_min (less breadth, and D_0 grows: more depth). D_0 is kept real-valued (the depth
+    gate compares d(u) < D_0).
     """
 
-    def __init__(self, window: int, target: float, eta_depth: float, eta_h: float, d_max: int):
+    def __init__(self, window: int, target: float, eta_depth: float, eta_h: float, d_max: int,
+                 eta_l: float | None = None):
+        """Args: window: W; target: a*; eta_depth, eta_h, eta_l: step sizes (per unit acceptance error;
+        eta_l None = tau_l constant); d_max: D_max (D_0's upper clip is D_max - 1)."""
         self.values: deque[float] = deque(maxlen=window)
         self.target = target
         self.eta_depth = eta_depth
         self.eta_h = eta_h
+        self.eta_l = eta_l
         self.d_max = d_max
 
-    def update(self, accepted: int, tree_size: int, d0: float, tau_h: float) -> tuple[float, float]:
-        """Record one iteration and return the adapted (D_0, tau_h); unchanged if tree_size == 0."""
-        if tree_size <= 0:
-            return d0, tau_h
-        self.values.append(accepted / tree_size)
-        err = sum(self.values) / len(self.values) - self.target
-        d0 = min(max(d0 + self.eta_depth * err, 1.0), self.d_max - 1.0)
-        tau_h = min(max(tau_h - self.eta_h * err, 0.0), 1.0)
-        return d0, tau_h
+    def update(self, accepted: int, tree_size: int, d0: float, tau_h: float,
+               tau_l: float | None = None) -> tuple[float, float] | tuple[float, float, float]:
+        """Record one iteration and return the adapted (D_0, tau_h), or (D_0, tau_h, tau_l) when ``tau_l`` is
+        given (moved only if ``eta_l`` is set); all unchanged if tree_size == 0."""
+        if tree_size > 0:
+            self.values.append(accepted / tree_size)
+            err = sum(self.values) / len(self.values) - self.target
+            d0 = min(max(d0 + self.eta_depth * err, 1.0), self.d_max - 1.0)
+            tau_h = min(max(tau_h - self.eta_h * err, 0.0), 1.0)
+            if tau_l is not None and self.eta_l is not None:
+                tau_l = min(max(tau_l - self.eta_l * err, 0.0), 1.0)
+        return (d0, tau_h) if tau_l is None else (d0, tau_h, tau_l)
 
 
 class DynaTreeParams(TreeParams):
@@ -113,6 +129,9 @@ class DynaTreeParams(TreeParams):
         dynamic_breadth: use :func:`breadth_rule`; off = every node gets ``branching`` children.
         dynamic_depth: use :func:`depth_gate`; off = expand iff d(u) < D_0 (a fixed-depth tree).
         history_adaptation: adapt D_0 and tau_h online (:class:`HistoryController`); off = constant.
+        adapt_tau_l: with history adaptation, adapt tau_l too (Algorithm 1 line 7 adjusts tau_l, tau_h, D_0);
+            off = the section 3.3 example (D_0 and tau_h only).
+        tree_root, prune: the tree shape (:class:`~dtbench.decoders.tree.TreeParams`; paper/leaf default).
         b_min, b_mid, b_max: branch bounds (paper: B_min=1, B_max=3; B_mid unspecified: we use 2, the only
             integer strictly between).
         branching: children per node when dynamic_breadth is off (2: the paper's Table 4 fixed tree).
@@ -128,11 +147,14 @@ class DynaTreeParams(TreeParams):
         eta_depth: eta_D, D_0 step per unit acceptance error (unspecified: 2.0, so a 0.1 error moves D_0 by
             0.2 per iteration).
         eta_h: eta_h, tau_h step per unit acceptance error (unspecified: 0.2).
+        eta_l: eta_l, tau_l step per unit acceptance error (unspecified: 0.2, equal to eta_h, so the band
+            [tau_l, tau_h) moves as a whole until one end is clipped).
     """
 
     dynamic_breadth: bool = Field(True, description="confidence-aware branching B(u) (paper 3.3)")
     dynamic_depth: bool = Field(True, description="depth gating with rho_stop / rho_deep / D_max (paper 3.3)")
     history_adaptation: bool = Field(True, description="adapt D_0 and tau_h from recent acceptance (paper 3.3)")
+    adapt_tau_l: bool = Field(True, description="history adaptation also adjusts tau_l (Algorithm 1 line 7)")
     b_min: int = Field(1, ge=1, le=32, description="B_min, children of a confident node (c >= tau_h)")
     b_mid: int = Field(2, ge=1, le=32, description="B_mid, children when tau_l <= c < tau_h")
     b_max: int = Field(3, ge=1, le=32, description="B_max, children of an uncertain node (c < tau_l)")
@@ -147,6 +169,7 @@ class DynaTreeParams(TreeParams):
     target_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target acceptance a* (accepted/tree_size)")
     eta_depth: float = Field(2.0, gt=0.0, le=100.0, description="step size eta_D for D_0")
     eta_h: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_h for tau_h")
+    eta_l: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_l for tau_l (when adapt_tau_l)")
 
     @model_validator(mode="after")
     def _check_orders(self) -> DynaTreeParams:
@@ -162,22 +185,25 @@ class DynaTreeParams(TreeParams):
 
 
 class DynamicPolicy(ExpansionPolicy):
-    """DynaTree's expansion policy; holds the adapted D_0 and tau_h (state of one generate() call).
+    """DynaTree's expansion policy; holds the adapted D_0, tau_h and tau_l (state of one generate() call).
 
     Attributes:
         d0: current base depth D_0 (float).
         tau_h: current high confidence threshold.
+        tau_l: current low confidence threshold.
     """
 
     def __init__(self, params: DynaTreeParams):
         self.p = params
         self.d0 = float(params.d0)
         self.tau_h = params.tau_h
+        self.tau_l = params.tau_l
         self.tau = params.tau
         self.n_max = params.n_max
         self.max_breadth = params.b_max if params.dynamic_breadth else params.branching
         self.history = HistoryController(params.window, params.target_acceptance, params.eta_depth,
-                                         params.eta_h, params.d_max)
+                                         params.eta_h, params.d_max,
+                                         eta_l=params.eta_l if params.adapt_tau_l else None)
 
     @property
     def depth_limit(self) -> int:
@@ -188,7 +214,7 @@ class DynamicPolicy(ExpansionPolicy):
         p = self.p
         if not p.dynamic_breadth:
             return torch.full(confidence.shape, p.branching, dtype=torch.long, device=confidence.device)
-        return breadth_rule(confidence, self.tau_h, p.tau_l, p.b_min, p.b_mid, p.b_max)
+        return breadth_rule(confidence, self.tau_h, self.tau_l, p.b_min, p.b_mid, p.b_max)
 
     def expandable(self, depth: int, cum_logp: torch.Tensor) -> torch.Tensor:
         """:func:`depth_gate` with the current D_0, or d(u) < D_0 when dynamic depth is off."""
@@ -200,7 +226,8 @@ class DynamicPolicy(ExpansionPolicy):
     def observe(self, step: Step) -> None:
         """History adaptation after each verification (no-op when switched off)."""
         if self.p.history_adaptation:
-            self.d0, self.tau_h = self.history.update(step.accepted, step.tree_size, self.d0, self.tau_h)
+            self.d0, self.tau_h, self.tau_l = self.history.update(step.accepted, step.tree_size, self.d0,
+                                                                  self.tau_h, self.tau_l)
 
 
 class DynaTree(TreeDecoder):

@@ -18,18 +18,22 @@ class FixedTreeParams(TreeParams):
     """Hyperparameters of the fixed tree (paper Table 1: D=8, B=3, tau=0.1, N_max=256; Table 4: D=5, B=2).
 
     Attributes:
-        depth: D, depth of the deepest drafted node (drafted tokens along a path); a tree with branching 1
-            is linear speculation with K = D.
+        depth: D, depth of the deepest drafted node. With ``tree_root: paper`` it counts from u0 (depth 0,
+            Algorithm 1 line 10), so a path holds up to D + 1 drafted tokens; with ``tree_root: pending`` it
+            counts drafted tokens, and a tree with branching 1 is linear speculation with K = D.
         branching: B, children per expanded node (the B most probable draft tokens).
-        tau, n_max, cache_strategy, draft_strategy: see :class:`~dtbench.decoders.tree.TreeParams`.
+        tree_root, prune, tau, n_max, cache_strategy, draft_strategy: see
+            :class:`~dtbench.decoders.tree.TreeParams`.
     """
 
-    depth: int = Field(8, ge=1, le=64, description="tree depth D (drafted tokens on the longest path)")
+    depth: int = Field(8, ge=1, le=64, description="tree depth D (from u0 at depth 0 with tree_root=paper; "
+                       "drafted tokens on the longest path with tree_root=pending)")
     branching: int = Field(3, ge=1, le=32, description="branching factor B (children per expanded node)")
 
 
 class FixedPolicy(ExpansionPolicy):
-    """Static expansion: B(u) = B for every node; a node is expandable iff d(u) < D (plus pruning/budget).
+    """Static expansion: B(u) = B for every node; a node is expandable iff d(u) < D (plus pruning/budget);
+    d(u) in the tree shape's convention (the toolkit converts).
 
     Stateless, so ``observe`` is the inherited no-op.
     """

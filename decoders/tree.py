@@ -27,14 +27,21 @@ next tree. Consequences:
   them by index and drops the rest.
 - ``rebuild`` (the paper's 3.5 / Algorithm 1 line 6): crop the target cache back to the prefix and re-run
   the committed tokens [root, path]: two target forwards per iteration.
-- The paper's tree is rooted at the draft's top-1 token u0 (Algorithm 1 line 10), i.e. its first drafted
-  level has a single node. Here the first drafted level is chosen by the same expansion rule as every other
-  level (the root is expanded like any node), which contains the paper's tree as the special case B(root)=1.
-  Depths count drafted tokens: a drafted node at depth d is the d-th token after the pending one, so a chain
-  of depth K is exactly linear speculation with K drafts.
-- Pruning (3.3, "prune any leaf u with p(u) < tau") is applied when a child is created: p is non-increasing
-  along a path, so a node below tau can only root a subtree below tau, and iterated leaf pruning removes all
-  of it; not creating it is the same tree without the wasted verification.
+- Two tree shapes (``tree_root``). ``paper`` (Algorithm 1 line 10): the draft's top-1 token after the
+  prefix, u0, is the single drafted node of the first level and the paper's root, depth 0; D, D_0 and D_max
+  count from u0, so a paper tree of depth D holds D + 1 drafted tokens on its longest path. u0 is verified
+  like any node: if the target rejects it, the committed token is the target's own greedy token at the root
+  position (``pred[0]``, the one-token fallback of SELECTCOMMIT). ``pending`` (a dtbench variant): the first
+  drafted level is chosen by the same expansion rule as every other level (the pending token is expanded like
+  any node, up to B_max children), and depths count drafted tokens after the pending one, so a chain of depth
+  K is exactly linear speculation with K drafts. Internally both store the pending token as node 0 and drafted
+  nodes at internal depth k >= 1 (k = drafted tokens on the path); the policies see the depth of the chosen
+  convention, k - :func:`root_offset`.
+- Pruning (3.3, p(u) < tau; ``prune``). ``leaf`` is Algorithm 1 (lines 14-16, 28): every top-B(u) child is
+  added to the tree (until N_max) and verified; one whose path probability is below tau is never expanded, so
+  it stays a leaf. ``skip`` (a dtbench variant) does not create such a child at all: p is non-increasing along
+  a path, so a node below tau can only root a subtree below tau, and this is the tree left by iterated leaf
+  pruning, without verifying the leaves. In ``paper`` mode u0 is always in the tree (line 10), whatever tau.
 - The draft cache holds the committed prefix (root included) and then the expanded tree nodes in the order
   they were fed; after verification it keeps the accepted path's expanded nodes by index too (no draft
   recomputation). Path nodes that were leaves (never fed to the draft) are fed at the next iteration's root
@@ -62,6 +69,25 @@ from dtbench.decoders.base import Decoder, DecoderParams, Step
 CacheStrategy = Literal["compact", "rebuild"]
 DraftStrategy = Literal["per_level", "per_node"]
 MaskKind = Literal["bool", "additive"]
+TreeRoot = Literal["paper", "pending"]
+Prune = Literal["leaf", "skip"]
+
+
+def root_offset(tree_root: TreeRoot) -> int:
+    """Internal depth of the node the paper calls depth 0: 1 for ``paper`` (u0 is the pending token's only
+    child), 0 for ``pending`` (the pending token itself; its drafted children have depth 1).
+
+    A drafted node at internal depth k (k drafted tokens on its root-to-node path, pending excluded) has depth
+    ``k - root_offset(tree_root)`` in the convention the expansion rules (D, D_0, D_max) use.
+
+    Raises:
+        ValueError: for an unknown tree_root.
+    """
+    if tree_root == "paper":
+        return 1
+    if tree_root == "pending":
+        return 0
+    raise ValueError(f"unknown tree_root {tree_root!r}")
 
 # ----------------------------------------------------------------------------------------------------------
 # Tree structure
@@ -385,7 +411,8 @@ class ExpansionPolicy(ABC):
     @property
     @abstractmethod
     def depth_limit(self) -> int:
-        """Hard maximum depth of drafted nodes in the next tree (>= 1)."""
+        """Hard maximum depth of drafted nodes in the next tree, in the policy's depth convention (>= 1 for a
+        pending-rooted tree, >= 0 for a paper-rooted one; the driver adds :func:`root_offset`)."""
 
     @abstractmethod
     def breadth(self, confidence: torch.Tensor) -> torch.Tensor:
@@ -403,7 +430,8 @@ class ExpansionPolicy(ABC):
         """Whether nodes at ``depth`` with cumulative log-probabilities ``cum_logp`` may be expanded.
 
         Args:
-            depth: the nodes' depth d(u) (all the same).
+            depth: the nodes' depth d(u) (all the same), in the tree shape's convention: u0 of a paper tree
+                has depth 0, the first drafted level of a pending tree depth 1.
             cum_logp: float32 tensor of any shape, log p(u).
 
         Returns:
@@ -504,28 +532,46 @@ class DraftSession:
 
 
 def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits: torch.Tensor,
-            policy: ExpansionPolicy, depth_cap: int) -> list[int]:
+            policy: ExpansionPolicy, depth_cap: int, *, offset: int, prune: Prune,
+            top1_only: bool = False) -> list[int]:
     """Add the children of the expanded nodes ``parents_t`` (all at ``parent_depth``) from their draft logits.
 
-    Per parent: the B(u) = policy.breadth(c(u)) most probable tokens, dropping those with p < tau (pruning),
-    in parent order then probability order, until the node budget is reached (Algorithm 1 lines 26-28).
+    Per parent: the B(u) = policy.breadth(c(u)) most probable tokens in parent order then probability order,
+    until the node budget is reached (Algorithm 1 lines 26-28). A child v with p(v) < tau is dropped
+    (``prune="skip"``) or added as a leaf that is never expanded (``prune="leaf"``, lines 14-16). A child is
+    expandable iff its internal depth is below ``depth_cap``, p(v) >= tau and ``policy.expandable`` holds at
+    its depth in the policy's convention (internal depth - ``offset``).
+
+    Args:
+        parents_t: (E,) int64 node indices; parent_depth: their internal depth.
+        logits: (E, vocab) draft logits q_D(. | u), any float dtype.
+        depth_cap: hard cap on the children's internal depth (drafted tokens on a path).
+        offset: :func:`root_offset` of the tree shape.
+        prune: "leaf" or "skip".
+        top1_only: add exactly the top-1 child whatever tau and B(u) say (u0 of a ``paper`` tree, line 10).
 
     Returns:
-        The new nodes that are themselves expandable (depth < depth_cap and policy.expandable), in BFS order.
+        The new nodes that are themselves expandable, in BFS order.
     """
     budget = tree.budget_left
     if budget <= 0:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    k = min(policy.max_breadth, lp.shape[-1])
+    k = 1 if top1_only else min(policy.max_breadth, lp.shape[-1])
     top_lp, top_tok = lp.topk(k, dim=-1)  # (E, k), sorted by probability
-    breadth = policy.breadth(top_lp[:, 0].exp())
     cum = tree.cum_logp[parents_t].unsqueeze(1) + top_lp
-    keep = (torch.arange(k, device=lp.device).unsqueeze(0) < breadth.unsqueeze(1)) & (cum >= policy.log_tau)
+    above = cum >= policy.log_tau
+    if top1_only:
+        keep = torch.ones_like(above)
+    else:
+        breadth = policy.breadth(top_lp[:, 0].exp())
+        keep = torch.arange(k, device=lp.device).unsqueeze(0) < breadth.unsqueeze(1)
+        if prune == "skip":
+            keep = keep & above
     depth = parent_depth + 1
     codes = keep.to(torch.uint8)
     if depth < depth_cap:
-        codes = codes | (policy.expandable(depth, cum) & keep).to(torch.uint8) << 1
+        codes = codes | (policy.expandable(depth - offset, cum) & keep & above).to(torch.uint8) << 1
     flat = codes.flatten().tolist()
     sel = [i for i, c in enumerate(flat) if c][:budget]
     if not sel:
@@ -537,42 +583,52 @@ def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits:
 
 
 def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: ExpansionPolicy, depth_cap: int,
-               strategy: DraftStrategy) -> None:
-    """Grow ``tree`` (holding only its root) with the draft model (Algorithm 1, DRAFTTREE).
+               strategy: DraftStrategy, *, tree_root: TreeRoot = "paper", prune: Prune = "leaf") -> None:
+    """Grow ``tree`` (holding only the pending token) with the draft model (Algorithm 1, DRAFTTREE).
 
-    The root (p = 1, depth 0) passes every gating rule and is always expanded; its draft logits come from
-    ``session.start`` (which also feeds any backlog). Children are created by :func:`_expand`.
+    The pending token (p = 1) is always expanded; its draft logits (q_D after the prefix x_{1:t}) come from
+    ``session.start`` (which also feeds any backlog). With ``tree_root="paper"`` they give the single node u0
+    (the top-1 token, the paper's root at depth 0, line 10), expanded by the rules like any node; with
+    ``"pending"`` they give up to B(root) children. Children are created by :func:`_expand`.
 
     Args:
         session: the draft model and cache.
         tree: a root-only tree; filled in place, in BFS order.
-        root: the root's token id (host int, equal to ``tree.tokens[0]``).
-        policy: breadth, depth gating, pruning and budget.
-        depth_cap: no drafted node deeper than this (>= 1; the driver caps it to the tokens still needed).
+        root: the pending token id (host int, equal to ``tree.tokens[0]``).
+        policy: breadth, depth gating, pruning threshold and budget.
+        depth_cap: no drafted node deeper than this internal depth, i.e. no path holds more drafted tokens
+            (>= 1; the driver passes min(policy.depth_limit + root offset, tokens still needed - 1)).
         strategy: "per_node" = one cached draft step per expanded node, first-in first-out (the paper);
             "per_level" = one draft forward per depth over all expandable nodes of that level. Both build the
             same tree (same node order) given the same draft logits.
+        tree_root: "paper" or "pending" (module docstring).
+        prune: "leaf" (Algorithm 1) or "skip" (module docstring).
 
     Raises:
-        ValueError: for an unknown strategy.
+        ValueError: for an unknown strategy, tree_root or prune mode.
     """
     if strategy not in ("per_level", "per_node"):
         raise ValueError(f"unknown draft strategy {strategy!r}")
+    if prune not in ("leaf", "skip"):
+        raise ValueError(f"unknown prune mode {prune!r}")
+    offset = root_offset(tree_root)
     logits = session.start(root)
     root_t = torch.zeros(1, dtype=torch.long, device=tree.device)
-    frontier = _expand(tree, root_t, 0, logits, policy, depth_cap)
+    frontier = _expand(tree, root_t, 0, logits, policy, depth_cap, offset=offset, prune=prune,
+                       top1_only=tree_root == "paper")
     if strategy == "per_level":
         depth = 1
         while frontier and tree.budget_left > 0:
             logits, nodes_t = session.feed(tree, frontier, depth)
-            frontier = _expand(tree, nodes_t, depth, logits, policy, depth_cap)
+            frontier = _expand(tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune)
             depth += 1
     else:
         queue = deque((u, 1) for u in frontier)
         while queue and tree.budget_left > 0:
             u, depth = queue.popleft()
             logits, nodes_t = session.feed(tree, [u], depth)
-            queue.extend((v, depth + 1) for v in _expand(tree, nodes_t, depth, logits, policy, depth_cap))
+            queue.extend((v, depth + 1) for v in _expand(tree, nodes_t, depth, logits, policy, depth_cap,
+                                                         offset=offset, prune=prune))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -607,12 +663,14 @@ def verify_tree(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind)
 
 def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
                    policy: ExpansionPolicy, cache_strategy: CacheStrategy = "compact",
-                   draft_strategy: DraftStrategy = "per_level") -> Iterator[Step]:
+                   draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
+                   prune: Prune = "leaf") -> Iterator[Step]:
     """Greedy tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated).
 
     Invariant between iterations: the target cache holds every committed token except the newest
     (``pending``, the next tree's root); the draft session holds them minus its backlog. Each iteration:
-    draft a tree rooted at ``pending`` (depth capped so no more than the remaining tokens are drafted) ->
+    draft a tree below ``pending`` (:func:`draft_tree`; the path length capped so no more than the remaining
+    tokens are drafted) ->
     one target forward over the tree with the tree mask -> :func:`select_path` -> update the target cache
     (``compact``: ``kv.keep`` the root and the path by index; ``rebuild``: crop to the prefix and re-run
     [root, path], a second target forward) -> keep the path in the draft cache -> ``policy.observe``.
@@ -624,20 +682,27 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
         policy: a fresh expansion policy (its state is this call's state).
         cache_strategy: "compact" (1 target forward per iteration) or "rebuild" (2, the paper's).
         draft_strategy: "per_level" or "per_node" (see :func:`draft_tree`).
+        tree_root: "paper" (u0 rooted, Algorithm 1 line 10) or "pending" (module docstring).
+        prune: "leaf" (Algorithm 1 lines 14-16) or "skip" (module docstring).
 
     Yields:
         First the prefill's token as a Step (TTFT); then one Step per iteration with tokens = committed path
-        tokens + bonus, drafted = tree_size = drafted nodes, accepted = committed path length before the
-        bonus, depth = deepest drafted node (the runner counts forwards: 1 target forward per iteration with
-        compact, 2 with rebuild).
+        tokens + bonus, drafted = tree_size = drafted nodes (u0 included), accepted = committed drafted tokens
+        before the bonus (u0 counts when the target accepts it), depth = drafted tokens on the tree's longest
+        path (paper root: the deepest node's paper depth + 1, u0 being depth 0; pending root: the deepest
+        node's depth). The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
 
     Raises:
-        ValueError: unknown strategy, or a model whose attention implementation cannot take a tree mask.
+        ValueError: unknown strategy, tree_root or prune mode, or a model whose attention implementation
+            cannot take a tree mask.
     """
     if cache_strategy not in ("compact", "rebuild"):
         raise ValueError(f"unknown cache strategy {cache_strategy!r}")
     if draft_strategy not in ("per_level", "per_node"):
         raise ValueError(f"unknown draft strategy {draft_strategy!r}")
+    if prune not in ("leaf", "skip"):
+        raise ValueError(f"unknown prune mode {prune!r}")
+    offset = root_offset(tree_root)
     t_kind = attention_mask_kind(target)
     session = DraftSession(draft, input_ids[0].tolist())
     t_cache, logits = kv.prefill(target, input_ids)
@@ -645,11 +710,11 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
     yield Step(tokens=(pending,))
     produced = 1
     while produced < max_new_tokens:
-        depth_cap = min(policy.depth_limit, max_new_tokens - produced - 1)
+        depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced - 1)
         tree = TokenTree(pending, policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
                          session.device)
         if depth_cap >= 1:
-            draft_tree(session, tree, pending, policy, depth_cap, draft_strategy)
+            draft_tree(session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune)
         prefix_len = kv.cache_len(t_cache)
         pred = verify_tree(target, t_cache, tree, t_kind)
         n = tree.size
@@ -672,6 +737,11 @@ class TreeParams(DecoderParams):
     """Hyperparameters every tree decoder shares.
 
     Attributes:
+        tree_root: "paper" roots the tree at the draft's top-1 token u0 at depth 0 (Algorithm 1 line 10; D,
+            D_0, D_max count from u0); "pending" expands the pending token like any node, depths counting
+            drafted tokens after it (the dtbench v1 tree, one level shallower for the same D).
+        prune: "leaf" keeps a child whose path probability is below tau as a verified, unexpanded leaf
+            (Algorithm 1 lines 14-16, 28); "skip" never creates it (the dtbench v1 tree).
         cache_strategy: "compact" keeps the accepted path's target KV entries by index (one target forward
             per iteration); "rebuild" is the paper's crop-and-re-run (section 3.5; two target forwards).
         draft_strategy: "per_level" drafts a whole tree level in one draft forward with the tree mask;
@@ -680,11 +750,21 @@ class TreeParams(DecoderParams):
             0 disables pruning.
         n_max: node budget N_max, drafted nodes per tree (paper Appendix A: 256).
 
+    Defaults: ``tree_root="paper"`` and ``prune="leaf"``, so a bare ``{name: dynatree}`` or ``{name: fixed_tree}``
+    is the paper's construction. Until decoder version 2 the only behaviour was pending/skip; cells store
+    the decoder version, so stored version-1 results (whose params JSON has neither key) keep their meaning.
+
     The default strategies (compact, per_level) are the fastest lossless combination measured by
     ``bench/tree_strategies.py`` on the embedded SmolLM2 pair (CPU); they also run the fewest forwards
     (1 target forward per iteration, one draft forward per tree level), which matters more on a GPU.
     """
 
+    tree_root: TreeRoot = Field(
+        "paper", description="'paper': rooted at the draft's top-1 token u0, depth 0 (Algorithm 1 line 10); "
+        "'pending': the pending token expanded like any node")
+    prune: Prune = Field(
+        "leaf", description="'leaf': a child with p < tau is a verified leaf (Algorithm 1 lines 14-16); "
+        "'skip': it is not created")
     cache_strategy: CacheStrategy = Field(
         "compact", description="target cache update: 'compact' (keep path KV, 1 forward) or 'rebuild' (paper, 2)")
     draft_strategy: DraftStrategy = Field(
@@ -702,6 +782,7 @@ class TreeDecoder(Decoder):
     Params: ClassVar[type[DecoderParams]] = TreeParams
     needs_draft = True
     lossless = True
+    version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
 
     @abstractmethod
     def make_policy(self) -> ExpansionPolicy:
@@ -710,5 +791,6 @@ class TreeDecoder(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """Run :func:`speculate_tree` with this decoder's policy and strategies (see there for the Steps)."""
+        p = self.params
         yield from speculate_tree(self.target, self.draft, input_ids, max_new_tokens, self.make_policy(),
-                                  self.params.cache_strategy, self.params.draft_strategy)
+                                  p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune)

@@ -251,13 +251,16 @@ def test_drafted_tree_obeys_rules_and_strategies_agree(data):
     seed = data.draw(st.integers(0, 1000))
     temperature = data.draw(st.sampled_from([0.5, 2.0, 6.0]))
     policy = random_policy(data)
-    depth_cap = min(policy.depth_limit, data.draw(st.integers(1, 9)))
+    tree_root = data.draw(st.sampled_from(["paper", "pending"]), label="tree_root")
+    prune = data.draw(st.sampled_from(["leaf", "skip"]), label="prune")
+    r = T.root_offset(tree_root)
+    depth_cap = min(policy.depth_limit + r, data.draw(st.integers(1, 9)))
     root = data.draw(st.integers(0, vocab - 1))
     trees = {}
     for strategy in ("per_level", "per_node"):
         session = FakeSession(vocab, seed, temperature)
         tree = T.TokenTree(root, policy.n_max, T.tree_capacity(policy.max_breadth, depth_cap, policy.n_max), "cpu")
-        T.draft_tree(session, tree, root, policy, depth_cap, strategy)
+        T.draft_tree(session, tree, root, policy, depth_cap, strategy, tree_root=tree_root, prune=prune)
         trees[strategy] = (tree, session.forwards)
     (tree, lvl_forwards), (tree_n, node_forwards) = trees["per_level"], trees["per_node"]
     nodes = tree.nodes()
@@ -272,26 +275,185 @@ def test_drafted_tree_obeys_rules_and_strategies_agree(data):
         assert u.parent < i and u.depth == nodes[u.parent].depth + 1 and 1 <= u.depth <= depth_cap
         assert nodes[i - 1].depth <= u.depth  # BFS
         assert math.isclose(u.cum_logp, nodes[u.parent].cum_logp + u.logp, rel_tol=1e-5, abs_tol=1e-5)
-        assert u.cum_logp >= policy.log_tau  # pruning
+        if prune == "skip" and not (tree_root == "paper" and i == 1):
+            assert u.cum_logp >= policy.log_tau  # pruned children are never created
+    if tree_root == "paper":
+        assert n >= 2 and children[0] == [1]  # u0, the draft's top-1 token, is the only first-level node
     budget_hit = n - 1 == policy.n_max
     for i, u in enumerate(nodes):
         lp = torch.log_softmax(table[u.token, u.depth].float(), -1)
         top_lp, top_tok = lp.topk(min(policy.max_breadth, vocab))
         cum = torch.tensor([u.cum_logp], dtype=torch.float32)  # float32 as stored: the same arithmetic
-        could_expand = i == 0 or (u.depth < depth_cap and bool(policy.expandable(u.depth, cum)))
+        could_expand = i == 0 or (u.depth < depth_cap and u.cum_logp >= policy.log_tau
+                                  and bool(policy.expandable(u.depth - r, cum)))
         kids = children[i]
         if not could_expand:
-            assert kids == []
+            assert kids == []  # a leaf: pruned (below tau), gated, or at the depth cap
+            continue
+        if i == 0 and tree_root == "paper":
+            assert [nodes[c].token for c in kids] == [int(top_tok[0])]
             continue
         b = int(policy.breadth(top_lp[:1].exp())[0])
-        want = [int(t) for t, c in zip(top_tok[:b], (cum + top_lp)[:b]) if c >= policy.log_tau]
+        want = [int(t) for t, c in zip(top_tok[:b], (cum + top_lp)[:b]) if prune == "leaf" or c >= policy.log_tau]
         got = [nodes[c].token for c in kids]
-        assert got == want[: len(got)]  # the top-B(u) unpruned tokens, in probability order
+        assert got == want[: len(got)]  # the top-B(u) (unpruned, for skip) tokens, in probability order
         if len(got) < len(want):
             assert budget_hit  # only the budget can cut a node's children short
     # one draft forward per level (root included) vs one per expanded node
     assert lvl_forwards <= tree.max_depth + 1
     assert node_forwards >= lvl_forwards
+
+
+class ScriptedSession:
+    """A draft whose next-token distribution is a function of the drafted path (tokens after the pending one)."""
+
+    def __init__(self, dist, vocab: int):
+        self.dist, self.vocab, self.device, self.forwards = dist, vocab, torch.device("cpu"), 0
+
+    def logits(self, path):
+        return torch.tensor(self.dist(tuple(path)), dtype=torch.float32).log()
+
+    def start(self, root):
+        self.forwards += 1
+        return self.logits(()).unsqueeze(0)
+
+    def feed(self, tree, nodes, depth):
+        self.forwards += 1
+        rows = []
+        for u in nodes:
+            path = []
+            while u:
+                path.append(int(tree.tokens[u]))
+                u = int(tree.parents[u])
+            rows.append(self.logits(path[::-1]))
+        return torch.stack(rows), torch.tensor(nodes)
+
+
+def algorithm1(dist, *, tau, n_max, d0, d_max, rho_stop, rho_deep, breadth):
+    """DRAFTTREE of the paper's Algorithm 1 (lines 10-30), transcribed literally: a FIFO frontier, the checks
+    in the paper's order at pop time, children added until N_max. Depth d(u) counts from u0 (depth 0).
+    Comparisons in log space, as the implementation stores log-probabilities (float32).
+
+    Returns:
+        [(token, parent index or -1 for u0, depth)] in insertion (BFS) order.
+    """
+    def lp(path):
+        return torch.tensor(dist(tuple(path)), dtype=torch.float32).log()
+
+    def path_of(i):
+        out = []
+        while i >= 0:
+            out.append(nodes[i][0])
+            i = nodes[i][1]
+        return out[::-1]
+
+    log_tau = math.log(tau) if tau > 0 else -math.inf
+    first = lp(())
+    u0 = int(first.argmax())
+    nodes = [(u0, -1, 0)]  # line 10
+    cum = [first[u0]]
+    frontier = [0]  # line 11
+    while frontier and len(nodes) < n_max:  # line 12
+        u = frontier.pop(0)  # line 13
+        tok, _, d = nodes[u]
+        if cum[u] < log_tau:  # lines 14-16
+            continue
+        if d >= d_max:  # lines 17-19
+            continue
+        if cum[u] < math.log(rho_stop):  # lines 20-22
+            continue
+        if d >= d0 and cum[u] < math.log(rho_deep):  # lines 23-25
+            continue
+        q = lp(path_of(u))  # line 26
+        b = breadth(float(q.exp().max()))  # line 27
+        top = q.topk(b)
+        for logp, v in zip(top.values, top.indices):  # line 28
+            if len(nodes) >= n_max:
+                break
+            nodes.append((int(v), u, d + 1))
+            cum.append(cum[u] + logp)
+            frontier.append(len(nodes) - 1)
+    return nodes
+
+
+def as_paper_nodes(tree):
+    """The drafted nodes of a tree_root=paper tree as [(token, parent, depth)] counted from u0 (paper numbering)."""
+    return [(u.token, u.parent - 1, u.depth - 1) for u in tree.nodes()[1:]]
+
+
+def draft(policy, dist, vocab, strategy, tree_root="paper", prune="leaf", depth_cap=None):
+    cap = depth_cap or policy.depth_limit + T.root_offset(tree_root)
+    tree = T.TokenTree(99, policy.n_max, T.tree_capacity(policy.max_breadth, cap, policy.n_max), "cpu")
+    T.draft_tree(ScriptedSession(dist, vocab), tree, 99, policy, cap, strategy, tree_root=tree_root, prune=prune)
+    return tree
+
+
+HAND = {  # draft distributions over a 5-token vocabulary, keyed by the drafted path
+    (): [0.6, 0.3, 0.05, 0.03, 0.02],
+    (0,): [0.05, 0.5, 0.3, 0.1, 0.05],
+    (0, 1): [0.04, 0.03, 0.2, 0.7, 0.03],
+    (0, 2): [0.35, 0.1, 0.05, 0.05, 0.45],
+    (1,): [0.5, 0.1, 0.1, 0.2, 0.1],
+}
+
+
+def hand_dist(path):
+    return HAND.get(path, [0.2] * 5)
+
+
+@pytest.mark.parametrize("strategy", ["per_level", "per_node"])
+def test_paper_tree_on_a_scripted_draft_by_hand(strategy):
+    """Fixed tree D=2, B=2, tau=0.1, worked by hand through Algorithm 1: u0 = 0 (p .6) at depth 0; its
+    children 1 (p .3) and 2 (p .18) at depth 1; their children at depth 2 are not expanded (d >= D):
+    under 1: 3 (p .21) and 2 (p .06 < tau: a verified leaf); under 2: 4 (p .081) and 0 (p .063), both leaves."""
+    policy = FixedPolicy(2, 2, 0.1, 50)
+    tree = draft(policy, hand_dist, 5, strategy)
+    assert tree.tokens[0] == 99  # the pending token, internal node 0, never drafted or counted
+    assert as_paper_nodes(tree) == [
+        (0, -1, 0),
+        (1, 0, 1), (2, 0, 1),
+        (3, 1, 2), (2, 1, 2), (4, 2, 2), (0, 2, 2),
+    ]
+    assert tree.n_drafted == 7 and tree.max_depth == 3  # Step.depth: 3 drafted tokens on the longest path
+    # prune=skip drops the three children below tau instead of verifying them
+    skip = draft(policy, hand_dist, 5, strategy, prune="skip")
+    assert as_paper_nodes(skip) == [(0, -1, 0), (1, 0, 1), (2, 0, 1), (3, 1, 2)]
+    # tree_root=pending: the pending token gets B=2 children, depth counts drafted tokens (D=2: two levels)
+    pend = draft(policy, hand_dist, 5, strategy, tree_root="pending", prune="skip")
+    assert [(u.token, u.parent, u.depth) for u in pend.nodes()[1:]] == [
+        (0, 0, 1), (1, 0, 1), (1, 1, 2), (2, 1, 2), (0, 2, 2)]
+    # the node budget N_max counts u0 and cuts the breadth-first order
+    small = draft(FixedPolicy(2, 2, 0.1, 4), hand_dist, 5, strategy)
+    assert as_paper_nodes(small) == [(0, -1, 0), (1, 0, 1), (2, 0, 1), (3, 1, 2)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_paper_tree_equals_algorithm_1(data):
+    """tree_root=paper, prune=leaf builds exactly Algorithm 1's DRAFTTREE (node set, depths, BFS order) for
+    random scripted draft distributions, with the fixed tree's and DynaTree's rules (history off: the
+    policy's state is constant within one tree)."""
+    vocab = data.draw(st.integers(2, 6), label="vocab")
+    seed = data.draw(st.integers(0, 10_000), label="seed")
+    temperature = data.draw(st.sampled_from([0.5, 1.5, 4.0]), label="temperature")
+
+    def dist(path):
+        g = torch.Generator().manual_seed(hash((seed,) + path) % 2**31)
+        return torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * temperature, 0).tolist()
+
+    if data.draw(st.booleans(), label="fixed"):
+        d, b = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 3))
+        policy = FixedPolicy(d, b, data.draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])), data.draw(st.integers(1, 40)))
+        rules = dict(d0=d, d_max=d, rho_stop=1e-30, rho_deep=1e-30, breadth=lambda c: b)
+    else:
+        p = random_dynatree_params(data).model_copy(update=dict(history_adaptation=False, dynamic_depth=True,
+                                                                dynamic_breadth=True))
+        policy = DynamicPolicy(p)
+        rules = dict(d0=p.d0, d_max=p.d_max, rho_stop=p.rho_stop, rho_deep=p.rho_deep,
+                     breadth=lambda c: p.b_min if c >= p.tau_h else p.b_mid if c >= p.tau_l else p.b_max)
+    want = algorithm1(dist, tau=policy.tau, n_max=policy.n_max, **rules)
+    for strategy in ("per_level", "per_node"):
+        assert as_paper_nodes(draft(policy, dist, vocab, strategy)) == want, strategy
 
 
 # ---------------------------------------------------------------------------------------------- DynaTree rules
@@ -323,20 +485,26 @@ def test_depth_gate_matches_paper(depth, probs, d0, d_max, rho_stop, rho_deep):
 @given(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 20)), min_size=1, max_size=30), st.integers(1, 6),
        st.floats(0.05, 0.95), st.floats(0.1, 3.0), st.floats(0.01, 1.0), st.integers(2, 10))
 def test_history_controller_is_the_papers_proportional_update(history, window, target, eta_d, eta_h, d_max):
-    ctl = HistoryController(window, target, eta_d, eta_h, d_max)
-    d0, tau_h, recorded = 2.0, 0.9, []
+    """D_0, tau_h (section 3.3) and tau_l (Algorithm 1 line 7, same clipped form, its own step eta_l)."""
+    eta_l = eta_h / 2
+    ctl = HistoryController(window, target, eta_d, eta_h, d_max, eta_l=eta_l)
+    two = HistoryController(window, target, eta_d, eta_h, d_max)  # section 3.3's pair only
+    d0, tau_h, tau_l, recorded = 2.0, 0.9, 0.4, []
     for acc, size in history:
         acc = min(acc, size)
-        new_d0, new_tau_h = ctl.update(acc, size, d0, tau_h)
+        new_d0, new_tau_h, new_tau_l = ctl.update(acc, size, d0, tau_h, tau_l)
+        assert two.update(acc, size, d0, tau_h) == (new_d0, new_tau_h)
+        assert two.update(0, 0, d0, tau_h, tau_l)[2] == tau_l  # eta_l None: tau_l never moves
         if size == 0:
-            assert (new_d0, new_tau_h) == (d0, tau_h)
+            assert (new_d0, new_tau_h, new_tau_l) == (d0, tau_h, tau_l)
             continue
         recorded.append(acc / size)
         a_bar = sum(recorded[-window:]) / len(recorded[-window:])
         assert math.isclose(new_d0, min(max(d0 + eta_d * (a_bar - target), 1), d_max - 1), abs_tol=1e-12)
         assert math.isclose(new_tau_h, min(max(tau_h - eta_h * (a_bar - target), 0), 1), abs_tol=1e-12)
-        d0, tau_h = new_d0, new_tau_h
-        assert 1 <= d0 <= d_max - 1 and 0 <= tau_h <= 1
+        assert math.isclose(new_tau_l, min(max(tau_l - eta_l * (a_bar - target), 0), 1), abs_tol=1e-12)
+        d0, tau_h, tau_l = new_d0, new_tau_h, new_tau_l
+        assert 1 <= d0 <= d_max - 1 and 0 <= tau_h <= 1 and 0 <= tau_l <= 1
 
 
 def test_dynamic_policy_switches():
