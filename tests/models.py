@@ -9,13 +9,20 @@ import copy
 from functools import lru_cache
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 VOCAB = 96
+ARCHS = ("llama", "neox")
+FLAT, SHARP = 8.0, 32.0
+"""Output-weight scales. FLAT: mean top-1 probability about 0.07 (every node is uncertain; the property tests
+scale DynaTree's thresholds down to it). SHARP: mean top-1 probability about 0.4-0.5, spread over (0.1, 1),
+so the paper's default thresholds (tau=0.1, rho_stop=0.2, tau_l=0.4, tau_h=0.9) all act and real trees get
+drafted with default params."""
 
 
-def tiny_llama(seed: int, *, attn: str = "sdpa") -> LlamaForCausalLM:
-    """A 2-layer Llama with vocab 96, hidden 32, float64, eval mode, seeded weights."""
+def tiny_llama(seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> LlamaForCausalLM:
+    """A 2-layer Llama with vocab 96, hidden 32, float64, eval mode, seeded weights, lm_head scaled by
+    ``sharpness``."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -23,11 +30,35 @@ def tiny_llama(seed: int, *, attn: str = "sdpa") -> LlamaForCausalLM:
         tie_word_embeddings=False,
     )
     cfg._attn_implementation = attn
-    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    return _sharpened(LlamaForCausalLM(cfg), sharpness)
+
+
+def tiny_neox(seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> GPTNeoXForCausalLM:
+    """A 2-layer GPT-NeoX (the Pythia architecture: partial rotary embeddings on 25% of each head, parallel
+    attention + MLP residual, untied output layer) with vocab 96, hidden 32, float64, eval mode, seeded weights,
+    output layer scaled by ``sharpness``."""
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )
+    cfg._attn_implementation = attn
+    return _sharpened(GPTNeoXForCausalLM(cfg), sharpness)
+
+
+def _sharpened(model: torch.nn.Module, sharpness: float) -> torch.nn.Module:
     # Larger output weights sharpen the next-token distribution, so drafts are sometimes accepted.
+    model = model.to(torch.float64).eval()
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(sharpness)
     return model
+
+
+def tiny_model(arch: str, seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> torch.nn.Module:
+    """``tiny_llama`` or ``tiny_neox`` by name (``ARCHS``)."""
+    make = {"llama": tiny_llama, "neox": tiny_neox}[arch]
+    return make(seed, attn=attn, sharpness=sharpness)
 
 
 def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
@@ -41,13 +72,15 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
 
 
 @lru_cache(maxsize=None)
-def model_zoo(attn: str = "sdpa") -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
-    """(target, draft) pairs for the three kinds of draft: the target itself, a perturbed copy, an unrelated model."""
-    target = tiny_llama(0, attn=attn)
+def model_zoo(attn: str = "sdpa", arch: str = "llama",
+              sharpness: float = FLAT) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """(target, draft) pairs for the three kinds of draft: the target itself (accepts everything), a perturbed
+    copy (accepts some), an unrelated model (accepts almost nothing)."""
+    target = tiny_model(arch, 0, attn=attn, sharpness=sharpness)
     return {
         "self": (target, target),
         "perturbed": (target, perturbed(target, 0.005, seed=1)),
-        "unrelated": (target, tiny_llama(7, attn=attn)),
+        "unrelated": (target, tiny_model(arch, 7, attn=attn, sharpness=sharpness)),
     }
 
 

@@ -18,17 +18,18 @@ from dtbench.decoders import tree as T
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
-from models import VOCAB, hf_greedy, model_zoo, run_decoder
+from models import ARCHS, FLAT, SHARP, VOCAB, hf_greedy, model_zoo, run_decoder
 
 ATTNS = ["sdpa", "eager"]
 KINDS = ["self", "perturbed", "unrelated"]
 COMBOS = list(itertools.product(["compact", "rebuild"], ["per_level", "per_node"]))
+SHAPES = list(itertools.product(["paper", "pending"], ["leaf", "skip"]))  # (tree_root, prune)
 DECODERS = {"fixed_tree": FixedTree, "dynatree": DynaTree}
 
 
 @lru_cache(maxsize=None)
-def ar_tokens(attn: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    target = model_zoo(attn)["self"][0]
+def ar_tokens(attn: str, prompt: tuple[int, ...], n: int, arch: str = "llama", sharpness: float = FLAT) -> list[int]:
+    target = model_zoo(attn, arch, sharpness)["self"][0]
     out = run_decoder(Autoregressive(target, None, Autoregressive.Params()), list(prompt), n)
     assert out == hf_greedy(target, list(prompt), n)  # the reference itself is transformers' greedy output
     return out
@@ -191,30 +192,81 @@ def test_draft_session_matches_sequential_decoding(data, attn):
 # ---------------------------------------------------------------------------------------------- losslessness
 
 
+def tree_guaranteed(params, n) -> bool:
+    """Whether the rules guarantee a non-empty tree in some iteration of an n-token generation: n >= 3 leaves a
+    drafted token to verify in the first iteration, and its first level is never empty with the paper's
+    root (u0 is always drafted), with leaf pruning (the top child is kept as a leaf), or with tau < 1/VOCAB
+    (the top child's probability is at least 1/VOCAB)."""
+    return n >= 3 and (params.tree_root == "paper" or params.prune == "leaf" or params.tau < 1 / VOCAB)
+
+
 @pytest.mark.parametrize("name", list(DECODERS))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("attn", ATTNS)
-@settings(max_examples=5, deadline=None)
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=3, deadline=None)
 @given(data=st.data())
-def test_lossless_every_strategy(attn, kind, name, data):
-    """fixed_tree / dynatree x {compact, rebuild} x {per_level, per_node} reproduce ar (= hf greedy) exactly."""
-    target, draft = model_zoo(attn)[kind]
+def test_lossless_every_strategy(arch, attn, kind, name, data):
+    """fixed_tree / dynatree x {compact, rebuild} x {per_level, per_node} x tree_root {paper, pending} x prune
+    {leaf, skip} reproduce ar (= hf greedy) exactly, on float64 Llama- and GPT-NeoX-style models, with drafts
+    that accept all (self), some (perturbed) and almost nothing (unrelated), flat or sharp distributions; and
+    trees were actually drafted and verified."""
+    sharpness = data.draw(st.sampled_from([FLAT, SHARP]), label="sharpness")
+    target, draft = model_zoo(attn, arch, sharpness)[kind]
     prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24), label="prompt")
     n = data.draw(st.integers(1, 40), label="T")
     base = PARAMS[name](data)
-    ref = ar_tokens(attn, tuple(prompt), n)
+    ref = ar_tokens(attn, tuple(prompt), n, arch, sharpness)
     cls = DECODERS[name]
-    for cache_strategy, draft_strategy in COMBOS:
-        params = cls.Params(**base, cache_strategy=cache_strategy, draft_strategy=draft_strategy)
-        out = check_steps(all_steps(cls(target, draft, params), prompt, n), n, params)
-        assert out == ref, (cache_strategy, draft_strategy, params)
+    for (cache_strategy, draft_strategy), (tree_root, prune) in itertools.product(COMBOS, SHAPES):
+        params = cls.Params(**base, cache_strategy=cache_strategy, draft_strategy=draft_strategy,
+                            tree_root=tree_root, prune=prune)
+        steps = all_steps(cls(target, draft, params), prompt, n)
+        assert check_steps(steps, n, params) == ref, params
+        if tree_guaranteed(params, n):
+            assert sum(s.tree_size for s in steps) > 0, params
+        if kind == "self":  # the draft is the target: every drafted top-1 chain is accepted
+            assert all(s.accepted >= 1 for s in steps[1:] if s.tree_size and tree_root == "paper"), params
 
 
-def test_default_params_are_lossless():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_params_are_lossless(arch):
+    """The decoders' defaults (the paper's: tree_root=paper, prune=leaf, tau=0.1, D_0=5, D_max=8, ...) on sharp
+    test models, whose confident drafts pass the paper's thresholds: lossless, real trees drafted (several
+    nodes per iteration on average), and the self / perturbed drafts accept tokens."""
     for attn, kind, (name, cls) in itertools.product(ATTNS, KINDS, DECODERS.items()):
-        target, draft = model_zoo(attn)[kind]
+        target, draft = model_zoo(attn, arch, SHARP)[kind]
         prompt = [3, 14, 15, 92, 65, 35]
-        assert run_decoder(cls(target, draft, cls.Params()), prompt, 30) == ar_tokens(attn, tuple(prompt), 30)
+        steps = all_steps(cls(target, draft, cls.Params()), prompt, 30)
+        assert check_steps(steps, 30, cls.Params()) == ar_tokens(attn, tuple(prompt), 30, arch, SHARP)
+        iters = steps[1:]
+        assert sum(s.tree_size for s in iters) >= 2 * len(iters), (attn, kind, name)
+        if kind != "unrelated":
+            assert sum(s.accepted for s in iters) >= len(iters), (attn, kind, name)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_paper_root_and_leaf_pruning_shape_the_trees(arch):
+    """On the same prompt: a paper-rooted tree has one more level of depth than a pending-rooted one for the
+    same D (u0 at depth 0), leaf pruning verifies the children below tau that skip never creates, and when the
+    target rejects u0 the iteration commits exactly the target's own token (accepted 0)."""
+    target, draft = model_zoo("sdpa", arch, SHARP)["unrelated"]
+    prompt, n = [5, 17, 29, 41, 53], 30
+    sizes, depths = {}, {}
+    for tree_root, prune in SHAPES:
+        params = FixedTreeParams(depth=3, branching=3, tau=0.1, tree_root=tree_root, prune=prune)
+        steps = all_steps(FixedTree(target, draft, params), prompt, n)
+        assert check_steps(steps, n, params) == ar_tokens("sdpa", tuple(prompt), n, arch, SHARP)
+        sizes[tree_root, prune] = sum(s.tree_size for s in steps)
+        depths[tree_root, prune] = max(s.depth for s in steps)
+        if tree_root == "paper":
+            assert all(s.depth <= 4 for s in steps) and depths[tree_root, prune] == 4
+            rejected = [s for s in steps[1:] if s.accepted == 0]
+            assert rejected and all(len(s.tokens) == 1 for s in rejected)
+        else:
+            assert all(s.depth <= 3 for s in steps)
+    for root in ("paper", "pending"):
+        assert sizes[root, "leaf"] > sizes[root, "skip"] > 0
 
 
 # ---------------------------------------------------------------------------------------------- forward counts
@@ -237,10 +289,11 @@ class ForwardLog:
 
 @pytest.mark.parametrize("kind", ["perturbed", "unrelated"])
 @pytest.mark.parametrize("name", list(DECODERS))
-def test_target_forwards_per_iteration(kind, name):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_target_forwards_per_iteration(arch, kind, name):
     """compact: exactly one target forward per iteration, over [root + tree]; rebuild: that one plus the
     re-run of [root + accepted path]. Counted by hooking the target's forward, not by timing."""
-    target, draft = model_zoo("sdpa")[kind]
+    target, draft = model_zoo("sdpa", arch)[kind]
     prompt, n = [7, 1, 44, 90, 12, 5, 61, 33], 40
     extra = dict(depth=5, branching=3, tau=0.0, n_max=60) if name == "fixed_tree" else dict(
         tau_h=0.12, tau_l=0.06, rho_stop=1e-7, rho_deep=1e-5, tau=0.0, n_max=60)
@@ -251,7 +304,7 @@ def test_target_forwards_per_iteration(kind, name):
         with ForwardLog(target) as tlog, ForwardLog(draft) as dlog:
             steps = all_steps(cls(target, draft, params), prompt, n)
         iters = steps[1:]
-        assert check_steps(steps, n, params) == ar_tokens("sdpa", tuple(prompt), n)
+        assert check_steps(steps, n, params) == ar_tokens("sdpa", tuple(prompt), n, arch)
         assert tlog.lengths[0] == len(prompt)  # prefill
         if cache_strategy == "compact":
             assert len(tlog.lengths) == 1 + len(iters)
@@ -313,10 +366,13 @@ def test_accepted_paths_use_side_branches(monkeypatch):
 def test_dynatree_without_components_is_the_fixed_tree(kind):
     target, draft = model_zoo("sdpa")[kind]
     off = dict(dynamic_breadth=False, dynamic_depth=False, history_adaptation=False)
-    for d0, branching, tau, n_max in ((3, 2, 0.0, 30), (5, 3, 1e-3, 64), (2, 1, 0.0, 5)):
-        dyn = DynaTree(target, draft, DynaTreeParams(**off, d0=d0, d_max=d0 + 1, branching=branching, tau=tau,
-                                                     n_max=n_max))
-        fixed = FixedTree(target, draft, FixedTreeParams(depth=d0, branching=branching, tau=tau, n_max=n_max))
+    for (d0, branching, tau, n_max), (tree_root, prune) in itertools.product(
+            ((3, 2, 0.0, 30), (5, 3, 1e-3, 64), (2, 1, 0.0, 5), (3, 3, 0.02, 40)), SHAPES):
+        shape = dict(tree_root=tree_root, prune=prune)
+        dyn = DynaTree(target, draft, DynaTreeParams(**off, **shape, d0=d0, d_max=d0 + 1, branching=branching,
+                                                     tau=tau, n_max=n_max))
+        fixed = FixedTree(target, draft, FixedTreeParams(**shape, depth=d0, branching=branching, tau=tau,
+                                                         n_max=n_max))
         prompt = [4, 40, 80, 20]
         assert all_steps(dyn, prompt, 45) == all_steps(fixed, prompt, 45)
 
@@ -334,9 +390,14 @@ def test_history_adaptation_acts_and_resets_per_generate():
     policy = adaptive.make_policy()
     for s in first[1:]:
         policy.observe(s)
-    assert policy.d0 < base["d0"] and policy.tau_h > base["tau_h"]  # low acceptance: more conservative
+    # low acceptance: more conservative (shallower, and both thresholds up: wider nodes)
+    assert policy.d0 < base["d0"] and policy.tau_h > base["tau_h"] and policy.tau_l > base["tau_l"]
     fresh = adaptive.make_policy()
-    assert (fresh.d0, fresh.tau_h) == (base["d0"], base["tau_h"])
+    assert (fresh.d0, fresh.tau_h, fresh.tau_l) == (base["d0"], base["tau_h"], base["tau_l"])
+    fixed_l = DynaTree(target, draft, DynaTreeParams(**base, adapt_tau_l=False)).make_policy()
+    for s in first[1:]:
+        fixed_l.observe(s)
+    assert fixed_l.tau_l == base["tau_l"] and fixed_l.tau_h == policy.tau_h
 
 
 def test_flash_attention_is_rejected_clearly():
