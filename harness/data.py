@@ -2,25 +2,43 @@
 
 Datasets are plugins like decoders: a :class:`Dataset` subclass registered under the entry-point group
 ``dtbench.datasets`` (the built-ins register the same way, and their names are reserved). Built-in datasets:
-  - ``wikitext-2``: WikiText-2 raw, test split (hub ``wikitext``/``wikitext-2-raw-v1``; local
-    ``<data_dir>/wikitext-2-raw/wiki.test.raw``), one document per article (`` = Title = `` headings).
-  - ``pg19``: PG-19 test books (hub ``deepmind/pg19``; local ``<data_dir>/pg19-test/*.txt``), Project
-    Gutenberg header and footer stripped as PG-19 does.
+  - ``wikitext-2``: WikiText-2 raw, test split, one document per article (`` = Title = `` headings). Hub:
+    ``Salesforce/wikitext`` config ``wikitext-2-raw-v1`` (the dataset formerly named ``wikitext``, whose repo is
+    itself parquet since its conversion: ``wikitext-2-raw-v1/test-*.parquet``); local:
+    ``<data_dir>/wikitext-2-raw/wiki.test.raw``.
+  - ``pg19``: PG-19 test books, Project Gutenberg header and footer stripped as PG-19 does. Hub:
+    ``emozilla/pg19`` (``data/test-*.parquet``; columns short_book_title, publication_date, url, text), a
+    parquet copy of DeepMind's splits. The canonical ``deepmind/pg19`` is a loading-script dataset (pg19.py
+    downloading from Google Cloud Storage), which ``datasets`` >= 4 refuses ("Dataset scripts are no longer
+    supported"), and the hub's automatic parquet export (revision ``refs/convert/parquet``) is not guaranteed
+    for script datasets, so the maintained parquet copy is the default; a suite can point ``hub_id:`` and
+    ``revision:`` at another parquet source (for example ``deepmind/pg19`` at ``refs/convert/parquet`` where
+    that export exists). Local: ``<data_dir>/pg19-test/*.txt``.
   - ``text-files``: a user's own corpus, one document per file (``path:`` a folder or a glob).
 
-The local folder comes from the dataset's ``data_dir:``, the ``--data-dir`` option or ``DTBENCH_DATA_DIR``.
+Source precedence: a local folder (the dataset's ``data_dir:``, the ``--data-dir`` option or
+``DTBENCH_DATA_DIR``) wins; otherwise the hub, at the entry's ``hub_id:`` / ``revision:`` if given (``hub_id``
+may also name a local folder with the hub repo's parquet layout: the same ``datasets.load_dataset`` call reads
+it, which is how the tests exercise the hub path offline). :func:`provenance` says where each loaded dataset
+came from (hub id, config, split, revision; or local files and their sha256), for the run's environment.
+
+Held-out prompts: a dataset entry's ``skip: K`` leaves out the first K usable documents of the seeded order,
+so with the same seed and tokenizer its prompts come from other documents than those of any entry with
+``prompts <= K`` (how ``suites/dynatree-tuning.yaml`` tunes on documents the benchmarks never use).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.registry import Registry
@@ -71,47 +89,93 @@ def strip_gutenberg(text: str) -> str:
     return body.strip()
 
 
+@dataclass(frozen=True)
+class HubSource:
+    """Where a registered dataset lives on the Hugging Face hub, as parquet (no loading script).
+
+    Attributes:
+        hub_id: dataset repo id (overridable per suite entry with ``hub_id:``).
+        config: config name (a ``configs:`` entry of the repo card), or None for the default.
+        split: split to read.
+        streaming: stream rows instead of downloading the split (PG-19's test split is tens of MB; only the first
+            books are read).
+    """
+
+    hub_id: str
+    config: str | None
+    split: str
+    streaming: bool
+
+
+HUB_SOURCES: dict[str, HubSource] = {
+    "wikitext-2": HubSource("Salesforce/wikitext", "wikitext-2-raw-v1", "test", streaming=False),
+    "pg19": HubSource("emozilla/pg19", None, "test", streaming=True),
+}
+
+_PROVENANCE: dict[str, dict[str, Any]] = {}  # spec JSON -> where load_documents found it (this process)
+
+
+class Documents(list):
+    """The (title, text) documents of one dataset entry, in source order, carrying the entry's ``skip`` (so
+    :func:`select_prompts` honours it whoever calls the pair) and where they came from."""
+
+    def __init__(self, docs: Iterable[tuple[str, str]], skip: int = 0, source: dict[str, Any] | None = None):
+        super().__init__(docs)
+        self.skip = skip
+        self.source = source or {}
+
+
 def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
     chosen = spec.data_dir or data_dir or os.environ.get(DATA_DIR_ENV)
     return Path(chosen).expanduser() if chosen else None
 
 
-def _wikitext(spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
+def _local_files(files: list[Path]) -> dict[str, Any]:
+    """Provenance of local files: their paths and one sha256 over their bytes (in the given order)."""
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.read_bytes())
+    return {"source": "local", "files": [str(f.resolve()) for f in files], "sha256": digest.hexdigest()}
+
+
+def _wikitext(spec: DatasetSpec, data_dir: str | None) -> Documents:
     local = _local_dir(spec, data_dir)
     if local is not None:
         path = local / "wikitext-2-raw" / "wiki.test.raw"
         if not path.is_file():
             raise DtbenchError(f"wikitext-2: {path} not found (data dir {local})")
-        return _split_wikitext(_read(path))
-    rows = _hub(lambda ds: ds.load_dataset("wikitext", "wikitext-2-raw-v1", split="test"), "wikitext-2")
-    return _split_wikitext("\n".join(r["text"].rstrip("\n") for r in rows if r["text"].strip()))
+        return Documents(_split_wikitext(_read(path)), source=_local_files([path]))
+    rows, source = hub_rows(spec)
+    # One row per line of the raw file (blank lines included), each ending in a newline.
+    return Documents(_split_wikitext("\n".join(r["text"].rstrip("\n") for r in rows if r["text"].strip())),
+                     source=source)
 
 
-def _pg19(spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
+def _pg19(spec: DatasetSpec, data_dir: str | None) -> Documents:
     local = _local_dir(spec, data_dir)
     if local is not None:
         files = sorted((local / "pg19-test").glob("*.txt"))
         if not files:
             raise DtbenchError(f"pg19: no books (*.txt) in {local / 'pg19-test'}")
-        return [(f.stem, strip_gutenberg(_read(f))) for f in files]
-    # PG-19's own copies are already stripped; streaming avoids downloading the whole test split.
-    rows = _hub(lambda ds: ds.load_dataset("deepmind/pg19", split="test", streaming=True), "pg19")
+        return Documents([(f.stem, strip_gutenberg(_read(f))) for f in files], source=_local_files(files))
+    rows, source = hub_rows(spec)
     books = []
-    for row in rows:
-        books.append((row.get("short_book_title") or str(len(books)), row["text"]))
-        if len(books) >= spec.prompts:
+    for row in rows:  # streamed: read only as many books as the selection can use
+        books.append((row.get("short_book_title") or str(len(books)), strip_gutenberg(row["text"])))
+        if len(books) >= spec.prompts + spec.skip:
             break
-    return books
+    source["rows_read"] = len(books)
+    return Documents(books, source=source)
 
 
-def _text_files(spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
+def _text_files(spec: DatasetSpec, data_dir: str | None) -> Documents:
     if not spec.path:
         raise DtbenchError("text-files: set `path:` to a folder or glob of .txt files")
     p = Path(spec.path).expanduser()
     files = sorted(p.rglob("*.txt")) if p.is_dir() else sorted(Path(f) for f in glob.glob(str(p)))
     if not files:
         raise DtbenchError(f"text-files: no files match {spec.path}")
-    return [(str(f), _read_text_file(f)) for f in files]
+    return Documents([(str(f), _read_text_file(f)) for f in files], source=_local_files(files))
 
 
 def _read_text_file(path: Path) -> str:
@@ -132,17 +196,35 @@ def _read_text_file(path: Path) -> str:
         raise DtbenchError(f"text-files: {path} is not UTF-8 text (byte {exc.start})") from None
 
 
-def _hub(load: Callable, name: str):
+def hub_rows(spec: DatasetSpec) -> tuple[Iterable[dict[str, Any]], dict[str, Any]]:
+    """The rows of a registered dataset from its parquet source on the hub (no loading script).
+
+    Calls ``datasets.load_dataset(hub_id, config, split=..., revision=..., streaming=...)`` with the
+    dataset's :data:`HUB_SOURCES` entry, ``hub_id`` and ``revision`` overridden by the suite entry's keys.
+
+    Returns:
+        (rows: an iterable of dicts with at least a ``text`` column, provenance dict).
+
+    Raises:
+        DtbenchError: the hub (or the given folder) cannot be read, naming the offline alternative.
+    """
+    base = HUB_SOURCES[spec.name]
+    hub_id = spec.hub_id or base.hub_id
+    source = {"source": "hub", "hub_id": hub_id, "config": base.config, "split": base.split,
+              "revision": spec.revision}
     try:
         import datasets
 
-        return load(datasets)
+        source["datasets"] = datasets.__version__
+        rows = datasets.load_dataset(hub_id, base.config, split=base.split, revision=spec.revision,
+                                     streaming=base.streaming)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise DtbenchError(
-            f"{name}: cannot load from the Hugging Face hub ({first}); "
+            f"{spec.name}: cannot load {hub_id} from the Hugging Face hub ({first}); "
             f"offline, point --data-dir or {DATA_DIR_ENV} at a local copy (e.g. ../shared/data)"
         ) from None
+    return rows, source
 
 
 class Dataset(ABC):
@@ -213,34 +295,51 @@ def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
         ds.check(spec)
 
 
-def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> list[tuple[str, str]]:
-    """(title, text) documents of a dataset, in source order.
+def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> Documents:
+    """(title, text) documents of a dataset, in source order, with the entry's ``skip`` and their provenance
+    (also recorded for :func:`provenance`).
 
     Raises:
         DtbenchError: unknown dataset, missing local files, or the hub unreachable.
     """
-    docs = [(t, x) for t, x in dataset(spec.name).documents(spec, data_dir) if x.strip()]
+    ds = dataset(spec.name)
+    loaded = ds.documents(spec, data_dir)
+    source = getattr(loaded, "source", None) or {"source": "plugin", "class": f"{type(ds).__module__}.{type(ds).__qualname__}"}
+    docs = Documents(((t, x) for t, x in loaded if x.strip()), skip=spec.skip, source=source)
     if not docs:
         raise DtbenchError(f"{spec.name}: no non-empty documents")
+    _PROVENANCE[spec.model_dump_json()] = {"name": spec.name, **docs.source, "skip": spec.skip}
     return docs
 
 
+def provenance(specs: Iterable[DatasetSpec]) -> list[dict[str, Any]]:
+    """Where each dataset entry's documents came from, as recorded by :func:`load_documents` in this process:
+    ``{"name", "source": "hub", "hub_id", "config", "split", "revision", "datasets", "skip"}`` or
+    ``{"name", "source": "local", "files", "sha256", "skip"}``; ``{"name", "source": None}`` if not loaded.
+    JSON-serialisable, for the run's environment (``env["datasets"]``)."""
+    return [_PROVENANCE.get(s.model_dump_json(), {"name": s.name, "source": None}) for s in specs]
+
+
 def select_prompts(
-    documents: list[tuple[str, str]], tokenizer, n: int, prompt_cap: int, seed: int
+    documents: list[tuple[str, str]], tokenizer, n: int, prompt_cap: int, seed: int, skip: int | None = None
 ) -> list[Prompt]:
     """Choose N prompts deterministically and cap each at ``prompt_cap`` tokens.
 
-    Documents are shuffled with ``seed``; prompt i is the i-th chunk of ``prompt_cap`` tokens taken round-robin
-    (first chunk of every document, then second chunks, ...), so a long book yields several prompts and every
-    prompt is exactly ``prompt_cap`` tokens unless a document is shorter (then the whole document, if it has at
-    least 16 tokens). Only as many documents are tokenized as needed.
+    Documents are shuffled with ``seed``; the first ``skip`` usable documents of that order (those with at
+    least one prompt, i.e. 16 tokens) are left out; prompt i is the i-th chunk of ``prompt_cap`` tokens taken
+    round-robin over the rest (first chunk of every document, then second chunks, ...), so a long book yields
+    several prompts and every prompt is exactly ``prompt_cap`` tokens unless a document is shorter (then the
+    whole document, if it has at least 16 tokens). Only as many documents are tokenized as needed. With
+    N <= (usable documents), the N prompts come from the first N usable documents, one each: so entries with
+    the same seed and tokenizer, one with ``prompts <= K`` and one with ``skip >= K``, share no document.
 
     Args:
-        documents: (title, text) pairs.
+        documents: (title, text) pairs (a :class:`Documents` carries its entry's ``skip``).
         tokenizer: a transformers tokenizer (its ``encode`` with special tokens as the model expects).
         n: N prompts.
         prompt_cap: L_max in tokens.
         seed: selection seed.
+        skip: usable documents to leave out; None = the documents' own ``skip`` (0 for a plain list).
 
     Returns:
         N prompts (token ids as int tuples).
@@ -248,18 +347,24 @@ def select_prompts(
     Raises:
         DtbenchError: if the documents hold fewer than N usable prompts.
     """
+    if skip is None:
+        skip = getattr(documents, "skip", 0)
     order = list(range(len(documents)))
     random.Random(seed).shuffle(order)
     chunks: list[list[tuple[str, list[int]]]] = []
+    skipped = 0
     for i in order:
         title, text = documents[i]
         # Tokenizing only a prefix keeps long books cheap: about 6 characters per token is generous.
         ids = tokenizer.encode(text[: prompt_cap * 12 * max(1, n)])
         pieces = [ids[j : j + prompt_cap] for j in range(0, len(ids), prompt_cap)]
         pieces = [p for k, p in enumerate(pieces) if len(p) == prompt_cap or (k == 0 and len(p) >= _MIN_PROMPT_TOKENS)]
+        if pieces and skipped < skip:
+            skipped += 1
+            continue
         if pieces:
             chunks.append([(title, p) for p in pieces])
-        if sum(len(c) for c in chunks) >= n and len(chunks) >= min(n, len(documents)):
+        if sum(len(c) for c in chunks) >= n and len(chunks) >= min(n, len(documents) - skip):
             break
     picked: list[tuple[str, list[int]]] = []
     depth = 0
@@ -267,5 +372,6 @@ def select_prompts(
         picked.extend(c[depth] for c in chunks if depth < len(c))
         depth += 1
     if len(picked) < n:
-        raise DtbenchError(f"only {len(picked)} prompts of up to {prompt_cap} tokens available, {n} asked for")
+        after = f" after skipping {skip} documents" if skip else ""
+        raise DtbenchError(f"only {len(picked)} prompts of up to {prompt_cap} tokens available{after}, {n} asked for")
     return [Prompt(index=i, document=t, token_ids=tuple(ids)) for i, (t, ids) in enumerate(picked[:n])]

@@ -265,6 +265,7 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, device, tar
     env = environment(device)
     env["target"] = {"model": target.name, "dtype": target.dtype, "params": target.params}
     env["draft"] = {"model": draft.name, "dtype": draft.dtype, "params": draft.params} if draft else None
+    env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
     owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
     if resume is None:
         run = Run(suite_name=suite.name, suite_path=suite_path, suite_text=suite_text, suite_hash=suite_hash(suite_text),

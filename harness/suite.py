@@ -59,6 +59,14 @@ class DatasetSpec(_Frozen):
     prompt_cap: int | list[int] = Field(800, description="L_max, maximum prompt length in tokens (a list sweeps it)")
     data_dir: str | None = Field(None, description="local data folder instead of the Hugging Face hub")
     path: str | None = Field(None, description="files for the text-files dataset (folder or glob)")
+    hub_id: str | None = Field(
+        None, description="Hugging Face dataset repo (or a local folder of the same parquet layout) to load from "
+        "instead of the dataset's default (wikitext-2: Salesforce/wikitext, pg19: emozilla/pg19)")
+    revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
+    skip: int = Field(
+        0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
+        "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
+        "(tuning on other documents than the benchmark)")
 
     _where: str = PrivateAttr("")  # "file:line: datasets.i" of the suite entry, for one-line errors
 
