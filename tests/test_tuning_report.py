@@ -1,0 +1,52 @@
+"""reports/tuning.py: the line naming the fastest DynaTree setting of a tuning run (database only)."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from dtbench.decoders.dynatree import DynaTreeParams
+from dtbench.harness import db
+from dtbench.harness.cli import cli
+from dtbench.reports.summary import samples_frame, summarize
+from dtbench.reports.tuning import best_dynatree, tuning_line
+from reportdb import add_cell, add_run, add_samples
+
+
+def tuning_db(path, settings):
+    """A run with AR at 10 tokens/s and one DynaTree cell per (label, params, throughputs)."""
+    sessions = db.connect(str(path))
+    with sessions() as s:
+        run = add_run(s, "dynatree-tuning")
+        add_samples(s, add_cell(s, run, "AR", "ar"), [10.0, 10.0, 10.0], warmup=1)
+        for label, params, thr in settings:
+            full = DynaTreeParams(**params).model_dump(mode="json")
+            add_samples(s, add_cell(s, run, label, "dynatree", params=full), thr, warmup=1)
+        s.commit()
+        rid = run.id
+    return sessions, rid
+
+
+def test_best_setting_and_its_changed_params(tmp_path):
+    sessions, rid = tuning_db(tmp_path / "t.db", [
+        ("DynaTree defaults", {}, [1.0, 12.0, 12.0]),
+        ("rho_stop (rho_stop=0.05)", {"rho_stop": 0.05}, [50.0, 15.0, 13.0]),  # the warmup sample is ignored
+        ("W (window=16)", {"window": 16}, [1.0, 11.0, 11.0]),
+    ])
+    with sessions() as s:
+        best = best_dynatree(summarize(samples_frame(s, rid)))
+    assert best["label"] == "rho_stop (rho_stop=0.05)" and best["changed"] == {"rho_stop": 0.05}
+    assert abs(best["speedup"] - 1.4) < 1e-9 and abs(best["defaults_speedup"] - 1.2) < 1e-9
+    assert best["runner_up"][0] == "DynaTree defaults" and best["cells"] == 3 and best["n"] == 2
+    line = tuning_line(best)
+    assert "best setting 'rho_stop (rho_stop=0.05)'" in line and "1.40x" in line and "rho_stop=0.05" in line
+
+
+def test_report_prints_the_line_only_for_runs_comparing_dynatree_settings(tmp_path):
+    sessions, _ = tuning_db(tmp_path / "t.db", [("DynaTree defaults", {}, [1.0, 12.0, 12.0]),
+                                                 ("B_mid (b_mid=3)", {"b_mid": 3}, [1.0, 9.0, 9.0])])
+    out = CliRunner().invoke(cli, ["report", "--db", str(tmp_path / "t.db")], catch_exceptions=False)
+    assert out.exit_code == 0 and "DynaTree tuning: best setting 'DynaTree defaults'" in out.output
+    assert "params changed from the defaults: none (the defaults)" in out.output
+    single, _ = tuning_db(tmp_path / "one.db", [("DynaTree", {}, [1.0, 12.0, 12.0])])
+    out = CliRunner().invoke(cli, ["report", "--db", str(tmp_path / "one.db")], catch_exceptions=False)
+    assert out.exit_code == 0 and "DynaTree tuning" not in out.output
