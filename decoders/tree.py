@@ -755,7 +755,7 @@ class TreeParams(DecoderParams):
     the decoder version, so stored version-1 results (whose params JSON has neither key) keep their meaning.
 
     The default strategies (compact, per_level) are the fastest lossless combination measured by
-    ``bench/tree_strategies.py`` on the embedded SmolLM2 pair (CPU); they also run the fewest forwards
+    ``suites/tree-strategies.yaml`` on the embedded SmolLM2 pair (CPU); they also run the fewest forwards
     (1 target forward per iteration, one draft forward per tree level), which matters more on a GPU.
     """
 

@@ -366,7 +366,7 @@ def algorithm1(dist, *, tau, n_max, d0, d_max, rho_stop, rho_deep, breadth):
             continue
         q = lp(path_of(u))  # line 26
         b = breadth(float(q.exp().max()))  # line 27
-        top = q.topk(b)
+        top = q.topk(min(b, q.numel()))  # a vocabulary smaller than B(u) gives every token
         for logp, v in zip(top.values, top.indices):  # line 28
             if len(nodes) >= n_max:
                 break
