@@ -123,11 +123,13 @@ def test_skip_leaves_out_the_documents_of_smaller_selections():
 
 
 @pytest.mark.slow
-def test_tuning_prompts_come_from_other_documents_than_every_benchmark(data_dir, smollm2):
+def test_tuning_prompts_come_from_other_documents_than_every_benchmark(data_dir):
     """suites/dynatree-tuning.yaml against every suite that measures the embedded pair on the same datasets:
     the prompts it tunes on and the prompts the benchmarks measure share no document."""
-    _, _, tokenizer = smollm2
+    from dtbench.harness import models
+
     tuning, _ = load_suite(SUITES / "dynatree-tuning.yaml")
+    tokenizer = models.load_tokenizer(tuning.target)
     checked = 0
     for path in sorted(SUITES.glob("*.yaml")):
         bench, _ = load_suite(path)
