@@ -24,7 +24,7 @@ import math
 from collections import deque
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from dtbench.decoders.base import Step
 from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams
@@ -151,7 +151,8 @@ class DynaTreeParams(TreeParams):
         rho_deep: expansion beyond D_0 only at path probability >= rho_deep (unspecified: 0.5, i.e. the path
             is more likely than not under the draft).
         window: W, iterations in the sliding acceptance window (unspecified: 8).
-        target_acceptance: a*, the target of a_bar = mean accepted/tree_size (unspecified: 0.35; accepted
+        node_acceptance: a*, the target of a_bar = mean accepted/tree_size, a per-node ratio distinct from the
+            reported ``acceptance_rate`` (accepted/depth); ``target_acceptance`` is accepted as its old name (unspecified: 0.35; accepted
             over *all* drafted nodes is well below 1 for any branching tree).
         eta_depth: eta_D, D_0 step per unit acceptance error (unspecified: 2.0, so a 0.1 error moves D_0 by
             0.2 per iteration).
@@ -175,7 +176,8 @@ class DynaTreeParams(TreeParams):
     rho_stop: float = Field(0.2, gt=0.0, lt=1.0, description="early-stopping path probability rho_stop")
     rho_deep: float = Field(0.5, gt=0.0, lt=1.0, description="deep-expansion path probability rho_deep")
     window: int = Field(8, ge=1, le=1024, description="history window W (iterations)")
-    target_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target acceptance a* (accepted/tree_size)")
+    node_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target node acceptance a* (accepted/tree_size)",
+                                   validation_alias=AliasChoices("node_acceptance", "target_acceptance"))
     eta_depth: float = Field(2.0, gt=0.0, le=100.0, description="step size eta_D for D_0")
     eta_h: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_h for tau_h")
     eta_l: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_l for tau_l (when adapt_tau_l)")
@@ -210,7 +212,7 @@ class DynamicPolicy(ExpansionPolicy):
         self.tau = params.tau
         self.n_max = params.n_max
         self.max_breadth = params.b_max if params.dynamic_breadth else params.branching
-        self.history = HistoryController(params.window, params.target_acceptance, params.eta_depth,
+        self.history = HistoryController(params.window, params.node_acceptance, params.eta_depth,
                                          params.eta_h, params.d_max,
                                          eta_l=params.eta_l if params.adapt_tau_l else None)
 

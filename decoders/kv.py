@@ -73,7 +73,7 @@ def crop(cache: DynamicCache, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
-def keep(cache: DynamicCache, prefix_len: int, indices: list[int]) -> None:
+def keep_positions(cache: DynamicCache, prefix_len: int, indices: list[int]) -> None:
     """Keep the first ``prefix_len`` positions plus the positions ``indices`` (in that order), drop the rest.
 
     This is how an accepted tree path's key/value entries are kept without recomputing them (EAGLE-style

@@ -70,7 +70,7 @@ def dynatree_params(data, n_max_cap=48):
         branching=data.draw(st.integers(1, 3)), tau_l=tl, tau_h=th, d0=data.draw(st.integers(1, d_max - 1)),
         d_max=d_max, rho_stop=10 ** rs, rho_deep=10 ** rd, tau=data.draw(st.sampled_from([0.0, 1e-7, 1e-4, 1e-2])),
         n_max=data.draw(st.integers(1, n_max_cap)), window=data.draw(st.integers(1, 6)),
-        target_acceptance=data.draw(st.floats(0.05, 0.95)), eta_depth=data.draw(st.floats(0.1, 4.0)),
+        node_acceptance=data.draw(st.floats(0.05, 0.95)), eta_depth=data.draw(st.floats(0.1, 4.0)),
         eta_h=data.draw(st.floats(0.01, 1.0)),
     )
 
@@ -100,7 +100,7 @@ def random_bfs_tree(data, max_nodes=14):
 @given(st.data(), st.sampled_from(ATTNS))
 def test_tree_masked_forward_equals_sequential_decoding(data, attn):
     """Tree mask + position ids + cache: each node's logits are those of its root-to-node path decoded alone;
-    and ``kv.keep`` of a path leaves exactly the cache of the sequential path."""
+    and ``kv.keep_positions`` of a path leaves exactly the cache of the sequential path."""
     target = model_zoo(attn)["self"][0]
     prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), label="prompt")
     parents, depths = random_bfs_tree(data)
@@ -129,11 +129,11 @@ def test_tree_masked_forward_equals_sequential_decoding(data, attn):
         assert torch.allclose(logits[u], ref, atol=tol, rtol=0), (logits[u] - ref).abs().max()
 
     cache2, _ = kv.prefill(target, torch.tensor([prompt]))
-    pred = T.verify_tree(target, cache2, tree, T.attention_mask_kind(target))
+    pred = T.tree_predictions(target, cache2, tree, T.attention_mask_kind(target))
     assert torch.equal(pred, logits.argmax(-1))
     end = data.draw(st.integers(0, n - 1), label="end")
     path = path_to(end)
-    kv.keep(cache2, len(prompt), [len(prompt) + v for v in path])
+    kv.keep_positions(cache2, len(prompt), [len(prompt) + v for v in path])
     ref_cache, _ = kv.prefill(target, torch.tensor([prompt + [tokens[v] for v in path]]))
     for got, want in zip(cache2.layers, ref_cache.layers):
         assert torch.allclose(got.keys, want.keys, atol=tol, rtol=0)
@@ -379,7 +379,7 @@ def test_dynatree_without_components_is_the_fixed_tree(kind):
 def test_history_adaptation_acts_and_resets_per_generate():
     target, draft = model_zoo("sdpa")["perturbed"]
     base = dict(tau=0.0, rho_stop=1e-9, rho_deep=1e-6, tau_h=0.12, tau_l=0.06, n_max=64, d0=4, d_max=8,
-                target_acceptance=0.9, eta_depth=2.0, eta_h=0.5, window=3)
+                node_acceptance=0.9, eta_depth=2.0, eta_h=0.5, window=3)
     adaptive = DynaTree(target, draft, DynaTreeParams(**base))
     static = DynaTree(target, draft, DynaTreeParams(**base, history_adaptation=False))
     prompt = [11, 22, 33, 44, 55]

@@ -1,0 +1,269 @@
+"""Tree drafting: expansion policies, the draft session and DRAFTTREE (paper 3.3, Algorithm 1).
+
+Part of the tree toolkit (:mod:`dtbench.decoders.tree` has the design and re-exports every name): a decoder
+supplies an :class:`ExpansionPolicy`; :func:`draft_tree` grows the tree level by level (``per_level``) or node by
+node (``per_node``, the paper's) with one draft KV cache (:class:`DraftSession`).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from dtbench.decoders import kv
+from dtbench.decoders.base import Step
+
+from dtbench.decoders.tree_structure import (
+    DraftStrategy, Prune, TokenTree, TreeRoot, attention_mask_kind, root_offset, tree_attention_mask,
+)
+
+# ----------------------------------------------------------------------------------------------------------
+# Expansion policies and drafting (paper 3.3, Algorithm 1 DRAFTTREE)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class ExpansionPolicy(ABC):
+    """Which tree nodes to expand and with how many children: the only part a tree decoder supplies.
+
+    Attributes:
+        max_breadth: upper bound of :meth:`breadth` (the top-k width computed per expanded node).
+        n_max: node budget N_max on drafted nodes (paper 3.3).
+        tau: pruning threshold on cumulative path probability p(u) (paper 3.3); 0 disables pruning.
+
+    One policy object lives for one ``generate()`` call, so any adaptive state resets per prompt.
+    """
+
+    max_breadth: int
+    n_max: int
+    tau: float
+
+    @property
+    def log_tau(self) -> float:
+        """log(tau), -inf when tau is 0."""
+        return math.log(self.tau) if self.tau > 0 else -math.inf
+
+    @property
+    @abstractmethod
+    def depth_limit(self) -> int:
+        """Hard maximum depth of drafted nodes in the next tree, in the policy's depth convention (>= 1 for a
+        pending-rooted tree, >= 0 for a paper-rooted one; the driver adds :func:`root_offset`)."""
+
+    @abstractmethod
+    def breadth(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Children per expanded node B(u).
+
+        Args:
+            confidence: (E,) float32, c(u) = max_v q_D(v | u) of each expanded node (a probability).
+
+        Returns:
+            (E,) int64 in [1, max_breadth].
+        """
+
+    @abstractmethod
+    def expandable(self, depth: int, cum_logp: torch.Tensor) -> torch.Tensor:
+        """Whether nodes at ``depth`` with cumulative log-probabilities ``cum_logp`` may be expanded.
+
+        Args:
+            depth: the nodes' depth d(u) (all the same), in the tree shape's convention: u0 of a paper tree
+                has depth 0, the first drafted level of a pending tree depth 1.
+            cum_logp: float32 tensor of any shape, log p(u).
+
+        Returns:
+            bool tensor shaped like ``cum_logp``.
+        """
+
+    def observe(self, step: Step) -> None:
+        """Feedback after each verification (history adaptation); no-op by default."""
+
+
+class DraftSession:
+    """The draft model and its single KV cache across iterations (Appendix D, cache reuse).
+
+    Between iterations the cache holds committed tokens except ``backlog`` (committed tokens not yet fed)
+    and the pending root. During drafting it holds the committed prefix including the root (``prefix_len``
+    positions) followed by the expanded tree nodes in the order fed (``fed``), each computed with the tree
+    mask, so a node's KV equals what sequential decoding along its root-to-node path would produce.
+
+    Attributes:
+        model: the draft causal LM.
+        cache: its ``DynamicCache``.
+        backlog: committed token ids not yet in the cache (the next root excluded).
+        prefix_len: cache positions holding committed tokens during this iteration's drafting.
+        fed: tree node indices whose KV follows the prefix, in cache order.
+        forwards: draft forward passes run (for accounting).
+    """
+
+    def __init__(self, model: torch.nn.Module, prompt: Sequence[int]):
+        """Args: model: the draft causal LM; prompt: the prompt token ids (fed lazily on the first root).
+
+        Raises:
+            ValueError: if the draft's attention implementation cannot take a tree mask.
+        """
+        self.model = model
+        self.cache = kv.new_cache()
+        self.backlog: list[int] = list(prompt)
+        self.kind = attention_mask_kind(model)
+        self.dtype = model.dtype
+        self.device = model.device
+        self.prefix_len = 0
+        self.fed: list[int] = []
+        self._fed_t = torch.empty(0, dtype=torch.long, device=self.device)
+        self.started = False
+        self.forwards = 0
+
+    def start(self, root: int) -> torch.Tensor:
+        """Feed the backlog and the root causally; return q_D(. | root) logits, shape (1, vocab)."""
+        logits = kv.forward(self.model, self.backlog + [root], self.cache, last_only=True)
+        self.forwards += 1
+        self.backlog = []
+        self.prefix_len = kv.cache_len(self.cache)
+        self.fed = []
+        self._fed_t = torch.empty(0, dtype=torch.long, device=self.device)
+        self.started = True
+        return logits
+
+    def feed(self, tree: TokenTree, nodes: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over tree ``nodes`` (all at ``depth``) with the tree mask.
+
+        Each node attends to the committed prefix (root included) and to its fed ancestors and itself; its
+        position id is (root position) + depth.
+
+        Returns:
+            (logits (len(nodes), vocab) in the draft's dtype, nodes as an int64 device tensor).
+        """
+        nodes_t = torch.tensor(nodes, dtype=torch.long, device=self.device)
+        cols = torch.cat([self._fed_t, nodes_t])
+        mask = tree_attention_mask(tree.anc[nodes_t][:, cols], self.prefix_len, self.kind, self.dtype)
+        pos = torch.full((1, len(nodes)), self.prefix_len - 1 + depth, dtype=torch.long, device=self.device)
+        logits = kv.forward(self.model, tree.tokens[nodes_t].unsqueeze(0), self.cache, position_ids=pos,
+                            attention_mask=mask)
+        self.forwards += 1
+        self.fed.extend(nodes)
+        self._fed_t = cols
+        return logits, nodes_t
+
+    def commit(self, root: int, path: list[int], committed: list[int]) -> None:
+        """Keep only the committed path in the draft cache (``kv.keep_positions``), backlog the rest.
+
+        Args:
+            root: this iteration's root token.
+            path: committed node indices, root first (from :func:`select_path`).
+            committed: committed tokens (path tokens without the root, then the bonus token).
+        """
+        path_tokens = committed[:-1]
+        if not self.started:
+            self.backlog += [root, *path_tokens]
+            return
+        pos = {u: self.prefix_len + j for j, u in enumerate(self.fed)}
+        keep: list[int] = []
+        for u in path[1:]:
+            if u not in pos:  # expanded nodes are ancestor-closed: the rest of the path was never fed
+                break
+            keep.append(pos[u])
+        kv.keep_positions(self.cache, self.prefix_len, keep)
+        self.backlog = path_tokens[len(keep):]
+        self.started = False
+
+
+def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits: torch.Tensor,
+            policy: ExpansionPolicy, depth_cap: int, *, offset: int, prune: Prune,
+            top1_only: bool = False) -> list[int]:
+    """Add the children of the expanded nodes ``parents_t`` (all at ``parent_depth``) from their draft logits.
+
+    Per parent: the B(u) = policy.breadth(c(u)) most probable tokens in parent order then probability order,
+    until the node budget is reached (Algorithm 1 lines 26-28). A child v with p(v) < tau is dropped
+    (``prune="skip"``) or added as a leaf that is never expanded (``prune="leaf"``, lines 14-16). A child is
+    expandable iff its internal depth is below ``depth_cap``, p(v) >= tau and ``policy.expandable`` holds at
+    its depth in the policy's convention (internal depth - ``offset``).
+
+    Args:
+        parents_t: (E,) int64 node indices; parent_depth: their internal depth.
+        logits: (E, vocab) draft logits q_D(. | u), any float dtype.
+        depth_cap: hard cap on the children's internal depth (drafted tokens on a path).
+        offset: :func:`root_offset` of the tree shape.
+        prune: "leaf" or "skip".
+        top1_only: add exactly the top-1 child whatever tau and B(u) say (u0 of a ``paper`` tree, line 10).
+
+    Returns:
+        The new nodes that are themselves expandable, in BFS order.
+    """
+    budget = tree.budget_left
+    if budget <= 0:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    k = 1 if top1_only else min(policy.max_breadth, lp.shape[-1])
+    top_lp, top_tok = lp.topk(k, dim=-1)  # (E, k), sorted by probability
+    cum = tree.cum_logp[parents_t].unsqueeze(1) + top_lp
+    above = cum >= policy.log_tau
+    if top1_only:
+        keep = torch.ones_like(above)
+    else:
+        breadth = policy.breadth(top_lp[:, 0].exp())
+        keep = torch.arange(k, device=lp.device).unsqueeze(0) < breadth.unsqueeze(1)
+        if prune == "skip":
+            keep = keep & above
+    depth = parent_depth + 1
+    codes = keep.to(torch.uint8)
+    if depth < depth_cap:
+        codes = codes | (policy.expandable(depth - offset, cum) & keep & above).to(torch.uint8) << 1
+    flat = codes.flatten().tolist()
+    sel = [i for i, c in enumerate(flat) if c][:budget]
+    if not sel:
+        return []
+    sel_t = torch.tensor(sel, dtype=torch.long, device=lp.device)
+    new = tree.add(parents_t[sel_t // k], top_tok.flatten()[sel_t], top_lp.flatten()[sel_t],
+                   cum.flatten()[sel_t], depth)
+    return [new[j] for j, i in enumerate(sel) if flat[i] & 2]
+
+
+def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: ExpansionPolicy, depth_cap: int,
+               strategy: DraftStrategy, *, tree_root: TreeRoot = "paper", prune: Prune = "leaf") -> None:
+    """Grow ``tree`` (holding only the pending token) with the draft model (Algorithm 1, DRAFTTREE).
+
+    The pending token (p = 1) is always expanded; its draft logits (q_D after the prefix x_{1:t}) come from
+    ``session.start`` (which also feeds any backlog). With ``tree_root="paper"`` they give the single node u0
+    (the top-1 token, the paper's root at depth 0, line 10), expanded by the rules like any node; with
+    ``"pending"`` they give up to B(root) children. Children are created by :func:`_expand`.
+
+    Args:
+        session: the draft model and cache.
+        tree: a root-only tree; filled in place, in BFS order.
+        root: the pending token id (host int, equal to ``tree.tokens[0]``).
+        policy: breadth, depth gating, pruning threshold and budget.
+        depth_cap: no drafted node deeper than this internal depth, i.e. no path holds more drafted tokens
+            (>= 1; the driver passes min(policy.depth_limit + root offset, tokens still needed - 1)).
+        strategy: "per_node" = one cached draft step per expanded node, first-in first-out (the paper);
+            "per_level" = one draft forward per depth over all expandable nodes of that level. Both build the
+            same tree (same node order) given the same draft logits.
+        tree_root: "paper" or "pending" (module docstring).
+        prune: "leaf" (Algorithm 1) or "skip" (module docstring).
+
+    Raises:
+        ValueError: for an unknown strategy, tree_root or prune mode.
+    """
+    if strategy not in ("per_level", "per_node"):
+        raise ValueError(f"unknown draft strategy {strategy!r}")
+    if prune not in ("leaf", "skip"):
+        raise ValueError(f"unknown prune mode {prune!r}")
+    offset = root_offset(tree_root)
+    logits = session.start(root)
+    root_t = torch.zeros(1, dtype=torch.long, device=tree.device)
+    frontier = _expand(tree, root_t, 0, logits, policy, depth_cap, offset=offset, prune=prune,
+                       top1_only=tree_root == "paper")
+    if strategy == "per_level":
+        depth = 1
+        while frontier and tree.budget_left > 0:
+            logits, nodes_t = session.feed(tree, frontier, depth)
+            frontier = _expand(tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune)
+            depth += 1
+    else:
+        queue = deque((u, 1) for u in frontier)
+        while queue and tree.budget_left > 0:
+            u, depth = queue.popleft()
+            logits, nodes_t = session.feed(tree, [u], depth)
+            queue.extend((v, depth + 1) for v in _expand(tree, nodes_t, depth, logits, policy, depth_cap,
+                                                         offset=offset, prune=prune))
