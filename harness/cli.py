@@ -207,7 +207,7 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
 
     \b
     BEFORE and AFTER are run ids or 'latest'. --tables, --figures and --html accept several --run to combine
-    runs of different suites (suites/paper.yaml and paper-scaling.yaml); a cell held by two runs is taken from
+    runs of different suites (one suite, e.g. suites/paper.yaml, holds the whole grid); a cell held by two runs is taken from
     the one with more cells at its dataset/L_max/T (ties: the later --run). Gate metrics: {gate_metrics};
     THRESHOLD with % is relative, without it absolute in the metric's unit; its sign is the bad direction (no sign: the
     metric's own, e.g. down for throughput, up for tpot_ms). Exit codes: 0 ok, 1 gate tripped, 2 bad input.
