@@ -95,7 +95,7 @@ DECODERS = {
         "draft_strategy": st.sampled_from(["per_level", "per_node"]), "tau": st.sampled_from([0.0, 0.1])}),
     "dynatree": st.fixed_dictionaries({
         "n_max": st.integers(1, 32), "cache_strategy": st.sampled_from(["compact", "rebuild"]),
-        "draft_strategy": st.sampled_from(["per_level", "per_node"])}),
+        "draft_strategy": st.sampled_from(["per_level", "per_node"]), "tau": st.sampled_from([0.0, 0.1])}),
     "hf_assisted": st.fixed_dictionaries({"num_assistant_tokens": st.integers(1, 6)}),
     "streaming_ar": st.fixed_dictionaries({"sinks": st.integers(0, 2), "window": st.integers(3, 9)}),
     "streaming_spec": st.fixed_dictionaries({"sinks": st.integers(0, 2), "window": st.integers(3, 9),
@@ -157,7 +157,7 @@ def test_calibrate_with_fake_clock_measures_the_cost_exactly():
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data(), table=cost_tables())
 @pytest.mark.parametrize("name", sorted(DECODERS))
-def test_predictions_are_exact_for_every_builtin_decoder(name, data, table, monkeypatch):
+def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
     """Measured under the fake clock, each sample's predicted time equals its measured time."""
     params = data.draw(DECODERS[name], label="params")
     T = data.draw(st.integers(2, 12), label="T")
@@ -171,9 +171,10 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table, monk
     clock = FakeClock(cost)
     clock.attach(target, "target")
     clock.attach(draft, "draft")
-    monkeypatch.setattr(measure, "now", clock.now)
     try:
-        m = measure.measure(decoder, prompt, T, torch.device("cpu"))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(measure, "now", clock.now)
+            m = measure.measure(decoder, prompt, T, torch.device("cpu"))
     finally:
         clock.detach()
     row = sample_row(m, type("P", (), {"index": 0, "document": "", "token_ids": prompt})(), False, None)
