@@ -202,7 +202,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
                 "predicted_k_speedup", "acceptance_by_position", "approx"]
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
-                               "cells": json.loads(table[cols].to_json(orient="records"))}, indent=2))
+                               "cells": json.loads(table[cols].to_json(orient="records", double_precision=15))}, indent=2))
         return
     if fmt == "csv":
         click.echo(table.drop(columns=["acceptance_by_position"]).to_csv(index=False), nl=False)
