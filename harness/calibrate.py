@@ -12,7 +12,7 @@ run) measures, for the suite's target and draft on its device and with the forwa
   forward, the rebuild strategy's re-run);
 - ``prefill``: the prompt (``cache_len = 0``, last position's logits only).
 
-``n`` runs over a grid (every n up to 16, then 20, 24, 32, 48, ... up to the largest tree or chain the suite's
+``n`` runs over a grid (every n up to 16, then 24, 32, 48, 64, 96, ... up to the largest tree or chain the suite's
 decoders can build); ``cache_len`` over the suite's prompt lengths L_max and L_max + max(T) (the cache grows while
 decoding; the cost model interpolates between the two). Each point is timed device-synchronized, after warmup
 forwards, repeated until at least ``min_repeats`` forwards AND ``min_time_s`` seconds have passed and the median
@@ -48,7 +48,7 @@ from dtbench.harness.errors import DtbenchError
 FED_MASK, FED_LAST = 1, 2  # = dtbench.harness.measure.FED_MASK / FED_LAST (tests check they agree)
 
 SMALL = 16  # every n up to here is calibrated (CPU kernels make the curve non-monotonic at small n)
-LARGE = (20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048, 4096)
+LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 THIN = (1, 2, 3, 4, 6, 8, 12, 16)  # the grid of the kinds only small forwards use (drafting, rebuild re-runs)
 AUTO_SEARCH_MAX = 256  # n_max: auto searches budgets up to this many drafted nodes (the paper's N_max)
 DEFAULT_FACTOR = 2.0
@@ -66,10 +66,10 @@ class Settings:
     """When one point's timing stops (see the module docstring)."""
 
     min_repeats: int = 5
-    min_time_s: float = 0.2
-    max_time_s: float = 3.0
-    rel_tol: float = 0.02
-    warmup: int = 2
+    min_time_s: float = 0.1
+    max_time_s: float = 1.0
+    rel_tol: float = 0.05
+    warmup: int = 1
 
 
 @dataclass(frozen=True)
