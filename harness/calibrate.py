@@ -70,6 +70,7 @@ class Settings:
     max_time_s: float = 1.0
     rel_tol: float = 0.05
     warmup: int = 1
+    grown_cache: bool = True  # also calibrate on L_max + max(T) cached positions (else L_max only)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ def decoder_sizes(plan) -> tuple[int, int]:
     return chain, tree
 
 
-def curves_for(plan, suite, uses_draft: bool) -> list[Curve]:
+def curves_for(plan, suite, uses_draft: bool, grown_cache: bool = True) -> list[Curve]:
     """The curves a suite needs: per role, kind and cache length (module docstring)."""
     chain, tree = decoder_sizes(plan)
     caps = sorted({c for ds in suite.datasets for c in ds.caps})
@@ -150,7 +151,7 @@ def curves_for(plan, suite, uses_draft: bool) -> list[Curve]:
     roles = ["target", *(["draft"] if uses_draft else [])]
     for cap in caps:
         for role in roles:
-            for cache_len in sorted({cap, cap + T}):
+            for cache_len in sorted({cap, cap + T} if grown_cache else {cap}):
                 if role == "target":
                     out.append(Curve(role, "causal", cache_len, cap, tuple(n_grid(max(chain, SMALL)))))
                 else:
@@ -289,7 +290,7 @@ def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[i
     clock = clock or (lambda: measure.now())
     loaded = {"target": target, "draft": draft}
     points: list[Point] = []
-    curves = curves_for(plan, suite, draft is not None)
+    curves = curves_for(plan, suite, draft is not None, settings.grown_cache)
     for i, curve in enumerate(curves):
         lm = loaded[curve.role]
         if curve.tree_mask:
@@ -538,7 +539,9 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, target, dr
               help="seconds after which a point stops even if its median is not yet stable")
 @click.option("--min-repeats", type=click.IntRange(1), default=Settings.min_repeats, show_default=True,
               help="forwards each point is timed at least")
-def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats) -> None:
+@click.option("--prompt-cache-only", is_flag=True,
+              help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)")
+def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, prompt_cache_only) -> None:
     """Measure SUITE_PATH's target and draft forward-latency curves and store them (standalone, run_id NULL).
 
     One forward over n new tokens on a KV cache of the suite's prompt length (and prompt length + T), for
@@ -569,7 +572,8 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
             draft = models.load_model(suite.draft, device)
-    settings = Settings(min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time)
+    settings = Settings(min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time,
+                        grown_cache=not prompt_cache_only)
     points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
     batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
     console.print(f"stored {len(points)} calibration points (batch {batch}) in {db.resolve_url(db_url)}",

@@ -58,13 +58,17 @@ def step_forwards(stats: dict, role: str) -> tuple[list[list[list]], bool] | Non
 
 
 def price_sample(curves, stats: dict) -> dict:
-    """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}``."""
+    """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}`` (``approx``: some
+    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out)."""
     out = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
     for role in ("target", "draft"):
         got = step_forwards(stats, role)
         if got is None:
             continue
         steps, approx = got
+        if role not in curves.roles():  # forwards of a model the calibration lacks: unpriced, flagged
+            out["approx"] |= any(steps)
+            continue
         out["approx"] |= approx
         total = 0.0
         for forwards in steps:
