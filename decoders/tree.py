@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -185,7 +185,11 @@ class TreeParams(DecoderParams):
             "per_node" runs one cached draft step per expanded node (the paper's Algorithm 1).
         tau: pruning threshold on cumulative draft path probability p(u) (paper 3.3; Table 1 uses 0.1);
             0 disables pruning.
-        n_max: node budget N_max, drafted nodes per tree (paper Appendix A: 256).
+        n_max: node budget N_max, drafted nodes per tree (paper Appendix A: 256). ``"auto"`` (an extension, not
+            the paper's default): the runner sets it before the first cell to the largest calibrated n whose
+            tree verification (root + n nodes, one target forward) costs at most ``n_max_factor`` x one AR token
+            (:func:`dtbench.harness.calibrate.auto_budget`); the chosen value is stored in the cell's params.
+        n_max_factor: the factor of ``n_max: "auto"`` (default 2.0); unused otherwise.
 
     Defaults: ``tree_root="paper"`` and ``prune="leaf"``, so a bare ``{name: dynatree}`` or ``{name: fixed_tree}``
     is the paper's construction. Until decoder version 2 the only behaviour was pending/skip; cells store
@@ -207,7 +211,11 @@ class TreeParams(DecoderParams):
     draft_strategy: DraftStrategy = Field(
         "per_level", description="'per_level' (one draft forward per depth) or 'per_node' (paper, one per node)")
     tau: float = Field(0.1, ge=0.0, lt=1.0, description="pruning threshold on cumulative path probability p(u)")
-    n_max: int = Field(256, ge=1, le=4096, description="node budget N_max (drafted nodes per tree)")
+    n_max: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
+        256, description="node budget N_max (drafted nodes per tree); 'auto': chosen by the runner from "
+        "the calibrated verify curve (harness/calibrate.py auto_budget; an extension, not the paper's)")
+    n_max_factor: float = Field(2.0, gt=1.0, le=1000.0, description="n_max: auto takes the largest n whose tree "
+                                "verify costs at most this many times one AR token")
 
 
 class TreeDecoder(Decoder):

@@ -184,11 +184,15 @@ def run_exit_code(sessions, run_id: int) -> int:
               help="write the paper's Figures 3-8 to DIR as PNG and SVG (figures without data are skipped with a note)")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False),
               help="write one self-contained HTML report (tables, speedup CIs, inline figures) to FILE")
+@click.option("--cost-model", is_flag=True,
+              help="per cell: predicted time (the calibrated cost of every forward its samples ran) vs measured, "
+                   "efficiency = predicted / measured, predicted best K for chain decoders; needs a calibration "
+                   "(dtbench calibrate SUITE, or calibrate: true in the suite)")
 @click.option("--include-partial", is_flag=True,
               help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
                    "marked partial; by default they are left out with a note")
 def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file,
-           include_partial) -> None:
+           cost_model, include_partial) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
     \b
@@ -204,6 +208,9 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     dtbench report --tables [--out DIR]         the paper's Tables 1-5
     dtbench report --figures DIR                the paper's Figures 3-8 (PNG + SVG)
     dtbench report --html FILE                  tables, CIs and figures in one HTML file
+    dtbench report --cost-model [--run ID]      predicted (calibrated forwards) vs measured time, efficiency,
+                                                predicted best K of chain decoders (--figures DIR adds the
+                                                verify-cost curve when the run has a calibration)
 
     \b
     BEFORE and AFTER are run ids or 'latest'. --tables, --figures and --html accept several --run to combine
@@ -216,7 +223,7 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
 
     report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
                    only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
-                   html_file=html_file, include_partial=include_partial)
+                   html_file=html_file, include_partial=include_partial, cost_model=cost_model)
 
 
 def _gate_metrics() -> str:
@@ -279,6 +286,9 @@ def list_decoders() -> None:
 
 
 cli.add_command(db_group)  # dtbench db upgrade|current (harness/dbcli.py)
+from dtbench.harness.calibrate import calibrate_command  # noqa: E402
+
+cli.add_command(calibrate_command)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The results database: SQLAlchemy 2.0 typed models and engine setup (SQLite by default, any SQLAlchemy URL).
 
 Tables: ``runs`` (suite text and hash, environment, status, owner), ``cells`` (one decoder configuration on one
-dataset x prompt cap x T), ``samples`` (one prompt of one cell, committed as soon as it is measured).
+dataset x prompt cap x T), ``samples`` (one prompt of one cell, committed as soon as it is measured),
+``calibrations`` (forward-latency curves of the cost model, linked to a run or standalone).
 Times are seconds, memory bytes, throughput tokens/s. Timestamps are stored in UTC and read back as naive UTC
 datetimes on every backend (SQLite keeps no offset; PostgreSQL's ``timestamptz`` is converted), so reports are
 the same whichever database holds the run.
@@ -166,6 +167,39 @@ class Sample(Base):
     first_divergence: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     cell: Mapped[Cell] = relationship(back_populates="samples")
+
+
+class Calibration(Base):
+    """One point of a calibrated forward-latency curve (``dtbench calibrate``, or ``calibrate: true`` in a suite).
+
+    The median latency (s) of one forward of ``model`` over ``n`` new tokens on a KV cache already holding
+    ``cache_len`` positions, device-synchronized, repeated until the median is stable. ``tree_mask``: the forward
+    got an explicit 4D (tree) attention mask; ``last_only``: logits of the last position only (prefills, chain
+    drafting). Rows with ``cache_len = 0`` are prefills of ``n`` prompt tokens. All rows of one calibration share
+    ``batch``; ``run_id`` links it to the run it was made for (NULL: a standalone ``dtbench calibrate``, matched to
+    runs by model, dtype and device).
+    """
+
+    __tablename__ = "calibrations"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    batch: Mapped[str] = mapped_column(String(32), index=True)  # one calibration (uuid4 hex)
+    suite_name: Mapped[str] = mapped_column(String(200))
+    suite_hash: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(10))  # target | draft
+    model: Mapped[str] = mapped_column(String(500))
+    dtype: Mapped[str] = mapped_column(String(20))
+    device: Mapped[str] = mapped_column(String(50))  # str(torch.device): cpu, cuda:0
+    device_name: Mapped[str] = mapped_column(String(300))  # measure.device_name (CPU model and threads, GPU model)
+    prompt_len: Mapped[int] = mapped_column(Integer)  # the suite's prompt length (L_max) this curve is for
+    cache_len: Mapped[int] = mapped_column(Integer)  # KV positions before the forward (0: a prefill)
+    n: Mapped[int] = mapped_column(Integer)  # new tokens fed in the forward
+    tree_mask: Mapped[bool] = mapped_column(Boolean)
+    last_only: Mapped[bool] = mapped_column(Boolean)
+    median_s: Mapped[float] = mapped_column(Float)
+    iqr_s: Mapped[float] = mapped_column(Float)
+    repeats: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 def resolve_url(url: str | None) -> str:

@@ -14,7 +14,7 @@ import platform
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -144,6 +144,31 @@ class SampleTimeout(BaseException):
     """
 
 
+FED_MASK, FED_LAST = 1, 2
+"""Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
+drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
+drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind."""
+
+
+def _past_len(cache) -> int | None:
+    """KV positions a forward's cache held before it ran (None where unknown)."""
+    if cache is None:
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except Exception:
+        return None
+
+
+def _flags(kwargs) -> int:
+    mask = kwargs.get("attention_mask")
+    flags = FED_MASK if torch.is_tensor(mask) and mask.dim() == 4 else 0
+    keep = kwargs.get("logits_to_keep")
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep == 1:
+        flags |= FED_LAST
+    return flags
+
+
 class ForwardCounter:
     """Counts forward passes and the tokens they fed, for the target and the draft, with forward pre-hooks.
 
@@ -162,6 +187,8 @@ class ForwardCounter:
             self.models["draft"] = draft
         self.forwards = {k: 0 for k in ("target", "draft")}
         self.tokens = {k: 0 for k in ("target", "draft")}
+        # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
+        self.fed: dict[str, list[tuple[int, int | None, int]]] = {k: [] for k in ("target", "draft")}
         self._handles: list = []
 
     def _hook(self, role: str):
@@ -174,6 +201,7 @@ class ForwardCounter:
                 n = int(ids.shape[-1])
             self.forwards[role] += 1
             self.tokens[role] += n
+            self.fed[role].append((n, _past_len(kwargs.get("past_key_values")), _flags(kwargs)))
 
         return pre_hook
 
@@ -186,6 +214,13 @@ class ForwardCounter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def fed_between(self, role: str, start: int, end: int) -> list[list[int | None]] | None:
+        """The per-forward entries ``[n, past, flags]`` of ``role``'s forwards ``start..end-1`` (None for an
+        uncounted draft)."""
+        if role not in self.models:
+            return None
+        return [list(e) for e in self.fed[role][start:end]]
 
     def snapshot(self) -> tuple[int, int | None, int, int | None]:
         """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
@@ -247,6 +282,10 @@ class StepRecord:
     draft_forwards: int | None
     target_tokens: int
     draft_tokens: int | None
+    # Per forward of this step, in call order: (tokens fed n, KV positions before it, FED_* flags); the draft's
+    # None where its forwards are not counted. Default empty: records made before they existed.
+    target_fed: list = field(default_factory=list)
+    draft_fed: list | None = None
 
 
 @dataclass
@@ -317,7 +356,9 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                                        f"{len(steps)}: {step.tokens[:8]!r}") from None
                 records.append(StepRecord(
                     t, snap[0] - last[0], None if snap[1] is None else snap[1] - last[1],
-                    snap[2] - last[2], None if snap[3] is None else snap[3] - last[3]))
+                    snap[2] - last[2], None if snap[3] is None else snap[3] - last[3],
+                    counter.fed_between("target", last[0], snap[0]),
+                    None if snap[1] is None else counter.fed_between("draft", last[1], snap[1])))
                 last = snap
                 steps.append(step)
                 tokens.extend(ids)

@@ -16,7 +16,10 @@ Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
 - mean_path_length = mean committed path length before the bonus token over the iterations that drafted;
   mean_path_length_all = the same over every iteration (the paper's ℓ, iterations that drafted nothing count 0;
   None when no iteration drafted, as for ``ar``).
-- target_forwards / draft_forwards: forward passes counted by the runner's hooks (never declared by decoders).
+- target_forwards / draft_forwards: forward passes counted by the runner's hooks (never declared by decoders);
+  ``step_stats["target_fed"]`` / ``["draft_fed"]`` list each step's forwards as ``[n, past, flags]`` (tokens fed,
+  KV positions before the forward, ``measure.FED_MASK | FED_LAST``), what the cost model prices (samples stored
+  before they existed lack them).
 - lossless: the output equals the reference's token for token; otherwise the first divergence is stored.
 """
 
@@ -206,6 +209,9 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
             "draft_forwards": draft_fw if draft_counted else None,
             "target_tokens": [r.target_tokens for r in m.records],
             "draft_tokens": [r.draft_tokens for r in m.records] if draft_counted else None,
+            # per step, per forward in call order: [tokens fed n, KV positions before it, flags (measure.FED_*)]
+            "target_fed": [getattr(r, "target_fed", None) or [] for r in m.records],
+            "draft_fed": [getattr(r, "draft_fed", None) or [] for r in m.records] if draft_counted else None,
         },
         step_times_s=times,
         peak_rss_bytes=m.memory.rss_bytes,

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.harness import data, models, registry
+from dtbench.harness import calibrate, data, models, registry
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import Measurement, SampleTimeout, environment, measure  # noqa: F401  (re-exported)
@@ -162,6 +162,8 @@ def run_suite(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), console=console, disable=not progress, transient=False,
         ) as bar:
+            # calibrate: true / n_max: auto (issue 12): curves stored with the run, auto budgets resolved in the plan
+            calibrate.before_cells(sessions, run_id, plan, suite, suite_text, target, draft, device, prompts, console)
             task = bar.add_task("starting", total=plan.n_samples)
             for group in groups:
                 key = (group.dataset.name, group.cap, group.gen_length)

@@ -189,6 +189,9 @@ class Suite(_Frozen):
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
     decoders: list[DecoderSpec] = Field(min_length=1)
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
+    calibrate: bool = Field(
+        False, description="measure the target's and draft's forward-latency curves before the first cell and store "
+        "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
     timeout_s: float | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")

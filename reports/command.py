@@ -37,7 +37,7 @@ def _run_token(token: str) -> int | None:
 
 
 def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir,
-                   html_file, include_partial: bool = False) -> None:
+                   html_file, include_partial: bool = False, cost_model: bool = False) -> None:
     """Validate the option combination, then produce each requested output.
 
     ``include_partial`` (``--include-partial``): show the numbers of partial cells (failed after some prompts) in
@@ -69,7 +69,17 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
         raise DtbenchError("--include-partial is for --tables, --out, --figures and --html (the other reports always "
                            "show partial cells, marked partial)")
 
+    if cost_model and (pair or compare or tables or files):
+        raise DtbenchError("--cost-model is a report of its own; give it alone (with --run ID and --format)")
+    if cost_model and len(run_ids) > 1:
+        raise DtbenchError("--cost-model reports one run; give one --run")
+
     sessions = db.connect(db_url, create=False)
+    if cost_model:
+        from dtbench.reports.costmodel import cost_report
+
+        cost_report(sessions, run_ids[0] if run_ids else None, fmt)
+        return
     if pair:
         failures = compare_pair(sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha,
                                 only_changed=only_changed, gates=gates)
@@ -246,6 +256,9 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.figures import write_figures
 
         paths, notes = write_figures(summary, fig_dir, include_partial)
+        from dtbench.reports.costmodel import write_figure
+
+        paths += write_figure(sessions, run_ids, fig_dir)  # the verify-cost curve, when a run has a calibration
         for note in notes:
             _note(f"note: {note}")
         _note(f"wrote {len(paths)} figure files to {fig_dir}: " + ", ".join(sorted({p.stem for p in paths})))

@@ -1,0 +1,299 @@
+"""The cost model (issue 12): what a sample's forwards should have cost, against what it took.
+
+Inputs, all from the database: the run's calibration (:class:`dtbench.harness.calibrate.Curves`, the forward-latency
+curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-step forward records
+(``step_stats["target_fed"]`` / ``["draft_fed"]``: every forward the runner's hooks counted, as
+``[tokens fed n, KV positions before it, flags]``).
+
+- predicted time of a sample = the calibrated cost of every forward its steps actually ran, summed (target and
+  draft apart); ``efficiency = predicted / measured`` time (1.0: nothing but the forwards; below 1: time spent
+  outside them — host syncs, mask building, cache copies, Python — or forwards slower than calibrated).
+  Samples stored before the per-forward records existed are priced from the per-step forward and token counts,
+  each step's tokens spread evenly over its forwards, on the shortest calibrated cache (marked ``approx``).
+- chain decoders (``linear``, ``streaming_spec``): from the accepted lengths a_i of the iterations that drafted
+  K_i tokens, the per-position acceptance p_j = #{a_i >= j} / #{a_i >= j-1 and K_i >= j} (a position counts only
+  in iterations that drafted it), the expected tokens per iteration E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i for
+  every k up to the drafted K, and the steady-state speedup of chain length k over AR,
+  S(k) = c_T(1) * E(k) / (k c_D(1) + c_T(k+1)), with c_T(n) the causal target forward over n tokens, c_D(1) one
+  draft step (last-position logits), both on the cache at mid-generation (L_max + T/2). The predicted best K is
+  argmax_k S(k); it is a forward-cost-only prediction (no overhead), so compare it with the measured speedups
+  of cells that ran each K (``suites/linear-k.yaml``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+import pandas as pd
+from sqlalchemy import select
+
+from dtbench.harness.errors import DtbenchError
+
+CHAIN_DECODERS = ("linear", "streaming_spec")
+NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
+                  "`calibrate: true` to the suite and run it again)")
+FIG_STEM = "cost_verify_curve"
+
+
+# --- pricing a sample -------------------------------------------------------------------------------------------
+
+
+def step_forwards(stats: dict, role: str) -> tuple[list[list[list]], bool] | None:
+    """Per step, the forwards of ``role`` as ``[n, past, flags]`` and whether they are approximate (rebuilt from
+    the per-step counts of samples stored without per-forward records); None when the role was not counted."""
+    fed = stats.get(f"{role}_fed")
+    if fed is not None:
+        return fed, False
+    forwards, tokens = stats.get(f"{role}_forwards"), stats.get(f"{role}_tokens")
+    if forwards is None or tokens is None:
+        return None
+    out = []
+    for f, t in zip(forwards, tokens):
+        f = int(f or 0)
+        out.append([[t / f, None, 0]] * f if f else [])
+    return out, True
+
+
+def price_sample(curves, stats: dict) -> dict:
+    """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}`` (``approx``: some
+    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out)."""
+    out = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
+    for role in ("target", "draft"):
+        got = step_forwards(stats, role)
+        if got is None:
+            continue
+        steps, approx = got
+        if role not in curves.roles():  # forwards of a model the calibration lacks: unpriced, flagged
+            out["approx"] |= any(steps)
+            continue
+        out["approx"] |= approx
+        total = 0.0
+        for forwards in steps:
+            for n, past, flags in forwards:
+                total += curves.cost(role, n, past, int(flags or 0))
+        out[f"{role}_s"] = total
+    out["predicted_s"] = out["target_s"] + out["draft_s"]
+    return out
+
+
+# --- chain decoders: acceptance per position, best K -------------------------------------------------------------
+
+
+def position_acceptance(accepted: list[int], drafted: list[int]) -> list[float]:
+    """p_j, j = 1..max drafted: P(draft j accepted | drafts 1..j-1 accepted), over the iterations that drafted j."""
+    kmax = max(drafted, default=0)
+    out = []
+    for j in range(1, kmax + 1):
+        tried = sum(1 for a, k in zip(accepted, drafted) if k >= j and a >= j - 1)
+        ok = sum(1 for a, k in zip(accepted, drafted) if k >= j and a >= j)
+        out.append(ok / tried if tried else (out[-1] if out else 0.0))
+    return out
+
+
+def expected_tokens(p: list[float], k: int) -> float:
+    """E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i: committed tokens per iteration with chain length k (bonus included)."""
+    total, run = 1.0, 1.0
+    for j in range(min(k, len(p))):
+        run *= p[j]
+        total += run
+    return total
+
+
+def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
+    """S(k) for k = 1..len(p) (module docstring)."""
+    ar = curves.cost("target", 1, past, 0)
+    step = curves.cost("draft", 1, past, 2) if "draft" in curves.roles() else 0.0
+    return {k: ar * expected_tokens(p, k) / (k * step + curves.cost("target", k + 1, past, 0))
+            for k in range(1, len(p) + 1)}
+
+
+# --- the per-cell table --------------------------------------------------------------------------------------------
+
+
+def cost_table(session, run, curves) -> pd.DataFrame:
+    """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
+    predicted share of target and draft forwards, and for chain decoders the predicted best K."""
+    from dtbench.harness.db import Cell, Sample
+
+    rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
+                           .where(Cell.run_id == run.id).order_by(Cell.id, Sample.prompt_index)).all()
+    cells: dict[int, dict] = {}
+    for cell, s in rows:
+        c = cells.setdefault(cell.id, {"cell": cell, "samples": []})
+        if not s.warmup:
+            c["samples"].append(s)
+    out = []
+    for c in cells.values():
+        cell, samples = c["cell"], c["samples"]
+        if not samples:
+            continue
+        priced = [price_sample(curves, s.step_stats or {}) for s in samples]
+        measured = sum(s.total_s for s in samples) / len(samples)
+        predicted = sum(p["predicted_s"] for p in priced) / len(priced)
+        row = {
+            "dataset": cell.dataset, "prompt_cap": cell.prompt_cap, "gen_length": cell.gen_length,
+            "label": cell.label, "decoder": cell.decoder, "n": len(samples),
+            "measured_s": measured, "predicted_s": predicted,
+            "target_s": sum(p["target_s"] for p in priced) / len(priced),
+            "draft_s": sum(p["draft_s"] for p in priced) / len(priced),
+            "efficiency": predicted / measured if measured > 0 else math.nan,
+            "measured_throughput": sum(s.new_tokens / s.total_s for s in samples) / len(samples),
+            "predicted_throughput": sum(s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced)
+                                        if p["predicted_s"] > 0) / len(samples),
+            "approx": any(p["approx"] for p in priced),
+            "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
+            "acceptance_by_position": None,
+        }
+        if cell.decoder in CHAIN_DECODERS:
+            accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
+            drafted = [d for s in samples for d in (s.step_stats or {}).get("drafted", [])]
+            p = position_acceptance(accepted, drafted)
+            if p:
+                speed = chain_speedups(curves, p, cell.prompt_cap + cell.gen_length // 2)
+                best = max(speed, key=speed.get)
+                k_own = int((cell.params or {}).get("k", len(p)))
+                row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
+                           predicted_k_speedup=speed.get(min(k_own, len(p))),
+                           acceptance_by_position=[round(x, 4) for x in p])
+        out.append(row)
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    group = ["dataset", "prompt_cap", "gen_length"]
+    ar = table[table["decoder"] == "ar"].drop_duplicates(group).set_index(group)
+    keys = list(zip(*(table[g] for g in group)))
+
+    def vs_ar(col: str, ratio) -> list[float]:
+        return [ratio(v, ar[col].get(k, math.nan)) for v, k in zip(table[col], keys)]
+
+    table["measured_speedup"] = vs_ar("measured_throughput", lambda v, a: v / a)
+    table["predicted_speedup"] = vs_ar("predicted_s", lambda v, a: a / v if v else math.nan)
+    return table
+
+
+def cost_report(sessions, run_id: int | None, fmt: str) -> None:
+    """``dtbench report --cost-model [--run ID]``.
+
+    Raises:
+        DtbenchError: an unknown run, a run without calibration (one line suggesting ``dtbench calibrate``), or a
+            run without samples after warmup.
+    """
+    from dtbench.harness.calibrate import load_curves
+    from dtbench.reports import render
+    from dtbench.reports.summary import get_run
+
+    with sessions() as session:
+        run = get_run(session, run_id)
+        curves = load_curves(session, run)
+        if curves is None:
+            raise DtbenchError(NO_CALIBRATION.format(run=run.id))
+        table = cost_table(session, run, curves)
+        rid = run.id
+    if table.empty:
+        raise DtbenchError(f"run {rid} has no samples after warmup to price")
+    source = (f"calibration {curves.batch[:8]} of run {rid}" if curves.run_id is not None
+              else f"standalone calibration {curves.batch[:8]} (same models, dtype and device)")
+    title = f"run {rid}: cost model ({source})"
+    caption = ("predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
+               "/ measured time; speedups vs AR of the same dataset/L_max/T; best K: chain decoders, from the "
+               "per-position acceptance (forward costs only)")
+    if fmt == "json":
+        cols = ["dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
+                "efficiency", "target_s", "draft_s", "predicted_throughput", "measured_throughput",
+                "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
+                "predicted_k_speedup", "acceptance_by_position", "approx"]
+        click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
+                               "cells": json.loads(table[cols].to_json(orient="records", double_precision=15))}, indent=2))
+        return
+    if fmt == "csv":
+        click.echo(table.drop(columns=["acceptance_by_position"]).to_csv(index=False), nl=False)
+        return
+
+    def f(v, spec, suffix=""):
+        return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
+
+    display = pd.DataFrame([{
+        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "n": str(r["n"]), "Measured (s)": f(r["measured_s"], ".3f"),
+        "Predicted (s)": f(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
+        "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": f(r["efficiency"], ".2f"),
+        "Measured t/s": f(r["measured_throughput"], ".1f"), "Predicted t/s": f(r["predicted_throughput"], ".1f"),
+        "Speedup meas.": f(r["measured_speedup"], ".2f", "×"), "Speedup pred.": f(r["predicted_speedup"], ".2f", "×"),
+        "Best K (pred.)": "—" if r["predicted_best_k"] is None or pd.isna(r["predicted_best_k"])
+        else f"{int(r['predicted_best_k'])} ({r['predicted_best_speedup']:.2f}×)",
+    } for _, r in table.iterrows()])
+    if fmt == "markdown":
+        click.echo(render.markdown_frame(display, title, caption))
+    else:
+        from rich.console import Console
+        import sys
+
+        console = Console() if sys.stdout.isatty() else Console(width=220)
+        console.print(render.rich_frame(display, title, caption))
+
+
+# --- the figure ---------------------------------------------------------------------------------------------------
+
+
+def verify_figure(curves, sizes: dict[str, float]):
+    """Verify cost vs n: the target's tree-masked and causal curves (and the draft's) on the shortest calibrated
+    cache, with each tree/chain cell's mean verification size (root + drafted nodes) marked."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    styles = {("target", "tree"): "-o", ("target", "causal"): "-s", ("draft", "tree"): "--o",
+              ("draft", "last"): "--s"}
+    for (role, kind), style in styles.items():
+        if curves.has(role, kind):
+            ns, secs = curves.points(role, kind)
+            ax.plot(ns, secs * 1e3, style, ms=3, lw=1.2, label=f"{role} {kind}")
+    for i, (label, size) in enumerate(sorted(sizes.items(), key=lambda kv: kv[1])):
+        ax.axvline(size, color=f"C{(i + 4) % 10}", ls=":", lw=1)
+        ax.annotate(label, (size, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7, va="top",
+                    ha="right")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward n (log scale)")
+    ax.set_ylabel("forward latency (ms)")
+    ax.set_title("Calibrated forward cost vs n; dotted: mean verification size of each decoder", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> list[Path]:
+    """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
+    from dtbench.harness.calibrate import load_curves
+    from dtbench.harness.db import Cell, Sample
+    from dtbench.reports.figures import to_bytes
+    from dtbench.reports.summary import get_run
+
+    with sessions() as session:
+        for rid in run_ids or [None]:
+            run = get_run(session, rid)
+            curves = load_curves(session, run)
+            if curves is None:
+                continue
+            sizes: dict[str, list[int]] = {}
+            for cell, s in session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
+                                           .where(Cell.run_id == run.id)).all():
+                ts = (s.step_stats or {}).get("tree_size") or []
+                if cell.decoder != "ar" and ts[1:]:
+                    sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])
+            marks = {k: sum(v) / len(v) for k, v in sizes.items() if v}
+            fig = verify_figure(curves, marks)
+            out = Path(out_dir)
+            paths = []
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                for ext in ("png", "svg"):
+                    path = out / f"{FIG_STEM}.{ext}"
+                    path.write_bytes(to_bytes(fig, ext))
+                    paths.append(path)
+            except OSError as exc:
+                raise DtbenchError(f"cannot write figures to {out}: {exc.strerror or exc}") from None
+            return paths
+    return []
