@@ -89,8 +89,10 @@ class Plan:
         return sum(len(g.decoders) for g in self.groups())
 
 
-def _params_key(name: str, params: DecoderParams) -> str:
-    return name + json.dumps(params.model_dump(mode="json"), sort_keys=True)
+def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:
+    """Identity of a decoder configuration: name, params, and how it decodes (greedy or its sampling settings)."""
+    decoding = sampling.model_dump(mode="json") if sampling is not None else None
+    return name + json.dumps(params.model_dump(mode="json"), sort_keys=True) + json.dumps(decoding, sort_keys=True)
 
 
 def plan_suite(suite: Suite) -> Plan:
@@ -130,7 +132,9 @@ def plan_suite(suite: Suite) -> Plan:
                                f"set `sampling: greedy` on it or remove the suite's `sampling:`")
         plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
                               points=_points(suite, spec), sampling=sampling))
-    by_key = {_params_key(p.spec.name, p.params): p for p in plans}
+    by_key: dict[str, CellPlan] = {}
+    for p in plans:  # the first of equal configurations is the reference of the others' dependents
+        by_key.setdefault(_params_key(p.spec.name, p.params, p.sampling), p)
     queue = list(plans)
     while queue:
         p = queue.pop(0)
@@ -139,14 +143,18 @@ def plan_suite(suite: Suite) -> Plan:
             continue
         name, raw = ref
         rparams = registry.validate_params(name, raw)
-        key = _params_key(name, rparams)
+        rcls = registry.get(name)
+        # The reference decodes the way its dependent does (greedy, or the same sampling settings).
+        rsampling = p.sampling if rcls.supports_sampling else None
+        key = _params_key(name, rparams, rsampling)
         if key not in by_key:
-            rcls = registry.get(name)
             label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
+            if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
+                label += " (greedy)" if rsampling is None else \
+                    f" (T={rsampling.temperature:g}, top_k={rsampling.top_k}, top_p={rsampling.top_p:g})"
             e = entries[name]
             rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
-                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True,
-                          sampling=suite.sampling if rcls.supports_sampling else None)
+                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True, sampling=rsampling)
             clash = next((q for q in plans if q.spec.display == label), None)
             if clash is not None:
                 where = f"{clash.spec.where}: " if clash.spec.where else ""

@@ -105,3 +105,20 @@ def test_cells_store_their_sweep_point(tmp_path, data_dir):
     assert cells["ar"] == (None, None, {})
     assert cells["Lin (k=1)"] == ("Lin", {"k": 1}, {"k": 1})
     assert cells["Lin (k=2)"] == ("Lin", {"k": 2}, {"k": 2})
+
+
+def test_references_decode_the_way_their_dependents_do():
+    """A greedy decoder is checked against a greedy AR, a sampled one paired with the AR sampled alike; a missing
+    one is added with the dependent's sampling (and a label that says so)."""
+    text = SUITE.split("decoders:")[0] + """sampling: {temperature: 0.7}
+decoders:
+  - {name: ar, label: AR greedy, sampling: greedy}
+  - {name: ar, label: AR hot}
+  - {name: linear, label: G, params: {k: 2}, sampling: greedy}
+  - {name: linear, label: H, params: {k: 2}}
+  - {name: linear, label: C, params: {k: 2}, sampling: {temperature: 1.0}}
+"""
+    by = {c.label: c for c in plan_suite(parse_suite(text)).decoders}
+    assert by["G"].reference_label == "AR greedy" and by["H"].reference_label == "AR hot"
+    added = by[by["C"].reference_label]
+    assert added.implicit and added.sampling.temperature == 1.0 and "T=1" in added.label

@@ -193,7 +193,9 @@ def test_suite_sampling_through_the_runner(tmp_path, data_dir):
         outputs.append(sorted((r[0], r[2], tuple(r[3])) for r in rows))
         sampling = {r[0]: r[1] for r in rows}
         assert sampling["linear"] == {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "seed": None}
-        assert sampling["greedy"] is None and all(r[4] is None for r in rows)  # no token check against a draw
+        assert sampling["greedy"] is None and sampling["ar (greedy)"] is None  # its own greedy reference
+        assert all(r[4] is None for r in rows if r[1])  # a sampled output is never checked against one draw
+        assert all(r[4] is True for r in rows if r[0] == "greedy")
     assert outputs[0] == outputs[1]
     assert "sampled (exact by construction, distribution-tested)" in result.stdout
     bad = suite_dict(*pair, [{"name": "fixed_tree"}], sampling={"temperature": 0.8})
