@@ -288,6 +288,7 @@ class RayExecutor(Executor):
     def __init__(self, address: str | None = None, workers: int | None = None, threads_per_worker: int | None = None):
         self.address, self.n_workers, self.threads = address, workers, threads_per_worker or 1
         self.ray = None
+        self._remote = None
         self.started_ray = False
         self.actors: list[_Actor] = []
         self.device = "cpu"
@@ -325,10 +326,10 @@ class RayExecutor(Executor):
         self.restarts_left = 2 * n + 2
 
     def _spawn(self, suite: Suite) -> _Actor:
-        ray = self.ray
-        cls = ray.remote(RayWorker).options(
-            num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1)
-        handle = cls.remote(suite, self.device, self.threads, os.getcwd())
+        if self._remote is None:
+            self._remote = self.ray.remote(RayWorker).options(
+                num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1)
+        handle = self._remote.remote(suite, self.device, self.threads, os.getcwd())
         return _Actor(handle, handle.ready.remote())
 
     def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:

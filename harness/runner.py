@@ -228,7 +228,7 @@ class _Sink:
         self._count(group, [cp.label for cp in group.decoders], self._where(group))
 
     def note(self, text: str) -> None:
-        self.console.print(f"[yellow]{text}[/yellow]", markup=True, highlight=False)
+        self.console.print(text, style="yellow", markup=False, highlight=False)
 
 
 def _close_run(sessions, run_id: int, status: str, error: str | None, console: Console) -> None:
