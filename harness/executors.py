@@ -389,9 +389,10 @@ class RayExecutor(Executor):
                 gen = actor.handle.run.options(num_returns="streaming").remote(
                     group_key(group), sink.prompt(group), done, skip)
                 running[gen] = (actor, group)
-            if not running and queue and not idle:
-                if not starting:
-                    raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")
+            if not running and queue and not idle and not starting:
+                raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")
+            if not running and not starting:
+                continue  # every remaining group was already stored
             ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=1.0)
             for ref in ready:
                 if ref in starting:  # a replacement worker finished loading
