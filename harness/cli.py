@@ -100,19 +100,34 @@ def cli() -> None:
                    "heartbeat in the last 5 minutes)")
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @click.option("--no-report", is_flag=True, help="do not print the report at the end")
-def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress, no_report) -> None:
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: this process measures every prompt group; ray: Ray actors do (one per GPU, or --workers "
+                   "on CPUs), this process commits their samples (pip install 'dtbench[ray]')")
+@click.option("--address", default=None, metavar="ADDR",
+              help="--executor ray: the Ray cluster to join (auto, HOST:PORT, ray://HOST:PORT) [env RAY_ADDRESS; "
+                   "default: start a local Ray instance for this run]")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="--executor ray: number of workers [default: one per GPU; on CPUs, the cluster's CPUs divided by "
+                   "--threads-per-worker]")
+@click.option("--threads-per-worker", type=click.IntRange(min=1), default=None, metavar="M",
+              help="torch threads of each worker (ray: also the CPUs it reserves; default 1); with --executor local, "
+                   "this process's torch threads [default: torch's]")
+def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress, no_report, executor, address, workers,
+        threads_per_worker) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
     Each sample is committed as soon as it is measured: Ctrl-C keeps everything measured so far
-    (the run is marked interrupted; continue it with --resume). A decoder that raises, exits or runs past the
-    suite's per-sample `timeout_s` fails its cell and the run goes on.
+    (the run is marked interrupted; continue it with --resume, with either executor). A decoder that raises, exits
+    or runs past the suite's per-sample `timeout_s` fails its cell and the run goes on.
     """
     from sqlalchemy import select
 
     from dtbench.harness import db
+    from dtbench.harness.executors import make_executor
     from dtbench.harness.runner import run_suite
     from dtbench.harness.suite import load_suite, suite_hash
 
+    chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker)
     suite, text = load_suite(suite_path)
     sessions = db.connect(db_url)
     if resume_latest and resume is None:
@@ -125,7 +140,7 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
             raise DtbenchError(f"no unfinished run of {suite_path} to resume")
     console = Console(stderr=True)
     run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
-                       console=console, progress=not no_progress)
+                       console=console, progress=not no_progress, executor=chosen)
     console.print(f"run {run_id} stored in {db.resolve_url(db_url)}")
     if not no_report:
         from dtbench.reports.command import cell_report

@@ -166,6 +166,8 @@ class Sample(Base):
     lossless: Mapped[bool | None] = mapped_column(Boolean)
     first_divergence: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    worker_host: Mapped[str | None] = mapped_column(String(255))  # host of the worker that measured it
+    device_name: Mapped[str | None] = mapped_column(String(200))  # its device (GPU model, or CPU model and threads)
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 

@@ -68,6 +68,11 @@ STALE_S = 300.0  # a run of another host whose heartbeat is older than this is t
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
 
 
+def needs_calibration(plan: Plan, suite: Suite) -> bool:
+    """Whether the run calibrates before its first cell (``calibrate: true``, or a tree decoder with n_max: auto)."""
+    return bool(suite.calibrate or calibrate._auto_cells(plan))
+
+
 def sample_timeout(setting: float | str | None, reference_s: float | None) -> float | None:
     """The time limit of one sample in seconds (suite ``timeout_s``).
 
@@ -94,13 +99,14 @@ def run_suite(
     force: bool = False,
     console: Console | None = None,
     progress: bool = True,
+    executor=None,
 ) -> int:
     """Run a suite and store every sample; return the run id.
 
     A decoder that raises, exits, yields bad Steps or runs past the per-sample time limit fails its cell (with
     the error) and the run goes on. The run's recorded status is always true: ``completed`` only when every cell
     was attempted; ``interrupted`` on Ctrl-C/SIGTERM; ``failed`` (with the error) when the runner itself failed.
-    Both of the latter can be continued with ``resume``.
+    Both of the latter can be continued with ``resume``, by either executor.
 
     Args:
         suite, suite_text: the validated suite and its YAML text (stored with the run).
@@ -109,84 +115,137 @@ def run_suite(
         resume: id of an unfinished run of the same suite to continue (completed samples are skipped).
         force: resume even if the run's owner process still looks alive.
         console: where progress goes (stderr by default).
+        executor: who measures the prompt groups (:mod:`dtbench.harness.executors`); default a
+            :class:`~dtbench.harness.executors.LocalExecutor` in this process. This function stays the only writer.
 
     Raises:
         DtbenchError: bad suite/models/data (before the run row is written); RunInterrupted on Ctrl-C/SIGTERM;
             RunFailed when the runner itself failed mid-run.
     """
+    from dtbench.harness.executors import LocalExecutor
+
     console = console or Console(stderr=True)
+    executor = executor or LocalExecutor()
     plan = plan_suite(suite)
     for label in plan.skipped:
         console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
-    device = models.resolve_device(suite.device)
-
-    # Everything cheap and fallible first: tokenizers, vocabulary, prompts. Then the models.
-    tokenizer = models.load_tokenizer(suite.target)
-    if suite.draft is not None and suite.draft.model != suite.target.model:
-        models.check_tokenizers(tokenizer, models.load_tokenizer(suite.draft), suite.target.model, suite.draft.model)
-    prompts: dict[tuple[str, int], list[data.Prompt]] = {}
-    for ds in suite.datasets:
-        docs = data.load_documents(ds, data_dir)
-        for cap in ds.caps:
-            prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
-    with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
-        target = models.load_model(suite.target, device)
-    loaded = [(target, suite.target)]
-    draft = None
-    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
-        with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
-            draft = models.load_model(suite.draft, device)
-        loaded.append((draft, suite.draft))
-    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
-    for model, spec in loaded:  # hub models' configs are known only now
-        models.check_embedding(model.model, tokenizer, spec.model)
-        if not models.check_context(spec, longest):  # not warned at preflight already
-            warning = models.context_problem(model.model.config, spec.model, longest)
-            if warning:
-                console.print(f"[yellow]warning: {warning}[/yellow]")
-
-    with sessions() as session:
-        run = _open_run(session, suite, suite_text, suite_path, resume, force, device, target, draft)
-        run_id = run.id
-        cells = _open_cells(session, run, plan, target, draft)
-        session.commit()
-
-    groups = plan.groups()
-    status, error = "failed", None
-    heartbeat = _Heartbeat(sessions, run_id)
+    if needs_calibration(plan, suite) and not isinstance(executor, LocalExecutor):
+        raise DtbenchError("calibrate: true and n_max: auto calibrate in the driver's process: run them with "
+                           "--executor local (or store a calibration with `dtbench calibrate` first)")
     try:
-        with _sigterm_as_interrupt(), heartbeat, Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TimeRemainingColumn(), console=console, disable=not progress, transient=False,
-        ) as bar:
-            # calibrate: true / n_max: auto (issue 12): curves stored with the run, auto budgets resolved in the plan
-            calibrate.before_cells(sessions, run_id, plan, suite, suite_text, target, draft, device, prompts, console)
-            task = bar.add_task("starting", total=plan.n_samples)
-            for group in groups:
-                key = (group.dataset.name, group.cap, group.gen_length)
-                prompt = prompts[(group.dataset.name, group.cap)][group.prompt_index]
-                where = f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · prompt " \
-                        f"{prompt.index + 1}/{group.dataset.prompts}"
-                done, failed = _group_state(sessions, cells, group)
-                bar.update(task, advance=len(done) + len(failed), description=where)
-                for outcome in run_group(group, prompt, target, draft, device, suite, done, failed):
-                    commit_outcome(sessions, run_id, cells[(*key, outcome.label)], outcome)
-                    bar.update(task, advance=1, description=f"{where} · {outcome.label} done")
-        status = "completed"
-    except KeyboardInterrupt:
-        status = "interrupted"
-    except BaseException as exc:
-        error = clip(f"{type(exc).__name__}: {exc}", 2000)
-        raise RunFailed(f"run {run_id} failed: {clip(error, 300)}; measured samples are kept "
-                        f"(continue with --resume-run {run_id})") from exc
+        executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
+
+        # Everything cheap and fallible first: tokenizers, vocabulary, prompts. Then the models, on every worker.
+        tokenizer = models.load_tokenizer(suite.target)
+        if suite.draft is not None and suite.draft.model != suite.target.model:
+            models.check_tokenizers(tokenizer, models.load_tokenizer(suite.draft), suite.target.model,
+                                    suite.draft.model)
+        prompts: dict[tuple[str, int], list[data.Prompt]] = {}
+        for ds in suite.datasets:
+            docs = data.load_documents(ds, data_dir)
+            for cap in ds.caps:
+                prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
+        info = executor.start(suite, plan, tokenizer, console)
+        for warning in info.warnings:
+            console.print(f"[yellow]warning: {warning}[/yellow]")
+
+        env = dict(info.environment)
+        env["executor"] = executor.describe()
+        env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+        with sessions() as session:
+            run = _open_run(session, suite, suite_text, suite_path, resume, force, env)
+            run_id = run.id
+            cells = _open_cells(session, run, plan, info.target, info.draft)
+            session.commit()
+
+        status, error = "failed", None
+        heartbeat = _Heartbeat(sessions, run_id)
+        try:
+            with _sigterm_as_interrupt(), heartbeat, Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TimeRemainingColumn(), console=console, disable=not progress, transient=False,
+            ) as bar:
+                # calibrate: true / n_max: auto (issue 12): curves stored with the run, auto budgets resolved in the
+                # plan before any decoder is built; the local executor's models are this process's.
+                if needs_calibration(plan, suite):
+                    w = executor.worker
+                    calibrate.before_cells(sessions, run_id, plan, suite, suite_text, w.target, w.draft, w.device,
+                                           prompts, console)
+                task = bar.add_task("starting", total=plan.n_samples)
+                sink = _Sink(sessions, run_id, cells, prompts, bar, task, console)
+                executor.execute(plan.groups(), sink)
+            status = "completed"
+        except KeyboardInterrupt:
+            status = "interrupted"
+        except BaseException as exc:
+            error = clip(f"{type(exc).__name__}: {exc}", 2000)
+            raise RunFailed(f"run {run_id} failed: {clip(error, 300)}; measured samples are kept "
+                            f"(continue with --resume-run {run_id})") from exc
+        finally:
+            _close_run(sessions, run_id, status, error, console)
     finally:
-        _close_run(sessions, run_id, status, error, console)
+        executor.close()  # workers stop (Ray actors killed, Ray shut down if this run started it)
     if status == "interrupted":
         raise RunInterrupted(f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})")
     return run_id
+
+
+class _Sink:
+    """The driver's side of an executor (:class:`dtbench.harness.executors.Sink`): reads what a prompt group has
+    stored before it is dispatched, commits each outcome (the single writer) and moves the progress bar.
+
+    Every (group, decoder) advances the bar exactly once: when found stored or failed, when committed, or when
+    dropped. An outcome of a cell that failed meanwhile on another worker is dropped, so a cell that failed holds
+    the same samples as under the local executor (which never measures a failed cell again).
+    """
+
+    def __init__(self, sessions, run_id: int, cells, prompts, bar, task, console: Console):
+        self.sessions, self.run_id, self.cells, self.prompts = sessions, run_id, cells, prompts
+        self.bar, self.task, self.console = bar, task, console
+        self.counted: dict[tuple, set[str]] = {}
+        self.failed_cells: set[int] = set()
+
+    def _where(self, group: PromptGroup) -> str:
+        return (f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · prompt "
+                f"{group.prompt_index + 1}/{group.dataset.prompts}")
+
+    def _count(self, group: PromptGroup, labels, description: str) -> None:
+        seen = self.counted.setdefault((group.dataset.name, group.cap, group.gen_length, group.prompt_index), set())
+        new = set(labels) - seen
+        seen |= new
+        self.bar.update(self.task, advance=len(new), description=description)
+
+    def _cell(self, group: PromptGroup, label: str) -> int:
+        return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
+
+    def prompt(self, group: PromptGroup):
+        return self.prompts[(group.dataset.name, group.cap)][group.prompt_index]
+
+    def state(self, group: PromptGroup):
+        done, failed = _group_state(self.sessions, self.cells, group)
+        self._count(group, [*done, *failed], self._where(group))
+        return done, failed
+
+    def commit(self, group: PromptGroup, outcome: Outcome, worker) -> None:
+        cell_id = self._cell(group, outcome.label)
+        if cell_id not in self.failed_cells:
+            commit_outcome(self.sessions, self.run_id, cell_id, outcome, worker.extra if outcome.row else None)
+            if outcome.row is None:
+                self.failed_cells.add(cell_id)
+        self._count(group, [outcome.label], f"{self._where(group)} · {outcome.label} done")
+
+    def fail(self, group: PromptGroup, error: str, worker) -> None:
+        done, failed = _group_state(self.sessions, self.cells, group)
+        for cp in group.decoders:
+            if cp.label not in done and cp.label not in failed:
+                self.commit(group, Outcome(cp.label, error=error), worker)
+        self._count(group, [cp.label for cp in group.decoders], self._where(group))
+
+    def note(self, text: str) -> None:
+        self.console.print(text, style="yellow", markup=False, highlight=False)
 
 
 def _close_run(sessions, run_id: int, status: str, error: str | None, console: Console) -> None:
@@ -263,11 +322,11 @@ def owner_alive(run: Run) -> str | None:
 _RESUME_MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
 
 
-def _open_run(session, suite, suite_text, suite_path, resume, force, device, target, draft) -> Run:
-    env = environment(device)
-    env["target"] = {"model": target.name, "dtype": target.dtype, "params": target.params}
-    env["draft"] = {"model": draft.name, "dtype": draft.dtype, "params": draft.params} if draft else None
-    env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[str, Any]) -> Run:
+    """A new run, or the run to resume (checked: same suite text, owner gone, same measuring environment).
+
+    ``env``: the measuring worker's environment (versions, device, target/draft) plus the executor's description.
+    """
     owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
     if resume is None:
         run = Run(suite_name=suite.name, suite_path=suite_path, suite_text=suite_text, suite_hash=suite_hash(suite_text),
@@ -298,7 +357,8 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, device, tar
     return run
 
 
-def _open_cells(session, run, plan: Plan, target, draft) -> dict[tuple[str, int, int, str], int]:
+def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
+                ) -> dict[tuple[str, int, int, str], int]:
     existing = {(c.dataset, c.prompt_cap, c.gen_length, c.label): c for c in run.cells}
     ids = {}
     for ds, cap, T, cp in plan.cells():
@@ -312,8 +372,8 @@ def _open_cells(session, run, plan: Plan, target, draft) -> dict[tuple[str, int,
                 sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,
                 sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
                 reference_label=cp.reference_label,
-                target_model=f"{target.name} ({target.dtype})",
-                draft_model=f"{draft.name} ({draft.dtype})" if (draft and cp.cls.needs_draft) else None,
+                target_model=f"{target['model']} ({target['dtype']})",
+                draft_model=f"{draft['model']} ({draft['dtype']})" if (draft and cp.cls.needs_draft) else None,
             )
             session.add(cell)
         elif cell.status == "failed":

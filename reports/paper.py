@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from dtbench.reports.render import fmt, fmt_pm
+from dtbench.reports.render import fmt, fmt_pm, mixed_devices_note
 from dtbench.reports.summary import base_label, without_partial
 
 TREE_DECODERS = ("fixed_tree", "dynatree")
@@ -138,7 +138,8 @@ def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list
 
 def cell_notes(c: pd.Series, ds: str) -> list[str]:
     """Notes a paper table owes its reader about one cell: a failure (partial or not), only warmup samples, a
-    divergence from the reference in any sample (warmup included) of a decoder meant to be lossless."""
+    divergence from the reference in any sample (warmup included) of a decoder meant to be lossless, samples measured
+    on different devices."""
     notes = []
     error = str(c["error"] or "")[:160]
     if c["status"] == "failed":
@@ -151,6 +152,7 @@ def cell_notes(c: pd.Series, ds: str) -> list[str]:
         notes.append(f"{c['label']} on {ds}: all {int(c['warmup_n'])} measured prompts are warmup, no numbers after warmup")
     elif bool(c.get("partial_hidden", False)):
         notes.append(f"{c['label']} on {ds}: speedup left out, its AR baseline is partial (--include-partial shows it)")
+    notes += mixed_devices_note(c, f" on {ds}")
     if c.get("lossless") == "no" and bool(c.get("lossless_expected", True)):
         first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
         notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "

@@ -43,8 +43,21 @@ def partial_mark(row) -> str:
     return PARTIAL_MARK if bool(row.get("partial", False)) else ""
 
 
+def mixed_devices_note(row, where: str = "") -> list[str]:
+    """The note owed to a cell whose samples came from different device models (``mixed_devices``), else []."""
+    if not bool(row.get("mixed_devices", False)):
+        return []
+    return [f"{row['label']}{where}: its samples were measured on {len(row['devices'])} different devices "
+            f"({'; '.join(row['devices'])}); speedups across different GPUs are not comparable"]
+
+
 def cell_notes(row: pd.Series) -> list[str]:
-    """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup."""
+    """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup, a
+    cell measured on different devices."""
+    return _state_notes(row) + mixed_devices_note(row)
+
+
+def _state_notes(row: pd.Series) -> list[str]:
     label, error = row["label"], row["error"] or "unknown error"
     if bool(row.get("partial", False)):
         measured = int(row["n"]) + int(row["warmup_n"])
@@ -121,7 +134,7 @@ def markdown(summary: pd.DataFrame) -> str:
 MACHINE_COLUMNS = [
     "dataset", "prompt_cap", "gen_length", "label", "decoder", "n", *METRICS[0].columns, "speedup",
     *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "reference", "status", "error",
-    "warmup_n", "partial", "all_warmup",
+    "warmup_n", "partial", "all_warmup", "mixed_devices",
 ]
 
 

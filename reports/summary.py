@@ -35,7 +35,7 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
     "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "target_forwards", "draft_forwards",
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
-    "output_hash", *(m.column for m in METRICS if isinstance(m.column, str)),
+    "output_hash", "worker_host", "device_name", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
 _CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
               "sampling",
@@ -99,7 +99,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     throughput, ttft_ms, tpot_ms; ``{name}`` for the others; all NaN when no prompt is left after warmup),
     lossless ('yes', 'no', '—' when nothing to compare) and lossless_n over every measured sample (warmup
     included), divergences (first divergent token of each diverging sample, warmup included), reference, status,
-    error, partial (failed after some prompts were measured), all_warmup (samples, but all of them warmup).
+    error, partial (failed after some prompts were measured), all_warmup (samples, but all of them warmup),
+    devices (the distinct ``samples.device_name`` of its samples) and mixed_devices (more than one: a heterogeneous
+    cluster measured it, so its numbers average different hardware and its speedups are not comparable).
     """
     out = []
     for cell_id, cell in frame.groupby("cell_id", sort=False):
@@ -126,10 +128,13 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             "status": first["status"], "error": first["error"],
             "partial": first["status"] == "failed" and len(measured) > 0,
             "all_warmup": len(measured) > 0 and len(basis) == 0,
+            "devices": sorted({str(d) for d in measured["device_name"].dropna()}),
         })
     table = pd.DataFrame(out)
     if table.empty:
         return table
+    # Samples of one cell measured on different device models (a heterogeneous Ray cluster): its mean mixes them.
+    table["mixed_devices"] = [len(d) > 1 for d in table["devices"]]
     # Speedup against the AR cell of the same group that decodes the same way (greedy, or the same sampling).
     from dtbench.reports.compare import _decoding
 
