@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import create_engine, func, inspect, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from dtbench.harness import db
-from dtbench.harness.cli import cli
 from dtbench.harness.errors import DtbenchError
+from kit import invoke, one_line_error
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results-0001.db"
 
@@ -129,20 +128,6 @@ def test_writer_killed_keeps_every_committed_sample(db_url):
 
 
 # --- read-only commands ---------------------------------------------------------------------------------------
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 def snapshot(path: Path) -> tuple:

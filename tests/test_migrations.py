@@ -9,30 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import MetaData, create_engine, inspect, select, text
 
 from dtbench.harness import db, schema
-from dtbench.harness.cli import cli
 from dtbench.harness.errors import DtbenchError
+from kit import invoke, one_line_error
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 OLD_DB = FIXTURES / "results-0001.db"
 RUNS = (1, 2)
-
-
-def invoke(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def one_line_error(result, *needles: str) -> str:
-    assert result.exit_code == 2, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture()
