@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import statistics
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import click
 from rich.console import Console
 
-from dtbench.harness.errors import DtbenchError
+
+from dtbench.harness.curves import Curves, load_curves  # noqa: F401,E402  (re-exported)
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
@@ -330,121 +330,6 @@ def store(sessions, points: list[Point], *, run_id: int | None, suite_name: str,
     return batch
 
 
-# --- reading: the curves as a cost function ------------------------------------------------------------------------
-
-
-@dataclass
-class Curves:
-    """Calibrated forward costs: ``cost(role, n, past, flags)`` in seconds (the cost model's price list).
-
-    A forward with ``past == 0`` is a prefill (its n on the prefill curve); any other is priced on the curve of its
-    kind (flags: ``FED_MASK`` -> tree, ``FED_LAST`` -> last, else causal; a kind not calibrated falls back to causal,
-    then to any), linearly interpolated in n between calibrated points (outside them: extended along the nearest
-    end segment) and in the cache length between calibrated cache lengths
-    (clamped outside them; ``past`` None: the shortest).
-    """
-
-    rows: list = field(default_factory=list)  # objects with role, cache_len, n, tree_mask, last_only, median_s
-    batch: str | None = None
-    run_id: int | None = None
-
-    def __post_init__(self):
-        import numpy as np
-
-        table: dict[tuple[str, str], dict[int, list[tuple[int, float]]]] = {}
-        for r in self.rows:
-            kind = "prefill" if r.cache_len == 0 else "tree" if r.tree_mask else "last" if r.last_only else "causal"
-            table.setdefault((r.role, kind), {}).setdefault(int(r.cache_len), []).append((int(r.n), float(r.median_s)))
-        def curve(pts):  # the same n measured twice (it should not be): their mean
-            by_n: dict[int, list[float]] = {}
-            for n, sec in pts:
-                by_n.setdefault(n, []).append(sec)
-            ns = sorted(by_n)
-            return np.array(ns, dtype=float), np.array([sum(by_n[n]) / len(by_n[n]) for n in ns], dtype=float)
-
-        self._table = {k: {c: curve(v) for c, v in per.items()} for k, per in table.items()}
-
-    def roles(self) -> set[str]:
-        return {role for role, _ in self._table}
-
-    def has(self, role: str, kind: str) -> bool:
-        return (role, kind) in self._table
-
-    def points(self, role: str, kind: str, cache_len: int | None = None):
-        """(n, median s) of one curve; ``cache_len`` None: the shortest cache length calibrated."""
-        per = self._table[(role, kind)]
-        c = min(per) if cache_len is None else cache_len
-        return per[c]
-
-    @staticmethod
-    def _interp(ns, secs, n: float) -> float:
-        import numpy as np
-
-        if len(ns) == 1:
-            return float(secs[0] * n / ns[0])
-        if ns[0] <= n <= ns[-1]:
-            return float(np.interp(n, ns, secs))
-        i = 0 if n < ns[0] else len(ns) - 2  # outside: along the nearest end segment (never below 0)
-        slope = (secs[i + 1] - secs[i]) / (ns[i + 1] - ns[i])
-        return max(0.0, float(secs[i] + slope * (n - ns[i])))
-
-    def kind_of(self, role: str, past: int | None, flags: int) -> str:
-        if past == 0 and self.has(role, "prefill"):
-            return "prefill"
-        want = "tree" if flags & FED_MASK else "last" if flags & FED_LAST else "causal"
-        for kind in (want, "causal", "tree", "last"):
-            if self.has(role, kind):
-                return kind
-        raise KeyError(f"no calibration for the {role}")
-
-    def cost(self, role: str, n: int, past: int | None, flags: int = 0) -> float:
-        """Seconds of one forward of ``role`` over ``n`` new tokens after ``past`` cached positions.
-
-        Raises:
-            KeyError: the role has no calibration at all.
-        """
-        if (role, "prefill") not in self._table and not any(r == role for r, _ in self._table):
-            raise KeyError(f"no calibration for the {role}")
-        kind = self.kind_of(role, past, flags)
-        per = self._table[(role, kind)]
-        lens = sorted(per)
-        if kind == "prefill" or past is None or len(lens) == 1 or past <= lens[0]:
-            return self._interp(*per[lens[0]], n)
-        if past >= lens[-1]:
-            return self._interp(*per[lens[-1]], n)
-        hi = next(i for i, c in enumerate(lens) if c >= past)
-        c0, c1 = lens[hi - 1], lens[hi]
-        y0, y1 = self._interp(*per[c0], n), self._interp(*per[c1], n)
-        return y0 + (y1 - y0) * (past - c0) / (c1 - c0)
-
-
-def load_curves(session, run) -> Curves | None:
-    """The calibration of ``run``: its own (newest batch linked to it), else the newest standalone calibration of
-    the same target (model, dtype), device and device name (and draft, where both have one); None without any."""
-    from sqlalchemy import select
-
-    from dtbench.harness.db import Calibration
-
-    rows = session.scalars(select(Calibration).where(Calibration.run_id == run.id)
-                           .order_by(Calibration.id.desc())).all()
-    if rows:
-        batch = rows[0].batch
-        return Curves([r for r in rows if r.batch == batch], batch=batch, run_id=run.id)
-    env = run.environment or {}
-    tgt, dft = env.get("target") or {}, env.get("draft") or {}
-    cands = session.scalars(select(Calibration).where(
-        Calibration.run_id.is_(None), Calibration.role == "target", Calibration.model == tgt.get("model"),
-        Calibration.dtype == tgt.get("dtype"), Calibration.device == env.get("device"),
-        Calibration.device_name == env.get("device_name")).order_by(Calibration.id.desc())).all()
-    for cand in cands:
-        batch_rows = session.scalars(select(Calibration).where(Calibration.batch == cand.batch)).all()
-        drafts = [r for r in batch_rows if r.role == "draft"]
-        if dft and drafts and (drafts[0].model, drafts[0].dtype) != (dft.get("model"), dft.get("dtype")):
-            continue
-        return Curves(batch_rows, batch=cand.batch, run_id=None)
-    return None
-
-
 # --- n_max: auto ---------------------------------------------------------------------------------------------------
 
 
@@ -526,69 +411,3 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, target, dr
                     cell.params = {**(cell.params or {}), "n_max": budgets[cell.label]}
             session.commit()
     return curves
-
-
-# --- the command ------------------------------------------------------------------------------------------------
-
-
-@click.command("calibrate")
-@click.argument("suite_path", type=click.Path(dir_okay=False))
-@click.option("--db", "db_url", help="SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; "
-                                     "default sqlite:///results.db]")
-@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
-              help="local dataset folder (the cache is filled with the suite's first prompt) [env DTBENCH_DATA_DIR]")
-@click.option("--min-time", type=click.FloatRange(0, min_open=True), default=Settings.min_time_s, show_default=True,
-              help="seconds each point is timed at least")
-@click.option("--max-time", type=click.FloatRange(0, min_open=True), default=Settings.max_time_s, show_default=True,
-              help="seconds after which a point stops even if its median is not yet stable")
-@click.option("--min-repeats", type=click.IntRange(1), default=Settings.min_repeats, show_default=True,
-              help="forwards each point is timed at least")
-@click.option("--prompt-cache-only", is_flag=True,
-              help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)")
-def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, prompt_cache_only) -> None:
-    """Measure SUITE_PATH's target and draft forward-latency curves and store them (standalone, run_id NULL).
-
-    One forward over n new tokens on a KV cache of the suite's prompt length (and prompt length + T), for
-    n = 1 .. the largest tree or chain the suite's decoders build, with and without the tree mask, device-
-    synchronized, repeated until the median is stable. `dtbench report --cost-model` uses the newest calibration
-    of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`.
-    """
-    from dtbench.harness import data, db, models
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suite import load_suite, suite_hash
-
-    if max_time < min_time:
-        raise DtbenchError(f"--max-time ({max_time:g}) must be at least --min-time ({min_time:g})")
-    suite, text = load_suite(suite_path)
-    plan = plan_suite(suite)
-    sessions = db.connect(db_url)
-    console = Console(stderr=True)
-    device = models.resolve_device(suite.device)
-    tokenizer = models.load_tokenizer(suite.target)
-    prompts = {}
-    for ds in suite.datasets:
-        docs = data.load_documents(ds, data_dir)
-        for cap in ds.caps:
-            prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, 1, cap, suite.seed)
-    with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
-        target = models.load_model(suite.target, device)
-    draft = None
-    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
-        with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
-            draft = models.load_model(suite.draft, device)
-    settings = Settings(min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time,
-                        grown_cache=not prompt_cache_only)
-    points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
-    batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
-    console.print(f"stored {len(points)} calibration points (batch {batch}) in {db.resolve_url(db_url)}",
-                  highlight=False)
-    for line in summary_lines(Curves(points)):
-        click.echo(line)
-
-
-def summary_lines(curves: Curves) -> Iterable[str]:
-    """One line per curve: role, kind, cache length and ms at each n."""
-    for (role, kind), per in sorted(curves._table.items()):
-        for c, (ns, secs) in sorted(per.items()):
-            pts = " ".join(f"{int(n)}:{s * 1e3:.1f}" for n, s in zip(ns, secs))
-            yield f"{role:6} {kind:7} cache {c:5}  n:ms  {pts}"

@@ -301,7 +301,7 @@ def list_decoders() -> None:
 
 
 cli.add_command(db_group)  # dtbench db upgrade|current (harness/dbcli.py)
-from dtbench.harness.calibrate import calibrate_command  # noqa: E402
+from dtbench.harness.calibratecli import calibrate_command  # noqa: E402
 
 cli.add_command(calibrate_command)
 

@@ -1,0 +1,79 @@
+"""``dtbench calibrate``: measure and store a suite's forward-latency curves (harness/calibrate.py does the work)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import click
+from rich.console import Console
+
+from dtbench.harness.errors import DtbenchError
+
+from dtbench.harness.calibrate import Settings, calibrate, contexts_of, store
+from dtbench.harness.curves import Curves
+
+
+# --- the command ------------------------------------------------------------------------------------------------
+
+
+@click.command("calibrate")
+@click.argument("suite_path", type=click.Path(dir_okay=False))
+@click.option("--db", "db_url", help="SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; "
+                                     "default sqlite:///results.db]")
+@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
+              help="local dataset folder (the cache is filled with the suite's first prompt) [env DTBENCH_DATA_DIR]")
+@click.option("--min-time", type=click.FloatRange(0, min_open=True), default=Settings.min_time_s, show_default=True,
+              help="seconds each point is timed at least")
+@click.option("--max-time", type=click.FloatRange(0, min_open=True), default=Settings.max_time_s, show_default=True,
+              help="seconds after which a point stops even if its median is not yet stable")
+@click.option("--min-repeats", type=click.IntRange(1), default=Settings.min_repeats, show_default=True,
+              help="forwards each point is timed at least")
+@click.option("--prompt-cache-only", is_flag=True,
+              help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)")
+def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, prompt_cache_only) -> None:
+    """Measure SUITE_PATH's target and draft forward-latency curves and store them (standalone, run_id NULL).
+
+    One forward over n new tokens on a KV cache of the suite's prompt length (and prompt length + T), for
+    n = 1 .. the largest tree or chain the suite's decoders build, with and without the tree mask, device-
+    synchronized, repeated until the median is stable. `dtbench report --cost-model` uses the newest calibration
+    of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`.
+    """
+    from dtbench.harness import data, db, models
+    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.suite import load_suite, suite_hash
+
+    if max_time < min_time:
+        raise DtbenchError(f"--max-time ({max_time:g}) must be at least --min-time ({min_time:g})")
+    suite, text = load_suite(suite_path)
+    plan = plan_suite(suite)
+    sessions = db.connect(db_url)
+    console = Console(stderr=True)
+    device = models.resolve_device(suite.device)
+    tokenizer = models.load_tokenizer(suite.target)
+    prompts = {}
+    for ds in suite.datasets:
+        docs = data.load_documents(ds, data_dir)
+        for cap in ds.caps:
+            prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, 1, cap, suite.seed)
+    with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
+        target = models.load_model(suite.target, device)
+    draft = None
+    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
+        with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
+            draft = models.load_model(suite.draft, device)
+    settings = Settings(min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time,
+                        grown_cache=not prompt_cache_only)
+    points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
+    batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
+    console.print(f"stored {len(points)} calibration points (batch {batch}) in {db.resolve_url(db_url)}",
+                  highlight=False)
+    for line in summary_lines(Curves(points)):
+        click.echo(line)
+
+
+def summary_lines(curves: Curves) -> Iterable[str]:
+    """One line per curve: role, kind, cache length and ms at each n."""
+    for (role, kind), per in sorted(curves._table.items()):
+        for c, (ns, secs) in sorted(per.items()):
+            pts = " ".join(f"{int(n)}:{s * 1e3:.1f}" for n, s in zip(ns, secs))
+            yield f"{role:6} {kind:7} cache {c:5}  n:ms  {pts}"

@@ -1,0 +1,127 @@
+"""The forward-latency curves of a calibration as a cost function (the cost model's price list, issue 12).
+
+Read from the ``calibrations`` table; made by :mod:`dtbench.harness.calibrate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+
+FED_MASK, FED_LAST = 1, 2  # = dtbench.harness.measure.FED_MASK / FED_LAST (kept torch-free; tests check they agree)
+
+
+# --- reading: the curves as a cost function ------------------------------------------------------------------------
+
+
+@dataclass
+class Curves:
+    """Calibrated forward costs: ``cost(role, n, past, flags)`` in seconds (the cost model's price list).
+
+    A forward with ``past == 0`` is a prefill (its n on the prefill curve); any other is priced on the curve of its
+    kind (flags: ``FED_MASK`` -> tree, ``FED_LAST`` -> last, else causal; a kind not calibrated falls back to causal,
+    then to any), linearly interpolated in n between calibrated points (outside them: extended along the nearest
+    end segment) and in the cache length between calibrated cache lengths
+    (clamped outside them; ``past`` None: the shortest).
+    """
+
+    rows: list = field(default_factory=list)  # objects with role, cache_len, n, tree_mask, last_only, median_s
+    batch: str | None = None
+    run_id: int | None = None
+
+    def __post_init__(self):
+        import numpy as np
+
+        table: dict[tuple[str, str], dict[int, list[tuple[int, float]]]] = {}
+        for r in self.rows:
+            kind = "prefill" if r.cache_len == 0 else "tree" if r.tree_mask else "last" if r.last_only else "causal"
+            table.setdefault((r.role, kind), {}).setdefault(int(r.cache_len), []).append((int(r.n), float(r.median_s)))
+        def curve(pts):  # the same n measured twice (it should not be): their mean
+            by_n: dict[int, list[float]] = {}
+            for n, sec in pts:
+                by_n.setdefault(n, []).append(sec)
+            ns = sorted(by_n)
+            return np.array(ns, dtype=float), np.array([sum(by_n[n]) / len(by_n[n]) for n in ns], dtype=float)
+
+        self._table = {k: {c: curve(v) for c, v in per.items()} for k, per in table.items()}
+
+    def roles(self) -> set[str]:
+        return {role for role, _ in self._table}
+
+    def has(self, role: str, kind: str) -> bool:
+        return (role, kind) in self._table
+
+    def points(self, role: str, kind: str, cache_len: int | None = None):
+        """(n, median s) of one curve; ``cache_len`` None: the shortest cache length calibrated."""
+        per = self._table[(role, kind)]
+        c = min(per) if cache_len is None else cache_len
+        return per[c]
+
+    @staticmethod
+    def _interp(ns, secs, n: float) -> float:
+        import numpy as np
+
+        if len(ns) == 1:
+            return float(secs[0] * n / ns[0])
+        if ns[0] <= n <= ns[-1]:
+            return float(np.interp(n, ns, secs))
+        i = 0 if n < ns[0] else len(ns) - 2  # outside: along the nearest end segment (never below 0)
+        slope = (secs[i + 1] - secs[i]) / (ns[i + 1] - ns[i])
+        return max(0.0, float(secs[i] + slope * (n - ns[i])))
+
+    def kind_of(self, role: str, past: int | None, flags: int) -> str:
+        if past == 0 and self.has(role, "prefill"):
+            return "prefill"
+        want = "tree" if flags & FED_MASK else "last" if flags & FED_LAST else "causal"
+        for kind in (want, "causal", "tree", "last"):
+            if self.has(role, kind):
+                return kind
+        raise KeyError(f"no calibration for the {role}")
+
+    def cost(self, role: str, n: int, past: int | None, flags: int = 0) -> float:
+        """Seconds of one forward of ``role`` over ``n`` new tokens after ``past`` cached positions.
+
+        Raises:
+            KeyError: the role has no calibration at all.
+        """
+        if (role, "prefill") not in self._table and not any(r == role for r, _ in self._table):
+            raise KeyError(f"no calibration for the {role}")
+        kind = self.kind_of(role, past, flags)
+        per = self._table[(role, kind)]
+        lens = sorted(per)
+        if kind == "prefill" or past is None or len(lens) == 1 or past <= lens[0]:
+            return self._interp(*per[lens[0]], n)
+        if past >= lens[-1]:
+            return self._interp(*per[lens[-1]], n)
+        hi = next(i for i, c in enumerate(lens) if c >= past)
+        c0, c1 = lens[hi - 1], lens[hi]
+        y0, y1 = self._interp(*per[c0], n), self._interp(*per[c1], n)
+        return y0 + (y1 - y0) * (past - c0) / (c1 - c0)
+
+
+def load_curves(session, run) -> Curves | None:
+    """The calibration of ``run``: its own (newest batch linked to it), else the newest standalone calibration of
+    the same target (model, dtype), device and device name (and draft, where both have one); None without any."""
+    from sqlalchemy import select
+
+    from dtbench.harness.db import Calibration
+
+    rows = session.scalars(select(Calibration).where(Calibration.run_id == run.id)
+                           .order_by(Calibration.id.desc())).all()
+    if rows:
+        batch = rows[0].batch
+        return Curves([r for r in rows if r.batch == batch], batch=batch, run_id=run.id)
+    env = run.environment or {}
+    tgt, dft = env.get("target") or {}, env.get("draft") or {}
+    cands = session.scalars(select(Calibration).where(
+        Calibration.run_id.is_(None), Calibration.role == "target", Calibration.model == tgt.get("model"),
+        Calibration.dtype == tgt.get("dtype"), Calibration.device == env.get("device"),
+        Calibration.device_name == env.get("device_name")).order_by(Calibration.id.desc())).all()
+    for cand in cands:
+        batch_rows = session.scalars(select(Calibration).where(Calibration.batch == cand.batch)).all()
+        drafts = [r for r in batch_rows if r.role == "draft"]
+        if dft and drafts and (drafts[0].model, drafts[0].dtype) != (dft.get("model"), dft.get("dtype")):
+            continue
+        return Curves(batch_rows, batch=cand.batch, run_id=None)
+    return None
