@@ -43,13 +43,12 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 
-from dtbench.harness.curves import Curves, load_curves  # noqa: F401,E402  (re-exported)
+from dtbench.harness.curves import FED_LAST, FED_MASK, Curves, load_curves  # noqa: F401,E402  (re-exported)
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
 
 # torch, numpy and the measurement module are imported where used: `dtbench --help` stays fast.
-FED_MASK, FED_LAST = 1, 2  # = dtbench.harness.measure.FED_MASK / FED_LAST (tests check they agree)
 
 SMALL = 16  # every n up to here is calibrated (CPU kernels make the curve non-monotonic at small n)
 LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)

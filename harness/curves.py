@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 
 
-FED_MASK, FED_LAST = 1, 2  # = dtbench.harness.measure.FED_MASK / FED_LAST (kept torch-free; tests check they agree)
+FED_MASK, FED_LAST = 1, 2  # flags of a counted forward (measure.ForwardCounter): a 4D mask; last logits only
 
 
 # --- reading: the curves as a cost function ------------------------------------------------------------------------

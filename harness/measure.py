@@ -144,10 +144,10 @@ class SampleTimeout(BaseException):
     """
 
 
-FED_MASK, FED_LAST = 1, 2
-"""Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
-drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
-drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind."""
+from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined once, torch-free, with the pricing)
+# Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
+# drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
+# drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind.
 
 
 def _past_len(cache) -> int | None:

@@ -268,7 +268,7 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
     """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
     from dtbench.harness.calibrate import load_curves
     from dtbench.harness.db import Cell, Sample
-    from dtbench.reports.figures import to_bytes
+    from dtbench.reports.figures import save_figures
     from dtbench.reports.summary import get_run
 
     with sessions() as session:
@@ -284,16 +284,5 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
                 if cell.decoder != "ar" and ts[1:]:
                     sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])
             marks = {k: sum(v) / len(v) for k, v in sizes.items() if v}
-            fig = verify_figure(curves, marks)
-            out = Path(out_dir)
-            paths = []
-            try:
-                out.mkdir(parents=True, exist_ok=True)
-                for ext in ("png", "svg"):
-                    path = out / f"{FIG_STEM}.{ext}"
-                    path.write_bytes(to_bytes(fig, ext))
-                    paths.append(path)
-            except OSError as exc:
-                raise DtbenchError(f"cannot write figures to {out}: {exc.strerror or exc}") from None
-            return paths
+            return save_figures({FIG_STEM: verify_figure(curves, marks)}, out_dir)
     return []

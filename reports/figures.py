@@ -428,8 +428,17 @@ def write_figures(summary: pd.DataFrame, outdir: str | Path,
     Raises:
         DtbenchError: if the folder cannot be created or written.
     """
-    outdir = Path(outdir)
     figs, notes = build_figures(summary, include_partial)
+    return save_figures(figs, outdir), notes
+
+
+def save_figures(figs: dict, outdir: str | Path) -> list[Path]:
+    """Write each figure (stem -> matplotlib Figure) to ``outdir`` as ``<stem>.png`` and ``<stem>.svg``.
+
+    Raises:
+        DtbenchError: if the folder cannot be created or written.
+    """
+    outdir = Path(outdir)
     paths = []
     try:
         outdir.mkdir(parents=True, exist_ok=True)
@@ -440,4 +449,4 @@ def write_figures(summary: pd.DataFrame, outdir: str | Path,
                 paths.append(path)
     except OSError as exc:
         raise DtbenchError(f"cannot write figures to {outdir}: {exc.strerror or exc}") from None
-    return paths, notes
+    return paths
