@@ -153,6 +153,15 @@ class Decoder(ABC):
         self.draft = draft
         self.params = params
 
+    @classmethod
+    def sampling_error(cls, params: DecoderParams) -> str | None:
+        """Why this decoder cannot sample with ``params`` (a one-line reason), or None if it can.
+
+        Only asked when ``supports_sampling`` is True; a decoder whose sampling is lossless only for some params
+        overrides it (the plan refuses such a cell before any model loads).
+        """
+        return None
+
     def reference(self) -> tuple[str, dict[str, Any]] | None:
         """The (decoder name, params) whose output this decoder's output is compared against.
 

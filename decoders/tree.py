@@ -61,8 +61,11 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.tree_draft import DraftSession, ExpansionPolicy, _expand, draft_tree  # noqa: F401
+from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
+from dtbench.decoders.sampling import verify_tree_sampled
+from dtbench.decoders.tree_draft import (  # noqa: F401
+    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeSampling, _expand, draft_tree,
+)
 from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)
     CacheStrategy, DraftStrategy, MaskKind, Prune, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
     attention_mask_kind, bfs_order, root_offset, select_path, tree_attention_mask, tree_capacity, tree_position_ids,
@@ -74,7 +77,7 @@ from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's name
 
 
 def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind) -> torch.Tensor:
-    """One target forward over [root, drafted nodes] with the tree mask (Algorithm 1 line 4).
+    """One target forward over [root, drafted nodes] with the tree mask (Algorithm 1 line 4), greedy.
 
     Args:
         target: the target causal LM; ``cache`` holds the committed prefix without the root.
@@ -85,6 +88,12 @@ def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: Mask
         (size,) int64 greedy predictions: entry u is argmax p_T(. | prefix, path to u); entry 0 is the
         paper's y_hat_{t+1} (argmax of the prefix logits s_last). The cache grows by ``size`` positions.
     """
+    return torch.argmax(tree_logits(target, cache, tree, kind), dim=-1).to(tree.device)
+
+
+def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind) -> torch.Tensor:
+    """The target forward of :func:`tree_predictions`, returning its logits: (size, vocab) in the target's dtype,
+    row u the target's logits of the token after the path to u. The cache grows by ``size`` positions."""
     n = tree.size
     prefix_len = kv.cache_len(cache)
     dev = target.device
@@ -95,14 +104,14 @@ def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: Mask
         mask = tree_attention_mask(tree.ancestors().to(dev), prefix_len, kind, target.dtype)
         logits = kv.forward(target, tokens, cache, position_ids=tree_position_ids(tree.depths[:n].to(dev), prefix_len),
                             attention_mask=mask)
-    return torch.argmax(logits, dim=-1).to(tree.device)
+    return logits
 
 
 def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
                    policy: ExpansionPolicy, cache_strategy: CacheStrategy = "compact",
                    draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
-                   prune: Prune = "leaf") -> Iterator[Step]:
-    """Greedy tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated).
+                   prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None) -> Iterator[Step]:
+    """Tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated), greedy or sampled.
 
     Invariant between iterations: the target cache holds every committed token except the newest
     (``pending``, the next tree's root); the draft session holds them minus its backlog. Each iteration:
@@ -121,6 +130,11 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
         draft_strategy: "per_level" or "per_node" (see :func:`draft_tree`).
         tree_root: "paper" (u0 rooted, Algorithm 1 line 10) or "pending" (module docstring).
         prune: "leaf" (Algorithm 1 lines 14-16) or "skip" (module docstring).
+        sampling, generator: :class:`~dtbench.decoders.sampling.SamplingSettings` and the sample's generator; None
+            for greedy decoding (unchanged, bit for bit). When sampling, children are drawn without replacement
+            from the processed draft distribution (:class:`TreeSampling`) and the tree is verified by recursive
+            rejection sampling (:func:`~dtbench.decoders.sampling.verify_tree_sampled`) instead of
+            :func:`select_path`; the committed tokens then follow the target's processed distribution exactly.
 
     Yields:
         First the prefill's token as a Step (TTFT); then one Step per iteration with tokens = committed path
@@ -130,8 +144,8 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
         node's depth). The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
 
     Raises:
-        ValueError: unknown strategy, tree_root or prune mode, or a model whose attention implementation
-            cannot take a tree mask.
+        ValueError: unknown strategy, tree_root or prune mode, ``prune="skip"`` with sampling, or a model
+            whose attention implementation cannot take a tree mask.
     """
     if cache_strategy not in ("compact", "rebuild"):
         raise ValueError(f"unknown cache strategy {cache_strategy!r}")
@@ -139,23 +153,34 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
         raise ValueError(f"unknown draft strategy {draft_strategy!r}")
     if prune not in ("leaf", "skip"):
         raise ValueError(f"unknown prune mode {prune!r}")
+    if sampling is not None and prune == "skip":
+        raise ValueError(SKIP_WITH_SAMPLING)
     offset = root_offset(tree_root)
     t_kind = attention_mask_kind(target)
     session = DraftSession(draft, input_ids[0].tolist())
     t_cache, logits = kv.prefill(target, input_ids)
-    pending = int(torch.argmax(logits).item())
+    pending = int(torch.argmax(logits).item()) if sampling is None else next_token(logits.reshape(-1), sampling,
+                                                                                   generator)
     yield Step(tokens=(pending,))
     produced = 1
     while produced < max_new_tokens:
         depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced - 1)
         tree = TokenTree(pending, policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
                          session.device)
+        drawn = None if sampling is None else TreeSampling(sampling, generator)
         if depth_cap >= 1:
-            draft_tree(session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune)
+            draft_tree(session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune,
+                       sampling=drawn)
         prefix_len = kv.cache_len(t_cache)
-        pred = tree_predictions(target, t_cache, tree, t_kind)
         n = tree.size
-        path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred)
+        if sampling is None:
+            pred = tree_predictions(target, t_cache, tree, t_kind)
+            path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
+                                          pred)
+        else:
+            logits = tree_logits(target, t_cache, tree, t_kind)
+            path, committed = verify_tree_sampled(tree.tokens[:n].tolist(), tree.parents[:n].tolist(),
+                                                  lambda u: sampling.probs(logits[u]), drawn.draft_probs, generator)
         if cache_strategy == "compact":
             kv.keep_positions(t_cache, prefix_len, [prefix_len + u for u in path])
         else:
@@ -221,12 +246,15 @@ class TreeParams(DecoderParams):
 class TreeDecoder(Decoder):
     """Base of the tree speculative decoders: subclasses only build their :class:`ExpansionPolicy`.
 
-    Lossless for greedy decoding (paper 3.6): the committed tokens equal the target's greedy tokens.
+    Lossless for greedy decoding (paper 3.6): the committed tokens equal the target's greedy tokens. Lossless
+    under sampling too (issue 13): multi-draft speculative sampling over the tree (:func:`speculate_tree`), the
+    committed tokens distributed exactly as the target's processed distribution; ``prune: skip`` is refused then.
     """
 
     Params: ClassVar[type[DecoderParams]] = TreeParams
     needs_draft = True
     lossless = True
+    supports_sampling = True
     version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
 
     @abstractmethod
@@ -238,4 +266,10 @@ class TreeDecoder(Decoder):
         """Run :func:`speculate_tree` with this decoder's policy and strategies (see there for the Steps)."""
         p = self.params
         yield from speculate_tree(self.target, self.draft, input_ids, max_new_tokens, self.make_policy(),
-                                  p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune)
+                                  p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune,
+                                  sampling=self.sampling, generator=self.generator)
+
+    @classmethod
+    def sampling_error(cls, params: DecoderParams) -> str | None:
+        """``prune: skip`` cannot sample losslessly (it drops children by their drawn value)."""
+        return SKIP_WITH_SAMPLING if getattr(params, "prune", None) == "skip" else None

@@ -11,11 +11,13 @@ import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import Step
+from dtbench.decoders.sampling import SamplingSettings, sample_without_replacement
 
 from dtbench.decoders.tree_structure import (
     DraftStrategy, Prune, TokenTree, TreeRoot, attention_mask_kind, root_offset, tree_attention_mask,
@@ -24,6 +26,10 @@ from dtbench.decoders.tree_structure import (
 # ----------------------------------------------------------------------------------------------------------
 # Expansion policies and drafting (paper 3.3, Algorithm 1 DRAFTTREE)
 # ----------------------------------------------------------------------------------------------------------
+
+
+SKIP_WITH_SAMPLING = ("prune: skip drops drafted children by their sampled value, which would bias speculative "
+                      "sampling; use prune: leaf (the paper's, Algorithm 1) with sampling")
 
 
 class ExpansionPolicy(ABC):
@@ -78,6 +84,24 @@ class ExpansionPolicy(ABC):
 
     def observe(self, step: Step) -> None:
         """Feedback after each verification (history adaptation); no-op by default."""
+
+
+@dataclass
+class TreeSampling:
+    """Drafting by sampling (issue 13): children drawn without replacement from the draft's processed distribution.
+
+    One object per tree. :func:`_expand` fills ``draft_probs`` with the distribution each expanded node's
+    children were drawn from, which :func:`~dtbench.decoders.sampling.verify_tree_sampled` needs.
+
+    Attributes:
+        settings: the sampling settings (temperature, top-k, top-p) applied to draft and target alike.
+        generator: the sample's random generator.
+        draft_probs: node index -> (vocab,) float64 processed draft distribution of its children.
+    """
+
+    settings: SamplingSettings
+    generator: torch.Generator | None
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class DraftSession:
@@ -171,7 +195,7 @@ class DraftSession:
 
 def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits: torch.Tensor,
             policy: ExpansionPolicy, depth_cap: int, *, offset: int, prune: Prune,
-            top1_only: bool = False) -> list[int]:
+            top1_only: bool = False, sampling: TreeSampling | None = None) -> list[int]:
     """Add the children of the expanded nodes ``parents_t`` (all at ``parent_depth``) from their draft logits.
 
     Per parent: the B(u) = policy.breadth(c(u)) most probable tokens in parent order then probability order,
@@ -186,7 +210,13 @@ def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits:
         depth_cap: hard cap on the children's internal depth (drafted tokens on a path).
         offset: :func:`root_offset` of the tree shape.
         prune: "leaf" or "skip".
-        top1_only: add exactly the top-1 child whatever tau and B(u) say (u0 of a ``paper`` tree, line 10).
+        top1_only: add exactly the top-1 child whatever tau and B(u) say (u0 of a ``paper`` tree, line 10); when
+            sampling, one drawn child.
+        sampling: None for greedy drafting (the B(u) most probable tokens); otherwise the children are the first
+            B(u) tokens drawn without replacement from the processed draft distribution, in draw order (u0 is one
+            draw), and the distribution is recorded in ``sampling.draft_probs``. Breadth, pruning and depth rules
+            still use the raw draft probabilities (confidence c(u) = max_v q_D(v | u), p(u) the product of raw
+            q_D along the path), so the tree's shape rules are the greedy decoder's.
 
     Returns:
         The new nodes that are themselves expandable, in BFS order.
@@ -196,16 +226,26 @@ def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     k = 1 if top1_only else min(policy.max_breadth, lp.shape[-1])
-    top_lp, top_tok = lp.topk(k, dim=-1)  # (E, k), sorted by probability
+    if sampling is None:
+        top_lp, top_tok = lp.topk(k, dim=-1)  # (E, k), sorted by probability
+        confidence = top_lp[:, 0].exp()
+    else:
+        q = sampling.settings.probs(logits)
+        top_tok, drawn = sample_without_replacement(q, k, sampling.generator)  # (E, k), in draw order
+        top_lp = lp.gather(-1, top_tok)
+        confidence = lp.max(dim=-1).values.exp()
+        sampling.draft_probs.update(zip(parents_t.tolist(), q))
     cum = tree.cum_logp[parents_t].unsqueeze(1) + top_lp
     above = cum >= policy.log_tau
     if top1_only:
         keep = torch.ones_like(above)
     else:
-        breadth = policy.breadth(top_lp[:, 0].exp())
+        breadth = policy.breadth(confidence)
         keep = torch.arange(k, device=lp.device).unsqueeze(0) < breadth.unsqueeze(1)
         if prune == "skip":
             keep = keep & above
+    if sampling is not None:
+        keep = keep & drawn
     depth = parent_depth + 1
     codes = keep.to(torch.uint8)
     if depth < depth_cap:
@@ -221,7 +261,8 @@ def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits:
 
 
 def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: ExpansionPolicy, depth_cap: int,
-               strategy: DraftStrategy, *, tree_root: TreeRoot = "paper", prune: Prune = "leaf") -> None:
+               strategy: DraftStrategy, *, tree_root: TreeRoot = "paper", prune: Prune = "leaf",
+               sampling: TreeSampling | None = None) -> None:
     """Grow ``tree`` (holding only the pending token) with the draft model (Algorithm 1, DRAFTTREE).
 
     The pending token (p = 1) is always expanded; its draft logits (q_D after the prefix x_{1:t}) come from
@@ -241,24 +282,28 @@ def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: Expans
             same tree (same node order) given the same draft logits.
         tree_root: "paper" or "pending" (module docstring).
         prune: "leaf" (Algorithm 1) or "skip" (module docstring).
+        sampling: None (greedy drafting) or the tree's :class:`TreeSampling` (children drawn; see :func:`_expand`).
 
     Raises:
-        ValueError: for an unknown strategy, tree_root or prune mode.
+        ValueError: for an unknown strategy, tree_root or prune mode, or ``prune="skip"`` with sampling.
     """
     if strategy not in ("per_level", "per_node"):
         raise ValueError(f"unknown draft strategy {strategy!r}")
     if prune not in ("leaf", "skip"):
         raise ValueError(f"unknown prune mode {prune!r}")
+    if sampling is not None and prune == "skip":
+        raise ValueError(SKIP_WITH_SAMPLING)
     offset = root_offset(tree_root)
     logits = session.start(root)
     root_t = torch.zeros(1, dtype=torch.long, device=tree.device)
     frontier = _expand(tree, root_t, 0, logits, policy, depth_cap, offset=offset, prune=prune,
-                       top1_only=tree_root == "paper")
+                       top1_only=tree_root == "paper", sampling=sampling)
     if strategy == "per_level":
         depth = 1
         while frontier and tree.budget_left > 0:
             logits, nodes_t = session.feed(tree, frontier, depth)
-            frontier = _expand(tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune)
+            frontier = _expand(tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune,
+                               sampling=sampling)
             depth += 1
     else:
         queue = deque((u, 1) for u in frontier)
@@ -266,4 +311,4 @@ def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: Expans
             u, depth = queue.popleft()
             logits, nodes_t = session.feed(tree, [u], depth)
             queue.extend((v, depth + 1) for v in _expand(tree, nodes_t, depth, logits, policy, depth_cap,
-                                                         offset=offset, prune=prune))
+                                                         offset=offset, prune=prune, sampling=sampling))

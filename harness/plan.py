@@ -130,6 +130,8 @@ def plan_suite(suite: Suite) -> Plan:
         if sampling is not None and not cls.supports_sampling:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
                                f"set `sampling: greedy` on it or remove the suite's `sampling:`")
+        if sampling is not None and (why := cls.sampling_error(params)):
+            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {why}")
         plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
                               points=_points(suite, spec), sampling=sampling))
     by_key: dict[str, CellPlan] = {}

@@ -67,22 +67,24 @@ def exact(settings: SamplingSettings) -> dict[tuple[int, ...], float]:
     return out
 
 
-def empirical(decoder, settings: SamplingSettings) -> dict[tuple[int, ...], int]:
+def empirical(decoder, settings: SamplingSettings, length: int = M) -> dict[tuple[int, ...], int]:
+    """Counts of the first M tokens over RUNS seeded generations of ``length`` >= M tokens (a longer generation
+    lets tree decoders draft deeper trees in the first iterations; the first M tokens' law must still be exact)."""
     counts: dict[tuple[int, ...], int] = {}
     for run in range(RUNS):
         decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(run)
         tokens: list[int] = []
-        for step in decoder.generate(torch.tensor([PROMPT]), M):
+        for step in decoder.generate(torch.tensor([PROMPT]), length):
             tokens.extend(step.tokens)
         key = tuple(tokens[:M])
         counts[key] = counts.get(key, 0) + 1
     return counts
 
 
-def p_value(decoder, settings: SamplingSettings) -> float:
+def p_value(decoder, settings: SamplingSettings, length: int = M) -> float:
     """Chi-square p-value of the decoder's empirical distribution against the exact one."""
     probs = exact(settings)
-    counts = empirical(decoder, settings)
+    counts = empirical(decoder, settings, length)
     assert set(counts) <= {k for k, v in probs.items() if v > 0}, "a sequence the target cannot produce"
     observed, expected, rest_o, rest_e = [], [], 0, 0.0
     for key, p in probs.items():
@@ -198,9 +200,10 @@ def test_suite_sampling_through_the_runner(tmp_path, data_dir):
         assert all(r[4] is True for r in rows if r[0] == "greedy")
     assert outputs[0] == outputs[1]
     assert "sampled (exact by construction, distribution-tested)" in result.stdout
-    bad = suite_dict(*pair, [{"name": "fixed_tree"}], sampling={"temperature": 0.8})
-    one_line_error(invoke("validate", write_suite(tmp_path, bad, "bad.yaml")), "decoders.0",
-                   "decoder 'fixed_tree' does not support sampling")
+    bad = suite_dict(*pair, [{"name": "hf_generate"}, {"name": "fixed_tree", "params": {"prune": "skip"}}],
+                     sampling={"temperature": 0.8})
+    one_line_error(invoke("validate", write_suite(tmp_path, bad, "bad.yaml")), "decoders.1",
+                   "decoder 'fixed_tree': prune: skip drops drafted children")
 
 
 @pytest.mark.parametrize("name", ["hf_generate", "hf_assisted"])
@@ -238,3 +241,99 @@ def test_speedups_pair_cells_that_decode_the_same_way(tmp_path):
     assert speedup["AR hot"] == pytest.approx(1.0)
     table = speedup_table(frame).set_index("label")
     assert table.loc["Lin hot", "speedup"] == pytest.approx(1.25) and "AR hot" not in table.index
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tree decoders: multi-draft speculative sampling (children drawn without replacement, recursive rejection)
+# ----------------------------------------------------------------------------------------------------------
+
+TREE_LENGTH = 7  # the first tree after the prefill may then hold paths of up to 5 drafted tokens
+
+
+def fixed_tree(draft: str, **params):
+    from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
+
+    return FixedTree(models()["self"], models()[draft], FixedTreeParams(**{"tau": 0.0, **params}))
+
+
+def dynatree(draft: str, **params):
+    from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
+
+    return DynaTree(models()["self"], models()[draft], DynaTreeParams(**params))
+
+
+TREES = {
+    # paper-rooted (u0 one draw), B = 2 children drawn without replacement per node, depth 3
+    "fixed-paper-B2": lambda d: fixed_tree(d, depth=3, branching=2),
+    # pending-rooted, B = 3, budget N_max = 4 cuts the second level short (a parent keeps a prefix of its draws)
+    "fixed-pending-B3-budget4": lambda d: fixed_tree(d, depth=3, branching=3, tree_root="pending", n_max=4),
+    # the paper's per-node drafting, leaf pruning at tau = 0.3 (low-probability children stay verified leaves)
+    "fixed-per-node-tau0.3": lambda d: fixed_tree(d, depth=3, branching=2, draft_strategy="per_node", tau=0.3),
+    # rebuild cache strategy (two target forwards per iteration)
+    "fixed-rebuild": lambda d: fixed_tree(d, depth=2, branching=2, cache_strategy="rebuild"),
+    # DynaTree with its confidence-driven breadth (B_max 3) and depth gating, history adaptation on
+    "dynatree": lambda d: dynatree(d, b_max=3, n_max=12),
+}
+
+
+@pytest.mark.parametrize("tree, draft, setting", [
+    ("fixed-paper-B2", "self", "t1"), ("fixed-paper-B2", "perturbed", "t1"), ("fixed-paper-B2", "unrelated", "t1"),
+    ("fixed-pending-B3-budget4", "perturbed", "t0.7-topk4"), ("fixed-per-node-tau0.3", "unrelated", "topp0.8"),
+    ("fixed-rebuild", "perturbed", "t1"), ("dynatree", "perturbed", "t1"), ("dynatree", "unrelated", "t0.7-topk4"),
+    ("dynatree", "self", "topp0.8"),
+])
+def test_tree_speculative_sampling_is_exact(tree, draft, setting):
+    decoder = TREES[tree](draft)
+    assert p_value(decoder, SETTINGS[setting], TREE_LENGTH) > ALPHA
+
+
+def test_tree_sampling_drafts_real_trees():
+    """The distribution tests above are not vacuous: the sampled trees hold several children per node and
+    several levels, and drafts are accepted (with the perturbed draft) as well as rejected."""
+    decoder = TREES["fixed-paper-B2"]("perturbed")
+    decoder.sampling, decoder.generator = SETTINGS["t1"], torch.Generator().manual_seed(0)
+    steps = [s for _ in range(20) for s in list(decoder.generate(torch.tensor([PROMPT]), TREE_LENGTH))[1:]]
+    assert max(s.drafted for s in steps) >= 5 and max(s.depth for s in steps) >= 3
+    accepted = [s.accepted for s in steps]
+    assert max(accepted) >= 2 and min(accepted) == 0
+
+
+@pytest.mark.parametrize("wrong", ["swapped-ratio", "no-residual"])
+def test_a_wrong_tree_acceptance_rule_fails_the_test(monkeypatch, wrong):
+    """Two classic mistakes must fail the distribution test: accepting with min(1, q/p) instead of min(1, p/q),
+    and resampling a rejected position from p instead of the residual norm(max(0, p - q))."""
+    from dtbench.decoders import sampling
+
+    if wrong == "no-residual":
+        monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    else:
+        real = sampling.accept
+        monkeypatch.setattr(sampling, "accept", lambda p_x, q_x, g, d: real(q_x, p_x, g, d))
+    assert p_value(TREES["fixed-paper-B2"]("unrelated"), SETTINGS["t1"], TREE_LENGTH) < ALPHA
+
+
+def test_tree_sampling_is_reproducible_and_greedy_untouched():
+    """Same seed -> same tokens; different seeds differ; greedy trees still equal greedy AR."""
+    def run(seed):
+        d = TREES["dynatree"]("perturbed")
+        d.sampling, d.generator = SETTINGS["t1"], torch.Generator().manual_seed(seed)
+        return [t for s in d.generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12]
+
+    assert run(7) == run(7)
+    assert len({tuple(run(s)) for s in range(6)}) > 1
+    ar = [t for s in Autoregressive(models()["self"], None, ARParams()).generate(torch.tensor([PROMPT]), 12)
+          for t in s.tokens]
+    for name in TREES:
+        assert [t for s in TREES[name]("perturbed").generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12] == ar
+
+
+def test_prune_skip_refuses_sampling():
+    from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
+
+    params = FixedTreeParams(prune="skip")
+    assert "prune: leaf" in FixedTree.sampling_error(params)
+    assert FixedTree.sampling_error(FixedTreeParams()) is None
+    decoder = fixed_tree("perturbed", prune="skip")
+    decoder.sampling, decoder.generator = SETTINGS["t1"], torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="prune: skip"):
+        list(decoder.generate(torch.tensor([PROMPT]), 4))
