@@ -298,10 +298,12 @@ def test_tree_sampling_drafts_real_trees():
     assert max(accepted) >= 2 and min(accepted) == 0
 
 
-@pytest.mark.parametrize("wrong", ["swapped-ratio", "no-residual"])
-def test_a_wrong_tree_acceptance_rule_fails_the_test(monkeypatch, wrong):
+@pytest.mark.parametrize("wrong, draft", [("swapped-ratio", "unrelated"), ("no-residual", "perturbed")])
+def test_a_wrong_tree_acceptance_rule_fails_the_test(monkeypatch, wrong, draft):
     """Two classic mistakes must fail the distribution test: accepting with min(1, q/p) instead of min(1, p/q),
-    and resampling a rejected position from p instead of the residual norm(max(0, p - q))."""
+    and resampling a rejected position from p instead of the residual norm(max(0, p - q)). (The residual bug
+    distorts p by min(p, q) - sum(min(p, q)) p: small for the unrelated draft, whose mass sits on tokens the
+    target rarely picks (p = 0.02 there), large for the perturbed one (p < 1e-30).)"""
     from dtbench.decoders import sampling
 
     if wrong == "no-residual":
@@ -309,7 +311,7 @@ def test_a_wrong_tree_acceptance_rule_fails_the_test(monkeypatch, wrong):
     else:
         real = sampling.accept
         monkeypatch.setattr(sampling, "accept", lambda p_x, q_x, g, d: real(q_x, p_x, g, d))
-    assert p_value(TREES["fixed-paper-B2"]("unrelated"), SETTINGS["t1"], TREE_LENGTH) < ALPHA
+    assert p_value(TREES["fixed-paper-B2"](draft), SETTINGS["t1"], TREE_LENGTH) < ALPHA
 
 
 def test_tree_sampling_is_reproducible_and_greedy_untouched():
