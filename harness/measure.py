@@ -170,11 +170,16 @@ def _flags(kwargs) -> int:
 
 
 class ForwardCounter:
-    """Counts forward passes and the tokens they fed, for the target and the draft, with forward pre-hooks.
+    """Counts forward passes and the tokens they fed, for the target and the draft, with forward pre-hooks, and
+    times them with pre/post hooks.
 
     The runner installs it around each sample, so the counts are observed, never declared by the decoder
     (a ``generate`` inside transformers' assisted generation is counted the same way). Only the top-level
     module's calls are counted: one call = one forward pass over ``input_ids.shape[-1]`` new tokens.
+
+    Timing (issue 12, where a sample's time goes): on CPU, :func:`now` around each forward (CPU
+    kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per forward recorded on the current stream
+    (no host sync inside the loop; :meth:`forward_seconds` reads them after the sample's final synchronize).
 
     Args:
         target, draft: the models (``draft`` may be None). If the draft *is* the target object, every pass is
@@ -190,6 +195,10 @@ class ForwardCounter:
         # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
         self.fed: dict[str, list[tuple[int, int | None, int]]] = {k: [] for k in ("target", "draft")}
         self._handles: list = []
+        self._seconds = {k: 0.0 for k in ("target", "draft")}
+        self._open: dict[str, Any] = {}
+        self._events: dict[str, list] = {k: [] for k in ("target", "draft")}
+        self._cuda = {k: getattr(m, "device", torch.device("cpu")).type == "cuda" for k, m in self.models.items()}
 
     def _hook(self, role: str):
         def pre_hook(module, args, kwargs):
@@ -202,12 +211,44 @@ class ForwardCounter:
             self.forwards[role] += 1
             self.tokens[role] += n
             self.fed[role].append((n, _past_len(kwargs.get("past_key_values")), _flags(kwargs)))
+            if self._cuda[role]:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._open[role] = start
+            else:
+                self._open[role] = now()
 
         return pre_hook
+
+    def _post_hook(self, role: str):
+        def post_hook(module, args, kwargs, output):
+            start = self._open.pop(role, None)
+            if start is None:
+                return
+            if self._cuda[role]:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._events[role].append((start, end))
+            else:
+                self._seconds[role] += now() - start
+
+        return post_hook
+
+    def forward_seconds(self) -> dict[str, float | None]:
+        """Seconds spent inside each model's forward passes so far: ``{"target": s, "draft": s or None}`` (draft
+        None when it is not counted). On CUDA call it after synchronizing the device."""
+        out: dict[str, float | None] = {}
+        for role in ("target", "draft"):
+            if role not in self.models:
+                out[role] = None
+                continue
+            out[role] = self._seconds[role] + sum(a.elapsed_time(b) for a, b in self._events[role]) / 1000.0
+        return out
 
     def __enter__(self) -> "ForwardCounter":
         for role, model in self.models.items():
             self._handles.append(model.register_forward_pre_hook(self._hook(role), with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._post_hook(role), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -297,12 +338,15 @@ class Measurement:
         steps: the decoder's Steps, in order.
         records: one :class:`StepRecord` per Step (same length as ``steps``).
         memory: the sample's :class:`MemoryPeak`.
+        forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
+            the draft None when not counted), None when not measured.
     """
 
     tokens: list[int]
     steps: list
     records: list[StepRecord]
     memory: MemoryPeak
+    forward_s: dict | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -368,4 +412,6 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
             gen.close()
     if len(tokens) < gen_length:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
-    return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak)
+    synchronize(device)
+    return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
+                       forward_s=counter.forward_seconds())

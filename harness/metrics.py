@@ -212,6 +212,8 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
             # per step, per forward in call order: [tokens fed n, KV positions before it, flags (measure.FED_*)]
             "target_fed": [getattr(r, "target_fed", None) or [] for r in m.records],
             "draft_fed": [getattr(r, "draft_fed", None) or [] for r in m.records] if draft_counted else None,
+            # seconds inside the target's / draft's forward passes (hooks; the cost model's time decomposition)
+            "forward_s": getattr(m, "forward_s", None),
         },
         step_times_s=times,
         peak_rss_bytes=m.memory.rss_bytes,

@@ -10,6 +10,11 @@ curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-ste
   outside them — host syncs, mask building, cache copies, Python — or forwards slower than calibrated).
   Samples stored before the per-forward records existed are priced from the per-step forward and token counts,
   each step's tokens spread evenly over its forwards, on the shortest calibrated cache (marked ``approx``).
+- where the rest goes: each sample also stores the seconds spent inside the target's and draft's forward passes,
+  timed by the runner's hooks (``step_stats["forward_s"]``). Then ``efficiency = forward_share x forward_speed``:
+  ``forward_share`` = in-forward / measured time (1 - the decoder's own overhead: Python, host syncs, masks, cache
+  copies, sampling), ``forward_speed`` = predicted / in-forward time (below 1: the forwards themselves ran slower in
+  the loop than calibrated — another call path, cache state, machine noise between calibration and run).
 - chain decoders (``linear``, ``streaming_spec``): from the accepted lengths a_i of the iterations that drafted
   K_i tokens, the per-position acceptance p_j = #{a_i >= j} / #{a_i >= j-1 and K_i >= j} (a position counts only
   in iterations that drafted it), the expected tokens per iteration E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i for
@@ -133,6 +138,9 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         priced = [price_sample(curves, s.step_stats or {}) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
+        timed = [(s.step_stats or {}).get("forward_s") for s in samples]
+        in_forward = (sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
+                      if all(timed) else math.nan)
         row = {
             "dataset": cell.dataset, "prompt_cap": cell.prompt_cap, "gen_length": cell.gen_length,
             "label": cell.label, "decoder": cell.decoder, "n": len(samples),
@@ -140,6 +148,9 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             "target_s": sum(p["target_s"] for p in priced) / len(priced),
             "draft_s": sum(p["draft_s"] for p in priced) / len(priced),
             "efficiency": predicted / measured if measured > 0 else math.nan,
+            "in_forward_s": in_forward,
+            "forward_share": in_forward / measured if measured > 0 else math.nan,
+            "forward_speed": predicted / in_forward if in_forward > 0 else math.nan,
             "measured_throughput": sum(s.new_tokens / s.total_s for s in samples) / len(samples),
             "predicted_throughput": sum(s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced)
                                         if p["predicted_s"] > 0) / len(samples),
@@ -198,11 +209,13 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
               else f"standalone calibration {curves.batch[:8]} (same models, dtype and device)")
     title = f"run {rid}: cost model ({source})"
     caption = ("predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
-               "/ measured time; speedups vs AR of the same dataset/L_max/T; best K: chain decoders, from the "
-               "per-position acceptance (forward costs only)")
+               "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
+               "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T; best K: "
+               "chain decoders, from the per-position acceptance (forward costs only)")
     if fmt == "json":
         cols = ["dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
-                "efficiency", "target_s", "draft_s", "predicted_throughput", "measured_throughput",
+                "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
+                "predicted_throughput", "measured_throughput",
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
                 "predicted_k_speedup", "acceptance_by_position", "approx"]
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
@@ -220,6 +233,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "n": str(r["n"]), "Measured (s)": f(r["measured_s"], ".3f"),
         "Predicted (s)": f(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
         "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": f(r["efficiency"], ".2f"),
+        "In fwd": f(r["forward_share"], ".0%"), "Fwd speed": f(r["forward_speed"], ".2f"),
         "Measured t/s": f(r["measured_throughput"], ".1f"), "Predicted t/s": f(r["predicted_throughput"], ".1f"),
         "Speedup meas.": f(r["measured_speedup"], ".2f", "×"), "Speedup pred.": f(r["predicted_speedup"], ".2f", "×"),
         "Best K (pred.)": "—" if r["predicted_best_k"] is None or pd.isna(r["predicted_best_k"])

@@ -59,7 +59,8 @@ def cost_tables():
 
 
 class FakeClock:
-    """A clock that moves only when a hooked model runs a forward (by the fake cost of that forward)."""
+    """A clock that moves only when a hooked model runs a forward (by the fake cost of that forward, charged when the
+    forward returns, so the runner's own forward timer, whose hooks wrap the forward, sees it)."""
 
     def __init__(self, cost: FakeCost):
         self.t = 0.0
@@ -70,12 +71,18 @@ class FakeClock:
         return self.t
 
     def attach(self, model, role: str) -> None:
-        def hook(module, args, kwargs):
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            self.t += self.cost(role, int(ids.shape[-1]), measure._past_len(kwargs.get("past_key_values")),
-                                measure._flags(kwargs))
+        pending = []
 
-        self.handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
+        def pre_hook(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            pending.append(self.cost(role, int(ids.shape[-1]), measure._past_len(kwargs.get("past_key_values")),
+                                     measure._flags(kwargs)))
+
+        def post_hook(module, args, kwargs, output):
+            self.t += pending.pop()
+
+        self.handles.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        self.handles.append(model.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
 
     def detach(self) -> None:
         for h in self.handles:
@@ -181,6 +188,10 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
     priced = costmodel.price_sample(curves, json.loads(json.dumps(row["step_stats"])))
     assert not priced["approx"]
     assert priced["predicted_s"] == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
+    # the runner's forward timer sees exactly the clock's movement: all of it happens inside forwards
+    timed = row["step_stats"]["forward_s"]
+    assert timed["target"] + (timed["draft"] or 0.0) == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
+    assert timed["target"] == pytest.approx(priced["target_s"], rel=1e-9, abs=1e-12)
     if not cls.needs_draft:
         assert priced["draft_s"] == 0
 
@@ -342,6 +353,9 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     for c in cells.values():
         assert c["predicted_s"] > 0 and c["measured_s"] > 0
         assert math.isclose(c["efficiency"], c["predicted_s"] / c["measured_s"], rel_tol=1e-9)
+        # the time decomposition: share of the measured time inside forwards x calibrated / timed forward cost
+        assert 0 < c["forward_share"] <= 1 and c["in_forward_s"] <= c["measured_s"]
+        assert math.isclose(c["efficiency"], c["forward_share"] * c["forward_speed"], rel_tol=1e-9)
     assert 1 <= cells["linear"]["predicted_best_k"] <= 3 and cells["linear"]["predicted_best_speedup"] > 0
     assert cells["dynatree"]["predicted_best_k"] is None
     result = invoke("report", "--db", str(dbfile), "--figures", str(tmp_path / "figs"))
