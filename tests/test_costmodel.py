@@ -328,6 +328,7 @@ def test_auto_budget_takes_the_largest_n_within_the_factor():
 def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     """A suite with `calibrate: true` and `n_max: auto`: the calibration is stored with the run, the budget lands in
     the cell's params, and `report --cost-model --format json` prices every cell."""
+    import dtbench.harness.cli  # noqa: F401  (imported before Settings is patched: its options read the defaults)
     from dtbench.harness import db
     from kit import invoke, suite_dict, tiny_pair, write_suite
 
