@@ -212,6 +212,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
                "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T; best K: "
                "chain decoders, from the per-position acceptance (forward costs only)")
+    if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
+        caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
+                    "the run's (calibrate: true measures in the run's own process)")
     if fmt == "json":
         cols = ["dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
                 "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
