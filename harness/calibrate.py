@@ -26,10 +26,18 @@ calibration sharing ``batch``. A suite's calibration has ``run_id`` = its run; a
 ``run_id`` NULL and no ``runs`` row (a runs row without cells would become "the latest run" of ``dtbench report``);
 the cost model matches it to a run by target/draft model, dtype, device and device name.
 
+Where it is measured: on the worker that measures the cells (:mod:`dtbench.harness.executors`). The local executor's
+worker is the driver's process; with ``--executor ray`` the first Ray actor calibrates (one calibration per run: a
+cluster's workers have the same kind of device; if their device names differ, a one-line warning says the curves
+come from that worker's device). The worker sends its points back as plain data (:class:`Measured`: points plus its
+host, pid, device and device name); the driver stores them (rows' ``device``/``device_name`` are the worker's) and
+records the worker under ``runs.environment["calibration"]``.
+
 ``n_max: auto`` (tree decoders, an extension of the paper's fixed N_max = 256): the runner resolves it before the
 first cell from the calibrated target tree-verify curve at the decoder's first prompt length — the largest
 calibrated n whose verify cost (root + n drafted nodes) is at most ``n_max_factor`` x the cost of one AR token
-(see :func:`auto_budget`).
+(see :func:`auto_budget`). The driver resolves it in its plan, records it in the cells' params and hands the
+budgets to every worker (each Ray actor plans the suite itself), so the decoders run what the cells record.
 """
 
 from __future__ import annotations
@@ -110,6 +118,22 @@ class Point:
     median_s: float
     iqr_s: float
     repeats: int
+
+
+@dataclass
+class Measured:
+    """A calibration as the worker that measured it hands it to the driver (plain data, sent between processes)."""
+
+    points: list[Point]
+    host: str
+    pid: int
+    device: str  # str(torch.device) on the worker: cpu, cuda:0
+    device_name: str  # measure.device_name on the worker
+
+    @property
+    def where(self) -> dict:
+        """Who measured it (``runs.environment["calibration"]``)."""
+        return {"host": self.host, "pid": self.pid, "device": self.device, "device_name": self.device_name}
 
 
 # --- what to calibrate ------------------------------------------------------------------------------------------
@@ -313,14 +337,27 @@ def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[i
     return points
 
 
+def measure_on(worker, contexts: dict[int, list[int]], settings: Settings,
+               console: Console | None = None) -> Measured:
+    """:func:`calibrate` with a :class:`~dtbench.harness.executors.Worker`'s plan, models and device, in the worker's
+    process (the driver's, or a Ray actor's)."""
+    points = calibrate(worker.plan, worker.suite, worker.target, worker.draft, worker.device, contexts,
+                       settings=settings, console=console)
+    info = worker.info
+    return Measured(points, info.host, info.pid, str(worker.device), info.device_name)
+
+
 def store(sessions, points: list[Point], *, run_id: int | None, suite_name: str, suite_hash: str,
-          device: torch.device) -> str:
-    """Write ``points`` as one calibration batch; return the batch id."""
+          device: torch.device | str, device_name: str | None = None) -> str:
+    """Write ``points`` as one calibration batch; return the batch id.
+
+    ``device_name``: the measuring worker's (default: :func:`~dtbench.harness.measure.device_name` of ``device``
+    in this process)."""
     from dtbench.harness import measure
     from dtbench.harness.db import Calibration
 
     batch = uuid.uuid4().hex
-    dev_name = measure.device_name(device)
+    dev_name = device_name if device_name is not None else measure.device_name(device)
     with sessions() as session:
         for p in points:
             session.add(Calibration(run_id=run_id, batch=batch, suite_name=suite_name, suite_hash=suite_hash,
@@ -372,6 +409,14 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
     return out
 
 
+def apply_budgets(plan, budgets: dict[str, int]) -> None:
+    """Set ``n_max`` of the plan's decoders named in ``budgets`` ({label: n_max}); the plan's prompt groups hold
+    the same decoder entries, so they see it too."""
+    for cp in plan.decoders:
+        if cp.label in budgets:
+            cp.params = cp.params.model_copy(update={"n_max": int(budgets[cp.label])})
+
+
 def contexts_of(prompts: dict[tuple[str, int], list]) -> dict[int, list[int]]:
     """Cache content per L_max: the first prompt of the first dataset with that cap."""
     out: dict[int, list[int]] = {}
@@ -381,11 +426,12 @@ def contexts_of(prompts: dict[tuple[str, int], list]) -> dict[int, list[int]]:
     return out
 
 
-def before_cells(sessions, run_id: int, plan, suite, suite_text: str, target, draft, device, prompts,
+def before_cells(sessions, run_id: int, plan, suite, suite_text: str, executor, prompts,
                  console: Console) -> Curves | None:
     """The runner's step before the first cell: calibrate when the suite asks (``calibrate: true``) or a decoder
-    has ``n_max: auto`` — reusing the run's stored calibration on ``--resume`` — then resolve ``n_max: auto`` and
-    record the chosen budgets in the cells' params."""
+    has ``n_max: auto`` — on the ``executor``'s worker (:mod:`dtbench.harness.executors`), reusing the run's stored
+    calibration on ``--resume`` — then resolve ``n_max: auto``, record the chosen budgets in the cells' params and
+    hand them to the executor's workers."""
     from sqlalchemy import select
 
     from dtbench.harness.db import Calibration, Run
@@ -397,11 +443,17 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, target, dr
         rows = session.scalars(select(Calibration).where(Calibration.run_id == run_id)).all()
         curves = Curves(rows, batch=rows[0].batch, run_id=run_id) if rows else None
     if curves is None:
-        points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), console=console)
+        measured = executor.calibrate(contexts_of(prompts), Settings(), console)
+        points = measured.points
         batch = store(sessions, points, run_id=run_id, suite_name=suite.name, suite_hash=suite_hash(suite_text),
-                      device=device)
+                      device=measured.device, device_name=measured.device_name)
+        with sessions() as session:
+            run = session.get(Run, run_id)
+            run.environment = {**(run.environment or {}), "calibration": {"batch": batch, **measured.where}}
+            session.commit()
         curves = Curves(points, batch=batch, run_id=run_id)
-        console.print(f"calibration stored: {len(points)} points (batch {batch[:8]})", highlight=False)
+        console.print(f"calibration stored: {len(points)} points (batch {batch[:8]}), measured on "
+                      f"{measured.host} (pid {measured.pid}, {measured.device_name})", highlight=False)
     budgets = resolve_auto(plan, curves, console)
     if budgets:
         with sessions() as session:
@@ -409,4 +461,5 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, target, dr
                 if cell.label in budgets:
                     cell.params = {**(cell.params or {}), "n_max": budgets[cell.label]}
             session.commit()
+        executor.set_budgets(budgets)
     return curves

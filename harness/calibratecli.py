@@ -36,7 +36,8 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     One forward over n new tokens on a KV cache of the suite's prompt length (and prompt length + T), for
     n = 1 .. the largest tree or chain the suite's decoders build, with and without the tree mask, device-
     synchronized, repeated until the median is stable. `dtbench report --cost-model` uses the newest calibration
-    of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`.
+    of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`, on the
+    worker that measures the cells (this process with --executor local, the first Ray worker with --executor ray).
     """
     from dtbench.harness import data, db, models
     from dtbench.harness.plan import plan_suite

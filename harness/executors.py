@@ -1,4 +1,4 @@
-"""Executors: where a run's prompt groups are measured (issue 11).
+"""Executors: where a run's prompt groups are measured (issue 11), and its cost model calibrated (issue 12).
 
 The driver (:func:`dtbench.harness.runner.run_suite`) owns the run: it plans the suite, tokenizes the prompts, writes
 the run and cell rows, refreshes the heartbeat, shows the progress bar and commits every outcome through
@@ -8,24 +8,32 @@ groups (a reference and every decoder that depends on it, in plan order, on one 
 :class:`~dtbench.harness.runner.Outcome` as soon as it is measured.
 
 - :class:`LocalExecutor`: one worker inside the driver's process (``--executor local``, the default).
-- :class:`RayExecutor`: Ray actors (``--executor ray``): one per GPU (``num_gpus=1``) when the device is CUDA, else
-  ``--workers N`` actors of ``--threads-per-worker M`` CPU threads. An actor that dies (its process killed, its node
-  lost) has its group retried once on another worker (a replacement is started); a group whose worker dies twice
-  fails its not-yet-stored samples' cells with the error. Samples already committed are never measured again: the
-  driver reads what is stored (:func:`~dtbench.harness.runner._group_state`) before every dispatch.
+- :class:`~dtbench.harness.ray_executor.RayExecutor`: Ray actors (``--executor ray``): one per GPU (``num_gpus=1``)
+  when the device is CUDA, else ``--workers N`` actors of ``--threads-per-worker M`` CPU threads. An actor that dies
+  (its process killed, its node lost) has its group retried once on another worker (a replacement is started); a
+  group whose worker dies twice fails its not-yet-stored samples' cells with the error. Samples already committed
+  are never measured again: the driver reads what is stored (:func:`~dtbench.harness.runner._group_state`) before
+  every dispatch.
+
+Calibration (``calibrate: true``, ``n_max: auto``; :func:`dtbench.harness.calibrate.before_cells`) measures where the
+cells are measured: the local worker, or the first Ray actor (one calibration per run: a GPU cluster's workers have
+the same kind of device; if their device names differ, a one-line warning says whose curves they are). The worker
+returns the points as plain data (:class:`~dtbench.harness.calibrate.Measured`); the driver stores them, resolves
+``n_max: auto`` in its plan and hands the budgets to every worker (``set_budgets``; a replacement actor gets them
+when it starts), so the workers' decoders run the params recorded in the cells.
 
 The interface an executor implements (:class:`Executor`): ``prepare(suite)`` (fail fast: resolve the device),
 ``start(suite, plan, tokenizer, console) -> WorkerInfo`` (load the models on every worker; the first worker's
-environment becomes the run's), ``execute(groups, sink)`` (measure every group, calling ``sink.state(group)`` right
-before handing a group to a worker and ``sink.commit(group, outcome, worker)`` for each outcome, in the driver's
-thread), ``close()`` (stop the workers), and ``describe()`` (recorded in the run's environment).
+environment becomes the run's), ``calibrate(contexts, settings, console) -> Measured`` and ``set_budgets(budgets)``
+(above), ``execute(groups, sink)`` (measure every group, calling ``sink.state(group)`` right before handing a group
+to a worker and ``sink.commit(group, outcome, worker)`` for each outcome, in the driver's thread), ``close()`` (stop
+the workers), and ``describe()`` (recorded in the run's environment).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -34,8 +42,8 @@ from typing import Any, Protocol
 import torch
 from rich.console import Console
 
-from dtbench.harness import models
-from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness import calibrate, models
+from dtbench.harness.errors import DtbenchError
 from dtbench.harness.measure import device_name, environment
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
 from dtbench.harness.runner import Outcome, run_group
@@ -144,6 +152,15 @@ class Worker:
             raise DtbenchError(f"this worker's plan has no prompt group {key}")
         yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip)
 
+    def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
+                  console: Console | None = None) -> calibrate.Measured:
+        """The cost model's curves measured with this worker's models on its device (plain data for the driver)."""
+        return calibrate.measure_on(self, contexts, settings, console)
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        """Use the driver's resolved ``n_max: auto`` budgets ({label: n_max}) in this worker's plan."""
+        calibrate.apply_budgets(self.plan, budgets)
+
 
 class Sink(Protocol):
     """What the driver offers an executor (implemented by the runner)."""
@@ -174,6 +191,15 @@ class Executor:
     def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
         """Load the models on every worker; the returned worker's environment becomes the run's."""
         raise NotImplementedError
+
+    def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
+                  console: Console) -> calibrate.Measured:
+        """Measure the cost model's curves on a worker (after :meth:`start`, before any group)."""
+        raise DtbenchError(f"the {self.name} executor cannot calibrate: calibrate: true and n_max: auto need "
+                           f"--executor local or ray (or store a calibration with `dtbench calibrate` first)")
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        """Hand the resolved ``n_max: auto`` budgets to every worker, present and future."""
 
     def execute(self, groups: Iterable[PromptGroup], sink: Sink) -> None:
         """Measure every group (references before dependents within each), committing through ``sink``."""
@@ -208,6 +234,12 @@ class LocalExecutor(Executor):
                              status=console.status)
         return self.worker.info
 
+    def calibrate(self, contexts, settings, console: Console) -> calibrate.Measured:
+        return self.worker.calibrate(contexts, settings, console)
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        self.worker.set_budgets(budgets)  # the driver's own plan, resolved already: a no-op kept for symmetry
+
     def execute(self, groups: Iterable[PromptGroup], sink: Sink) -> None:
         worker = self.worker
         for group in groups:
@@ -222,262 +254,6 @@ class LocalExecutor(Executor):
         return {"name": self.name, "threads": self.threads}
 
 
-# --- Ray ---------------------------------------------------------------------------------------------------------
-
-
-RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"
-MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remaining samples fail their cells
-
-
-def import_ray():
-    """The ``ray`` module.
-
-    Raises:
-        DtbenchError: one line saying how to install it.
-    """
-    try:
-        import ray
-    except ImportError:
-        raise DtbenchError(RAY_MISSING) from None
-    return ray
-
-
-class RayWorker:
-    """The body of a Ray actor: a :class:`Worker` built in the actor's process. Never raises from ``__init__``
-    (the error comes back from :meth:`ready`, as one line), so a bad model is a user error, not a dead actor."""
-
-    def __init__(self, suite: Suite, device: str, threads: int | None, cwd: str | None):
-        self.worker, self.error = None, None
-        try:
-            self.worker = Worker(suite, device, threads=threads, cwd=cwd)
-        except DtbenchError as exc:
-            self.error = str(exc)
-        except Exception as exc:
-            self.error = f"{type(exc).__name__}: {clip(exc, 1000)}"
-
-    def ready(self) -> WorkerInfo | str:
-        """The worker's :class:`WorkerInfo`, or the one-line error that kept it from loading its models."""
-        if self.worker is None:
-            return f"worker on {socket.gethostname()} (pid {os.getpid()}): {self.error}"
-        return self.worker.info
-
-    def run(self, key: GroupKey, prompt, done, skip) -> Iterator[Outcome]:
-        """A streaming generator: each outcome travels to the driver as soon as it is measured."""
-        yield from self.worker.run(key, prompt, done, skip)
-
-
-@dataclass
-class _Actor:
-    handle: Any
-    ready_ref: Any
-    info: WorkerInfo | None = None
-
-
-class RayExecutor(Executor):
-    """Prompt groups on Ray actors, each keeping its loaded target and draft; the driver commits every outcome.
-
-    Args:
-        address: a Ray cluster to join (``auto``, ``HOST:PORT``, ``ray://...``); None: ``$RAY_ADDRESS``, else a
-            local Ray instance started for this run (and shut down after it).
-        workers: number of actors; default one per GPU on CUDA, else the cluster's CPUs // ``threads_per_worker``.
-        threads_per_worker: CPUs reserved by each actor (``num_cpus``) and its ``torch.set_num_threads``.
-    """
-
-    name = "ray"
-
-    def __init__(self, address: str | None = None, workers: int | None = None, threads_per_worker: int | None = None):
-        self.address, self.n_workers, self.threads = address, workers, threads_per_worker or 1
-        self.ray = None
-        self._remote = None
-        self.started_ray = False
-        self.actors: list[_Actor] = []
-        self.device = "cpu"
-        self.restarts_left = 0
-
-    def prepare(self, suite: Suite) -> None:
-        ray = self.ray = import_ray()
-        if not ray.is_initialized():
-            import logging
-
-            kwargs: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=True)
-            if self.address is None and not os.environ.get("RAY_ADDRESS"):
-                kwargs["include_dashboard"] = False  # a local instance of our own: nothing to look at
-            try:
-                ray.init(address=self.address, **kwargs)
-            except Exception as exc:
-                raise DtbenchError(f"cannot start or join Ray (address {self.address or 'local'}): "
-                                   f"{type(exc).__name__}: {clip(exc, 300)}") from None
-            self.started_ray = True
-        resources = ray.cluster_resources()
-        gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
-        if suite.device == "cuda" and gpus == 0:
-            raise DtbenchError("the suite asks for device: cuda, and the Ray cluster has no GPU")
-        self.device = "cuda" if suite.device in ("cuda", "auto") and gpus > 0 else "cpu"
-        if self.device == "cuda":
-            n = self.n_workers or gpus
-            if n > gpus:
-                raise DtbenchError(f"--workers {n}: the Ray cluster has {gpus} GPU(s), one per worker")
-        else:
-            n = self.n_workers or max(1, cpus // self.threads)
-            if n * self.threads > cpus:
-                raise DtbenchError(f"--workers {n} x --threads-per-worker {self.threads} needs {n * self.threads} CPUs; "
-                                   f"the Ray cluster has {cpus}")
-        self.n_workers = n
-        self.restarts_left = 2 * n + 2
-
-    def _spawn(self, suite: Suite) -> _Actor:
-        if self._remote is None:
-            self._remote = self.ray.remote(RayWorker).options(
-                num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1)
-        handle = self._remote.remote(suite, self.device, self.threads, os.getcwd())
-        return _Actor(handle, handle.ready.remote())
-
-    def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
-        ray = self.ray
-        self.suite, self.plan = suite, plan
-        self.actors = [self._spawn(suite) for _ in range(self.n_workers)]
-        expected = [(p.label, p.version) for p in plan.decoders]
-        pending = {a.ready_ref: a for a in self.actors}
-        with console.status(f"starting {self.n_workers} Ray worker(s) on {self.device}: loading "
-                            f"{suite.target.model} and the draft on each") as spinner:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-                for ref in ready:
-                    actor = pending.pop(ref)
-                    actor.info = self._ready(ref)
-                    if actor.info.decoders != expected:
-                        raise DtbenchError(f"Ray worker {actor.info.where} has other decoders or versions than this "
-                                           f"driver: {_diff(actor.info.decoders, expected)}; install the same dtbench "
-                                           f"and plugins on every node")
-                spinner.update(f"starting {self.n_workers} Ray worker(s) on {self.device}: "
-                               f"{self.n_workers - len(pending)} ready")
-        infos = [a.info for a in self.actors]
-        names = sorted({i.device_name for i in infos})
-        if len(names) > 1:
-            console.print(f"[yellow]warning: the Ray workers have different devices ({'; '.join(names)}); a cell "
-                          f"measured on several is flagged in the report[/yellow]")
-        infos[0].warnings = sorted({w for i in infos for w in i.warnings})
-        return infos[0]
-
-    def _ready(self, ref) -> WorkerInfo:
-        from ray.exceptions import RayActorError
-
-        try:
-            info = self.ray.get(ref)
-        except RayActorError as exc:
-            raise DtbenchError(f"a Ray worker died while loading the models: {_one_line(exc)}") from None
-        if isinstance(info, str):
-            raise DtbenchError(info)
-        return info
-
-    def execute(self, groups: Iterable[PromptGroup], sink: Sink) -> None:
-        ray = self.ray
-        from ray.exceptions import ObjectLostError, RayActorError
-
-        queue: deque[PromptGroup] = deque(groups)
-        attempts: dict[GroupKey, int] = {}
-        idle: deque[_Actor] = deque(self.actors)
-        starting: dict[Any, _Actor] = {}
-        running: dict[Any, tuple[_Actor, PromptGroup]] = {}
-        while queue or running:
-            while idle and queue:
-                group = queue.popleft()
-                done, skip = sink.state(group)
-                if all(cp.label in done or cp.label in skip for cp in group.decoders):
-                    continue
-                actor = idle.popleft()
-                gen = actor.handle.run.options(num_returns="streaming").remote(
-                    group_key(group), sink.prompt(group), done, skip)
-                running[gen] = (actor, group)
-            if not running and queue and not idle and not starting:
-                raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")
-            if not running and not starting:
-                continue  # every remaining group was already stored
-            ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=1.0)
-            for ref in ready:
-                if ref in starting:  # a replacement worker finished loading
-                    actor = starting.pop(ref)
-                    try:
-                        actor.info = self._ready(ref)
-                    except DtbenchError as exc:
-                        sink.note(f"a replacement Ray worker could not start: {exc}")
-                        self._kill(actor)
-                        continue
-                    idle.append(actor)
-                    continue
-                actor, group = running[ref]
-                try:
-                    out_ref = next(ref)
-                except StopIteration:  # the group is measured
-                    del running[ref]
-                    idle.append(actor)
-                    continue
-                try:
-                    outcome = ray.get(out_ref)
-                except (RayActorError, ObjectLostError) as exc:
-                    del running[ref]
-                    self._lost(actor, group, exc, queue, attempts, starting, sink)
-                    continue
-                sink.commit(group, outcome, actor.info)
-
-    def _lost(self, actor: _Actor, group: PromptGroup, exc: Exception, queue, attempts, starting, sink) -> None:
-        """A worker died mid-group: retry the group once (first in the queue), else fail its remaining samples;
-        start a replacement worker while the restart budget lasts."""
-        self._kill(actor)
-        key = group_key(group)
-        attempts[key] = attempts.get(key, 0) + 1
-        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.name} L_max={group.cap} "
-                f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}")
-        if attempts[key] < MAX_ATTEMPTS:
-            sink.note(f"{what}; retrying the group on another worker")
-            queue.appendleft(group)
-        else:
-            sink.note(f"{what}; it was the group's second attempt, so its remaining samples fail their cells")
-            sink.fail(group, f"prompt {group.prompt_index}: the worker died (twice): {_one_line(exc, 300)}",
-                      actor.info)
-        if self.restarts_left > 0:
-            self.restarts_left -= 1
-            new = self._spawn(self.suite)
-            self.actors.append(new)
-            starting[new.ready_ref] = new
-
-    def _kill(self, actor: _Actor) -> None:
-        try:
-            self.ray.kill(actor.handle, no_restart=True)
-        except Exception:
-            pass
-        if actor in self.actors:
-            self.actors.remove(actor)
-
-    def close(self) -> None:
-        if self.ray is None:
-            return
-        for actor in list(self.actors):
-            self._kill(actor)
-        if self.started_ray:
-            try:
-                self.ray.shutdown()
-            except Exception:
-                pass
-            self.started_ray = False
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "address": self.address, "workers": self.n_workers,
-                "threads_per_worker": self.threads, "device": self.device}
-
-
-def _one_line(exc: BaseException, limit: int = 200) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return clip(f"{type(exc).__name__}: {lines[0] if lines else ''}", limit)
-
-
-def _diff(got: list[tuple[str, str]], expected: list[tuple[str, str]]) -> str:
-    extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
-    parts = [f"it has {', '.join(f'{l} {v}' for l, v in extra)}" if extra else "",
-             f"it lacks {', '.join(f'{l} {v}' for l, v in missing)}" if missing else ""]
-    return clip("; ".join(p for p in parts if p) or "the same decoders in another order", 300)
-
-
 def make_executor(name: str, *, address: str | None = None, workers: int | None = None,
                   threads_per_worker: int | None = None) -> Executor:
     """The executor named by ``dtbench run --executor``.
@@ -490,6 +266,16 @@ def make_executor(name: str, *, address: str | None = None, workers: int | None 
             raise DtbenchError("--address and --workers need --executor ray (the local executor is one worker)")
         return LocalExecutor(threads=threads_per_worker)
     if name == "ray":
+        from dtbench.harness.ray_executor import RayExecutor, import_ray
+
         import_ray()
         return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker)
     raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(EXECUTORS)})")
+
+
+def __getattr__(name: str):  # the Ray executor's names, from their own module (imported on first use)
+    if name in ("RayExecutor", "RayWorker", "import_ray", "RAY_MISSING"):
+        from dtbench.harness import ray_executor
+
+        return getattr(ray_executor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

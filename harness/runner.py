@@ -132,9 +132,6 @@ def run_suite(
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
-    if needs_calibration(plan, suite) and not isinstance(executor, LocalExecutor):
-        raise DtbenchError("calibrate: true and n_max: auto calibrate in the driver's process: run them with "
-                           "--executor local (or store a calibration with `dtbench calibrate` first)")
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
 
@@ -168,12 +165,10 @@ def run_suite(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                 TimeRemainingColumn(), console=console, disable=not progress, transient=False,
             ) as bar:
-                # calibrate: true / n_max: auto (issue 12): curves stored with the run, auto budgets resolved in the
-                # plan before any decoder is built; the local executor's models are this process's.
+                # calibrate: true / n_max: auto (issue 12): measured on the executor's (first) worker, stored with
+                # the run by this process, auto budgets resolved in the plan and handed to every worker.
                 if needs_calibration(plan, suite):
-                    w = executor.worker
-                    calibrate.before_cells(sessions, run_id, plan, suite, suite_text, w.target, w.draft, w.device,
-                                           prompts, console)
+                    calibrate.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
                 task = bar.add_task("starting", total=plan.n_samples)
                 sink = _Sink(sessions, run_id, cells, prompts, bar, task, console)
                 executor.execute(plan.groups(), sink)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -90,7 +92,16 @@ class FakeClock:
         self.handles.clear()
 
 
-FAST = cal.Settings(min_repeats=1, min_time_s=0.0, max_time_s=1.0, warmup=0)
+@dataclass
+class Fast(cal.Settings):
+    """One forward per point: a run's calibration in tests (a class, so `cal.Settings.min_time_s` still reads)."""
+
+    min_repeats: int = 1
+    min_time_s: float = 0.0
+    warmup: int = 0
+
+
+FAST = Fast()
 
 DECODERS = {
     "ar": st.just({}),
@@ -332,7 +343,7 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     from dtbench.harness import db
     from kit import invoke, suite_dict, tiny_pair, write_suite
 
-    monkeypatch.setattr(cal, "Settings", lambda: FAST)
+    monkeypatch.setattr(cal, "Settings", Fast)
     target, draft = tiny_pair(tmp_path)
     suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "linear", "params": {"k": 3}},
                                        {"name": "dynatree", "params": {"n_max": "auto", "n_max_factor": 3.0}}],
@@ -345,6 +356,9 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     with sessions() as s:
         run = s.query(db.Run).one()
         assert s.query(db.Calibration).filter_by(run_id=run.id).count() > 0
+        where = run.environment["calibration"]  # measured by the local executor's worker: this process
+        assert where["pid"] == os.getpid() and where["device"] == "cpu" and where["batch"] == cal.load_curves(
+            s, run).batch
         cell = s.query(db.Cell).filter_by(decoder="dynatree").one()
         assert isinstance(cell.params["n_max"], int) and 1 <= cell.params["n_max"] <= cal.AUTO_SEARCH_MAX
     result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")

@@ -1,7 +1,9 @@
 """The Ray executor (issue 11) on a real local Ray cluster (2 CPUs, workers of 1 thread) and tiny float64 models:
 the same cells and output tokens as the local executor; a worker process killed mid-group has its group retried
 once and nothing is lost or duplicated; a worker that dies twice on a group fails that group's remaining samples;
-a driver SIGKILLed mid-run resumes, with either executor, to exactly one sample per (cell, prompt).
+a driver SIGKILLed mid-run resumes, with either executor, to exactly one sample per (cell, prompt); `calibrate: true`
+and `n_max: auto` calibrate on a worker actor, the driver stores the curves with the run and the actors decode with
+the budget the driver resolved.
 
 Real processes throughout: Ray actors load the model folders themselves; the test decoders (a tiny plugin
 distribution on PYTHONPATH, so the actors see it too) stall, sleep or kill their own worker process.
@@ -10,6 +12,7 @@ distribution on PYTHONPATH, so the actors see it too) stall, sleep or kill their
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import sqlite3
@@ -17,13 +20,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 from sqlalchemy import func, select
 
+from dtbench.harness import calibrate as cal
 from dtbench.harness import db
+from dtbench.harness.curves import FED_MASK
 from dtbench.harness.executors import LocalExecutor, RayExecutor
 from dtbench.harness.runner import run_suite
 from dtbench.harness.suite import load_suite
@@ -282,3 +288,118 @@ def test_ray_options_and_a_missing_ray_are_one_line_errors(pair, tmp_path, monke
     one_line_error(invoke("run", path, "--workers", "2"), "--address and --workers need --executor ray")
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     one_line_error(invoke("run", path, "--executor", "ray"), "--executor ray needs Ray", "pip install 'dtbench[ray]'")
+
+
+# --- calibration on a worker (issue 12) ----------------------------------------------------------------------------
+
+@dataclass
+class Fast(cal.Settings):
+    """One forward per point (the driver builds the settings; they travel to the worker as plain data)."""
+
+    min_repeats: int = 1
+    min_time_s: float = 0.0
+    warmup: int = 0
+
+
+FAST = Fast()
+CAL_KEYS = "select role, n, cache_len, tree_mask, last_only from calibrations order by 1, 2, 3, 4, 5"
+
+
+def calibrate_suite(pair, decoders: list, **extra) -> dict:
+    suite = suite_dict(*pair, decoders, **extra)
+    suite["datasets"][0].update(prompts=2, warmup=0)
+    return suite
+
+
+def test_calibrate_true_runs_on_a_worker(cluster, pair, tmp_path, data_dir, monkeypatch):
+    """`calibrate: true` under Ray: the first actor measures, the driver stores the same rows as the local executor
+    with the worker's host and device, and `report --cost-model` prices every cell."""
+    monkeypatch.setattr(cal, "Settings", Fast)
+    suite = calibrate_suite(pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}},
+                                   {"name": "fixed_tree", "params": {"depth": 2}}], calibrate=True)
+    _, local_console, local = run(tmp_path, suite, LocalExecutor(threads=1), "cal-local", data_dir)
+    ray_db = tmp_path / "cal-ray.db"  # through the command, progress bar on (live while the worker calibrates)
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(ray_db), "--data-dir", str(data_dir),
+                    "--no-report", "--executor", "ray", "--workers", "2", "--threads-per-worker", "1")
+    assert result.exit_code == 0, result.output
+    run_id, console = 1, " ".join(result.output.split())
+    assert rows(ray_db, "select status from runs") == [("completed",)]
+    keys = rows(ray_db, CAL_KEYS)
+    assert keys == rows(local, CAL_KEYS) and len(keys) > 20  # the same curves, point for point
+    assert rows(ray_db, "select distinct run_id, device from calibrations") == [(run_id, "cpu")]
+    with db.connect(str(ray_db))() as s:
+        run_row = s.get(db.Run, run_id)
+        where, env_device = run_row.environment["calibration"], run_row.environment["device_name"]
+        batch = s.scalars(select(db.Calibration.batch).limit(1)).one()
+    # Measured by an actor (another process), recorded as such; the rows carry that worker's device name.
+    assert where["batch"] == batch and where["pid"] != os.getpid() and where["device"] == "cpu", where
+    assert where["device_name"] == env_device  # the first worker's: the run's environment
+    assert rows(ray_db, "select distinct device_name from calibrations") == [(where["device_name"],)]
+    assert f"(pid {where['pid']}, " in console and "calibration stored" in console, console
+    assert "calibrating target" in local_console  # the local executor prints each curve; Ray one spinner
+    one_sample_each(ray_db, 3, 2)
+    report = invoke("report", "--db", str(ray_db), "--cost-model", "--format", "json")
+    assert report.exit_code == 0, report.output
+    out = json.loads(report.output)
+    assert out["calibration"] == {"batch": batch, "run_id": run_id}
+    assert {c["label"] for c in out["cells"]} == {"ar", "linear", "fixed_tree"}
+    assert all(c["predicted_s"] > 0 and c["measured_s"] > 0 for c in out["cells"])
+
+
+def verify_sizes(dbfile, label: str) -> list[int]:
+    """Tokens fed by each tree-masked target forward (root + drafted nodes) of a decoder's samples."""
+    fed = [json.loads(ss)["target_fed"] for (ss,) in rows(dbfile, "select s.step_stats from samples s join cells c "
+                                                                    f"on c.id = s.cell_id where c.label = '{label}'")]
+    return [n for sample in fed for step in sample for n, _past, flags in step if flags & FED_MASK]
+
+
+def test_auto_budget_resolved_by_the_driver_reaches_the_workers(cluster, pair, tmp_path, data_dir, monkeypatch):
+    """`n_max: auto` under Ray: calibrated on an actor, resolved by the driver (here pinned to 3), recorded in the
+    cell's params and used by every actor's decoder (no tree verification beyond root + 3 nodes); outputs equal the
+    local executor's."""
+    monkeypatch.setattr(cal, "Settings", Fast)
+    monkeypatch.setattr(cal, "auto_budget", lambda curves, cache_len, factor: 3)  # the driver's choice, not timing
+    suite = calibrate_suite(pair, [{"name": "ar"}, {"name": "dynatree", "params": {"n_max": "auto"}}])
+    _, _, local = run(tmp_path, suite, LocalExecutor(threads=1), "auto-local", data_dir)
+    _, console, ray_db = run(tmp_path, suite, RayExecutor(workers=2, threads_per_worker=1), "auto-ray", data_dir)
+    assert "n_max: auto -> 3 for dynatree" in console, console
+    cells = "select label, status, params from cells order by id"
+    assert rows(ray_db, cells) == rows(local, cells)
+    assert json.loads(rows(ray_db, "select params from cells where label = 'dynatree'")[0][0])["n_max"] == 3
+    assert rows(ray_db, "select distinct status from cells") == [("done",)]
+    assert outputs(ray_db) == outputs(local) and len(outputs(local)) == 4
+    one_sample_each(ray_db, 2, 2)
+    for dbfile in (local, ray_db):  # the decoders ran the resolved budget, on both executors
+        sizes = verify_sizes(dbfile, "dynatree")
+        assert sizes and max(sizes) <= 1 + 3, sizes
+    assert rows(ray_db, "select count(*) from calibrations where run_id = 1")[0][0] > 0
+
+
+class _FakeRay:
+    def get(self, ref):
+        return ref
+
+
+class _FakeHandle:
+    class calibrate:  # noqa: N801  (an actor method: handle.calibrate.remote(...))
+        @staticmethod
+        def remote(contexts, settings):
+            return cal.Measured([], "node-a", 11, "cuda:0", "NVIDIA A100")
+
+
+def test_workers_with_different_devices_calibrate_on_the_first_with_a_warning():
+    from dtbench.harness.executors import WorkerInfo
+    from dtbench.harness.ray_executor import _Actor
+
+    def actor(host, name):
+        return _Actor(_FakeHandle(), None, WorkerInfo(host, 11, "cuda:0", name, {}, {}, None, []))
+
+    executor = RayExecutor(workers=2)
+    executor.ray, executor.actors = _FakeRay(), [actor("node-a", "NVIDIA A100"), actor("node-b", "NVIDIA H100")]
+    out = io.StringIO()
+    measured = executor.calibrate({}, FAST, Console(file=out, width=300))
+    assert measured.host == "node-a" and measured.device_name == "NVIDIA A100"
+    warning, calibrating = out.getvalue().strip().splitlines()
+    assert "different devices" in warning and "curves come from NVIDIA A100 (node-a) only" in warning, warning
+    assert calibrating.startswith("calibrating the cost model on Ray worker node-a"), calibrating
+

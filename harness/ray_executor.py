@@ -1,0 +1,320 @@
+"""The Ray executor (issue 11): prompt groups measured on Ray actors, each keeping its loaded target and draft
+(see :mod:`dtbench.harness.executors` for the executor protocol); and, before the first cell, the cost model's
+calibration measured on one of them (issue 12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+
+from dtbench.harness import calibrate
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.executors import Executor, GroupKey, Sink, Worker, WorkerInfo, group_key
+from dtbench.harness.plan import Plan, PromptGroup
+from dtbench.harness.runner import Outcome
+from dtbench.harness.suite import Suite
+
+RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"
+MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remaining samples fail their cells
+
+
+def import_ray():
+    """The ``ray`` module.
+
+    Raises:
+        DtbenchError: one line saying how to install it.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise DtbenchError(RAY_MISSING) from None
+    return ray
+
+
+class RayWorker:
+    """The body of a Ray actor: a :class:`Worker` built in the actor's process. Never raises from ``__init__``
+    (the error comes back from :meth:`ready`, as one line), so a bad model is a user error, not a dead actor.
+    ``budgets``: ``n_max: auto`` budgets the driver resolved already (a replacement started mid-run)."""
+
+    def __init__(self, suite: Suite, device: str, threads: int | None, cwd: str | None,
+                 budgets: dict[str, int] | None = None):
+        self.worker, self.error = None, None
+        try:
+            self.worker = Worker(suite, device, threads=threads, cwd=cwd)
+            if budgets:
+                self.worker.set_budgets(budgets)
+        except DtbenchError as exc:
+            self.error = str(exc)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {clip(exc, 1000)}"
+
+    def ready(self) -> WorkerInfo | str:
+        """The worker's :class:`WorkerInfo`, or the one-line error that kept it from loading its models."""
+        if self.worker is None:
+            return f"worker on {socket.gethostname()} (pid {os.getpid()}): {self.error}"
+        return self.worker.info
+
+    def run(self, key: GroupKey, prompt, done, skip) -> Iterator[Outcome]:
+        """A streaming generator: each outcome travels to the driver as soon as it is measured."""
+        yield from self.worker.run(key, prompt, done, skip)
+
+    def calibrate(self, contexts: dict[int, list[int]], settings: dict) -> calibrate.Measured | str:
+        """The cost model's curves measured in this actor (plain data), or the one-line error that stopped it.
+        ``settings``: the driver's :class:`~dtbench.harness.calibrate.Settings` as a dict."""
+        try:
+            return self.worker.calibrate(contexts, calibrate.Settings(**settings))
+        except Exception as exc:
+            return (f"calibrating on Ray worker {self.worker.info.where} failed: {type(exc).__name__}: "
+                    f"{clip(exc, 1000)}")
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        self.worker.set_budgets(budgets)
+
+
+@dataclass
+class _Actor:
+    handle: Any
+    ready_ref: Any
+    info: WorkerInfo | None = None
+
+
+class RayExecutor(Executor):
+    """Prompt groups on Ray actors, each keeping its loaded target and draft; the driver commits every outcome.
+
+    Args:
+        address: a Ray cluster to join (``auto``, ``HOST:PORT``, ``ray://...``); None: ``$RAY_ADDRESS``, else a
+            local Ray instance started for this run (and shut down after it).
+        workers: number of actors; default one per GPU on CUDA, else the cluster's CPUs // ``threads_per_worker``.
+        threads_per_worker: CPUs reserved by each actor (``num_cpus``) and its ``torch.set_num_threads``.
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, workers: int | None = None, threads_per_worker: int | None = None):
+        self.address, self.n_workers, self.threads = address, workers, threads_per_worker or 1
+        self.ray = None
+        self._remote = None
+        self.started_ray = False
+        self.actors: list[_Actor] = []
+        self.device = "cpu"
+        self.restarts_left = 0
+        self.budgets: dict[str, int] = {}  # resolved n_max: auto, handed to every worker (replacements too)
+
+    def prepare(self, suite: Suite) -> None:
+        ray = self.ray = import_ray()
+        if not ray.is_initialized():
+            import logging
+
+            kwargs: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=True)
+            if self.address is None and not os.environ.get("RAY_ADDRESS"):
+                kwargs["include_dashboard"] = False  # a local instance of our own: nothing to look at
+            try:
+                ray.init(address=self.address, **kwargs)
+            except Exception as exc:
+                raise DtbenchError(f"cannot start or join Ray (address {self.address or 'local'}): "
+                                   f"{type(exc).__name__}: {clip(exc, 300)}") from None
+            self.started_ray = True
+        resources = ray.cluster_resources()
+        gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+        if suite.device == "cuda" and gpus == 0:
+            raise DtbenchError("the suite asks for device: cuda, and the Ray cluster has no GPU")
+        self.device = "cuda" if suite.device in ("cuda", "auto") and gpus > 0 else "cpu"
+        if self.device == "cuda":
+            n = self.n_workers or gpus
+            if n > gpus:
+                raise DtbenchError(f"--workers {n}: the Ray cluster has {gpus} GPU(s), one per worker")
+        else:
+            n = self.n_workers or max(1, cpus // self.threads)
+            if n * self.threads > cpus:
+                raise DtbenchError(f"--workers {n} x --threads-per-worker {self.threads} needs {n * self.threads} CPUs; "
+                                   f"the Ray cluster has {cpus}")
+        self.n_workers = n
+        self.restarts_left = 2 * n + 2
+
+    def _spawn(self, suite: Suite) -> _Actor:
+        if self._remote is None:
+            self._remote = self.ray.remote(RayWorker).options(
+                num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1)
+        handle = self._remote.remote(suite, self.device, self.threads, os.getcwd(), self.budgets or None)
+        return _Actor(handle, handle.ready.remote())
+
+    def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
+        ray = self.ray
+        self.suite, self.plan = suite, plan
+        self.actors = [self._spawn(suite) for _ in range(self.n_workers)]
+        expected = [(p.label, p.version) for p in plan.decoders]
+        pending = {a.ready_ref: a for a in self.actors}
+        with console.status(f"starting {self.n_workers} Ray worker(s) on {self.device}: loading "
+                            f"{suite.target.model} and the draft on each") as spinner:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+                for ref in ready:
+                    actor = pending.pop(ref)
+                    actor.info = self._ready(ref)
+                    if actor.info.decoders != expected:
+                        raise DtbenchError(f"Ray worker {actor.info.where} has other decoders or versions than this "
+                                           f"driver: {_diff(actor.info.decoders, expected)}; install the same dtbench "
+                                           f"and plugins on every node")
+                spinner.update(f"starting {self.n_workers} Ray worker(s) on {self.device}: "
+                               f"{self.n_workers - len(pending)} ready")
+        infos = [a.info for a in self.actors]
+        names = sorted({i.device_name for i in infos})
+        if len(names) > 1:
+            console.print(f"[yellow]warning: the Ray workers have different devices ({'; '.join(names)}); a cell "
+                          f"measured on several is flagged in the report[/yellow]")
+        infos[0].warnings = sorted({w for i in infos for w in i.warnings})
+        return infos[0]
+
+    def calibrate(self, contexts, settings, console: Console) -> calibrate.Measured:
+        """Calibrate on the first worker (the one whose environment is the run's): one calibration per run."""
+        from ray.exceptions import RayActorError
+
+        actor = self.actors[0]
+        names = sorted({a.info.device_name for a in self.actors})
+        if len(names) > 1:
+            console.print(f"[yellow]warning: the Ray workers have different devices; the cost model's curves come "
+                          f"from {actor.info.device_name} ({actor.info.host}) only[/yellow]", highlight=False)
+        # a line, not a spinner: the run's progress bar is already live
+        console.print(f"calibrating the cost model on Ray worker {actor.info.where}", highlight=False)
+        try:
+            measured = self.ray.get(actor.handle.calibrate.remote(contexts, dataclasses.asdict(settings)))
+        except RayActorError as exc:
+            raise DtbenchError(f"Ray worker {actor.info.where} died while calibrating: {_one_line(exc)}") from None
+        if isinstance(measured, str):
+            raise DtbenchError(measured)
+        return measured
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        from ray.exceptions import RayActorError
+
+        self.budgets = dict(budgets)
+        try:
+            self.ray.get([a.handle.set_budgets.remote(self.budgets) for a in self.actors])
+        except RayActorError as exc:
+            raise DtbenchError(f"a Ray worker died before the first cell: {_one_line(exc)}") from None
+
+    def _ready(self, ref) -> WorkerInfo:
+        from ray.exceptions import RayActorError
+
+        try:
+            info = self.ray.get(ref)
+        except RayActorError as exc:
+            raise DtbenchError(f"a Ray worker died while loading the models: {_one_line(exc)}") from None
+        if isinstance(info, str):
+            raise DtbenchError(info)
+        return info
+
+    def execute(self, groups: Iterable[PromptGroup], sink: Sink) -> None:
+        ray = self.ray
+        from ray.exceptions import ObjectLostError, RayActorError
+
+        queue: deque[PromptGroup] = deque(groups)
+        attempts: dict[GroupKey, int] = {}
+        idle: deque[_Actor] = deque(self.actors)
+        starting: dict[Any, _Actor] = {}
+        running: dict[Any, tuple[_Actor, PromptGroup]] = {}
+        while queue or running:
+            while idle and queue:
+                group = queue.popleft()
+                done, skip = sink.state(group)
+                if all(cp.label in done or cp.label in skip for cp in group.decoders):
+                    continue
+                actor = idle.popleft()
+                gen = actor.handle.run.options(num_returns="streaming").remote(
+                    group_key(group), sink.prompt(group), done, skip)
+                running[gen] = (actor, group)
+            if not running and queue and not idle and not starting:
+                raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")
+            if not running and not starting:
+                continue  # every remaining group was already stored
+            ready, _ = ray.wait([*running, *starting], num_returns=1, timeout=1.0)
+            for ref in ready:
+                if ref in starting:  # a replacement worker finished loading
+                    actor = starting.pop(ref)
+                    try:
+                        actor.info = self._ready(ref)
+                    except DtbenchError as exc:
+                        sink.note(f"a replacement Ray worker could not start: {exc}")
+                        self._kill(actor)
+                        continue
+                    idle.append(actor)
+                    continue
+                actor, group = running[ref]
+                try:
+                    out_ref = next(ref)
+                except StopIteration:  # the group is measured
+                    del running[ref]
+                    idle.append(actor)
+                    continue
+                try:
+                    outcome = ray.get(out_ref)
+                except (RayActorError, ObjectLostError) as exc:
+                    del running[ref]
+                    self._lost(actor, group, exc, queue, attempts, starting, sink)
+                    continue
+                sink.commit(group, outcome, actor.info)
+
+    def _lost(self, actor: _Actor, group: PromptGroup, exc: Exception, queue, attempts, starting, sink) -> None:
+        """A worker died mid-group: retry the group once (first in the queue), else fail its remaining samples;
+        start a replacement worker while the restart budget lasts."""
+        self._kill(actor)
+        key = group_key(group)
+        attempts[key] = attempts.get(key, 0) + 1
+        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.name} L_max={group.cap} "
+                f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}")
+        if attempts[key] < MAX_ATTEMPTS:
+            sink.note(f"{what}; retrying the group on another worker")
+            queue.appendleft(group)
+        else:
+            sink.note(f"{what}; it was the group's second attempt, so its remaining samples fail their cells")
+            sink.fail(group, f"prompt {group.prompt_index}: the worker died (twice): {_one_line(exc, 300)}",
+                      actor.info)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            new = self._spawn(self.suite)
+            self.actors.append(new)
+            starting[new.ready_ref] = new
+
+    def _kill(self, actor: _Actor) -> None:
+        try:
+            self.ray.kill(actor.handle, no_restart=True)
+        except Exception:
+            pass
+        if actor in self.actors:
+            self.actors.remove(actor)
+
+    def close(self) -> None:
+        if self.ray is None:
+            return
+        for actor in list(self.actors):
+            self._kill(actor)
+        if self.started_ray:
+            try:
+                self.ray.shutdown()
+            except Exception:
+                pass
+            self.started_ray = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "address": self.address, "workers": self.n_workers,
+                "threads_per_worker": self.threads, "device": self.device}
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return clip(f"{type(exc).__name__}: {lines[0] if lines else ''}", limit)
+
+
+def _diff(got: list[tuple[str, str]], expected: list[tuple[str, str]]) -> str:
+    extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
+    parts = [f"it has {', '.join(f'{l} {v}' for l, v in extra)}" if extra else "",
+             f"it lacks {', '.join(f'{l} {v}' for l, v in missing)}" if missing else ""]
+    return clip("; ".join(p for p in parts if p) or "the same decoders in another order", 300)
