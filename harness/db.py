@@ -154,7 +154,9 @@ class Sample(Base):
     acceptance_incl_bonus: Mapped[float | None] = mapped_column(Float)
     mean_path_length_all: Mapped[float | None] = mapped_column(Float)
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
-    step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)  # per iteration: drafted, accepted, tree_size, depth
+    # per iteration: drafted, accepted, depth, forwards (harness/metrics.py); rows written before the Step lost its
+    # duplicate tree_size field also hold "tree_size", always equal to "drafted" (readers use "drafted")
+    step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)
     step_times_s: Mapped[list[float]] = mapped_column(JSON)  # seconds from start at each iteration's end
     # Bytes. BigInteger since revision 0002: PostgreSQL's INTEGER stops at 2 GiB (SQLite's is 64-bit anyway).
     peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -280,7 +280,7 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
             sizes: dict[str, list[int]] = {}
             for cell, s in session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
                                            .where(Cell.run_id == run.id)).all():
-                ts = (s.step_stats or {}).get("tree_size") or []
+                ts = (s.step_stats or {}).get("drafted") or []  # old rows' "tree_size" is the same list
                 if cell.decoder != "ar" and ts[1:]:
                     sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])
             marks = {k: sum(v) / len(v) for k, v in sizes.items() if v}

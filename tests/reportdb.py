@@ -78,7 +78,7 @@ def add_samples(session, cell: Cell, throughputs: list[float], *, warmup: int = 
             iterations=iters, tokens_per_iteration=T / iters, drafted=0 if cell.decoder == "ar" else 4 * iters,
             accepted=0, draft_depth=0, acceptance_rate=acceptance, mean_path_length=path, target_forwards=iters,
             acceptance_incl_bonus=bonus if bonus is not None else acceptance, mean_path_length_all=path,
-            step_tokens=[1] * iters, step_stats={"drafted": [], "accepted": [], "tree_size": [], "depth": []},
+            step_tokens=[1] * iters, step_stats={"drafted": [], "accepted": [], "depth": []},
             step_times_s=[total], peak_rss_bytes=int(rss_mib * 2**20),
             peak_allocated_bytes=int(allocated_mib * 2**20) if allocated_mib is not None else None, peak_nvml_bytes=None,
             output_hash=hashlib.sha256(json.dumps([start + i]).encode()).hexdigest(), output_tokens=[0] * T,

@@ -90,7 +90,7 @@ def _sample(cell, prompt_index=0, **over):
 
 
 def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
-    stats = {"drafted": [3, 3], "accepted": [2, 0], "tree_size": [3, 3], "depth": [3, 3], "zé": [0.1 + 0.2, 1e-300]}
+    stats = {"drafted": [3, 3], "accepted": [2, 0], "depth": [3, 3], "zé": [0.1 + 0.2, 1e-300]}
     env = {"z": 1, "a": {"nested": [1, 2.5, None, True, "ü"]}, "m": None}
     berlin = timezone(timedelta(hours=1))
     started = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=berlin)
