@@ -1,7 +1,7 @@
 """The results database: SQLAlchemy 2.0 typed models and engine setup (SQLite by default, any SQLAlchemy URL).
 
 Tables: ``runs`` (suite text and hash, environment, status, owner), ``cells`` (one decoder configuration on one
-dataset x prompt cap x T), ``samples`` (one prompt of one cell, committed as soon as it is measured),
+dataset x prompt cap L_max x T), ``samples`` (one prompt of one cell, committed as soon as it is measured),
 ``calibrations`` (forward-latency curves of the cost model, linked to a run or standalone).
 Times are seconds, memory bytes, throughput tokens/s. Timestamps are stored in UTC and read back as naive UTC
 datetimes on every backend (SQLite keeps no offset; PostgreSQL's ``timestamptz`` is converted), so reports are
@@ -98,11 +98,11 @@ class Cell(Base):
     """One decoder configuration on one (dataset, L_max, T) of a run."""
 
     __tablename__ = "cells"
-    __table_args__ = (UniqueConstraint("run_id", "dataset", "prompt_cap", "gen_length", "label"),)
+    __table_args__ = (UniqueConstraint("run_id", "dataset", "l_max", "gen_length", "label"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     dataset: Mapped[str] = mapped_column(String(200))
-    prompt_cap: Mapped[int] = mapped_column(Integer)
+    l_max: Mapped[int] = mapped_column(Integer)  # the prompt cap L_max (column prompt_cap before revision 0006)
     gen_length: Mapped[int] = mapped_column(Integer)
     decoder: Mapped[str] = mapped_column(String(200))
     label: Mapped[str] = mapped_column(String(300))

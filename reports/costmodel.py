@@ -134,7 +134,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         row = {
-            "dataset": cell.dataset, "prompt_cap": cell.prompt_cap, "gen_length": cell.gen_length,
+            "dataset": cell.dataset, "l_max": cell.l_max, "gen_length": cell.gen_length,
             "label": cell.label, "decoder": cell.decoder, "n": len(samples),
             "measured_s": measured, "predicted_s": predicted,
             "target_s": sum(p["target_s"] for p in priced) / len(priced),
@@ -152,7 +152,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             drafted = [d for s in samples for d in (s.step_stats or {}).get("drafted", [])]
             p = position_acceptance(accepted, drafted)
             if p:
-                speed = chain_speedups(curves, p, cell.prompt_cap + cell.gen_length // 2)
+                speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
                 best = max(speed, key=speed.get)
                 k_own = int((cell.params or {}).get("k", len(p)))
                 row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
@@ -162,7 +162,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    group = ["dataset", "prompt_cap", "gen_length"]
+    group = ["dataset", "l_max", "gen_length"]
     ar = table[table["decoder"] == "ar"].drop_duplicates(group).set_index(group)
     keys = list(zip(*(table[g] for g in group)))
 
@@ -201,22 +201,23 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                "/ measured time; speedups vs AR of the same dataset/L_max/T; best K: chain decoders, from the "
                "per-position acceptance (forward costs only)")
     if fmt == "json":
-        cols = ["dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
+        cols = ["dataset", "l_max", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
                 "efficiency", "target_s", "draft_s", "predicted_throughput", "measured_throughput",
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
                 "predicted_k_speedup", "acceptance_by_position", "approx"]
+        cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
-                               "cells": json.loads(table[cols].to_json(orient="records", double_precision=15))}, indent=2))
+                               "cells": cells}, indent=2))
         return
     if fmt == "csv":
-        click.echo(table.drop(columns=["acceptance_by_position"]).to_csv(index=False), nl=False)
+        click.echo(render.exported(table.drop(columns=["acceptance_by_position"])).to_csv(index=False), nl=False)
         return
 
     def f(v, spec, suffix=""):
         return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
 
     display = pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
         "n": str(r["n"]), "Measured (s)": f(r["measured_s"], ".3f"),
         "Predicted (s)": f(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
         "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": f(r["efficiency"], ".2f"),

@@ -158,7 +158,7 @@ def test_dtbench_run_with_the_plugin(plugin, tmp_path, data_dir, broken_plugin):
 
     suite = {
         "name": "plugin", "device": "cpu", "target": {"model": "smollm2-135m"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 48}],
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 48}],
         "generation_lengths": [12],
         "decoders": [{"name": "ar"}, {"name": "prompt_lookup", "params": {"ngram_size": 2, "num_draft_tokens": 4}}],
     }
