@@ -4,7 +4,7 @@ Runs both side by side on the same real prompts, interleaved (ar, hf, ar, hf, ..
 alike, and prints per-run throughput, medians and the median ratio. Both generate exactly T tokens, EOS ignored,
 and their outputs are checked equal.
 
-    python bench/ar_vs_hf.py --data-dir ../shared/data --prompts 3 --prompt-cap 128 -T 64 --repeats 3
+    python bench/ar_vs_hf.py --data-dir ../shared/data --prompts 3 --l-max 128 -T 64 --repeats 3
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", default="../shared/data")
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--prompt-cap", type=int, default=128)
+    ap.add_argument("--l-max", "--prompt-cap", dest="l_max", type=int, default=128)  # L_max (old name too)
     ap.add_argument("-T", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -41,8 +41,8 @@ def main() -> None:
     spec = ModelSpec(model="smollm2-135m", dtype="float32")
     tok = models.load_tokenizer(spec)
     model = models.load_model(spec, torch.device("cpu")).model
-    ds = DatasetSpec(name="wikitext-2", prompts=args.prompts, warmup=0, prompt_cap=args.prompt_cap)
-    prompts = data.select_prompts(data.load_documents(ds, args.data_dir), tok, args.prompts, args.prompt_cap, 0)
+    ds = DatasetSpec(name="wikitext-2", prompts=args.prompts, warmup=0, L_max=args.l_max)
+    prompts = data.select_prompts(data.load_documents(ds, args.data_dir), tok, args.prompts, args.l_max, 0)
     ar = Autoregressive(model, None, ARParams())
     hf_generate(model, list(prompts[0].token_ids), 4)  # warm both paths once
     measure(ar, prompts[0].token_ids, 4, torch.device("cpu"))

@@ -25,11 +25,10 @@ class Step:
 
     Attributes:
         tokens: token ids committed in this iteration, in order (at least one).
-        drafted: draft tokens proposed to the target in this iteration (tree nodes for tree decoders,
-            K for linear speculation, 0 for autoregressive decoding).
+        drafted: draft tokens proposed to the target in this iteration: the drafted nodes it verified, i.e. the
+            paper's tree size for tree decoders, K for linear speculation, 0 for autoregressive decoding.
         accepted: drafted tokens that matched the target's greedy prediction and were committed
             (the committed path length before the bonus token, paper section 3.5).
-        tree_size: number of drafted nodes verified (equal to ``drafted`` for chains, 0 for AR).
         depth: drafted tokens on the longest root-to-leaf path of this iteration's tree (K for a chain, 0 for
             AR), so ``accepted <= depth``. For a tree rooted as the paper roots it (``tree_root: paper``, the
             draft's top-1 token u0 at depth 0) this is the deepest node's paper depth + 1; for a
@@ -41,7 +40,6 @@ class Step:
     tokens: tuple[int, ...]
     drafted: int = 0
     accepted: int = 0
-    tree_size: int = 0
     depth: int = 0
 
 

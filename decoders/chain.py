@@ -159,7 +159,7 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
 
     Yields:
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
-        drafts + bonus, drafted = tree_size = depth = drafts proposed, accepted = drafts committed.
+        drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed.
     """
     proposer.sampling, proposer.generator = sampling, generator
     pending = next_token(target.prefill(input_ids), sampling, generator)
@@ -179,4 +179,4 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         pending = committed[-1]
         produced += len(committed)
         n = len(drafts)
-        yield Step(tokens=committed, drafted=n, accepted=accepted, tree_size=n, depth=n)
+        yield Step(tokens=committed, drafted=n, accepted=accepted, depth=n)

@@ -80,7 +80,7 @@ class HistoryController:
     """History adaptation (paper 3.3, "Historical adjustment"; Algorithm 1 line 7, ADJUST(tau_l, tau_h, D_0)).
 
     a_r is the per-iteration acceptance statistic of the paper's text: the fraction of drafted tokens
-    committed in iteration r, a_r = accepted_r / tree_size_r (committed drafted tokens before the bonus over
+    committed in iteration r, a_r = accepted_r / drafted_r (committed drafted tokens before the bonus over
     drafted nodes; iterations that drafted nothing are not recorded). a_bar is the mean of the last W
     recorded a_r (of all of them while fewer than W exist). After every recorded iteration, with
     e = a_bar - a*:
@@ -106,12 +106,12 @@ class HistoryController:
         self.eta_l = eta_l
         self.d_max = d_max
 
-    def update(self, accepted: int, tree_size: int, d0: float, tau_h: float,
+    def update(self, accepted: int, drafted: int, d0: float, tau_h: float,
                tau_l: float | None = None) -> tuple[float, float] | tuple[float, float, float]:
         """Record one iteration and return the adapted (D_0, tau_h), or (D_0, tau_h, tau_l) when ``tau_l`` is
-        given (moved only if ``eta_l`` is set); all unchanged if tree_size == 0."""
-        if tree_size > 0:
-            self.values.append(accepted / tree_size)
+        given (moved only if ``eta_l`` is set); all unchanged if drafted == 0."""
+        if drafted > 0:
+            self.values.append(accepted / drafted)
             err = sum(self.values) / len(self.values) - self.target
             d0 = min(max(d0 + self.eta_depth * err, 1.0), self.d_max - 1.0)
             tau_h = min(max(tau_h - self.eta_h * err, 0.0), 1.0)
@@ -151,7 +151,7 @@ class DynaTreeParams(TreeParams):
         rho_deep: expansion beyond D_0 only at path probability >= rho_deep (unspecified: 0.5, i.e. the path
             is more likely than not under the draft).
         window: W, iterations in the sliding acceptance window (unspecified: 8).
-        node_acceptance: a*, the target of a_bar = mean accepted/tree_size, a per-node ratio distinct from the
+        node_acceptance: a*, the target of a_bar = mean accepted/drafted, a per-node ratio distinct from the
             reported ``acceptance_rate`` (accepted/depth); ``target_acceptance`` is accepted as its old name (unspecified: 0.35; accepted
             over *all* drafted nodes is well below 1 for any branching tree).
         eta_depth: eta_D, D_0 step per unit acceptance error (unspecified: 2.0, so a 0.1 error moves D_0 by
@@ -176,7 +176,7 @@ class DynaTreeParams(TreeParams):
     rho_stop: float = Field(0.2, gt=0.0, lt=1.0, description="early-stopping path probability rho_stop")
     rho_deep: float = Field(0.5, gt=0.0, lt=1.0, description="deep-expansion path probability rho_deep")
     window: int = Field(8, ge=1, le=1024, description="history window W (iterations)")
-    node_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target node acceptance a* (accepted/tree_size)",
+    node_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target node acceptance a* (accepted/drafted)",
                                    validation_alias=AliasChoices("node_acceptance", "target_acceptance"))
     eta_depth: float = Field(2.0, gt=0.0, le=100.0, description="step size eta_D for D_0")
     eta_h: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_h for tau_h")
@@ -237,7 +237,7 @@ class DynamicPolicy(ExpansionPolicy):
     def observe(self, step: Step) -> None:
         """History adaptation after each verification (no-op when switched off)."""
         if self.p.history_adaptation:
-            self.d0, self.tau_h, self.tau_l = self.history.update(step.accepted, step.tree_size, self.d0,
+            self.d0, self.tau_h, self.tau_l = self.history.update(step.accepted, step.drafted, self.d0,
                                                                   self.tau_h, self.tau_l)
 
 

@@ -245,7 +245,7 @@ class HFAssisted(_StreamedGenerate):
         yield from super().generate(input_ids, max_new_tokens)
 
     def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
-        return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, tree_size=drafted, depth=drafted)
+        return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
 
     def _generate_kwargs(self, bridge: _Bridge) -> dict:
         return {"assistant_model": self.draft}

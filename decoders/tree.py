@@ -138,7 +138,7 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
 
     Yields:
         First the prefill's token as a Step (TTFT); then one Step per iteration with tokens = committed path
-        tokens + bonus, drafted = tree_size = drafted nodes (u0 included), accepted = committed drafted tokens
+        tokens + bonus, drafted = drafted nodes (u0 included), accepted = committed drafted tokens
         before the bonus (u0 counts when the target accepts it), depth = drafted tokens on the tree's longest
         path (paper root: the deepest node's paper depth + 1, u0 being depth 0; pending root: the deepest
         node's depth). The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
@@ -188,7 +188,7 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
             kv.forward(target, [pending, *committed[:-1]], t_cache, last_only=True)
         session.commit(pending, path, committed)
         step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1,
-                    tree_size=tree.n_drafted, depth=tree.max_depth)
+                    depth=tree.max_depth)
         policy.observe(step)
         pending = committed[-1]
         produced += len(committed)

@@ -321,14 +321,14 @@ def provenance(specs: Iterable[DatasetSpec]) -> list[dict[str, Any]]:
 
 
 def select_prompts(
-    documents: list[tuple[str, str]], tokenizer, n: int, prompt_cap: int, seed: int, skip: int | None = None
+    documents: list[tuple[str, str]], tokenizer, n: int, l_max: int, seed: int, skip: int | None = None
 ) -> list[Prompt]:
-    """Choose N prompts deterministically and cap each at ``prompt_cap`` tokens.
+    """Choose N prompts deterministically and cap each at ``l_max`` tokens.
 
     Documents are shuffled with ``seed``; the first ``skip`` usable documents of that order (those with at
-    least one prompt, i.e. 16 tokens) are left out; prompt i is the i-th chunk of ``prompt_cap`` tokens taken
+    least one prompt, i.e. 16 tokens) are left out; prompt i is the i-th chunk of ``l_max`` tokens taken
     round-robin over the rest (first chunk of every document, then second chunks, ...), so a long book yields
-    several prompts and every prompt is exactly ``prompt_cap`` tokens unless a document is shorter (then the
+    several prompts and every prompt is exactly ``l_max`` tokens unless a document is shorter (then the
     whole document, if it has at least 16 tokens). Only as many documents are tokenized as needed. With
     N <= (usable documents), the N prompts come from the first N usable documents, one each: so entries with
     the same seed and tokenizer, one with ``prompts <= K`` and one with ``skip >= K``, share no document.
@@ -337,7 +337,7 @@ def select_prompts(
         documents: (title, text) pairs (a :class:`Documents` carries its entry's ``skip``).
         tokenizer: a transformers tokenizer (its ``encode`` with special tokens as the model expects).
         n: N prompts.
-        prompt_cap: L_max in tokens.
+        l_max: L_max in tokens.
         seed: selection seed.
         skip: usable documents to leave out; None = the documents' own ``skip`` (0 for a plain list).
 
@@ -356,9 +356,9 @@ def select_prompts(
     for i in order:
         title, text = documents[i]
         # Tokenizing only a prefix keeps long books cheap: about 6 characters per token is generous.
-        ids = tokenizer.encode(text[: prompt_cap * 12 * max(1, n)])
-        pieces = [ids[j : j + prompt_cap] for j in range(0, len(ids), prompt_cap)]
-        pieces = [p for k, p in enumerate(pieces) if len(p) == prompt_cap or (k == 0 and len(p) >= _MIN_PROMPT_TOKENS)]
+        ids = tokenizer.encode(text[: l_max * 12 * max(1, n)])
+        pieces = [ids[j : j + l_max] for j in range(0, len(ids), l_max)]
+        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= _MIN_PROMPT_TOKENS)]
         if pieces and skipped < skip:
             skipped += 1
             continue
@@ -373,5 +373,5 @@ def select_prompts(
         depth += 1
     if len(picked) < n:
         after = f" after skipping {skip} documents" if skip else ""
-        raise DtbenchError(f"only {len(picked)} prompts of up to {prompt_cap} tokens available{after}, {n} asked for")
+        raise DtbenchError(f"only {len(picked)} prompts of up to {l_max} tokens available{after}, {n} asked for")
     return [Prompt(index=i, document=t, token_ids=tuple(ids)) for i, (t, ids) in enumerate(picked[:n])]

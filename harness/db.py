@@ -1,7 +1,7 @@
 """The results database: SQLAlchemy 2.0 typed models and engine setup (SQLite by default, any SQLAlchemy URL).
 
 Tables: ``runs`` (suite text and hash, environment, status, owner), ``cells`` (one decoder configuration on one
-dataset x prompt cap x T), ``samples`` (one prompt of one cell, committed as soon as it is measured),
+dataset x prompt cap L_max x T), ``samples`` (one prompt of one cell, committed as soon as it is measured),
 ``calibrations`` (forward-latency curves of the cost model, linked to a run or standalone).
 Times are seconds, memory bytes, throughput tokens/s. Timestamps are stored in UTC and read back as naive UTC
 datetimes on every backend (SQLite keeps no offset; PostgreSQL's ``timestamptz`` is converted), so reports are
@@ -98,11 +98,11 @@ class Cell(Base):
     """One decoder configuration on one (dataset, L_max, T) of a run."""
 
     __tablename__ = "cells"
-    __table_args__ = (UniqueConstraint("run_id", "dataset", "prompt_cap", "gen_length", "label"),)
+    __table_args__ = (UniqueConstraint("run_id", "dataset", "l_max", "gen_length", "label"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     dataset: Mapped[str] = mapped_column(String(200))
-    prompt_cap: Mapped[int] = mapped_column(Integer)
+    l_max: Mapped[int] = mapped_column(Integer)  # the prompt cap L_max (column prompt_cap before revision 0006)
     gen_length: Mapped[int] = mapped_column(Integer)
     decoder: Mapped[str] = mapped_column(String(200))
     label: Mapped[str] = mapped_column(String(300))
@@ -154,7 +154,9 @@ class Sample(Base):
     acceptance_incl_bonus: Mapped[float | None] = mapped_column(Float)
     mean_path_length_all: Mapped[float | None] = mapped_column(Float)
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
-    step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)  # per iteration: drafted, accepted, tree_size, depth
+    # per iteration: drafted, accepted, depth, forwards (harness/metrics.py); rows written before the Step lost its
+    # duplicate tree_size field also hold "tree_size", always equal to "drafted" (readers use "drafted")
+    step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)
     step_times_s: Mapped[list[float]] = mapped_column(JSON)  # seconds from start at each iteration's end
     # Bytes. BigInteger since revision 0002: PostgreSQL's INTEGER stops at 2 GiB (SQLite's is 64-bit anyway).
     peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)

@@ -170,7 +170,6 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
     drafted = [_int(s.drafted, "drafted") for s in m.steps]
     accepted = [_int(s.accepted, "accepted") for s in m.steps]
     depth = [_int(s.depth, "depth") for s in m.steps]
-    tree_size = [_int(s.tree_size, "tree_size") for s in m.steps]
     committed = [len(s.tokens) for s in m.steps]
     drafting = [i for i, d in enumerate(drafted) if d > 0]
     depth_sum = sum(depth)
@@ -203,7 +202,6 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
         step_stats={
             "drafted": drafted,
             "accepted": accepted,
-            "tree_size": tree_size,
             "depth": depth,
             "target_forwards": target_fw,
             "draft_forwards": draft_fw if draft_counted else None,

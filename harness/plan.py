@@ -193,7 +193,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
 
 
 def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
-    """The (dataset, L_max, T) a suite entry runs at, after its ``datasets``/``prompt_cap``/``generation_lengths``.
+    """The (dataset, L_max, T) a suite entry runs at, after its ``datasets``/``L_max``/``generation_lengths``.
 
     Raises:
         DtbenchError: a restriction naming a dataset, L_max or T the suite does not have.
@@ -211,8 +211,8 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
                                f"the suite's generation_lengths")
     all_caps = {c for ds in suite.datasets for c in ds.caps}
     if spec.caps is not None and set(spec.caps) - all_caps:
-        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': prompt_cap {sorted(set(spec.caps) - all_caps)}"
-                           f" is not a prompt_cap of any dataset")
+        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.caps) - all_caps)}"
+                           f" is not an L_max of any dataset")
     return {
         (ds.name, cap, T)
         for ds in suite.datasets if spec.datasets is None or ds.name in spec.datasets

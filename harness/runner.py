@@ -354,14 +354,14 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[s
 
 def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
                 ) -> dict[tuple[str, int, int, str], int]:
-    existing = {(c.dataset, c.prompt_cap, c.gen_length, c.label): c for c in run.cells}
+    existing = {(c.dataset, c.l_max, c.gen_length, c.label): c for c in run.cells}
     ids = {}
     for ds, cap, T, cp in plan.cells():
         key = (ds.name, cap, T, cp.label)
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.name, prompt_cap=cap, gen_length=T, decoder=cp.spec.name,
+                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
                 sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,

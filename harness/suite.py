@@ -1,13 +1,16 @@
 """YAML suite files -> validated, frozen suite objects (pydantic), checked before anything heavy is loaded.
 
-A suite declares the target and draft models, the datasets (N prompts, W warmup, prompt cap L_max), the
+A suite declares the target and draft models, the datasets (N prompts, W warmup, prompt cap ``L_max``), the
 generation lengths T and the decoders with their params. Errors name the file, the line and the field.
+``prompt_cap`` is the deprecated old name of ``L_max`` (suites written before it, and the suite text stored with
+their runs, still load; a note on stderr says so); an entry setting both is an error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +27,26 @@ MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
 MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
 
 
+L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
+OLD_L_MAX = "prompt_cap"  # its deprecated old name, still accepted
+
+
 class _Frozen(StrictBools):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _HasLMax(_Frozen):
+    """A suite entry with an ``L_max:`` key, also accepted under its deprecated old name ``prompt_cap:``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data):
+        if isinstance(data, dict) and OLD_L_MAX in data:
+            if L_MAX in data:
+                raise ValueError(f"{L_MAX}: given twice, as {L_MAX} and as {OLD_L_MAX} (its deprecated old name); "
+                                 f"keep {L_MAX} only")
+            data = {(L_MAX if k == OLD_L_MAX else k): v for k, v in data.items()}
+        return data
 
 
 class ModelSpec(_Frozen):
@@ -50,13 +71,14 @@ class SamplingSpec(_Frozen):
     seed: int | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed)")
 
 
-class DatasetSpec(_Frozen):
+class DatasetSpec(_HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
     name: str
     prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
-    prompt_cap: int | list[int] = Field(800, description="L_max, maximum prompt length in tokens (a list sweeps it)")
+    l_max: int | list[int] = Field(800, alias=L_MAX,
+                                   description="L_max, maximum prompt length in tokens (a list sweeps it)")
     data_dir: str | None = Field(None, description="local data folder instead of the Hugging Face hub")
     path: str | None = Field(None, description="files for the text-files dataset (folder or glob)")
     hub_id: str | None = Field(
@@ -74,16 +96,16 @@ class DatasetSpec(_Frozen):
     def where(self) -> str:
         return self._where
 
-    @field_validator("prompt_cap")
+    @field_validator("l_max")
     @classmethod
     def _caps_positive(cls, v):
         caps = v if isinstance(v, list) else [v]
         if not caps or any(c < 1 for c in caps):
-            raise ValueError("prompt_cap must be a positive integer or a non-empty list of them")
+            raise ValueError(f"{L_MAX} must be a positive integer or a non-empty list of them")
         if any(c > MAX_TOKENS for c in caps):
-            raise ValueError(f"prompt_cap must be at most {MAX_TOKENS} tokens")
+            raise ValueError(f"{L_MAX} must be at most {MAX_TOKENS} tokens")
         if len(set(caps)) != len(caps):
-            raise ValueError(f"prompt_cap lists a value twice: {clip(caps)}")
+            raise ValueError(f"{L_MAX} lists a value twice: {clip(caps)}")
         return v
 
     @model_validator(mode="after")
@@ -94,14 +116,16 @@ class DatasetSpec(_Frozen):
 
     @property
     def caps(self) -> list[int]:
-        return self.prompt_cap if isinstance(self.prompt_cap, list) else [self.prompt_cap]
+        """Its L_max values (one, or the swept list)."""
+        return self.l_max if isinstance(self.l_max, list) else [self.l_max]
 
 
-class DecoderSpec(_Frozen):
+class DecoderSpec(_HasLMax):
     """A decoder to run: registered name, display label, params (validated by the decoder's own model).
 
     ``sweep`` maps param names to lists of values; the cartesian product expands into one decoder per point.
-    ``datasets`` restricts it to some datasets (the paper uses K=8 on WikiText-2 and K=5 on PG-19).
+    ``datasets`` restricts it to some datasets (the paper uses K=8 on WikiText-2 and K=5 on PG-19),
+    ``generation_lengths`` and ``L_max`` to some of the suite's T and L_max.
     """
 
     name: str
@@ -111,8 +135,8 @@ class DecoderSpec(_Frozen):
     datasets: list[str] | None = None
     generation_lengths: list[int] | None = Field(
         None, description="run only at these T (a subset of the suite's generation_lengths)")
-    prompt_cap: int | list[int] | None = Field(
-        None, description="run only at these L_max (a subset of each dataset's prompt_cap)")
+    l_max: int | list[int] | None = Field(
+        None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)")
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
         None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding")
@@ -144,7 +168,7 @@ class DecoderSpec(_Frozen):
             suffix = ", ".join(f"{k}={v}" for k, v in point.items())
             spec = DecoderSpec(
                 name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
-                datasets=self.datasets, generation_lengths=self.generation_lengths, prompt_cap=self.prompt_cap,
+                datasets=self.datasets, generation_lengths=self.generation_lengths, **{L_MAX: self.l_max},
                 optional=self.optional, sampling=self.sampling,
             )
             spec._where, spec._group, spec._swept = self._where, self.display, point
@@ -163,8 +187,8 @@ class DecoderSpec(_Frozen):
 
     @property
     def caps(self) -> list[int] | None:
-        return None if self.prompt_cap is None else (
-            self.prompt_cap if isinstance(self.prompt_cap, list) else [self.prompt_cap])
+        """The L_max values it is restricted to (None: every dataset's)."""
+        return None if self.l_max is None else (self.l_max if isinstance(self.l_max, list) else [self.l_max])
 
     @property
     def where(self) -> str:
@@ -177,7 +201,7 @@ class DecoderSpec(_Frozen):
 
 
 class Suite(_Frozen):
-    """A whole benchmark: models x datasets x prompt caps x generation lengths x decoders."""
+    """A whole benchmark: models x datasets x prompt caps (L_max) x generation lengths x decoders."""
 
     name: str
     description: str = ""
@@ -220,7 +244,7 @@ class Suite(_Frozen):
         for i, ds in enumerate(self.datasets):
             for cap in ds.caps:
                 if (ds.name, cap) in seen:
-                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with prompt_cap {cap} is listed "
+                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {cap} is listed "
                                      f"twice (its cells would collide)")
                 seen.add((ds.name, cap))
         cells = len(seen) * len(self.generation_lengths) * sum(
@@ -306,8 +330,20 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
     return data, node
 
 
+def _note_old_names(data: dict, where_of) -> None:
+    """One line on stderr when datasets or decoders entries use ``prompt_cap:`` (the old name of ``L_max:``)."""
+    old = [(key, i, L_MAX in entry) for key in ("datasets", "decoders") if isinstance(data.get(key), list)
+           for i, entry in enumerate(data[key]) if isinstance(entry, dict) and OLD_L_MAX in entry]
+    if old and not any(both for *_, both in old):  # both keys in one entry: the validation error says it all
+        key, i, _ = old[0]
+        more = f" (and {len(old) - 1} more entries)" if len(old) > 1 else ""
+        print(f"note: {where_of((key, i, OLD_L_MAX))}: {key}.{i}: {OLD_L_MAX} is the deprecated name of {L_MAX}"
+              f"{more}; write {L_MAX}", file=sys.stderr, flush=True)
+
+
 def _validate(data: dict, where_of) -> Suite:
     """Validate merged suite data; ``where_of(loc)`` gives ``file:line`` of a pydantic location."""
+    _note_old_names(data, where_of)
     try:
         suite = Suite.model_validate(data)
     except ValidationError as exc:

@@ -176,9 +176,9 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     emit(fmt,
          table=lambda out: out.print(render.rich_frame(render.speedup_display(table, 1 - alpha), title, caption, styles)),
          markdown=lambda: render.markdown_frame(render.speedup_display(table, 1 - alpha), title, caption),
-         csv=lambda: table.to_csv(index=False),
+         csv=lambda: render.exported(table).to_csv(index=False),
          json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha,
-                                  "cells": json.loads(table.to_json(orient="records"))}, indent=2))
+                                  "cells": json.loads(render.exported(table).to_json(orient="records"))}, indent=2))
 
 
 # --- between runs --------------------------------------------------------------------------------------------
@@ -213,9 +213,9 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
             out.print(render.rich_frame(render.compare_display(table), title, caption, styles))
 
     emit(fmt, table=rich_table, markdown=lambda: render.markdown_frame(render.compare_display(table), title, caption),
-         csv=lambda: table.to_csv(index=False),
+         csv=lambda: render.exported(table).to_csv(index=False),
          json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
-                                  "cells": json.loads(table.to_json(orient="records")),
+                                  "cells": json.loads(render.exported(table).to_json(orient="records")),
                                   "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
     return failures
 
@@ -250,7 +250,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
                  markdown=lambda: "\n".join(render.markdown_frame(t.display, t.title, t.caption, t.notes) for t in made),
                  csv=lambda: "",
                  json=lambda: json.dumps({t.key: {"title": t.title, "caption": t.caption, "notes": t.notes,
-                                                  "rows": json.loads(t.data.to_json(orient="records"))}
+                                                  "rows": json.loads(render.exported(t.data).to_json(orient="records"))}
                                           for t in made}, indent=2))
     if fig_dir:
         from dtbench.reports.figures import write_figures
@@ -281,7 +281,7 @@ def write_tables(made, out_dir: str | Path) -> None:
         for t in made:
             md = render.markdown_frame(t.display, t.title, t.caption, t.notes)
             (out / f"{t.key}.md").write_text(md, encoding="utf-8")
-            t.data.to_csv(out / f"{t.key}.csv", index=False)
+            render.exported(t.data).to_csv(out / f"{t.key}.csv", index=False)
             docs.append(md)
         (out / "tables.md").write_text("\n".join(docs), encoding="utf-8")
     except OSError as exc:

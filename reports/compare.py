@@ -125,7 +125,7 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
         confidence: CI level (``1 - alpha``).
 
     Returns:
-        One row per non-AR cell: dataset, prompt_cap, gen_length, label, decoder, status, partial (the cell failed
+        One row per non-AR cell: dataset, l_max, gen_length, label, decoder, status, partial (the cell failed
         after some prompts), n (prompts after warmup measured by both the decoder and AR), throughput_mean and
         ar_throughput_mean (tokens/s, every prompt after warmup), speedup (ratio of those means, Table 1's
         definition), paired_speedup (geometric mean of the n per-prompt ratios), ci_low, ci_high and ci_method
@@ -136,7 +136,7 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
     s = per_prompt(frame)
     rows = []
     for key, cells in frame.groupby(GROUP, sort=False):
-        group = s[(s["dataset"] == key[0]) & (s["prompt_cap"] == key[1]) & (s["gen_length"] == key[2])]
+        group = s[(s["dataset"] == key[0]) & (s["l_max"] == key[1]) & (s["gen_length"] == key[2])]
         decoding = {lbl: _decoding(v) for lbl, v in zip(cells["label"], cells["sampling"])}
         ar_labels = {}  # the AR cell of each decoding (greedy, or one sampling setting): the first one
         for lbl, d in zip(cells["label"], cells["decoder"]):
@@ -295,7 +295,7 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
         gates: ``--fail-if`` gates to evaluate on comparable cells.
 
     Returns:
-        (table, gate_failures). Table rows: dataset, prompt_cap, gen_length, label, before and after (mean
+        (table, gate_failures). Table rows: dataset, l_max, gen_length, label, before and after (mean
         throughput after warmup, tokens/s), before_partial and after_partial (that run's cell failed after some
         prompts: its mean covers those only), ratio (after / before), p_value, mark and note. Marks: ``better`` /
         ``worse`` (p < alpha, by the direction of the mean), ``not significant``, ``n too small`` (fewer than
@@ -322,7 +322,7 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
             row["after"] = va["throughput"].mean()
         if len(vb) and len(va):
             row["ratio"] = row["after"] / row["before"]
-        where = f"{key[0]} L={key[1]} T={key[2]} {key[3]}"
+        where = f"{key[0]} L_max={key[1]} T={key[2]} {key[3]}"
         if b is None:
             row["mark"] = NEW
         elif a is None:

@@ -142,7 +142,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         in_forward = (sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
                       if all(timed) else math.nan)
         row = {
-            "dataset": cell.dataset, "prompt_cap": cell.prompt_cap, "gen_length": cell.gen_length,
+            "dataset": cell.dataset, "l_max": cell.l_max, "gen_length": cell.gen_length,
             "label": cell.label, "decoder": cell.decoder, "n": len(samples),
             "measured_s": measured, "predicted_s": predicted,
             "target_s": sum(p["target_s"] for p in priced) / len(priced),
@@ -163,7 +163,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             drafted = [d for s in samples for d in (s.step_stats or {}).get("drafted", [])]
             p = position_acceptance(accepted, drafted)
             if p:
-                speed = chain_speedups(curves, p, cell.prompt_cap + cell.gen_length // 2)
+                speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
                 best = max(speed, key=speed.get)
                 k_own = int((cell.params or {}).get("k", len(p)))
                 row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
@@ -173,7 +173,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    group = ["dataset", "prompt_cap", "gen_length"]
+    group = ["dataset", "l_max", "gen_length"]
     ar = table[table["decoder"] == "ar"].drop_duplicates(group).set_index(group)
     keys = list(zip(*(table[g] for g in group)))
 
@@ -216,23 +216,24 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
                     "the run's (calibrate: true measures in the run's own process)")
     if fmt == "json":
-        cols = ["dataset", "prompt_cap", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
+        cols = ["dataset", "l_max", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
                 "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
                 "predicted_throughput", "measured_throughput",
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
                 "predicted_k_speedup", "acceptance_by_position", "approx"]
+        cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
-                               "cells": json.loads(table[cols].to_json(orient="records", double_precision=15))}, indent=2))
+                               "cells": cells}, indent=2))
         return
     if fmt == "csv":
-        click.echo(table.drop(columns=["acceptance_by_position"]).to_csv(index=False), nl=False)
+        click.echo(render.exported(table.drop(columns=["acceptance_by_position"])).to_csv(index=False), nl=False)
         return
 
     def f(v, spec, suffix=""):
         return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
 
     display = pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
         "n": str(r["n"]), "Measured (s)": f(r["measured_s"], ".3f"),
         "Predicted (s)": f(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
         "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": f(r["efficiency"], ".2f"),
@@ -297,7 +298,7 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
             sizes: dict[str, list[int]] = {}
             for cell, s in session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
                                            .where(Cell.run_id == run.id)).all():
-                ts = (s.step_stats or {}).get("tree_size") or []
+                ts = (s.step_stats or {}).get("drafted") or []  # old rows' "tree_size" is the same list
                 if cell.decoder != "ar" and ts[1:]:
                     sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])
             marks = {k: sum(v) / len(v) for k, v in sizes.items() if v}

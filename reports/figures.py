@@ -175,7 +175,7 @@ def figure5(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     """Figure 5: sequence-length scaling — throughput, L̄, ℓ̄ and acceptance vs T (one dataset and cap)."""
     base = _non_sweep(summary)
     best, cells = None, base.iloc[0:0]
-    for (ds, cap), grp in base.groupby(["dataset", "prompt_cap"], sort=False):
+    for (ds, cap), grp in base.groupby(["dataset", "l_max"], sort=False):
         if grp["gen_length"].nunique() > max(1, cells["gen_length"].nunique() if len(cells) else 1):
             best, cells = (ds, cap), grp
     if best is None:
@@ -204,15 +204,15 @@ def figure8(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     base = base[base["gen_length"] == setting.T]
     best, cells = None, base.iloc[0:0]
     for ds, grp in base.groupby("dataset", sort=False):
-        if grp["prompt_cap"].nunique() > max(1, cells["prompt_cap"].nunique() if len(cells) else 1):
+        if grp["l_max"].nunique() > max(1, cells["l_max"].nunique() if len(cells) else 1):
             best, cells = ds, grp
     if best is None:
         return f"Figure 8 skipped: no dataset has non-sweep cells at two or more prompt caps (T={setting.T})"
-    cells = cells[cells.groupby("label")["prompt_cap"].transform("nunique") >= 2]
+    cells = cells[cells.groupby("label")["l_max"].transform("nunique") >= 2]
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     a, b = fig.subplots(1, 2)
-    _lines(a, cells, "prompt_cap", "throughput_mean")
-    _lines(b, cells, "prompt_cap", "speedup")
+    _lines(a, cells, "l_max", "throughput_mean")
+    _lines(b, cells, "l_max", "speedup")
     _unity(b, cells["speedup"])
     _style(a, "throughput (tokens/s)", "(a) throughput")
     _style(b, "speedup vs AR at the same L_max (×)", "(b) speedup")
@@ -231,9 +231,9 @@ def _decoder_cells(summary: pd.DataFrame, setting: Setting, decoder: str) -> tup
     cells = summary[(summary["decoder"] == decoder) & (summary["gen_length"] == setting.T)]
     if cells.empty:
         return None, cells
-    counts = cells.groupby(["dataset", "prompt_cap"], sort=False).size()
+    counts = cells.groupby(["dataset", "l_max"], sort=False).size()
     ds, cap = max(counts.index, key=lambda k: (counts[k], setting.caps.get(k[0]) == k[1]))
-    return ds, cells[(cells["dataset"] == ds) & (cells["prompt_cap"] == cap)]
+    return ds, cells[(cells["dataset"] == ds) & (cells["l_max"] == cap)]
 
 
 def _param(cells: pd.DataFrame, name: str) -> pd.Series:
@@ -244,7 +244,7 @@ def _param(cells: pd.DataFrame, name: str) -> pd.Series:
 def _baselines(ax, summary: pd.DataFrame, setting: Setting, ds: str, cap: int, metric: str = "throughput_mean") -> None:
     """AR and fixed-tree lines (Figure 6): the fixed tree of the main tables if there is one, else the first."""
     same = _non_sweep(summary)
-    same = same[(same["dataset"] == ds) & (same["prompt_cap"] == cap) & (same["gen_length"] == setting.T)]
+    same = same[(same["dataset"] == ds) & (same["l_max"] == cap) & (same["gen_length"] == setting.T)]
     main = {m.cells[ds]["label"] for m in methods(summary, setting)[0] if ds in m.cells} if ds in setting.caps else set()
     for decoder, color, ls in (("ar", "black", "--"), ("fixed_tree", "gray", ":")):
         rows = same[same["decoder"] == decoder]
@@ -278,7 +278,7 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         cells = cells[full]
     if ds is None or len(cells) < 2:
         return "Figure 6 skipped: fewer than two full DynaTree configurations at the main T"
-    cap = int(cells.iloc[0]["prompt_cap"])
+    cap = int(cells.iloc[0]["l_max"])
     tau = pd.DataFrame({"h": _param(cells, "tau_h"), "l": _param(cells, "tau_l"),
                         "thr": cells["throughput_mean"].astype(float)}).dropna()
     panels = []
@@ -327,7 +327,7 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     # One value per (D, B, tau): the mean if a grid point was measured twice (e.g. the main fixed tree).
     grid = grid.groupby(["D", "B", "tau"], as_index=False)[metric].mean()
     best = grid.loc[grid[metric].idxmax()]
-    cap = int(cells.iloc[0]["prompt_cap"])
+    cap = int(cells.iloc[0]["l_max"])
     fig = Figure(figsize=(16, 4.6), layout="constrained")
     a, b, c = fig.subplots(1, 3)
     at_tau = grid[grid["tau"] == best["tau"]]
@@ -385,7 +385,7 @@ def partial_note(summary: pd.DataFrame, include_partial: bool) -> list[str]:
     cells = summary[summary["partial"].fillna(False).astype(bool)]
     if cells.empty:
         return []
-    names = ", ".join(f"{r['label']} ({r['dataset']}, L_max={r['prompt_cap']}, T={r['gen_length']})" for _, r in cells.iterrows())
+    names = ", ".join(f"{r['label']} ({r['dataset']}, L_max={r['l_max']}, T={r['gen_length']})" for _, r in cells.iterrows())
     if include_partial:
         return [f"figures include partial cells (failed after some prompts; hatched bars): {names}"]
     return [f"partial cells left out of the figures (failed after some prompts; --include-partial draws them): {names}"]

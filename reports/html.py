@@ -91,7 +91,7 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
                    f"<figcaption><code>{e(stem)}</code></figcaption></figure>")
     out += [f"<p class='note'>{e(n)}</p>" for n in notes]
     out.append("<h2>Every cell</h2>")
-    for key, group in summary.groupby(["dataset", "prompt_cap", "gen_length"], sort=False):
+    for key, group in summary.groupby(["dataset", "l_max", "gen_length"], sort=False):
         disp = pd.DataFrame([{h: render.formatted(row)[c] for h, c in render.COLUMNS} for _, row in group.iterrows()])
         out += [f"<h3>{e(key[0])} · L_max {key[1]} · T={key[2]}</h3>", _table(disp)]
         out += [f"<p class='note'>{e(n)}</p>" for _, row in group.iterrows() for n in render.cell_notes(row)]

@@ -48,7 +48,7 @@ class Setting:
         """Summary rows at this setting (one dataset, or all), in their stored order."""
         mask = summary["gen_length"] == self.T
         caps = self.caps if dataset is None else {dataset: self.caps[dataset]}
-        mask &= pd.Series([caps.get(d) == c for d, c in zip(summary["dataset"], summary["prompt_cap"])],
+        mask &= pd.Series([caps.get(d) == c for d, c in zip(summary["dataset"], summary["l_max"])],
                           index=summary.index)
         return summary[mask]
 
@@ -93,7 +93,7 @@ def main_setting(summary: pd.DataFrame) -> Setting | None:
     at_T = base[base["gen_length"] == T]
     caps = {}
     for ds in dict.fromkeys(at_T["dataset"]):
-        c = at_T[at_T["dataset"] == ds].groupby("prompt_cap").size()
+        c = at_T[at_T["dataset"] == ds].groupby("l_max").size()
         caps[ds] = int(max(c.index, key=lambda k: (c[k], k)))
     return Setting(T=T, caps=caps)
 

@@ -132,20 +132,30 @@ def markdown(summary: pd.DataFrame) -> str:
 
 
 MACHINE_COLUMNS = [
-    "dataset", "prompt_cap", "gen_length", "label", "decoder", "n", *METRICS[0].columns, "speedup",
+    "dataset", "l_max", "gen_length", "label", "decoder", "n", *METRICS[0].columns, "speedup",
     *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "reference", "status", "error",
     "warmup_n", "partial", "all_warmup", "mixed_devices",
 ]
 
 
+# Column names of the machine-readable outputs (CSV and JSON of every report) that differ from the frames': L_max
+# keeps the name these outputs have always used, so scripts that read them keep working.
+EXPORT_NAMES = {"l_max": "prompt_cap"}
+
+
+def exported(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with its columns named as the CSV/JSON outputs name them (:data:`EXPORT_NAMES`)."""
+    return frame.rename(columns=EXPORT_NAMES)
+
+
 def csv(summary: pd.DataFrame) -> str:
-    """Machine-readable summary, one row per cell (units in column names: ms, MiB, tokens/s)."""
-    return summary[MACHINE_COLUMNS].to_csv(index=False)
+    """Machine-readable summary, one row per cell (units in column names: ms, MiB, tokens/s; L_max as prompt_cap)."""
+    return exported(summary[MACHINE_COLUMNS]).to_csv(index=False)
 
 
 def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
     """The run's metadata and per-cell summary rows as JSON (NaN -> null)."""
-    rows = json.loads(summary[MACHINE_COLUMNS + ["params"]].to_json(orient="records"))
+    rows = json.loads(exported(summary[MACHINE_COLUMNS + ["params"]]).to_json(orient="records"))
     return json.dumps({"run": run_meta, "cells": rows}, indent=2, default=str)
 
 
@@ -195,7 +205,7 @@ def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFra
         return "—" if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
 
     return pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
         "n": str(r["n"]), "Throughput (t/s)": fmt(r["throughput_mean"], ".1f") + partial_mark(r),
         "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"), "Speedup": fmt(r["speedup"], ".3f", "×") + partial_mark(r),
         "Per-prompt (geo. mean)": fmt(r["paired_speedup"], ".3f", "×"), ci: interval(r), "Verdict": r["verdict"],
@@ -220,7 +230,7 @@ def compare_display(table: pd.DataFrame) -> pd.DataFrame:
         return fmt(r[which], ".2f") + (PARTIAL_MARK if bool(r.get(f"{which}_partial", False)) else "")
 
     return pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["prompt_cap"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
         "Before (t/s)": side(r, "before"), "After (t/s)": side(r, "after"), "Ratio": fmt(r["ratio"], ".3f", "×"),
         "p": fmt(r["p_value"], ".3g"), "Mark": r["mark"], "Note": r["note"],
     } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "Before (t/s)", "After (t/s)", "Ratio",

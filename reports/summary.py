@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE, METRICS, MIB, peak_memory_bytes  # noqa: F401  (MIB re-exported)
-GROUP = ["dataset", "prompt_cap", "gen_length"]
+GROUP = ["dataset", "l_max", "gen_length"]
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
 SAMPLED = "sampled (exact by construction, distribution-tested)"
 KEY = [*GROUP, "label"]
@@ -37,7 +37,7 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
     "output_hash", "worker_host", "device_name", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
-_CELL_COLS = ["dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
+_CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
               "sampling",
               "lossless_expected", "reference_label", "status", "error", "target_model", "draft_model"]
 
@@ -94,7 +94,7 @@ def _aggregates(basis: pd.DataFrame) -> dict[str, float]:
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: mean/std over non-warmup samples, speedup vs the same group's ``ar`` cell.
 
-    Columns: dataset, prompt_cap, gen_length, label, decoder, n (prompts after warmup), warmup_n, speedup, every
+    Columns: dataset, l_max, gen_length, label, decoder, n (prompts after warmup), warmup_n, speedup, every
     metric of :data:`dtbench.harness.metrics.METRICS` (``{name}_mean``/``{name}_std`` for the spread ones such as
     throughput, ttft_ms, tpot_ms; ``{name}`` for the others; all NaN when no prompt is left after warmup),
     lossless ('yes', 'no', '—' when nothing to compare) and lossless_n over every measured sample (warmup
@@ -116,7 +116,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         else:
             lossless = "yes" if bool(compared.all()) else "no"
         out.append({
-            "cell_id": cell_id, "dataset": first["dataset"], "prompt_cap": int(first["prompt_cap"]),
+            "cell_id": cell_id, "dataset": first["dataset"], "l_max": int(first["l_max"]),
             "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
             "params": first["params"], "decoder_version": first["decoder_version"], "sweep_group": first["sweep_group"],
             "n": len(basis), "warmup_n": len(measured) - len(basis),

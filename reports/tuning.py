@@ -28,7 +28,7 @@ def best_dynatree(summary: pd.DataFrame) -> dict | None:
     two measured DynaTree cells has nothing to choose from.
 
     Returns:
-        None, or {"label", "dataset", "prompt_cap", "gen_length", "n" (prompts after warmup), "speedup",
+        None, or {"label", "dataset", "l_max", "gen_length", "n" (prompts after warmup), "speedup",
         "tokens_per_iteration", "changed" (params differing from the defaults, name -> value),
         "defaults_speedup" (speedup of a cell with default params, NaN if none), "runner_up" (label, speedup),
         "cells" (DynaTree cells compared)}.
@@ -45,7 +45,7 @@ def best_dynatree(summary: pd.DataFrame) -> dict | None:
     plain = [s for s, p in zip(cells["speedup"], cells["params"])
              if all(defaults.get(k, object()) == v for k, v in (p or {}).items())]
     return {
-        "label": best["label"], "dataset": best["dataset"], "prompt_cap": int(best["prompt_cap"]),
+        "label": best["label"], "dataset": best["dataset"], "l_max": int(best["l_max"]),
         "gen_length": int(best["gen_length"]), "n": int(best["n"]), "speedup": float(best["speedup"]),
         "tokens_per_iteration": float(best["tokens_per_iteration"]), "changed": changed,
         "defaults_speedup": float(plain[0]) if plain else math.nan,
@@ -58,7 +58,7 @@ def tuning_line(best: dict) -> str:
     changed = ", ".join(f"{k}={v}" for k, v in best["changed"].items()) or "none (the defaults)"
     defaults = "" if math.isnan(best["defaults_speedup"]) else f"; defaults {best['defaults_speedup']:.2f}x"
     return (f"DynaTree tuning: best setting {best['label']!r} — speedup {best['speedup']:.2f}x, "
-            f"L {best['tokens_per_iteration']:.2f} ({best['dataset']}, L_max={best['prompt_cap']}, "
+            f"L {best['tokens_per_iteration']:.2f} ({best['dataset']}, L_max={best['l_max']}, "
             f"T={best['gen_length']}, {best['n']} prompts after warmup, {best['cells']} DynaTree settings{defaults}; "
             f"runner-up {best['runner_up'][0]!r} {best['runner_up'][1]:.2f}x); params changed from the defaults: "
             f"{changed}")

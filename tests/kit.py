@@ -51,7 +51,7 @@ def suite_dict(target: Path, draft: Path, decoders: list, **extra) -> dict:
         "name": "kit", "seed": 0, "device": "cpu",
         "target": {"model": str(target), "dtype": "float64"},
         "draft": {"model": str(draft), "dtype": "float64"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 16}],
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
         "generation_lengths": [6],
         "decoders": decoders,
         **extra,

@@ -26,7 +26,7 @@ def suite_text(name: str, decoders: list[dict[str, Any]], datasets=("wikitext-2"
     """A valid suite YAML (stored with the run; reports read its ``sweep:`` entries)."""
     return yaml.safe_dump({
         "name": name,
-        "datasets": [{"name": d, "prompts": 10, "warmup": 2, "prompt_cap": cap} for d in datasets],
+        "datasets": [{"name": d, "prompts": 10, "warmup": 2, "L_max": cap} for d in datasets],
         "generation_lengths": list(T), "decoders": decoders,
     }, sort_keys=False)
 
@@ -44,7 +44,7 @@ def add_cell(session, run: Run, label: str, decoder: str | None = None, *, datas
              params=None, version="1", status="done", error=None, target="smollm2 (float32)", draft=None,
              sweep_group: str | None = None, sampling: dict | None = None) -> Cell:
     decoder = decoder or label
-    cell = Cell(run=run, dataset=dataset, prompt_cap=cap, gen_length=T, decoder=decoder, label=label,
+    cell = Cell(run=run, dataset=dataset, l_max=cap, gen_length=T, decoder=decoder, label=label,
                 decoder_version=version, decoder_distribution="dtbench", params=params or {},
                 lossless_expected=True, reference_label=None if decoder == "ar" else "ar",
                 target_model=target, draft_model=draft if draft is not None else (None if decoder == "ar" else "draft (bf16)"),
@@ -73,12 +73,12 @@ def add_samples(session, cell: Cell, throughputs: list[float], *, warmup: int = 
         total = T / thr
         iters = iterations or (T if cell.decoder == "ar" else max(1, T // 4))
         s = Sample(
-            cell_id=cell.id, prompt_index=start + i, document=f"doc {start + i}", warmup=i < warmup, prompt_tokens=cell.prompt_cap,
+            cell_id=cell.id, prompt_index=start + i, document=f"doc {start + i}", warmup=i < warmup, prompt_tokens=cell.l_max,
             new_tokens=T, total_s=total, ttft_s=ttft_s, tpot_s=(total - ttft_s) / (T - 1), throughput=thr,
             iterations=iters, tokens_per_iteration=T / iters, drafted=0 if cell.decoder == "ar" else 4 * iters,
             accepted=0, draft_depth=0, acceptance_rate=acceptance, mean_path_length=path, target_forwards=iters,
             acceptance_incl_bonus=bonus if bonus is not None else acceptance, mean_path_length_all=path,
-            step_tokens=[1] * iters, step_stats={"drafted": [], "accepted": [], "tree_size": [], "depth": []},
+            step_tokens=[1] * iters, step_stats={"drafted": [], "accepted": [], "depth": []},
             step_times_s=[total], peak_rss_bytes=int(rss_mib * 2**20),
             peak_allocated_bytes=int(allocated_mib * 2**20) if allocated_mib is not None else None, peak_nvml_bytes=None,
             output_hash=hashlib.sha256(json.dumps([start + i]).encode()).hexdigest(), output_tokens=[0] * T,

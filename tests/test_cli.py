@@ -18,7 +18,7 @@ TINY = {
     "device": "cpu",
     "target": {"model": "smollm2-135m", "dtype": "float32"},
     "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
-    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 16}],
+    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
     "generation_lengths": [6],
     "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],
 }

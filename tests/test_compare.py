@@ -135,7 +135,7 @@ def test_cli_compare_exit_codes_and_only_changed(two_runs):
     assert cells["slower"] == "worse"
     gated = invoke("report", "--db", path, "--compare", "1", "latest", "--fail-if", "throughput:-5%", "--format", "csv")
     assert gated.exit_code == 1
-    assert "gate tripped: throughput:-5%: wikitext-2 L=128 T=64 slower" in gated.stderr
+    assert "gate tripped: throughput:-5%: wikitext-2 L_max=128 T=64 slower" in gated.stderr
     passed = invoke("report", "--db", path, "--compare", "1", "2", "--fail-if", "throughput:-50%", "--fail-if", "ttft_ms:+50%",
                     "--only-changed", "--format", "markdown")
     assert passed.exit_code == 1  # the newly failing cell trips any gate

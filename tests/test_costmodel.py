@@ -125,7 +125,7 @@ def tiny_suite(name: str, params: dict, cap: int, T: int):
     text = yaml.safe_dump({
         "name": "fake", "device": "cpu", "target": {"model": "t", "dtype": "float64"},
         "draft": {"model": "d", "dtype": "float64"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": cap}],
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": cap}],
         "generation_lengths": [T], "decoders": [{"name": name, "params": params}]})
     suite = parse_suite(text)
     return suite, plan_suite(suite)

@@ -27,7 +27,7 @@ def sessions(db_url):
 def _store(sessions, rows):
     with sessions() as s:
         run = db.Run(suite_name="t", suite_text="", suite_hash="0", environment={})
-        cell = db.Cell(run=run, dataset="d", prompt_cap=8, gen_length=20, decoder="linear", label="linear",
+        cell = db.Cell(run=run, dataset="d", l_max=8, gen_length=20, decoder="linear", label="linear",
                        decoder_version="1", decoder_distribution="dtbench", params={"k": 3}, target_model="tiny")
         s.add(cell)
         for row in rows:
@@ -90,14 +90,14 @@ def _sample(cell, prompt_index=0, **over):
 
 
 def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
-    stats = {"drafted": [3, 3], "accepted": [2, 0], "tree_size": [3, 3], "depth": [3, 3], "zé": [0.1 + 0.2, 1e-300]}
+    stats = {"drafted": [3, 3], "accepted": [2, 0], "depth": [3, 3], "zé": [0.1 + 0.2, 1e-300]}
     env = {"z": 1, "a": {"nested": [1, 2.5, None, True, "ü"]}, "m": None}
     berlin = timezone(timedelta(hours=1))
     started = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=berlin)
     with sessions() as s:
         run = db.Run(suite_name="t", suite_text="", suite_hash="0", environment=env, started_at=started,
                      heartbeat_at=datetime(2026, 1, 2, 2, 0, 0))  # naive: taken as UTC
-        cell = db.Cell(run=run, dataset="d", prompt_cap=8, gen_length=4, decoder="ar", label="ar",
+        cell = db.Cell(run=run, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar",
                        decoder_version="1", decoder_distribution="dtbench", params={"k": 3}, target_model="m")
         s.add(_sample(cell, step_stats=stats, peak_allocated_bytes=80 * 2**30, peak_nvml_bytes=2**40,
                       target_forwards=None, draft_forwards=7, acceptance_incl_bonus=1.25, nvml_scope="process"))
@@ -119,7 +119,7 @@ def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
         with pytest.raises(IntegrityError):
             s.commit()
     with sessions() as s:  # (run, dataset, cap, T, label) is unique
-        s.add(db.Cell(run_id=run_id, dataset="d", prompt_cap=8, gen_length=4, decoder="ar", label="ar",
+        s.add(db.Cell(run_id=run_id, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar",
                       decoder_version="1", decoder_distribution="dtbench", params={}, target_model="m"))
         with pytest.raises(IntegrityError):
             s.commit()

@@ -40,7 +40,7 @@ CHILD = textwrap.dedent("""
     sessions = db.connect(url)
     with sessions() as s:
         run = db.Run(suite_name=f"p{os.getpid()}", suite_text="", suite_hash="0", environment={"pid": os.getpid()})
-        cell = db.Cell(run=run, dataset="d", prompt_cap=8, gen_length=4, decoder="ar", label="ar",
+        cell = db.Cell(run=run, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar",
                        decoder_version="1", decoder_distribution="dtbench", params={}, target_model="m")
         s.add(cell)
         s.commit()

@@ -252,3 +252,50 @@ def test_interim_database_without_alembic_version_upgrades(db_url):
     else:
         cols = {c["name"]: str(c["type"]) for c in inspect(create_engine(db_url)).get_columns("samples")}
         assert cols["peak_rss_bytes"] == "BIGINT" and cols["draft_forwards"] == "INTEGER"
+
+
+def test_0006_renames_prompt_cap_to_l_max_keeping_values_and_old_suites_parse(old_db):
+    """cells.prompt_cap becomes cells.l_max with the same values; the suite text stored with the old runs (which
+    says prompt_cap:) still parses, to the L_max its cells were measured at (what ``--resume`` re-reads)."""
+    import sqlite3
+
+    from dtbench.harness.suite import parse_suite
+
+    con = sqlite3.connect(old_db)
+    before = con.execute("SELECT id, run_id, prompt_cap FROM cells ORDER BY id").fetchall()
+    texts = dict(con.execute("SELECT id, suite_text FROM runs").fetchall())
+    con.close()
+    assert before and all("prompt_cap:" in t for t in texts.values())
+    assert invoke("db", "upgrade", "--db", str(old_db)).exit_code == 0
+    con = sqlite3.connect(old_db)
+    assert con.execute("SELECT id, run_id, l_max FROM cells ORDER BY id").fetchall() == before
+    assert "prompt_cap" not in [d[0] for d in con.execute("SELECT * FROM cells LIMIT 0").description]
+    con.close()
+    for run_id, text_ in texts.items():
+        caps = {c for ds in parse_suite(text_, f"run {run_id}").datasets for c in ds.caps}
+        assert caps == {cap for _, r, cap in before if r == run_id}
+
+
+def test_0006_downgrades_and_upgrades_again(db_url):
+    """0006 round-trips on SQLite and PostgreSQL: the column and its unique constraint follow the name."""
+    from alembic import command
+
+    with db.connect(db_url)() as s:
+        run = db.Run(suite_name="s", suite_text="", suite_hash="h", status="done", environment={})
+        s.add(db.Cell(run=run, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar", decoder_version="1",
+                      decoder_distribution="dtbench", params={}, lossless_expected=True, target_model="m",
+                      status="done"))
+        s.commit()
+    engine = create_engine(db_url)
+    try:
+        for rev, column in (("0005", "prompt_cap"), ("head", "l_max")):
+            with engine.begin() as conn:
+                getattr(command, "downgrade" if rev != "head" else "upgrade")(schema._config(conn), rev)
+            insp = inspect(engine)
+            assert column in {c["name"] for c in insp.get_columns("cells")}
+            assert ("run_id", "dataset", column, "gen_length", "label") in \
+                [tuple(u["column_names"]) for u in insp.get_unique_constraints("cells")]
+            with engine.connect() as conn:
+                assert conn.execute(text(f"SELECT {column} FROM cells")).scalar() == 8
+    finally:
+        engine.dispose()

@@ -16,12 +16,12 @@ device: cpu
 target: {model: smollm2-135m}
 draft: {model: smollm2-135m, dtype: bfloat16}
 datasets:
-  - {name: wikitext-2, prompts: 3, warmup: 1, prompt_cap: [64, 128]}
-  - {name: pg19, prompts: 2, warmup: 1, prompt_cap: 64}
+  - {name: wikitext-2, prompts: 3, warmup: 1, L_max: [64, 128]}
+  - {name: pg19, prompts: 2, warmup: 1, L_max: 64}
 generation_lengths: [8, 16, 32]
 decoders:
   - {name: linear, label: L, params: {k: 2}}
-  - {name: linear, label: L-scaling, params: {k: 4}, generation_lengths: [16, 32], prompt_cap: 64, datasets: [pg19]}
+  - {name: linear, label: L-scaling, params: {k: 4}, generation_lengths: [16, 32], L_max: 64, datasets: [pg19]}
   - {name: streaming_spec, label: S, params: {sinks: 4, window: 32, k: 2}, generation_lengths: [32], datasets: [pg19]}
 """
 
@@ -50,7 +50,7 @@ def test_restrictions_and_reference_spreading():
 
 @pytest.mark.parametrize("entry, needle", [
     ("{name: linear, generation_lengths: [64]}", "generation_lengths [64] are not in the suite's"),
-    ("{name: linear, prompt_cap: 999}", "prompt_cap [999] is not a prompt_cap of any dataset"),
+    ("{name: linear, L_max: 999}", "L_max [999] is not an L_max of any dataset"),
     ("{name: linear, datasets: [c4]}", "datasets names 'c4', which the suite does not have"),
 ])
 def test_restrictions_must_name_suite_values(tmp_path, entry, needle):

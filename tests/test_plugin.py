@@ -84,7 +84,7 @@ def test_steps_accept_drafts(plugin):
     steps = list(decoder.generate(torch.tensor([prompt]), 20))
     assert sum(s.accepted for s in steps) > 0
     for s in steps:
-        assert 0 <= s.accepted <= s.drafted == s.tree_size == s.depth <= 8
+        assert 0 <= s.accepted <= s.drafted == s.depth <= 8
         assert len(s.tokens) == s.accepted + 1
 
 
@@ -158,7 +158,7 @@ def test_dtbench_run_with_the_plugin(plugin, tmp_path, data_dir, broken_plugin):
 
     suite = {
         "name": "plugin", "device": "cpu", "target": {"model": "smollm2-135m"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 48}],
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 48}],
         "generation_lengths": [12],
         "decoders": [{"name": "ar"}, {"name": "prompt_lookup", "params": {"ngram_size": 2, "num_draft_tokens": 4}}],
     }

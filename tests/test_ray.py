@@ -167,7 +167,7 @@ def test_ray_matches_local(cluster, pair, tmp_path, data_dir):
                     "--executor", "ray", "--workers", "2", "--threads-per-worker", "1")
     assert result.exit_code == 0, result.output
     ray_db = tmp_path / "ray.db"
-    cells = "select dataset, prompt_cap, gen_length, label, decoder, status, lossless_expected from cells order by id"
+    cells = "select dataset, l_max, gen_length, label, decoder, status, lossless_expected from cells order by id"
     assert rows(ray_db, cells) == rows(local, cells) and len(rows(local, cells)) == 4
     assert outputs(ray_db) == outputs(local) and len(outputs(local)) == 12  # the same tokens, sample for sample
     one_sample_each(ray_db, 4, 3)

@@ -25,7 +25,7 @@ SUITE = {
     "device": "cpu",
     "target": {"model": "smollm2-135m", "dtype": "float32"},
     "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
-    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 16}],
+    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
     "generation_lengths": [3],
     "decoders": [{"name": "ar", "label": "AR"}, {"name": "linear", "label": "Linear Spec (K=2)", "params": {"k": 2}}],
 }

@@ -18,7 +18,7 @@ BASE = {
     "name": "v", "device": "cpu",
     "target": {"model": "smollm2-135m", "dtype": "float32"},
     "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
-    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "prompt_cap": 16}],
+    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
     "generation_lengths": [4],
     "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],
 }
@@ -31,9 +31,9 @@ def validate(tmp_path, suite, name="suite.yaml"):
 @pytest.mark.parametrize("change, needles", [
     ({"generation_lengths": [8, 8]}, ["generation_lengths", "lists a value twice"]),
     ({"generation_lengths": [10**24]}, ["generation_lengths", "at most 1048576"]),
-    ({"datasets": [{"name": "wikitext-2", "prompt_cap": 16}, {"name": "wikitext-2", "prompt_cap": [32, 16]}]},
-     ["dataset 'wikitext-2' with prompt_cap 16 is listed twice"]),
-    ({"datasets": [{"name": "wikitext-2", "prompt_cap": [16, 16]}]}, ["prompt_cap lists a value twice"]),
+    ({"datasets": [{"name": "wikitext-2", "L_max": 16}, {"name": "wikitext-2", "L_max": [32, 16]}]},
+     ["dataset 'wikitext-2' with L_max 16 is listed twice"]),
+    ({"datasets": [{"name": "wikitext-2", "L_max": [16, 16]}]}, ["L_max lists a value twice"]),
     ({"datasets": [{"name": "wikitext-2", "prompts": True}]}, ["datasets.0.prompts", "booleans are not numbers"]),
     ({"generation_lengths": [True]}, ["generation_lengths.0", "booleans are not numbers"]),
     ({"decoders": [{"name": "ar", "sweep": {"k": []}}]}, ["sweep over 'k' has no values"]),
@@ -106,7 +106,7 @@ def test_text_files_that_are_not_text(tmp_path):
     (corpus / "good.txt").write_text("Some ordinary text. " * 50)
     (corpus / "zeros.txt").write_bytes(b"\0" * 4096)
     suite = {**BASE, "datasets": [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 1,
-                                   "prompt_cap": 16}]}
+                                   "L_max": 16}]}
     one_line_error(validate(tmp_path, suite), "zeros.txt is not a text document")
     (corpus / "zeros.txt").unlink()
     (corpus / "image.txt").write_bytes(bytes(range(128, 256)) * 8)
@@ -156,3 +156,32 @@ def test_network_hint_only_for_hub_ids():
     exc = ConnectionError("cannot connect to host")
     assert "no network?" in _short(exc, "EleutherAI/pythia-70m")
     assert "no network?" not in _short(exc, "./my-local-model")
+
+
+def test_prompt_cap_is_the_deprecated_name_of_l_max(tmp_path):
+    """Suites written before L_max (and the suite text stored with their runs) load the same, with one note;
+    an entry that sets both names is a one-line error."""
+    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.suite import load_suite
+
+    def entries(key):
+        return {"datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, key: [16, 32]}],
+                "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 2}, key: 16}]}
+
+    result = validate(tmp_path, {**BASE, **entries("prompt_cap")}, "old.yaml")
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "old.yaml:" in notes[0] and "datasets.0: prompt_cap is the deprecated name of L_max" \
+        " (and 1 more entries); write L_max" in notes[0], result.stderr
+    write_suite(tmp_path, {**BASE, **entries("L_max")}, "new.yaml")
+    (old, _), (new, _) = load_suite(tmp_path / "old.yaml"), load_suite(tmp_path / "new.yaml")
+    assert old.model_dump() == new.model_dump() and old.datasets[0].caps == [16, 32] and old.decoders[1].caps == [16]
+    assert [(ds.name, cap, T, c.label) for ds, cap, T, c in plan_suite(old).cells()] == \
+           [(ds.name, cap, T, c.label) for ds, cap, T, c in plan_suite(new).cells()]
+    quiet = validate(tmp_path, {**BASE, **entries("L_max")}, "new.yaml")
+    assert quiet.exit_code == 0 and "deprecated" not in quiet.output
+    for i, key in ((0, "datasets"), (1, "decoders")):
+        both = {**BASE, **entries("L_max")}
+        both[key][i]["prompt_cap"] = 16
+        one_line_error(validate(tmp_path, both), f"{key}.{i}.L_max: given twice, as L_max and as prompt_cap",
+                       "keep L_max only")

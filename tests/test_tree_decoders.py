@@ -46,8 +46,8 @@ def check_steps(steps, n, params):
     assert sum(len(s.tokens) for s in steps) == n
     for s in steps[1:]:
         assert s.accepted == len(s.tokens) - 1
-        assert s.drafted == s.tree_size <= params.n_max
-        assert s.accepted <= s.depth <= s.tree_size
+        assert s.drafted <= params.n_max
+        assert s.accepted <= s.depth <= s.drafted
     return [t for s in steps for t in s.tokens]
 
 
@@ -223,9 +223,9 @@ def test_lossless_every_strategy(arch, attn, kind, name, data):
         steps = all_steps(cls(target, draft, params), prompt, n)
         assert check_steps(steps, n, params) == ref, params
         if tree_guaranteed(params, n):
-            assert sum(s.tree_size for s in steps) > 0, params
+            assert sum(s.drafted for s in steps) > 0, params
         if kind == "self":  # the draft is the target: every drafted top-1 chain is accepted
-            assert all(s.accepted >= 1 for s in steps[1:] if s.tree_size and tree_root == "paper"), params
+            assert all(s.accepted >= 1 for s in steps[1:] if s.drafted and tree_root == "paper"), params
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -239,7 +239,7 @@ def test_default_params_are_lossless(arch):
         steps = all_steps(cls(target, draft, cls.Params()), prompt, 30)
         assert check_steps(steps, 30, cls.Params()) == ar_tokens(attn, tuple(prompt), 30, arch, SHARP)
         iters = steps[1:]
-        assert sum(s.tree_size for s in iters) >= 2 * len(iters), (attn, kind, name)
+        assert sum(s.drafted for s in iters) >= 2 * len(iters), (attn, kind, name)
         if kind != "unrelated":
             assert sum(s.accepted for s in iters) >= len(iters), (attn, kind, name)
 
@@ -256,7 +256,7 @@ def test_paper_root_and_leaf_pruning_shape_the_trees(arch):
         params = FixedTreeParams(depth=3, branching=3, tau=0.1, tree_root=tree_root, prune=prune)
         steps = all_steps(FixedTree(target, draft, params), prompt, n)
         assert check_steps(steps, n, params) == ar_tokens("sdpa", tuple(prompt), n, arch, SHARP)
-        sizes[tree_root, prune] = sum(s.tree_size for s in steps)
+        sizes[tree_root, prune] = sum(s.drafted for s in steps)
         depths[tree_root, prune] = max(s.depth for s in steps)
         if tree_root == "paper":
             assert all(s.depth <= 4 for s in steps) and depths[tree_root, prune] == 4
@@ -307,12 +307,12 @@ def test_target_forwards_per_iteration(arch, kind, name):
         assert tlog.lengths[0] == len(prompt)  # prefill
         if cache_strategy == "compact":
             assert len(tlog.lengths) == 1 + len(iters)
-            assert tlog.lengths[1:] == [s.tree_size + 1 for s in iters]
+            assert tlog.lengths[1:] == [s.drafted + 1 for s in iters]
         else:
             assert len(tlog.lengths) == 1 + 2 * len(iters)
-            assert tlog.lengths[1::2] == [s.tree_size + 1 for s in iters]
+            assert tlog.lengths[1::2] == [s.drafted + 1 for s in iters]
             assert tlog.lengths[2::2] == [s.accepted + 1 for s in iters]
-        assert sum(s.tree_size for s in iters) > 2 * len(iters)  # real trees were verified
+        assert sum(s.drafted for s in iters) > 2 * len(iters)  # real trees were verified
         draft_forwards[cache_strategy, draft_strategy] = len(dlog.lengths)
         if draft_strategy == "per_level":  # one draft forward per tree level (the root's included)
             assert len(dlog.lengths) <= sum(s.depth + 1 for s in iters)
@@ -384,7 +384,7 @@ def test_history_adaptation_acts_and_resets_per_generate():
     static = DynaTree(target, draft, DynaTreeParams(**base, history_adaptation=False))
     prompt = [11, 22, 33, 44, 55]
     first = all_steps(adaptive, prompt, 50)
-    assert [s.tree_size for s in first] != [s.tree_size for s in all_steps(static, prompt, 50)]
+    assert [s.drafted for s in first] != [s.drafted for s in all_steps(static, prompt, 50)]
     assert all_steps(adaptive, prompt, 50) == first  # no adapted state leaks into the next generate()
     policy = adaptive.make_policy()
     for s in first[1:]:
