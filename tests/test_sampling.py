@@ -298,6 +298,15 @@ def test_tree_sampling_drafts_real_trees():
     assert max(accepted) >= 2 and min(accepted) == 0
 
 
+def test_tree_sampling_loses_nothing_when_the_draft_is_the_target():
+    """q = p: every drawn child passes min(1, p/q) = 1, so each iteration accepts a whole root-to-deepest path (an
+    efficiency check the distribution tests cannot make: a rule that rejected too often would still be exact)."""
+    decoder = fixed_tree("self", depth=3, branching=2)
+    decoder.sampling, decoder.generator = SETTINGS["t1"], torch.Generator().manual_seed(0)
+    steps = list(decoder.generate(torch.tensor([PROMPT]), 30))[1:]
+    assert len(steps) >= 5 and all(s.accepted == s.depth >= 1 for s in steps)
+
+
 @pytest.mark.parametrize("wrong, draft", [("swapped-ratio", "unrelated"), ("no-residual", "perturbed")])
 def test_a_wrong_tree_acceptance_rule_fails_the_test(monkeypatch, wrong, draft):
     """Two classic mistakes must fail the distribution test: accepting with min(1, q/p) instead of min(1, p/q),
