@@ -2,13 +2,20 @@
 Generation"; Table 1).
 
 ``target.generate(input_ids, assistant_model=draft, do_sample=False, ...)`` runs the whole loop inside one
-blocking call. To let the runner time every iteration like any other decoder, the call runs in a worker thread
-and a streamer hands each target verification's committed tokens to the consumer: in transformers 5.x
-``GenerationMixin._assisted_decoding`` calls ``streamer.put(valid_tokens)`` exactly once per target forward (after
-selecting the matching candidates plus the bonus token), and once beforehand with the prompt, which is skipped.
-The worker and the consumer run in lockstep: after each ``put`` the worker waits until the consumer asks for the
-next Step, so the runner's device synchronisation and timestamp for a Step happen while the worker is paused,
-and the time of iteration i is exactly the time between Step i-1 being handed over and Step i arriving.
+blocking call. To let the runner time every iteration like any other decoder, the call runs in a *greenlet* (a
+coroutine with its own stack, in the caller's OS thread) and a streamer hands each target verification's committed
+tokens to the consumer: in transformers 5.x ``GenerationMixin._assisted_decoding`` calls ``streamer.put(valid_tokens)``
+exactly once per target forward (after selecting the matching candidates plus the bonus token), and once beforehand
+with the prompt, which is skipped. ``put`` switches back to the consumer, which yields the Step; asking for the next
+Step switches into the call again. So the runner's device synchronisation and timestamp for a Step happen while the
+call is paused, and the time of iteration i is exactly the time between Step i-1 being handed over and Step i
+arriving.
+
+Why not a worker thread (decoder version 1): on the embedded CPU pair every forward run from a second OS
+thread took 20-30% longer than the same forward from the measuring thread (a second OpenMP thread team: draft step
+37.9 -> 48.6 ms, target over 2 tokens 98.5 -> 115.7 ms, medians, same process, 2 threads), so the thread bridge
+charged transformers' decoders a cost no user of ``generate`` pays. The greenlet keeps every forward in the
+measuring thread.
 
 The number of drafted tokens per iteration (``candidate_length`` in transformers) is read by wrapping the
 candidate generator's ``get_candidates`` for the duration of the call (through the private
@@ -32,13 +39,13 @@ scikit-learn it stays fixed. Results are only comparable between environments th
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
 
 import torch
+from greenlet import getcurrent, greenlet
 from pydantic import Field
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
@@ -90,15 +97,14 @@ class _StopFlag(StoppingCriteria):
 
 
 class _Bridge(BaseStreamer):
-    """Streamer run by the worker thread: hands (tokens, drafted) per verification to the consumer, in lockstep.
+    """Streamer of the ``generate`` call: each verification's (committed ids, drafted) goes to the consumer.
 
-    Messages on ``out``: ("step", int64 CPU tensor of committed ids, drafted), ("done", None, 0),
-    ("error", exception, 0).
+    ``put`` runs inside the call's greenlet and switches to its parent (the consumer, in :meth:`_StreamedGenerate.
+    generate`) with ("step", int64 CPU tensor of committed ids, drafted); once ``stop`` is set it no longer hands
+    anything over, and the call ends at the end of the current iteration (:class:`_StopFlag`).
     """
 
     def __init__(self):
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.resume = threading.Semaphore(0)
         self.stop = threading.Event()
         self.drafted = 0
         self._prompt_seen = False
@@ -107,19 +113,23 @@ class _Bridge(BaseStreamer):
         if not self._prompt_seen:  # the first put is the prompt
             self._prompt_seen = True
             return
-        self.out.put(("step", value, self.drafted))
-        self.resume.acquire()  # wait until the consumer has taken this Step and asked for the next one
+        if not self.stop.is_set():
+            getcurrent().parent.switch(("step", value, self.drafted))
 
     def end(self) -> None:
         pass
 
 
 class _StreamedGenerate(Decoder):
-    """A transformers ``generate`` call run in a worker thread, one Step per streamer ``put`` (see module doc).
+    """A transformers ``generate`` call run in a greenlet, one Step per streamer ``put`` (see module doc).
 
     Subclasses give the call's extra keyword arguments (:meth:`_generate_kwargs`) and may wrap the call
     (:meth:`_around_call`, a context manager) to install and remove hooks.
     """
+
+    # 2: generate() runs in a greenlet of the measuring thread; version 1 ran it in a worker thread, whose forwards
+    # took 20-30% longer on CPU (module docstring), so version 1 throughputs are not comparable.
+    version = "2"
 
     def _generate_kwargs(self, bridge: _Bridge) -> dict:
         return {}
@@ -133,68 +143,57 @@ class _StreamedGenerate(Decoder):
         return Step(tokens=tokens)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        """Run ``target.generate`` in a worker thread and yield one Step per streamer put.
+        """Run ``target.generate`` in a greenlet of this thread and yield one Step per streamer put.
 
         Args:
             input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
             max_new_tokens: T; exactly T tokens are generated (EOS ignored).
 
         Raises:
-            Whatever ``generate`` raised in the worker, re-raised here.
+            Whatever ``generate`` raised (it propagates out of the greenlet into this generator).
         """
         bridge = _Bridge()
-        worker = threading.Thread(
-            target=self._work, args=(bridge, input_ids, max_new_tokens), name=f"dtbench-{type(self).__name__}",
-            daemon=True,
-        )
-        worker.start()
+        call = greenlet(lambda: self._work(bridge, input_ids, max_new_tokens))
         try:
-            while True:
-                kind, payload, drafted = bridge.out.get()
-                if kind == "done":
-                    return
-                if kind == "error":
-                    raise payload
+            message = call.switch()
+            while not call.dead:
+                _, payload, drafted = message
                 yield self._step(tuple(payload.view(-1).tolist()), drafted)
-                bridge.resume.release()
+                message = call.switch()
         finally:
             bridge.stop.set()
-            bridge.resume.release()  # a worker paused in put() continues, sees the flag and stops
-            worker.join()
+            while not call.dead:  # a call paused in put() finishes its iteration and returns
+                call.switch()
 
     def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """Worker thread body: greedy generate() of exactly T tokens (EOS ignored) with the subclass's settings."""
+        """The greenlet's body: generate() of exactly T tokens (EOS ignored) with the subclass's settings."""
         target = self.target
-        try:
-            pad = target.generation_config.pad_token_id
-            if pad is None:
-                pad = getattr(target.config, "pad_token_id", None)
-            if pad is None:
-                pad = 0
-            settings = dict(_NEUTRAL, do_sample=False)
-            if self.sampling is not None:
-                # transformers samples from the global torch RNG: seed it from this sample's own generator, so a
-                # seeded run is reproducible (the only global RNG use in dtbench, inside this worker's call).
-                torch.manual_seed(self.generator.initial_seed() if self.generator is not None else 0)
-                settings.update(do_sample=True, temperature=self.sampling.temperature,
-                                top_k=self.sampling.top_k or None, top_p=self.sampling.top_p)
-            with self._around_call(bridge):
-                target.generate(
-                    input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    num_beams=1,
-                    max_new_tokens=max_new_tokens,
-                    min_new_tokens=max_new_tokens,
-                    eos_token_id=None,
-                    pad_token_id=pad,
-                    streamer=bridge,
-                    stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
-                    **settings,
-                    **self._generate_kwargs(bridge),
-                )
-            bridge.out.put(("done", None, 0))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer thread
-            bridge.out.put(("error", exc, 0))
+        pad = target.generation_config.pad_token_id
+        if pad is None:
+            pad = getattr(target.config, "pad_token_id", None)
+        if pad is None:
+            pad = 0
+        settings = dict(_NEUTRAL, do_sample=False)
+        if self.sampling is not None:
+            # transformers samples from the global torch RNG: seed it from this sample's own generator, so a
+            # seeded run is reproducible (the only global RNG use in dtbench, inside this call).
+            torch.manual_seed(self.generator.initial_seed() if self.generator is not None else 0)
+            settings.update(do_sample=True, temperature=self.sampling.temperature,
+                            top_k=self.sampling.top_k or None, top_p=self.sampling.top_p)
+        with self._around_call(bridge):
+            target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                num_beams=1,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                eos_token_id=None,
+                pad_token_id=pad,
+                streamer=bridge,
+                stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
+                **settings,
+                **self._generate_kwargs(bridge),
+            )
 
 
 class HFGenerateParams(DecoderParams):
