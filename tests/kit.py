@@ -96,3 +96,19 @@ def one_line_error(result, *needles: str, code: int = 2) -> str:
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
+
+
+def fast_calibration_settings():
+    """A ``calibrate.Settings`` subclass timing one forward per point (a class, so code reading
+    ``calibrate.Settings.min_time_s`` still works when tests patch it in), for runs' calibrations in tests."""
+    from dataclasses import dataclass
+
+    from dtbench.harness import calibrate as cal
+
+    @dataclass
+    class Fast(cal.Settings):
+        min_repeats: int = 1
+        min_time_s: float = 0.0
+        warmup: int = 0
+
+    return Fast

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from dtbench.harness.plan import plan_suite
 from dtbench.harness.suite import parse_suite
 from dtbench.reports import costmodel
 
+from kit import fast_calibration_settings
 from models import VOCAB, model_zoo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,13 +92,7 @@ class FakeClock:
         self.handles.clear()
 
 
-@dataclass
-class Fast(cal.Settings):
-    """One forward per point: a run's calibration in tests (a class, so `cal.Settings.min_time_s` still reads)."""
-
-    min_repeats: int = 1
-    min_time_s: float = 0.0
-    warmup: int = 0
+Fast = fast_calibration_settings()  # one forward per point
 
 
 FAST = Fast()

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ from dtbench.harness.curves import FED_MASK
 from dtbench.harness.executors import LocalExecutor, RayExecutor
 from dtbench.harness.runner import run_suite
 from dtbench.harness.suite import load_suite
-from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+from kit import fast_calibration_settings, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'dtbench[ray]')")
 
@@ -292,13 +291,7 @@ def test_ray_options_and_a_missing_ray_are_one_line_errors(pair, tmp_path, monke
 
 # --- calibration on a worker (issue 12) ----------------------------------------------------------------------------
 
-@dataclass
-class Fast(cal.Settings):
-    """One forward per point (the driver builds the settings; they travel to the worker as plain data)."""
-
-    min_repeats: int = 1
-    min_time_s: float = 0.0
-    warmup: int = 0
+Fast = fast_calibration_settings()  # one forward per point
 
 
 FAST = Fast()
