@@ -64,7 +64,7 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree_draft import (  # noqa: F401
-    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeSampling, _expand, draft_tree,
+    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeSampling, _expand, check_draft_options, draft_tree,
 )
 from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)
     CacheStrategy, DraftStrategy, MaskKind, Prune, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
@@ -149,18 +149,12 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
     """
     if cache_strategy not in ("compact", "rebuild"):
         raise ValueError(f"unknown cache strategy {cache_strategy!r}")
-    if draft_strategy not in ("per_level", "per_node"):
-        raise ValueError(f"unknown draft strategy {draft_strategy!r}")
-    if prune not in ("leaf", "skip"):
-        raise ValueError(f"unknown prune mode {prune!r}")
-    if sampling is not None and prune == "skip":
-        raise ValueError(SKIP_WITH_SAMPLING)
+    check_draft_options(draft_strategy, prune, sampling is not None)
     offset = root_offset(tree_root)
     t_kind = attention_mask_kind(target)
     session = DraftSession(draft, input_ids[0].tolist())
     t_cache, logits = kv.prefill(target, input_ids)
-    pending = int(torch.argmax(logits).item()) if sampling is None else next_token(logits.reshape(-1), sampling,
-                                                                                   generator)
+    pending = next_token(logits.reshape(-1), sampling, generator)
     yield Step(tokens=(pending,))
     produced = 1
     while produced < max_new_tokens:

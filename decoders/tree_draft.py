@@ -260,6 +260,20 @@ def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits:
     return [new[j] for j, i in enumerate(sel) if flat[i] & 2]
 
 
+def check_draft_options(strategy: str, prune: str, sampled: bool) -> None:
+    """Validate the drafting options shared by :func:`draft_tree` and the driver (before any forward runs).
+
+    Raises:
+        ValueError: an unknown draft strategy or prune mode, or ``prune="skip"`` when ``sampled``.
+    """
+    if strategy not in ("per_level", "per_node"):
+        raise ValueError(f"unknown draft strategy {strategy!r}")
+    if prune not in ("leaf", "skip"):
+        raise ValueError(f"unknown prune mode {prune!r}")
+    if sampled and prune == "skip":
+        raise ValueError(SKIP_WITH_SAMPLING)
+
+
 def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: ExpansionPolicy, depth_cap: int,
                strategy: DraftStrategy, *, tree_root: TreeRoot = "paper", prune: Prune = "leaf",
                sampling: TreeSampling | None = None) -> None:
@@ -287,12 +301,7 @@ def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: Expans
     Raises:
         ValueError: for an unknown strategy, tree_root or prune mode, or ``prune="skip"`` with sampling.
     """
-    if strategy not in ("per_level", "per_node"):
-        raise ValueError(f"unknown draft strategy {strategy!r}")
-    if prune not in ("leaf", "skip"):
-        raise ValueError(f"unknown prune mode {prune!r}")
-    if sampling is not None and prune == "skip":
-        raise ValueError(SKIP_WITH_SAMPLING)
+    check_draft_options(strategy, prune, sampling is not None)
     offset = root_offset(tree_root)
     logits = session.start(root)
     root_t = torch.zeros(1, dtype=torch.long, device=tree.device)
