@@ -1,1 +1,1 @@
-"""dtbench core (``dtbench.harness``): suites, data, models, registry, runner, measurement, database, CLI."""
+"""dtbench core (``dtbench.harness``): suites, data, models, registry, runner, measurement, database."""

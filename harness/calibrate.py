@@ -435,7 +435,7 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, executor, 
     from sqlalchemy import select
 
     from dtbench.harness.db import Calibration, Run
-    from dtbench.harness.suite import suite_hash
+    from dtbench.harness.suitefile import suite_hash
 
     if not (suite.calibrate or _auto_cells(plan)):
         return None

@@ -34,7 +34,8 @@ from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import Measurement, SampleTimeout, environment, measure  # noqa: F401  (re-exported)
 from dtbench.harness.metrics import first_divergence, sample_row  # noqa: F401  (re-exported)
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite, preflight  # noqa: F401  (re-exported)
-from dtbench.harness.suite import Suite, suite_hash
+from dtbench.harness.suite import Suite
+from dtbench.harness.suitefile import suite_hash
 
 
 @contextmanager

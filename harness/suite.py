@@ -1,30 +1,26 @@
-"""YAML suite files -> validated, frozen suite objects (pydantic), checked before anything heavy is loaded.
+"""The suite schema: validated, frozen suite objects (pydantic), checked before anything heavy is loaded.
 
 A suite declares the target and draft models, the datasets (N prompts, W warmup, prompt cap ``L_max``), the
-generation lengths T and the decoders with their params. Errors name the file, the line and the field.
-``prompt_cap`` is the deprecated old name of ``L_max`` (suites written before it, and the suite text stored with
-their runs, still load; a note on stderr says so); an entry setting both is an error.
+generation lengths T and the decoders with their params. ``prompt_cap`` is the deprecated old name of ``L_max``
+(suites written before it, and the suite text stored with their runs, still validate); an entry setting both is an
+error. Reading YAML files (``include:``, line numbers in errors, the note on old key names) is
+:mod:`dtbench.harness.suitefile`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import sys
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from dtbench.decoders.base import StrictBools
-from dtbench.harness.errors import DtbenchError, clip, error_location
+from dtbench.harness.errors import DtbenchError, clip
 
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
 MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
-MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
 
 
 L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
@@ -35,7 +31,22 @@ class _Frozen(StrictBools):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _HasLMax(_Frozen):
+class _Located(_Frozen):
+    """A suite entry that knows where it was written (``file:line: key.i``), for one-line errors."""
+
+    _where: str = PrivateAttr("")
+
+    @property
+    def where(self) -> str:
+        """``file:line: key.i`` of the suite entry (empty if not parsed from a file)."""
+        return self._where
+
+    def locate(self, where: str) -> None:
+        """Record where the entry was written (the suite loader calls it after validation)."""
+        self._where = where
+
+
+class _HasLMax(_Located):
     """A suite entry with an ``L_max:`` key, also accepted under its deprecated old name ``prompt_cap:``."""
 
     @model_validator(mode="before")
@@ -90,12 +101,6 @@ class DatasetSpec(_HasLMax):
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
         "(tuning on other documents than the benchmark)")
 
-    _where: str = PrivateAttr("")  # "file:line: datasets.i" of the suite entry, for one-line errors
-
-    @property
-    def where(self) -> str:
-        return self._where
-
     @field_validator("l_max")
     @classmethod
     def _caps_positive(cls, v):
@@ -141,7 +146,6 @@ class DecoderSpec(_HasLMax):
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
         None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding")
 
-    _where: str = PrivateAttr("")  # "file:line: decoders.i" of the suite entry, for one-line errors
     _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
     _swept: dict[str, Any] = PrivateAttr(default_factory=dict)  # its point of the sweep grid
 
@@ -158,7 +162,11 @@ class DecoderSpec(_HasLMax):
         return v
 
     def expand(self) -> list["DecoderSpec"]:
-        """The decoders this entry stands for: itself, or one per point of its sweep grid."""
+        """The decoders this entry stands for: itself, or one per point of its sweep grid.
+
+        Each point is a ``model_copy`` of this entry (every field carried over, new ones included) with the point's
+        values merged into ``params``, a label naming the point and no ``sweep`` of its own.
+        """
         if not self.sweep:
             return [self]
         keys = list(self.sweep)
@@ -166,12 +174,9 @@ class DecoderSpec(_HasLMax):
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values))
             suffix = ", ".join(f"{k}={v}" for k, v in point.items())
-            spec = DecoderSpec(
-                name=self.name, label=f"{self.display} ({suffix})", params={**self.params, **point},
-                datasets=self.datasets, generation_lengths=self.generation_lengths, **{L_MAX: self.l_max},
-                optional=self.optional, sampling=self.sampling,
-            )
-            spec._where, spec._group, spec._swept = self._where, self.display, point
+            spec = self.model_copy(update={"label": f"{self.display} ({suffix})", "params": {**self.params, **point},
+                                           "sweep": {}})
+            spec._group, spec._swept = self.display, point
             out.append(spec)
         return out
 
@@ -189,11 +194,6 @@ class DecoderSpec(_HasLMax):
     def caps(self) -> list[int] | None:
         """The L_max values it is restricted to (None: every dataset's)."""
         return None if self.l_max is None else (self.l_max if isinstance(self.l_max, list) else [self.l_max])
-
-    @property
-    def where(self) -> str:
-        """``file:line: decoders.i`` of the suite entry this decoder came from (empty if not parsed from a file)."""
-        return self._where
 
     @property
     def display(self) -> str:
@@ -272,179 +272,3 @@ def _product(values) -> int:
     return out
 
 
-def _count_nodes(data: Any, limit: int) -> int:
-    """Values in ``data`` counted as if YAML aliases were copied, stopping as soon as ``limit`` is passed."""
-    count, stack = 0, [data]
-    while stack:
-        item = stack.pop()
-        count += 1
-        if count > limit:
-            return count
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return count
-
-
-def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
-    """The 1-based line of the YAML node at pydantic location ``loc``, as deep as the document goes."""
-    line = node.start_mark.line + 1 if node is not None else None
-    for key in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = [v for k, v in node.value if k.value == key]
-            if not match:
-                break
-            node = match[0]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-        else:
-            break
-        line = node.start_mark.line + 1
-    return line
-
-
-MAX_INCLUDE_DEPTH = 8
-
-
-def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
-    """(data, node) of one YAML document that must be a mapping.
-
-    Raises:
-        DtbenchError: malformed YAML, not a mapping, or more than MAX_NODES values after alias expansion.
-    """
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise DtbenchError(f"{where}: malformed YAML: {clip(problem)}") from None
-    if not isinstance(data, dict):
-        raise DtbenchError(f"{source}: a suite must be a YAML mapping (name:, datasets:, decoders:, ...)")
-    if _count_nodes(data, MAX_NODES) > MAX_NODES:
-        raise DtbenchError(f"{source}: the suite expands to more than {MAX_NODES} values (YAML aliases nested too "
-                           f"deeply?); write the values out")
-    return data, node
-
-
-def _note_old_names(data: dict, where_of) -> None:
-    """One line on stderr when datasets or decoders entries use ``prompt_cap:`` (the old name of ``L_max:``)."""
-    old = [(key, i, L_MAX in entry) for key in ("datasets", "decoders") if isinstance(data.get(key), list)
-           for i, entry in enumerate(data[key]) if isinstance(entry, dict) and OLD_L_MAX in entry]
-    if old and not any(both for *_, both in old):  # both keys in one entry: the validation error says it all
-        key, i, _ = old[0]
-        more = f" (and {len(old) - 1} more entries)" if len(old) > 1 else ""
-        print(f"note: {where_of((key, i, OLD_L_MAX))}: {key}.{i}: {OLD_L_MAX} is the deprecated name of {L_MAX}"
-              f"{more}; write {L_MAX}", file=sys.stderr, flush=True)
-
-
-def _validate(data: dict, where_of) -> Suite:
-    """Validate merged suite data; ``where_of(loc)`` gives ``file:line`` of a pydantic location."""
-    _note_old_names(data, where_of)
-    try:
-        suite = Suite.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field, msg = error_location(exc)
-        loc = tuple(int(p) if p.isdigit() else p for p in field.split(".")) if field else ()
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise DtbenchError(f"{where_of(loc)}: {clip(field, 100) or 'suite'}: {msg}{more}") from None
-    for i, spec in enumerate(suite.decoders):
-        spec._where = f"{where_of(('decoders', i))}: decoders.{i}"
-    for i, ds in enumerate(suite.datasets):
-        ds._where = f"{where_of(('datasets', i))}: datasets.{i}"
-    return suite
-
-
-def parse_suite(text: str, source: str = "<suite>") -> Suite:
-    """Parse and validate suite YAML (without ``include:``; :func:`load_suite` resolves includes).
-
-    Args:
-        text: the YAML document.
-        source: the file name used in error messages.
-
-    Raises:
-        DtbenchError: one line naming the file, line and field for malformed YAML, unknown keys or bad values.
-    """
-    data, node = _compose(text, source)
-    if "include" in data:
-        raise DtbenchError(f"{source}: include: needs a suite file (load it with load_suite)")
-    return _validate(data, lambda loc: f"{source}:{_line_of(node, loc)}")
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DtbenchError(f"cannot read suite {path}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise DtbenchError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
-
-
-def _load_tree(path: Path, chain: tuple[Path, ...], texts: list[tuple[Path, str]]) -> tuple[dict, dict]:
-    """Merged data of ``path`` and its includes, and for each top-level key the (file, node) that set it.
-
-    ``include:`` names one file or a list, relative to the including file; they are merged in order, then the
-    including file's own keys override theirs (top-level keys are replaced whole, lm-evaluation-harness style).
-    """
-    if len(chain) > MAX_INCLUDE_DEPTH:
-        raise DtbenchError(f"{path}: include: nested more than {MAX_INCLUDE_DEPTH} levels")
-    text = _read(path)
-    texts.append((path, text))
-    data, node = _compose(text, str(path))
-    merged: dict = {}
-    origin: dict = {}
-    includes = data.pop("include", None)
-    if includes is not None:
-        names = includes if isinstance(includes, list) else [includes]
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise DtbenchError(f"{path}:{_line_of(node, ('include',))}: include: must be a file name or a list "
-                                   f"of them")
-            child = (path.parent / name).resolve()
-            if child in chain or child == path.resolve():
-                raise DtbenchError(f"{path}: include: {clip(name, 100)} includes itself (directly or not)")
-            if not child.is_file():
-                raise DtbenchError(f"{path}:{_line_of(node, ('include',))}: include: {clip(name, 100)} not found")
-            sub, sub_origin = _load_tree(child, chain + (path.resolve(),), texts)
-            merged.update(sub)
-            origin.update(sub_origin)
-    merged.update(data)
-    origin.update({k: (path, node) for k in data})
-    return merged, origin
-
-
-def load_suite(path: str | Path) -> tuple[Suite, str]:
-    """Read and validate a suite file, resolving ``include:`` (files merged in order, this file's keys last).
-
-    Returns:
-        (suite, its text): the text stored with the run (and hashed to match a resumed run) is the file's own
-        text followed by every included file's, so changing an included file makes a new suite.
-
-    Raises:
-        DtbenchError: if a file is missing or invalid, an include cycles or nests too deeply.
-    """
-    path = Path(path)
-    texts: list[tuple[Path, str]] = []
-    data, origin = _load_tree(path, (), texts)
-
-    def where_of(loc: tuple) -> str:
-        src, node = origin.get(loc[0], (path, None)) if loc else (path, None)
-        if node is None:
-            return str(src)
-        return f"{src}:{_line_of(node, loc)}"
-
-    suite = _validate(data, where_of)
-    text = texts[0][1] + "".join(f"\n# --- include: {p} ---\n{t}" for p, t in texts[1:])
-    return suite, text
-
-
-def suite_hash(text: str) -> str:
-    """sha256 of the suite text (hex), stored with each run."""
-    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,4 +1,4 @@
-"""``dtbench report``: the command's logic (the click declaration and its help live in ``harness/cli.py``).
+"""``dtbench report``: the command's logic (the click declaration and its help live in ``cli/main.py``).
 
 Modes, combinable where it makes sense: the per-cell report (default), ``--compare`` within a run (speedup CIs),
 ``--compare BEFORE AFTER`` between runs (marks, gate), ``--tables`` / ``--out`` (paper Tables 1-5),

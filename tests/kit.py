@@ -65,7 +65,7 @@ def write_suite(folder: Path, suite: dict | str, name: str = "suite.yaml") -> st
 
 
 def invoke(*args: str):
-    from dtbench.harness.cli import cli
+    from dtbench.cli.main import cli
 
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 

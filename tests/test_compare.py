@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from scipy import stats
 
-from dtbench.harness.cli import cli
+from dtbench.cli.main import cli
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.compare import Gate, compare_runs, mann_whitney
 from dtbench.reports.summary import samples_frame

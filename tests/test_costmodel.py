@@ -22,7 +22,7 @@ from dtbench.harness import measure, registry
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
 from dtbench.harness.plan import plan_suite
-from dtbench.harness.suite import parse_suite
+from dtbench.harness.suitefile import parse_suite
 from dtbench.reports import costmodel
 
 from kit import fast_calibration_settings
@@ -333,7 +333,7 @@ def test_auto_budget_takes_the_largest_n_within_the_factor():
 def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     """A suite with `calibrate: true` and `n_max: auto`: the calibration is stored with the run, the budget lands in
     the cell's params, and `report --cost-model --format json` prices every cell."""
-    import dtbench.harness.cli  # noqa: F401  (imported before Settings is patched: its options read the defaults)
+    import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
     from dtbench.harness import db
     from kit import invoke, suite_dict, tiny_pair, write_suite
 

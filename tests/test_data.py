@@ -11,7 +11,8 @@ import pytest
 
 from dtbench.harness import data
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.suite import DatasetSpec, load_suite
+from dtbench.harness.suite import DatasetSpec
+from dtbench.harness.suitefile import load_suite
 
 SUITES = Path(__file__).resolve().parents[1] / "suites"
 

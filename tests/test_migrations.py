@@ -259,7 +259,7 @@ def test_0006_renames_prompt_cap_to_l_max_keeping_values_and_old_suites_parse(ol
     says prompt_cap:) still parses, to the L_max its cells were measured at (what ``--resume`` re-reads)."""
     import sqlite3
 
-    from dtbench.harness.suite import parse_suite
+    from dtbench.harness.suitefile import parse_suite
 
     con = sqlite3.connect(old_db)
     before = con.execute("SELECT id, run_id, prompt_cap FROM cells ORDER BY id").fetchall()

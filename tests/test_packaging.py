@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_editable_install_maps_the_folders():
-    for sub in ("harness", "decoders", "reports"):
+    for sub in ("harness", "decoders", "reports", "cli"):
         spec = importlib.util.find_spec(f"dtbench.{sub}")
         assert spec is not None and Path(spec.origin).parent == ROOT / sub
     assert importlib.util.find_spec("harness") is None or "dtbench" not in str(importlib.util.find_spec("harness").origin)
@@ -30,7 +30,7 @@ def test_wheel_installs_and_imports(tmp_path):
     # the checkout would shadow the editable install's entry points for every later test.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "harness", "decoders", "reports"):
+    for name in ("pyproject.toml", "README.md", "harness", "decoders", "reports", "cli"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
@@ -39,7 +39,7 @@ def test_wheel_installs_and_imports(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     wheel = next(tmp_path.glob("dtbench-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for sub in ("harness", "decoders", "reports"):
+    for sub in ("harness", "decoders", "reports", "cli"):
         assert f"dtbench/{sub}/__init__.py" in names
         assert not any(n.startswith(f"{sub}/") for n in names), f"{sub} installed as a top-level package"
     assert any(n.endswith("entry_points.txt") for n in names)
@@ -53,7 +53,7 @@ def test_wheel_installs_and_imports(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     # A fresh interpreter that sees only the unpacked wheel (plus dependencies), not the source tree.
     code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', %r)]; sys.path.insert(0, %r);"
-            "import dtbench.harness.cli, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
+            "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
             "assert %r in r.__file__, r.__file__;"
             # the installed migrations create a database at the newest revision
             "from dtbench.harness import db, schema; assert %r in schema.MIGRATIONS.as_posix();"

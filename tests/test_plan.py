@@ -7,7 +7,7 @@ import pytest
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import plan_suite
-from dtbench.harness.suite import load_suite, parse_suite
+from dtbench.harness.suitefile import load_suite, parse_suite
 from kit import invoke, one_line_error
 
 SUITE = """
@@ -64,6 +64,22 @@ def test_sweep_points_remember_their_group():
     plan = plan_suite(parse_suite(text))
     lin = [c for c in plan.decoders if c.spec.name == "linear"]
     assert [(c.spec.sweep_group, c.spec.swept) for c in lin] == [("Lin", {"k": 2}), ("Lin", {"k": 4})]
+
+
+def test_sweep_points_keep_every_other_field():
+    # expand() copies the entry (model_copy): every field but label/params/sweep carries over, new fields included.
+    text = SUITE.split("decoders:")[0] + (
+        "decoders:\n  - {name: ar}\n  - {name: linear, label: Lin, sweep: {k: [2, 4]}, params: {k: 1}, optional: true,"
+        " datasets: [pg19], generation_lengths: [16], L_max: 64, sampling: greedy}\n")
+    entry = parse_suite(text).decoders[1]
+    points = entry.expand()
+    assert [p.params for p in points] == [{"k": 2}, {"k": 4}]
+    assert [p.label for p in points] == ["Lin (k=2)", "Lin (k=4)"]
+    for p in points:
+        assert p.sweep == {} and p.where == entry.where and entry.where.endswith("decoders.1")
+        for field in set(type(entry).model_fields) - {"label", "params", "sweep"}:
+            assert getattr(p, field) == getattr(entry, field), field
+    assert entry.sweep_group is None and entry.swept == {}  # the entry itself is untouched
 
 
 def test_include_merges_and_names_the_right_file(tmp_path):

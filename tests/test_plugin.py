@@ -111,7 +111,7 @@ def test_ngram_index(plugin, tokens, max_n, expected):
 def _invoke(*args):
     from click.testing import CliRunner
 
-    from dtbench.harness.cli import cli
+    from dtbench.cli.main import cli
 
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 

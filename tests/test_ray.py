@@ -31,7 +31,7 @@ from dtbench.harness import db
 from dtbench.harness.curves import FED_MASK
 from dtbench.harness.executors import LocalExecutor, RayExecutor
 from dtbench.harness.runner import run_suite
-from dtbench.harness.suite import load_suite
+from dtbench.harness.suitefile import load_suite
 from kit import fast_calibration_settings, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'dtbench[ray]')")
@@ -238,7 +238,7 @@ def test_a_group_whose_worker_dies_twice_fails_its_remaining_samples(cluster, pa
 
 
 def dtbench(*args) -> list[str]:
-    return [sys.executable, "-m", "dtbench.harness.cli", *map(str, args)]
+    return [sys.executable, "-m", "dtbench.cli.main", *map(str, args)]
 
 
 @pytest.mark.parametrize("resume_with", ["local", "ray"])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dtbench.harness.cli import cli
+from dtbench.cli.main import cli
 from dtbench.reports import compare, figures, html, paper, render
 from dtbench.reports.compare import compare_runs, speedup_table
 from dtbench.reports.summary import combined_summary, samples_frame, summarize

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from dtbench.harness.cli import cli
+from dtbench.cli.main import cli
 from dtbench.reports import compare, figures, paper
 from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize
 

@@ -33,7 +33,7 @@ CELLS, PROMPTS = 2, 2
 
 
 def dtbench(*args) -> list[str]:
-    return [sys.executable, "-m", "dtbench.harness.cli", *map(str, args)]
+    return [sys.executable, "-m", "dtbench.cli.main", *map(str, args)]
 
 
 def query(dbfile, sql: str) -> list[tuple]:

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy import func, select
 
 from dtbench.harness import db, models
-from dtbench.harness.suite import MAX_GRID, MAX_NODES
+from dtbench.harness.suite import MAX_GRID
+from dtbench.harness.suitefile import MAX_NODES
 from kit import invoke, one_line_error, save_tiny_llama, suite_dict, write_suite
 
 BASE = {
@@ -162,7 +163,7 @@ def test_prompt_cap_is_the_deprecated_name_of_l_max(tmp_path):
     """Suites written before L_max (and the suite text stored with their runs) load the same, with one note;
     an entry that sets both names is a one-line error."""
     from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suite import load_suite
+    from dtbench.harness.suitefile import load_suite
 
     def entries(key):
         return {"datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, key: [16, 32]}],

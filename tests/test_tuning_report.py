@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from dtbench.decoders.dynatree import DynaTreeParams
 from dtbench.harness import db
-from dtbench.harness.cli import cli
+from dtbench.cli.main import cli
 from dtbench.reports.summary import samples_frame, summarize
 from dtbench.reports.tuning import best_dynatree, tuning_line
 from reportdb import add_cell, add_run, add_samples

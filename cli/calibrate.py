@@ -41,7 +41,7 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     """
     from dtbench.harness import data, db, models
     from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suite import load_suite, suite_hash
+    from dtbench.harness.suitefile import load_suite, suite_hash
 
     if max_time < min_time:
         raise DtbenchError(f"--max-time ({max_time:g}) must be at least --min-time ({min_time:g})")

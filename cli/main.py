@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from dtbench.harness.dbcli import db_group
+from dtbench.cli.db import db_group
 from dtbench.harness.errors import DtbenchError, clip
 
 # Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
@@ -125,7 +125,7 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     from dtbench.harness import db
     from dtbench.harness.executors import make_executor
     from dtbench.harness.runner import run_suite
-    from dtbench.harness.suite import load_suite, suite_hash
+    from dtbench.harness.suitefile import load_suite, suite_hash
 
     chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker)
     suite, text = load_suite(suite_path)
@@ -256,7 +256,7 @@ def validate(suite_path) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
     from dtbench.harness import registry
     from dtbench.harness.plan import plan_suite, preflight
-    from dtbench.harness.suite import load_suite
+    from dtbench.harness.suitefile import load_suite
 
     suite, _ = load_suite(suite_path)
     plan = plan_suite(suite)
@@ -300,8 +300,8 @@ def list_decoders() -> None:
         click.echo(f"warning: {p}", err=True)
 
 
-cli.add_command(db_group)  # dtbench db upgrade|current (harness/dbcli.py)
-from dtbench.harness.calibratecli import calibrate_command  # noqa: E402
+cli.add_command(db_group)  # dtbench db upgrade|current (cli/db.py)
+from dtbench.cli.calibrate import calibrate_command  # noqa: E402
 
 cli.add_command(calibrate_command)
 

@@ -1,6 +1,6 @@
 """``dtbench db``: the results database's schema: ``upgrade`` it to this dtbench's revision, show the ``current`` one.
 
-Registered in ``harness/cli.py`` with ``cli.add_command(db_group)``; errors are DtbenchError, which the main group
+Registered in ``cli/main.py`` with ``cli.add_command(db_group)``; errors are DtbenchError, which the main group
 turns into one line on stderr and exit code 2.
 """
 

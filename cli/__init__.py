@@ -1,0 +1,1 @@
+"""dtbench command line (``dtbench.cli``): the click commands on top of the harness and the reports."""
