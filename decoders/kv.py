@@ -29,7 +29,8 @@ def forward(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     last_only: bool = False,
-) -> torch.Tensor:
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Run ``model`` on new tokens appended after the cache, updating the cache in place.
 
     Args:
@@ -40,9 +41,14 @@ def forward(
         attention_mask: an already prepared 4D mask of shape (1, 1, n, cache_len + n) (see
             ``decoders.tree.tree_mask``), or None for plain causal attention.
         last_only: compute logits for the last position only (prefill: saves the LM head over the prompt).
+        hidden_layers: also return the target's features from this same forward (no extra forward): the entries
+            of transformers' ``hidden_states`` tuple at these indices (0 = embeddings, i = input of layer i,
+            ``num_hidden_layers`` = the final-normed output), concatenated on the last axis. Learned drafting
+            heads (EAGLE, Medusa) draft from them.
 
     Returns:
-        Logits, shape (n, vocab) (or (1, vocab) with ``last_only``), in the model's dtype.
+        Logits, shape (n, vocab) (or (1, vocab) with ``last_only``), in the model's dtype; with ``hidden_layers``
+        the pair (logits, features (n, len(hidden_layers) * hidden_size) in the model's dtype).
     """
     if not torch.is_tensor(token_ids):
         token_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
@@ -53,8 +59,12 @@ def forward(
         kwargs["attention_mask"] = attention_mask
     if last_only:
         kwargs["logits_to_keep"] = 1
+    if hidden_layers is not None:
+        kwargs["output_hidden_states"] = True
     out = model(input_ids=token_ids, past_key_values=cache, use_cache=True, **kwargs)
-    return out.logits[0]
+    if hidden_layers is None:
+        return out.logits[0]
+    return out.logits[0], torch.cat([out.hidden_states[i][0] for i in hidden_layers], dim=-1)
 
 
 def crop(cache: DynamicCache, length: int) -> None:
@@ -95,7 +105,7 @@ def keep_positions(cache: DynamicCache, prefix_len: int, indices: list[int]) -> 
         layer.values = layer.values.index_select(-2, sel)
 
 
-def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor):
     """Run the prompt through ``model`` into a fresh cache.
 
     Args:
@@ -107,3 +117,14 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[DynamicCac
     cache = new_cache()
     logits = forward(model, input_ids, cache, last_only=True)
     return cache, logits[-1]
+
+
+def prefill_features(model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: tuple[int, ...]):
+    """:func:`prefill` that also returns the prompt's features (see :func:`forward`'s ``hidden_layers``).
+
+    Returns:
+        (cache, last logits (vocab,), features (prompt_len, len(hidden_layers) * hidden_size)).
+    """
+    cache = new_cache()
+    logits, features = forward(model, input_ids, cache, last_only=True, hidden_layers=hidden_layers)
+    return cache, logits[-1], features

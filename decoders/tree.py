@@ -64,7 +64,8 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree_draft import (  # noqa: F401
-    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeSampling, _expand, check_draft_options, draft_tree,
+    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, _expand, check_draft_options,
+    draft_tree,
 )
 from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)
     CacheStrategy, DraftStrategy, MaskKind, Prune, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
@@ -91,24 +92,25 @@ def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: Mask
     return torch.argmax(tree_logits(target, cache, tree, kind), dim=-1).to(tree.device)
 
 
-def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind) -> torch.Tensor:
+def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind,
+                hidden_layers: tuple[int, ...] | None = None):
     """The target forward of :func:`tree_predictions`, returning its logits: (size, vocab) in the target's dtype,
-    row u the target's logits of the token after the path to u. The cache grows by ``size`` positions."""
+    row u the target's logits of the token after the path to u. The cache grows by ``size`` positions.
+    With ``hidden_layers`` (a :class:`TreeDrafter`'s), the pair (logits, features (size, F)) from the same forward
+    (:func:`kv.forward`)."""
     n = tree.size
     prefix_len = kv.cache_len(cache)
     dev = target.device
     tokens = tree.tokens[:n].to(dev).unsqueeze(0)
     if n == 1:  # root only: a plain causal step
-        logits = kv.forward(target, tokens, cache)
-    else:
-        mask = tree_attention_mask(tree.ancestors().to(dev), prefix_len, kind, target.dtype)
-        logits = kv.forward(target, tokens, cache, position_ids=tree_position_ids(tree.depths[:n].to(dev), prefix_len),
-                            attention_mask=mask)
-    return logits
+        return kv.forward(target, tokens, cache, hidden_layers=hidden_layers)
+    mask = tree_attention_mask(tree.ancestors().to(dev), prefix_len, kind, target.dtype)
+    return kv.forward(target, tokens, cache, position_ids=tree_position_ids(tree.depths[:n].to(dev), prefix_len),
+                      attention_mask=mask, hidden_layers=hidden_layers)
 
 
-def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
-                   policy: ExpansionPolicy, cache_strategy: CacheStrategy = "compact",
+def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
+                   max_new_tokens: int, policy: ExpansionPolicy | TreeDrafter, cache_strategy: CacheStrategy = "compact",
                    draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
                    prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None) -> Iterator[Step]:
     """Tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated), greedy or sampled.
@@ -125,7 +127,10 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
         target, draft: causal LMs sharing a vocabulary; attention implementation sdpa or eager.
         input_ids: (1, prompt_len) int64 prompt.
         max_new_tokens: T >= 1.
-        policy: a fresh expansion policy (its state is this call's state).
+        policy: a fresh expansion policy (its state is this call's state), or a fresh :class:`TreeDrafter`
+            (learned heads: ``draft`` unused, may be None; greedy only; the tree is rooted at the pending token
+            whatever ``tree_root`` says; the prefill and each verification forward also return the drafter's
+            target features, which it receives through ``feed_target``).
         cache_strategy: "compact" (1 target forward per iteration) or "rebuild" (2, the paper's).
         draft_strategy: "per_level" or "per_node" (see :func:`draft_tree`).
         tree_root: "paper" (u0 rooted, Algorithm 1 line 10) or "pending" (module docstring).
@@ -150,24 +155,41 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
     if cache_strategy not in ("compact", "rebuild"):
         raise ValueError(f"unknown cache strategy {cache_strategy!r}")
     check_draft_options(draft_strategy, prune, sampling is not None)
-    offset = root_offset(tree_root)
+    drafter = policy if isinstance(policy, TreeDrafter) else None
+    if drafter is not None and sampling is not None:
+        raise ValueError("a tree drafter drafts greedily; sampling is not supported with it")
+    offset = 0 if drafter else root_offset(tree_root)
     t_kind = attention_mask_kind(target)
-    session = DraftSession(draft, input_ids[0].tolist())
-    t_cache, logits = kv.prefill(target, input_ids)
+    if drafter is None:
+        session = DraftSession(draft, input_ids[0].tolist())
+        t_cache, logits = kv.prefill(target, input_ids)
+    else:
+        t_cache, logits, features = kv.prefill_features(target, input_ids, drafter.hidden_layers)
     pending = next_token(logits.reshape(-1), sampling, generator)
+    if drafter is not None:
+        drafter.feed_target(features, input_ids[0, 1:].tolist() + [pending])
     yield Step(tokens=(pending,))
     produced = 1
     while produced < max_new_tokens:
         depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced - 1)
         tree = TokenTree(pending, policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
-                         session.device)
+                         target.device if drafter else session.device)
         drawn = None if sampling is None else TreeSampling(sampling, generator)
         if depth_cap >= 1:
-            draft_tree(session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune,
-                       sampling=drawn)
+            if drafter is not None:
+                drafter.draft(tree, pending, depth_cap)
+            else:
+                draft_tree(session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root,
+                           prune=prune, sampling=drawn)
         prefix_len = kv.cache_len(t_cache)
         n = tree.size
-        if sampling is None:
+        if drafter is not None:
+            logits, features = tree_logits(target, t_cache, tree, t_kind, drafter.hidden_layers)
+            pred = torch.argmax(logits, dim=-1).to(tree.device)
+            path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
+                                          pred)
+            drafter.feed_target(features[path], committed)
+        elif sampling is None:
             pred = tree_predictions(target, t_cache, tree, t_kind)
             path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
                                           pred)
@@ -180,7 +202,8 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module, input_ids: t
         else:
             kv.crop(t_cache, prefix_len)
             kv.forward(target, [pending, *committed[:-1]], t_cache, last_only=True)
-        session.commit(pending, path, committed)
+        if drafter is None:
+            session.commit(pending, path, committed)
         step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1,
                     depth=tree.max_depth)
         policy.observe(step)

@@ -321,3 +321,49 @@ def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: Expans
             logits, nodes_t = session.feed(tree, [u], depth)
             queue.extend((v, depth + 1) for v in _expand(tree, nodes_t, depth, logits, policy, depth_cap,
                                                          offset=offset, prune=prune, sampling=sampling))
+
+
+class TreeDrafter(ABC):
+    """A drafter that grows each iteration's tree from the *target's* features instead of a draft model's cache.
+
+    Learned drafting heads (Medusa, Cai et al. 2024; EAGLE-1/2/3, Li et al. 2024/2025) draft from the target's
+    hidden states. :func:`~dtbench.decoders.tree.speculate_tree` takes one in place of an expansion policy and a
+    draft model: it asks the target's prefill and verification forwards for :attr:`hidden_layers` (the same
+    forwards the loop already runs, so no extra target forward) and hands the features of the committed
+    positions to :meth:`feed_target`; verification, path selection and cache updates are the one tree loop's.
+
+    Attributes:
+        hidden_layers: indices into transformers' ``hidden_states`` tuple whose concatenation is the feature
+            (``(num_hidden_layers,)``: the final-normed last hidden state; EAGLE-3: three inner layers).
+        max_breadth: most children of one node (sizes the tree's preallocation with :attr:`n_max`).
+        n_max: most drafted nodes per tree.
+        depth_limit: most drafted tokens on a root-to-leaf path (the tree is rooted at the pending token).
+    """
+
+    hidden_layers: tuple[int, ...]
+    max_breadth: int
+    n_max: int
+    depth_limit: int
+
+    @abstractmethod
+    def feed_target(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+        """Take the target's features of newly committed positions.
+
+        Args:
+            features: (m, F) target features (model dtype, on the target's device), row i the feature of the
+                position after which ``next_tokens[i]`` was committed; after the prefill these are the prompt's
+                positions (next tokens: the prompt shifted by one, then the first generated token), after each
+                verification the committed path's nodes, root first (next tokens: the committed tokens).
+            next_tokens: m token ids; the last is the next tree's root (the pending token).
+        """
+
+    @abstractmethod
+    def draft(self, tree: TokenTree, root: int, depth_cap: int) -> None:
+        """Grow ``tree`` (holding only ``root``, the pending token) in place, in BFS order.
+
+        Args:
+            depth_cap: no node deeper than this (drafted tokens on a path, >= 1).
+        """
+
+    def observe(self, step: Step) -> None:
+        """Feedback after each verification; no-op by default."""
