@@ -216,6 +216,10 @@ class Suite(_Frozen):
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
         "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
+    lossless_check: Literal["exact", "tie_aware"] = Field(
+        "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
+        "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
+        "equal to the reference's output)")
     timeout_s: float | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")
