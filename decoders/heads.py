@@ -330,6 +330,8 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
         own_embedding = "embed_tokens.weight" in sd
         if not own_embedding or version == 1:
             _fits("hidden size", int(config.hidden_size), t_hidden, head)
+        if "target_hidden_size" in cfg:  # EAGLE-3 heads narrower than their target
+            _fits("target_hidden_size", int(cfg["target_hidden_size"]), t_hidden, head)
         fc_in = (3 if version == 3 else 2) * (t_hidden if version == 3 else int(config.hidden_size))
         _fits("fc input size", int(sd["fc.weight"].shape[1]), fc_in, head)
         if version == 3:
@@ -348,6 +350,9 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
                   "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
         expected = {k for k in module.state_dict() if not k.startswith("rotary.")}
         unknown, absent = sorted(sd.keys() - expected), sorted(expected - sd.keys())
+        if version == 3:  # the reference loads EAGLE-3 heads with strict=False: extra tensors are ignored
+            unknown = [k for k in unknown if k.startswith("layers.")]
+            sd = {k: v for k, v in sd.items() if k in expected}
         if unknown or absent:
             raise ValueError(f"head {head}: weights do not match the EAGLE-{'3' if version == 3 else '1/2'} layout "
                              f"(unexpected {unknown[:4]}, missing {absent[:4]})")

@@ -340,6 +340,7 @@ class Measurement:
         memory: the sample's :class:`MemoryPeak`.
         forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
             the draft None when not counted), None when not measured.
+        state: the decoder's :meth:`~dtbench.decoders.base.Decoder.state_stats` after the sample (None: none).
     """
 
     tokens: list[int]
@@ -347,6 +348,7 @@ class Measurement:
     records: list[StepRecord]
     memory: MemoryPeak
     forward_s: dict | None = None
+    state: dict | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -421,5 +423,6 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     if len(tokens) < gen_length and not ended:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
+    stats = getattr(decoder, "state_stats", None)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds())
+                       forward_s=counter.forward_seconds(), state=stats() if stats else None)

@@ -5,12 +5,12 @@ Layouts mirrored (read in the reference repositories):
   medusa_num_layers; medusa_lm_head.pt = state dict of the ModuleList of heads, keys {i}.{j}.linear.weight,
   {i}.{j}.linear.bias, {i}.{medusa_num_layers}.weight.
 - EAGLE-1/2 (SafeAILab/EAGLE eagle/model/cnets1.py): config.json (LlamaConfig fields, "bias"),
-  pytorch_model.bin with fc.weight, fc.bias, layers.0.self_attn.{q,k,v,o}_proj.weight,
+  pytorch_model.bin with embed_tokens.weight, fc.weight, fc.bias, layers.0.self_attn.{q,k,v,o}_proj.weight,
   layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight (no input_layernorm at index 0).
 - EAGLE-3 (SafeAILab/EAGLE eagle/model/cnets.py): config.json with draft_vocab_size; model.safetensors with
   fc.weight (no bias), midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight,
   midlayer.self_attn.{q,k,v}_proj.weight over 2h, midlayer.self_attn.o_proj.weight, midlayer.mlp.*, norm.weight,
-  lm_head.weight (draft_vocab_size rows), d2t (int64), t2d (bool).
+  lm_head.weight (draft_vocab_size rows), d2t (int64), t2d (bool); embed_tokens.weight optional (``embedding``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def _llama_fields(hidden: int, vocab: int) -> dict:
 
 
 def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draft_vocab: int | None = None,
-                seed: int = 0, fc_in: int | None = None, safetensors: bool | None = None) -> Path:
-    """An EAGLE-1/2 (version 1) or EAGLE-3 (version 3) head folder with the published keys (random weights)."""
+                seed: int = 0, fc_in: int | None = None, safetensors: bool | None = None,
+                embedding: bool | None = None) -> Path:
+    """An EAGLE-1/2 (version 1) or EAGLE-3 (version 3) head folder with the published keys (random weights);
+    ``embedding``: write ``embed_tokens.weight`` (default: for EAGLE-1/2 only, as published)."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     h, kv_out = hidden, 2 * (hidden // 4)
@@ -80,6 +82,10 @@ def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draf
     else:
         cfg["bias"] = True
         sd |= {"fc.weight": w(h, fc_in or 2 * h), "fc.bias": torch.zeros(h)}
+    if embedding if embedding is not None else version == 1:
+        # EAGLE-1/2 checkpoints hold the target's embedding (cnets1.Model owns embed_tokens and ea_model.py loads
+        # the state dict strict=True); EAGLE-3 ones take it from the target (load_emb) unless they hold one.
+        sd["embed_tokens.weight"] = w(vocab, h, s=1.0)
     (folder / "config.json").write_text(json.dumps(cfg))
     if safetensors if safetensors is not None else version == 3:
         from safetensors.torch import save_file

@@ -44,7 +44,7 @@ def heads(tmp_path_factory):
         1: write_eagle(root / "eagle1", hidden=HIDDEN, vocab=VOCAB, version=1),
         "1st": write_eagle(root / "eagle1-st", hidden=HIDDEN, vocab=VOCAB, version=1, safetensors=True),
         3: write_eagle(root / "eagle3", hidden=HIDDEN, vocab=VOCAB, version=3, draft_vocab=40),
-        "3full": write_eagle(root / "eagle3-full", hidden=HIDDEN, vocab=VOCAB, version=3),
+        "3full": write_eagle(root / "eagle3-full", hidden=HIDDEN, vocab=VOCAB, version=3, embedding=True),
     }
 
 
@@ -79,6 +79,32 @@ def test_loaders_read_the_published_files_into_the_reference_modules(heads):
     assert torch.equal(e3.to_target(draft_ids), draft_ids + saved["d2t"])
     assert e3.t2d[e3.to_target(draft_ids)].all() and int(e3.t2d.sum()) == 40
     assert load_eagle(str(heads[3]), TARGETS[3]) is e3  # one load per (target, head): decoders are per prompt
+    assert not hasattr(e3, "embed_tokens") and e3.embed(torch.tensor([5])).equal(
+        TARGETS[3].get_input_embeddings()(torch.tensor([5])))  # the target's embedding unless the head has one
+    own = load_eagle(str(heads["3full"]), TARGETS[3])
+    assert own.embed_tokens.weight.shape == (VOCAB, HIDDEN) and torch.equal(own.to_target(draft_ids), draft_ids)
+
+
+def test_eagle3_loads_like_the_reference_strict_false(tmp_path):
+    """cnets.Model is loaded with strict=False: an extra tensor is ignored, a missing one is an error; a
+    ``target_hidden_size`` that is not the target's is a one-line error."""
+    from safetensors.torch import load_file, save_file
+
+    def variant(name, tensors, **config):
+        folder = write_eagle(tmp_path / name, hidden=HIDDEN, vocab=VOCAB, version=3)
+        if tensors is not None:
+            save_file(tensors(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+        return str(folder)  # a folder per variant: heads are loaded once per (target, folder)
+
+    assert load_eagle(variant("extra", lambda sd: {**sd, "extra.scale": torch.ones(2)}), TARGETS[3]).version == 3
+    with pytest.raises(ValueError) as exc:
+        load_eagle(variant("missing", lambda sd: {k: v for k, v in sd.items() if k != "norm.weight"}), TARGETS[3])
+    _one_line(exc, "missing ['norm.weight']")
+    with pytest.raises(ValueError) as exc:
+        load_eagle(variant("wide", None, target_hidden_size=4096), TARGETS[3])
+    _one_line(exc, "target_hidden_size 4096", "32")
 
 
 def test_the_version_comes_from_the_config_not_the_name(tmp_path):

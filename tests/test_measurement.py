@@ -32,7 +32,8 @@ BUILTIN = [
     ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
     ("dynatree", {}), ("hf_assisted", {}), ("hf_generate", {}), ("streaming_ar", {"sinks": 4, "window": 64}),
     ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}), ("medusa", {"head": HEAD}),
-    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}),
+    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}), ("token_recycling", {}),
+    ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
 ]
 
 
@@ -82,6 +83,14 @@ def test_sample_row_and_forward_counts(name, params):
             assert tf == [1] * len(tf)
             assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]  # root + tree nodes, one forward
         assert row["draft_forwards"] == sum(df) >= sum(1 for d in drafted if d)
+    elif name in ("token_recycling", "lookahead"):  # no draft model: one target forward per step
+        assert tf == [1] * len(tf) and df is None and row["draft_forwards"] is None
+        side = [0] * len(tf)  # Lookahead's window rides in the verify forward: W - 1, then W more per level
+        if name == "lookahead":
+            w, levels = params["window_size"], params["ngram_size"] - 1
+            side = [0] + [w - 1 + (min(i, levels) - 1) * w for i in range(1, len(tf))]
+        assert stats["target_tokens"][1:] == [d + 1 + s for d, s in zip(drafted[1:], side[1:])]
+        assert stats["state"] and all(v > 0 for v in stats["state"].values())
     elif name == "hf_assisted":
         assert tf == [1] * len(tf)  # one target verification per Step
         assert all(d >= 1 for d in df)
