@@ -244,6 +244,10 @@ class Suite(_Frozen):
         "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
         "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
         "equal to the reference's output)")
+    stop_at_eos: bool | None = Field(
+        None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
+        "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "
+        "true for question (chat) datasets such as spec-bench, false for raw text")
     timeout_s: float | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")
