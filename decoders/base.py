@@ -160,6 +160,15 @@ class Decoder(ABC):
         """
         return None
 
+    def state_stats(self) -> dict[str, int] | None:
+        """The size of the state the decoder built during its last ``generate()`` call, or None (no such state).
+
+        Read by the runner once the sample is measured and stored with it (``samples.step_stats["state"]``):
+        e.g. Token Recycling's adjacency matrix bytes, Lookahead's n-gram pool, a retrieval datastore. Keys name
+        the quantity with its unit (``*_bytes``, ``*_tokens``, ``*_ngrams``); values are ints.
+        """
+        return None
+
     def reference(self) -> tuple[str, dict[str, Any]] | None:
         """The (decoder name, params) whose output this decoder's output is compared against.
 

@@ -342,6 +342,7 @@ class Measurement:
         memory: the sample's :class:`MemoryPeak`.
         forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
             the draft None when not counted), None when not measured.
+        state: the decoder's :meth:`~dtbench.decoders.base.Decoder.state_stats` after the sample (None: none).
         energy: the sample's energy (:class:`~dtbench.harness.energy.EnergyReading`), None when not measured.
     """
 
@@ -350,6 +351,7 @@ class Measurement:
     records: list[StepRecord]
     memory: MemoryPeak
     forward_s: dict | None = None
+    state: dict | None = None
     energy: EnergyReading | None = None
 
     @property
@@ -417,5 +419,6 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     if len(tokens) < gen_length:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
+    stats = getattr(decoder, "state_stats", None)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds(), energy=energy.reading)
+                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading)

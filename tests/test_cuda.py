@@ -27,6 +27,7 @@ from dtbench.harness.data import Prompt
 from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.suite import ModelSpec
+from test_measurement import BUILTIN, HEAD
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -41,14 +42,12 @@ NVML_OVER_ALLOCATOR = 4 * 2**30  # CUDA context (~0.3-1 GiB) + allocator cache s
 
 
 def lossless_builtins() -> set[str]:
-    """Every built-in decoder that promises losslessness (a new one is checked on CUDA without editing this file)."""
+    """Every built-in decoder that promises losslessness."""
     return {n for n, e in registry.discover().items() if e.distribution == "dtbench" and registry.get(n).lossless}
 
 
-# Small params per decoder (default: the decoder's defaults; medusa: a random head, see build()), plus variants.
-PARAMS = {"linear": {"k": 4}, "fixed_tree": {"depth": 4, "branching": 2}, "medusa": {"head": "random"}}
-LOSSLESS = [(n, PARAMS.get(n, {})) for n in sorted(lossless_builtins())]
-LOSSLESS += [("fixed_tree", {"depth": 4, "branching": 2, "cache_strategy": "rebuild"})]
+# Every built-in lossless decoder with the small params test_measurement gives it (which must cover every built-in).
+LOSSLESS = [(n, p) for n, p in BUILTIN if registry.get(n).lossless]
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +66,12 @@ def prompt(embedded, data_dir):
 
 def build(name: str, params: dict, target, draft, tmp_path):
     cls = registry.get(name)
-    if params.get("head") == "random":
-        from heads_kit import write_medusa
+    if params.get("head") == HEAD:  # a random head in the published format, sized for the target
+        from heads_kit import write_eagle, write_medusa
 
         cfg = target.config
-        params = {**params, "head": str(write_medusa(tmp_path, hidden=cfg.hidden_size, vocab=cfg.vocab_size))}
+        write = write_medusa if name == "medusa" else write_eagle
+        params = {**params, "head": str(write(tmp_path, hidden=cfg.hidden_size, vocab=cfg.vocab_size))}
     return cls(target, draft if cls.needs_draft else None, cls.Params(**params))
 
 
