@@ -32,7 +32,7 @@ BUILD = ["setuptools>=69", "wheel"]  # the build backend of `pip install -e .` (
 EXTRAS = "test,energy,ray"
 # Left out of the wheelhouse by default: the node keeps its own (CUDA) torch and torch's CUDA stack. Editable
 # installs of this checkout are not downloadable either.
-TORCH_STACK = re.compile(r"^(torch|triton|nvidia-[a-z0-9-]+|dtbench)$", re.I)
+TORCH_STACK = re.compile(r"^(torch|triton|dtbench|nvidia-(?!ml-py$)[a-z0-9-]+)$", re.I)  # nvidia-ml-py is ours
 
 
 def platform_options(python_version: str | None, platforms: list[str]) -> list[str]:

@@ -144,6 +144,7 @@ FREEZE = """\
 accelerate==1.10.0
 -e git+https://example.invalid/dtbench@abc#egg=dtbench
 nvidia-cublas-cu12==12.8.4.1
+nvidia-ml-py==13.615.71
 torch==2.13.0+cpu
 triton==3.5.0
 transformers==5.24.0
@@ -153,7 +154,8 @@ zeus==0.16.0
 
 
 def test_wheelhouse_pins_this_environment_without_torch():
-    assert offline.pinned_requirements(FREEZE) == ["accelerate==1.10.0", "transformers==5.24.0", "zeus==0.16.0"]
+    assert offline.pinned_requirements(FREEZE) == ["accelerate==1.10.0", "nvidia-ml-py==13.615.71",
+                                                   "transformers==5.24.0", "zeus==0.16.0"]
 
 
 def test_wheelhouse_commands_for_a_gpu_nodes_python(tmp_path):
