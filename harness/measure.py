@@ -363,7 +363,9 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
-    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed.
+    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed, or, when
+    the decoder's ``eos_token_id`` is set (``stop_at_eos``), once the first EOS is committed: the Step holding it is
+    cut after it (:func:`~dtbench.decoders.base.cut_at_eos`, so a third-party loop that runs past EOS is cut too).
     Forward passes of the decoder's target and draft are counted by hooks (:class:`ForwardCounter`).
 
     Args:
@@ -374,14 +376,18 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
         timeout_s: time limit of the whole sample in seconds (None: none).
 
     Raises:
-        DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T.
+        DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T
+            (and before an EOS, when stopping at EOS).
         SampleTimeout: the sample ran past ``timeout_s``.
         Exception: whatever the decoder raises (the runner fails the cell).
     """
     import operator
 
+    from dtbench.decoders.base import Step, cut_at_eos, eos_ids
     from dtbench.harness.errors import DtbenchError
 
+    eos = eos_ids(getattr(decoder, "eos_token_id", None))
+    ended = False
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens: list[int] = []
     steps: list = []
@@ -410,13 +416,15 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                     counter.fed_between("target", last[0], snap[0]),
                     None if snap[1] is None else counter.fed_between("draft", last[1], snap[1])))
                 last = snap
+                step, ended = cut_at_eos(Step(tuple(ids), step.drafted, step.accepted, step.depth), eos) if eos \
+                    else (step, False)
                 steps.append(step)
-                tokens.extend(ids)
-                if len(tokens) >= gen_length:
+                tokens.extend(step.tokens)
+                if ended or len(tokens) >= gen_length:
                     break
         finally:
             gen.close()
-    if len(tokens) < gen_length:
+    if len(tokens) < gen_length and not ended:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
