@@ -28,9 +28,10 @@ closer than that noise, the argmax can flip (SpecInfer/EAGLE/Medusa users meet i
    - ``error``: otherwise — no computation of the target picks ``e`` and its logit is further below the top than
      the noise can explain. That is a decoder bug.
 
-   At the first divergence from the reference the decoder's token may be ``ok`` (both shapes pick it: the
-   reference's own incremental cache tipped the other way); the divergence is then counted as a ``tie`` with
-   ``margin = |inc[e] - inc[reference token]|``.
+   A flagged position is never ``ok``: when both shapes pick ``e``, a third computation of the target disagreed
+   (the chunked teacher-forced pass, or the reference's own incremental cache at its first divergence), so it is
+   counted as a ``tie`` with margin ``max(chunked) - chunked[e]`` (at the first divergence from the reference:
+   ``|inc[e] - inc[reference token]|``).
 
    Only the first :data:`DIAGNOSE_LIMIT` flagged positions of a sample are diagnosed with the two extra forwards;
    later ones use the teacher-forced logits alone (margin = top-1 - emitted logit there) against the largest noise
@@ -240,10 +241,9 @@ def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], r
             inc, full = two_shapes(model, list(prompt) + list(output[:i]), device)
             kind, margin, noise = classify(e, inc, full)
             ref = int(reference[i]) if i == diverged and reference is not None and i < len(reference) else None
-            if kind == "ok" and ref is not None and ref != e:  # both shapes pick e: the reference's cache tipped
-                kind, margin = "tie", abs(float(inc.double()[e] - inc.double()[ref]))
-            if kind == "ok":
-                continue
+            if kind == "ok":  # both shapes pick e, but the chunked pass (or the reference's cache) picked another
+                kind = "tie"
+                margin = abs(float(inc.double()[e] - inc.double()[ref])) if ref is not None else tf_margin[i]
             check.add(Diagnosis(i, e, kind, margin, noise, int(inc.argmax()), int(full.argmax()),
                                 _top2(inc), _top2(full), ref))
     check.seconds = time.perf_counter() - start

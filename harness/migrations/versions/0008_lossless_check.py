@@ -7,16 +7,16 @@ lossless_check_s (seconds the check took, outside the timed region), lossless_di
 positions). cells: lossless_check, the rule of the verdict (exact | tie_aware). All nullable: rows written before
 this revision keep NULL, meaning "not checked, the exact rule", so an upgraded run reports exactly what it did.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0008
+Revises: 0007
 Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
-down_revision = "0006"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
