@@ -160,11 +160,14 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         raise ValueError("a tree drafter drafts greedily; sampling is not supported with it")
     offset = 0 if drafter else root_offset(tree_root)
     t_kind = attention_mask_kind(target)
+    hidden = (drafter.hidden_layers or None) if drafter is not None else None  # (): a drafter without features
+    features = None
     if drafter is None:
         session = DraftSession(draft, input_ids[0].tolist())
+    if hidden is None:
         t_cache, logits = kv.prefill(target, input_ids)
     else:
-        t_cache, logits, features = kv.prefill_features(target, input_ids, drafter.hidden_layers)
+        t_cache, logits, features = kv.prefill_features(target, input_ids, hidden)
     pending = next_token(logits.reshape(-1), sampling, generator)
     if drafter is not None:
         drafter.feed_target(features, input_ids[0, 1:].tolist() + [pending])
@@ -184,11 +187,12 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         prefix_len = kv.cache_len(t_cache)
         n = tree.size
         if drafter is not None:
-            logits, features = tree_logits(target, t_cache, tree, t_kind, drafter.hidden_layers)
+            logits = tree_logits(target, t_cache, tree, t_kind, hidden)
+            logits, features = logits if hidden else (logits, None)
             pred = torch.argmax(logits, dim=-1).to(tree.device)
             path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
                                           pred)
-            drafter.feed_target(features[path], committed)
+            drafter.feed_target(None if features is None else features[path], committed)
         elif sampling is None:
             pred = tree_predictions(target, t_cache, tree, t_kind)
             path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),

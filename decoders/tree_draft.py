@@ -334,7 +334,8 @@ class TreeDrafter(ABC):
 
     Attributes:
         hidden_layers: indices into transformers' ``hidden_states`` tuple whose concatenation is the feature
-            (``(num_hidden_layers,)``: the final-normed last hidden state; EAGLE-3: three inner layers).
+            (``(num_hidden_layers,)``: the final-normed last hidden state; EAGLE-3: three inner layers); ``()``
+            for a drafter that needs no target features (retrieval: REST), which then gets ``features=None``.
         max_breadth: most children of one node (sizes the tree's preallocation with :attr:`n_max`).
         n_max: most drafted nodes per tree.
         depth_limit: most drafted tokens on a root-to-leaf path (the tree is rooted at the pending token).

@@ -340,6 +340,8 @@ class Measurement:
         memory: the sample's :class:`MemoryPeak`.
         forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
             the draft None when not counted), None when not measured.
+        decoder_state: the decoder's ``state_info()`` after the sample (JSON-ready: what the method stored and its
+            bytes, e.g. a suffix automaton's states or a datastore's size and build time), None if it has none.
     """
 
     tokens: list[int]
@@ -347,6 +349,7 @@ class Measurement:
     records: list[StepRecord]
     memory: MemoryPeak
     forward_s: dict | None = None
+    decoder_state: dict | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -413,5 +416,6 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     if len(tokens) < gen_length:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
+    state = getattr(decoder, "state_info", None)  # a decoder's own state and memory (issue 22: automaton, datastore)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds())
+                       forward_s=counter.forward_seconds(), decoder_state=state() if callable(state) else None)
