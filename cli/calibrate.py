@@ -66,7 +66,8 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
                         grown_cache=not prompt_cache_only)
     points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
     batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
-    console.print(f"stored {len(points)} calibration points (batch {batch}) in {db.resolve_url(db_url)}",
+    where = db.display_url(db.resolve_url(db_url))
+    console.print(f"stored {len(points)} calibration points (batch {batch}) in {where}",
                   highlight=False)
     for line in summary_lines(Curves(points)):
         click.echo(line)

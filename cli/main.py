@@ -141,7 +141,7 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     console = Console(stderr=True)
     run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
                        console=console, progress=not no_progress, executor=chosen)
-    console.print(f"run {run_id} stored in {db.resolve_url(db_url)}")
+    console.print(f"run {run_id} stored in {db.display_url(db.resolve_url(db_url))}", highlight=False)
     if not no_report:
         from dtbench.reports.command import cell_report
 

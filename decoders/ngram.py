@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -98,11 +98,11 @@ class NgramProposer(Proposer):
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
         self.tokens.extend(committed)
 
-    def state(self) -> dict[str, Any]:
-        """What the method stored: context tokens and their list's bytes (``sys.getsizeof``, pointers only:
-        small ints are shared)."""
-        return {"context_tokens": len(self.tokens), "state_bytes": sys.getsizeof(self.tokens),
-                "matches": self.matches}
+    def state(self) -> dict[str, int]:
+        """What the method stored: the context (tokens, and its list's bytes by ``sys.getsizeof``: pointers only,
+        small ints are shared) and how many lookups found a match."""
+        return {"context_tokens": len(self.tokens), "context_bytes": sys.getsizeof(self.tokens),
+                "lookup_matches": self.matches}
 
 
 class NgramParams(DecoderParams):
@@ -150,8 +150,8 @@ class Ngram(Decoder):
         """(chain tokens, masked tokens) of one verification: the pending token and K drafts."""
         return params.k + 1, 0
 
-    def state_info(self) -> dict[str, Any] | None:
-        """The last generate() call's method state (see :meth:`NgramProposer.state`), None before one."""
+    def state_stats(self) -> dict[str, int] | None:
+        """The last generate() call's state (:meth:`NgramProposer.state`), None before one."""
         proposer = getattr(self, "_proposer", None)
         return proposer.state() if proposer is not None else None
 
@@ -169,4 +169,4 @@ class Ngram(Decoder):
         p = self.params
         self._proposer = NgramProposer(p.min_n, p.max_n, p.occurrence)
         yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
-                                   self.sampling, self.generator)
+                                   self.sampling, self.generator, eos_token_id=self.eos_token_id)

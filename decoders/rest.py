@@ -15,7 +15,7 @@ libdivsufsort, C, O(n log n); it sorts integer arrays, so token ids need no byte
 and trie from numpy.
 
 The datastore is built once per process per (corpus, tokenizer) and cached; its size, token count and build time
-are the decoder's recorded state (:meth:`Rest.state_info`).
+are the decoder's recorded state (:meth:`Rest.state_stats`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -145,14 +145,15 @@ class RestDrafter(TreeDrafter):
         self.max_breadth = self.n_max = params.n_max
         self.depth_limit = params.depth
         self.retrievals = {"steps": 0, "matched": 0, "suffix_tokens": 0}
-        self._prefilled = False
+        self._started = False
 
-    def feed_target(self, features, next_tokens: list[int]) -> None:
-        if self._prefilled:
-            self.context.extend(next_tokens)  # the committed tokens
-        else:  # after the prefill: the prompt shifted by one (already known), then the first generated token
-            self.context.append(next_tokens[-1])
-            self._prefilled = True
+    def feed_logits(self, tree: TokenTree, logits: torch.Tensor, side_logits) -> None:
+        if not self._started:  # the first tree's root: the prefill's token, the context's last
+            self.context.append(int(tree.tokens[0]))
+            self._started = True
+
+    def observe(self, step: Step) -> None:
+        self.context.extend(step.tokens)  # accepted drafts and the bonus token (the next root)
 
     def draft(self, tree: TokenTree, root: int, depth_cap: int) -> None:
         p = self.p
@@ -294,13 +295,14 @@ class Rest(Decoder):
         """(chain tokens, masked tokens) of one verification: (0, root + n_max trie nodes)."""
         return 0, params.n_max + 1
 
-    def state_info(self) -> dict[str, Any]:
-        """The datastore (tokens, documents, bytes, build seconds) and the last call's retrieval counts."""
+    def state_stats(self) -> dict[str, int]:
+        """The datastore (tokens, documents, bytes, build milliseconds) and the last call's retrievals (steps that
+        searched, steps that found a match, matched suffix tokens summed)."""
         s = self.store
         info = {"datastore_tokens": int(len(s.tokens)), "datastore_documents": s.documents,
-                "state_bytes": s.nbytes, "build_s": s.build_s}
+                "datastore_bytes": s.nbytes, "datastore_build_ms": round(s.build_s * 1000)}
         if self._drafter is not None:
-            info["retrievals"] = dict(self._drafter.retrievals)
+            info.update({f"retrieval_{k}": v for k, v in self._drafter.retrievals.items()})
         return info
 
     @torch.inference_mode()
@@ -308,4 +310,4 @@ class Rest(Decoder):
         """Generate ``max_new_tokens`` tokens greedily; one Step per target forward (the tree loop's)."""
         self._drafter = RestDrafter(self.store, input_ids[0].tolist(), self.params)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self._drafter, "compact",
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -95,11 +95,12 @@ class SuffixAutomaton:
             return 0, 0
         return self.length[v], self.first_end[v] + 1
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, int]:
         """Size of the automaton: states, transitions and bytes (``sys.getsizeof`` of its lists and dicts)."""
         size = sum(sys.getsizeof(x) for x in (self.tokens, self.length, self.link, self.first_end, self.next))
         size += sum(sys.getsizeof(d) for d in self.next)
-        return {"states": len(self.length), "transitions": sum(len(d) for d in self.next), "state_bytes": size}
+        return {"automaton_states": len(self.length), "automaton_transitions": sum(len(d) for d in self.next),
+                "automaton_bytes": size}
 
 
 class SuffixProposer(Proposer):
@@ -198,12 +199,13 @@ class SuffixDecoding(Decoder):
         """(chain tokens, masked tokens) of one verification: the pending token and up to k drafts."""
         return params.k + 1, 0
 
-    def state_info(self) -> dict[str, Any] | None:
+    def state_stats(self) -> dict[str, int] | None:
         """The last generate() call's automaton size and how many steps each source drafted; None before one."""
         proposer = getattr(self, "_proposer", None)
         if proposer is None:
             return None
-        return {**proposer.sam.state(), "drafted_by": dict(proposer.counts)}
+        return {**proposer.sam.state(), "automaton_draft_steps": proposer.counts["automaton"],
+                "fallback_draft_steps": proposer.counts["fallback"]}
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
@@ -213,4 +215,4 @@ class SuffixDecoding(Decoder):
         fallback = DraftModelProposer(self.draft) if p.fallback == "draft" else None
         self._proposer = SuffixProposer(p.min_match, fallback)
         yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
-                                   self.sampling, self.generator)
+                                   self.sampling, self.generator, eos_token_id=self.eos_token_id)

@@ -155,6 +155,11 @@ def decoder_sizes(plan) -> tuple[int, int]:
     pending one); the second is 0 when no decoder passes a 4D mask (trees; StreamingLLM's masked forwards)."""
     chain, tree = 1, 0
     for cp in plan.decoders:
+        declared = getattr(cp.cls, "verify_sizes", None)  # decoders that declare (chain, masked) sizes (issue 23)
+        if declared is not None:
+            c, t = declared(cp.params)
+            chain, tree = max(chain, c), max(tree, t)
+            continue
         p = cp.params.model_dump()
         if "n_max" in p:
             tree = max(tree, _tree_size(p))

@@ -88,7 +88,10 @@ class WorkerInfo:
 
 
 def _model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None:
-    return None if loaded is None else {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params}
+    if loaded is None:
+        return None
+    remote = {"trust_remote_code": True} if loaded.trust_remote_code else {}  # the opt-in is recorded with the run
+    return {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params, **remote}
 
 
 class Worker:

@@ -340,8 +340,7 @@ class Measurement:
         memory: the sample's :class:`MemoryPeak`.
         forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
             the draft None when not counted), None when not measured.
-        decoder_state: the decoder's ``state_info()`` after the sample (JSON-ready: what the method stored and its
-            bytes, e.g. a suffix automaton's states or a datastore's size and build time), None if it has none.
+        state: the decoder's :meth:`~dtbench.decoders.base.Decoder.state_stats` after the sample (None: none).
     """
 
     tokens: list[int]
@@ -349,7 +348,7 @@ class Measurement:
     records: list[StepRecord]
     memory: MemoryPeak
     forward_s: dict | None = None
-    decoder_state: dict | None = None
+    state: dict | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -360,7 +359,9 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
-    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed.
+    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed, or, when
+    the decoder's ``eos_token_id`` is set (``stop_at_eos``), once the first EOS is committed: the Step holding it is
+    cut after it (:func:`~dtbench.decoders.base.cut_at_eos`, so a third-party loop that runs past EOS is cut too).
     Forward passes of the decoder's target and draft are counted by hooks (:class:`ForwardCounter`).
 
     Args:
@@ -371,14 +372,18 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
         timeout_s: time limit of the whole sample in seconds (None: none).
 
     Raises:
-        DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T.
+        DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T
+            (and before an EOS, when stopping at EOS).
         SampleTimeout: the sample ran past ``timeout_s``.
         Exception: whatever the decoder raises (the runner fails the cell).
     """
     import operator
 
+    from dtbench.decoders.base import Step, cut_at_eos, eos_ids
     from dtbench.harness.errors import DtbenchError
 
+    eos = eos_ids(getattr(decoder, "eos_token_id", None))
+    ended = False
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens: list[int] = []
     steps: list = []
@@ -407,15 +412,17 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                     counter.fed_between("target", last[0], snap[0]),
                     None if snap[1] is None else counter.fed_between("draft", last[1], snap[1])))
                 last = snap
+                step, ended = cut_at_eos(Step(tuple(ids), step.drafted, step.accepted, step.depth), eos) if eos \
+                    else (step, False)
                 steps.append(step)
-                tokens.extend(ids)
-                if len(tokens) >= gen_length:
+                tokens.extend(step.tokens)
+                if ended or len(tokens) >= gen_length:
                     break
         finally:
             gen.close()
-    if len(tokens) < gen_length:
+    if len(tokens) < gen_length and not ended:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
-    state = getattr(decoder, "state_info", None)  # a decoder's own state and memory (issue 22: automaton, datastore)
+    stats = getattr(decoder, "state_stats", None)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds(), decoder_state=state() if callable(state) else None)
+                       forward_s=counter.forward_seconds(), state=stats() if stats else None)

@@ -212,8 +212,8 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
             "draft_fed": [getattr(r, "draft_fed", None) or [] for r in m.records] if draft_counted else None,
             # seconds inside the target's / draft's forward passes (hooks; the cost model's time decomposition)
             "forward_s": getattr(m, "forward_s", None),
-            # the decoder's own state after the sample (Decoder.state_info: e.g. {"state_bytes": ...}), or None
-            "decoder_state": getattr(m, "decoder_state", None),
+            # the decoder's state after the sample (Decoder.state_stats: adjacency matrix, n-gram pool bytes...)
+            "state": getattr(m, "state", None),
         },
         step_times_s=times,
         peak_rss_bytes=m.memory.rss_bytes,

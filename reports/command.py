@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import printable, to_csv
 
 
 def _stdout() -> Console:
@@ -24,7 +25,7 @@ def _stdout() -> Console:
 
 
 def _note(msg: str) -> None:
-    click.echo(msg, err=True)
+    click.echo(printable(msg), err=True)
 
 
 def _run_token(token: str) -> int | None:
@@ -176,7 +177,7 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     emit(fmt,
          table=lambda out: out.print(render.rich_frame(render.speedup_display(table, 1 - alpha), title, caption, styles)),
          markdown=lambda: render.markdown_frame(render.speedup_display(table, 1 - alpha), title, caption),
-         csv=lambda: render.exported(table).to_csv(index=False),
+         csv=lambda: to_csv(render.exported(table)),
          json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha,
                                   "cells": json.loads(render.exported(table).to_json(orient="records"))}, indent=2))
 
@@ -213,7 +214,7 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
             out.print(render.rich_frame(render.compare_display(table), title, caption, styles))
 
     emit(fmt, table=rich_table, markdown=lambda: render.markdown_frame(render.compare_display(table), title, caption),
-         csv=lambda: render.exported(table).to_csv(index=False),
+         csv=lambda: to_csv(render.exported(table)),
          json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
                                   "cells": json.loads(render.exported(table).to_json(orient="records")),
                                   "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
@@ -281,7 +282,7 @@ def write_tables(made, out_dir: str | Path) -> None:
         for t in made:
             md = render.markdown_frame(t.display, t.title, t.caption, t.notes)
             (out / f"{t.key}.md").write_text(md, encoding="utf-8")
-            render.exported(t.data).to_csv(out / f"{t.key}.csv", index=False)
+            to_csv(render.exported(t.data), out / f"{t.key}.csv")
             docs.append(md)
         (out / "tables.md").write_text("\n".join(docs), encoding="utf-8")
     except OSError as exc:

@@ -36,6 +36,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import to_csv
 
 CHAIN_DECODERS = ("linear", "streaming_spec")
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
@@ -226,7 +227,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                                "cells": cells}, indent=2))
         return
     if fmt == "csv":
-        click.echo(render.exported(table.drop(columns=["acceptance_by_position"])).to_csv(index=False), nl=False)
+        click.echo(to_csv(render.exported(table.drop(columns=["acceptance_by_position"]))), nl=False)
         return
 
     def f(v, spec, suffix=""):

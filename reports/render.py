@@ -8,8 +8,10 @@ import math
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dtbench.harness.metrics import METRICS, SPEEDUP
+from dtbench.harness.safetext import markdown_cell, printable, to_csv
 from dtbench.reports.compare import MIN_PROMPTS, N_TOO_SMALL
 from dtbench.reports.summary import GROUP, SAMPLED
 
@@ -101,32 +103,32 @@ def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> 
     """One rich table per (dataset, L_max, T), decoders as rows."""
     for key, group in summary.groupby(GROUP, sort=False):
         n = int(group["n"].max()) if len(group) else 0
-        table = Table(title=_title(key), caption=caption or f"mean ± std over {n} prompts after warmup")
+        table = Table(title=plain(_title(key)), caption=caption or f"mean ± std over {n} prompts after warmup")
         for head, col in COLUMNS:
             table.add_column(head, justify="left" if col in ("label", "lossless") else "right")
         for _, row in group.iterrows():
             f = formatted(row)
             style = "red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
-            table.add_row(*(f[c] for _, c in COLUMNS), style=style)
+            table.add_row(*(plain(f[c]) for _, c in COLUMNS), style=style)
         console.print(table)
         for _, row in group.iterrows():
             style = "red" if row["status"] == "failed" else "yellow"
             for note in cell_notes(row):
-                console.print(note, style=style, markup=False, highlight=False)
+                console.print(printable(note), style=style, markup=False, highlight=False)
 
 
 def markdown(summary: pd.DataFrame) -> str:
     """The same tables as GitHub Markdown, one section per (dataset, L_max, T)."""
     parts = []
     for key, group in summary.groupby(GROUP, sort=False):
-        parts.append(f"### {_title(key)}\n")
+        parts.append(f"### {markdown_cell(_title(key))}\n")
         parts.append("| " + " | ".join(h for h, _ in COLUMNS) + " |")
         parts.append("|" + "|".join("---" if c in ("label", "lossless") else "---:" for _, c in COLUMNS) + "|")
         for _, row in group.iterrows():
             f = formatted(row)
-            parts.append("| " + " | ".join(f[c].replace("|", "\\|") for _, c in COLUMNS) + " |")
+            parts.append("| " + " | ".join(markdown_cell(f[c]) for _, c in COLUMNS) + " |")
         notes = [note for _, row in group.iterrows() for note in cell_notes(row)]
-        parts += [""] + [f"- {note}" for note in notes] if notes else []
+        parts += [""] + [f"- {markdown_cell(note)}" for note in notes] if notes else []
         parts.append("")
     return "\n".join(parts)
 
@@ -150,7 +152,7 @@ def exported(frame: pd.DataFrame) -> pd.DataFrame:
 
 def csv(summary: pd.DataFrame) -> str:
     """Machine-readable summary, one row per cell (units in column names: ms, MiB, tokens/s; L_max as prompt_cap)."""
-    return exported(summary[MACHINE_COLUMNS]).to_csv(index=False)
+    return to_csv(exported(summary[MACHINE_COLUMNS]))
 
 
 def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
@@ -162,30 +164,38 @@ def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
 # --- generic frames (paper tables, comparisons) -------------------------------------------------------------
 
 
+def plain(value, lines: bool = False) -> Text:
+    """A rich table's cell, title or caption from data: not parsed as rich markup (a label ``[/x]`` would fail the
+    report), control characters escaped (:func:`~dtbench.harness.safetext.printable`; with ``lines``, a caption's
+    own line breaks kept)."""
+    text = str(value)
+    return Text("\n".join(printable(line) for line in text.split("\n")) if lines else printable(text))
+
+
 def _is_left(values: pd.Series) -> bool:
     return not all(isinstance(v, (int, float)) or (isinstance(v, str) and v[:1] in "0123456789+-—.") for v in values)
 
 
 def rich_frame(display: pd.DataFrame, title: str, caption: str = "", row_styles: list[str | None] | None = None) -> Table:
     """A rich Table of a frame of display strings (text columns left-aligned, numbers right-aligned)."""
-    table = Table(title=title, caption=caption or None, caption_justify="left")
+    table = Table(title=plain(title), caption=plain(caption, lines=True) if caption else None, caption_justify="left")
     for col in display.columns:
-        table.add_column(str(col), justify="left" if _is_left(display[col]) else "right")
+        table.add_column(plain(col), justify="left" if _is_left(display[col]) else "right")
     for i, (_, row) in enumerate(display.iterrows()):
         style = row_styles[i] if row_styles else None
-        table.add_row(*("" if v is None else str(v) for v in row), style=style)
+        table.add_row(*("" if v is None else plain(v) for v in row), style=style)
     return table
 
 
 def markdown_frame(display: pd.DataFrame, title: str = "", caption: str = "", notes: list[str] | None = None,
                    level: int = 3) -> str:
     """GitHub Markdown of a frame of display strings, with an optional heading, caption and notes."""
-    parts = [f"{'#' * level} {title}\n"] if title else []
+    parts = [f"{'#' * level} {markdown_cell(title)}\n"] if title else []
     cols = [str(c) for c in display.columns]
-    parts.append("| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |")
+    parts.append("| " + " | ".join(markdown_cell(c) for c in cols) + " |")
     parts.append("|" + "|".join("---" if _is_left(display[c]) else "---:" for c in display.columns) + "|")
     for _, row in display.iterrows():
-        parts.append("| " + " | ".join(("" if v is None else str(v)).replace("|", "\\|") for v in row) + " |")
+        parts.append("| " + " | ".join(markdown_cell(v) for v in row) + " |")
     if caption:
         parts.append(f"\n{caption}")
     for note in notes or []:
@@ -271,4 +281,4 @@ def run_header(meta: dict) -> str:
     line = (f"run {meta['id']} · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
             f"torch {env.get('torch')} · transformers {env.get('transformers')}")
     hw = hardware_text(env)
-    return line + (f"\nhardware: {hw}" if hw else "")
+    return printable(line) + (f"\nhardware: {printable(hw)}" if hw else "")
