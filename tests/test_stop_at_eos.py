@@ -20,6 +20,8 @@ from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
 from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams, HFGenerate, HFGenerateParams
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
+from dtbench.decoders.lookahead import Lookahead
+from dtbench.decoders.token_recycling import TokenRecycling
 from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpeculative, StreamingSpecParams
 from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.rest import Rest, RestParams
@@ -48,6 +50,8 @@ def decoders(target, draft):
         "streaming_spec": StreamingSpeculative(target, draft, StreamingSpecParams(sinks=2, window=16, k=4)),
         "hf_generate": HFGenerate(target, None, HFGenerateParams()),
         "hf_assisted": HFAssisted(target, draft, HFAssistedParams(assistant_confidence_threshold=0.0)),
+        "token_recycling": TokenRecycling(target, None, TokenRecycling.Params()),
+        "lookahead": Lookahead(target, None, Lookahead.Params()),
     }
     out["ngram"] = Ngram(target, None, NgramParams(k=6, min_n=1))
     out["suffix"] = SuffixDecoding(target, draft, SuffixParams(k=5, min_match=2, fallback="draft"))
