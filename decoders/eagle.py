@@ -206,7 +206,7 @@ class Eagle(Decoder):
         p = self.params
         drafter = EagleDrafter(self.draft, p.top_k, p.depth, p.total_token)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, p.cache_strategy,
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["Eagle", "EagleDrafter", "EagleParams", "Step"]

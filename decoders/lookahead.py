@@ -226,7 +226,7 @@ class Lookahead(Decoder):
         self.drafter = LookaheadDrafter(input_ids[0].tolist(), p.window_size, p.ngram_size, p.guess_set_size,
                                         p.pool_from_prompt, p.seed)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self.drafter, p.cache_strategy,
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["Lookahead", "LookaheadDrafter", "LookaheadParams", "NgramPool"]

@@ -153,7 +153,7 @@ class Medusa(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         drafter = MedusaDrafter(self.draft, self.choices_of(self.params), self.target.config.num_hidden_layers)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, self.params.cache_strategy,
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["MC_SIM_7B_63", "Medusa", "MedusaDrafter", "MedusaParams", "Step", "static_tree"]

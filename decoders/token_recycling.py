@@ -175,7 +175,7 @@ class TokenRecycling(Decoder):
         vocab = self.target.get_output_embeddings().weight.shape[0]
         self.drafter = TokenRecyclingDrafter(vocab, self.params.k, self.template_of(self.params), self.target.device)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self.drafter,
-                                  self.params.cache_strategy, tree_root="pending")
+                                  self.params.cache_strategy, tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["TEMPLATE_2_2_2", "TokenRecycling", "TokenRecyclingDrafter", "TokenRecyclingParams"]

@@ -61,7 +61,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree_draft import (  # noqa: F401
     SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, _expand, check_draft_options,
@@ -120,7 +120,8 @@ def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind,
 def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
                    max_new_tokens: int, policy: ExpansionPolicy | TreeDrafter, cache_strategy: CacheStrategy = "compact",
                    draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
-                   prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None) -> Iterator[Step]:
+                   prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None,
+                   eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
     """Tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated), greedy or sampled.
 
     Invariant between iterations: the target cache holds every committed token except the newest
@@ -149,13 +150,15 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
             from the processed draft distribution (:class:`TreeSampling`) and the tree is verified by recursive
             rejection sampling (:func:`~dtbench.decoders.sampling.verify_tree_sampled`) instead of
             :func:`select_path`; the committed tokens then follow the target's processed distribution exactly.
+        eos_token_id: the decoder's ``eos_token_id``: when set, generation ends with the first EOS committed, even
+            inside the accepted path (:func:`~dtbench.decoders.base.cut_at_eos`); None: EOS is ignored.
 
     Yields:
         First the prefill's token as a Step (TTFT); then one Step per iteration with tokens = committed path
         tokens + bonus, drafted = drafted nodes (u0 included), accepted = committed drafted tokens
         before the bonus (u0 counts when the target accepts it), depth = drafted tokens on the tree's longest
         path (paper root: the deepest node's paper depth + 1, u0 being depth 0; pending root: the deepest
-        node's depth). The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
+        node's depth); the last Step is cut after EOS. The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
 
     Raises:
         ValueError: unknown strategy, tree_root or prune mode, ``prune="skip"`` with sampling, or a model
@@ -180,6 +183,9 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
     if hidden is not None:
         drafter.feed_target(features, input_ids[0, 1:].tolist() + [pending])
     yield Step(tokens=(pending,))
+    eos = eos_ids(eos_token_id)
+    if pending in eos:
+        return
     produced = 1
     while produced < max_new_tokens:
         depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced - 1)
@@ -224,7 +230,10 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         policy.observe(step)
         pending = committed[-1]
         produced += len(committed)
+        step, ended = cut_at_eos(step, eos)
         yield step
+        if ended:
+            return
 
 
 class TreeParams(DecoderParams):
@@ -299,7 +308,7 @@ class TreeDecoder(Decoder):
         p = self.params
         yield from speculate_tree(self.target, self.draft, input_ids, max_new_tokens, self.make_policy(),
                                   p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune,
-                                  sampling=self.sampling, generator=self.generator)
+                                  sampling=self.sampling, generator=self.generator, eos_token_id=self.eos_token_id)
 
     @classmethod
     def sampling_error(cls, params: DecoderParams) -> str | None:
