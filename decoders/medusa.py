@@ -140,6 +140,12 @@ class Medusa(Decoder):
         return MEDUSA_CHOICES[params.choices] if isinstance(params.choices, str) else params.choices
 
     @classmethod
+    def check_target(cls, params, target) -> None:
+        """Load the head for ``target`` once, when the run's models are loaded (the runner calls it before any
+        sample): raises ValueError (one line, both sizes) for a head that does not fit."""
+        load_medusa(params.head, target)
+
+    @classmethod
     def verify_sizes(cls, params: MedusaParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: (0, root + all choices) (the full tree; heads
         fewer than the deepest choice shrink it at run time)."""
