@@ -121,6 +121,12 @@ def amdsmi_state(python: str, env: dict | None = None) -> str:
     return (proc.stdout.strip().splitlines() or ["broken"])[-1]
 
 
+def drop_broken_amdsmi(python: str) -> None:
+    """Uninstall ``python``'s amdsmi where it is installed but cannot be imported (see :data:`AMDSMI_PROBE`)."""
+    if amdsmi_state(python) == "broken":
+        _run([[python, "-m", "pip", "uninstall", "-y", "-q", "amdsmi"]])
+
+
 def _run(cmds: list[list[str]]) -> None:
     for cmd in cmds:
         print("+", " ".join(cmd), file=sys.stderr)
@@ -157,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         requirements.write_text("\n".join(pinned_requirements(freeze)) + "\n")
         target = platform_options(args.python_version, args.platform)
         _run(wheelhouse_commands([args.python, "-m", "pip"], args.dest, requirements, target, args.torch_spec))
+        drop_broken_amdsmi(args.python)  # pinned and downloaded (Zeus needs it to install); not kept where it breaks Ray
         print(f"wheelhouse {args.dest}: {_size(args.dest)}", file=sys.stderr)
         return
     python = str(args.venv / "bin" / "python")
@@ -166,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     constraints.write_text(torch_constraint(python) + "\n")
     wheelhouse = args.wheelhouse if args.wheelhouse.is_dir() and any(args.wheelhouse.glob("*.whl")) else None
     _run(install_commands(python, wheelhouse, constraints))
-    if amdsmi_state(python) == "broken":
-        _run([[python, "-m", "pip", "uninstall", "-y", "-q", "amdsmi"]])
+    drop_broken_amdsmi(python)
     print(f"installed into {args.venv}" + (f" from {wheelhouse} (no index)" if wheelhouse else ""), file=sys.stderr)
 
 
