@@ -308,6 +308,9 @@ cli.add_command(db_group)  # dtbench db upgrade|current (cli/db.py)
 from dtbench.cli.calibrate import calibrate_command  # noqa: E402
 
 cli.add_command(calibrate_command)
+from dtbench.cli.doctor import doctor_command  # noqa: E402
+
+cli.add_command(doctor_command)  # dtbench doctor (make gpu-check)
 
 
 def main() -> None:

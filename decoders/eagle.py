@@ -192,6 +192,12 @@ class Eagle(Decoder):
         self.draft = load_eagle(params.head, target)
 
     @classmethod
+    def check_target(cls, params, target) -> None:
+        """Load the head for ``target`` once, when the run's models are loaded (the runner calls it before any
+        sample): raises ValueError (one line, both sizes) for a head that does not fit."""
+        load_eagle(params.head, target)
+
+    @classmethod
     def verify_sizes(cls, params: EagleParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: (0, total_token), root included."""
         return 0, params.total_token
@@ -206,7 +212,7 @@ class Eagle(Decoder):
         p = self.params
         drafter = EagleDrafter(self.draft, p.top_k, p.depth, p.total_token)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, p.cache_strategy,
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["Eagle", "EagleDrafter", "EagleParams", "Step"]

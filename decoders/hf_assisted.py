@@ -50,7 +50,7 @@ from pydantic import Field
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
 
 _ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -147,18 +147,24 @@ class _StreamedGenerate(Decoder):
 
         Args:
             input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
-            max_new_tokens: T; exactly T tokens are generated (EOS ignored).
+            max_new_tokens: T; exactly T tokens are generated (EOS ignored), or with ``eos_token_id`` set, T at
+                most: generate() stops at EOS itself and a verification that accepted tokens past EOS is cut
+                after it (:func:`~dtbench.decoders.base.cut_at_eos`), which ends the call.
 
         Raises:
             Whatever ``generate`` raised (it propagates out of the greenlet into this generator).
         """
         bridge = _Bridge()
+        eos = eos_ids(self.eos_token_id)
         call = greenlet(lambda: self._work(bridge, input_ids, max_new_tokens))
         try:
             message = call.switch()
             while not call.dead:
                 _, payload, drafted = message
-                yield self._step(tuple(payload.view(-1).tolist()), drafted)
+                step, ended = cut_at_eos(self._step(tuple(payload.view(-1).tolist()), drafted), eos)
+                yield step
+                if ended:
+                    return
                 message = call.switch()
         finally:
             bridge.stop.set()
@@ -166,7 +172,8 @@ class _StreamedGenerate(Decoder):
                 call.switch()
 
     def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """The greenlet's body: generate() of exactly T tokens (EOS ignored) with the subclass's settings."""
+        """The greenlet's body: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
+        at EOS) with the subclass's settings."""
         target = self.target
         pad = target.generation_config.pad_token_id
         if pad is None:
@@ -174,6 +181,7 @@ class _StreamedGenerate(Decoder):
         if pad is None:
             pad = 0
         settings = dict(_NEUTRAL, do_sample=False)
+        stop = None if self.eos_token_id is None else sorted(eos_ids(self.eos_token_id))
         if self.sampling is not None:
             # transformers samples from the global torch RNG: seed it from this sample's own generator, so a
             # seeded run is reproducible (the only global RNG use in dtbench, inside this call).
@@ -186,8 +194,8 @@ class _StreamedGenerate(Decoder):
                 attention_mask=torch.ones_like(input_ids),
                 num_beams=1,
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                eos_token_id=None,
+                min_new_tokens=max_new_tokens if stop is None else None,
+                eos_token_id=stop,
                 pad_token_id=pad,
                 streamer=bridge,
                 stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),

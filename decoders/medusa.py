@@ -140,6 +140,12 @@ class Medusa(Decoder):
         return MEDUSA_CHOICES[params.choices] if isinstance(params.choices, str) else params.choices
 
     @classmethod
+    def check_target(cls, params, target) -> None:
+        """Load the head for ``target`` once, when the run's models are loaded (the runner calls it before any
+        sample): raises ValueError (one line, both sizes) for a head that does not fit."""
+        load_medusa(params.head, target)
+
+    @classmethod
     def verify_sizes(cls, params: MedusaParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: (0, root + all choices) (the full tree; heads
         fewer than the deepest choice shrink it at run time)."""
@@ -153,7 +159,7 @@ class Medusa(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         drafter = MedusaDrafter(self.draft, self.choices_of(self.params), self.target.config.num_hidden_layers)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, self.params.cache_strategy,
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["MC_SIM_7B_63", "Medusa", "MedusaDrafter", "MedusaParams", "Step", "static_tree"]

@@ -232,7 +232,13 @@ class Dataset(ABC):
     Subclasses implement :meth:`documents`; the suite's dataset entry (:class:`~dtbench.harness.suite.DatasetSpec`:
     ``path``, ``data_dir``, ...) is passed in. Prompt selection and the prompt cap are dtbench's, the same for
     every dataset (:func:`select_prompts`).
+
+    Class attributes:
+        chat: True for question datasets (a chat workload: the suite's ``stop_at_eos`` defaults to true, and its
+            ``chat_template`` to ``auto``); False for raw text continued as it is (the paper's protocol).
     """
+
+    chat: bool = False
 
     @abstractmethod
     def documents(self, spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
@@ -292,6 +298,17 @@ def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
     ds = dataset(spec.name)
     if files:
         ds.check(spec)
+
+
+def stops_at_eos(stop_at_eos: bool | None, spec: DatasetSpec) -> bool:
+    """Whether generation stops at EOS for this dataset entry: the suite's ``stop_at_eos`` when given, otherwise the
+    dataset's own default (:attr:`Dataset.chat`; an unknown dataset name is left to the plan's check: False)."""
+    if stop_at_eos is not None:
+        return stop_at_eos
+    try:
+        return bool(getattr(REGISTRY.get(spec.name), "chat", False))
+    except Exception:  # noqa: BLE001  (an unknown or broken dataset plugin is reported where it is loaded)
+        return False
 
 
 def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> Documents:

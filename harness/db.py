@@ -170,6 +170,12 @@ class Sample(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     worker_host: Mapped[str | None] = mapped_column(String(255))  # host of the worker that measured it
     device_name: Mapped[str | None] = mapped_column(String(200))  # its device (GPU model, or CPU model and threads)
+    # 0007 (harness/energy.py): joules over the sample (None unless energy_status is "measured"); energy_status:
+    # measured | unavailable | too_short | counter_reset (NULL: measured before energy existed); energy_source: the
+    # counter ("nvml:gpu0", "rapl:package") or why none was readable.
+    energy_j: Mapped[float | None] = mapped_column(Float)
+    energy_status: Mapped[str | None] = mapped_column(String(20))
+    energy_source: Mapped[str | None] = mapped_column(String(200))
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 

@@ -258,6 +258,21 @@ def require_remote_code_opt_in(spec: ModelSpec) -> list[str]:
     return files
 
 
+def eos_token_id(model: torch.nn.Module) -> int | tuple[int, ...]:
+    """The model's EOS id(s): its ``generation_config.eos_token_id`` (an id or a list, as transformers keeps it),
+    else its config's.
+
+    Raises:
+        DtbenchError: the model declares no EOS (it cannot run a stop-at-EOS workload).
+    """
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None and eos != []:
+            return int(eos) if isinstance(eos, int) else tuple(int(t) for t in eos)
+    name = getattr(getattr(model, "config", None), "name_or_path", None) or type(model).__name__
+    raise DtbenchError(f"model '{name}' declares no eos_token_id; set stop_at_eos: false")
+
+
 def check_embedding(model: torch.nn.Module, tokenizer, name: str) -> None:
     """Every token id the tokenizer can produce must index the model's input and output embeddings.
 

@@ -393,7 +393,7 @@ class Outcome:
 
 
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
-                device, suite: Suite, compare: bool = True) -> Outcome:
+                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
@@ -404,6 +404,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
         ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
         compare: check the output token for token against the reference's (False when either samples: a sampled
             output is checked as a distribution, by the tests, never against one draw).
+        stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
     """
     if cp.reference_label and ref is None:
@@ -415,6 +416,8 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
         if cp.sampling is not None:
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
+        if stop_at_eos:
+            decoder.eos_token_id = models.eos_token_id(target.model)
         m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
         row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
         json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
@@ -452,6 +455,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         skip: labels of cells that already failed: not measured.
     """
     outputs = dict(done)
+    stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
     by_label = {cp.label: cp for cp in group.decoders}
     for cp in group.decoders:
         if cp.label in outputs or cp.label in skip:
@@ -459,7 +463,8 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
-        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare)
+        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
+                              stop)
         if outcome.row is not None:
             outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"])
         yield outcome

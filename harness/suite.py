@@ -243,6 +243,10 @@ class Suite(_Frozen):
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
         "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
+    stop_at_eos: bool | None = Field(
+        None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
+        "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "
+        "true for question (chat) datasets such as spec-bench, false for raw text")
     timeout_s: Seconds | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")

@@ -63,16 +63,18 @@ def step_forwards(stats: dict, role: str) -> tuple[list[list[list]], bool] | Non
     return out, True
 
 
-def price_sample(curves, stats: dict) -> dict:
+def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
     """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}`` (``approx``: some
-    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out)."""
+    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out).
+    ``draft_model=False``: the sample's draft forwards are not the suite's draft model's (a learned head's, a
+    decoder without ``needs_draft``), so the draft curve does not price them: unpriced, flagged."""
     out = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
     for role in ("target", "draft"):
         got = step_forwards(stats, role)
         if got is None:
             continue
         steps, approx = got
-        if role not in curves.roles():  # forwards of a model the calibration lacks: unpriced, flagged
+        if role not in curves.roles() or (role == "draft" and not draft_model):  # unpriced, flagged
             out["approx"] |= any(steps)
             continue
         out["approx"] |= approx
@@ -119,6 +121,16 @@ def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
 # --- the per-cell table --------------------------------------------------------------------------------------------
 
 
+def _uses_draft_model(name: str) -> bool:
+    """Whether decoder ``name`` runs the suite's draft model (True when it is not installed here)."""
+    from dtbench.harness import registry
+
+    try:
+        return bool(registry.get(name).needs_draft)
+    except DtbenchError:  # a plugin the reading machine lacks: price as before
+        return True
+
+
 def cost_table(session, run, curves) -> pd.DataFrame:
     """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
     predicted share of target and draft forwards, and for chain decoders the predicted best K."""
@@ -136,7 +148,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         cell, samples = c["cell"], c["samples"]
         if not samples:
             continue
-        priced = [price_sample(curves, s.step_stats or {}) for s in samples]
+        priced = [price_sample(curves, s.step_stats or {}, _uses_draft_model(cell.decoder)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]

@@ -20,6 +20,13 @@ _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
 COLUMNS = [("Decoder", "label"), *((m.header, m.name) for m in _SHOWN), ("Lossless", "lossless")]
 
 
+def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
+    """COLUMNS without the optional metrics (energy) that no row of ``group`` has a value for."""
+    empty = {m.name for m in _SHOWN if m.optional and not any(
+        not _missing(v) for c in m.columns for v in (group[c] if c in group else []))}
+    return [(h, c) for h, c in COLUMNS if c not in empty]
+
+
 def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
@@ -56,7 +63,16 @@ def mixed_devices_note(row, where: str = "") -> list[str]:
 def cell_notes(row: pd.Series) -> list[str]:
     """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup, a
     cell measured on different devices."""
-    return _state_notes(row) + mixed_devices_note(row)
+    return _state_notes(row) + mixed_devices_note(row) + energy_note(row)
+
+
+def energy_note(row) -> list[str]:
+    """The note owed to a cell whose samples were too short for the energy counter (their energy is missing)."""
+    short = int(row.get("energy_too_short", 0) or 0)
+    if not short:
+        return []
+    return [f"{row['label']}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
+            f"update period"]
 
 
 def _state_notes(row: pd.Series) -> list[str]:
@@ -104,12 +120,13 @@ def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> 
     for key, group in summary.groupby(GROUP, sort=False):
         n = int(group["n"].max()) if len(group) else 0
         table = Table(title=plain(_title(key)), caption=caption or f"mean ± std over {n} prompts after warmup")
-        for head, col in COLUMNS:
+        columns = shown_columns(group)
+        for head, col in columns:
             table.add_column(head, justify="left" if col in ("label", "lossless") else "right")
         for _, row in group.iterrows():
             f = formatted(row)
             style = "red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
-            table.add_row(*(plain(f[c]) for _, c in COLUMNS), style=style)
+            table.add_row(*(plain(f[c]) for _, c in columns), style=style)
         console.print(table)
         for _, row in group.iterrows():
             style = "red" if row["status"] == "failed" else "yellow"
@@ -122,11 +139,12 @@ def markdown(summary: pd.DataFrame) -> str:
     parts = []
     for key, group in summary.groupby(GROUP, sort=False):
         parts.append(f"### {markdown_cell(_title(key))}\n")
-        parts.append("| " + " | ".join(h for h, _ in COLUMNS) + " |")
-        parts.append("|" + "|".join("---" if c in ("label", "lossless") else "---:" for _, c in COLUMNS) + "|")
+        columns = shown_columns(group)
+        parts.append("| " + " | ".join(h for h, _ in columns) + " |")
+        parts.append("|" + "|".join("---" if c in ("label", "lossless") else "---:" for _, c in columns) + "|")
         for _, row in group.iterrows():
             f = formatted(row)
-            parts.append("| " + " | ".join(markdown_cell(f[c]) for _, c in COLUMNS) + " |")
+            parts.append("| " + " | ".join(markdown_cell(f[c]) for _, c in columns) + " |")
         notes = [note for _, row in group.iterrows() for note in cell_notes(row)]
         parts += [""] + [f"- {markdown_cell(note)}" for note in notes] if notes else []
         parts.append("")

@@ -36,7 +36,7 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
     "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "target_forwards", "draft_forwards",
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
-    "output_hash", "worker_host", "device_name", *(m.column for m in METRICS if isinstance(m.column, str)),
+    "output_hash", "worker_host", "device_name", "energy_status", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
 _CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
               "sampling",
@@ -130,6 +130,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             "partial": first["status"] == "failed" and len(measured) > 0,
             "all_warmup": len(measured) > 0 and len(basis) == 0,
             "devices": sorted({str(d) for d in measured["device_name"].dropna()}),
+            # samples after warmup shorter than the energy counter's update period: no energy, marked (issue 24)
+            "energy_too_short": int((basis["energy_status"] == "too_short").sum()) if "energy_status" in basis else 0,
         })
     table = pd.DataFrame(out)
     if table.empty:

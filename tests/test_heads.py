@@ -325,3 +325,50 @@ decoders:
 """)
     assert decoder_sizes(plan_suite(suite)) == (1, 64)  # medusa: root + mc_sim_7b_63's 63 nodes
     assert decoder_sizes(plan_suite(suite.model_copy(update={"decoders": suite.decoders[:1]}))) == (1, 37)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_head_that_does_not_fit_stops_in_one_line_before_any_sample(tmp_path, data_dir):
+    write_eagle(tmp_path / "head", hidden=64, vocab=49152)  # the embedded SmolLM2 has hidden size 576
+    (tmp_path / "s.yaml").write_text(f"""
+name: misfit
+device: cpu
+target: {{model: smollm2-135m}}
+datasets: [{{name: wikitext-2, prompts: 2, warmup: 1, L_max: 32}}]
+generation_lengths: [4]
+decoders:
+  - {{name: eagle, label: E, params: {{head: {tmp_path / 'head'}}}}}
+""")
+    result = invoke("run", str(tmp_path / "s.yaml"), "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir))
+    one_line_error(result, "decoder 'E'", "hidden size 64", "hidden size 576")
+    from sqlalchemy import create_engine, inspect, text
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'r.db'}")
+    if "samples" in inspect(engine).get_table_names():
+        with engine.connect() as c:
+            assert c.execute(text("select count(*) from samples")).scalar() == 0
+
+
+def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve(heads):
+    from dtbench.harness.data import Prompt
+    from dtbench.harness.measure import measure
+    from dtbench.harness.metrics import sample_row
+    from dtbench.reports.costmodel import _uses_draft_model, price_sample
+
+    class Flat:  # every forward of either role costs 1 s
+        def roles(self):
+            return {"target", "draft"}
+
+        def cost(self, role, n, past, flags):
+            return 1.0
+
+    decoder = Eagle(TARGETS[1], None, EagleParams(head=str(heads[1]), top_k=3, depth=2, total_token=8))
+    m = measure(decoder, PROMPT, 8, torch.device("cpu"))
+    stats = json.loads(json.dumps(sample_row(m, Prompt(0, "doc", tuple(PROMPT)), False, None)["step_stats"]))
+    assert m.steps and sum(stats["draft_forwards"]) > 0  # the head's forwards are counted (and timed) as draft's
+    assert stats["forward_s"]["draft"] > 0
+    as_draft = price_sample(Flat(), stats)
+    head = price_sample(Flat(), stats, draft_model=False)
+    assert as_draft["draft_s"] == sum(stats["draft_forwards"]) and not as_draft["approx"]
+    assert head["draft_s"] == 0.0 and head["approx"] and head["target_s"] == as_draft["target_s"]
+    assert not _uses_draft_model("eagle") and not _uses_draft_model("medusa") and _uses_draft_model("linear")
