@@ -31,14 +31,14 @@ implemented: the decoder is greedy only, and a suite that samples is refused wit
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated
 
 import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.heads import EagleHead, load_eagle
+from dtbench.decoders.base import DecoderParams, Step
+from dtbench.decoders.heads import EagleHead, HeadDecoder, load_eagle
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
 
@@ -166,45 +166,21 @@ class EagleParams(DecoderParams):
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
 
-class Eagle(Decoder):
+class Eagle(HeadDecoder):
     """EAGLE-2 decoding with an EAGLE-1/2 or EAGLE-3 head; greedy verification in the one tree loop; lossless.
 
-    Capabilities: family ``tree``; verify sizes (0 chain tokens, ``total_token`` masked); greedy only (a suite
-    that samples is refused). The head's forward runs as the decoder's ``draft`` module, so the runner counts
-    and times it as a draft forward.
+    Capabilities (:class:`~dtbench.decoders.heads.HeadDecoder`): family ``tree``; verify sizes (0 chain tokens,
+    ``total_token`` masked); greedy only. The head's forward is the decoder's draft forward.
     """
 
     Params = EagleParams
-    family: ClassVar[str] = "tree"
-    needs_draft = False
-    lossless = True
-    supports_sampling = False
     version = "1"
-
-    def __init__(self, target, draft, params: EagleParams):
-        """Load the head for ``target``.
-
-        Raises:
-            ValueError: missing or malformed head files, or a head whose hidden size, vocabulary or feature size
-                does not fit the target (one line naming both sizes; raised before anything is timed).
-        """
-        super().__init__(target, None, params)
-        self.draft = load_eagle(params.head, target)
-
-    @classmethod
-    def check_target(cls, params, target) -> None:
-        """Load the head for ``target`` once, when the run's models are loaded (the runner calls it before any
-        sample): raises ValueError (one line, both sizes) for a head that does not fit."""
-        load_eagle(params.head, target)
+    load_head = staticmethod(load_eagle)
 
     @classmethod
     def verify_sizes(cls, params: EagleParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: (0, total_token), root included."""
         return 0, params.total_token
-
-    @classmethod
-    def reference(cls, params: EagleParams | None = None):
-        return ("ar", {})
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):

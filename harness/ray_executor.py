@@ -39,6 +39,9 @@ def import_ray():
         import ray
     except ImportError:
         raise DtbenchError(RAY_MISSING) from None
+    except Exception as exc:  # e.g. amdsmi (a Zeus dependency) installed without ROCm: KeyError 'libamd_smi.so'
+        hint = "; amdsmi is installed without ROCm: pip uninstall amdsmi" if "amd" in repr(exc).lower() else ""
+        raise DtbenchError(f"Ray cannot be imported: {type(exc).__name__}: {clip(exc, 200)}{hint}") from None
     return ray
 
 
