@@ -393,3 +393,12 @@ def test_eagle3_features_are_the_inputs_of_target_layers_2_mid_and_L_minus_3():
     with torch.inference_mode():
         _, _, last = kv.prefill_features(target, torch.tensor([PROMPT]), (L,))
         assert torch.allclose(last, target.model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0])
+
+
+def test_a_head_that_is_neither_a_folder_nor_reachable_on_the_hub_is_a_one_line_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as exc:
+        Eagle(TARGETS[1], None, EagleParams(head="no-such-user/no-such-eagle-head"))
+    _one_line(exc, "no-such-user/no-such-eagle-head", "could not be fetched from the hub", "config.json")
