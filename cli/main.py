@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtbench.cli.db import db_group
+from dtbench.harness.bounds import Checked, OpenProbability, Seconds
 from dtbench.harness.errors import DtbenchError, clip
 
 # Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
@@ -112,8 +113,10 @@ def cli() -> None:
 @click.option("--threads-per-worker", type=click.IntRange(min=1), default=None, metavar="M",
               help="torch threads of each worker (ray: also the CPUs it reserves; default 1); with --executor local, "
                    "this process's torch threads [default: torch's]")
+@click.option("--connect-timeout", type=Checked(Seconds, "SECONDS"), default=30.0, show_default=True,
+              help="--executor ray: seconds to wait for the cluster at --address (or $RAY_ADDRESS) to answer")
 def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress, no_report, executor, address, workers,
-        threads_per_worker) -> None:
+        threads_per_worker, connect_timeout) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
     Each sample is committed as soon as it is measured: Ctrl-C keeps everything measured so far
@@ -127,7 +130,8 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     from dtbench.harness.runner import run_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
-    chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker)
+    chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker,
+                           connect_timeout_s=connect_timeout)
     suite, text = load_suite(suite_path)
     sessions = db.connect(db_url)
     if resume_latest and resume is None:
@@ -185,7 +189,7 @@ def run_exit_code(sessions, run_id: int) -> int:
 @click.option("--compare", is_flag=True,
               help="alone: speedup vs AR with a paired t CI on per-prompt ratios ('n too small' below 5 prompts after "
                    "warmup); with BEFORE AFTER run ids: a run-to-run comparison")
-@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05, show_default=True,
+@click.option("--alpha", type=Checked(OpenProbability, "ALPHA"), default=0.05, show_default=True,
               help="significance level: Mann-Whitney U for run-to-run marks and gates; CI level 1-alpha for speedups")
 @click.option("--only-changed", is_flag=True, help="run-to-run: hide cells marked 'not significant' or 'still failing'")
 @click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC:THRESHOLD",

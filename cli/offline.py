@@ -97,6 +97,36 @@ def torch_constraint(python: str) -> str:
     return f"torch=={version}" if proc.returncode == 0 and version else ""
 
 
+# Zeus depends on amdsmi, whose import raises KeyError/OSError (not ImportError) where ROCm's libamd_smi.so is missing;
+# Ray 2.60 imports amdsmi in every process and catches only ImportError, so `import ray` fails. Zeus itself guards its
+# amdsmi import: without ROCm the package is removed again after the install.
+AMDSMI_PROBE = """
+try:
+    import amdsmi
+except ModuleNotFoundError:
+    print("absent")
+except Exception:
+    print("broken")
+else:
+    print("ok")
+"""
+
+
+def amdsmi_state(python: str, env: dict | None = None) -> str:
+    """``absent``, ``ok`` or ``broken`` (installed, but its import fails: no ROCm) for ``python``'s amdsmi."""
+    try:
+        proc = subprocess.run([python, "-c", AMDSMI_PROBE], capture_output=True, text=True, env=env)
+    except OSError:
+        return "absent"
+    return (proc.stdout.strip().splitlines() or ["broken"])[-1]
+
+
+def drop_broken_amdsmi(python: str) -> None:
+    """Uninstall ``python``'s amdsmi where it is installed but cannot be imported (see :data:`AMDSMI_PROBE`)."""
+    if amdsmi_state(python) == "broken":
+        _run([[python, "-m", "pip", "uninstall", "-y", "-q", "amdsmi"]])
+
+
 def _run(cmds: list[list[str]]) -> None:
     for cmd in cmds:
         print("+", " ".join(cmd), file=sys.stderr)
@@ -133,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         requirements.write_text("\n".join(pinned_requirements(freeze)) + "\n")
         target = platform_options(args.python_version, args.platform)
         _run(wheelhouse_commands([args.python, "-m", "pip"], args.dest, requirements, target, args.torch_spec))
+        drop_broken_amdsmi(args.python)  # pinned and downloaded (Zeus needs it to install); not kept where it breaks Ray
         print(f"wheelhouse {args.dest}: {_size(args.dest)}", file=sys.stderr)
         return
     python = str(args.venv / "bin" / "python")
@@ -142,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     constraints.write_text(torch_constraint(python) + "\n")
     wheelhouse = args.wheelhouse if args.wheelhouse.is_dir() and any(args.wheelhouse.glob("*.whl")) else None
     _run(install_commands(python, wheelhouse, constraints))
+    drop_broken_amdsmi(python)
     print(f"installed into {args.venv}" + (f" from {wheelhouse} (no index)" if wheelhouse else ""), file=sys.stderr)
 
 

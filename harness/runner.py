@@ -29,6 +29,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dtbench.harness import calibrate, data, models, registry
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import Measurement, SampleTimeout, environment, measure  # noqa: F401  (re-exported)
@@ -330,7 +331,7 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[s
         session.add(run)
         session.flush()
         return run
-    run = session.get(Run, resume)
+    run = session.get(Run, resume) if valid_id(resume) else None
     if run is None:
         raise DtbenchError(f"no run {resume} to resume")
     if run.status == "completed":

@@ -23,6 +23,7 @@ import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE, METRICS, MIB, peak_memory_bytes  # noqa: F401  (MIB re-exported)
@@ -53,7 +54,7 @@ def get_run(session: Session, run_id: int | None) -> Run:
         if run is None:
             raise DtbenchError("the database holds no runs yet (dtbench run SUITE first)")
         return run
-    run = session.get(Run, run_id)
+    run = session.get(Run, run_id) if valid_id(run_id) else None  # 10^30 is no such run, not an overflow
     if run is None:
         raise DtbenchError(f"no run {run_id} in the database")
     return run

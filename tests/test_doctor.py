@@ -191,3 +191,40 @@ def test_offline_module_needs_only_the_standard_library():
     source = (REPO / "cli" / "offline.py").read_text()
     imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imports <= {"__future__", "argparse", "os", "platform", "re", "subprocess", "sys", "pathlib"}
+
+
+def _fake_amdsmi(root: Path, body: str) -> dict:
+    import os
+
+    (root / "amdsmi").mkdir(parents=True)
+    (root / "amdsmi" / "__init__.py").write_text(body)
+    return {**os.environ, "PYTHONPATH": str(root)}
+
+
+def test_amdsmi_without_rocm_is_detected_for_removal(tmp_path):
+    """Zeus's amdsmi dependency raises KeyError on import without ROCm, which breaks `import ray` (Ray 2.60)."""
+    broken = _fake_amdsmi(tmp_path / "broken", "raise KeyError('libamd_smi.so')\n")
+    assert offline.amdsmi_state(sys.executable, broken) == "broken"
+    assert offline.amdsmi_state(sys.executable, _fake_amdsmi(tmp_path / "ok", "")) == "ok"
+    assert offline.amdsmi_state(str(tmp_path / "no-python")) == "absent"
+
+
+def test_ray_import_failure_is_one_line(monkeypatch):
+    from dtbench.harness import ray_executor
+    from dtbench.harness.errors import DtbenchError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(DtbenchError, match="pip install 'dtbench\\[ray\\]'|Ray"):
+        ray_executor.import_ray()
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "ray":
+            raise KeyError("libamd_smi.so")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(DtbenchError, match="Ray cannot be imported: KeyError.*pip uninstall amdsmi"):
+        ray_executor.import_ray()

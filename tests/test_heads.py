@@ -372,3 +372,33 @@ def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve
     assert as_draft["draft_s"] == sum(stats["draft_forwards"]) and not as_draft["approx"]
     assert head["draft_s"] == 0.0 and head["approx"] and head["target_s"] == as_draft["target_s"]
     assert not _uses_draft_model("eagle") and not _uses_draft_model("medusa") and _uses_draft_model("linear")
+
+
+def test_eagle3_features_are_the_inputs_of_target_layers_2_mid_and_L_minus_3():
+    """The loop's verify forward hands EAGLE-3 the inputs of layers 2, L // 2 and L - 3 (the reference's
+    modeling_llama_kv.py collects hidden_states before those layers), EAGLE-1/2 the final-normed output."""
+    target = TARGETS[3]
+    L = target.config.num_hidden_layers
+    seen = {}
+    hooks = [target.model.layers[i].register_forward_pre_hook(
+        lambda mod, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0]),
+        with_kwargs=True) for i in (2, L // 2, L - 3)]
+    try:
+        with torch.inference_mode():
+            _, _, features = kv.prefill_features(target, torch.tensor([PROMPT]), (2, L // 2, L - 3))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.equal(features, torch.cat([seen[2], seen[L // 2], seen[L - 3]], dim=-1))
+    with torch.inference_mode():
+        _, _, last = kv.prefill_features(target, torch.tensor([PROMPT]), (L,))
+        assert torch.allclose(last, target.model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0])
+
+
+def test_a_head_that_is_neither_a_folder_nor_reachable_on_the_hub_is_a_one_line_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as exc:
+        Eagle(TARGETS[1], None, EagleParams(head="no-such-user/no-such-eagle-head"))
+    _one_line(exc, "no-such-user/no-such-eagle-head", "could not be fetched from the hub", "config.json")
