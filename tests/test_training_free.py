@@ -219,3 +219,25 @@ def test_chain_methods_sample_the_target_distribution(decoder, setting):
     dec.sampling, dec.generator = SETTINGS[setting], torch.Generator().manual_seed(0)
     assert any(s.drafted for s in dec.generate(torch.tensor([[1, 4, 2, 5]]), 6))  # drafts are verified
     assert p_value(dec, SETTINGS[setting], length=6) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------------- the peer
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=6, deadline=None)
+@given(prompt=prompts, repeats=st.integers(1, 3), T=st.integers(2, 40))
+def test_ngram_emits_what_transformers_prompt_lookup_emits(arch, prompt, repeats, T):
+    """``ngram`` with transformers' settings (K = 10, n-grams of 2 then 1, earliest occurrence) and ``hf_generate``
+    with ``prompt_lookup_num_tokens: 10`` emit the same tokens, and both draft from a prompt that repeats.
+    (Their iterations are not aligned: transformers drafts its first candidates from the prompt alone, in the
+    prefill forward.)"""
+    from dtbench.decoders.hf_assisted import HFGenerate, HFGenerateParams
+
+    target, _ = model_zoo(arch=arch)["self"]
+    prompt = prompt * repeats
+    ours = steps_of(Ngram(target, None, NgramParams(k=10, max_n=2)), prompt, T)
+    theirs = steps_of(HFGenerate(target, None, HFGenerateParams(prompt_lookup_num_tokens=10)), prompt, T)
+    assert [t for s in ours for t in s.tokens][:T] == [t for s in theirs for t in s.tokens][:T]
+    if repeats > 1:  # the prompt's last token occurs earlier: transformers proposes in its first verification
+        assert theirs[0].drafted > 0
+    assert all(s.accepted == len(s.tokens) - 1 <= s.drafted for s in theirs)
