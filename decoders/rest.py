@@ -209,6 +209,15 @@ class RestParams(DecoderParams):
             raise ValueError("rest: give exactly one of `corpus` (a dataset entry) and `tokens` (a .npy file)")
         if self.min_suffix > self.max_suffix:
             raise ValueError(f"min_suffix ({self.min_suffix}) must not exceed max_suffix ({self.max_suffix})")
+        if self.tokens is not None and not Path(self.tokens).expanduser().is_file():
+            raise ValueError(f"rest: tokens file {self.tokens} does not exist")
+        if self.corpus is not None:
+            from dtbench.harness.data import check_dataset
+
+            try:
+                check_dataset(self.corpus, files=True)
+            except DtbenchError as exc:  # an unknown dataset name, unreadable text files: refused at validation
+                raise ValueError(f"rest corpus: {exc}") from None
         return self
 
 

@@ -186,9 +186,23 @@ def test_bad_params_are_one_line_errors(tmp_path):
     target, _ = model_zoo()["self"]
     from dtbench.harness.errors import DtbenchError
 
+    with pytest.raises(ValueError, match="does not exist"):
+        RestParams(tokens=str(tmp_path / "missing.npy"))
+    (tmp_path / "bad.npy").write_text("not numpy")
     with pytest.raises(DtbenchError, match="cannot read tokens file"):
-        Rest(target, None, RestParams(tokens=str(tmp_path / "missing.npy")))
-    assert Rest.supports_sampling is False  # a sampling suite is refused at validation (plan)
+        Rest(target, None, RestParams(tokens=str(tmp_path / "bad.npy")))
+
+
+def test_validate_refuses_bad_rest_params_and_sampling(tmp_path, store_file):
+    """`dtbench validate`: a one-line error, exit 2, before any model loads (no traceback)."""
+    from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+
+    pair = tiny_pair(tmp_path / "models")
+    bad = suite_dict(*pair, [{"name": "rest", "params": {"corpus": {"name": "wikitext-3"}}}])
+    one_line_error(invoke("validate", write_suite(tmp_path, bad, "a.yaml")), "rest corpus", "wikitext-3")
+    sampled = suite_dict(*pair, [{"name": "ngram"}, {"name": "rest", "params": {"tokens": store_file}}],
+                         sampling={"temperature": 0.8})
+    one_line_error(invoke("validate", write_suite(tmp_path, sampled, "b.yaml")), "decoders.1", "rest")
 
 
 def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
