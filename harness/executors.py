@@ -266,7 +266,7 @@ class LocalExecutor(Executor):
 
 
 def make_executor(name: str, *, address: str | None = None, workers: int | None = None,
-                  threads_per_worker: int | None = None) -> Executor:
+                  threads_per_worker: int | None = None, connect_timeout_s: float | None = None) -> Executor:
     """The executor named by ``dtbench run --executor``.
 
     Raises:
@@ -280,7 +280,8 @@ def make_executor(name: str, *, address: str | None = None, workers: int | None 
         from dtbench.harness.ray_executor import RayExecutor, import_ray
 
         import_ray()
-        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker)
+        timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
+        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
     raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(EXECUTORS)})")
 
 

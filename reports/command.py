@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable, to_csv
 
@@ -75,6 +76,9 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if cost_model and len(run_ids) > 1:
         raise DtbenchError("--cost-model reports one run; give one --run")
 
+    for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
+        if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
+            raise DtbenchError(f"no run {rid} in the database")
     sessions = db.connect(db_url, create=False)
     if cost_model:
         from dtbench.reports.costmodel import cost_report
