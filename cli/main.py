@@ -26,10 +26,11 @@ EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
 EXIT_INTERRUPTED = 130
 RUN_EXIT_CODES = f"""\b
 Exit codes:
-  {EXIT_OK}    every cell ran and every lossless decoder reproduced its reference
+  {EXIT_OK}    every cell ran and every lossless decoder passed the lossless check (numeric ties pass tie_aware)
   {EXIT_INTERNAL}    internal error, or the runner itself failed (the run is stored as failed; --resume continues)
   {EXIT_BAD_INPUT}    bad input (suite, data, models, database); nothing was run
-  {EXIT_DIVERGED}    a lossless decoder's output diverged from its reference on some prompt
+  {EXIT_DIVERGED}    a lossless decoder failed the check on some prompt (warmup included): under tie_aware an
+       emitted token the target does not choose (an error, never a numeric tie), under exact any divergence
   {EXIT_CELL_FAILED}    a cell failed (a decoder raised, exited or timed out)
   {EXIT_DIVERGED_AND_FAILED}    both {EXIT_DIVERGED} and {EXIT_CELL_FAILED}
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C, SIGTERM); --resume continues
@@ -152,7 +153,7 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
         cell_report(sessions, run_id, "table")
     code = run_exit_code(sessions, run_id)
     if code:
-        console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged from its reference",
+        console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged (an error, not a numeric tie)",
                                                EXIT_CELL_FAILED: "a cell failed",
                                                EXIT_DIVERGED_AND_FAILED: "a lossless decoder diverged and a cell "
                                                                          "failed"}[code])
@@ -163,8 +164,9 @@ run.help = inspect.cleandoc(run.help or "") + "\n\n" + RUN_EXIT_CODES
 
 
 def run_exit_code(sessions, run_id: int) -> int:
-    """EXIT_DIVERGED if a lossless cell has a sample that diverged (warmup included), EXIT_CELL_FAILED if a cell
-    failed, EXIT_DIVERGED_AND_FAILED for both, else EXIT_OK."""
+    """EXIT_DIVERGED if a lossless cell has a sample whose verdict failed (``samples.lossless`` false under the suite's
+    ``lossless_check``: an error for tie_aware, any divergence for exact; warmup included), EXIT_CELL_FAILED if a
+    cell failed, EXIT_DIVERGED_AND_FAILED for both, else EXIT_OK."""
     from sqlalchemy import exists, select
 
     from dtbench.harness import db

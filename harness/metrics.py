@@ -20,7 +20,9 @@ Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
   ``step_stats["target_fed"]`` / ``["draft_fed"]`` list each step's forwards as ``[n, past, flags]`` (tokens fed,
   KV positions before the forward, ``measure.FED_MASK | FED_LAST``), what the cost model prices (samples stored
   before they existed lack them).
-- lossless: the output equals the reference's token for token; otherwise the first divergence is stored.
+- lossless: the output equals the reference's token for token (the ``exact`` rule); otherwise the first divergence is
+  stored. The runner then applies the suite's ``lossless_check`` (harness/lossless.py: under ``tie_aware`` a sample
+  passes when every emitted token is the target's greedy choice up to a numeric tie).
 - energy_j: joules over the sample (:mod:`dtbench.harness.energy`; None when unavailable or too short, with
   ``energy_status`` saying which); j_per_token = energy_j / T; tokens_per_j = T / energy_j.
 """

@@ -243,6 +243,10 @@ class Suite(_Frozen):
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
         "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
+    lossless_check: Literal["exact", "tie_aware"] = Field(
+        "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
+        "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
+        "equal to the reference's output)")
     stop_at_eos: bool | None = Field(
         None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
         "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "
