@@ -170,6 +170,11 @@ class Sample(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     worker_host: Mapped[str | None] = mapped_column(String(255))  # host of the worker that measured it
     device_name: Mapped[str | None] = mapped_column(String(200))  # its device (GPU model, or CPU model and threads)
+    # 0007: question datasets' task (Spec-Bench group, raw category, 1-based turn, question id); NULL for raw text
+    task_group: Mapped[str | None] = mapped_column(String(100))
+    category: Mapped[str | None] = mapped_column(String(100))
+    turn: Mapped[int | None] = mapped_column(Integer)
+    question_id: Mapped[str | None] = mapped_column(String(100))
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 
