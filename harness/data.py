@@ -286,9 +286,6 @@ class SpecBench(Dataset):
 
         return questions.layout(spec, seed, data_dir)
 
-    def check(self, spec):
-        self.slots(spec, 0, None)
-
 
 class WikiText2(Dataset):
     """WikiText-2 raw, test split, one document per article."""

@@ -191,6 +191,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     for ds in suite.datasets:
         try:
             data.check_dataset(ds, files=True)
+            data.sample_slots(ds, suite.seed, plan.data_dir)  # question datasets: the file parses, categories exist
         except DtbenchError as exc:
             raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
     if any(data.is_chat(ds) for ds in suite.datasets) and (suite.chat_template or "auto") != "none":

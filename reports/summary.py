@@ -35,7 +35,7 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
     "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "target_forwards", "draft_forwards",
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
-    "output_hash", "worker_host", "device_name", *(m.column for m in METRICS if isinstance(m.column, str)),
+    "output_hash", "worker_host", "device_name", "task_group", "category", "turn", "question_id", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
 _CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
               "sampling",
