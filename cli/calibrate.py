@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import click
 from rich.console import Console
 
+from dtbench.harness.bounds import CalibrationSeconds, Checked
 from dtbench.harness.errors import DtbenchError
 
 from dtbench.harness.calibrate import Settings, calibrate, contexts_of, store
@@ -22,9 +23,9 @@ from dtbench.harness.curves import Curves
                                      "default sqlite:///results.db]")
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
               help="local dataset folder (the cache is filled with the suite's first prompt) [env DTBENCH_DATA_DIR]")
-@click.option("--min-time", type=click.FloatRange(0, min_open=True), default=Settings.min_time_s, show_default=True,
+@click.option("--min-time", type=Checked(CalibrationSeconds, "SECONDS"), default=Settings.min_time_s, show_default=True,
               help="seconds each point is timed at least")
-@click.option("--max-time", type=click.FloatRange(0, min_open=True), default=Settings.max_time_s, show_default=True,
+@click.option("--max-time", type=Checked(CalibrationSeconds, "SECONDS"), default=Settings.max_time_s, show_default=True,
               help="seconds after which a point stops even if its median is not yet stable")
 @click.option("--min-repeats", type=click.IntRange(1), default=Settings.min_repeats, show_default=True,
               help="forwards each point is timed at least")

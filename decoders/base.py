@@ -106,7 +106,7 @@ class StrictBools(BaseModel):
 class DecoderParams(StrictBools):
     """Base for every decoder's hyperparameters: frozen, unknown keys rejected, booleans never taken as numbers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no NaN/inf in any float param
 
 
 class Decoder(ABC):

@@ -31,14 +31,14 @@ implemented: the decoder is greedy only, and a suite that samples is refused wit
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated
 
 import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.heads import EagleHead, load_eagle
+from dtbench.decoders.base import DecoderParams, Step
+from dtbench.decoders.heads import EagleHead, HeadDecoder, load_eagle
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
 
@@ -62,10 +62,46 @@ class EagleDrafter(TreeDrafter):
         self.cache = kv.new_cache()
         self._features: list[torch.Tensor] = []
         self._tokens: list[int] = []
+        # Budget accounting for the cost model: per accepted token, how many of the tree's best-scored drafted
+        # nodes a tree must hold to contain it (and its path); see :meth:`budget_stats`.
+        self.needing: dict[int, int] = {}
+        self.drafting_iterations = 0
+        self._drafted: tuple[TokenTree, torch.Tensor] | None = None
 
     def feed_target(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+        if self._drafted is not None:
+            self._count_accepted(next_tokens[:-1])
         self._features.append(features)
         self._tokens.extend(next_tokens)
+
+    def _count_accepted(self, accepted: list[int]) -> None:
+        """Record, for the accepted path of the last tree, the node budget each accepted token needed.
+
+        The tree holds the best candidates by score, a node's score never above its parent's, so a budget of m
+        drafted nodes (total_token = m + 1) keeps exactly the accepted path's nodes ranked below m, a prefix of
+        the path; greedy verification of that smaller tree accepts exactly that prefix (the target's predictions
+        along the path do not change). One host sync per verification.
+        """
+        tree, rank = self._drafted
+        self._drafted = None
+        self.drafting_iterations += 1
+        n = tree.size
+        parents, tokens, ranks = tree.parents[:n].tolist(), tree.tokens[:n].tolist(), rank.tolist()
+        nodes, needed = [0], 0
+        for token in accepted:  # siblings hold distinct tokens; a list keeps a test's planted duplicates harmless
+            nodes = [u for u in range(1, n) if parents[u] in nodes and tokens[u] == token]
+            if not nodes:
+                break
+            needed = max(needed, min(ranks[u] for u in nodes) + 1)
+            self.needing[needed] = self.needing.get(needed, 0) + 1
+
+    def budget_stats(self) -> dict[str, int]:
+        """``drafting_iterations``, ``drafted_nodes`` (total_token - 1) and ``accepted_tokens_needing_{m}_nodes``:
+        accepted tokens whose path lies within the m best-scored drafted nodes but not the m - 1 best
+        (m = 1 .. total_token - 1). The cost model derives the tokens per iteration every smaller ``total_token``
+        would have committed on the same run (exact for greedy verification)."""
+        return {"drafting_iterations": self.drafting_iterations, "drafted_nodes": self.n_max,
+                **{f"accepted_tokens_needing_{m}_nodes": c for m, c in sorted(self.needing.items())}}
 
     def _forward(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                  ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,16 +153,21 @@ class EagleDrafter(TreeDrafter):
             fed_cand = n_cand + best
             n_cand += k * k
         kv.crop(self.cache, committed)
-        self._add_best(tree, torch.cat(scores), torch.cat(own), torch.cat(tokens), torch.cat(parents), k)
+        rank = self._add_best(tree, torch.cat(scores), torch.cat(own), torch.cat(tokens), torch.cat(parents), k)
+        self._drafted = (tree, rank) if rank is not None else None
 
     @staticmethod
     def _add_best(tree: TokenTree, scores: torch.Tensor, own: torch.Tensor, tokens: torch.Tensor,
-                  parents: torch.Tensor, k: int) -> None:
-        """Add the best candidates by score to ``tree`` in BFS order (one host sync for the level sizes)."""
+                  parents: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Add the best candidates by score to ``tree`` in BFS order (one host sync for the level sizes); return
+        each tree node's rank by score among the drafted nodes ((size,) int64, the root -1), None if none fit."""
         n = min(tree.budget_left, scores.numel())
         if n <= 0:
-            return
-        sel = torch.sort(torch.sort(scores, descending=True, stable=True).indices[:n]).values
+            return None
+        order = torch.sort(scores, descending=True, stable=True).indices[:n]
+        rank_of = torch.empty(scores.numel(), dtype=torch.long, device=scores.device)
+        rank_of[order] = torch.arange(n, device=scores.device)
+        sel = torch.sort(order).values
         levels = torch.where(sel < k, 1, 2 + (sel - k) // (k * k))
         node_of = torch.zeros(scores.numel() + 1, dtype=torch.long, device=scores.device)  # last slot: root
         start = 0
@@ -139,6 +180,9 @@ class EagleDrafter(TreeDrafter):
             new = tree.add(node_of[par].to(tree.device), tokens[idx].to(tree.device), own[idx].to(tree.device),
                            scores[idx].to(tree.device), level)
             node_of[idx] = torch.arange(new.start, new.stop, device=scores.device)
+        rank = torch.full((tree.size,), -1, dtype=torch.long, device=scores.device)
+        rank[node_of[sel]] = rank_of[sel]
+        return rank
 
 
 class EagleParams(DecoderParams):
@@ -166,45 +210,33 @@ class EagleParams(DecoderParams):
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
 
-class Eagle(Decoder):
+class Eagle(HeadDecoder):
     """EAGLE-2 decoding with an EAGLE-1/2 or EAGLE-3 head; greedy verification in the one tree loop; lossless.
 
-    Capabilities: family ``tree``; verify sizes (0 chain tokens, ``total_token`` masked); greedy only (a suite
-    that samples is refused). The head's forward runs as the decoder's ``draft`` module, so the runner counts
-    and times it as a draft forward.
+    Capabilities (:class:`~dtbench.decoders.heads.HeadDecoder`): family ``tree``; verify sizes (0 chain tokens,
+    ``total_token`` masked); greedy only. The head's forward is the decoder's draft forward.
     """
 
     Params = EagleParams
-    family: ClassVar[str] = "tree"
-    needs_draft = False
-    lossless = True
-    supports_sampling = False
     version = "1"
+    load_head = staticmethod(load_eagle)
 
-    def __init__(self, target, draft, params: EagleParams):
-        """Load the head for ``target``.
-
-        Raises:
-            ValueError: missing or malformed head files, or a head whose hidden size, vocabulary or feature size
-                does not fit the target (one line naming both sizes; raised before anything is timed).
-        """
-        super().__init__(target, None, params)
-        self.draft = load_eagle(params.head, target)
+    def state_stats(self) -> dict[str, int] | None:
+        """The last ``generate()``'s budget accounting (:meth:`EagleDrafter.budget_stats`), stored with the sample:
+        the cost model's predicted best ``total_token`` comes from it."""
+        drafter = getattr(self, "_drafter", None)
+        return drafter.budget_stats() if drafter is not None else None
 
     @classmethod
     def verify_sizes(cls, params: EagleParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: (0, total_token), root included."""
         return 0, params.total_token
 
-    @classmethod
-    def reference(cls, params: EagleParams | None = None):
-        return ("ar", {})
-
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         """Run :func:`speculate_tree` with an :class:`EagleDrafter` (see there for the Steps)."""
         p = self.params
-        drafter = EagleDrafter(self.draft, p.top_k, p.depth, p.total_token)
+        drafter = self._drafter = EagleDrafter(self.draft, p.top_k, p.depth, p.total_token)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, p.cache_strategy,
                                   tree_root="pending", eos_token_id=self.eos_token_id)
 

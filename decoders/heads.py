@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -40,6 +42,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
 )
 
+from dtbench.decoders.base import Decoder
 from dtbench.decoders.tree_structure import attention_mask_kind, tree_attention_mask
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,6 +113,45 @@ def _cached(target: nn.Module, key: tuple, build):
     if key not in per_target:
         per_target[key] = build()
     return per_target[key]
+
+
+class HeadDecoder(Decoder):
+    """Base of the decoders that draft with a learned head on the target's features (``medusa``, ``eagle``).
+
+    Capabilities: family ``tree`` (verification in the one tree loop, greedy); no draft model (the loaded head
+    is the decoder's ``draft`` module, so the runner counts and times its forwards as draft forwards); lossless;
+    greedy only (a suite that samples is refused before any model loads). Subclasses set :attr:`load_head` and
+    declare ``verify_sizes``.
+
+    Attributes:
+        load_head: ``(head, target) -> nn.Module``, the loader of the subclass's published format (cached per
+            target, raising a one-line ValueError for a head that does not fit).
+    """
+
+    family: ClassVar[str] = "tree"
+    needs_draft = False
+    lossless = True
+    supports_sampling = False
+    load_head: ClassVar[Callable[[str, nn.Module], nn.Module]]
+
+    def __init__(self, target, draft, params):
+        """Load the head named by ``params.head`` for ``target``.
+
+        Raises:
+            ValueError: missing or malformed head files, or a head whose sizes do not fit the target (one line
+                naming both sizes; before anything is timed).
+        """
+        super().__init__(target, None, params)
+        self.draft = self.load_head(params.head, target)
+
+    @classmethod
+    def check_target(cls, params, target: nn.Module) -> None:
+        """Load the head for ``target`` when the run's models are loaded (the worker calls it before any sample).
+
+        Raises:
+            ValueError: as :meth:`__init__` (one line, both sizes).
+        """
+        cls.load_head(params.head, target)
 
 
 # ----------------------------------------------------------------------------------------------------------

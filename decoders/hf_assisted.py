@@ -205,7 +205,20 @@ class _StreamedGenerate(Decoder):
 
 
 class HFGenerateParams(DecoderParams):
-    """transformers' greedy ``generate`` has no hyperparameters here (greedy, EOS ignored, penalties off)."""
+    """transformers' ``generate`` (greedy or sampled, penalties off): plain decoding by default; with
+    ``prompt_lookup_num_tokens``, transformers' own prompt lookup decoding (``PromptLookupCandidateGenerator``),
+    the peer of the built-in ``ngram`` (issue 22).
+
+    Attributes:
+        prompt_lookup_num_tokens: candidate tokens copied after an n-gram match per iteration (None: plain
+            decoding, one Step per token).
+        max_matching_ngram_size: longest n-gram matched (transformers' default, 2, when None).
+    """
+
+    prompt_lookup_num_tokens: int | None = Field(None, ge=1, le=128, description="transformers' prompt lookup: "
+                                                 "candidate tokens per iteration (None: plain generate)")
+    max_matching_ngram_size: int | None = Field(None, ge=1, le=64, description="prompt lookup's longest n-gram "
+                                                "(None: transformers' default, 2)")
 
 
 class HFGenerate(_StreamedGenerate):
@@ -219,6 +232,24 @@ class HFGenerate(_StreamedGenerate):
     needs_draft = False
     lossless = True
     supports_sampling = True  # generate(do_sample=True, temperature, top_k, top_p): the reference for ar's sampling
+
+    def _lookup(self) -> bool:
+        return self.params.prompt_lookup_num_tokens is not None
+
+    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+        if not self._lookup():
+            return {}
+        p = self.params
+        extra = {} if p.max_matching_ngram_size is None else {"max_matching_ngram_size": p.max_matching_ngram_size}
+        return {"prompt_lookup_num_tokens": p.prompt_lookup_num_tokens, **extra}
+
+    def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
+        if not self._lookup():
+            return Step(tokens=tokens)
+        return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
+
+    def _around_call(self, bridge: _Bridge):
+        return _counting_candidates(self.target, bridge) if self._lookup() else super()._around_call(bridge)
 
 
 class HFAssisted(_StreamedGenerate):
@@ -262,20 +293,6 @@ class HFAssisted(_StreamedGenerate):
         """Count candidates per iteration and give the draft a clean generation config, both undone afterwards."""
         target, draft = self.target, self.draft
         saved_config = draft.generation_config
-        original = type(target)._get_candidate_generator
-
-        def get_candidate_generator(*args, **kwargs):
-            generator = original(target, *args, **kwargs)
-            inner = generator.get_candidates
-
-            def get_candidates(ids, *a, **kw):
-                candidates, logits = inner(ids, *a, **kw)
-                bridge.drafted = candidates.shape[1] - ids.shape[1]
-                return candidates, logits
-
-            generator.get_candidates = get_candidates
-            return generator
-
         pad = target.generation_config.pad_token_id
         pad = pad if pad is not None else getattr(target.config, "pad_token_id", None) or 0
         try:
@@ -286,8 +303,32 @@ class HFAssisted(_StreamedGenerate):
                 **{name: getattr(self.params, name) for name in _ASSISTANT_SETTINGS},
                 eos_token_id=None, pad_token_id=pad, do_sample=False, num_beams=1,
             )
-            target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
-            yield
+            with _counting_candidates(target, bridge):
+                yield
         finally:
-            target.__dict__.pop("_get_candidate_generator", None)
             draft.generation_config = saved_config
+
+
+@contextmanager
+def _counting_candidates(target: torch.nn.Module, bridge: _Bridge):
+    """For the call: wrap the candidate generator's ``get_candidates`` so ``bridge.drafted`` holds each iteration's
+    candidate count (assisted generation and prompt lookup alike); the wrapper is removed afterwards."""
+    original = type(target)._get_candidate_generator
+
+    def get_candidate_generator(*args, **kwargs):
+        generator = original(target, *args, **kwargs)
+        inner = generator.get_candidates
+
+        def get_candidates(ids, *a, **kw):
+            candidates, logits = inner(ids, *a, **kw)
+            bridge.drafted = candidates.shape[1] - ids.shape[1]
+            return candidates, logits
+
+        generator.get_candidates = get_candidates
+        return generator
+
+    try:
+        target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
+        yield
+    finally:
+        target.__dict__.pop("_get_candidate_generator", None)

@@ -97,6 +97,7 @@ class LookaheadDrafter(TreeDrafter):
         if pool_from_prompt:
             self.pool.add_text(list(prompt), ngram)
         self.max_breadth = guess
+        self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.n_max = guess * (ngram - 1)
         self.depth_limit = ngram - 1
 
@@ -118,22 +119,28 @@ class LookaheadDrafter(TreeDrafter):
 
     def side_branch(self) -> SideBranch:
         """The window as side tokens: level 0, then levels 1.. in order (positions and mask: module docstring)."""
+        if len(self.levels) not in self._layouts:  # one layout per fill level: computed once per drafter
+            self._layouts[len(self.levels)] = self._layout(len(self.levels))
+        offsets, attends = self._layouts[len(self.levels)]
+        return SideBranch(torch.tensor([t for level in self.levels for t in level]), offsets, attends)
+
+    def _layout(self, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(offsets (m,), attends (m, m)) of a window with ``levels`` levels (they depend on nothing else)."""
         w = self.w
-        tokens = [t for level in self.levels for t in level]
         offsets = list(range(1, w))
-        for lv in range(1, len(self.levels)):
+        for lv in range(1, levels):
             offsets += [lv + i for i in range(w)]
-        m = len(tokens)
+        m = len(offsets)
         attends = torch.zeros((m, m), dtype=torch.bool)
         level0 = torch.arange(w - 1)
         attends[: w - 1, : w - 1] = level0.unsqueeze(1) >= level0.unsqueeze(0)  # causal within level 0
-        for lv in range(1, len(self.levels)):
+        for lv in range(1, levels):
             for i in range(w):
                 row = w - 1 + (lv - 1) * w + i
                 attends[row, :i] = True  # level-0 tokens 0..i-1 (the root, column -1, is always seen)
                 for m_lv in range(1, lv + 1):
                     attends[row, w - 1 + (m_lv - 1) * w + i] = True
-        return SideBranch(torch.tensor(tokens), torch.tensor(offsets), attends)
+        return torch.tensor(offsets), attends
 
     def feed_logits(self, tree: TokenTree, logits: torch.Tensor, side_logits: torch.Tensor | None) -> None:
         """New window level from the greedy tokens of the last level; n-grams into the pool; slide the window."""

@@ -13,13 +13,13 @@ i + 1. The feature comes from the verify forward that committed x_{t+1} (no extr
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.heads import MedusaHeads, load_medusa
+from dtbench.decoders.base import DecoderParams, Step
+from dtbench.decoders.heads import HeadDecoder, MedusaHeads, load_medusa
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
 
@@ -116,24 +116,17 @@ class MedusaParams(DecoderParams):
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
 
-class Medusa(Decoder):
+class Medusa(HeadDecoder):
     """Medusa-1 decoding: static tree from learned heads, greedy verification in the one tree loop; lossless.
 
-    Capabilities: family ``tree``; verify sizes (0 chain tokens, root + tree nodes masked); no sampling (typical
-    acceptance is lossy, and Medusa-1's rejection sampling is not implemented: a suite that samples is refused).
-    The heads' forward runs as the decoder's ``draft`` module, so the runner counts and times it as a draft forward.
+    Capabilities (:class:`~dtbench.decoders.heads.HeadDecoder`): family ``tree``; verify sizes (0 chain tokens,
+    root + tree nodes masked); no sampling (typical acceptance is lossy, and Medusa-1's rejection sampling is not
+    implemented: a suite that samples is refused). The heads' forward is the decoder's draft forward.
     """
 
     Params = MedusaParams
-    family: ClassVar[str] = "tree"
-    needs_draft = False
-    lossless = True
-    supports_sampling = False
     version = "1"
-
-    def __init__(self, target, draft, params: MedusaParams):
-        super().__init__(target, None, params)
-        self.draft = load_medusa(params.head, target)
+    load_head = staticmethod(load_medusa)
 
     @classmethod
     def choices_of(cls, params: MedusaParams) -> list[list[int]]:
@@ -144,10 +137,6 @@ class Medusa(Decoder):
         """(chain tokens, masked tokens) of one verification: (0, root + all choices) (the full tree; heads
         fewer than the deepest choice shrink it at run time)."""
         return 0, len(cls.choices_of(params)) + 1
-
-    @classmethod
-    def reference(cls, params: MedusaParams | None = None):
-        return ("ar", {})
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):

@@ -14,9 +14,10 @@ the rows of the tokens fed there. No draft model, no training, no datastore.
 
 Differences from the reference, on purpose: rows never written hold no candidates (-1), and a template node whose
 parent's row is empty is not drafted (the reference starts from an arbitrary matrix); the matrix starts empty at
-every ``generate()`` call, because the runner builds a decoder per prompt and a sample must not depend on which
-prompts ran before it (the reference keeps the matrix across queries, a "hot start"). Where one token was fed at
-several nodes of a tree, its row takes the top-k of its last node in BFS order.
+every ``generate()`` call ("cold start"), because the runner builds a decoder per prompt and a sample must not
+depend on which prompts ran before it (a matrix kept across queries, a "hot start", is what smpanaro/
+token-recycling, an unofficial reimplementation, reports beside its cold-start numbers). Where one token was fed
+at several nodes of a tree, its row takes the top-k of its last node in BFS order.
 """
 
 from __future__ import annotations

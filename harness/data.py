@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.registry import Registry
 from dtbench.harness.suite import DatasetSpec
@@ -69,10 +70,8 @@ class Prompt:
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
-    except OSError as exc:
-        raise DtbenchError(f"cannot read {path}: {exc.strerror}") from None
+    raw = read_regular_file(path, MAX_DOCUMENT_BYTES, what="dataset file")
+    return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
 def _split_wikitext(text: str) -> list[tuple[str, str]]:
@@ -145,7 +144,7 @@ def _local_files(files: list[Path]) -> dict[str, Any]:
     """Provenance of local files: their paths and one sha256 over their bytes (in the given order)."""
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f.read_bytes())
+        digest.update(read_regular_file(f, MAX_DOCUMENT_BYTES, what="dataset file"))
     return {"source": "local", "files": [str(f.resolve()) for f in files], "sha256": digest.hexdigest()}
 
 
@@ -196,9 +195,9 @@ def _read_text_file(path: Path) -> str:
         DtbenchError: for an unreadable file, or one that is binary (a NUL byte) or not UTF-8 text.
     """
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DtbenchError(f"text-files: cannot read {path}: {exc.strerror}") from None
+        raw = read_regular_file(path, MAX_DOCUMENT_BYTES, what="document")
+    except DtbenchError as exc:
+        raise DtbenchError(f"text-files: {exc}") from None
     if b"\0" in raw:
         raise DtbenchError(f"text-files: {path} is not a text document (it holds NUL bytes)")
     try:

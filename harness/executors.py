@@ -107,7 +107,8 @@ class Worker:
         status: a context-manager factory showing what is loading (the driver's spinner), or None.
 
     Raises:
-        DtbenchError: a model that cannot be loaded or does not fit its tokenizer.
+        DtbenchError: a model that cannot be loaded or does not fit its tokenizer, or a decoder whose
+            ``check_target(params, target)`` refuses the target (a learned head of other sizes).
     """
 
     def __init__(self, suite: Suite, device: str, *, plan: Plan | None = None, tokenizer=None,
@@ -139,6 +140,13 @@ class Worker:
                 warning = models.context_problem(model.model.config, spec.model, longest)
                 if warning:
                     warnings.append(warning)
+        for p in self.plan.decoders:  # e.g. a learned head that does not fit the target: refused before any timing
+            check = getattr(p.cls, "check_target", None)
+            if check is not None:
+                try:
+                    check(p.params, self.target.model)
+                except ValueError as exc:
+                    raise DtbenchError(f"decoder '{p.label}': {exc}") from None
         self.groups = {group_key(g): g for g in self.plan.groups()}
         env = environment(self.device)
         env["target"], env["draft"] = _model_info(self.target), _model_info(self.draft)
@@ -258,7 +266,7 @@ class LocalExecutor(Executor):
 
 
 def make_executor(name: str, *, address: str | None = None, workers: int | None = None,
-                  threads_per_worker: int | None = None) -> Executor:
+                  threads_per_worker: int | None = None, connect_timeout_s: float | None = None) -> Executor:
     """The executor named by ``dtbench run --executor``.
 
     Raises:
@@ -272,7 +280,8 @@ def make_executor(name: str, *, address: str | None = None, workers: int | None 
         from dtbench.harness.ray_executor import RayExecutor, import_ray
 
         import_ray()
-        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker)
+        timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
+        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
     raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(EXECUTORS)})")
 
 

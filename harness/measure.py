@@ -3,7 +3,8 @@
 - Clock: ``time.perf_counter`` after synchronizing the device (CUDA work is asynchronous; a step's tokens are
   only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them).
 - :func:`measure`: one decoder on one prompt, a timestamp per Step, forward passes counted by hooks
-  (:class:`ForwardCounter`), peak memory (:mod:`dtbench.harness.memory`), a per-sample time limit.
+  (:class:`ForwardCounter`), peak memory (:mod:`dtbench.harness.memory`), energy (:mod:`dtbench.harness.energy`),
+  a per-sample time limit.
 - Environment: :func:`environment` records versions and hardware with every run; :func:`hardware_flags` what
   decides dtype speed (CPU AVX-512/AMX flags, CUDA compute capability).
 """
@@ -23,6 +24,7 @@ import psutil
 import torch
 
 
+from dtbench.harness.energy import EnergyReading, EnergyTracker
 from dtbench.harness.memory import (  # noqa: F401  (re-exported: the runner and reports import them from here)
     NVML_DEVICE, NVML_PROCESS, MemoryPeak, MemoryTracker, nvml_reader, reset_device_memory, synchronize,
 )
@@ -341,6 +343,7 @@ class Measurement:
         forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
             the draft None when not counted), None when not measured.
         state: the decoder's :meth:`~dtbench.decoders.base.Decoder.state_stats` after the sample (None: none).
+        energy: the sample's energy (:class:`~dtbench.harness.energy.EnergyReading`), None when not measured.
     """
 
     tokens: list[int]
@@ -349,6 +352,7 @@ class Measurement:
     memory: MemoryPeak
     forward_s: dict | None = None
     state: dict | None = None
+    energy: EnergyReading | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -390,7 +394,7 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     records: list[StepRecord] = []
     synchronize(device)
     counter = ForwardCounter(decoder.target, decoder.draft)
-    with _Deadline(timeout_s), counter, MemoryTracker(device) as mem:
+    with _Deadline(timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
         last = counter.snapshot()
         start = now()
         gen = decoder.generate(input_ids, gen_length)
@@ -425,4 +429,4 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds(), state=stats() if stats else None)
+                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading)

@@ -28,7 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.harness import calibrate, chat, data, models, questions, registry
+from dtbench.harness import calibrate, chat, data, lossless, models, questions, registry
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import Measurement, SampleTimeout, environment, measure  # noqa: F401  (re-exported)
@@ -339,7 +340,7 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[s
         session.add(run)
         session.flush()
         return run
-    run = session.get(Run, resume)
+    run = session.get(Run, resume) if valid_id(resume) else None
     if run is None:
         raise DtbenchError(f"no run {resume} to resume")
     if run.status == "completed":
@@ -374,6 +375,7 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
                 run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
+                lossless_check=plan.suite.lossless_check,
                 sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,
                 sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
                 reference_label=cp.reference_label,
@@ -428,6 +430,9 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
             decoder.eos_token_id = models.eos_token_id(target.model)
         m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
         row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
+        if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
+            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref[0] if ref and compare else None,
+                                               device, suite.lossless_check))
         json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from dtbench.decoders.base import StrictBools
+from dtbench.harness.bounds import MAX_SECONDS, Seconds, Seed
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.safetext import control_character
 
@@ -47,7 +48,8 @@ Name, Label, ModelName = _name(200), _name(300), _name(500)
 
 class _Frozen(StrictBools):
     # strict: a suite's values are taken as written ("8" is not 8, '42' is not a seed); ints still fill floats.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # allow_inf_nan=False: no NaN or infinity in any float of a suite (harness/bounds.py says why).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class _Located(_Frozen):
@@ -101,7 +103,8 @@ class SamplingSpec(_Frozen):
     temperature: float = Field(1.0, gt=0, le=100, description="logits are divided by it")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set reaching this probability (1: all)")
-    seed: int | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed)")
+    seed: Seed | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed; "
+                              "0 <= seed < 2^63)")
 
 
 class DatasetSpec(_HasLMax):
@@ -234,7 +237,7 @@ class Suite(_Frozen):
 
     name: Name
     description: str = ""
-    seed: int = 0
+    seed: Seed = Field(0, description="prompt selection seed (0 <= seed < 2^63, what torch accepts)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     target: ModelSpec = Field(default_factory=ModelSpec)
     draft: ModelSpec | None = None
@@ -245,6 +248,10 @@ class Suite(_Frozen):
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
         "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
+    lossless_check: Literal["exact", "tie_aware"] = Field(
+        "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
+        "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
+        "equal to the reference's output)")
     chat_template: str | None = Field(
         None, min_length=1, max_length=4096, description="question datasets: 'auto' (the target tokenizer's own chat "
         "template), 'none' (the turns as plain text) or the path of a Jinja chat template file; default auto")
@@ -253,7 +260,7 @@ class Suite(_Frozen):
         None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
         "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "
         "true for question (chat) datasets such as spec-bench, false for raw text")
-    timeout_s: float | Literal["auto"] | None = Field(
+    timeout_s: Seconds | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")
 
@@ -268,11 +275,12 @@ class Suite(_Frozen):
             raise ValueError(f"generation_lengths lists a value twice: {clip(v)}")
         return v
 
-    @field_validator("timeout_s")
+    @field_validator("timeout_s", mode="before")
     @classmethod
     def _positive_timeout(cls, v):
-        if isinstance(v, (int, float)) and not v > 0:
-            raise ValueError("timeout_s must be a positive number of seconds, auto, or null")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= MAX_SECONDS:  # NaN fails too
+            raise ValueError(f"timeout_s must be a positive number of seconds up to {MAX_SECONDS:.0f} (30 days), "
+                             f"auto, or null (no limit)")
         return v
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable, to_csv
 
@@ -76,6 +77,9 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if cost_model and len(run_ids) > 1:
         raise DtbenchError("--cost-model reports one run; give one --run")
 
+    for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
+        if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
+            raise DtbenchError(f"no run {rid} in the database")
     if (by or spec_bench) and (pair or compare or tables or files or cost_model or len(run_ids) > 1):
         raise DtbenchError("--by and --spec-bench report one run; give them alone (with --run ID and --format)")
     if by and spec_bench:

@@ -63,16 +63,18 @@ def step_forwards(stats: dict, role: str) -> tuple[list[list[list]], bool] | Non
     return out, True
 
 
-def price_sample(curves, stats: dict) -> dict:
+def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
     """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}`` (``approx``: some
-    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out)."""
+    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out).
+    ``draft_model=False``: the sample's draft forwards are not the suite's draft model's (a learned head's, a
+    decoder without ``needs_draft``), so the draft curve does not price them: unpriced, flagged."""
     out = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
     for role in ("target", "draft"):
         got = step_forwards(stats, role)
         if got is None:
             continue
         steps, approx = got
-        if role not in curves.roles():  # forwards of a model the calibration lacks: unpriced, flagged
+        if role not in curves.roles() or (role == "draft" and not draft_model):  # unpriced, flagged
             out["approx"] |= any(steps)
             continue
         out["approx"] |= approx
@@ -116,7 +118,49 @@ def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
             for k in range(1, len(p) + 1)}
 
 
+# --- tree decoders that record their node budget: best total_token ------------------------------------------------
+
+
+def budget_speedups(curves, states: list[dict], head_s: float, past: int) -> dict[int, float]:
+    """S(N) for verification sizes N = 2 .. the run's (root included) of a tree decoder whose samples record, per
+    accepted token, the drafted-node budget its tree needed (``eagle``: ``accepted_tokens_needing_{m}_nodes`` and
+    ``drafting_iterations`` in ``step_stats["state"]``). E(N) = 1 + (accepted tokens needing at most N - 1 nodes)
+    / drafting iterations is exact for greedy verification of the best-N - 1 subtree; S(N) = AR token cost x E(N)
+    / (``head_s`` + calibrated tree verification of N tokens), ``head_s`` the measured head seconds per drafting
+    iteration (a head is not calibrated; its drafting does not depend on N). {} when nothing was recorded."""
+    from dtbench.harness.curves import FED_MASK
+
+    prefix = "accepted_tokens_needing_"
+    needing: dict[int, int] = {}
+    iterations = 0
+    for state in states:
+        iterations += int((state or {}).get("drafting_iterations") or 0)
+        for key, count in (state or {}).items():
+            if key.startswith(prefix) and key.endswith("_nodes"):
+                m = int(key[len(prefix):-len("_nodes")])
+                needing[m] = needing.get(m, 0) + int(count)
+    budget = max((int((state or {}).get("drafted_nodes") or 0) for state in states), default=0)
+    if not iterations or not budget:
+        return {}
+    ar = curves.cost("target", 1, past, 0)
+    out, accepted = {}, 0
+    for n in range(2, budget + 2):
+        accepted += needing.get(n - 1, 0)
+        out[n] = ar * (1 + accepted / iterations) / (head_s + curves.cost("target", n, past, FED_MASK))
+    return out
+
+
 # --- the per-cell table --------------------------------------------------------------------------------------------
+
+
+def _uses_draft_model(name: str) -> bool:
+    """Whether decoder ``name`` runs the suite's draft model (True when it is not installed here)."""
+    from dtbench.harness import registry
+
+    try:
+        return bool(registry.get(name).needs_draft)
+    except DtbenchError:  # a plugin the reading machine lacks: price as before
+        return True
 
 
 def cost_table(session, run, curves) -> pd.DataFrame:
@@ -136,7 +180,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         cell, samples = c["cell"], c["samples"]
         if not samples:
             continue
-        priced = [price_sample(curves, s.step_stats or {}) for s in samples]
+        priced = [price_sample(curves, s.step_stats or {}, _uses_draft_model(cell.decoder)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]
@@ -157,7 +201,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
                                         if p["predicted_s"] > 0) / len(samples),
             "approx": any(p["approx"] for p in priced),
             "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
-            "acceptance_by_position": None,
+            "acceptance_by_position": None, "predicted_best_total_token": None,
+            "predicted_best_total_token_speedup": None,
         }
         if cell.decoder in CHAIN_DECODERS:
             accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
@@ -170,6 +215,15 @@ def cost_table(session, run, curves) -> pd.DataFrame:
                 row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
                            predicted_k_speedup=speed.get(min(k_own, len(p))),
                            acceptance_by_position=[round(x, 4) for x in p])
+        states = [(s.step_stats or {}).get("state") for s in samples]
+        if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
+            iters = sum(int((st or {}).get("drafting_iterations") or 0) for st in states)
+            head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
+            speed = budget_speedups(curves, states, head / iters if iters else 0.0,
+                                    cell.l_max + cell.gen_length // 2)
+            if speed:
+                best = max(speed, key=speed.get)
+                row.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
         out.append(row)
     table = pd.DataFrame(out)
     if table.empty:
@@ -212,7 +266,8 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     caption = ("predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
                "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
                "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T; best K: "
-               "chain decoders, from the per-position acceptance (forward costs only)")
+               "chain decoders, from the per-position acceptance (forward costs only); best total_token: eagle, from the node "
+               "budget each accepted token needed (calibrated verify cost + the head's measured time)")
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
         caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
                     "the run's (calibrate: true measures in the run's own process)")
@@ -221,7 +276,8 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                 "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
                 "predicted_throughput", "measured_throughput",
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
-                "predicted_k_speedup", "acceptance_by_position", "approx"]
+                "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
+                "predicted_best_total_token_speedup", "approx"]
         cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
                                "cells": cells}, indent=2))
@@ -243,6 +299,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "Speedup meas.": f(r["measured_speedup"], ".2f", "×"), "Speedup pred.": f(r["predicted_speedup"], ".2f", "×"),
         "Best K (pred.)": "—" if r["predicted_best_k"] is None or pd.isna(r["predicted_best_k"])
         else f"{int(r['predicted_best_k'])} ({r['predicted_best_speedup']:.2f}×)",
+        **({} if table["predicted_best_total_token"].isna().all() else {
+            "Best total_token (pred.)": "—" if pd.isna(r["predicted_best_total_token"])
+            else f"{int(r['predicted_best_total_token'])} ({r['predicted_best_total_token_speedup']:.2f}×)"}),
     } for _, r in table.iterrows()])
     if fmt == "markdown":
         click.echo(render.markdown_frame(display, title, caption))

@@ -211,3 +211,162 @@ def test_markdown_and_terminal_escape_labels(tmp_path, fmt):
             assert any("two<br>lines \\| pipe" in line for line in rows), rows
         else:
             assert "markup [/oops]" in result.stdout
+
+
+# --- 4. joining an unreachable Ray cluster fails in one line, soon -------------------------------------------------
+
+
+def _dtbench(*args: str, timeout: float = 180):
+    """``dtbench ARGS`` in a subprocess (a Ray connection that hangs must not hang the test process); the
+    subprocess timeout turns a hang into a failure."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dtbench.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "RAY_ADDRESS": ""})
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_connect_to_a_closed_port_fails_in_one_line(tmp_path):
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{_closed_port()}"
+    done = _dtbench("run", write_suite(tmp_path, TINY), "--db", str(tmp_path / "r.db"), "--executor", "ray",
+                    "--address", address, "--connect-timeout", "1", "--no-progress")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot join Ray at " + address), done.stderr
+    assert "nothing answers" in lines[0]
+
+
+def test_ray_connect_to_a_silent_port_times_out(tmp_path):
+    """A port that accepts connections but is no Ray head: Ray would wait forever; --connect-timeout ends it."""
+    import socket
+
+    pytest.importorskip("ray")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        done = _dtbench("run", write_suite(tmp_path, TINY), "--db", str(tmp_path / "r.db"), "--executor", "ray",
+                        "--address", address, "--connect-timeout", "2", "--no-progress")
+    assert done.returncode == 2, done.stderr
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert errors and f"cannot join Ray at {address}: no answer from a Ray cluster within 2 s" in errors[0], done.stderr
+
+
+# --- 5, 8. no NaN, infinity or out-of-range float in options ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, option", [
+    (["calibrate", "x.yaml", "--min-time", "nan", "--max-time", "nan"], "--min-time"),
+    (["calibrate", "x.yaml", "--min-time", "nan"], "--min-time"),
+    (["calibrate", "x.yaml", "--max-time", "inf"], "--max-time"),
+    (["calibrate", "x.yaml", "--min-time", "0"], "--min-time"),
+    (["calibrate", "x.yaml", "--min-time", "-1"], "--min-time"),
+    (["report", "--compare", "1", "2", "--fail-if", "throughput:-5%", "--alpha", "nan"], "--alpha"),
+    (["report", "--compare", "--alpha", "nan"], "--alpha"),
+    (["report", "--compare", "--alpha", "1"], "--alpha"),
+    (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "nan"], "--connect-timeout"),
+    (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "inf"], "--connect-timeout"),
+])
+def test_float_options_refuse_non_finite_and_out_of_range(tmp_path, args, option):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+# --- 9, 10, 5: floats and seeds in a suite -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"timeout_s": float("inf")}, "timeout_s"),
+    ({"timeout_s": 1e300}, "timeout_s"),
+    ({"timeout_s": float("nan")}, "timeout_s"),
+    ({"seed": 340282366920938463463374607431768211456}, "seed"),
+    ({"seed": 1 << 63}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"sampling": {"seed": 1 << 64}}, "sampling.seed"),
+    ({"sampling": {"temperature": float("nan")}}, "sampling.temperature"),
+    ({"decoders": [{"name": "ar"}, {"name": "dynatree", "params": {"eta_depth": float("nan")}}]}, "eta_depth"),
+])
+def test_suite_numbers_out_of_range_are_one_line_errors(tmp_path, changes, field):
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(**changes))), field)
+
+
+def test_largest_seed_and_timeout_validate(tmp_path):
+    result = invoke("validate", write_suite(tmp_path, _suite(seed=(1 << 63) - 1, timeout_s=30 * 24 * 3600)))
+    assert result.exit_code == 0, result.output
+
+
+# --- 6, 7: include fan-out, size, depth, devices ---------------------------------------------------------------
+
+
+def test_include_fan_out_reads_each_file_once(tmp_path, monkeypatch):
+    from dtbench.harness import suitefile
+
+    for i in range(5):
+        body = {"include": [f"f{i + 1}.yaml"] * 10} if i < 4 else _suite()
+        (tmp_path / f"f{i}.yaml").write_text(yaml.safe_dump(body))
+    reads = []
+    real = suitefile._read
+    monkeypatch.setattr(suitefile, "_read", lambda path, *a: reads.append(path) or real(path, *a))
+    suite, text = suitefile.load_suite(tmp_path / "f0.yaml")
+    assert suite.name == "tiny"
+    assert len(reads) == 5, len(reads)  # today's loader read 1 + 10 + 100 + 1000 + 10000 files
+    assert text.count("# --- include:") == 4
+
+
+def test_included_text_is_capped(tmp_path):
+    pad = "# " + "x" * 998 + "\n"
+    for i in range(3):
+        (tmp_path / f"big{i}.yaml").write_text(pad * 400 + "description: big\n")  # 400 kB each, 1.2 MB together
+    (tmp_path / "top.yaml").write_text(yaml.safe_dump({**_suite(), "include": [f"big{i}.yaml" for i in range(3)]}))
+    one_line_error(invoke("validate", str(tmp_path / "top.yaml")), "include: files hold more than 1,048,576 bytes")
+
+
+def test_huge_deep_and_device_suites_are_one_line_errors(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: x\nparams: " + "[" * 5000 + "]" * 5000 + "\n")
+    one_line_error(invoke("validate", str(deep)), "nests more than 64 levels")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({**_suite(), "description": None}).replace("description: null", "x: " + "[" * 100
+                                                                                  + "]" * 100))
+    one_line_error(invoke("validate", str(nested)), "nests more than 64 levels")
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump(_suite()) + ("# padding\n" * 120_000))
+    one_line_error(invoke("validate", str(big)), "larger than 1,048,576 bytes")
+    for device in ("/dev/zero", "/dev/urandom"):
+        one_line_error(invoke("validate", device), "not a regular file")
+    one_line_error(invoke("run", "/dev/urandom", "--db", str(tmp_path / "r.db")), "not a regular file")
+
+
+def test_text_files_path_of_a_device(tmp_path):
+    suite = _suite(datasets=[{"name": "text-files", "path": "/dev/zero", "prompts": 2, "warmup": 1, "L_max": 16}])
+    one_line_error(invoke("validate", write_suite(tmp_path, suite)), "/dev/zero is not a regular file")
+
+
+# --- 13. a run id no database can hold is no such run -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--run", "99999999999999999999999"], ["--compare", "1", "99999999999999999999999"],
+                                  ["--run", str(1 << 63)], ["--cost-model", "--run", "99999999999999999999999"]])
+def test_huge_run_ids_are_no_such_run(tmp_path, args):
+    path = _hostile_db(tmp_path)
+    one_line_error(invoke("report", "--db", path, *args), "no run ")
+
+
+def test_huge_resume_run_id(tmp_path, data_dir):
+    from dtbench.harness import db
+
+    dbfile = tmp_path / "r.db"
+    db.connect(str(dbfile))
+    one_line_error(invoke("run", write_suite(tmp_path, TINY), "--db", str(dbfile), "--data-dir", str(data_dir),
+                          "--resume-run", "99999999999999999999999", "--no-progress"), "no run 99999999999999999999999")

@@ -325,3 +325,140 @@ decoders:
 """)
     assert decoder_sizes(plan_suite(suite)) == (1, 64)  # medusa: root + mc_sim_7b_63's 63 nodes
     assert decoder_sizes(plan_suite(suite.model_copy(update={"decoders": suite.decoders[:1]}))) == (1, 37)
+
+
+@pytest.mark.slow
+def test_a_run_with_a_head_that_does_not_fit_stops_in_one_line_before_any_sample(tmp_path, data_dir):
+    write_eagle(tmp_path / "head", hidden=64, vocab=49152)  # the embedded SmolLM2 has hidden size 576
+    (tmp_path / "s.yaml").write_text(f"""
+name: misfit
+device: cpu
+target: {{model: smollm2-135m}}
+datasets: [{{name: wikitext-2, prompts: 2, warmup: 1, L_max: 32}}]
+generation_lengths: [4]
+decoders:
+  - {{name: eagle, label: E, params: {{head: {tmp_path / 'head'}}}}}
+""")
+    result = invoke("run", str(tmp_path / "s.yaml"), "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir))
+    one_line_error(result, "decoder 'E'", "hidden size 64", "hidden size 576")
+    from sqlalchemy import create_engine, inspect, text
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'r.db'}")
+    if "samples" in inspect(engine).get_table_names():
+        with engine.connect() as c:
+            assert c.execute(text("select count(*) from samples")).scalar() == 0
+
+
+def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve(heads):
+    from dtbench.harness.data import Prompt
+    from dtbench.harness.measure import measure
+    from dtbench.harness.metrics import sample_row
+    from dtbench.reports.costmodel import _uses_draft_model, price_sample
+
+    class Flat:  # every forward of either role costs 1 s
+        def roles(self):
+            return {"target", "draft"}
+
+        def cost(self, role, n, past, flags):
+            return 1.0
+
+    decoder = Eagle(TARGETS[1], None, EagleParams(head=str(heads[1]), top_k=3, depth=2, total_token=8))
+    m = measure(decoder, PROMPT, 8, torch.device("cpu"))
+    stats = json.loads(json.dumps(sample_row(m, Prompt(0, "doc", tuple(PROMPT)), False, None)["step_stats"]))
+    assert m.steps and sum(stats["draft_forwards"]) > 0  # the head's forwards are counted (and timed) as draft's
+    assert stats["forward_s"]["draft"] > 0
+    as_draft = price_sample(Flat(), stats)
+    head = price_sample(Flat(), stats, draft_model=False)
+    assert as_draft["draft_s"] == sum(stats["draft_forwards"]) and not as_draft["approx"]
+    assert head["draft_s"] == 0.0 and head["approx"] and head["target_s"] == as_draft["target_s"]
+    assert not _uses_draft_model("eagle") and not _uses_draft_model("medusa") and _uses_draft_model("linear")
+
+
+def test_eagle3_features_are_the_inputs_of_target_layers_2_mid_and_L_minus_3():
+    """The loop's verify forward hands EAGLE-3 the inputs of layers 2, L // 2 and L - 3 (the reference's
+    modeling_llama_kv.py collects hidden_states before those layers), EAGLE-1/2 the final-normed output."""
+    target = TARGETS[3]
+    L = target.config.num_hidden_layers
+    seen = {}
+    hooks = [target.model.layers[i].register_forward_pre_hook(
+        lambda mod, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0]),
+        with_kwargs=True) for i in (2, L // 2, L - 3)]
+    try:
+        with torch.inference_mode():
+            _, _, features = kv.prefill_features(target, torch.tensor([PROMPT]), (2, L // 2, L - 3))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert torch.equal(features, torch.cat([seen[2], seen[L // 2], seen[L - 3]], dim=-1))
+    with torch.inference_mode():
+        _, _, last = kv.prefill_features(target, torch.tensor([PROMPT]), (L,))
+        assert torch.allclose(last, target.model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0])
+
+
+def test_a_head_that_is_neither_a_folder_nor_reachable_on_the_hub_is_a_one_line_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError) as exc:
+        Eagle(TARGETS[1], None, EagleParams(head="no-such-user/no-such-eagle-head"))
+    _one_line(exc, "no-such-user/no-such-eagle-head", "could not be fetched from the hub", "config.json")
+
+
+def test_the_recorded_node_budget_predicts_the_acceptance_of_smaller_trees(heads):
+    """eagle records, per accepted token, how many best-scored drafted nodes its tree needed. Rerun with exactly
+    the budget the run needed, the same oracle accepts the same tokens in every iteration; every accepted token is
+    accounted for once; the cost model turns the record into a speedup per total_token."""
+    from dtbench.reports.costmodel import budget_speedups
+
+    target = TARGETS[1]
+    head = load_eagle(str(heads[1]), target)
+
+    def run(total):
+        drafter = EagleDrafter(head, top_k=4, depth=5, total_token=total)
+        tokens, greedy, steps, _ = _with_oracle(target, drafter, 40)
+        return steps, drafter.budget_stats()
+
+    steps, stats = run(40)
+    needing = {int(k.split("_")[3]): v for k, v in stats.items() if k.startswith("accepted_tokens_needing_")}
+    assert sum(needing.values()) == sum(s.accepted for s in steps) > 0
+    assert stats["drafting_iterations"] == sum(1 for s in steps if s.drafted) and stats["drafted_nodes"] == 39
+    need = max(needing)
+    assert 2 <= need < 39  # the oracle's planted chains sit among the best-scored nodes, not at the budget's end
+    again, stats_again = run(need + 1)
+    assert [s.accepted for s in again] == [s.accepted for s in steps]
+
+    class Flat:  # AR token 1 s; verifying n tokens costs 1 + n / 10 s
+        def cost(self, role, n, past, flags):
+            return 1.0 if n == 1 else 1.0 + n / 10
+
+    speed = budget_speedups(Flat(), [stats], head_s=0.5, past=0)
+    assert sorted(speed) == list(range(2, 41))
+    iters = stats["drafting_iterations"]
+    within = sum(v for m, v in needing.items() if m <= 9)
+    assert speed[10] == pytest.approx((1 + within / iters) / (0.5 + 2.0))
+
+
+def test_a_calibrated_run_prices_eagle_and_predicts_its_best_total_token(tmp_path, data_dir, monkeypatch):
+    """`calibrate: true` covers eagle's declared verify size; `report --cost-model` prices its target forwards,
+    flags the head's as unpriced and names a predicted best total_token."""
+    import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
+    from dtbench.harness import calibrate as cal
+    from kit import fast_calibration_settings, suite_dict, tiny_pair, write_suite
+
+    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    target, draft = tiny_pair(tmp_path)
+    cfg = json.loads((target / "config.json").read_text())
+    head = write_eagle(tmp_path / "head", hidden=cfg["hidden_size"], vocab=cfg["vocab_size"])
+    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "eagle", "label": "E", "params": {
+        "head": str(head), "top_k": 3, "depth": 2, "total_token": 9}}], calibrate=True)
+    dbfile = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
+                    "--no-progress", "--no-report")
+    assert result.exit_code == 0, result.output
+    result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
+    assert result.exit_code == 0, result.output
+    cell = {c["label"]: c for c in json.loads(result.output)["cells"]}["E"]
+    assert cell["predicted_s"] > 0 and cell["target_s"] > 0 and cell["draft_s"] == 0 and cell["approx"]
+    assert 2 <= cell["predicted_best_total_token"] <= 9 and cell["predicted_best_total_token_speedup"] > 0
+    result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "markdown")
+    assert result.exit_code == 0 and "Best total_token (pred.)" in result.output, result.output

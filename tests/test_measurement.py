@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,6 +27,7 @@ CPU = torch.device("cpu")
 PROMPT = list(range(3, 20))
 
 HEAD = "<head written by build()>"
+STORE = "<rest tokens file written by build()>"
 BUILTIN = [
     ("ar", {}), ("linear", {"k": 3}), ("fixed_tree", {"depth": 3, "branching": 2}),
     ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
@@ -34,6 +36,8 @@ BUILTIN = [
     ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}), ("medusa", {"head": HEAD}),
     ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}), ("token_recycling", {}),
     ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
+    ("ngram", {"k": 4}), ("suffix", {"k": 3, "min_match": 1}), ("suffix", {"k": 3, "fallback": "draft"}),
+    ("rest", {"tokens": STORE}),
 ]
 
 
@@ -45,6 +49,10 @@ def build(name, params, kind="perturbed"):
         cfg = target.config
         write = write_medusa if name == "medusa" else write_eagle
         params = {**params, "head": str(write(folder, hidden=cfg.hidden_size, vocab=cfg.vocab_size))}
+    if params.get("tokens") == STORE:  # a REST datastore: the prompt's tokens and random ones
+        path = Path(tempfile.mkdtemp(prefix="dtbench-rest-")) / "store.npy"
+        np.save(path, np.array([*PROMPT, 30, 31, -1, *range(90, 3, -1)]))
+        params = {**params, "tokens": str(path)}
     return cls(target, draft if cls.needs_draft else None, cls.Params(**params))
 
 
@@ -72,6 +80,14 @@ def test_sample_row_and_forward_counts(name, params):
     assert stats["target_tokens"][0] >= len(PROMPT)  # the prefill fed the whole prompt
     if name in ("ar", "streaming_ar", "hf_generate"):
         assert tf == [1] * T and df is None and row["draft_forwards"] is None
+    elif name in ("ngram", "suffix"):
+        assert tf == [1] * len(tf)  # one verification forward per Step; the draft model only for fallback drafts
+        assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]
+        assert (df is not None and sum(df) > 0) == (params.get("fallback") == "draft")
+        assert any(k.endswith("_bytes") and v > 0 for k, v in row["step_stats"]["state"].items())
+    elif name == "rest":
+        assert tf == [1] * len(tf) and stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]
+        assert sum(drafted) > 0 and row["step_stats"]["state"]["datastore_tokens"] > len(PROMPT)
     elif name in ("linear", "streaming_spec"):
         assert tf == [1] * len(tf)
         assert df == drafted  # one draft forward per drafted token

@@ -23,6 +23,9 @@ from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.lookahead import Lookahead
 from dtbench.decoders.token_recycling import TokenRecycling
 from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpeculative, StreamingSpecParams
+from dtbench.decoders.ngram import Ngram, NgramParams
+from dtbench.decoders.rest import Rest, RestParams
+from dtbench.decoders.suffix import SuffixDecoding, SuffixParams
 from dtbench.harness.measure import measure
 from models import VOCAB, model_zoo, run_decoder
 
@@ -50,11 +53,31 @@ def decoders(target, draft):
         "token_recycling": TokenRecycling(target, None, TokenRecycling.Params()),
         "lookahead": Lookahead(target, None, Lookahead.Params()),
     }
+    out["ngram"] = Ngram(target, None, NgramParams(k=6, min_n=1))
+    out["suffix"] = SuffixDecoding(target, draft, SuffixParams(k=5, min_match=2, fallback="draft"))
+    out["rest"] = Rest(target, None, RestParams(tokens=_rest_store(), n_max=12, depth=5))
     if importlib.util.find_spec("dtbench_prompt_lookup") is not None:  # the example plugin, when installed
         from dtbench_prompt_lookup import PromptLookup
 
         out["prompt_lookup"] = PromptLookup(target, None, PromptLookup.Params(ngram_size=1, num_draft_tokens=6))
     return out
+
+
+def _rest_store() -> str:
+    """A REST tokens file: the target's greedy continuation of a fixed prompt and random documents (made once)."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    path = Path(tempfile.gettempdir()) / f"dtbench-eos-rest-{VOCAB}.npy"
+    if not path.exists():
+        target, _ = model_zoo()["self"]
+        prompt = list(range(5, 15))
+        rng = np.random.default_rng(0)
+        np.save(path, np.array([*prompt, *run_decoder(Autoregressive(target, None, Autoregressive.Params()), prompt, T),
+                                -1, *rng.integers(3, VOCAB, 400)]))
+    return str(path)
 
 
 def greedy_until_eos(reference, prompt, eos):

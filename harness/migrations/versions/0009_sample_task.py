@@ -4,16 +4,16 @@ samples: task_group (a Spec-Bench group such as mt_bench, or the raw category a 
 question's raw category), turn (1-based turn of a multi-turn question) and question_id, all nullable; raw-text
 samples and rows written before this revision keep NULL, so old runs report exactly what they did.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
-down_revision = "0006"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
