@@ -279,6 +279,13 @@ def validate(suite_path) -> None:
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
+    if suite.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # a warning, not an error: the suite may be meant for a Ray cluster's GPUs
+            console.print("warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
+                          "refuses it here (it can run with --executor ray on a cluster with GPUs)",
+                          style="yellow", markup=False, highlight=False)
     points = sum(1 for ds, cap, T in plan.points() if plan.decoders_at(ds.name, cap, T))
     click.echo(f"{suite_path}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
                f"{plan.n_samples} samples")

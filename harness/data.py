@@ -35,12 +35,14 @@ import hashlib
 import os
 import random
 import re
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtbench.harness import hub
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.registry import Registry
@@ -137,6 +139,10 @@ class Documents(list):
 
 def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
     chosen = spec.data_dir or data_dir or os.environ.get(DATA_DIR_ENV)
+    if chosen and (spec.hub_id or spec.revision):  # the local folder wins: say that the hub keys are not used
+        keys = " and ".join(k for k in ("hub_id", "revision") if getattr(spec, k))
+        print(f"note: {spec.name}: {keys} ignored: the local data folder {chosen} is used instead (unset --data-dir, "
+              f"{DATA_DIR_ENV} and data_dir: to load from the hub)", file=sys.stderr, flush=True)
     return Path(chosen).expanduser() if chosen else None
 
 
@@ -226,8 +232,11 @@ def hub_rows(spec: DatasetSpec) -> tuple[Iterable[dict[str, Any]], dict[str, Any
         import datasets
 
         source["datasets"] = datasets.__version__
-        rows = datasets.load_dataset(hub_id, base.config, split=base.split, revision=spec.revision,
-                                     streaming=base.streaming)
+        if not Path(hub_id).expanduser().is_dir():
+            hub.prepare()  # an unreachable hub: one short probe, then the cache only (no half minute of retries)
+        with hub.quiet():
+            rows = datasets.load_dataset(hub_id, base.config, split=base.split, revision=spec.revision,
+                                         streaming=base.streaming)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise DtbenchError(

@@ -135,6 +135,9 @@ def run_suite(
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
+    if resume is not None:  # a live or wrong run is refused now, not after the models loaded
+        with sessions() as session:
+            _check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
 
@@ -328,6 +331,27 @@ def owner_alive(run: Run) -> str | None:
 _RESUME_MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
 
 
+def _check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) -> None:
+    """Refuse to resume a missing or completed run, one of another suite, or one whose owner is alive.
+
+    ``--force`` takes over a run whose owner cannot be checked from here (another host, heartbeat under 5 minutes
+    old); a live owner on this host is never taken over: two processes would write the same samples (the second
+    failing on the unique constraint) and leave the run's owner pointing at whichever died last.
+    """
+    if run is None:
+        raise DtbenchError(f"no run {resume} to resume")
+    if run.status == "completed":
+        raise DtbenchError(f"run {resume} is completed; nothing to resume")
+    if run.suite_hash != suite_hash(suite_text):
+        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
+    alive = owner_alive(run)
+    if alive and run.owner_host == socket.gethostname():
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it or stop it (kill "
+                           f"{run.owner_pid}), then resume (--force takes over only an owner on another host)")
+    if alive and not force:
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+
+
 def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[str, Any]) -> Run:
     """A new run, or the run to resume (checked: same suite text, owner gone, same measuring environment).
 
@@ -341,15 +365,7 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[s
         session.flush()
         return run
     run = session.get(Run, resume) if valid_id(resume) else None
-    if run is None:
-        raise DtbenchError(f"no run {resume} to resume")
-    if run.status == "completed":
-        raise DtbenchError(f"run {resume} is completed; nothing to resume")
-    if run.suite_hash != suite_hash(suite_text):
-        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
-    alive = owner_alive(run)
-    if alive and not force:
-        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+    _check_resumable(run, resume, suite_text, force)
     # Samples of one run must come from one environment, or its comparisons mean nothing.
     changed = [k for k in _RESUME_MUST_MATCH if run.environment.get(k) != env.get(k)]
     if changed:
@@ -512,6 +528,8 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
     """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
+    from sqlalchemy.exc import IntegrityError
+
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
@@ -521,4 +539,7 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
         else:
             cell.status, cell.error = "failed", (outcome.error or "")[:2000]
         session.get(Run, run_id).heartbeat_at = utcnow()
-        session.commit()
+        try:
+            session.commit()
+        except IntegrityError:  # the sample is stored already (a run taken over with --force): keep that one
+            session.rollback()

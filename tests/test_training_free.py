@@ -97,6 +97,7 @@ def build(name, params, arch, store_file, kind="perturbed"):
     if name == "ngram":
         return Ngram(target, None, NgramParams(**params))
     if name == "suffix":
+        params = {**params, "tokens": store_file} if params.get("tokens") == "store" else params
         return SuffixDecoding(target, draft, SuffixParams(**params))
     return Rest(target, None, RestParams(tokens=store_file, **params))
 
@@ -113,7 +114,7 @@ def steps_of(decoder, prompt, T):
 
 CASES = [
     ("ngram", {}), ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
-    ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}),
+    ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}), ("suffix", {"k": 5, "tokens": "store"}),
     ("rest", {}), ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 2}),
 ]
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=16)
@@ -140,7 +141,8 @@ def test_greedy_output_equals_ar(store_file, arch, name, params, prompt, repeats
         elif name == "suffix":
             p = decoder.params
             matched = brute_match(context, p.min_match, len(context), "earliest")[0] > 0
-            assert bool(s.drafted) == (room > 0 and (matched or p.fallback == "draft"))
+            if not p.has_corpus:  # (a corpus drafts on its own matches too)
+                assert bool(s.drafted) == (room > 0 and (matched or p.fallback == "draft"))
         context += s.tokens
         produced += len(s.tokens)
 
@@ -176,6 +178,9 @@ def test_state_is_recorded(store_file):
     suffix = SuffixDecoding(target, target, SuffixParams(min_match=1))
     run_decoder(suffix, [5, 6, 7, 5, 6], 30)  # the greedy output starts repeating after about 14 tokens
     assert suffix.state_stats()["automaton_states"] >= 5 + 30 and suffix.state_stats()["automaton_draft_steps"] > 0
+    with_corpus = SuffixDecoding(target, None, SuffixParams(tokens=store_file))
+    run_decoder(with_corpus, [5, 6, 7, 5, 6], 30)
+    assert with_corpus.state_stats()["corpus_draft_steps"] > 0 and with_corpus.state_stats()["datastore_bytes"] > 0
 
 
 def test_bad_params_are_one_line_errors(tmp_path):
@@ -183,12 +188,28 @@ def test_bad_params_are_one_line_errors(tmp_path):
         NgramParams(min_n=4, max_n=2)
     with pytest.raises(ValueError, match="exactly one"):
         RestParams()
+    with pytest.raises(ValueError, match="at most one"):
+        SuffixParams(tokens="a.npy", corpus={"name": "wikitext-2"})
     target, _ = model_zoo()["self"]
     from dtbench.harness.errors import DtbenchError
 
+    with pytest.raises(ValueError, match="does not exist"):
+        RestParams(tokens=str(tmp_path / "missing.npy"))
+    (tmp_path / "bad.npy").write_text("not numpy")
     with pytest.raises(DtbenchError, match="cannot read tokens file"):
-        Rest(target, None, RestParams(tokens=str(tmp_path / "missing.npy")))
-    assert Rest.supports_sampling is False  # a sampling suite is refused at validation (plan)
+        Rest(target, None, RestParams(tokens=str(tmp_path / "bad.npy")))
+
+
+def test_validate_refuses_bad_rest_params_and_sampling(tmp_path, store_file):
+    """`dtbench validate`: a one-line error, exit 2, before any model loads (no traceback)."""
+    from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+
+    pair = tiny_pair(tmp_path / "models")
+    bad = suite_dict(*pair, [{"name": "rest", "params": {"corpus": {"name": "wikitext-3"}}}])
+    one_line_error(invoke("validate", write_suite(tmp_path, bad, "a.yaml")), "corpus", "wikitext-3")
+    sampled = suite_dict(*pair, [{"name": "ngram"}, {"name": "rest", "params": {"tokens": store_file}}],
+                         sampling={"temperature": 0.8})
+    one_line_error(invoke("validate", write_suite(tmp_path, sampled, "b.yaml")), "decoders.1", "rest")
 
 
 def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
