@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.harness import calibrate, data, lossless, models, registry
+from dtbench.harness import calibrate, chat, data, lossless, models, questions, registry
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
@@ -129,11 +129,15 @@ def run_suite(
     console = console or Console(stderr=True)
     executor = executor or LocalExecutor()
     plan = plan_suite(suite)
+    plan.data_dir = data_dir
     for label in plan.skipped:
         console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
+    if resume is not None:  # a live or wrong run is refused now, not after the models loaded
+        with sessions() as session:
+            _check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
 
@@ -145,6 +149,10 @@ def run_suite(
         prompts: dict[tuple[str, int], list[data.Prompt]] = {}
         for ds in suite.datasets:
             docs = data.load_documents(ds, data_dir)
+            if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
+                for cap in ds.caps:
+                    prompts[(ds.name, cap)] = questions.prompts(ds, cap, tokenizer, suite, data_dir)
+                continue
             for cap in ds.caps:
                 prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
@@ -154,6 +162,8 @@ def run_suite(
         env = dict(info.environment)
         env["executor"] = executor.describe()
         env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+        if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
+            env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:
             run = _open_run(session, suite, suite_text, suite_path, resume, force, env)
             run_id = run.id
@@ -219,7 +229,9 @@ class _Sink:
         return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
 
     def prompt(self, group: PromptGroup):
-        return self.prompts[(group.dataset.name, group.cap)][group.prompt_index]
+        # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
+        return chat.resolve(self.prompts[(group.dataset.name, group.cap)], group.prompt_index,
+                            lambda index: _reference_output(self.sessions, self.cells, group, index))
 
     def state(self, group: PromptGroup):
         done, failed = _group_state(self.sessions, self.cells, group)
@@ -319,6 +331,27 @@ def owner_alive(run: Run) -> str | None:
 _RESUME_MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
 
 
+def _check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) -> None:
+    """Refuse to resume a missing or completed run, one of another suite, or one whose owner is alive.
+
+    ``--force`` takes over a run whose owner cannot be checked from here (another host, heartbeat under 5 minutes
+    old); a live owner on this host is never taken over: two processes would write the same samples (the second
+    failing on the unique constraint) and leave the run's owner pointing at whichever died last.
+    """
+    if run is None:
+        raise DtbenchError(f"no run {resume} to resume")
+    if run.status == "completed":
+        raise DtbenchError(f"run {resume} is completed; nothing to resume")
+    if run.suite_hash != suite_hash(suite_text):
+        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
+    alive = owner_alive(run)
+    if alive and run.owner_host == socket.gethostname():
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it or stop it (kill "
+                           f"{run.owner_pid}), then resume (--force takes over only an owner on another host)")
+    if alive and not force:
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+
+
 def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[str, Any]) -> Run:
     """A new run, or the run to resume (checked: same suite text, owner gone, same measuring environment).
 
@@ -332,15 +365,7 @@ def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[s
         session.flush()
         return run
     run = session.get(Run, resume) if valid_id(resume) else None
-    if run is None:
-        raise DtbenchError(f"no run {resume} to resume")
-    if run.status == "completed":
-        raise DtbenchError(f"run {resume} is completed; nothing to resume")
-    if run.suite_hash != suite_hash(suite_text):
-        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
-    alive = owner_alive(run)
-    if alive and not force:
-        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+    _check_resumable(run, resume, suite_text, force)
     # Samples of one run must come from one environment, or its comparisons mean nothing.
     changed = [k for k in _RESUME_MUST_MATCH if run.environment.get(k) != env.get(k)]
     if changed:
@@ -491,8 +516,20 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[l
     return done, failed
 
 
+def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[int] | None:
+    """The stored output tokens of the group's reference decoder (its first decoder without a reference: ``ar``)
+    for prompt ``index`` of the same (dataset, L_max, T), or None."""
+    ref = next(cp for cp in group.decoders if not cp.reference_label)
+    with sessions() as session:
+        return session.scalar(select(Sample.output_tokens).where(
+            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, ref.label)],
+            Sample.prompt_index == index))
+
+
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
     """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
+    from sqlalchemy.exc import IntegrityError
+
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
@@ -502,4 +539,7 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
         else:
             cell.status, cell.error = "failed", (outcome.error or "")[:2000]
         session.get(Run, run_id).heartbeat_at = utcnow()
-        session.commit()
+        try:
+            session.commit()
+        except IntegrityError:  # the sample is stored already (a run taken over with --force): keep that one
+            session.rollback()
