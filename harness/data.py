@@ -15,6 +15,7 @@ Datasets are plugins like decoders: a :class:`Dataset` subclass registered under
     ``revision:`` at another parquet source (for example ``deepmind/pg19`` at ``refs/convert/parquet`` where
     that export exists). Local: ``<data_dir>/pg19-test/*.txt``.
   - ``text-files``: a user's own corpus, one document per file (``path:`` a folder or a glob).
+  - ``spec-bench``: Spec-Bench's questions (a chat workload; :mod:`dtbench.harness.questions`).
 
 Source precedence: a local folder (the dataset's ``data_dir:``, the ``--data-dir`` option or
 ``DTBENCH_DATA_DIR``) wins; otherwise the hub, at the entry's ``hub_id:`` / ``revision:`` if given (``hub_id``
@@ -53,11 +54,21 @@ _MIN_PROMPT_TOKENS = 16
 
 @dataclass(frozen=True)
 class Prompt:
-    """One benchmark prompt: its index in the selection, source document, and token ids (at most L_max)."""
+    """One benchmark prompt: its index in the selection, source document, and token ids (at most L_max).
+
+    Question datasets (:mod:`dtbench.harness.questions`) also say which task the prompt belongs to: ``task_group``
+    (a Spec-Bench group, or the raw category the suite selected), ``category`` (the question's raw category),
+    ``turn`` (1-based) and ``question_id``; a later turn's ``token_ids`` are empty until its turn is dispatched
+    (:func:`dtbench.harness.chat.resolve` renders them from the reference's earlier answers).
+    """
 
     index: int
     document: str
     token_ids: tuple[int, ...]
+    task_group: str | None = None
+    category: str | None = None
+    turn: int | None = None
+    question_id: str | None = None
 
 
 def _read(path: Path) -> str:
@@ -260,6 +271,29 @@ class Dataset(ABC):
     def check(self, spec: DatasetSpec) -> None:
         """Cheap checks before any model loads (``dtbench validate``); reading a local corpus is fine here."""
 
+    def slots(self, spec: DatasetSpec, seed: int, data_dir: str | None) -> list | None:
+        """A question dataset's samples in prompt-index order (:class:`dtbench.harness.questions.Slot`: turn, group,
+        warmup), known before any model loads; None for raw text (``prompts`` samples, the first ``warmup`` warm)."""
+        return None
+
+
+class SpecBench(Dataset):
+    """Spec-Bench's 480 questions (six task groups; MT-bench's two turns), or a user's jsonl of the same fields
+    (:mod:`dtbench.harness.questions`). A chat workload: stop at EOS and the target's chat template by default."""
+
+    chat = True
+
+    def documents(self, spec, data_dir):
+        from dtbench.harness import questions
+
+        found, source = questions.load_questions(spec, data_dir)
+        return Documents([(q.question_id, q.turns[0]) for q in found], source=source)
+
+    def slots(self, spec, seed, data_dir):
+        from dtbench.harness import questions
+
+        return questions.layout(spec, seed, data_dir)
+
 
 class WikiText2(Dataset):
     """WikiText-2 raw, test split, one document per article."""
@@ -309,11 +343,25 @@ def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
         ds.check(spec)
 
 
+def sample_slots(spec: DatasetSpec, seed: int, data_dir: str | None = None) -> list | None:
+    """The entry's samples when its dataset lays them out itself (question datasets; :meth:`Dataset.slots`), else
+    None. An unknown dataset name is None here (the plan reports it)."""
+    try:
+        ds = dataset(spec.name)
+    except DtbenchError:
+        return None
+    return ds.slots(spec, seed, data_dir)
+
+
 def stops_at_eos(stop_at_eos: bool | None, spec: DatasetSpec) -> bool:
     """Whether generation stops at EOS for this dataset entry: the suite's ``stop_at_eos`` when given, otherwise the
     dataset's own default (:attr:`Dataset.chat`; an unknown dataset name is left to the plan's check: False)."""
-    if stop_at_eos is not None:
-        return stop_at_eos
+    return stop_at_eos if stop_at_eos is not None else is_chat(spec)
+
+
+def is_chat(spec: DatasetSpec) -> bool:
+    """Whether the entry's dataset is a question (chat) dataset (:attr:`Dataset.chat`); False for an unknown name
+    (the plan reports it)."""
     try:
         return bool(getattr(REGISTRY.get(spec.name), "chat", False))
     except Exception:  # noqa: BLE001  (an unknown or broken dataset plugin is reported where it is loaded)

@@ -190,6 +190,11 @@ class Sample(Base):
     energy_j: Mapped[float | None] = mapped_column(Float)
     energy_status: Mapped[str | None] = mapped_column(String(20))
     energy_source: Mapped[str | None] = mapped_column(String(200))
+    # 0009: question datasets' task (Spec-Bench group, raw category, 1-based turn, question id); NULL for raw text
+    task_group: Mapped[str | None] = mapped_column(String(100))
+    category: Mapped[str | None] = mapped_column(String(100))
+    turn: Mapped[int | None] = mapped_column(Integer)
+    question_id: Mapped[str | None] = mapped_column(String(100))
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 

@@ -28,7 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.harness import calibrate, data, lossless, models, registry
+from dtbench.harness import calibrate, chat, data, lossless, models, questions, registry
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
@@ -146,6 +146,7 @@ def run_suite(
     console = console or Console(stderr=True)
     executor = executor or LocalExecutor()
     plan = plan_suite(suite)
+    plan.data_dir = data_dir
     for label in plan.skipped:
         console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
     for line in registry.scan().warnings("decoder"):
@@ -165,6 +166,10 @@ def run_suite(
         prompts: dict[tuple[str, int], list[data.Prompt]] = {}
         for ds in suite.datasets:
             docs = data.load_documents(ds, data_dir)
+            if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
+                for cap in ds.caps:
+                    prompts[(ds.name, cap)] = questions.prompts(ds, cap, tokenizer, suite, data_dir)
+                continue
             for cap in ds.caps:
                 prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
@@ -174,6 +179,8 @@ def run_suite(
         env = dict(info.environment)
         env["executor"] = executor.describe()
         env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+        if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
+            env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:
             run = _open_run(session, suite, suite_text, suite_path, resume, force, env)
             run_id = run.id
@@ -239,7 +246,9 @@ class _Sink:
         return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
 
     def prompt(self, group: PromptGroup):
-        return self.prompts[(group.dataset.name, group.cap)][group.prompt_index]
+        # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
+        return chat.resolve(self.prompts[(group.dataset.name, group.cap)], group.prompt_index,
+                            lambda index: _reference_output(self.sessions, self.cells, group, index))
 
     def state(self, group: PromptGroup):
         done, failed = _group_state(self.sessions, self.cells, group)
@@ -525,6 +534,16 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[l
             if sample is not None:
                 done[cp.label] = (sample.output_tokens, sample.total_s)
     return done, failed
+
+
+def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[int] | None:
+    """The stored output tokens of the group's reference decoder (its first decoder without a reference: ``ar``)
+    for prompt ``index`` of the same (dataset, L_max, T), or None."""
+    ref = next(cp for cp in group.decoders if not cp.reference_label)
+    with sessions() as session:
+        return session.scalar(select(Sample.output_tokens).where(
+            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, ref.label)],
+            Sample.prompt_index == index))
 
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:

@@ -17,7 +17,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.ngram import Ngram, NgramParams, longest_suffix_match
 from dtbench.decoders.rest import Datastore, Rest, RestParams, frequent_trie
 from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
-from models import ARCHS, SHARP, VOCAB, model_zoo, run_decoder
+from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -102,16 +102,6 @@ def build(name, params, arch, store_file, kind="perturbed"):
     return Rest(target, None, RestParams(tokens=store_file, **params))
 
 
-def steps_of(decoder, prompt, T):
-    out, n = [], 0
-    for step in decoder.generate(torch.tensor([prompt]), T):
-        out.append(step)
-        n += len(step.tokens)
-        if n >= T:
-            break
-    return out
-
-
 CASES = [
     ("ngram", {}), ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
     ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}), ("suffix", {"k": 5, "tokens": "store"}),
@@ -128,7 +118,7 @@ def test_greedy_output_equals_ar(store_file, arch, name, params, prompt, repeats
     """Prompts with repeats > 1 repeat themselves (drafts accepted); others mostly do not."""
     prompt = prompt * repeats
     decoder = build(name, params, arch, store_file)
-    steps = steps_of(decoder, prompt, T)
+    steps = decoder_steps(decoder, prompt, T)
     tokens = [t for s in steps for t in s.tokens][:T]
     assert tokens == _greedy(decoder.target, prompt, T)
     context, produced = [*prompt, *steps[0].tokens], 1
@@ -156,7 +146,7 @@ def test_proposals_accepted_partly_accepted_and_rejected(store_file, arch, name,
         prompt = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
         decoder = build(name, params, arch, store_file)
         T = 48
-        steps = steps_of(decoder, prompt * 2, T)
+        steps = decoder_steps(decoder, prompt * 2, T)
         assert [t for s in steps for t in s.tokens][:T] == _greedy(decoder.target, prompt * 2, T)
         for s in steps[1:]:
             if s.drafted:
@@ -217,8 +207,8 @@ def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
     prompt = list(range(10, 30))  # no repeats: the automaton cannot draft at first
     none = SuffixDecoding(target, draft, SuffixParams(fallback="none"))
     with_draft = SuffixDecoding(target, draft, SuffixParams(fallback="draft", k=4))
-    first_none = steps_of(none, prompt, 20)
-    first_draft = steps_of(with_draft, prompt, 20)
+    first_none = decoder_steps(none, prompt, 20)
+    first_draft = decoder_steps(with_draft, prompt, 20)
     assert first_none[1].drafted == 0 and first_draft[1].drafted == 4
     assert with_draft.state_stats()["fallback_draft_steps"] > 0
     assert [t for s in first_draft for t in s.tokens][:20] == _greedy(target, prompt, 20)
@@ -256,8 +246,8 @@ def test_ngram_emits_what_transformers_prompt_lookup_emits(arch, prompt, repeats
 
     target, _ = model_zoo(arch=arch)["self"]
     prompt = prompt * repeats
-    ours = steps_of(Ngram(target, None, NgramParams(k=10, max_n=2)), prompt, T)
-    theirs = steps_of(HFGenerate(target, None, HFGenerateParams(prompt_lookup_num_tokens=10)), prompt, T)
+    ours = decoder_steps(Ngram(target, None, NgramParams(k=10, max_n=2)), prompt, T)
+    theirs = decoder_steps(HFGenerate(target, None, HFGenerateParams(prompt_lookup_num_tokens=10)), prompt, T)
     assert [t for s in ours for t in s.tokens][:T] == [t for s in theirs for t in s.tokens][:T]
     if repeats > 1:  # the prompt's last token occurs earlier: transformers proposes in its first verification
         assert theirs[0].drafted > 0
