@@ -19,7 +19,7 @@ from pydantic import Field
 from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
 from dtbench.decoders.chain import ChainTarget, DraftModelProposer, speculate_chain
 from dtbench.decoders.streaming_kv import (  # noqa: F401  (re-exported for tests and plugins)
-    PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, _Rope,
+    PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, Rope,
 )
 
 class StreamingParams(DecoderParams):
@@ -48,7 +48,7 @@ class StreamingSpecParams(StreamingParams):
 def _check(models: list[torch.nn.Module | None]) -> None:
     for model in models:
         if model is not None:
-            _Rope(model)
+            Rope(model)
 
 
 class StreamingAR(Decoder):

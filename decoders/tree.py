@@ -64,7 +64,7 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree_draft import (  # noqa: F401
-    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, _expand, check_draft_options,
+    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, check_draft_options,
     draft_tree,
 )
 from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)

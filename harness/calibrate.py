@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 
-from dtbench.harness.curves import FED_LAST, FED_MASK, Curves, load_curves  # noqa: F401,E402  (re-exported)
+from dtbench.harness.curves import FED_MASK, Curves
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
@@ -205,7 +205,7 @@ def _iqr(xs: list[float]) -> float:
 def time_point(run_once: Callable[[], None], reset: Callable[[], None], device: torch.device, settings: Settings,
                clock: Callable[[], float]) -> tuple[float, float, int]:
     """(median s, IQR s, repeats) of ``run_once`` timed device-synchronized; ``reset`` (untimed) after each call."""
-    from dtbench.harness import measure
+    from dtbench.harness.memory import synchronize
 
     for _ in range(settings.warmup):
         run_once()
@@ -213,10 +213,10 @@ def time_point(run_once: Callable[[], None], reset: Callable[[], None], device: 
     times: list[float] = []
     begin = clock()
     while True:
-        measure.synchronize(device)
+        synchronize(device)
         t0 = clock()
         run_once()
-        measure.synchronize(device)
+        synchronize(device)
         times.append(clock() - t0)
         reset()
         elapsed = clock() - begin
@@ -389,7 +389,7 @@ def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
     return best
 
 
-def _auto_cells(plan) -> list:
+def auto_cells(plan) -> list:
     return [cp for cp in plan.decoders if getattr(cp.params, "n_max", None) == "auto"]
 
 
@@ -397,7 +397,7 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
     """Replace ``n_max: auto`` in the plan's decoders by :func:`auto_budget` at each decoder's first prompt length
     (one budget per decoder entry); return {label: n_max}."""
     out = {}
-    for cp in _auto_cells(plan):
+    for cp in auto_cells(plan):
         cap = min(cap for _, cap, _ in cp.points) if cp.points else 0
         factor = float(getattr(cp.params, "n_max_factor", DEFAULT_FACTOR))
         n = auto_budget(curves, cap, factor)
@@ -437,7 +437,7 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, executor, 
     from dtbench.harness.db import Calibration, Run
     from dtbench.harness.suitefile import suite_hash
 
-    if not (suite.calibrate or _auto_cells(plan)):
+    if not (suite.calibrate or auto_cells(plan)):
         return None
     with sessions() as session:
         rows = session.scalars(select(Calibration).where(Calibration.run_id == run_id)).all()

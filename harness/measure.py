@@ -23,9 +23,7 @@ import psutil
 import torch
 
 
-from dtbench.harness.memory import (  # noqa: F401  (re-exported: the runner and reports import them from here)
-    NVML_DEVICE, NVML_PROCESS, MemoryPeak, MemoryTracker, nvml_reader, reset_device_memory, synchronize,
-)
+from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
 
 
 def device_name(device: torch.device) -> str:

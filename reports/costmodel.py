@@ -1,6 +1,6 @@
 """The cost model (issue 12): what a sample's forwards should have cost, against what it took.
 
-Inputs, all from the database: the run's calibration (:class:`dtbench.harness.calibrate.Curves`, the forward-latency
+Inputs, all from the database: the run's calibration (:class:`dtbench.harness.curves.Curves`, the forward-latency
 curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-step forward records
 (``step_stats["target_fed"]`` / ``["draft_fed"]``: every forward the runner's hooks counted, as
 ``[tokens fed n, KV positions before it, flags]``).
@@ -192,7 +192,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         DtbenchError: an unknown run, a run without calibration (one line suggesting ``dtbench calibrate``), or a
             run without samples after warmup.
     """
-    from dtbench.harness.calibrate import load_curves
+    from dtbench.harness.curves import load_curves
     from dtbench.reports import render
     from dtbench.reports.summary import get_run
 
@@ -284,7 +284,7 @@ def verify_figure(curves, sizes: dict[str, float]):
 
 def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> list[Path]:
     """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
-    from dtbench.harness.calibrate import load_curves
+    from dtbench.harness.curves import load_curves
     from dtbench.harness.db import Cell, Sample
     from dtbench.reports.figures import save_figures
     from dtbench.reports.summary import get_run

@@ -25,11 +25,11 @@ from sqlalchemy.orm import Session
 
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import BASELINE, METRICS, MIB, peak_memory_bytes  # noqa: F401  (MIB re-exported)
-GROUP = ["dataset", "l_max", "gen_length"]
+from dtbench.harness.metrics import METRICS, peak_memory_bytes
+from dtbench.reports.stats import BASELINE, GROUP, KEY, decoding
+
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
 SAMPLED = "sampled (exact by construction, distribution-tested)"
-KEY = [*GROUP, "label"]
 
 _SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
@@ -136,9 +136,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     # Samples of one cell measured on different device models (a heterogeneous Ray cluster): its mean mixes them.
     table["mixed_devices"] = [len(d) > 1 for d in table["devices"]]
     # Speedup against the AR cell of the same group that decodes the same way (greedy, or the same sampling).
-    from dtbench.reports.compare import _decoding
-
-    table["_decoding"] = [_decoding(v) for v in table["sampling"]]
+    table["_decoding"] = [decoding(v) for v in table["sampling"]]
     ar = table[table["decoder"] == BASELINE].set_index([*GROUP, "_decoding"])["throughput_mean"]
     ar = ar[~ar.index.duplicated()]
     keys = list(zip(*(table[c] for c in [*GROUP, "_decoding"])))
@@ -158,7 +156,7 @@ def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
         return table.assign(partial_hidden=pd.Series(dtype=bool))
     partial = table["partial"].fillna(False).astype(bool)
     group = [*(["run_id"] if "run_id" in table else []), *GROUP]  # speedups are against the AR of the same run
-    ar_partial = {tuple(r[c] for c in group) for _, r in table[partial & (table["decoder"] == "ar")].iterrows()}
+    ar_partial = {tuple(r[c] for c in group) for _, r in table[partial & (table["decoder"] == BASELINE)].iterrows()}
     against = pd.Series([tuple(r[c] for c in group) in ar_partial for _, r in table.iterrows()], index=table.index)
     table.loc[partial, METRIC_COLUMNS] = float("nan")
     table.loc[against, "speedup"] = float("nan")
