@@ -13,7 +13,7 @@ i + 1. The feature comes from the verify forward that committed x_{t+1} (no extr
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -125,7 +125,7 @@ class Medusa(Decoder):
     """
 
     Params = MedusaParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False
@@ -144,10 +144,6 @@ class Medusa(Decoder):
         """(chain tokens, masked tokens) of one verification: (0, root + all choices) (the full tree; heads
         fewer than the deepest choice shrink it at run time)."""
         return 0, len(cls.choices_of(params)) + 1
-
-    @classmethod
-    def reference(cls, params: MedusaParams | None = None):
-        return ("ar", {})
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):

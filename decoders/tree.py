@@ -260,6 +260,9 @@ class TreeParams(DecoderParams):
                                 "verify costs at most this many times one AR token")
 
 
+N_MAX_AUTO_CEILING = 256  # n_max: auto chooses at most this many drafted nodes (the paper's N_max)
+
+
 class TreeDecoder(Decoder):
     """Base of the tree speculative decoders: subclasses only build their :class:`ExpansionPolicy`.
 
@@ -272,7 +275,21 @@ class TreeDecoder(Decoder):
     needs_draft = True
     lossless = True
     supports_sampling = True
+    family = "tree"
     version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
+
+    @classmethod
+    @abstractmethod
+    def tree_bounds(cls, params: TreeParams) -> tuple[int, int]:
+        """(largest breadth B, largest depth D) a tree of this configuration can have (params only)."""
+
+    @classmethod
+    def verify_sizes(cls, params: TreeParams) -> tuple[int, int]:
+        """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree_structure.tree_capacity` allows for
+        :meth:`tree_bounds` and N_max (``n_max: auto`` searches up to :data:`N_MAX_AUTO_CEILING`)."""
+        breadth, depth = cls.tree_bounds(params)
+        n_max = N_MAX_AUTO_CEILING if params.n_max == "auto" else int(params.n_max)
+        return 1, tree_capacity(max(breadth, 1), max(depth, 1), n_max)
 
     @abstractmethod
     def make_policy(self) -> ExpansionPolicy:

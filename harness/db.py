@@ -96,6 +96,7 @@ class Cell(Base):
     l_max: Mapped[int] = mapped_column(Integer)  # the prompt cap L_max (column prompt_cap before revision 0006)
     gen_length: Mapped[int] = mapped_column(Integer)
     decoder: Mapped[str] = mapped_column(String(200))
+    family: Mapped[str | None] = mapped_column(String(20))  # the decoder's declared family: ar|chain|tree|external
     label: Mapped[str] = mapped_column(String(300))
     decoder_version: Mapped[str] = mapped_column(String(100))
     decoder_distribution: Mapped[str] = mapped_column(String(200))

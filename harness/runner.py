@@ -236,7 +236,7 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name,
+                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name, family=cp.cls.family,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
                 sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,

@@ -97,7 +97,7 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
                       html_file=html_file, alpha=alpha, include_partial=include_partial)
     if not (compare or tables or files):
         cell_report(sessions, run_ids[0] if run_ids else None, fmt)
-        from dtbench.reports.tuning import print_tuning_line  # runs comparing DynaTree settings: name the best
+        from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
 
         print_tuning_line(sessions, run_ids[0] if run_ids else None, _note)
 

@@ -17,6 +17,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
 from dtbench.harness import curves as curves_mod
 from dtbench.harness import measure, registry
@@ -355,7 +356,7 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
         assert where["pid"] == os.getpid() and where["device"] == "cpu" and where["batch"] == curves_mod.load_curves(
             s, run).batch
         cell = s.query(db.Cell).filter_by(decoder="dynatree").one()
-        assert isinstance(cell.params["n_max"], int) and 1 <= cell.params["n_max"] <= cal.AUTO_SEARCH_MAX
+        assert isinstance(cell.params["n_max"], int) and 1 <= cell.params["n_max"] <= N_MAX_AUTO_CEILING
     result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
     assert result.exit_code == 0, result.output
     cells = {c["label"]: c for c in json.loads(result.output)["cells"]}
