@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup demo test report clean
+.PHONY: setup demo test report clean wheelhouse gpu-check
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,30 @@ report: setup
 
 test: setup
 	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q
+
+# --- On a GPU node without network (README) --------------------------------------------------------------------
+# `make wheelhouse` (on a machine with network, after `make setup`): every runtime and test dependency as wheels in
+# .whl/, pinned to the versions of $(VENV), torch left out. For a node's Python and platform:
+#   make wheelhouse WHEEL_PYTHON=3.12 WHEEL_PLATFORM=manylinux_2_28_x86_64 [WHEEL_TORCH=torch==2.5.1]
+WHEEL_PYTHON ?=
+WHEEL_PLATFORM ?=
+WHEEL_TORCH ?=
+wheelhouse: setup
+	$(PY) -m pip install -q -e '.[test,postgres,ray,energy]'
+	python3 cli/offline.py wheelhouse --python $(PY) --dest .whl \
+	  $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON)) $(foreach p,$(WHEEL_PLATFORM),--platform $(p)) \
+	  $(if $(WHEEL_TORCH),--torch $(WHEEL_TORCH))
+
+# `make gpu-check`: without an NVIDIA GPU, one line and exit 0, nothing installed or run. With one: a venv on top of
+# the node's torch ($(GPU_PYTHON) with --system-site-packages; torch pinned, never replaced), dtbench installed from
+# .whl/ with --no-index when it exists, then `dtbench doctor` (cuda tests, fp16 slice of paper-cpu, gpu-check.json).
+GPU_PYTHON ?= python3
+GPU_VENV ?= .venv-gpu
+gpu-check:
+	@if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then \
+	  echo "gpu-check: no NVIDIA GPU visible (nvidia-smi lists none): nothing to check"; exit 0; fi; \
+	set -e; $(GPU_PYTHON) cli/offline.py install --venv $(GPU_VENV) --wheelhouse .whl --base-python $(GPU_PYTHON); \
+	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(GPU_VENV)/bin/dtbench doctor --out gpu-check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import click
 from rich.console import Console
 
+from dtbench.harness.bounds import CalibrationSeconds, Checked
 from dtbench.harness.errors import DtbenchError
 
 from dtbench.harness.calibrate import Settings, calibrate, contexts_of, store
@@ -22,9 +23,9 @@ from dtbench.harness.curves import Curves
                                      "default sqlite:///results.db]")
 @click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
               help="local dataset folder (the cache is filled with the suite's first prompt) [env DTBENCH_DATA_DIR]")
-@click.option("--min-time", type=click.FloatRange(0, min_open=True), default=Settings.min_time_s, show_default=True,
+@click.option("--min-time", type=Checked(CalibrationSeconds, "SECONDS"), default=Settings.min_time_s, show_default=True,
               help="seconds each point is timed at least")
-@click.option("--max-time", type=click.FloatRange(0, min_open=True), default=Settings.max_time_s, show_default=True,
+@click.option("--max-time", type=Checked(CalibrationSeconds, "SECONDS"), default=Settings.max_time_s, show_default=True,
               help="seconds after which a point stops even if its median is not yet stable")
 @click.option("--min-repeats", type=click.IntRange(1), default=Settings.min_repeats, show_default=True,
               help="forwards each point is timed at least")
@@ -66,7 +67,8 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
                         grown_cache=not prompt_cache_only)
     points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
     batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
-    console.print(f"stored {len(points)} calibration points (batch {batch}) in {engines.resolve_url(db_url)}",
+    where = engines.display_url(engines.resolve_url(db_url))
+    console.print(f"stored {len(points)} calibration points (batch {batch}) in {where}",
                   highlight=False)
     for line in summary_lines(Curves(points)):
         click.echo(line)

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtbench.cli.db import db_group
+from dtbench.harness.bounds import Checked, OpenProbability, Seconds
 from dtbench.harness.errors import DtbenchError, clip
 
 # Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
@@ -25,10 +26,11 @@ EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
 EXIT_INTERRUPTED = 130
 RUN_EXIT_CODES = f"""\b
 Exit codes:
-  {EXIT_OK}    every cell ran and every lossless decoder reproduced its reference
+  {EXIT_OK}    every cell ran and every lossless decoder passed the lossless check (numeric ties pass tie_aware)
   {EXIT_INTERNAL}    internal error, or the runner itself failed (the run is stored as failed; --resume continues)
   {EXIT_BAD_INPUT}    bad input (suite, data, models, database); nothing was run
-  {EXIT_DIVERGED}    a lossless decoder's output diverged from its reference on some prompt
+  {EXIT_DIVERGED}    a lossless decoder failed the check on some prompt (warmup included): under tie_aware an
+       emitted token the target does not choose (an error, never a numeric tie), under exact any divergence
   {EXIT_CELL_FAILED}    a cell failed (a decoder raised, exited or timed out)
   {EXIT_DIVERGED_AND_FAILED}    both {EXIT_DIVERGED} and {EXIT_CELL_FAILED}
   {EXIT_INTERRUPTED}  interrupted (Ctrl-C, SIGTERM); --resume continues
@@ -112,8 +114,10 @@ def cli() -> None:
 @click.option("--threads-per-worker", type=click.IntRange(min=1), default=None, metavar="M",
               help="torch threads of each worker (ray: also the CPUs it reserves; default 1); with --executor local, "
                    "this process's torch threads [default: torch's]")
+@click.option("--connect-timeout", type=Checked(Seconds, "SECONDS"), default=30.0, show_default=True,
+              help="--executor ray: seconds to wait for the cluster at --address (or $RAY_ADDRESS) to answer")
 def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress, no_report, executor, address, workers,
-        threads_per_worker) -> None:
+        threads_per_worker, connect_timeout) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
     Each sample is committed as soon as it is measured: Ctrl-C keeps everything measured so far
@@ -126,7 +130,8 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     from dtbench.harness.runner import make_executor, run_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
-    chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker)
+    chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker,
+                           connect_timeout_s=connect_timeout)
     suite, text = load_suite(suite_path)
     sessions = db.connect(db_url)
     if resume_latest and resume is None:
@@ -140,14 +145,14 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     console = Console(stderr=True)
     run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
                        console=console, progress=not no_progress, executor=chosen)
-    console.print(f"run {run_id} stored in {engines.resolve_url(db_url)}")
+    console.print(f"run {run_id} stored in {engines.display_url(engines.resolve_url(db_url))}", highlight=False)
     if not no_report:
         from dtbench.reports.command import cell_report
 
         cell_report(sessions, run_id, "table")
     code = run_exit_code(sessions, run_id)
     if code:
-        console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged from its reference",
+        console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged (an error, not a numeric tie)",
                                                EXIT_CELL_FAILED: "a cell failed",
                                                EXIT_DIVERGED_AND_FAILED: "a lossless decoder diverged and a cell "
                                                                          "failed"}[code])
@@ -158,8 +163,9 @@ run.help = inspect.cleandoc(run.help or "") + "\n\n" + RUN_EXIT_CODES
 
 
 def run_exit_code(sessions, run_id: int) -> int:
-    """EXIT_DIVERGED if a lossless cell has a sample that diverged (warmup included), EXIT_CELL_FAILED if a cell
-    failed, EXIT_DIVERGED_AND_FAILED for both, else EXIT_OK."""
+    """EXIT_DIVERGED if a lossless cell has a sample whose verdict failed (``samples.lossless`` false under the suite's
+    ``lossless_check``: an error for tie_aware, any divergence for exact; warmup included), EXIT_CELL_FAILED if a
+    cell failed, EXIT_DIVERGED_AND_FAILED for both, else EXIT_OK."""
     from sqlalchemy import exists, select
 
     from dtbench.harness import db
@@ -184,7 +190,7 @@ def run_exit_code(sessions, run_id: int) -> int:
 @click.option("--compare", is_flag=True,
               help="alone: speedup vs AR with a paired t CI on per-prompt ratios ('n too small' below 5 prompts after "
                    "warmup); with BEFORE AFTER run ids: a run-to-run comparison")
-@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05, show_default=True,
+@click.option("--alpha", type=Checked(OpenProbability, "ALPHA"), default=0.05, show_default=True,
               help="significance level: Mann-Whitney U for run-to-run marks and gates; CI level 1-alpha for speedups")
 @click.option("--only-changed", is_flag=True, help="run-to-run: hide cells marked 'not significant' or 'still failing'")
 @click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC:THRESHOLD",
@@ -303,6 +309,9 @@ cli.add_command(db_group)  # dtbench db upgrade|current (cli/db.py)
 from dtbench.cli.calibrate import calibrate_command  # noqa: E402
 
 cli.add_command(calibrate_command)
+from dtbench.cli.doctor import doctor_command  # noqa: E402
+
+cli.add_command(doctor_command)  # dtbench doctor (make gpu-check)
 
 
 def main() -> None:

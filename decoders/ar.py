@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, eos_ids, next_token
 
 
 class ARParams(DecoderParams):
@@ -18,7 +18,8 @@ class Autoregressive(Decoder):
     """AR decoding: one target forward per token (paper section 4.3, "Autoregressive (AR)"); greedy, or sampled
     from the target's processed distribution when the suite samples.
 
-    Each Step commits exactly one token; the first Step is the prefill (its time is the TTFT).
+    Each Step commits exactly one token; the first Step is the prefill (its time is the TTFT). With
+    ``eos_token_id`` set it stops after the first EOS.
     """
 
     Params = ARParams
@@ -33,10 +34,13 @@ class Autoregressive(Decoder):
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        eos = eos_ids(self.eos_token_id)
         cache, logits = kv.prefill(self.target, input_ids)
         token = next_token(logits, self.sampling, self.generator)
         yield Step(tokens=(token,))
         for _ in range(max_new_tokens - 1):
+            if token in eos:
+                return
             logits = kv.forward(self.target, [token], cache)
             token = next_token(logits[-1], self.sampling, self.generator)
             yield Step(tokens=(token,))

@@ -108,7 +108,7 @@ class StrictBools(BaseModel):
 class DecoderParams(StrictBools):
     """Base for every decoder's hyperparameters: frozen, unknown keys rejected, booleans never taken as numbers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no NaN/inf in any float param
 
 
 Family = Literal["ar", "chain", "tree", "external"]
@@ -147,6 +147,10 @@ class Decoder(ABC):
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
     sampling: Any = None  # SamplingSettings | None
     generator: torch.Generator | None = None  # the sample's own seeded generator (no global RNG state)
+    # Set by the runner when the workload stops at EOS (``stop_at_eos: true``): the target's EOS id(s). None: EOS is an
+    # ordinary token and exactly T tokens are generated (the paper's fixed-T protocol). The shared loops
+    # (speculate_chain, speculate_tree, ar, the transformers decoders) end at the first EOS through cut_at_eos.
+    eos_token_id: int | tuple[int, ...] | None = None
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, params: DecoderParams):
         """Bind the models and validated params.
@@ -171,6 +175,15 @@ class Decoder(ABC):
 
         Only asked when ``supports_sampling`` is True; a decoder whose sampling is lossless only for some params
         overrides it (the plan refuses such a cell before any model loads).
+        """
+        return None
+
+    def state_stats(self) -> dict[str, int] | None:
+        """The size of the state the decoder built during its last ``generate()`` call, or None (no such state).
+
+        Read by the runner once the sample is measured and stored with it (``samples.step_stats["state"]``):
+        e.g. Token Recycling's adjacency matrix bytes, Lookahead's n-gram pool, a retrieval datastore. Keys name
+        the quantity with its unit (``*_bytes``, ``*_tokens``, ``*_ngrams``); values are ints.
         """
         return None
 
@@ -202,16 +215,51 @@ class Decoder(ABC):
 
     @abstractmethod
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        """Greedily generate exactly ``max_new_tokens`` new tokens, ignoring EOS.
+        """Generate ``max_new_tokens`` new tokens, or fewer when ``self.eos_token_id`` is set and EOS comes first.
 
         Args:
             input_ids: prompt token ids, shape (1, prompt_len), dtype int64, on the target's device.
-            max_new_tokens: T, the number of tokens to generate (>= 1).
+            max_new_tokens: T, the number of tokens to generate (>= 1); with ``eos_token_id`` set, the most.
 
         Yields:
             One :class:`Step` per target verification. The committed tokens of all steps, concatenated,
-            are the generated continuation; the runner keeps the first T and stops iterating then.
+            are the generated continuation; the runner keeps the first T (and nothing after the first EOS when
+            ``eos_token_id`` is set, see :func:`cut_at_eos`) and stops iterating then.
         """
+
+
+def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset[int]:
+    """The set of EOS ids of ``eos_token_id`` (an id, a sequence of ids as in ``generation_config``, or None: empty)."""
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset((eos_token_id,))
+    return frozenset(int(t) for t in eos_token_id)
+
+
+def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
+    """``step`` with every token after its first EOS removed, and whether it held an EOS (generation ends then).
+
+    The one place a decoding loop stops at EOS (DESIGN.md "Decoder contract"): a draft chain or a tree path that
+    crosses EOS is cut right after it, so no token after EOS is emitted or counted. ``accepted`` is capped at the
+    tokens kept (a cut inside the accepted drafts keeps only drafts and no bonus token); ``drafted``/``depth``
+    stay what the target verified.
+
+    Args:
+        step: a Step of committed tokens.
+        eos: the EOS ids (:func:`eos_ids`); empty: the step is returned unchanged.
+
+    Returns:
+        (the step, cut after its first EOS if any; True if it held an EOS).
+    """
+    if not eos:
+        return step, False
+    for i, token in enumerate(step.tokens):
+        if token in eos:
+            tokens = step.tokens[:i + 1]
+            return Step(tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)),
+                        depth=step.depth), True
+    return step, False
 
 
 def greedy_token(logits: torch.Tensor) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Step, greedy_token, next_token, verify_chain
+from dtbench.decoders.base import Step, cut_at_eos, eos_ids, greedy_token, next_token, verify_chain
 from dtbench.decoders.sampling import sample, verify_chain_sampled
 
 
@@ -140,7 +140,8 @@ class DraftModelProposer(Proposer):
 
 
 def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
-                    k: int, sampling=None, generator: torch.Generator | None = None) -> Iterator[Step]:
+                    k: int, sampling=None, generator: torch.Generator | None = None,
+                    eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
     """Chain speculative decoding (Leviathan et al. 2023; paper section 4.3): greedy verification, or speculative
     sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
 
@@ -156,14 +157,19 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         k: the largest draft chain per iteration (K).
         sampling, generator: :class:`~dtbench.decoders.sampling.SamplingSettings` and the sample's generator; None
             for greedy decoding (bit-identical to the greedy-only loop).
+        eos_token_id: the decoder's ``eos_token_id``: when set, generation ends with the first EOS committed, even
+            inside the accepted drafts (:func:`~dtbench.decoders.base.cut_at_eos`); None: EOS is ignored.
 
     Yields:
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
-        drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed.
+        drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed (the last Step cut after EOS).
     """
     proposer.sampling, proposer.generator = sampling, generator
+    eos = eos_ids(eos_token_id)
     pending = next_token(target.prefill(input_ids), sampling, generator)
     yield Step(tokens=(pending,))
+    if pending in eos:
+        return
     proposer.begin(input_ids[0].tolist(), pending)
     produced = 1
     while produced < max_new_tokens:
@@ -179,4 +185,7 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         pending = committed[-1]
         produced += len(committed)
         n = len(drafts)
-        yield Step(tokens=committed, drafted=n, accepted=accepted, depth=n)
+        step, ended = cut_at_eos(Step(tokens=committed, drafted=n, accepted=accepted, depth=n), eos)
+        yield step
+        if ended:
+            return

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -40,6 +42,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
 )
 
+from dtbench.decoders.base import Decoder
 from dtbench.decoders.tree_structure import attention_mask_kind, tree_attention_mask
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,6 +113,45 @@ def _cached(target: nn.Module, key: tuple, build):
     if key not in per_target:
         per_target[key] = build()
     return per_target[key]
+
+
+class HeadDecoder(Decoder):
+    """Base of the decoders that draft with a learned head on the target's features (``medusa``, ``eagle``).
+
+    Capabilities: family ``tree`` (verification in the one tree loop, greedy); no draft model (the loaded head
+    is the decoder's ``draft`` module, so the runner counts and times its forwards as draft forwards); lossless;
+    greedy only (a suite that samples is refused before any model loads). Subclasses set :attr:`load_head` and
+    declare ``verify_sizes``.
+
+    Attributes:
+        load_head: ``(head, target) -> nn.Module``, the loader of the subclass's published format (cached per
+            target, raising a one-line ValueError for a head that does not fit).
+    """
+
+    family: ClassVar[str] = "tree"
+    needs_draft = False
+    lossless = True
+    supports_sampling = False
+    load_head: ClassVar[Callable[[str, nn.Module], nn.Module]]
+
+    def __init__(self, target, draft, params):
+        """Load the head named by ``params.head`` for ``target``.
+
+        Raises:
+            ValueError: missing or malformed head files, or a head whose sizes do not fit the target (one line
+                naming both sizes; before anything is timed).
+        """
+        super().__init__(target, None, params)
+        self.draft = self.load_head(params.head, target)
+
+    @classmethod
+    def check_target(cls, params, target: nn.Module) -> None:
+        """Load the head for ``target`` when the run's models are loaded (the worker calls it before any sample).
+
+        Raises:
+            ValueError: as :meth:`__init__` (one line, both sizes).
+        """
+        cls.load_head(params.head, target)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -265,14 +307,17 @@ class EagleHead(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
                 ancestors: torch.Tensor, past_key_values) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head forward over n (feature, token) pairs appended after its cache.
+        """One head forward over n (feature, token) pairs appended after its cache (cnets ``Model.forward``).
 
         Args:
-            input_ids: (1, n) int64 tokens; token i is the one that follows the position of feature i.
+            input_ids: (1, n) int64 target-vocabulary tokens; token i is the one that follows the position of
+                feature i (EAGLE's pairing: feature of position t with token t + 1).
             features: (1, n, F) target features (F = 3 h_t for EAGLE-3 target features, else h) or the head's
                 own outputs (h) when drafting deeper levels.
-            position_ids: (1, n) int64 positions of the tokens.
-            ancestors: (n, n) bool, which of the n fed positions each attends to besides the cache.
+            position_ids: (1, n) int64 positions (the position of each pair's feature).
+            ancestors: (n, k) bool, k >= n: which of the last k positions of [cache, fed] each fed position
+                attends to (the n fed positions are the last n); every position before those k is visible to all.
+                A causal block for committed pairs, the tree's ancestor rows when drafting.
             past_key_values: the head's ``DynamicCache`` (grows by n).
 
         Returns:
@@ -285,7 +330,7 @@ class EagleHead(nn.Module):
                 features = self.fc(features)
         else:
             features = self.fc(torch.cat((emb, features), dim=-1))
-        prefix = past_key_values.get_seq_length()
+        prefix = past_key_values.get_seq_length() + input_ids.shape[-1] - ancestors.shape[-1]
         mask = tree_attention_mask(ancestors, prefix, self.kind, features.dtype)
         pe = self.rotary(features, position_ids)
         hidden = self.layer(emb, features, pe, mask, past_key_values)
@@ -293,8 +338,11 @@ class EagleHead(nn.Module):
         return hidden, torch.log_softmax(logits[0].float(), dim=-1)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids -> target ids (EAGLE-3: ``id + d2t[id]``; identity otherwise)."""
-        return ids + self.d2t[ids] if self.version == 3 else ids
+        """Draft-vocabulary ids -> target ids: EAGLE-3 with a reduced draft vocabulary ``id + d2t[id]``, identity
+        otherwise (as cnets.py, which skips d2t when ``draft_vocab_size == vocab_size``)."""
+        if self.version == 3 and self.config.draft_vocab_size != self.config.vocab_size:
+            return ids + self.d2t[ids]
+        return ids
 
 
 def eagle_version(cfg: dict) -> int:
@@ -324,6 +372,8 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
         own_embedding = "embed_tokens.weight" in sd
         if not own_embedding or version == 1:
             _fits("hidden size", int(config.hidden_size), t_hidden, head)
+        if "target_hidden_size" in cfg:  # EAGLE-3 heads narrower than their target
+            _fits("target_hidden_size", int(cfg["target_hidden_size"]), t_hidden, head)
         fc_in = (3 if version == 3 else 2) * (t_hidden if version == 3 else int(config.hidden_size))
         _fits("fc input size", int(sd["fc.weight"].shape[1]), fc_in, head)
         if version == 3:
@@ -342,10 +392,18 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
                   "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
         expected = {k for k in module.state_dict() if not k.startswith("rotary.")}
         unknown, absent = sorted(sd.keys() - expected), sorted(expected - sd.keys())
+        if version == 3:  # the reference loads EAGLE-3 heads with strict=False: extra tensors are ignored
+            unknown = [k for k in unknown if k.startswith("layers.")]
+            sd = {k: v for k, v in sd.items() if k in expected}
         if unknown or absent:
             raise ValueError(f"head {head}: weights do not match the EAGLE-{'3' if version == 3 else '1/2'} layout "
                              f"(unexpected {unknown[:4]}, missing {absent[:4]})")
-        module.load_state_dict(sd, strict=False)
-        return module.to(dtype=target.dtype, device=target.device).eval()
+        try:
+            module.load_state_dict(sd, strict=False)
+        except RuntimeError as exc:  # a tensor shaped unlike its config.json says
+            raise ValueError(f"head {head}: {' '.join(str(exc).split())[:300]}") from None
+        module = module.to(dtype=target.dtype, device=target.device).eval()
+        module.rotary = LlamaRotaryEmbedding(config).to(target.device)  # inv_freq stays float32, as the reference
+        return module
 
     return _cached(target, ("eagle", str(head)), build)

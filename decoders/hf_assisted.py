@@ -50,7 +50,7 @@ from pydantic import Field
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
 
 _ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -147,18 +147,24 @@ class _StreamedGenerate(Decoder):
 
         Args:
             input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
-            max_new_tokens: T; exactly T tokens are generated (EOS ignored).
+            max_new_tokens: T; exactly T tokens are generated (EOS ignored), or with ``eos_token_id`` set, T at
+                most: generate() stops at EOS itself and a verification that accepted tokens past EOS is cut
+                after it (:func:`~dtbench.decoders.base.cut_at_eos`), which ends the call.
 
         Raises:
             Whatever ``generate`` raised (it propagates out of the greenlet into this generator).
         """
         bridge = _Bridge()
+        eos = eos_ids(self.eos_token_id)
         call = greenlet(lambda: self._work(bridge, input_ids, max_new_tokens))
         try:
             message = call.switch()
             while not call.dead:
                 _, payload, drafted = message
-                yield self._step(tuple(payload.view(-1).tolist()), drafted)
+                step, ended = cut_at_eos(self._step(tuple(payload.view(-1).tolist()), drafted), eos)
+                yield step
+                if ended:
+                    return
                 message = call.switch()
         finally:
             bridge.stop.set()
@@ -166,7 +172,8 @@ class _StreamedGenerate(Decoder):
                 call.switch()
 
     def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """The greenlet's body: generate() of exactly T tokens (EOS ignored) with the subclass's settings."""
+        """The greenlet's body: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
+        at EOS) with the subclass's settings."""
         target = self.target
         pad = target.generation_config.pad_token_id
         if pad is None:
@@ -174,6 +181,7 @@ class _StreamedGenerate(Decoder):
         if pad is None:
             pad = 0
         settings = dict(_NEUTRAL, do_sample=False)
+        stop = None if self.eos_token_id is None else sorted(eos_ids(self.eos_token_id))
         if self.sampling is not None:
             # transformers samples from the global torch RNG: seed it from this sample's own generator, so a
             # seeded run is reproducible (the only global RNG use in dtbench, inside this call).
@@ -186,8 +194,8 @@ class _StreamedGenerate(Decoder):
                 attention_mask=torch.ones_like(input_ids),
                 num_beams=1,
                 max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                eos_token_id=None,
+                min_new_tokens=max_new_tokens if stop is None else None,
+                eos_token_id=stop,
                 pad_token_id=pad,
                 streamer=bridge,
                 stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
@@ -197,7 +205,20 @@ class _StreamedGenerate(Decoder):
 
 
 class HFGenerateParams(DecoderParams):
-    """transformers' greedy ``generate`` has no hyperparameters here (greedy, EOS ignored, penalties off)."""
+    """transformers' ``generate`` (greedy or sampled, penalties off): plain decoding by default; with
+    ``prompt_lookup_num_tokens``, transformers' own prompt lookup decoding (``PromptLookupCandidateGenerator``),
+    the peer of the built-in ``ngram`` (issue 22).
+
+    Attributes:
+        prompt_lookup_num_tokens: candidate tokens copied after an n-gram match per iteration (None: plain
+            decoding, one Step per token).
+        max_matching_ngram_size: longest n-gram matched (transformers' default, 2, when None).
+    """
+
+    prompt_lookup_num_tokens: int | None = Field(None, ge=1, le=128, description="transformers' prompt lookup: "
+                                                 "candidate tokens per iteration (None: plain generate)")
+    max_matching_ngram_size: int | None = Field(None, ge=1, le=64, description="prompt lookup's longest n-gram "
+                                                "(None: transformers' default, 2)")
 
 
 class HFGenerate(_StreamedGenerate):
@@ -212,6 +233,24 @@ class HFGenerate(_StreamedGenerate):
     lossless = True
     supports_sampling = True  # generate(do_sample=True, temperature, top_k, top_p): the reference for ar's sampling
     family = "external"  # transformers' own decoding loop
+
+    def _lookup(self) -> bool:
+        return self.params.prompt_lookup_num_tokens is not None
+
+    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+        if not self._lookup():
+            return {}
+        p = self.params
+        extra = {} if p.max_matching_ngram_size is None else {"max_matching_ngram_size": p.max_matching_ngram_size}
+        return {"prompt_lookup_num_tokens": p.prompt_lookup_num_tokens, **extra}
+
+    def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
+        if not self._lookup():
+            return Step(tokens=tokens)
+        return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
+
+    def _around_call(self, bridge: _Bridge):
+        return _counting_candidates(self.target, bridge) if self._lookup() else super()._around_call(bridge)
 
 
 class HFAssisted(_StreamedGenerate):
@@ -262,20 +301,6 @@ class HFAssisted(_StreamedGenerate):
         """Count candidates per iteration and give the draft a clean generation config, both undone afterwards."""
         target, draft = self.target, self.draft
         saved_config = draft.generation_config
-        original = type(target)._get_candidate_generator
-
-        def get_candidate_generator(*args, **kwargs):
-            generator = original(target, *args, **kwargs)
-            inner = generator.get_candidates
-
-            def get_candidates(ids, *a, **kw):
-                candidates, logits = inner(ids, *a, **kw)
-                bridge.drafted = candidates.shape[1] - ids.shape[1]
-                return candidates, logits
-
-            generator.get_candidates = get_candidates
-            return generator
-
         pad = target.generation_config.pad_token_id
         pad = pad if pad is not None else getattr(target.config, "pad_token_id", None) or 0
         try:
@@ -286,8 +311,32 @@ class HFAssisted(_StreamedGenerate):
                 **{name: getattr(self.params, name) for name in _ASSISTANT_SETTINGS},
                 eos_token_id=None, pad_token_id=pad, do_sample=False, num_beams=1,
             )
-            target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
-            yield
+            with _counting_candidates(target, bridge):
+                yield
         finally:
-            target.__dict__.pop("_get_candidate_generator", None)
             draft.generation_config = saved_config
+
+
+@contextmanager
+def _counting_candidates(target: torch.nn.Module, bridge: _Bridge):
+    """For the call: wrap the candidate generator's ``get_candidates`` so ``bridge.drafted`` holds each iteration's
+    candidate count (assisted generation and prompt lookup alike); the wrapper is removed afterwards."""
+    original = type(target)._get_candidate_generator
+
+    def get_candidate_generator(*args, **kwargs):
+        generator = original(target, *args, **kwargs)
+        inner = generator.get_candidates
+
+        def get_candidates(ids, *a, **kw):
+            candidates, logits = inner(ids, *a, **kw)
+            bridge.drafted = candidates.shape[1] - ids.shape[1]
+            return candidates, logits
+
+        generator.get_candidates = get_candidates
+        return generator
+
+    try:
+        target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
+        yield
+    finally:
+        target.__dict__.pop("_get_candidate_generator", None)

@@ -41,4 +41,4 @@ class LinearSpeculative(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         yield from speculate_chain(KVTarget(self.target), DraftModelProposer(self.draft), input_ids, max_new_tokens,
-                                   self.params.k, self.sampling, self.generator)
+                                   self.params.k, self.sampling, self.generator, self.eos_token_id)

@@ -18,8 +18,8 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.heads import MedusaHeads, load_medusa
+from dtbench.decoders.base import DecoderParams, Step
+from dtbench.decoders.heads import HeadDecoder, MedusaHeads, load_medusa
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
 
@@ -116,24 +116,17 @@ class MedusaParams(DecoderParams):
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
 
-class Medusa(Decoder):
+class Medusa(HeadDecoder):
     """Medusa-1 decoding: static tree from learned heads, greedy verification in the one tree loop; lossless.
 
-    Capabilities: family ``tree``; verify sizes (0 chain tokens, root + tree nodes masked); no sampling (typical
-    acceptance is lossy, and Medusa-1's rejection sampling is not implemented: a suite that samples is refused).
-    The heads' forward runs as the decoder's ``draft`` module, so the runner counts and times it as a draft forward.
+    Capabilities (:class:`~dtbench.decoders.heads.HeadDecoder`): family ``tree``; verify sizes (0 chain tokens,
+    root + tree nodes masked); no sampling (typical acceptance is lossy, and Medusa-1's rejection sampling is not
+    implemented: a suite that samples is refused). The heads' forward is the decoder's draft forward.
     """
 
     Params = MedusaParams
-    family = "tree"
-    needs_draft = False
-    lossless = True
-    supports_sampling = False
     version = "1"
-
-    def __init__(self, target, draft, params: MedusaParams):
-        super().__init__(target, None, params)
-        self.draft = load_medusa(params.head, target)
+    load_head = staticmethod(load_medusa)
 
     @classmethod
     def choices_of(cls, params: MedusaParams) -> list[list[int]]:
@@ -149,7 +142,7 @@ class Medusa(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         drafter = MedusaDrafter(self.draft, self.choices_of(self.params), self.target.config.num_hidden_layers)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, self.params.cache_strategy,
-                                  tree_root="pending")
+                                  tree_root="pending", eos_token_id=self.eos_token_id)
 
 
 __all__ = ["MC_SIM_7B_63", "Medusa", "MedusaDrafter", "MedusaParams", "Step", "static_tree"]

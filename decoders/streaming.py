@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, eos_ids, next_token
 from dtbench.decoders.chain import ChainTarget, DraftModelProposer, speculate_chain
 from dtbench.decoders.streaming_kv import (  # noqa: F401  (re-exported for tests and plugins)
     PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, Rope,
@@ -80,12 +80,15 @@ class StreamingAR(Decoder):
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        eos = eos_ids(self.eos_token_id)
         state = StreamingKV(self.target, self.params.sinks, self.params.window)
         logits, _ = state.forward(input_ids[0].tolist(), last_only=True)
         state.enforce_budget()
         token = next_token(logits[-1], self.sampling, self.generator)
         yield Step(tokens=(token,))
         for _ in range(max_new_tokens - 1):
+            if token in eos:
+                return
             logits, _ = state.forward([token])
             state.enforce_budget()
             token = next_token(logits[-1], self.sampling, self.generator)
@@ -129,7 +132,8 @@ class StreamingSpeculative(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         S, R = self.params.sinks, self.params.window
         yield from speculate_chain(StreamingTarget(self.target, S, R), StreamingDraftProposer(self.draft, S, R),
-                                   input_ids, max_new_tokens, self.params.k, self.sampling, self.generator)
+                                   input_ids, max_new_tokens, self.params.k, self.sampling, self.generator,
+                                   self.eos_token_id)
 
 
 class StreamingTarget(ChainTarget):

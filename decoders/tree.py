@@ -61,15 +61,16 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
-from dtbench.decoders.base import Decoder, DecoderParams, Step, next_token
+from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree_draft import (  # noqa: F401
     SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, check_draft_options,
     draft_tree,
 )
 from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)
-    CacheStrategy, DraftStrategy, MaskKind, Prune, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
+    CacheStrategy, DraftStrategy, MaskKind, Prune, SideBranch, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
     attention_mask_kind, bfs_order, root_offset, select_path, tree_attention_mask, tree_capacity, tree_position_ids,
+    with_side_branch,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -93,26 +94,34 @@ def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: Mask
 
 
 def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind,
-                hidden_layers: tuple[int, ...] | None = None):
+                hidden_layers: tuple[int, ...] | None = None, side: SideBranch | None = None):
     """The target forward of :func:`tree_predictions`, returning its logits: (size, vocab) in the target's dtype,
     row u the target's logits of the token after the path to u. The cache grows by ``size`` positions.
     With ``hidden_layers`` (a :class:`TreeDrafter`'s), the pair (logits, features (size, F)) from the same forward
-    (:func:`kv.forward`)."""
+    (:func:`kv.forward`). With a ``side`` branch (m tokens, :class:`SideBranch`), its tokens are fed after the tree
+    in the same forward (:func:`with_side_branch`): logits and features get m more rows and the cache m more
+    positions, after the tree's."""
     n = tree.size
     prefix_len = kv.cache_len(cache)
     dev = target.device
-    tokens = tree.tokens[:n].to(dev).unsqueeze(0)
-    if n == 1:  # root only: a plain causal step
-        return kv.forward(target, tokens, cache, hidden_layers=hidden_layers)
-    mask = tree_attention_mask(tree.ancestors().to(dev), prefix_len, kind, target.dtype)
-    return kv.forward(target, tokens, cache, position_ids=tree_position_ids(tree.depths[:n].to(dev), prefix_len),
+    tokens = tree.tokens[:n].to(dev)
+    if side is None and n == 1:  # root only: a plain causal step
+        return kv.forward(target, tokens.unsqueeze(0), cache, hidden_layers=hidden_layers)
+    relation, depths = tree.ancestors().to(dev), tree.depths[:n].to(dev)
+    if side is not None:
+        relation = with_side_branch(relation, side)
+        tokens = torch.cat([tokens, side.tokens.to(dev)])
+        depths = torch.cat([depths, side.offsets.to(dev)])
+    mask = tree_attention_mask(relation, prefix_len, kind, target.dtype)
+    return kv.forward(target, tokens.unsqueeze(0), cache, position_ids=tree_position_ids(depths, prefix_len),
                       attention_mask=mask, hidden_layers=hidden_layers)
 
 
 def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
                    max_new_tokens: int, policy: ExpansionPolicy | TreeDrafter, cache_strategy: CacheStrategy = "compact",
                    draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
-                   prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None) -> Iterator[Step]:
+                   prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None,
+                   eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
     """Tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated), greedy or sampled.
 
     Invariant between iterations: the target cache holds every committed token except the newest
@@ -128,9 +137,10 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         input_ids: (1, prompt_len) int64 prompt.
         max_new_tokens: T >= 1.
         policy: a fresh expansion policy (its state is this call's state), or a fresh :class:`TreeDrafter`
-            (learned heads: ``draft`` unused, may be None; greedy only; the tree is rooted at the pending token
-            whatever ``tree_root`` says; the prefill and each verification forward also return the drafter's
-            target features, which it receives through ``feed_target``).
+            (learned heads, training-free drafters: ``draft`` unused, may be None; greedy only; the tree is rooted at
+            the pending token whatever ``tree_root`` says; the prefill and each verification forward also return
+            the drafter's target features, which it receives through ``feed_target``; each verification forward
+            also feeds its :meth:`~TreeDrafter.side_branch` and hands all its logits to ``feed_logits``).
         cache_strategy: "compact" (1 target forward per iteration) or "rebuild" (2, the paper's).
         draft_strategy: "per_level" or "per_node" (see :func:`draft_tree`).
         tree_root: "paper" (u0 rooted, Algorithm 1 line 10) or "pending" (module docstring).
@@ -140,13 +150,15 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
             from the processed draft distribution (:class:`TreeSampling`) and the tree is verified by recursive
             rejection sampling (:func:`~dtbench.decoders.sampling.verify_tree_sampled`) instead of
             :func:`select_path`; the committed tokens then follow the target's processed distribution exactly.
+        eos_token_id: the decoder's ``eos_token_id``: when set, generation ends with the first EOS committed, even
+            inside the accepted path (:func:`~dtbench.decoders.base.cut_at_eos`); None: EOS is ignored.
 
     Yields:
         First the prefill's token as a Step (TTFT); then one Step per iteration with tokens = committed path
         tokens + bonus, drafted = drafted nodes (u0 included), accepted = committed drafted tokens
         before the bonus (u0 counts when the target accepts it), depth = drafted tokens on the tree's longest
         path (paper root: the deepest node's paper depth + 1, u0 being depth 0; pending root: the deepest
-        node's depth). The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
+        node's depth); the last Step is cut after EOS. The runner counts forwards: 1 target forward per iteration with compact, 2 with rebuild.
 
     Raises:
         ValueError: unknown strategy, tree_root or prune mode, ``prune="skip"`` with sampling, or a model
@@ -160,15 +172,20 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         raise ValueError("a tree drafter drafts greedily; sampling is not supported with it")
     offset = 0 if drafter else root_offset(tree_root)
     t_kind = attention_mask_kind(target)
+    hidden = drafter.hidden_layers if drafter is not None and drafter.hidden_layers else None
     if drafter is None:
         session = DraftSession(draft, input_ids[0].tolist())
+    if hidden is None:
         t_cache, logits = kv.prefill(target, input_ids)
     else:
-        t_cache, logits, features = kv.prefill_features(target, input_ids, drafter.hidden_layers)
+        t_cache, logits, features = kv.prefill_features(target, input_ids, hidden)
     pending = next_token(logits.reshape(-1), sampling, generator)
-    if drafter is not None:
+    if hidden is not None:
         drafter.feed_target(features, input_ids[0, 1:].tolist() + [pending])
     yield Step(tokens=(pending,))
+    eos = eos_ids(eos_token_id)
+    if pending in eos:
+        return
     produced = 1
     while produced < max_new_tokens:
         depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced - 1)
@@ -184,11 +201,15 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         prefix_len = kv.cache_len(t_cache)
         n = tree.size
         if drafter is not None:
-            logits, features = tree_logits(target, t_cache, tree, t_kind, drafter.hidden_layers)
-            pred = torch.argmax(logits, dim=-1).to(tree.device)
+            side = drafter.side_branch()
+            out = tree_logits(target, t_cache, tree, t_kind, hidden, side)
+            logits, features = out if hidden is not None else (out, None)
+            drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
+            pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
             path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
                                           pred)
-            drafter.feed_target(features[path], committed)
+            if hidden is not None:
+                drafter.feed_target(features[path], committed)
         elif sampling is None:
             pred = tree_predictions(target, t_cache, tree, t_kind)
             path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
@@ -209,7 +230,10 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         policy.observe(step)
         pending = committed[-1]
         produced += len(committed)
+        step, ended = cut_at_eos(step, eos)
         yield step
+        if ended:
+            return
 
 
 class TreeParams(DecoderParams):
@@ -301,7 +325,7 @@ class TreeDecoder(Decoder):
         p = self.params
         yield from speculate_tree(self.target, self.draft, input_ids, max_new_tokens, self.make_policy(),
                                   p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune,
-                                  sampling=self.sampling, generator=self.generator)
+                                  sampling=self.sampling, generator=self.generator, eos_token_id=self.eos_token_id)
 
     @classmethod
     def sampling_error(cls, params: DecoderParams) -> str | None:

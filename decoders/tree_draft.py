@@ -20,7 +20,7 @@ from dtbench.decoders.base import Step
 from dtbench.decoders.sampling import SamplingSettings, sample_without_replacement
 
 from dtbench.decoders.tree_structure import (
-    DraftStrategy, Prune, TokenTree, TreeRoot, attention_mask_kind, root_offset, tree_attention_mask,
+    DraftStrategy, Prune, SideBranch, TokenTree, TreeRoot, attention_mask_kind, root_offset, tree_attention_mask,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -332,20 +332,24 @@ class TreeDrafter(ABC):
     forwards the loop already runs, so no extra target forward) and hands the features of the committed
     positions to :meth:`feed_target`; verification, path selection and cache updates are the one tree loop's.
 
+    Training-free drafters (Token Recycling, Lookahead) use the other two hooks instead: :meth:`feed_logits` hands
+    them the verification forward's logits of every fed token, and :meth:`side_branch` lets tokens that are not
+    verified (Lookahead's Jacobi window) ride in that same forward under their own attention pattern.
+
     Attributes:
         hidden_layers: indices into transformers' ``hidden_states`` tuple whose concatenation is the feature
-            (``(num_hidden_layers,)``: the final-normed last hidden state; EAGLE-3: three inner layers).
+            (``(num_hidden_layers,)``: the final-normed last hidden state; EAGLE-3: three inner layers); empty:
+            no features (:meth:`feed_target` is then never called).
         max_breadth: most children of one node (sizes the tree's preallocation with :attr:`n_max`).
         n_max: most drafted nodes per tree.
         depth_limit: most drafted tokens on a root-to-leaf path (the tree is rooted at the pending token).
     """
 
-    hidden_layers: tuple[int, ...]
+    hidden_layers: tuple[int, ...] = ()
     max_breadth: int
     n_max: int
     depth_limit: int
 
-    @abstractmethod
     def feed_target(self, features: torch.Tensor, next_tokens: list[int]) -> None:
         """Take the target's features of newly committed positions.
 
@@ -355,6 +359,22 @@ class TreeDrafter(ABC):
                 positions (next tokens: the prompt shifted by one, then the first generated token), after each
                 verification the committed path's nodes, root first (next tokens: the committed tokens).
             next_tokens: m token ids; the last is the next tree's root (the pending token).
+        """
+
+    def side_branch(self) -> SideBranch | None:
+        """Unverified tokens to feed in the next verification forward, after the tree (None: none; the default).
+        Called once per iteration, after :meth:`draft`."""
+        return None
+
+    def feed_logits(self, tree: TokenTree, logits: torch.Tensor, side_logits: torch.Tensor | None) -> None:
+        """Take the logits of one verification forward (no-op by default); called before path selection's
+        results reach :meth:`observe`.
+
+        Args:
+            tree: the verified tree (``tree.tokens[:tree.size]`` were fed, root first).
+            logits: (tree.size, vocab) target logits (model dtype, target device), row u the logits after the path
+                to node u.
+            side_logits: (m, vocab) logits of this iteration's :meth:`side_branch` tokens, or None without one.
         """
 
     @abstractmethod

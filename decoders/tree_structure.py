@@ -287,6 +287,45 @@ def tree_attention_mask(ancestors: torch.Tensor, prefix_len: int, kind: MaskKind
     return mask[None, None]
 
 
+@dataclass(frozen=True, slots=True)
+class SideBranch:
+    """Tokens that ride in a tree's verification forward without being verified (e.g. Lookahead's Jacobi window).
+
+    Fed after the tree nodes in the same target forward. Every side token attends to the prefix, to the tree's
+    root (the pending token) and to the side tokens ``attends`` allows; no tree node attends to a side token and
+    no side token to a drafted node, so the tree's logits are exactly those of the tree alone. Their logits go
+    back to the drafter (:meth:`~dtbench.decoders.tree_draft.TreeDrafter.feed_logits`); their KV entries are
+    dropped with the rejected nodes (``compact``) or the crop (``rebuild``).
+
+    Attributes:
+        tokens: (m,) int64 token ids.
+        offsets: (m,) int64 position of each token relative to the root's position (>= 1).
+        attends: (m, m) bool, ``attends[i, j]`` True iff side token i attends to side token j (i itself included).
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    attends: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        """m, the number of side tokens."""
+        return int(self.tokens.numel())
+
+
+def with_side_branch(ancestors: torch.Tensor, side: SideBranch) -> torch.Tensor:
+    """The (n + m, n + m) bool attention relation of a tree (``ancestors``, (n, n)) followed by a side branch.
+
+    Block-diagonal except column 0: side tokens also see the root. Pass it to :func:`tree_attention_mask`.
+    """
+    n, m = ancestors.shape[0], side.size
+    rel = torch.zeros((n + m, n + m), dtype=torch.bool, device=ancestors.device)
+    rel[:n, :n] = ancestors
+    rel[n:, 0] = True
+    rel[n:, n:] = side.attends.to(ancestors.device)
+    return rel
+
+
 def tree_position_ids(depths: torch.Tensor, offset: int) -> torch.Tensor:
     """Position ids of tree nodes: offset + depth (paper 3.4; ``offset`` = position of the root).
 

@@ -40,12 +40,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.registry import Registry
 from dtbench.harness.suite import DatasetSpec
 
 DATA_DIR_ENV = "DTBENCH_DATA_DIR"
-_MIN_PROMPT_TOKENS = 16
+MIN_PROMPT_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,8 @@ class Prompt:
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
-    except OSError as exc:
-        raise DtbenchError(f"cannot read {path}: {exc.strerror}") from None
+    raw = read_regular_file(path, MAX_DOCUMENT_BYTES, what="dataset file")
+    return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
 def _split_wikitext(text: str) -> list[tuple[str, str]]:
@@ -134,7 +133,7 @@ def _local_files(files: list[Path]) -> dict[str, Any]:
     """Provenance of local files: their paths and one sha256 over their bytes (in the given order)."""
     digest = hashlib.sha256()
     for f in files:
-        digest.update(f.read_bytes())
+        digest.update(read_regular_file(f, MAX_DOCUMENT_BYTES, what="dataset file"))
     return {"source": "local", "files": [str(f.resolve()) for f in files], "sha256": digest.hexdigest()}
 
 
@@ -185,9 +184,9 @@ def _read_text_file(path: Path) -> str:
         DtbenchError: for an unreadable file, or one that is binary (a NUL byte) or not UTF-8 text.
     """
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise DtbenchError(f"text-files: cannot read {path}: {exc.strerror}") from None
+        raw = read_regular_file(path, MAX_DOCUMENT_BYTES, what="document")
+    except DtbenchError as exc:
+        raise DtbenchError(f"text-files: {exc}") from None
     if b"\0" in raw:
         raise DtbenchError(f"text-files: {path} is not a text document (it holds NUL bytes)")
     try:
@@ -233,7 +232,13 @@ class Dataset(ABC):
     Subclasses implement :meth:`documents`; the suite's dataset entry (:class:`~dtbench.harness.suite.DatasetSpec`:
     ``path``, ``data_dir``, ...) is passed in. Prompt selection and the prompt cap are dtbench's, the same for
     every dataset (:func:`select_prompts`).
+
+    Class attributes:
+        chat: True for question datasets (a chat workload: the suite's ``stop_at_eos`` defaults to true, and its
+            ``chat_template`` to ``auto``); False for raw text continued as it is (the paper's protocol).
     """
+
+    chat: bool = False
 
     @abstractmethod
     def documents(self, spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
@@ -293,6 +298,17 @@ def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
     ds = dataset(spec.name)
     if files:
         ds.check(spec)
+
+
+def stops_at_eos(stop_at_eos: bool | None, spec: DatasetSpec) -> bool:
+    """Whether generation stops at EOS for this dataset entry: the suite's ``stop_at_eos`` when given, otherwise the
+    dataset's own default (:attr:`Dataset.chat`; an unknown dataset name is left to the plan's check: False)."""
+    if stop_at_eos is not None:
+        return stop_at_eos
+    try:
+        return bool(getattr(REGISTRY.get(spec.name), "chat", False))
+    except Exception:  # noqa: BLE001  (an unknown or broken dataset plugin is reported where it is loaded)
+        return False
 
 
 def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> Documents:
@@ -358,7 +374,7 @@ def select_prompts(
         # Tokenizing only a prefix keeps long books cheap: about 6 characters per token is generous.
         ids = tokenizer.encode(text[: l_max * 12 * max(1, n)])
         pieces = [ids[j : j + l_max] for j in range(0, len(ids), l_max)]
-        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= _MIN_PROMPT_TOKENS)]
+        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= MIN_PROMPT_TOKENS)]
         if pieces and skipped < skip:
             skipped += 1
             continue

@@ -105,6 +105,8 @@ class Cell(Base):
     swept: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # its point of that sweep grid
     sampling: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # temperature, top_k, top_p, seed; None: greedy
     lossless_expected: Mapped[bool] = mapped_column(Boolean, default=True)
+    # 0008: the rule of its samples' lossless verdict (exact | tie_aware; harness/lossless.py); NULL before: exact
+    lossless_check: Mapped[str | None] = mapped_column(String(20))
     reference_label: Mapped[str | None] = mapped_column(String(300))
     target_model: Mapped[str] = mapped_column(String(500))
     draft_model: Mapped[str | None] = mapped_column(String(500))
@@ -159,9 +161,27 @@ class Sample(Base):
     output_tokens: Mapped[list[int]] = mapped_column(JSON)
     lossless: Mapped[bool | None] = mapped_column(Boolean)
     first_divergence: Mapped[int | None] = mapped_column(Integer)
+    # 0008, the teacher-forced check of every emitted token (harness/lossless.py; NULL: not checked): output positions
+    # checked, positions classified tie / error, the first error's output position, margins and measured noise in
+    # logits, the check's seconds (outside the timed region), the diagnosed positions (JSON list of dicts)
+    lossless_checked: Mapped[int | None] = mapped_column(Integer)
+    lossless_ties: Mapped[int | None] = mapped_column(Integer)
+    lossless_errors: Mapped[int | None] = mapped_column(Integer)
+    lossless_first_error: Mapped[int | None] = mapped_column(Integer)
+    lossless_error_margin: Mapped[float | None] = mapped_column(Float)
+    lossless_tie_margin: Mapped[float | None] = mapped_column(Float)
+    lossless_noise: Mapped[float | None] = mapped_column(Float)
+    lossless_check_s: Mapped[float | None] = mapped_column(Float)
+    lossless_diagnoses: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     worker_host: Mapped[str | None] = mapped_column(String(255))  # host of the worker that measured it
     device_name: Mapped[str | None] = mapped_column(String(200))  # its device (GPU model, or CPU model and threads)
+    # 0007 (harness/energy.py): joules over the sample (None unless energy_status is "measured"); energy_status:
+    # measured | unavailable | too_short | counter_reset (NULL: measured before energy existed); energy_source: the
+    # counter ("nvml:gpu0", "rapl:package") or why none was readable.
+    energy_j: Mapped[float | None] = mapped_column(Float)
+    energy_status: Mapped[str | None] = mapped_column(String(20))
+    energy_source: Mapped[str | None] = mapped_column(String(200))
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 

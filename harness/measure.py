@@ -3,7 +3,8 @@
 - Clock: ``time.perf_counter`` after synchronizing the device (CUDA work is asynchronous; a step's tokens are
   only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them).
 - :func:`measure`: one decoder on one prompt, a timestamp per Step, forward passes counted by hooks
-  (:class:`ForwardCounter`), peak memory (:mod:`dtbench.harness.memory`), a per-sample time limit.
+  (:class:`ForwardCounter`), peak memory (:mod:`dtbench.harness.memory`), energy (:mod:`dtbench.harness.energy`),
+  a per-sample time limit.
 - Environment: :func:`environment` records versions and hardware with every run; :func:`hardware_flags` what
   decides dtype speed (CPU AVX-512/AMX flags, CUDA compute capability).
 """
@@ -23,6 +24,7 @@ import psutil
 import torch
 
 
+from dtbench.harness.energy import EnergyReading, EnergyTracker
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
 
 
@@ -338,6 +340,8 @@ class Measurement:
         memory: the sample's :class:`MemoryPeak`.
         forward_s: seconds inside the target's and the draft's forward passes (:meth:`ForwardCounter.forward_seconds`;
             the draft None when not counted), None when not measured.
+        state: the decoder's :meth:`~dtbench.decoders.base.Decoder.state_stats` after the sample (None: none).
+        energy: the sample's energy (:class:`~dtbench.harness.energy.EnergyReading`), None when not measured.
     """
 
     tokens: list[int]
@@ -345,6 +349,8 @@ class Measurement:
     records: list[StepRecord]
     memory: MemoryPeak
     forward_s: dict | None = None
+    state: dict | None = None
+    energy: EnergyReading | None = None
 
     @property
     def step_times(self) -> list[float]:
@@ -355,7 +361,9 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
-    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed.
+    committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed, or, when
+    the decoder's ``eos_token_id`` is set (``stop_at_eos``), once the first EOS is committed: the Step holding it is
+    cut after it (:func:`~dtbench.decoders.base.cut_at_eos`, so a third-party loop that runs past EOS is cut too).
     Forward passes of the decoder's target and draft are counted by hooks (:class:`ForwardCounter`).
 
     Args:
@@ -366,21 +374,25 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
         timeout_s: time limit of the whole sample in seconds (None: none).
 
     Raises:
-        DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T.
+        DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T
+            (and before an EOS, when stopping at EOS).
         SampleTimeout: the sample ran past ``timeout_s``.
         Exception: whatever the decoder raises (the runner fails the cell).
     """
     import operator
 
+    from dtbench.decoders.base import Step, cut_at_eos, eos_ids
     from dtbench.harness.errors import DtbenchError
 
+    eos = eos_ids(getattr(decoder, "eos_token_id", None))
+    ended = False
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens: list[int] = []
     steps: list = []
     records: list[StepRecord] = []
     synchronize(device)
     counter = ForwardCounter(decoder.target, decoder.draft)
-    with _Deadline(timeout_s), counter, MemoryTracker(device) as mem:
+    with _Deadline(timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
         last = counter.snapshot()
         start = now()
         gen = decoder.generate(input_ids, gen_length)
@@ -402,14 +414,17 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                     counter.fed_between("target", last[0], snap[0]),
                     None if snap[1] is None else counter.fed_between("draft", last[1], snap[1])))
                 last = snap
+                step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
+                step, ended = cut_at_eos(step, eos) if eos else (step, False)
                 steps.append(step)
-                tokens.extend(ids)
-                if len(tokens) >= gen_length:
+                tokens.extend(step.tokens)
+                if ended or len(tokens) >= gen_length:
                     break
         finally:
             gen.close()
-    if len(tokens) < gen_length:
+    if len(tokens) < gen_length and not ended:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
+    stats = getattr(decoder, "state_stats", None)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds())
+                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading)

@@ -20,7 +20,11 @@ Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
   ``step_stats["target_fed"]`` / ``["draft_fed"]`` list each step's forwards as ``[n, past, flags]`` (tokens fed,
   KV positions before the forward, ``measure.FED_MASK | FED_LAST``), what the cost model prices (samples stored
   before they existed lack them).
-- lossless: the output equals the reference's token for token; otherwise the first divergence is stored.
+- lossless: the output equals the reference's token for token (the ``exact`` rule); otherwise the first divergence is
+  stored. The runner then applies the suite's ``lossless_check`` (harness/lossless.py: under ``tie_aware`` a sample
+  passes when every emitted token is the target's greedy choice up to a numeric tie).
+- energy_j: joules over the sample (:mod:`dtbench.harness.energy`; None when unavailable or too short, with
+  ``energy_status`` saying which); j_per_token = energy_j / T; tokens_per_j = T / energy_j.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ def peak_memory_bytes(row) -> float | None:
     return None
 
 
+def _energy_ratio(row, per_token: bool) -> float | None:
+    """J per token (``per_token``) or tokens per J of a samples row; None without a measured energy."""
+    e, n = row.get("energy_j"), row.get("new_tokens")
+    if e is None or n is None or (isinstance(e, float) and math.isnan(e)) or e <= 0 or not n:
+        return None
+    return e / n if per_token else n / e
+
+
 @dataclass(frozen=True)
 class Metric:
     """One per-prompt metric and how every report shows it.
@@ -60,6 +72,8 @@ class Metric:
         higher_is_better: the good direction for comparisons and gates; None: no direction.
         aliases: other names ``--fail-if`` accepts.
         source: where it is defined (DESIGN.md, the paper), for docs.
+        optional: a table column only where some cell of the table has a value (energy: only where a counter was
+            readable); CSV/JSON always carry it.
     """
 
     name: str
@@ -73,6 +87,7 @@ class Metric:
     higher_is_better: bool | None = None
     aliases: tuple[str, ...] = ()
     source: str = ""
+    optional: bool = False
 
     @property
     def columns(self) -> list[str]:
@@ -123,6 +138,13 @@ METRICS: list[Metric] = [
     Metric("peak_mib", peak_memory_bytes, "Peak mem (MiB)", "MiB", scale=1 / MIB, spec=".0f",
            higher_is_better=False, aliases=("memory", "peak_memory", "mem"),
            source="torch allocator peak on CUDA, process RSS peak on CPU"),
+    # Energy (harness/energy.py): None where no counter was readable or the sample was shorter than its update period.
+    Metric("energy_j", "energy_j", None, "J", spec=".3g", higher_is_better=False, aliases=("energy",), optional=True,
+           source="energy counter increase over the sample (NVML on CUDA, RAPL on CPU), via Zeus"),
+    Metric("j_per_token", lambda row: _energy_ratio(row, per_token=True), "J/token", "J/token", spec=".3g",
+           higher_is_better=False, aliases=("joules_per_token",), optional=True, source="energy_j / T"),
+    Metric("tokens_per_j", lambda row: _energy_ratio(row, per_token=False), "tok/J", "tokens/J", spec=".3g",
+           higher_is_better=True, aliases=("tokens_per_joule",), optional=True, source="T / energy_j"),
 ]
 BY_NAME = {m.name: m for m in METRICS}
 # Derived per cell against the baseline, not read from one sample: the speedup (throughput / AR throughput).
@@ -130,6 +152,14 @@ SPEEDUP = Metric("speedup", "speedup", "Speedup", "×", spec=".2f", higher_is_be
                  source="throughput / AR throughput, same dataset, L_max and T")
 GATEABLE = {m.name: m for m in [METRICS[0], SPEEDUP, *METRICS[1:]] if m.higher_is_better is not None}
 ALIASES = {alias: m.name for m in GATEABLE.values() for alias in m.aliases}
+
+
+def energy_columns(reading) -> dict[str, Any]:
+    """The samples columns of an :class:`~dtbench.harness.energy.EnergyReading` (joules; status; source)."""
+    if reading is None:
+        return {"energy_j": None, "energy_status": None, "energy_source": None}
+    return {"energy_j": reading.energy_j, "energy_status": reading.status,
+            "energy_source": (reading.source or "")[:200] or None}
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -212,12 +242,15 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
             "draft_fed": [getattr(r, "draft_fed", None) or [] for r in m.records] if draft_counted else None,
             # seconds inside the target's / draft's forward passes (hooks; the cost model's time decomposition)
             "forward_s": getattr(m, "forward_s", None),
+            # the decoder's state after the sample (Decoder.state_stats: adjacency matrix, n-gram pool bytes...)
+            "state": getattr(m, "state", None),
         },
         step_times_s=times,
         peak_rss_bytes=m.memory.rss_bytes,
         peak_allocated_bytes=m.memory.allocated_bytes,
         peak_nvml_bytes=m.memory.nvml_bytes,
         nvml_scope=getattr(m.memory, "nvml_scope", None),
+        **energy_columns(getattr(m, "energy", None)),
         output_hash=hashlib.sha256(json.dumps(m.tokens).encode()).hexdigest(),
         output_tokens=m.tokens,
         lossless=(div is None) if reference is not None else None,

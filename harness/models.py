@@ -33,6 +33,7 @@ class LoadedModel:
     dtype: str
     device: str
     params: int
+    trust_remote_code: bool = False
 
 
 def resolve_device(device: str) -> torch.device:
@@ -139,8 +140,9 @@ def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
     source, kwargs = _source_kwargs(spec.model, spec.revision)
+    require_remote_code_opt_in(spec)
     try:
-        return AutoTokenizer.from_pretrained(source, **kwargs)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code, **kwargs)
     except Exception as exc:
         raise DtbenchError(f"cannot load the tokenizer of '{spec.model}': {_short(exc, spec.model)}") from None
 
@@ -159,6 +161,7 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     source, kwargs = _source_kwargs(spec.model, spec.revision)
+    require_remote_code_opt_in(spec)
     key = (source, spec.revision, spec.attn_implementation)
     dtype = DTYPES[spec.dtype]
     if device.type == "cpu" and dtype == torch.float16:
@@ -171,7 +174,7 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
         try:
             base = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype if spec.model != EMBEDDED else torch.float32,
-                attn_implementation=spec.attn_implementation, **kwargs,
+                attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code, **kwargs,
             )
         except Exception as exc:
             raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc, spec.model)}") from None
@@ -182,7 +185,92 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     model = copy.deepcopy(base) if spec.model == EMBEDDED else base
     model = model.to(device=device, dtype=dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    return LoadedModel(model=model, name=spec.model, dtype=spec.dtype, device=str(device), params=n_params)
+    return LoadedModel(model=model, name=spec.model, dtype=spec.dtype, device=str(device), params=n_params,
+                       trust_remote_code=spec.trust_remote_code)
+
+
+_AUTO_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
+
+
+def _local_config(spec: ModelSpec, name: str) -> Path | None:
+    """A config file of the model on this machine: in its local folder, or in the hub cache; None if absent."""
+    if spec.model == EMBEDDED:
+        return None
+    folder = Path(spec.model).expanduser()
+    if folder.is_dir():
+        return folder / name if (folder / name).is_file() else None
+    if spec.model.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(spec.model, name, revision=spec.revision)
+    except Exception:  # not a valid repo id, or no cache: nothing to read
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def remote_code_files(spec: ModelSpec) -> list[str]:
+    """The Python files that loading ``spec`` with ``trust_remote_code`` would import, read from the ``auto_map`` of
+    its configs on this machine (a local folder, or a hub id already in the cache); nothing is downloaded or run.
+
+    Returns:
+        Paths of files in the model folder (``/models/x/modeling_x.py``), or ``repo/file.py`` for code an
+        ``auto_map`` takes from another hub repo (``"org/repo--modeling_x.Class"``); empty when none.
+    """
+    import json
+
+    files: list[str] = []
+    for name in _AUTO_MAP_FILES:
+        path = _local_config(spec, name)
+        if path is None:
+            continue
+        try:
+            auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        refs = [v for value in (auto_map.values() if isinstance(auto_map, dict) else [])
+                for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str) and v]
+        for ref in refs:
+            repo, _, dotted = ref.rpartition("--")
+            module = dotted.rpartition(".")[0] or dotted
+            where = f"{repo}/{module}.py" if repo else str(path.parent / f"{module.replace('.', '/')}.py")
+            if where not in files:
+                files.append(where)
+    return files
+
+
+def require_remote_code_opt_in(spec: ModelSpec) -> list[str]:
+    """The files :func:`remote_code_files` finds, if the suite opted in with ``trust_remote_code: true``.
+
+    transformers asks on standard input before it runs a model's own code, and anything answering "y" (a pipe from
+    ``yes``) made it run; dtbench passes ``trust_remote_code`` explicitly on every load, so it never asks, and refuses
+    such a model up front unless the suite opted in.
+
+    Raises:
+        DtbenchError: the model's configs name code to run and the spec does not set ``trust_remote_code: true``.
+    """
+    files = remote_code_files(spec)
+    if files and not spec.trust_remote_code:
+        shown = ", ".join(files[:3]) + (f" (and {len(files) - 3} more)" if len(files) > 3 else "")
+        raise DtbenchError(f"model '{spec.model}' needs its own code to load ({shown}); dtbench does not run it "
+                           f"unless the suite says `trust_remote_code: true` for this model")
+    return files
+
+
+def eos_token_id(model: torch.nn.Module) -> int | tuple[int, ...]:
+    """The model's EOS id(s): its ``generation_config.eos_token_id`` (an id or a list, as transformers keeps it),
+    else its config's.
+
+    Raises:
+        DtbenchError: the model declares no EOS (it cannot run a stop-at-EOS workload).
+    """
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None and eos != []:
+            return int(eos) if isinstance(eos, int) else tuple(int(t) for t in eos)
+    name = getattr(getattr(model, "config", None), "name_or_path", None) or type(model).__name__
+    raise DtbenchError(f"model '{name}' declares no eos_token_id; set stop_at_eos: false")
 
 
 def check_embedding(model: torch.nn.Module, tokenizer, name: str) -> None:
@@ -221,10 +309,21 @@ def check_context(spec: ModelSpec, tokens: int) -> str | None:
     try:
         source, kwargs = _source_kwargs(spec.model, spec.revision)
         # Only a local folder or the local hub cache: validation never waits on the network.
-        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+        config = _config_without_code(source, kwargs)
     except Exception:
         return None
     return context_problem(config, spec.model, tokens)
+
+
+def _config_without_code(source: str, kwargs: dict):
+    """The model's config from this machine, never running its code (a model whose config class is its own code is
+    read as a generic ``PretrainedConfig``: enough for the context length)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False, **kwargs)
+    except ValueError:  # "... contains custom code which must be executed ..."
+        return PretrainedConfig.from_pretrained(source, local_files_only=True, **kwargs)
 
 
 def context_problem(config, name: str, tokens: int) -> str | None:

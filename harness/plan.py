@@ -187,6 +187,14 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         specs.append(suite.draft)
     for spec in specs:
+        role = "target" if spec is suite.target else "draft"
+        try:
+            files = models.require_remote_code_opt_in(spec)
+        except DtbenchError as exc:
+            raise DtbenchError(f"{role}: {exc}") from None
+        if files:
+            console.print(f"warning: {role} '{spec.model}' sets trust_remote_code: true; loading it runs "
+                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False)
         warning = models.check_context(spec, longest)
         if warning:
             console.print(f"[yellow]warning: {warning}[/yellow]")

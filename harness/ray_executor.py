@@ -26,6 +26,9 @@ RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dt
 MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remaining samples fail their cells
 
 
+CONNECT_TIMEOUT_S = 30.0  # default --connect-timeout: seconds to wait for a given Ray cluster
+
+
 def import_ray():
     """The ``ray`` module.
 
@@ -36,6 +39,9 @@ def import_ray():
         import ray
     except ImportError:
         raise DtbenchError(RAY_MISSING) from None
+    except Exception as exc:  # e.g. amdsmi (a Zeus dependency) installed without ROCm: KeyError 'libamd_smi.so'
+        hint = "; amdsmi is installed without ROCm: pip uninstall amdsmi" if "amd" in repr(exc).lower() else ""
+        raise DtbenchError(f"Ray cannot be imported: {type(exc).__name__}: {clip(exc, 200)}{hint}") from None
     return ray
 
 
@@ -94,12 +100,16 @@ class RayExecutor(Executor):
             local Ray instance started for this run (and shut down after it).
         workers: number of actors; default one per GPU on CUDA, else the cluster's CPUs // ``threads_per_worker``.
         threads_per_worker: CPUs reserved by each actor (``num_cpus``) and its ``torch.set_num_threads``.
+        connect_timeout_s: seconds to wait for a given cluster (``--address``, ``$RAY_ADDRESS``) to answer before
+            failing in one line naming it (Ray itself retries forever, and its C++ wait ignores Ctrl-C).
     """
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, workers: int | None = None, threads_per_worker: int | None = None):
+    def __init__(self, address: str | None = None, workers: int | None = None, threads_per_worker: int | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.address, self.n_workers, self.threads = address, workers, threads_per_worker or 1
+        self.connect_timeout_s = connect_timeout_s
         self.ray = None
         self._remote = None
         self.started_ray = False
@@ -116,8 +126,14 @@ class RayExecutor(Executor):
             kwargs: dict[str, Any] = dict(logging_level=logging.ERROR, log_to_driver=True)
             if self.address is None and not os.environ.get("RAY_ADDRESS"):
                 kwargs["include_dashboard"] = False  # a local instance of our own: nothing to look at
+            joining = self.address or os.environ.get("RAY_ADDRESS")
             try:
-                ray.init(address=self.address, **kwargs)
+                if joining:
+                    _join(ray, joining, kwargs, self.connect_timeout_s)
+                else:
+                    ray.init(address=self.address, **kwargs)
+            except DtbenchError:
+                raise
             except Exception as exc:
                 raise DtbenchError(f"cannot start or join Ray (address {self.address or 'local'}): "
                                    f"{type(exc).__name__}: {clip(exc, 300)}") from None
@@ -306,6 +322,59 @@ class RayExecutor(Executor):
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "address": self.address, "workers": self.n_workers,
                 "threads_per_worker": self.threads, "device": self.device}
+
+
+def _tcp_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` or ``ray://HOST:PORT``; None for ``auto``, ``local`` and anything else."""
+    rest = address.removeprefix("ray://")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _join(ray, address: str, kwargs: dict[str, Any], timeout_s: float) -> None:
+    """``ray.init(address=...)`` that gives up after ``timeout_s`` seconds and stops at Ctrl-C.
+
+    Ray retries an unreachable GCS forever inside C++ (a log line every few seconds, SIGINT deferred), so a
+    ``HOST:PORT`` is first probed with a TCP connection, then ``ray.init`` runs in a daemon thread while this
+    thread waits in short slices (Ctrl-C reaches it between them); a daemon thread left waiting does not keep the
+    process alive.
+
+    Raises:
+        DtbenchError: nothing answers at the address, or Ray does not connect within ``timeout_s``.
+        KeyboardInterrupt: Ctrl-C while waiting.
+    """
+    import socket
+    import threading
+    import time
+
+    endpoint = _tcp_endpoint(address)
+    deadline = time.monotonic() + timeout_s
+    if endpoint is not None:
+        try:
+            socket.create_connection(endpoint, timeout=timeout_s).close()
+        except OSError as exc:
+            raise DtbenchError(f"cannot join Ray at {address}: nothing answers there ({exc.strerror or exc}); "
+                               f"start the cluster (ray start --head) or check --address") from None
+    outcome: dict[str, BaseException | None] = {}
+
+    def connect() -> None:
+        try:
+            ray.init(address=address, **kwargs)
+            outcome["error"] = None
+        except BaseException as exc:  # handed to the waiting thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=connect, daemon=True, name="dtbench-ray-connect")
+    thread.start()
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(0.1)
+    if "error" not in outcome:
+        raise DtbenchError(f"cannot join Ray at {address}: no answer from a Ray cluster within {timeout_s:g} s "
+                           f"(--connect-timeout); is it a Ray head node's port?")
+    if outcome["error"] is not None:
+        raise outcome["error"]
 
 
 def _one_line(exc: BaseException, limit: int = 200) -> str:

@@ -239,6 +239,7 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
                 run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name, family=cp.cls.family,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
+                lossless_check=plan.suite.lossless_check,
                 sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,
                 sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
                 reference_label=cp.reference_label,
@@ -285,7 +286,7 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
 
 
 def make_executor(name: str, *, address: str | None = None, workers: int | None = None,
-                  threads_per_worker: int | None = None) -> executors.Executor:
+                  threads_per_worker: int | None = None, connect_timeout_s: float | None = None) -> executors.Executor:
     """The executor named by ``dtbench run --executor``.
 
     Raises:
@@ -299,7 +300,8 @@ def make_executor(name: str, *, address: str | None = None, workers: int | None 
         from dtbench.harness.ray_executor import RayExecutor, import_ray
 
         import_ray()
-        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker)
+        timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
+        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
     raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(EXECUTORS)})")
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Run, utcnow
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suitefile import suite_hash
@@ -96,7 +97,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
         session.add(run)
         session.flush()
         return run
-    run = session.get(Run, resume)
+    run = session.get(Run, resume) if valid_id(resume) else None
     if run is None:
         raise DtbenchError(f"no run {resume} to resume")
     if run.status == "completed":

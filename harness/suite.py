@@ -10,12 +10,14 @@ error. Reading YAML files (``include:``, line numbers in errors, the note on old
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from dtbench.decoders.base import StrictBools
+from dtbench.harness.bounds import MAX_SECONDS, Seconds, Seed
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import control_character
 
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
@@ -27,8 +29,27 @@ L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder re
 OLD_L_MAX = "prompt_cap"  # its deprecated old name, still accepted
 
 
+def _no_control(value: str) -> str:
+    bad = control_character(value)
+    if bad is not None:
+        raise ValueError(f"holds a control character ({bad}); names and labels reach terminals, Markdown and CSV, "
+                         f"so they may not")
+    return value
+
+
+def _name(max_length: int):
+    """A name or label: 1..max_length characters (the database column's width), no control characters (an ESC
+    sequence would restyle a terminal, a newline split a Markdown row)."""
+    return Annotated[str, Field(min_length=1, max_length=max_length), AfterValidator(_no_control)]
+
+
+Name, Label, ModelName = _name(200), _name(300), _name(500)
+
+
 class _Frozen(StrictBools):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a suite's values are taken as written ("8" is not 8, '42' is not a seed); ints still fill floats.
+    # allow_inf_nan=False: no NaN or infinity in any float of a suite (harness/bounds.py says why).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class _Located(_Frozen):
@@ -63,10 +84,13 @@ class _HasLMax(_Located):
 class ModelSpec(_Frozen):
     """A model: the embedded default ``smollm2-135m``, a hub id or a local directory; its dtype and attention."""
 
-    model: str = "smollm2-135m"
+    model: ModelName = "smollm2-135m"
     dtype: Dtype = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     revision: str | None = None
+    trust_remote_code: bool = Field(
+        False, description="let transformers import Python files that the model's config.json (auto_map) names; off "
+        "by default: such a model is an error, and with it on `validate` names the files that will run")
 
 
 class SamplingSpec(_Frozen):
@@ -79,13 +103,14 @@ class SamplingSpec(_Frozen):
     temperature: float = Field(1.0, gt=0, le=100, description="logits are divided by it")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set reaching this probability (1: all)")
-    seed: int | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed)")
+    seed: Seed | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed; "
+                              "0 <= seed < 2^63)")
 
 
 class DatasetSpec(_HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
-    name: str
+    name: Name
     prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
     l_max: int | list[int] = Field(800, alias=L_MAX,
@@ -133,11 +158,11 @@ class DecoderSpec(_HasLMax):
     ``generation_lengths`` and ``L_max`` to some of the suite's T and L_max.
     """
 
-    name: str
-    label: str | None = None
+    name: Name
+    label: Label | None = None
     params: dict[str, Any] = Field(default_factory=dict)
     sweep: dict[str, list[Any]] = Field(default_factory=dict)
-    datasets: list[str] | None = None
+    datasets: list[Name] | None = None
     generation_lengths: list[int] | None = Field(
         None, description="run only at these T (a subset of the suite's generation_lengths)")
     l_max: int | list[int] | None = Field(
@@ -154,6 +179,8 @@ class DecoderSpec(_HasLMax):
     def _sweep_bounded(cls, v):
         size = 1
         for key, values in v.items():
+            for text in (key, *(x for x in values if isinstance(x, str))):  # both become part of the labels
+                _no_control(text)
             if not values:
                 raise ValueError(f"sweep over '{clip(key, 60)}' has no values (a sweep needs at least one point)")
             size *= len(values)
@@ -203,9 +230,9 @@ class DecoderSpec(_HasLMax):
 class Suite(_Frozen):
     """A whole benchmark: models x datasets x prompt caps (L_max) x generation lengths x decoders."""
 
-    name: str
+    name: Name
     description: str = ""
-    seed: int = 0
+    seed: Seed = Field(0, description="prompt selection seed (0 <= seed < 2^63, what torch accepts)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     target: ModelSpec = Field(default_factory=ModelSpec)
     draft: ModelSpec | None = None
@@ -216,7 +243,15 @@ class Suite(_Frozen):
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
         "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
-    timeout_s: float | Literal["auto"] | None = Field(
+    lossless_check: Literal["exact", "tie_aware"] = Field(
+        "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
+        "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
+        "equal to the reference's output)")
+    stop_at_eos: bool | None = Field(
+        None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
+        "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "
+        "true for question (chat) datasets such as spec-bench, false for raw text")
+    timeout_s: Seconds | Literal["auto"] | None = Field(
         "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none")
 
@@ -231,11 +266,12 @@ class Suite(_Frozen):
             raise ValueError(f"generation_lengths lists a value twice: {clip(v)}")
         return v
 
-    @field_validator("timeout_s")
+    @field_validator("timeout_s", mode="before")
     @classmethod
     def _positive_timeout(cls, v):
-        if isinstance(v, (int, float)) and not v > 0:
-            raise ValueError("timeout_s must be a positive number of seconds, auto, or null")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= MAX_SECONDS:  # NaN fails too
+            raise ValueError(f"timeout_s must be a positive number of seconds up to {MAX_SECONDS:.0f} (30 days), "
+                             f"auto, or null (no limit)")
         return v
 
     @model_validator(mode="after")

@@ -16,26 +16,31 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from dtbench.harness.bounds import read_regular_file
 from dtbench.harness.errors import DtbenchError, clip, error_location
 from dtbench.harness.suite import L_MAX, OLD_L_MAX, Suite
 
 MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
+MAX_DEPTH = 64  # nesting levels of a suite's YAML (a real one has about 5)
+MAX_SUITE_BYTES = 1 << 20  # one suite file, and all of a suite's files together (include: fan-out)
 
 
-def _count_nodes(data: Any, limit: int) -> int:
-    """Values in ``data`` counted as if YAML aliases were copied, stopping as soon as ``limit`` is passed."""
-    count, stack = 0, [data]
+def _count_nodes(data: Any, limit: int) -> tuple[int, int]:
+    """(values, deepest nesting) of ``data``, counted as if YAML aliases were copied, stopping as soon as ``limit``
+    values are passed."""
+    count, deepest, stack = 0, 0, [(data, 1)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         count += 1
+        deepest = max(deepest, depth)
         if count > limit:
-            return count
+            return count, deepest
         if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            stack.extend((k, depth + 1) for k in item.keys())
+            stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, list):
-            stack.extend(item)
-    return count
+            stack.extend((v, depth + 1) for v in item)
+    return count, deepest
 
 
 def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
@@ -67,6 +72,8 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise DtbenchError(f"{source}: the YAML nests more than {MAX_DEPTH} levels deep") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
@@ -74,9 +81,12 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
         raise DtbenchError(f"{where}: malformed YAML: {clip(problem)}") from None
     if not isinstance(data, dict):
         raise DtbenchError(f"{source}: a suite must be a YAML mapping (name:, datasets:, decoders:, ...)")
-    if _count_nodes(data, MAX_NODES) > MAX_NODES:
+    count, depth = _count_nodes(data, MAX_NODES)
+    if count > MAX_NODES:
         raise DtbenchError(f"{source}: the suite expands to more than {MAX_NODES} values (YAML aliases nested too "
                            f"deeply?); write the values out")
+    if depth > MAX_DEPTH:
+        raise DtbenchError(f"{source}: the YAML nests more than {MAX_DEPTH} levels deep")
     return data, node
 
 
@@ -127,13 +137,17 @@ def parse_suite(text: str, source: str = "<suite>") -> Suite:
     return _validate(data, lambda loc: f"{source}:{_line_of(node, loc)}")
 
 
-def _read(path: Path) -> str:
+def _read(path: Path, budget: int = MAX_SUITE_BYTES) -> str:
+    """The text of a suite file: a regular file (not a device, pipe or folder) of at most ``budget`` bytes, UTF-8.
+
+    Raises:
+        DtbenchError: unreadable, not a regular file, larger than ``budget``, or not UTF-8.
+    """
+    raw = read_regular_file(path, budget, what="suite")
     try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DtbenchError(f"cannot read suite {path}: {exc.strerror}") from None
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        line = raw[: exc.start].count(b"\n") + 1
         raise DtbenchError(f"{path}:{line}: not UTF-8 text (byte {exc.start}); save the suite as UTF-8") from None
 
 
@@ -142,10 +156,20 @@ def _load_tree(path: Path, chain: tuple[Path, ...], texts: list[tuple[Path, str]
 
     ``include:`` names one file or a list, relative to the including file; they are merged in order, then the
     including file's own keys override theirs (top-level keys are replaced whole, lm-evaluation-harness style).
+    A file is read and merged once, where it is first included (a second include of it adds nothing), so files
+    that include each other several times cannot fan out into 10^n loads; all files together hold at most
+    MAX_SUITE_BYTES.
     """
     if len(chain) > MAX_INCLUDE_DEPTH:
         raise DtbenchError(f"{path}: include: nested more than {MAX_INCLUDE_DEPTH} levels")
-    text = _read(path)
+    used = sum(len(t.encode()) for _, t in texts)
+    try:
+        text = _read(path, MAX_SUITE_BYTES - used)
+    except DtbenchError as exc:
+        if texts and "larger than" in str(exc):
+            raise DtbenchError(f"{path}: the suite and its include: files hold more than {MAX_SUITE_BYTES:,} bytes "
+                               f"together") from None
+        raise
     texts.append((path, text))
     data, node = _compose(text, str(path))
     merged: dict = {}
@@ -160,8 +184,10 @@ def _load_tree(path: Path, chain: tuple[Path, ...], texts: list[tuple[Path, str]
             child = (path.parent / name).resolve()
             if child in chain or child == path.resolve():
                 raise DtbenchError(f"{path}: include: {clip(name, 100)} includes itself (directly or not)")
-            if not child.is_file():
+            if not child.exists():
                 raise DtbenchError(f"{path}:{_line_of(node, ('include',))}: include: {clip(name, 100)} not found")
+            if any(p.resolve() == child for p, _ in texts):
+                continue  # already merged where it was first included
             sub, sub_origin = _load_tree(child, chain + (path.resolve(),), texts)
             merged.update(sub)
             origin.update(sub_origin)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from dtbench.harness import calibrate, models
+from dtbench.harness import calibrate, data, lossless, models
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import SampleTimeout, device_name, environment, measure
 from dtbench.harness.metrics import sample_row
@@ -59,7 +59,7 @@ class Outcome:
 
 
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
-                device, suite: Suite, compare: bool = True) -> Outcome:
+                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
@@ -70,6 +70,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
         ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
         compare: check the output token for token against the reference's (False when either samples: a sampled
             output is checked as a distribution, by the tests, never against one draw).
+        stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
     """
     if cp.reference_label and ref is None:
@@ -81,8 +82,13 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
         if cp.sampling is not None:
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
+        if stop_at_eos:
+            decoder.eos_token_id = models.eos_token_id(target.model)
         m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
         row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
+        if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
+            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref[0] if ref and compare else None,
+                                               device, suite.lossless_check))
         json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise
@@ -118,6 +124,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         skip: labels of cells that already failed: not measured.
     """
     outputs = dict(done)
+    stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
     by_label = {cp.label: cp for cp in group.decoders}
     for cp in group.decoders:
         if cp.label in outputs or cp.label in skip:
@@ -125,7 +132,8 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
-        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare)
+        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
+                              stop)
         if outcome.row is not None:
             outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"])
         yield outcome
@@ -168,7 +176,10 @@ class WorkerInfo:
 
 
 def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None:
-    return None if loaded is None else {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params}
+    if loaded is None:
+        return None
+    remote = {"trust_remote_code": True} if loaded.trust_remote_code else {}  # the opt-in is recorded with the run
+    return {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params, **remote}
 
 
 class Worker:
@@ -185,7 +196,8 @@ class Worker:
         status: a context-manager factory showing what is loading (the driver's spinner), or None.
 
     Raises:
-        DtbenchError: a model that cannot be loaded or does not fit its tokenizer.
+        DtbenchError: a model that cannot be loaded or does not fit its tokenizer, or a decoder whose
+            ``check_target(params, target)`` refuses the target (a learned head of other sizes).
     """
 
     def __init__(self, suite: Suite, device: str, *, plan: Plan | None = None, tokenizer=None,
@@ -217,6 +229,13 @@ class Worker:
                 warning = models.context_problem(model.model.config, spec.model, longest)
                 if warning:
                     warnings.append(warning)
+        for p in self.plan.decoders:  # e.g. a learned head that does not fit the target: refused before any timing
+            check = getattr(p.cls, "check_target", None)
+            if check is not None:
+                try:
+                    check(p.params, self.target.model)
+                except ValueError as exc:
+                    raise DtbenchError(f"decoder '{p.label}': {exc}") from None
         self.groups = {group_key(g): g for g in self.plan.groups()}
         env = environment(self.device)
         env["target"], env["draft"] = model_info(self.target), model_info(self.draft)

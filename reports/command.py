@@ -15,7 +15,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import printable, to_csv
 
 
 def _stdout() -> Console:
@@ -24,7 +26,7 @@ def _stdout() -> Console:
 
 
 def _note(msg: str) -> None:
-    click.echo(msg, err=True)
+    click.echo(printable(msg), err=True)
 
 
 def _run_token(token: str) -> int | None:
@@ -74,6 +76,9 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if cost_model and len(run_ids) > 1:
         raise DtbenchError("--cost-model reports one run; give one --run")
 
+    for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
+        if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
+            raise DtbenchError(f"no run {rid} in the database")
     sessions = db.connect(db_url, create=False)
     if cost_model:
         from dtbench.reports.costmodel import cost_report
@@ -176,7 +181,7 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     emit(fmt,
          table=lambda out: out.print(render.rich_frame(render.speedup_display(table, 1 - alpha), title, caption, styles)),
          markdown=lambda: render.markdown_frame(render.speedup_display(table, 1 - alpha), title, caption),
-         csv=lambda: render.exported(table).to_csv(index=False),
+         csv=lambda: to_csv(render.exported(table)),
          json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha,
                                   "cells": json.loads(render.exported(table).to_json(orient="records"))}, indent=2))
 
@@ -213,7 +218,7 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
             out.print(render.rich_frame(render.compare_display(table), title, caption, styles))
 
     emit(fmt, table=rich_table, markdown=lambda: render.markdown_frame(render.compare_display(table), title, caption),
-         csv=lambda: render.exported(table).to_csv(index=False),
+         csv=lambda: to_csv(render.exported(table)),
          json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
                                   "cells": json.loads(render.exported(table).to_json(orient="records")),
                                   "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
@@ -281,7 +286,7 @@ def write_tables(made, out_dir: str | Path) -> None:
         for t in made:
             md = render.markdown_frame(t.display, t.title, t.caption, t.notes)
             (out / f"{t.key}.md").write_text(md, encoding="utf-8")
-            render.exported(t.data).to_csv(out / f"{t.key}.csv", index=False)
+            to_csv(render.exported(t.data), out / f"{t.key}.csv")
             docs.append(md)
         (out / "tables.md").write_text("\n".join(docs), encoding="utf-8")
     except OSError as exc:

@@ -40,6 +40,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import to_csv
 from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
@@ -65,16 +66,18 @@ def step_forwards(stats: dict, role: str) -> tuple[list[list[list]], bool] | Non
     return out, True
 
 
-def price_sample(curves, stats: dict) -> dict:
+def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
     """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}`` (``approx``: some
-    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out)."""
+    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out).
+    ``draft_model=False``: the sample's draft forwards are not the suite's draft model's (a learned head's, a
+    decoder without ``needs_draft``), so the draft curve does not price them: unpriced, flagged."""
     out = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
     for role in ("target", "draft"):
         got = step_forwards(stats, role)
         if got is None:
             continue
         steps, approx = got
-        if role not in curves.roles():  # forwards of a model the calibration lacks: unpriced, flagged
+        if role not in curves.roles() or (role == "draft" and not draft_model):  # unpriced, flagged
             out["approx"] |= any(steps)
             continue
         out["approx"] |= approx
@@ -118,7 +121,49 @@ def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
             for k in range(1, len(p) + 1)}
 
 
+# --- tree decoders that record their node budget: best total_token ------------------------------------------------
+
+
+def budget_speedups(curves, states: list[dict], head_s: float, past: int) -> dict[int, float]:
+    """S(N) for verification sizes N = 2 .. the run's (root included) of a tree decoder whose samples record, per
+    accepted token, the drafted-node budget its tree needed (``eagle``: ``accepted_tokens_needing_{m}_nodes`` and
+    ``drafting_iterations`` in ``step_stats["state"]``). E(N) = 1 + (accepted tokens needing at most N - 1 nodes)
+    / drafting iterations is exact for greedy verification of the best-N - 1 subtree; S(N) = AR token cost x E(N)
+    / (``head_s`` + calibrated tree verification of N tokens), ``head_s`` the measured head seconds per drafting
+    iteration (a head is not calibrated; its drafting does not depend on N). {} when nothing was recorded."""
+    from dtbench.harness.curves import FED_MASK
+
+    prefix = "accepted_tokens_needing_"
+    needing: dict[int, int] = {}
+    iterations = 0
+    for state in states:
+        iterations += int((state or {}).get("drafting_iterations") or 0)
+        for key, count in (state or {}).items():
+            if key.startswith(prefix) and key.endswith("_nodes"):
+                m = int(key[len(prefix):-len("_nodes")])
+                needing[m] = needing.get(m, 0) + int(count)
+    budget = max((int((state or {}).get("drafted_nodes") or 0) for state in states), default=0)
+    if not iterations or not budget:
+        return {}
+    ar = curves.cost("target", 1, past, 0)
+    out, accepted = {}, 0
+    for n in range(2, budget + 2):
+        accepted += needing.get(n - 1, 0)
+        out[n] = ar * (1 + accepted / iterations) / (head_s + curves.cost("target", n, past, FED_MASK))
+    return out
+
+
 # --- the per-cell table --------------------------------------------------------------------------------------------
+
+
+def _uses_draft_model(name: str) -> bool:
+    """Whether decoder ``name`` runs the suite's draft model (True when it is not installed here)."""
+    from dtbench.harness import registry
+
+    try:
+        return bool(registry.get(name).needs_draft)
+    except DtbenchError:  # a plugin the reading machine lacks: price as before
+        return True
 
 
 def cost_table(session, run, curves) -> pd.DataFrame:
@@ -140,7 +185,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         cell, samples = c["cell"], c["samples"]
         if not samples:
             continue
-        priced = [price_sample(curves, s.step_stats or {}) for s in samples]
+        priced = [price_sample(curves, s.step_stats or {}, _uses_draft_model(cell.decoder)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]
@@ -162,7 +207,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
                                         if p["predicted_s"] > 0) / len(samples),
             "approx": any(p["approx"] for p in priced),
             "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
-            "acceptance_by_position": None, "predicted_best_n_max": None,
+            "acceptance_by_position": None, "predicted_best_n_max": None, "predicted_best_total_token": None,
+            "predicted_best_total_token_speedup": None,
         }
         if row["family"] == "chain":
             accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
@@ -174,13 +220,22 @@ def cost_table(session, run, curves) -> pd.DataFrame:
                 row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
                            predicted_k_speedup=speed.get(len(p)),  # len(p): the most it drafted, its own K
                            acceptance_by_position=[round(x, 4) for x in p])
-        elif row["family"] == "tree" and "target" in curves.roles():
+        states = [(s.step_stats or {}).get("state") for s in samples]
+        if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
+            iters = sum(int((st or {}).get("drafting_iterations") or 0) for st in states)
+            head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
+            speed = budget_speedups(curves, states, head / iters if iters else 0.0,
+                                    cell.l_max + cell.gen_length // 2)
+            if speed:
+                best = max(speed, key=speed.get)
+                row.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
+        if row["predicted_best_total_token"] is None and row["family"] == "tree" and "target" in curves.roles():
             row["predicted_best_n_max"] = auto_budget(curves, cell.l_max + cell.gen_length // 2, DEFAULT_FACTOR)
         out.append(row)
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    for col in ("predicted_best_k", "predicted_best_n_max"):  # whole numbers, missing where they do not apply
+    for col in ("predicted_best_k", "predicted_best_n_max", "predicted_best_total_token"):  # whole numbers, missing where they do not apply
         table[col] = table[col].astype("Int64")
     # against the AR cell of the same group that decodes the same way (the one pairing of every report)
     table["measured_speedup"] = table["measured_throughput"] / baseline_values(table, "measured_throughput")
@@ -215,7 +270,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
                "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T decoding the "
                "same way; best config (forward costs only): K of chain decoders from the per-position acceptance, "
-               "N_max of tree decoders (largest tree verified within 2x one AR token)")
+               "N_max of tree decoders (largest tree verified within 2x one AR token), total_token of a tree decoder that "
+               "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
+               "measured time)")
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
         caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
                     "the run's (calibrate: true measures in the run's own process)")
@@ -224,13 +281,14 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                 "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
                 "predicted_throughput", "measured_throughput",
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
-                "predicted_k_speedup", "acceptance_by_position", "predicted_best_n_max", "approx"]
+                "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
+                "predicted_best_total_token_speedup", "predicted_best_n_max", "approx"]
         cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
                                "cells": cells}, indent=2))
         return
     if fmt == "csv":
-        click.echo(render.exported(table.drop(columns=["acceptance_by_position"])).to_csv(index=False), nl=False)
+        click.echo(to_csv(render.exported(table.drop(columns=["acceptance_by_position"]))), nl=False)
         return
 
     def f(v, spec, suffix=""):
@@ -257,11 +315,13 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
 
 
 def best_config(row) -> str:
-    """The predicted best configuration of a cost-table row as shown: ``K=3 (1.42×)`` (chain), ``N_max=24``
-    (tree), or a dash."""
-    k, n = row.get("predicted_best_k"), row.get("predicted_best_n_max")
+    """The predicted best configuration of a cost-table row as shown: ``K=3 (1.42×)`` (chain), ``total_token=40
+    (1.80×)`` (a tree recording its node budgets), ``N_max=24`` (tree), or a dash."""
+    k, n, tt = row.get("predicted_best_k"), row.get("predicted_best_n_max"), row.get("predicted_best_total_token")
     if not is_missing(k):
         return f"K={int(k)} ({row['predicted_best_speedup']:.2f}×)"
+    if not is_missing(tt):
+        return f"total_token={int(tt)} ({row['predicted_best_total_token_speedup']:.2f}×)"
     return MISSING if is_missing(n) else f"N_max={int(n)}"
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from dtbench.reports.render import fmt, fmt_pm, mixed_devices_note
+from dtbench.reports.render import fmt, fmt_pm, lossless_notes, mixed_devices_note
 from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import base_label, without_partial
 
@@ -153,9 +153,17 @@ def cell_notes(c: pd.Series, ds: str) -> list[str]:
         notes.append(f"{c['label']} on {ds}: speedup left out, its AR baseline is partial (--include-partial shows it)")
     notes += mixed_devices_note(c, f" on {ds}")
     if c.get("lossless") == "no" and bool(c.get("lossless_expected", True)):
-        first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
-        notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "
-                     f"{c.get('reference') or 'AR'}{first}")
+        if c.get("lossless_rule") == "tie_aware" and not _isnan(c.get("lossless_first_error")):
+            margin = c.get("lossless_error_margin")
+            notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) pass the "
+                         f"tie-aware check; {int(c['lossless_error_samples'])} emitted a token the target does not "
+                         f"choose (first at token {int(c['lossless_first_error'])}"
+                         + ("" if _isnan(margin) else f", margin {margin:.3g} logits") + ")")
+        else:
+            first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
+            notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "
+                         f"{c.get('reference') or 'AR'}{first}")
+    notes += lossless_notes(c, f" on {ds}")
     return notes
 
 

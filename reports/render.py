@@ -8,14 +8,23 @@ import math
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dtbench.harness.metrics import METRICS, SPEEDUP
+from dtbench.harness.safetext import markdown_cell, printable, to_csv
 from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, N_TOO_SMALL
 from dtbench.reports.summary import SAMPLED
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
 COLUMNS = [("Decoder", "label"), *((m.header, m.name) for m in _SHOWN), ("Lossless", "lossless")]
+
+
+def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
+    """COLUMNS without the optional metrics (energy) that no row of ``group`` has a value for."""
+    empty = {m.name for m in _SHOWN if m.optional and not any(
+        not _missing(v) for c in m.columns for v in (group[c] if c in group else []))}
+    return [(h, c) for h, c in COLUMNS if c not in empty]
 
 
 def _missing(v) -> bool:
@@ -53,8 +62,17 @@ def mixed_devices_note(row, where: str = "") -> list[str]:
 
 def cell_notes(row: pd.Series) -> list[str]:
     """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup, a
-    cell measured on different devices."""
-    return _state_notes(row) + mixed_devices_note(row)
+    cell measured on different devices, numeric ties found by the lossless check, missing energy."""
+    return _state_notes(row) + mixed_devices_note(row) + lossless_notes(row) + energy_note(row)
+
+
+def energy_note(row) -> list[str]:
+    """The note owed to a cell whose samples were too short for the energy counter (their energy is missing)."""
+    short = int(row.get("energy_too_short", 0) or 0)
+    if not short:
+        return []
+    return [f"{row['label']}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
+            f"update period"]
 
 
 def _state_notes(row: pd.Series) -> list[str]:
@@ -71,6 +89,49 @@ def _state_notes(row: pd.Series) -> list[str]:
     return []
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def lossless_detail(row) -> str:
+    """The parenthesis after a Lossless verdict: ``(2 ties)``, ``(error at 57, margin 3.1)`` (tie-aware rule),
+    ``(first at 29)`` (exact rule, or a cell stored before the check), with the target dtype when there are ties or
+    errors; "" when there is nothing to add."""
+    ties, errors = row.get("lossless_ties"), row.get("lossless_error_samples")
+    checked = not _missing(ties)
+    parts = []
+    if row.get("lossless_rule") == "tie_aware" and checked:
+        if errors and not _missing(row.get("lossless_first_error")):
+            margin = row.get("lossless_error_margin")
+            parts.append(f"error at {int(row['lossless_first_error'])}"
+                         + ("" if _missing(margin) else f", margin {margin:.3g}"))
+    elif row["lossless"] == "no" and len(row.get("divergences") or []):
+        parts.append(f"first at {row['divergences'][0]}")
+    if checked and ties:
+        parts.append(_plural(int(ties), "tie"))
+    if row.get("lossless_rule") == "exact" and checked and errors:
+        parts.append(_plural(int(errors), "sample") + " with errors")
+    if checked and (ties or errors) and row.get("target_dtype"):
+        parts.append(str(row["target_dtype"]))
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def lossless_notes(row, where: str = "") -> list[str]:
+    """The note owed to a cell whose checked samples had numeric ties: how many, the largest tie margin, the target
+    dtype, and (tie-aware rule) that ties do not fail the run."""
+    ties = row.get("lossless_ties")
+    if _missing(ties) or not ties:
+        return []
+    dtype = f" (target {row['target_dtype']})" if row.get("target_dtype") else ""
+    margin = row.get("lossless_max_tie_margin")
+    largest = "" if _missing(margin) else f", largest tie margin {margin:.3g} logits"
+    rule = ("ties pass the tie-aware check" if row.get("lossless_rule") == "tie_aware"
+            else "the exact rule counts them as divergences")
+    return [f"{row['label']}{where}: {_plural(int(ties), 'numeric tie')} in {int(row['lossless_tie_samples'])} of "
+            f"{int(row['lossless_checked_n'])} samples{dtype}{largest}: the target's top logits there are within "
+            f"the noise between the incremental and the verification computation; {rule}"]
+
+
 def formatted(row: pd.Series) -> dict[str, str]:
     """Display strings of one summary row, keyed by COLUMNS' keys."""
     mark = partial_mark(row)
@@ -78,9 +139,7 @@ def formatted(row: pd.Series) -> dict[str, str]:
         lossless = row["lossless"]
     else:  # over every measured sample, warmup included
         ref = row["reference"] if row["reference"] and row["reference"] != BASELINE else ""
-        lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "")
-        if row["lossless"] == "no" and row["divergences"]:
-            lossless += f" (first at {row['divergences'][0]})"
+        lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "") + lossless_detail(row)
     if row["status"] == "failed":
         lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)
     out = {"label": row["label"], "lossless": lossless}
@@ -101,39 +160,43 @@ def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> 
     """One rich table per (dataset, L_max, T), decoders as rows."""
     for key, group in summary.groupby(GROUP, sort=False):
         n = int(group["n"].max()) if len(group) else 0
-        table = Table(title=_title(key), caption=caption or f"mean ± std over {n} prompts after warmup")
-        for head, col in COLUMNS:
+        table = Table(title=plain(_title(key)), caption=caption or f"mean ± std over {n} prompts after warmup")
+        columns = shown_columns(group)
+        for head, col in columns:
             table.add_column(head, justify="left" if col in ("label", "lossless") else "right")
         for _, row in group.iterrows():
             f = formatted(row)
             style = "red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
-            table.add_row(*(f[c] for _, c in COLUMNS), style=style)
+            table.add_row(*(plain(f[c]) for _, c in columns), style=style)
         console.print(table)
         for _, row in group.iterrows():
             style = "red" if row["status"] == "failed" else "yellow"
             for note in cell_notes(row):
-                console.print(note, style=style, markup=False, highlight=False)
+                console.print(printable(note), style=style, markup=False, highlight=False)
 
 
 def markdown(summary: pd.DataFrame) -> str:
     """The same tables as GitHub Markdown, one section per (dataset, L_max, T)."""
     parts = []
     for key, group in summary.groupby(GROUP, sort=False):
-        parts.append(f"### {_title(key)}\n")
-        parts.append("| " + " | ".join(h for h, _ in COLUMNS) + " |")
-        parts.append("|" + "|".join("---" if c in ("label", "lossless") else "---:" for _, c in COLUMNS) + "|")
+        parts.append(f"### {markdown_cell(_title(key))}\n")
+        columns = shown_columns(group)
+        parts.append("| " + " | ".join(h for h, _ in columns) + " |")
+        parts.append("|" + "|".join("---" if c in ("label", "lossless") else "---:" for _, c in columns) + "|")
         for _, row in group.iterrows():
             f = formatted(row)
-            parts.append("| " + " | ".join(f[c].replace("|", "\\|") for _, c in COLUMNS) + " |")
+            parts.append("| " + " | ".join(markdown_cell(f[c]) for _, c in columns) + " |")
         notes = [note for _, row in group.iterrows() for note in cell_notes(row)]
-        parts += [""] + [f"- {note}" for note in notes] if notes else []
+        parts += [""] + [f"- {markdown_cell(note)}" for note in notes] if notes else []
         parts.append("")
     return "\n".join(parts)
 
 
 MACHINE_COLUMNS = [
     "dataset", "l_max", "gen_length", "label", "decoder", "n", *METRICS[0].columns, "speedup",
-    *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "reference", "status", "error",
+    *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "lossless_rule", "target_dtype",
+    "lossless_checked_n", "lossless_ties", "lossless_tie_samples", "lossless_error_samples", "lossless_first_error",
+    "lossless_error_margin", "lossless_max_tie_margin", "lossless_check_s", "reference", "status", "error",
     "warmup_n", "partial", "all_warmup", "mixed_devices",
 ]
 
@@ -150,7 +213,7 @@ def exported(frame: pd.DataFrame) -> pd.DataFrame:
 
 def csv(summary: pd.DataFrame) -> str:
     """Machine-readable summary, one row per cell (units in column names: ms, MiB, tokens/s; L_max as prompt_cap)."""
-    return exported(summary[MACHINE_COLUMNS]).to_csv(index=False)
+    return to_csv(exported(summary[MACHINE_COLUMNS]))
 
 
 def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
@@ -162,30 +225,38 @@ def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
 # --- generic frames (paper tables, comparisons) -------------------------------------------------------------
 
 
+def plain(value, lines: bool = False) -> Text:
+    """A rich table's cell, title or caption from data: not parsed as rich markup (a label ``[/x]`` would fail the
+    report), control characters escaped (:func:`~dtbench.harness.safetext.printable`; with ``lines``, a caption's
+    own line breaks kept)."""
+    text = str(value)
+    return Text("\n".join(printable(line) for line in text.split("\n")) if lines else printable(text))
+
+
 def _is_left(values: pd.Series) -> bool:
     return not all(isinstance(v, (int, float)) or (isinstance(v, str) and v[:1] in "0123456789+-—.") for v in values)
 
 
 def rich_frame(display: pd.DataFrame, title: str, caption: str = "", row_styles: list[str | None] | None = None) -> Table:
     """A rich Table of a frame of display strings (text columns left-aligned, numbers right-aligned)."""
-    table = Table(title=title, caption=caption or None, caption_justify="left")
+    table = Table(title=plain(title), caption=plain(caption, lines=True) if caption else None, caption_justify="left")
     for col in display.columns:
-        table.add_column(str(col), justify="left" if _is_left(display[col]) else "right")
+        table.add_column(plain(col), justify="left" if _is_left(display[col]) else "right")
     for i, (_, row) in enumerate(display.iterrows()):
         style = row_styles[i] if row_styles else None
-        table.add_row(*("" if v is None else str(v) for v in row), style=style)
+        table.add_row(*("" if v is None else plain(v) for v in row), style=style)
     return table
 
 
 def markdown_frame(display: pd.DataFrame, title: str = "", caption: str = "", notes: list[str] | None = None,
                    level: int = 3) -> str:
     """GitHub Markdown of a frame of display strings, with an optional heading, caption and notes."""
-    parts = [f"{'#' * level} {title}\n"] if title else []
+    parts = [f"{'#' * level} {markdown_cell(title)}\n"] if title else []
     cols = [str(c) for c in display.columns]
-    parts.append("| " + " | ".join(c.replace("|", "\\|") for c in cols) + " |")
+    parts.append("| " + " | ".join(markdown_cell(c) for c in cols) + " |")
     parts.append("|" + "|".join("---" if _is_left(display[c]) else "---:" for c in display.columns) + "|")
     for _, row in display.iterrows():
-        parts.append("| " + " | ".join(("" if v is None else str(v)).replace("|", "\\|") for v in row) + " |")
+        parts.append("| " + " | ".join(markdown_cell(v) for v in row) + " |")
     if caption:
         parts.append(f"\n{caption}")
     for note in notes or []:
@@ -271,4 +342,4 @@ def run_header(meta: dict) -> str:
     line = (f"run {meta['id']} · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
             f"torch {env.get('torch')} · transformers {env.get('transformers')}")
     hw = hardware_text(env)
-    return line + (f"\nhardware: {hw}" if hw else "")
+    return printable(line) + (f"\nhardware: {printable(hw)}" if hw else "")

@@ -23,6 +23,7 @@ import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
@@ -35,11 +36,13 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
     "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "target_forwards", "draft_forwards",
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
-    "output_hash", "worker_host", "device_name", *(m.column for m in METRICS if isinstance(m.column, str)),
+    "lossless_checked", "lossless_ties", "lossless_errors", "lossless_first_error", "lossless_error_margin",
+    "lossless_tie_margin", "lossless_check_s",
+    "output_hash", "worker_host", "device_name", "energy_status", *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
 _CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
               "sampling",
-              "lossless_expected", "reference_label", "status", "error", "target_model", "draft_model"]
+              "lossless_expected", "lossless_check", "reference_label", "status", "error", "target_model", "draft_model"]
 
 
 def get_run(session: Session, run_id: int | None) -> Run:
@@ -53,7 +56,7 @@ def get_run(session: Session, run_id: int | None) -> Run:
         if run is None:
             raise DtbenchError("the database holds no runs yet (dtbench run SUITE first)")
         return run
-    run = session.get(Run, run_id)
+    run = session.get(Run, run_id) if valid_id(run_id) else None  # 10^30 is no such run, not an overflow
     if run is None:
         raise DtbenchError(f"no run {run_id} in the database")
     return run
@@ -91,6 +94,44 @@ def _aggregates(basis: pd.DataFrame) -> dict[str, float]:
     return out
 
 
+def _dtype(model: str | None) -> str | None:
+    """The dtype of a cell's ``target_model`` ("name (dtype)", as the runner records it), or None."""
+    found = re.search(r"\(([A-Za-z0-9_]+)\)$", str(model or ""))
+    return found.group(1) if found else None
+
+
+def lossless_counts(measured: pd.DataFrame, first: pd.Series) -> dict:
+    """The lossless check's numbers of one cell (harness/lossless.py), over every measured sample, warmup included.
+
+    Keys: lossless_rule (``exact`` | ``tie_aware``; ``exact`` for cells stored before the rule existed), target_dtype,
+    lossless_checked_n (samples checked), lossless_ties (tie positions, summed), lossless_tie_samples (samples with a
+    tie), lossless_error_samples (samples with an error), lossless_first_error (the smallest first-error position)
+    and lossless_error_margin (its margin, logits), lossless_max_tie_margin (logits), lossless_check_s (mean seconds
+    of the check per sample). Counts are None where no sample was checked.
+    """
+    checked = measured[measured["lossless_checked"].notna()]
+    out = {"lossless_rule": first["lossless_check"] or "exact", "target_dtype": _dtype(first["target_model"]),
+           "lossless_checked_n": len(checked), "lossless_ties": None, "lossless_tie_samples": None,
+           "lossless_error_samples": None, "lossless_first_error": None, "lossless_error_margin": None,
+           "lossless_max_tie_margin": None, "lossless_check_s": None}
+    if len(checked) == 0:
+        return out
+    ties, errors = checked["lossless_ties"].fillna(0).astype(int), checked["lossless_errors"].fillna(0).astype(int)
+    out.update(lossless_ties=int(ties.sum()), lossless_tie_samples=int((ties > 0).sum()),
+               lossless_error_samples=int((errors > 0).sum()),
+               lossless_check_s=float(pd.to_numeric(checked["lossless_check_s"], errors="coerce").mean()))
+    margins = pd.to_numeric(checked["lossless_tie_margin"], errors="coerce").dropna()
+    if len(margins):
+        out["lossless_max_tie_margin"] = float(margins.max())
+    erring = checked[checked["lossless_first_error"].notna()]
+    if len(erring):
+        at = erring.loc[pd.to_numeric(erring["lossless_first_error"]).idxmin()]
+        out["lossless_first_error"] = int(at["lossless_first_error"])
+        margin = at["lossless_error_margin"]
+        out["lossless_error_margin"] = None if pd.isna(margin) else float(margin)
+    return out
+
+
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: mean/std over non-warmup samples, speedup vs the same group's ``ar`` cell.
 
@@ -99,7 +140,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     metric of :data:`dtbench.harness.metrics.METRICS` (``{name}_mean``/``{name}_std`` for the spread ones such as
     throughput, ttft_ms, tpot_ms; ``{name}`` for the others; all NaN when no prompt is left after warmup),
     lossless ('yes', 'no', '—' when nothing to compare) and lossless_n over every measured sample (warmup
-    included), divergences (first divergent token of each diverging sample, warmup included), reference, status,
+    included), the lossless check's numbers (:func:`lossless_counts`), divergences (first divergent token of each
+    diverging sample, warmup included), reference, status,
     error, partial (failed after some prompts were measured), all_warmup (samples, but all of them warmup),
     devices (the distinct ``samples.device_name`` of its samples) and mixed_devices (more than one: a heterogeneous
     cluster measured it, so its numbers average different hardware and its speedups are not comparable).
@@ -125,12 +167,15 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
             **_aggregates(basis),
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
             "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),
+            **lossless_counts(measured, first),
             "reference": first["reference_label"], "lossless_expected": bool(first["lossless_expected"]),
             "sampling": first["sampling"],
             "status": first["status"], "error": first["error"],
             "partial": first["status"] == "failed" and len(measured) > 0,
             "all_warmup": len(measured) > 0 and len(basis) == 0,
             "devices": sorted({str(d) for d in measured["device_name"].dropna()}),
+            # samples after warmup shorter than the energy counter's update period: no energy, marked (issue 24)
+            "energy_too_short": int((basis["energy_status"] == "too_short").sum()) if "energy_status" in basis else 0,
         })
     table = pd.DataFrame(out)
     if table.empty:

@@ -5,12 +5,12 @@ Layouts mirrored (read in the reference repositories):
   medusa_num_layers; medusa_lm_head.pt = state dict of the ModuleList of heads, keys {i}.{j}.linear.weight,
   {i}.{j}.linear.bias, {i}.{medusa_num_layers}.weight.
 - EAGLE-1/2 (SafeAILab/EAGLE eagle/model/cnets1.py): config.json (LlamaConfig fields, "bias"),
-  pytorch_model.bin with fc.weight, fc.bias, layers.0.self_attn.{q,k,v,o}_proj.weight,
+  pytorch_model.bin with embed_tokens.weight, fc.weight, fc.bias, layers.0.self_attn.{q,k,v,o}_proj.weight,
   layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight (no input_layernorm at index 0).
 - EAGLE-3 (SafeAILab/EAGLE eagle/model/cnets.py): config.json with draft_vocab_size; model.safetensors with
   fc.weight (no bias), midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight,
   midlayer.self_attn.{q,k,v}_proj.weight over 2h, midlayer.self_attn.o_proj.weight, midlayer.mlp.*, norm.weight,
-  lm_head.weight (draft_vocab_size rows), d2t (int64), t2d (bool).
+  lm_head.weight (draft_vocab_size rows), d2t (int64), t2d (bool); embed_tokens.weight optional (``embedding``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def _llama_fields(hidden: int, vocab: int) -> dict:
 
 
 def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draft_vocab: int | None = None,
-                seed: int = 0, fc_in: int | None = None, safetensors: bool | None = None) -> Path:
-    """An EAGLE-1/2 (version 1) or EAGLE-3 (version 3) head folder with the published keys (random weights)."""
+                seed: int = 0, fc_in: int | None = None, safetensors: bool | None = None,
+                embedding: bool | None = None) -> Path:
+    """An EAGLE-1/2 (version 1) or EAGLE-3 (version 3) head folder with the published keys (random weights);
+    ``embedding``: write ``embed_tokens.weight`` (default: for EAGLE-1/2 only, as published)."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     h, kv_out = hidden, 2 * (hidden // 4)
@@ -80,6 +82,10 @@ def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draf
     else:
         cfg["bias"] = True
         sd |= {"fc.weight": w(h, fc_in or 2 * h), "fc.bias": torch.zeros(h)}
+    if embedding if embedding is not None else version == 1:
+        # EAGLE-1/2 checkpoints hold the target's embedding (cnets1.Model owns embed_tokens and ea_model.py loads
+        # the state dict strict=True); EAGLE-3 ones take it from the target (load_emb) unless they hold one.
+        sd["embed_tokens.weight"] = w(vocab, h, s=1.0)
     (folder / "config.json").write_text(json.dumps(cfg))
     if safetensors if safetensors is not None else version == 3:
         from safetensors.torch import save_file
@@ -90,18 +96,39 @@ def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draf
     return folder
 
 
-class Oracle(TreeDrafter):
-    """Test-only: wraps a real drafter and, on some iterations, overwrites the tokens of its tree's first-child
-    chain with the target's true greedy continuation (known in advance), so multi-token acceptances and deeper
-    tree paths occur with random heads. Plants ``plant[i % len(plant)]`` tokens at iteration i (0: none)."""
+def deep_llama(seed: int, layers: int = 8, sharpness: float = 32.0) -> torch.nn.Module:
+    """A float64 Llama like ``models.tiny_llama`` (vocab 96, hidden 32) but ``layers`` deep: EAGLE-3 reads target
+    layers 2, L // 2 and L - 3, which need L >= 7."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    def __init__(self, inner: TreeDrafter, greedy: list[int], plant: tuple[int, ...] = (3, 0, 1, 5, 2)):
-        self.inner, self.greedy, self.plant = inner, greedy, plant
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpness)
+    return model
+
+
+class Oracle(TreeDrafter):
+    """Test-only: wraps a real drafter and, on some iterations, overwrites the tokens of one root-to-leaf chain of
+    its tree with the target's true greedy continuation (known in advance), so multi-token acceptances and deeper
+    tree paths occur with random heads. Plants ``plant[i % len(plant)]`` tokens at iteration i (0: none), down
+    the first child of each node, or down the last child on odd iterations when ``last_child`` (a branch other
+    than the most probable one). ``log`` records (planted tokens, whether a non-first child was planted) per
+    drafted tree."""
+
+    def __init__(self, inner: TreeDrafter, greedy: list[int], plant: tuple[int, ...] = (3, 0, 1, 5, 2),
+                 last_child: bool = False):
+        self.inner, self.greedy, self.plant, self.last_child = inner, greedy, plant, last_child
         self.hidden_layers, self.max_breadth = inner.hidden_layers, inner.max_breadth
         self.n_max, self.depth_limit = inner.n_max, inner.depth_limit
         self.committed = 0
         self.iteration = 0
         self.planted = 0
+        self.log: list[tuple[int, bool]] = []
 
     def feed_target(self, features, next_tokens):
         self.committed += 1 if self.committed == 0 else len(next_tokens)
@@ -110,13 +137,17 @@ class Oracle(TreeDrafter):
     def draft(self, tree, root, depth_cap):
         self.inner.draft(tree, root, depth_cap)
         k = self.plant[self.iteration % len(self.plant)]
+        last = self.last_child and self.iteration % 2 == 1
         self.iteration += 1
-        node = 0
+        node, planted, side = 0, 0, False
         for d in range(k):
             kids = [u for u in range(1, tree.size) if int(tree.parents[u]) == node]
             pos = self.committed + d
             if not kids or pos >= len(self.greedy):
                 break
-            node = kids[0]
+            node = kids[-1] if last else kids[0]
+            side |= len(kids) > 1 and last
             tree.tokens[node] = self.greedy[pos]
-            self.planted += 1
+            planted += 1
+        self.planted += planted
+        self.log.append((planted, side))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,30 +19,40 @@ from dtbench.harness import registry
 from dtbench.harness.data import Prompt
 from dtbench.harness.measure import ForwardCounter, measure
 from dtbench.harness.metrics import sample_row
-from heads_kit import write_medusa
+from heads_kit import write_eagle, write_medusa
 from models import model_zoo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
 PROMPT = list(range(3, 20))
 
-HEAD = "<medusa head written by build()>"
+HEAD = "<head written by build()>"
+STORE = "<rest tokens file written by build()>"
 BUILTIN = [
     ("ar", {}), ("linear", {"k": 3}), ("fixed_tree", {"depth": 3, "branching": 2}),
     ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
     ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
     ("dynatree", {}), ("hf_assisted", {}), ("hf_generate", {}), ("streaming_ar", {"sinks": 4, "window": 64}),
     ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}), ("medusa", {"head": HEAD}),
+    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}), ("token_recycling", {}),
+    ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
+    ("ngram", {"k": 4}), ("suffix", {"k": 3, "min_match": 1}), ("suffix", {"k": 3, "fallback": "draft"}),
+    ("rest", {"tokens": STORE}),
 ]
 
 
 def build(name, params, kind="perturbed"):
     target, draft = model_zoo()[kind]
     cls = registry.get(name)
-    if params.get("head") == HEAD:  # a random Medusa-1 head in the published format, sized for the target
-        folder = Path(tempfile.mkdtemp(prefix="dtbench-medusa-"))
+    if params.get("head") == HEAD:  # a random head in the published format (Medusa-1, EAGLE-1/2), sized for the target
+        folder = Path(tempfile.mkdtemp(prefix=f"dtbench-{name}-"))
         cfg = target.config
-        params = {**params, "head": str(write_medusa(folder, hidden=cfg.hidden_size, vocab=cfg.vocab_size))}
+        write = write_medusa if name == "medusa" else write_eagle
+        params = {**params, "head": str(write(folder, hidden=cfg.hidden_size, vocab=cfg.vocab_size))}
+    if params.get("tokens") == STORE:  # a REST datastore: the prompt's tokens and random ones
+        path = Path(tempfile.mkdtemp(prefix="dtbench-rest-")) / "store.npy"
+        np.save(path, np.array([*PROMPT, 30, 31, -1, *range(90, 3, -1)]))
+        params = {**params, "tokens": str(path)}
     return cls(target, draft if cls.needs_draft else None, cls.Params(**params))
 
 
@@ -69,17 +80,33 @@ def test_sample_row_and_forward_counts(name, params):
     assert stats["target_tokens"][0] >= len(PROMPT)  # the prefill fed the whole prompt
     if name in ("ar", "streaming_ar", "hf_generate"):
         assert tf == [1] * T and df is None and row["draft_forwards"] is None
+    elif name in ("ngram", "suffix"):
+        assert tf == [1] * len(tf)  # one verification forward per Step; the draft model only for fallback drafts
+        assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]
+        assert (df is not None and sum(df) > 0) == (params.get("fallback") == "draft")
+        assert any(k.endswith("_bytes") and v > 0 for k, v in row["step_stats"]["state"].items())
+    elif name == "rest":
+        assert tf == [1] * len(tf) and stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]
+        assert sum(drafted) > 0 and row["step_stats"]["state"]["datastore_tokens"] > len(PROMPT)
     elif name in ("linear", "streaming_spec"):
         assert tf == [1] * len(tf)
         assert df == drafted  # one draft forward per drafted token
         assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]  # pending + K drafts, one forward
-    elif name in ("fixed_tree", "dynatree", "medusa"):
+    elif name in ("fixed_tree", "dynatree", "medusa", "eagle"):
         if params.get("cache_strategy") == "rebuild":
             assert tf == [1] + [2] * (len(tf) - 1)  # verify, then re-run the committed path (the paper's)
         else:
             assert tf == [1] * len(tf)
             assert stats["target_tokens"][1:] == [d + 1 for d in drafted[1:]]  # root + tree nodes, one forward
         assert row["draft_forwards"] == sum(df) >= sum(1 for d in drafted if d)
+    elif name in ("token_recycling", "lookahead"):  # no draft model: one target forward per step
+        assert tf == [1] * len(tf) and df is None and row["draft_forwards"] is None
+        side = [0] * len(tf)  # Lookahead's window rides in the verify forward: W - 1, then W more per level
+        if name == "lookahead":
+            w, levels = params["window_size"], params["ngram_size"] - 1
+            side = [0] + [w - 1 + (min(i, levels) - 1) * w for i in range(1, len(tf))]
+        assert stats["target_tokens"][1:] == [d + 1 + s for d, s in zip(drafted[1:], side[1:])]
+        assert stats["state"] and all(v > 0 for v in stats["state"].values())
     elif name == "hf_assisted":
         assert tf == [1] * len(tf)  # one target verification per Step
         assert all(d >= 1 for d in df)

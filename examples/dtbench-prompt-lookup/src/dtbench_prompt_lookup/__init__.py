@@ -116,7 +116,7 @@ class PromptLookup(Decoder):
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        """Greedily generate ``max_new_tokens`` tokens (EOS ignored).
+        """Generate ``max_new_tokens`` tokens (fewer when the runner set ``eos_token_id`` and EOS comes first).
 
         Args:
             input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
@@ -127,7 +127,7 @@ class PromptLookup(Decoder):
         """
         p = self.params
         yield from speculate_chain(KVTarget(self.target), NgramProposer(p.ngram_size), input_ids, max_new_tokens,
-                                   p.num_draft_tokens, self.sampling, self.generator)
+                                   p.num_draft_tokens, self.sampling, self.generator, self.eos_token_id)
 
 
 class JsonlText(Dataset):

@@ -1,0 +1,313 @@
+"""REST: retrieval-based speculative decoding (He et al. 2024, "REST: Retrieval-Based Speculative Decoding").
+
+A datastore of token ids built from a text corpus is indexed with a suffix array; at each step the longest
+suffix of the context (``max_suffix`` tokens down to ``min_suffix``) found in the datastore retrieves the
+continuations of its occurrences, whose prefixes form a trie weighted by frequency; the ``n_max`` most frequent
+trie nodes (a parent is never less frequent than its child, so they form a tree) are verified as one token tree
+by the one tree loop (:func:`~dtbench.decoders.tree.speculate_tree` with a feature-free
+:class:`~dtbench.decoders.tree.TreeDrafter`): greedy, lossless. No draft model, no training.
+
+Reference read (from memory of the public code): FasterDecoding/REST ``DraftRetriever`` (a Rust suffix array over
+the datastore's tokens; ``search`` takes the context suffix, longest first, and returns the retrieved
+continuations, which ``generate_candidates_and_draft_buffer`` turns into a trie pruned to ``num_draft`` = 64 nodes by
+frequency). Here the suffix array comes from ``pydivsufsort`` (maintained PyPI bindings of Yuta Mori's
+libdivsufsort, C, O(n log n); it sorts integer arrays, so token ids need no byte encoding), the binary search
+and trie from numpy.
+
+The datastore is built once per process per (corpus, tokenizer) and cached; its size, token count and build time
+are the decoder's recorded state (:meth:`Rest.state_stats`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+
+from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.tree import TreeDrafter, speculate_tree
+from dtbench.decoders.tree_structure import TokenTree
+from dtbench.harness.errors import DtbenchError
+from dtbench.harness.suite import DatasetSpec
+
+SEPARATOR = np.iinfo(np.uint32).max  # between documents: never a token id, so no match or draft crosses it
+
+
+@dataclass
+class Datastore:
+    """Token ids of a corpus and their suffix array (REST section 3.1).
+
+    Attributes:
+        tokens: (n,) uint32 token ids, documents separated by :data:`SEPARATOR`.
+        sa: (n,) int64 suffix array of ``tokens`` (``tokens[sa[i]:]`` sorted lexicographically).
+        documents: documents in the datastore.
+        build_s: seconds spent tokenizing and sorting (wall clock).
+    """
+
+    tokens: np.ndarray
+    sa: np.ndarray
+    documents: int
+    build_s: float
+
+    @classmethod
+    def from_documents(cls, docs: list[list[int]]) -> Datastore:
+        """Build from token-id documents (suffix array by ``pydivsufsort.divsufsort``).
+
+        Raises:
+            DtbenchError: no non-empty document, or pydivsufsort not installed.
+        """
+        start = time.perf_counter()
+        docs = [d for d in docs if len(d)]
+        if not docs:
+            raise DtbenchError("rest: the corpus holds no tokens")
+        try:
+            from pydivsufsort import divsufsort
+        except ImportError:
+            raise DtbenchError("rest: the datastore needs pydivsufsort (pip install pydivsufsort)") from None
+        parts = []
+        for d in docs:
+            parts.extend((np.asarray(d, dtype=np.uint32), np.array([SEPARATOR], dtype=np.uint32)))
+        tokens = np.concatenate(parts)
+        sa = np.asarray(divsufsort(tokens), dtype=np.int64)
+        return cls(tokens, sa, len(docs), time.perf_counter() - start)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the tokens and the suffix array."""
+        return int(self.tokens.nbytes + self.sa.nbytes)
+
+    def _key(self, i: int, m: int) -> list[int]:
+        p = int(self.sa[i])
+        return self.tokens[p:p + m].tolist()
+
+    def find(self, pattern: list[int]) -> tuple[int, int]:
+        """The suffix-array range [lo, hi) of the suffixes starting with ``pattern`` (binary search, O(m log n))."""
+        m = len(pattern)
+        lo = bisect.bisect_left(range(len(self.sa)), pattern, key=lambda i: self._key(i, m))
+        hi = bisect.bisect_right(range(lo, len(self.sa)), pattern, key=lambda i: self._key(i, m)) + lo
+        return lo, hi
+
+    def retrieve(self, context: list[int], max_suffix: int, min_suffix: int, max_retrieved: int,
+                 depth: int) -> tuple[int, np.ndarray]:
+        """Continuations of the longest context suffix found (REST's exact-match retrieval, longest first).
+
+        Returns:
+            (suffix length matched, (R, depth) int64 continuations, -1 past a document's end); (0, empty) when no
+            suffix of ``min_suffix`` tokens or more occurs.
+        """
+        for s in range(min(max_suffix, len(context)), min_suffix - 1, -1):
+            lo, hi = self.find(context[-s:])
+            if hi > lo:
+                starts = self.sa[lo:min(hi, lo + max_retrieved)] + s
+                idx = starts[:, None] + np.arange(depth)[None, :]
+                cont = self.tokens[np.minimum(idx, len(self.tokens) - 1)].astype(np.int64)
+                bad = (idx >= len(self.tokens)) | (cont == SEPARATOR)
+                cont[np.logical_or.accumulate(bad, axis=1)] = -1
+                return s, cont
+        return 0, np.zeros((0, depth), dtype=np.int64)
+
+
+def frequent_trie(cont: np.ndarray, n_max: int) -> list[tuple[tuple[int, ...], int]]:
+    """The ``n_max`` most frequent prefixes of the continuations, as (prefix, count) in BFS order (REST's pruned
+    trie). Ties prefer shallower nodes, so every chosen prefix's parent is chosen too.
+
+    Args:
+        cont: (R, D) int64 continuations, -1 after a continuation's end.
+    """
+    nodes: list[tuple[int, int, tuple[int, ...]]] = []
+    for d in range(1, cont.shape[1] + 1):
+        rows = cont[cont[:, d - 1] >= 0, :d]
+        if not len(rows):
+            break
+        uniq, counts = np.unique(rows, axis=0, return_counts=True)
+        nodes.extend((-int(c), d, tuple(u.tolist())) for u, c in zip(uniq, counts))
+    chosen = sorted(nodes)[:n_max]
+    return [(prefix, -neg) for neg, _, prefix in sorted(chosen, key=lambda x: (x[1], x[0], x[2]))]
+
+
+class RestDrafter(TreeDrafter):
+    """Drafts REST's retrieval tree below the pending token; needs no target features (``hidden_layers = ()``)."""
+
+    hidden_layers = ()
+
+    def __init__(self, store: Datastore, prompt: list[int], params: RestParams):
+        self.store, self.p = store, params
+        self.context = list(prompt)
+        self.max_breadth = self.n_max = params.n_max
+        self.depth_limit = params.depth
+        self.retrievals = {"steps": 0, "matched": 0, "suffix_tokens": 0}
+        self._started = False
+
+    def feed_logits(self, tree: TokenTree, logits: torch.Tensor, side_logits) -> None:
+        if not self._started:  # the first tree's root: the prefill's token, the context's last
+            self.context.append(int(tree.tokens[0]))
+            self._started = True
+
+    def observe(self, step: Step) -> None:
+        self.context.extend(step.tokens)  # accepted drafts and the bonus token (the next root)
+
+    def draft(self, tree: TokenTree, root: int, depth_cap: int) -> None:
+        p = self.p
+        self.retrievals["steps"] += 1
+        s, cont = self.store.retrieve(self.context, p.max_suffix, p.min_suffix, p.max_retrieved,
+                                      min(p.depth, depth_cap))
+        if not s:
+            return
+        self.retrievals["matched"] += 1
+        self.retrievals["suffix_tokens"] += s
+        trie = frequent_trie(cont, min(p.n_max, tree.budget_left))
+        total = float(len(cont))
+        index: dict[tuple[int, ...], int] = {(): 0}
+        for d in range(1, max((len(t) for t, _ in trie), default=0) + 1):
+            level = [(t, c) for t, c in trie if len(t) == d]
+            parents = torch.tensor([index[t[:-1]] for t, _ in level], device=tree.device)
+            logp = torch.log(torch.tensor([c / total for _, c in level], device=tree.device))
+            new = tree.add(parents, torch.tensor([t[-1] for t, _ in level], device=tree.device),
+                           logp - tree.cum_logp[parents], logp, d)
+            index.update(zip((t for t, _ in level), new))
+
+
+class RestParams(DecoderParams):
+    """Hyperparameters of ``rest``.
+
+    Attributes:
+        corpus: the datastore's text, a dataset entry (``name`` and its ``data_dir`` / ``path`` / ``hub_id``); its
+            ``skip: K`` leaves out the first K usable documents of ``seed``'s order, which are the documents a suite
+            with that seed measures with ``prompts <= K`` (so the prompts' own text is never retrieved).
+        tokens: instead of ``corpus``, a ``.npy`` file of token ids (a pre-tokenized datastore; -1 separates
+            documents).
+        tokenizer: tokenizer of ``corpus`` (a model id or folder); default: the target's ``name_or_path``.
+        seed: the suite's seed (the document order ``skip`` refers to).
+        n_max: trie nodes verified per step (REST's ``num_draft``, 64).
+        depth: longest retrieved continuation (drafted tokens on a path).
+        max_suffix, min_suffix: the context suffix lengths searched, longest first.
+        max_retrieved: occurrences whose continuations build the trie.
+    """
+
+    corpus: DatasetSpec | None = Field(None, description="the datastore's text: a dataset entry")
+    tokens: str | None = Field(None, description="or a .npy file of token ids (-1 separates documents)")
+    tokenizer: str | None = Field(None, description="tokenizer for corpus (default: the target's name_or_path)")
+    seed: int = Field(0, description="the suite's seed: the document order corpus.skip refers to")
+    n_max: int = Field(64, ge=1, le=1024, description="trie nodes verified per step (REST num_draft)")
+    depth: int = Field(10, ge=1, le=64, description="longest retrieved continuation (tokens)")
+    max_suffix: int = Field(16, ge=1, le=256, description="longest context suffix searched (tokens)")
+    min_suffix: int = Field(1, ge=1, le=256, description="shortest context suffix searched (tokens)")
+    max_retrieved: int = Field(5000, ge=1, le=1_000_000, description="occurrences used to build the trie")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.corpus is None) == (self.tokens is None):
+            raise ValueError("rest: give exactly one of `corpus` (a dataset entry) and `tokens` (a .npy file)")
+        if self.min_suffix > self.max_suffix:
+            raise ValueError(f"min_suffix ({self.min_suffix}) must not exceed max_suffix ({self.max_suffix})")
+        return self
+
+
+_STORES: dict[str, Datastore] = {}
+
+
+def held_out_documents(docs: list[tuple[str, str]], tokenizer, skip: int, seed: int) -> list[list[int]]:
+    """Token ids of the documents left after the first ``skip`` usable ones of ``seed``'s order (as
+    :func:`dtbench.harness.data.select_prompts` orders and skips them), in that order."""
+    from dtbench.harness.data import MIN_PROMPT_TOKENS
+
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    kept, skipped = [], 0
+    for i in order:
+        ids = tokenizer.encode(docs[i][1])
+        if len(ids) >= MIN_PROMPT_TOKENS and skipped < skip:
+            skipped += 1
+            continue
+        kept.append(ids)
+    return kept
+
+
+def load_datastore(params: RestParams, target: torch.nn.Module) -> Datastore:
+    """The datastore of ``params`` (built on first use, then cached for the process).
+
+    Raises:
+        DtbenchError: an unreadable tokens file or corpus, or a tokenizer that cannot be loaded.
+    """
+    tok_name = params.tokenizer or getattr(target.config, "name_or_path", "") or ""
+    key = json.dumps([params.corpus.model_dump(mode="json") if params.corpus else None, params.tokens, tok_name,
+                      params.seed])
+    if key in _STORES:
+        return _STORES[key]
+    start = time.perf_counter()
+    if params.tokens is not None:
+        try:
+            flat = np.load(Path(params.tokens).expanduser(), allow_pickle=False).astype(np.int64).ravel()
+        except (OSError, ValueError) as exc:
+            raise DtbenchError(f"rest: cannot read tokens file {params.tokens}: {exc}") from None
+        cuts = np.flatnonzero(flat < 0)
+        docs = [d.tolist() for d in np.split(flat, cuts) if len(d)]
+        docs = [[t for t in d if t >= 0] for d in docs]
+    else:
+        from transformers import AutoTokenizer
+
+        from dtbench.harness.data import load_documents
+
+        if not tok_name:
+            raise DtbenchError("rest: set `tokenizer:` (the target names no tokenizer)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tok_name)
+        except Exception as exc:  # transformers raises OSError, ValueError, ... for a bad id
+            raise DtbenchError(f"rest: cannot load tokenizer {tok_name!r}: {str(exc).splitlines()[0]}") from None
+        texts = load_documents(params.corpus)
+        docs = held_out_documents(texts, tokenizer, params.corpus.skip, params.seed)
+    store = Datastore.from_documents(docs)
+    store.build_s = time.perf_counter() - start
+    _STORES[key] = store
+    return store
+
+
+class Rest(Decoder):
+    """REST on the one tree loop: retrieval tree from a suffix-array datastore, greedy verification; lossless.
+
+    Capabilities: family ``tree``; verify sizes (0 chain tokens, root + n_max masked); no sampling (the tree
+    loop's drafter path verifies greedily; a suite that samples is refused at validation).
+    """
+
+    Params = RestParams
+    family: ClassVar[str] = "tree"
+    needs_draft = False
+    lossless = True
+    supports_sampling = False
+    version = "1"
+
+    def __init__(self, target, draft, params: RestParams):
+        super().__init__(target, None, params)
+        self.store = load_datastore(params, target)
+        self._drafter: RestDrafter | None = None
+
+    @classmethod
+    def verify_sizes(cls, params: RestParams) -> tuple[int, int]:
+        """(chain tokens, masked tokens) of one verification: (0, root + n_max trie nodes)."""
+        return 0, params.n_max + 1
+
+    def state_stats(self) -> dict[str, int]:
+        """The datastore (tokens, documents, bytes, build milliseconds) and the last call's retrievals (steps that
+        searched, steps that found a match, matched suffix tokens summed)."""
+        s = self.store
+        info = {"datastore_tokens": int(len(s.tokens)), "datastore_documents": s.documents,
+                "datastore_bytes": s.nbytes, "datastore_build_ms": round(s.build_s * 1000)}
+        if self._drafter is not None:
+            info.update({f"retrieval_{k}": v for k, v in self._drafter.retrievals.items()})
+        return info
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
+        """Generate ``max_new_tokens`` tokens greedily; one Step per target forward (the tree loop's)."""
+        self._drafter = RestDrafter(self.store, input_ids[0].tolist(), self.params)
+        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self._drafter, "compact",
+                                  tree_root="pending", eos_token_id=self.eos_token_id)

@@ -1,0 +1,372 @@
+"""Issue 19: nothing runs that nobody asked for, nothing hangs, nothing leaks.
+
+One test (at least) per item of the issue, each written against the behaviour the issue reported: remote code in
+model folders, passwords in printed URLs, formulas and terminal escapes from labels, hangs (Ray connect, NaN
+options, include fan-out, huge or deep suites, device files), wrong answers (alpha NaN, infinite timeouts, huge
+seeds, huge run ids) and raw errors (read-only databases, an unreachable hub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+import pytest
+import yaml
+
+from kit import invoke, one_line_error, write_suite
+
+TINY = {
+    "name": "tiny",
+    "seed": 0,
+    "device": "cpu",
+    "target": {"model": "smollm2-135m", "dtype": "float32"},
+    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
+    "generation_lengths": [4],
+    "decoders": [{"name": "ar"}],
+}
+
+
+def _suite(**changes) -> dict:
+    out = json.loads(json.dumps(TINY))
+    out.update(changes)
+    return out
+
+
+# --- 1. a model folder's own code never runs unless the suite opts in ------------------------------------------
+
+
+def _evil_folder(root, marker):
+    """A local model folder whose config maps AutoConfig/AutoModelForCausalLM/AutoTokenizer to code in the folder;
+    importing that code creates ``marker``."""
+    from dtbench.harness import models
+    from dtbench.harness.suite import ModelSpec
+
+    folder = root / "evil-model"
+    folder.mkdir()
+    models.load_tokenizer(ModelSpec()).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "evil19", "max_position_embeddings": 128,
+        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}))
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_cfg["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (folder / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil19'\n"
+        "class EvilModel(PreTrainedModel):\n    config_class = EvilConfig\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    return folder
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_remote_code_in_a_model_folder_never_runs(tmp_path, data_dir, command):
+    from click.testing import CliRunner
+
+    from dtbench.cli.main import cli
+
+    marker = tmp_path / "marker"
+    folder = _evil_folder(tmp_path, marker)
+    suite = write_suite(tmp_path, _suite(target={"model": str(folder), "dtype": "float32"}))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress"]
+                               if command == "run" else [])
+    result = CliRunner().invoke(cli, args, input="y\ny\ny\ny\n", catch_exceptions=False)
+    assert not marker.exists(), "the model folder's code ran"
+    line = one_line_error(result, "trust_remote_code", "evil.py")
+    assert str(folder) in line
+
+
+def test_remote_code_opt_in_is_warned_and_recorded(tmp_path):
+    marker = tmp_path / "marker"
+    folder = _evil_folder(tmp_path, marker)
+    suite = write_suite(tmp_path, _suite(target={"model": str(folder), "dtype": "float32", "trust_remote_code": True}))
+    result = invoke("validate", suite)
+    assert result.exit_code == 0, result.output
+    assert "trust_remote_code" in result.stderr and "evil.py" in result.stderr
+    assert not marker.exists()  # validate reads configs, never imports
+
+
+def test_every_load_passes_trust_remote_code_false(monkeypatch):
+    """models.py's loaders hand transformers an explicit trust_remote_code (False unless the spec opts in)."""
+    import transformers
+
+    from dtbench.harness import models
+    from dtbench.harness.suite import ModelSpec
+
+    seen = []
+
+    def spy(name):
+        def fake(*args, **kwargs):
+            seen.append((name, kwargs.get("trust_remote_code", "absent")))
+            raise OSError("stop here")
+        return fake
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy("tokenizer"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy("model"))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", spy("config"))
+    spec = ModelSpec(model="some-org/some-model")
+    import torch
+
+    for call in (lambda: models.load_tokenizer(spec), lambda: models.load_model(spec, torch.device("cpu")),
+                 lambda: models.check_context(spec, 10)):
+        try:
+            call()
+        except Exception:
+            pass
+    assert [k for _, k in seen] == [False, False, False], seen
+
+
+# --- 2. the database password is never printed nor stored -----------------------------------------------------
+
+
+def test_run_prints_no_password(tmp_path, monkeypatch):
+    """`run` ends with 'run N stored in URL': the URL's password is masked. (The database and the run are stubbed:
+    no PostgreSQL server is needed to see what is printed.)"""
+    from dtbench.harness import db, runner
+
+    real_connect = db.connect
+    urls = []
+    monkeypatch.setattr(db, "connect", lambda url=None, **kw: urls.append(url) or real_connect(str(tmp_path / "r.db")))
+    monkeypatch.setattr(runner, "run_suite", lambda *a, **kw: 1)
+    url = "postgresql+psycopg://user:SECRET@dbhost/dtbench"
+    result = invoke("run", write_suite(tmp_path, TINY), "--db", url, "--no-progress", "--no-report")
+    assert result.exit_code == 0, result.output
+    assert urls == [url]
+    assert "SECRET" not in result.output
+    assert "user:***@dbhost/dtbench" in result.stderr
+
+
+# --- 3. formulas and terminal escapes from labels --------------------------------------------------------------
+
+ESC_LABELS = ["red \x1b[31mlabel", "title \x1b]0;pwned\x07", "two\nlines", "bell\x07", "c1 \x9b31m"]
+
+
+@pytest.mark.parametrize("label", ESC_LABELS)
+def test_control_characters_in_labels_are_refused(tmp_path, label):
+    suite = write_suite(tmp_path, _suite(decoders=[{"name": "ar", "label": label}]))
+    line = one_line_error(invoke("validate", suite), "decoders.0.label", "control character")
+    assert "\x1b" not in line and "\x07" not in line and "\x9b" not in line
+
+
+@pytest.mark.parametrize("where", ["name", "dataset", "sweep"])
+def test_control_characters_in_names_are_refused(tmp_path, where):
+    bad = "x\x1b[2Jy"
+    suite = {"name": _suite(name=bad), "dataset": _suite(datasets=[{"name": bad, "prompts": 2, "warmup": 1}]),
+             "sweep": _suite(decoders=[{"name": "ar"}, {"name": "linear", "sweep": {"k": [bad]}}])}[where]
+    line = one_line_error(invoke("validate", write_suite(tmp_path, suite)), "control character")
+    assert "\x1b" not in line
+
+
+def _hostile_db(tmp_path) -> str:
+    import reportdb
+
+    from dtbench.harness import db
+
+    path = tmp_path / "hostile.db"
+    sessions = db.connect(str(path))
+    with sessions() as s:
+        run = reportdb.add_run(s)
+        ar = reportdb.add_cell(s, run, "ar")
+        reportdb.add_samples(s, ar, [10.0] * 6, warmup=1)
+        for label in ['=HYPERLINK("http://evil.example","click")', "+1+1", "@SUM(A1)", "-2+3", "red \x1b[31mx",
+                      "title \x1b]0;pwned\x07", "two\nlines | pipe", "markup [/oops]"]:
+            cell = reportdb.add_cell(s, run, label, "linear")
+            reportdb.add_samples(s, cell, [12.0] * 6, warmup=1)
+        s.commit()
+    return str(path)
+
+
+def test_csv_neutralises_formulas(tmp_path):
+    import csv
+    import io
+
+    path = _hostile_db(tmp_path)
+    for extra in ([], ["--compare"]):
+        result = invoke("report", "--db", path, "--format", "csv", *extra)
+        assert result.exit_code == 0, result.output
+        rows = list(csv.DictReader(io.StringIO(result.stdout)))
+        labels = {r["label"] for r in rows}
+        assert "'=HYPERLINK(\"http://evil.example\",\"click\")" in labels, labels
+        assert {"'+1+1", "'@SUM(A1)", "'-2+3"} <= labels, labels
+        assert not any(v.startswith(("=", "+", "@")) for r in rows for v in r.values() if v), rows
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+        numbers = [float(r["throughput_mean"]) for r in rows if r.get("throughput_mean")] if not extra else []
+        assert all(n > 0 for n in numbers)  # numbers stay numbers
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "table"])
+def test_markdown_and_terminal_escape_labels(tmp_path, fmt):
+    path = _hostile_db(tmp_path)
+    for extra in ([], ["--compare"]):
+        result = invoke("report", "--db", path, "--format", fmt, *extra)
+        assert result.exit_code == 0, result.output
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout, repr(result.stdout)
+        if fmt == "markdown":
+            rows = [line for line in result.stdout.splitlines() if line.startswith("|")]
+            width = {len(re.split(r"(?<!\\)\|", line)) for line in rows}
+            assert len(width) == 1, rows  # every row has the header's number of cells: no row split or widened
+            assert any("two<br>lines \\| pipe" in line for line in rows), rows
+        else:
+            assert "markup [/oops]" in result.stdout
+
+
+# --- 4. joining an unreachable Ray cluster fails in one line, soon -------------------------------------------------
+
+
+def _dtbench(*args: str, timeout: float = 180):
+    """``dtbench ARGS`` in a subprocess (a Ray connection that hangs must not hang the test process); the
+    subprocess timeout turns a hang into a failure."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "dtbench.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "RAY_ADDRESS": ""})
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_connect_to_a_closed_port_fails_in_one_line(tmp_path):
+    pytest.importorskip("ray")
+    address = f"127.0.0.1:{_closed_port()}"
+    done = _dtbench("run", write_suite(tmp_path, TINY), "--db", str(tmp_path / "r.db"), "--executor", "ray",
+                    "--address", address, "--connect-timeout", "1", "--no-progress")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot join Ray at " + address), done.stderr
+    assert "nothing answers" in lines[0]
+
+
+def test_ray_connect_to_a_silent_port_times_out(tmp_path):
+    """A port that accepts connections but is no Ray head: Ray would wait forever; --connect-timeout ends it."""
+    import socket
+
+    pytest.importorskip("ray")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        done = _dtbench("run", write_suite(tmp_path, TINY), "--db", str(tmp_path / "r.db"), "--executor", "ray",
+                        "--address", address, "--connect-timeout", "2", "--no-progress")
+    assert done.returncode == 2, done.stderr
+    errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+    assert errors and f"cannot join Ray at {address}: no answer from a Ray cluster within 2 s" in errors[0], done.stderr
+
+
+# --- 5, 8. no NaN, infinity or out-of-range float in options ------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, option", [
+    (["calibrate", "x.yaml", "--min-time", "nan", "--max-time", "nan"], "--min-time"),
+    (["calibrate", "x.yaml", "--min-time", "nan"], "--min-time"),
+    (["calibrate", "x.yaml", "--max-time", "inf"], "--max-time"),
+    (["calibrate", "x.yaml", "--min-time", "0"], "--min-time"),
+    (["calibrate", "x.yaml", "--min-time", "-1"], "--min-time"),
+    (["report", "--compare", "1", "2", "--fail-if", "throughput:-5%", "--alpha", "nan"], "--alpha"),
+    (["report", "--compare", "--alpha", "nan"], "--alpha"),
+    (["report", "--compare", "--alpha", "1"], "--alpha"),
+    (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "nan"], "--connect-timeout"),
+    (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "inf"], "--connect-timeout"),
+])
+def test_float_options_refuse_non_finite_and_out_of_range(tmp_path, args, option):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+# --- 9, 10, 5: floats and seeds in a suite -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"timeout_s": float("inf")}, "timeout_s"),
+    ({"timeout_s": 1e300}, "timeout_s"),
+    ({"timeout_s": float("nan")}, "timeout_s"),
+    ({"seed": 340282366920938463463374607431768211456}, "seed"),
+    ({"seed": 1 << 63}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"sampling": {"seed": 1 << 64}}, "sampling.seed"),
+    ({"sampling": {"temperature": float("nan")}}, "sampling.temperature"),
+    ({"decoders": [{"name": "ar"}, {"name": "dynatree", "params": {"eta_depth": float("nan")}}]}, "eta_depth"),
+])
+def test_suite_numbers_out_of_range_are_one_line_errors(tmp_path, changes, field):
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(**changes))), field)
+
+
+def test_largest_seed_and_timeout_validate(tmp_path):
+    result = invoke("validate", write_suite(tmp_path, _suite(seed=(1 << 63) - 1, timeout_s=30 * 24 * 3600)))
+    assert result.exit_code == 0, result.output
+
+
+# --- 6, 7: include fan-out, size, depth, devices ---------------------------------------------------------------
+
+
+def test_include_fan_out_reads_each_file_once(tmp_path, monkeypatch):
+    from dtbench.harness import suitefile
+
+    for i in range(5):
+        body = {"include": [f"f{i + 1}.yaml"] * 10} if i < 4 else _suite()
+        (tmp_path / f"f{i}.yaml").write_text(yaml.safe_dump(body))
+    reads = []
+    real = suitefile._read
+    monkeypatch.setattr(suitefile, "_read", lambda path, *a: reads.append(path) or real(path, *a))
+    suite, text = suitefile.load_suite(tmp_path / "f0.yaml")
+    assert suite.name == "tiny"
+    assert len(reads) == 5, len(reads)  # today's loader read 1 + 10 + 100 + 1000 + 10000 files
+    assert text.count("# --- include:") == 4
+
+
+def test_included_text_is_capped(tmp_path):
+    pad = "# " + "x" * 998 + "\n"
+    for i in range(3):
+        (tmp_path / f"big{i}.yaml").write_text(pad * 400 + "description: big\n")  # 400 kB each, 1.2 MB together
+    (tmp_path / "top.yaml").write_text(yaml.safe_dump({**_suite(), "include": [f"big{i}.yaml" for i in range(3)]}))
+    one_line_error(invoke("validate", str(tmp_path / "top.yaml")), "include: files hold more than 1,048,576 bytes")
+
+
+def test_huge_deep_and_device_suites_are_one_line_errors(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: x\nparams: " + "[" * 5000 + "]" * 5000 + "\n")
+    one_line_error(invoke("validate", str(deep)), "nests more than 64 levels")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({**_suite(), "description": None}).replace("description: null", "x: " + "[" * 100
+                                                                                  + "]" * 100))
+    one_line_error(invoke("validate", str(nested)), "nests more than 64 levels")
+    big = tmp_path / "big.yaml"
+    big.write_text(yaml.safe_dump(_suite()) + ("# padding\n" * 120_000))
+    one_line_error(invoke("validate", str(big)), "larger than 1,048,576 bytes")
+    for device in ("/dev/zero", "/dev/urandom"):
+        one_line_error(invoke("validate", device), "not a regular file")
+    one_line_error(invoke("run", "/dev/urandom", "--db", str(tmp_path / "r.db")), "not a regular file")
+
+
+def test_text_files_path_of_a_device(tmp_path):
+    suite = _suite(datasets=[{"name": "text-files", "path": "/dev/zero", "prompts": 2, "warmup": 1, "L_max": 16}])
+    one_line_error(invoke("validate", write_suite(tmp_path, suite)), "/dev/zero is not a regular file")
+
+
+# --- 13. a run id no database can hold is no such run -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--run", "99999999999999999999999"], ["--compare", "1", "99999999999999999999999"],
+                                  ["--run", str(1 << 63)], ["--cost-model", "--run", "99999999999999999999999"]])
+def test_huge_run_ids_are_no_such_run(tmp_path, args):
+    path = _hostile_db(tmp_path)
+    one_line_error(invoke("report", "--db", path, *args), "no run ")
+
+
+def test_huge_resume_run_id(tmp_path, data_dir):
+    from dtbench.harness import db
+
+    dbfile = tmp_path / "r.db"
+    db.connect(str(dbfile))
+    one_line_error(invoke("run", write_suite(tmp_path, TINY), "--db", str(dbfile), "--data-dir", str(data_dir),
+                          "--resume-run", "99999999999999999999999", "--no-progress"), "no run 99999999999999999999999")

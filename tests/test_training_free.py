@@ -1,0 +1,243 @@
+"""Training-free decoders (issue 22, part A): ``ngram``, ``suffix``, ``rest``.
+
+Their search structures against brute force; greedy equivalence with ``ar`` on Llama- and GPT-NeoX-style float64
+models with prompts that repeat (drafts accepted) and that do not; proposals made, and accepted, partly accepted
+and rejected; sampling checked as a distribution where the method samples (chain methods), refused where not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtbench.decoders.ar import ARParams, Autoregressive
+from dtbench.decoders.ngram import Ngram, NgramParams, longest_suffix_match
+from dtbench.decoders.rest import Datastore, Rest, RestParams, frequent_trie
+from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
+from models import ARCHS, SHARP, VOCAB, model_zoo, run_decoder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def brute_match(tokens, min_n, max_n, occurrence):
+    """The longest suffix (min_n..max_n tokens) occurring earlier, and the index after the chosen occurrence."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == tokens[-n:]]
+        if ends:
+            return n, (min(ends) if occurrence == "earliest" else max(ends)) + 1
+    return 0, 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40), min_n=st.integers(1, 4), extra=st.integers(0, 4),
+       occurrence=st.sampled_from(["earliest", "latest"]))
+def test_kmp_search_finds_the_longest_earlier_suffix(tokens, min_n, extra, occurrence):
+    assert longest_suffix_match(tokens, min_n, min_n + extra, occurrence) == brute_match(
+        tokens, min_n, min_n + extra, occurrence)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=40))
+def test_suffix_automaton_tracks_the_longest_repeated_suffix(tokens):
+    sam = SuffixAutomaton()
+    for i, t in enumerate(tokens):
+        sam.append(t)
+        assert sam.repeated_suffix() == brute_match(tokens[:i + 1], 1, len(tokens), "earliest")
+    assert len(sam.length) <= max(2 * len(tokens) - 1, len(tokens) + 1)  # the automaton's linear size bound
+
+
+def test_frequent_trie_keeps_parents_and_the_most_frequent_nodes():
+    cont = np.array([[5, 6, 7], [5, 6, 8], [5, 9, -1], [4, -1, -1]])
+    trie = frequent_trie(cont, 4)
+    assert trie == [((5,), 3), ((4,), 1), ((5, 6), 2), ((5, 9), 1)]  # BFS order; ties: shallower first
+    chosen = {t for t, _ in trie}
+    assert all(t[:-1] in chosen or len(t) == 1 for t in chosen)
+
+
+def test_datastore_finds_every_occurrence():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 5, 200).tolist() for _ in range(3)]
+    store = Datastore.from_documents(docs)
+    flat = [t for d in docs for t in [*d, -1]]
+    for pattern in ([1], [2, 3], [0, 1, 2], [4, 4, 4, 4]):
+        lo, hi = store.find(pattern)
+        starts = sorted(int(store.sa[i]) for i in range(lo, hi))
+        assert starts == [i for i in range(len(flat)) if flat[i:i + len(pattern)] == pattern]
+    assert store.nbytes == store.tokens.nbytes + store.sa.nbytes > 0
+
+
+# ---------------------------------------------------------------------------------------------- greedy equivalence
+
+def _greedy(target, prompt, T):
+    return run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+
+
+@pytest.fixture(scope="module")
+def store_file(tmp_path_factory):
+    """A tokens file for ``rest``: the target's own greedy continuations of a few prompts (retrieval is then
+    often right) and random documents (often wrong)."""
+    docs = []
+    for arch in ARCHS:
+        target, _ = model_zoo(arch=arch, sharpness=SHARP)["self"]
+        for seed in range(3):
+            prompt = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+            docs.append(prompt + _greedy(target, prompt, 40))
+    rng = np.random.default_rng(1)
+    docs += [rng.integers(3, VOCAB, 300).tolist() for _ in range(3)]
+    path = tmp_path_factory.mktemp("rest") / "store.npy"
+    np.save(path, np.array([t for d in docs for t in [*d, -1]], dtype=np.int64))
+    return str(path)
+
+
+def build(name, params, arch, store_file, kind="perturbed"):
+    target, draft = model_zoo(arch=arch, sharpness=SHARP)[kind]
+    if name == "ngram":
+        return Ngram(target, None, NgramParams(**params))
+    if name == "suffix":
+        return SuffixDecoding(target, draft, SuffixParams(**params))
+    return Rest(target, None, RestParams(tokens=store_file, **params))
+
+
+def steps_of(decoder, prompt, T):
+    out, n = [], 0
+    for step in decoder.generate(torch.tensor([prompt]), T):
+        out.append(step)
+        n += len(step.tokens)
+        if n >= T:
+            break
+    return out
+
+
+CASES = [
+    ("ngram", {}), ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
+    ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}),
+    ("rest", {}), ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 2}),
+]
+prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=16)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name, params", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+@settings(max_examples=8, deadline=None)
+@given(prompt=prompts, repeats=st.integers(1, 3), T=st.integers(1, 40))
+def test_greedy_output_equals_ar(store_file, arch, name, params, prompt, repeats, T):
+    """Prompts with repeats > 1 repeat themselves (drafts accepted); others mostly do not."""
+    prompt = prompt * repeats
+    decoder = build(name, params, arch, store_file)
+    steps = steps_of(decoder, prompt, T)
+    tokens = [t for s in steps for t in s.tokens][:T]
+    assert tokens == _greedy(decoder.target, prompt, T)
+    context, produced = [*prompt, *steps[0].tokens], 1
+    for s in steps[1:]:
+        assert 0 <= s.accepted <= s.depth <= s.drafted and len(s.tokens) == s.accepted + 1
+        room = min(decoder.params.k if name != "rest" else decoder.params.depth, T - produced - 1)
+        if name == "ngram":  # a draft exactly when the context's suffix recurs (and there is room)
+            p = decoder.params
+            assert bool(s.drafted) == (room > 0 and brute_match(context, p.min_n, p.max_n, "earliest")[0] > 0)
+        elif name == "suffix":
+            p = decoder.params
+            matched = brute_match(context, p.min_match, len(context), "earliest")[0] > 0
+            assert bool(s.drafted) == (room > 0 and (matched or p.fallback == "draft"))
+        context += s.tokens
+        produced += len(s.tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name, params", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_proposals_accepted_partly_accepted_and_rejected(store_file, arch, name, params):
+    """Over a few prompts every method drafts, and its drafts are fully accepted, partly accepted and rejected."""
+    seen = set()
+    for seed in range(8):
+        prompt = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
+        decoder = build(name, params, arch, store_file)
+        T = 48
+        steps = steps_of(decoder, prompt * 2, T)
+        assert [t for s in steps for t in s.tokens][:T] == _greedy(decoder.target, prompt * 2, T)
+        for s in steps[1:]:
+            if s.drafted:
+                seen.add("all" if s.accepted == s.depth else "part" if s.accepted else "none")
+    assert seen == {"all", "part", "none"}
+    state = decoder.state_stats()
+    assert all(isinstance(v, int) for v in state.values()) and any(k.endswith("_bytes") and v > 0
+                                                                  for k, v in state.items())
+
+
+def test_state_is_recorded(store_file):
+    target, _ = model_zoo(arch="llama", sharpness=SHARP)["self"]
+    rest = Rest(target, None, RestParams(tokens=store_file))
+    info = rest.state_stats()
+    assert info["datastore_tokens"] == len(np.load(store_file)) and info["datastore_build_ms"] >= 0
+    assert Rest(target, None, RestParams(tokens=store_file)).store is rest.store  # built once per process
+    run_decoder(rest, [5, 6, 7, 5, 6], 12)
+    assert rest.state_stats()["retrieval_steps"] > 0
+    suffix = SuffixDecoding(target, target, SuffixParams(min_match=1))
+    run_decoder(suffix, [5, 6, 7, 5, 6], 30)  # the greedy output starts repeating after about 14 tokens
+    assert suffix.state_stats()["automaton_states"] >= 5 + 30 and suffix.state_stats()["automaton_draft_steps"] > 0
+
+
+def test_bad_params_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="min_n"):
+        NgramParams(min_n=4, max_n=2)
+    with pytest.raises(ValueError, match="exactly one"):
+        RestParams()
+    target, _ = model_zoo()["self"]
+    from dtbench.harness.errors import DtbenchError
+
+    with pytest.raises(DtbenchError, match="cannot read tokens file"):
+        Rest(target, None, RestParams(tokens=str(tmp_path / "missing.npy")))
+    assert Rest.supports_sampling is False  # a sampling suite is refused at validation (plan)
+
+
+def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
+    target, draft = model_zoo(sharpness=SHARP)["perturbed"]
+    prompt = list(range(10, 30))  # no repeats: the automaton cannot draft at first
+    none = SuffixDecoding(target, draft, SuffixParams(fallback="none"))
+    with_draft = SuffixDecoding(target, draft, SuffixParams(fallback="draft", k=4))
+    first_none = steps_of(none, prompt, 20)
+    first_draft = steps_of(with_draft, prompt, 20)
+    assert first_none[1].drafted == 0 and first_draft[1].drafted == 4
+    assert with_draft.state_stats()["fallback_draft_steps"] > 0
+    assert [t for s in first_draft for t in s.tokens][:20] == _greedy(target, prompt, 20)
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+@pytest.mark.parametrize("decoder, setting", [("ngram", "t0.7-topk4"), ("suffix", "t1"), ("suffix-draft", "topp0.8")])
+def test_chain_methods_sample_the_target_distribution(decoder, setting):
+    from test_sampling import ALPHA, SETTINGS, models, p_value
+
+    target = models()["self"]
+    make = {
+        "ngram": lambda: Ngram(target, None, NgramParams(k=3, occurrence="latest")),
+        "suffix": lambda: SuffixDecoding(target, None, SuffixParams(k=3, min_match=1)),
+        "suffix-draft": lambda: SuffixDecoding(target, models()["perturbed"], SuffixParams(k=2, fallback="draft")),
+    }
+    dec = make[decoder]()
+    dec.sampling, dec.generator = SETTINGS[setting], torch.Generator().manual_seed(0)
+    assert any(s.drafted for s in dec.generate(torch.tensor([[1, 4, 2, 5]]), 6))  # drafts are verified
+    assert p_value(dec, SETTINGS[setting], length=6) > ALPHA
+
+
+# ---------------------------------------------------------------------------------------------------- the peer
+
+@pytest.mark.parametrize("arch", ARCHS)
+@settings(max_examples=6, deadline=None)
+@given(prompt=prompts, repeats=st.integers(1, 3), T=st.integers(2, 40))
+def test_ngram_emits_what_transformers_prompt_lookup_emits(arch, prompt, repeats, T):
+    """``ngram`` with transformers' settings (K = 10, n-grams of 2 then 1, earliest occurrence) and ``hf_generate``
+    with ``prompt_lookup_num_tokens: 10`` emit the same tokens, and both draft from a prompt that repeats.
+    (Their iterations are not aligned: transformers drafts its first candidates from the prompt alone, in the
+    prefill forward.)"""
+    from dtbench.decoders.hf_assisted import HFGenerate, HFGenerateParams
+
+    target, _ = model_zoo(arch=arch)["self"]
+    prompt = prompt * repeats
+    ours = steps_of(Ngram(target, None, NgramParams(k=10, max_n=2)), prompt, T)
+    theirs = steps_of(HFGenerate(target, None, HFGenerateParams(prompt_lookup_num_tokens=10)), prompt, T)
+    assert [t for s in ours for t in s.tokens][:T] == [t for s in theirs for t in s.tokens][:T]
+    if repeats > 1:  # the prompt's last token occurs earlier: transformers proposes in its first verification
+        assert theirs[0].drafted > 0
+    assert all(s.accepted == len(s.tokens) - 1 <= s.drafted for s in theirs)
