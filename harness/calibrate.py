@@ -319,7 +319,7 @@ def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[i
 
 def measure_on(worker, contexts: dict[int, list[int]], settings: Settings,
                console: Console | None = None) -> Measured:
-    """:func:`calibrate` with a :class:`~dtbench.harness.executors.Worker`'s plan, models and device, in the worker's
+    """:func:`calibrate` with a :class:`~dtbench.harness.worker.Worker`'s plan, models and device, in the worker's
     process (the driver's, or a Ray actor's)."""
     points = calibrate(worker.plan, worker.suite, worker.target, worker.draft, worker.device, contexts,
                        settings=settings, console=console)

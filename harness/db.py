@@ -25,7 +25,7 @@ from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, 
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from dtbench.harness import schema
-from dtbench.harness.engines import reader_engine, resolve_url, writer_engine
+from dtbench.harness.engines import check_writable, reader_engine, resolve_url, writer_engine
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (what the models store)."""
@@ -182,6 +182,11 @@ class Sample(Base):
     energy_j: Mapped[float | None] = mapped_column(Float)
     energy_status: Mapped[str | None] = mapped_column(String(20))
     energy_source: Mapped[str | None] = mapped_column(String(200))
+    # 0009: question datasets' task (Spec-Bench group, raw category, 1-based turn, question id); NULL for raw text
+    task_group: Mapped[str | None] = mapped_column(String(100))
+    category: Mapped[str | None] = mapped_column(String(100))
+    turn: Mapped[int | None] = mapped_column(Integer)
+    question_id: Mapped[str | None] = mapped_column(String(100))
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 
@@ -243,6 +248,7 @@ def connect(url: str | None = None, *, create: bool = True,
     """
     resolved = resolve_url(url)
     if create:
+        check_writable(resolved)
         engine = writer_engine(resolved)
         schema.ensure_current(resolved, note=note)
     else:

@@ -108,8 +108,11 @@ def _sqlite_reader(path: Path) -> Callable[[], sqlite3.Connection]:
     existing WAL and touches nothing. Otherwise ``mode=ro`` would leave behind ``-wal``/``-shm`` files of a
     WAL-mode database (a read-only connection cannot delete them), so the file is opened ``mode=rw`` (never
     ``rwc``: it is not created) with ``query_only``: nothing can be written, there is nothing to checkpoint, and
-    SQLite removes the ``-wal``/``-shm`` files it made when the connection closes. A file we may not write is
-    opened ``mode=ro``.
+    SQLite removes the ``-wal``/``-shm`` files it made when the connection closes. A file we may not write, or one
+    in a folder we may not write (see :func:`writable`), with no writer's files beside it, is opened
+    ``mode=ro&immutable=1``: SQLite reads it without locks or shared memory, so a WAL-mode database in a read-only
+    folder reports (``mode=ro`` alone fails there: "attempt to write a readonly database") and a read-only file
+    gets no ``-wal``/``-shm`` files left beside it.
     """
     from urllib.parse import quote
 
@@ -118,12 +121,46 @@ def _sqlite_reader(path: Path) -> Callable[[], sqlite3.Connection]:
 
     def creator() -> sqlite3.Connection:
         busy = any(Path(f"{resolved}{suffix}").exists() for suffix in ("-wal", "-journal"))
-        mode = "ro" if busy or not os.access(resolved, os.W_OK) or not os.access(resolved.parent, os.W_OK) else "rw"
-        con = sqlite3.connect(f"{base}?mode={mode}", uri=True, timeout=30, check_same_thread=False)
+        if busy:  # a writer is active (or crashed): read its WAL too; SQLite's own files exist already
+            query = "mode=ro"
+        elif writable(resolved) and writable(resolved.parent):
+            query = "mode=rw"
+        else:  # nothing can change this file, so read it as it is and create nothing (no -wal/-shm, no lock)
+            query = "mode=ro&immutable=1"
+        con = sqlite3.connect(f"{base}?{query}", uri=True, timeout=30, check_same_thread=False)
         con.execute("PRAGMA query_only=ON")
         return con
 
     return creator
+
+
+def writable(path: Path) -> bool:
+    """Whether dtbench may write ``path`` (a file or folder): the process may (``os.access``), and the owner has not
+    taken every write bit away (``chmod 444``), which root would otherwise ignore."""
+    try:
+        return os.access(path, os.W_OK) and bool(path.stat().st_mode & 0o222)
+    except OSError:
+        return False
+
+
+def check_writable(url: str) -> None:
+    """Fail before anything is loaded when a SQLite results database cannot be written.
+
+    The file itself (if it exists) must be writable, and its folder too: SQLite writes ``-wal``/``-shm`` (or
+    ``-journal``) files beside it. Other backends are checked by connecting (their permissions are the server's).
+
+    Raises:
+        DtbenchError: one line naming the file or folder that cannot be written.
+    """
+    path = sqlite_path(url)
+    if path is None:
+        return
+    if path.exists() and path.is_file() and not writable(path):
+        raise DtbenchError(f"cannot write the results database {path}: the file is read-only (chmod u+w it, or pass "
+                           f"--db for another database)")
+    if path.parent.is_dir() and not writable(path.parent):
+        raise DtbenchError(f"cannot write the results database {path}: its folder {path.parent} is read-only "
+                           f"(SQLite writes its journal files beside the database)")
 
 
 def reader_engine(url: str) -> Engine:

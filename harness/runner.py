@@ -19,11 +19,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.harness import calibrate, data, executors, models, registry
+from dtbench.harness import calibrate, chat, data, executors, models, questions, registry
+from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
-from dtbench.harness.runs import Heartbeat, open_run
+from dtbench.harness.prompt import Prompt
+from dtbench.harness.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.suite import Suite
 from dtbench.harness.worker import Outcome
 
@@ -96,11 +98,15 @@ def run_suite(
     console = console or Console(stderr=True)
     executor = executor or executors.LocalExecutor()
     plan = plan_suite(suite)
+    plan.data_dir = data_dir
     for label in plan.skipped:
         console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
+    if resume is not None:  # a live or wrong run is refused now, not after the models loaded
+        with sessions() as session:
+            check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
 
@@ -109,9 +115,13 @@ def run_suite(
         if suite.draft is not None and suite.draft.model != suite.target.model:
             models.check_tokenizers(tokenizer, models.load_tokenizer(suite.draft), suite.target.model,
                                     suite.draft.model)
-        prompts: dict[tuple[str, int], list[data.Prompt]] = {}
+        prompts: dict[tuple[str, int], list[Prompt]] = {}
         for ds in suite.datasets:
             docs = data.load_documents(ds, data_dir)
+            if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
+                for cap in ds.caps:
+                    prompts[(ds.name, cap)] = questions.prompts(ds, cap, tokenizer, suite, data_dir)
+                continue
             for cap in ds.caps:
                 prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
@@ -121,6 +131,8 @@ def run_suite(
         env = dict(info.environment)
         env["executor"] = executor.describe()
         env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+        if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
+            env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:
             run = open_run(session, suite, suite_text, suite_path, resume, force, env)
             run_id = run.id
@@ -186,7 +198,9 @@ class _Sink:
         return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
 
     def prompt(self, group: PromptGroup):
-        return self.prompts[(group.dataset.name, group.cap)][group.prompt_index]
+        # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
+        return chat.resolve(self.prompts[(group.dataset.name, group.cap)], group.prompt_index,
+                            lambda index: _reference_output(self.sessions, self.cells, group, index))
 
     def state(self, group: PromptGroup):
         done, failed = _group_state(self.sessions, self.cells, group)
@@ -271,8 +285,20 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[l
     return done, failed
 
 
+def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[int] | None:
+    """The stored output tokens of the group's reference decoder (its first decoder without a reference: ``ar``)
+    for prompt ``index`` of the same (dataset, L_max, T), or None."""
+    ref = next(cp for cp in group.decoders if not cp.reference_label)
+    with sessions() as session:
+        return session.scalar(select(Sample.output_tokens).where(
+            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, ref.label)],
+            Sample.prompt_index == index))
+
+
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
     """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
+    from sqlalchemy.exc import IntegrityError
+
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
@@ -302,12 +328,5 @@ def make_executor(name: str, *, address: str | None = None, workers: int | None 
         import_ray()
         timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
         return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
-    raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(EXECUTORS)})")
+    raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(executors.EXECUTORS)})")
 
-
-def __getattr__(name: str):  # the Ray executor's names, from their own module (imported on first use)
-    if name in ("RayExecutor", "RayWorker", "import_ray", "RAY_MISSING"):
-        from dtbench.harness import ray_executor
-
-        return getattr(ray_executor, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -85,6 +85,30 @@ def owner_alive(run: Run) -> str | None:
 MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
 
 
+def check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) -> None:
+    """Refuse to resume a missing or completed run, one of another suite, or one whose owner is alive.
+
+    ``--force`` takes over a run whose owner cannot be checked from here (another host, heartbeat under 5 minutes
+    old); a live owner on this host is never taken over: two processes would write the same samples (the second
+    failing on the unique constraint) and leave the run's owner pointing at whichever died last.
+
+    Raises:
+        DtbenchError: one line saying why the run cannot be resumed.
+    """
+    if run is None:
+        raise DtbenchError(f"no run {resume} to resume")
+    if run.status == "completed":
+        raise DtbenchError(f"run {resume} is completed; nothing to resume")
+    if run.suite_hash != suite_hash(suite_text):
+        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
+    alive = owner_alive(run)
+    if alive and run.owner_host == socket.gethostname():
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it or stop it (kill "
+                           f"{run.owner_pid}), then resume (--force takes over only an owner on another host)")
+    if alive and not force:
+        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+
+
 def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[str, Any]) -> Run:
     """A new run, or the run to resume (checked: same suite text, owner gone, same measuring environment).
 
@@ -98,15 +122,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
         session.flush()
         return run
     run = session.get(Run, resume) if valid_id(resume) else None
-    if run is None:
-        raise DtbenchError(f"no run {resume} to resume")
-    if run.status == "completed":
-        raise DtbenchError(f"run {resume} is completed; nothing to resume")
-    if run.suite_hash != suite_hash(suite_text):
-        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
-    alive = owner_alive(run)
-    if alive and not force:
-        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+    check_resumable(run, resume, suite_text, force)
     # Samples of one run must come from one environment, or its comparisons mean nothing.
     changed = [k for k in MUST_MATCH if run.environment.get(k) != env.get(k)]
     if changed:

@@ -66,7 +66,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     running past the time limit — comes back as an :class:`Outcome` with the error; only Ctrl-C propagates.
 
     Args:
-        cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.data.Prompt`; T: tokens to generate.
+        cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.prompt.Prompt`; T: tokens to generate.
         ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
         compare: check the output token for token against the reference's (False when either samples: a sampled
             output is checked as a distribution, by the tests, never against one draw).
@@ -118,7 +118,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
     Args:
-        group: the unit of work; prompt: its :class:`~dtbench.harness.data.Prompt`.
+        group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt`.
         done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
             but available as references.
         skip: labels of cells that already failed: not measured.

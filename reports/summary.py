@@ -38,7 +38,8 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
     "lossless_checked", "lossless_ties", "lossless_errors", "lossless_first_error", "lossless_error_margin",
     "lossless_tie_margin", "lossless_check_s",
-    "output_hash", "worker_host", "device_name", "energy_status", *(m.column for m in METRICS if isinstance(m.column, str)),
+    "output_hash", "worker_host", "device_name", "energy_status", "task_group", "category", "turn", "question_id",
+    *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
 _CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
               "sampling",

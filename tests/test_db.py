@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.harness import db
-from dtbench.harness.data import Prompt
+from dtbench.harness.prompt import Prompt
 from dtbench.harness.measure import measure
 from dtbench.harness.metrics import first_divergence, sample_row
 from models import model_zoo

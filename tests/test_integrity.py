@@ -229,8 +229,12 @@ def test_resume_refuses_a_live_run_unless_forced(pair, tmp_path, data_dir):
     one_line_error(run_cli(tmp_path, data_dir, suite, "--resume")[0], "host elsewhere")
     set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=runs.STALE_S + 5))
     assert run_cli(tmp_path, data_dir, suite, "--resume")[0].exit_code == 0
-    # --force takes over a live one.
+    # A live owner on this host is never taken over, not even with --force (issue 19: two writers of one run).
     set_owner(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=db.utcnow())
+    one_line_error(run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0], "run 1 is still being written",
+                   f"kill {os.getpid()}")
+    # --force takes over an owner on another host whose heartbeat is fresh (it cannot be checked from here).
+    set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=10))
     assert run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0].exit_code == 0
     with sessions() as s:
         run = s.scalars(select(db.Run)).one()

@@ -6,16 +6,16 @@ the dtbench installed at upgrade time (built-ins and installed plugins); a decod
 leaves NULL, which reports read as ``external`` (nothing assumed). No other column changes, so an upgraded run
 reports the same numbers.
 
-Revision ID: 0009
-Revises: 0008
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-11-25
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009"
-down_revision = "0008"
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
