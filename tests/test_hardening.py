@@ -564,7 +564,7 @@ def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
 
 
 def test_auto_timeout_uses_the_reference_cpu_time():
-    from dtbench.harness import runner
+    from dtbench.harness import worker as runner
 
     assert runner.cpu_timeout("auto", 4.2, 8.0) == (runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)
     assert runner.cpu_timeout("auto", 300.0, 2.0) == (3000.0, 60.0)
@@ -574,7 +574,7 @@ def test_auto_timeout_uses_the_reference_cpu_time():
 
 def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     """run_group passes the reference's CPU seconds to measure_one, which sets the CPU limit from them."""
-    from dtbench.harness import runner
+    from dtbench.harness import worker as runner
 
     seen = []
     monkeypatch.setattr(runner, "measure", lambda *a, timeout_s=None, cpu_timeout_s=None, **k: seen.append(
