@@ -43,6 +43,7 @@ import torch
 from rich.console import Console
 
 from dtbench.harness import calibrate, models
+from dtbench.harness.chat import TurnNotReady
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.measure import device_name, environment
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
@@ -255,7 +256,12 @@ class LocalExecutor(Executor):
         worker = self.worker
         for group in groups:
             done, failed = sink.state(group)
-            for outcome in worker.run(group_key(group), sink.prompt(group), done, failed):
+            try:
+                prompt = sink.prompt(group)
+            except TurnNotReady as exc:  # a later turn whose earlier turn's reference failed: its cells fail
+                sink.fail(group, str(exc), worker.info)
+                continue
+            for outcome in worker.run(group_key(group), prompt, done, failed):
                 sink.commit(group, outcome, worker.info)
 
     def close(self) -> None:
