@@ -126,9 +126,8 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     """
     from sqlalchemy import select
 
-    from dtbench.harness import db
-    from dtbench.harness.executors import make_executor
-    from dtbench.harness.runner import run_suite
+    from dtbench.harness import db, engines
+    from dtbench.harness.runner import make_executor, run_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
     chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker,
@@ -146,7 +145,7 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     console = Console(stderr=True)
     run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
                        console=console, progress=not no_progress, executor=chosen)
-    console.print(f"run {run_id} stored in {db.display_url(db.resolve_url(db_url))}", highlight=False)
+    console.print(f"run {run_id} stored in {engines.display_url(engines.resolve_url(db_url))}", highlight=False)
     if not no_report:
         from dtbench.reports.command import cell_report
 

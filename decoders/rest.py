@@ -245,14 +245,14 @@ _STORES: dict[str, Datastore] = {}
 def held_out_documents(docs: list[tuple[str, str]], tokenizer, skip: int, seed: int) -> list[list[int]]:
     """Token ids of the documents left after the first ``skip`` usable ones of ``seed``'s order (as
     :func:`dtbench.harness.data.select_prompts` orders and skips them), in that order."""
-    from dtbench.harness.data import _MIN_PROMPT_TOKENS
+    from dtbench.harness.data import MIN_PROMPT_TOKENS
 
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     kept, skipped = [], 0
     for i in order:
         ids = tokenizer.encode(docs[i][1])
-        if len(ids) >= _MIN_PROMPT_TOKENS and skipped < skip:
+        if len(ids) >= MIN_PROMPT_TOKENS and skipped < skip:
             skipped += 1
             continue
         kept.append(ids)

@@ -47,28 +47,10 @@ from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.registry import Registry
 from dtbench.harness.suite import DatasetSpec
+from dtbench.harness.prompt import Prompt
 
 DATA_DIR_ENV = "DTBENCH_DATA_DIR"
-_MIN_PROMPT_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One benchmark prompt: its index in the selection, source document, and token ids (at most L_max).
-
-    Question datasets (:mod:`dtbench.harness.questions`) also say which task the prompt belongs to: ``task_group``
-    (a Spec-Bench group, or the raw category the suite selected), ``category`` (the question's raw category),
-    ``turn`` (1-based) and ``question_id``; a later turn's ``token_ids`` are empty until its turn is dispatched
-    (:func:`dtbench.harness.chat.resolve` renders them from the reference's earlier answers).
-    """
-
-    index: int
-    document: str
-    token_ids: tuple[int, ...]
-    task_group: str | None = None
-    category: str | None = None
-    turn: int | None = None
-    question_id: str | None = None
+MIN_PROMPT_TOKENS = 16
 
 
 def _read(path: Path) -> str:
@@ -431,7 +413,7 @@ def select_prompts(
         # Tokenizing only a prefix keeps long books cheap: about 6 characters per token is generous.
         ids = tokenizer.encode(text[: l_max * 12 * max(1, n)])
         pieces = [ids[j : j + l_max] for j in range(0, len(ids), l_max)]
-        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= _MIN_PROMPT_TOKENS)]
+        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= MIN_PROMPT_TOKENS)]
         if pieces and skipped < skip:
             skipped += 1
             continue

@@ -25,9 +25,7 @@ import torch
 
 
 from dtbench.harness.energy import EnergyReading, EnergyTracker
-from dtbench.harness.memory import (  # noqa: F401  (re-exported: the runner and reports import them from here)
-    NVML_DEVICE, NVML_PROCESS, MemoryPeak, MemoryTracker, nvml_reader, reset_device_memory, synchronize,
-)
+from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
 
 
 def device_name(device: torch.device) -> str:
@@ -416,8 +414,8 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                     counter.fed_between("target", last[0], snap[0]),
                     None if snap[1] is None else counter.fed_between("draft", last[1], snap[1])))
                 last = snap
-                step, ended = cut_at_eos(Step(tuple(ids), step.drafted, step.accepted, step.depth), eos) if eos \
-                    else (step, False)
+                step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
+                step, ended = cut_at_eos(step, eos) if eos else (step, False)
                 steps.append(step)
                 tokens.extend(step.tokens)
                 if ended or len(tokens) >= gen_length:

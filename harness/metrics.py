@@ -190,7 +190,7 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
 
     Args:
         m: a :class:`dtbench.harness.measure.Measurement`.
-        prompt: the :class:`dtbench.harness.data.Prompt` it decoded.
+        prompt: the :class:`dtbench.harness.prompt.Prompt` it decoded.
         warmup: whether the prompt is one of the first W.
         reference: the reference decoder's tokens on this prompt, or None (the sample is a reference itself).
 

@@ -259,10 +259,8 @@ def _spread_to_references(plans: list[CellPlan]) -> None:
 
 
 def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
-    """The decoder's declared reference, computed without models (reference() reads params only)."""
-    probe = p.cls.__new__(p.cls)
-    probe.params, probe.target, probe.draft = p.params, None, None
-    return probe.reference()
+    """The decoder's declared reference (:meth:`~dtbench.decoders.base.Decoder.reference`, from the params alone)."""
+    return p.cls.reference(p.params)
 
 
 def _reference_order(plans: list[CellPlan]) -> list[CellPlan]:

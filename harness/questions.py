@@ -241,7 +241,7 @@ def prompts(spec: DatasetSpec, l_max: int, tokenizer, suite, data_dir: str | Non
         DtbenchError: bad file or categories, or ``chat_template: auto`` on a tokenizer without a template.
     """
     from dtbench.harness.chat import ChatPrompts, Renderer, suite_template
-    from dtbench.harness.data import Prompt
+    from dtbench.harness.prompt import Prompt
 
     _, template = suite_template(suite, tokenizer)
     renderer = Renderer(tokenizer, template, suite.system_prompt, l_max)

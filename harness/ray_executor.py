@@ -18,9 +18,9 @@ from rich.console import Console
 from dtbench.harness import calibrate
 from dtbench.harness.chat import TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.executors import Executor, GroupKey, Sink, Worker, WorkerInfo, group_key
+from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
-from dtbench.harness.runner import Outcome
+from dtbench.harness.worker import GroupKey, Outcome, Worker, WorkerInfo, group_key
 from dtbench.harness.suite import Suite
 
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"

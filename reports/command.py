@@ -9,7 +9,6 @@ written-file lists and gate verdicts to stderr.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -18,11 +17,7 @@ from rich.console import Console
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable, to_csv
-
-
-def _stdout() -> Console:
-    # A pipe or file gets the full width rather than rich's 80-column fallback.
-    return Console() if sys.stdout.isatty() else Console(width=220)
+from dtbench.reports.output import emit
 
 
 def _note(msg: str) -> None:
@@ -113,29 +108,12 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
                       html_file=html_file, alpha=alpha, include_partial=include_partial)
     if not (compare or tables or files):
         cell_report(sessions, run_ids[0] if run_ids else None, fmt, by)
-        from dtbench.reports.tuning import print_tuning_line  # runs comparing DynaTree settings: name the best
+        from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
 
         print_tuning_line(sessions, run_ids[0] if run_ids else None, _note)
 
 
 # --- every cell of a run ---------------------------------------------------------------------------------------
-
-
-def emit(fmt: str, *, table, markdown, csv, json) -> None:
-    """The one output-format dispatcher: ``table`` draws on the stdout console; the others return text for stdout.
-
-    Args:
-        fmt: ``table``, ``markdown``, ``csv`` or ``json``.
-        table: callable(console) drawing rich output; markdown, csv, json: callables returning the text.
-    """
-    if fmt == "table":
-        table(_stdout())
-    elif fmt == "markdown":
-        click.echo(markdown())
-    elif fmt == "csv":
-        click.echo(csv(), nl=False)
-    else:
-        click.echo(json())
 
 
 def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -> None:

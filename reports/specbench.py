@@ -205,7 +205,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
 
     from dtbench.harness.safetext import to_csv
     from dtbench.reports import render
-    from dtbench.reports.command import emit
+    from dtbench.reports.output import emit
     from dtbench.reports.summary import get_run
 
     with sessions() as session:

@@ -149,7 +149,7 @@ def test_template_rendering_equals_apply_chat_template(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def specbench_run(tmp_path_factory):
     """A run of a two-turn question suite on the tiny pair, with every prompt each decoder was given recorded."""
-    import dtbench.harness.runner as runner
+    import dtbench.harness.worker as worker
 
     root = tmp_path_factory.mktemp("sb")
     target, draft = tiny_pair(root)
@@ -162,14 +162,14 @@ def specbench_run(tmp_path_factory):
                           {"name": "fixed_tree", "params": {"depth": 3, "branching": 2}}]}
     path = write_suite(root, suite)
     seen: list[tuple[str, int, tuple[int, ...]]] = []
-    real = runner.measure
+    real = worker.measure
 
     def spy(decoder, prompt_ids, *a, **kw):
         seen.append((type(decoder).__name__, len(seen), tuple(prompt_ids)))
         return real(decoder, prompt_ids, *a, **kw)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(runner, "measure", spy)
+    mp.setattr(worker, "measure", spy)
     db = f"sqlite:///{root / 'r.db'}"
     try:
         result = invoke("run", path, "--db", db, "--no-progress", "--no-report")
