@@ -17,7 +17,7 @@ import torch
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.harness import data, models
-from dtbench.harness.runner import measure
+from dtbench.harness.measure import measure
 from dtbench.harness.suite import DatasetSpec, ModelSpec
 
 

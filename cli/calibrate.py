@@ -40,7 +40,7 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`, on the
     worker that measures the cells (this process with --executor local, the first Ray worker with --executor ray).
     """
-    from dtbench.harness import data, db, models
+    from dtbench.harness import data, db, engines, models
     from dtbench.harness.plan import plan_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
@@ -67,7 +67,7 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
                         grown_cache=not prompt_cache_only)
     points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
     batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
-    where = db.display_url(db.resolve_url(db_url))
+    where = engines.display_url(engines.resolve_url(db_url))
     console.print(f"stored {len(points)} calibration points (batch {batch}) in {where}",
                   highlight=False)
     for line in summary_lines(Curves(points)):

@@ -28,12 +28,12 @@ def db_group() -> None:
 @click.option("--db", "db_url", help=DB_HELP)
 def upgrade(db_url) -> None:
     """Create the database at the newest schema revision, or upgrade it (safe while other processes start)."""
-    from dtbench.harness import db, schema
+    from dtbench.harness import engines, schema
 
-    url = db.resolve_url(db_url)
-    db.writer_engine(url).dispose()  # a malformed URL or a missing driver: one line before anything else
+    url = engines.resolve_url(db_url)
+    engines.writer_engine(url).dispose()  # a malformed URL or a missing driver: one line before anything else
     before, after = schema.ensure_current(url, note=None)
-    where = db.display_url(url)
+    where = engines.display_url(url)
     if before is None:
         click.echo(f"{where}: created at schema revision {after} (head)")
     elif before == after:
@@ -46,22 +46,22 @@ def upgrade(db_url) -> None:
 @click.option("--db", "db_url", help=DB_HELP)
 def current(db_url) -> None:
     """Show the database's schema revision and whether it is this dtbench's (read only; exit 2 if not usable)."""
-    from dtbench.harness import db, schema
+    from dtbench.harness import engines, schema
 
-    url = db.resolve_url(db_url)
-    engine = db.reader_engine(url)
+    url = engines.resolve_url(db_url)
+    engine = engines.reader_engine(url)
     try:
         state = schema.current(engine, url)
     finally:
         engine.dispose()
-    where = db.display_url(url)
+    where = engines.display_url(url)
     head = schema.head()
     if state.kind in ("new", "foreign"):
-        raise schema._not_ours(where, state)
+        raise schema.not_ours(where, state)
     if state.revision == head:
         click.echo(f"{where}: schema revision {head} (head)")
     elif state.kind == "versioned" and state.revision not in schema.revisions():
-        raise schema._newer(where, str(state.revision))
+        raise schema.newer(where, str(state.revision))
     else:
         unversioned = " (written before migrations: no alembic_version table)" if state.kind == "unversioned" else ""
         click.echo(f"{where}: schema revision {state.revision}{unversioned}, older than head {head}: "

@@ -126,9 +126,8 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     """
     from sqlalchemy import select
 
-    from dtbench.harness import db
-    from dtbench.harness.executors import make_executor
-    from dtbench.harness.runner import run_suite
+    from dtbench.harness import db, engines
+    from dtbench.harness.runner import make_executor, run_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
     chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker,
@@ -146,7 +145,7 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     console = Console(stderr=True)
     run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
                        console=console, progress=not no_progress, executor=chosen)
-    console.print(f"run {run_id} stored in {db.display_url(db.resolve_url(db_url))}", highlight=False)
+    console.print(f"run {run_id} stored in {engines.display_url(engines.resolve_url(db_url))}", highlight=False)
     if not no_report:
         from dtbench.reports.command import cell_report
 
@@ -209,11 +208,16 @@ def run_exit_code(sessions, run_id: int) -> int:
               help="per cell: predicted time (the calibrated cost of every forward its samples ran) vs measured, "
                    "efficiency = predicted / measured, predicted best K for chain decoders; needs a calibration "
                    "(dtbench calibrate SUITE, or calibrate: true in the suite)")
+@click.option("--by", "by", type=click.Choice(["group", "category"]),
+              help="question datasets (spec-bench): break every cell down by task group or raw category")
+@click.option("--spec-bench", "spec_bench", is_flag=True,
+              help="Spec-Bench's leaderboard layout: speedup per task group, #MAT, overall; with vLLM's acceptance "
+                   "rate, mean acceptance length and per-position acceptance for every method")
 @click.option("--include-partial", is_flag=True,
               help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
                    "marked partial; by default they are left out with a note")
 def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file,
-           cost_model, include_partial) -> None:
+           cost_model, by, spec_bench, include_partial) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
     \b
@@ -229,6 +233,9 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     dtbench report --tables [--out DIR]         the paper's Tables 1-5
     dtbench report --figures DIR                the paper's Figures 3-8 (PNG + SVG)
     dtbench report --html FILE                  tables, CIs and figures in one HTML file
+    dtbench report --by group|category          question datasets: every cell per task group / raw category
+    dtbench report --spec-bench                 Spec-Bench's leaderboard: speedup per group, #MAT, overall, and
+                                                vLLM's acceptance rate, mean acceptance length, per-position curve
     dtbench report --cost-model [--run ID]      predicted (calibrated forwards) vs measured time, efficiency,
                                                 predicted best K of chain decoders (--figures DIR adds the
                                                 verify-cost curve when the run has a calibration)
@@ -244,7 +251,8 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
 
     report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
                    only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
-                   html_file=html_file, include_partial=include_partial, cost_model=cost_model)
+                   html_file=html_file, include_partial=include_partial, cost_model=cost_model, by=by,
+                   spec_bench=spec_bench)
 
 
 def _gate_metrics() -> str:
@@ -270,6 +278,13 @@ def validate(suite_path) -> None:
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
+    if suite.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # a warning, not an error: the suite may be meant for a Ray cluster's GPUs
+            console.print("warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
+                          "refuses it here (it can run with --executor ray on a cluster with GPUs)",
+                          style="yellow", markup=False, highlight=False, soft_wrap=True)
     points = sum(1 for ds, cap, T in plan.points() if plan.decoders_at(ds.name, cap, T))
     click.echo(f"{suite_path}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
                f"{plan.n_samples} samples")

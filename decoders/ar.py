@@ -26,8 +26,10 @@ class Autoregressive(Decoder):
     needs_draft = False
     lossless = True
     supports_sampling = True
+    family = "ar"
 
-    def reference(self):
+    @classmethod
+    def reference(cls, params):
         return None  # it *is* the reference
 
     @torch.inference_mode()

@@ -1,8 +1,10 @@
 """The decoder contract every dtbench decoder follows, built-in or third-party.
 
 A decoder is a class registered under the entry-point group ``dtbench.decoders``. It declares its
-hyperparameters as a pydantic model (``Params``), whether it needs a draft model, and whether it is lossless
-(its greedy output equals the target's greedy output). It generates by yielding one :class:`Step` per target
+hyperparameters as a pydantic model (``Params``), whether it needs a draft model, whether it is lossless
+(its greedy output equals the target's greedy output), and its capabilities: its ``family`` (how reports and the
+cost model treat it), the ``verify_sizes`` a configuration can use (what calibration measures) and its
+``reference`` (what its output is compared with). The harness and the reports read these, never decoder names. It generates by yielding one :class:`Step` per target
 verification; the runner, never the decoder, timestamps those steps (DESIGN.md, "Decoder contract").
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 import types
 import typing
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Literal, Union
 
 import torch
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -109,10 +111,15 @@ class DecoderParams(StrictBools):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no NaN/inf in any float param
 
 
+Family = Literal["ar", "chain", "tree", "external"]
+FAMILIES: tuple[str, ...] = typing.get_args(Family)
+
+
 class Decoder(ABC):
     """A generation strategy under benchmark.
 
-    Subclasses set the class attributes and implement :meth:`generate`.
+    Subclasses set the class attributes, implement :meth:`generate` and, where the defaults are wrong, override the
+    capability classmethods :meth:`verify_sizes` and :meth:`reference`.
 
     Class attributes:
         Params: the pydantic model of the decoder's hyperparameters (validated before any model loads).
@@ -122,9 +129,16 @@ class Decoder(ABC):
         version: bumped when the algorithm changes, so results stay comparable only within a version.
         supports_sampling: True if it honours ``self.sampling`` / ``self.generator`` (set by the runner; a suite
             that samples is refused for decoders without it).
+        family: what kind of loop it runs, stored on every cell (``cells.family``) and read by the reports:
+            ``"ar"`` one target forward per token, nothing drafted (the paper's AR rows); ``"chain"`` a drafted
+            chain of K tokens verified in one target forward (:func:`dtbench.decoders.chain.speculate_chain`; the
+            cost model predicts its best K from the per-position acceptance); ``"tree"`` a drafted token tree
+            verified with a tree mask (:func:`dtbench.decoders.tree.speculate_tree`; the paper's tree tables and
+            ablation); ``"external"`` another library's loop (the default: nothing is assumed).
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams
+    family: ClassVar[Family] = "external"
     needs_draft: ClassVar[bool] = False
     lossless: ClassVar[bool] = True
     version: ClassVar[str] = "1"
@@ -173,11 +187,29 @@ class Decoder(ABC):
         """
         return None
 
-    def reference(self) -> tuple[str, dict[str, Any]] | None:
-        """The (decoder name, params) whose output this decoder's output is compared against.
+    @classmethod
+    def verify_sizes(cls, params: DecoderParams) -> tuple[int, int]:
+        """The largest target verifications a configuration can run, in tokens fed to one forward (the pending
+        token included): ``(causal, masked)``.
 
-        Greedy full-cache autoregressive decoding (``ar``) by default; a lossy-by-design decoder such as
-        StreamingLLM + speculation names its own exact reference. None means "compare with nothing".
+        ``causal``: a forward with plain causal attention (AR steps, chain verification; 0 if it runs none beyond
+        the prefill); ``masked``: a forward with an explicit 4D attention mask (tree verification root + nodes,
+        StreamingLLM's masked forwards; 0 if it never passes one). Calibration (:mod:`dtbench.harness.calibrate`)
+        measures the forward-latency curves up to these sizes, so a plugin's configurations are priced by the cost
+        model; a chain decoder's ``causal - 1`` is its chain length K. Default ``(1, 0)``: one token per forward.
+        Called without models (params only).
+        """
+        return 1, 0
+
+    @classmethod
+    def reference(cls, params: DecoderParams) -> tuple[str, dict[str, Any]] | None:
+        """The (decoder name, params) whose output this decoder's output is compared against, from the params alone
+        (the plan asks before any model loads).
+
+        Greedy full-cache autoregressive decoding (``ar``, the baseline of every speedup:
+        :data:`dtbench.harness.metrics.BASELINE`) by default; a lossy-by-design decoder such as
+        StreamingLLM + speculation names its own exact reference. None means "compare with nothing" (the baseline
+        itself).
         """
         return ("ar", {})
 

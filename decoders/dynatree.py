@@ -246,5 +246,10 @@ class DynaTree(TreeDecoder):
 
     Params = DynaTreeParams
 
+    @classmethod
+    def tree_bounds(cls, params: DynaTreeParams) -> tuple[int, int]:
+        """(max(B_max, branching), D_max): the history controller moves D_0 below D_max, whichever rules are on."""
+        return max(params.b_max, params.branching), params.d_max
+
     def make_policy(self) -> DynamicPolicy:
         return DynamicPolicy(self.params)

@@ -50,6 +50,8 @@ class EagleDrafter(TreeDrafter):
         head: the loaded :class:`~dtbench.decoders.heads.EagleHead` (its forward is the decoder's draft forward).
         top_k, depth, total_token: EAGLE-2's parameters (see :class:`EagleParams`).
         cache: the head's ``DynamicCache``, holding the committed pairs between drafts.
+        needing, drafting_iterations: the node-budget record of :meth:`budget_stats` (accepted tokens by the
+            number of best-scored drafted nodes their tree needed; trees drafted).
     """
 
     def __init__(self, head: EagleHead, top_k: int, depth: int, total_token: int):

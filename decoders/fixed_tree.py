@@ -63,6 +63,11 @@ class FixedTree(TreeDecoder):
 
     Params = FixedTreeParams
 
+    @classmethod
+    def tree_bounds(cls, params: FixedTreeParams) -> tuple[int, int]:
+        """(B, D)."""
+        return params.branching, params.depth
+
     def make_policy(self) -> FixedPolicy:
         p = self.params
         return FixedPolicy(p.depth, p.branching, p.tau, p.n_max)

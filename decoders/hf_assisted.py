@@ -232,6 +232,7 @@ class HFGenerate(_StreamedGenerate):
     needs_draft = False
     lossless = True
     supports_sampling = True  # generate(do_sample=True, temperature, top_k, top_p): the reference for ar's sampling
+    family = "external"  # transformers' own decoding loop
 
     def _lookup(self) -> bool:
         return self.params.prompt_lookup_num_tokens is not None
@@ -268,6 +269,13 @@ class HFAssisted(_StreamedGenerate):
     needs_draft = True
     lossless = True
     supports_sampling = True  # transformers' assisted generation samples with speculative sampling
+    family = "external"  # transformers' own loop: its draft length schedule is transformers', not a fixed K
+
+    @classmethod
+    def verify_sizes(cls, params: HFAssistedParams) -> tuple[int, int]:
+        """(up to 2 n + 1, 0) causal tokens, at most 64: transformers' heuristic schedule grows the draft length
+        n (``num_assistant_tokens``) by 2 per fully accepted iteration."""
+        return min(2 * params.num_assistant_tokens + 1, 64), 0
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """One Step per target verification (see :class:`_StreamedGenerate`).

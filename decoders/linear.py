@@ -30,7 +30,13 @@ class LinearSpeculative(Decoder):
     Params = LinearParams
     needs_draft = True
     lossless = True
+    family = "chain"
     supports_sampling = True
+
+    @classmethod
+    def verify_sizes(cls, params: LinearParams) -> tuple[int, int]:
+        """(K + 1, 0): the pending token and K drafts in one causal target forward."""
+        return params.k + 1, 0
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:

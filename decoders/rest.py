@@ -176,8 +176,8 @@ class RestDrafter(TreeDrafter):
             index.update(zip((t for t, _ in level), new))
 
 
-class RestParams(DecoderParams):
-    """Hyperparameters of ``rest``.
+class CorpusParams(DecoderParams):
+    """Where a datastore's text comes from (``rest``; ``suffix``'s optional corpus).
 
     Attributes:
         corpus: the datastore's text, a dataset entry (``name`` and its ``data_dir`` / ``path`` / ``hub_id``); its
@@ -187,16 +187,43 @@ class RestParams(DecoderParams):
             documents).
         tokenizer: tokenizer of ``corpus`` (a model id or folder); default: the target's ``name_or_path``.
         seed: the suite's seed (the document order ``skip`` refers to).
-        n_max: trie nodes verified per step (REST's ``num_draft``, 64).
-        depth: longest retrieved continuation (drafted tokens on a path).
-        max_suffix, min_suffix: the context suffix lengths searched, longest first.
-        max_retrieved: occurrences whose continuations build the trie.
     """
 
     corpus: DatasetSpec | None = Field(None, description="the datastore's text: a dataset entry")
     tokens: str | None = Field(None, description="or a .npy file of token ids (-1 separates documents)")
     tokenizer: str | None = Field(None, description="tokenizer for corpus (default: the target's name_or_path)")
     seed: int = Field(0, description="the suite's seed: the document order corpus.skip refers to")
+
+    @model_validator(mode="after")
+    def _corpus_readable(self):
+        if self.corpus is not None and self.tokens is not None:
+            raise ValueError("give at most one of `corpus` (a dataset entry) and `tokens` (a .npy file)")
+        if self.tokens is not None and not Path(self.tokens).expanduser().is_file():
+            raise ValueError(f"tokens file {self.tokens} does not exist")
+        if self.corpus is not None:
+            from dtbench.harness.data import check_dataset
+
+            try:
+                check_dataset(self.corpus, files=True)
+            except DtbenchError as exc:  # an unknown dataset name, unreadable text files: refused at validation
+                raise ValueError(f"corpus: {exc}") from None
+        return self
+
+    @property
+    def has_corpus(self) -> bool:
+        return self.corpus is not None or self.tokens is not None
+
+
+class RestParams(CorpusParams):
+    """Hyperparameters of ``rest`` (the corpus fields: :class:`CorpusParams`; exactly one of corpus, tokens).
+
+    Attributes:
+        n_max: trie nodes verified per step (REST's ``num_draft``, 64).
+        depth: longest retrieved continuation (drafted tokens on a path).
+        max_suffix, min_suffix: the context suffix lengths searched, longest first.
+        max_retrieved: occurrences whose continuations build the trie.
+    """
+
     n_max: int = Field(64, ge=1, le=1024, description="trie nodes verified per step (REST num_draft)")
     depth: int = Field(10, ge=1, le=64, description="longest retrieved continuation (tokens)")
     max_suffix: int = Field(16, ge=1, le=256, description="longest context suffix searched (tokens)")
@@ -205,7 +232,7 @@ class RestParams(DecoderParams):
 
     @model_validator(mode="after")
     def _one_source(self):
-        if (self.corpus is None) == (self.tokens is None):
+        if not self.has_corpus:
             raise ValueError("rest: give exactly one of `corpus` (a dataset entry) and `tokens` (a .npy file)")
         if self.min_suffix > self.max_suffix:
             raise ValueError(f"min_suffix ({self.min_suffix}) must not exceed max_suffix ({self.max_suffix})")
@@ -218,21 +245,21 @@ _STORES: dict[str, Datastore] = {}
 def held_out_documents(docs: list[tuple[str, str]], tokenizer, skip: int, seed: int) -> list[list[int]]:
     """Token ids of the documents left after the first ``skip`` usable ones of ``seed``'s order (as
     :func:`dtbench.harness.data.select_prompts` orders and skips them), in that order."""
-    from dtbench.harness.data import _MIN_PROMPT_TOKENS
+    from dtbench.harness.data import MIN_PROMPT_TOKENS
 
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     kept, skipped = [], 0
     for i in order:
         ids = tokenizer.encode(docs[i][1])
-        if len(ids) >= _MIN_PROMPT_TOKENS and skipped < skip:
+        if len(ids) >= MIN_PROMPT_TOKENS and skipped < skip:
             skipped += 1
             continue
         kept.append(ids)
     return kept
 
 
-def load_datastore(params: RestParams, target: torch.nn.Module) -> Datastore:
+def load_datastore(params: CorpusParams, target: torch.nn.Module) -> Datastore:
     """The datastore of ``params`` (built on first use, then cached for the process).
 
     Raises:

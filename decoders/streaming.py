@@ -19,7 +19,7 @@ from pydantic import Field
 from dtbench.decoders.base import Decoder, DecoderParams, Step, eos_ids, next_token
 from dtbench.decoders.chain import ChainTarget, DraftModelProposer, speculate_chain
 from dtbench.decoders.streaming_kv import (  # noqa: F401  (re-exported for tests and plugins)
-    PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, _Rope,
+    PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, Rope,
 )
 
 class StreamingParams(DecoderParams):
@@ -48,7 +48,7 @@ class StreamingSpecParams(StreamingParams):
 def _check(models: list[torch.nn.Module | None]) -> None:
     for model in models:
         if model is not None:
-            _Rope(model)
+            Rope(model)
 
 
 class StreamingAR(Decoder):
@@ -67,6 +67,12 @@ class StreamingAR(Decoder):
     needs_draft = False
     lossless = False
     supports_sampling = True
+    family = "ar"
+
+    @classmethod
+    def verify_sizes(cls, params: StreamingParams) -> tuple[int, int]:
+        """(1, 1): one token per forward, through the streaming cache's explicit 4D mask."""
+        return 1, 1
 
     def __init__(self, target, draft, params):
         super().__init__(target, draft, params)
@@ -105,14 +111,22 @@ class StreamingSpeculative(Decoder):
     needs_draft = True
     lossless = False
     supports_sampling = True
+    family = "chain"
+
+    @classmethod
+    def verify_sizes(cls, params: StreamingSpecParams) -> tuple[int, int]:
+        """(K + 1, K + 1): the pending token and K drafts, verified with the streaming cache's 4D mask (priced on
+        the masked curve; the causal curve up to K + 1 gives the cost model its chain length)."""
+        return params.k + 1, params.k + 1
 
     def __init__(self, target, draft, params):
         super().__init__(target, draft, params)
         _check([target, draft])
 
-    def reference(self) -> tuple[str, dict[str, Any]]:
+    @classmethod
+    def reference(cls, params: StreamingSpecParams) -> tuple[str, dict[str, Any]]:
         """``("streaming_ar", {"sinks": S, "window": R})``: same policy, no speculation."""
-        return ("streaming_ar", {"sinks": self.params.sinks, "window": self.params.window})
+        return ("streaming_ar", {"sinks": params.sinks, "window": params.window})
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:

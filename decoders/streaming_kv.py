@@ -87,7 +87,7 @@ PREFILL_CHUNK = 256
 """Largest number of prompt tokens beyond the first ``S + R`` fed in one masked forward."""
 
 
-class _Rope:
+class Rope:
     """The rotary embedding of one model, for re-rotating cached keys by a position shift.
 
     Attributes:
@@ -178,7 +178,7 @@ class StreamingKV:
 
     def __init__(self, model: torch.nn.Module, sinks: int, window: int):
         self.model = model
-        self.rope = _Rope(model)
+        self.rope = Rope(model)
         self.sinks = sinks
         self.window = window
         self.cache = DynamicCache()

@@ -23,8 +23,9 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.base import Decoder, Step
 from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain
+from dtbench.decoders.rest import CorpusParams, Datastore, load_datastore
 
 
 class SuffixAutomaton:
@@ -111,10 +112,12 @@ class SuffixProposer(Proposer):
     committed tokens join its backlog (fed with its next draft forward).
     """
 
-    def __init__(self, min_match: int, fallback: DraftModelProposer | None):
+    def __init__(self, min_match: int, fallback: DraftModelProposer | None, store: Datastore | None = None,
+                 max_corpus_match: int = 16):
         self.min_match = min_match
         self.fallback = fallback
-        self.counts = {"automaton": 0, "fallback": 0}
+        self.store, self.max_corpus_match = store, max_corpus_match
+        self.counts = {"automaton": 0, "corpus": 0, "fallback": 0}
         self._from_fallback = False
 
     def begin(self, prompt: list[int], pending: int) -> None:
@@ -128,6 +131,13 @@ class SuffixProposer(Proposer):
         if max_tokens <= 0:
             return []
         n, start = self.sam.repeated_suffix()
+        if self.store is not None and n < self.max_corpus_match:  # the corpus, when its match is longer
+            m, cont = self.store.retrieve(self.sam.tokens, self.max_corpus_match, max(n + 1, self.min_match), 1,
+                                          max_tokens)
+            drafts = [t for t in cont[0].tolist() if t >= 0] if m else []
+            if drafts:
+                self.counts["corpus"] += 1
+                return drafts
         if n >= self.min_match:
             self.counts["automaton"] += 1
             return self.sam.tokens[start:start + max_tokens]
@@ -151,8 +161,8 @@ class SuffixProposer(Proposer):
             fb.context += len(committed)
 
 
-class SuffixParams(DecoderParams):
-    """Hyperparameters of ``suffix``.
+class SuffixParams(CorpusParams):
+    """Hyperparameters of ``suffix`` (the optional corpus: :class:`~dtbench.decoders.rest.CorpusParams`).
 
     Attributes:
         k: most draft tokens per iteration (the automaton's continuation or the fallback's chain).
@@ -160,12 +170,18 @@ class SuffixParams(DecoderParams):
             (2), not a published one: a one-token match is too weak a signal on natural text.
         fallback: ``none`` (draft nothing on a short match) or ``draft`` (the draft model's greedy chain of k
             tokens, SAM-Decoding's auxiliary drafter).
+        corpus, tokens, tokenizer, seed: an optional static corpus (SAM-Decoding's static automaton; here REST's
+            suffix-array datastore, :class:`~dtbench.decoders.rest.Datastore`): when the context's suffix of up to
+            ``max_corpus_match`` tokens matches the corpus longer than it matches the context, the continuation of
+            its first occurrence there (by suffix-array order) is the draft.
+        max_corpus_match: longest context suffix searched in the corpus (tokens).
     """
 
     k: int = Field(8, ge=1, le=128, description="most draft tokens per iteration")
     min_match: int = Field(2, ge=1, le=256, description="shortest automaton match drafted from (tokens)")
     fallback: Literal["none", "draft"] = Field("none", description="on a short match: 'none' or 'draft' "
                                                "(the draft model's chain)")
+    max_corpus_match: int = Field(16, ge=1, le=256, description="longest context suffix searched in the corpus")
 
 
 class SuffixDecoding(Decoder):
@@ -193,6 +209,7 @@ class SuffixDecoding(Decoder):
         if params.fallback == "draft" and draft is None:
             raise ValueError("suffix: fallback 'draft' needs a draft model, and the suite declares none")
         self.target, self.draft, self.params = target, draft if params.fallback == "draft" else None, params
+        self.store = load_datastore(params, target) if params.has_corpus else None
 
     @classmethod
     def verify_sizes(cls, params: SuffixParams) -> tuple[int, int]:
@@ -204,8 +221,10 @@ class SuffixDecoding(Decoder):
         proposer = getattr(self, "_proposer", None)
         if proposer is None:
             return None
-        return {**proposer.sam.state(), "automaton_draft_steps": proposer.counts["automaton"],
-                "fallback_draft_steps": proposer.counts["fallback"]}
+        info = {**proposer.sam.state(), **{f"{k}_draft_steps": v for k, v in proposer.counts.items()}}
+        if self.store is not None:
+            info.update(datastore_tokens=int(len(self.store.tokens)), datastore_bytes=self.store.nbytes)
+        return info
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
@@ -213,6 +232,6 @@ class SuffixDecoding(Decoder):
         forward (the chain loop's)."""
         p = self.params
         fallback = DraftModelProposer(self.draft) if p.fallback == "draft" else None
-        self._proposer = SuffixProposer(p.min_match, fallback)
+        self._proposer = SuffixProposer(p.min_match, fallback, self.store, p.max_corpus_match)
         yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
                                    self.sampling, self.generator, eos_token_id=self.eos_token_id)

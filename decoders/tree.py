@@ -64,7 +64,7 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree_draft import (  # noqa: F401
-    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, _expand, check_draft_options,
+    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, check_draft_options,
     draft_tree,
 )
 from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)
@@ -284,6 +284,9 @@ class TreeParams(DecoderParams):
                                 "verify costs at most this many times one AR token")
 
 
+N_MAX_AUTO_CEILING = 256  # n_max: auto chooses at most this many drafted nodes (the paper's N_max)
+
+
 class TreeDecoder(Decoder):
     """Base of the tree speculative decoders: subclasses only build their :class:`ExpansionPolicy`.
 
@@ -296,7 +299,21 @@ class TreeDecoder(Decoder):
     needs_draft = True
     lossless = True
     supports_sampling = True
+    family = "tree"
     version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
+
+    @classmethod
+    @abstractmethod
+    def tree_bounds(cls, params: TreeParams) -> tuple[int, int]:
+        """(largest breadth B, largest depth D) a tree of this configuration can have (params only)."""
+
+    @classmethod
+    def verify_sizes(cls, params: TreeParams) -> tuple[int, int]:
+        """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree_structure.tree_capacity` allows for
+        :meth:`tree_bounds` and N_max (``n_max: auto`` searches up to :data:`N_MAX_AUTO_CEILING`)."""
+        breadth, depth = cls.tree_bounds(params)
+        n_max = N_MAX_AUTO_CEILING if params.n_max == "auto" else int(params.n_max)
+        return 1, tree_capacity(max(breadth, 1), max(depth, 1), n_max)
 
     @abstractmethod
     def make_policy(self) -> ExpansionPolicy:

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 
-from dtbench.harness.curves import FED_LAST, FED_MASK, Curves, load_curves  # noqa: F401,E402  (re-exported)
+from dtbench.harness.curves import FED_MASK, Curves
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
@@ -61,7 +61,6 @@ if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
 SMALL = 16  # every n up to here is calibrated (CPU kernels make the curve non-monotonic at small n)
 LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 THIN = (1, 2, 3, 4, 6, 8, 12, 16)  # the grid of the kinds only small forwards use (drafting, rebuild re-runs)
-AUTO_SEARCH_MAX = 256  # n_max: auto searches budgets up to this many drafted nodes (the paper's N_max)
 DEFAULT_FACTOR = 2.0
 KINDS = {"causal": (False, False), "tree": (True, False), "last": (False, True)}  # kind -> (tree_mask, last_only)
 
@@ -139,38 +138,14 @@ class Measured:
 # --- what to calibrate ------------------------------------------------------------------------------------------
 
 
-def _tree_size(p: dict) -> int:
-    """Largest verification (root + drafted nodes) a tree decoder's params allow."""
-    from dtbench.decoders.tree import tree_capacity
-
-    n_max = p.get("n_max")
-    n_max = AUTO_SEARCH_MAX if n_max == "auto" or n_max is None else int(n_max)
-    breadth = max(int(p.get("b_max") or 0), int(p.get("branching") or 0), 1)
-    depth = max(int(p.get("d_max") or 0), int(p.get("depth") or 0), int(p.get("d0") or 0), 1)
-    return tree_capacity(breadth, depth, n_max)
-
-
 def decoder_sizes(plan) -> tuple[int, int]:
-    """(largest chain verification, largest masked verification) the plan's decoders can run (tokens incl. the
-    pending one); the second is 0 when no decoder passes a 4D mask (trees; StreamingLLM's masked forwards)."""
+    """(largest causal verification, largest masked verification) the plan's decoders can run, in tokens incl. the
+    pending one, from each decoder's declared :meth:`~dtbench.decoders.base.Decoder.verify_sizes`; the second is 0
+    when no decoder passes a 4D mask."""
     chain, tree = 1, 0
     for cp in plan.decoders:
-        declared = getattr(cp.cls, "verify_sizes", None)  # decoders that declare (chain, masked) sizes (issue 23)
-        if declared is not None:
-            c, t = declared(cp.params)
-            chain, tree = max(chain, c), max(tree, t)
-            continue
-        p = cp.params.model_dump()
-        if "n_max" in p:
-            tree = max(tree, _tree_size(p))
-        elif "k" in p:
-            chain = max(chain, int(p["k"]) + 1)
-            if "window" in p:  # StreamingLLM verifies with a 4D mask: priced on the tree curve
-                tree = max(tree, int(p["k"]) + 1)
-        elif "window" in p:
-            tree = max(tree, 1)
-        elif "num_assistant_tokens" in p:  # transformers' heuristic schedule grows it by 2 per full acceptance
-            chain = max(chain, min(2 * int(p["num_assistant_tokens"]) + 1, 64))
+        causal, masked = cp.cls.verify_sizes(cp.params)
+        chain, tree = max(chain, int(causal)), max(tree, int(masked))
     return chain, tree
 
 
@@ -210,7 +185,7 @@ def _iqr(xs: list[float]) -> float:
 def time_point(run_once: Callable[[], None], reset: Callable[[], None], device: torch.device, settings: Settings,
                clock: Callable[[], float]) -> tuple[float, float, int]:
     """(median s, IQR s, repeats) of ``run_once`` timed device-synchronized; ``reset`` (untimed) after each call."""
-    from dtbench.harness import measure
+    from dtbench.harness.memory import synchronize
 
     for _ in range(settings.warmup):
         run_once()
@@ -218,10 +193,10 @@ def time_point(run_once: Callable[[], None], reset: Callable[[], None], device: 
     times: list[float] = []
     begin = clock()
     while True:
-        measure.synchronize(device)
+        synchronize(device)
         t0 = clock()
         run_once()
-        measure.synchronize(device)
+        synchronize(device)
         times.append(clock() - t0)
         reset()
         elapsed = clock() - begin
@@ -344,7 +319,7 @@ def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[i
 
 def measure_on(worker, contexts: dict[int, list[int]], settings: Settings,
                console: Console | None = None) -> Measured:
-    """:func:`calibrate` with a :class:`~dtbench.harness.executors.Worker`'s plan, models and device, in the worker's
+    """:func:`calibrate` with a :class:`~dtbench.harness.worker.Worker`'s plan, models and device, in the worker's
     process (the driver's, or a Ray actor's)."""
     points = calibrate(worker.plan, worker.suite, worker.target, worker.draft, worker.device, contexts,
                        settings=settings, console=console)
@@ -377,11 +352,14 @@ def store(sessions, points: list[Point], *, run_id: int | None, suite_name: str,
 def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
     """``n_max: auto``: the largest calibrated n (drafted nodes) whose tree verification — one target forward over
     the root and n nodes with the tree mask — costs at most ``factor`` x one AR step (one causal target forward
-    over 1 token), on a cache of ``cache_len`` positions; at least 1, at most :data:`AUTO_SEARCH_MAX`.
+    over 1 token), on a cache of ``cache_len`` positions; at least 1, at most
+    :data:`dtbench.decoders.tree.N_MAX_AUTO_CEILING`.
 
     Only calibrated sizes are candidates (the curve need not be monotonic: on CPUs n = 2..3 can cost more than
     n = 4..8, so the largest n within the factor is taken, not the first n beyond it).
     """
+    from dtbench.decoders.tree import N_MAX_AUTO_CEILING
+
     one = curves.cost("target", 1, cache_len, 0)
     kind = "tree" if curves.has("target", "tree") else "causal"
     per = curves._table[("target", kind)]
@@ -389,12 +367,12 @@ def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
     best = 1
     for size in ns:
         n = int(size) - 1
-        if 1 <= n <= AUTO_SEARCH_MAX and curves.cost("target", int(size), cache_len, FED_MASK) <= factor * one:
+        if 1 <= n <= N_MAX_AUTO_CEILING and curves.cost("target", int(size), cache_len, FED_MASK) <= factor * one:
             best = max(best, n)
     return best
 
 
-def _auto_cells(plan) -> list:
+def auto_cells(plan) -> list:
     return [cp for cp in plan.decoders if getattr(cp.params, "n_max", None) == "auto"]
 
 
@@ -402,7 +380,7 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
     """Replace ``n_max: auto`` in the plan's decoders by :func:`auto_budget` at each decoder's first prompt length
     (one budget per decoder entry); return {label: n_max}."""
     out = {}
-    for cp in _auto_cells(plan):
+    for cp in auto_cells(plan):
         cap = min(cap for _, cap, _ in cp.points) if cp.points else 0
         factor = float(getattr(cp.params, "n_max_factor", DEFAULT_FACTOR))
         n = auto_budget(curves, cap, factor)
@@ -442,7 +420,7 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, executor, 
     from dtbench.harness.db import Calibration, Run
     from dtbench.harness.suitefile import suite_hash
 
-    if not (suite.calibrate or _auto_cells(plan)):
+    if not (suite.calibrate or auto_cells(plan)):
         return None
     with sessions() as session:
         rows = session.scalars(select(Calibration).where(Calibration.run_id == run_id)).all()

@@ -15,6 +15,7 @@ Datasets are plugins like decoders: a :class:`Dataset` subclass registered under
     ``revision:`` at another parquet source (for example ``deepmind/pg19`` at ``refs/convert/parquet`` where
     that export exists). Local: ``<data_dir>/pg19-test/*.txt``.
   - ``text-files``: a user's own corpus, one document per file (``path:`` a folder or a glob).
+  - ``spec-bench``: Spec-Bench's questions (a chat workload; :mod:`dtbench.harness.questions`).
 
 Source precedence: a local folder (the dataset's ``data_dir:``, the ``--data-dir`` option or
 ``DTBENCH_DATA_DIR``) wins; otherwise the hub, at the entry's ``hub_id:`` / ``revision:`` if given (``hub_id``
@@ -34,28 +35,22 @@ import hashlib
 import os
 import random
 import re
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtbench.harness import hub
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.registry import Registry
 from dtbench.harness.suite import DatasetSpec
+from dtbench.harness.prompt import Prompt
 
 DATA_DIR_ENV = "DTBENCH_DATA_DIR"
-_MIN_PROMPT_TOKENS = 16
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One benchmark prompt: its index in the selection, source document, and token ids (at most L_max)."""
-
-    index: int
-    document: str
-    token_ids: tuple[int, ...]
+MIN_PROMPT_TOKENS = 16
 
 
 def _read(path: Path) -> str:
@@ -126,6 +121,10 @@ class Documents(list):
 
 def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
     chosen = spec.data_dir or data_dir or os.environ.get(DATA_DIR_ENV)
+    if chosen and (spec.hub_id or spec.revision):  # the local folder wins: say that the hub keys are not used
+        keys = " and ".join(k for k in ("hub_id", "revision") if getattr(spec, k))
+        print(f"note: {spec.name}: {keys} ignored: the local data folder {chosen} is used instead (unset --data-dir, "
+              f"{DATA_DIR_ENV} and data_dir: to load from the hub)", file=sys.stderr, flush=True)
     return Path(chosen).expanduser() if chosen else None
 
 
@@ -215,8 +214,11 @@ def hub_rows(spec: DatasetSpec) -> tuple[Iterable[dict[str, Any]], dict[str, Any
         import datasets
 
         source["datasets"] = datasets.__version__
-        rows = datasets.load_dataset(hub_id, base.config, split=base.split, revision=spec.revision,
-                                     streaming=base.streaming)
+        if not Path(hub_id).expanduser().is_dir():
+            hub.prepare()  # an unreachable hub: one short probe, then the cache only (no half minute of retries)
+        with hub.quiet():
+            rows = datasets.load_dataset(hub_id, base.config, split=base.split, revision=spec.revision,
+                                         streaming=base.streaming)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise DtbenchError(
@@ -250,6 +252,29 @@ class Dataset(ABC):
 
     def check(self, spec: DatasetSpec) -> None:
         """Cheap checks before any model loads (``dtbench validate``); reading a local corpus is fine here."""
+
+    def slots(self, spec: DatasetSpec, seed: int, data_dir: str | None) -> list | None:
+        """A question dataset's samples in prompt-index order (:class:`dtbench.harness.questions.Slot`: turn, group,
+        warmup), known before any model loads; None for raw text (``prompts`` samples, the first ``warmup`` warm)."""
+        return None
+
+
+class SpecBench(Dataset):
+    """Spec-Bench's 480 questions (six task groups; MT-bench's two turns), or a user's jsonl of the same fields
+    (:mod:`dtbench.harness.questions`). A chat workload: stop at EOS and the target's chat template by default."""
+
+    chat = True
+
+    def documents(self, spec, data_dir):
+        from dtbench.harness import questions
+
+        found, source = questions.load_questions(spec, data_dir)
+        return Documents([(q.question_id, q.turns[0]) for q in found], source=source)
+
+    def slots(self, spec, seed, data_dir):
+        from dtbench.harness import questions
+
+        return questions.layout(spec, seed, data_dir)
 
 
 class WikiText2(Dataset):
@@ -300,11 +325,25 @@ def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
         ds.check(spec)
 
 
+def sample_slots(spec: DatasetSpec, seed: int, data_dir: str | None = None) -> list | None:
+    """The entry's samples when its dataset lays them out itself (question datasets; :meth:`Dataset.slots`), else
+    None. An unknown dataset name is None here (the plan reports it)."""
+    try:
+        ds = dataset(spec.name)
+    except DtbenchError:
+        return None
+    return ds.slots(spec, seed, data_dir)
+
+
 def stops_at_eos(stop_at_eos: bool | None, spec: DatasetSpec) -> bool:
     """Whether generation stops at EOS for this dataset entry: the suite's ``stop_at_eos`` when given, otherwise the
     dataset's own default (:attr:`Dataset.chat`; an unknown dataset name is left to the plan's check: False)."""
-    if stop_at_eos is not None:
-        return stop_at_eos
+    return stop_at_eos if stop_at_eos is not None else is_chat(spec)
+
+
+def is_chat(spec: DatasetSpec) -> bool:
+    """Whether the entry's dataset is a question (chat) dataset (:attr:`Dataset.chat`); False for an unknown name
+    (the plan reports it)."""
     try:
         return bool(getattr(REGISTRY.get(spec.name), "chat", False))
     except Exception:  # noqa: BLE001  (an unknown or broken dataset plugin is reported where it is loaded)
@@ -374,7 +413,7 @@ def select_prompts(
         # Tokenizing only a prefix keeps long books cheap: about 6 characters per token is generous.
         ids = tokenizer.encode(text[: l_max * 12 * max(1, n)])
         pieces = [ids[j : j + l_max] for j in range(0, len(ids), l_max)]
-        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= _MIN_PROMPT_TOKENS)]
+        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= MIN_PROMPT_TOKENS)]
         if pieces and skipped < skip:
             skipped += 1
             continue

@@ -7,7 +7,7 @@ Times are seconds, memory bytes, throughput tokens/s. Timestamps are stored in U
 datetimes on every backend (SQLite keeps no offset; PostgreSQL's ``timestamptz`` is converted), so reports are
 the same whichever database holds the run.
 
-The schema is versioned by Alembic (``harness/migrations``, driven by :mod:`dtbench.harness.schema`): a writer
+URLs and engines (writer, read-only reader) are :mod:`dtbench.harness.engines`. The schema is versioned by Alembic (``harness/migrations``, driven by :mod:`dtbench.harness.schema`): a writer
 (``connect(url)``, ``dtbench run``) creates or upgrades the schema under a cross-process lock; a reader
 (``connect(url, create=False)``, ``dtbench report``) opens the database read-only and refuses one that is not at
 this code's revision. PostgreSQL works through ``postgresql+psycopg://...`` (``pip install dtbench[postgres]``).
@@ -15,26 +15,17 @@ this code's revision. PostgreSQL works through ``postgresql+psycopg://...`` (``p
 
 from __future__ import annotations
 
-import os
-import sqlite3
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, TypeDecorator,
-                        UniqueConstraint, create_engine, event, select)
-from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import ArgumentError
+                        UniqueConstraint, select)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
-from sqlalchemy.pool import NullPool
 
-from dtbench.harness.errors import DtbenchError
-
-DB_ENV = "DTBENCH_DB"
-DEFAULT_URL = "sqlite:///results.db"
-
+from dtbench.harness import schema
+from dtbench.harness.engines import check_writable, reader_engine, resolve_url, writer_engine
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (what the models store)."""
@@ -105,6 +96,7 @@ class Cell(Base):
     l_max: Mapped[int] = mapped_column(Integer)  # the prompt cap L_max (column prompt_cap before revision 0006)
     gen_length: Mapped[int] = mapped_column(Integer)
     decoder: Mapped[str] = mapped_column(String(200))
+    family: Mapped[str | None] = mapped_column(String(20))  # the decoder's declared family: ar|chain|tree|external
     label: Mapped[str] = mapped_column(String(300))
     decoder_version: Mapped[str] = mapped_column(String(100))
     decoder_distribution: Mapped[str] = mapped_column(String(200))
@@ -190,6 +182,11 @@ class Sample(Base):
     energy_j: Mapped[float | None] = mapped_column(Float)
     energy_status: Mapped[str | None] = mapped_column(String(20))
     energy_source: Mapped[str | None] = mapped_column(String(200))
+    # 0009: question datasets' task (Spec-Bench group, raw category, 1-based turn, question id); NULL for raw text
+    task_group: Mapped[str | None] = mapped_column(String(100))
+    category: Mapped[str | None] = mapped_column(String(100))
+    turn: Mapped[int | None] = mapped_column(Integer)
+    question_id: Mapped[str | None] = mapped_column(String(100))
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 
@@ -226,134 +223,6 @@ class Calibration(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
-def resolve_url(url: str | None) -> str:
-    """``--db`` value, else ``$DTBENCH_DB``, else ``sqlite:///results.db``; a bare path means a SQLite file.
-
-    Raises:
-        DtbenchError: if ``url`` (or ``$DTBENCH_DB`` when it is used) is set but empty.
-    """
-    if url is None:
-        url = os.environ.get(DB_ENV)
-        if url is not None and not url.strip():
-            raise DtbenchError(f"${DB_ENV} is set but empty: give a SQLAlchemy URL or a SQLite file path, or unset it")
-        url = url or DEFAULT_URL
-    if not url.strip():
-        raise DtbenchError("--db is empty: give a SQLAlchemy URL or a SQLite file path")
-    url = url.strip()
-    if "://" not in url:
-        url = f"sqlite:///{url}"
-    return url
-
-
-def display_url(url: str | URL) -> str:
-    """The URL as it may be shown to the user: the password masked."""
-    try:
-        return (url if isinstance(url, URL) else make_url(url)).render_as_string(hide_password=True)
-    except ArgumentError:
-        return str(url)
-
-
-def _parse(url: str) -> URL:
-    try:
-        return make_url(url)
-    except ArgumentError:
-        raise DtbenchError(f"not a database URL: {url!r} (expected e.g. sqlite:///results.db or "
-                           "postgresql+psycopg://user@host/db)") from None
-
-
-def sqlite_path(url: str | URL) -> Path | None:
-    """The file of a SQLite URL; None for other backends and for in-memory SQLite."""
-    u = url if isinstance(url, URL) else make_url(url)
-    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:" or u.database.startswith("file:"):
-        return None
-    return Path(u.database)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return (text.splitlines() or [type(exc).__name__])[0][:300]
-
-
-def _sqlite_pragmas(dbapi_conn, _record) -> None:
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA foreign_keys=ON")
-    cur.close()
-
-
-def writer_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine for writing: SQLite gets WAL journaling, a 30 s busy timeout and foreign keys.
-
-    Raises:
-        DtbenchError: a malformed URL or a missing driver (e.g. psycopg for PostgreSQL: pip install dtbench[postgres]).
-    """
-    u = _parse(url)
-    try:
-        engine = create_engine(u, **kwargs)
-    except (ArgumentError, ImportError) as exc:
-        raise DtbenchError(f"cannot open database {display_url(u)}: {_one_line(exc)}{_driver_hint(u)}") from None
-    if engine.dialect.name == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
-    return engine
-
-
-def _driver_hint(u: URL) -> str:
-    return " (pip install 'dtbench[postgres]')" if u.get_backend_name() == "postgresql" else ""
-
-
-def _sqlite_reader(path: Path) -> Callable[[], sqlite3.Connection]:
-    """A DB-API connection factory that opens the SQLite file ``path`` without ever changing it.
-
-    Never a journal-mode switch, never a pragma that writes, ``query_only`` on. While a writer is active (or a
-    crashed one left a ``-wal`` or ``-journal`` file) the file is opened ``mode=ro``: SQLite then reads the
-    existing WAL and touches nothing. Otherwise ``mode=ro`` would leave behind ``-wal``/``-shm`` files of a
-    WAL-mode database (a read-only connection cannot delete them), so the file is opened ``mode=rw`` (never
-    ``rwc``: it is not created) with ``query_only``: nothing can be written, there is nothing to checkpoint, and
-    SQLite removes the ``-wal``/``-shm`` files it made when the connection closes. A file we may not write is
-    opened ``mode=ro``.
-    """
-    from urllib.parse import quote
-
-    resolved = path.resolve()
-    base = "file:" + quote(str(resolved))
-
-    def creator() -> sqlite3.Connection:
-        busy = any(Path(f"{resolved}{suffix}").exists() for suffix in ("-wal", "-journal"))
-        mode = "ro" if busy or not os.access(resolved, os.W_OK) or not os.access(resolved.parent, os.W_OK) else "rw"
-        con = sqlite3.connect(f"{base}?mode={mode}", uri=True, timeout=30, check_same_thread=False)
-        con.execute("PRAGMA query_only=ON")
-        return con
-
-    return creator
-
-
-def reader_engine(url: str) -> Engine:
-    """An engine that cannot change the database: SQLite opened as :func:`_sqlite_reader` says, PostgreSQL with
-    read-only transactions.
-
-    Raises:
-        DtbenchError: a malformed URL, a missing driver, no such SQLite file (or not a regular file).
-    """
-    u = _parse(url)
-    path = sqlite_path(u)
-    try:
-        if path is not None:
-            if not path.exists():
-                raise DtbenchError(f"no results database at {path} (run a suite first, or pass --db)")
-            if not path.is_file():
-                raise DtbenchError(f"{path} is not a results database file (it is a directory or device)")
-            return create_engine("sqlite://", creator=_sqlite_reader(path), poolclass=NullPool)
-        if u.get_backend_name() == "sqlite":
-            raise DtbenchError(f"an in-memory SQLite database ({display_url(u)}) holds no results to read")
-        kwargs: dict[str, Any] = {}
-        if u.get_backend_name() == "postgresql":
-            kwargs["connect_args"] = {"options": "-c default_transaction_read_only=on"}
-        return create_engine(u, **kwargs)
-    except (ArgumentError, ImportError) as exc:
-        raise DtbenchError(f"cannot open database {display_url(u)}: {_one_line(exc)}{_driver_hint(u)}") from None
-
-
 def _stderr_note(message: str) -> None:
     print(f"note: {message}", file=sys.stderr, flush=True)
 
@@ -377,10 +246,9 @@ def connect(url: str | None = None, *, create: bool = True,
             opened, is not a dtbench results database, is older than this code (readers; the message says to run
             ``dtbench db upgrade --db URL``), or is newer than this code.
     """
-    from dtbench.harness import schema
-
     resolved = resolve_url(url)
     if create:
+        check_writable(resolved)
         engine = writer_engine(resolved)
         schema.ensure_current(resolved, note=note)
     else:

@@ -181,12 +181,16 @@ def _int(value: Any, what: str) -> int:
     return value
 
 
+def _clip100(text: str | None) -> str | None:
+    return None if text is None else text[:100]
+
+
 def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
     """The samples-table columns of one measurement (definitions in this module's docstring).
 
     Args:
         m: a :class:`dtbench.harness.measure.Measurement`.
-        prompt: the :class:`dtbench.harness.data.Prompt` it decoded.
+        prompt: the :class:`dtbench.harness.prompt.Prompt` it decoded.
         warmup: whether the prompt is one of the first W.
         reference: the reference decoder's tokens on this prompt, or None (the sample is a reference itself).
 
@@ -210,6 +214,10 @@ def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str
     return dict(
         prompt_index=prompt.index,
         document=prompt.document[:500],
+        task_group=_clip100(getattr(prompt, "task_group", None)),
+        category=_clip100(getattr(prompt, "category", None)),
+        turn=getattr(prompt, "turn", None),
+        question_id=_clip100(getattr(prompt, "question_id", None)),
         warmup=warmup,
         prompt_tokens=len(prompt.token_ids),
         new_tokens=T,

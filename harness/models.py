@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from dtbench.harness import hub
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suite import ModelSpec
 
@@ -141,8 +142,11 @@ def load_tokenizer(spec: ModelSpec):
 
     source, kwargs = _source_kwargs(spec.model, spec.revision)
     require_remote_code_opt_in(spec)
+    if _is_hub_id(spec.model):
+        hub.prepare()  # an unreachable hub: one short probe, then the cache only (no minute of retries)
     try:
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code, **kwargs)
+        with hub.quiet():
+            return AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code, **kwargs)
     except Exception as exc:
         raise DtbenchError(f"cannot load the tokenizer of '{spec.model}': {_short(exc, spec.model)}") from None
 
@@ -171,11 +175,14 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # our own status line says what is loading
+        if _is_hub_id(spec.model):
+            hub.prepare()
         try:
-            base = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype if spec.model != EMBEDDED else torch.float32,
-                attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code, **kwargs,
-            )
+            with hub.quiet():
+                base = AutoModelForCausalLM.from_pretrained(
+                    source, dtype=dtype if spec.model != EMBEDDED else torch.float32,
+                    attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code, **kwargs,
+                )
         except Exception as exc:
             raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc, spec.model)}") from None
         finally:
@@ -355,7 +362,7 @@ def _is_hub_id(name: str) -> bool:
 def _short(exc: Exception, name: str) -> str:
     text = str(exc).strip().splitlines()
     msg = text[0] if text else type(exc).__name__
-    hubby = os.environ.get("HF_HUB_OFFLINE") or "offline" in msg.lower() or "connect" in msg.lower()
+    hubby = hub.offline() or "offline" in msg.lower() or "connect" in msg.lower()
     if hubby and _is_hub_id(name):
         msg += " (no network? use a local model folder or the embedded default smollm2-135m)"
     return msg[:400]

@@ -49,9 +49,12 @@ class PromptGroup:
     gen_length: int
     prompt_index: int
     decoders: tuple[CellPlan, ...]
+    slot_warmup: bool | None = None  # question datasets: the slot's own flag (W per group)
 
     @property
     def warmup(self) -> bool:
+        if self.slot_warmup is not None:
+            return self.slot_warmup
         return self.prompt_index < self.dataset.warmup
 
 
@@ -62,6 +65,7 @@ class Plan:
     suite: Suite
     decoders: list[CellPlan]
     skipped: list[str] = field(default_factory=list)  # optional decoders that are not installed
+    data_dir: str | None = None  # where question datasets are read from (their layout: data.sample_slots)
 
     def points(self) -> list[tuple[DatasetSpec, int, int]]:
         """(dataset, L_max, T) in run order."""
@@ -80,8 +84,13 @@ class Plan:
         out = []
         for ds, cap, T in self.points():
             decs = tuple(self.decoders_at(ds.name, cap, T))
-            if decs:
+            if not decs:
+                continue
+            slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
+            if slots is None:
                 out.extend(PromptGroup(ds, cap, T, i, decs) for i in range(ds.prompts))
+            else:
+                out.extend(PromptGroup(ds, cap, T, i, decs, s.warmup) for i, s in enumerate(slots))
         return out
 
     @property
@@ -172,16 +181,23 @@ def plan_suite(suite: Suite) -> Plan:
 
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
-    text; L_max + T fits each model's context (a warning past a rotary model's trained context).
+    text; a question file parses and its categories exist; a chat template exists (``auto`` needs the target
+    tokenizer's); L_max + T fits each model's context (a warning past a rotary model's trained context).
 
     Raises:
-        DtbenchError: a non-text document, or L_max + T beyond a model's learned position table.
+        DtbenchError: a non-text document, a bad question file or category, a missing chat template, or L_max + T
+            beyond a model's learned position table.
     """
     for ds in suite.datasets:
         try:
             data.check_dataset(ds, files=True)
+            data.sample_slots(ds, suite.seed, plan.data_dir)  # question datasets: the file parses, categories exist
         except DtbenchError as exc:
             raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    if any(data.is_chat(ds) for ds in suite.datasets) and (suite.chat_template or "auto") != "none":
+        from dtbench.harness.chat import suite_template
+
+        suite_template(suite, models.load_tokenizer(suite.target))  # auto without a template: one line, now
     longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
@@ -194,7 +210,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
             raise DtbenchError(f"{role}: {exc}") from None
         if files:
             console.print(f"warning: {role} '{spec.model}' sets trust_remote_code: true; loading it runs "
-                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False)
+                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False, soft_wrap=True)
         warning = models.check_context(spec, longest)
         if warning:
             console.print(f"[yellow]warning: {warning}[/yellow]")
@@ -243,10 +259,8 @@ def _spread_to_references(plans: list[CellPlan]) -> None:
 
 
 def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
-    """The decoder's declared reference, computed without models (reference() reads params only)."""
-    probe = p.cls.__new__(p.cls)
-    probe.params, probe.target, probe.draft = p.params, None, None
-    return probe.reference()
+    """The decoder's declared reference (:meth:`~dtbench.decoders.base.Decoder.reference`, from the params alone)."""
+    return p.cls.reference(p.params)
 
 
 def _reference_order(plans: list[CellPlan]) -> list[CellPlan]:

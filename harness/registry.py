@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dtbench.decoders.base import Decoder, DecoderParams
+from dtbench.decoders.base import FAMILIES, Decoder, DecoderParams
 from dtbench.harness.errors import DtbenchError, error_location
 
 GROUP = "dtbench.decoders"
@@ -161,11 +161,16 @@ def get(name: str) -> type[Decoder]:
     """The decoder class registered as ``name``.
 
     Raises:
-        DtbenchError: for an unknown or ambiguous name (with the closest registered names) or a broken plugin.
+        DtbenchError: for an unknown or ambiguous name (with the closest registered names), a broken plugin, or a
+            decoder declaring a family that is not one of :data:`~dtbench.decoders.base.FAMILIES`.
     """
     found = DECODERS.scan()
     found.entries = discover()  # module-level discover() may be patched (tests inject fake entries)
-    return DECODERS.get(name, found)
+    cls = DECODERS.get(name, found)
+    if cls.family not in FAMILIES:
+        raise DtbenchError(f"decoder '{name}' declares family {cls.family!r}; a decoder's family is one of "
+                           f"{', '.join(FAMILIES)}")
+    return cls
 
 
 def validate_params(name: str, params: dict[str, Any]) -> DecoderParams:

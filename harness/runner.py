@@ -1,42 +1,33 @@
-"""Run orchestration: load what the plan needs, execute its prompt groups, store every outcome, keep the run's
-status true.
+"""The driver of a run: its lifecycle, the single writer (the sink), its final status.
 
-The plan (harness/plan.py) says what runs in which order; measure.py times one decoder on one prompt; metrics.py
-turns that into a samples row; this module drives them: :func:`measure_one` (one cell x prompt, never raising for a
-decoder's fault), :func:`run_group` (one prompt group, references first), :func:`commit_outcome` (the single
-writer: each sample is committed at once, so a killed run loses at most the sample in flight and ``--resume``
-continues where it stopped), run ownership and heartbeat, and the run's final status.
+The plan (:mod:`dtbench.harness.plan`) says what runs in which order; an executor (:mod:`dtbench.harness.executors`)
+hands prompt groups to workers (:mod:`dtbench.harness.worker`: the models, measuring one group); the run rows'
+ownership, heartbeat and resume checks are :mod:`dtbench.harness.runs`. This module drives them: :func:`run_suite`
+(load what the plan needs, open the run and its cells, calibrate if asked, execute, close the run with a true
+status) and :func:`commit_outcome` (the single writer: each sample is committed at once, so a killed run loses at
+most the sample in flight and ``--resume`` continues where it stopped).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import socket
-import threading
-from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.harness import calibrate, data, lossless, models, registry
+from dtbench.harness import calibrate, chat, data, executors, models, questions, registry
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.measure import Measurement, SampleTimeout, environment, measure  # noqa: F401  (re-exported)
-from dtbench.harness.metrics import first_divergence, sample_row  # noqa: F401  (re-exported)
-from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite, preflight  # noqa: F401  (re-exported)
+from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
+from dtbench.harness.prompt import Prompt
+from dtbench.harness.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.suite import Suite
-from dtbench.harness.suitefile import suite_hash
+from dtbench.harness.worker import Outcome
 
 
 @contextmanager
@@ -65,29 +56,9 @@ class RunFailed(DtbenchError):
     """The runner itself failed (not a decoder): the run is stored as ``failed`` and can be resumed."""
 
 
-HEARTBEAT_S = 30.0  # a running run refreshes runs.heartbeat_at this often (and at every committed sample)
-STALE_S = 300.0  # a run of another host whose heartbeat is older than this is taken as dead
-AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
-
-
 def needs_calibration(plan: Plan, suite: Suite) -> bool:
     """Whether the run calibrates before its first cell (``calibrate: true``, or a tree decoder with n_max: auto)."""
-    return bool(suite.calibrate or calibrate._auto_cells(plan))
-
-
-def sample_timeout(setting: float | str | None, reference_s: float | None) -> float | None:
-    """The time limit of one sample in seconds (suite ``timeout_s``).
-
-    ``auto``: 10x the reference decoder's time on the same prompt, at least 60 s; a reference itself (or a
-    decoder whose reference time is unknown) gets 1800 s. A number is used as is; None means no limit.
-    """
-    if setting is None:
-        return None
-    if setting != "auto":
-        return float(setting)
-    if reference_s is None:
-        return AUTO_TIMEOUT_REFERENCE_S
-    return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_s)
+    return bool(suite.calibrate or calibrate.auto_cells(plan))
 
 
 def run_suite(
@@ -124,16 +95,18 @@ def run_suite(
         DtbenchError: bad suite/models/data (before the run row is written); RunInterrupted on Ctrl-C/SIGTERM;
             RunFailed when the runner itself failed mid-run.
     """
-    from dtbench.harness.executors import LocalExecutor
-
     console = console or Console(stderr=True)
-    executor = executor or LocalExecutor()
+    executor = executor or executors.LocalExecutor()
     plan = plan_suite(suite)
+    plan.data_dir = data_dir
     for label in plan.skipped:
         console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")
     preflight(suite, plan, console)
+    if resume is not None:  # a live or wrong run is refused now, not after the models loaded
+        with sessions() as session:
+            check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
 
@@ -142,9 +115,13 @@ def run_suite(
         if suite.draft is not None and suite.draft.model != suite.target.model:
             models.check_tokenizers(tokenizer, models.load_tokenizer(suite.draft), suite.target.model,
                                     suite.draft.model)
-        prompts: dict[tuple[str, int], list[data.Prompt]] = {}
+        prompts: dict[tuple[str, int], list[Prompt]] = {}
         for ds in suite.datasets:
             docs = data.load_documents(ds, data_dir)
+            if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
+                for cap in ds.caps:
+                    prompts[(ds.name, cap)] = questions.prompts(ds, cap, tokenizer, suite, data_dir)
+                continue
             for cap in ds.caps:
                 prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
@@ -154,14 +131,16 @@ def run_suite(
         env = dict(info.environment)
         env["executor"] = executor.describe()
         env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+        if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
+            env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:
-            run = _open_run(session, suite, suite_text, suite_path, resume, force, env)
+            run = open_run(session, suite, suite_text, suite_path, resume, force, env)
             run_id = run.id
             cells = _open_cells(session, run, plan, info.target, info.draft)
             session.commit()
 
         status, error = "failed", None
-        heartbeat = _Heartbeat(sessions, run_id)
+        heartbeat = Heartbeat(sessions, run_id)
         try:
             with _sigterm_as_interrupt(), heartbeat, Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -219,7 +198,9 @@ class _Sink:
         return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
 
     def prompt(self, group: PromptGroup):
-        return self.prompts[(group.dataset.name, group.cap)][group.prompt_index]
+        # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
+        return chat.resolve(self.prompts[(group.dataset.name, group.cap)], group.prompt_index,
+                            lambda index: _reference_output(self.sessions, self.cells, group, index))
 
     def state(self, group: PromptGroup):
         done, failed = _group_state(self.sessions, self.cells, group)
@@ -260,100 +241,6 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
         console.print(f"[red]could not record run {run_id} as {status}: {type(exc).__name__}: {clip(exc)}[/red]")
 
 
-class _Heartbeat:
-    """Refreshes ``runs.heartbeat_at`` every HEARTBEAT_S seconds from a daemon thread while a run is measured."""
-
-    def __init__(self, sessions, run_id: int):
-        self.sessions, self.run_id = sessions, run_id
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True, name="dtbench-heartbeat")
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                with self.sessions() as session:
-                    session.get(Run, self.run_id).heartbeat_at = utcnow()
-                    session.commit()
-            except Exception:  # a busy database must not kill the run; the next beat retries
-                pass
-
-    def __enter__(self) -> "_Heartbeat":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def _aware(t):
-    from datetime import timezone
-
-    return t if t is None or t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
-
-
-def owner_alive(run: Run) -> str | None:
-    """Why ``run`` still looks owned by a live process (a one-line reason), or None if it is free to resume.
-
-    Same host: the owner pid exists and that process started before the run's last heartbeat (a reused pid
-    started later). Another host: a heartbeat younger than STALE_S seconds.
-    """
-    if run.status != "running" or run.owner_pid is None:
-        return None
-    beat = _aware(run.heartbeat_at)
-    age = (utcnow() - beat).total_seconds() if beat is not None else None
-    if run.owner_host == socket.gethostname():
-        try:
-            proc = psutil.Process(run.owner_pid)
-            started = proc.create_time()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            return None
-        if beat is not None and started > beat.timestamp() + 1:
-            return None
-        return f"its owner, pid {run.owner_pid} on this host, is still running"
-    if age is not None and age < STALE_S:
-        return f"its owner on host {run.owner_host} (pid {run.owner_pid}) sent a heartbeat {age:.0f} s ago"
-    return None
-
-
-_RESUME_MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
-
-
-def _open_run(session, suite, suite_text, suite_path, resume, force, env: dict[str, Any]) -> Run:
-    """A new run, or the run to resume (checked: same suite text, owner gone, same measuring environment).
-
-    ``env``: the measuring worker's environment (versions, device, target/draft) plus the executor's description.
-    """
-    owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
-    if resume is None:
-        run = Run(suite_name=suite.name, suite_path=suite_path, suite_text=suite_text, suite_hash=suite_hash(suite_text),
-                  status="running", environment=env, **owner)
-        session.add(run)
-        session.flush()
-        return run
-    run = session.get(Run, resume) if valid_id(resume) else None
-    if run is None:
-        raise DtbenchError(f"no run {resume} to resume")
-    if run.status == "completed":
-        raise DtbenchError(f"run {resume} is completed; nothing to resume")
-    if run.suite_hash != suite_hash(suite_text):
-        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
-    alive = owner_alive(run)
-    if alive and not force:
-        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
-    # Samples of one run must come from one environment, or its comparisons mean nothing.
-    changed = [k for k in _RESUME_MUST_MATCH if run.environment.get(k) != env.get(k)]
-    if changed:
-        k = changed[0]
-        raise DtbenchError(f"run {resume} was measured with {k} = {run.environment.get(k)!r}, this machine has "
-                           f"{env.get(k)!r}; start a new run instead of resuming")
-    run.status, run.error = "running", None
-    run.finished_at = None
-    for key, value in owner.items():
-        setattr(run, key, value)
-    return run
-
-
 def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
                 ) -> dict[tuple[str, int, int, str], int]:
     existing = {(c.dataset, c.l_max, c.gen_length, c.label): c for c in run.cells}
@@ -363,7 +250,7 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name,
+                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name, family=cp.cls.family,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
                 lossless_check=plan.suite.lossless_check,
@@ -379,99 +266,6 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
         session.flush()
         ids[key] = cell.id
     return ids
-
-
-@dataclass
-class Outcome:
-    """The result of one (cell, prompt): a samples row, or the error that fails the cell.
-
-    ``row`` is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
-    """
-
-    label: str
-    row: dict[str, Any] | None = None
-    error: str | None = None
-
-
-def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
-                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False) -> Outcome:
-    """Measure one decoder on one prompt; never raises for what the decoder does wrong.
-
-    Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
-    running past the time limit — comes back as an :class:`Outcome` with the error; only Ctrl-C propagates.
-
-    Args:
-        cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.data.Prompt`; T: tokens to generate.
-        ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
-        compare: check the output token for token against the reference's (False when either samples: a sampled
-            output is checked as a distribution, by the tests, never against one draw).
-        stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
-        target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
-    """
-    if cp.reference_label and ref is None:
-        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
-                                       f"{prompt.index}")
-    timeout = sample_timeout(suite.timeout_s, ref[1] if ref else None)
-    try:
-        torch.manual_seed(suite.seed)
-        decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
-        if cp.sampling is not None:
-            decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
-        if stop_at_eos:
-            decoder.eos_token_id = models.eos_token_id(target.model)
-        m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
-        row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
-        if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
-            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref[0] if ref and compare else None,
-                                               device, suite.lossless_check))
-        json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
-    except KeyboardInterrupt:
-        raise
-    except SampleTimeout:
-        return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after {timeout:g} s")
-    except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
-        kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
-        return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
-    return Outcome(cp.label, row=row)
-
-
-def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
-    """(SamplingSettings, a generator seeded from the base seed and the prompt index) for one sample.
-
-    The seed is ``base * 1_000_003 + prompt_index`` (base: the sampling block's ``seed``, else the suite's), so
-    every prompt draws an independent, reproducible stream, whatever ran before it.
-    """
-    from dtbench.decoders.sampling import SamplingSettings
-
-    base = spec.seed if spec.seed is not None else suite_seed
-    generator = torch.Generator(device=device).manual_seed((base * 1_000_003 + prompt_index) % (1 << 63))
-    return SamplingSettings(spec.temperature, spec.top_k, spec.top_p), generator
-
-
-def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
-              done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
-    """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
-
-    Args:
-        group: the unit of work; prompt: its :class:`~dtbench.harness.data.Prompt`.
-        done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
-            but available as references.
-        skip: labels of cells that already failed: not measured.
-    """
-    outputs = dict(done)
-    stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
-    by_label = {cp.label: cp for cp in group.decoders}
-    for cp in group.decoders:
-        if cp.label in outputs or cp.label in skip:
-            continue
-        ref = outputs.get(cp.reference_label) if cp.reference_label else None
-        ref_plan = by_label.get(cp.reference_label)
-        compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
-        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
-                              stop)
-        if outcome.row is not None:
-            outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"])
-        yield outcome
 
 
 def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[list[int], float]], set[str]]:
@@ -491,8 +285,20 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[l
     return done, failed
 
 
+def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[int] | None:
+    """The stored output tokens of the group's reference decoder (its first decoder without a reference: ``ar``)
+    for prompt ``index`` of the same (dataset, L_max, T), or None."""
+    ref = next(cp for cp in group.decoders if not cp.reference_label)
+    with sessions() as session:
+        return session.scalar(select(Sample.output_tokens).where(
+            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, ref.label)],
+            Sample.prompt_index == index))
+
+
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
     """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
+    from sqlalchemy.exc import IntegrityError
+
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
@@ -503,3 +309,24 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
             cell.status, cell.error = "failed", (outcome.error or "")[:2000]
         session.get(Run, run_id).heartbeat_at = utcnow()
         session.commit()
+
+
+def make_executor(name: str, *, address: str | None = None, workers: int | None = None,
+                  threads_per_worker: int | None = None, connect_timeout_s: float | None = None) -> executors.Executor:
+    """The executor named by ``dtbench run --executor``.
+
+    Raises:
+        DtbenchError: Ray options given to the local executor, or Ray not installed.
+    """
+    if name == "local":
+        if address is not None or (workers is not None and workers != 1):
+            raise DtbenchError("--address and --workers need --executor ray (the local executor is one worker)")
+        return executors.LocalExecutor(threads=threads_per_worker)
+    if name == "ray":
+        from dtbench.harness.ray_executor import RayExecutor, import_ray
+
+        import_ray()
+        timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
+        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
+    raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(executors.EXECUTORS)})")
+

@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from dtbench.harness.db import _driver_hint, _one_line, display_url, sqlite_path, writer_engine
+from dtbench.harness.engines import display_url, driver_hint, one_line, sqlite_path, writer_engine
 from dtbench.harness.errors import DtbenchError
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -113,12 +113,12 @@ def inspect_state(conn: Connection) -> State:
     return State("foreign", None, names)
 
 
-def _newer(where: str, revision: str) -> DtbenchError:
+def newer(where: str, revision: str) -> DtbenchError:
     return DtbenchError(f"the results database {where} is at schema revision {revision}, newer than this dtbench "
                         f"knows (up to {head()}): upgrade dtbench to read or write it")
 
 
-def _not_ours(where: str, state: State) -> DtbenchError:
+def not_ours(where: str, state: State) -> DtbenchError:
     if not state.tables:
         what = "it is empty"
     else:
@@ -200,10 +200,10 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
                 conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_LOCK_KEY})
             state = inspect_state(conn)
             if state.kind == "foreign" or (state.kind == "new" and state.tables and conn.dialect.name == "sqlite"):
-                raise _not_ours(where, state)
+                raise not_ours(where, state)
             before = state.revision
             if state.kind == "versioned" and before not in revisions():
-                raise _newer(where, str(before))
+                raise newer(where, str(before))
             if state.kind == "unversioned":
                 command.stamp(_config(conn), BASELINE)
             if before != target:
@@ -223,7 +223,7 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
 
 def _open_error(url: str, exc: BaseException) -> DtbenchError:
     """One line for a database that could not be opened, read or changed."""
-    msg = _one_line(exc)
+    msg = one_line(exc)
     if "file is not a database" in msg:
         return DtbenchError(f"{_where(url)} is not a dtbench results database (not a SQLite file)")
     return DtbenchError(f"cannot open database {display_url(url)}: {msg}{_hint(url, exc)}")
@@ -233,7 +233,7 @@ def _hint(url: str, exc: BaseException) -> str:
     if isinstance(exc, ImportError):
         from sqlalchemy.engine import make_url
 
-        return _driver_hint(make_url(url))
+        return driver_hint(make_url(url))
     return ""
 
 
@@ -265,10 +265,10 @@ def require_current(engine: Engine, url: str) -> State:
     state = current(engine, url)
     where = _where(url)
     if state.kind in ("new", "foreign"):
-        raise _not_ours(where, state)
+        raise not_ours(where, state)
     if state.revision == head():
         return state
     if state.kind == "versioned" and state.revision not in revisions():
-        raise _newer(where, str(state.revision))
+        raise newer(where, str(state.revision))
     raise DtbenchError(f"the results database {where} has schema revision {state.revision}, older than this "
                        f"dtbench's {head()}: {upgrade_instruction(url)}")

@@ -116,11 +116,16 @@ class DatasetSpec(_HasLMax):
     l_max: int | list[int] = Field(800, alias=L_MAX,
                                    description="L_max, maximum prompt length in tokens (a list sweeps it)")
     data_dir: str | None = Field(None, description="local data folder instead of the Hugging Face hub")
-    path: str | None = Field(None, description="files for the text-files dataset (folder or glob)")
+    path: str | None = Field(None, description="files for the text-files dataset (folder or glob); the jsonl "
+                             "question file of spec-bench (a user's own questions)")
     hub_id: str | None = Field(
         None, description="Hugging Face dataset repo (or a local folder of the same parquet layout) to load from "
         "instead of the dataset's default (wikitext-2: Salesforce/wikitext, pg19: emozilla/pg19)")
     revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
+    categories: list[Annotated[str, Field(min_length=1, max_length=100)]] | None = Field(
+        None, min_length=1, description="question datasets (spec-bench): Spec-Bench groups (mt_bench, translation, "
+        "summarization, qa, math_reasoning, rag) and/or raw categories to run, N prompts and W warmup each "
+        "(default: the six groups)")
     skip: int = Field(
         0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
@@ -247,6 +252,10 @@ class Suite(_Frozen):
         "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
         "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
         "equal to the reference's output)")
+    chat_template: str | None = Field(
+        None, min_length=1, max_length=4096, description="question datasets: 'auto' (the target tokenizer's own chat "
+        "template), 'none' (the turns as plain text) or the path of a Jinja chat template file; default auto")
+    system_prompt: str | None = Field(None, max_length=100_000, description="a system message before the questions")
     stop_at_eos: bool | None = Field(
         None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
         "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "

@@ -9,7 +9,6 @@ written-file lists and gate verdicts to stderr.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -18,11 +17,7 @@ from rich.console import Console
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable, to_csv
-
-
-def _stdout() -> Console:
-    # A pipe or file gets the full width rather than rich's 80-column fallback.
-    return Console() if sys.stdout.isatty() else Console(width=220)
+from dtbench.reports.output import emit
 
 
 def _note(msg: str) -> None:
@@ -39,7 +34,8 @@ def _run_token(token: str) -> int | None:
 
 
 def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir,
-                   html_file, include_partial: bool = False, cost_model: bool = False) -> None:
+                   html_file, include_partial: bool = False, cost_model: bool = False, by: str | None = None,
+                   spec_bench: bool = False) -> None:
     """Validate the option combination, then produce each requested output.
 
     ``include_partial`` (``--include-partial``): show the numbers of partial cells (failed after some prompts) in
@@ -79,7 +75,17 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
         if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
             raise DtbenchError(f"no run {rid} in the database")
+    if (by or spec_bench) and (pair or compare or tables or files or cost_model or len(run_ids) > 1):
+        raise DtbenchError("--by and --spec-bench report one run; give them alone (with --run ID and --format)")
+    if by and spec_bench:
+        raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
+
     sessions = db.connect(db_url, create=False)
+    if spec_bench:
+        from dtbench.reports.specbench import spec_bench_report
+
+        spec_bench_report(sessions, run_ids[0] if run_ids else None, fmt)
+        return
     if cost_model:
         from dtbench.reports.costmodel import cost_report
 
@@ -101,8 +107,8 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
         paper_outputs(sessions, run_ids, fmt=fmt, tables=tables or bool(out_dir), out_dir=out_dir, fig_dir=fig_dir,
                       html_file=html_file, alpha=alpha, include_partial=include_partial)
     if not (compare or tables or files):
-        cell_report(sessions, run_ids[0] if run_ids else None, fmt)
-        from dtbench.reports.tuning import print_tuning_line  # runs comparing DynaTree settings: name the best
+        cell_report(sessions, run_ids[0] if run_ids else None, fmt, by)
+        from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
 
         print_tuning_line(sessions, run_ids[0] if run_ids else None, _note)
 
@@ -110,30 +116,14 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
 # --- every cell of a run ---------------------------------------------------------------------------------------
 
 
-def emit(fmt: str, *, table, markdown, csv, json) -> None:
-    """The one output-format dispatcher: ``table`` draws on the stdout console; the others return text for stdout.
-
-    Args:
-        fmt: ``table``, ``markdown``, ``csv`` or ``json``.
-        table: callable(console) drawing rich output; markdown, csv, json: callables returning the text.
-    """
-    if fmt == "table":
-        table(_stdout())
-    elif fmt == "markdown":
-        click.echo(markdown())
-    elif fmt == "csv":
-        click.echo(csv(), nl=False)
-    else:
-        click.echo(json())
-
-
-def cell_report(sessions, run_id: int | None, fmt: str) -> None:
+def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -> None:
     """Print every cell of a run (the default report; also what ``dtbench run`` prints at the end).
 
     ``table``: a header line (run, suite, status, device, versions; a second line with the hardware flags where
     the run recorded ``environment["hardware"]``), then one rich table per (dataset, L_max, T) with notes for
     failed, partial and warmup-only cells. ``markdown``/``csv``/``json``: :mod:`dtbench.reports.render`; JSON
-    carries the run's whole environment, hardware flags included.
+    carries the run's whole environment, hardware flags included. ``by`` (``group``/``category``): every cell per
+    task of a question dataset (:func:`dtbench.reports.specbench.by_task`).
 
     Raises:
         DtbenchError: an unknown run, or a run without cells.
@@ -145,7 +135,13 @@ def cell_report(sessions, run_id: int | None, fmt: str) -> None:
         run = get_run(session, run_id)
         meta = {"id": run.id, "suite": run.suite_name, "status": run.status, "started_at": str(run.started_at),
                 "finished_at": str(run.finished_at), "environment": run.environment or {}}
-        summary = summarize(samples_frame(session, run.id))
+        frame = samples_frame(session, run.id)
+    if by:
+        from dtbench.reports.specbench import by_task
+
+        summary = by_task(frame, by)
+    else:
+        summary = summarize(frame)
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
     def table(out: Console) -> None:

@@ -23,9 +23,9 @@ import pandas as pd
 from scipy import stats
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import ALIASES, GATEABLE, Metric  # noqa: F401  (Metric re-exported)
+from dtbench.harness.metrics import ALIASES, GATEABLE, Metric
 from dtbench.harness.metrics import METRICS as REGISTRY
-from dtbench.reports.summary import GROUP, KEY
+from dtbench.reports.stats import GROUP, KEY, MIN_PROMPTS, N_TOO_SMALL, baseline_values
 
 # Marks of a run-to-run comparison, in the order a reader cares about them.
 BETTER, WORSE, NOT_SIGNIFICANT = "better", "worse", "not significant"
@@ -46,26 +46,19 @@ def per_prompt(frame: pd.DataFrame) -> pd.DataFrame:
     """Non-warmup samples of a :func:`~dtbench.reports.summary.samples_frame`, with every metric of METRICS.
 
     Adds every metric of the registry (:data:`dtbench.harness.metrics.METRICS`) in its display unit (``ttft_ms``,
-    ``tpot_ms`` in ms, ``peak_mib`` in MiB, ...) and ``speedup`` (the sample's throughput over the AR throughput on the same prompt of the same dataset,
-    cap and T; NaN without an AR sample).
+    ``tpot_ms`` in ms, ``peak_mib`` in MiB, ...) and ``speedup``: the paired per-prompt ratio, the sample's
+    throughput over its baseline's on the same prompt (:func:`~dtbench.reports.stats.baseline_values`: the AR cell
+    of the same dataset, L_max and T that decodes the same way); NaN without one.
     """
     s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)].copy()
     if s.empty:
         return s.assign(**{m.name: [] for m in REGISTRY}, speedup=[])
     for m in REGISTRY:
         s[m.name] = m.values(s)
-    ar = s[s["decoder"] == "ar"].drop_duplicates([*GROUP, "prompt_index"]).set_index([*GROUP, "prompt_index"])["throughput"]
-    idx = pd.MultiIndex.from_frame(s[[*GROUP, "prompt_index"]])
-    s["speedup"] = s["throughput"].to_numpy() / ar.reindex(idx).to_numpy()
+    s["speedup"] = s["throughput"] / baseline_values(s, "throughput", ("prompt_index",))
     return s
 
 
-# Below this many prompts after warmup (paired with AR's for a speedup; per side for a run-to-run test) no
-# confidence interval and no verdict is shown, only "n too small". With n = 5 the t quantile of a 95% interval is
-# 2.78 (n = 2: 12.7, n = 3: 4.30) and a two-sided Mann-Whitney U test can reach p = 0.008 (n = 3 per side: 0.10,
-# never significant at 0.05); below that an interval mostly reflects two or three prompts' luck.
-MIN_PROMPTS = 5
-N_TOO_SMALL = "n too small"
 # How the within-run speedup interval is computed, for captions (terminal, Markdown, HTML).
 SPEEDUP_CI_METHOD = (f"CI: Student t-interval on the log of the paired per-prompt ratios (decoder / AR throughput on "
                      f"the same prompt), i.e. around their geometric mean; '{N_TOO_SMALL}' below {MIN_PROMPTS} paired "
@@ -109,13 +102,6 @@ def paired_ratio_ci(ratios, confidence: float = 0.95) -> tuple[float, float, flo
     return point, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), "paired t (log ratios)"
 
 
-def _decoding(sampling) -> str:
-    """"greedy", or the sampling settings as a canonical string: speedups pair cells that decode the same way."""
-    import json
-
-    return json.dumps(sampling, sort_keys=True) if isinstance(sampling, dict) and sampling else "greedy"
-
-
 def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFrame:
     """Every decoder against the AR cell of the same dataset, L_max and T that decodes the same way (greedy, or
     the same sampling settings), with a paired confidence interval.
@@ -137,15 +123,12 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
     rows = []
     for key, cells in frame.groupby(GROUP, sort=False):
         group = s[(s["dataset"] == key[0]) & (s["l_max"] == key[1]) & (s["gen_length"] == key[2])]
-        decoding = {lbl: _decoding(v) for lbl, v in zip(cells["label"], cells["sampling"])}
-        ar_labels = {}  # the AR cell of each decoding (greedy, or one sampling setting): the first one
-        for lbl, d in zip(cells["label"], cells["decoder"]):
-            if d == "ar":
-                ar_labels.setdefault(decoding[lbl], lbl)
+        first_rows = cells.drop_duplicates("cell_id")
+        ar_label_of = dict(zip(first_rows["label"], baseline_values(first_rows, "label", missing=None)))
         for label in dict.fromkeys(cells["label"]):
-            if label in ar_labels.values():
+            if ar_label_of[label] == label:  # a baseline cell itself
                 continue
-            ar_label = ar_labels.get(decoding[label])
+            ar_label = ar_label_of[label]
             ar = group[group["label"] == ar_label].set_index("prompt_index")["throughput"] if ar_label else None
             mine_cells = cells[cells["label"] == label]
             first = mine_cells.iloc[0]

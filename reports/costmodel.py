@@ -1,6 +1,6 @@
 """The cost model (issue 12): what a sample's forwards should have cost, against what it took.
 
-Inputs, all from the database: the run's calibration (:class:`dtbench.harness.calibrate.Curves`, the forward-latency
+Inputs, all from the database: the run's calibration (:class:`dtbench.harness.curves.Curves`, the forward-latency
 curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-step forward records
 (``step_stats["target_fed"]`` / ``["draft_fed"]``: every forward the runner's hooks counted, as
 ``[tokens fed n, KV positions before it, flags]``).
@@ -15,14 +15,18 @@ curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-ste
   ``forward_share`` = in-forward / measured time (1 - the decoder's own overhead: Python, host syncs, masks, cache
   copies, sampling), ``forward_speed`` = predicted / in-forward time (below 1: the forwards themselves ran slower in
   the loop than calibrated — another call path, cache state, machine noise between calibration and run).
-- chain decoders (``linear``, ``streaming_spec``): from the accepted lengths a_i of the iterations that drafted
+- chain-family decoders (``Decoder.family == "chain"``, stored on the cell): from the accepted lengths a_i of the iterations that drafted
   K_i tokens, the per-position acceptance p_j = #{a_i >= j} / #{a_i >= j-1 and K_i >= j} (a position counts only
   in iterations that drafted it), the expected tokens per iteration E(k) = 1 + sum_{j<=k} prod_{i<=j} p_i for
   every k up to the drafted K, and the steady-state speedup of chain length k over AR,
   S(k) = c_T(1) * E(k) / (k c_D(1) + c_T(k+1)), with c_T(n) the causal target forward over n tokens, c_D(1) one
   draft step (last-position logits), both on the cache at mid-generation (L_max + T/2). The predicted best K is
   argmax_k S(k); it is a forward-cost-only prediction (no overhead), so compare it with the measured speedups
-  of cells that ran each K (``suites/linear-k.yaml``).
+  of cells that ran each K (``suites/linear-k.yaml``). The cell's own K is the most it drafted in one iteration.
+- tree-family decoders: the predicted best node budget N_max = the largest calibrated tree whose verification (root +
+  n nodes, one target forward with the tree mask) costs at most 2x one AR token on the cache at mid-generation
+  (:func:`dtbench.harness.calibrate.auto_budget`, the budget ``n_max: auto`` would choose; a forward-cost-only
+  prediction, to compare with measured sweeps over ``n_max``).
 """
 
 from __future__ import annotations
@@ -37,8 +41,7 @@ from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import to_csv
-
-CHAIN_DECODERS = ("linear", "streaming_spec")
+from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
 FIG_STEM = "cost_verify_curve"
@@ -165,7 +168,9 @@ def _uses_draft_model(name: str) -> bool:
 
 def cost_table(session, run, curves) -> pd.DataFrame:
     """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
-    predicted share of target and draft forwards, and for chain decoders the predicted best K."""
+    predicted share of target and draft forwards, for chain-family cells the predicted best K and for tree-family
+    cells the predicted best N_max (module docstring)."""
+    from dtbench.harness.calibrate import DEFAULT_FACTOR, auto_budget
     from dtbench.harness.db import Cell, Sample
 
     rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
@@ -188,7 +193,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
                       if all(timed) else math.nan)
         row = {
             "dataset": cell.dataset, "l_max": cell.l_max, "gen_length": cell.gen_length,
-            "label": cell.label, "decoder": cell.decoder, "n": len(samples),
+            "label": cell.label, "decoder": cell.decoder, "family": family_of(cell.family), "sampling": cell.sampling,
+            "n": len(samples),
             "measured_s": measured, "predicted_s": predicted,
             "target_s": sum(p["target_s"] for p in priced) / len(priced),
             "draft_s": sum(p["draft_s"] for p in priced) / len(priced),
@@ -201,19 +207,18 @@ def cost_table(session, run, curves) -> pd.DataFrame:
                                         if p["predicted_s"] > 0) / len(samples),
             "approx": any(p["approx"] for p in priced),
             "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
-            "acceptance_by_position": None, "predicted_best_total_token": None,
+            "acceptance_by_position": None, "predicted_best_n_max": None, "predicted_best_total_token": None,
             "predicted_best_total_token_speedup": None,
         }
-        if cell.decoder in CHAIN_DECODERS:
+        if row["family"] == "chain":
             accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
             drafted = [d for s in samples for d in (s.step_stats or {}).get("drafted", [])]
             p = position_acceptance(accepted, drafted)
             if p:
                 speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
                 best = max(speed, key=speed.get)
-                k_own = int((cell.params or {}).get("k", len(p)))
                 row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
-                           predicted_k_speedup=speed.get(min(k_own, len(p))),
+                           predicted_k_speedup=speed.get(len(p)),  # len(p): the most it drafted, its own K
                            acceptance_by_position=[round(x, 4) for x in p])
         states = [(s.step_stats or {}).get("state") for s in samples]
         if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
@@ -224,19 +229,17 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             if speed:
                 best = max(speed, key=speed.get)
                 row.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
+        if row["predicted_best_total_token"] is None and row["family"] == "tree" and "target" in curves.roles():
+            row["predicted_best_n_max"] = auto_budget(curves, cell.l_max + cell.gen_length // 2, DEFAULT_FACTOR)
         out.append(row)
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    group = ["dataset", "l_max", "gen_length"]
-    ar = table[table["decoder"] == "ar"].drop_duplicates(group).set_index(group)
-    keys = list(zip(*(table[g] for g in group)))
-
-    def vs_ar(col: str, ratio) -> list[float]:
-        return [ratio(v, ar[col].get(k, math.nan)) for v, k in zip(table[col], keys)]
-
-    table["measured_speedup"] = vs_ar("measured_throughput", lambda v, a: v / a)
-    table["predicted_speedup"] = vs_ar("predicted_s", lambda v, a: a / v if v else math.nan)
+    for col in ("predicted_best_k", "predicted_best_n_max", "predicted_best_total_token"):  # whole numbers, missing where they do not apply
+        table[col] = table[col].astype("Int64")
+    # against the AR cell of the same group that decodes the same way (the one pairing of every report)
+    table["measured_speedup"] = table["measured_throughput"] / baseline_values(table, "measured_throughput")
+    table["predicted_speedup"] = baseline_values(table, "predicted_s") / table["predicted_s"].where(table["predicted_s"] > 0)
     return table
 
 
@@ -247,7 +250,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         DtbenchError: an unknown run, a run without calibration (one line suggesting ``dtbench calibrate``), or a
             run without samples after warmup.
     """
-    from dtbench.harness.calibrate import load_curves
+    from dtbench.harness.curves import load_curves
     from dtbench.reports import render
     from dtbench.reports.summary import get_run
 
@@ -265,19 +268,21 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     title = f"run {rid}: cost model ({source})"
     caption = ("predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
                "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
-               "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T; best K: "
-               "chain decoders, from the per-position acceptance (forward costs only); best total_token: eagle, from the node "
-               "budget each accepted token needed (calibrated verify cost + the head's measured time)")
+               "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T decoding the "
+               "same way; best config (forward costs only): K of chain decoders from the per-position acceptance, "
+               "N_max of tree decoders (largest tree verified within 2x one AR token), total_token of a tree decoder that "
+               "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
+               "measured time)")
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
         caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
                     "the run's (calibrate: true measures in the run's own process)")
     if fmt == "json":
-        cols = ["dataset", "l_max", "gen_length", "label", "decoder", "n", "predicted_s", "measured_s",
+        cols = ["dataset", "l_max", "gen_length", "label", "decoder", "family", "n", "predicted_s", "measured_s",
                 "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
                 "predicted_throughput", "measured_throughput",
                 "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
                 "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
-                "predicted_best_total_token_speedup", "approx"]
+                "predicted_best_total_token_speedup", "predicted_best_n_max", "approx"]
         cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
         click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
                                "cells": cells}, indent=2))
@@ -297,11 +302,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "In fwd": f(r["forward_share"], ".0%"), "Fwd speed": f(r["forward_speed"], ".2f"),
         "Measured t/s": f(r["measured_throughput"], ".1f"), "Predicted t/s": f(r["predicted_throughput"], ".1f"),
         "Speedup meas.": f(r["measured_speedup"], ".2f", "×"), "Speedup pred.": f(r["predicted_speedup"], ".2f", "×"),
-        "Best K (pred.)": "—" if r["predicted_best_k"] is None or pd.isna(r["predicted_best_k"])
-        else f"{int(r['predicted_best_k'])} ({r['predicted_best_speedup']:.2f}×)",
-        **({} if table["predicted_best_total_token"].isna().all() else {
-            "Best total_token (pred.)": "—" if pd.isna(r["predicted_best_total_token"])
-            else f"{int(r['predicted_best_total_token'])} ({r['predicted_best_total_token_speedup']:.2f}×)"}),
+        "Best config (pred.)": best_config(r),
     } for _, r in table.iterrows()])
     if fmt == "markdown":
         click.echo(render.markdown_frame(display, title, caption))
@@ -311,6 +312,17 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
 
         console = Console() if sys.stdout.isatty() else Console(width=220)
         console.print(render.rich_frame(display, title, caption))
+
+
+def best_config(row) -> str:
+    """The predicted best configuration of a cost-table row as shown: ``K=3 (1.42×)`` (chain), ``total_token=40
+    (1.80×)`` (a tree recording its node budgets), ``N_max=24`` (tree), or a dash."""
+    k, n, tt = row.get("predicted_best_k"), row.get("predicted_best_n_max"), row.get("predicted_best_total_token")
+    if not is_missing(k):
+        return f"K={int(k)} ({row['predicted_best_speedup']:.2f}×)"
+    if not is_missing(tt):
+        return f"total_token={int(tt)} ({row['predicted_best_total_token_speedup']:.2f}×)"
+    return MISSING if is_missing(n) else f"N_max={int(n)}"
 
 
 # --- the figure ---------------------------------------------------------------------------------------------------
@@ -344,7 +356,7 @@ def verify_figure(curves, sizes: dict[str, float]):
 
 def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> list[Path]:
     """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
-    from dtbench.harness.calibrate import load_curves
+    from dtbench.harness.curves import load_curves
     from dtbench.harness.db import Cell, Sample
     from dtbench.reports.figures import save_figures
     from dtbench.reports.summary import get_run
@@ -359,7 +371,7 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
             for cell, s in session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
                                            .where(Cell.run_id == run.id)).all():
                 ts = (s.step_stats or {}).get("drafted") or []  # old rows' "tree_size" is the same list
-                if cell.decoder != "ar" and ts[1:]:
+                if any(ts[1:]):  # cells that drafted: their verification sizes
                     sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])
             marks = {k: sum(v) / len(v) for k, v in sizes.items() if v}
             return save_figures({FIG_STEM: verify_figure(curves, marks)}, out_dir)

@@ -10,9 +10,13 @@ whose data the runs do not hold is skipped with a one-line note, never an error.
 | fig3_throughput_speedup | Figure 3 | the main tables' methods (:mod:`dtbench.reports.paper`) |
 | fig4_ablation | Figure 4 | >= 2 non-sweep tree variants (Table 4) |
 | fig5_length_scaling | Figure 5 | non-sweep decoders at >= 2 generation lengths T on one dataset and cap |
-| fig6_dynatree_sensitivity | Figure 6 | >= 2 DynaTree configurations (sweep: tau_h/tau_l, b_min/b_max, d0/d_max) |
-| fig7_fixed_tree_sweep | Figure 7 | >= 2 fixed-tree configurations (sweep: depth D, branching B, tau) |
+| fig6_dynatree_sensitivity | Figure 6 | >= 2 configurations of a dynamic tree (sweep: tau_h/tau_l, b_min/b_max, d0/d_max) |
+| fig7_fixed_tree_sweep | Figure 7 | >= 2 configurations of a static tree (sweep: depth D, branching B, tau) |
 | fig8_prompt_length | Figure 8 | non-sweep decoders at >= 2 prompt caps L_max on one dataset at the main T |
+
+Figures 6 and 7 read capabilities and params, never decoder names: their cells are tree-family cells
+(``family: tree``) whose params hold the figure's axes (:data:`DYNAMIC_TREE_PARAMS`, :data:`STATIC_TREE_PARAMS`), of
+the one decoder with the most such cells, so a plugin tree decoder with those params is drawn like the built-ins.
 
 Partial cells (failed after some prompts were measured) are left out of every figure, with a note, unless
 ``include_partial``; then their bars in Figures 3 and 4 are hatched and a note names them.
@@ -33,6 +37,11 @@ from matplotlib.ticker import NullFormatter
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.paper import Setting, ablation, main_setting, methods, prepare, tps_spec
+from dtbench.reports.stats import BASELINE
+
+# The params a figure's axes need (the paper's names for them: DynaTree's thresholds and bounds, the fixed tree's D/B/tau).
+DYNAMIC_TREE_PARAMS = ("tau_h", "tau_l", "b_min", "b_max", "d0", "d_max")
+STATIC_TREE_PARAMS = ("depth", "branching", "tau")
 
 PALETTE = colormaps["tab10"].colors
 PARTIAL_HATCH = "///"  # bars of partial cells (shown only with include_partial)
@@ -226,11 +235,20 @@ def figure8(summary: pd.DataFrame, setting: Setting) -> Figure | str:
 # --- Figures 6 and 7: sweeps ---------------------------------------------------------------------------------
 
 
-def _decoder_cells(summary: pd.DataFrame, setting: Setting, decoder: str) -> tuple[str | None, pd.DataFrame]:
-    """Cells of ``decoder`` (sweep points included) at the main T on the dataset/cap holding the most."""
-    cells = summary[(summary["decoder"] == decoder) & (summary["gen_length"] == setting.T)]
+def _tree_kind(summary: pd.DataFrame, keys: tuple[str, ...]) -> pd.Series:
+    """Whether each cell is a tree-family cell whose params hold every key of ``keys``."""
+    return pd.Series([f == "tree" and all(k in (p or {}) for k in keys) for f, p in zip(summary["family"], summary["params"])],
+                     index=summary.index, dtype=bool)
+
+
+def _decoder_cells(summary: pd.DataFrame, setting: Setting, keys: tuple[str, ...]) -> tuple[str | None, pd.DataFrame]:
+    """Tree-family cells with the params ``keys`` (sweep points included) of the decoder with the most of them, at
+    the main T on the dataset/cap holding the most."""
+    cells = summary[_tree_kind(summary, keys) & (summary["gen_length"] == setting.T)]
     if cells.empty:
         return None, cells
+    decoders = cells.groupby("decoder", sort=False).size()
+    cells = cells[cells["decoder"] == max(decoders.index, key=lambda d: decoders[d])]
     counts = cells.groupby(["dataset", "l_max"], sort=False).size()
     ds, cap = max(counts.index, key=lambda k: (counts[k], setting.caps.get(k[0]) == k[1]))
     return ds, cells[(cells["dataset"] == ds) & (cells["l_max"] == cap)]
@@ -242,12 +260,13 @@ def _param(cells: pd.DataFrame, name: str) -> pd.Series:
 
 
 def _baselines(ax, summary: pd.DataFrame, setting: Setting, ds: str, cap: int, metric: str = "throughput_mean") -> None:
-    """AR and fixed-tree lines (Figure 6): the fixed tree of the main tables if there is one, else the first."""
+    """AR and static-tree lines (Figure 6): the static tree of the main tables if there is one, else the first."""
     same = _non_sweep(summary)
     same = same[(same["dataset"] == ds) & (same["l_max"] == cap) & (same["gen_length"] == setting.T)]
     main = {m.cells[ds]["label"] for m in methods(summary, setting)[0] if ds in m.cells} if ds in setting.caps else set()
-    for decoder, color, ls in (("ar", "black", "--"), ("fixed_tree", "gray", ":")):
-        rows = same[same["decoder"] == decoder]
+    for kind, color, ls in ((same["decoder"] == BASELINE, "black", "--"),
+                            (_tree_kind(same, STATIC_TREE_PARAMS), "gray", ":")):
+        rows = same[kind]
         rows = pd.concat([rows[rows["label"].isin(main)], rows[~rows["label"].isin(main)]])
         if len(rows):
             ax.axhline(float(rows.iloc[0][metric]), color=color, ls=ls, lw=1, label=rows.iloc[0]["label"])
@@ -271,7 +290,7 @@ def _mean_std_panel(ax, cells: pd.DataFrame, keys: tuple[str, str], xlabel: str)
 def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     """Figure 6: DynaTree sensitivity — (a) (tau_h, tau_l) scatter coloured by throughput, (b) throughput
     mean ± std over configurations per (B_min, B_max), (c) per (D_0, D_max); AR and fixed-tree lines."""
-    ds, cells = _decoder_cells(summary, setting, "dynatree")
+    ds, cells = _decoder_cells(summary, setting, DYNAMIC_TREE_PARAMS)
     if ds is not None:
         full = [all((p or {}).get(k, True) for k in ("dynamic_breadth", "dynamic_depth", "history_adaptation"))
                 for p in cells["params"]]
@@ -315,7 +334,7 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
 def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     """Figure 7: fixed-tree sweep — speedup vs depth D per branching B (at the best tau), vs tau per D (at the
     best B), and a D x B heatmap at the best tau. Throughput replaces speedup when the run has no AR cell."""
-    ds, cells = _decoder_cells(summary, setting, "fixed_tree")
+    ds, cells = _decoder_cells(summary, setting, STATIC_TREE_PARAMS)
     if ds is None or len(cells) < 2:
         return "Figure 7 skipped: fewer than two fixed-tree configurations at the main T"
     grid = pd.DataFrame({"D": _param(cells, "depth"), "B": _param(cells, "branching"), "tau": _param(cells, "tau"),

@@ -10,8 +10,8 @@ cells go where:
   the main setting. Labels that differ only in their trailing parenthesis and cover disjoint datasets are one
   method (``Linear Spec (K=8)`` on WikiText-2 and ``Linear Spec (K=5)`` on PG-19 are the paper's one
   "Linear Spec" row).
-- *Ablation variants* (Table 4, Figure 4) are the non-sweep ``fixed_tree`` and ``dynatree`` cells of the
-  dataset with the most of them, in suite order; Δ is relative to the first.
+- *Ablation variants* (Table 4, Figure 4) are the non-sweep cells of tree-family decoders (``family: tree``,
+  built-in or plugin) of the dataset with the most of them, in suite order; Δ is relative to the first.
 - Sweep points (cells a suite expanded from ``sweep:``) feed Figures 6 and 7 only.
 
 A *partial* cell (it failed after some prompts were measured) keeps its row but shows no numbers unless
@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from dtbench.reports.render import fmt, fmt_pm, lossless_notes, mixed_devices_note
+from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import base_label, without_partial
-
-TREE_DECODERS = ("fixed_tree", "dynatree")
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ class Method:
 
     @property
     def is_ar(self) -> bool:
-        return all(c["decoder"] == "ar" for c in self.cells.values())
+        return all(c["decoder"] == BASELINE for c in self.cells.values())
 
 
 @dataclass
@@ -179,7 +178,7 @@ def ablation(summary: pd.DataFrame, setting: Setting) -> tuple[str | None, pd.Da
     best, rows = None, summary.iloc[0:0]
     for ds in setting.caps:
         cells = _non_sweep(setting.cells(summary, ds))
-        tree = cells[cells["decoder"].isin(TREE_DECODERS)]
+        tree = cells[cells["family"] == "tree"]
         if len(tree) > len(rows):
             best, rows = ds, tree
     return (best, rows) if len(rows) >= 2 else (None, summary.iloc[0:0])
@@ -353,7 +352,7 @@ def paper_tables(summary: pd.DataFrame, include_partial: bool = False) -> tuple[
     if ds is not None:
         tables.append(table4(ds, rows, setting))
     else:
-        skipped.append("Table 4 skipped: fewer than two non-sweep tree variants (fixed_tree, dynatree) at the main setting")
+        skipped.append("Table 4 skipped: fewer than two non-sweep tree variants (tree-family decoders) at the main setting")
     if ms:
         tables.append(table5(ms, setting, notes))
     return tables, skipped

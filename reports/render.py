@@ -12,8 +12,8 @@ from rich.text import Text
 
 from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.harness.safetext import markdown_cell, printable, to_csv
-from dtbench.reports.compare import MIN_PROMPTS, N_TOO_SMALL
-from dtbench.reports.summary import GROUP, SAMPLED
+from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, N_TOO_SMALL
+from dtbench.reports.summary import SAMPLED
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
@@ -138,7 +138,7 @@ def formatted(row: pd.Series) -> dict[str, str]:
     if row["lossless"] in ("—", SAMPLED):
         lossless = row["lossless"]
     else:  # over every measured sample, warmup included
-        ref = row["reference"] if isinstance(row["reference"], str) and row["reference"] != "ar" else ""
+        ref = row["reference"] if isinstance(row["reference"], str) and row["reference"] != BASELINE else ""
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "") + lossless_detail(row)
     if row["status"] == "failed":
         lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)
@@ -267,7 +267,7 @@ def markdown_frame(display: pd.DataFrame, title: str = "", caption: str = "", no
 
 def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Display strings of a :func:`~dtbench.reports.compare.speedup_table` (tokens/s, ×); "n too small" in place
-    of the interval below :data:`~dtbench.reports.compare.MIN_PROMPTS` paired prompts."""
+    of the interval below :data:`~dtbench.reports.stats.MIN_PROMPTS` paired prompts."""
     ci = f"{confidence:.0%} CI"
 
     def interval(r) -> str:

@@ -26,11 +26,11 @@ from sqlalchemy.orm import Session
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import BASELINE, METRICS, MIB, peak_memory_bytes  # noqa: F401  (MIB re-exported)
-GROUP = ["dataset", "l_max", "gen_length"]
+from dtbench.harness.metrics import METRICS, peak_memory_bytes
+from dtbench.reports.stats import GROUP, KEY, baseline_values, family_of
+
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
 SAMPLED = "sampled (exact by construction, distribution-tested)"
-KEY = [*GROUP, "label"]
 
 _SAMPLE_COLS = list(dict.fromkeys([
     "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
@@ -38,9 +38,10 @@ _SAMPLE_COLS = list(dict.fromkeys([
     "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
     "lossless_checked", "lossless_ties", "lossless_errors", "lossless_first_error", "lossless_error_margin",
     "lossless_tie_margin", "lossless_check_s",
-    "output_hash", "worker_host", "device_name", "energy_status", *(m.column for m in METRICS if isinstance(m.column, str)),
+    "output_hash", "worker_host", "device_name", "energy_status", "task_group", "category", "turn", "question_id",
+    *(m.column for m in METRICS if isinstance(m.column, str)),
 ]))
-_CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "label", "decoder_version", "params", "sweep_group",
+_CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
               "sampling",
               "lossless_expected", "lossless_check", "reference_label", "status", "error", "target_model", "draft_model"]
 
@@ -135,7 +136,8 @@ def lossless_counts(measured: pd.DataFrame, first: pd.Series) -> dict:
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per cell: mean/std over non-warmup samples, speedup vs the same group's ``ar`` cell.
 
-    Columns: dataset, l_max, gen_length, label, decoder, n (prompts after warmup), warmup_n, speedup, every
+    Columns: dataset, l_max, gen_length, label, decoder, family (the decoder's declared family), n (prompts after
+    warmup), warmup_n, speedup, every
     metric of :data:`dtbench.harness.metrics.METRICS` (``{name}_mean``/``{name}_std`` for the spread ones such as
     throughput, ttft_ms, tpot_ms; ``{name}`` for the others; all NaN when no prompt is left after warmup),
     lossless ('yes', 'no', '—' when nothing to compare) and lossless_n over every measured sample (warmup
@@ -160,6 +162,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         out.append({
             "cell_id": cell_id, "dataset": first["dataset"], "l_max": int(first["l_max"]),
             "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
+            "family": family_of(first["family"]),
             "params": first["params"], "decoder_version": first["decoder_version"], "sweep_group": first["sweep_group"],
             "n": len(basis), "warmup_n": len(measured) - len(basis),
             **_aggregates(basis),
@@ -181,14 +184,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     # Samples of one cell measured on different device models (a heterogeneous Ray cluster): its mean mixes them.
     table["mixed_devices"] = [len(d) > 1 for d in table["devices"]]
     # Speedup against the AR cell of the same group that decodes the same way (greedy, or the same sampling).
-    from dtbench.reports.compare import _decoding
-
-    table["_decoding"] = [_decoding(v) for v in table["sampling"]]
-    ar = table[table["decoder"] == BASELINE].set_index([*GROUP, "_decoding"])["throughput_mean"]
-    ar = ar[~ar.index.duplicated()]
-    keys = list(zip(*(table[c] for c in [*GROUP, "_decoding"])))
-    table["speedup"] = [row / ar.get(k, float("nan")) for row, k in zip(table["throughput_mean"], keys)]
-    return table.drop(columns="_decoding")
+    table["speedup"] = table["throughput_mean"] / baseline_values(table, "throughput_mean")
+    return table
 
 
 def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
@@ -202,9 +199,8 @@ def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
     if table.empty:
         return table.assign(partial_hidden=pd.Series(dtype=bool))
     partial = table["partial"].fillna(False).astype(bool)
-    group = [*(["run_id"] if "run_id" in table else []), *GROUP]  # speedups are against the AR of the same run
-    ar_partial = {tuple(r[c] for c in group) for _, r in table[partial & (table["decoder"] == "ar")].iterrows()}
-    against = pd.Series([tuple(r[c] for c in group) in ar_partial for _, r in table.iterrows()], index=table.index)
+    # speedups against a partial baseline (the one baseline_values pairs the row with) are hidden too
+    against = baseline_values(table.assign(_partial=partial.astype(float)), "_partial") == 1.0
     table.loc[partial, METRIC_COLUMNS] = float("nan")
     table.loc[against, "speedup"] = float("nan")
     table["partial_hidden"] = partial | against

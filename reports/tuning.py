@@ -1,9 +1,11 @@
-"""The DynaTree tuning line: which DynaTree setting of a run was fastest (``suites/dynatree-tuning.yaml``).
+"""The tuning line: which setting of a decoder compared in several settings was fastest (e.g.
+``suites/dynatree-tuning.yaml``).
 
 The paper tunes rho_stop and rho_deep "on a held-out set" (section 3.3) and leaves W, a*, eta_D, eta_h and B_mid
 open; dtbench's tuning suite sweeps them on held-out WikiText-2 articles. This module reads a run from the
-database only (like every report) and names the DynaTree cell with the highest speedup, with the params that
-differ from :class:`~dtbench.decoders.dynatree.DynaTreeParams`' defaults, so a reader can copy them.
+database only (like every report) and, for the decoder measured in the most settings (any decoder, built-in or
+plugin, but the baseline), names the cell with the highest speedup, with the params that differ from that
+decoder's defaults (its own ``Params`` model, looked up in the decoder registry), so a reader can copy them.
 """
 
 from __future__ import annotations
@@ -12,40 +14,51 @@ import math
 
 import pandas as pd
 
+from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import get_run, samples_frame, summarize
 
 
-def _default_params() -> dict:
-    from dtbench.decoders.dynatree import DynaTreeParams
+def default_params(decoder: str) -> dict:
+    """The decoder's params with every default (``Params()``), or {} when it is not installed or has required
+    params (then every stored param counts as changed)."""
+    from dtbench.harness import registry
+    from dtbench.harness.errors import DtbenchError
 
-    return DynaTreeParams().model_dump(mode="json")
+    try:
+        return registry.validate_params(decoder, {}).model_dump(mode="json")
+    except DtbenchError:
+        return {}
 
 
-def best_dynatree(summary: pd.DataFrame) -> dict | None:
-    """The fastest DynaTree cell of a run summary (:func:`~dtbench.reports.summary.summarize`).
+def best_setting(summary: pd.DataFrame) -> dict | None:
+    """The fastest cell of the decoder measured in the most settings in a run summary
+    (:func:`~dtbench.reports.summary.summarize`; ties: the decoder listed first).
 
-    Speedup (mean throughput after warmup / the same group's AR mean) ranks the cells; a run with fewer than
-    two measured DynaTree cells has nothing to choose from.
+    Speedup (mean throughput after warmup / the same group's AR mean, decoding the same way) ranks the cells; a
+    run with fewer than two measured cells of one decoder has nothing to choose from.
 
     Returns:
-        None, or {"label", "dataset", "l_max", "gen_length", "n" (prompts after warmup), "speedup",
+        None, or {"decoder", "label", "dataset", "l_max", "gen_length", "n" (prompts after warmup), "speedup",
         "tokens_per_iteration", "changed" (params differing from the defaults, name -> value),
         "defaults_speedup" (speedup of a cell with default params, NaN if none), "runner_up" (label, speedup),
-        "cells" (DynaTree cells compared)}.
+        "cells" (cells of that decoder compared)}.
     """
     if summary.empty:
         return None
-    cells = summary[(summary["decoder"] == "dynatree") & summary["speedup"].notna() & (summary["n"] > 0)]
-    if len(cells) < 2:
+    measured = summary[(summary["decoder"] != BASELINE) & summary["speedup"].notna() & (summary["n"] > 0)]
+    counts = measured.groupby("decoder", sort=False).size()
+    if counts.empty or counts.max() < 2:
         return None
-    ranked = cells.sort_values("speedup", ascending=False)
+    decoder = max(counts.index, key=lambda d: counts[d])
+    cells = measured[measured["decoder"] == decoder]
+    ranked = cells.sort_values("speedup", ascending=False, kind="stable")
     best, second = ranked.iloc[0], ranked.iloc[1]
-    defaults = _default_params()
+    defaults = default_params(decoder)
     changed = {k: v for k, v in (best["params"] or {}).items() if defaults.get(k, object()) != v}
     plain = [s for s, p in zip(cells["speedup"], cells["params"])
-             if all(defaults.get(k, object()) == v for k, v in (p or {}).items())]
+             if defaults and all(defaults.get(k, object()) == v for k, v in (p or {}).items())]
     return {
-        "label": best["label"], "dataset": best["dataset"], "l_max": int(best["l_max"]),
+        "decoder": decoder, "label": best["label"], "dataset": best["dataset"], "l_max": int(best["l_max"]),
         "gen_length": int(best["gen_length"]), "n": int(best["n"]), "speedup": float(best["speedup"]),
         "tokens_per_iteration": float(best["tokens_per_iteration"]), "changed": changed,
         "defaults_speedup": float(plain[0]) if plain else math.nan,
@@ -57,18 +70,19 @@ def tuning_line(best: dict) -> str:
     """One line naming the best setting (for the report's stderr notes)."""
     changed = ", ".join(f"{k}={v}" for k, v in best["changed"].items()) or "none (the defaults)"
     defaults = "" if math.isnan(best["defaults_speedup"]) else f"; defaults {best['defaults_speedup']:.2f}x"
-    return (f"DynaTree tuning: best setting {best['label']!r} — speedup {best['speedup']:.2f}x, "
+    name = best["decoder"]
+    return (f"{name} tuning: best setting {best['label']!r} — speedup {best['speedup']:.2f}x, "
             f"L {best['tokens_per_iteration']:.2f} ({best['dataset']}, L_max={best['l_max']}, "
-            f"T={best['gen_length']}, {best['n']} prompts after warmup, {best['cells']} DynaTree settings{defaults}; "
+            f"T={best['gen_length']}, {best['n']} prompts after warmup, {best['cells']} {name} settings{defaults}; "
             f"runner-up {best['runner_up'][0]!r} {best['runner_up'][1]:.2f}x); params changed from the defaults: "
             f"{changed}")
 
 
 def print_tuning_line(sessions, run_id: int | None, echo) -> None:
-    """Echo :func:`tuning_line` for the run (the latest if None) when it compares several DynaTree settings."""
+    """Echo :func:`tuning_line` for the run (the latest if None) when it compares several settings of a decoder."""
     with sessions() as session:
         run = get_run(session, run_id)
         summary = summarize(samples_frame(session, run.id))
-    best = best_dynatree(summary)
+    best = best_setting(summary)
     if best is not None:
         echo(tuning_line(best))

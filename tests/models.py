@@ -94,6 +94,17 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return out[0, len(prompt):].tolist()
 
 
+def decoder_steps(decoder, prompt: list[int], max_new_tokens: int) -> list:
+    """A decoder's Steps until T tokens are committed (the runner stops iterating there too)."""
+    steps, n = [], 0
+    for step in decoder.generate(torch.tensor([prompt]), max_new_tokens):
+        steps.append(step)
+        n += len(step.tokens)
+        if n >= max_new_tokens:
+            break
+    return steps
+
+
 def run_decoder(decoder, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Collect a decoder's committed tokens, truncated to T exactly as the runner does."""
     tokens: list[int] = []

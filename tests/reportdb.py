@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
-from dtbench.harness import db
+from dtbench.harness import db, registry
 from dtbench.harness.db import Cell, Run, Sample
+from dtbench.harness.errors import DtbenchError
 
 ENV = {"dtbench": "0.1.0", "torch": "2.13.0+cpu", "transformers": "5.23.0", "device": "cpu",
        "device_name": "test cpu", "git_sha": "abc"}
@@ -42,9 +43,16 @@ def add_run(session, name="t", env=None, text=None, status="completed") -> Run:
 
 def add_cell(session, run: Run, label: str, decoder: str | None = None, *, dataset="wikitext-2", cap=128, T=64,
              params=None, version="1", status="done", error=None, target="smollm2 (float32)", draft=None,
-             sweep_group: str | None = None, sampling: dict | None = None) -> Cell:
+             sweep_group: str | None = None, sampling: dict | None = None, family: str | None = None) -> Cell:
+    """A cell as the runner stores it; ``family`` defaults to the one the installed decoder declares (None for an
+    unknown decoder name, as an old database would hold)."""
     decoder = decoder or label
-    cell = Cell(run=run, dataset=dataset, l_max=cap, gen_length=T, decoder=decoder, label=label,
+    if family is None:
+        try:
+            family = registry.get(decoder).family
+        except DtbenchError:
+            family = None
+    cell = Cell(run=run, dataset=dataset, l_max=cap, gen_length=T, decoder=decoder, family=family, label=label,
                 decoder_version=version, decoder_distribution="dtbench", params=params or {},
                 lossless_expected=True, reference_label=None if decoder == "ar" else "ar",
                 target_model=target, draft_model=draft if draft is not None else (None if decoder == "ar" else "draft (bf16)"),

@@ -17,7 +17,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
+from dtbench.harness import curves as curves_mod
 from dtbench.harness import measure, registry
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
@@ -125,7 +127,7 @@ def tiny_suite(name: str, params: dict, cap: int, T: int):
     return suite, plan_suite(suite)
 
 
-def grid_curves(cost: FakeCost, suite, plan) -> cal.Curves:
+def grid_curves(cost: FakeCost, suite, plan) -> curves_mod.Curves:
     """The curves calibrate() would measure under ``cost``, built directly on the same grid (fast)."""
     points = []
     for c in cal.curves_for(plan, suite, True):
@@ -133,11 +135,11 @@ def grid_curves(cost: FakeCost, suite, plan) -> cal.Curves:
             flags = (measure.FED_MASK if c.tree_mask else 0) | (measure.FED_LAST if c.last_only else 0)
             points.append(cal.Point(c.role, "m", "float64", c.prompt_len, c.cache_len, n, c.tree_mask, c.last_only,
                                     cost(c.role, n, c.cache_len, flags), 0.0, 1))
-    return cal.Curves(points)
+    return curves_mod.Curves(points)
 
 
 def test_fed_flags_agree():
-    assert (cal.FED_MASK, cal.FED_LAST) == (measure.FED_MASK, measure.FED_LAST)
+    assert (curves_mod.FED_MASK, curves_mod.FED_LAST) == (measure.FED_MASK, measure.FED_LAST)
 
 
 def test_calibrate_with_fake_clock_measures_the_cost_exactly():
@@ -253,7 +255,7 @@ def test_best_k_from_costs():
             for n in range(1, 17):
                 pts.append(cal.Point(role, "m", "f", 100, 100, n, mask, last, 0.1 if role == "target" else 0.01,
                                      0, 1))
-    curves = cal.Curves(pts)
+    curves = curves_mod.Curves(pts)
     speed = costmodel.chain_speedups(curves, [0.9] * 10, 100)
     for k, s in speed.items():
         assert s == pytest.approx(0.1 * costmodel.expected_tokens([0.9] * 10, k) / (k * 0.01 + 0.1))
@@ -286,16 +288,16 @@ def test_calibration_round_trips_through_the_database(tmp_path):
             (p.role, p.model, p.dtype, p.prompt_len, p.cache_len, p.n, p.tree_mask, p.last_only, p.median_s,
              p.iqr_s, p.repeats) for p in points]
         assert {r.batch for r in rows} == {batch} and all(r.run_id is None for r in rows)
-        curves = cal.load_curves(s, s.get(db.Run, rid))  # standalone, matched by model, dtype, device
+        curves = curves_mod.load_curves(s, s.get(db.Run, rid))  # standalone, matched by model, dtype, device
         assert curves is not None and curves.batch == batch and curves.run_id is None
         assert curves.cost("target", 8, 128, measure.FED_MASK) == pytest.approx(0.008 + 128e-5)
         assert curves.cost("target", 8, 160, 0) == pytest.approx(0.008 + 160e-5)  # between cache lengths
         assert curves.cost("target", 100, 0, 0) == pytest.approx(0.1)  # a prefill, along the last segment
-        assert cal.load_curves(s, s.get(db.Run, oid)) is None  # another machine
+        assert curves_mod.load_curves(s, s.get(db.Run, oid)) is None  # another machine
     linked = cal.store(sessions, points[:4], run_id=oid, suite_name="q", suite_hash="h" * 64,
                        device=torch.device("cpu"))
     with sessions() as s:
-        curves = cal.load_curves(s, s.get(db.Run, oid))
+        curves = curves_mod.load_curves(s, s.get(db.Run, oid))
         assert curves.batch == linked and curves.run_id == oid
         s.delete(s.get(db.Run, oid))
         s.commit()
@@ -325,7 +327,7 @@ def test_auto_budget_takes_the_largest_n_within_the_factor():
              11: 0.022, 12: 0.023, 13: 0.024, 14: 0.025, 15: 0.026, 16: 0.027}
     pts = [cal.Point("target", "m", "f", 64, 64, n, True, False, c, 0, 1) for n, c in costs.items()]
     pts += [cal.Point("target", "m", "f", 64, 64, 1, False, False, 0.010, 0, 1)]
-    curves = cal.Curves(pts)
+    curves = curves_mod.Curves(pts)
     assert cal.auto_budget(curves, 64, 2.0) == 8  # verify of 9 tokens (root + 8) = 19 ms <= 20 ms
     assert cal.auto_budget(curves, 64, 1.05) == 1  # nothing within: at least one node
 
@@ -351,10 +353,10 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
         run = s.query(db.Run).one()
         assert s.query(db.Calibration).filter_by(run_id=run.id).count() > 0
         where = run.environment["calibration"]  # measured by the local executor's worker: this process
-        assert where["pid"] == os.getpid() and where["device"] == "cpu" and where["batch"] == cal.load_curves(
+        assert where["pid"] == os.getpid() and where["device"] == "cpu" and where["batch"] == curves_mod.load_curves(
             s, run).batch
         cell = s.query(db.Cell).filter_by(decoder="dynatree").one()
-        assert isinstance(cell.params["n_max"], int) and 1 <= cell.params["n_max"] <= cal.AUTO_SEARCH_MAX
+        assert isinstance(cell.params["n_max"], int) and 1 <= cell.params["n_max"] <= N_MAX_AUTO_CEILING
     result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
     assert result.exit_code == 0, result.output
     cells = {c["label"]: c for c in json.loads(result.output)["cells"]}

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dtbench.harness import models, registry
-from dtbench.harness.data import Prompt
+from dtbench.harness.prompt import Prompt
 from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.suite import ModelSpec

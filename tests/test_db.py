@@ -14,8 +14,9 @@ from sqlalchemy.exc import IntegrityError
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.harness import db
-from dtbench.harness.data import Prompt
-from dtbench.harness.runner import first_divergence, measure, sample_row
+from dtbench.harness.prompt import Prompt
+from dtbench.harness.measure import measure
+from dtbench.harness.metrics import first_divergence, sample_row
 from models import model_zoo
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from sqlalchemy import select
 
 from dtbench.harness import db, energy
-from dtbench.harness.data import Prompt
+from dtbench.harness.prompt import Prompt
 from dtbench.harness.energy import COUNTER_RESET, MEASURED, TOO_SHORT, UNAVAILABLE, Counter, EnergyTracker, Meter
 from dtbench.harness.measure import measure
 from dtbench.harness.metrics import BY_NAME, sample_row

@@ -370,3 +370,220 @@ def test_huge_resume_run_id(tmp_path, data_dir):
     db.connect(str(dbfile))
     one_line_error(invoke("run", write_suite(tmp_path, TINY), "--db", str(dbfile), "--data-dir", str(data_dir),
                           "--resume-run", "99999999999999999999999", "--no-progress"), "no run 99999999999999999999999")
+
+
+# --- 11, 12: read-only databases -------------------------------------------------------------------------------
+
+
+def _as_non_root(monkeypatch):
+    """os.access as an ordinary user sees it (the tests may run as root, who may write anything)."""
+    real = os.access
+
+    def access(path, mode, *a, **kw):
+        if mode & os.W_OK:
+            try:
+                return real(path, mode) and bool(os.stat(path).st_mode & 0o200)
+            except OSError:
+                return False
+        return real(path, mode, *a, **kw)
+
+    monkeypatch.setattr(os, "access", access)
+
+
+def _stored_db(folder) -> str:
+    import reportdb
+
+    from dtbench.harness import db
+
+    folder.mkdir(exist_ok=True)
+    path = folder / "results.db"
+    sessions = db.connect(str(path))  # WAL mode, as dtbench run leaves it
+    with sessions() as s:
+        run = reportdb.add_run(s)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "ar"), [10.0] * 3, warmup=1)
+        s.commit()
+    sessions.kw["bind"].dispose()
+    return str(path)
+
+
+def test_run_on_a_read_only_database_fails_before_loading_models(tmp_path, monkeypatch):
+    from dtbench.harness import models
+
+    _as_non_root(monkeypatch)
+    path = _stored_db(tmp_path / "ro")
+    os.chmod(path, 0o444)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("models loaded before the database was checked")
+
+    monkeypatch.setattr(models, "load_tokenizer", no_loading)
+    monkeypatch.setattr(models, "load_model", no_loading)
+    try:
+        one_line_error(invoke("run", write_suite(tmp_path, TINY), "--db", path, "--no-progress"),
+                       f"cannot write the results database {path}: the file is read-only")
+    finally:
+        os.chmod(path, 0o644)
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_report_on_a_read_only_database_leaves_nothing(tmp_path, monkeypatch, what):
+    _as_non_root(monkeypatch)
+    folder = tmp_path / "ro"
+    path = _stored_db(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    assert before == ["results.db"]
+    target = path if what == "file" else str(folder)
+    os.chmod(target, 0o444 if what == "file" else 0o555)
+    try:
+        result = invoke("report", "--db", path)
+        assert result.exit_code == 0, result.output
+        assert "ar" in result.stdout
+        assert sorted(p.name for p in folder.iterdir()) == before  # no -wal, -shm or -journal left behind
+    finally:
+        os.chmod(target, 0o644 if what == "file" else 0o755)
+
+
+# --- 14. an unreachable hub: one line, soon ---------------------------------------------------------------------
+
+
+def test_unreachable_hub_is_one_line_without_retries(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                            "HF_DATASETS_OFFLINE", "DTBENCH_DATA_DIR")}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(tmp_path / "hf"),
+               DTBENCH_CACHE=os.environ.get("DTBENCH_CACHE") or os.path.expanduser("~/.cache/dtbench"))
+    import subprocess
+    import sys
+
+    for suite, needle in ((_suite(target={"model": "some-org/some-model"}), "cannot load the tokenizer of"),
+                          (_suite(), "wikitext-2: cannot load Salesforce/wikitext")):
+        done = subprocess.run([sys.executable, "-m", "dtbench.cli.main", "run", write_suite(tmp_path, suite),
+                               "--db", str(tmp_path / "r.db"), "--no-progress"],
+                              capture_output=True, text=True, timeout=240, env=env)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], done.stderr
+
+
+# --- also seen -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"generation_lengths": ["8"]}, "generation_lengths.0"),
+    ({"sampling": {"seed": "42"}}, "sampling.seed"),
+    ({"name": ""}, "name"),
+    ({"decoders": [{"name": "ar", "label": ""}]}, "decoders.0.label"),
+    ({"datasets": [{"name": "wikitext-2", "prompts": "2", "warmup": 1}]}, "datasets.0.prompts"),
+])
+def test_loose_values_are_refused(tmp_path, changes, field):
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(**changes))), field)
+
+
+def test_validate_warns_about_cuda_without_cuda(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = invoke("validate", write_suite(tmp_path, _suite(device="cuda")))
+    assert "device: cuda and this machine has no CUDA device" in result.stderr, result.output
+
+
+def test_hub_id_ignored_with_a_data_dir_is_noted(tmp_path, data_dir, capfd):
+    from dtbench.harness import data
+    from dtbench.harness.suite import DatasetSpec
+
+    spec = DatasetSpec.model_validate({"name": "wikitext-2", "prompts": 2, "warmup": 1, "hub_id": "me/wiki"})
+    data.load_documents(spec, str(data_dir))
+    assert "note: wikitext-2: hub_id ignored: the local data folder" in capfd.readouterr().err
+
+
+def test_resuming_a_live_run_is_refused_before_models_load(tmp_path, monkeypatch):
+    import socket
+
+    from sqlalchemy import select
+
+    from dtbench.harness import db, models
+    from dtbench.harness.suitefile import load_suite, suite_hash
+
+    path = write_suite(tmp_path, TINY)
+    _, text = load_suite(path)
+    dbfile = tmp_path / "r.db"
+    sessions = db.connect(str(dbfile))
+    with sessions() as s:
+        s.add(db.Run(suite_name="tiny", suite_path=path, suite_text=text, suite_hash=suite_hash(text),
+                     status="running", environment={}, owner_host=socket.gethostname(), owner_pid=os.getpid(),
+                     heartbeat_at=db.utcnow()))
+        s.commit()
+
+    def no_loading(*a, **kw):
+        raise AssertionError("models loaded before the run's owner was checked")
+
+    monkeypatch.setattr(models, "load_tokenizer", no_loading)
+    monkeypatch.setattr(models, "load_model", no_loading)
+    for extra in ([], ["--force"]):
+        one_line_error(invoke("run", path, "--db", str(dbfile), "--resume", "--no-progress", *extra),
+                       "run 1 is still being written", f"pid {os.getpid()} on this host")
+    with sessions() as s:
+        assert s.scalars(select(db.Run)).one().owner_pid == os.getpid()  # untouched
+
+
+# --- also seen: the auto timeout on a busy machine ---------------------------------------------------------------
+
+
+class _Paced:
+    """A decoder whose T steps each take ``wait`` seconds of wall time: sleeping (descheduled by a busy machine:
+    no CPU used) or spinning (computing: CPU used)."""
+
+    def __init__(self, wait: float, spin: bool):
+        import torch
+
+        self.target, self.draft, self.wait, self.spin = torch.nn.Linear(1, 1), None, wait, spin
+
+    def generate(self, input_ids, T):
+        import time
+
+        from dtbench.decoders.base import Step
+
+        for i in range(T):
+            end = time.monotonic() + self.wait
+            while self.spin and time.monotonic() < end:
+                pass
+            if not self.spin:
+                time.sleep(self.wait)
+            yield Step(tokens=(5,), drafted=0, accepted=0, depth=0)
+
+
+def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
+    import torch
+
+    from dtbench.harness.measure import SampleTimeout, measure
+
+    cpu = torch.device("cpu")
+    m = measure(_Paced(0.3, spin=False), [1, 2], 4, cpu, timeout_s=None, cpu_timeout_s=0.5)  # 1.2 s wall, ~0 CPU
+    assert m.tokens == [5] * 4 and m.cpu_s is not None and m.cpu_s < 0.5
+    with pytest.raises(SampleTimeout):
+        measure(_Paced(0.3, spin=True), [1, 2], 40, cpu, timeout_s=None, cpu_timeout_s=0.5)
+
+
+def test_auto_timeout_uses_the_reference_cpu_time():
+    from dtbench.harness import worker as runner
+
+    assert runner.cpu_timeout("auto", 4.2, 8.0) == (runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)
+    assert runner.cpu_timeout("auto", 300.0, 2.0) == (3000.0, 60.0)
+    assert runner.cpu_timeout("auto", 4.2, None) == (60.0, None)  # a stored reference: wall time only, as before
+    assert runner.cpu_timeout(5, 4.2, 8.0) == (5.0, None) and runner.cpu_timeout(None, 4.2, 8.0) == (None, None)
+
+
+def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
+    """run_group passes the reference's CPU seconds to measure_one, which sets the CPU limit from them."""
+    from dtbench.harness import worker as runner
+
+    seen = []
+    monkeypatch.setattr(runner, "measure", lambda *a, timeout_s=None, cpu_timeout_s=None, **k: seen.append(
+        (timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop")))
+    from types import SimpleNamespace
+
+    cp = SimpleNamespace(reference_label="ar", label="x", cls=lambda *a: SimpleNamespace(), params=None, sampling=None)
+    suite = SimpleNamespace(timeout_s="auto", seed=0)
+    prompt = SimpleNamespace(index=0, token_ids=(1, 2))
+    target = SimpleNamespace(model=None)
+    runner.measure_one(cp, prompt, 4, False, ([5] * 4, 4.2, 8.0), target, None, None, suite)
+    assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]

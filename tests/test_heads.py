@@ -352,7 +352,7 @@ decoders:
 
 
 def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve(heads):
-    from dtbench.harness.data import Prompt
+    from dtbench.harness.prompt import Prompt
     from dtbench.harness.measure import measure
     from dtbench.harness.metrics import sample_row
     from dtbench.reports.costmodel import _uses_draft_model, price_sample

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import func, select
 
-from dtbench.harness import db, registry, runner
+from dtbench.harness import db, registry, runs, worker
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -169,10 +169,10 @@ def test_hanging_decoder_times_out_and_the_run_goes_on(plugins, pair, tmp_path, 
 
 
 def test_auto_timeout_is_derived_from_the_reference():
-    assert runner.sample_timeout("auto", 2.0) == 60.0
-    assert runner.sample_timeout("auto", 30.0) == 300.0
-    assert runner.sample_timeout("auto", None) == runner.AUTO_TIMEOUT_REFERENCE_S
-    assert runner.sample_timeout(5, 30.0) == 5.0 and runner.sample_timeout(None, 30.0) is None
+    assert worker.sample_timeout("auto", 2.0) == 60.0
+    assert worker.sample_timeout("auto", 30.0) == 300.0
+    assert worker.sample_timeout("auto", None) == worker.AUTO_TIMEOUT_REFERENCE_S
+    assert worker.sample_timeout(5, 30.0) == 5.0 and worker.sample_timeout(None, 30.0) is None
 
 
 def test_exit_code_for_divergence_and_for_both(plugins, pair, tmp_path, data_dir):
@@ -227,10 +227,14 @@ def test_resume_refuses_a_live_run_unless_forced(pair, tmp_path, data_dir):
     # Another host with a fresh heartbeat: alive. A stale heartbeat: dead, free to resume.
     set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=10))
     one_line_error(run_cli(tmp_path, data_dir, suite, "--resume")[0], "host elsewhere")
-    set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=runner.STALE_S + 5))
+    set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=runs.STALE_S + 5))
     assert run_cli(tmp_path, data_dir, suite, "--resume")[0].exit_code == 0
-    # --force takes over a live one.
+    # A live owner on this host is never taken over, not even with --force (issue 19: two writers of one run).
     set_owner(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=db.utcnow())
+    one_line_error(run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0], "run 1 is still being written",
+                   f"kill {os.getpid()}")
+    # --force takes over an owner on another host whose heartbeat is fresh (it cannot be checked from here).
+    set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=10))
     assert run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0].exit_code == 0
     with sessions() as s:
         run = s.scalars(select(db.Run)).one()
@@ -244,8 +248,8 @@ def test_a_dead_pid_on_this_host_is_free_to_resume(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(proc.stdout)
     run = db.Run(status="running", owner_host=socket.gethostname(), owner_pid=dead, heartbeat_at=db.utcnow())
-    assert runner.owner_alive(run) is None
+    assert runs.owner_alive(run) is None
     run.owner_pid = os.getpid()
-    assert "still running" in runner.owner_alive(run)
+    assert "still running" in runs.owner_alive(run)
     run.status = "interrupted"
-    assert runner.owner_alive(run) is None
+    assert runs.owner_alive(run) is None

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtbench.harness import registry
-from dtbench.harness.data import Prompt
+from dtbench.harness.prompt import Prompt
 from dtbench.harness.measure import ForwardCounter, measure
 from dtbench.harness.metrics import sample_row
 from heads_kit import write_eagle, write_medusa

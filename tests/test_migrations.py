@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import MetaData, create_engine, inspect, select, text
 
-from dtbench.harness import db, schema
+from dtbench.harness import db, engines, schema
 from dtbench.harness.errors import DtbenchError
 from kit import invoke, one_line_error
 
@@ -201,7 +201,7 @@ def test_unversioned_postgres_database_upgrades_and_reports_identically(pg_serve
     one_line_error(invoke("report", "--db", url), "revision 0001", "dtbench db upgrade --db")
     notes = []
     db.connect(url, note=notes.append)
-    where = db.display_url(url)
+    where = engines.display_url(url)
     assert notes == [f"upgraded the results database {where} from schema revision 0001 to {schema.head()}"]
     assert_reports_identical(url)
 

@@ -29,7 +29,8 @@ from sqlalchemy import func, select
 from dtbench.harness import calibrate as cal
 from dtbench.harness import db
 from dtbench.harness.curves import FED_MASK
-from dtbench.harness.executors import LocalExecutor, RayExecutor
+from dtbench.harness.executors import LocalExecutor
+from dtbench.harness.ray_executor import RayExecutor
 from dtbench.harness.runner import run_suite
 from dtbench.harness.suitefile import load_suite
 from kit import fast_calibration_settings, invoke, one_line_error, suite_dict, tiny_pair, write_suite
@@ -381,7 +382,7 @@ class _FakeHandle:
 
 
 def test_workers_with_different_devices_calibrate_on_the_first_with_a_warning():
-    from dtbench.harness.executors import WorkerInfo
+    from dtbench.harness.worker import WorkerInfo
     from dtbench.harness.ray_executor import _Actor
 
     def actor(host, name):

@@ -16,7 +16,7 @@ from dtbench.decoders.lookahead import Lookahead, LookaheadDrafter, LookaheadPar
 from dtbench.decoders.token_recycling import TokenRecycling, TokenRecyclingDrafter, TokenRecyclingParams
 from dtbench.decoders.tree import TokenTree, attention_mask_kind, tree_logits
 from kit import invoke, one_line_error, write_suite
-from models import ARCHS, SHARP, VOCAB, model_zoo, run_decoder
+from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,16 +33,6 @@ PARAMS = {
 DECODERS = {"token_recycling": TokenRecycling, "lookahead": Lookahead}
 
 
-def steps_of(decoder, prompt, T):
-    steps, n = [], 0
-    for step in decoder.generate(torch.tensor([prompt]), T):
-        steps.append(step)
-        n += len(step.tokens)
-        if n >= T:
-            break
-    return steps
-
-
 def build(name, params, arch="llama", sharpness=SHARP):
     target, _ = model_zoo(arch=arch, sharpness=sharpness)["self"]
     cls = DECODERS[name]
@@ -57,7 +47,7 @@ def build(name, params, arch="llama", sharpness=SHARP):
 def test_greedy_equivalence(name, arch, data, prompt, T, sharpness):
     params = data.draw(PARAMS[name])
     target, dec = build(name, params, arch, sharpness)
-    steps = steps_of(dec, prompt, T)
+    steps = decoder_steps(dec, prompt, T)
     assert [t for s in steps for t in s.tokens][:T] == run_decoder(Autoregressive(target, None, ARParams()),
                                                                     prompt, T)
     n_max = len(dec.template_of(dec.params)) if name == "token_recycling" else (
@@ -74,7 +64,7 @@ def test_proposals_are_made_accepted_and_rejected(name, params, arch):
     drafted = accepted = full = cut = 0
     for prompt in ([5, 9, 14, 20] * 4, list(range(30, 50)), [7, 3, 61, 44, 12, 90, 33]):
         target, dec = build(name, params, arch)
-        steps = steps_of(dec, prompt, 48)
+        steps = decoder_steps(dec, prompt, 48)
         assert [t for s in steps for t in s.tokens][:48] == run_decoder(Autoregressive(target, None, ARParams()),
                                                                          prompt, 48)
         for s in steps[1:]:
@@ -119,7 +109,7 @@ def test_recycling_params_and_state():
         TokenRecyclingParams(template=[[0, 1]])  # no parent path [0]
     assert TokenRecycling.verify_sizes(TokenRecyclingParams()) == (0, 81)
     _, dec = build("token_recycling", {})
-    steps_of(dec, [5, 6, 7] * 3, 12)
+    decoder_steps(dec, [5, 6, 7] * 3, 12)
     state = dec.state_stats()
     assert state["adjacency_bytes"] == VOCAB * 8 * 4 and 0 < state["adjacency_rows"] <= VOCAB
 

@@ -214,7 +214,8 @@ def test_steps_and_reference():
     target, draft = model_zoo()["perturbed"]
     params = StreamingSpecParams(sinks=2, window=8, k=4)
     spec = StreamingSpeculative(target, draft, params)
-    name, ref_params = spec.reference()
+    name, ref_params = StreamingSpeculative.reference(params)
+    assert spec.reference(params) == (name, ref_params)  # a classmethod: params alone, no models
     assert name == "streaming_ar" and StreamingParams(**ref_params) == StreamingParams(sinks=2, window=8)
     assert StreamingSpeculative.lossless is False and StreamingAR.lossless is False
     steps = list(spec.generate(torch.tensor([list(range(3, 15))]), 30))

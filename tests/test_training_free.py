@@ -17,7 +17,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.ngram import Ngram, NgramParams, longest_suffix_match
 from dtbench.decoders.rest import Datastore, Rest, RestParams, frequent_trie
 from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
-from models import ARCHS, SHARP, VOCAB, model_zoo, run_decoder
+from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,23 +97,14 @@ def build(name, params, arch, store_file, kind="perturbed"):
     if name == "ngram":
         return Ngram(target, None, NgramParams(**params))
     if name == "suffix":
+        params = {**params, "tokens": store_file} if params.get("tokens") == "store" else params
         return SuffixDecoding(target, draft, SuffixParams(**params))
     return Rest(target, None, RestParams(tokens=store_file, **params))
 
 
-def steps_of(decoder, prompt, T):
-    out, n = [], 0
-    for step in decoder.generate(torch.tensor([prompt]), T):
-        out.append(step)
-        n += len(step.tokens)
-        if n >= T:
-            break
-    return out
-
-
 CASES = [
     ("ngram", {}), ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
-    ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}),
+    ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}), ("suffix", {"k": 5, "tokens": "store"}),
     ("rest", {}), ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 2}),
 ]
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=16)
@@ -127,7 +118,7 @@ def test_greedy_output_equals_ar(store_file, arch, name, params, prompt, repeats
     """Prompts with repeats > 1 repeat themselves (drafts accepted); others mostly do not."""
     prompt = prompt * repeats
     decoder = build(name, params, arch, store_file)
-    steps = steps_of(decoder, prompt, T)
+    steps = decoder_steps(decoder, prompt, T)
     tokens = [t for s in steps for t in s.tokens][:T]
     assert tokens == _greedy(decoder.target, prompt, T)
     context, produced = [*prompt, *steps[0].tokens], 1
@@ -140,7 +131,8 @@ def test_greedy_output_equals_ar(store_file, arch, name, params, prompt, repeats
         elif name == "suffix":
             p = decoder.params
             matched = brute_match(context, p.min_match, len(context), "earliest")[0] > 0
-            assert bool(s.drafted) == (room > 0 and (matched or p.fallback == "draft"))
+            if not p.has_corpus:  # (a corpus drafts on its own matches too)
+                assert bool(s.drafted) == (room > 0 and (matched or p.fallback == "draft"))
         context += s.tokens
         produced += len(s.tokens)
 
@@ -154,7 +146,7 @@ def test_proposals_accepted_partly_accepted_and_rejected(store_file, arch, name,
         prompt = torch.randint(3, VOCAB, (8,), generator=torch.Generator().manual_seed(100 + seed)).tolist()
         decoder = build(name, params, arch, store_file)
         T = 48
-        steps = steps_of(decoder, prompt * 2, T)
+        steps = decoder_steps(decoder, prompt * 2, T)
         assert [t for s in steps for t in s.tokens][:T] == _greedy(decoder.target, prompt * 2, T)
         for s in steps[1:]:
             if s.drafted:
@@ -176,6 +168,9 @@ def test_state_is_recorded(store_file):
     suffix = SuffixDecoding(target, target, SuffixParams(min_match=1))
     run_decoder(suffix, [5, 6, 7, 5, 6], 30)  # the greedy output starts repeating after about 14 tokens
     assert suffix.state_stats()["automaton_states"] >= 5 + 30 and suffix.state_stats()["automaton_draft_steps"] > 0
+    with_corpus = SuffixDecoding(target, None, SuffixParams(tokens=store_file))
+    run_decoder(with_corpus, [5, 6, 7, 5, 6], 30)
+    assert with_corpus.state_stats()["corpus_draft_steps"] > 0 and with_corpus.state_stats()["datastore_bytes"] > 0
 
 
 def test_bad_params_are_one_line_errors(tmp_path):
@@ -183,12 +178,28 @@ def test_bad_params_are_one_line_errors(tmp_path):
         NgramParams(min_n=4, max_n=2)
     with pytest.raises(ValueError, match="exactly one"):
         RestParams()
+    with pytest.raises(ValueError, match="at most one"):
+        SuffixParams(tokens="a.npy", corpus={"name": "wikitext-2"})
     target, _ = model_zoo()["self"]
     from dtbench.harness.errors import DtbenchError
 
+    with pytest.raises(ValueError, match="does not exist"):
+        RestParams(tokens=str(tmp_path / "missing.npy"))
+    (tmp_path / "bad.npy").write_text("not numpy")
     with pytest.raises(DtbenchError, match="cannot read tokens file"):
-        Rest(target, None, RestParams(tokens=str(tmp_path / "missing.npy")))
-    assert Rest.supports_sampling is False  # a sampling suite is refused at validation (plan)
+        Rest(target, None, RestParams(tokens=str(tmp_path / "bad.npy")))
+
+
+def test_validate_refuses_bad_rest_params_and_sampling(tmp_path, store_file):
+    """`dtbench validate`: a one-line error, exit 2, before any model loads (no traceback)."""
+    from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+
+    pair = tiny_pair(tmp_path / "models")
+    bad = suite_dict(*pair, [{"name": "rest", "params": {"corpus": {"name": "wikitext-3"}}}])
+    one_line_error(invoke("validate", write_suite(tmp_path, bad, "a.yaml")), "corpus", "wikitext-3")
+    sampled = suite_dict(*pair, [{"name": "ngram"}, {"name": "rest", "params": {"tokens": store_file}}],
+                         sampling={"temperature": 0.8})
+    one_line_error(invoke("validate", write_suite(tmp_path, sampled, "b.yaml")), "decoders.1", "rest")
 
 
 def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
@@ -196,8 +207,8 @@ def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
     prompt = list(range(10, 30))  # no repeats: the automaton cannot draft at first
     none = SuffixDecoding(target, draft, SuffixParams(fallback="none"))
     with_draft = SuffixDecoding(target, draft, SuffixParams(fallback="draft", k=4))
-    first_none = steps_of(none, prompt, 20)
-    first_draft = steps_of(with_draft, prompt, 20)
+    first_none = decoder_steps(none, prompt, 20)
+    first_draft = decoder_steps(with_draft, prompt, 20)
     assert first_none[1].drafted == 0 and first_draft[1].drafted == 4
     assert with_draft.state_stats()["fallback_draft_steps"] > 0
     assert [t for s in first_draft for t in s.tokens][:20] == _greedy(target, prompt, 20)
@@ -235,9 +246,29 @@ def test_ngram_emits_what_transformers_prompt_lookup_emits(arch, prompt, repeats
 
     target, _ = model_zoo(arch=arch)["self"]
     prompt = prompt * repeats
-    ours = steps_of(Ngram(target, None, NgramParams(k=10, max_n=2)), prompt, T)
-    theirs = steps_of(HFGenerate(target, None, HFGenerateParams(prompt_lookup_num_tokens=10)), prompt, T)
+    ours = decoder_steps(Ngram(target, None, NgramParams(k=10, max_n=2)), prompt, T)
+    theirs = decoder_steps(HFGenerate(target, None, HFGenerateParams(prompt_lookup_num_tokens=10)), prompt, T)
     assert [t for s in ours for t in s.tokens][:T] == [t for s in theirs for t in s.tokens][:T]
     if repeats > 1:  # the prompt's last token occurs earlier: transformers proposes in its first verification
         assert theirs[0].drafted > 0
     assert all(s.accepted == len(s.tokens) - 1 <= s.drafted for s in theirs)
+
+
+def test_rest_corpus_skip_leaves_out_the_prompt_documents():
+    """`corpus: {skip: K}` with the suite's seed holds none of the documents K prompts of that seed come from."""
+    from dtbench.decoders.rest import held_out_documents
+    from dtbench.harness.data import select_prompts
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    rng = np.random.default_rng(0)
+    docs = [(f"d{i}", "".join(chr(97 + int(x)) for x in rng.integers(0, 26, int(n))))
+            for i, n in enumerate(rng.integers(5, 80, 30))]  # some shorter than a prompt's 16 tokens
+    by_text = {text: title for title, text in docs}
+    for seed in (0, 3):
+        for k in (1, 3, 7):
+            used = {p.document for p in select_prompts(docs, Chars(), k, 32, seed)}
+            kept = {by_text["".join(map(chr, ids))] for ids in held_out_documents(docs, Chars(), k, seed)}
+            assert len(used) == k and not used & kept and len(kept) == len(docs) - k

@@ -8,7 +8,7 @@ from dtbench.decoders.dynatree import DynaTreeParams
 from dtbench.harness import db
 from dtbench.cli.main import cli
 from dtbench.reports.summary import samples_frame, summarize
-from dtbench.reports.tuning import best_dynatree, tuning_line
+from dtbench.reports.tuning import best_setting, tuning_line
 from reportdb import add_cell, add_run, add_samples
 
 
@@ -33,8 +33,8 @@ def test_best_setting_and_its_changed_params(tmp_path):
         ("W (window=16)", {"window": 16}, [1.0, 11.0, 11.0]),
     ])
     with sessions() as s:
-        best = best_dynatree(summarize(samples_frame(s, rid)))
-    assert best["label"] == "rho_stop (rho_stop=0.05)" and best["changed"] == {"rho_stop": 0.05}
+        best = best_setting(summarize(samples_frame(s, rid)))
+    assert best["decoder"] == "dynatree" and best["label"] == "rho_stop (rho_stop=0.05)" and best["changed"] == {"rho_stop": 0.05}
     assert abs(best["speedup"] - 1.4) < 1e-9 and abs(best["defaults_speedup"] - 1.2) < 1e-9
     assert best["runner_up"][0] == "DynaTree defaults" and best["cells"] == 3 and best["n"] == 2
     line = tuning_line(best)
@@ -45,8 +45,8 @@ def test_report_prints_the_line_only_for_runs_comparing_dynatree_settings(tmp_pa
     sessions, _ = tuning_db(tmp_path / "t.db", [("DynaTree defaults", {}, [1.0, 12.0, 12.0]),
                                                  ("B_mid (b_mid=3)", {"b_mid": 3}, [1.0, 9.0, 9.0])])
     out = CliRunner().invoke(cli, ["report", "--db", str(tmp_path / "t.db")], catch_exceptions=False)
-    assert out.exit_code == 0 and "DynaTree tuning: best setting 'DynaTree defaults'" in out.output
+    assert out.exit_code == 0 and "dynatree tuning: best setting 'DynaTree defaults'" in out.output
     assert "params changed from the defaults: none (the defaults)" in out.output
     single, _ = tuning_db(tmp_path / "one.db", [("DynaTree", {}, [1.0, 12.0, 12.0])])
     out = CliRunner().invoke(cli, ["report", "--db", str(tmp_path / "one.db")], catch_exceptions=False)
-    assert out.exit_code == 0 and "DynaTree tuning" not in out.output
+    assert out.exit_code == 0 and "tuning: best setting" not in out.output

@@ -107,6 +107,12 @@ class PromptLookup(Decoder):
     lossless = True
     supports_sampling = True  # deterministic drafts, verified by speculative sampling when the suite samples
     version = "1"
+    family = "chain"  # dtbench's chain loop: calibrated, priced and given a best K like the built-in chains
+
+    @classmethod
+    def verify_sizes(cls, params: PromptLookupParams) -> tuple[int, int]:
+        """(num_draft_tokens + 1, 0): the pending token and the looked-up drafts in one causal forward."""
+        return params.num_draft_tokens + 1, 0
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:

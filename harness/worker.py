@@ -1,0 +1,282 @@
+"""The worker side of a run: the models, and measuring one prompt group with them.
+
+A :class:`Worker` loads the target and draft once and measures whole prompt groups (a reference and every decoder
+that depends on it, in plan order, on one device): :func:`run_group` yields one :class:`Outcome` per decoder as soon
+as it is measured, :func:`measure_one` times one decoder on one prompt (:func:`dtbench.harness.measure.measure`)
+and never raises for a decoder's fault. It runs in the driver's process (the local executor) or inside a Ray actor
+(:mod:`dtbench.harness.ray_executor`); it never touches the database: the driver
+(:mod:`dtbench.harness.runner`) commits what it yields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from dtbench.harness import calibrate, data, lossless, models
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.measure import SampleTimeout, device_name, environment, measure
+from dtbench.harness.metrics import sample_row
+from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
+from dtbench.harness.suite import Suite
+
+AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
+
+
+def sample_timeout(setting: float | str | None, reference_s: float | None) -> float | None:
+    """The time limit of one sample in seconds (suite ``timeout_s``).
+
+    ``auto``: 10x the reference decoder's time on the same prompt, at least 60 s; a reference itself (or a
+    decoder whose reference time is unknown) gets 1800 s. A number is used as is; None means no limit.
+    """
+    if setting is None:
+        return None
+    if setting != "auto":
+        return float(setting)
+    if reference_s is None:
+        return AUTO_TIMEOUT_REFERENCE_S
+    return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_s)
+
+
+def cpu_timeout(setting: float | str | None, reference_s: float | None, reference_cpu_s: float | None
+                ) -> tuple[float | None, float | None]:
+    """(wall limit, CPU limit) of one sample in seconds: ``auto`` measured in CPU time when the reference's is known.
+
+    On a shared machine the wall time of a sample stretches with whatever else runs, so ``10x the reference's wall
+    time`` failed cells that would have finished when the load rose between the reference and the decoder (issue
+    19: ``hf_assisted`` past 60 s while ``ar`` took 4.2 s). The process's CPU time stretches far less with the load:
+    ``auto`` with the reference's CPU time gives the decoder 10x that (at least 60 s) of CPU time, and keeps a wall
+    limit of max(1800 s, 10x the reference's wall time) for a decoder that blocks without computing. A number, None,
+    or a reference measured without CPU time (a resumed run's stored samples): :func:`sample_timeout`, wall only.
+    """
+    if setting != "auto" or reference_s is None or reference_cpu_s is None:
+        return sample_timeout(setting, reference_s), None
+    return (max(AUTO_TIMEOUT_REFERENCE_S, AUTO_TIMEOUT_FACTOR * reference_s),
+            max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_cpu_s))
+
+
+@dataclass
+class Outcome:
+    """The result of one (cell, prompt): a samples row, or the error that fails the cell.
+
+    ``row`` is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
+    """
+
+    label: str
+    row: dict[str, Any] | None = None
+    error: str | None = None
+    cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
+
+
+def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
+                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False) -> Outcome:
+    """Measure one decoder on one prompt; never raises for what the decoder does wrong.
+
+    Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
+    running past the time limit — comes back as an :class:`Outcome` with the error; only Ctrl-C propagates.
+
+    Args:
+        cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.prompt.Prompt`; T: tokens to generate.
+        ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
+        compare: check the output token for token against the reference's (False when either samples: a sampled
+            output is checked as a distribution, by the tests, never against one draw).
+        stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
+        target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
+    """
+    if cp.reference_label and ref is None:
+        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
+                                       f"{prompt.index}")
+    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref[1] if ref else None,
+                                     ref[2] if ref and len(ref) > 2 else None)
+    try:
+        torch.manual_seed(suite.seed)
+        decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+        if cp.sampling is not None:
+            decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
+        if stop_at_eos:
+            decoder.eos_token_id = models.eos_token_id(target.model)
+        m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
+        row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
+        if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
+            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref[0] if ref and compare else None,
+                                               device, suite.lossless_check))
+        json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
+    except KeyboardInterrupt:
+        raise
+    except SampleTimeout:
+        cpu = f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after{cpu}")
+    except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
+        kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
+        return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
+    return Outcome(cp.label, row=row, cpu_s=m.cpu_s)
+
+
+def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
+    """(SamplingSettings, a generator seeded from the base seed and the prompt index) for one sample.
+
+    The seed is ``base * 1_000_003 + prompt_index`` (base: the sampling block's ``seed``, else the suite's), so
+    every prompt draws an independent, reproducible stream, whatever ran before it.
+    """
+    from dtbench.decoders.sampling import SamplingSettings
+
+    base = spec.seed if spec.seed is not None else suite_seed
+    generator = torch.Generator(device=device).manual_seed((base * 1_000_003 + prompt_index) % (1 << 63))
+    return SamplingSettings(spec.temperature, spec.top_k, spec.top_p), generator
+
+
+def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
+              done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
+    """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
+
+    Args:
+        group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt`.
+        done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
+            but available as references.
+        skip: labels of cells that already failed: not measured.
+    """
+    outputs = dict(done)
+    stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
+    by_label = {cp.label: cp for cp in group.decoders}
+    for cp in group.decoders:
+        if cp.label in outputs or cp.label in skip:
+            continue
+        ref = outputs.get(cp.reference_label) if cp.reference_label else None
+        ref_plan = by_label.get(cp.reference_label)
+        compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
+        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
+                              stop)
+        if outcome.row is not None:
+            outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
+        yield outcome
+
+
+GroupKey = tuple[str, int, int, int]  # (dataset, L_max, T, prompt index)
+
+
+def group_key(group: PromptGroup) -> GroupKey:
+    return (group.dataset.name, group.cap, group.gen_length, group.prompt_index)
+
+
+@dataclass
+class WorkerInfo:
+    """Who measures: a worker's host, process, device and the models it loaded (plain data, sent between processes).
+
+    ``environment`` is :func:`~dtbench.harness.measure.environment` of the worker's device plus ``target``/``draft``
+    descriptions: the first worker's becomes the run's (``runs.environment``). ``decoders`` lists the (label,
+    version) of the worker's own plan, which must equal the driver's.
+    """
+
+    host: str
+    pid: int
+    device: str
+    device_name: str
+    environment: dict[str, Any]
+    target: dict[str, Any]
+    draft: dict[str, Any] | None
+    decoders: list[tuple[str, str]]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def extra(self) -> dict[str, str]:
+        """The ``samples`` columns saying where a sample was measured."""
+        return {"worker_host": self.host[:255], "device_name": self.device_name[:200]}
+
+    @property
+    def where(self) -> str:
+        return f"{self.host} (pid {self.pid}, {self.device_name})"
+
+
+def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None:
+    if loaded is None:
+        return None
+    remote = {"trust_remote_code": True} if loaded.trust_remote_code else {}  # the opt-in is recorded with the run
+    return {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params, **remote}
+
+
+class Worker:
+    """Loads the target and draft once and measures prompt groups with them: in the driver's process
+    (:class:`~dtbench.harness.executors.LocalExecutor`) or inside a Ray actor
+    (:class:`~dtbench.harness.ray_executor.RayExecutor`).
+
+    Args:
+        suite: the validated suite; device: ``cpu``/``cuda``/``auto`` as the worker resolves it.
+        plan: the driver's plan (local); a Ray worker plans the suite itself with its own decoder registry.
+        tokenizer: the target's tokenizer, if already loaded (checked against the models' embeddings).
+        threads: ``torch.set_num_threads`` for this worker (None: leave it).
+        cwd: a folder to change to first, so relative model paths mean what they mean to the driver.
+        status: a context-manager factory showing what is loading (the driver's spinner), or None.
+
+    Raises:
+        DtbenchError: a model that cannot be loaded or does not fit its tokenizer, or a decoder whose
+            ``check_target(params, target)`` refuses the target (a learned head of other sizes).
+    """
+
+    def __init__(self, suite: Suite, device: str, *, plan: Plan | None = None, tokenizer=None,
+                 threads: int | None = None, cwd: str | None = None,
+                 status: Callable[[str], Any] | None = None):
+        if cwd and os.path.isdir(cwd):
+            os.chdir(cwd)
+        if threads:
+            torch.set_num_threads(threads)
+        status = status or (lambda _text: nullcontext())
+        self.suite = suite
+        self.plan = plan if plan is not None else plan_suite(suite)
+        self.device = models.resolve_device(device)
+        if tokenizer is None:
+            tokenizer = models.load_tokenizer(suite.target)
+        with status(f"loading target {suite.target.model} ({suite.target.dtype}) on {self.device}"):
+            self.target = models.load_model(suite.target, self.device)
+        loaded = [(self.target, suite.target)]
+        self.draft = None
+        if suite.draft is not None and any(p.cls.needs_draft for p in self.plan.decoders):
+            with status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
+                self.draft = models.load_model(suite.draft, self.device)
+            loaded.append((self.draft, suite.draft))
+        warnings = []
+        longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+        for model, spec in loaded:  # hub models' configs are known only now
+            models.check_embedding(model.model, tokenizer, spec.model)
+            if not models.check_context(spec, longest):  # not warned at preflight already
+                warning = models.context_problem(model.model.config, spec.model, longest)
+                if warning:
+                    warnings.append(warning)
+        for p in self.plan.decoders:  # e.g. a learned head that does not fit the target: refused before any timing
+            check = getattr(p.cls, "check_target", None)
+            if check is not None:
+                try:
+                    check(p.params, self.target.model)
+                except ValueError as exc:
+                    raise DtbenchError(f"decoder '{p.label}': {exc}") from None
+        self.groups = {group_key(g): g for g in self.plan.groups()}
+        env = environment(self.device)
+        env["target"], env["draft"] = model_info(self.target), model_info(self.draft)
+        self.info = WorkerInfo(
+            host=socket.gethostname(), pid=os.getpid(), device=str(self.device), device_name=device_name(self.device),
+            environment=env, target=model_info(self.target), draft=model_info(self.draft),
+            decoders=[(p.label, p.version) for p in self.plan.decoders], warnings=warnings,
+        )
+
+    def run(self, key: GroupKey, prompt, done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
+        """Measure one prompt group (see :func:`run_group`), yielding each outcome."""
+        group = self.groups.get(key)
+        if group is None:
+            raise DtbenchError(f"this worker's plan has no prompt group {key}")
+        yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip)
+
+    def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
+                  console: Console | None = None) -> calibrate.Measured:
+        """The cost model's curves measured with this worker's models on its device (plain data for the driver)."""
+        return calibrate.measure_on(self, contexts, settings, console)
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        """Use the driver's resolved ``n_max: auto`` budgets ({label: n_max}) in this worker's plan."""
+        calibrate.apply_budgets(self.plan, budgets)

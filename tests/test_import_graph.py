@@ -1,0 +1,132 @@
+"""The package's import graph (issue 18, item 4): no cycles, counting imports inside functions; no module imports
+another module's private names (``from m import _x`` or ``m._x``).
+
+Parsed with :mod:`ast` from the source files, so an import hidden in a function body counts like a top-level one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("harness", "decoders", "reports", "cli")  # folder -> dtbench.<folder> (pyproject's package-dir)
+
+
+def modules() -> dict[str, Path]:
+    """dtbench module name -> source file (Alembic's migration scripts are data files, not modules)."""
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            if "migrations" in f.relative_to(ROOT).parts:
+                continue
+            parts = [pkg, *f.relative_to(ROOT / pkg).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(["dtbench", *parts])] = f
+    return out
+
+
+def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
+    """(module -> dtbench modules it imports anywhere in its body, private names imported across modules)."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private: list[str] = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> dtbench module bound to it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods:
+                        edges[name].add(a.name)
+                        if a.asname:
+                            aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path}: relative import"
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in mods:
+                        edges[name].add(full)
+                        aliases[a.asname or a.name] = full
+                    elif node.module in mods:
+                        edges[name].add(node.module)
+                        if a.name.startswith("_"):
+                            private.append(f"{name}: from {node.module} import {a.name}")
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                private.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+        edges[name].discard(name)
+    return edges, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_checker_sees_cycles_through_function_imports():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_checker_reads_imports_inside_functions(tmp_path):
+    pkg = tmp_path / "harness"
+    pkg.mkdir()
+    (pkg / "one.py").write_text("def f():\n    from dtbench.harness import two\n    return two._hidden\n")
+    (pkg / "two.py").write_text("from dtbench.harness.one import _x\n")
+    mods = {"dtbench.harness.one": pkg / "one.py", "dtbench.harness.two": pkg / "two.py"}
+    edges, private = imports(mods)
+    assert edges["dtbench.harness.one"] == {"dtbench.harness.two"}
+    assert cycles(edges) == [["dtbench.harness.one", "dtbench.harness.two"]]
+    assert sorted(private) == ["dtbench.harness.one: dtbench.harness.two._hidden",
+                               "dtbench.harness.two: from dtbench.harness.one import _x"]
+
+
+def test_no_import_cycles():
+    edges, _ = imports(modules())
+    assert len(edges) > 50
+    assert cycles(edges) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    _, private = imports(modules())
+    assert private == []
+
+
+def test_harness_imports_nothing_from_reports_or_cli():
+    edges, _ = imports(modules())
+    bad = [f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.harness.") for t in ts
+           if t.startswith(("dtbench.reports", "dtbench.cli"))]
+    assert bad == []
