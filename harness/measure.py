@@ -210,7 +210,8 @@ class ForwardCounter:
                 n = int(ids.shape[-1])
             self.forwards[role] += 1
             self.tokens[role] += n
-            self.fed[role].append((n, _past_len(kwargs.get("past_key_values")), _flags(kwargs)))
+            cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")  # new name, or the old
+            self.fed[role].append((n, _past_len(cache), _flags(kwargs)))
             if self._cuda[role]:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()

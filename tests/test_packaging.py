@@ -16,7 +16,9 @@ def test_editable_install_maps_the_folders():
     for sub in ("harness", "decoders", "reports", "cli"):
         spec = importlib.util.find_spec(f"dtbench.{sub}")
         assert spec is not None and Path(spec.origin).parent == ROOT / sub
-    assert importlib.util.find_spec("harness") is None or "dtbench" not in str(importlib.util.find_spec("harness").origin)
+    # no top-level `harness` from this checkout (wherever the checkout lives, whatever its folder is called)
+    top = importlib.util.find_spec("harness")
+    assert top is None or top.origin is None or ROOT not in Path(top.origin).resolve().parents
 
 
 def _head() -> str:
@@ -37,6 +39,8 @@ def test_wheel_installs_and_imports(tmp_path):
         capture_output=True, text=True,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    # the package layout is declared completely: setuptools has nothing to warn about (issue 18, first contact)
+    assert "absent from the `packages` configuration" not in out.stderr, out.stderr[-2000:]
     wheel = next(tmp_path.glob("dtbench-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for sub in ("harness", "decoders", "reports", "cli"):
