@@ -12,13 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_editable_install_maps_the_folders():
+def test_editable_install_maps_the_folders(tmp_path):
     for sub in ("harness", "decoders", "reports", "cli"):
         spec = importlib.util.find_spec(f"dtbench.{sub}")
         assert spec is not None and Path(spec.origin).parent == ROOT / sub
-    # no top-level `harness` from this checkout (wherever the checkout lives, whatever its folder is called)
-    top = importlib.util.find_spec("harness")
-    assert top is None or top.origin is None or ROOT not in Path(top.origin).resolve().parents
+
+    # The install adds no top-level `harness`: a fresh interpreter started elsewhere (the checkout's folder, which
+    # `python -m pytest` puts on sys.path, is not on its path) does not find one in this checkout, wherever the
+    # checkout lives and whatever its folder is called.
+    code = "import importlib.util; s = importlib.util.find_spec('harness'); print(s.origin if s and s.origin else '')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    origin = out.stdout.strip()
+    assert not origin or ROOT not in Path(origin).resolve().parents, origin
 
 
 def _head() -> str:
