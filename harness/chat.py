@@ -30,6 +30,11 @@ from typing import Any
 from dtbench.harness.errors import DtbenchError, clip
 
 
+class TurnNotReady(DtbenchError):
+    """A later turn's prompt cannot be rendered: the reference's answer to an earlier turn is not stored (not measured
+    yet on another worker, or its cell failed). Executors retry the group later, or fail its cells with this."""
+
+
 def template_text(mode: str, tokenizer, model_name: str) -> str | None:
     """The Jinja template ``mode`` stands for: None for ``none``, the tokenizer's own for ``auto``, a file's text.
 
@@ -125,7 +130,7 @@ def resolve(prompts: list, index: int, reference_output: Callable[[int], list[in
         reference_output: the reference decoder's stored output tokens for a prompt index, or None if not stored.
 
     Raises:
-        DtbenchError: an earlier turn's reference answer is not stored (its cell failed, or it has not run yet).
+        TurnNotReady: an earlier turn's reference answer is not stored (its cell failed, or it has not run yet).
     """
     prompt = prompts[index]
     turn = getattr(prompt, "turn", None)
@@ -135,7 +140,7 @@ def resolve(prompts: list, index: int, reference_output: Callable[[int], list[in
     for back in range(turn - 1, 0, -1):
         tokens = reference_output(index - back)
         if tokens is None:
-            raise DtbenchError(f"question {prompt.question_id} turn {turn}: the reference decoder's answer to turn "
+            raise TurnNotReady(f"question {prompt.question_id} turn {turn}: the reference decoder's answer to turn "
                                f"{turn - back} (prompt {index - back}) is not stored, so turn {turn} has no prompt")
         answers.append(prompts.renderer.answer(tokens))
     turns = list(prompts.questions[index][:turn])

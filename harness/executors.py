@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from dtbench.harness import calibrate, models
+from dtbench.harness.chat import TurnNotReady
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.suite import Suite
@@ -127,7 +128,12 @@ class LocalExecutor(Executor):
         worker = self.worker
         for group in groups:
             done, failed = sink.state(group)
-            for outcome in worker.run(group_key(group), sink.prompt(group), done, failed):
+            try:
+                prompt = sink.prompt(group)
+            except TurnNotReady as exc:  # a later turn whose earlier turn's reference failed: its cells fail
+                sink.fail(group, str(exc), worker.info)
+                continue
+            for outcome in worker.run(group_key(group), prompt, done, failed):
                 sink.commit(group, outcome, worker.info)
 
     def close(self) -> None:

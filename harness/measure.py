@@ -277,19 +277,25 @@ class ForwardCounter:
 
 
 class _Deadline:
-    """Raises :class:`SampleTimeout` in the measuring thread once ``seconds`` have passed (None: never).
+    """Raises :class:`SampleTimeout` in the measuring thread once ``seconds`` of wall time, or ``cpu_seconds`` of
+    this process's CPU time, have passed (None: no such limit).
 
-    A watchdog timer thread raises the exception asynchronously in the measuring thread
-    (``PyThreadState_SetAsyncExc``), so a decoder stuck in pure Python between two yields is stopped too, in any
-    thread; a single long native call (one huge matmul) is interrupted when it returns.
+    A watchdog thread raises the exception asynchronously in the measuring thread (``PyThreadState_SetAsyncExc``),
+    so a decoder stuck in pure Python between two yields is stopped too, in any thread; a single long native call
+    (one huge matmul) is interrupted when it returns. The CPU-time limit is the load-independent one: on a machine
+    shared with other work the process gets less CPU per wall second, so wall time stretches with the load and CPU
+    time does not (a busy decoder still burns CPU and is stopped by it; a blocked one by the wall limit).
     """
 
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds
+    POLL_S = 0.25
+
+    def __init__(self, seconds: float | None, cpu_seconds: float | None = None):
+        self.seconds, self.cpu_seconds = seconds, cpu_seconds
         self.fired = False
         self._lock = threading.Lock()
         self._armed = False
-        self._timer: threading.Timer | None = None
+        self._timer: threading.Thread | None = None
+        self._stop = threading.Event()
         self._tid = threading.get_ident()
 
     def _fire(self) -> None:
@@ -300,11 +306,18 @@ class _Deadline:
                 self.fired = True
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), ctypes.py_object(SampleTimeout))
 
+    def _watch(self, wall0: float, cpu0: float) -> None:
+        while not self._stop.wait(self.POLL_S):
+            if (self.seconds is not None and time.monotonic() - wall0 >= self.seconds) or (
+                    self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds):
+                self._fire()
+                return
+
     def __enter__(self) -> "_Deadline":
-        if self.seconds is not None:
+        if self.seconds is not None or self.cpu_seconds is not None:
             self._armed = True
-            self._timer = threading.Timer(self.seconds, self._fire)
-            self._timer.daemon = True
+            self._timer = threading.Thread(target=self._watch, args=(time.monotonic(), time.process_time()),
+                                           daemon=True, name="dtbench-deadline")
             self._timer.start()
         return self
 
@@ -317,7 +330,7 @@ class _Deadline:
             self._armed = False
             if self.fired:  # not delivered yet (we left on our own): withdraw it
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
-        self._timer.cancel()
+        self._stop.set()
 
 
 @dataclass
@@ -357,13 +370,15 @@ class Measurement:
     forward_s: dict | None = None
     state: dict | None = None
     energy: EnergyReading | None = None
+    cpu_s: float | None = None  # this process's CPU seconds during the sample (all threads): the timeout's yardstick
 
     @property
     def step_times(self) -> list[float]:
         return [r.time_s for r in self.records]
 
 
-def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeout_s: float | None = None) -> Measurement:
+def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeout_s: float | None = None,
+            cpu_timeout_s: float | None = None) -> Measurement:
     """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
@@ -378,6 +393,7 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
         gen_length: T, new tokens to generate.
         device: where the models live (CUDA is synchronized before each clock read).
         timeout_s: time limit of the whole sample in seconds (None: none).
+        cpu_timeout_s: limit on this process's CPU seconds during the sample (None: none).
 
     Raises:
         DtbenchError: the decoder yielded an empty step, a token that is not an integer id, or stopped before T
@@ -398,7 +414,8 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     records: list[StepRecord] = []
     synchronize(device)
     counter = ForwardCounter(decoder.target, decoder.draft)
-    with _Deadline(timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
+    cpu0 = time.process_time()
+    with _Deadline(timeout_s, cpu_timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
         last = counter.snapshot()
         start = now()
         gen = decoder.generate(input_ids, gen_length)
@@ -433,4 +450,5 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading)
+                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading,
+                       cpu_s=time.process_time() - cpu0)

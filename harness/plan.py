@@ -210,7 +210,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
             raise DtbenchError(f"{role}: {exc}") from None
         if files:
             console.print(f"warning: {role} '{spec.model}' sets trust_remote_code: true; loading it runs "
-                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False)
+                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False, soft_wrap=True)
         warning = models.check_context(spec, longest)
         if warning:
             console.print(f"[yellow]warning: {warning}[/yellow]")

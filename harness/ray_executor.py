@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from dtbench.harness import calibrate
+from dtbench.harness.chat import TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
@@ -243,9 +244,16 @@ class RayExecutor(Executor):
                 done, skip = sink.state(group)
                 if all(cp.label in done or cp.label in skip for cp in group.decoders):
                     continue
+                try:
+                    prompt = sink.prompt(group)
+                except TurnNotReady as exc:  # a later turn: its earlier turn's reference is still running, or failed
+                    if running:
+                        queue.append(group)
+                        break
+                    sink.fail(group, str(exc), None)
+                    continue
                 actor = idle.popleft()
-                gen = actor.handle.run.options(num_returns="streaming").remote(
-                    group_key(group), sink.prompt(group), done, skip)
+                gen = actor.handle.run.options(num_returns="streaming").remote(group_key(group), prompt, done, skip)
                 running[gen] = (actor, group)
             if not running and queue and not idle and not starting:
                 raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")

@@ -46,6 +46,23 @@ def sample_timeout(setting: float | str | None, reference_s: float | None) -> fl
     return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_s)
 
 
+def cpu_timeout(setting: float | str | None, reference_s: float | None, reference_cpu_s: float | None
+                ) -> tuple[float | None, float | None]:
+    """(wall limit, CPU limit) of one sample in seconds: ``auto`` measured in CPU time when the reference's is known.
+
+    On a shared machine the wall time of a sample stretches with whatever else runs, so ``10x the reference's wall
+    time`` failed cells that would have finished when the load rose between the reference and the decoder (issue
+    19: ``hf_assisted`` past 60 s while ``ar`` took 4.2 s). The process's CPU time stretches far less with the load:
+    ``auto`` with the reference's CPU time gives the decoder 10x that (at least 60 s) of CPU time, and keeps a wall
+    limit of max(1800 s, 10x the reference's wall time) for a decoder that blocks without computing. A number, None,
+    or a reference measured without CPU time (a resumed run's stored samples): :func:`sample_timeout`, wall only.
+    """
+    if setting != "auto" or reference_s is None or reference_cpu_s is None:
+        return sample_timeout(setting, reference_s), None
+    return (max(AUTO_TIMEOUT_REFERENCE_S, AUTO_TIMEOUT_FACTOR * reference_s),
+            max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_cpu_s))
+
+
 @dataclass
 class Outcome:
     """The result of one (cell, prompt): a samples row, or the error that fails the cell.
@@ -56,6 +73,7 @@ class Outcome:
     label: str
     row: dict[str, Any] | None = None
     error: str | None = None
+    cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
 
 
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
@@ -76,7 +94,8 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     if cp.reference_label and ref is None:
         return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
                                        f"{prompt.index}")
-    timeout = sample_timeout(suite.timeout_s, ref[1] if ref else None)
+    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref[1] if ref else None,
+                                     ref[2] if ref and len(ref) > 2 else None)
     try:
         torch.manual_seed(suite.seed)
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
@@ -84,7 +103,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
-        m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout)
+        m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
         row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
         if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
             row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref[0] if ref and compare else None,
@@ -93,11 +112,12 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
-        return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after {timeout:g} s")
+        cpu = f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after{cpu}")
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
         return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
-    return Outcome(cp.label, row=row)
+    return Outcome(cp.label, row=row, cpu_s=m.cpu_s)
 
 
 def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
@@ -135,7 +155,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
                               stop)
         if outcome.row is not None:
-            outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"])
+            outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
         yield outcome
 
 

@@ -523,3 +523,67 @@ def test_resuming_a_live_run_is_refused_before_models_load(tmp_path, monkeypatch
                        "run 1 is still being written", f"pid {os.getpid()} on this host")
     with sessions() as s:
         assert s.scalars(select(db.Run)).one().owner_pid == os.getpid()  # untouched
+
+
+# --- also seen: the auto timeout on a busy machine ---------------------------------------------------------------
+
+
+class _Paced:
+    """A decoder whose T steps each take ``wait`` seconds of wall time: sleeping (descheduled by a busy machine:
+    no CPU used) or spinning (computing: CPU used)."""
+
+    def __init__(self, wait: float, spin: bool):
+        import torch
+
+        self.target, self.draft, self.wait, self.spin = torch.nn.Linear(1, 1), None, wait, spin
+
+    def generate(self, input_ids, T):
+        import time
+
+        from dtbench.decoders.base import Step
+
+        for i in range(T):
+            end = time.monotonic() + self.wait
+            while self.spin and time.monotonic() < end:
+                pass
+            if not self.spin:
+                time.sleep(self.wait)
+            yield Step(tokens=(5,), drafted=0, accepted=0, depth=0)
+
+
+def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
+    import torch
+
+    from dtbench.harness.measure import SampleTimeout, measure
+
+    cpu = torch.device("cpu")
+    m = measure(_Paced(0.3, spin=False), [1, 2], 4, cpu, timeout_s=None, cpu_timeout_s=0.5)  # 1.2 s wall, ~0 CPU
+    assert m.tokens == [5] * 4 and m.cpu_s is not None and m.cpu_s < 0.5
+    with pytest.raises(SampleTimeout):
+        measure(_Paced(0.3, spin=True), [1, 2], 40, cpu, timeout_s=None, cpu_timeout_s=0.5)
+
+
+def test_auto_timeout_uses_the_reference_cpu_time():
+    from dtbench.harness import worker as runner
+
+    assert runner.cpu_timeout("auto", 4.2, 8.0) == (runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)
+    assert runner.cpu_timeout("auto", 300.0, 2.0) == (3000.0, 60.0)
+    assert runner.cpu_timeout("auto", 4.2, None) == (60.0, None)  # a stored reference: wall time only, as before
+    assert runner.cpu_timeout(5, 4.2, 8.0) == (5.0, None) and runner.cpu_timeout(None, 4.2, 8.0) == (None, None)
+
+
+def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
+    """run_group passes the reference's CPU seconds to measure_one, which sets the CPU limit from them."""
+    from dtbench.harness import worker as runner
+
+    seen = []
+    monkeypatch.setattr(runner, "measure", lambda *a, timeout_s=None, cpu_timeout_s=None, **k: seen.append(
+        (timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop")))
+    from types import SimpleNamespace
+
+    cp = SimpleNamespace(reference_label="ar", label="x", cls=lambda *a: SimpleNamespace(), params=None, sampling=None)
+    suite = SimpleNamespace(timeout_s="auto", seed=0)
+    prompt = SimpleNamespace(index=0, token_ids=(1, 2))
+    target = SimpleNamespace(model=None)
+    runner.measure_one(cp, prompt, 4, False, ([5] * 4, 4.2, 8.0), target, None, None, suite)
+    assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]

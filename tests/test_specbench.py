@@ -294,3 +294,37 @@ def test_bad_input_is_one_line_at_validate(tmp_path, change, needle, tokenizer):
     suite = {"name": "bad", "device": "cpu", "target": {"model": str(target), "dtype": "float64"},
              "datasets": [entry], "generation_lengths": [4], "decoders": [{"name": "ar"}]}
     one_line_error(invoke("validate", write_suite(tmp_path, suite)), needle)
+
+
+def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokenizer):
+    """When the reference's turn-1 sample is missing (its cell failed), the turn-2 group's cells fail with a one-line
+    reason and the run goes on; chat.resolve itself says which answer is missing."""
+    from dtbench.harness.chat import ChatPrompts, Renderer, TurnNotReady, resolve
+    from dtbench.harness.data import Prompt
+
+    prompts = ChatPrompts([Prompt(0, "q", (5, 6), "g", "c", 1, "7"), Prompt(1, "q2", (), "g", "c", 2, "7")],
+                          Renderer(tokenizer, None, None, 64), {0: ("a", "b"), 1: ("a", "b")})
+    with pytest.raises(TurnNotReady, match="question 7 turn 2: the reference decoder's answer to turn 1"):
+        resolve(prompts, 1, lambda index: None)
+    ids = resolve(prompts, 1, lambda index: tokenizer.encode("fine"))
+    assert ids.token_ids == tuple(tokenizer.encode("a\n\nfine\n\nb"))
+
+    from dtbench.harness.executors import LocalExecutor
+
+    class Sink:
+        failed: list = []
+
+        def state(self, group):
+            return {}, set()
+
+        def prompt(self, group):
+            raise TurnNotReady("question 7 turn 2: missing")
+
+        def fail(self, group, error, worker):
+            self.failed.append((group, error))
+
+    executor = LocalExecutor()
+    executor.worker = type("W", (), {"info": None, "run": lambda *a: pytest.fail("must not run")})()
+    sink = Sink()
+    executor.execute(["g1"], sink)
+    assert sink.failed == [("g1", "question 7 turn 2: missing")]

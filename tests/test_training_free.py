@@ -252,3 +252,23 @@ def test_ngram_emits_what_transformers_prompt_lookup_emits(arch, prompt, repeats
     if repeats > 1:  # the prompt's last token occurs earlier: transformers proposes in its first verification
         assert theirs[0].drafted > 0
     assert all(s.accepted == len(s.tokens) - 1 <= s.drafted for s in theirs)
+
+
+def test_rest_corpus_skip_leaves_out_the_prompt_documents():
+    """`corpus: {skip: K}` with the suite's seed holds none of the documents K prompts of that seed come from."""
+    from dtbench.decoders.rest import held_out_documents
+    from dtbench.harness.data import select_prompts
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    rng = np.random.default_rng(0)
+    docs = [(f"d{i}", "".join(chr(97 + int(x)) for x in rng.integers(0, 26, int(n))))
+            for i, n in enumerate(rng.integers(5, 80, 30))]  # some shorter than a prompt's 16 tokens
+    by_text = {text: title for title, text in docs}
+    for seed in (0, 3):
+        for k in (1, 3, 7):
+            used = {p.document for p in select_prompts(docs, Chars(), k, 32, seed)}
+            kept = {by_text["".join(map(chr, ids))] for ids in held_out_documents(docs, Chars(), k, seed)}
+            assert len(used) == k and not used & kept and len(kept) == len(docs) - k
