@@ -44,7 +44,7 @@ class Flip(Autoregressive):
     supports_sampling = False
 
     @classmethod
-    def reference(cls):
+    def reference(cls, params):
         return ("ar", {})
 
     @torch.inference_mode()
