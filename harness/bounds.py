@@ -23,6 +23,7 @@ from dtbench.harness.errors import DtbenchError
 MAX_SECONDS = 30 * 24 * 3600.0  # 30 days: longer than any benchmark, far below timer overflow
 MAX_CALIBRATION_S = 3600.0  # one calibration point is timed for at most an hour
 SEED_LIMIT = 1 << 63  # torch.manual_seed and torch.Generator take 0 <= seed < 2^63 (a signed 64-bit integer)
+MAX_SUITE_BYTES = 1 << 20  # a suite file, all of a suite's include: files together, a chat template file
 MAX_DOCUMENT_BYTES = 256 << 20  # one corpus file (text-files, or a local dataset file): 256 MiB
 ID_LIMIT = 1 << 63  # SQLite INTEGER and PostgreSQL BIGINT hold ids below 2^63
 

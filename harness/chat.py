@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dtbench.harness.bounds import MAX_SUITE_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip
 
 
@@ -49,8 +50,8 @@ def template_text(mode: str, tokenizer, model_name: str) -> str | None:
             raise DtbenchError(f"model '{model_name}' has no chat template (chat_template: auto); set chat_template: "
                                f"none or the path of a template file")
         return text if isinstance(text, str) else str(text)
-    try:
-        return Path(mode).expanduser().read_text(encoding="utf-8")
+    try:  # a regular file of at most 1 MiB: chat_template: /dev/zero is an error, not a hang
+        return read_regular_file(Path(mode).expanduser(), MAX_SUITE_BYTES, what="chat template").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DtbenchError(f"chat_template: cannot read {clip(mode, 200)} "
                            f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.suite import DatasetSpec
 
@@ -166,7 +167,7 @@ def question_file(spec: DatasetSpec, data_dir: str | None = None) -> tuple[Path,
 
 @lru_cache(maxsize=16)
 def _read(path: str, mtime: float) -> tuple[tuple[Question, ...], str]:
-    raw = Path(path).read_bytes()
+    raw = read_regular_file(Path(path), MAX_DOCUMENT_BYTES, what="question file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -16,13 +16,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dtbench.harness.bounds import read_regular_file
+from dtbench.harness.bounds import MAX_SUITE_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip, error_location
 from dtbench.harness.suite import L_MAX, OLD_L_MAX, Suite
 
 MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
 MAX_DEPTH = 64  # nesting levels of a suite's YAML (a real one has about 5)
-MAX_SUITE_BYTES = 1 << 20  # one suite file, and all of a suite's files together (include: fan-out)
 
 
 def _count_nodes(data: Any, limit: int) -> tuple[int, int]:

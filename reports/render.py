@@ -138,7 +138,7 @@ def formatted(row: pd.Series) -> dict[str, str]:
     if row["lossless"] in ("—", SAMPLED):
         lossless = row["lossless"]
     else:  # over every measured sample, warmup included
-        ref = row["reference"] if row["reference"] and row["reference"] != BASELINE else ""
+        ref = row["reference"] if isinstance(row["reference"], str) and row["reference"] != BASELINE else ""
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "") + lossless_detail(row)
     if row["status"] == "failed":
         lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)

@@ -587,3 +587,11 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     target = SimpleNamespace(model=None)
     runner.measure_one(cp, prompt, 4, False, ([5] * 4, 4.2, 8.0), target, None, None, suite)
     assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]
+
+
+def test_chat_template_file_of_a_device():
+    from dtbench.harness import chat
+    from dtbench.harness.errors import DtbenchError
+
+    with pytest.raises(DtbenchError, match="not a regular file"):
+        chat.template_text("/dev/zero", None, "m")
