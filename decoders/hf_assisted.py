@@ -39,6 +39,8 @@ scikit-learn it stays fixed. Results are only comparable between environments th
 
 from __future__ import annotations
 
+import logging
+
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -311,10 +313,32 @@ class HFAssisted(_StreamedGenerate):
                 **{name: getattr(self.params, name) for name in _ASSISTANT_SETTINGS},
                 eos_token_id=None, pad_token_id=pad, do_sample=False, num_beams=1,
             )
-            with _counting_candidates(target, bridge):
+            with _counting_candidates(target, bridge), _quiet_assistant_call():
                 yield
         finally:
             draft.generation_config = saved_config
+
+
+class _AssistantDeprecation(logging.Filter):
+    """Drops transformers' "Passing `generation_config` together with generation-related arguments" warning, which
+    its own ``AssistedCandidateGenerator._generate_candidates`` triggers (``assistant_model.generate(**generation_args,
+    **assistant_kwargs)``, transformers 5.x ``generation/candidate_generator.py``): dtbench's call passes no
+    ``generation_config``, so the user cannot act on it. Every other message passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Passing `generation_config` together with generation-related")
+
+
+@contextmanager
+def _quiet_assistant_call():
+    """For the call: :class:`_AssistantDeprecation` on transformers' generation logger, removed afterwards."""
+    log = logging.getLogger("transformers.generation.utils")
+    quiet = _AssistantDeprecation()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 @contextmanager

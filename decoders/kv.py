@@ -7,6 +7,9 @@ operations are the same for every decoder and every architecture with full atten
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -61,10 +64,26 @@ def forward(
         kwargs["logits_to_keep"] = 1
     if hidden_layers is not None:
         kwargs["output_hidden_states"] = True
-    out = model(input_ids=token_ids, past_key_values=cache, use_cache=True, **kwargs)
+    out = model(input_ids=token_ids, use_cache=True, **{cache_keyword(model): cache}, **kwargs)
     if hidden_layers is None:
         return out.logits[0]
     return out.logits[0], torch.cat([out.hidden_states[i][0] for i in hidden_layers], dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword_of(cls: type) -> str:
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model's ``forward`` takes its KV cache under: ``cache`` (transformers >= 5.2x models, where
+    ``past_key_values`` is a deprecated alias that warns on every call) or ``past_key_values`` (older releases,
+    remote-code and third-party modules)."""
+    return _cache_keyword_of(type(model))
 
 
 def crop(cache: DynamicCache, length: int) -> None:

@@ -150,6 +150,12 @@ from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined on
 # drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind.
 
 
+def cache_argument(kwargs: dict):
+    """The KV cache a forward was called with: ``cache`` (transformers 5.2x's keyword, see
+    :func:`dtbench.decoders.kv.cache_keyword`) or ``past_key_values`` (older models); None if neither."""
+    return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+
+
 def _past_len(cache) -> int | None:
     """KV positions a forward's cache held before it ran (None where unknown)."""
     if cache is None:
@@ -210,7 +216,7 @@ class ForwardCounter:
                 n = int(ids.shape[-1])
             self.forwards[role] += 1
             self.tokens[role] += n
-            self.fed[role].append((n, _past_len(kwargs.get("past_key_values")), _flags(kwargs)))
+            self.fed[role].append((n, _past_len(cache_argument(kwargs)), _flags(kwargs)))
             if self._cuda[role]:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()

@@ -9,6 +9,8 @@ first, so every sample is compared as soon as it is measured. The unit of work i
 
 from __future__ import annotations
 
+import inspect
+
 import json
 from dataclasses import dataclass, field
 
@@ -259,7 +261,14 @@ def _spread_to_references(plans: list[CellPlan]) -> None:
 
 
 def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
-    """The decoder's declared reference (:meth:`~dtbench.decoders.base.Decoder.reference`, from the params alone)."""
+    """The decoder's declared reference (:meth:`~dtbench.decoders.base.Decoder.reference`, from the params alone).
+
+    Raises:
+        DtbenchError: the decoder defines ``reference`` as an instance method (the contract before issue 18).
+    """
+    if not isinstance(inspect.getattr_static(p.cls, "reference"), classmethod):
+        raise DtbenchError(f"decoder '{p.spec.name}' ({p.cls.__name__}) defines reference() as an instance method; "
+                           f"it must be a classmethod reference(cls, params) (see dtbench.decoders.base.Decoder)")
     return p.cls.reference(p.params)
 
 

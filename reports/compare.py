@@ -25,7 +25,8 @@ from scipy import stats
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import ALIASES, GATEABLE, Metric
 from dtbench.harness.metrics import METRICS as REGISTRY
-from dtbench.reports.stats import GROUP, KEY, MIN_PROMPTS, N_TOO_SMALL, baseline_values
+from dtbench.harness.runs import MUST_MATCH
+from dtbench.reports.stats import GROUP, KEY, MIN_PROMPTS, N_TOO_SMALL, baseline_values, cell_value
 
 # Marks of a run-to-run comparison, in the order a reader cares about them.
 BETTER, WORSE, NOT_SIGNIFICANT = "better", "worse", "not significant"
@@ -34,8 +35,6 @@ NEW, MISSING = "new", "missing"
 COMPARABLE_MARKS = (BETTER, WORSE, NOT_SIGNIFICANT)
 UNCHANGED_MARKS = (NOT_SIGNIFICANT, FAILING)
 
-# Run environment keys that must match for timings to be comparable (DESIGN.md "Database": runs.environment).
-ENV_KEYS = ("dtbench", "torch", "transformers", "device_name")
 
 
 # Metrics a comparison or gate can read, and the names --fail-if also accepts: from the one metric registry.
@@ -52,10 +51,11 @@ def per_prompt(frame: pd.DataFrame) -> pd.DataFrame:
     """
     s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)].copy()
     if s.empty:
-        return s.assign(**{m.name: [] for m in REGISTRY}, speedup=[])
+        return s.assign(**{m.name: [] for m in REGISTRY}, baseline_throughput=[], speedup=[])
     for m in REGISTRY:
         s[m.name] = m.values(s)
-    s["speedup"] = s["throughput"] / baseline_values(s, "throughput", ("prompt_index",))
+    s["baseline_throughput"] = baseline_values(s, "throughput", ("prompt_index",))
+    s["speedup"] = s["throughput"] / s["baseline_throughput"]
     return s
 
 
@@ -254,11 +254,12 @@ def _differences(b: pd.Series, a: pd.Series, env_reasons: list[str]) -> list[str
 
 
 def env_differences(before_env: dict, after_env: dict) -> list[str]:
-    """The ENV_KEYS on which two runs' environments differ, as ``"torch 2.5.0 → 2.6.0"``, and the hardware flags
+    """The environment keys two measurements must share (:data:`dtbench.harness.runs.MUST_MATCH`, the list
+    ``--resume-run`` checks too) on which two runs' environments differ, as ``"torch 2.5.0 → 2.6.0"``, and the hardware flags
     (``environment["hardware"]``, :func:`~dtbench.harness.measure.hardware_flags`) when both runs recorded them:
     the same CPU model with and without AVX-512 BF16 (a VM hiding it) gives opposite bf16 results."""
     before_env, after_env = before_env or {}, after_env or {}
-    out = [f"{k} {before_env.get(k)} → {after_env.get(k)}" for k in ENV_KEYS if before_env.get(k) != after_env.get(k)]
+    out = [f"{k} {before_env.get(k)} → {after_env.get(k)}" for k in MUST_MATCH if before_env.get(k) != after_env.get(k)]
     hb, ha = before_env.get("hardware"), after_env.get("hardware")
     if hb and ha and hb != ha:
         from dtbench.reports.render import hardware_text
@@ -333,7 +334,7 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
                 row["mark"] = NOT_SIGNIFICANT
             for g in gates:
                 col = g.metric.name
-                mb, ma = vb[col].mean(), va[col].mean()
+                mb, ma = cell_value(vb, col), cell_value(va, col)
                 if g.beyond(mb, ma):
                     pg = mann_whitney(vb[col], va[col])
                     if pg < alpha:

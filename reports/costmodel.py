@@ -35,13 +35,13 @@ import json
 import math
 from pathlib import Path
 
-import click
 import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import to_csv
-from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing
+from dtbench.reports.output import emit
+from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing, show
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
 FIG_STEM = "cost_verify_curve"
@@ -276,42 +276,32 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
         caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
                     "the run's (calibrate: true measures in the run's own process)")
-    if fmt == "json":
-        cols = ["dataset", "l_max", "gen_length", "label", "decoder", "family", "n", "predicted_s", "measured_s",
-                "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
-                "predicted_throughput", "measured_throughput",
-                "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
-                "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
-                "predicted_best_total_token_speedup", "predicted_best_n_max", "approx"]
-        cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
-        click.echo(json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
-                               "cells": cells}, indent=2))
-        return
-    if fmt == "csv":
-        click.echo(to_csv(render.exported(table.drop(columns=["acceptance_by_position"]))), nl=False)
-        return
+    cols = ["dataset", "l_max", "gen_length", "label", "decoder", "family", "n", "predicted_s", "measured_s",
+            "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
+            "predicted_throughput", "measured_throughput",
+            "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
+            "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
+            "predicted_best_total_token_speedup", "predicted_best_n_max", "approx"]
 
-    def f(v, spec, suffix=""):
-        return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
+    def as_json() -> str:
+        cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
+        return json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
+                           "cells": cells}, indent=2)
 
     display = pd.DataFrame([{
         "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
-        "n": str(r["n"]), "Measured (s)": f(r["measured_s"], ".3f"),
-        "Predicted (s)": f(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
-        "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": f(r["efficiency"], ".2f"),
-        "In fwd": f(r["forward_share"], ".0%"), "Fwd speed": f(r["forward_speed"], ".2f"),
-        "Measured t/s": f(r["measured_throughput"], ".1f"), "Predicted t/s": f(r["predicted_throughput"], ".1f"),
-        "Speedup meas.": f(r["measured_speedup"], ".2f", "×"), "Speedup pred.": f(r["predicted_speedup"], ".2f", "×"),
+        "n": str(r["n"]), "Measured (s)": show(r["measured_s"], ".3f"),
+        "Predicted (s)": show(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
+        "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": show(r["efficiency"], ".2f"),
+        "In fwd": show(r["forward_share"], ".0%"), "Fwd speed": show(r["forward_speed"], ".2f"),
+        "Measured t/s": show(r["measured_throughput"], ".1f"), "Predicted t/s": show(r["predicted_throughput"], ".1f"),
+        "Speedup meas.": show(r["measured_speedup"], ".2f", "×"), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
         "Best config (pred.)": best_config(r),
     } for _, r in table.iterrows()])
-    if fmt == "markdown":
-        click.echo(render.markdown_frame(display, title, caption))
-    else:
-        from rich.console import Console
-        import sys
-
-        console = Console() if sys.stdout.isatty() else Console(width=220)
-        console.print(render.rich_frame(display, title, caption))
+    # the one output layer (reports/output.py): the same console and format dispatch as every other report
+    emit(fmt, table=lambda out: out.print(render.rich_frame(display, title, caption)),
+         markdown=lambda: render.markdown_frame(display, title, caption),
+         csv=lambda: to_csv(render.exported(table.drop(columns=["acceptance_by_position"]))), json=as_json)
 
 
 def best_config(row) -> str:

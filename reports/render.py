@@ -12,7 +12,7 @@ from rich.text import Text
 
 from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.harness.safetext import markdown_cell, printable, to_csv
-from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, N_TOO_SMALL
+from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, is_missing, show
 from dtbench.reports.summary import SAMPLED
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
@@ -27,19 +27,19 @@ def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
     return [(h, c) for h, c in COLUMNS if c not in empty]
 
 
-def _missing(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
+_missing = is_missing
 
 
 def fmt(v, spec: str, suffix: str = "") -> str:
-    """``v`` formatted with ``spec`` and ``suffix``; "—" for a missing value (None, NaN)."""
-    return "—" if _missing(v) else format(v, spec) + suffix
+    """``v`` formatted with ``spec`` and ``suffix``; :data:`~dtbench.reports.stats.MISSING` for a missing value
+    (:func:`~dtbench.reports.stats.show`)."""
+    return show(v, spec, suffix)
 
 
 def fmt_pm(mean, std, spec: str) -> str:
     """``mean ± std`` (std omitted when undefined, "—" when the mean is)."""
     if _missing(mean):
-        return "—"
+        return MISSING
     return format(mean, spec) if _missing(std) else f"{format(mean, spec)} ± {format(std, spec)}"
 
 

@@ -34,13 +34,26 @@ FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (wr
 MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
 
 __all__ = ["BASELINE", "FAMILY_UNKNOWN", "GROUP", "KEY", "MIN_PROMPTS", "MISSING", "N_TOO_SMALL", "baseline_values",
-           "decoding", "family_of", "is_missing", "pairing_key", "show"]
+           "cell_value", "decoding", "family_of", "is_missing", "pairing_key", "show"]
 
 
 def decoding(sampling) -> str:
     """How a cell decodes: ``"greedy"``, or its sampling settings (a ``cells.sampling`` dict) as a canonical JSON
     string. Speedups pair a cell only with a baseline cell of the same decoding."""
     return json.dumps(sampling, sort_keys=True) if isinstance(sampling, dict) and sampling else "greedy"
+
+
+def cell_value(rows: pd.DataFrame, metric: str) -> float:
+    """One cell's value of ``metric`` from its per-prompt rows after warmup (:func:`dtbench.reports.compare.per_prompt`).
+
+    ``speedup`` is the paper's (Table 1): mean throughput / mean baseline throughput over the paired prompts (those
+    with a baseline sample), the number every report shows for the cell; every other metric is the mean of the
+    per-prompt values. NaN without rows (or, for speedup, without a paired baseline).
+    """
+    if metric == "speedup":
+        paired = rows[rows["baseline_throughput"].notna()] if "baseline_throughput" in rows else rows.iloc[0:0]
+        return float(paired["throughput"].mean() / paired["baseline_throughput"].mean()) if len(paired) else math.nan
+    return float(rows[metric].mean()) if len(rows) else math.nan
 
 
 def family_of(stored) -> str:

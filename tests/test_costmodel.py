@@ -79,7 +79,7 @@ class FakeClock:
 
         def pre_hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            pending.append(self.cost(role, int(ids.shape[-1]), measure._past_len(kwargs.get("past_key_values")),
+            pending.append(self.cost(role, int(ids.shape[-1]), measure._past_len(measure.cache_argument(kwargs)),
                                      measure._flags(kwargs)))
 
         def post_hook(module, args, kwargs, output):

@@ -28,7 +28,8 @@ from dtbench.decoders.base import Step
 
 
 class Probe(Autoregressive):
-    def reference(self):
+    @classmethod
+    def reference(cls, params):
         return ("ar", {})
 
 

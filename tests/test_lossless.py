@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 
 from dtbench.decoders import kv
-from dtbench.harness import db, lossless
+from dtbench.harness import db, lossless, measure
 from dtbench.harness import models as harness_models
 from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
 from models import SHARP, VOCAB, tiny_llama
@@ -44,7 +44,7 @@ class Flip(Autoregressive):
     supports_sampling = False
 
     @classmethod
-    def reference(cls, params=None):
+    def reference(cls, params):
         return ("ar", {})
 
     @torch.inference_mode()
@@ -170,7 +170,7 @@ class ShapeTie:
 
     def pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids")
-        cache = kwargs.get("past_key_values")
+        cache = measure.cache_argument(kwargs)  # the keyword kv.forward passes it under (cache or past_key_values)
         past = cache.get_seq_length() if cache is not None else 0
         self.n = ids.shape[1]
         pos = kwargs.get("position_ids")

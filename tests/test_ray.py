@@ -47,7 +47,8 @@ from dtbench.decoders.base import DecoderParams
 
 
 class Probe(Autoregressive):
-    def reference(self):
+    @classmethod
+    def reference(cls, params):
         return ("ar", {})
 
 
