@@ -23,6 +23,7 @@ cell whose samples, warmup included, diverged from the reference, and every cell
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -205,72 +206,124 @@ def _protocol(rows: list[pd.Series]) -> str:
 # --- the tables ---------------------------------------------------------------------------------------------
 
 
-def table1(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
-    """Table 1: throughput (tokens/s, mean ± std over prompts after warmup) and speedup vs AR per dataset."""
+@dataclass(frozen=True)
+class Column:
+    """One per-dataset display column of a method table: its header after ``"<dataset> "`` and its cell text.
+
+    ``text`` maps a summary row (one cell: a decoder on one dataset) to the string shown; missing numbers are a dash
+    (:func:`~dtbench.reports.render.fmt`).
+    """
+
+    header: str
+    text: Callable[[pd.Series], str]
+
+
+@dataclass(frozen=True)
+class MethodTableSpec:
+    """A paper table whose rows are the methods (Tables 1, 2, 3, 5): what :func:`method_table` builds it from.
+
+    Attributes:
+        key, title: the :class:`PaperTable`'s key (JSON key, file stem) and title.
+        columns: display columns repeated per dataset, in order (``"<dataset> <header>"``).
+        fields: summary columns copied per dataset into the data frame as ``"<dataset>.<field>"`` (NaN if absent).
+        caption: callable(setting, the tables' summary rows) returning the caption.
+        totals: optional callable(method, all methods) returning (display, data) columns appended after the
+            per-dataset ones (Table 5's average and relative change).
+    """
+
+    key: str
+    title: str
+    columns: tuple[Column, ...]
+    fields: tuple[str, ...]
+    caption: Callable[[Setting, list[pd.Series]], str]
+    totals: Callable[[Method, list[Method]], tuple[dict, dict]] | None = None
+
+
+def method_table(spec: MethodTableSpec, ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
+    """The one builder of the method tables (paper Tables 1, 2, 3, 5): one row per method, ``spec``'s columns per
+    dataset; the data frame keeps the numbers (``method``, ``<dataset>.partial``, ``<dataset>.<field>``...)."""
     disp, data = [], []
     for m in ms:
         d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
         for ds, c in m.cells.items():
             n[f"{ds}.partial"] = bool(c.get("partial", False))
-            d[f"{ds} Throughput (t/s)"] = fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"]))
-            d[f"{ds} Speedup"] = fmt(c["speedup"], ".2f", "×")
-            n.update({f"{ds}.throughput_mean": c["throughput_mean"], f"{ds}.throughput_std": c["throughput_std"],
-                      f"{ds}.speedup": c["speedup"], f"{ds}.label": c["label"], f"{ds}.n": c["n"]})
+            d.update({f"{ds} {col.header}": col.text(c) for col in spec.columns})
+            n.update({f"{ds}.{k}": c.get(k, float("nan")) for k in spec.fields})
+        if spec.totals is not None:
+            td, tn = spec.totals(m, ms)
+            d.update(td)
+            n.update(tn)
         disp.append(d)
         data.append(n)
     rows = [c for m in ms for c in m.cells.values()]
-    return PaperTable("table1_main", "Table 1 — Main results",
-                      f"{setting.describe()}. Throughput in tokens/s, {_protocol(rows)}; speedup = mean throughput / "
-                      "mean AR throughput of the same dataset, L_max and T.",
-                      pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+    return PaperTable(spec.key, spec.title, spec.caption(setting, rows), pd.DataFrame(disp), pd.DataFrame(data),
+                      list(notes))
 
 
-def table2(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
-    """Table 2: TTFT and TPOT (ms, mean ± std over prompts after warmup) per dataset."""
-    disp, data = [], []
-    for m in ms:
-        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
-        for ds, c in m.cells.items():
-            n[f"{ds}.partial"] = bool(c.get("partial", False))
-            d[f"{ds} TTFT (ms)"] = fmt_pm(c["ttft_ms_mean"], c["ttft_ms_std"], ".1f")
-            d[f"{ds} TPOT (ms)"] = fmt_pm(c["tpot_ms_mean"], c["tpot_ms_std"], ".2f")
-            n.update({f"{ds}.ttft_ms_mean": c["ttft_ms_mean"], f"{ds}.ttft_ms_std": c["ttft_ms_std"],
-                      f"{ds}.tpot_ms_mean": c["tpot_ms_mean"], f"{ds}.tpot_ms_std": c["tpot_ms_std"]})
-        disp.append(d)
-        data.append(n)
-    rows = [c for m in ms for c in m.cells.values()]
-    return PaperTable("table2_latency", "Table 2 — Latency",
-                      f"{setting.describe()}. TTFT: start (prefill included) to the first token; TPOT: (total - TTFT) "
-                      f"/ (T - 1); milliseconds, {_protocol(rows)}.", pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+def _acceptance_pct(c: pd.Series) -> str:
+    bonus = c.get("acceptance_incl_bonus", float("nan"))
+    return fmt(bonus * 100 if not _isnan(bonus) else None, ".1f", "%")
 
 
-def table3(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
-    """Table 3: acceptance rate, tokens per iteration L, committed path length ℓ, #iterations per dataset."""
-    disp, data = [], []
-    for m in ms:
-        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
-        for ds, c in m.cells.items():
-            n[f"{ds}.partial"] = bool(c.get("partial", False))
-            bonus = c.get("acceptance_incl_bonus", float("nan"))
-            d[f"{ds} Accept.ᵃ"] = fmt(bonus * 100 if not _isnan(bonus) else None, ".1f", "%")
-            d[f"{ds} L̄"] = fmt(c["tokens_per_iteration"], ".2f")
-            d[f"{ds} ℓ̄ᵇ"] = fmt(c.get("mean_path_length_all", float("nan")), ".2f")
-            d[f"{ds} #Iter."] = fmt(c["iterations"], ".0f")
-            n.update({f"{ds}.{k}": c.get(k, float("nan")) for k in (
-                "acceptance_incl_bonus", "acceptance_rate", "tokens_per_iteration", "mean_path_length_all",
-                "mean_path_length", "iterations")})
-        disp.append(d)
-        data.append(n)
-    rows = [c for m in ms for c in m.cells.values()]
-    return PaperTable("table3_efficiency", "Table 3 — Verification efficiency",
-                      f"{setting.describe()}. ᵃ Accept. follows the paper's Table 3 convention: committed tokens "
-                      "*including* the bonus token / drafted depth, summed over the iterations that drafted, so it can "
-                      "exceed 100% (dtbench's `acceptance_rate`, without the bonus and at most 100%, is in the "
-                      "CSV/JSON). L̄ = T / iterations. ᵇ ℓ̄ = committed path length before the bonus token averaged "
-                      "over every iteration, as the paper does (`mean_path_length_all`; `mean_path_length` averages "
-                      "the iterations that drafted). #Iter. = target verifications, the prefill first; "
-                      f"{_protocol(rows).replace(' ± std', '')}.",
-                      pd.DataFrame(disp), pd.DataFrame(data), list(notes))
+def _avg_peak(m: Method) -> float:
+    vals = [c["peak_mib"] for c in m.cells.values() if not _isnan(c["peak_mib"])]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _memory_totals(m: Method, ms: list[Method]) -> tuple[dict, dict]:
+    """Table 5's last columns: the method's average peak over datasets and its relative change vs AR's."""
+    ar = next((x for x in ms if x.is_ar), None)
+    ar_avg = _avg_peak(ar) if ar else math.nan
+    a = _avg_peak(m)
+    rel = 100 * (a - ar_avg) / ar_avg if not (_isnan(a) or _isnan(ar_avg) or ar_avg == 0) else math.nan
+    return ({"Average (MiB)": fmt(a, ".1f"), "Rel. change": fmt(rel, "+.2f", "%")},
+            {"average_mib": a, "rel_change_pct": rel})
+
+
+#: Table 1: throughput (tokens/s, mean ± std over prompts after warmup) and speedup vs AR per dataset.
+TABLE1 = MethodTableSpec(
+    "table1_main", "Table 1 — Main results",
+    (Column("Throughput (t/s)", lambda c: fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"]))),
+     Column("Speedup", lambda c: fmt(c["speedup"], ".2f", "×"))),
+    ("throughput_mean", "throughput_std", "speedup", "label", "n"),
+    lambda setting, rows: f"{setting.describe()}. Throughput in tokens/s, {_protocol(rows)}; speedup = mean throughput / "
+                          "mean AR throughput of the same dataset, L_max and T.")
+
+#: Table 2: TTFT and TPOT (ms, mean ± std over prompts after warmup) per dataset.
+TABLE2 = MethodTableSpec(
+    "table2_latency", "Table 2 — Latency",
+    (Column("TTFT (ms)", lambda c: fmt_pm(c["ttft_ms_mean"], c["ttft_ms_std"], ".1f")),
+     Column("TPOT (ms)", lambda c: fmt_pm(c["tpot_ms_mean"], c["tpot_ms_std"], ".2f"))),
+    ("ttft_ms_mean", "ttft_ms_std", "tpot_ms_mean", "tpot_ms_std"),
+    lambda setting, rows: f"{setting.describe()}. TTFT: start (prefill included) to the first token; TPOT: (total - TTFT) "
+                          f"/ (T - 1); milliseconds, {_protocol(rows)}.")
+
+#: Table 3: acceptance rate, tokens per iteration L, committed path length ℓ, #iterations per dataset.
+TABLE3 = MethodTableSpec(
+    "table3_efficiency", "Table 3 — Verification efficiency",
+    (Column("Accept.ᵃ", _acceptance_pct),
+     Column("L̄", lambda c: fmt(c["tokens_per_iteration"], ".2f")),
+     Column("ℓ̄ᵇ", lambda c: fmt(c.get("mean_path_length_all", float("nan")), ".2f")),
+     Column("#Iter.", lambda c: fmt(c["iterations"], ".0f"))),
+    ("acceptance_incl_bonus", "acceptance_rate", "tokens_per_iteration", "mean_path_length_all", "mean_path_length",
+     "iterations"),
+    lambda setting, rows: f"{setting.describe()}. ᵃ Accept. follows the paper's Table 3 convention: committed tokens "
+                          "*including* the bonus token / drafted depth, summed over the iterations that drafted, so it "
+                          "can exceed 100% (dtbench's `acceptance_rate`, without the bonus and at most 100%, is in the "
+                          "CSV/JSON). L̄ = T / iterations. ᵇ ℓ̄ = committed path length before the bonus token averaged "
+                          "over every iteration, as the paper does (`mean_path_length_all`; `mean_path_length` "
+                          "averages the iterations that drafted). #Iter. = target verifications, the prefill first; "
+                          f"{_protocol(rows).replace(' ± std', '')}.")
+
+#: Table 5: peak memory (MiB = 2^20 bytes) per dataset, their average and the relative change vs AR.
+TABLE5 = MethodTableSpec(
+    "table5_memory", "Table 5 — Peak memory",
+    (Column("Peak (MiB)", lambda c: fmt(c["peak_mib"], ".1f")),),
+    ("peak_mib",),
+    lambda setting, rows: f"{setting.describe()}. Peak per sample (torch allocator peak on CUDA, process RSS peak on "
+                          f"CPU), MiB = 2^20 bytes, mean over {max((int(r['n']) for r in rows), default=0)} prompts "
+                          "after warmup; Average over datasets; relative change vs the AR average.",
+    _memory_totals)
 
 
 def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
@@ -290,36 +343,6 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
                       f"{dataset}, L_max={setting.caps[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
                       "Δ = relative throughput change vs the first tree variant.", pd.DataFrame(disp), pd.DataFrame(data),
                       [n for _, c in rows.iterrows() for n in cell_notes(c, dataset)])
-
-
-def table5(ms: list[Method], setting: Setting, notes: list[str]) -> PaperTable:
-    """Table 5: peak memory (MiB = 2^20 bytes) per dataset, their average and the relative change vs AR."""
-    ar = next((m for m in ms if m.is_ar), None)
-
-    def avg(m: Method) -> float:
-        vals = [c["peak_mib"] for c in m.cells.values() if not _isnan(c["peak_mib"])]
-        return sum(vals) / len(vals) if vals else math.nan
-
-    ar_avg = avg(ar) if ar else math.nan
-    disp, data = [], []
-    for m in ms:
-        a = avg(m)
-        rel = 100 * (a - ar_avg) / ar_avg if not (_isnan(a) or _isnan(ar_avg) or ar_avg == 0) else math.nan
-        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
-        for ds, c in m.cells.items():
-            n[f"{ds}.partial"] = bool(c.get("partial", False))
-            d[f"{ds} Peak (MiB)"] = fmt(c["peak_mib"], ".1f")
-            n[f"{ds}.peak_mib"] = c["peak_mib"]
-        d["Average (MiB)"], d["Rel. change"] = fmt(a, ".1f"), fmt(rel, "+.2f", "%")
-        n["average_mib"], n["rel_change_pct"] = a, rel
-        disp.append(d)
-        data.append(n)
-    rows = [c for m in ms for c in m.cells.values()]
-    return PaperTable("table5_memory", "Table 5 — Peak memory",
-                      f"{setting.describe()}. Peak per sample (torch allocator peak on CUDA, process RSS peak on CPU), "
-                      f"MiB = 2^20 bytes, mean over {max((int(r['n']) for r in rows), default=0)} prompts after warmup; "
-                      "Average over datasets; relative change vs the AR average.",
-                      pd.DataFrame(disp), pd.DataFrame(data), list(notes))
 
 
 def prepare(summary: pd.DataFrame, include_partial: bool = False) -> pd.DataFrame:
@@ -345,7 +368,7 @@ def paper_tables(summary: pd.DataFrame, include_partial: bool = False) -> tuple[
     ms, notes = methods(summary, setting)
     tables, skipped = [], []
     if ms:
-        tables += [table1(ms, setting, notes), table2(ms, setting, notes), table3(ms, setting, notes)]
+        tables += [method_table(spec, ms, setting, notes) for spec in (TABLE1, TABLE2, TABLE3)]
     else:
         skipped.append("Tables 1-3, 5 skipped: no decoder was measured on every dataset of the main setting")
     ds, rows = ablation(summary, setting)
@@ -354,5 +377,5 @@ def paper_tables(summary: pd.DataFrame, include_partial: bool = False) -> tuple[
     else:
         skipped.append("Table 4 skipped: fewer than two non-sweep tree variants (tree-family decoders) at the main setting")
     if ms:
-        tables.append(table5(ms, setting, notes))
+        tables.append(method_table(TABLE5, ms, setting, notes))
     return tables, skipped
