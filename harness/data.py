@@ -21,7 +21,10 @@ Source precedence: a local folder (the dataset's ``data_dir:``, the ``--data-dir
 ``DTBENCH_DATA_DIR``) wins; otherwise the hub, at the entry's ``hub_id:`` / ``revision:`` if given (``hub_id``
 may also name a local folder with the hub repo's parquet layout: the same ``datasets.load_dataset`` call reads
 it, which is how the tests exercise the hub path offline). :func:`provenance` says where each loaded dataset
-came from (hub id, config, split, revision; or local files and their sha256), for the run's environment.
+came from (hub id, config, split, revision; or local files and their sha256): :func:`load_documents` returns it
+with the documents (:attr:`Documents.provenance`), for the run's environment. A dataset's hub source is its class
+attribute :attr:`Dataset.hub`; its own suite keys (``params:``) are its pydantic :attr:`Dataset.Params` model,
+validated by the same code path as decoders' params (:func:`dtbench.harness.registry.validate_model`).
 
 Held-out prompts: a dataset entry's ``skip: K`` leaves out the first K usable documents of the seeded order,
 so with the same seed and tokenizer its prompts come from other documents than those of any entry with
@@ -40,12 +43,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from pydantic import ConfigDict
+
+from dtbench.decoders.base import StrictBools
 from dtbench.harness import hub
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.registry import Registry
+from dtbench.harness.registry import Registry, validate_model
 from dtbench.harness.suite import DatasetSpec
 from dtbench.harness.prompt import Prompt
 
@@ -101,22 +107,30 @@ class HubSource:
     streaming: bool
 
 
-HUB_SOURCES: dict[str, HubSource] = {
-    "wikitext-2": HubSource("Salesforce/wikitext", "wikitext-2-raw-v1", "test", streaming=False),
-    "pg19": HubSource("emozilla/pg19", None, "test", streaming=True),
-}
+class DatasetParams(StrictBools):
+    """Base of every dataset's own suite keys (an entry's ``params:``): frozen, unknown keys rejected, booleans never
+    taken as numbers (as :class:`dtbench.decoders.base.DecoderParams`). The built-ins declare none."""
 
-_PROVENANCE: dict[str, dict[str, Any]] = {}  # spec JSON -> where load_documents found it (this process)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Documents(list):
     """The (title, text) documents of one dataset entry, in source order, carrying the entry's ``skip`` (so
-    :func:`select_prompts` honours it whoever calls the pair) and where they came from."""
+    :func:`select_prompts` honours it whoever calls the pair) and where they came from (``source``)."""
 
-    def __init__(self, docs: Iterable[tuple[str, str]], skip: int = 0, source: dict[str, Any] | None = None):
+    def __init__(self, docs: Iterable[tuple[str, str]], skip: int = 0, source: dict[str, Any] | None = None,
+                 name: str | None = None):
         super().__init__(docs)
         self.skip = skip
         self.source = source or {}
+        self.name = name
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        """Where these documents came from, JSON-serialisable, for the run's environment (``env["datasets"]``):
+        ``{"name", "source": "hub", "hub_id", "config", "split", "revision", "datasets", "skip"}`` or
+        ``{"name", "source": "local", "files", "sha256", "skip"}`` (a plugin's own source dict otherwise)."""
+        return {"name": self.name, **self.source, "skip": self.skip}
 
 
 def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
@@ -143,7 +157,7 @@ def _wikitext(spec: DatasetSpec, data_dir: str | None) -> Documents:
         if not path.is_file():
             raise DtbenchError(f"wikitext-2: {path} not found (data dir {local})")
         return Documents(_split_wikitext(_read(path)), source=_local_files([path]))
-    rows, source = hub_rows(spec)
+    rows, source = hub_rows(spec, WikiText2.hub)
     # One row per line of the raw file (blank lines included), each ending in a newline.
     return Documents(_split_wikitext("\n".join(r["text"].rstrip("\n") for r in rows if r["text"].strip())),
                      source=source)
@@ -156,7 +170,7 @@ def _pg19(spec: DatasetSpec, data_dir: str | None) -> Documents:
         if not files:
             raise DtbenchError(f"pg19: no books (*.txt) in {local / 'pg19-test'}")
         return Documents([(f.stem, strip_gutenberg(_read(f))) for f in files], source=_local_files(files))
-    rows, source = hub_rows(spec)
+    rows, source = hub_rows(spec, PG19.hub)
     books = []
     for row in rows:  # streamed: read only as many books as the selection can use
         books.append((row.get("short_book_title") or str(len(books)), strip_gutenberg(row["text"])))
@@ -194,11 +208,12 @@ def _read_text_file(path: Path) -> str:
         raise DtbenchError(f"text-files: {path} is not UTF-8 text (byte {exc.start})") from None
 
 
-def hub_rows(spec: DatasetSpec) -> tuple[Iterable[dict[str, Any]], dict[str, Any]]:
+def hub_rows(spec: DatasetSpec, base: HubSource) -> tuple[Iterable[dict[str, Any]], dict[str, Any]]:
     """The rows of a registered dataset from its parquet source on the hub (no loading script).
 
     Calls ``datasets.load_dataset(hub_id, config, split=..., revision=..., streaming=...)`` with the
-    dataset's :data:`HUB_SOURCES` entry, ``hub_id`` and ``revision`` overridden by the suite entry's keys.
+    dataset's hub source ``base`` (its class attribute :attr:`Dataset.hub`), ``hub_id`` and ``revision``
+    overridden by the suite entry's keys.
 
     Returns:
         (rows: an iterable of dicts with at least a ``text`` column, provenance dict).
@@ -206,7 +221,6 @@ def hub_rows(spec: DatasetSpec) -> tuple[Iterable[dict[str, Any]], dict[str, Any
     Raises:
         DtbenchError: the hub (or the given folder) cannot be read, naming the offline alternative.
     """
-    base = HUB_SOURCES[spec.name]
     hub_id = spec.hub_id or base.hub_id
     source = {"source": "hub", "hub_id": hub_id, "config": base.config, "split": base.split,
               "revision": spec.revision}
@@ -236,11 +250,20 @@ class Dataset(ABC):
     every dataset (:func:`select_prompts`).
 
     Class attributes:
+        Params: the pydantic model of the entry's ``params:`` (a :class:`DatasetParams`; validated before any model
+            loads, by :func:`dataset`); the instance's ``self.params``.
+        hub: where the dataset lives on the Hugging Face hub (:class:`HubSource`), or None (local or plugin data).
         chat: True for question datasets (a chat workload: the suite's ``stop_at_eos`` defaults to true, and its
             ``chat_template`` to ``auto``); False for raw text continued as it is (the paper's protocol).
     """
 
+    Params: ClassVar[type[DatasetParams]] = DatasetParams
+    hub: ClassVar[HubSource | None] = None
     chat: bool = False
+
+    def __init__(self, params: DatasetParams | None = None):
+        """Bind the validated params (an instance of ``self.Params``; its defaults when None)."""
+        self.params = params if params is not None else self.Params()
 
     @abstractmethod
     def documents(self, spec: DatasetSpec, data_dir: str | None) -> list[tuple[str, str]]:
@@ -280,12 +303,16 @@ class SpecBench(Dataset):
 class WikiText2(Dataset):
     """WikiText-2 raw, test split, one document per article."""
 
+    hub = HubSource("Salesforce/wikitext", "wikitext-2-raw-v1", "test", streaming=False)
+
     def documents(self, spec, data_dir):
         return _wikitext(spec, data_dir)
 
 
 class PG19(Dataset):
     """PG-19 test books, Project Gutenberg header and footer stripped."""
+
+    hub = HubSource("emozilla/pg19", None, "test", streaming=True)
 
     def documents(self, spec, data_dir):
         return _pg19(spec, data_dir)
@@ -304,13 +331,16 @@ class TextFiles(Dataset):
 REGISTRY = Registry("dtbench.datasets", "dataset", Dataset)
 
 
-def dataset(name: str) -> Dataset:
-    """The registered dataset called ``name``, instantiated.
+def dataset(spec: DatasetSpec) -> Dataset:
+    """The registered dataset of the entry ``spec``, instantiated with its ``params:`` validated against the
+    dataset's own :attr:`Dataset.Params` (the same code path as decoders' params).
 
     Raises:
-        DtbenchError: unknown (with the closest names) or ambiguous name, or a broken plugin.
+        DtbenchError: unknown (with the closest names) or ambiguous name, a broken plugin, or invalid params (one
+            line naming the dataset, the key and the problem).
     """
-    return REGISTRY.get(name)()
+    cls = REGISTRY.get(spec.name)
+    return cls(validate_model("dataset", spec.name, cls.Params, spec.params))
 
 
 def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
@@ -320,7 +350,7 @@ def check_dataset(spec: DatasetSpec, *, files: bool = False) -> None:
     Raises:
         DtbenchError: with the registered names, or naming a missing or non-text file.
     """
-    ds = dataset(spec.name)
+    ds = dataset(spec)
     if files:
         ds.check(spec)
 
@@ -329,7 +359,7 @@ def sample_slots(spec: DatasetSpec, seed: int, data_dir: str | None = None) -> l
     """The entry's samples when its dataset lays them out itself (question datasets; :meth:`Dataset.slots`), else
     None. An unknown dataset name is None here (the plan reports it)."""
     try:
-        ds = dataset(spec.name)
+        ds = dataset(spec)
     except DtbenchError:
         return None
     return ds.slots(spec, seed, data_dir)
@@ -352,27 +382,18 @@ def is_chat(spec: DatasetSpec) -> bool:
 
 def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> Documents:
     """(title, text) documents of a dataset, in source order, with the entry's ``skip`` and their provenance
-    (also recorded for :func:`provenance`).
+    (:attr:`Documents.provenance`: returned, not kept in this process).
 
     Raises:
-        DtbenchError: unknown dataset, missing local files, or the hub unreachable.
+        DtbenchError: unknown dataset, invalid params, missing local files, or the hub unreachable.
     """
-    ds = dataset(spec.name)
+    ds = dataset(spec)
     loaded = ds.documents(spec, data_dir)
     source = getattr(loaded, "source", None) or {"source": "plugin", "class": f"{type(ds).__module__}.{type(ds).__qualname__}"}
-    docs = Documents(((t, x) for t, x in loaded if x.strip()), skip=spec.skip, source=source)
+    docs = Documents(((t, x) for t, x in loaded if x.strip()), skip=spec.skip, source=source, name=spec.name)
     if not docs:
         raise DtbenchError(f"{spec.name}: no non-empty documents")
-    _PROVENANCE[spec.model_dump_json()] = {"name": spec.name, **docs.source, "skip": spec.skip}
     return docs
-
-
-def provenance(specs: Iterable[DatasetSpec]) -> list[dict[str, Any]]:
-    """Where each dataset entry's documents came from, as recorded by :func:`load_documents` in this process:
-    ``{"name", "source": "hub", "hub_id", "config", "split", "revision", "datasets", "skip"}`` or
-    ``{"name", "source": "local", "files", "sha256", "skip"}``; ``{"name", "source": None}`` if not loaded.
-    JSON-serialisable, for the run's environment (``env["datasets"]``)."""
-    return [_PROVENANCE.get(s.model_dump_json(), {"name": s.name, "source": None}) for s in specs]
 
 
 def select_prompts(

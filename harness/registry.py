@@ -18,7 +18,7 @@ from functools import lru_cache
 from importlib.metadata import entry_points
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from dtbench.decoders.base import FAMILIES, Decoder, DecoderParams
 from dtbench.harness.errors import DtbenchError, error_location
@@ -174,17 +174,36 @@ def get(name: str) -> type[Decoder]:
 
 
 def validate_params(name: str, params: dict[str, Any]) -> DecoderParams:
-    """Validate a suite's ``params:`` against the decoder's own params model.
+    """Validate a suite's ``params:`` against the decoder's own params model (:func:`validate_model`).
 
     Raises:
         DtbenchError: one line naming the decoder, the field and the problem.
     """
-    cls = get(name)
+    return validate_model("decoder", name, get(name).Params, params)
+
+
+def validate_model(kind: str, name: str, model: type[BaseModel], params: dict[str, Any]) -> Any:
+    """Validate a suite entry's ``params:`` against a plugin's own pydantic ``Params`` model: the one code path for
+    decoders' and datasets' params (:data:`dtbench.decoders.base.DecoderParams`,
+    :class:`dtbench.harness.data.DatasetParams`).
+
+    Args:
+        kind: the plugin kind in messages ("decoder", "dataset").
+        name: the registered name.
+        model: the plugin's ``Params`` class.
+        params: the suite's ``params:`` mapping.
+
+    Returns:
+        An instance of ``model``.
+
+    Raises:
+        DtbenchError: one line naming the plugin, the field and the problem, with the known parameters.
+    """
     try:
-        return cls.Params.model_validate(params)
+        return model.model_validate(params)
     except ValidationError as exc:
         loc, msg = error_location(exc)
         msg = "unknown parameter" if exc.errors()[0]["type"] == "extra_forbidden" else msg
         loc = loc or "params"
-        known = ", ".join(cls.Params.model_fields) or "none"
-        raise DtbenchError(f"decoder '{name}': params.{loc}: {msg} (parameters: {known})") from None
+        known = ", ".join(model.model_fields) or "none"
+        raise DtbenchError(f"{kind} '{name}': params.{loc}: {msg} (parameters: {known})") from None

@@ -116,8 +116,10 @@ def run_suite(
             models.check_tokenizers(tokenizer, models.load_tokenizer(suite.draft), suite.target.model,
                                     suite.draft.model)
         prompts: dict[tuple[str, int], list[Prompt]] = {}
+        sources = []  # where each entry's documents came from: hub id/config/split/revision or local files + sha256
         for ds in suite.datasets:
             docs = data.load_documents(ds, data_dir)
+            sources.append(docs.provenance)
             if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
                 for cap in ds.caps:
                     prompts[(ds.name, cap)] = questions.prompts(ds, cap, tokenizer, suite, data_dir)
@@ -130,7 +132,7 @@ def run_suite(
 
         env = dict(info.environment)
         env["executor"] = executor.describe()
-        env["datasets"] = data.provenance(suite.datasets)  # hub id/config/split/revision or local files + sha256
+        env["datasets"] = sources
         if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
             env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:

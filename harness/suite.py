@@ -120,12 +120,16 @@ class DatasetSpec(_HasLMax):
                              "question file of spec-bench (a user's own questions)")
     hub_id: str | None = Field(
         None, description="Hugging Face dataset repo (or a local folder of the same parquet layout) to load from "
-        "instead of the dataset's default (wikitext-2: Salesforce/wikitext, pg19: emozilla/pg19)")
+        "instead of the dataset's default (its class attribute ``hub``; wikitext-2: Salesforce/wikitext, pg19: "
+        "emozilla/pg19)")
     revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
     categories: list[Annotated[str, Field(min_length=1, max_length=100)]] | None = Field(
         None, min_length=1, description="question datasets (spec-bench): Spec-Bench groups (mt_bench, translation, "
         "summarization, qa, math_reasoning, rag) and/or raw categories to run, N prompts and W warmup each "
         "(default: the six groups)")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="the dataset's own keys, validated by its Params model (e.g. jsonl-text's "
+        "text_field)")
     skip: int = Field(
         0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "

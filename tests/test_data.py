@@ -60,9 +60,12 @@ def squeeze(text: str) -> str:
 
 
 def test_default_hub_sources_are_parquet_repos():
-    assert data.HUB_SOURCES["wikitext-2"].hub_id == "Salesforce/wikitext"
-    assert data.HUB_SOURCES["wikitext-2"].config == "wikitext-2-raw-v1"
-    assert data.HUB_SOURCES["pg19"].hub_id == "emozilla/pg19"  # not the loading-script deepmind/pg19
+    """A dataset's hub source is its class attribute (no table keyed by name)."""
+    assert data.WikiText2.hub.hub_id == "Salesforce/wikitext"
+    assert data.WikiText2.hub.config == "wikitext-2-raw-v1"
+    assert data.PG19.hub.hub_id == "emozilla/pg19"  # not the loading-script deepmind/pg19
+    assert data.TextFiles.hub is None and data.SpecBench.hub is None
+    assert not hasattr(data, "HUB_SOURCES") and not hasattr(data, "_PROVENANCE")
 
 
 def test_wikitext_hub_path_reads_parquet(offline_hub, data_dir):
@@ -76,10 +79,10 @@ def test_wikitext_hub_path_reads_parquet(offline_hub, data_dir):
     local = data.load_documents(DatasetSpec(name="wikitext-2"), str(data_dir))
     assert [t for t, _ in hub] == [t for t, _ in local] and len(hub) > 50
     assert all(squeeze(a) == squeeze(b) for (_, a), (_, b) in zip(hub, local))
-    (prov,) = data.provenance([spec])
+    prov = hub.provenance  # returned with the documents
     assert prov == {"name": "wikitext-2", "source": "hub", "hub_id": str(repo), "config": "wikitext-2-raw-v1",
                     "split": "test", "revision": None, "datasets": prov["datasets"], "skip": 0}
-    (loc,) = data.provenance([DatasetSpec(name="wikitext-2")])
+    loc = local.provenance
     assert loc["source"] == "local" and loc["files"][0].endswith("wiki.test.raw") and len(loc["sha256"]) == 64
 
 
@@ -91,14 +94,13 @@ def test_pg19_hub_path_streams_parquet(offline_hub):
     docs = data.load_documents(spec)
     assert list(docs) == [(t, x.strip()) for t, x in books[:4]]  # streamed: prompts + skip books read
     assert docs.skip == 1
-    (prov,) = data.provenance([spec])
+    prov = docs.provenance
     assert prov["source"] == "hub" and prov["hub_id"] == str(repo) and prov["rows_read"] == 4 and prov["skip"] == 1
 
 
 def test_hub_errors_are_one_line(offline_hub):
     with pytest.raises(DtbenchError, match="pg19: cannot load .*--data-dir"):
         data.load_documents(DatasetSpec(name="pg19", hub_id=str(offline_hub / "missing")))
-    assert data.provenance([DatasetSpec(name="pg19", prompts=7)]) == [{"name": "pg19", "source": None}]
 
 
 class WordTokenizer:

@@ -183,7 +183,8 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
 
     found = data.REGISTRY.scan()
     assert found.entries["jsonl-text"].distribution == "dtbench-prompt-lookup"
-    assert {n for n, e in found.entries.items() if e.distribution == "dtbench"} == {"wikitext-2", "pg19", "text-files"}
+    assert {n for n, e in found.entries.items() if e.distribution == "dtbench"} == {"wikitext-2", "pg19", "text-files",
+                                                                                     "spec-bench"}
     corpus = tmp_path / "answers.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"answer {i} " * 40}) for i in range(3)) + "\n")
     docs = data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus)))
@@ -196,3 +197,38 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
     result = _invoke("validate", str(suite))
     assert result.exit_code == 2
     assert result.stderr.strip().endswith('answers.jsonl:1: not a JSON object with a "text" field')
+
+
+def test_plugin_dataset_declares_its_own_params(plugin, tmp_path):
+    """A plugin dataset's own keys (jsonl-text's ``text_field``) live under the entry's ``params:`` and are
+    validated by its Params model through the same code path as decoder params: an unknown key or a bad value is a
+    one-line error at `dtbench validate`, before any model loads."""
+    import json
+
+    from dtbench.harness import data
+    from dtbench.harness.errors import DtbenchError
+    from dtbench.harness.suite import DatasetSpec
+
+    corpus = tmp_path / "answers.jsonl"
+    corpus.write_text("\n".join(json.dumps({"body": f"answer {i} " * 40, "text": "x"}) for i in range(2)) + "\n")
+    docs = data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus), params={"text_field": "body"}))
+    assert [x for _, x in docs] == [f"answer {i} " * 40 for i in range(2)]
+    assert data.dataset(DatasetSpec(name="jsonl-text", path=str(corpus))).params.text_field == "text"
+    with pytest.raises(DtbenchError, match=r"^dataset 'jsonl-text': params.text_fild: unknown parameter "
+                                           r"\(parameters: text_field\)$"):
+        data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus), params={"text_fild": "body"}))
+    with pytest.raises(DtbenchError, match=r"^dataset 'wikitext-2': params.text_field: unknown parameter "
+                                           r"\(parameters: none\)$"):
+        data.check_dataset(DatasetSpec(name="wikitext-2", params={"text_field": "body"}))
+    with pytest.raises(DtbenchError, match=r'answers.jsonl:1: not a JSON object with a "missing" field'):
+        data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus), params={"text_field": "missing"}))
+    suite = tmp_path / "s.yaml"
+    for params, message in (("{text_field: ''}", "params.text_field: String should have at least 1 character"),
+                            ("{text_field: body, n: 1}", "params.n: unknown parameter")):
+        suite.write_text(f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1, "
+                         f"params: {params}}}]\ngeneration_lengths: [4]\ndecoders: [{{name: ar}}]\n")
+        result = _invoke("validate", str(suite))
+        assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
+    suite.write_text(f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1, "
+                     "params: {text_field: body}}]\ngeneration_lengths: [4]\ndecoders: [{name: ar}]\n")
+    assert _invoke("validate", str(suite)).exit_code == 0

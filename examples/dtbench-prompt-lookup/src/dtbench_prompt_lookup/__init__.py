@@ -21,9 +21,9 @@ from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
 from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain
-from dtbench.harness.data import Dataset
+from dtbench.harness.data import Dataset, DatasetParams
 
-__all__ = ["JsonlText", "NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
+__all__ = ["JsonlText", "JsonlTextParams", "NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
 __version__ = "0.1.0"
 
 
@@ -130,12 +130,25 @@ class PromptLookup(Decoder):
                                    p.num_draft_tokens, self.sampling, self.generator, self.eos_token_id)
 
 
+class JsonlTextParams(DatasetParams):
+    """The ``jsonl-text`` dataset's own suite keys (an entry's ``params:``), validated before any model loads.
+
+    Attributes:
+        text_field: the JSON field of each line that holds the document's text.
+    """
+
+    text_field: str = Field("text", min_length=1, max_length=200, description="JSON field holding the text")
+
+
 class JsonlText(Dataset):
-    """A dataset plugin: one document per line of a JSON Lines file (``path:``), its ``"text"`` field.
+    """A dataset plugin: one document per line of a JSON Lines file (``path:``), its ``text_field`` field
+    (``params: {text_field: ...}``, default ``"text"``).
 
     Prompt lookup pays off on inputs that repeat themselves (retrieval-augmented answers, code edits); such
     corpora usually come as JSONL. Registered as ``jsonl-text`` in the ``dtbench.datasets`` group.
     """
+
+    Params = JsonlTextParams
 
     def documents(self, spec, data_dir):
         import json
@@ -150,14 +163,16 @@ class JsonlText(Dataset):
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise DtbenchError(f"jsonl-text: cannot read {path}: {exc}") from None
+        field = self.params.text_field
         docs = []
         for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                docs.append((f"{path.name}:{i}", str(json.loads(line)["text"])))
+                docs.append((f"{path.name}:{i}", str(json.loads(line)[field])))
             except (ValueError, KeyError, TypeError):
-                raise DtbenchError(f"jsonl-text: {path}:{i}: not a JSON object with a \"text\" field") from None
+                raise DtbenchError(f"jsonl-text: {path}:{i}: not a JSON object with a {json.dumps(field)} "
+                                   "field") from None
         return docs
 
     def check(self, spec):
