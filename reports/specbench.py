@@ -204,8 +204,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     import json
 
     from dtbench.harness.safetext import to_csv
-    from dtbench.reports import render
-    from dtbench.reports.output import emit
+    from dtbench.reports.output import RENDERERS, Report, emit_reports
     from dtbench.reports.summary import get_run
 
     with sessions() as session:
@@ -216,12 +215,10 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     def title(key) -> str:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"
 
-    def table(out) -> None:
-        for key, part in points:
-            out.print(render.rich_frame(display(part), title(key), CAPTION))
+    reports = [Report(f"specbench_{i}", title(key), CAPTION, display(part), part) for i, (key, part) in enumerate(points)]
 
-    def markdown() -> str:
-        return "\n\n".join(render.markdown_frame(display(part), title(key), CAPTION) for key, part in points)
+    def markdown() -> str:  # blank line between the points' tables
+        return "\n\n".join(RENDERERS["markdown"]([r]) for r in reports)
 
     def records() -> list[dict]:
         return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
@@ -232,5 +229,5 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
         flat["per_position"] = [";".join(f"{p:.6g}" for p in ps) for ps in flat["per_position"]]
         return to_csv(flat)
 
-    emit(fmt, table=table, markdown=markdown, csv=csv, json=lambda: json.dumps({"run": run.id, "rows": records()},
-                                                                              indent=2))
+    emit_reports(fmt, reports, markdown=markdown, csv=csv,
+                 json=lambda: json.dumps({"run": run.id, "rows": records()}, indent=2))

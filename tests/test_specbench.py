@@ -239,6 +239,9 @@ def test_reports_by_task_and_spec_bench(specbench_run):
     assert rows["linear"]["per_position"] == sorted(rows["linear"]["per_position"], reverse=True)
     table = invoke("report", "--db", db, "--spec-bench")
     assert table.exit_code == 0 and "#MAT" in table.output and "Mean acc. len (vLLM)" in table.output
+    md = invoke("report", "--db", db, "--spec-bench", "--format", "markdown")
+    assert md.exit_code == 0 and md.output.startswith("### Spec-Bench · run "), md.output
+    assert "#MAT" in md.output and "\n|---" in md.output
     one_line_error(invoke("report", "--db", db, "--spec-bench", "--compare"), "--spec-bench")
 
 
