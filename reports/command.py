@@ -9,6 +9,7 @@ written-file lists and gate verdicts to stderr.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -17,7 +18,7 @@ from rich.console import Console
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable, to_csv
-from dtbench.reports.output import emit
+from dtbench.reports.output import RENDERERS, Report, emit, emit_reports, records
 
 
 def _note(msg: str) -> None:
@@ -174,12 +175,9 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     caption = ("speedup = mean throughput / mean AR throughput (same dataset, L_max, T), prompts after warmup; "
                f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}")
     title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
-    emit(fmt,
-         table=lambda out: out.print(render.rich_frame(render.speedup_display(table, 1 - alpha), title, caption, styles)),
-         markdown=lambda: render.markdown_frame(render.speedup_display(table, 1 - alpha), title, caption),
-         csv=lambda: to_csv(render.exported(table)),
-         json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha,
-                                  "cells": json.loads(render.exported(table).to_json(orient="records"))}, indent=2))
+    report = Report("speedups", title, caption, render.speedup_display(table, 1 - alpha), table, row_styles=styles)
+    emit_reports(fmt, [report],
+                 json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha, "cells": records(table)}, indent=2))
 
 
 # --- between runs --------------------------------------------------------------------------------------------
@@ -206,18 +204,16 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
     title = f"run {ids[0]} → run {ids[1]}"
     caption = (f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
                f"per-prompt throughputs, better/worse when p < {alpha:g}")
-    def rich_table(out: Console) -> None:
+    def rich_table() -> Callable[[Console], None]:
         if table.empty:
-            _note("no changed cells")
-        else:
-            styles = [render.MARK_STYLES.get(m) for m in table["mark"]]
-            out.print(render.rich_frame(render.compare_display(table), title, caption, styles))
+            return lambda out: _note("no changed cells")
+        return RENDERERS["table"]([report])
 
-    emit(fmt, table=rich_table, markdown=lambda: render.markdown_frame(render.compare_display(table), title, caption),
-         csv=lambda: to_csv(render.exported(table)),
-         json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha,
-                                  "cells": json.loads(render.exported(table).to_json(orient="records")),
-                                  "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
+    report = Report("compare", title, caption, render.compare_display(table), table,
+                    row_styles=[render.MARK_STYLES.get(m) for m in table["mark"]])
+    emit_reports(fmt, [report], table=rich_table,
+                 json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha, "cells": records(table),
+                                          "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
     return failures
 
 
@@ -243,16 +239,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         if out_dir:
             write_tables(made, out_dir)
         else:  # csv of several tables is refused up front (--out writes one CSV per table)
-            def rich_tables(out: Console) -> None:
-                for t in made:
-                    out.print(render.rich_frame(t.display, t.title, "\n".join([t.caption, *t.notes])))
-
-            emit(fmt, table=rich_tables,
-                 markdown=lambda: "\n".join(render.markdown_frame(t.display, t.title, t.caption, t.notes) for t in made),
-                 csv=lambda: "",
-                 json=lambda: json.dumps({t.key: {"title": t.title, "caption": t.caption, "notes": t.notes,
-                                                  "rows": json.loads(render.exported(t.data).to_json(orient="records"))}
-                                          for t in made}, indent=2))
+            emit_reports(fmt, made)
     if fig_dir:
         from dtbench.reports.figures import write_figures
 

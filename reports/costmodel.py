@@ -39,8 +39,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.safetext import to_csv
-from dtbench.reports.output import emit
+from dtbench.reports.output import Report, emit_reports
 from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing, show
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
@@ -298,10 +297,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "Speedup meas.": show(r["measured_speedup"], ".2f", "×"), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
         "Best config (pred.)": best_config(r),
     } for _, r in table.iterrows()])
-    # the one output layer (reports/output.py): the same console and format dispatch as every other report
-    emit(fmt, table=lambda out: out.print(render.rich_frame(display, title, caption)),
-         markdown=lambda: render.markdown_frame(display, title, caption),
-         csv=lambda: to_csv(render.exported(table.drop(columns=["acceptance_by_position"]))), json=as_json)
+    # the one output layer (reports/output.py): the same console and format renderers as every other report
+    report = Report("cost_model", title, caption, display, table.drop(columns=["acceptance_by_position"]))
+    emit_reports(fmt, [report], json=as_json)
 
 
 def best_config(row) -> str:

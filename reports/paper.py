@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from dtbench.reports.output import Report
 from dtbench.reports.render import fmt, fmt_pm, lossless_notes, mixed_devices_note
 from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import base_label, without_partial
@@ -65,16 +66,9 @@ class Method:
         return all(c["decoder"] == BASELINE for c in self.cells.values())
 
 
-@dataclass
-class PaperTable:
-    """A regenerated paper table: display strings for Markdown/terminal, numbers for JSON/CSV."""
-
-    key: str
-    title: str
-    caption: str
-    display: pd.DataFrame
-    data: pd.DataFrame
-    notes: list[str] = field(default_factory=list)
+#: A regenerated paper table is a :class:`~dtbench.reports.output.Report`: display strings for Markdown/terminal,
+#: numbers for JSON/CSV, rendered by the one output layer.
+PaperTable = Report
 
 
 def _non_sweep(summary: pd.DataFrame) -> pd.DataFrame:
