@@ -44,6 +44,9 @@ def test_run_prints_report_and_stores_samples(tiny_run):
         run = s.scalars(select(db.Run)).one()
         assert run.status == "completed"
         assert run.environment["torch"] and run.environment["transformers"] and run.environment["device"] == "cpu"
+        (source,) = run.environment["datasets"]  # the provenance load_documents returned, one per dataset entry
+        assert source["name"] == "wikitext-2" and source["source"] == "local" and source["skip"] == 0
+        assert source["files"][0].endswith("wiki.test.raw") and len(source["sha256"]) == 64
         assert {c.status for c in run.cells} == {"done"}
 
 
