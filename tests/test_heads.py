@@ -463,4 +463,6 @@ def test_a_calibrated_run_prices_eagle_and_predicts_its_best_total_token(tmp_pat
     assert cell["predicted_s"] > 0 and cell["target_s"] > 0 and cell["draft_s"] == 0 and cell["approx"]
     assert 2 <= cell["predicted_best_total_token"] <= 9 and cell["predicted_best_total_token_speedup"] > 0
     result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "markdown")
-    assert result.exit_code == 0 and "Best total_token (pred.)" in result.output, result.output
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("| wikitext-2") and "| E |" in line)
+    assert "Best config (pred.)" in result.output and f"total_token={cell['predicted_best_total_token']} (" in row
