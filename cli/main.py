@@ -19,6 +19,23 @@ from rich.table import Table
 from dtbench.cli.db import db_group
 from dtbench.harness.bounds import Checked, OpenProbability, Seconds
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.reports.output import RENDERERS
+
+class FormatChoice(click.Choice):
+    """``--format``: the registered renderers (:data:`dtbench.reports.output.RENDERERS`), read when the option is
+    parsed or its help shown, so a format registered with ``@renderer`` is a choice without touching the CLI."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(RENDERERS)
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the registry is the one source
+        pass
+
 
 # Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
@@ -185,8 +202,9 @@ def run_exit_code(sessions, run_id: int) -> int:
 @click.option("--db", "db_url", help=DB_HELP)
 @click.option("--run", "run_ids", type=int, multiple=True,
               help="run id (default: the latest run); repeat it to combine runs for --tables, --figures and --html")
-@click.option("--format", "fmt", type=click.Choice(["table", "markdown", "csv", "json"]), default="table",
-              show_default=True, help="table for the terminal; markdown, csv, json to stdout")
+@click.option("--format", "fmt", type=FormatChoice(), default="table", show_default=True,
+              help="table: the terminal; markdown, csv, json, html: text to stdout (html: one self-contained page); "
+                   "every report prints in every format")
 @click.option("--compare", is_flag=True,
               help="alone: speedup vs AR with a paired t CI on per-prompt ratios ('n too small' below 5 prompts after "
                    "warmup); with BEFORE AFTER run ids: a run-to-run comparison")

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas loads with the first CSV, not with every command that escapes a line of text
+    import pandas as pd
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -63,6 +64,8 @@ def csv_cell(value: Any) -> Any:
 
 def csv_frame(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with :func:`csv_cell` applied to its text columns and its column names."""
+    import pandas as pd
+
     out = frame.copy()
     for col in out.columns:
         if pd.api.types.is_object_dtype(out[col]) or pd.api.types.is_string_dtype(out[col]):

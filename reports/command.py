@@ -8,17 +8,14 @@ written-file lists and gate verdicts to stderr.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.safetext import printable, to_csv
-from dtbench.reports.output import RENDERERS, Report, emit, emit_reports, records
+from dtbench.harness.safetext import printable
+from dtbench.reports.output import Document, Report, emit, rendered
 
 
 def _note(msg: str) -> None:
@@ -63,7 +60,7 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if len(run_ids) > 1 and (compare or not (tables or files)):
         raise DtbenchError("several --run combine only for --tables, --figures and --html; give one --run here")
     if tables and not out_dir and fmt == "csv":
-        raise DtbenchError("--tables prints table, markdown or json; for CSV files use --out DIR")
+        raise DtbenchError("--tables prints table, markdown, json or html; for CSV files use --out DIR")
     if include_partial and not (tables or files):
         raise DtbenchError("--include-partial is for --tables, --out, --figures and --html (the other reports always "
                            "show partial cells, marked partial)")
@@ -120,10 +117,10 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
 def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -> None:
     """Print every cell of a run (the default report; also what ``dtbench run`` prints at the end).
 
-    ``table``: a header line (run, suite, status, device, versions; a second line with the hardware flags where
-    the run recorded ``environment["hardware"]``), then one rich table per (dataset, L_max, T) with notes for
-    failed, partial and warmup-only cells. ``markdown``/``csv``/``json``: :mod:`dtbench.reports.render`; JSON
-    carries the run's whole environment, hardware flags included. ``by`` (``group``/``category``): every cell per
+    A header line (run, suite, status, device, versions; a second line with the hardware flags where the run
+    recorded ``environment["hardware"]``), then one report per (dataset, L_max, T) with notes for failed, partial
+    and warmup-only cells (:func:`dtbench.reports.render.cell_document`), in any registered format; CSV and JSON
+    are one row per cell, JSON with the run's whole environment, hardware flags included. ``by`` (``group``/``category``): every cell per
     task of a question dataset (:func:`dtbench.reports.specbench.by_task`).
 
     Raises:
@@ -145,12 +142,7 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
         summary = summarize(frame)
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
-    def table(out: Console) -> None:
-        out.print(render.run_header(meta), markup=False, highlight=False)
-        render.print_tables(summary, out)
-
-    emit(fmt, table=table, markdown=lambda: render.markdown(summary), csv=lambda: render.csv(summary),
-         json=lambda: render.to_json(summary, meta))
+    emit(fmt, render.cell_document(summary, meta))
 
 
 # --- within a run --------------------------------------------------------------------------------------------
@@ -176,8 +168,7 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
                f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}")
     title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
     report = Report("speedups", title, caption, render.speedup_display(table, 1 - alpha), table, row_styles=styles)
-    emit_reports(fmt, [report],
-                 json=lambda: json.dumps({"run": rid, "confidence": 1 - alpha, "cells": records(table)}, indent=2))
+    emit(fmt, Document([report], meta={"run": rid, "confidence": 1 - alpha}, rows="cells"))
 
 
 # --- between runs --------------------------------------------------------------------------------------------
@@ -201,19 +192,15 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
     _note(f"run {ids[0]} → run {ids[1]}: {len(table)} cells: " + ", ".join(f"{n} {m}" for m, n in counts.items()))
     if only_changed:
         table = table[~table["mark"].isin(UNCHANGED_MARKS)]
+        if table.empty:
+            _note("no changed cells")
     title = f"run {ids[0]} → run {ids[1]}"
     caption = (f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
                f"per-prompt throughputs, better/worse when p < {alpha:g}")
-    def rich_table() -> Callable[[Console], None]:
-        if table.empty:
-            return lambda out: _note("no changed cells")
-        return RENDERERS["table"]([report])
-
     report = Report("compare", title, caption, render.compare_display(table), table,
                     row_styles=[render.MARK_STYLES.get(m) for m in table["mark"]])
-    emit_reports(fmt, [report], table=rich_table,
-                 json=lambda: json.dumps({"before": ids[0], "after": ids[1], "alpha": alpha, "cells": records(table),
-                                          "gate": {"gates": [g.text for g in gates], "failures": failures}}, indent=2))
+    gate = {"gates": [g.text for g in gates], "failures": failures}
+    emit(fmt, Document([report], meta={"before": ids[0], "after": ids[1], "alpha": alpha, "gate": gate}, rows="cells"))
     return failures
 
 
@@ -223,7 +210,6 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
 def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file, alpha, include_partial=False) -> None:
     """Paper tables (stdout or ``out_dir``), figures (``fig_dir``) and the HTML report (``html_file``); partial
     cells' numbers only with ``include_partial``."""
-    from dtbench.reports import render
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.summary import combined_summary, samples_frame
 
@@ -239,7 +225,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         if out_dir:
             write_tables(made, out_dir)
         else:  # csv of several tables is refused up front (--out writes one CSV per table)
-            emit_reports(fmt, made)
+            emit(fmt, Document(made, title="paper tables"))
     if fig_dir:
         from dtbench.reports.figures import write_figures
 
@@ -259,19 +245,15 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
 
 
 def write_tables(made, out_dir: str | Path) -> None:
-    """Each table as ``<key>.md`` (display) and ``<key>.csv`` (numbers), plus ``tables.md`` with all of them."""
-    from dtbench.reports import render
-
+    """Each table as ``<key>.md`` (display) and ``<key>.csv`` (numbers), plus ``tables.md`` with all of them: the
+    ``markdown`` and ``csv`` renderers' text, as ``--format`` prints it."""
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        docs = []
         for t in made:
-            md = render.markdown_frame(t.display, t.title, t.caption, t.notes)
-            (out / f"{t.key}.md").write_text(md, encoding="utf-8")
-            to_csv(render.exported(t.data), out / f"{t.key}.csv")
-            docs.append(md)
-        (out / "tables.md").write_text("\n".join(docs), encoding="utf-8")
+            (out / f"{t.key}.md").write_text(rendered("markdown", [t]), encoding="utf-8")
+            (out / f"{t.key}.csv").write_text(rendered("csv", [t]), encoding="utf-8")
+        (out / "tables.md").write_text(rendered("markdown", made), encoding="utf-8")
     except OSError as exc:
         raise DtbenchError(f"cannot write tables to {out}: {exc.strerror or exc}") from None
     _note(f"wrote {len(made)} tables to {out}: " + ", ".join(f"{t.key}.md/.csv" for t in made) + ", tables.md")

@@ -31,7 +31,6 @@ curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-ste
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.output import Report, emit_reports
+from dtbench.reports.output import Document, Report, emit
 from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing, show
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
@@ -250,7 +249,6 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
             run without samples after warmup.
     """
     from dtbench.harness.curves import load_curves
-    from dtbench.reports import render
     from dtbench.reports.summary import get_run
 
     with sessions() as session:
@@ -282,11 +280,6 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
             "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
             "predicted_best_total_token_speedup", "predicted_best_n_max", "approx"]
 
-    def as_json() -> str:
-        cells = json.loads(render.exported(table[cols]).to_json(orient="records", double_precision=15))
-        return json.dumps({"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id},
-                           "cells": cells}, indent=2)
-
     display = pd.DataFrame([{
         "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
         "n": str(r["n"]), "Measured (s)": show(r["measured_s"], ".3f"),
@@ -297,9 +290,11 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "Speedup meas.": show(r["measured_speedup"], ".2f", "×"), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
         "Best config (pred.)": best_config(r),
     } for _, r in table.iterrows()])
-    # the one output layer (reports/output.py): the same console and format renderers as every other report
-    report = Report("cost_model", title, caption, display, table.drop(columns=["acceptance_by_position"]))
-    emit_reports(fmt, [report], json=as_json)
+    # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
+    # per-position acceptance as ';'-joined shares, JSON as a list
+    report = Report("cost_model", title, caption, display, table[cols])
+    emit(fmt, Document([report], meta={"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id}},
+                       rows="cells", precision=15))
 
 
 def best_config(row) -> str:

@@ -1,11 +1,12 @@
-"""One self-contained HTML report: run metadata, the paper's tables, speedup confidence intervals, the
-figures (inline base64 SVG, no external files or scripts) and every cell's summary."""
+"""One self-contained HTML report (``--html FILE``): run metadata, the paper's tables, speedup confidence intervals,
+the figures (inline base64 SVG, no external files or scripts) and every cell's summary. Tables, notes and the page
+are drawn by the ``html`` renderer's pieces (:mod:`dtbench.reports.output`), so a report reads the same here as
+with ``--format html``."""
 
 from __future__ import annotations
 
 import base64
 import html
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
@@ -14,24 +15,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.reports import render
 from dtbench.reports.compare import SPEEDUP_CI_METHOD
 from dtbench.reports.figures import build_figures, to_bytes
+from dtbench.reports.output import Report, html_note, html_page, html_section, html_table
 from dtbench.reports.paper import paper_tables
-
-CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
-       color: #222; line-height: 1.4; padding: 0 1rem; }
-h1 { font-size: 1.6rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
-table { border-collapse: collapse; margin: .6rem 0; font-size: .85rem; }
-th, td { border: 1px solid #ccc; padding: .25rem .55rem; text-align: right; }
-th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
-p.caption { font-size: .85rem; color: #555; max-width: 100%; }
-p.note { font-size: .8rem; color: #777; font-style: italic; }
-figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; border: 1px solid #eee; }
-code { background: #f5f5f5; padding: 0 .2rem; }
-"""
-
-
-def _table(display: pd.DataFrame) -> str:
-    return display.to_html(index=False, escape=True, border=0, na_rep="—")
 
 
 def _meta(runs) -> pd.DataFrame:
@@ -60,43 +45,34 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
     """
     e = html.escape
     ids = ", ".join(str(r.id) for r in runs)
-    out = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>dtbench report — run {e(ids)}</title>",
-           f"<style>{CSS}</style></head><body>",
-           f"<h1>dtbench report — run {e(ids)}</h1>",
-           f"<p class='caption'>Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from the results database. "
-           "Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
-           "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "
-           "A <em>partial</em> cell failed after some prompts: its numbers come from those prompts only and the paper "
-           "tables and figures leave them out unless --include-partial.</p>",
-           "<h2>Runs</h2>", _table(_meta(runs))]
+    intro = ("Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
+             "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "
+             "A <em>partial</em> cell failed after some prompts: its numbers come from those prompts only and the paper "
+             "tables and figures leave them out unless --include-partial.")
+    meta = _meta(runs)
+    out = ["<h2>Runs</h2>", html_table(Report("runs", "", "", meta, meta))]
     tables, skipped = paper_tables(summary, include_partial)
     out.append("<h2>Paper tables</h2>")
-    for t in tables:
-        out += [f"<h3>{e(t.title)}</h3>", _table(t.display), f"<p class='caption'>{e(t.caption)}</p>"]
-        out += [f"<p class='note'>{e(n)}</p>" for n in t.notes]
-    out += [f"<p class='note'>{e(n)}</p>" for n in skipped]
+    out += [html_section(t) for t in tables]
+    out += [html_note(n) for n in skipped]
     if speedups:
         out.append("<h2>Speedup vs AR with confidence intervals</h2>")
-        for run_id, table in speedups.items():
-            if table.empty:
-                continue
-            out += [f"<h3>run {run_id}</h3>", _table(render.speedup_display(table, confidence)),
-                    f"<p class='caption'>Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T; "
-                    f"{e(SPEEDUP_CI_METHOD)}.</p>"]
+        caption = ("Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T; "
+                   f"{SPEEDUP_CI_METHOD}.")
+        out += [html_section(Report(f"speedups_{run_id}", f"run {run_id}", caption,
+                                    render.speedup_display(table, confidence), table,
+                                    row_styles=[render.verdict_style(v) for v in table["verdict"]]))
+                for run_id, table in speedups.items() if not table.empty]
     figs, notes = build_figures(summary, include_partial)
     out.append("<h2>Figures</h2>")
     for stem, fig in figs.items():
         svg = base64.b64encode(to_bytes(fig, "svg")).decode()
         out.append(f"<figure><img alt='{e(stem)}' src='data:image/svg+xml;base64,{svg}'>"
                    f"<figcaption><code>{e(stem)}</code></figcaption></figure>")
-    out += [f"<p class='note'>{e(n)}</p>" for n in notes]
-    out.append("<h2>Every cell</h2>")
-    for key, group in summary.groupby(["dataset", "l_max", "gen_length"], sort=False):
-        disp = pd.DataFrame([{h: render.formatted(row)[c] for h, c in render.COLUMNS} for _, row in group.iterrows()])
-        out += [f"<h3>{e(key[0])} · L_max {key[1]} · T={key[2]}</h3>", _table(disp)]
-        out += [f"<p class='note'>{e(n)}</p>" for _, row in group.iterrows() for n in render.cell_notes(row)]
-    out.append("</body></html>")
-    return "\n".join(out)
+    out += [html_note(n) for n in notes]
+    out.append("<h2>Every cell</h2>")  # the reports `dtbench report` prints (render.cell_reports)
+    out += [html_section(r) for r in render.cell_reports(summary)]
+    return html_page(f"dtbench report — run {ids}", out, intro)
 
 
 def write_html(path: str | Path, document: str) -> Path:

@@ -1,29 +1,61 @@
-"""The one output layer of the reports: a report is an object, and its formats are rendered by one registry.
+"""The one output layer of the reports: a report is an object, and every format is one registered renderer.
 
 A :class:`Report` carries a title, caption, notes, a display frame (strings, what people read) and a data frame
-(numbers, what CSV/JSON export). The ``--format`` renderers (``table``/``markdown``/``csv``/``json``) are
-registered once, in :data:`RENDERERS` (:func:`renderer`); :func:`emit_reports` renders a list of reports through
-them, and :func:`emit` is the same dispatch for a report that supplies its own per-format callables (the run's cell
-table, Spec-Bench views). Every path escapes through :mod:`dtbench.harness.safetext`: the markdown renderer via
-:func:`~dtbench.reports.render.markdown_frame` (``markdown_cell``), the table renderer via
-:func:`~dtbench.reports.render.rich_frame` (``printable``), CSV via ``to_csv`` (formula-injection guard).
-:func:`stdout` is the console (a pipe or file gets the full width rather than rich's 80-column fallback).
+(numbers, what CSV/JSON export). A :class:`Document` is what one command prints: its reports, the line above them
+(the run header) and the envelope of its machine-readable form (JSON keys such as ``run``, the key of its rows).
+The ``--format`` renderers (``table``, ``markdown``, ``csv``, ``json``, ``html``) are registered once, in
+:data:`RENDERERS` (:func:`renderer`), and :data:`FORMATS` (the CLI's ``--format`` choices) is that registry's keys.
+Every report, the run's cell table included, is printed by :func:`emit`; ``--out DIR`` and ``--html FILE`` write
+what the same renderers return.
 
-Adding a format: register one renderer here (and, where a report overrides a format, its override).
+Every path escapes through :mod:`dtbench.harness.safetext`: markdown via ``markdown_cell``, the terminal via
+``printable`` (:func:`plain`), CSV via ``to_csv`` (formula-injection guard), HTML via :func:`html.escape`.
+
+Adding a format: one function here decorated with ``@renderer("name")``, taking a :class:`Document` and returning
+its text (``table`` returns a callable drawing on a rich Console). The CLI's choices, ``--help`` and every report
+pick it up.
 """
 
 from __future__ import annotations
 
+import html as html_lib
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import click
-import pandas as pd
-from rich.console import Console
 
-from dtbench.harness.safetext import to_csv
+from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import markdown_cell, printable, to_csv
+
+if TYPE_CHECKING:  # pandas and rich load when a report is rendered, not when the CLI starts
+    import pandas as pd
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+
+class Note(str):
+    """A report note: a plain ``str`` everywhere, with an optional rich ``style`` for the terminal and HTML.
+
+    Example: ``Note("linear failed: ...", "red")``; a bare ``str`` note has no style.
+    """
+
+    style: str | None
+
+    def __new__(cls, text: str, style: str | None = None) -> Note:
+        note = super().__new__(cls, text)
+        note.style = style
+        return note
+
+
+def style_of(note: str) -> str | None:
+    """The rich style of a note (None for a plain ``str``)."""
+    return getattr(note, "style", None)
 
 
 @dataclass
@@ -32,10 +64,12 @@ class Report:
 
     Attributes:
         key: machine name (JSON key, file stem), e.g. ``table1_main``.
-        title, caption: shown above / below the table; notes: one line each, after the caption.
-        display: display strings, one column per shown column (rendered by ``table`` and ``markdown``).
-        data: the numbers (rendered by ``csv`` and ``json``; :func:`~dtbench.reports.render.exported` columns).
-        row_styles: optional rich style per display row (``table`` only).
+        title, caption: shown above / below the table; notes: one line each, after the caption (:class:`Note` for a
+            styled one).
+        display: display strings, one column per shown column (rendered by ``table``, ``markdown`` and ``html``).
+        data: the numbers (rendered by ``csv`` and ``json``; columns renamed by :func:`exported`).
+        row_styles: optional rich style per display row (``table``; ``html`` as a row class).
+        left: display columns aligned left; None: text columns left, numeric ones right (:func:`is_left`).
     """
 
     key: str
@@ -45,10 +79,52 @@ class Report:
     data: pd.DataFrame
     notes: list[str] = field(default_factory=list)
     row_styles: list[str | None] | None = None
+    left: frozenset[str] | None = None
 
 
-#: format name -> renderer(reports) returning the text for stdout, or (``table``) a callable(console) drawing it.
-RENDERERS: dict[str, Callable[[Sequence[Report]], object]] = {}
+@dataclass
+class Document:
+    """What one command prints, in any format: its reports and the envelope around them.
+
+    Attributes:
+        reports: the reports, in order.
+        header: the text above the reports (``table``, ``markdown``, ``html``; e.g. the run line), "" for none.
+        meta: JSON keys written before the rows (``{"run": 3, "confidence": 0.95}``).
+        rows: the JSON key of the rows (``"cells"``): JSON is ``{**meta, rows: [...]}``; None: one JSON object per
+            report, by its key, with its title, caption, notes and rows.
+        data: the machine-readable rows when the document is one table (CSV; JSON under ``rows``); None: the reports'
+            data frames, concatenated.
+        precision: significant digits of floats in JSON (pandas' ``double_precision``, at most 15).
+        title: the HTML page's title (default: the first report's).
+    """
+
+    reports: list[Report]
+    header: str = ""
+    meta: dict = field(default_factory=dict)
+    rows: str | None = None
+    data: pd.DataFrame | None = None
+    precision: int = 10
+    title: str = ""
+
+    def frame(self) -> pd.DataFrame:
+        """The machine-readable rows: :attr:`data`, or every report's data frame, concatenated.
+
+        Raises:
+            DtbenchError: several reports whose data frames have different columns (they make no one table).
+        """
+        import pandas as pd
+
+        if self.data is not None:
+            return self.data
+        frames = [r.data for r in self.reports]
+        if len({tuple(f.columns) for f in frames}) > 1:
+            raise DtbenchError("these reports have different columns and make no one CSV table: "
+                               + ", ".join(r.key for r in self.reports))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+#: format name -> renderer(document) returning the text for stdout, or (``table``) a callable(console) drawing it.
+RENDERERS: dict[str, Callable[[Document], object]] = {}
 
 
 def renderer(name: str):
@@ -59,72 +135,246 @@ def renderer(name: str):
     return register
 
 
-@renderer("table")
-def _table(reports: Sequence[Report]) -> Callable[[Console], None]:
-    from dtbench.reports.render import rich_frame
+# --- frames of display strings ---------------------------------------------------------------------------------
 
+
+def plain(value, lines: bool = False) -> Text:
+    """A rich table's cell, title or caption from data: not parsed as rich markup (a label ``[/x]`` would fail the
+    report), control characters escaped (:func:`~dtbench.harness.safetext.printable`; with ``lines``, a caption's
+    own line breaks kept)."""
+    from rich.text import Text
+
+    text = str(value)
+    return Text("\n".join(printable(line) for line in text.split("\n")) if lines else printable(text))
+
+
+def is_left(values) -> bool:
+    """Whether a display column reads left-aligned: not every value is a number (or a dash)."""
+    return not all(isinstance(v, (int, float)) or (isinstance(v, str) and v[:1] in "0123456789+-—.") for v in values)
+
+
+def _left(report: Report, column) -> bool:
+    return column in report.left if report.left is not None else is_left(report.display[column])
+
+
+def rich_frame(report: Report) -> Table:
+    """A rich Table of a report's display frame, title and caption (text columns left-aligned, numbers right)."""
+    from rich.table import Table
+
+    display = report.display
+    table = Table(title=plain(report.title), caption=plain(report.caption, lines=True) if report.caption else None,
+                  caption_justify="left")
+    for col in display.columns:
+        table.add_column(plain(col), justify="left" if _left(report, col) else "right")
+    for i, (_, row) in enumerate(display.iterrows()):
+        style = report.row_styles[i] if report.row_styles else None
+        table.add_row(*("" if v is None else plain(v) for v in row), style=style)
+    return table
+
+
+def markdown_frame(report: Report, level: int = 3) -> str:
+    """GitHub Markdown of a report: a heading, the display frame as a table, its caption, its notes as a list."""
+    display = report.display
+    parts = [f"{'#' * level} {markdown_cell(report.title)}\n"] if report.title else []
+    parts.append("| " + " | ".join(markdown_cell(c) for c in display.columns) + " |")
+    parts.append("|" + "|".join("---" if _left(report, c) else "---:" for c in display.columns) + "|")
+    for _, row in display.iterrows():
+        parts.append("| " + " | ".join(markdown_cell(v) for v in row) + " |")
+    if report.caption:
+        parts.append(f"\n{markdown_cell(report.caption)}")
+    if report.notes:
+        parts += [""] + [f"- {markdown_cell(n)}" for n in report.notes]
+    parts.append("")
+    return "\n".join(parts)
+
+
+# Column names of the machine-readable outputs (CSV and JSON of every report) that differ from the frames': L_max
+# keeps the name these outputs have always used, so scripts that read them keep working.
+EXPORT_NAMES = {"l_max": "prompt_cap"}
+
+
+def exported(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with its columns named as the CSV/JSON outputs name them (:data:`EXPORT_NAMES`)."""
+    return frame.rename(columns=EXPORT_NAMES)
+
+
+def records(data: pd.DataFrame, precision: int = 10) -> list[dict]:
+    """A data frame's exported rows as JSON-ready records (NaN -> null; nested lists and dicts kept); floats to
+    ``precision`` significant digits (pandas ``to_json``'s ``double_precision``)."""
+    return json.loads(exported(data).to_json(orient="records", double_precision=precision, default_handler=str))
+
+
+def flat(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` as CSV holds it: a list value as its items joined by ``;`` (floats to 6 significant digits); a column
+    holding dicts (a cell's params) left out: nested values are JSON's."""
+    def cell(v):
+        if isinstance(v, (list, tuple)):
+            return ";".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in v)
+        return v
+
+    nested = [c for c in frame.columns if frame[c].map(lambda v: isinstance(v, dict)).any()]
+    out = frame.drop(columns=nested)
+    for c in out.columns:
+        if out[c].map(lambda v: isinstance(v, (list, tuple))).any():
+            out[c] = out[c].map(cell)
+    return out
+
+
+# --- the registered formats ------------------------------------------------------------------------------------
+
+
+@renderer("table")
+def _table(doc: Document) -> Callable[[Console], None]:
+    """The terminal: the header, then each report as a rich table with its notes below it in their styles."""
     def draw(out: Console) -> None:
-        for r in reports:
-            out.print(rich_frame(r.display, r.title, "\n".join([r.caption, *r.notes]), r.row_styles))
+        if doc.header:
+            out.print(printable_lines(doc.header), markup=False, highlight=False)
+        for r in doc.reports:
+            out.print(rich_frame(r))
+            for n in r.notes:
+                out.print(printable(n), style=style_of(n), markup=False, highlight=False)
     return draw
 
 
-@renderer("markdown")
-def _markdown(reports: Sequence[Report]) -> str:
-    from dtbench.reports.render import markdown_frame
+def printable_lines(text: str) -> str:
+    """``text`` with control characters escaped line by line (its own line breaks kept)."""
+    return "\n".join(printable(line) for line in text.split("\n"))
 
-    return "\n".join(markdown_frame(r.display, r.title, r.caption, r.notes) for r in reports)
+
+@renderer("markdown")
+def _markdown(doc: Document) -> str:
+    head = "".join(f"{markdown_cell(line)}\n\n" for line in doc.header.split("\n")) if doc.header else ""
+    return head + "\n".join(markdown_frame(r) for r in doc.reports)
 
 
 @renderer("csv")
-def _csv(reports: Sequence[Report]) -> str:
-    """One report's numbers as CSV (several reports have no one CSV: the caller refuses or writes one per report)."""
-    from dtbench.reports.render import exported
-
-    return to_csv(exported(reports[0].data)) if len(reports) == 1 else ""
+def _csv(doc: Document) -> str:
+    """The document's rows as one CSV table (:meth:`Document.frame`, :func:`flat`)."""
+    return to_csv(flat(exported(doc.frame())))
 
 
 @renderer("json")
-def _json(reports: Sequence[Report]) -> str:
-    return json.dumps({r.key: {"title": r.title, "caption": r.caption, "notes": r.notes, "rows": records(r.data)}
-                       for r in reports}, indent=2)
+def _json(doc: Document) -> str:
+    if doc.rows is not None:
+        body = {**doc.meta, doc.rows: records(doc.frame(), doc.precision)}
+    else:
+        body = {**doc.meta, **{r.key: {"title": r.title, "caption": r.caption, "notes": list(map(str, r.notes)),
+                                       "rows": records(r.data, doc.precision)} for r in doc.reports}}
+    return json.dumps(body, indent=2, default=str)
 
 
-def records(data: pd.DataFrame, **to_json) -> list[dict]:
-    """A data frame's exported rows as JSON-ready records (NaN -> null); ``to_json``: pandas ``to_json`` options."""
-    from dtbench.reports.render import exported
+# --- HTML --------------------------------------------------------------------------------------------------------
 
-    return json.loads(exported(data).to_json(orient="records", **to_json))
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2rem auto; max-width: 1200px;
+       color: #222; line-height: 1.4; padding: 0 1rem; }
+h1 { font-size: 1.6rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
+table { border-collapse: collapse; margin: .6rem 0; font-size: .85rem; }
+th, td { border: 1px solid #ccc; padding: .25rem .55rem; text-align: right; }
+th { background: #f3f3f3; } th.l, td.l { text-align: left; }
+p.caption { font-size: .85rem; color: #555; max-width: 100%; }
+p.note { font-size: .8rem; color: #777; font-style: italic; }
+figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; border: 1px solid #eee; }
+code { background: #f5f5f5; padding: 0 .2rem; }
+.red { color: #b00020; } .bold { font-weight: bold; } .yellow { color: #8a6d00; } .green { color: #1b7f2a; }
+.cyan { color: #00707a; } .magenta { color: #8b1c8b; } .dim { color: #999; }
+"""
+
+
+def _css_class(style: str | None) -> str:
+    """A rich style (``"bold red"``) as the CSS classes above (``bold red``); "" for none."""
+    return " ".join(w for w in (style or "").split() if re.fullmatch(r"[a-z]+", w))
+
+
+def html_table(report: Report) -> str:
+    """A report's display frame as an HTML table: every value escaped, text columns classed ``l`` (left-aligned),
+    rows classed by their style."""
+    e = html_lib.escape
+    cols = list(report.display.columns)
+    cells = [_class_attr("l" if _left(report, c) else "") for c in cols]
+    out = ["<table>", "<thead><tr>" + "".join(f"<th{a}>{e(str(c))}</th>" for a, c in zip(cells, cols))
+           + "</tr></thead>", "<tbody>"]
+    for i, (_, row) in enumerate(report.display.iterrows()):
+        cls = _class_attr(_css_class(report.row_styles[i]) if report.row_styles else "")
+        out.append(f"<tr{cls}>" + "".join(f"<td{a}>{e(_html_value(v))}</td>" for a, v in zip(cells, row)) + "</tr>")
+    out += ["</tbody>", "</table>"]
+    return "\n".join(out)
+
+
+def _class_attr(classes: str) -> str:
+    return f" class='{classes}'" if classes else ""
+
+
+def _html_value(v) -> str:
+    return "—" if v is None or (isinstance(v, float) and v != v) else str(v)
+
+
+def html_section(report: Report, level: int = 3) -> str:
+    """One report as HTML: its title as a heading, the table, the caption, the notes (styled where they are)."""
+    e = html_lib.escape
+    parts = [f"<h{level}>{e(report.title)}</h{level}>"] if report.title else []
+    parts.append(html_table(report))
+    if report.caption:
+        parts.append(f"<p class='caption'>{e(report.caption)}</p>")
+    parts += [html_note(n) for n in report.notes]
+    return "\n".join(parts)
+
+
+def html_note(note: str) -> str:
+    """A note as an HTML paragraph (its style as classes)."""
+    return f"<p class='{' '.join(['note', *_css_class(style_of(note)).split()])}'>{html_lib.escape(note)}</p>"
+
+
+def html_page(title: str, body: Sequence[str], intro: str = "") -> str:
+    """A self-contained HTML document (inline CSS, no scripts or external files) around the ``body`` fragments."""
+    e = html_lib.escape
+    return "\n".join([
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>",
+        f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
+        f"<p class='caption'>Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from the results database."
+        f"{' ' + intro if intro else ''}</p>",
+        *body, "</body></html>"])
+
+
+@renderer("html")
+def _html(doc: Document) -> str:
+    """One self-contained HTML page: the header, then every report (``dtbench report --format html > run.html``)."""
+    header = [f"<p class='caption'>{html_lib.escape(line)}</p>" for line in doc.header.split("\n") if line]
+    title = doc.title or (doc.reports[0].title if doc.reports else "dtbench report")
+    return html_page(f"dtbench — {title}", [*header, *(html_section(r) for r in doc.reports)])
 
 
 FORMATS = tuple(RENDERERS)
 
 
+# --- writing --------------------------------------------------------------------------------------------------
+
+
 def stdout() -> Console:
     """The console a ``table`` report draws on: the terminal's width, or 220 columns for a pipe or file."""
+    from rich.console import Console
+
     return Console() if sys.stdout.isatty() else Console(width=220)
 
 
-def _write(fmt: str, result) -> None:
-    if fmt == "table":
-        result(stdout())
-    elif fmt == "csv":
-        click.echo(result, nl=False)
-    else:
-        click.echo(result)
-
-
-def emit_reports(fmt: str, reports: Sequence[Report], **overrides: Callable[[], object]) -> None:
-    """Render ``reports`` in ``fmt`` with the registered renderer, unless ``overrides[fmt]`` (a callable returning
-    what the renderer would: text, or for ``table`` a callable(console)) replaces it for this report.
+def rendered(fmt: str, doc: Document | Sequence[Report]) -> object:
+    """What the renderer of ``fmt`` returns for ``doc`` (a Document, or a list of reports with no envelope).
 
     Raises:
         KeyError: an unregistered format (the CLI's choices are :data:`FORMATS`).
+        DtbenchError: the reports make no one table for ``csv`` (:meth:`Document.frame`).
     """
-    _write(fmt, overrides[fmt]() if fmt in overrides else RENDERERS[fmt](reports))
+    return RENDERERS[fmt](doc if isinstance(doc, Document) else Document(list(doc)))
 
 
-def emit(fmt: str, **make: Callable) -> None:
-    """Dispatch for a report that supplies every format itself: ``table`` is callable(console) drawing rich output;
-    the others (``markdown``, ``csv``, ``json``) are callables returning the text."""
-    _write(fmt, make[fmt] if fmt == "table" else make[fmt]())
+def emit(fmt: str, doc: Document | Sequence[Report]) -> None:
+    """Print ``doc`` in ``fmt`` on stdout (``table``: drawn on :func:`stdout`'s console).
+
+    Raises:
+        KeyError, DtbenchError: as :func:`rendered`.
+    """
+    result = rendered(fmt, doc)
+    if callable(result):
+        result(stdout())
+    else:
+        click.echo(result, nl=not str(result).endswith("\n"))

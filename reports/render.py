@@ -1,17 +1,14 @@
-"""Rendering of per-cell summaries: rich tables for the terminal, Markdown, CSV and JSON for files and pipes."""
+"""Display strings of the reports: the run's cell table (:func:`cell_reports`, :func:`cell_document`), speedups,
+run-to-run comparisons, cell notes and the run header. What they become in each format is
+:mod:`dtbench.reports.output`'s (one registered renderer per format)."""
 
 from __future__ import annotations
 
-import json
-import math
-
 import pandas as pd
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from dtbench.harness.metrics import METRICS, SPEEDUP
-from dtbench.harness.safetext import markdown_cell, printable, to_csv
+from dtbench.harness.safetext import printable
+from dtbench.reports.output import Document, Note, Report
 from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, is_missing, show
 from dtbench.reports.summary import SAMPLED
 
@@ -156,40 +153,35 @@ def _title(key) -> str:
     return f"{dataset} · L_max={cap} · T={T}"
 
 
-def print_tables(summary: pd.DataFrame, console: Console, caption: str = "") -> None:
-    """One rich table per (dataset, L_max, T), decoders as rows."""
-    for key, group in summary.groupby(GROUP, sort=False):
+def cell_reports(summary: pd.DataFrame) -> list[Report]:
+    """The run's cell table as reports: one per (dataset, L_max, T), decoders as rows.
+
+    Each report's display frame holds :data:`COLUMNS` (less the optional metrics no row has, :func:`shown_columns`)
+    as :func:`formatted` strings; its data frame the same cells' :data:`MACHINE_COLUMNS` and ``params``; its notes
+    :func:`cell_notes` (red for a failed cell, yellow otherwise); a failed cell's row, or a lossless decoder's that
+    diverged, is red.
+    """
+    reports = []
+    for i, (key, group) in enumerate(summary.groupby(GROUP, sort=False)):
+        columns = shown_columns(group)
+        rows = [row for _, row in group.iterrows()]
+        display = pd.DataFrame([[formatted(row)[c] for _, c in columns] for row in rows],
+                               columns=[h for h, _ in columns])
+        styles = ["red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
+                  for row in rows]
+        notes = [Note(note, "red" if row["status"] == "failed" else "yellow") for row in rows for note in cell_notes(row)]
         n = int(group["n"].max()) if len(group) else 0
-        table = Table(title=plain(_title(key)), caption=caption or f"mean ± std over {n} prompts after warmup")
-        columns = shown_columns(group)
-        for head, col in columns:
-            table.add_column(head, justify="left" if col in ("label", "lossless") else "right")
-        for _, row in group.iterrows():
-            f = formatted(row)
-            style = "red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
-            table.add_row(*(plain(f[c]) for _, c in columns), style=style)
-        console.print(table)
-        for _, row in group.iterrows():
-            style = "red" if row["status"] == "failed" else "yellow"
-            for note in cell_notes(row):
-                console.print(printable(note), style=style, markup=False, highlight=False)
+        reports.append(Report(f"cells_{i}", _title(key), f"mean ± std over {n} prompts after warmup", display,
+                              group[CELL_DATA], notes=notes, row_styles=styles, left=frozenset({"Decoder", "Lossless"})))
+    return reports
 
 
-def markdown(summary: pd.DataFrame) -> str:
-    """The same tables as GitHub Markdown, one section per (dataset, L_max, T)."""
-    parts = []
-    for key, group in summary.groupby(GROUP, sort=False):
-        parts.append(f"### {markdown_cell(_title(key))}\n")
-        columns = shown_columns(group)
-        parts.append("| " + " | ".join(h for h, _ in columns) + " |")
-        parts.append("|" + "|".join("---" if c in ("label", "lossless") else "---:" for _, c in columns) + "|")
-        for _, row in group.iterrows():
-            f = formatted(row)
-            parts.append("| " + " | ".join(markdown_cell(f[c]) for _, c in columns) + " |")
-        notes = [note for _, row in group.iterrows() for note in cell_notes(row)]
-        parts += [""] + [f"- {markdown_cell(note)}" for note in notes] if notes else []
-        parts.append("")
-    return "\n".join(parts)
+def cell_document(summary: pd.DataFrame, run_meta: dict) -> Document:
+    """Every cell of a run as one :class:`~dtbench.reports.output.Document`: the run line (:func:`run_header`)
+    above :func:`cell_reports`; CSV and JSON are one row per cell in the summary's order (:data:`CELL_DATA`; JSON
+    ``{"run": run_meta, "cells": [...]}``, the cell's params included; CSV without them)."""
+    return Document(cell_reports(summary), header=run_header(run_meta), meta={"run": run_meta}, rows="cells",
+                    data=summary[CELL_DATA], title=f"run {run_meta['id']}: every cell")
 
 
 MACHINE_COLUMNS = [
@@ -201,68 +193,8 @@ MACHINE_COLUMNS = [
 ]
 
 
-# Column names of the machine-readable outputs (CSV and JSON of every report) that differ from the frames': L_max
-# keeps the name these outputs have always used, so scripts that read them keep working.
-EXPORT_NAMES = {"l_max": "prompt_cap"}
-
-
-def exported(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with its columns named as the CSV/JSON outputs name them (:data:`EXPORT_NAMES`)."""
-    return frame.rename(columns=EXPORT_NAMES)
-
-
-def csv(summary: pd.DataFrame) -> str:
-    """Machine-readable summary, one row per cell (units in column names: ms, MiB, tokens/s; L_max as prompt_cap)."""
-    return to_csv(exported(summary[MACHINE_COLUMNS]))
-
-
-def to_json(summary: pd.DataFrame, run_meta: dict) -> str:
-    """The run's metadata and per-cell summary rows as JSON (NaN -> null)."""
-    rows = json.loads(exported(summary[MACHINE_COLUMNS + ["params"]]).to_json(orient="records"))
-    return json.dumps({"run": run_meta, "cells": rows}, indent=2, default=str)
-
-
-# --- generic frames (paper tables, comparisons) -------------------------------------------------------------
-
-
-def plain(value, lines: bool = False) -> Text:
-    """A rich table's cell, title or caption from data: not parsed as rich markup (a label ``[/x]`` would fail the
-    report), control characters escaped (:func:`~dtbench.harness.safetext.printable`; with ``lines``, a caption's
-    own line breaks kept)."""
-    text = str(value)
-    return Text("\n".join(printable(line) for line in text.split("\n")) if lines else printable(text))
-
-
-def _is_left(values: pd.Series) -> bool:
-    return not all(isinstance(v, (int, float)) or (isinstance(v, str) and v[:1] in "0123456789+-—.") for v in values)
-
-
-def rich_frame(display: pd.DataFrame, title: str, caption: str = "", row_styles: list[str | None] | None = None) -> Table:
-    """A rich Table of a frame of display strings (text columns left-aligned, numbers right-aligned)."""
-    table = Table(title=plain(title), caption=plain(caption, lines=True) if caption else None, caption_justify="left")
-    for col in display.columns:
-        table.add_column(plain(col), justify="left" if _is_left(display[col]) else "right")
-    for i, (_, row) in enumerate(display.iterrows()):
-        style = row_styles[i] if row_styles else None
-        table.add_row(*("" if v is None else plain(v) for v in row), style=style)
-    return table
-
-
-def markdown_frame(display: pd.DataFrame, title: str = "", caption: str = "", notes: list[str] | None = None,
-                   level: int = 3) -> str:
-    """GitHub Markdown of a frame of display strings, with an optional heading, caption and notes."""
-    parts = [f"{'#' * level} {markdown_cell(title)}\n"] if title else []
-    cols = [str(c) for c in display.columns]
-    parts.append("| " + " | ".join(markdown_cell(c) for c in cols) + " |")
-    parts.append("|" + "|".join("---" if _is_left(display[c]) else "---:" for c in display.columns) + "|")
-    for _, row in display.iterrows():
-        parts.append("| " + " | ".join(markdown_cell(v) for v in row) + " |")
-    if caption:
-        parts.append(f"\n{caption}")
-    for note in notes or []:
-        parts.append(f"\n{note}")
-    parts.append("")
-    return "\n".join(parts)
+# The machine-readable cell table (CSV, JSON; params only in JSON, as CSV holds no nested values).
+CELL_DATA = MACHINE_COLUMNS + ["params"]
 
 
 def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:

@@ -201,10 +201,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     Raises:
         DtbenchError: unknown run, or no question-dataset samples (see :func:`leaderboard`).
     """
-    import json
-
-    from dtbench.harness.safetext import to_csv
-    from dtbench.reports.output import RENDERERS, Report, emit_reports
+    from dtbench.reports.output import Document, Report, emit
     from dtbench.reports.summary import get_run
 
     with sessions() as session:
@@ -216,18 +213,6 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"
 
     reports = [Report(f"specbench_{i}", title(key), CAPTION, display(part), part) for i, (key, part) in enumerate(points)]
-
-    def markdown() -> str:  # blank line between the points' tables
-        return "\n\n".join(RENDERERS["markdown"]([r]) for r in reports)
-
-    def records() -> list[dict]:
-        return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-                for r in board.to_dict(orient="records")]
-
-    def csv() -> str:
-        flat = board.copy()
-        flat["per_position"] = [";".join(f"{p:.6g}" for p in ps) for ps in flat["per_position"]]
-        return to_csv(flat)
-
-    emit_reports(fmt, reports, markdown=markdown, csv=csv,
-                 json=lambda: json.dumps({"run": run.id, "rows": records()}, indent=2))
+    # one table of rows in the leaderboard's order (CSV: per_position as ';'-joined shares); JSON {"run", "rows"}
+    emit(fmt, Document(reports, meta={"run": run.id}, rows="rows", data=board, precision=15,
+                       title=f"Spec-Bench · run {run.id}"))
