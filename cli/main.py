@@ -19,6 +19,7 @@ from rich.table import Table
 from dtbench.cli.db import db_group
 from dtbench.harness.bounds import Checked, OpenProbability, Seconds
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.reports import output
 from dtbench.reports.output import RENDERERS
 
 class FormatChoice(click.Choice):
@@ -54,11 +55,6 @@ Exit codes:
 """
 
 DB_HELP = "SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; default sqlite:///results.db]"
-
-
-def stdout_console() -> Console:
-    """Console for tables on stdout; a pipe or file gets the full width, not rich's 80-column fallback."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 class _Group(click.Group):
@@ -334,7 +330,7 @@ def list_decoders() -> None:
         )
         table.add_row(name, f"{entry.distribution} {entry.version}", "yes" if cls.lossless else "no",
                       "yes" if cls.needs_draft else "no", params or "—")
-    stdout_console().print(table)
+    output.stdout().print(table)  # the reports' console: a pipe gets the full width
     for p in problems:
         click.echo(f"warning: {p}", err=True)
 

@@ -271,13 +271,14 @@ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2r
 h1 { font-size: 1.6rem; } h2 { margin-top: 2.2rem; border-bottom: 1px solid #ddd; padding-bottom: .2rem; }
 table { border-collapse: collapse; margin: .6rem 0; font-size: .85rem; }
 th, td { border: 1px solid #ccc; padding: .25rem .55rem; text-align: right; }
-th { background: #f3f3f3; } th.l, td.l { text-align: left; }
+th { background: #f3f3f3; } th.l, td.l { text-align: left; } td:not(.l) { white-space: nowrap; }
 p.caption { font-size: .85rem; color: #555; max-width: 100%; }
 p.note { font-size: .8rem; color: #777; font-style: italic; }
 figure { margin: 1rem 0 2rem; } figure img { max-width: 100%; border: 1px solid #eee; }
 code { background: #f5f5f5; padding: 0 .2rem; }
-.red { color: #b00020; } .bold { font-weight: bold; } .yellow { color: #8a6d00; } .green { color: #1b7f2a; }
-.cyan { color: #00707a; } .magenta { color: #8b1c8b; } .dim { color: #999; }
+.red, .note.red { color: #b00020; } .yellow, .note.yellow { color: #8a6d00; } .green, .note.green { color: #1b7f2a; }
+.cyan, .note.cyan { color: #00707a; } .magenta, .note.magenta { color: #8b1c8b; } .dim, .note.dim { color: #999; }
+.bold { font-weight: bold; }
 """
 
 

@@ -7,6 +7,8 @@ model's prediction from the calibration must equal it for every built-in decoder
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import os
@@ -369,6 +371,16 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
         assert math.isclose(c["efficiency"], c["forward_share"] * c["forward_speed"], rel_tol=1e-9)
     assert 1 <= cells["linear"]["predicted_best_k"] <= 3 and cells["linear"]["predicted_best_speedup"] > 0
     assert cells["dynatree"]["predicted_best_k"] is None
+    # the same report through the other registered formats: one CSV row per cell (the per-position acceptance as
+    # ';'-joined shares, as JSON's list), one HTML page
+    rows = list(csv.DictReader(io.StringIO(invoke("report", "--db", str(dbfile), "--cost-model", "--format",
+                                                  "csv").stdout)))
+    assert {r["label"] for r in rows} == set(cells) and "prompt_cap" in rows[0]
+    linear = next(r for r in rows if r["label"] == "linear")
+    assert [float(x) for x in linear["acceptance_by_position"].split(";")] == pytest.approx(
+        cells["linear"]["acceptance_by_position"], abs=1e-6)
+    page = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "html").stdout
+    assert page.startswith("<!DOCTYPE html>") and "cost model" in page and "Best config (pred.)" in page
     result = invoke("report", "--db", str(dbfile), "--figures", str(tmp_path / "figs"))
     assert result.exit_code == 0, result.output
     assert (tmp_path / "figs" / f"{costmodel.FIG_STEM}.png").is_file()

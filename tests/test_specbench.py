@@ -4,8 +4,10 @@ validate time, and the --by / --spec-bench reports on a database the runner wrot
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import http.server
+import io
 import json
 import threading
 from collections import Counter
@@ -242,6 +244,13 @@ def test_reports_by_task_and_spec_bench(specbench_run):
     md = invoke("report", "--db", db, "--spec-bench", "--format", "markdown")
     assert md.exit_code == 0 and md.output.startswith("### Spec-Bench · run "), md.output
     assert "#MAT" in md.output and "\n|---" in md.output
+    page = invoke("report", "--db", db, "--spec-bench", "--format", "html")
+    assert page.exit_code == 0 and page.output.startswith("<!DOCTYPE html>") and "<th>#MAT</th>" in page.output
+    flat = list(csv.DictReader(io.StringIO(invoke("report", "--db", db, "--spec-bench", "--format", "csv").output)))
+    assert {r["label"] for r in flat} == set(rows) and flat[0]["prompt_cap"] == "120"
+    linear = next(r for r in flat if r["label"] == "linear")
+    assert [float(p) for p in linear["per_position"].split(";")] == pytest.approx(rows["linear"]["per_position"],
+                                                                                  rel=1e-5)
     one_line_error(invoke("report", "--db", db, "--spec-bench", "--compare"), "--spec-bench")
 
 
