@@ -3,18 +3,19 @@
 
 The paper tunes rho_stop and rho_deep "on a held-out set" (section 3.3) and leaves W, a*, eta_D, eta_h and B_mid
 open; dtbench's tuning suite sweeps them on held-out WikiText-2 articles. This module reads a run from the
-database only (like every report) and, for the decoder measured in the most settings (any decoder, built-in or
-plugin, but the baseline), names the cell with the highest speedup, with the params that differ from that
+database only (like every report) and, for the decoder measured in the most settings side by side (any decoder,
+built-in or plugin, but the baseline; one workload, one way of decoding), names the cell with the highest speedup, with the params that differ from that
 decoder's defaults (its own ``Params`` model, looked up in the decoder registry), so a reader can copy them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
 
-from dtbench.reports.stats import BASELINE
+from dtbench.reports.stats import BASELINE, pairing_key
 from dtbench.reports.summary import get_run, samples_frame, summarize
 
 
@@ -31,26 +32,36 @@ def default_params(decoder: str) -> dict:
 
 
 def best_setting(summary: pd.DataFrame) -> dict | None:
-    """The fastest cell of the decoder measured in the most settings in a run summary
-    (:func:`~dtbench.reports.summary.summarize`; ties: the decoder listed first).
+    """The fastest setting of the decoder compared in the most settings side by side in a run summary
+    (:func:`~dtbench.reports.summary.summarize`; ties: the comparison listed first).
 
-    Speedup (mean throughput after warmup / the same group's AR mean, decoding the same way) ranks the cells; a
-    run with fewer than two measured cells of one decoder has nothing to choose from.
+    Settings are compared only side by side: cells of one decoder in one group (dataset, L_max, T) that decode the
+    same way (:func:`~dtbench.reports.stats.pairing_key`: greedy with greedy, one sampling setting with itself) and
+    differ in their params. Cells that differ only in how they decode (``suites/sampling.yaml``: linear K=4 greedy,
+    T=0.7, T=1.0) or only in their workload are not settings to choose between. Speedup (mean throughput after
+    warmup / the same group's AR mean, decoding the same way) ranks them.
 
     Returns:
-        None, or {"decoder", "label", "dataset", "l_max", "gen_length", "n" (prompts after warmup), "speedup",
-        "tokens_per_iteration", "changed" (params differing from the defaults, name -> value),
-        "defaults_speedup" (speedup of a cell with default params, NaN if none), "runner_up" (label, speedup),
-        "cells" (cells of that decoder compared)}.
+        None when no decoder has two settings with different params side by side, else {"decoder", "label",
+        "dataset", "l_max", "gen_length", "n" (prompts after warmup), "speedup", "tokens_per_iteration", "changed"
+        (params differing from the defaults, name -> value), "defaults_speedup" (speedup of a cell with default
+        params, NaN if none), "runner_up" (label, speedup), "cells" (cells of that decoder compared)}.
     """
     if summary.empty:
         return None
     measured = summary[(summary["decoder"] != BASELINE) & summary["speedup"].notna() & (summary["n"] > 0)]
-    counts = measured.groupby("decoder", sort=False).size()
-    if counts.empty or counts.max() < 2:
+    if measured.empty:
         return None
-    decoder = max(counts.index, key=lambda d: counts[d])
-    cells = measured[measured["decoder"] == decoder]
+    keys = [(d, *k) for d, k in zip(measured["decoder"], pairing_key(measured))]
+    comparisons: dict[tuple, list] = {}
+    for key, (i, params) in zip(keys, measured["params"].items()):
+        comparisons.setdefault(key, []).append((i, json.dumps(params or {}, sort_keys=True, default=str)))
+    settings = {k: v for k, v in comparisons.items() if len({p for _, p in v}) >= 2}
+    if not settings:
+        return None
+    key = max(settings, key=lambda k: len(settings[k]))  # max keeps the first of equals: the first listed
+    cells = measured.loc[[i for i, _ in settings[key]]]
+    decoder = key[0]
     ranked = cells.sort_values("speedup", ascending=False, kind="stable")
     best, second = ranked.iloc[0], ranked.iloc[1]
     defaults = default_params(decoder)

@@ -12,15 +12,18 @@ from dtbench.reports.tuning import best_setting, tuning_line
 from reportdb import add_cell, add_run, add_samples
 
 
-def tuning_db(path, settings):
-    """A run with AR at 10 tokens/s and one DynaTree cell per (label, params, throughputs)."""
+def tuning_db(path, settings, ars=({},)):
+    """A run with AR at 10 tokens/s (one cell per options dict of ``ars``: greedy at T=64 by default) and one
+    DynaTree cell per (label, params, throughputs[, cell options])."""
     sessions = db.connect(str(path))
     with sessions() as s:
         run = add_run(s, "dynatree-tuning")
-        add_samples(s, add_cell(s, run, "AR", "ar"), [10.0, 10.0, 10.0], warmup=1)
-        for label, params, thr in settings:
+        for i, options in enumerate(ars):
+            add_samples(s, add_cell(s, run, f"AR {i}", "ar", **options), [10.0, 10.0, 10.0], warmup=1)
+        for label, params, thr, *options in settings:
             full = DynaTreeParams(**params).model_dump(mode="json")
-            add_samples(s, add_cell(s, run, label, "dynatree", params=full), thr, warmup=1)
+            add_samples(s, add_cell(s, run, label, "dynatree", params=full, **(options[0] if options else {})), thr,
+                        warmup=1)
         s.commit()
         rid = run.id
     return sessions, rid
@@ -50,3 +53,25 @@ def test_report_prints_the_line_only_for_runs_comparing_dynatree_settings(tmp_pa
     single, _ = tuning_db(tmp_path / "one.db", [("DynaTree", {}, [1.0, 12.0, 12.0])])
     out = CliRunner().invoke(cli, ["report", "--db", str(tmp_path / "one.db")], catch_exceptions=False)
     assert out.exit_code == 0 and "tuning: best setting" not in out.output
+
+
+def test_only_settings_side_by_side_are_compared(tmp_path):
+    """The same params decoded three ways (suites/sampling.yaml's shape) or on two workloads are not settings to
+    choose between; two params on one workload are, whatever else the run holds."""
+    t07, t10 = {"temperature": 0.7}, {"temperature": 1.0}
+    sessions, rid = tuning_db(tmp_path / "modes.db", [("DynaTree (greedy)", {}, [1.0, 12.0, 12.0]),
+                                                      ("DynaTree (T=0.7)", {}, [1.0, 20.0, 20.0], {"sampling": t07}),
+                                                      ("DynaTree (T=1.0)", {}, [1.0, 9.0, 9.0], {"sampling": t10}),
+                                                      ("DynaTree (T=32)", {}, [1.0, 30.0, 30.0], {"T": 32})],
+                              ars=({}, {"sampling": t07}, {"sampling": t10}, {"T": 32}))
+    with sessions() as s:
+        summary = summarize(samples_frame(s, rid))
+    assert summary["speedup"].notna().all()  # every cell has its baseline: only the comparison rule leaves them out
+    assert best_setting(summary) is None
+    sessions, rid = tuning_db(tmp_path / "both.db", [("DynaTree (T=0.7)", {}, [1.0, 50.0, 50.0], {"sampling": t07}),
+                                                     ("defaults", {}, [1.0, 12.0, 12.0]),
+                                                     ("W=16", {"window": 16}, [1.0, 13.0, 13.0])],
+                              ars=({}, {"sampling": t07}))
+    with sessions() as s:
+        best = best_setting(summarize(samples_frame(s, rid)))
+    assert best["label"] == "W=16" and best["runner_up"][0] == "defaults" and best["cells"] == 2
