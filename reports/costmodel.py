@@ -273,7 +273,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
         caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
                     "the run's (calibrate: true measures in the run's own process)")
-    cols = ["dataset", "l_max", "gen_length", "label", "decoder", "family", "n", "predicted_s", "measured_s",
+    cols = ["dataset", "l_max", "gen_length", "label", "decoder", "family", "sampling", "n", "predicted_s", "measured_s",
             "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
             "predicted_throughput", "measured_throughput",
             "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
@@ -291,7 +291,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "Best config (pred.)": best_config(r),
     } for _, r in table.iterrows()])
     # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
-    # per-position acceptance as ';'-joined shares, JSON as a list
+    # per-position acceptance as ';'-joined shares and the sampling settings as JSON text
     report = Report("cost_model", title, caption, display, table[cols])
     emit(fmt, Document([report], meta={"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id}},
                        rows="cells", precision=15))

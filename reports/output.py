@@ -205,17 +205,18 @@ def records(data: pd.DataFrame, precision: int = 10) -> list[dict]:
 
 
 def flat(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` as CSV holds it: a list value as its items joined by ``;`` (floats to 6 significant digits); a column
-    holding dicts (a cell's params) left out: nested values are JSON's."""
+    """``frame`` as CSV holds it: a list value as its items joined by ``;`` (floats to 6 significant digits), a dict
+    value (a cell's params or sampling settings) as compact JSON text with sorted keys; scalars unchanged."""
     def cell(v):
         if isinstance(v, (list, tuple)):
             return ";".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in v)
+        if isinstance(v, dict):
+            return json.dumps(v, sort_keys=True, separators=(",", ":"), default=str)
         return v
 
-    nested = [c for c in frame.columns if frame[c].map(lambda v: isinstance(v, dict)).any()]
-    out = frame.drop(columns=nested)
+    out = frame.copy()
     for c in out.columns:
-        if out[c].map(lambda v: isinstance(v, (list, tuple))).any():
+        if out[c].map(lambda v: isinstance(v, (list, tuple, dict))).any():
             out[c] = out[c].map(cell)
     return out
 

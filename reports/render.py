@@ -179,7 +179,7 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
 def cell_document(summary: pd.DataFrame, run_meta: dict) -> Document:
     """Every cell of a run as one :class:`~dtbench.reports.output.Document`: the run line (:func:`run_header`)
     above :func:`cell_reports`; CSV and JSON are one row per cell in the summary's order (:data:`CELL_DATA`; JSON
-    ``{"run": run_meta, "cells": [...]}``, the cell's params included; CSV without them)."""
+    ``{"run": run_meta, "cells": [...]}``), the cell's params last."""
     return Document(cell_reports(summary), header=run_header(run_meta), meta={"run": run_meta}, rows="cells",
                     data=summary[CELL_DATA], title=f"run {run_meta['id']}: every cell")
 
@@ -193,7 +193,7 @@ MACHINE_COLUMNS = [
 ]
 
 
-# The machine-readable cell table (CSV, JSON; params only in JSON, as CSV holds no nested values).
+# The machine-readable cell table (CSV and JSON; the params as JSON text in CSV, an object in JSON).
 CELL_DATA = MACHINE_COLUMNS + ["params"]
 
 

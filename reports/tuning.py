@@ -4,8 +4,9 @@
 The paper tunes rho_stop and rho_deep "on a held-out set" (section 3.3) and leaves W, a*, eta_D, eta_h and B_mid
 open; dtbench's tuning suite sweeps them on held-out WikiText-2 articles. This module reads a run from the
 database only (like every report) and, for the decoder measured in the most settings side by side (any decoder,
-built-in or plugin, but the baseline; one workload, one way of decoding), names the cell with the highest speedup, with the params that differ from that
-decoder's defaults (its own ``Params`` model, looked up in the decoder registry), so a reader can copy them.
+built-in or plugin, but the baseline; one workload, one way of decoding), names the cell with the highest speedup,
+with the params that differ from that decoder's defaults (its own ``Params`` model, looked up in the decoder
+registry), so a reader can copy them.
 """
 
 from __future__ import annotations

@@ -37,13 +37,13 @@ def test_markdown_escapes_and_carries_header_caption_and_notes(capsys):
     assert "| a\\|b | 1.50× |" in out and "\nCaption\n" in out and "\n- note one\n" in out
 
 
-def test_csv_guards_formulas_flattens_lists_and_leaves_nested_values_to_json(capsys):
+def test_csv_guards_formulas_and_flattens_lists_and_dicts(capsys):
     emit("csv", [_report()])
     csv = capsys.readouterr().out
     assert csv.splitlines()[0] == "label,speedup,missing" and "'=cmd()" in csv
     data = pd.DataFrame([{"l_max": 128, "per_position": [0.5, 0.25], "params": {"k": 4}}])
     doc = Document([Report("x", "X", "", pd.DataFrame([{"a": "1"}]), data)], rows="cells")
-    assert rendered("csv", doc).splitlines() == ["prompt_cap,per_position", "128,0.5;0.25"]
+    assert rendered("csv", doc).splitlines() == ['prompt_cap,per_position,params', '128,0.5;0.25,"{""k"":4}"']
     assert json.loads(rendered("json", doc))["cells"] == [{"prompt_cap": 128, "per_position": [0.5, 0.25],
                                                             "params": {"k": 4}}]
 
@@ -164,7 +164,7 @@ def test_cell_table_reads_the_same_in_every_format(two_runs):
     assert "<tr class='red'>" in page and "<p class='note red'>Partial is partial" in page
     cells = json.loads(invoke("report", "--db", path, "--run", str(first), "--format", "json").stdout)["cells"]
     csv = invoke("report", "--db", path, "--run", str(first), "--format", "csv").stdout.splitlines()
-    assert len(cells) == len(csv) - 1 and all("params" in c for c in cells) and "params" not in csv[0]
+    assert len(cells) == len(csv) - 1 and all("params" in c for c in cells) and csv[0].endswith(",params")
 
 
 def test_out_dir_writes_what_the_markdown_and_csv_formats_print(two_runs, tmp_path):
