@@ -280,7 +280,10 @@ report.help = (report.help or "").replace("{gate_metrics}", _gate_metrics())
 
 @cli.command()
 @click.argument("suite_path", type=click.Path(dir_okay=False))
-def validate(suite_path) -> None:
+@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
+              help="the local dataset folder `dtbench run` would read (question datasets are read from it to check "
+                   "their categories and turns) [env DTBENCH_DATA_DIR]")
+def validate(suite_path, data_dir) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
     from dtbench.harness import registry
     from dtbench.harness.plan import plan_suite, preflight
@@ -288,6 +291,7 @@ def validate(suite_path) -> None:
 
     suite, _ = load_suite(suite_path)
     plan = plan_suite(suite)
+    plan.data_dir = data_dir
     console = Console(stderr=True)
     for line in registry.scan().warnings("decoder"):
         console.print(f"[yellow]warning: {line}[/yellow]")

@@ -340,3 +340,22 @@ def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokeniz
     sink = Sink()
     executor.execute(["g1"], sink)
     assert sink.failed == [("g1", "question 7 turn 2: missing")]
+
+
+def test_validate_reads_question_files_from_data_dir(tmp_path, monkeypatch):
+    """`dtbench validate --data-dir DIR` checks a question dataset where `dtbench run --data-dir DIR` would read it:
+    the categories a suite selects must exist in DIR's file."""
+    monkeypatch.delenv("DTBENCH_DATA_DIR", raising=False)
+    target, draft = tiny_pair(tmp_path)
+    (tmp_path / "data" / "spec-bench").mkdir(parents=True)
+    _jsonl(tmp_path / "data" / "spec-bench" / "question.jsonl", USER_QUESTIONS)
+    suite = write_suite(tmp_path, {
+        "name": "v", "seed": 0, "device": "cpu", "target": {"model": str(target)}, "draft": {"model": str(draft)},
+        "datasets": [{"name": "spec-bench", "categories": ["poetry"], "prompts": 2, "warmup": 1, "L_max": 120}],
+        "generation_lengths": [8], "chat_template": "none", "decoders": [{"name": "ar"}]})
+    ok = invoke("validate", suite, "--data-dir", str(tmp_path / "data"))
+    assert ok.exit_code == 0 and ": ok" in ok.stdout, ok.output
+    one_line_error(invoke("validate", suite, "--data-dir", str(tmp_path / "empty")), "question.jsonl not found",
+                   str(tmp_path / "empty"))
+    monkeypatch.setenv("DTBENCH_DATA_DIR", str(tmp_path / "data"))  # the option's environment variable
+    assert invoke("validate", suite).exit_code == 0
