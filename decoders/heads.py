@@ -391,6 +391,9 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
             sd = {**sd, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
                   "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
         expected = {k for k in module.state_dict() if not k.startswith("rotary.")}
+        # RoPE's inv_freq is computed, not learned: a checkpoint saved where it was a persistent buffer (older
+        # transformers) holds it; the reference loads such files (strict=False since its EAGLE-3 release)
+        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
         unknown, absent = sorted(sd.keys() - expected), sorted(expected - sd.keys())
         if version == 3:  # the reference loads EAGLE-3 heads with strict=False: extra tensors are ignored
             unknown = [k for k in unknown if k.startswith("layers.")]

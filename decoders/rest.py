@@ -3,16 +3,27 @@
 A datastore of token ids built from a text corpus is indexed with a suffix array; at each step the longest
 suffix of the context (``max_suffix`` tokens down to ``min_suffix``) found in the datastore retrieves the
 continuations of its occurrences, whose prefixes form a trie weighted by frequency; the ``n_max`` most frequent
-trie nodes (a parent is never less frequent than its child, so they form a tree) are verified as one token tree
-by the one tree loop (:func:`~dtbench.decoders.tree.speculate_tree` with a feature-free
-:class:`~dtbench.decoders.tree.TreeDrafter`): greedy, lossless. No draft model, no training.
+trie nodes (a parent is never less frequent than its child, so they form a tree), cut as the reference cuts them
+(``prune: reference``, :func:`cut_to_choices`), are verified as one token tree by the one tree loop
+(:func:`~dtbench.decoders.tree.speculate_tree` with a feature-free :class:`~dtbench.decoders.tree.TreeDrafter`):
+greedy, lossless. No draft model, no training.
 
-Reference read (from memory of the public code): FasterDecoding/REST ``DraftRetriever`` (a Rust suffix array over
-the datastore's tokens; ``search`` takes the context suffix, longest first, and returns the retrieved
-continuations, which ``generate_candidates_and_draft_buffer`` turns into a trie pruned to ``num_draft`` = 64 nodes by
-frequency). Here the suffix array comes from ``pydivsufsort`` (maintained PyPI bindings of Yuta Mori's
-libdivsufsort, C, O(n log n); it sorts integer arrays, so token ids need no byte encoding), the binary search
-and trie from numpy.
+Reference read: FasterDecoding/REST at commit 50a5fc1. ``rest/model/utils.py``
+(``generate_candidates_and_draft_buffer``: ``max_num_draft=64``; the context suffixes ``token_spans`` = 16 down to
+2, longest first, stopping at the first that occurs; the pending token is the tree's root and the last token of the
+searched context) and ``DraftRetriever/src/lib.rs`` (``search``: the first ``k`` = 5000 occurrences of the suffix
+in suffix-array order, continuations of ``long`` = 10 tokens, every prefix counted; a heap keeps the ``choices`` =
+64 most frequent prefixes; ``cut_to_choices`` then drops the chosen prefixes with the most distinct tokens first
+until the sum of their distinct-token counts is at most 64, and the tree is every prefix of the rest
+(``get_draft_choices``)). Where dtbench differs, on purpose: ties at the heap's and the cut's thresholds are broken
+deterministically (shallower, then more frequent first; the reference's follow a hash map's random order); documents
+are separated in the datastore, so no match or continuation crosses from one document into the next (the
+reference concatenates them); and a step whose context matches nowhere verifies the root alone (the reference
+drafts the fixed token id 100 there, a placeholder almost never accepted). ``prune: frequency`` verifies the
+``n_max`` most frequent nodes without the cut (a larger tree; its own name, measured beside the reference's).
+
+Here the suffix array comes from ``pydivsufsort`` (maintained PyPI bindings of Yuta Mori's libdivsufsort, C,
+O(n log n); it sorts integer arrays, so token ids need no byte encoding), the binary search and trie from numpy.
 
 The datastore is built once per process per (corpus, tokenizer) and cached; its size, token count and build time
 are the decoder's recorded state (:meth:`Rest.state_stats`).
@@ -27,7 +38,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -134,6 +145,36 @@ def frequent_trie(cont: np.ndarray, n_max: int) -> list[tuple[tuple[int, ...], i
     return [(prefix, -neg) for neg, _, prefix in sorted(chosen, key=lambda x: (x[1], x[0], x[2]))]
 
 
+def cut_to_choices(trie: list[tuple[tuple[int, ...], int]], n_max: int) -> list[tuple[tuple[int, ...], int]]:
+    """REST's cut of the chosen prefixes (``cut_to_choices`` and ``get_draft_choices`` in FasterDecoding/REST's
+    ``DraftRetriever/src/lib.rs``): the prefixes with the most distinct tokens go first, until the sum of the
+    survivors' distinct-token counts is at most ``n_max``; the tree is every prefix of the survivors.
+
+    A depth-10 chain whose ten prefixes are all chosen already counts 1 + 2 + ... + 10 = 55, so the tree verified is
+    usually well below ``n_max`` nodes and shallower than :func:`frequent_trie`'s.
+
+    Args:
+        trie: :func:`frequent_trie`'s (prefix, count) list (closed under prefixes).
+        n_max: the reference's ``choices`` (64).
+
+    Returns:
+        The kept (prefix, count) pairs in :func:`frequent_trie`'s BFS order. Ties (equal distinct-token counts) drop
+        the less frequent prefix, then the deeper one, first.
+    """
+    distinct = [len(set(t)) for t, _ in trie]
+    total = sum(distinct)
+    order = sorted(range(len(trie)), key=lambda i: (-distinct[i], trie[i][1], -len(trie[i][0]), trie[i][0]))
+    dropped = set()
+    for i in order:
+        if total <= n_max:
+            break
+        total -= distinct[i]
+        dropped.add(i)
+    survivors = [t for i, (t, _) in enumerate(trie) if i not in dropped]
+    keep = {t[:d] for t in survivors for d in range(1, len(t) + 1)}
+    return [(t, c) for t, c in trie if t in keep]
+
+
 class RestDrafter(TreeDrafter):
     """Drafts REST's retrieval tree below the pending token; needs no target features (``hidden_layers = ()``)."""
 
@@ -165,6 +206,8 @@ class RestDrafter(TreeDrafter):
         self.retrievals["matched"] += 1
         self.retrievals["suffix_tokens"] += s
         trie = frequent_trie(cont, min(p.n_max, tree.budget_left))
+        if p.prune == "reference":
+            trie = cut_to_choices(trie, min(p.n_max, tree.budget_left))
         total = float(len(cont))
         index: dict[tuple[int, ...], int] = {(): 0}
         for d in range(1, max((len(t) for t, _ in trie), default=0) + 1):
@@ -218,16 +261,21 @@ class RestParams(CorpusParams):
     """Hyperparameters of ``rest`` (the corpus fields: :class:`CorpusParams`; exactly one of corpus, tokens).
 
     Attributes:
-        n_max: trie nodes verified per step (REST's ``num_draft``, 64).
-        depth: longest retrieved continuation (drafted tokens on a path).
-        max_suffix, min_suffix: the context suffix lengths searched, longest first.
-        max_retrieved: occurrences whose continuations build the trie.
+        n_max: the most frequent trie nodes chosen per step (REST's ``num_draft`` / ``choices``, 64).
+        prune: ``reference``: those nodes cut as REST cuts them (:func:`cut_to_choices`; the sum of the kept
+            prefixes' distinct-token counts at most ``n_max``); ``frequency``: all ``n_max`` verified.
+        depth: longest retrieved continuation (drafted tokens on a path; REST's ``long``, 10).
+        max_suffix, min_suffix: the context suffix lengths searched, longest first (REST's ``token_spans``: 16 down
+            to 2).
+        max_retrieved: occurrences whose continuations build the trie (REST's ``k``, 5000).
     """
 
-    n_max: int = Field(64, ge=1, le=1024, description="trie nodes verified per step (REST num_draft)")
+    n_max: int = Field(64, ge=1, le=1024, description="trie nodes chosen per step (REST num_draft)")
+    prune: Literal["reference", "frequency"] = Field(
+        "reference", description="reference: REST's cut_to_choices of the chosen nodes; frequency: verify all n_max")
     depth: int = Field(10, ge=1, le=64, description="longest retrieved continuation (tokens)")
     max_suffix: int = Field(16, ge=1, le=256, description="longest context suffix searched (tokens)")
-    min_suffix: int = Field(1, ge=1, le=256, description="shortest context suffix searched (tokens)")
+    min_suffix: int = Field(2, ge=1, le=256, description="shortest context suffix searched (tokens)")
     max_retrieved: int = Field(5000, ge=1, le=1_000_000, description="occurrences used to build the trie")
 
     @model_validator(mode="after")
@@ -310,7 +358,7 @@ class Rest(Decoder):
     needs_draft = False
     lossless = True
     supports_sampling = False
-    version = "1"
+    version = "2"  # 2: REST's cut_to_choices (prune: reference) and min_suffix 2 by default, as the reference
 
     def __init__(self, target, draft, params: RestParams):
         super().__init__(target, None, params)

@@ -107,6 +107,20 @@ def test_eagle3_loads_like_the_reference_strict_false(tmp_path):
     _one_line(exc, "target_hidden_size 4096", "32")
 
 
+def test_a_computed_rope_buffer_in_the_weights_is_ignored(tmp_path):
+    """An EAGLE-1/2 head saved where RoPE's inv_freq was a persistent buffer (older transformers) loads; any other
+    unexpected tensor is still a one-line error (EAGLE-1/2 layout is strict here)."""
+    folder = write_eagle(tmp_path / "old", hidden=HIDDEN, vocab=VOCAB, version=1)
+    sd = torch.load(folder / "pytorch_model.bin")
+    torch.save({**sd, "layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}, folder / "pytorch_model.bin")
+    assert load_eagle(str(folder), TARGETS[1]).version == 1
+    other = write_eagle(tmp_path / "other", hidden=HIDDEN, vocab=VOCAB, version=1)
+    torch.save({**sd, "layers.0.self_attn.extra.weight": torch.ones(4)}, other / "pytorch_model.bin")
+    with pytest.raises(ValueError) as exc:
+        load_eagle(str(other), TARGETS[1])
+    _one_line(exc, "unexpected ['layers.0.self_attn.extra.weight']")
+
+
 def test_the_version_comes_from_the_config_not_the_name(tmp_path):
     folder = write_eagle(tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B", hidden=HIDDEN, vocab=VOCAB, version=1)
     assert load_eagle(str(folder), TARGETS[1]).version == 1

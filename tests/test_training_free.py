@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.ngram import Ngram, NgramParams, longest_suffix_match
-from dtbench.decoders.rest import Datastore, Rest, RestParams, frequent_trie
+from dtbench.decoders.rest import Datastore, Rest, RestParams, cut_to_choices, frequent_trie
 from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
 from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
@@ -55,6 +55,32 @@ def test_frequent_trie_keeps_parents_and_the_most_frequent_nodes():
     assert trie == [((5,), 3), ((4,), 1), ((5, 6), 2), ((5, 9), 1)]  # BFS order; ties: shallower first
     chosen = {t for t, _ in trie}
     assert all(t[:-1] in chosen or len(t) == 1 for t in chosen)
+
+
+def test_cut_to_choices_is_the_reference_arithmetic():
+    """REST's lib.rs cut_to_choices: the chosen prefixes with the most distinct tokens are dropped first until the sum
+    of the survivors' distinct-token counts is at most choices; the tree is every prefix of the survivors."""
+    chain = [(tuple(range(10, 10 + d)), 3) for d in range(1, 11)]  # 1 + 2 + ... + 10 = 55 distinct tokens
+    singles = [((100 + i,), 1) for i in range(20)]  # + 20 = 75 > 64
+    kept = cut_to_choices(chain + singles, 64)
+    assert kept == chain[:8] + singles  # dropping the depth-10 (65 left) and depth-9 (56 <= 64) prefixes
+    assert cut_to_choices(chain + singles, 75) == chain + singles  # nothing to cut
+    # repeated tokens count once: (5, 5, 5) costs 1, so it outlives the 2-token (5, 6) of the same frequency
+    trie = [((5,), 4), ((5, 5), 2), ((5, 6), 2), ((5, 5, 5), 2)]
+    assert sum(len(set(t)) for t, _ in trie) == 5
+    assert cut_to_choices(trie, 3) == [((5,), 4), ((5, 5), 2), ((5, 5, 5), 2)]
+    assert cut_to_choices([((7,), 5), ((7, 8), 5), ((9,), 1)], 2) == [((7,), 5), ((9,), 1)]
+    rng = np.random.default_rng(0)  # on random retrievals: a tree (closed under prefixes) within the budget
+    for _ in range(200):
+        cont = rng.integers(0, 4, (int(rng.integers(1, 40)), int(rng.integers(1, 8))))
+        n_max = int(rng.integers(1, 30))
+        chosen = frequent_trie(cont, n_max)
+        kept = cut_to_choices(chosen, n_max)
+        prefixes = {t for t, _ in kept}
+        assert set(kept) <= set(chosen) and all(t[:-1] in prefixes for t in prefixes if len(t) > 1)
+        assert sum(len(set(t)) for t in prefixes) <= n_max
+    cont = np.array([[5, 6, 7], [5, 6, 8], [5, 9, -1], [4, -1, -1]])
+    assert cut_to_choices(frequent_trie(cont, 64), 64) == frequent_trie(cont, 64)  # 1+1+2+2+3+3 = 12 <= 64
 
 
 def test_datastore_finds_every_occurrence():
@@ -105,7 +131,8 @@ def build(name, params, arch, store_file, kind="perturbed"):
 CASES = [
     ("ngram", {}), ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
     ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}), ("suffix", {"k": 5, "tokens": "store"}),
-    ("rest", {}), ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 2}),
+    ("rest", {}), ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 1}),
+    ("rest", {"prune": "frequency", "n_max": 16}),
 ]
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=16)
 
