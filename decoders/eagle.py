@@ -27,6 +27,13 @@ EAGLE-3 differs only in the head (three target layers, its own norm and draft vo
 
 Sampling (EAGLE's rule: recursive rejection over the tree's siblings with the head's distribution) is not
 implemented: the decoder is greedy only, and a suite that samples is refused with one line before any model loads.
+
+Checked against SafeAILab/EAGLE at cb7e084. Where dtbench differs (the committed tokens are the greedy target's
+either way; these change which nodes are drafted, or only edge cases): the head's log-probabilities and cumulative
+scores are float32 (the reference ranks them in the model's fp16/bf16, so near-equal candidates can order
+differently); ties keep the earlier candidate, so a chosen node's parent is always chosen (the reference's ``topk``
+leaves tie order open); the tree's depth is capped by the tokens left to generate (the reference drafts past
+``max_new_tokens`` and stops afterwards); there is no ``total_token=-1`` (the reference's timed auto choice).
 """
 
 from __future__ import annotations
@@ -200,8 +207,9 @@ class EagleParams(DecoderParams):
             drafted nodes).
         cache_strategy: the tree loop's target cache update (see :class:`~dtbench.decoders.tree.TreeParams`).
 
-    Defaults: ``total_token=60``, ``top_k=10`` (``EaModel.from_pretrained``'s), ``depth=5``
-    (``cnets.Model``'s).
+    Defaults: ``total_token=60``, ``depth=5``, ``top_k=10``, the reference's evaluation scripts'
+    (``eagle/evaluation/gen_ea_answer_vicuna.py`` and ``gen_ea_answer_llama3chat.py``, which produce the papers'
+    numbers); ``EaModel.from_pretrained`` itself defaults ``depth`` to 7 since the EAGLE-3 release.
     """
 
     head: str = Field(..., min_length=1, description="EAGLE head: local folder or hub id (config.json + weights)")
