@@ -102,6 +102,12 @@ def connect(path) -> Any:
     return db.connect(f"sqlite:///{path}")
 
 
+def runs_of(path, *makers) -> list[int]:
+    """Write one run per maker (e.g. :func:`tricky_run`) into the SQLite database at ``path``; their ids."""
+    with connect(path)() as session:
+        return [make(session) for make in makers]
+
+
 def _noisy(rng, mean: float, sd: float, n: int) -> list[float]:
     return [max(1.0, float(v)) for v in rng.normal(mean, sd, n)]
 

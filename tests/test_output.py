@@ -116,12 +116,9 @@ def keys_format(monkeypatch):
 
 @pytest.fixture()
 def two_runs(tmp_path):
+    """Two copies of reportdb's tricky run (failed, partial, warmup-only and diverging cells) in one database."""
     path = tmp_path / "r.db"
-    sessions = reportdb.connect(path)
-    with sessions() as s:
-        first = reportdb.tricky_run(s)
-        second = reportdb.tricky_run(s)
-    return str(path), first, second
+    return (str(path), *reportdb.runs_of(path, reportdb.tricky_run, reportdb.tricky_run))
 
 
 def test_a_registered_format_reaches_every_report_and_the_cli(keys_format, two_runs):
