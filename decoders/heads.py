@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dtbench.decoders.base import Decoder
-from dtbench.decoders.tree_structure import attention_mask_kind, tree_attention_mask
+from dtbench.decoders.tree.structure import attention_mask_kind, tree_attention_mask
 
 # ----------------------------------------------------------------------------------------------------------
 # Files
