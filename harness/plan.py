@@ -19,6 +19,7 @@ from rich.console import Console
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, models, registry
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import printable
 from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
 
 @dataclass
@@ -211,11 +212,11 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
         except DtbenchError as exc:
             raise DtbenchError(f"{role}: {exc}") from None
         if files:
-            console.print(f"warning: {role} '{spec.model}' sets trust_remote_code: true; loading it runs "
-                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+            console.print(f"warning: {role} '{printable(spec.model)}' sets trust_remote_code: true; loading it runs "
+                          f"{printable(', '.join(files))}", style="yellow", markup=False, highlight=False, soft_wrap=True)
         warning = models.check_context(spec, longest)
         if warning:
-            console.print(f"[yellow]warning: {warning}[/yellow]")
+            console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
 
 
 def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:

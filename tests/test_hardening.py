@@ -595,3 +595,154 @@ def test_chat_template_file_of_a_device():
 
     with pytest.raises(DtbenchError, match="not a regular file"):
         chat.template_text("/dev/zero", None, "m")
+
+
+# === Issue 33: the new inputs (question files, chat templates, heads, corpora) ===================================
+
+QUESTIONS = [
+    {"question_id": "a1", "category": "poetry", "turns": ["Write a haiku about rain.", "Now make it rhyme."]},
+    {"question_id": "a2", "category": "poetry", "turns": ["Write a couplet about the sea."]},
+    {"question_id": "b1", "category": "code-review", "turns": ["Is x = x + 1 idempotent?"]},
+    {"question_id": "b2", "category": "code-review", "turns": ["What does git rebase do?"]},
+]
+
+
+def _qfile(tmp_path, rows, name="q.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _question_suite(tmp_path, rows=None, **entry) -> str:
+    """A question suite on the embedded model over a jsonl of ``rows`` (chat_template none unless given)."""
+    template = entry.pop("chat_template", "none")
+    ds = {"name": "spec-bench", "path": _qfile(tmp_path, rows or QUESTIONS), "prompts": 1, "warmup": 0, "L_max": 64,
+          **entry}
+    return write_suite(tmp_path, _suite(datasets=[ds], chat_template=template))
+
+
+# --- 33.1 terminal escapes in error lines --------------------------------------------------------------------------
+
+HOSTILE_CATEGORY = "\u001b[31mRED\u001b]0;pwn\u0007"
+
+
+def test_escape_codes_in_a_question_category_are_shown_escaped(tmp_path):
+    rows = [*QUESTIONS, {"question_id": "c1", "category": HOSTILE_CATEGORY, "turns": ["hi there"]}]
+    line = one_line_error(invoke("validate", _question_suite(tmp_path, rows, categories=["nosuch"])),
+                          "unknown category 'nosuch'", "\\x1b[31mRED\\x1b]0;pwn\\x07")
+    assert "\x1b" not in line and "\x07" not in line
+
+
+def test_escape_codes_in_a_suite_category_are_refused(tmp_path):
+    line = one_line_error(invoke("validate", _question_suite(tmp_path, categories=["nosuch\x1b[31m"])),
+                          "categories.0", "control character (\\x1b)")
+    assert "\x1b" not in line
+
+
+def test_every_error_line_is_escaped(tmp_path, monkeypatch):
+    """The CLI's one error line escapes whatever message reaches it (a DtbenchError or an internal error)."""
+    from dtbench.harness import suitefile
+    from dtbench.harness.errors import DtbenchError
+
+    for exc, prefix in ((DtbenchError("bad \x1b]0;title\x07 thing"), "error: "),
+                        (RuntimeError("bad \x1b[2J thing"), "internal error: ")):
+        monkeypatch.setattr(suitefile, "load_suite", lambda *a, _e=exc: (_ for _ in ()).throw(_e))
+        result = invoke("validate", write_suite(tmp_path, TINY))
+        assert result.stderr.startswith(prefix) and "\\x1b" in result.stderr, result.stderr
+        assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+
+
+# --- 33.2 control characters in HTML, raw HTML in Markdown ---------------------------------------------------------
+
+
+def _question_db(tmp_path, category: str) -> str:
+    """A run of spec-bench samples (ar and linear, two questions) whose task group and category are ``category``."""
+    import reportdb
+
+    path = tmp_path / "q.db"
+    with reportdb.connect(path)() as s:
+        run = reportdb.add_run(s)
+        for label in ("ar", "linear"):
+            cell = reportdb.add_cell(s, run, label, dataset="spec-bench")
+            for i, sample in enumerate(reportdb.add_samples(s, cell, [10.0, 12.0] if label == "ar" else [20.0, 24.0])):
+                sample.task_group, sample.category, sample.turn, sample.question_id = category, category, 1, str(i)
+        s.commit()
+    return str(path)
+
+
+@pytest.mark.parametrize("extra", [["--spec-bench"], ["--by", "category"], ["--by", "group"]])
+def test_html_report_shows_control_characters_escaped(tmp_path, extra):
+    path = _question_db(tmp_path, HOSTILE_CATEGORY + "\x00nul")
+    result = invoke("report", "--db", path, "--format", "html", *extra)
+    assert result.exit_code == 0, result.output
+    assert "\\x1b[31mRED\\x1b]0;pwn\\x07\\x00nul" in result.stdout
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f]", result.stdout), repr(result.stdout[:300])
+
+
+@pytest.mark.parametrize("extra", [["--spec-bench"], ["--by", "category"]])
+def test_markdown_report_escapes_html(tmp_path, extra):
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    result = invoke("report", "--db", _question_db(tmp_path, hostile), "--format", "markdown", *extra)
+    assert result.exit_code == 0, result.output
+    assert "<script" not in result.stdout and "<img" not in result.stdout, result.stdout
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;img src=x onerror=alert(2)&gt;" in result.stdout
+
+
+def test_markdown_cell_and_html_text():
+    from dtbench.harness.safetext import html_text, markdown_cell
+
+    assert markdown_cell("a<b>&\n|c\x1b") == "a&lt;b&gt;&amp;<br>\\|c\\x1b"
+    assert html_text("<th>\x00\x1b]0;t\x07") == "&lt;th&gt;\\x00\\x1b]0;t\\x07"
+
+
+# --- 33.3 distinct questions merged --------------------------------------------------------------------------------
+
+
+def test_duplicate_question_ids_are_refused(tmp_path):
+    rows = [{"question_id": 7, "category": "qa", "turns": [f"Question {i}?"]} for i in range(4)]
+    one_line_error(invoke("validate", _question_suite(tmp_path, rows, prompts=3)),
+                   "q.jsonl:2: question_id 7 is also the question_id of line 1")
+
+
+@pytest.mark.parametrize("categories, needle", [
+    (["qa", "qa"], "categories lists qa twice"),
+    (["mt_bench", "writing"], "categories name 'mt_bench' and 'writing', which share questions"),
+])
+def test_repeated_categories_are_refused(tmp_path, data_dir, categories, needle):
+    ds = {"name": "spec-bench", "data_dir": str(data_dir), "prompts": 2, "warmup": 0, "L_max": 64,
+          "categories": categories}
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))), needle)
+
+
+# --- 33.8 question-file content ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("[" * 100_000, "q.jsonl:5: nests too deeply"),
+    ('{"question_id": "s", "category": "qa", "turns": ["x \\ud800 y"]}', "q.jsonl:5: turn 1 holds \\ud800"),
+    ('{"question_id": "s", "category": "qa", "turns": [""]}', "q.jsonl:5: turn 1 is empty"),
+    ('{"question_id": "s", "category": "qa", "turns": ["fine", "  "]}', "q.jsonl:5: turn 2 is empty"),
+    ('{"question_id": ["x"], "category": "qa", "turns": ["fine"]}', "q.jsonl:5: `question_id` must be"),
+])
+def test_bad_question_lines_are_one_line_at_validate(tmp_path, line, needle):
+    one_line_error(invoke("validate", _question_suite(tmp_path, [*QUESTIONS, line])), needle)
+
+
+# --- 33.9 the download cache is a file -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["root", "entry"])
+def test_download_cache_that_is_a_file(tmp_path, monkeypatch, where):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file")
+    if where == "entry":
+        blocker.unlink()
+        (blocker / "spec-bench").parent.mkdir()
+        (blocker / "spec-bench").write_text("a file")
+    monkeypatch.setenv("DTBENCH_CACHE", str(blocker))
+    monkeypatch.delenv("DTBENCH_DATA_DIR", raising=False)
+    monkeypatch.setenv("DTBENCH_SPEC_BENCH_URL", "http://127.0.0.1:9/never-fetched")
+    ds = {"name": "spec-bench", "prompts": 1, "warmup": 0, "L_max": 64}
+    suite = write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))
+    for command in (["validate", suite], ["run", suite, "--db", str(tmp_path / "r.db"), "--no-progress"]):
+        one_line_error(invoke(*command), "spec-bench: cannot use the download cache", "set DTBENCH_CACHE")
