@@ -198,9 +198,15 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
         except DtbenchError as exc:
             raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
     if any(data.is_chat(ds) for ds in suite.datasets) and (suite.chat_template or "auto") != "none":
-        from dtbench.harness.chat import suite_template
+        from dtbench.harness import questions
 
-        suite_template(suite, models.load_tokenizer(suite.target))  # auto without a template: one line, now
+        tokenizer = models.load_tokenizer(suite.target)  # auto without a template: one line, now
+        for ds in suite.datasets:  # every prompt rendered under the template's bounds (chat.render)
+            if data.sample_slots(ds, suite.seed, plan.data_dir) is not None:
+                try:
+                    questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
+                except DtbenchError as exc:
+                    raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
     longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):

@@ -294,8 +294,8 @@ def prompts(spec: DatasetSpec, l_max: int, tokenizer, suite, data_dir: str | Non
     from dtbench.harness.chat import ChatPrompts, Renderer, suite_template
     from dtbench.harness.prompt import Prompt
 
-    _, template = suite_template(suite, tokenizer)
-    renderer = Renderer(tokenizer, template, suite.system_prompt, l_max)
+    mode, template = suite_template(suite, tokenizer)
+    renderer = Renderer(tokenizer, template, suite.system_prompt, l_max, mode)
     out, turns = [], {}
     for i, slot in enumerate(layout(spec, suite.seed, data_dir)):
         q = slot.question
@@ -303,3 +303,32 @@ def prompts(spec: DatasetSpec, l_max: int, tokenizer, suite, data_dir: str | Non
         out.append(Prompt(i, q.turns[slot.turn - 1][:500], ids, slot.group, q.category, slot.turn, q.question_id))
         turns[i] = q.turns
     return ChatPrompts(out, renderer, turns)
+
+
+PLACEHOLDER_ANSWER = "(the reference decoder's answer)"
+
+
+def check_prompts(spec: DatasetSpec, tokenizer, suite, data_dir: str | None = None) -> int:
+    """Render every prompt of the entry with the suite's chat template, under :func:`dtbench.harness.chat.render`'s
+    bounds, before any model loads (validate, and the run's preflight); a later turn with
+    :data:`PLACEHOLDER_ANSWER` for each earlier answer (the reference's answers exist only once it ran).
+
+    Returns:
+        The number of prompts rendered.
+
+    Raises:
+        DtbenchError: a bad file or category; PromptFailed: the template raised, ran too long, grew too large or
+            rendered an empty prompt (naming the question and turn).
+    """
+    from dtbench.harness.chat import PromptFailed, Renderer, suite_template
+
+    mode, template = suite_template(suite, tokenizer)
+    renderer = Renderer(tokenizer, template, suite.system_prompt, max(spec.caps), mode)
+    slots = layout(spec, suite.seed, data_dir)
+    for slot in slots:
+        q = slot.question
+        try:
+            renderer.ids(list(q.turns[: slot.turn]), [PLACEHOLDER_ANSWER] * (slot.turn - 1))
+        except PromptFailed as exc:
+            raise PromptFailed(f"{exc} (question {printable(clip(q.question_id, 60))} turn {slot.turn})") from None
+    return len(slots)

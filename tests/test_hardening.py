@@ -746,3 +746,62 @@ def test_download_cache_that_is_a_file(tmp_path, monkeypatch, where):
     suite = write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))
     for command in (["validate", suite], ["run", suite, "--db", str(tmp_path / "r.db"), "--no-progress"]):
         one_line_error(invoke(*command), "spec-bench: cannot use the download cache", "set DTBENCH_CACHE")
+
+
+# --- 33.7 chat templates: rendered at validate, bounded, one line ------------------------------------------------
+
+TEMPLATES = {
+    "raise": ("{{ raise_exception('no') }}", "TemplateError: no"),
+    "escape": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+    "undefined": ("{{ messages[5].content.upper() }}", "UndefinedError"),
+    "loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+              "rendering one prompt took longer than"),
+    "repeat": ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", "renders more than"),
+    "empty": ("  \n", "is empty (it would render empty prompts)"),
+    "nothing": ("{% if false %}x{% endif %}", "the prompt is empty (0 tokens)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TEMPLATES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_chat_template_failures_are_one_line_before_models_load(tmp_path, monkeypatch, kind, command):
+    from dtbench.harness import chat, models
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0, raising=False)  # raising: the test fails on old code too
+    text, needle = TEMPLATES[kind]
+    template = tmp_path / "t.jinja"
+    template.write_text(text)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the chat template was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    suite = _question_suite(tmp_path, chat_template=str(template))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    line = one_line_error(invoke(*args), needle)
+    assert str(template) in line or kind == "empty" and "t.jinja" in line
+
+
+def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
+    """Rendered with the reference's real answer (after validate rendered a placeholder), turn 2 fails its cells."""
+    from dtbench.harness import chat
+
+    class Tok:
+        special_tokens_map: dict = {}
+
+        def apply_chat_template(self, chat_, **kw):
+            return {"input_ids": [1, 2, 3]}
+
+        def decode(self, tokens, skip_special_tokens=True):
+            return "BOOM"
+
+    template = "{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('bad answer') }}{% endif %}" \
+               "{{ m.content }}{% endfor %}"
+    from dtbench.harness.prompt import Prompt
+
+    renderer = chat.Renderer(Tok(), template, None, 64, "t.jinja")
+    prompts = chat.ChatPrompts([Prompt(0, "q", (1,), turn=1, question_id="1"), Prompt(1, "q2", (), turn=2,
+                                                                                       question_id="1")],
+                               renderer, {0: ("a", "b"), 1: ("a", "b")})
+    with pytest.raises(chat.PromptFailed, match="chat_template t.jinja: TemplateError: bad answer"):
+        chat.resolve(prompts, 1, lambda index: [5])
