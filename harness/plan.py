@@ -185,7 +185,9 @@ def plan_suite(suite: Suite) -> Plan:
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
     text; a question file parses and its categories exist; a chat template exists (``auto`` needs the target
-    tokenizer's); L_max + T fits each model's context (a warning past a rotary model's trained context).
+    tokenizer's) and renders every prompt within its bounds; each decoder's own files pass its
+    ``check_files(params)`` classmethod where it has one (a learned head's config.json and weights' header, REST's
+    tokens file); L_max + T fits each model's context (a warning past a rotary model's trained context).
 
     Raises:
         DtbenchError: a non-text document, a bad question file or category, a missing chat template, or L_max + T
@@ -207,6 +209,13 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                     questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
                 except DtbenchError as exc:
                     raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    for p in plan.decoders:  # a decoder's own files (a head's config and weights' header, a tokens file)
+        check = getattr(p.cls, "check_files", None)
+        if check is not None:
+            try:
+                check(p.params)
+            except (ValueError, DtbenchError) as exc:
+                raise DtbenchError(f"decoder '{p.label}': {exc}") from None
     longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):

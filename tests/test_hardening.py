@@ -805,3 +805,91 @@ def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
                                renderer, {0: ("a", "b"), 1: ("a", "b")})
     with pytest.raises(chat.PromptFailed, match="chat_template t.jinja: TemplateError: bad answer"):
         chat.resolve(prompts, 1, lambda index: [5])
+
+
+# --- 33.5 head config and sizes, 33.6 EAGLE-3 d2t outside the vocabulary ------------------------------------------
+
+
+def _head(tmp_path, kind: str, config: dict | None = None, tensors=None) -> str:
+    """A tiny head folder (heads_kit's published layouts, hidden 32, vocabulary 96), config.json updated with
+    ``config`` (a non-dict replaces it), the weights changed by ``tensors``."""
+    from heads_kit import write_eagle, write_medusa
+
+    folder = tmp_path / kind
+    if kind == "medusa":
+        write_medusa(folder, hidden=32, vocab=96)
+    else:
+        write_eagle(folder, hidden=32, vocab=96, version=3 if kind == "eagle3" else 1,
+                    draft_vocab=48 if kind == "eagle3" else None)
+    cfg = json.loads((folder / "config.json").read_text())
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({**cfg, **config} if isinstance(config, dict) else config))
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(tensors(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _d2t(value):
+    import torch
+
+    return lambda sd: {**sd, "d2t": torch.full_like(sd["d2t"], value)}
+
+
+HEAD_CASES = {
+    "negative": ("eagle", {"intermediate_size": -5}, None, "config.json: intermediate_size must be a positive integer, "
+                                                         "not -5"),
+    "string": ("eagle", {"hidden_size": "576"}, None, 'config.json: hidden_size must be a positive integer, not "576"'),
+    "zero heads": ("eagle", {"num_attention_heads": 0}, None, "num_attention_heads must be a positive integer, not 0"),
+    "list": ("eagle", [1, 2], None, "config.json is a JSON list, not an object"),
+    "huge": ("eagle", {"intermediate_size": 3_000_000}, None,
+             "layers.0.mlp.gate_proj.weight has shape [64, 32] in the weights, but config.json makes it [3000000, 32]"),
+    "draft vocab": ("eagle3", {"draft_vocab_size": -1}, None, "config.json: draft_vocab_size must be a positive "
+                                                             "integer, not -1"),
+    "medusa layers": ("medusa", {"medusa_num_layers": "x"}, None, 'config.json: medusa_num_layers must be a positive '
+                                                                 'integer, not "x"'),
+    "d2t huge": ("eagle3", None, _d2t(10**9), "d2t maps draft id 0 to token 1000000000, outside the vocabulary (0..95)"),
+    "d2t negative": ("eagle3", None, _d2t(-10**6), "d2t maps draft id 0 to token -1000000, outside the vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_CASES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_heads_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
+    from dtbench.harness import models
+
+    kind, config, tensors, needle = HEAD_CASES[case]
+    head = _head(tmp_path, kind, config, tensors)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the head was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    name = "medusa" if kind == "medusa" else "eagle"
+    suite = write_suite(tmp_path, _suite(decoders=[{"name": "ar"}, {"name": name, "params": {"head": head}}]))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    line = one_line_error(invoke(*args), f"decoder '{name}': head {head}", needle)
+    assert "target" not in line  # the head's own field is blamed, not the target
+
+
+@pytest.mark.parametrize("case", ["huge", "d2t huge"])
+def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch, case):
+    """A hub head is checked when it is loaded (validate skips what is not a local folder): still before the module
+    is built (EagleHead is never constructed off the meta device)."""
+    import torch
+
+    from dtbench.decoders import heads
+    from heads_kit import deep_llama
+
+    kind, config, tensors, needle = HEAD_CASES[case]
+    folder = _head(tmp_path, kind, config, tensors)
+    real = heads.EagleHead
+
+    def only_on_meta(*a, **kw):
+        assert torch.empty(0).device.type == "meta", "the head was allocated before its checks"
+        return real(*a, **kw)
+
+    monkeypatch.setattr(heads, "EagleHead", only_on_meta)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        heads.load_eagle(folder, deep_llama(0))
