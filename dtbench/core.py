@@ -9,9 +9,12 @@ The layers above: ``dtbench.decoders`` (torch), ``dtbench.harness``, ``dtbench.r
 
 from __future__ import annotations
 
+import os
+import stat
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,6 +34,29 @@ def clip(value: Any, limit: int = MAX_ECHO) -> str:
     """``str(value)`` on one line, cut to ``limit`` characters with an ellipsis (a suite can hold huge values)."""
     text = " ".join(str(value).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# --- bounded reads: a file a user names is read only if it is a regular file, and only so far -------------------
+
+
+def read_regular_file(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of ``path``, refusing anything but a regular file and reading at most ``limit`` of them, so
+    ``/dev/zero``, ``/dev/urandom``, a FIFO or a huge file is a one-line error instead of a hang or a MemoryError.
+
+    Raises:
+        DtbenchError: cannot be opened, not a regular file, or larger than ``limit`` bytes (naming ``what``).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not wait for a writer
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DtbenchError(f"{what} {path} is not a regular file (a device, pipe or folder)")
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise DtbenchError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if len(raw) > limit:
+        raise DtbenchError(f"{what} {path} is larger than {limit:,} bytes (the limit for a {what} file)")
+    return raw
 
 
 # --- strict types: a boolean is never a number ---------------------------------------------------------------------
