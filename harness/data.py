@@ -51,6 +51,7 @@ from dtbench.decoders.base import StrictBools
 from dtbench.harness import hub
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import printable
 from dtbench.harness.registry import Registry, validate_model
 from dtbench.harness.suite import DatasetSpec
 from dtbench.harness.prompt import Prompt
@@ -137,7 +138,7 @@ def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
     chosen = spec.data_dir or data_dir or os.environ.get(DATA_DIR_ENV)
     if chosen and (spec.hub_id or spec.revision):  # the local folder wins: say that the hub keys are not used
         keys = " and ".join(k for k in ("hub_id", "revision") if getattr(spec, k))
-        print(f"note: {spec.name}: {keys} ignored: the local data folder {chosen} is used instead (unset --data-dir, "
+        print(f"note: {spec.name}: {keys} ignored: the local data folder {printable(chosen)} is used instead (unset --data-dir, "
               f"{DATA_DIR_ENV} and data_dir: to load from the hub)", file=sys.stderr, flush=True)
     return Path(chosen).expanduser() if chosen else None
 

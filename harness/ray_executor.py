@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from dtbench.harness import calibrate
-from dtbench.harness.chat import TurnNotReady
+from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
@@ -250,6 +250,9 @@ class RayExecutor(Executor):
                     if running:
                         queue.append(group)
                         break
+                    sink.fail(group, str(exc), None)
+                    continue
+                except PromptFailed as exc:  # the chat template failed on a later turn: its cells fail
                     sink.fail(group, str(exc), None)
                     continue
                 actor = idle.popleft()

@@ -595,3 +595,301 @@ def test_chat_template_file_of_a_device():
 
     with pytest.raises(DtbenchError, match="not a regular file"):
         chat.template_text("/dev/zero", None, "m")
+
+
+# === Issue 33: the new inputs (question files, chat templates, heads, corpora) ===================================
+
+QUESTIONS = [
+    {"question_id": "a1", "category": "poetry", "turns": ["Write a haiku about rain.", "Now make it rhyme."]},
+    {"question_id": "a2", "category": "poetry", "turns": ["Write a couplet about the sea."]},
+    {"question_id": "b1", "category": "code-review", "turns": ["Is x = x + 1 idempotent?"]},
+    {"question_id": "b2", "category": "code-review", "turns": ["What does git rebase do?"]},
+]
+
+
+def _qfile(tmp_path, rows, name="q.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _question_suite(tmp_path, rows=None, **entry) -> str:
+    """A question suite on the embedded model over a jsonl of ``rows`` (chat_template none unless given)."""
+    template = entry.pop("chat_template", "none")
+    ds = {"name": "spec-bench", "path": _qfile(tmp_path, rows or QUESTIONS), "prompts": 1, "warmup": 0, "L_max": 64,
+          **entry}
+    return write_suite(tmp_path, _suite(datasets=[ds], chat_template=template))
+
+
+# --- 33.1 terminal escapes in error lines --------------------------------------------------------------------------
+
+HOSTILE_CATEGORY = "\u001b[31mRED\u001b]0;pwn\u0007"
+
+
+def test_escape_codes_in_a_question_category_are_shown_escaped(tmp_path):
+    rows = [*QUESTIONS, {"question_id": "c1", "category": HOSTILE_CATEGORY, "turns": ["hi there"]}]
+    line = one_line_error(invoke("validate", _question_suite(tmp_path, rows, categories=["nosuch"])),
+                          "unknown category 'nosuch'", "\\x1b[31mRED\\x1b]0;pwn\\x07")
+    assert "\x1b" not in line and "\x07" not in line
+
+
+def test_escape_codes_in_a_suite_category_are_refused(tmp_path):
+    line = one_line_error(invoke("validate", _question_suite(tmp_path, categories=["nosuch\x1b[31m"])),
+                          "categories.0", "control character (\\x1b)")
+    assert "\x1b" not in line
+
+
+def test_every_error_line_is_escaped(tmp_path, monkeypatch):
+    """The CLI's one error line escapes whatever message reaches it (a DtbenchError or an internal error)."""
+    from dtbench.harness import suitefile
+    from dtbench.harness.errors import DtbenchError
+
+    for exc, prefix in ((DtbenchError("bad \x1b]0;title\x07 thing"), "error: "),
+                        (RuntimeError("bad \x1b[2J thing"), "internal error: ")):
+        monkeypatch.setattr(suitefile, "load_suite", lambda *a, _e=exc: (_ for _ in ()).throw(_e))
+        result = invoke("validate", write_suite(tmp_path, TINY))
+        assert result.stderr.startswith(prefix) and "\\x1b" in result.stderr, result.stderr
+        assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+
+
+# --- 33.2 control characters in HTML, raw HTML in Markdown ---------------------------------------------------------
+
+
+def _question_db(tmp_path, category: str) -> str:
+    """A run of spec-bench samples (ar and linear, two questions) whose task group and category are ``category``."""
+    import reportdb
+
+    path = tmp_path / "q.db"
+    with reportdb.connect(path)() as s:
+        run = reportdb.add_run(s)
+        for label in ("ar", "linear"):
+            cell = reportdb.add_cell(s, run, label, dataset="spec-bench")
+            for i, sample in enumerate(reportdb.add_samples(s, cell, [10.0, 12.0] if label == "ar" else [20.0, 24.0])):
+                sample.task_group, sample.category, sample.turn, sample.question_id = category, category, 1, str(i)
+        s.commit()
+    return str(path)
+
+
+@pytest.mark.parametrize("extra", [["--spec-bench"], ["--by", "category"], ["--by", "group"]])
+def test_html_report_shows_control_characters_escaped(tmp_path, extra):
+    path = _question_db(tmp_path, HOSTILE_CATEGORY + "\x00nul")
+    result = invoke("report", "--db", path, "--format", "html", *extra)
+    assert result.exit_code == 0, result.output
+    assert "\\x1b[31mRED\\x1b]0;pwn\\x07\\x00nul" in result.stdout
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f]", result.stdout), repr(result.stdout[:300])
+
+
+@pytest.mark.parametrize("extra", [["--spec-bench"], ["--by", "category"]])
+def test_markdown_report_escapes_html(tmp_path, extra):
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    result = invoke("report", "--db", _question_db(tmp_path, hostile), "--format", "markdown", *extra)
+    assert result.exit_code == 0, result.output
+    assert "<script" not in result.stdout and "<img" not in result.stdout, result.stdout
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;img src=x onerror=alert(2)&gt;" in result.stdout
+
+
+def test_markdown_cell_and_html_text():
+    from dtbench.harness.safetext import html_text, markdown_cell
+
+    assert markdown_cell("a<b>&\n|c\x1b") == "a&lt;b&gt;&amp;<br>\\|c\\x1b"
+    assert html_text("<th>\x00\x1b]0;t\x07") == "&lt;th&gt;\\x00\\x1b]0;t\\x07"
+
+
+# --- 33.3 distinct questions merged --------------------------------------------------------------------------------
+
+
+def test_duplicate_question_ids_are_refused(tmp_path):
+    rows = [{"question_id": 7, "category": "qa", "turns": [f"Question {i}?"]} for i in range(4)]
+    one_line_error(invoke("validate", _question_suite(tmp_path, rows, prompts=3)),
+                   "q.jsonl:2: question_id 7 is also the question_id of line 1")
+
+
+@pytest.mark.parametrize("categories, needle", [
+    (["qa", "qa"], "categories lists qa twice"),
+    (["mt_bench", "writing"], "categories name 'mt_bench' and 'writing', which share questions"),
+])
+def test_repeated_categories_are_refused(tmp_path, data_dir, categories, needle):
+    ds = {"name": "spec-bench", "data_dir": str(data_dir), "prompts": 2, "warmup": 0, "L_max": 64,
+          "categories": categories}
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))), needle)
+
+
+# --- 33.8 question-file content ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("[" * 100_000, "q.jsonl:5: nests too deeply"),
+    ('{"question_id": "s", "category": "qa", "turns": ["x \\ud800 y"]}', "q.jsonl:5: turn 1 holds \\ud800"),
+    ('{"question_id": "s", "category": "qa", "turns": [""]}', "q.jsonl:5: turn 1 is empty"),
+    ('{"question_id": "s", "category": "qa", "turns": ["fine", "  "]}', "q.jsonl:5: turn 2 is empty"),
+    ('{"question_id": ["x"], "category": "qa", "turns": ["fine"]}', "q.jsonl:5: `question_id` must be"),
+])
+def test_bad_question_lines_are_one_line_at_validate(tmp_path, line, needle):
+    one_line_error(invoke("validate", _question_suite(tmp_path, [*QUESTIONS, line])), needle)
+
+
+# --- 33.9 the download cache is a file -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["root", "entry"])
+def test_download_cache_that_is_a_file(tmp_path, monkeypatch, where):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file")
+    if where == "entry":
+        blocker.unlink()
+        (blocker / "spec-bench").parent.mkdir()
+        (blocker / "spec-bench").write_text("a file")
+    monkeypatch.setenv("DTBENCH_CACHE", str(blocker))
+    monkeypatch.delenv("DTBENCH_DATA_DIR", raising=False)
+    monkeypatch.setenv("DTBENCH_SPEC_BENCH_URL", "http://127.0.0.1:9/never-fetched")
+    ds = {"name": "spec-bench", "prompts": 1, "warmup": 0, "L_max": 64}
+    suite = write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))
+    for command in (["validate", suite], ["run", suite, "--db", str(tmp_path / "r.db"), "--no-progress"]):
+        one_line_error(invoke(*command), "spec-bench: cannot use the download cache", "set DTBENCH_CACHE")
+
+
+# --- 33.7 chat templates: rendered at validate, bounded, one line ------------------------------------------------
+
+TEMPLATES = {
+    "raise": ("{{ raise_exception('no') }}", "TemplateError: no"),
+    "escape": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+    "undefined": ("{{ messages[5].content.upper() }}", "UndefinedError"),
+    "loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+              "rendering one prompt took longer than"),
+    "repeat": ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", "renders more than"),
+    "empty": ("  \n", "is empty (it would render empty prompts)"),
+    "nothing": ("{% if false %}x{% endif %}", "the prompt is empty (0 tokens)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TEMPLATES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_chat_template_failures_are_one_line_before_models_load(tmp_path, monkeypatch, kind, command):
+    from dtbench.harness import chat, models
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0, raising=False)  # raising: the test fails on old code too
+    text, needle = TEMPLATES[kind]
+    template = tmp_path / "t.jinja"
+    template.write_text(text)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the chat template was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    suite = _question_suite(tmp_path, chat_template=str(template))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    line = one_line_error(invoke(*args), needle)
+    assert str(template) in line or kind == "empty" and "t.jinja" in line
+
+
+def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
+    """Rendered with the reference's real answer (after validate rendered a placeholder), turn 2 fails its cells."""
+    from dtbench.harness import chat
+
+    class Tok:
+        special_tokens_map: dict = {}
+
+        def apply_chat_template(self, chat_, **kw):
+            return {"input_ids": [1, 2, 3]}
+
+        def decode(self, tokens, skip_special_tokens=True):
+            return "BOOM"
+
+    template = "{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('bad answer') }}{% endif %}" \
+               "{{ m.content }}{% endfor %}"
+    from dtbench.harness.prompt import Prompt
+
+    renderer = chat.Renderer(Tok(), template, None, 64, "t.jinja")
+    prompts = chat.ChatPrompts([Prompt(0, "q", (1,), turn=1, question_id="1"), Prompt(1, "q2", (), turn=2,
+                                                                                       question_id="1")],
+                               renderer, {0: ("a", "b"), 1: ("a", "b")})
+    with pytest.raises(chat.PromptFailed, match="chat_template t.jinja: TemplateError: bad answer"):
+        chat.resolve(prompts, 1, lambda index: [5])
+
+
+# --- 33.5 head config and sizes, 33.6 EAGLE-3 d2t outside the vocabulary ------------------------------------------
+
+
+def _head(tmp_path, kind: str, config: dict | None = None, tensors=None) -> str:
+    """A tiny head folder (heads_kit's published layouts, hidden 32, vocabulary 96), config.json updated with
+    ``config`` (a non-dict replaces it), the weights changed by ``tensors``."""
+    from heads_kit import write_eagle, write_medusa
+
+    folder = tmp_path / kind
+    if kind == "medusa":
+        write_medusa(folder, hidden=32, vocab=96)
+    else:
+        write_eagle(folder, hidden=32, vocab=96, version=3 if kind == "eagle3" else 1,
+                    draft_vocab=48 if kind == "eagle3" else None)
+    cfg = json.loads((folder / "config.json").read_text())
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({**cfg, **config} if isinstance(config, dict) else config))
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(tensors(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _d2t(value):
+    import torch
+
+    return lambda sd: {**sd, "d2t": torch.full_like(sd["d2t"], value)}
+
+
+HEAD_CASES = {
+    "negative": ("eagle", {"intermediate_size": -5}, None, "config.json: intermediate_size must be a positive integer, "
+                                                         "not -5"),
+    "string": ("eagle", {"hidden_size": "576"}, None, 'config.json: hidden_size must be a positive integer, not "576"'),
+    "zero heads": ("eagle", {"num_attention_heads": 0}, None, "num_attention_heads must be a positive integer, not 0"),
+    "list": ("eagle", [1, 2], None, "config.json is a JSON list, not an object"),
+    "huge": ("eagle", {"intermediate_size": 3_000_000}, None,
+             "layers.0.mlp.gate_proj.weight has shape [64, 32] in the weights, but config.json makes it [3000000, 32]"),
+    "draft vocab": ("eagle3", {"draft_vocab_size": -1}, None, "config.json: draft_vocab_size must be a positive "
+                                                             "integer, not -1"),
+    "medusa layers": ("medusa", {"medusa_num_layers": "x"}, None, 'config.json: medusa_num_layers must be a positive '
+                                                                 'integer, not "x"'),
+    "d2t huge": ("eagle3", None, _d2t(10**9), "d2t maps draft id 0 to token 1000000000, outside the vocabulary (0..95)"),
+    "d2t negative": ("eagle3", None, _d2t(-10**6), "d2t maps draft id 0 to token -1000000, outside the vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_CASES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_heads_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
+    from dtbench.harness import models
+
+    kind, config, tensors, needle = HEAD_CASES[case]
+    head = _head(tmp_path, kind, config, tensors)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the head was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    name = "medusa" if kind == "medusa" else "eagle"
+    suite = write_suite(tmp_path, _suite(decoders=[{"name": "ar"}, {"name": name, "params": {"head": head}}]))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    line = one_line_error(invoke(*args), f"decoder '{name}': head {head}", needle)
+    assert "target" not in line  # the head's own field is blamed, not the target
+
+
+@pytest.mark.parametrize("case", ["huge", "d2t huge"])
+def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch, case):
+    """A hub head is checked when it is loaded (validate skips what is not a local folder): still before the module
+    is built (EagleHead is never constructed off the meta device)."""
+    import torch
+
+    from dtbench.decoders import heads
+    from heads_kit import deep_llama
+
+    kind, config, tensors, needle = HEAD_CASES[case]
+    folder = _head(tmp_path, kind, config, tensors)
+    real = heads.EagleHead
+
+    def only_on_meta(*a, **kw):
+        assert torch.empty(0).device.type == "meta", "the head was allocated before its checks"
+        return real(*a, **kw)
+
+    monkeypatch.setattr(heads, "EagleHead", only_on_meta)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        heads.load_eagle(folder, deep_llama(0))
