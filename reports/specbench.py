@@ -28,7 +28,7 @@ from sqlalchemy import select
 
 from dtbench.harness.db import Cell, Sample
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import BASELINE
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.questions import GROUPS
 
 BY_COLUMNS = {"group": "task_group", "category": "category"}
@@ -143,7 +143,7 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     present = list(dict.fromkeys(basis["task_group"]))
     groups = [g for g in GROUPS if g in present] + [g for g in present if g not in GROUPS]
     rows = []
-    for point, at in basis.groupby(["dataset", "l_max", "gen_length"], sort=False):
+    for point, at in basis.groupby(GROUP, sort=False):
         ref = at[at["decoder"] == BASELINE]
         if ref.empty:
             raise DtbenchError(f"--spec-bench: no {BASELINE} samples at {point[0]} L_max={point[1]} T={point[2]}")
@@ -177,16 +177,16 @@ def display(board: pd.DataFrame) -> pd.DataFrame:
     out["Mean acc. len (vLLM)"] = [_f(v, ".2f") for v in board["mean_acceptance_length"]]
     width = min(POSITIONS, max((len(p) for p in board["per_position"]), default=0))
     for i in range(width):
-        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else "—" for p in board["per_position"]]
+        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else MISSING for p in board["per_position"]]
     return out
 
 
 def _x(v) -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
 
 
 def _f(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
 
 
 CAPTION = ("Spec-Bench layout (evaluation/speed.py): per group, speedup = mean over questions of tokens/s (turns "
@@ -207,7 +207,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     with sessions() as session:
         run = get_run(session, run_id)
         board = leaderboard(task_samples(session, run.id))
-    points = list(board.groupby(["dataset", "l_max", "gen_length"], sort=False))
+    points = list(board.groupby(GROUP, sort=False))
 
     def title(key) -> str:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"
