@@ -25,7 +25,7 @@ curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-ste
   of cells that ran each K (``suites/linear-k.yaml``). The cell's own K is the most it drafted in one iteration.
 - tree-family decoders: the predicted best node budget N_max = the largest calibrated tree whose verification (root +
   n nodes, one target forward with the tree mask) costs at most 2x one AR token on the cache at mid-generation
-  (:func:`dtbench.harness.calibrate.auto_budget`, the budget ``n_max: auto`` would choose; a forward-cost-only
+  (:func:`dtbench.harness.curves.auto_budget`, the budget ``n_max: auto`` would choose; a forward-cost-only
   prediction, to compare with measured sweeps over ``n_max``).
 """
 
@@ -155,21 +155,17 @@ def budget_speedups(curves, states: list[dict], head_s: float, past: int) -> dic
 # --- the per-cell table --------------------------------------------------------------------------------------------
 
 
-def _uses_draft_model(name: str) -> bool:
-    """Whether decoder ``name`` runs the suite's draft model (True when it is not installed here)."""
-    from dtbench.harness import registry
-
-    try:
-        return bool(registry.get(name).needs_draft)
-    except DtbenchError:  # a plugin the reading machine lacks: price as before
-        return True
+def uses_draft_model(cell) -> bool:
+    """Whether a cell ran the suite's draft model: the runner records ``cells.draft_model`` only for decoders that
+    need one (a learned head's forwards are not the draft model's), so the database alone says it."""
+    return cell.draft_model is not None
 
 
 def cost_table(session, run, curves) -> pd.DataFrame:
     """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
     predicted share of target and draft forwards, for chain-family cells the predicted best K and for tree-family
     cells the predicted best N_max (module docstring)."""
-    from dtbench.harness.calibrate import DEFAULT_FACTOR, auto_budget
+    from dtbench.harness.curves import DEFAULT_FACTOR, auto_budget
     from dtbench.harness.db import Cell, Sample
 
     rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
@@ -184,7 +180,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         cell, samples = c["cell"], c["samples"]
         if not samples:
             continue
-        priced = [price_sample(curves, s.step_stats or {}, _uses_draft_model(cell.decoder)) for s in samples]
+        priced = [price_sample(curves, s.step_stats or {}, uses_draft_model(cell)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]

@@ -22,7 +22,10 @@ from dtbench.reports.summary import get_run, lossless_failed, samples_frame, sum
 
 def default_params(decoder: str) -> dict:
     """The decoder's params with every default (``Params()``), or {} when it is not installed or has required
-    params (then every stored param counts as changed)."""
+    params (then every stored param counts as changed).
+
+    The one place a report reads the plugin registry (reports otherwise read the database only): the defaults of an
+    installed decoder are not stored with a run, and the Tuning line names the params a best setting changed."""
     from dtbench.harness import registry
     from dtbench.harness.errors import DtbenchError
 

@@ -581,7 +581,13 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
         (timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop")))
     from types import SimpleNamespace
 
-    cp = SimpleNamespace(reference_label="ar", label="x", cls=lambda *a: SimpleNamespace(), params=None, sampling=None)
+    class Fake:  # a decoder class: constructed, no corpus declared
+        def __init__(self, *args):
+            pass
+
+        corpus_of = staticmethod(lambda params: None)
+
+    cp = SimpleNamespace(reference_label="ar", label="x", cls=Fake, params=None, sampling=None)
     suite = SimpleNamespace(timeout_s="auto", seed=0)
     prompt = SimpleNamespace(index=0, token_ids=(1, 2))
     target = SimpleNamespace(model=None)
@@ -595,6 +601,72 @@ def test_chat_template_file_of_a_device():
 
     with pytest.raises(DtbenchError, match="not a regular file"):
         chat.template_text("/dev/zero", None, "m")
+
+
+# --- issue 33, item 4: a REST corpus never holds a prompt's own document, whatever the seeds ----------------------
+
+
+def _text_corpus(folder):
+    """Twelve distinct documents of about 60 words each, one per file (a text-files corpus)."""
+    import random as _random
+
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "cloud", "north", "quiet", "amber", "field"]
+    folder.mkdir()
+    for i in range(12):
+        rng = _random.Random(i)
+        (folder / f"doc{i:02d}.txt").write_text(f"Document {i}. " + " ".join(rng.choice(words) for _ in range(60)))
+    return folder
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_rest_datastore_never_holds_a_prompt_document(tmp_path, monkeypatch, seed):
+    """Issue 33 item 4: suite ``seed: 3``, 2 prompts, ``rest`` with ``corpus: {skip: 2}``: the datastore held both
+    prompts verbatim (rest held its corpus out with its own ``seed`` param, 0 unless set by hand). The harness now
+    injects the corpus, held out with the suite's seed: no prompt document reaches the datastore, whatever the seed."""
+    import sqlite3
+
+    from transformers import AutoTokenizer
+
+    from dtbench.decoders import datastore
+    from kit import suite_dict, tiny_pair
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    target, draft = tiny_pair(tmp_path / "models")
+    built: list[list[int]] = []
+    real = datastore.Datastore.from_documents.__func__
+    monkeypatch.setattr(datastore.Datastore, "from_documents",
+                        classmethod(lambda cls, docs: built.extend(map(list, docs)) or real(cls, docs)))
+    monkeypatch.setattr(datastore, "_STORES", {})
+    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "rest", "params": {
+        "corpus": {"name": "text-files", "path": str(corpus), "skip": 2}}}], seed=seed)
+    suite["datasets"] = [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 0, "L_max": 16}]
+    suite["generation_lengths"] = [4]
+    db = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(db), "--no-progress")
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(db) as c:
+        used = {row[0] for row in c.execute("select distinct document from samples")}
+    assert len(used) == 2 and built  # two prompt documents; the datastore was built
+    tok = AutoTokenizer.from_pretrained(str(target))
+    in_store = {tuple(d) for d in built}
+    for path in used:
+        assert tuple(tok.encode(open(path).read())) not in in_store, f"prompt document {path} is in the datastore"
+    assert len(in_store) >= 12 - 2 - 2  # the rest of the corpus is there (unusable documents before the 2nd aside)
+
+
+def test_rest_own_seed_and_a_too_small_skip_are_refused(tmp_path):
+    """A corpus is held out with the suite's seed only (rest's own ``seed:`` is refused), and a ``skip`` smaller than
+    the suite's prompts of the same dataset is refused at validate (their documents would be in the datastore)."""
+    from kit import suite_dict, tiny_pair
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    target, draft = tiny_pair(tmp_path / "models")
+    entry = {"name": "text-files", "path": str(corpus)}
+    for params, needle in (({"corpus": {**entry, "skip": 2}, "seed": 3}, "seed"),
+                           ({"corpus": {**entry, "skip": 1}}, "skip: 2 or more")):
+        suite = suite_dict(target, draft, [{"name": "rest", "params": params}], seed=3)
+        suite["datasets"] = [{**entry, "prompts": 2, "warmup": 0, "L_max": 16}]
+        one_line_error(invoke("validate", write_suite(tmp_path, suite)), "rest", needle)
 
 
 # === Issue 33: the new inputs (question files, chat templates, heads, corpora) ===================================
