@@ -47,7 +47,7 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import DecoderParams, Step
 from dtbench.decoders.heads import EagleHead, HeadDecoder, check_eagle, load_eagle
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
-from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
+from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
 
 class EagleDrafter(TreeDrafter):

@@ -52,7 +52,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dtbench.decoders.base import Decoder
-from dtbench.decoders.tree_structure import attention_mask_kind, tree_attention_mask
+from dtbench.decoders.tree.structure import attention_mask_kind, tree_attention_mask
 
 # ----------------------------------------------------------------------------------------------------------
 # Files
@@ -92,8 +92,7 @@ def _config(head: str) -> dict:
     Raises:
         ValueError: unreadable, larger than 1 MiB, not JSON, or not a JSON object (one line naming the head).
     """
-    from dtbench.harness.bounds import read_regular_file
-    from dtbench.harness.errors import DtbenchError
+    from dtbench.core import DtbenchError, read_regular_file
 
     path = head_file(head, ("config.json",))
     try:

@@ -142,6 +142,12 @@ def plan_suite(suite: Suite) -> Plan:
         if sampling is not None and not cls.supports_sampling:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
                                f"set `sampling: greedy` on it or remove the suite's `sampling:`")
+        corpus = cls.corpus_of(params)
+        if corpus is not None:
+            try:
+                data.check_corpus(corpus, suite.datasets)
+            except DtbenchError as exc:
+                raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
         if sampling is not None and (why := cls.sampling_error(params)):
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {why}")
         plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
@@ -199,6 +205,14 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
             data.sample_slots(ds, suite.seed, plan.data_dir)  # question datasets: the file parses, categories exist
         except DtbenchError as exc:
             raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    for p in plan.decoders:  # a declared corpus's files (a text-files corpus is read here)
+        corpus = p.cls.corpus_of(p.params)
+        if corpus is not None:
+            try:
+                data.check_corpus(corpus, suite.datasets, files=True)
+            except DtbenchError as exc:
+                where = f"{p.spec.where}: " if p.spec.where else ""
+                raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
     if any(data.is_chat(ds) for ds in suite.datasets) and (suite.chat_template or "auto") != "none":
         from dtbench.harness import questions
 

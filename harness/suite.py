@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from dtbench.decoders.base import StrictBools
+from dtbench.core import StrictBools
 from dtbench.harness.bounds import MAX_SECONDS, Seconds, Seed
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.safetext import control_character

@@ -77,7 +77,8 @@ class Outcome:
 
 
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
-                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False) -> Outcome:
+                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False,
+                data_dir: str | None = None) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
@@ -90,6 +91,9 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
             output is checked as a distribution, by the tests, never against one draw).
         stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
+        data_dir: the run's data folder, where a corpus the decoder declares (:meth:`Decoder.corpus_of`) is read:
+            its documents, held out from the suite's prompts with the suite's seed, are handed to the decoder
+            (:meth:`Decoder.use_corpus`) before timing starts.
     """
     if cp.reference_label and ref is None:
         return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
@@ -99,6 +103,10 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     try:
         torch.manual_seed(suite.seed)
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+        corpus = cp.cls.corpus_of(cp.params)
+        if corpus is not None:
+            tokenizer = getattr(target.model.config, "name_or_path", "") or ""
+            decoder.use_corpus(data.corpus_documents(corpus, tokenizer, suite.seed, data_dir))
         if cp.sampling is not None:
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
         if stop_at_eos:
@@ -134,7 +142,8 @@ def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any,
 
 
 def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
-              done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
+              done: dict[str, tuple[list[int], float]], skip: set[str],
+              data_dir: str | None = None) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
     Args:
@@ -153,7 +162,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
         outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
-                              stop)
+                              stop, data_dir)
         if outcome.row is not None:
             outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
         yield outcome
@@ -270,7 +279,8 @@ class Worker:
         group = self.groups.get(key)
         if group is None:
             raise DtbenchError(f"this worker's plan has no prompt group {key}")
-        yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip)
+        yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip,
+                             self.plan.data_dir)
 
     def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
                   console: Console | None = None) -> calibrate.Measured:

@@ -581,7 +581,13 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
         (timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop")))
     from types import SimpleNamespace
 
-    cp = SimpleNamespace(reference_label="ar", label="x", cls=lambda *a: SimpleNamespace(), params=None, sampling=None)
+    class Fake:  # a decoder class: constructed, no corpus declared
+        def __init__(self, *args):
+            pass
+
+        corpus_of = staticmethod(lambda params: None)
+
+    cp = SimpleNamespace(reference_label="ar", label="x", cls=Fake, params=None, sampling=None)
     suite = SimpleNamespace(timeout_s="auto", seed=0)
     prompt = SimpleNamespace(index=0, token_ids=(1, 2))
     target = SimpleNamespace(model=None)
@@ -595,6 +601,72 @@ def test_chat_template_file_of_a_device():
 
     with pytest.raises(DtbenchError, match="not a regular file"):
         chat.template_text("/dev/zero", None, "m")
+
+
+# --- issue 33, item 4: a REST corpus never holds a prompt's own document, whatever the seeds ----------------------
+
+
+def _text_corpus(folder):
+    """Twelve distinct documents of about 60 words each, one per file (a text-files corpus)."""
+    import random as _random
+
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "cloud", "north", "quiet", "amber", "field"]
+    folder.mkdir()
+    for i in range(12):
+        rng = _random.Random(i)
+        (folder / f"doc{i:02d}.txt").write_text(f"Document {i}. " + " ".join(rng.choice(words) for _ in range(60)))
+    return folder
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_rest_datastore_never_holds_a_prompt_document(tmp_path, monkeypatch, seed):
+    """Issue 33 item 4: suite ``seed: 3``, 2 prompts, ``rest`` with ``corpus: {skip: 2}``: the datastore held both
+    prompts verbatim (rest held its corpus out with its own ``seed`` param, 0 unless set by hand). The harness now
+    injects the corpus, held out with the suite's seed: no prompt document reaches the datastore, whatever the seed."""
+    import sqlite3
+
+    from transformers import AutoTokenizer
+
+    from dtbench.decoders import datastore
+    from kit import suite_dict, tiny_pair
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    target, draft = tiny_pair(tmp_path / "models")
+    built: list[list[int]] = []
+    real = datastore.Datastore.from_documents.__func__
+    monkeypatch.setattr(datastore.Datastore, "from_documents",
+                        classmethod(lambda cls, docs: built.extend(map(list, docs)) or real(cls, docs)))
+    monkeypatch.setattr(datastore, "_STORES", {})
+    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "rest", "params": {
+        "corpus": {"name": "text-files", "path": str(corpus), "skip": 2}}}], seed=seed)
+    suite["datasets"] = [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 0, "L_max": 16}]
+    suite["generation_lengths"] = [4]
+    db = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(db), "--no-progress")
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(db) as c:
+        used = {row[0] for row in c.execute("select distinct document from samples")}
+    assert len(used) == 2 and built  # two prompt documents; the datastore was built
+    tok = AutoTokenizer.from_pretrained(str(target))
+    in_store = {tuple(d) for d in built}
+    for path in used:
+        assert tuple(tok.encode(open(path).read())) not in in_store, f"prompt document {path} is in the datastore"
+    assert len(in_store) >= 12 - 2 - 2  # the rest of the corpus is there (unusable documents before the 2nd aside)
+
+
+def test_rest_own_seed_and_a_too_small_skip_are_refused(tmp_path):
+    """A corpus is held out with the suite's seed only (rest's own ``seed:`` is refused), and a ``skip`` smaller than
+    the suite's prompts of the same dataset is refused at validate (their documents would be in the datastore)."""
+    from kit import suite_dict, tiny_pair
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    target, draft = tiny_pair(tmp_path / "models")
+    entry = {"name": "text-files", "path": str(corpus)}
+    for params, needle in (({"corpus": {**entry, "skip": 2}, "seed": 3}, "seed"),
+                           ({"corpus": {**entry, "skip": 1}}, "skip: 2 or more")):
+        suite = suite_dict(target, draft, [{"name": "rest", "params": params}], seed=3)
+        suite["datasets"] = [{**entry, "prompts": 2, "warmup": 0, "L_max": 16}]
+        one_line_error(invoke("validate", write_suite(tmp_path, suite)), "rest", needle)
 
 
 # === Issue 33: the new inputs (question files, chat templates, heads, corpora) ===================================
@@ -893,3 +965,94 @@ def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch,
     monkeypatch.setattr(heads, "EagleHead", only_on_meta)
     with pytest.raises(ValueError, match=re.escape(needle)):
         heads.load_eagle(folder, deep_llama(0))
+
+
+# --- 33, also seen: `pip install '.[ray,energy]'` leaves an amdsmi that breaks `import ray` --------------------------
+
+
+def test_ray_imports_beside_an_amdsmi_without_rocm(tmp_path):
+    """With an amdsmi whose import raises KeyError (as amdsmi 6.x/7.x do without ROCm) first on the path, dtbench's
+    import_ray works, and so does a fresh Python started with the environment it leaves (a Ray worker's)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    (tmp_path / "amdsmi").mkdir()
+    (tmp_path / "amdsmi" / "__init__.py").write_text("print('Unable to find libamd_smi.so')\n"
+                                                     "raise KeyError('libamd_smi.so')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    probe = ("import json, os, subprocess, sys\n"
+             "from dtbench.harness.ray_executor import import_ray\n"
+             "ray = import_ray()\n"
+             "child = subprocess.run([sys.executable, '-c', 'import ray; print(\"worker ok\")'], capture_output=True,"
+             " text=True, env=os.environ)\n"
+             "print(json.dumps([ray.__name__, child.returncode, child.stdout.strip()]))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["ray", 0, "worker ok"], done.stdout
+
+
+# --- 33, also seen: a cell that failed its lossless check is never a speedup to rank --------------------------------
+
+
+def _lossy_db(tmp_path) -> str:
+    """AR at 10 t/s; linear k=2 and k=3 at 20 and 30 t/s (lossless); linear k=4 at 1000 t/s whose samples all
+    diverged."""
+    import reportdb
+
+    path = tmp_path / "lossy.db"
+    with reportdb.connect(path)() as s:
+        run = reportdb.add_run(s)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "ar"), [10.0] * 6, warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=2)", "linear", params={"k": 2}), [20.0] * 6,
+                             warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=3)", "linear", params={"k": 3}), [30.0] * 6,
+                             warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=4)", "linear", params={"k": 4}), [1000.0] * 6,
+                             warmup=1, diverge={i: 3 for i in range(6)})
+        s.commit()
+    return str(path)
+
+
+def _row(markdown: str, label: str) -> str:
+    return next(line for line in markdown.splitlines() if line.startswith(f"| {label} "))
+
+
+def test_a_speedup_that_is_not_lossless_is_marked_and_never_best(tmp_path):
+    path = _lossy_db(tmp_path)
+    cells = invoke("report", "--db", path, "--format", "markdown")
+    assert cells.exit_code == 0, cells.output
+    assert "100.00× (not lossless)" in _row(cells.stdout, "linear (k=4)")
+    assert "(not lossless)" not in _row(cells.stdout, "linear (k=2)")
+    assert "best setting 'linear (k=3)'" in cells.stderr, cells.stderr  # never the 100x cell that diverged
+    compared = invoke("report", "--db", path, "--compare", "--format", "markdown")
+    assert compared.exit_code == 0, compared.output
+    lossy = next(r for r in compared.stdout.splitlines() if "| linear (k=4) |" in r)
+    assert "100.000× (not lossless)" in lossy, lossy
+    assert "(not lossless)" not in next(r for r in compared.stdout.splitlines() if "| linear (k=2) |" in r)
+
+
+def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
+    from dtbench.reports.summary import get_run, samples_frame, summarize
+    from dtbench.reports.tuning import best_setting
+
+    import reportdb
+
+    with reportdb.connect(_lossy_db(tmp_path))() as s:
+        summary = summarize(samples_frame(s, get_run(s, None).id))
+    best = best_setting(summary)
+    assert best is not None and best["label"] == "linear (k=3)" and best["runner_up"][0] == "linear (k=2)", best
+
+
+def test_exact_rule_note_agrees_with_its_verdict():
+    """'yes 2/2 (1 tie)' under the exact rule: the tie did not change the output, so the note must not say that the
+    exact rule counts ties as divergences."""
+    from dtbench.reports.render import lossless_notes
+
+    row = {"label": "linear", "lossless": "yes", "lossless_n": "2/2", "reference": "ar", "status": "done",
+           "lossless_rule": "exact", "lossless_ties": 1, "lossless_tie_samples": 1, "lossless_checked_n": 2,
+           "lossless_error_samples": 0, "target_dtype": "bfloat16", "lossless_max_tie_margin": 0.0625,
+           "divergences": [], "lossless_expected": True}
+    note = " ".join(lossless_notes(row))
+    assert "counts them as divergences" not in note
+    assert "the exact rule fails a sample only where its output differs from the reference's" in note
