@@ -148,6 +148,18 @@ def neox(shape: dict, dtype, device, seed: int):
 # --- a. lossless ---------------------------------------------------------------------------------------------------
 
 
+CRASH_ENV = "DTBENCH_GPUCHECK_CRASH"  # fault injection for the tests: a decoder name whose row segfaults the child
+
+
+def _crash_if_asked(name: str) -> None:
+    import os
+
+    if os.environ.get(CRASH_ENV) == name:
+        import ctypes
+
+        ctypes.string_at(0)  # a real SIGSEGV in native code, as a crashing CUDA/greenlet path gives
+
+
 ONLY: set[str] | None = None  # --decoders: restrict steps a and d to these names (None: all)
 
 
@@ -186,7 +198,7 @@ def build(name: str, params: dict, target, draft, workdir: Path):
     return cls(target, draft if cls.needs_draft else None, cls.Params(**params))
 
 
-def step_lossless(device, small: bool, workdir: Path, log) -> dict:
+def step_lossless(device, small: bool, workdir: Path, log, skip: frozenset = frozenset(), emit=None) -> dict:
     """Every built-in lossless decoder against ``ar`` on tiny Llama and GPT-NeoX pairs, float32 (exact rule) and
     float16 (tie-aware rule; bfloat16 on a CPU). Returns ``{"ok", "rows": [...]}``, one row per (arch, dtype,
     decoder): tokens, first divergence from ``ar``, the check's ties/errors/largest tie margin/noise, ok."""
@@ -212,8 +224,13 @@ def step_lossless(device, small: bool, workdir: Path, log) -> dict:
             draft = copy.deepcopy(base_draft).to(device=device, dtype=dtype)
             ref = measure(build("ar", {}, target, None, workdir), prompt, T, device).tokens
             rule = "exact" if dtype == torch.float32 else "tie_aware"
-            for name, params in lossless_decoders():
-                row: dict[str, Any] = {"arch": arch, "dtype": str(dtype).removeprefix("torch."), "decoder": name,
+            for i, (name, params) in enumerate(lossless_decoders()):
+                rid = f"{arch}/{str(dtype).removeprefix('torch.')}/{i}"
+                if rid in skip:
+                    continue
+                _crash_if_asked(name)
+                row: dict[str, Any] = {"id": rid, "arch": arch, "dtype": str(dtype).removeprefix("torch."),
+                                       "decoder": name,
                                        "params": {k: v for k, v in params.items() if not str(v).startswith("<")},
                                        "rule": rule}
                 try:
@@ -227,6 +244,8 @@ def step_lossless(device, small: bool, workdir: Path, log) -> dict:
                 except Exception as exc:  # a crashing decoder is a failed row, the check goes on
                     row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
                 rows.append(row)
+                if emit:
+                    emit(row)
                 log(f"lossless {arch} {row['dtype']} {name} {row['params']}: "
                     f"{'ok' if row['ok'] else 'FAIL'} {row.get('error', '')}")
     return {"ok": all(r["ok"] for r in rows), "T": T, "prompt_tokens": len(prompt), "rows": rows}
@@ -423,7 +442,8 @@ def _totals(m) -> tuple[float, float, int]:
     return m.step_times[-1], (fwd.get("target") or 0.0) + (fwd.get("draft") or 0.0), len(m.steps)
 
 
-def step_overhead(device, target, draft, small: bool, workdir: Path, log) -> dict:
+def step_overhead(device, target, draft, small: bool, workdir: Path, log, skip: frozenset = frozenset(),
+                  emit=None) -> dict:
     """Each decoder's time outside model forwards per iteration at the paper's shapes (step d).
 
     Differential, so the prefill cancels: the decoder runs to T0 and to T0 + T new tokens on the same prompt (random
@@ -440,8 +460,11 @@ def step_overhead(device, target, draft, small: bool, workdir: Path, log) -> dic
     paper_iter_s = {r.method: T_PAPER / r.throughput / r.iterations for r in PAPER if r.dataset == "wikitext-2"}
     paper_iter_s["ar"] = 1 / AR_THROUGHPUT["wikitext-2"]
     rows = []
-    for name, params in [(n, p) for n, p in OVERHEAD_DECODERS if ONLY is None or n in ONLY]:
-        row: dict[str, Any] = {"decoder": name, "params": params}
+    for i, (name, params) in enumerate(OVERHEAD_DECODERS):
+        if (ONLY is not None and name not in ONLY) or str(i) in skip:
+            continue
+        _crash_if_asked(name)
+        row: dict[str, Any] = {"id": str(i), "decoder": name, "params": params}
         try:
             measure(build(name, params, target, draft, workdir), prompt, T0, device)  # warmup
 
@@ -468,6 +491,8 @@ def step_overhead(device, target, draft, small: bool, workdir: Path, log) -> dic
         except Exception as exc:
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
         rows.append(row)
+        if emit:
+            emit(row)
         log(f"overhead {name}: {row.get('overhead_s_per_iter')} s/iter over {row.get('iterations')} iterations "
             f"{row.get('error', '')}")
     return {"ok": all(r["ok"] for r in rows), "prompt_tokens": L, "T0": T0, "T": T, "rows": rows}
@@ -522,6 +547,127 @@ def summary(result: dict) -> dict:
     return out
 
 
+def expected_ids(step: str, device, small: bool) -> list[str]:
+    """Row ids of a decoder step in the order the step runs them (to name the row a crashed child was on)."""
+    if step == "lossless":
+        half = "float16" if device.type == "cuda" else "bfloat16"
+        archs = ("llama",) if small else ("llama", "neox")
+        return [f"{a}/{d}/{i}" for a in archs for d in ("float32", half) for i in range(len(lossless_decoders()))]
+    if step == "overhead":
+        return [str(i) for i, (n, _) in enumerate(OVERHEAD_DECODERS) if ONLY is None or n in ONLY]
+    return []
+
+
+def _describe(step: str, rid: str) -> dict:
+    if step == "lossless":
+        arch, dtype, i = rid.split("/")
+        name, params = lossless_decoders()[int(i)]
+        return {"arch": arch, "dtype": dtype, "decoder": name, "rule": "exact" if dtype == "float32" else "tie_aware",
+                "params": {k: v for k, v in params.items() if not str(v).startswith("<")}}
+    name, params = OVERHEAD_DECODERS[int(rid)]
+    return {"decoder": name, "params": params}
+
+
+def build_models(device, small: bool):
+    """(target, draft, description): GPT-NeoX at Pythia-2.8B/70M shapes (fp16 on CUDA, fp32 on a CPU) or small."""
+    import torch
+
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    shapes = (SMALL_TARGET, SMALL_DRAFT) if small else (PYTHIA_2_8B, PYTHIA_70M)
+    target, draft = neox(shapes[0], dtype, device, seed=0), neox(shapes[1], dtype, device, seed=1)
+    desc = {"target": shapes[0], "draft": shapes[1], "dtype": str(dtype).removeprefix("torch."),
+            "target_parameters": sum(p.numel() for p in target.parameters()),
+            "draft_parameters": sum(p.numel() for p in draft.parameters())}
+    return target, draft, desc
+
+
+def run_child(step: str, device, small: bool, rows_file: Path, skip: frozenset, log) -> None:
+    """One step in this (child) process: rows and the step's result appended to ``rows_file`` as JSON lines."""
+    import torch
+
+    def emit(obj: dict) -> None:
+        with rows_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(obj, default=str) + "\n")
+
+    workdir = Path(tempfile.mkdtemp(prefix="dtbench-gpucheck-"))
+    models = None
+    try:
+        with torch.inference_mode(False):
+            if step == "lossless":
+                res = step_lossless(device, small, workdir, log, skip, lambda r: emit({"row": r}))
+            else:
+                target, draft, models = build_models(device, small)
+                log(f"built target ({models['target_parameters'] / 1e9:.2f} B parameters) and draft "
+                    f"({models['draft_parameters'] / 1e6:.1f} M) in {models['dtype']}")
+                if step == "timing":
+                    res = step_timing(device, target, log)
+                elif step == "costmodel":
+                    res = step_costmodel(device, target, draft, small, log)
+                else:
+                    res = step_overhead(device, target, draft, small, workdir, log, skip, lambda r: emit({"row": r}))
+    except Exception as exc:  # the step failed in Python: recorded, the parent goes on
+        res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-2000:]}
+        log(f"{step} FAILED: {res['error']}")
+    res.pop("rows", None) if step in ("lossless", "overhead") else None
+    emit({"result": res, "models": models})
+
+
+MAX_CRASHES = 8  # child processes a step may lose to crashes (a segfault in a decoder) before it gives up
+
+
+def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path, log) -> tuple[dict, dict | None]:
+    """Run ``step`` in child processes (``python -X faulthandler``), so a crash of native code (a segfault) fails one
+    row, not the check: the row the child was on is recorded as crashed with the tail of the child's stderr (the
+    faulthandler's Python traceback), and a new child goes on after it."""
+    import subprocess
+
+    rows: dict[str, dict] = {}
+    skip: set[str] = set()
+    result, models = None, None
+    rows_file = out_dir / f".{step}.jsonl"
+    for attempt in range(MAX_CRASHES + 1):
+        rows_file.unlink(missing_ok=True)
+        err_file = out_dir / f"{step}.stderr"
+        cmd = [sys.executable, "-P", "-X", "faulthandler", "-m", "dtbench.cli.gpucheck", *argv_base, "--child", step,
+               "--rows-file", str(rows_file), "--skip-ids", ",".join(sorted(skip))]
+        with err_file.open("w", encoding="utf-8") as err:
+            rc = subprocess.run(cmd, stderr=err).returncode
+        lines = rows_file.read_text(encoding="utf-8").splitlines() if rows_file.exists() else []
+        for line in lines:
+            obj = json.loads(line)
+            if "row" in obj:
+                rows[obj["row"]["id"]] = obj["row"]
+                skip.add(obj["row"]["id"])
+            else:
+                result, models = obj["result"], obj.get("models")
+        if result is not None:
+            break
+        trace = err_file.read_text(encoding="utf-8", errors="replace").split("\nExtension modules:")[0][-1500:]
+        how = f"crashed (signal {-rc})" if rc < 0 else f"child exited with {rc} and no result"
+        pending = [i for i in expected_ids(step, device, small) if i not in skip]
+        if not pending:
+            result = {"ok": False, "error": f"{step} {how}", "crash_trace": trace}
+            break
+        crashed = pending[0]
+        rows[crashed] = {"id": crashed, **_describe(step, crashed), "ok": False, "error": how, "crash_trace": trace}
+        skip.add(crashed)
+        if step == "lossless":  # the same decoder on the other pairs/dtypes: not retried (each crash costs a child)
+            for other in pending[1:]:
+                if other.split("/")[-1] == crashed.split("/")[-1]:
+                    rows[other] = {"id": other, **_describe(step, other), "ok": False,
+                                   "error": f"not run: this decoder crashed on {crashed}"}
+                    skip.add(other)
+        log(f"{step} {crashed} {rows[crashed]['decoder']}: {how}; faulthandler: {trace.strip().splitlines()[-1:]}")
+    else:
+        result = {"ok": False, "error": f"{step}: more than {MAX_CRASHES} crashes"}
+    rows_file.unlink(missing_ok=True)
+    if step in ("lossless", "overhead"):
+        order = expected_ids(step, device, small)
+        result["rows"] = [rows[i] for i in order if i in rows]
+        result["ok"] = bool(result.get("ok")) and all(r["ok"] for r in result["rows"]) and bool(result["rows"])
+    return result, models
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="Folder for gpu-check.json and gpu-check.log (created).")
@@ -532,8 +678,12 @@ def summary(result: dict) -> dict:
               help="Comma-separated subset of: " + ", ".join(STEPS) + ".")
 @click.option("--decoders", default=None, help="Comma-separated decoder names: restrict steps lossless and overhead "
               "to them (default: every built-in).")
-def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str | None) -> None:
-    """Run the offline GPU check (issue 31) and write OUT/gpu-check.json."""
+@click.option("--child", default=None, hidden=True)
+@click.option("--rows-file", type=click.Path(path_type=Path), default=None, hidden=True)
+@click.option("--skip-ids", default="", hidden=True)
+def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str | None, child: str | None,
+         rows_file: Path | None, skip_ids: str) -> None:
+    """Run the offline GPU check (issue 31) and write OUT/gpu-check.json (each step in a child process)."""
     import torch
 
     global ONLY
@@ -555,11 +705,14 @@ def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str
     began = time.perf_counter()
 
     def log(line: str) -> None:
-        stamped = f"[{time.perf_counter() - began:7.1f}s] {line}"
+        stamped = f"[{time.perf_counter() - began:7.1f}s]{' ' + child if child else ''} {line}"
         print(stamped, flush=True)
         log_file.write(stamped + "\n")
         log_file.flush()
 
+    if child:
+        run_child(child, device, small, rows_file, frozenset(filter(None, skip_ids.split(","))), log)
+        return
     result: dict[str, Any] = {"schema": SCHEMA, "started": _now(), "small": small, "steps_requested": chosen,
                               "decoders_requested": sorted(ONLY) if ONLY else None,
                               "environment": environment(device), "steps": {}}
@@ -574,35 +727,13 @@ def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str
 
     log(f"gpu-check on {result['environment']['device_name']} ({device}), torch {torch.__version__}, "
         f"steps {', '.join(chosen)}{' (small shapes)' if small else ''}")
-    workdir = Path(tempfile.mkdtemp(prefix="dtbench-gpucheck-"))
-    big = None
+    argv_base = ["--out", str(out_dir), "--device", device_name, *(["--small"] if small else []),
+                 *(["--decoders", decoders] if decoders else [])]
     for step in chosen:
         t0 = time.perf_counter()
-        try:
-            with torch.inference_mode(False):
-                if step == "lossless":
-                    res = step_lossless(device, small, workdir, log)
-                else:
-                    if big is None:
-                        dtype = torch.float16 if device.type == "cuda" else torch.float32
-                        big = (neox(SMALL_TARGET if small else PYTHIA_2_8B, dtype, device, seed=0),
-                               neox(SMALL_DRAFT if small else PYTHIA_70M, dtype, device, seed=1))
-                        result["models"] = {"target": SMALL_TARGET if small else PYTHIA_2_8B,
-                                            "draft": SMALL_DRAFT if small else PYTHIA_70M,
-                                            "dtype": str(dtype).removeprefix("torch."),
-                                            "target_parameters": sum(p.numel() for p in big[0].parameters()),
-                                            "draft_parameters": sum(p.numel() for p in big[1].parameters())}
-                        log(f"built target ({result['models']['target_parameters'] / 1e9:.2f} B parameters) and "
-                            f"draft ({result['models']['draft_parameters'] / 1e6:.1f} M) in {dtype}")
-                    if step == "timing":
-                        res = step_timing(device, big[0], log)
-                    elif step == "costmodel":
-                        res = step_costmodel(device, big[0], big[1], small, log)
-                    else:
-                        res = step_overhead(device, big[0], big[1], small, workdir, log)
-        except Exception as exc:  # one step's failure is recorded; the others still run
-            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-2000:]}
-            log(f"{step} FAILED: {res['error']}")
+        res, models = run_step(step, argv_base, device, small, out_dir, log)
+        if models:
+            result["models"] = models
         res["seconds"] = time.perf_counter() - t0
         result["steps"][step] = res
         write()

@@ -39,6 +39,7 @@ from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.output import Document, Report, emit
+from dtbench.reports.render import NOT_LOSSLESS_MARK
 from dtbench.reports.stats import (
     GROUP,
     MISSING,
@@ -209,6 +210,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             "predicted_throughput": sum(s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced)
                                         if p["predicted_s"] > 0) / len(samples),
             "approx": any(p["approx"] for p in priced),
+            # declared lossless, and a sample failed the lossless check: its speedup marked, no best config named
+            "not_lossless": bool(cell.lossless_expected) and any(s.lossless is False for s in samples),
             "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
             "acceptance_by_position": None, "predicted_best_n_max": None, "predicted_best_total_token": None,
             "predicted_best_total_token_speedup": None,
@@ -292,8 +295,8 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": show(r["efficiency"], ".2f"),
         "In fwd": show(r["forward_share"], ".0%"), "Fwd speed": show(r["forward_speed"], ".2f"),
         "Measured t/s": show(r["measured_throughput"], ".1f"), "Predicted t/s": show(r["predicted_throughput"], ".1f"),
-        "Speedup meas.": show(r["measured_speedup"], ".2f", "×"), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
-        "Best config (pred.)": best_config(r),
+        "Speedup meas.": show(r["measured_speedup"], ".2f", "×") + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+        "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
     } for _, r in table.iterrows()])
     # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
     # per-position acceptance as ';'-joined shares and the sampling settings as JSON text

@@ -228,6 +228,26 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path):
         jsonschema.validate(broken, SCHEMA)
 
 
+def test_a_crashing_decoder_fails_its_rows_and_the_check_goes_on(tmp_path, monkeypatch):
+    """A segfault in a decoder (as hf_assisted gave on an H200) kills a child process, not the check: its row is
+    'crashed (signal 11)' with the faulthandler's traceback, its other rows are not retried, the next decoder runs."""
+    from click.testing import CliRunner
+
+    monkeypatch.setenv(gpucheck.CRASH_ENV, "linear")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(gpucheck.main, ["--out", str(out), "--device", "cpu", "--small", "--steps",
+                                                "lossless", "--decoders", "ar,linear,ngram"])
+    assert result.exit_code == 1
+    data = json.loads((out / "gpu-check.json").read_text())
+    jsonschema.validate(data, SCHEMA)
+    rows = {(r["dtype"], r["decoder"]): r for r in data["steps"]["lossless"]["rows"]}
+    assert rows[("float32", "linear")]["error"] == "crashed (signal 11)"
+    assert "Segmentation fault" in rows[("float32", "linear")]["crash_trace"]
+    assert rows[("bfloat16", "linear")]["error"].startswith("not run: this decoder crashed")
+    assert all(rows[(d, n)]["ok"] for d in ("float32", "bfloat16") for n in ("ar", "ngram"))
+    assert data["summary"]["lossless"]["failed"] == ["llama float32 linear", "llama bfloat16 linear"]
+
+
 def test_bad_arguments_are_one_line(tmp_path):
     from click.testing import CliRunner
 

@@ -966,3 +966,201 @@ def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch,
     monkeypatch.setattr(heads, "EagleHead", only_on_meta)
     with pytest.raises(ValueError, match=re.escape(needle)):
         heads.load_eagle(folder, deep_llama(0))
+
+
+# --- 33, also seen: `pip install '.[ray,energy]'` leaves an amdsmi that breaks `import ray` --------------------------
+
+
+def test_ray_imports_beside_an_amdsmi_without_rocm(tmp_path):
+    """With an amdsmi whose import raises KeyError (as amdsmi 6.x/7.x do without ROCm) first on the path, dtbench's
+    import_ray works, and so does a fresh Python started with the environment it leaves (a Ray worker's)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    (tmp_path / "amdsmi").mkdir()
+    (tmp_path / "amdsmi" / "__init__.py").write_text("print('Unable to find libamd_smi.so')\n"
+                                                     "raise KeyError('libamd_smi.so')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    probe = ("import json, os, subprocess, sys\n"
+             "from dtbench.harness.ray_executor import import_ray\n"
+             "ray = import_ray()\n"
+             "child = subprocess.run([sys.executable, '-c', 'import ray; print(\"worker ok\")'], capture_output=True,"
+             " text=True, env=os.environ)\n"
+             "print(json.dumps([ray.__name__, child.returncode, child.stdout.strip()]))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["ray", 0, "worker ok"], done.stdout
+
+
+# --- 33, also seen: a cell that failed its lossless check is never a speedup to rank --------------------------------
+
+
+def _lossy_db(tmp_path) -> str:
+    """AR at 10 t/s; linear k=2 and k=3 at 20 and 30 t/s (lossless); linear k=4 at 1000 t/s whose samples all
+    diverged."""
+    import reportdb
+
+    path = tmp_path / "lossy.db"
+    with reportdb.connect(path)() as s:
+        run = reportdb.add_run(s)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "ar"), [10.0] * 6, warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=2)", "linear", params={"k": 2}), [20.0] * 6,
+                             warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=3)", "linear", params={"k": 3}), [30.0] * 6,
+                             warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=4)", "linear", params={"k": 4}), [1000.0] * 6,
+                             warmup=1, diverge={i: 3 for i in range(6)})
+        s.commit()
+    return str(path)
+
+
+def _row(markdown: str, label: str) -> str:
+    return next(line for line in markdown.splitlines() if line.startswith(f"| {label} "))
+
+
+def test_a_speedup_that_is_not_lossless_is_marked_and_never_best(tmp_path):
+    path = _lossy_db(tmp_path)
+    cells = invoke("report", "--db", path, "--format", "markdown")
+    assert cells.exit_code == 0, cells.output
+    assert "100.00× (not lossless)" in _row(cells.stdout, "linear (k=4)")
+    assert "(not lossless)" not in _row(cells.stdout, "linear (k=2)")
+    assert "best setting 'linear (k=3)'" in cells.stderr, cells.stderr  # never the 100x cell that diverged
+    compared = invoke("report", "--db", path, "--compare", "--format", "markdown")
+    assert compared.exit_code == 0, compared.output
+    lossy = next(r for r in compared.stdout.splitlines() if "| linear (k=4) |" in r)
+    assert "100.000× (not lossless)" in lossy, lossy
+    assert "(not lossless)" not in next(r for r in compared.stdout.splitlines() if "| linear (k=2) |" in r)
+
+
+def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
+    from dtbench.reports.summary import get_run, samples_frame, summarize
+    from dtbench.reports.tuning import best_setting
+
+    import reportdb
+
+    with reportdb.connect(_lossy_db(tmp_path))() as s:
+        summary = summarize(samples_frame(s, get_run(s, None).id))
+    best = best_setting(summary)
+    assert best is not None and best["label"] == "linear (k=3)" and best["runner_up"][0] == "linear (k=2)", best
+
+
+def test_exact_rule_note_agrees_with_its_verdict():
+    """'yes 2/2 (1 tie)' under the exact rule: the tie did not change the output, so the note must not say that the
+    exact rule counts ties as divergences."""
+    from dtbench.reports.render import lossless_notes
+
+    row = {"label": "linear", "lossless": "yes", "lossless_n": "2/2", "reference": "ar", "status": "done",
+           "lossless_rule": "exact", "lossless_ties": 1, "lossless_tie_samples": 1, "lossless_checked_n": 2,
+           "lossless_error_samples": 0, "target_dtype": "bfloat16", "lossless_max_tie_margin": 0.0625,
+           "divergences": [], "lossless_expected": True}
+    note = " ".join(lossless_notes(row))
+    assert "counts them as divergences" not in note
+    assert "the exact rule fails a sample only where its output differs from the reference's" in note
+
+
+# --- 33.10 REST corpora: the tokens file, 33.6 ids outside the vocabulary ---------------------------------------------
+
+
+def _tokens_suite(tmp_path, tokens_path: str, decoder: str = "rest") -> str:
+    extra = {} if decoder == "rest" else {"draft": {"model": "smollm2-135m", "dtype": "float32"}}
+    return write_suite(tmp_path, _suite(decoders=[{"name": "ar"}, {"name": decoder, "params": {"tokens": tokens_path}}],
+                                        **extra))
+
+
+def _npy(tmp_path, name: str, array) -> str:
+    import numpy as np
+
+    path = tmp_path / name
+    if name.endswith(".npy"):
+        np.save(path, array, allow_pickle=True)
+    else:
+        path.write_text(" ".join(map(str, array)))
+    return str(path)
+
+
+TOKEN_FILES = {
+    "object": ("t.npy", lambda np: np.array([1, "x", None], dtype=object), "holds object values"),
+    "empty": ("t.npy", lambda np: np.zeros(0, dtype=np.int64), "is empty (no token ids)"),
+    "negative": ("t.npy", lambda np: np.array([5, 6, -1, 7, -5], dtype=np.int64), "holds the negative id -5"),
+    "float": ("t.npy", lambda np: np.array([5.7, 6.2, 7.9]), "holds float64 values, not integer token ids"),
+    "text": ("t.txt", lambda np: [5, 6, 7], "not a .npy file"),
+    "separators": ("t.npy", lambda np: np.array([-1, -1], dtype=np.int64), "only document separators"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKEN_FILES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_tokens_files_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
+    import numpy as np
+
+    from dtbench.harness import models
+
+    name, make, needle = TOKEN_FILES[case]
+    path = _npy(tmp_path, name, make(np))
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the tokens file was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    suite = _tokens_suite(tmp_path, path, "rest" if case != "negative" else "suffix")
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    one_line_error(invoke(*args), "tokens file", needle)
+
+
+def test_a_tokens_file_is_bounded_like_a_dataset_file(tmp_path, monkeypatch):
+    """A tokens file larger than the bound (256 MiB; 1 kB here) is refused at validate, before anything reads it (a
+    1e8-token uint16 file used to pass validate and exhaust memory as Python ints in the run)."""
+    import numpy as np
+
+    from dtbench.decoders import datastore
+
+    monkeypatch.setattr(datastore, "MAX_TOKENS_FILE_BYTES", 1000, raising=False)
+    path = _npy(tmp_path, "big.npy", np.arange(2000, dtype=np.uint16))
+    one_line_error(invoke("validate", _tokens_suite(tmp_path, path)), "is larger than 1,000 bytes")
+
+
+def test_a_tokens_file_is_kept_in_numpy():
+    """from_flat (the tokens file's path) builds exactly from_documents' datastore, without Python lists."""
+    import numpy as np
+
+    from dtbench.decoders.datastore import SEPARATOR, Datastore
+
+    rng = np.random.default_rng(0)
+    flat = rng.integers(0, 50, 400).astype(np.int32)
+    flat[[0, 17, 18, 19, 100, 250, 399]] = -1  # a leading, repeated and trailing separator, empty documents
+    docs = [d.tolist() for d in np.split(flat.astype(np.int64), np.flatnonzero(flat < 0))]
+    docs = [[t for t in d if t >= 0] for d in docs]
+    a, b = Datastore.from_flat(flat), Datastore.from_documents(docs)
+    assert a.tokens.dtype == np.uint32 and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.sa, b.sa)
+    assert a.documents == b.documents == int((a.tokens == SEPARATOR).sum())
+    assert a.max_token == int(flat.max())
+
+
+def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp_path, monkeypatch, data_dir):
+    """ids >= the target's vocabulary (49,152 for the embedded model): one line, exit 2, no sample measured (they
+    used to crash generation with IndexError, exit 4)."""
+    import numpy as np
+
+    from dtbench.harness import worker
+
+    path = _npy(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
+    monkeypatch.setattr(worker, "measure", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    one_line_error(invoke("run", _tokens_suite(tmp_path, path), "--db", str(tmp_path / "r.db"), "--no-progress",
+                          "--data-dir", str(data_dir)),
+                   f"decoder 'rest': tokens file {path} holds token id 60000, outside the target's vocabulary "
+                   f"(0..49151)")
+
+
+def test_a_corpus_outside_the_vocabulary_is_refused_before_timing():
+    import torch
+
+    from dtbench.core import Corpus
+    from dtbench.decoders.rest import Rest, RestParams
+    from heads_kit import deep_llama
+
+    target = deep_llama(0)  # vocabulary 96
+    decoder = Rest(target, None, RestParams.model_validate({"corpus": {"name": "wikitext-2"}}))
+    with pytest.raises(ValueError, match=r"the corpus holds token id 500, outside the target's vocabulary \(0..95\)"):
+        decoder.use_corpus(Corpus("k-vocab", ((1, 2, 3, 500),)))
+    assert torch.is_tensor(target.get_output_embeddings().weight)
