@@ -40,7 +40,7 @@ class FormatChoice(click.Choice):
         pass
 
 
-# Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
+# Exit codes of `dtbench run` (docs/measurement.md "Exit codes"); a report still prints before a non-zero exit.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
 EXIT_INTERRUPTED = 130

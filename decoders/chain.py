@@ -14,11 +14,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
+from typing import cast
+
 import torch
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids, greedy_token, next_token, verify_chain
-from dtbench.decoders.sampling import sample, verify_chain_sampled
+from dtbench.decoders.sampling import SamplingSettings, sample, verify_chain_sampled
 
 
 class Proposer(ABC):
@@ -78,11 +80,11 @@ class KVTarget(ChainTarget):
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.cache, logits = kv.prefill(self.model, input_ids)
-        return logits
+        return cast(torch.Tensor, logits)
 
     def verify(self, tokens: list[int]) -> torch.Tensor:
         self._prefix = kv.cache_len(self.cache)
-        return kv.forward(self.model, tokens, self.cache)
+        return cast(torch.Tensor, kv.forward(self.model, tokens, self.cache))  # no hidden_layers: logits only
 
     def keep(self, n: int) -> None:
         kv.crop(self.cache, self._prefix + n)
@@ -140,7 +142,7 @@ class DraftModelProposer(Proposer):
 
 
 def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
-                    k: int, sampling=None, generator: torch.Generator | None = None,
+                    k: int, sampling: SamplingSettings | None = None, generator: torch.Generator | None = None,
                     eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
     """Chain speculative decoding (Leviathan et al. 2023; paper section 4.3): greedy verification, or speculative
     sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
@@ -164,7 +166,7 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
         drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed (the last Step cut after EOS).
     """
-    proposer.sampling, proposer.generator = sampling, generator
+    proposer.sampling, proposer.generator = sampling, generator  # type: ignore[assignment]
     eos = eos_ids(eos_token_id)
     pending = next_token(target.prefill(input_ids), sampling, generator)
     yield Step(tokens=(pending,))

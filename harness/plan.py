@@ -1,4 +1,4 @@
-"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (DESIGN.md "The data flow").
+"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (docs/architecture.md "The data flow, once").
 
 Cells are dataset x L_max x T x decoder; a decoder entry may be restricted to some datasets, T and L_max values.
 Reference decoders (``ar``, and any decoder's declared reference) are added where a dependent runs and ordered
