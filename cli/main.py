@@ -303,7 +303,7 @@ def validate(suite_path, data_dir) -> None:
             console.print("warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
                           "refuses it here (it can run with --executor ray on a cluster with GPUs)",
                           style="yellow", markup=False, highlight=False, soft_wrap=True)
-    points = sum(1 for ds, cap, T in plan.points() if plan.decoders_at(ds.name, cap, T))
+    points = sum(1 for ds, cap, T, B in plan.points() if plan.decoders_at(ds.name, cap, T, B))
     click.echo(f"{suite_path}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
                f"{plan.n_samples} samples")
 

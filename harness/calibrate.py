@@ -381,7 +381,7 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
     (one budget per decoder entry); return {label: n_max}."""
     out = {}
     for cp in auto_cells(plan):
-        cap = min(cap for _, cap, _ in cp.points) if cp.points else 0
+        cap = min(cap for _, cap, *_ in cp.points) if cp.points else 0
         factor = float(getattr(cp.params, "n_max_factor", DEFAULT_FACTOR))
         n = auto_budget(curves, cap, factor)
         cp.params = cp.params.model_copy(update={"n_max": n})

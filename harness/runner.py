@@ -187,19 +187,26 @@ class _Sink:
         self.failed_cells: set[int] = set()
 
     def _where(self, group: PromptGroup) -> str:
+        if group.batch_size > 1:
+            rows = group.prompt_indices
+            return (f"{group.dataset.name} L_max={group.cap} T={group.gen_length} B={group.batch_size} · prompts "
+                    f"{rows[0] + 1}-{rows[-1] + 1}/{group.dataset.prompts}")
         return (f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · prompt "
                 f"{group.prompt_index + 1}/{group.dataset.prompts}")
 
     def _count(self, group: PromptGroup, labels, description: str) -> None:
-        seen = self.counted.setdefault((group.dataset.name, group.cap, group.gen_length, group.prompt_index), set())
+        seen = self.counted.setdefault((group.dataset.name, group.cap, group.gen_length, group.batch_size,
+                                        group.prompt_index), set())
         new = set(labels) - seen
         seen |= new
-        self.bar.update(self.task, advance=len(new), description=description)
+        self.bar.update(self.task, advance=len(new) * len(group.prompt_indices), description=description)
 
     def _cell(self, group: PromptGroup, label: str) -> int:
-        return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
+        return self.cells[(group.dataset.name, group.cap, group.gen_length, group.batch_size, label)]
 
     def prompt(self, group: PromptGroup):
+        if group.batch_size > 1:  # raw-text prompts only (the plan refuses question datasets at B > 1)
+            return [self.prompts[(group.dataset.name, group.cap)][i] for i in group.prompt_indices]
         # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
         return chat.resolve(self.prompts[(group.dataset.name, group.cap)], group.prompt_index,
                             lambda index: _reference_output(self.sessions, self.cells, group, index))
@@ -244,15 +251,16 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
 
 
 def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
-                ) -> dict[tuple[str, int, int, str], int]:
-    existing = {(c.dataset, c.l_max, c.gen_length, c.label): c for c in run.cells}
+                ) -> dict[tuple[str, int, int, int, str], int]:
+    existing = {(c.dataset, c.l_max, c.gen_length, c.batch_size or 1, c.label): c for c in run.cells}
     ids = {}
-    for ds, cap, T, cp in plan.cells():
-        key = (ds.name, cap, T, cp.label)
+    for ds, cap, T, B, cp in plan.cells():
+        key = (ds.name, cap, T, B, cp.label)
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name, family=cp.cls.family,
+                run=run, dataset=ds.name, l_max=cap, gen_length=T, batch_size=B, decoder=cp.spec.name,
+                family=cp.cls.family,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
                 lossless_check=plan.suite.lossless_check,
@@ -276,9 +284,16 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[l
     failed: set[str] = set()
     with sessions() as session:
         for cp in group.decoders:
-            cell = session.get(Cell, cells[(group.dataset.name, group.cap, group.gen_length, cp.label)])
+            cell = session.get(Cell, cells[(group.dataset.name, group.cap, group.gen_length, group.batch_size,
+                                            cp.label)])
             if cell.status == "failed":
                 failed.add(cp.label)
+                continue
+            if group.batch_size > 1:  # a batch's rows are committed together: all stored or none
+                rows = session.scalars(select(Sample).where(Sample.cell_id == cell.id, Sample.prompt_index.in_(
+                    group.prompt_indices)).order_by(Sample.prompt_index)).all()
+                if len(rows) == len(group.prompt_indices):
+                    done[cp.label] = ([r.output_tokens for r in rows], rows[0].batch_total_s, None)
                 continue
             sample = session.scalar(select(Sample).where(Sample.cell_id == cell.id,
                                                          Sample.prompt_index == group.prompt_index))
@@ -293,7 +308,7 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
     ref = next(cp for cp in group.decoders if not cp.reference_label)
     with sessions() as session:
         return session.scalar(select(Sample.output_tokens).where(
-            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, ref.label)],
+            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, group.batch_size, ref.label)],
             Sample.prompt_index == index))
 
 
@@ -304,7 +319,8 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
-            session.add(Sample(cell_id=cell_id, **outcome.row, **(extra or {})))
+            for row in outcome.rows or [outcome.row]:  # a batch's rows in one transaction
+                session.add(Sample(cell_id=cell_id, **row, **(extra or {})))
             if cell.status == "pending":
                 cell.status = "running"
         else:

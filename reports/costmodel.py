@@ -181,7 +181,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     out = []
     for c in cells.values():
         cell, samples = c["cell"], c["samples"]
-        if not samples:
+        if not samples or (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
             continue
         priced = [price_sample(curves, s.step_stats or {}, _uses_draft_model(cell.decoder)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
@@ -190,7 +190,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         in_forward = (sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
                       if all(timed) else math.nan)
         row = {
-            "dataset": cell.dataset, "l_max": cell.l_max, "gen_length": cell.gen_length,
+            "dataset": cell.dataset, "l_max": cell.l_max, "gen_length": cell.gen_length, "batch_size": 1,
             "label": cell.label, "decoder": cell.decoder, "family": family_of(cell.family), "sampling": cell.sampling,
             "n": len(samples),
             "measured_s": measured, "predicted_s": predicted,
