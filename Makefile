@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup demo test report clean wheelhouse gpu-check
+.PHONY: setup demo test report clean wheelhouse gpu-check gpu-kit gpu-check-dry
 
 setup: $(VENV)/.installed
 
@@ -52,6 +52,17 @@ gpu-check:
 	  echo "gpu-check: no NVIDIA GPU visible (nvidia-smi lists none): nothing to check"; exit 0; fi; \
 	set -e; $(GPU_PYTHON) cli/offline.py install --venv $(GPU_VENV) --wheelhouse .whl --base-python $(GPU_PYTHON); \
 	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(GPU_VENV)/bin/dtbench doctor --out gpu-check.json
+
+# --- The borrowed GPU node (issue 31; README "On a borrowed GPU node") ------------------------------------------------
+# `make gpu-kit`: .gpukit/ holds only the wheels the node lacks (tools/gpu-node.txt lists what it has), for its
+# CPython 3.12 on manylinux x86_64, and the repository plus the kit is checked to be at most 48 MiB. On the node:
+#   tools/gpu-check.sh OUT          (installs the kit on top of the node's torch, writes OUT/gpu-check.json)
+# `make gpu-check-dry`: the same on this CPU (a venv mirroring the node, the kit only, --device cpu --small).
+gpu-kit: setup
+	$(PY) cli/offline.py gpukit --dest .gpukit
+
+gpu-check-dry: gpu-kit
+	tools/gpu-check-dry.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -19,6 +19,7 @@ from rich.table import Table
 from dtbench.cli.db import db_group
 from dtbench.harness.bounds import Checked, OpenProbability, Seconds
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import printable
 from dtbench.reports import output
 from dtbench.reports.output import RENDERERS
 
@@ -66,7 +67,7 @@ class _Group(click.Group):
         except DtbenchError as exc:
             from dtbench.harness.runner import RunFailed, RunInterrupted
 
-            message = clip(exc, 1000)
+            message = printable(clip(exc, 1000))  # a user's string in the message never restyles a terminal
             if isinstance(exc, RunInterrupted):
                 click.echo(message, err=True)
                 ctx.exit(EXIT_INTERRUPTED)
@@ -80,7 +81,7 @@ class _Group(click.Group):
         except Exception as exc:  # never a traceback for users; DTBENCH_DEBUG=1 shows it
             if os.environ.get("DTBENCH_DEBUG"):
                 traceback.print_exc()
-            click.echo(f"internal error: {type(exc).__name__}: {clip(exc, 500)} (set DTBENCH_DEBUG=1 for the traceback)",
+            click.echo(f"internal error: {type(exc).__name__}: {printable(clip(exc, 500))} (set DTBENCH_DEBUG=1 for the traceback)",
                        err=True)
             ctx.exit(1)
 
@@ -294,7 +295,7 @@ def validate(suite_path, data_dir) -> None:
     plan.data_dir = data_dir
     console = Console(stderr=True)
     for line in registry.scan().warnings("decoder"):
-        console.print(f"[yellow]warning: {line}[/yellow]")
+        console.print(f"warning: {printable(line)}", style="yellow", markup=False, highlight=False)
     preflight(suite, plan, console)
     if suite.device == "cuda":
         import torch
@@ -304,7 +305,7 @@ def validate(suite_path, data_dir) -> None:
                           "refuses it here (it can run with --executor ray on a cluster with GPUs)",
                           style="yellow", markup=False, highlight=False, soft_wrap=True)
     points = sum(1 for ds, cap, T, B in plan.points() if plan.decoders_at(ds.name, cap, T, B))
-    click.echo(f"{suite_path}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
+    click.echo(f"{printable(suite_path)}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
                f"{plan.n_samples} samples")
 
 
@@ -336,7 +337,7 @@ def list_decoders() -> None:
                       "yes" if cls.needs_draft else "no", params or "—")
     output.stdout().print(table)  # the reports' console: a pipe gets the full width
     for p in problems:
-        click.echo(f"warning: {p}", err=True)
+        click.echo(f"warning: {printable(p)}", err=True)
 
 
 cli.add_command(db_group)  # dtbench db upgrade|current (cli/db.py)

@@ -14,16 +14,25 @@ Standard library only, so the Makefile runs it with any Python 3 before dtbench 
   torch is used), then ``pip install -e '.[test,energy,ray]'`` from ``.whl/`` with ``--no-index`` when it exists,
   with a constraint pinning torch to the version already importable, so pip can never replace a CUDA build of
   torch by a CPU one (or the reverse). Without ``.whl/`` the same install uses the package index.
+- ``gpukit`` (issue 31): only the wheels a borrowed GPU node LACKS (``tools/gpu-node.txt`` lists what it has), for its
+  Python (3.12) and platform, into ``.gpukit/``: the closure of dtbench's runtime dependencies (and Zeus, for energy),
+  walked wheel by wheel through each wheel's ``Requires-Dist`` (markers evaluated for the node), one version of each
+  (the version installed here when it satisfies the requirement, else pip's newest match). It then checks that the
+  repository plus the kit is at most ``--budget-mib`` (48 MiB: 64 MiB travel per call to the node) and prints what
+  travels. ``gpukit-verify`` checks an existing kit the same way without downloading (every requirement of every
+  wheel met by the kit or the node; one wheel per package).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,6 +155,215 @@ def _size(folder: Path) -> str:
     return f"{len(files)} files, {sum(p.stat().st_size for p in files) / 2**20:.0f} MiB"
 
 
+# --- the GPU node's kit (issue 31) ----------------------------------------------------------------------------------
+
+NODE_PACKAGES = REPO / "tools" / "gpu-node.txt"
+NODE_PYTHON = "3.12"
+NODE_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                  "manylinux1_x86_64"]
+KIT_EXTRAS = ("energy",)  # Zeus: energy per token on the node (the check's step b)
+# Never in the kit: amdsmi (Zeus's ROCm backend: its import raises where ROCm is missing, and Zeus guards it).
+KIT_EXCLUDE = {"amdsmi"}
+KIT_BUDGET_MIB = 48.0
+
+
+def canonical(name: str) -> str:
+    """PEP 503 normalized project name (``Typing_Extensions`` -> ``typing-extensions``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def node_packages(path: Path = NODE_PACKAGES) -> dict[str, str | None]:
+    """{canonical name: version or None} of a node's package list (``name`` or ``name==version`` per line, ``#``
+    comments)."""
+    out: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            out[canonical(name)] = version.strip() or None
+    return out
+
+
+def marker_env(python_version: str) -> dict[str, str]:
+    """PEP 508 marker variables of a CPython ``python_version`` on Linux x86_64 (the node)."""
+    return {"python_version": python_version, "python_full_version": f"{python_version}.0", "os_name": "posix",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
+            "platform_python_implementation": "CPython", "implementation_name": "cpython",
+            "platform_release": "", "platform_version": "", "implementation_version": f"{python_version}.0",
+            "extra": ""}
+
+
+def project_requirements(extras: tuple[str, ...] = KIT_EXTRAS) -> list[str]:
+    """dtbench's runtime requirements (pyproject ``dependencies``) plus those of ``extras``."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in extras:
+        reqs += project.get("optional-dependencies", {}).get(extra, [])
+    return reqs
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    """``Requires-Dist`` lines of a wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode("utf-8", "replace")
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def wheel_name_version(wheel: Path) -> tuple[str, str]:
+    """(canonical name, version) from a wheel's file name."""
+    name, version = wheel.name.split("-")[:2]
+    return canonical(name), version
+
+
+def _needed(req_text: str, env: dict[str, str], node: dict[str, str | None]):
+    """The requirement if the node needs it brought (marker true, not the node's, not torch's stack), else None."""
+    from packaging.requirements import Requirement
+
+    req = Requirement(req_text)
+    if req.marker is not None and not req.marker.evaluate(env):
+        return None
+    name = canonical(req.name)
+    if name in node or name in KIT_EXCLUDE or TORCH_STACK.match(name):
+        return None
+    return req
+
+
+def _local_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def build_kit(dest: Path, python_version: str, platforms: list[str], node: dict[str, str | None],
+              extras: tuple[str, ...] = KIT_EXTRAS) -> dict[str, Path]:
+    """Download into ``dest`` the wheels of every dependency of dtbench the node lacks; {name: wheel path}.
+
+    The walk is breadth-first from :func:`project_requirements`; each package is downloaded once (``--no-deps``),
+    pinned to the version installed here when that satisfies the requirement (the versions the tests passed with),
+    else the newest match; its own ``Requires-Dist`` (markers evaluated for ``python_version`` on Linux x86_64)
+    continue the walk. A wheel already in ``dest`` is reused (re-running is cheap).
+
+    Raises:
+        SystemExit: pip finds no wheel for a package, or two requirements of one package cannot share one version.
+    """
+    from packaging.version import Version
+
+    env = marker_env(python_version)
+    dest.mkdir(parents=True, exist_ok=True)
+    chosen: dict[str, Path] = {}
+    queue = list(project_requirements(extras))
+    target = platform_options(python_version, platforms)
+    while queue:
+        req = _needed(queue.pop(0), env, node)
+        if req is None:
+            continue
+        name = canonical(req.name)
+        if name in chosen:
+            have = wheel_name_version(chosen[name])[1]
+            if req.specifier and not req.specifier.contains(Version(have), prereleases=True):
+                raise SystemExit(f"error: the kit holds {name} {have} but another package needs {req}")
+            continue
+        local = _local_version(name)
+        spec = f"{name}=={local}" if local and req.specifier.contains(Version(local), prereleases=True) else \
+            f"{name}{req.specifier}"
+        before = {p.name for p in dest.glob("*.whl")}
+        existing = [p for p in dest.glob("*.whl") if wheel_name_version(p)[0] == name
+                    and (not local or "==" not in spec or wheel_name_version(p)[1] == local)]
+        if not existing:
+            _run([[sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--dest",
+                   str(dest), *target, spec]])
+            existing = [p for p in dest.glob("*.whl") if p.name not in before and wheel_name_version(p)[0] == name]
+        if not existing:
+            raise SystemExit(f"error: pip saved no wheel of {spec} for Python {python_version}")
+        chosen[name] = existing[0]
+        queue += wheel_requirements(existing[0])
+    for stale in dest.glob("*.whl"):  # wheels of an earlier walk that this one no longer needs
+        if stale not in chosen.values():
+            stale.unlink()
+    return chosen
+
+
+def node_side(python_version: str, node: dict[str, str | None], kit: Path,
+              extras: tuple[str, ...] = KIT_EXTRAS, tests: tuple[str, ...] = ("pytest", "hypothesis")) -> list[str]:
+    """The node's packages that dtbench (and the wheels of ``kit``, and its tests) need, as requirements pinned to
+    the node's versions where the node list gives them: what ``make gpu-check-dry`` installs to mirror the node."""
+    env = marker_env(python_version)
+    names: set[str] = set(tests)
+    texts = list(project_requirements(extras)) + [r for p in kit.glob("*.whl") for r in wheel_requirements(p)]
+    from packaging.requirements import Requirement
+
+    for text in texts:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate(env):
+            name = canonical(req.name)
+            if name in node and not TORCH_STACK.match(name):
+                names.add(name)
+    return sorted(f"{n}=={node[n]}" if node.get(n) else n for n in names)
+
+
+def verify_kit(kit: Path, python_version: str, node: dict[str, str | None],
+               extras: tuple[str, ...] = KIT_EXTRAS) -> list[str]:
+    """Problems of a kit (empty: none): a package with two wheels, a requirement of dtbench or of a kit wheel that
+    neither the kit nor the node provides, or a kit wheel whose version misses a requirement on it."""
+    from packaging.version import Version
+
+    env = marker_env(python_version)
+    wheels: dict[str, list[Path]] = {}
+    for p in sorted(kit.glob("*.whl")):
+        wheels.setdefault(wheel_name_version(p)[0], []).append(p)
+    problems = [f"{n}: {len(ps)} wheels ({', '.join(p.name for p in ps)}); keep one" for n, ps in wheels.items()
+                if len(ps) > 1]
+    sources = [("dtbench", r) for r in project_requirements(extras)]
+    sources += [(n, r) for n, ps in wheels.items() for r in wheel_requirements(ps[0])]
+    for who, text in sources:
+        req = _needed(text, env, node)
+        if req is None:
+            continue
+        name = canonical(req.name)
+        if name not in wheels:
+            problems.append(f"{who} needs {req}: neither the node nor the kit has it")
+        elif req.specifier and not req.specifier.contains(Version(wheel_name_version(wheels[name][0])[1]),
+                                                          prereleases=True):
+            problems.append(f"{who} needs {req}: the kit has {wheels[name][0].name}")
+    return problems
+
+
+def travelling_bytes(repo: Path = REPO) -> int:
+    """Bytes of what a call to the node carries of the repository: tracked and untracked files git does not ignore."""
+    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         capture_output=True, check=True).stdout
+    total = 0
+    for rel in filter(None, out.decode().split("\0")):
+        path = repo / rel
+        if path.is_file() and not path.is_symlink():
+            total += path.stat().st_size
+    return total
+
+
+def kit_summary(kit: Path, repo: Path = REPO, budget_mib: float = KIT_BUDGET_MIB) -> dict:
+    """What travels: the repository's bytes, each wheel's, the total, and whether it fits ``budget_mib``."""
+    wheels = {p.name: p.stat().st_size for p in sorted(kit.glob("*.whl"))}
+    repo_b = travelling_bytes(repo)
+    total = repo_b + sum(wheels.values())
+    return {"repository_bytes": repo_b, "wheels": wheels, "kit_bytes": sum(wheels.values()), "total_bytes": total,
+            "budget_bytes": int(budget_mib * 2**20), "fits": total <= budget_mib * 2**20}
+
+
+def print_summary(summary: dict) -> None:
+    mib = 2**20
+    for name, size in summary["wheels"].items():
+        print(f"  {size / mib:6.2f} MiB  {name}")
+    print(f"  {summary['repository_bytes'] / mib:6.2f} MiB  the repository (tracked + untracked, not ignored)")
+    print(f"  {summary['total_bytes'] / mib:6.2f} MiB  in all, of {summary['budget_bytes'] / mib:.0f} MiB allowed"
+          + ("" if summary["fits"] else "  <- TOO LARGE"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="cli/offline.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,7 +378,40 @@ def main(argv: list[str] | None = None) -> None:
     i.add_argument("--venv", type=Path, default=REPO / ".venv-gpu")
     i.add_argument("--wheelhouse", type=Path, default=REPO / ".whl")
     i.add_argument("--base-python", default=sys.executable, help="the Python (with its torch) the venv is made from")
+    m = sub.add_parser("gpukit-mirror", help="print the node's packages dtbench needs, pinned where known")
+    m.add_argument("--dest", type=Path, default=REPO / ".gpukit")
+    m.add_argument("--node", type=Path, default=NODE_PACKAGES)
+    m.add_argument("--python-version", default=NODE_PYTHON)
+    for name, helptext in (("gpukit", "download the wheels a GPU node lacks into .gpukit/ and check the size"),
+                           ("gpukit-verify", "check a kit: complete for the node, one wheel per package, size")):
+        k = sub.add_parser(name, help=helptext)
+        k.add_argument("--dest", type=Path, default=REPO / ".gpukit")
+        k.add_argument("--node", type=Path, default=NODE_PACKAGES, help="the node's package list")
+        k.add_argument("--python-version", default=NODE_PYTHON, help="the node's MAJOR.MINOR [default: 3.12]")
+        k.add_argument("--platform", action="append", default=[], help="wheel platform tag (repeatable) "
+                       "[default: manylinux x86_64 tags]")
+        k.add_argument("--budget-mib", type=float, default=KIT_BUDGET_MIB, help="repository + kit limit [48]")
     args = parser.parse_args(argv)
+
+    if args.command == "gpukit-mirror":
+        print("\n".join(node_side(args.python_version, node_packages(args.node), args.dest)))
+        return
+    if args.command in ("gpukit", "gpukit-verify"):
+        node = node_packages(args.node)
+        if args.command == "gpukit":
+            build_kit(args.dest, args.python_version, args.platform or NODE_PLATFORMS, node)
+        problems = verify_kit(args.dest, args.python_version, node)
+        summary = kit_summary(args.dest, budget_mib=args.budget_mib)
+        (args.dest / "MANIFEST.json").write_text(json.dumps({"python_version": args.python_version, "node": str(
+            args.node.name), **summary, "problems": problems}, indent=1) + "\n")
+        print(f"{args.dest.name}/: what travels to the node")
+        print_summary(summary)
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        if problems or not summary["fits"]:
+            raise SystemExit(1 if problems else f"error: repository + kit is {summary['total_bytes'] / 2**20:.1f} "
+                             f"MiB, over {args.budget_mib:.0f} MiB")
+        return
 
     if args.command == "wheelhouse":
         args.dest.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
-import types
 import typing
-from typing import Any, ClassVar, Literal, Union
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import ConfigDict
+
+from dtbench.core import Corpus, CorpusSpec, StrictBools
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,66 +44,6 @@ class Step:
     drafted: int = 0
     accepted: int = 0
     depth: int = 0
-
-
-def admits_bool(annotation: Any) -> bool:
-    """Whether a type annotation accepts a Python bool as such (``bool``, ``Any``, or a union holding one)."""
-    if annotation is bool or annotation is Any or annotation is object:
-        return True
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return admits_bool(typing.get_args(annotation)[0])
-    if origin in (Union, types.UnionType):
-        return any(admits_bool(a) for a in typing.get_args(annotation))
-    if origin is typing.Literal:
-        return any(isinstance(a, bool) for a in typing.get_args(annotation))
-    return False
-
-
-def bool_misuse(annotation: Any, value: Any, path: str = "") -> str | None:
-    """The path of the first bool in ``value`` where ``annotation`` wants a number or other non-bool, or None.
-
-    Python's ``bool`` is an ``int`` subclass and pydantic's lax mode turns ``true`` into 1: in a benchmark
-    suite ``k: true`` is a typo, never a chain length. Lists and dicts are checked element by element.
-    """
-    if isinstance(value, bool):
-        return None if admits_bool(annotation) else path
-    if admits_bool(annotation):
-        return None
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return bool_misuse(args[0], value, path)
-    if origin in (Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
-        problems = [bool_misuse(a, value, path) for a in options]
-        return None if any(p is None for p in problems) else problems[0]
-    if isinstance(value, list) and origin in (list, tuple, set, frozenset) and args:
-        for i, item in enumerate(value):
-            hit = bool_misuse(args[0], item, f"{path}.{i}" if path else str(i))
-            if hit is not None:
-                return hit
-    if isinstance(value, dict) and origin is dict and len(args) == 2:
-        for k, item in value.items():
-            hit = bool_misuse(args[1], item, f"{path}.{k}" if path else str(k))
-            if hit is not None:
-                return hit
-    return None
-
-
-class StrictBools(BaseModel):
-    """Mixin model that rejects ``true``/``false`` where a field wants a number (see :func:`bool_misuse`)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_bools_as_numbers(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, f in cls.model_fields.items():
-                if name in data:
-                    hit = bool_misuse(f.annotation, data[name], name)
-                    if hit is not None:
-                        raise ValueError(f"{hit}: a boolean is not a valid value here (booleans are not numbers)")
-        return data
 
 
 class DecoderParams(StrictBools):
@@ -156,6 +97,8 @@ class Decoder(ABC):
     # ordinary token and exactly T tokens are generated (the paper's fixed-T protocol). The shared loops
     # (speculate_chain, speculate_tree, ar, the transformers decoders) end at the first EOS through cut_at_eos.
     eos_token_id: int | tuple[int, ...] | None = None
+    # Set through use_corpus() by the harness when corpus_of(params) declares one.
+    corpus: Corpus | None = None
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, params: DecoderParams):
         """Bind the models and validated params.
@@ -199,6 +142,26 @@ class Decoder(ABC):
         the quantity with its unit (``*_bytes``, ``*_tokens``, ``*_ngrams``); values are ints.
         """
         return None
+
+    @classmethod
+    def corpus_of(cls, params: DecoderParams) -> CorpusSpec | None:
+        """The corpus this configuration retrieves from, or None (the default: no corpus).
+
+        A decoder *declares* its corpus (a :class:`~dtbench.core.CorpusSpec`, usually a ``corpus:`` param); it never
+        loads one: the harness loads, holds out and tokenizes the documents and calls :meth:`use_corpus` before the
+        first :meth:`generate`, outside the timed region. The default reads a ``corpus`` field of the params.
+        Called without models (params only).
+        """
+        spec = getattr(params, "corpus", None)
+        return spec if isinstance(spec, CorpusSpec) else None
+
+    def use_corpus(self, corpus: Corpus) -> None:
+        """Receive the documents of the corpus :meth:`corpus_of` declared (token ids, the suite's prompt documents
+        left out), after construction and before :meth:`generate`; the default keeps them as ``self.corpus``.
+
+        A decoder that builds an index from them (REST's datastore) overrides this and may cache by ``corpus.key``.
+        """
+        self.corpus = corpus
 
     @classmethod
     def verify_sizes(cls, params: DecoderParams) -> tuple[int, int]:

@@ -45,9 +45,9 @@ from pydantic import Field
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import DecoderParams, Step
-from dtbench.decoders.heads import EagleHead, HeadDecoder, load_eagle
+from dtbench.decoders.heads import EagleHead, HeadDecoder, check_eagle, load_eagle
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
-from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
+from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
 
 class EagleDrafter(TreeDrafter):
@@ -230,6 +230,7 @@ class Eagle(HeadDecoder):
     Params = EagleParams
     version = "1"
     load_head = staticmethod(load_eagle)
+    check_head = staticmethod(check_eagle)
 
     def state_stats(self) -> dict[str, int] | None:
         """The last ``generate()``'s budget accounting (:meth:`EagleDrafter.budget_stats`), stored with the sample:

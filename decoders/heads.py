@@ -25,6 +25,15 @@ Formats (read from the reference implementations, not guessed from checkpoint na
 Loading takes a local folder or a hub id (files fetched with ``huggingface_hub``; offline, only folders load).
 Every mismatch with the target is a one-line :class:`ValueError` naming both sizes, raised at decoder
 construction, before generation is timed.
+
+A head's files are checked before anything is allocated (:func:`check_eagle`, :func:`check_medusa`): config.json
+is a JSON object whose sizes are positive integers (``"576"``, ``-5``, ``0``, ``true`` refused, each naming the head
+and the field); the head's layout is built from it on PyTorch's ``meta`` device (no memory) and every tensor's shape
+compared with the weights file's (read from its header: safetensors' header, or a ``torch.load(mmap=True)`` that
+reads no data), so ``intermediate_size: 3000000`` beside 1536-wide weights is one line, not three 6.9 GB matrices;
+EAGLE-3's ``d2t`` must map every draft id into the vocabulary. ``dtbench validate`` and the run's preflight run
+these checks on local head folders before any model loads (:meth:`HeadDecoder.check_files`); a hub head is checked
+the same way when it is fetched, still before its module is allocated.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from dtbench.decoders.base import Decoder
-from dtbench.decoders.tree_structure import attention_mask_kind, tree_attention_mask
+from dtbench.decoders.tree.structure import attention_mask_kind, tree_attention_mask
 
 # ----------------------------------------------------------------------------------------------------------
 # Files
@@ -74,12 +83,27 @@ def head_file(head: str, names: tuple[str, ...]) -> Path:
                      f"({'; '.join(errors)})")
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a head's config.json
+
+
 def _config(head: str) -> dict:
+    """The head's config.json as a dict.
+
+    Raises:
+        ValueError: unreadable, larger than 1 MiB, not JSON, or not a JSON object (one line naming the head).
+    """
+    from dtbench.core import DtbenchError, read_regular_file
+
     path = head_file(head, ("config.json",))
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"head {head}: unreadable config.json ({exc})") from None
+        cfg = json.loads(read_regular_file(path, MAX_CONFIG_BYTES, what="head config").decode("utf-8"))
+    except DtbenchError as exc:
+        raise ValueError(f"head {head}: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"head {head}: unreadable config.json ({type(exc).__name__}: {exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"head {head}: config.json is a JSON {type(cfg).__name__}, not an object of settings")
+    return cfg
 
 
 def _state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -91,6 +115,64 @@ def _state_dict(path: Path) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise ValueError(f"cannot read head weights {path}: {type(exc).__name__}: {exc}") from None
+
+
+def _lazy_weights(path: Path) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]:
+    """(name -> shape, a reader of one tensor) of a weights file without reading its data: safetensors' header, or
+    ``torch.load(mmap=True, weights_only=True)`` (its tensors stay on disk until read).
+
+    Raises:
+        ValueError: the file cannot be read as weights (one line).
+    """
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+            def read(key: str) -> torch.Tensor:
+                with safe_open(str(path), "pt") as g:
+                    return g.get_tensor(key)
+
+            return shapes, read
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be mapped: read it (bounded by the file)
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"cannot read head weights {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"head weights {path} are not a state dict of tensors")
+    return {k: tuple(v.shape) for k, v in sd.items()}, sd.__getitem__
+
+
+def _positive_int(cfg: dict, key: str, head: str, default: int | None = None) -> int:
+    """``cfg[key]`` as a positive integer (``default`` when absent and a default is given).
+
+    Raises:
+        ValueError: absent without a default, or not a positive integer (a string, a bool, a float, <= 0).
+    """
+    if key not in cfg or (cfg[key] is None and default is not None):
+        if default is None:
+            raise ValueError(f"head {head}: config.json lacks {key}")
+        return default
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"head {head}: config.json: {key} must be a positive integer, not {json.dumps(value)[:40]}")
+    return value
+
+
+def _check_shapes(head: str, layout: nn.Module, shapes: dict[str, tuple[int, ...]], skip=()) -> None:
+    """Every tensor of ``layout`` (built on the meta device from config.json) has the file's shape.
+
+    Raises:
+        ValueError: the first tensor whose shape differs (naming both shapes).
+    """
+    for key, tensor in layout.state_dict().items():
+        if key in shapes and not key.startswith(tuple(skip)) and tuple(tensor.shape) != shapes[key]:
+            raise ValueError(f"head {head}: {key} has shape {list(shapes[key])} in the weights, but config.json "
+                             f"makes it {list(tensor.shape)}")
 
 
 def _target_sizes(target: nn.Module) -> tuple[int, int]:
@@ -133,6 +215,7 @@ class HeadDecoder(Decoder):
     lossless = True
     supports_sampling = False
     load_head: ClassVar[Callable[[str, nn.Module], nn.Module]]
+    check_head: ClassVar[Callable[[str], None]]
 
     def __init__(self, target, draft, params):
         """Load the head named by ``params.head`` for ``target``.
@@ -143,6 +226,18 @@ class HeadDecoder(Decoder):
         """
         super().__init__(target, None, params)
         self.draft = self.load_head(params.head, target)
+
+    @classmethod
+    def check_files(cls, params) -> None:
+        """Check a local head folder's config.json and weights (sizes, layout, shapes from the file's header) without
+        loading any model or allocating the head: ``dtbench validate`` and the run's preflight call it. A hub id is
+        checked when it is fetched (:meth:`check_target`), before the head is allocated.
+
+        Raises:
+            ValueError: one line naming the head and the field or tensor.
+        """
+        if Path(params.head).expanduser().is_dir():
+            cls.check_head(params.head)
 
     @classmethod
     def check_target(cls, params, target: nn.Module) -> None:
@@ -197,6 +292,50 @@ class MedusaHeads(nn.Module):
         return torch.stack([head(inputs_embeds[0]) for head in self.heads])
 
 
+def _medusa_file(head: str) -> Path:
+    return head_file(head, ("medusa_lm_head.pt", "medusa_lm_head.safetensors"))
+
+
+def _medusa_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[int, int, int, int]:
+    """(heads, layers per head, hidden size, vocabulary size) of a Medusa-1 head, its config.json and every weight's
+    shape checked against the layout they make (built on the meta device: nothing allocated).
+
+    Raises:
+        ValueError: missing or non-positive-integer config fields, keys that are not Medusa-1's, or a tensor shaped
+            unlike the layout (one line naming the head).
+    """
+    missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in cfg]
+    if missing:
+        raise ValueError(f"head {head}: config.json lacks {', '.join(missing)} (not a Medusa head)")
+    _positive_int(cfg, "medusa_num_heads", head)
+    layers = _positive_int(cfg, "medusa_num_layers", head)
+    ids = sorted({int(k.split(".", 1)[0]) for k in shapes if k.split(".", 1)[0].isdigit()})
+    lm = shapes.get(f"0.{layers}.weight")
+    if not ids or ids != list(range(len(ids))) or lm is None or len(lm) != 2 or 0 in lm:
+        raise ValueError(f"head {head}: medusa_lm_head keys are not Medusa-1's ({{i}}.{{j}}.linear.weight, "
+                         f"{{i}}.{layers}.weight with medusa_num_layers={layers})")
+    vocab, hidden = lm
+    with torch.device("meta"):
+        layout = MedusaHeads(len(ids), layers, hidden, vocab).heads
+    expected = set(layout.state_dict())
+    unknown, absent = sorted(shapes.keys() - expected), sorted(expected - shapes.keys())
+    if unknown or absent:
+        raise ValueError(f"head {head}: medusa_lm_head does not match Medusa-1's layout with medusa_num_layers="
+                         f"{layers} (unexpected {unknown[:4]}, missing {absent[:4]})")
+    _check_shapes(head, layout, shapes)
+    return len(ids), layers, int(hidden), int(vocab)
+
+
+def check_medusa(head: str) -> None:
+    """Check a Medusa-1 head's files (config.json, the weights' header) without allocating it.
+
+    Raises:
+        ValueError: as :func:`_medusa_layout`, or unreadable files.
+    """
+    shapes, _ = _lazy_weights(_medusa_file(head))
+    _medusa_layout(head, _config(head), shapes)
+
+
 def load_medusa(head: str, target: nn.Module) -> MedusaHeads:
     """Load Medusa-1 heads (folder or hub id) in the target's dtype and device (cached per target).
 
@@ -206,20 +345,12 @@ def load_medusa(head: str, target: nn.Module) -> MedusaHeads:
     """
     def build() -> MedusaHeads:
         cfg = _config(head)
-        missing = [k for k in ("medusa_num_heads", "medusa_num_layers") if k not in cfg]
-        if missing:
-            raise ValueError(f"head {head}: config.json lacks {', '.join(missing)} (not a Medusa head)")
-        layers = int(cfg["medusa_num_layers"])
-        sd = _state_dict(head_file(head, ("medusa_lm_head.pt", "medusa_lm_head.safetensors")))
-        ids = sorted({int(k.split(".", 1)[0]) for k in sd if k.split(".", 1)[0].isdigit()})
-        if not ids or ids != list(range(len(ids))) or f"0.{layers}.weight" not in sd:
-            raise ValueError(f"head {head}: medusa_lm_head keys are not Medusa-1's ({{i}}.{{j}}.linear.weight, "
-                             f"{{i}}.{layers}.weight with medusa_num_layers={layers})")
-        vocab, hidden = sd[f"0.{layers}.weight"].shape
+        sd = _state_dict(_medusa_file(head))
+        n, layers, hidden, vocab = _medusa_layout(head, cfg, {k: tuple(v.shape) for k, v in sd.items()})
         t_hidden, t_vocab = _target_sizes(target)
-        _fits("hidden size", int(hidden), t_hidden, head)
-        _fits("vocabulary size", int(vocab), t_vocab, head)
-        module = MedusaHeads(len(ids), layers, t_hidden, t_vocab)
+        _fits("hidden size", hidden, t_hidden, head)
+        _fits("vocabulary size", vocab, t_vocab, head)
+        module = MedusaHeads(n, layers, t_hidden, t_vocab)
         try:
             module.heads.load_state_dict(sd, strict=True)
         except RuntimeError as exc:
@@ -265,7 +396,8 @@ class EagleLayer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """An EAGLE-1/2 or EAGLE-3 drafting head bound to its target's embedding (and, EAGLE-1, LM head).
+    """An EAGLE-1/2 or EAGLE-3 drafting head bound to its target's embedding (and, EAGLE-1, LM head); with
+    ``target=None``, its layout only (built on the meta device to check a checkpoint's shapes, never run).
 
     Attributes:
         version: 1 (EAGLE-1/2 layout) or 3.
@@ -280,7 +412,7 @@ class EagleHead(nn.Module):
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(fc_in, h, bias=fc_bias)
-        L = target.config.num_hidden_layers
+        L = target.config.num_hidden_layers if target is not None else 0
         if version == 3:
             self.midlayer = EagleLayer(config, eagle3=True)
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -293,9 +425,10 @@ class EagleHead(nn.Module):
             self.hidden_layers = (L,)
         if own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self._target = (target.get_input_embeddings(), target.get_output_embeddings())  # not submodules
+        self._target = ((target.get_input_embeddings(), target.get_output_embeddings())  # not submodules
+                        if target is not None else (None, None))
         self.rotary = LlamaRotaryEmbedding(config)
-        self.kind = attention_mask_kind(target)
+        self.kind = attention_mask_kind(target) if target is not None else None
 
     @property
     def layer(self) -> EagleLayer:
@@ -350,57 +483,155 @@ def eagle_version(cfg: dict) -> int:
     return 3 if "draft_vocab_size" in cfg else 1
 
 
+_EAGLE_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+_EAGLE_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "draft_vocab_size", "target_hidden_size",
+                         "max_position_embeddings")
+
+
+def _eagle_config(head: str, cfg: dict) -> LlamaConfig:
+    """The head's LlamaConfig, after checking the fields its layer is built from (positive integer sizes, heads
+    dividing the hidden size, a positive ``rms_norm_eps``, a known ``hidden_act``).
+
+    Raises:
+        ValueError: the first bad field, naming the head and the field (one line).
+    """
+    from transformers.activations import ACT2FN
+
+    sizes = {k: _positive_int(cfg, k, head) for k in _EAGLE_SIZES}
+    for k in _EAGLE_OPTIONAL_SIZES:
+        if cfg.get(k) is not None:
+            sizes[k] = _positive_int(cfg, k, head)
+    heads, kv = sizes["num_attention_heads"], sizes.get("num_key_value_heads", sizes["num_attention_heads"])
+    if "head_dim" not in sizes and sizes["hidden_size"] % heads:
+        raise ValueError(f"head {head}: config.json: hidden_size {sizes['hidden_size']} is not a multiple of "
+                         f"num_attention_heads {heads}")
+    if heads % kv:
+        raise ValueError(f"head {head}: config.json: num_attention_heads {heads} is not a multiple of "
+                         f"num_key_value_heads {kv}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"head {head}: config.json: rms_norm_eps must be a number between 0 and 1, not "
+                         f"{json.dumps(eps)[:40]}")
+    act = cfg.get("hidden_act", "silu")
+    if not isinstance(act, str) or act not in ACT2FN:
+        raise ValueError(f"head {head}: config.json: hidden_act {json.dumps(act)[:40]} is not an activation "
+                         f"transformers knows")
+    try:
+        return LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "dtype")})
+    except Exception as exc:  # noqa: BLE001  (transformers' strict config validation: any bad field)
+        raise ValueError(f"head {head}: config.json is not a Llama config ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:200]})") from None
+
+
+def _eagle_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]],
+                  read: Callable[[str], torch.Tensor]) -> tuple[LlamaConfig, int, dict]:
+    """(LlamaConfig, version, EagleHead keyword arguments) of an EAGLE head, config.json and every weight's shape
+    checked against the layout they make (built on the meta device: nothing allocated), and EAGLE-3's ``d2t``
+    checked to map every draft id into ``vocab_size``.
+
+    Raises:
+        ValueError: a bad config field, weights of the other version's layout, unexpected or missing tensors, a
+            tensor shaped unlike the layout, a draft id mapped outside the vocabulary (one line naming the head).
+    """
+    version = eagle_version(cfg)
+    layer_key = "midlayer." if version == 3 else "layers.0."
+    if "fc.weight" not in shapes or not any(k.startswith(layer_key) for k in shapes):
+        raise ValueError(f"head {head}: weights lack fc.weight or {layer_key}* (config.json says EAGLE-"
+                         f"{'3' if version == 3 else '1/2'})")
+    config = _eagle_config(head, cfg)
+    fc = shapes["fc.weight"]
+    if len(fc) != 2 or 0 in fc:
+        raise ValueError(f"head {head}: fc.weight has shape {list(fc)}, not a matrix")
+    kwargs = {"fc_in": int(fc[1]), "fc_bias": "fc.bias" in shapes, "own_embedding": "embed_tokens.weight" in shapes}
+    with torch.device("meta"):
+        layout = EagleHead(config, version, None, **kwargs)
+    expected = {k for k in layout.state_dict() if not k.startswith("rotary.")}
+    synthesized = set()
+    if version == 3 and not {"d2t", "t2d"} <= shapes.keys():
+        if config.draft_vocab_size != config.vocab_size:
+            raise ValueError(f"head {head}: draft_vocab_size {config.draft_vocab_size} differs from vocab_size "
+                             f"{config.vocab_size} but the weights hold no d2t/t2d maps")
+        synthesized = {"d2t", "t2d"}  # identity maps, filled in by the loader
+    # RoPE's inv_freq is computed, not learned: a checkpoint saved where it was a persistent buffer (older
+    # transformers) holds it; the reference loads such files (strict=False since its EAGLE-3 release)
+    given = {k for k in shapes if not k.endswith("rotary_emb.inv_freq")}
+    unknown, absent = sorted(given - expected), sorted(expected - given - synthesized)
+    if version == 3:  # the reference loads EAGLE-3 heads with strict=False: extra tensors are ignored
+        unknown = [k for k in unknown if k.startswith("layers.")]
+    if unknown or absent:
+        raise ValueError(f"head {head}: weights do not match the EAGLE-{'3' if version == 3 else '1/2'} layout "
+                         f"(unexpected {unknown[:4]}, missing {absent[:4]})")
+    _check_shapes(head, layout, shapes)
+    if version == 3 and "d2t" in shapes and config.draft_vocab_size != config.vocab_size:
+        _check_d2t(head, read("d2t"), config.vocab_size)
+    return config, version, kwargs
+
+
+def _check_d2t(head: str, d2t: torch.Tensor, vocab: int) -> None:
+    """EAGLE-3's draft id -> target id map (``id + d2t[id]``) lands in [0, vocab) for every draft id.
+
+    Raises:
+        ValueError: a non-integer map, or the first draft id mapped outside the vocabulary.
+    """
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.dtype.is_complex:
+        raise ValueError(f"head {head}: d2t holds {d2t.dtype} values, not integer token offsets")
+    mapped = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.reshape(-1).to(torch.int64)
+    bad = torch.nonzero((mapped < 0) | (mapped >= vocab)).reshape(-1)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"head {head}: d2t maps draft id {i} to token {int(mapped[i])}, outside the vocabulary "
+                         f"(0..{vocab - 1}); {len(bad)} draft ids are mapped outside it")
+
+
+def _eagle_file(head: str) -> Path:
+    return head_file(head, ("model.safetensors", "pytorch_model.bin"))
+
+
+def check_eagle(head: str) -> None:
+    """Check an EAGLE head's files (config.json, the weights' header, EAGLE-3's d2t) without allocating it.
+
+    Raises:
+        ValueError: as :func:`_eagle_layout`, or unreadable files.
+    """
+    cfg = _config(head)
+    shapes, read = _lazy_weights(_eagle_file(head))
+    _eagle_layout(head, cfg, shapes, read)
+
+
 def load_eagle(head: str, target: nn.Module) -> EagleHead:
     """Load an EAGLE-1/2 or EAGLE-3 head (folder or hub id) for ``target`` (cached per target).
 
     Raises:
-        ValueError: missing files, weights of the other version's layout, or sizes that do not fit the target
-            (hidden size, vocabulary, fc input; one line naming both sizes).
+        ValueError: missing files, bad config fields, weights of the other version's layout or shaped unlike
+            config.json says, an EAGLE-3 d2t mapping outside the vocabulary, or sizes that do not fit the target
+            (hidden size, vocabulary, fc input; one line naming both sizes); all before the head is allocated.
     """
     def build() -> EagleHead:
         cfg = _config(head)
-        version = eagle_version(cfg)
-        sd = _state_dict(head_file(head, ("model.safetensors", "pytorch_model.bin")))
-        layer_key = "midlayer." if version == 3 else "layers.0."
-        if "fc.weight" not in sd or not any(k.startswith(layer_key) for k in sd):
-            raise ValueError(f"head {head}: weights lack fc.weight or {layer_key}* (config.json says EAGLE-"
-                             f"{'3' if version == 3 else '1/2'})")
+        sd = _state_dict(_eagle_file(head))
+        config, version, kwargs = _eagle_layout(head, cfg, {k: tuple(v.shape) for k, v in sd.items()},
+                                                sd.__getitem__)
         t_hidden, t_vocab = _target_sizes(target)
-        config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "dtype")})
         config._attn_implementation = getattr(target.config, "_attn_implementation", None) or "eager"
         _fits("vocabulary size", int(config.vocab_size), t_vocab, head)
-        own_embedding = "embed_tokens.weight" in sd
-        if not own_embedding or version == 1:
+        if not kwargs["own_embedding"] or version == 1:
             _fits("hidden size", int(config.hidden_size), t_hidden, head)
         if "target_hidden_size" in cfg:  # EAGLE-3 heads narrower than their target
             _fits("target_hidden_size", int(cfg["target_hidden_size"]), t_hidden, head)
         fc_in = (3 if version == 3 else 2) * (t_hidden if version == 3 else int(config.hidden_size))
-        _fits("fc input size", int(sd["fc.weight"].shape[1]), fc_in, head)
+        _fits("fc input size", kwargs["fc_in"], fc_in, head)
         if version == 3:
             if target.config.num_hidden_layers < 7:
                 raise ValueError(f"head {head}: EAGLE-3 reads target layers 2, L//2 and L-3, which need L >= 7 "
                                  f"layers; the target has {target.config.num_hidden_layers}")
             _fits("lm_head vocabulary (draft_vocab_size)", int(sd["lm_head.weight"].shape[0]),
                   int(config.draft_vocab_size), head)
-        module = EagleHead(config, version, target, fc_in=fc_in, fc_bias="fc.bias" in sd,
-                           own_embedding=own_embedding)
+        module = EagleHead(config, version, target, **kwargs)
         if version == 3 and not {"d2t", "t2d"} <= sd.keys():
-            if config.draft_vocab_size != config.vocab_size:
-                raise ValueError(f"head {head}: draft_vocab_size {config.draft_vocab_size} differs from vocab_size "
-                                 f"{config.vocab_size} but the weights hold no d2t/t2d maps")
             sd = {**sd, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
                   "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
         expected = {k for k in module.state_dict() if not k.startswith("rotary.")}
-        # RoPE's inv_freq is computed, not learned: a checkpoint saved where it was a persistent buffer (older
-        # transformers) holds it; the reference loads such files (strict=False since its EAGLE-3 release)
-        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-        unknown, absent = sorted(sd.keys() - expected), sorted(expected - sd.keys())
-        if version == 3:  # the reference loads EAGLE-3 heads with strict=False: extra tensors are ignored
-            unknown = [k for k in unknown if k.startswith("layers.")]
-            sd = {k: v for k, v in sd.items() if k in expected}
-        if unknown or absent:
-            raise ValueError(f"head {head}: weights do not match the EAGLE-{'3' if version == 3 else '1/2'} layout "
-                             f"(unexpected {unknown[:4]}, missing {absent[:4]})")
+        sd = {k: v for k, v in sd.items() if k in expected}  # unknown tensors were refused or are ignored (EAGLE-3)
         try:
             module.load_state_dict(sd, strict=False)
         except RuntimeError as exc:  # a tensor shaped unlike its config.json says

@@ -162,7 +162,7 @@ class RaggedBatch:
 
     The design follows the padded-batch verification of batched speculative decoding (BASS, Qian et al. 2024,
     "ragged" per-row lengths by masks and position ids) on transformers' 4D-mask path, the same path the one-row tree
-    verification uses (:func:`dtbench.decoders.tree_structure.tree_attention_mask`).
+    verification uses (:func:`dtbench.decoders.tree.structure.tree_attention_mask`).
 
     Args:
         model: a transformers causal LM whose attention takes an explicit 4D mask (sdpa or eager).
@@ -172,7 +172,7 @@ class RaggedBatch:
     """
 
     def __init__(self, model: torch.nn.Module):
-        from dtbench.decoders.tree_structure import attention_mask_kind
+        from dtbench.decoders.tree.structure import attention_mask_kind
 
         self.model = model
         self.kind = attention_mask_kind(model)

@@ -11,7 +11,7 @@ Each iteration feeds one target forward holding two branches after the pending t
   tokens), verified greedily. dtbench merges them into a trie under the root (shared prefixes fed once; greedy
   acceptance is the same as verifying them as separate chains, as the reference does) and verifies it as the
   one tree loop verifies any tree (:func:`~dtbench.decoders.tree.speculate_tree`);
-- the *lookahead branch*: the W x (N - 1) Jacobi window, fed as a :class:`~dtbench.decoders.tree_structure.
+- the *lookahead branch*: the W x (N - 1) Jacobi window, fed as a :class:`~dtbench.decoders.tree.structure.
   SideBranch` (seen by no verified token, dropped from the cache afterwards). Level 0 is ``[root] + W - 1``
   tokens at positions P..P+W-1; level l >= 1 holds W tokens, token i at position P + l + i. Token (l, i) attends
   to the prefix, to level 0 up to its own column (root and level-0 tokens 0..i-1 for l >= 1, causal within level
@@ -38,7 +38,7 @@ from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
-from dtbench.decoders.tree_structure import CacheStrategy, SideBranch, TokenTree
+from dtbench.decoders.tree.structure import CacheStrategy, SideBranch, TokenTree
 
 
 class NgramPool:

@@ -19,9 +19,9 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders.base import DecoderParams, Step
-from dtbench.decoders.heads import HeadDecoder, MedusaHeads, load_medusa
+from dtbench.decoders.heads import HeadDecoder, MedusaHeads, check_medusa, load_medusa
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
-from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
+from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
 # medusa/model/medusa_choices.py, mc_sim_7b_63 (the reference's default for Vicuna-7B), verbatim.
 MC_SIM_7B_63 = [
@@ -127,6 +127,7 @@ class Medusa(HeadDecoder):
     Params = MedusaParams
     version = "1"
     load_head = staticmethod(load_medusa)
+    check_head = staticmethod(check_medusa)
 
     @classmethod
     def choices_of(cls, params: MedusaParams) -> list[list[int]]:

@@ -22,110 +22,26 @@ reference concatenates them); and a step whose context matches nowhere verifies 
 drafts the fixed token id 100 there, a placeholder almost never accepted). ``prune: frequency`` verifies the
 ``n_max`` most frequent nodes without the cut (a larger tree; its own name, measured beside the reference's).
 
-Here the suffix array comes from ``pydivsufsort`` (maintained PyPI bindings of Yuta Mori's libdivsufsort, C,
-O(n log n); it sorts integer arrays, so token ids need no byte encoding), the binary search and trie from numpy.
-
-The datastore is built once per process per (corpus, tokenizer) and cached; its size, token count and build time
-are the decoder's recorded state (:meth:`Rest.state_stats`).
+The datastore (:mod:`dtbench.decoders.datastore`: the suffix array, built once per process per corpus and cached) is
+built from a declared corpus whose documents the harness injects, the suite's prompt documents held out with the
+suite's seed, or from a ``.npy`` tokens file; its size, token count and build time are the decoder's recorded state
+(:meth:`Rest.state_stats`).
 """
 
 from __future__ import annotations
 
-import bisect
-import json
-import random
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 from pydantic import Field, model_validator
 
+from dtbench.core import Corpus, CorpusSpec, DtbenchError
 from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.datastore import CorpusParams, Datastore, corpus_datastore, tokens_datastore
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
-from dtbench.decoders.tree_structure import TokenTree
-from dtbench.harness.errors import DtbenchError
-from dtbench.harness.suite import DatasetSpec
-
-SEPARATOR = np.iinfo(np.uint32).max  # between documents: never a token id, so no match or draft crosses it
-
-
-@dataclass
-class Datastore:
-    """Token ids of a corpus and their suffix array (REST section 3.1).
-
-    Attributes:
-        tokens: (n,) uint32 token ids, documents separated by :data:`SEPARATOR`.
-        sa: (n,) int64 suffix array of ``tokens`` (``tokens[sa[i]:]`` sorted lexicographically).
-        documents: documents in the datastore.
-        build_s: seconds spent tokenizing and sorting (wall clock).
-    """
-
-    tokens: np.ndarray
-    sa: np.ndarray
-    documents: int
-    build_s: float
-
-    @classmethod
-    def from_documents(cls, docs: list[list[int]]) -> Datastore:
-        """Build from token-id documents (suffix array by ``pydivsufsort.divsufsort``).
-
-        Raises:
-            DtbenchError: no non-empty document, or pydivsufsort not installed.
-        """
-        start = time.perf_counter()
-        docs = [d for d in docs if len(d)]
-        if not docs:
-            raise DtbenchError("rest: the corpus holds no tokens")
-        try:
-            from pydivsufsort import divsufsort
-        except ImportError:
-            raise DtbenchError("rest: the datastore needs pydivsufsort (pip install pydivsufsort)") from None
-        parts = []
-        for d in docs:
-            parts.extend((np.asarray(d, dtype=np.uint32), np.array([SEPARATOR], dtype=np.uint32)))
-        tokens = np.concatenate(parts)
-        sa = np.asarray(divsufsort(tokens), dtype=np.int64)
-        return cls(tokens, sa, len(docs), time.perf_counter() - start)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the tokens and the suffix array."""
-        return int(self.tokens.nbytes + self.sa.nbytes)
-
-    def _key(self, i: int, m: int) -> list[int]:
-        p = int(self.sa[i])
-        return self.tokens[p:p + m].tolist()
-
-    def find(self, pattern: list[int]) -> tuple[int, int]:
-        """The suffix-array range [lo, hi) of the suffixes starting with ``pattern`` (binary search, O(m log n))."""
-        m = len(pattern)
-        lo = bisect.bisect_left(range(len(self.sa)), pattern, key=lambda i: self._key(i, m))
-        hi = bisect.bisect_right(range(lo, len(self.sa)), pattern, key=lambda i: self._key(i, m)) + lo
-        return lo, hi
-
-    def retrieve(self, context: list[int], max_suffix: int, min_suffix: int, max_retrieved: int,
-                 depth: int) -> tuple[int, np.ndarray]:
-        """Continuations of the longest context suffix found (REST's exact-match retrieval, longest first).
-
-        Returns:
-            (suffix length matched, (R, depth) int64 continuations, -1 past a document's end); (0, empty) when no
-            suffix of ``min_suffix`` tokens or more occurs.
-        """
-        for s in range(min(max_suffix, len(context)), min_suffix - 1, -1):
-            lo, hi = self.find(context[-s:])
-            if hi > lo:
-                starts = self.sa[lo:min(hi, lo + max_retrieved)] + s
-                idx = starts[:, None] + np.arange(depth)[None, :]
-                cont = self.tokens[np.minimum(idx, len(self.tokens) - 1)].astype(np.int64)
-                bad = (idx >= len(self.tokens)) | (cont == SEPARATOR)
-                cont[np.logical_or.accumulate(bad, axis=1)] = -1
-                return s, cont
-        return 0, np.zeros((0, depth), dtype=np.int64)
-
+from dtbench.decoders.tree.structure import TokenTree
 
 def frequent_trie(cont: np.ndarray, n_max: int) -> list[tuple[tuple[int, ...], int]]:
     """The ``n_max`` most frequent prefixes of the continuations, as (prefix, count) in BFS order (REST's pruned
@@ -219,44 +135,6 @@ class RestDrafter(TreeDrafter):
             index.update(zip((t for t, _ in level), new))
 
 
-class CorpusParams(DecoderParams):
-    """Where a datastore's text comes from (``rest``; ``suffix``'s optional corpus).
-
-    Attributes:
-        corpus: the datastore's text, a dataset entry (``name`` and its ``data_dir`` / ``path`` / ``hub_id``); its
-            ``skip: K`` leaves out the first K usable documents of ``seed``'s order, which are the documents a suite
-            with that seed measures with ``prompts <= K`` (so the prompts' own text is never retrieved).
-        tokens: instead of ``corpus``, a ``.npy`` file of token ids (a pre-tokenized datastore; -1 separates
-            documents).
-        tokenizer: tokenizer of ``corpus`` (a model id or folder); default: the target's ``name_or_path``.
-        seed: the suite's seed (the document order ``skip`` refers to).
-    """
-
-    corpus: DatasetSpec | None = Field(None, description="the datastore's text: a dataset entry")
-    tokens: str | None = Field(None, description="or a .npy file of token ids (-1 separates documents)")
-    tokenizer: str | None = Field(None, description="tokenizer for corpus (default: the target's name_or_path)")
-    seed: int = Field(0, description="the suite's seed: the document order corpus.skip refers to")
-
-    @model_validator(mode="after")
-    def _corpus_readable(self):
-        if self.corpus is not None and self.tokens is not None:
-            raise ValueError("give at most one of `corpus` (a dataset entry) and `tokens` (a .npy file)")
-        if self.tokens is not None and not Path(self.tokens).expanduser().is_file():
-            raise ValueError(f"tokens file {self.tokens} does not exist")
-        if self.corpus is not None:
-            from dtbench.harness.data import check_dataset
-
-            try:
-                check_dataset(self.corpus, files=True)
-            except DtbenchError as exc:  # an unknown dataset name, unreadable text files: refused at validation
-                raise ValueError(f"corpus: {exc}") from None
-        return self
-
-    @property
-    def has_corpus(self) -> bool:
-        return self.corpus is not None or self.tokens is not None
-
-
 class RestParams(CorpusParams):
     """Hyperparameters of ``rest`` (the corpus fields: :class:`CorpusParams`; exactly one of corpus, tokens).
 
@@ -287,65 +165,6 @@ class RestParams(CorpusParams):
         return self
 
 
-_STORES: dict[str, Datastore] = {}
-
-
-def held_out_documents(docs: list[tuple[str, str]], tokenizer, skip: int, seed: int) -> list[list[int]]:
-    """Token ids of the documents left after the first ``skip`` usable ones of ``seed``'s order (as
-    :func:`dtbench.harness.data.select_prompts` orders and skips them), in that order."""
-    from dtbench.harness.data import MIN_PROMPT_TOKENS
-
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    kept, skipped = [], 0
-    for i in order:
-        ids = tokenizer.encode(docs[i][1])
-        if len(ids) >= MIN_PROMPT_TOKENS and skipped < skip:
-            skipped += 1
-            continue
-        kept.append(ids)
-    return kept
-
-
-def load_datastore(params: CorpusParams, target: torch.nn.Module) -> Datastore:
-    """The datastore of ``params`` (built on first use, then cached for the process).
-
-    Raises:
-        DtbenchError: an unreadable tokens file or corpus, or a tokenizer that cannot be loaded.
-    """
-    tok_name = params.tokenizer or getattr(target.config, "name_or_path", "") or ""
-    key = json.dumps([params.corpus.model_dump(mode="json") if params.corpus else None, params.tokens, tok_name,
-                      params.seed])
-    if key in _STORES:
-        return _STORES[key]
-    start = time.perf_counter()
-    if params.tokens is not None:
-        try:
-            flat = np.load(Path(params.tokens).expanduser(), allow_pickle=False).astype(np.int64).ravel()
-        except (OSError, ValueError) as exc:
-            raise DtbenchError(f"rest: cannot read tokens file {params.tokens}: {exc}") from None
-        cuts = np.flatnonzero(flat < 0)
-        docs = [d.tolist() for d in np.split(flat, cuts) if len(d)]
-        docs = [[t for t in d if t >= 0] for d in docs]
-    else:
-        from transformers import AutoTokenizer
-
-        from dtbench.harness.data import load_documents
-
-        if not tok_name:
-            raise DtbenchError("rest: set `tokenizer:` (the target names no tokenizer)")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tok_name)
-        except Exception as exc:  # transformers raises OSError, ValueError, ... for a bad id
-            raise DtbenchError(f"rest: cannot load tokenizer {tok_name!r}: {str(exc).splitlines()[0]}") from None
-        texts = load_documents(params.corpus)
-        docs = held_out_documents(texts, tokenizer, params.corpus.skip, params.seed)
-    store = Datastore.from_documents(docs)
-    store.build_s = time.perf_counter() - start
-    _STORES[key] = store
-    return store
-
-
 class Rest(Decoder):
     """REST on the one tree loop: retrieval tree from a suffix-array datastore, greedy verification; lossless.
 
@@ -362,18 +181,30 @@ class Rest(Decoder):
 
     def __init__(self, target, draft, params: RestParams):
         super().__init__(target, None, params)
-        self.store = load_datastore(params, target)
+        self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
         self._drafter: RestDrafter | None = None
+
+    @classmethod
+    def corpus_of(cls, params: RestParams) -> CorpusSpec | None:
+        """The declared corpus (``corpus:`` with ``tokenizer:``), or None for a tokens file."""
+        return params.corpus_spec()
+
+    def use_corpus(self, corpus: Corpus) -> None:
+        """Build (or take from the process's cache) the datastore of the injected corpus."""
+        super().use_corpus(corpus)
+        self.store = corpus_datastore(corpus)
 
     @classmethod
     def verify_sizes(cls, params: RestParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: (0, root + n_max trie nodes)."""
         return 0, params.n_max + 1
 
-    def state_stats(self) -> dict[str, int]:
+    def state_stats(self) -> dict[str, int] | None:
         """The datastore (tokens, documents, bytes, build milliseconds) and the last call's retrievals (steps that
         searched, steps that found a match, matched suffix tokens summed)."""
         s = self.store
+        if s is None:
+            return None
         info = {"datastore_tokens": int(len(s.tokens)), "datastore_documents": s.documents,
                 "datastore_bytes": s.nbytes, "datastore_build_ms": round(s.build_s * 1000)}
         if self._drafter is not None:
@@ -383,6 +214,9 @@ class Rest(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """Generate ``max_new_tokens`` tokens greedily; one Step per target forward (the tree loop's)."""
+        if self.store is None:
+            raise DtbenchError("rest: no datastore: the corpus's documents were never given (the harness calls "
+                               "use_corpus; a direct caller passes the documents with use_corpus(Corpus(...)))")
         self._drafter = RestDrafter(self.store, input_ids[0].tolist(), self.params)
         yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self._drafter, "compact",
                                   tree_root="pending", eos_token_id=self.eos_token_id)

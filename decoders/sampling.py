@@ -164,7 +164,7 @@ def verify_tree_sampled(tokens: list[int], parents: list[int], target_probs, dra
         generator: the sample's random generator.
 
     Returns:
-        (path, committed) as :func:`~dtbench.decoders.tree_structure.select_path`: accepted node indices root
+        (path, committed) as :func:`~dtbench.decoders.tree.structure.select_path`: accepted node indices root
         first, and the accepted tokens followed by the drawn (bonus or residual) token.
     """
     children: list[list[int]] = [[] for _ in tokens]

@@ -23,9 +23,10 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
+from dtbench.core import Corpus, CorpusSpec, DtbenchError
 from dtbench.decoders.base import Decoder, Step
 from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain, speculate_chain_batch
-from dtbench.decoders.rest import CorpusParams, Datastore, load_datastore
+from dtbench.decoders.datastore import CorpusParams, Datastore, corpus_datastore, tokens_datastore
 
 
 class SuffixAutomaton:
@@ -162,7 +163,7 @@ class SuffixProposer(Proposer):
 
 
 class SuffixParams(CorpusParams):
-    """Hyperparameters of ``suffix`` (the optional corpus: :class:`~dtbench.decoders.rest.CorpusParams`).
+    """Hyperparameters of ``suffix`` (the optional corpus: :class:`~dtbench.decoders.datastore.CorpusParams`).
 
     Attributes:
         k: most draft tokens per iteration (the automaton's continuation or the fallback's chain).
@@ -170,8 +171,8 @@ class SuffixParams(CorpusParams):
             (2), not a published one: a one-token match is too weak a signal on natural text.
         fallback: ``none`` (draft nothing on a short match) or ``draft`` (the draft model's greedy chain of k
             tokens, SAM-Decoding's auxiliary drafter).
-        corpus, tokens, tokenizer, seed: an optional static corpus (SAM-Decoding's static automaton; here REST's
-            suffix-array datastore, :class:`~dtbench.decoders.rest.Datastore`): when the context's suffix of up to
+        corpus, tokens, tokenizer: an optional static corpus (SAM-Decoding's static automaton; here REST's
+            suffix-array datastore, :class:`~dtbench.decoders.datastore.Datastore`): when the context's suffix of up to
             ``max_corpus_match`` tokens matches the corpus longer than it matches the context, the continuation of
             its first occurrence there (by suffix-array order) is the draft.
         max_corpus_match: longest context suffix searched in the corpus (tokens).
@@ -210,7 +211,17 @@ class SuffixDecoding(Decoder):
         if params.fallback == "draft" and draft is None:
             raise ValueError("suffix: fallback 'draft' needs a draft model, and the suite declares none")
         self.target, self.draft, self.params = target, draft if params.fallback == "draft" else None, params
-        self.store = load_datastore(params, target) if params.has_corpus else None
+        self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
+
+    @classmethod
+    def corpus_of(cls, params: SuffixParams) -> CorpusSpec | None:
+        """The declared corpus (``corpus:`` with ``tokenizer:``), or None (no corpus, or a tokens file)."""
+        return params.corpus_spec()
+
+    def use_corpus(self, corpus: Corpus) -> None:
+        """Build (or take from the process's cache) the datastore of the injected corpus."""
+        super().use_corpus(corpus)
+        self.store = corpus_datastore(corpus)
 
     @classmethod
     def verify_sizes(cls, params: SuffixParams) -> tuple[int, int]:
@@ -232,6 +243,9 @@ class SuffixDecoding(Decoder):
         """Generate ``max_new_tokens`` tokens (greedy, or sampled with ``self.sampling``); one Step per target
         forward (the chain loop's)."""
         p = self.params
+        if p.corpus is not None and self.store is None:
+            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
+                               "use_corpus)")
         fallback = DraftModelProposer(self.draft) if p.fallback == "draft" else None
         self._proposer = SuffixProposer(p.min_match, fallback, self.store, p.max_corpus_match)
         yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
@@ -242,6 +256,9 @@ class SuffixDecoding(Decoder):
         """B prompts through the one chain loop, one suffix-automaton proposer per row (each over its own row's
         text; the corpus datastore, if any, is shared read-only)."""
         p = self.params
+        if p.corpus is not None and self.store is None:
+            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
+                               "use_corpus)")
         proposers = [SuffixProposer(p.min_match, DraftModelProposer(self.draft) if p.fallback == "draft" else None,
                                     self.store, p.max_corpus_match) for _ in prompts]
         self._proposer = proposers[-1]

@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.decoders.medusa import static_tree
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
-from dtbench.decoders.tree_structure import CacheStrategy, TokenTree
+from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
 # model/recycling/tree_template_.py, version "2.2.2" (the reference's default), verbatim: 80 rank paths.
 TEMPLATE_2_2_2 = [

@@ -10,14 +10,12 @@ overflows torch's generator ("Overflow when unpacking long long"). Each type bel
 
 from __future__ import annotations
 
-import os
-import stat
-from pathlib import Path
 from typing import Annotated, Any
 
 import click
 from pydantic import Field, TypeAdapter, ValidationError
 
+from dtbench.core import read_regular_file as read_regular_file  # defined in the core (decoders read files too)
 from dtbench.harness.errors import DtbenchError
 
 MAX_SECONDS = 30 * 24 * 3600.0  # 30 days: longer than any benchmark, far below timer overflow
@@ -64,23 +62,3 @@ class Checked(click.ParamType):
 def valid_id(value: int) -> bool:
     """Whether ``value`` can be a row id (0 < id < 2^63); a larger number is no such row, not an overflow."""
     return 0 < value < ID_LIMIT
-
-
-def read_regular_file(path: Path, limit: int, what: str) -> bytes:
-    """The bytes of ``path``, refusing anything but a regular file and reading at most ``limit`` of them, so
-    ``/dev/zero``, ``/dev/urandom``, a FIFO or a huge file is a one-line error instead of a hang or a MemoryError.
-
-    Raises:
-        DtbenchError: cannot be opened, not a regular file, or larger than ``limit`` bytes (naming ``what``).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # opening a FIFO must not wait for a writer
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise DtbenchError(f"{what} {path} is not a regular file (a device, pipe or folder)")
-            raw = f.read(limit + 1)
-    except OSError as exc:
-        raise DtbenchError(f"cannot read {what} {path}: {exc.strerror}") from None
-    if len(raw) > limit:
-        raise DtbenchError(f"{what} {path} is larger than {limit:,} bytes (the limit for a {what} file)")
-    return raw

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 
-from dtbench.harness.curves import FED_MASK, Curves
+from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK, Curves, auto_budget
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
@@ -61,7 +61,6 @@ if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
 SMALL = 16  # every n up to here is calibrated (CPU kernels make the curve non-monotonic at small n)
 LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 THIN = (1, 2, 3, 4, 6, 8, 12, 16)  # the grid of the kinds only small forwards use (drafting, rebuild re-runs)
-DEFAULT_FACTOR = 2.0
 KINDS = {"causal": (False, False), "tree": (True, False), "last": (False, True)}  # kind -> (tree_mask, last_only)
 
 
@@ -347,29 +346,6 @@ def store(sessions, points: list[Point], *, run_id: int | None, suite_name: str,
 
 
 # --- n_max: auto ---------------------------------------------------------------------------------------------------
-
-
-def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
-    """``n_max: auto``: the largest calibrated n (drafted nodes) whose tree verification — one target forward over
-    the root and n nodes with the tree mask — costs at most ``factor`` x one AR step (one causal target forward
-    over 1 token), on a cache of ``cache_len`` positions; at least 1, at most
-    :data:`dtbench.decoders.tree.N_MAX_AUTO_CEILING`.
-
-    Only calibrated sizes are candidates (the curve need not be monotonic: on CPUs n = 2..3 can cost more than
-    n = 4..8, so the largest n within the factor is taken, not the first n beyond it).
-    """
-    from dtbench.decoders.tree import N_MAX_AUTO_CEILING
-
-    one = curves.cost("target", 1, cache_len, 0)
-    kind = "tree" if curves.has("target", "tree") else "causal"
-    per = curves._table[("target", kind)]
-    ns, _ = per[min(per, key=lambda c: abs(c - cache_len))]
-    best = 1
-    for size in ns:
-        n = int(size) - 1
-        if 1 <= n <= N_MAX_AUTO_CEILING and curves.cost("target", int(size), cache_len, FED_MASK) <= factor * one:
-            best = max(best, n)
-    return best
 
 
 def auto_cells(plan) -> list:

@@ -9,6 +9,15 @@ A suite's ``chat_template`` decides how a question becomes token ids (:func:`ren
 - a path: a Jinja chat template file (transformers' format), applied with ``apply_chat_template(chat_template=...)``;
   ``suites/templates/vicuna.jinja`` is FastChat's ``vicuna_v1.1`` conversation, Spec-Bench's setting for Vicuna.
 
+Templates are untrusted text: transformers renders them in Jinja's sandbox, and dtbench bounds each rendering
+(:func:`render`): at most :data:`RENDER_SECONDS` seconds (a ``SIGALRM`` timer, in the main thread, where validate,
+the run's preflight and every turn's rendering happen) and :data:`RENDER_CHARS` characters beyond twice the
+messages' own text (the output is streamed, so a template repeating a long string stops at the bound instead of
+exhausting memory). A template that raises (``raise_exception``, a sandbox refusal, an undefined name), runs too
+long, grows too large or renders an empty prompt is one line naming the template (:class:`PromptFailed`);
+``validate`` and ``run`` render every prompt of the suite's questions before any model loads
+(:func:`dtbench.harness.questions.check_prompts`), later turns with a placeholder answer.
+
 ``system_prompt`` adds a system message first. The default template is ``auto`` for question datasets
 (:attr:`dtbench.harness.data.Dataset.chat`); the run records the template, the system prompt and the template's
 sha256 in its environment (:func:`describe`).
@@ -22,18 +31,77 @@ L_max keeps its last L_max tokens (the end holds the question and the generation
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from dtbench.harness.bounds import MAX_SUITE_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import printable
+
+RENDER_SECONDS = 5.0  # one prompt's rendering (a chat template renders in milliseconds)
+RENDER_CHARS = 1 << 20  # characters a template may add to a prompt beyond twice its messages' own text
 
 
 class TurnNotReady(DtbenchError):
     """A later turn's prompt cannot be rendered: the reference's answer to an earlier turn is not stored (not measured
     yet on another worker, or its cell failed). Executors retry the group later, or fail its cells with this."""
+
+
+class PromptFailed(DtbenchError):
+    """The chat template failed on a prompt: it raised, ran past :data:`RENDER_SECONDS`, grew past its size bound
+    or rendered no tokens. Before the run (validate, preflight, turn 1) it is the one-line error; for a later turn
+    (rendered with the reference's answers when dispatched) executors fail that prompt's cells with it."""
+
+
+class _Expired(Exception):
+    """Raised by the SIGALRM handler of :func:`_time_bound` inside the rendering it interrupts."""
+
+
+@contextmanager
+def _time_bound(seconds: float) -> Iterator[None]:
+    """Interrupt the body with :class:`_Expired` after ``seconds`` (an interval timer and SIGALRM: the main thread
+    of a POSIX process, and only while no other timer is set; elsewhere the body runs unbounded in time, its
+    output still bounded in size)."""
+    if (threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer")
+            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _bounded_render(template: str, chat: list[dict[str, str]], tokenizer, limit: int) -> str:
+    """The template's text for ``chat`` as transformers renders it (its sandboxed, compiled template; the
+    tokenizer's special tokens as variables), streamed chunk by chunk so it stops past ``limit`` characters.
+
+    Raises:
+        PromptFailed: more than ``limit`` characters. Anything the template raises propagates.
+    """
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    compiled = _compile_jinja_template(template)
+    parts, size = [], 0
+    for chunk in compiled.generate(messages=chat, tools=None, documents=None, add_generation_prompt=True,
+                                   **dict(tokenizer.special_tokens_map)):
+        size += len(chunk)
+        if size > limit:
+            raise PromptFailed(f"renders more than {limit:,} characters")
+        parts.append(chunk)
+    return "".join(parts)
 
 
 def template_text(mode: str, tokenizer, model_name: str) -> str | None:
@@ -51,10 +119,13 @@ def template_text(mode: str, tokenizer, model_name: str) -> str | None:
                                f"none or the path of a template file")
         return text if isinstance(text, str) else str(text)
     try:  # a regular file of at most 1 MiB: chat_template: /dev/zero is an error, not a hang
-        return read_regular_file(Path(mode).expanduser(), MAX_SUITE_BYTES, what="chat template").decode("utf-8")
+        text = read_regular_file(Path(mode).expanduser(), MAX_SUITE_BYTES, what="chat template").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DtbenchError(f"chat_template: cannot read {clip(mode, 200)} "
                            f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+    if not text.strip():
+        raise DtbenchError(f"chat_template: {clip(mode, 200)} is empty (it would render empty prompts)")
+    return text
 
 
 def describe(mode: str, template: str | None, system_prompt: str | None) -> dict[str, Any]:
@@ -74,7 +145,7 @@ def messages(turns: list[str], answers: list[str], system_prompt: str | None) ->
 
 
 def render(tokenizer, template: str | None, turns: list[str], answers: list[str],
-           system_prompt: str | None) -> list[int]:
+           system_prompt: str | None, name: str = "") -> list[int]:
     """Token ids of the prompt for the last of ``turns``, ending with the generation prompt.
 
     Args:
@@ -82,17 +153,40 @@ def render(tokenizer, template: str | None, turns: list[str], answers: list[str]
         template: :func:`template_text`'s result (None: no template, the texts joined by blank lines).
         turns: the user turns so far; answers: the assistant's answers to all but the last.
         system_prompt: a system message, or None.
+        name: the template's name in errors (the suite's ``chat_template`` setting).
 
     Returns:
         Token ids, ``apply_chat_template(messages, chat_template=template, add_generation_prompt=True)``.
+
+    Raises:
+        PromptFailed: the template raised, ran past :data:`RENDER_SECONDS`, rendered more than :data:`RENDER_CHARS`
+            characters beyond twice the messages' text, or the prompt has no tokens (one line naming the template).
     """
+    where = f"chat_template {printable(clip(name or 'auto', 120))}"
     if template is None:
         parts = ([system_prompt] if system_prompt else []) + [x for pair in zip(turns, [*answers, None]) for x in pair
                                                                 if x is not None]
-        return list(tokenizer.encode("\n\n".join(parts)))
-    out = tokenizer.apply_chat_template(messages(turns, answers, system_prompt), chat_template=template,
-                                        add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(out["input_ids"])
+        ids = list(tokenizer.encode("\n\n".join(parts)))
+    else:
+        chat = messages(turns, answers, system_prompt)
+        limit = RENDER_CHARS + 2 * sum(len(m["content"]) for m in chat)
+        try:
+            with _time_bound(RENDER_SECONDS):
+                _bounded_render(template, chat, tokenizer, limit)  # raises, hangs or grows here, within bounds
+                out = tokenizer.apply_chat_template(chat, chat_template=template, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)
+        except _Expired:
+            raise PromptFailed(f"{where}: rendering one prompt took longer than {RENDER_SECONDS:g} s") from None
+        except PromptFailed as exc:
+            raise PromptFailed(f"{where}: {exc}") from None
+        except MemoryError:
+            raise PromptFailed(f"{where}: rendering one prompt ran out of memory") from None
+        except Exception as exc:  # noqa: BLE001  (TemplateError, SecurityError, anything a template raises)
+            raise PromptFailed(f"{where}: {type(exc).__name__}: {printable(clip(exc, 200))}") from None
+        ids = list(out["input_ids"])
+    if not ids:
+        raise PromptFailed(f"{where}: the prompt is empty (0 tokens)")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -103,9 +197,11 @@ class Renderer:
     template: str | None
     system_prompt: str | None
     l_max: int
+    name: str = ""
 
     def ids(self, turns: list[str], answers: list[str]) -> tuple[int, ...]:
-        ids = render(self.tokenizer, self.template, turns, answers, self.system_prompt)
+        """The prompt's last ``l_max`` token ids (:func:`render`; raises :class:`PromptFailed`)."""
+        ids = render(self.tokenizer, self.template, turns, answers, self.system_prompt, self.name)
         return tuple(ids[-self.l_max:])
 
     def answer(self, tokens: list[int]) -> str:

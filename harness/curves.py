@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 
 FED_MASK, FED_LAST = 1, 2  # flags of a counted forward (measure.ForwardCounter): a 4D mask; last logits only
+DEFAULT_FACTOR = 2.0  # n_max: auto's default n_max_factor: a tree verification may cost 2 AR steps
 
 
 # --- reading: the curves as a cost function ------------------------------------------------------------------------
@@ -125,3 +126,26 @@ def load_curves(session, run) -> Curves | None:
             continue
         return Curves(batch_rows, batch=cand.batch, run_id=None)
     return None
+
+
+def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
+    """``n_max: auto``: the largest calibrated n (drafted nodes) whose tree verification — one target forward over
+    the root and n nodes with the tree mask — costs at most ``factor`` x one AR step (one causal target forward
+    over 1 token), on a cache of ``cache_len`` positions; at least 1, at most
+    :data:`dtbench.decoders.tree.N_MAX_AUTO_CEILING`.
+
+    Only calibrated sizes are candidates (the curve need not be monotonic: on CPUs n = 2..3 can cost more than
+    n = 4..8, so the largest n within the factor is taken, not the first n beyond it).
+    """
+    from dtbench.decoders.tree import N_MAX_AUTO_CEILING
+
+    one = curves.cost("target", 1, cache_len, 0)
+    kind = "tree" if curves.has("target", "tree") else "causal"
+    per = curves._table[("target", kind)]
+    ns, _ = per[min(per, key=lambda c: abs(c - cache_len))]
+    best = 1
+    for size in ns:
+        n = int(size) - 1
+        if 1 <= n <= N_MAX_AUTO_CEILING and curves.cost("target", int(size), cache_len, FED_MASK) <= factor * one:
+            best = max(best, n)
+    return best

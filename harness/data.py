@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import random
 import re
@@ -47,10 +48,11 @@ from typing import Any, ClassVar
 
 from pydantic import ConfigDict
 
-from dtbench.decoders.base import StrictBools
+from dtbench.core import Corpus, CorpusSpec, StrictBools
 from dtbench.harness import hub
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import printable
 from dtbench.harness.registry import Registry, validate_model
 from dtbench.harness.suite import DatasetSpec
 from dtbench.harness.prompt import Prompt
@@ -137,7 +139,7 @@ def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
     chosen = spec.data_dir or data_dir or os.environ.get(DATA_DIR_ENV)
     if chosen and (spec.hub_id or spec.revision):  # the local folder wins: say that the hub keys are not used
         keys = " and ".join(k for k in ("hub_id", "revision") if getattr(spec, k))
-        print(f"note: {spec.name}: {keys} ignored: the local data folder {chosen} is used instead (unset --data-dir, "
+        print(f"note: {spec.name}: {keys} ignored: the local data folder {printable(chosen)} is used instead (unset --data-dir, "
               f"{DATA_DIR_ENV} and data_dir: to load from the hub)", file=sys.stderr, flush=True)
     return Path(chosen).expanduser() if chosen else None
 
@@ -396,6 +398,20 @@ def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> Documents:
     return docs
 
 
+def seeded_order(n_documents: int, seed: int) -> list[int]:
+    """The document order of ``seed``: indices 0..n-1 shuffled by ``random.Random(seed)`` (the one order prompts are
+    drawn in and corpora are held out by)."""
+    order = list(range(n_documents))
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def usable(n_tokens: int, l_max: int) -> bool:
+    """Whether a document of ``n_tokens`` tokens yields a prompt at cap ``l_max``: a full chunk of ``l_max`` tokens,
+    or at least :data:`MIN_PROMPT_TOKENS` (the one usable-document rule of :func:`select_prompts`)."""
+    return n_tokens >= min(l_max, MIN_PROMPT_TOKENS)
+
+
 def select_prompts(
     documents: list[tuple[str, str]], tokenizer, n: int, l_max: int, seed: int, skip: int | None = None
 ) -> list[Prompt]:
@@ -425,16 +441,14 @@ def select_prompts(
     """
     if skip is None:
         skip = getattr(documents, "skip", 0)
-    order = list(range(len(documents)))
-    random.Random(seed).shuffle(order)
     chunks: list[list[tuple[str, list[int]]]] = []
     skipped = 0
-    for i in order:
+    for i in seeded_order(len(documents), seed):
         title, text = documents[i]
         # Tokenizing only a prefix keeps long books cheap: about 6 characters per token is generous.
         ids = tokenizer.encode(text[: l_max * 12 * max(1, n)])
         pieces = [ids[j : j + l_max] for j in range(0, len(ids), l_max)]
-        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and len(p) >= MIN_PROMPT_TOKENS)]
+        pieces = [p for k, p in enumerate(pieces) if len(p) == l_max or (k == 0 and usable(len(p), l_max))]
         if pieces and skipped < skip:
             skipped += 1
             continue
@@ -451,3 +465,106 @@ def select_prompts(
         after = f" after skipping {skip} documents" if skip else ""
         raise DtbenchError(f"only {len(picked)} prompts of up to {l_max} tokens available{after}, {n} asked for")
     return [Prompt(index=i, document=t, token_ids=tuple(ids)) for i, (t, ids) in enumerate(picked[:n])]
+
+
+def held_out_documents(documents: list[tuple[str, str]], tokenizer, skip: int, seed: int) -> list[list[int]]:
+    """Token ids of the documents a corpus may hold: in ``seed``'s order (:func:`seeded_order`), every document up to
+    and including the ``skip``-th usable one left out (:func:`usable` at any L_max of 16 or more), the rest kept.
+
+    With the suite's seed this leaves out every document :func:`select_prompts` draws ``prompts <= skip`` prompts
+    from, at every L_max (a document usable at an L_max below 16 lies before the ``skip``-th usable one at 16).
+
+    Args:
+        documents: (title, text) pairs; tokenizer: a transformers tokenizer (its ``encode``); skip: usable documents
+            left out; seed: the suite's seed.
+
+    Returns:
+        Token ids of each kept non-empty document, in the seeded order.
+    """
+    kept: list[list[int]] = []
+    skipped = 0
+    for i in seeded_order(len(documents), seed):
+        ids = list(tokenizer.encode(documents[i][1]))
+        if skipped < skip:
+            if usable(len(ids), MIN_PROMPT_TOKENS):
+                skipped += 1
+            continue
+        if ids:
+            kept.append(ids)
+    return kept
+
+
+def corpus_documents(spec: CorpusSpec, tokenizer_name: str, seed: int, data_dir: str | None = None) -> Corpus:
+    """A decoder's declared corpus as token ids (:class:`~dtbench.core.Corpus`), held out from the suite's prompts
+    by :func:`held_out_documents` with the suite's ``seed``; cached for the process (equal key, equal documents).
+
+    Args:
+        spec: the declared corpus (:meth:`dtbench.decoders.base.Decoder.corpus_of`).
+        tokenizer_name: the tokenizer to load when the spec names none (the target's ``name_or_path``).
+        seed: the suite's seed (the order its prompts are drawn in).
+        data_dir: the run's data folder (``--data-dir``), as for the suite's datasets.
+
+    Raises:
+        DtbenchError: an unknown dataset, unreadable documents, or a tokenizer that cannot be loaded.
+    """
+    name = spec.tokenizer or tokenizer_name
+    key = json.dumps([spec.model_dump(mode="json"), name, seed, data_dir], sort_keys=True)
+    if key not in _CORPORA:
+        if not name:
+            raise DtbenchError(f"corpus {spec.name}: set the decoder's `tokenizer:` (the target names no tokenizer)")
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as exc:  # transformers raises OSError, ValueError, ... for a bad id
+            raise DtbenchError(f"corpus {spec.name}: cannot load tokenizer {name!r}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        docs = load_documents(corpus_entry(spec), data_dir)
+        held = held_out_documents(docs, tokenizer, spec.skip, seed)
+        _CORPORA[key] = Corpus(key, tuple(tuple(d) for d in held))
+    return _CORPORA[key]
+
+
+_CORPORA: dict[str, Corpus] = {}
+
+
+def corpus_entry(spec: CorpusSpec) -> DatasetSpec:
+    """The suite dataset entry a declared corpus reads (validated as the suite's ``datasets:`` entries are).
+
+    Raises:
+        DtbenchError: a key the entry refuses (e.g. a control character in the name), as one line.
+    """
+    from pydantic import ValidationError
+
+    from dtbench.harness.errors import error_location
+
+    try:
+        return DatasetSpec.model_validate(spec.dataset_entry())
+    except ValidationError as exc:
+        loc, msg = error_location(exc)
+        raise DtbenchError(f"corpus.{loc}: {msg}" if loc else f"corpus: {msg}") from None
+
+
+def check_corpus(spec: CorpusSpec, datasets: Iterable[DatasetSpec], *, files: bool = False) -> None:
+    """Refuse a declared corpus before any model loads: an unknown dataset (with ``files``, unreadable documents), or
+    one that would hold the documents of the suite's own prompts: a raw-text entry of the same dataset and source
+    whose ``skip + prompts`` exceeds the corpus's ``skip`` (those prompts come from the first ``skip + prompts``
+    usable documents of the suite seed's order, :func:`select_prompts`; the corpus leaves out its first ``skip``).
+
+    Raises:
+        DtbenchError: one line naming the dataset and the fix.
+    """
+    entry = corpus_entry(spec)
+    try:
+        check_dataset(entry, files=files)
+    except DtbenchError as exc:
+        raise DtbenchError(f"corpus: {exc}") from None
+    source = ("name", "data_dir", "path", "hub_id", "revision", "params")
+    for ds in datasets:
+        if all(getattr(ds, k) == getattr(entry, k) for k in source) and not is_chat(ds):
+            need = ds.skip + ds.prompts
+            if spec.skip < need:
+                raise DtbenchError(
+                    f"corpus: {spec.name} with skip: {spec.skip} would hold the documents of the suite's {ds.prompts} "
+                    f"{ds.name} prompts (the first {need} usable documents of the suite seed's order); set the "
+                    f"corpus's skip: {need} or more")

@@ -26,6 +26,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, rela
 
 from dtbench.harness import schema
 from dtbench.harness.engines import check_writable, reader_engine, resolve_url, writer_engine
+from dtbench.harness.safetext import printable
+
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (what the models store)."""
@@ -233,7 +235,7 @@ class Calibration(Base):
 
 
 def _stderr_note(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr, flush=True)
+    print(f"note: {printable(message)}", file=sys.stderr, flush=True)
 
 
 def connect(url: str | None = None, *, create: bool = True,

@@ -1,23 +1,16 @@
-"""The one exception type the CLI turns into a one-line error and a non-zero exit (never a traceback)."""
+"""The one exception type the CLI turns into a one-line error and a non-zero exit (never a traceback).
+
+:class:`DtbenchError` and :func:`clip` are defined in the torch-free :mod:`dtbench.core` (decoders raise it too) and
+re-exported here for the harness; :func:`error_location` reads pydantic's errors.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-MAX_ECHO = 200  # characters of a user's value echoed in an error message
+from dtbench.core import DtbenchError, clip
 
-
-class DtbenchError(Exception):
-    """A user-facing error: bad suite, missing data, unknown model or decoder, unusable database.
-
-    The message is one line that says what is wrong and, where possible, how to fix it.
-    """
-
-
-def clip(value: Any, limit: int = MAX_ECHO) -> str:
-    """``str(value)`` on one line, cut to ``limit`` characters with an ellipsis (a suite can hold huge values)."""
-    text = " ".join(str(value).split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+__all__ = ["DtbenchError", "clip", "error_location"]
 
 
 def error_location(exc: Any) -> tuple[str, str]:

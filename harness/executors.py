@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from dtbench.harness import calibrate, models
-from dtbench.harness.chat import TurnNotReady
+from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.suite import Suite
@@ -130,7 +130,7 @@ class LocalExecutor(Executor):
             done, failed = sink.state(group)
             try:
                 prompt = sink.prompt(group)
-            except TurnNotReady as exc:  # a later turn whose earlier turn's reference failed: its cells fail
+            except (TurnNotReady, PromptFailed) as exc:  # a later turn that has no prompt: its cells fail
                 sink.fail(group, str(exc), worker.info)
                 continue
             for outcome in worker.run(group_key(group), prompt, done, failed):

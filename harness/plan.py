@@ -21,6 +21,7 @@ from rich.console import Console
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, models, registry
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import printable
 from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
 
 @dataclass
@@ -178,6 +179,12 @@ def plan_suite(suite: Suite) -> Plan:
         if sampling is not None and not cls.supports_sampling:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
                                f"set `sampling: greedy` on it or remove the suite's `sampling:`")
+        corpus = cls.corpus_of(params)
+        if corpus is not None:
+            try:
+                data.check_corpus(corpus, suite.datasets)
+            except DtbenchError as exc:
+                raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
         if sampling is not None and (why := cls.sampling_error(params)):
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {why}")
         plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
@@ -250,7 +257,9 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
     text; a question file parses and its categories exist; a chat template exists (``auto`` needs the target
-    tokenizer's); L_max + T fits each model's context (a warning past a rotary model's trained context).
+    tokenizer's) and renders every prompt within its bounds; each decoder's own files pass its
+    ``check_files(params)`` classmethod where it has one (a learned head's config.json and weights' header, REST's
+    tokens file); L_max + T fits each model's context (a warning past a rotary model's trained context).
 
     Raises:
         DtbenchError: a non-text document, a bad question file or category, a missing chat template, or L_max + T
@@ -262,10 +271,31 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
             data.sample_slots(ds, suite.seed, plan.data_dir)  # question datasets: the file parses, categories exist
         except DtbenchError as exc:
             raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    for p in plan.decoders:  # a declared corpus's files (a text-files corpus is read here)
+        corpus = p.cls.corpus_of(p.params)
+        if corpus is not None:
+            try:
+                data.check_corpus(corpus, suite.datasets, files=True)
+            except DtbenchError as exc:
+                where = f"{p.spec.where}: " if p.spec.where else ""
+                raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
     if any(data.is_chat(ds) for ds in suite.datasets) and (suite.chat_template or "auto") != "none":
-        from dtbench.harness.chat import suite_template
+        from dtbench.harness import questions
 
-        suite_template(suite, models.load_tokenizer(suite.target))  # auto without a template: one line, now
+        tokenizer = models.load_tokenizer(suite.target)  # auto without a template: one line, now
+        for ds in suite.datasets:  # every prompt rendered under the template's bounds (chat.render)
+            if data.sample_slots(ds, suite.seed, plan.data_dir) is not None:
+                try:
+                    questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
+                except DtbenchError as exc:
+                    raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    for p in plan.decoders:  # a decoder's own files (a head's config and weights' header, a tokens file)
+        check = getattr(p.cls, "check_files", None)
+        if check is not None:
+            try:
+                check(p.params)
+            except (ValueError, DtbenchError) as exc:
+                raise DtbenchError(f"decoder '{p.label}': {exc}") from None
     longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
@@ -277,11 +307,11 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
         except DtbenchError as exc:
             raise DtbenchError(f"{role}: {exc}") from None
         if files:
-            console.print(f"warning: {role} '{spec.model}' sets trust_remote_code: true; loading it runs "
-                          f"{', '.join(files)}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+            console.print(f"warning: {role} '{printable(spec.model)}' sets trust_remote_code: true; loading it runs "
+                          f"{printable(', '.join(files))}", style="yellow", markup=False, highlight=False, soft_wrap=True)
         warning = models.check_context(spec, longest)
         if warning:
-            console.print(f"[yellow]warning: {warning}[/yellow]")
+            console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
 
 
 def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:

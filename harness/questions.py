@@ -23,6 +23,7 @@ decoder's answers included (:mod:`dtbench.harness.chat`), so it is resolved when
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import printable
 from dtbench.harness.suite import DatasetSpec
 
 SPEC_BENCH_COMMIT = "fd2c1cd7d2201ef71db4c5f4e455008f017967bf"
@@ -85,6 +87,7 @@ def parse_questions(text: str, where: str) -> list[Question]:
             of strings), naming ``where`` and the line number.
     """
     out: list[Question] = []
+    seen: dict[str, int] = {}  # question id -> its line
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -92,6 +95,8 @@ def parse_questions(text: str, where: str) -> list[Question]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DtbenchError(f"{where}:{n}: not a JSON object ({exc.msg})") from None
+        except RecursionError:  # json's C parser recurses once per [ or {
+            raise DtbenchError(f"{where}:{n}: nests too deeply to be a question (a JSON object of strings)") from None
         if not isinstance(row, dict):
             raise DtbenchError(f"{where}:{n}: not a JSON object")
         turns, category = row.get("turns"), row.get("category")
@@ -99,10 +104,35 @@ def parse_questions(text: str, where: str) -> list[Question]:
             raise DtbenchError(f"{where}:{n}: `turns` must be a non-empty list of strings (the user turns)")
         if not isinstance(category, str) or not category:
             raise DtbenchError(f"{where}:{n}: `category` must be a non-empty string")
-        out.append(Question(str(row.get("question_id", n)), category, tuple(turns)))
+        for i, turn in enumerate(turns, 1):
+            if not turn.strip():  # an empty prompt under chat_template: none, a question of nothing under any
+                raise DtbenchError(f"{where}:{n}: turn {i} is empty (every user turn needs text)")
+        for field, value in [("category", category), *((f"turn {i}", t) for i, t in enumerate(turns, 1))]:
+            bad = _not_utf8(value)
+            if bad:  # JSON's \ud800 escape decodes to a lone surrogate, which no tokenizer can encode
+                raise DtbenchError(f"{where}:{n}: {field} holds {bad}, which is not text (a lone UTF-16 surrogate "
+                                   f"escape)")
+        raw_id = row.get("question_id", n)
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or _not_utf8(str(raw_id)):
+            raise DtbenchError(f"{where}:{n}: `question_id` must be a string or an integer")
+        qid = str(raw_id)
+        if qid in seen:  # reports sum a question's turns by its id: two questions of one id would merge
+            raise DtbenchError(f"{where}:{n}: question_id {printable(clip(qid, 60))} is also the question_id of line "
+                               f"{seen[qid]}; question ids must be unique")
+        seen[qid] = n
+        out.append(Question(qid, category, tuple(turns)))
     if not out:
         raise DtbenchError(f"{where}: holds no questions")
     return out
+
+
+def _not_utf8(text: str) -> str | None:
+    """The first character of ``text`` that UTF-8 cannot encode (a lone surrogate) as ``\\udXXX``, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"\\u{ord(text[exc.start]):04x}"
+    return None
 
 
 def _cache_dir() -> Path:
@@ -126,6 +156,10 @@ def download(url: str | None = None, cache: Path | None = None) -> Path:
     path = cache / f"question-{SPEC_BENCH_SHA256[:16]}.jsonl"
     if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == SPEC_BENCH_SHA256:
         return path
+    try:  # a cache that cannot hold the file is found before the download, not after it
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DtbenchError(_cache_error(cache, exc)) from None
     url = url or os.environ.get(URL_ENV) or SPEC_BENCH_URL
     try:
         with urllib.request.urlopen(url, timeout=60) as response:  # noqa: S310  (https, or a mirror the user set)
@@ -137,11 +171,21 @@ def download(url: str | None = None, cache: Path | None = None) -> Path:
     if digest != SPEC_BENCH_SHA256:
         raise DtbenchError(f"spec-bench: {clip(url, 120)} has sha256 {digest[:16]}..., not the pinned file's "
                            f"{SPEC_BENCH_SHA256[:16]}... (commit {SPEC_BENCH_COMMIT[:12]}); nothing was cached")
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(raw)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(raw)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DtbenchError(_cache_error(cache, exc)) from None
     return path
+
+
+def _cache_error(cache: Path, exc: OSError) -> str:
+    why = {FileExistsError: "a file, not a folder, is in the way", NotADirectoryError: "a file, not a folder, is in "
+           "its path"}.get(type(exc), exc.strerror or type(exc).__name__)
+    return (f"spec-bench: cannot use the download cache {printable(cache)} ({why}); set DTBENCH_CACHE to a writable "
+            f"folder, or point --data-dir at a folder holding spec-bench/question.jsonl")
 
 
 def question_file(spec: DatasetSpec, data_dir: str | None = None) -> tuple[Path, dict]:
@@ -206,7 +250,13 @@ def selections(spec: DatasetSpec, questions: list[Question]) -> list[tuple[str, 
                 out.append((name, (name,)))
             else:
                 known = sorted({*(g for g, cs in GROUPS.items() if any(c in present for c in cs)), *present})
-                raise DtbenchError(f"{spec.name}: unknown category '{clip(name, 60)}' (known: {clip(', '.join(known), 300)})")
+                raise DtbenchError(f"{spec.name}: unknown category '{printable(clip(name, 60))}' "
+                                   f"(known: {printable(clip(', '.join(known), 300))})")
+        for (a, a_cats), (b, b_cats) in itertools.combinations(out, 2):
+            if set(a_cats) & set(b_cats):  # one question measured twice, counted twice in "overall"
+                raise DtbenchError(f"{spec.name}: categories name '{printable(a)}' and '{printable(b)}', which share "
+                                   f"questions; name each question's selection once (--by category breaks a group "
+                                   f"down)")
         return out
     groups = [(g, cs) for g, cs in GROUPS.items() if any(c in present for c in cs)]
     covered = {c for _, cs in groups for c in cs}
@@ -244,8 +294,8 @@ def prompts(spec: DatasetSpec, l_max: int, tokenizer, suite, data_dir: str | Non
     from dtbench.harness.chat import ChatPrompts, Renderer, suite_template
     from dtbench.harness.prompt import Prompt
 
-    _, template = suite_template(suite, tokenizer)
-    renderer = Renderer(tokenizer, template, suite.system_prompt, l_max)
+    mode, template = suite_template(suite, tokenizer)
+    renderer = Renderer(tokenizer, template, suite.system_prompt, l_max, mode)
     out, turns = [], {}
     for i, slot in enumerate(layout(spec, suite.seed, data_dir)):
         q = slot.question
@@ -253,3 +303,32 @@ def prompts(spec: DatasetSpec, l_max: int, tokenizer, suite, data_dir: str | Non
         out.append(Prompt(i, q.turns[slot.turn - 1][:500], ids, slot.group, q.category, slot.turn, q.question_id))
         turns[i] = q.turns
     return ChatPrompts(out, renderer, turns)
+
+
+PLACEHOLDER_ANSWER = "(the reference decoder's answer)"
+
+
+def check_prompts(spec: DatasetSpec, tokenizer, suite, data_dir: str | None = None) -> int:
+    """Render every prompt of the entry with the suite's chat template, under :func:`dtbench.harness.chat.render`'s
+    bounds, before any model loads (validate, and the run's preflight); a later turn with
+    :data:`PLACEHOLDER_ANSWER` for each earlier answer (the reference's answers exist only once it ran).
+
+    Returns:
+        The number of prompts rendered.
+
+    Raises:
+        DtbenchError: a bad file or category; PromptFailed: the template raised, ran too long, grew too large or
+            rendered an empty prompt (naming the question and turn).
+    """
+    from dtbench.harness.chat import PromptFailed, Renderer, suite_template
+
+    mode, template = suite_template(suite, tokenizer)
+    renderer = Renderer(tokenizer, template, suite.system_prompt, max(spec.caps), mode)
+    slots = layout(spec, suite.seed, data_dir)
+    for slot in slots:
+        q = slot.question
+        try:
+            renderer.ids(list(q.turns[: slot.turn]), [PLACEHOLDER_ANSWER] * (slot.turn - 1))
+        except PromptFailed as exc:
+            raise PromptFailed(f"{exc} (question {printable(clip(q.question_id, 60))} turn {slot.turn})") from None
+    return len(slots)

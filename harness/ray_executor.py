@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 
 from dtbench.harness import calibrate
-from dtbench.harness.chat import TurnNotReady
+from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
@@ -30,12 +30,58 @@ MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remainin
 CONNECT_TIMEOUT_S = 30.0  # default --connect-timeout: seconds to wait for a given Ray cluster
 
 
+# The energy extra's Zeus requires amdsmi, whose import raises KeyError (not ImportError) where ROCm's libamd_smi.so is
+# missing; Ray (2.60) imports amdsmi in every process at `import ray` and catches only ImportError. So a plain
+# `pip install 'dtbench[ray,energy]'` left a Ray that cannot start. dtbench hides such an amdsmi (hide_broken_amdsmi).
+AMDSMI_STANDIN = ('"""Stand-in dtbench puts first on the PYTHONPATH of the Ray processes it starts: the installed amdsmi '
+                  'cannot load here."""\nraise ImportError("amdsmi cannot load on this machine (ROCm\'s libamd_smi.so '
+                  'is missing); dtbench hides it from Ray")\n')
+
+
+def hide_broken_amdsmi() -> bool:
+    """Where amdsmi is installed but cannot be imported (no ROCm), make ``import amdsmi`` raise ImportError, which
+    Ray handles as "no AMD GPU": in this process (``sys.modules["amdsmi"] = None``) and in the Ray processes it
+    starts (a stand-in package first on ``PYTHONPATH``, in a temporary folder removed at exit). Zeus guards its own
+    amdsmi import and needs none of it for NVML or RAPL. An amdsmi that imports, or none at all, is left alone.
+
+    Returns:
+        True if a broken amdsmi was hidden.
+    """
+    import atexit
+    import contextlib
+    import io
+    import shutil
+    import sys
+    import tempfile
+
+    if "amdsmi" in sys.modules:
+        return sys.modules["amdsmi"] is None
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # amdsmi prints its missing-library message to stdout
+            import amdsmi  # noqa: F401
+    except ImportError:
+        return False
+    except Exception:  # noqa: BLE001  (KeyError 'libamd_smi.so' / 'ROCM_PATH', OSError: no ROCm)
+        for name in [m for m in sys.modules if m == "amdsmi" or m.startswith("amdsmi.")]:
+            del sys.modules[name]
+        sys.modules["amdsmi"] = None  # type: ignore[assignment]  # `import amdsmi` -> ImportError
+        folder = tempfile.mkdtemp(prefix="dtbench-amdsmi-")
+        os.makedirs(os.path.join(folder, "amdsmi"))
+        with open(os.path.join(folder, "amdsmi", "__init__.py"), "w") as f:
+            f.write(AMDSMI_STANDIN)
+        atexit.register(shutil.rmtree, folder, True)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+        return True
+    return False
+
+
 def import_ray():
-    """The ``ray`` module.
+    """The ``ray`` module (a broken amdsmi hidden first: :func:`hide_broken_amdsmi`).
 
     Raises:
         DtbenchError: one line saying how to install it.
     """
+    hide_broken_amdsmi()
     try:
         import ray
     except ImportError:
@@ -250,6 +296,9 @@ class RayExecutor(Executor):
                     if running:
                         queue.append(group)
                         break
+                    sink.fail(group, str(exc), None)
+                    continue
+                except PromptFailed as exc:  # the chat template failed on a later turn: its cells fail
                     sink.fail(group, str(exc), None)
                     continue
                 actor = idle.popleft()

@@ -23,6 +23,7 @@ from dtbench.harness import calibrate, chat, data, executors, models, questions,
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.safetext import printable
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runs import Heartbeat, check_resumable, open_run
@@ -100,9 +101,10 @@ def run_suite(
     plan = plan_suite(suite)
     plan.data_dir = data_dir
     for label in plan.skipped:
-        console.print(f"[yellow]note: optional decoder '{label}' is not installed; skipped[/yellow]")
+        console.print(f"note: optional decoder '{printable(label)}' is not installed; skipped", style="yellow",
+                      markup=False, highlight=False)
     for line in registry.scan().warnings("decoder"):
-        console.print(f"[yellow]warning: {line}[/yellow]")
+        console.print(f"warning: {printable(line)}", style="yellow", markup=False, highlight=False)
     preflight(suite, plan, console)
     if resume is not None:  # a live or wrong run is refused now, not after the models loaded
         with sessions() as session:
@@ -128,7 +130,7 @@ def run_suite(
                 prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
         for warning in info.warnings:
-            console.print(f"[yellow]warning: {warning}[/yellow]")
+            console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
 
         env = dict(info.environment)
         env["executor"] = executor.describe()
@@ -247,7 +249,8 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
                     cell.status = "done" if status == "completed" else "pending"
             session.commit()
     except Exception as exc:  # the database itself is failing: the run stays 'running' with a stale heartbeat
-        console.print(f"[red]could not record run {run_id} as {status}: {type(exc).__name__}: {clip(exc)}[/red]")
+        console.print(f"could not record run {run_id} as {status}: {type(exc).__name__}: {printable(clip(exc))}",
+                      style="red", markup=False, highlight=False)
 
 
 def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None

@@ -7,8 +7,10 @@ check, or a decoder's error text, can still hold them, so every renderer also es
 * :func:`printable`: control characters (C0, DEL, C1, and the bidirectional overrides of "Trojan Source",
   CVE-2021-42574) shown as ``\\x1b``-style escapes, so ESC ``[31m`` or ESC ``]0;title`` BEL cannot restyle the
   terminal or retitle its window;
-* :func:`markdown_cell`: :func:`printable`, a line break as ``<br>`` and ``|`` escaped, so a cell stays one cell of
-  one row;
+* :func:`markdown_cell`: :func:`printable`, HTML's ``&``, ``<`` and ``>`` as entities (Markdown viewers render
+  raw HTML, so a label ``<script>`` or ``<img onerror=...>`` would run there), a line break as ``<br>`` and ``|``
+  escaped, so a cell stays one cell of one row;
+* :func:`html_text`: :func:`printable`, then :func:`html.escape` (a NUL or ESC never reaches an HTML page raw);
 * :func:`csv_cell` / :func:`to_csv`: OWASP's rule against CSV (formula) injection
   (https://owasp.org/www-community/attacks/CSV_Injection): a text cell starting with ``=``, ``+``, ``-``, ``@``, a
   tab or a carriage return gets a leading ``'`` so spreadsheets show it as text and never evaluate it. Numbers
@@ -17,6 +19,7 @@ check, or a decoder's error text, can still hold them, so every renderer also es
 
 from __future__ import annotations
 
+import html
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,10 +48,17 @@ def printable(text: Any) -> str:
     return _CONTROL.sub(_escape, str(text))
 
 
+def html_text(text: Any) -> str:
+    """``str(text)`` for an HTML page: control characters as escapes (:func:`printable`), then ``&<>"'`` as
+    entities (:func:`html.escape`)."""
+    return html.escape(printable(text))
+
+
 def markdown_cell(text: Any) -> str:
-    """One Markdown table cell: line breaks as ``<br>``, other control characters escaped, ``|`` as ``\\|``."""
-    s = re.sub(r"\r\n|\r|\n", "<br>", "" if text is None else str(text))
-    return printable(s).replace("|", "\\|")
+    """One Markdown table cell: HTML escaped (``<`` as ``&lt;``: Markdown viewers render raw HTML), line breaks as
+    ``<br>``, other control characters escaped, ``|`` as ``\\|``."""
+    lines = re.split(r"\r\n|\r|\n", "" if text is None else str(text))
+    return "<br>".join(html.escape(printable(line), quote=False) for line in lines).replace("|", "\\|")
 
 
 def csv_cell(value: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from dtbench.decoders.base import StrictBools
+from dtbench.core import StrictBools
 from dtbench.harness.bounds import MAX_SECONDS, Seconds, Seed
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.safetext import control_character
@@ -124,10 +124,10 @@ class DatasetSpec(_HasLMax):
         "instead of the dataset's default (its class attribute ``hub``; wikitext-2: Salesforce/wikitext, pg19: "
         "emozilla/pg19)")
     revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
-    categories: list[Annotated[str, Field(min_length=1, max_length=100)]] | None = Field(
+    categories: list[Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_no_control)]] | None = Field(
         None, min_length=1, description="question datasets (spec-bench): Spec-Bench groups (mt_bench, translation, "
         "summarization, qa, math_reasoning, rag) and/or raw categories to run, N prompts and W warmup each "
-        "(default: the six groups)")
+        "(default: the six groups); each named once")
     params: dict[str, Any] = Field(
         default_factory=dict, description="the dataset's own keys, validated by its Params model (e.g. jsonl-text's "
         "text_field)")
@@ -146,6 +146,15 @@ class DatasetSpec(_HasLMax):
             raise ValueError(f"{L_MAX} must be at most {MAX_TOKENS} tokens")
         if len(set(caps)) != len(caps):
             raise ValueError(f"{L_MAX} lists a value twice: {clip(caps)}")
+        return v
+
+    @field_validator("categories")
+    @classmethod
+    def _categories_once(cls, v):
+        if v is not None:
+            twice = sorted({c for c in v if v.count(c) > 1})
+            if twice:  # two selections of one name would merge their questions in every report
+                raise ValueError(f"categories lists {clip(', '.join(twice), 100)} twice; name each once")
         return v
 
     @model_validator(mode="after")

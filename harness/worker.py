@@ -77,8 +77,21 @@ class Outcome:
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
 
 
+def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None = None):
+    """The decoder of ``cp`` bound to the loaded models (torch seeded with the suite's seed first), its declared
+    corpus (:meth:`Decoder.corpus_of`), held out from the suite's prompts with the suite's seed, handed to it."""
+    torch.manual_seed(suite.seed)
+    decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+    corpus = cp.cls.corpus_of(cp.params)
+    if corpus is not None:
+        tokenizer = getattr(target.model.config, "name_or_path", "") or ""
+        decoder.use_corpus(data.corpus_documents(corpus, tokenizer, suite.seed, data_dir))
+    return decoder
+
+
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
-                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False) -> Outcome:
+                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False,
+                data_dir: str | None = None) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
@@ -91,6 +104,9 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
             output is checked as a distribution, by the tests, never against one draw).
         stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
+        data_dir: the run's data folder, where a corpus the decoder declares (:meth:`Decoder.corpus_of`) is read:
+            its documents, held out from the suite's prompts with the suite's seed, are handed to the decoder
+            (:meth:`Decoder.use_corpus`) before timing starts.
     """
     if cp.reference_label and ref is None:
         return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
@@ -98,8 +114,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref[1] if ref else None,
                                      ref[2] if ref and len(ref) > 2 else None)
     try:
-        torch.manual_seed(suite.seed)
-        decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+        decoder = make_decoder(cp, target, draft, suite, data_dir)
         if cp.sampling is not None:
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
         if stop_at_eos:
@@ -122,7 +137,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
 
 
 def measure_group(cp: CellPlan, prompts: list, group: PromptGroup, ref: tuple | None, target, draft, device,
-                  suite: Suite, stop_at_eos: bool = False) -> Outcome:
+                  suite: Suite, stop_at_eos: bool = False, data_dir: str | None = None) -> Outcome:
     """Measure one decoder on a prompt group at batch size B > 1 (its prompts decoded together); never raises for
     what the decoder does wrong (as :func:`measure_one`).
 
@@ -141,8 +156,7 @@ def measure_group(cp: CellPlan, prompts: list, group: PromptGroup, ref: tuple | 
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref[1] if ref else None, ref[2] if ref else None)
     where = f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
     try:
-        torch.manual_seed(suite.seed)
-        decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+        decoder = make_decoder(cp, target, draft, suite, data_dir)
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
         ms = measure_batch(decoder, [p.token_ids for p in prompts], group.gen_length, device, timeout_s=timeout,
@@ -184,7 +198,8 @@ def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any,
 
 
 def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
-              done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
+              done: dict[str, tuple[list[int], float]], skip: set[str],
+              data_dir: str | None = None) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
     Args:
@@ -201,7 +216,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
             if cp.label in outputs or cp.label in skip:
                 continue
             ref = outputs.get(cp.reference_label) if cp.reference_label else None
-            outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop)
+            outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
             if outcome.rows is not None:
                 outputs[cp.label] = ([r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"],
                                      outcome.cpu_s)
@@ -215,7 +230,7 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
         outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
-                              stop)
+                              stop, data_dir)
         if outcome.row is not None:
             outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
         yield outcome
@@ -332,7 +347,8 @@ class Worker:
         group = self.groups.get(key)
         if group is None:
             raise DtbenchError(f"this worker's plan has no prompt group {key}")
-        yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip)
+        yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip,
+                             self.plan.data_dir)
 
     def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
                   console: Console | None = None) -> calibrate.Measured:

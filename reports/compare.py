@@ -116,7 +116,7 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
 
     Returns:
         One row per non-AR cell: dataset, l_max, gen_length, label, decoder, status, partial (the cell failed
-        after some prompts), n (prompts after warmup measured by both the decoder and AR), throughput_mean and
+        after some prompts), not_lossless (declared lossless, and a sample failed the lossless check), n (prompts after warmup measured by both the decoder and AR), throughput_mean and
         ar_throughput_mean (tokens/s, every prompt after warmup), speedup (ratio of those means, Table 1's
         definition), paired_speedup (geometric mean of the n per-prompt ratios), ci_low, ci_high and ci_method
         (:func:`paired_ratio_ci`) and verdict: ``faster`` (the CI lies above 1), ``slower`` (below 1), ``not
@@ -138,9 +138,11 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
             mine_cells = cells[cells["label"] == label]
             first = mine_cells.iloc[0]
             partial = first["status"] == "failed" and bool(mine_cells["has_sample"].any())
+            # a cell declared lossless with a sample that failed the check (render.NOT_LOSSLESS_MARK)
+            not_lossless = bool(first["lossless_expected"]) and bool((mine_cells["lossless"] == False).any())  # noqa: E712
             mine = group[group["label"] == label].set_index("prompt_index")["throughput"]
             row = dict(zip(GROUP, key), label=label, decoder=first["decoder"], status=first["status"], partial=partial,
-                       n=0, throughput_mean=mine.mean() if len(mine) else math.nan, ar_throughput_mean=math.nan,
+                       not_lossless=not_lossless, n=0, throughput_mean=mine.mean() if len(mine) else math.nan, ar_throughput_mean=math.nan,
                        speedup=math.nan, paired_speedup=math.nan, ci_low=math.nan, ci_high=math.nan, ci_method="")
             if first["status"] == "failed" and not partial:
                 row["verdict"] = "failed"
@@ -161,7 +163,8 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
                     row["verdict"] += " (partial)"
             rows.append(row)
     # batch_size last: the columns before it are those of the tables before batch sizes existed
-    return pd.DataFrame(rows, columns=[*GROUP[:3], "label", "decoder", "status", "partial", "n", "throughput_mean",
+    return pd.DataFrame(rows, columns=[*GROUP[:3], "label", "decoder", "status", "partial", "not_lossless", "n",
+                                       "throughput_mean",
                                        "ar_throughput_mean", "speedup", "paired_speedup", "ci_low", "ci_high",
                                        "ci_method", "verdict", "batch_size"])
 

@@ -25,7 +25,7 @@ curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-ste
   of cells that ran each K (``suites/linear-k.yaml``). The cell's own K is the most it drafted in one iteration.
 - tree-family decoders: the predicted best node budget N_max = the largest calibrated tree whose verification (root +
   n nodes, one target forward with the tree mask) costs at most 2x one AR token on the cache at mid-generation
-  (:func:`dtbench.harness.calibrate.auto_budget`, the budget ``n_max: auto`` would choose; a forward-cost-only
+  (:func:`dtbench.harness.curves.auto_budget`, the budget ``n_max: auto`` would choose; a forward-cost-only
   prediction, to compare with measured sweeps over ``n_max``).
 """
 
@@ -39,6 +39,7 @@ from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.output import Document, Report, emit
+from dtbench.reports.render import NOT_LOSSLESS_MARK
 from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing, show
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
@@ -154,21 +155,17 @@ def budget_speedups(curves, states: list[dict], head_s: float, past: int) -> dic
 # --- the per-cell table --------------------------------------------------------------------------------------------
 
 
-def _uses_draft_model(name: str) -> bool:
-    """Whether decoder ``name`` runs the suite's draft model (True when it is not installed here)."""
-    from dtbench.harness import registry
-
-    try:
-        return bool(registry.get(name).needs_draft)
-    except DtbenchError:  # a plugin the reading machine lacks: price as before
-        return True
+def uses_draft_model(cell) -> bool:
+    """Whether a cell ran the suite's draft model: the runner records ``cells.draft_model`` only for decoders that
+    need one (a learned head's forwards are not the draft model's), so the database alone says it."""
+    return cell.draft_model is not None
 
 
 def cost_table(session, run, curves) -> pd.DataFrame:
     """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
     predicted share of target and draft forwards, for chain-family cells the predicted best K and for tree-family
     cells the predicted best N_max (module docstring)."""
-    from dtbench.harness.calibrate import DEFAULT_FACTOR, auto_budget
+    from dtbench.harness.curves import DEFAULT_FACTOR, auto_budget
     from dtbench.harness.db import Cell, Sample
 
     rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
@@ -183,7 +180,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         cell, samples = c["cell"], c["samples"]
         if not samples or (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
             continue
-        priced = [price_sample(curves, s.step_stats or {}, _uses_draft_model(cell.decoder)) for s in samples]
+        priced = [price_sample(curves, s.step_stats or {}, uses_draft_model(cell)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]
@@ -204,6 +201,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             "predicted_throughput": sum(s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced)
                                         if p["predicted_s"] > 0) / len(samples),
             "approx": any(p["approx"] for p in priced),
+            # declared lossless, and a sample failed the lossless check: its speedup marked, no best config named
+            "not_lossless": bool(cell.lossless_expected) and any(s.lossless is False for s in samples),
             "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
             "acceptance_by_position": None, "predicted_best_n_max": None, "predicted_best_total_token": None,
             "predicted_best_total_token_speedup": None,
@@ -287,8 +286,8 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": show(r["efficiency"], ".2f"),
         "In fwd": show(r["forward_share"], ".0%"), "Fwd speed": show(r["forward_speed"], ".2f"),
         "Measured t/s": show(r["measured_throughput"], ".1f"), "Predicted t/s": show(r["predicted_throughput"], ".1f"),
-        "Speedup meas.": show(r["measured_speedup"], ".2f", "×"), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
-        "Best config (pred.)": best_config(r),
+        "Speedup meas.": show(r["measured_speedup"], ".2f", "×") + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+        "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
     } for _, r in table.iterrows()])
     # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
     # per-position acceptance as ';'-joined shares and the sampling settings as JSON text

@@ -38,6 +38,7 @@ from matplotlib.ticker import NullFormatter
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.paper import Setting, ablation, main_setting, methods, prepare, tps_spec
 from dtbench.reports.stats import BASELINE
+from dtbench.reports.summary import lossless_failed
 
 # The params a figure's axes need (the paper's names for them: DynaTree's thresholds and bounds, the fixed tree's D/B/tau).
 DYNAMIC_TREE_PARAMS = ("tau_h", "tau_l", "b_min", "b_max", "d0", "d_max")
@@ -335,6 +336,8 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     """Figure 7: fixed-tree sweep — speedup vs depth D per branching B (at the best tau), vs tau per D (at the
     best B), and a D x B heatmap at the best tau. Throughput replaces speedup when the run has no AR cell."""
     ds, cells = _decoder_cells(summary, setting, STATIC_TREE_PARAMS)
+    if ds is not None and len(cells):  # a configuration that failed its lossless check is no configuration to pick
+        cells = cells[~cells.apply(lossless_failed, axis=1).astype(bool)]
     if ds is None or len(cells) < 2:
         return "Figure 7 skipped: fewer than two fixed-tree configurations at the main T"
     grid = pd.DataFrame({"D": _param(cells, "depth"), "B": _param(cells, "branching"), "tau": _param(cells, "tau"),

@@ -6,12 +6,12 @@ with ``--format html``."""
 from __future__ import annotations
 
 import base64
-import html
 from pathlib import Path
 
 import pandas as pd
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.safetext import html_text
 from dtbench.reports import render
 from dtbench.reports.compare import SPEEDUP_CI_METHOD
 from dtbench.reports.figures import build_figures, to_bytes
@@ -43,7 +43,7 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
         confidence: the level those intervals were computed at (for the column heading).
         include_partial: show partial cells' numbers in the paper tables and figures (always in "Every cell").
     """
-    e = html.escape
+    e = html_text
     ids = ", ".join(str(r.id) for r in runs)
     intro = ("Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
              "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "

@@ -9,7 +9,8 @@ Every report, the run's cell table included, is printed by :func:`emit`; ``--out
 what the same renderers return.
 
 Every path escapes through :mod:`dtbench.harness.safetext`: markdown via ``markdown_cell``, the terminal via
-``printable`` (:func:`plain`), CSV via ``to_csv`` (formula-injection guard), HTML via :func:`html.escape`.
+``printable`` (:func:`plain`), CSV via ``to_csv`` (formula-injection guard), HTML via ``html_text`` (control
+characters made visible, then :func:`html.escape`).
 
 Adding a format: one function here decorated with ``@renderer("name")``, taking a :class:`Document` and returning
 its text (``table`` returns a callable drawing on a rich Console). The CLI's choices, ``--help`` and every report
@@ -18,7 +19,6 @@ pick it up.
 
 from __future__ import annotations
 
-import html as html_lib
 import json
 import re
 import sys
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.safetext import markdown_cell, printable, to_csv
+from dtbench.harness.safetext import html_text, markdown_cell, printable, to_csv
 
 if TYPE_CHECKING:  # pandas and rich load when a report is rendered, not when the CLI starts
     import pandas as pd
@@ -291,7 +291,7 @@ def _css_class(style: str | None) -> str:
 def html_table(report: Report) -> str:
     """A report's display frame as an HTML table: every value escaped, text columns classed ``l`` (left-aligned),
     rows classed by their style."""
-    e = html_lib.escape
+    e = html_text
     cols = list(report.display.columns)
     cells = [_class_attr("l" if _left(report, c) else "") for c in cols]
     out = ["<table>", "<thead><tr>" + "".join(f"<th{a}>{e(str(c))}</th>" for a, c in zip(cells, cols))
@@ -313,7 +313,7 @@ def _html_value(v) -> str:
 
 def html_section(report: Report, level: int = 3) -> str:
     """One report as HTML: its title as a heading, the table, the caption, the notes (styled where they are)."""
-    e = html_lib.escape
+    e = html_text
     parts = [f"<h{level}>{e(report.title)}</h{level}>"] if report.title else []
     parts.append(html_table(report))
     if report.caption:
@@ -324,12 +324,12 @@ def html_section(report: Report, level: int = 3) -> str:
 
 def html_note(note: str) -> str:
     """A note as an HTML paragraph (its style as classes)."""
-    return f"<p class='{' '.join(['note', *_css_class(style_of(note)).split()])}'>{html_lib.escape(note)}</p>"
+    return f"<p class='{' '.join(['note', *_css_class(style_of(note)).split()])}'>{html_text(note)}</p>"
 
 
 def html_page(title: str, body: Sequence[str], intro: str = "") -> str:
     """A self-contained HTML document (inline CSS, no scripts or external files) around the ``body`` fragments."""
-    e = html_lib.escape
+    e = html_text
     return "\n".join([
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>",
         f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
@@ -341,7 +341,7 @@ def html_page(title: str, body: Sequence[str], intro: str = "") -> str:
 @renderer("html")
 def _html(doc: Document) -> str:
     """One self-contained HTML page: the header, then every report (``dtbench report --format html > run.html``)."""
-    header = [f"<p class='caption'>{html_lib.escape(line)}</p>" for line in doc.header.split("\n") if line]
+    header = [f"<p class='caption'>{html_text(line)}</p>" for line in doc.header.split("\n") if line]
     title = doc.title or (doc.reports[0].title if doc.reports else "dtbench report")
     return html_page(f"dtbench — {title}", [*header, *(html_section(r) for r in doc.reports)])
 

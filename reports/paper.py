@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from dtbench.reports.output import Report
-from dtbench.reports.render import fmt, fmt_pm, lossless_notes, mixed_devices_note
+from dtbench.reports.render import fmt, fmt_pm, lossless_notes, mixed_devices_note, speedup_mark
 from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import base_label, without_partial
 
@@ -274,11 +274,16 @@ def _memory_totals(m: Method, ms: list[Method]) -> tuple[dict, dict]:
             {"average_mib": a, "rel_change_pct": rel})
 
 
+def _failed_mark(c) -> str:
+    """A shown speedup's not-lossless mark (the partial mark is the tables' own, on every number)."""
+    return speedup_mark({**dict(c), "partial": False}) if not pd.isna(c["speedup"]) else ""
+
+
 #: Table 1: throughput (tokens/s, mean ± std over prompts after warmup) and speedup vs AR per dataset.
 TABLE1 = MethodTableSpec(
     "table1_main", "Table 1 — Main results",
     (Column("Throughput (t/s)", lambda c: fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"]))),
-     Column("Speedup", lambda c: fmt(c["speedup"], ".2f", "×"))),
+     Column("Speedup", lambda c: fmt(c["speedup"], ".2f", "×") + _failed_mark(c))),
     ("throughput_mean", "throughput_std", "speedup", "label", "n"),
     lambda setting, rows: f"{setting.describe()}. Throughput in tokens/s, {_protocol(rows)}; speedup = mean throughput / "
                           "mean AR throughput of the same dataset, L_max and T.")
@@ -328,7 +333,7 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
         delta = 100 * (c["throughput_mean"] - first) / first if first else math.nan
         disp.append({"Variant": _display_name(c["label"], {dataset: c}),
                      "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"])),
-                     "Speedup": fmt(c["speedup"], ".2f", "×"), f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%")})
+                     "Speedup": fmt(c["speedup"], ".2f", "×") + _failed_mark(c), f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%")})
         data.append({"variant": c["label"], "decoder": c["decoder"], "params": c["params"], "partial": bool(c.get("partial", False)),
                      "throughput_mean": c["throughput_mean"], "throughput_std": c["throughput_std"],
                      "speedup": c["speedup"], "delta_pct": delta, "tokens_per_iteration": c["tokens_per_iteration"],

@@ -10,7 +10,7 @@ from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report
 from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, is_missing, show
-from dtbench.reports.summary import SAMPLED
+from dtbench.reports.summary import SAMPLED, lossless_failed
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
@@ -47,6 +47,18 @@ PARTIAL_MARK = " (partial)"
 def partial_mark(row) -> str:
     """:data:`PARTIAL_MARK` for a partial summary row, else ""."""
     return PARTIAL_MARK if bool(row.get("partial", False)) else ""
+
+
+# Appended to the speedup of a cell declared lossless that failed its lossless check, wherever a speedup is shown: a
+# decoder that emits other tokens than the target's can be arbitrarily fast, so its speedup is no speculative
+# decoding speedup (the tuning line and the figures' best configuration leave such cells out).
+NOT_LOSSLESS_MARK = " (not lossless)"
+
+
+def speedup_mark(row) -> str:
+    """The marks owed to a speedup: :data:`PARTIAL_MARK` and :data:`NOT_LOSSLESS_MARK` where they apply."""
+    failed = bool(row.get("not_lossless", False)) or lossless_failed(row)
+    return partial_mark(row) + (NOT_LOSSLESS_MARK if failed else "")
 
 
 def mixed_devices_note(row, where: str = "") -> list[str]:
@@ -115,15 +127,18 @@ def lossless_detail(row) -> str:
 
 def lossless_notes(row, where: str = "") -> list[str]:
     """The note owed to a cell whose checked samples had numeric ties: how many, the largest tie margin, the target
-    dtype, and (tie-aware rule) that ties do not fail the run."""
+    dtype, and what the rule makes of them (tie-aware: ties pass; exact: only an output that differs from the
+    reference's fails, so "yes 2/2 (1 tie)" is consistent: the tie did not change the output)."""
     ties = row.get("lossless_ties")
     if _missing(ties) or not ties:
         return []
     dtype = f" (target {row['target_dtype']})" if row.get("target_dtype") else ""
     margin = row.get("lossless_max_tie_margin")
     largest = "" if _missing(margin) else f", largest tie margin {margin:.3g} logits"
+    # The exact rule's verdict is "the output equals the reference's": a tie fails it only where the tie changed the
+    # output (the Lossless column's count says how many samples), not by being found.
     rule = ("ties pass the tie-aware check" if row.get("lossless_rule") == "tie_aware"
-            else "the exact rule counts them as divergences")
+            else "the exact rule fails a sample only where its output differs from the reference's")
     return [f"{row['label']}{where}: {_plural(int(ties), 'numeric tie')} in {int(row['lossless_tie_samples'])} of "
             f"{int(row['lossless_checked_n'])} samples{dtype}{largest}: the target's top logits there are within "
             f"the noise between the incremental and the verification computation; {rule}"]
@@ -144,7 +159,8 @@ def formatted(row: pd.Series) -> dict[str, str]:
         value = m.format(row[f"{m.name}_mean"], row[f"{m.name}_std"]) if m.spread else m.format(row[m.name])
         if m is SPEEDUP and value != "—":
             value += "×"
-        out[m.name] = value + (mark if m in (METRICS[0], SPEEDUP) else "")
+        out[m.name] = value + (speedup_mark(row) if m is SPEEDUP and value != "—" else mark if m is METRICS[0]
+                               else "")
     return out
 
 
@@ -216,7 +232,7 @@ def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFra
         "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]),
         "B": str(int(r.get("batch_size", 1) or 1)), "Decoder": r["label"],
         "n": str(r["n"]), "Throughput (t/s)": fmt(r["throughput_mean"], ".1f") + partial_mark(r),
-        "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"), "Speedup": fmt(r["speedup"], ".3f", "×") + partial_mark(r),
+        "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"), "Speedup": fmt(r["speedup"], ".3f", "×") + speedup_mark(r),
         "Per-prompt (geo. mean)": fmt(r["paired_speedup"], ".3f", "×"), ci: interval(r), "Verdict": r["verdict"],
     } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "B", "Decoder", "n", "Throughput (t/s)",
                                               "AR (t/s)", "Speedup", "Per-prompt (geo. mean)", ci, "Verdict"])

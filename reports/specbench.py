@@ -30,6 +30,7 @@ from dtbench.harness.db import Cell, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE
 from dtbench.harness.questions import GROUPS
+from dtbench.reports.render import NOT_LOSSLESS_MARK
 
 BY_COLUMNS = {"group": "task_group", "category": "category"}
 GROUP_TITLES = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization", "qa": "QA",
@@ -72,7 +73,8 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
         select(Cell.dataset, Cell.l_max, Cell.gen_length, Cell.label, Cell.decoder, Cell.status, Cell.sampling,
                Sample.prompt_index,
                Sample.warmup, Sample.new_tokens, Sample.total_s, Sample.step_tokens, Sample.step_stats,
-               Sample.task_group, Sample.category, Sample.turn, Sample.question_id)
+               Sample.task_group, Sample.category, Sample.turn, Sample.question_id, Sample.lossless,
+               Cell.lossless_expected)
         .join(Sample, Sample.cell_id == Cell.id)
         .where(Cell.run_id == run_id, Sample.task_group.is_not(None))
         .order_by(Cell.id, Sample.prompt_index)).all()
@@ -84,6 +86,7 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
         records.append({**{k: getattr(r, k) for k in ("dataset", "l_max", "gen_length", "label", "decoder", "status",
                                                         "prompt_index", "warmup", "new_tokens", "total_s",
                                                         "task_group", "category", "turn", "question_id")},
+                        "not_lossless": bool(r.lossless_expected) and r.lossless is False,
                         "step_tokens": list(r.step_tokens or []), "drafted": list(stats.get("drafted") or []),
                         "accepted": list(stats.get("accepted") or [])})
     return pd.DataFrame.from_records(records)
@@ -130,7 +133,7 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
 
     Columns: dataset, l_max, gen_length, label, one speedup column per task group present (Spec-Bench's order, then
     any raw category), ``mat`` (#MAT), ``overall``, ``questions`` (after warmup), ``partial`` (the cell failed after
-    some samples), and vLLM's ``acceptance_rate``, ``mean_acceptance_length``, ``per_position`` (a list).
+    some samples), ``not_lossless`` (declared lossless, and a sample failed the lossless check), and vLLM's ``acceptance_rate``, ``mean_acceptance_length``, ``per_position`` (a list).
 
     Raises:
         DtbenchError: no greedy question-dataset samples, or no reference (ar) samples to divide by.
@@ -143,6 +146,10 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     present = list(dict.fromkeys(basis["task_group"]))
     groups = [g for g in GROUPS if g in present] + [g for g in present if g not in GROUPS]
     rows = []
+    # cells declared lossless with a sample (warmup included) that failed the lossless check: marked where shown
+    lossy = set() if "not_lossless" not in samples else {
+        tuple(k) for k in samples.loc[samples["not_lossless"].astype(bool), ["dataset", "l_max", "gen_length", "label"]]
+        .itertuples(index=False)}
     for point, at in basis.groupby(["dataset", "l_max", "gen_length"], sort=False):
         ref = at[at["decoder"] == BASELINE]
         if ref.empty:
@@ -151,7 +158,8 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
         for label, mine in at.groupby("label", sort=False):
             speeds = _question_speeds(mine)
             row = {"dataset": point[0], "l_max": point[1], "gen_length": point[2], "label": label,
-                   "questions": len(speeds), "partial": bool((mine["status"] == "failed").any())}
+                   "questions": len(speeds), "partial": bool((mine["status"] == "failed").any()),
+                   "not_lossless": (*point, label) in lossy}
             for g in groups:
                 mean, base = speeds.xs(g, level=0).mean() if g in speeds.index.get_level_values(0) else math.nan, \
                     ref_speed.xs(g, level=0).mean() if g in ref_speed.index.get_level_values(0) else math.nan
@@ -165,10 +173,12 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
 
 def display(board: pd.DataFrame) -> pd.DataFrame:
     """The leaderboard as strings: speedups ``1.23x``, #MAT ``2.41``, rates in %, the first POSITIONS positions."""
-    fixed = {"dataset", "l_max", "gen_length", "label", "questions", "partial", "mat", "overall", "acceptance_rate",
-             "mean_acceptance_length", "per_position", "drafting_steps"}
+    fixed = {"dataset", "l_max", "gen_length", "label", "questions", "partial", "not_lossless", "mat", "overall",
+             "acceptance_rate", "mean_acceptance_length", "per_position", "drafting_steps"}
     groups = [c for c in board.columns if c not in fixed]
-    out = pd.DataFrame({"Method": [f"{r.label}{' (partial)' if r.partial else ''}" for r in board.itertuples()]})
+    lossy = board["not_lossless"] if "not_lossless" in board else [False] * len(board)
+    out = pd.DataFrame({"Method": [f"{r.label}{' (partial)' if r.partial else ''}{NOT_LOSSLESS_MARK if bad else ''}"
+                                   for r, bad in zip(board.itertuples(), lossy)]})
     for g in groups:
         out[GROUP_TITLES.get(g, g)] = [_x(v) for v in board[g]]
     out["#MAT"] = [_f(v, ".2f") for v in board["mat"]]

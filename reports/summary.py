@@ -193,6 +193,13 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def lossless_failed(row) -> bool:
+    """Whether a summary row is a cell declared lossless whose lossless check failed (``lossless == "no"``): its
+    speedup is not a speculative decoder's (it emitted other tokens than the target would), so every report marks
+    it (:data:`dtbench.reports.render.NOT_LOSSLESS_MARK`) and none ranks it or names it a best configuration."""
+    return bool(row.get("lossless_expected", False)) and row.get("lossless") == "no"
+
+
 def without_partial(summary: pd.DataFrame) -> pd.DataFrame:
     """A copy of a summary in which partial cells carry no numbers (METRIC_COLUMNS set to NaN), and neither do the
     speedups measured against a partial AR cell; the affected rows get ``partial_hidden = True``.

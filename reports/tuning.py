@@ -17,12 +17,15 @@ import math
 import pandas as pd
 
 from dtbench.reports.stats import BASELINE, pairing_key
-from dtbench.reports.summary import get_run, samples_frame, summarize
+from dtbench.reports.summary import get_run, lossless_failed, samples_frame, summarize
 
 
 def default_params(decoder: str) -> dict:
     """The decoder's params with every default (``Params()``), or {} when it is not installed or has required
-    params (then every stored param counts as changed)."""
+    params (then every stored param counts as changed).
+
+    The one place a report reads the plugin registry (reports otherwise read the database only): the defaults of an
+    installed decoder are not stored with a run, and the Tuning line names the params a best setting changed."""
     from dtbench.harness import registry
     from dtbench.harness.errors import DtbenchError
 
@@ -50,7 +53,8 @@ def best_setting(summary: pd.DataFrame) -> dict | None:
     """
     if summary.empty:
         return None
-    measured = summary[(summary["decoder"] != BASELINE) & summary["speedup"].notna() & (summary["n"] > 0)]
+    lossy = summary.apply(lossless_failed, axis=1).astype(bool)  # never ranked, never the best setting
+    measured = summary[(summary["decoder"] != BASELINE) & summary["speedup"].notna() & (summary["n"] > 0) & ~lossy]
     if measured.empty:
         return None
     keys = [(d, *k) for d, k in zip(measured["decoder"], pairing_key(measured))]

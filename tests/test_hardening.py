@@ -581,7 +581,13 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
         (timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop")))
     from types import SimpleNamespace
 
-    cp = SimpleNamespace(reference_label="ar", label="x", cls=lambda *a: SimpleNamespace(), params=None, sampling=None)
+    class Fake:  # a decoder class: constructed, no corpus declared
+        def __init__(self, *args):
+            pass
+
+        corpus_of = staticmethod(lambda params: None)
+
+    cp = SimpleNamespace(reference_label="ar", label="x", cls=Fake, params=None, sampling=None)
     suite = SimpleNamespace(timeout_s="auto", seed=0)
     prompt = SimpleNamespace(index=0, token_ids=(1, 2))
     target = SimpleNamespace(model=None)
@@ -595,3 +601,458 @@ def test_chat_template_file_of_a_device():
 
     with pytest.raises(DtbenchError, match="not a regular file"):
         chat.template_text("/dev/zero", None, "m")
+
+
+# --- issue 33, item 4: a REST corpus never holds a prompt's own document, whatever the seeds ----------------------
+
+
+def _text_corpus(folder):
+    """Twelve distinct documents of about 60 words each, one per file (a text-files corpus)."""
+    import random as _random
+
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "cloud", "north", "quiet", "amber", "field"]
+    folder.mkdir()
+    for i in range(12):
+        rng = _random.Random(i)
+        (folder / f"doc{i:02d}.txt").write_text(f"Document {i}. " + " ".join(rng.choice(words) for _ in range(60)))
+    return folder
+
+
+@pytest.mark.parametrize("seed", [0, 3, 5])
+def test_rest_datastore_never_holds_a_prompt_document(tmp_path, monkeypatch, seed):
+    """Issue 33 item 4: suite ``seed: 3``, 2 prompts, ``rest`` with ``corpus: {skip: 2}``: the datastore held both
+    prompts verbatim (rest held its corpus out with its own ``seed`` param, 0 unless set by hand). The harness now
+    injects the corpus, held out with the suite's seed: no prompt document reaches the datastore, whatever the seed."""
+    import sqlite3
+
+    from transformers import AutoTokenizer
+
+    from dtbench.decoders import datastore
+    from kit import suite_dict, tiny_pair
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    target, draft = tiny_pair(tmp_path / "models")
+    built: list[list[int]] = []
+    real = datastore.Datastore.from_documents.__func__
+    monkeypatch.setattr(datastore.Datastore, "from_documents",
+                        classmethod(lambda cls, docs: built.extend(map(list, docs)) or real(cls, docs)))
+    monkeypatch.setattr(datastore, "_STORES", {})
+    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "rest", "params": {
+        "corpus": {"name": "text-files", "path": str(corpus), "skip": 2}}}], seed=seed)
+    suite["datasets"] = [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 0, "L_max": 16}]
+    suite["generation_lengths"] = [4]
+    db = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(db), "--no-progress")
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(db) as c:
+        used = {row[0] for row in c.execute("select distinct document from samples")}
+    assert len(used) == 2 and built  # two prompt documents; the datastore was built
+    tok = AutoTokenizer.from_pretrained(str(target))
+    in_store = {tuple(d) for d in built}
+    for path in used:
+        assert tuple(tok.encode(open(path).read())) not in in_store, f"prompt document {path} is in the datastore"
+    assert len(in_store) >= 12 - 2 - 2  # the rest of the corpus is there (unusable documents before the 2nd aside)
+
+
+def test_rest_own_seed_and_a_too_small_skip_are_refused(tmp_path):
+    """A corpus is held out with the suite's seed only (rest's own ``seed:`` is refused), and a ``skip`` smaller than
+    the suite's prompts of the same dataset is refused at validate (their documents would be in the datastore)."""
+    from kit import suite_dict, tiny_pair
+
+    corpus = _text_corpus(tmp_path / "corpus")
+    target, draft = tiny_pair(tmp_path / "models")
+    entry = {"name": "text-files", "path": str(corpus)}
+    for params, needle in (({"corpus": {**entry, "skip": 2}, "seed": 3}, "seed"),
+                           ({"corpus": {**entry, "skip": 1}}, "skip: 2 or more")):
+        suite = suite_dict(target, draft, [{"name": "rest", "params": params}], seed=3)
+        suite["datasets"] = [{**entry, "prompts": 2, "warmup": 0, "L_max": 16}]
+        one_line_error(invoke("validate", write_suite(tmp_path, suite)), "rest", needle)
+
+
+# === Issue 33: the new inputs (question files, chat templates, heads, corpora) ===================================
+
+QUESTIONS = [
+    {"question_id": "a1", "category": "poetry", "turns": ["Write a haiku about rain.", "Now make it rhyme."]},
+    {"question_id": "a2", "category": "poetry", "turns": ["Write a couplet about the sea."]},
+    {"question_id": "b1", "category": "code-review", "turns": ["Is x = x + 1 idempotent?"]},
+    {"question_id": "b2", "category": "code-review", "turns": ["What does git rebase do?"]},
+]
+
+
+def _qfile(tmp_path, rows, name="q.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def _question_suite(tmp_path, rows=None, **entry) -> str:
+    """A question suite on the embedded model over a jsonl of ``rows`` (chat_template none unless given)."""
+    template = entry.pop("chat_template", "none")
+    ds = {"name": "spec-bench", "path": _qfile(tmp_path, rows or QUESTIONS), "prompts": 1, "warmup": 0, "L_max": 64,
+          **entry}
+    return write_suite(tmp_path, _suite(datasets=[ds], chat_template=template))
+
+
+# --- 33.1 terminal escapes in error lines --------------------------------------------------------------------------
+
+HOSTILE_CATEGORY = "\u001b[31mRED\u001b]0;pwn\u0007"
+
+
+def test_escape_codes_in_a_question_category_are_shown_escaped(tmp_path):
+    rows = [*QUESTIONS, {"question_id": "c1", "category": HOSTILE_CATEGORY, "turns": ["hi there"]}]
+    line = one_line_error(invoke("validate", _question_suite(tmp_path, rows, categories=["nosuch"])),
+                          "unknown category 'nosuch'", "\\x1b[31mRED\\x1b]0;pwn\\x07")
+    assert "\x1b" not in line and "\x07" not in line
+
+
+def test_escape_codes_in_a_suite_category_are_refused(tmp_path):
+    line = one_line_error(invoke("validate", _question_suite(tmp_path, categories=["nosuch\x1b[31m"])),
+                          "categories.0", "control character (\\x1b)")
+    assert "\x1b" not in line
+
+
+def test_every_error_line_is_escaped(tmp_path, monkeypatch):
+    """The CLI's one error line escapes whatever message reaches it (a DtbenchError or an internal error)."""
+    from dtbench.harness import suitefile
+    from dtbench.harness.errors import DtbenchError
+
+    for exc, prefix in ((DtbenchError("bad \x1b]0;title\x07 thing"), "error: "),
+                        (RuntimeError("bad \x1b[2J thing"), "internal error: ")):
+        monkeypatch.setattr(suitefile, "load_suite", lambda *a, _e=exc: (_ for _ in ()).throw(_e))
+        result = invoke("validate", write_suite(tmp_path, TINY))
+        assert result.stderr.startswith(prefix) and "\\x1b" in result.stderr, result.stderr
+        assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+
+
+# --- 33.2 control characters in HTML, raw HTML in Markdown ---------------------------------------------------------
+
+
+def _question_db(tmp_path, category: str) -> str:
+    """A run of spec-bench samples (ar and linear, two questions) whose task group and category are ``category``."""
+    import reportdb
+
+    path = tmp_path / "q.db"
+    with reportdb.connect(path)() as s:
+        run = reportdb.add_run(s)
+        for label in ("ar", "linear"):
+            cell = reportdb.add_cell(s, run, label, dataset="spec-bench")
+            for i, sample in enumerate(reportdb.add_samples(s, cell, [10.0, 12.0] if label == "ar" else [20.0, 24.0])):
+                sample.task_group, sample.category, sample.turn, sample.question_id = category, category, 1, str(i)
+        s.commit()
+    return str(path)
+
+
+@pytest.mark.parametrize("extra", [["--spec-bench"], ["--by", "category"], ["--by", "group"]])
+def test_html_report_shows_control_characters_escaped(tmp_path, extra):
+    path = _question_db(tmp_path, HOSTILE_CATEGORY + "\x00nul")
+    result = invoke("report", "--db", path, "--format", "html", *extra)
+    assert result.exit_code == 0, result.output
+    assert "\\x1b[31mRED\\x1b]0;pwn\\x07\\x00nul" in result.stdout
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f]", result.stdout), repr(result.stdout[:300])
+
+
+@pytest.mark.parametrize("extra", [["--spec-bench"], ["--by", "category"]])
+def test_markdown_report_escapes_html(tmp_path, extra):
+    hostile = "<script>alert(1)</script><img src=x onerror=alert(2)>"
+    result = invoke("report", "--db", _question_db(tmp_path, hostile), "--format", "markdown", *extra)
+    assert result.exit_code == 0, result.output
+    assert "<script" not in result.stdout and "<img" not in result.stdout, result.stdout
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;img src=x onerror=alert(2)&gt;" in result.stdout
+
+
+def test_markdown_cell_and_html_text():
+    from dtbench.harness.safetext import html_text, markdown_cell
+
+    assert markdown_cell("a<b>&\n|c\x1b") == "a&lt;b&gt;&amp;<br>\\|c\\x1b"
+    assert html_text("<th>\x00\x1b]0;t\x07") == "&lt;th&gt;\\x00\\x1b]0;t\\x07"
+
+
+# --- 33.3 distinct questions merged --------------------------------------------------------------------------------
+
+
+def test_duplicate_question_ids_are_refused(tmp_path):
+    rows = [{"question_id": 7, "category": "qa", "turns": [f"Question {i}?"]} for i in range(4)]
+    one_line_error(invoke("validate", _question_suite(tmp_path, rows, prompts=3)),
+                   "q.jsonl:2: question_id 7 is also the question_id of line 1")
+
+
+@pytest.mark.parametrize("categories, needle", [
+    (["qa", "qa"], "categories lists qa twice"),
+    (["mt_bench", "writing"], "categories name 'mt_bench' and 'writing', which share questions"),
+])
+def test_repeated_categories_are_refused(tmp_path, data_dir, categories, needle):
+    ds = {"name": "spec-bench", "data_dir": str(data_dir), "prompts": 2, "warmup": 0, "L_max": 64,
+          "categories": categories}
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))), needle)
+
+
+# --- 33.8 question-file content ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("[" * 100_000, "q.jsonl:5: nests too deeply"),
+    ('{"question_id": "s", "category": "qa", "turns": ["x \\ud800 y"]}', "q.jsonl:5: turn 1 holds \\ud800"),
+    ('{"question_id": "s", "category": "qa", "turns": [""]}', "q.jsonl:5: turn 1 is empty"),
+    ('{"question_id": "s", "category": "qa", "turns": ["fine", "  "]}', "q.jsonl:5: turn 2 is empty"),
+    ('{"question_id": ["x"], "category": "qa", "turns": ["fine"]}', "q.jsonl:5: `question_id` must be"),
+])
+def test_bad_question_lines_are_one_line_at_validate(tmp_path, line, needle):
+    one_line_error(invoke("validate", _question_suite(tmp_path, [*QUESTIONS, line])), needle)
+
+
+# --- 33.9 the download cache is a file -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["root", "entry"])
+def test_download_cache_that_is_a_file(tmp_path, monkeypatch, where):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file")
+    if where == "entry":
+        blocker.unlink()
+        (blocker / "spec-bench").parent.mkdir()
+        (blocker / "spec-bench").write_text("a file")
+    monkeypatch.setenv("DTBENCH_CACHE", str(blocker))
+    monkeypatch.delenv("DTBENCH_DATA_DIR", raising=False)
+    monkeypatch.setenv("DTBENCH_SPEC_BENCH_URL", "http://127.0.0.1:9/never-fetched")
+    ds = {"name": "spec-bench", "prompts": 1, "warmup": 0, "L_max": 64}
+    suite = write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))
+    for command in (["validate", suite], ["run", suite, "--db", str(tmp_path / "r.db"), "--no-progress"]):
+        one_line_error(invoke(*command), "spec-bench: cannot use the download cache", "set DTBENCH_CACHE")
+
+
+# --- 33.7 chat templates: rendered at validate, bounded, one line ------------------------------------------------
+
+TEMPLATES = {
+    "raise": ("{{ raise_exception('no') }}", "TemplateError: no"),
+    "escape": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
+    "undefined": ("{{ messages[5].content.upper() }}", "UndefinedError"),
+    "loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+              "rendering one prompt took longer than"),
+    "repeat": ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", "renders more than"),
+    "empty": ("  \n", "is empty (it would render empty prompts)"),
+    "nothing": ("{% if false %}x{% endif %}", "the prompt is empty (0 tokens)"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TEMPLATES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_chat_template_failures_are_one_line_before_models_load(tmp_path, monkeypatch, kind, command):
+    from dtbench.harness import chat, models
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0, raising=False)  # raising: the test fails on old code too
+    text, needle = TEMPLATES[kind]
+    template = tmp_path / "t.jinja"
+    template.write_text(text)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the chat template was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    suite = _question_suite(tmp_path, chat_template=str(template))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    line = one_line_error(invoke(*args), needle)
+    assert str(template) in line or kind == "empty" and "t.jinja" in line
+
+
+def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
+    """Rendered with the reference's real answer (after validate rendered a placeholder), turn 2 fails its cells."""
+    from dtbench.harness import chat
+
+    class Tok:
+        special_tokens_map: dict = {}
+
+        def apply_chat_template(self, chat_, **kw):
+            return {"input_ids": [1, 2, 3]}
+
+        def decode(self, tokens, skip_special_tokens=True):
+            return "BOOM"
+
+    template = "{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('bad answer') }}{% endif %}" \
+               "{{ m.content }}{% endfor %}"
+    from dtbench.harness.prompt import Prompt
+
+    renderer = chat.Renderer(Tok(), template, None, 64, "t.jinja")
+    prompts = chat.ChatPrompts([Prompt(0, "q", (1,), turn=1, question_id="1"), Prompt(1, "q2", (), turn=2,
+                                                                                       question_id="1")],
+                               renderer, {0: ("a", "b"), 1: ("a", "b")})
+    with pytest.raises(chat.PromptFailed, match="chat_template t.jinja: TemplateError: bad answer"):
+        chat.resolve(prompts, 1, lambda index: [5])
+
+
+# --- 33.5 head config and sizes, 33.6 EAGLE-3 d2t outside the vocabulary ------------------------------------------
+
+
+def _head(tmp_path, kind: str, config: dict | None = None, tensors=None) -> str:
+    """A tiny head folder (heads_kit's published layouts, hidden 32, vocabulary 96), config.json updated with
+    ``config`` (a non-dict replaces it), the weights changed by ``tensors``."""
+    from heads_kit import write_eagle, write_medusa
+
+    folder = tmp_path / kind
+    if kind == "medusa":
+        write_medusa(folder, hidden=32, vocab=96)
+    else:
+        write_eagle(folder, hidden=32, vocab=96, version=3 if kind == "eagle3" else 1,
+                    draft_vocab=48 if kind == "eagle3" else None)
+    cfg = json.loads((folder / "config.json").read_text())
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({**cfg, **config} if isinstance(config, dict) else config))
+    if tensors is not None:
+        from safetensors.torch import load_file, save_file
+
+        save_file(tensors(load_file(str(folder / "model.safetensors"))), str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def _d2t(value):
+    import torch
+
+    return lambda sd: {**sd, "d2t": torch.full_like(sd["d2t"], value)}
+
+
+HEAD_CASES = {
+    "negative": ("eagle", {"intermediate_size": -5}, None, "config.json: intermediate_size must be a positive integer, "
+                                                         "not -5"),
+    "string": ("eagle", {"hidden_size": "576"}, None, 'config.json: hidden_size must be a positive integer, not "576"'),
+    "zero heads": ("eagle", {"num_attention_heads": 0}, None, "num_attention_heads must be a positive integer, not 0"),
+    "list": ("eagle", [1, 2], None, "config.json is a JSON list, not an object"),
+    "huge": ("eagle", {"intermediate_size": 3_000_000}, None,
+             "layers.0.mlp.gate_proj.weight has shape [64, 32] in the weights, but config.json makes it [3000000, 32]"),
+    "draft vocab": ("eagle3", {"draft_vocab_size": -1}, None, "config.json: draft_vocab_size must be a positive "
+                                                             "integer, not -1"),
+    "medusa layers": ("medusa", {"medusa_num_layers": "x"}, None, 'config.json: medusa_num_layers must be a positive '
+                                                                 'integer, not "x"'),
+    "d2t huge": ("eagle3", None, _d2t(10**9), "d2t maps draft id 0 to token 1000000000, outside the vocabulary (0..95)"),
+    "d2t negative": ("eagle3", None, _d2t(-10**6), "d2t maps draft id 0 to token -1000000, outside the vocabulary"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEAD_CASES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_heads_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
+    from dtbench.harness import models
+
+    kind, config, tensors, needle = HEAD_CASES[case]
+    head = _head(tmp_path, kind, config, tensors)
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the head was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    name = "medusa" if kind == "medusa" else "eagle"
+    suite = write_suite(tmp_path, _suite(decoders=[{"name": "ar"}, {"name": name, "params": {"head": head}}]))
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    line = one_line_error(invoke(*args), f"decoder '{name}': head {head}", needle)
+    assert "target" not in line  # the head's own field is blamed, not the target
+
+
+@pytest.mark.parametrize("case", ["huge", "d2t huge"])
+def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch, case):
+    """A hub head is checked when it is loaded (validate skips what is not a local folder): still before the module
+    is built (EagleHead is never constructed off the meta device)."""
+    import torch
+
+    from dtbench.decoders import heads
+    from heads_kit import deep_llama
+
+    kind, config, tensors, needle = HEAD_CASES[case]
+    folder = _head(tmp_path, kind, config, tensors)
+    real = heads.EagleHead
+
+    def only_on_meta(*a, **kw):
+        assert torch.empty(0).device.type == "meta", "the head was allocated before its checks"
+        return real(*a, **kw)
+
+    monkeypatch.setattr(heads, "EagleHead", only_on_meta)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        heads.load_eagle(folder, deep_llama(0))
+
+
+# --- 33, also seen: `pip install '.[ray,energy]'` leaves an amdsmi that breaks `import ray` --------------------------
+
+
+def test_ray_imports_beside_an_amdsmi_without_rocm(tmp_path):
+    """With an amdsmi whose import raises KeyError (as amdsmi 6.x/7.x do without ROCm) first on the path, dtbench's
+    import_ray works, and so does a fresh Python started with the environment it leaves (a Ray worker's)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    (tmp_path / "amdsmi").mkdir()
+    (tmp_path / "amdsmi" / "__init__.py").write_text("print('Unable to find libamd_smi.so')\n"
+                                                     "raise KeyError('libamd_smi.so')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    probe = ("import json, os, subprocess, sys\n"
+             "from dtbench.harness.ray_executor import import_ray\n"
+             "ray = import_ray()\n"
+             "child = subprocess.run([sys.executable, '-c', 'import ray; print(\"worker ok\")'], capture_output=True,"
+             " text=True, env=os.environ)\n"
+             "print(json.dumps([ray.__name__, child.returncode, child.stdout.strip()]))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["ray", 0, "worker ok"], done.stdout
+
+
+# --- 33, also seen: a cell that failed its lossless check is never a speedup to rank --------------------------------
+
+
+def _lossy_db(tmp_path) -> str:
+    """AR at 10 t/s; linear k=2 and k=3 at 20 and 30 t/s (lossless); linear k=4 at 1000 t/s whose samples all
+    diverged."""
+    import reportdb
+
+    path = tmp_path / "lossy.db"
+    with reportdb.connect(path)() as s:
+        run = reportdb.add_run(s)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "ar"), [10.0] * 6, warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=2)", "linear", params={"k": 2}), [20.0] * 6,
+                             warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=3)", "linear", params={"k": 3}), [30.0] * 6,
+                             warmup=1)
+        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=4)", "linear", params={"k": 4}), [1000.0] * 6,
+                             warmup=1, diverge={i: 3 for i in range(6)})
+        s.commit()
+    return str(path)
+
+
+def _row(markdown: str, label: str) -> str:
+    return next(line for line in markdown.splitlines() if line.startswith(f"| {label} "))
+
+
+def test_a_speedup_that_is_not_lossless_is_marked_and_never_best(tmp_path):
+    path = _lossy_db(tmp_path)
+    cells = invoke("report", "--db", path, "--format", "markdown")
+    assert cells.exit_code == 0, cells.output
+    assert "100.00× (not lossless)" in _row(cells.stdout, "linear (k=4)")
+    assert "(not lossless)" not in _row(cells.stdout, "linear (k=2)")
+    assert "best setting 'linear (k=3)'" in cells.stderr, cells.stderr  # never the 100x cell that diverged
+    compared = invoke("report", "--db", path, "--compare", "--format", "markdown")
+    assert compared.exit_code == 0, compared.output
+    lossy = next(r for r in compared.stdout.splitlines() if "| linear (k=4) |" in r)
+    assert "100.000× (not lossless)" in lossy, lossy
+    assert "(not lossless)" not in next(r for r in compared.stdout.splitlines() if "| linear (k=2) |" in r)
+
+
+def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
+    from dtbench.reports.summary import get_run, samples_frame, summarize
+    from dtbench.reports.tuning import best_setting
+
+    import reportdb
+
+    with reportdb.connect(_lossy_db(tmp_path))() as s:
+        summary = summarize(samples_frame(s, get_run(s, None).id))
+    best = best_setting(summary)
+    assert best is not None and best["label"] == "linear (k=3)" and best["runner_up"][0] == "linear (k=2)", best
+
+
+def test_exact_rule_note_agrees_with_its_verdict():
+    """'yes 2/2 (1 tie)' under the exact rule: the tie did not change the output, so the note must not say that the
+    exact rule counts ties as divergences."""
+    from dtbench.reports.render import lossless_notes
+
+    row = {"label": "linear", "lossless": "yes", "lossless_n": "2/2", "reference": "ar", "status": "done",
+           "lossless_rule": "exact", "lossless_ties": 1, "lossless_tie_samples": 1, "lossless_checked_n": 2,
+           "lossless_error_samples": 0, "target_dtype": "bfloat16", "lossless_max_tie_margin": 0.0625,
+           "divergences": [], "lossless_expected": True}
+    note = " ".join(lossless_notes(row))
+    assert "counts them as divergences" not in note
+    assert "the exact rule fails a sample only where its output differs from the reference's" in note

@@ -11,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("harness", "decoders", "reports", "cli")  # folder -> dtbench.<folder> (pyproject's package-dir)
+CORE = ("core", "api")  # dtbench/<name>.py -> dtbench.<name>
 
 
 def modules() -> dict[str, Path]:
@@ -24,6 +25,8 @@ def modules() -> dict[str, Path]:
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(["dtbench", *parts])] = f
+    for name in CORE:
+        out[f"dtbench.{name}"] = ROOT / "dtbench" / f"{name}.py"
     return out
 
 
@@ -130,3 +133,73 @@ def test_harness_imports_nothing_from_reports_or_cli():
     bad = [f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.harness.") for t in ts
            if t.startswith(("dtbench.reports", "dtbench.cli"))]
     assert bad == []
+
+
+def test_decoders_import_nothing_from_the_harness_reports_or_cli():
+    """Decoders sit on the torch-free core only: a corpus is declared (dtbench.core.CorpusSpec) and injected by the
+    harness, never loaded by a decoder."""
+    edges, _ = imports(modules())
+    bad = [f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.decoders") for t in ts
+           if t.startswith(("dtbench.harness", "dtbench.reports", "dtbench.cli", "dtbench.api"))]
+    assert bad == []
+
+
+def test_the_core_imports_no_other_dtbench_module():
+    edges, _ = imports(modules())
+    assert edges["dtbench.core"] == set()
+
+
+def test_reports_read_the_database_not_the_registry_or_calibration():
+    """Reports read the database; the one documented exception: the tuning line's decoder defaults (reports/tuning.py
+    default_params) name installed decoders' params."""
+    edges, _ = imports(modules())
+    bad = sorted(f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.reports") for t in ts
+                 if t in ("dtbench.harness.registry", "dtbench.harness.calibrate", "dtbench.harness.plan",
+                          "dtbench.harness.worker", "dtbench.harness.models")
+                 or t.startswith("dtbench.decoders"))
+    assert bad == ["dtbench.reports.tuning -> dtbench.harness.registry"]
+
+
+def test_the_example_plugin_imports_only_the_public_api():
+    src = ROOT / "examples" / "dtbench-prompt-lookup" / "src"
+    used = set()
+    for f in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dtbench"):
+                used.add(node.module)
+            elif isinstance(node, ast.Import):
+                used.update(a.name for a in node.names if a.name.startswith("dtbench"))
+    assert used == {"dtbench.api"}
+
+
+def test_the_api_declares_what_it_exports():
+    import dtbench.api as api
+
+    assert sorted(set(api.__all__)) == sorted(api.__all__)
+    assert all(hasattr(api, name) for name in api.__all__)
+    assert (ROOT / "dtbench" / "py.typed").is_file()
+
+
+def _fresh_import(code: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after running ``code``."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint('\\n'.join(sys.modules))"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    return set(out.stdout.split())
+
+
+def test_loading_a_suite_imports_no_torch(tmp_path):
+    """The suite schema and loader (validate's first step) load without torch; checking decoder params may import
+    it, reading and validating the suite's own schema does not."""
+    suite = tmp_path / "s.yaml"
+    suite.write_text("name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 0, L_max: 16}]\n"
+                     "generation_lengths: [4]\ndecoders: [{name: ar}]\n")
+    loaded = _fresh_import(f"from dtbench.harness.suitefile import load_suite\nload_suite({str(suite)!r})")
+    assert "dtbench.harness.suite" in loaded and "torch" not in loaded
+    assert "torch" not in _fresh_import("import dtbench.core")
+
+
+def test_the_torch_check_can_fail():
+    assert "torch" in _fresh_import("import dtbench.decoders.base")

@@ -16,6 +16,8 @@ def test_editable_install_maps_the_folders(tmp_path):
     for sub in ("harness", "decoders", "reports", "cli"):
         spec = importlib.util.find_spec(f"dtbench.{sub}")
         assert spec is not None and Path(spec.origin).parent == ROOT / sub
+    spec = importlib.util.find_spec("dtbench.api")
+    assert spec is not None and Path(spec.origin) == ROOT / "dtbench" / "api.py"
 
     # The install adds no top-level `harness`: a fresh interpreter started elsewhere (the checkout's folder, which
     # `python -m pytest` puts on sys.path, is not on its path) does not find one in this checkout, wherever the
@@ -37,7 +39,7 @@ def test_wheel_installs_and_imports(tmp_path):
     # the checkout would shadow the editable install's entry points for every later test.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "harness", "decoders", "reports", "cli"):
+    for name in ("pyproject.toml", "README.md", "dtbench", "harness", "decoders", "reports", "cli"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
@@ -52,6 +54,9 @@ def test_wheel_installs_and_imports(tmp_path):
         assert f"dtbench/{sub}/__init__.py" in names
         assert not any(n.startswith(f"{sub}/") for n in names), f"{sub} installed as a top-level package"
     assert any(n.endswith("entry_points.txt") for n in names)
+    # the torch-free core, the plugin API with its type marker (PEP 561), the tree package
+    assert {"dtbench/__init__.py", "dtbench/core.py", "dtbench/api.py", "dtbench/py.typed",
+            "dtbench/decoders/tree/__init__.py", "dtbench/decoders/tree/structure.py"} <= set(names)
     # The Alembic migrations ship as package data: without them no database can be created or upgraded.
     migrations = {p.relative_to(ROOT).as_posix() for p in (ROOT / "harness" / "migrations").rglob("*")
                   if p.is_file() and p.suffix in (".py", ".mako")}

@@ -282,9 +282,9 @@ def test_ngram_emits_what_transformers_prompt_lookup_emits(arch, prompt, repeats
 
 
 def test_rest_corpus_skip_leaves_out_the_prompt_documents():
-    """`corpus: {skip: K}` with the suite's seed holds none of the documents K prompts of that seed come from."""
-    from dtbench.decoders.rest import held_out_documents
-    from dtbench.harness.data import select_prompts
+    """`corpus: {skip: K}` with the suite's seed holds none of the documents K prompts of that seed come from, at an
+    L_max below 16 too, and every document after the K-th usable one of the seeded order."""
+    from dtbench.harness.data import held_out_documents, seeded_order, select_prompts
 
     class Chars:
         def encode(self, text):
@@ -295,7 +295,10 @@ def test_rest_corpus_skip_leaves_out_the_prompt_documents():
             for i, n in enumerate(rng.integers(5, 80, 30))]  # some shorter than a prompt's 16 tokens
     by_text = {text: title for title, text in docs}
     for seed in (0, 3):
+        order = [docs[i][0] for i in seeded_order(len(docs), seed)]
         for k in (1, 3, 7):
-            used = {p.document for p in select_prompts(docs, Chars(), k, 32, seed)}
-            kept = {by_text["".join(map(chr, ids))] for ids in held_out_documents(docs, Chars(), k, seed)}
-            assert len(used) == k and not used & kept and len(kept) == len(docs) - k
+            kept = [by_text["".join(map(chr, ids))] for ids in held_out_documents(docs, Chars(), k, seed)]
+            for l_max in (8, 32):
+                used = {p.document for p in select_prompts(docs, Chars(), k, l_max, seed)}
+                assert len(used) == k and not used & set(kept)
+            assert kept == order[len(order) - len(kept):] and len(kept) <= len(docs) - k

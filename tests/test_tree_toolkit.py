@@ -1,4 +1,4 @@
-"""Pure tests of the tree toolkit (decoders/tree.py); DynaTree's rules are in test_dynatree_rules.py. No language
+"""Pure tests of the tree toolkit (decoders/tree/__init__.py); DynaTree's rules are in test_dynatree_rules.py. No language
 model involved.
 
 Every property is checked against an independent brute-force reference written here, not against the

@@ -6,8 +6,8 @@ text), and the tokens that followed the most recent earlier occurrence are propo
 verifies them in one forward with greedy acceptance, as in linear speculative decoding (Leviathan et al. 2023),
 so the output equals greedy autoregressive decoding token for token.
 
-Only dtbench's public decoder contract is used: :mod:`dtbench.decoders.base` and the chain loop of
-:mod:`dtbench.decoders.chain` (a :class:`~dtbench.decoders.chain.Proposer` is all a chain method writes).
+Only dtbench's public plugin API is imported, :mod:`dtbench.api`: the decoder contract and the one chain loop
+(a :class:`~dtbench.api.Proposer` is all a chain method writes).
 Registered by this distribution's entry point ``prompt_lookup = "dtbench_prompt_lookup:PromptLookup"`` in the
 ``dtbench.decoders`` group.
 """
@@ -19,9 +19,17 @@ from collections.abc import Iterator
 import torch
 from pydantic import Field
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain
-from dtbench.harness.data import Dataset, DatasetParams
+from dtbench.api import (
+    Dataset,
+    DatasetParams,
+    Decoder,
+    DecoderParams,
+    DtbenchError,
+    KVTarget,
+    Proposer,
+    Step,
+    speculate_chain,
+)
 
 __all__ = ["JsonlText", "JsonlTextParams", "NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
 __version__ = "0.1.0"
@@ -153,8 +161,6 @@ class JsonlText(Dataset):
     def documents(self, spec, data_dir):
         import json
         from pathlib import Path
-
-        from dtbench.harness.errors import DtbenchError
 
         if not spec.path:
             raise DtbenchError("jsonl-text: set `path:` to a .jsonl file")

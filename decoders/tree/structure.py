@@ -294,7 +294,7 @@ class SideBranch:
     Fed after the tree nodes in the same target forward. Every side token attends to the prefix, to the tree's
     root (the pending token) and to the side tokens ``attends`` allows; no tree node attends to a side token and
     no side token to a drafted node, so the tree's logits are exactly those of the tree alone. Their logits go
-    back to the drafter (:meth:`~dtbench.decoders.tree_draft.TreeDrafter.feed_logits`); their KV entries are
+    back to the drafter (:meth:`~dtbench.decoders.tree.draft.TreeDrafter.feed_logits`); their KV entries are
     dropped with the rejected nodes (``compact``) or the crop (``rebuild``).
 
     Attributes:

@@ -19,7 +19,7 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import Step
 from dtbench.decoders.sampling import SamplingSettings, sample_without_replacement
 
-from dtbench.decoders.tree_structure import (
+from dtbench.decoders.tree.structure import (
     DraftStrategy, Prune, SideBranch, TokenTree, TreeRoot, attention_mask_kind, root_offset, tree_attention_mask,
 )
 

@@ -63,11 +63,11 @@ from pydantic import Field
 from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
-from dtbench.decoders.tree_draft import (  # noqa: F401
+from dtbench.decoders.tree.draft import (  # noqa: F401
     SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, check_draft_options,
     draft_tree,
 )
-from dtbench.decoders.tree_structure import (  # noqa: F401  (the toolkit's names, re-exported)
+from dtbench.decoders.tree.structure import (  # noqa: F401  (the toolkit's names, re-exported)
     CacheStrategy, DraftStrategy, MaskKind, Prune, SideBranch, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
     attention_mask_kind, bfs_order, root_offset, select_path, tree_attention_mask, tree_capacity, tree_position_ids,
     with_side_branch,
@@ -336,7 +336,7 @@ class TreeParams(DecoderParams):
         n_max: node budget N_max, drafted nodes per tree (paper Appendix A: 256). ``"auto"`` (an extension, not
             the paper's default): the runner sets it before the first cell to the largest calibrated n whose
             tree verification (root + n nodes, one target forward) costs at most ``n_max_factor`` x one AR token
-            (:func:`dtbench.harness.calibrate.auto_budget`); the chosen value is stored in the cell's params.
+            (:func:`dtbench.harness.curves.auto_budget`); the chosen value is stored in the cell's params.
         n_max_factor: the factor of ``n_max: "auto"`` (default 2.0); unused otherwise.
 
     Defaults: ``tree_root="paper"`` and ``prune="leaf"``, so a bare ``{name: dynatree}`` or ``{name: fixed_tree}``
@@ -361,7 +361,7 @@ class TreeParams(DecoderParams):
     tau: float = Field(0.1, ge=0.0, lt=1.0, description="pruning threshold on cumulative path probability p(u)")
     n_max: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
         256, description="node budget N_max (drafted nodes per tree); 'auto': chosen by the runner from "
-        "the calibrated verify curve (harness/calibrate.py auto_budget; an extension, not the paper's)")
+        "the calibrated verify curve (harness/curves.py auto_budget; an extension, not the paper's)")
     n_max_factor: float = Field(2.0, gt=1.0, le=1000.0, description="n_max: auto takes the largest n whose tree "
                                 "verify costs at most this many times one AR token")
 
@@ -392,7 +392,7 @@ class TreeDecoder(Decoder):
 
     @classmethod
     def verify_sizes(cls, params: TreeParams) -> tuple[int, int]:
-        """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree_structure.tree_capacity` allows for
+        """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree.structure.tree_capacity` allows for
         :meth:`tree_bounds` and N_max (``n_max: auto`` searches up to :data:`N_MAX_AUTO_CEILING`)."""
         breadth, depth = cls.tree_bounds(params)
         n_max = N_MAX_AUTO_CEILING if params.n_max == "auto" else int(params.n_max)
