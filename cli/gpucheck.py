@@ -628,7 +628,7 @@ def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path
     for attempt in range(MAX_CRASHES + 1):
         rows_file.unlink(missing_ok=True)
         err_file = out_dir / f"{step}.stderr"
-        cmd = [sys.executable, "-X", "faulthandler", "-m", "dtbench.cli.gpucheck", *argv_base, "--child", step,
+        cmd = [sys.executable, "-P", "-X", "faulthandler", "-m", "dtbench.cli.gpucheck", *argv_base, "--child", step,
                "--rows-file", str(rows_file), "--skip-ids", ",".join(sorted(skip))]
         with err_file.open("w", encoding="utf-8") as err:
             rc = subprocess.run(cmd, stderr=err).returncode

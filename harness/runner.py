@@ -135,6 +135,8 @@ def run_suite(
         env = dict(info.environment)
         env["executor"] = executor.describe()
         env["datasets"] = sources
+        # whether generation stopped at EOS, per dataset entry (the suite's stop_at_eos, or the dataset's default)
+        env["stop_at_eos"] = {ds.name: data.stops_at_eos(suite.stop_at_eos, ds) for ds in suite.datasets}
         if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
             env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:

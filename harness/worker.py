@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from dtbench.harness import calibrate, data, lossless, models
+from dtbench.harness import calibrate, data, fingerprint, lossless, models
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import SampleTimeout, device_name, environment, measure, measure_batch
 from dtbench.harness.metrics import sample_row
@@ -336,6 +336,7 @@ class Worker:
         self.groups = {group_key(g): g for g in self.plan.groups()}
         env = environment(self.device)
         env["target"], env["draft"] = model_info(self.target), model_info(self.draft)
+        env["files"] = fingerprint.run_files(suite, self.plan, self.target, self.draft)  # sha256 / hub commits
         self.info = WorkerInfo(
             host=socket.gethostname(), pid=os.getpid(), device=str(self.device), device_name=device_name(self.device),
             environment=env, target=model_info(self.target), draft=model_info(self.draft),

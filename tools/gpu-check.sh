@@ -43,4 +43,5 @@ if [ "$torch_after" != "$torch_before" ]; then
   say "error: the install changed the torch that imports ($torch_before -> $torch_after)"; exit 3
 fi
 say "installed $(ls "$GPUKIT"/*.whl | wc -l) wheels and dtbench into $SITE in $(( $(date +%s) - t0 )) s"
-PYTHONUNBUFFERED=1 "$PYTHON" -m dtbench.cli.gpucheck --out "$OUT" "$@"
+# -P: the checkout's own dtbench/ folder (dtbench.core, dtbench.api) must not shadow the installed package
+PYTHONUNBUFFERED=1 "$PYTHON" -P -m dtbench.cli.gpucheck --out "$OUT" "$@"
