@@ -57,7 +57,7 @@ class PromptGroup:
     """
 
     dataset: DatasetSpec
-    cap: int
+    l_max: int
     gen_length: int
     prompt_index: int
     decoders: tuple[CellPlan, ...]
@@ -93,33 +93,34 @@ class Plan:
 
     def points(self) -> list[tuple[DatasetSpec, int, int, int]]:
         """(dataset, L_max, T, B) in run order."""
-        return [(ds, cap, T, B) for ds in self.suite.datasets for cap in ds.caps for T in self.suite.generation_lengths
-                for B in self.suite.batch_sizes]
+        return [(ds, l_max, T, B) for ds in self.suite.datasets for l_max in ds.l_maxes
+                for T in self.suite.generation_lengths for B in self.suite.batch_sizes]
 
-    def decoders_at(self, dataset: str, cap: int, gen_length: int, batch_size: int = 1) -> list[CellPlan]:
+    def decoders_at(self, dataset: str, l_max: int, gen_length: int, batch_size: int = 1) -> list[CellPlan]:
         """The decoders that run at one (dataset, L_max, T, B), references first."""
-        return [c for c in self.decoders if (dataset, cap, gen_length, batch_size) in c.points]
+        return [c for c in self.decoders if (dataset, l_max, gen_length, batch_size) in c.points]
 
     def cells(self) -> list[tuple[DatasetSpec, int, int, int, CellPlan]]:
         """Every cell (dataset, L_max, T, B, decoder) in run order."""
-        return [(ds, cap, T, B, c) for ds, cap, T, B in self.points() for c in self.decoders_at(ds.name, cap, T, B)]
+        return [(ds, l_max, T, B, c) for ds, l_max, T, B in self.points()
+                for c in self.decoders_at(ds.name, l_max, T, B)]
 
     def groups(self) -> list[PromptGroup]:
         """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index (:class:`PromptGroup`)."""
         out = []
-        for ds, cap, T, B in self.points():
-            decs = tuple(self.decoders_at(ds.name, cap, T, B))
+        for ds, l_max, T, B in self.points():
+            decs = tuple(self.decoders_at(ds.name, l_max, T, B))
             if not decs:
                 continue
             if B > 1:
-                out.extend(PromptGroup(ds, cap, T, rows[0], decs, batch_size=B, rows=rows)
+                out.extend(PromptGroup(ds, l_max, T, rows[0], decs, batch_size=B, rows=rows)
                            for rows in batch_groups(ds.prompts, ds.warmup, B))
                 continue
             slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
             if slots is None:
-                out.extend(PromptGroup(ds, cap, T, i, decs) for i in range(ds.prompts))
+                out.extend(PromptGroup(ds, l_max, T, i, decs) for i in range(ds.prompts))
             else:
-                out.extend(PromptGroup(ds, cap, T, i, decs, s.warmup) for i, s in enumerate(slots))
+                out.extend(PromptGroup(ds, l_max, T, i, decs, s.warmup) for i, s in enumerate(slots))
         return out
 
     @property
@@ -247,7 +248,7 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
             raise DtbenchError(f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
                                f"`sampling: greedy` on it or `batch_sizes: [1]`")
     for ds in suite.datasets:
-        if data.is_chat(ds) and any(p.points & {(ds.name, c, T, B) for c in ds.caps for T in suite.generation_lengths
+        if data.is_chat(ds) and any(p.points & {(ds.name, c, T, B) for c in ds.l_maxes for T in suite.generation_lengths
                                                 for B in suite.batch_sizes if B > 1} for p in plans):
             where = f"{ds.where}: " if ds.where else ""
             raise DtbenchError(f"{where}dataset '{clip(ds.name, 60)}' is a question dataset (multi-turn prompts built "
@@ -296,7 +297,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                 check(p.params)
             except (ValueError, DtbenchError) as exc:
                 raise DtbenchError(f"decoder '{p.label}': {exc}") from None
-    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+    longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         specs.append(suite.draft)
@@ -332,9 +333,9 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
         if extra:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': generation_lengths {extra} are not in "
                                f"the suite's generation_lengths")
-    all_caps = {c for ds in suite.datasets for c in ds.caps}
-    if spec.caps is not None and set(spec.caps) - all_caps:
-        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.caps) - all_caps)}"
+    all_l_maxes = {c for ds in suite.datasets for c in ds.l_maxes}
+    if spec.l_maxes is not None and set(spec.l_maxes) - all_l_maxes:
+        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.l_maxes) - all_l_maxes)}"
                            f" is not an L_max of any dataset")
     if spec.batch_sizes is not None:
         extra = sorted(set(spec.batch_sizes) - set(suite.batch_sizes))
@@ -342,9 +343,9 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': batch_sizes {extra} are not in the suite's "
                                f"batch_sizes")
     return {
-        (ds.name, cap, T, B)
+        (ds.name, l_max, T, B)
         for ds in suite.datasets if spec.datasets is None or ds.name in spec.datasets
-        for cap in ds.caps if spec.caps is None or cap in spec.caps
+        for l_max in ds.l_maxes if spec.l_maxes is None or l_max in spec.l_maxes
         for T in suite.generation_lengths if spec.generation_lengths is None or T in spec.generation_lengths
         for B in suite.batch_sizes if spec.batch_sizes is None or B in spec.batch_sizes
     }
