@@ -119,7 +119,10 @@ class Cell(Base):
 
 
 class Sample(Base):
-    """One prompt decoded by one cell: times (s), counters, memory (bytes), output identity."""
+    """One prompt decoded by one cell: times (s), counters, memory (bytes), output identity.
+
+    Its columns are :class:`dtbench.harness.sample.SampleRecord`'s fields plus ``id``, ``cell_id`` and
+    ``created_at`` (tests/test_db.py asserts it): a new column is a field there, a column here and a migration."""
 
     __tablename__ = "samples"
     __table_args__ = (UniqueConstraint("cell_id", "prompt_index"),)
@@ -152,7 +155,7 @@ class Sample(Base):
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
     # per iteration: drafted, accepted, depth, forwards (harness/metrics.py); rows written before the Step lost its
     # duplicate tree_size field also hold "tree_size", always equal to "drafted" (readers use "drafted")
-    step_stats: Mapped[dict[str, list[int]]] = mapped_column(JSON)
+    step_stats: Mapped[dict[str, Any]] = mapped_column(JSON)
     step_times_s: Mapped[list[float]] = mapped_column(JSON)  # seconds from start at each iteration's end
     # Bytes. BigInteger since revision 0002: PostgreSQL's INTEGER stops at 2 GiB (SQLite's is 64-bit anyway).
     peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)

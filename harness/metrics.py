@@ -37,7 +37,20 @@ from dataclasses import dataclass
 from typing import Any
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
+GROUP = ["dataset", "l_max", "gen_length"]  # the columns of a cell's group, (dataset, L_max, T): group_key
 MIB = 2**20
+MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
+
+
+def column_of(record, name: str):
+    """A column of a sample or cell: an ORM object's attribute, or a mapping's / pandas row's item."""
+    return record[name] if isinstance(record, dict) or hasattr(record, "iloc") else getattr(record, name)
+
+
+def group_key(cell) -> tuple[str, int, int]:
+    """A cell's group, (dataset, L_max, T) (:data:`GROUP`): the cells a speedup, a paper table or a cost-model row
+    compares. ``cell``: an ORM :class:`~dtbench.harness.db.Cell`, a mapping or a summary row."""
+    return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")))
 
 
 def peak_memory_bytes(row) -> float | None:
@@ -110,7 +123,7 @@ class Metric:
             return format(v, ".1%") if self.percent else format(v, self.spec)
 
         if mean is None or (isinstance(mean, float) and math.isnan(mean)):
-            return "—"
+            return MISSING
         if std is None or (isinstance(std, float) and math.isnan(std)):
             return one(mean)
         return f"{one(mean)} ± {one(std)}"

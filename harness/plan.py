@@ -48,7 +48,7 @@ class PromptGroup:
     first), all on one device so every speedup and lossless check pairs runs of the same machine."""
 
     dataset: DatasetSpec
-    cap: int
+    l_max: int
     gen_length: int
     prompt_index: int
     decoders: tuple[CellPlan, ...]
@@ -72,28 +72,28 @@ class Plan:
 
     def points(self) -> list[tuple[DatasetSpec, int, int]]:
         """(dataset, L_max, T) in run order."""
-        return [(ds, cap, T) for ds in self.suite.datasets for cap in ds.caps for T in self.suite.generation_lengths]
+        return [(ds, l_max, T) for ds in self.suite.datasets for l_max in ds.l_maxes for T in self.suite.generation_lengths]
 
-    def decoders_at(self, dataset: str, cap: int, gen_length: int) -> list[CellPlan]:
+    def decoders_at(self, dataset: str, l_max: int, gen_length: int) -> list[CellPlan]:
         """The decoders that run at one (dataset, L_max, T), references first."""
-        return [c for c in self.decoders if (dataset, cap, gen_length) in c.points]
+        return [c for c in self.decoders if (dataset, l_max, gen_length) in c.points]
 
     def cells(self) -> list[tuple[DatasetSpec, int, int, CellPlan]]:
         """Every cell (dataset, L_max, T, decoder) in run order."""
-        return [(ds, cap, T, c) for ds, cap, T in self.points() for c in self.decoders_at(ds.name, cap, T)]
+        return [(ds, l_max, T, c) for ds, l_max, T in self.points() for c in self.decoders_at(ds.name, l_max, T)]
 
     def groups(self) -> list[PromptGroup]:
         """Every prompt group in run order: (dataset, L_max, T) major, then prompt index."""
         out = []
-        for ds, cap, T in self.points():
-            decs = tuple(self.decoders_at(ds.name, cap, T))
+        for ds, l_max, T in self.points():
+            decs = tuple(self.decoders_at(ds.name, l_max, T))
             if not decs:
                 continue
             slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
             if slots is None:
-                out.extend(PromptGroup(ds, cap, T, i, decs) for i in range(ds.prompts))
+                out.extend(PromptGroup(ds, l_max, T, i, decs) for i in range(ds.prompts))
             else:
-                out.extend(PromptGroup(ds, cap, T, i, decs, s.warmup) for i, s in enumerate(slots))
+                out.extend(PromptGroup(ds, l_max, T, i, decs, s.warmup) for i, s in enumerate(slots))
         return out
 
     @property
@@ -230,7 +230,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                 check(p.params)
             except (ValueError, DtbenchError) as exc:
                 raise DtbenchError(f"decoder '{p.label}': {exc}") from None
-    longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+    longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
     specs = [suite.target]
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         specs.append(suite.draft)
@@ -265,14 +265,14 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
         if extra:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': generation_lengths {extra} are not in "
                                f"the suite's generation_lengths")
-    all_caps = {c for ds in suite.datasets for c in ds.caps}
-    if spec.caps is not None and set(spec.caps) - all_caps:
-        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.caps) - all_caps)}"
+    all_l_maxes = {c for ds in suite.datasets for c in ds.l_maxes}
+    if spec.l_maxes is not None and set(spec.l_maxes) - all_l_maxes:
+        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.l_maxes) - all_l_maxes)}"
                            f" is not an L_max of any dataset")
     return {
-        (ds.name, cap, T)
+        (ds.name, l_max, T)
         for ds in suite.datasets if spec.datasets is None or ds.name in spec.datasets
-        for cap in ds.caps if spec.caps is None or cap in spec.caps
+        for l_max in ds.l_maxes if spec.l_maxes is None or l_max in spec.l_maxes
         for T in suite.generation_lengths if spec.generation_lengths is None or T in spec.generation_lengths
     }
 

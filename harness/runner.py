@@ -23,10 +23,12 @@ from dtbench.harness import calibrate, chat, data, executors, models, questions,
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.metrics import group_key
 from dtbench.harness.safetext import printable
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runs import Heartbeat, check_resumable, open_run
+from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
 from dtbench.harness.worker import Outcome
 
@@ -123,11 +125,11 @@ def run_suite(
             docs = data.load_documents(ds, data_dir)
             sources.append(docs.provenance)
             if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
-                for cap in ds.caps:
-                    prompts[(ds.name, cap)] = questions.prompts(ds, cap, tokenizer, suite, data_dir)
+                for l_max in ds.l_maxes:
+                    prompts[(ds.name, l_max)] = questions.prompts(ds, l_max, tokenizer, suite, data_dir)
                 continue
-            for cap in ds.caps:
-                prompts[(ds.name, cap)] = data.select_prompts(docs, tokenizer, ds.prompts, cap, suite.seed)
+            for l_max in ds.l_maxes:
+                prompts[(ds.name, l_max)] = data.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
         for warning in info.warnings:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
@@ -191,21 +193,21 @@ class _Sink:
         self.failed_cells: set[int] = set()
 
     def _where(self, group: PromptGroup) -> str:
-        return (f"{group.dataset.name} L_max={group.cap} T={group.gen_length} · prompt "
+        return (f"{group.dataset.name} L_max={group.l_max} T={group.gen_length} · prompt "
                 f"{group.prompt_index + 1}/{group.dataset.prompts}")
 
     def _count(self, group: PromptGroup, labels, description: str) -> None:
-        seen = self.counted.setdefault((group.dataset.name, group.cap, group.gen_length, group.prompt_index), set())
+        seen = self.counted.setdefault((group.dataset.name, group.l_max, group.gen_length, group.prompt_index), set())
         new = set(labels) - seen
         seen |= new
         self.bar.update(self.task, advance=len(new), description=description)
 
     def _cell(self, group: PromptGroup, label: str) -> int:
-        return self.cells[(group.dataset.name, group.cap, group.gen_length, label)]
+        return self.cells[(group.dataset.name, group.l_max, group.gen_length, label)]
 
     def prompt(self, group: PromptGroup):
         # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
-        return chat.resolve(self.prompts[(group.dataset.name, group.cap)], group.prompt_index,
+        return chat.resolve(self.prompts[(group.dataset.name, group.l_max)], group.prompt_index,
                             lambda index: _reference_output(self.sessions, self.cells, group, index))
 
     def state(self, group: PromptGroup):
@@ -250,14 +252,14 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
 
 def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
                 ) -> dict[tuple[str, int, int, str], int]:
-    existing = {(c.dataset, c.l_max, c.gen_length, c.label): c for c in run.cells}
+    existing = {(*group_key(c), c.label): c for c in run.cells}
     ids = {}
-    for ds, cap, T, cp in plan.cells():
-        key = (ds.name, cap, T, cp.label)
+    for ds, l_max, T, cp in plan.cells():
+        key = (ds.name, l_max, T, cp.label)
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.name, l_max=cap, gen_length=T, decoder=cp.spec.name, family=cp.cls.family,
+                run=run, dataset=ds.name, l_max=l_max, gen_length=T, decoder=cp.spec.name, family=cp.cls.family,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
                 lossless_check=plan.suite.lossless_check,
@@ -275,20 +277,20 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
     return ids
 
 
-def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, tuple[list[int], float]], set[str]]:
+def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Reference], set[str]]:
     """(stored outputs by label, failed labels) of one prompt group, from the database."""
-    done: dict[str, tuple[list[int], float]] = {}
+    done: dict[str, Reference] = {}
     failed: set[str] = set()
     with sessions() as session:
         for cp in group.decoders:
-            cell = session.get(Cell, cells[(group.dataset.name, group.cap, group.gen_length, cp.label)])
+            cell = session.get(Cell, cells[(group.dataset.name, group.l_max, group.gen_length, cp.label)])
             if cell.status == "failed":
                 failed.add(cp.label)
                 continue
             sample = session.scalar(select(Sample).where(Sample.cell_id == cell.id,
                                                          Sample.prompt_index == group.prompt_index))
             if sample is not None:
-                done[cp.label] = (sample.output_tokens, sample.total_s)
+                done[cp.label] = Reference(sample.output_tokens, sample.total_s)
     return done, failed
 
 
@@ -298,18 +300,17 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
     ref = next(cp for cp in group.decoders if not cp.reference_label)
     with sessions() as session:
         return session.scalar(select(Sample.output_tokens).where(
-            Sample.cell_id == cells[(group.dataset.name, group.cap, group.gen_length, ref.label)],
+            Sample.cell_id == cells[(group.dataset.name, group.l_max, group.gen_length, ref.label)],
             Sample.prompt_index == index))
 
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
     """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
-    from sqlalchemy.exc import IntegrityError
 
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
-            session.add(Sample(cell_id=cell_id, **outcome.row, **(extra or {})))
+            session.add(Sample(cell_id=cell_id, **SampleRecord.from_row({**outcome.row, **(extra or {})}).as_row()))
             if cell.status == "pending":
                 cell.status = "running"
         else:

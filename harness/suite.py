@@ -138,13 +138,13 @@ class DatasetSpec(_HasLMax):
     @field_validator("l_max")
     @classmethod
     def _caps_positive(cls, v):
-        caps = v if isinstance(v, list) else [v]
-        if not caps or any(c < 1 for c in caps):
+        l_maxes = v if isinstance(v, list) else [v]
+        if not l_maxes or any(c < 1 for c in l_maxes):
             raise ValueError(f"{L_MAX} must be a positive integer or a non-empty list of them")
-        if any(c > MAX_TOKENS for c in caps):
+        if any(c > MAX_TOKENS for c in l_maxes):
             raise ValueError(f"{L_MAX} must be at most {MAX_TOKENS} tokens")
-        if len(set(caps)) != len(caps):
-            raise ValueError(f"{L_MAX} lists a value twice: {clip(caps)}")
+        if len(set(l_maxes)) != len(l_maxes):
+            raise ValueError(f"{L_MAX} lists a value twice: {clip(l_maxes)}")
         return v
 
     @field_validator("categories")
@@ -163,7 +163,7 @@ class DatasetSpec(_HasLMax):
         return self
 
     @property
-    def caps(self) -> list[int]:
+    def l_maxes(self) -> list[int]:
         """Its L_max values (one, or the swept list)."""
         return self.l_max if isinstance(self.l_max, list) else [self.l_max]
 
@@ -236,7 +236,7 @@ class DecoderSpec(_HasLMax):
         return dict(self._swept)
 
     @property
-    def caps(self) -> list[int] | None:
+    def l_maxes(self) -> list[int] | None:
         """The L_max values it is restricted to (None: every dataset's)."""
         return None if self.l_max is None else (self.l_max if isinstance(self.l_max, list) else [self.l_max])
 
@@ -300,11 +300,11 @@ class Suite(_Frozen):
     def _unique_dataset_caps(self):
         seen: set[tuple[str, int]] = set()
         for i, ds in enumerate(self.datasets):
-            for cap in ds.caps:
-                if (ds.name, cap) in seen:
-                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {cap} is listed "
+            for l_max in ds.l_maxes:
+                if (ds.name, l_max) in seen:
+                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {l_max} is listed "
                                      f"twice (its cells would collide)")
-                seen.add((ds.name, cap))
+                seen.add((ds.name, l_max))
         cells = len(seen) * len(self.generation_lengths) * sum(
             max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
         if cells > MAX_GRID:

@@ -26,6 +26,7 @@ from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import SampleTimeout, device_name, environment, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
+from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
 
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
@@ -76,7 +77,7 @@ class Outcome:
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
 
 
-def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int], float] | None, target, draft,
+def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | None, target, draft,
                 device, suite: Suite, compare: bool = True, stop_at_eos: bool = False,
                 data_dir: str | None = None) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
@@ -98,8 +99,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
     if cp.reference_label and ref is None:
         return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
                                        f"{prompt.index}")
-    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref[1] if ref else None,
-                                     ref[2] if ref and len(ref) > 2 else None)
+    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
     try:
         torch.manual_seed(suite.seed)
         decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
@@ -112,10 +112,11 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: tuple[list[int]
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
         m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
-        row = sample_row(m, prompt, warmup, ref[0] if ref and compare else None)
+        row = sample_row(m, prompt, warmup, ref.tokens if ref and compare else None)
         if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
-            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref[0] if ref and compare else None,
+            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref.tokens if ref and compare else None,
                                                device, suite.lossless_check))
+        row = SampleRecord.from_row(row).as_row()  # exactly the sample's columns (harness/sample.py)
         json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise
@@ -142,7 +143,7 @@ def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any,
 
 
 def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
-              done: dict[str, tuple[list[int], float]], skip: set[str],
+              done: dict[str, Reference], skip: set[str],
               data_dir: str | None = None) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
@@ -164,15 +165,16 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
                               stop, data_dir)
         if outcome.row is not None:
-            outputs[cp.label] = (outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
+            outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
         yield outcome
 
 
-GroupKey = tuple[str, int, int, int]  # (dataset, L_max, T, prompt index)
+WorkKey = tuple[str, int, int, int]  # (dataset, L_max, T, prompt index)
 
 
-def group_key(group: PromptGroup) -> GroupKey:
-    return (group.dataset.name, group.cap, group.gen_length, group.prompt_index)
+def work_key(group: PromptGroup) -> WorkKey:
+    """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T) and the prompt index."""
+    return (group.dataset.name, group.l_max, group.gen_length, group.prompt_index)
 
 
 @dataclass
@@ -251,7 +253,7 @@ class Worker:
                 self.draft = models.load_model(suite.draft, self.device)
             loaded.append((self.draft, suite.draft))
         warnings = []
-        longest = max(cap for ds in suite.datasets for cap in ds.caps) + max(suite.generation_lengths)
+        longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
         for model, spec in loaded:  # hub models' configs are known only now
             models.check_embedding(model.model, tokenizer, spec.model)
             if not models.check_context(spec, longest):  # not warned at preflight already
@@ -265,7 +267,7 @@ class Worker:
                     check(p.params, self.target.model)
                 except ValueError as exc:
                     raise DtbenchError(f"decoder '{p.label}': {exc}") from None
-        self.groups = {group_key(g): g for g in self.plan.groups()}
+        self.groups = {work_key(g): g for g in self.plan.groups()}
         env = environment(self.device)
         env["target"], env["draft"] = model_info(self.target), model_info(self.draft)
         env["files"] = fingerprint.run_files(suite, self.plan, self.target, self.draft)  # sha256 / hub commits
@@ -275,7 +277,7 @@ class Worker:
             decoders=[(p.label, p.version) for p in self.plan.decoders], warnings=warnings,
         )
 
-    def run(self, key: GroupKey, prompt, done: dict[str, tuple[list[int], float]], skip: set[str]) -> Iterator[Outcome]:
+    def run(self, key: WorkKey, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
         """Measure one prompt group (see :func:`run_group`), yielding each outcome."""
         group = self.groups.get(key)
         if group is None:

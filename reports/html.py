@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text
 from dtbench.reports import render
 from dtbench.reports.compare import SPEEDUP_CI_METHOD
@@ -24,11 +25,11 @@ def _meta(runs) -> pd.DataFrame:
     for r in runs:
         env = r.environment or {}
         rows.append({"run": r.id, "suite": r.suite_name, "status": r.status,
-                     "started": str(r.started_at)[:19], "finished": str(r.finished_at)[:19] if r.finished_at else "—",
+                     "started": str(r.started_at)[:19], "finished": str(r.finished_at)[:19] if r.finished_at else MISSING,
                      "device": env.get("device_name"), "dtbench": env.get("dtbench"), "torch": env.get("torch"),
                      "transformers": env.get("transformers"), "git": (env.get("git_sha") or "")[:10],
                      "target": (env.get("target") or {}).get("model"), "draft": (env.get("draft") or {}).get("model"),
-                     "hardware": render.hardware_text(env) or "—"})
+                     "hardware": render.hardware_text(env) or MISSING})
     return pd.DataFrame(rows)
 
 

@@ -9,8 +9,8 @@ import pandas as pd
 from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report
-from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, is_missing, show
-from dtbench.reports.summary import SAMPLED, lossless_failed
+from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, SAMPLED, is_missing, show
+from dtbench.reports.summary import lossless_failed
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
@@ -147,26 +147,26 @@ def lossless_notes(row, where: str = "") -> list[str]:
 def formatted(row: pd.Series) -> dict[str, str]:
     """Display strings of one summary row, keyed by COLUMNS' keys."""
     mark = partial_mark(row)
-    if row["lossless"] in ("—", SAMPLED):
+    if row["lossless"] in (MISSING, SAMPLED):
         lossless = row["lossless"]
     else:  # over every measured sample, warmup included
         ref = row["reference"] if isinstance(row["reference"], str) and row["reference"] != BASELINE else ""
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "") + lossless_detail(row)
     if row["status"] == "failed":
-        lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != "—" else mark)
+        lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != MISSING else mark)
     out = {"label": row["label"], "lossless": lossless}
     for m in _SHOWN:
         value = m.format(row[f"{m.name}_mean"], row[f"{m.name}_std"]) if m.spread else m.format(row[m.name])
-        if m is SPEEDUP and value != "—":
+        if m is SPEEDUP and value != MISSING:
             value += "×"
-        out[m.name] = value + (speedup_mark(row) if m is SPEEDUP and value != "—" else mark if m is METRICS[0]
+        out[m.name] = value + (speedup_mark(row) if m is SPEEDUP and value != MISSING else mark if m is METRICS[0]
                                else "")
     return out
 
 
 def _title(key) -> str:
-    dataset, cap, T = key
-    return f"{dataset} · L_max={cap} · T={T}"
+    dataset, l_max, T = key
+    return f"{dataset} · L_max={l_max} · T={T}"
 
 
 def cell_reports(summary: pd.DataFrame) -> list[Report]:
@@ -221,7 +221,7 @@ def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFra
     def interval(r) -> str:
         if r["ci_method"] == N_TOO_SMALL:
             return f"{N_TOO_SMALL} (n < {MIN_PROMPTS})"
-        return "—" if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+        return MISSING if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
 
     return pd.DataFrame([{
         "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],

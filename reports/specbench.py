@@ -28,7 +28,7 @@ from sqlalchemy import select
 
 from dtbench.harness.db import Cell, Sample
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import BASELINE
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.questions import GROUPS
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 
@@ -148,9 +148,9 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     rows = []
     # cells declared lossless with a sample (warmup included) that failed the lossless check: marked where shown
     lossy = set() if "not_lossless" not in samples else {
-        tuple(k) for k in samples.loc[samples["not_lossless"].astype(bool), ["dataset", "l_max", "gen_length", "label"]]
+        tuple(k) for k in samples.loc[samples["not_lossless"].astype(bool), [*GROUP, "label"]]
         .itertuples(index=False)}
-    for point, at in basis.groupby(["dataset", "l_max", "gen_length"], sort=False):
+    for point, at in basis.groupby(GROUP, sort=False):
         ref = at[at["decoder"] == BASELINE]
         if ref.empty:
             raise DtbenchError(f"--spec-bench: no {BASELINE} samples at {point[0]} L_max={point[1]} T={point[2]}")
@@ -187,16 +187,16 @@ def display(board: pd.DataFrame) -> pd.DataFrame:
     out["Mean acc. len (vLLM)"] = [_f(v, ".2f") for v in board["mean_acceptance_length"]]
     width = min(POSITIONS, max((len(p) for p in board["per_position"]), default=0))
     for i in range(width):
-        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else "—" for p in board["per_position"]]
+        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else MISSING for p in board["per_position"]]
     return out
 
 
 def _x(v) -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
 
 
 def _f(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
 
 
 CAPTION = ("Spec-Bench layout (evaluation/speed.py): per group, speedup = mean over questions of tokens/s (turns "
@@ -217,7 +217,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     with sessions() as session:
         run = get_run(session, run_id)
         board = leaderboard(task_samples(session, run.id))
-    points = list(board.groupby(["dataset", "l_max", "gen_length"], sort=False))
+    points = list(board.groupby(GROUP, sort=False))
 
     def title(key) -> str:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"

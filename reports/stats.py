@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 
 import pandas as pd
 
-from dtbench.harness.metrics import BASELINE
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING, column_of, group_key
 
-GROUP = ["dataset", "l_max", "gen_length"]
 KEY = [*GROUP, "label"]
 
 # Below this many prompts after warmup (paired with AR's for a speedup; per side for a run-to-run test) no
@@ -31,10 +31,43 @@ MIN_PROMPTS = 5
 N_TOO_SMALL = "n too small"
 
 FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (written before it was, not installed)
-MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
 
-__all__ = ["BASELINE", "FAMILY_UNKNOWN", "GROUP", "KEY", "MIN_PROMPTS", "MISSING", "N_TOO_SMALL", "baseline_values",
-           "cell_value", "decoding", "family_of", "is_missing", "pairing_key", "show"]
+# The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
+SAMPLED = "sampled (exact by construction, distribution-tested)"
+
+__all__ = ["BASELINE", "FAMILY_UNKNOWN", "GROUP", "KEY", "MIN_PROMPTS", "MISSING", "N_TOO_SMALL", "SAMPLED",
+           "baseline_values", "cell_lossless", "cell_throughput", "cell_value", "decoding", "family_of", "group_key",
+           "is_missing", "pairing_key", "show"]
+
+
+def cell_throughput(samples: Iterable) -> float:
+    """A cell's throughput (tokens/s): the mean of its samples' throughput (T / total wall time, prefill included)
+    after warmup; NaN when no sample is left after warmup. The number every report, ``doctor`` and the cost model
+    show for a cell (its speedup: this over the baseline cell's).
+
+    Args:
+        samples: the cell's samples (ORM rows, mappings or frame rows with ``throughput`` and ``warmup``).
+    """
+    values = [float(v) for s in samples if not bool(column_of(s, "warmup"))
+              if (v := column_of(s, "throughput")) is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else math.nan
+
+
+def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False) -> str:
+    """A cell's lossless verdict over every measured sample, warmup included: ``yes`` (every compared sample
+    passed), ``no`` (one did not), :data:`MISSING` (nothing compared), :data:`SAMPLED` (a lossless decoder that
+    samples: checked as a distribution by the tests, never against one draw).
+
+    Args:
+        verdicts: the samples' ``lossless`` column (None: not compared).
+        sampled: the cell samples and its decoder declares itself lossless.
+    """
+    if sampled:
+        return SAMPLED
+    compared = [bool(v) for v in verdicts if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not compared:
+        return MISSING
+    return "yes" if all(compared) else "no"
 
 
 def decoding(sampling) -> str:

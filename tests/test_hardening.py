@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 
 import pytest
 import yaml
@@ -591,7 +590,9 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     suite = SimpleNamespace(timeout_s="auto", seed=0)
     prompt = SimpleNamespace(index=0, token_ids=(1, 2))
     target = SimpleNamespace(model=None)
-    runner.measure_one(cp, prompt, 4, False, ([5] * 4, 4.2, 8.0), target, None, None, suite)
+    from dtbench.harness.sample import Reference
+
+    runner.measure_one(cp, prompt, 4, False, Reference([5] * 4, 4.2, 8.0), target, None, None, suite)
     assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]
 
 

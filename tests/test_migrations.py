@@ -272,7 +272,7 @@ def test_0006_renames_prompt_cap_to_l_max_keeping_values_and_old_suites_parse(ol
     assert "prompt_cap" not in [d[0] for d in con.execute("SELECT * FROM cells LIMIT 0").description]
     con.close()
     for run_id, text_ in texts.items():
-        caps = {c for ds in parse_suite(text_, f"run {run_id}").datasets for c in ds.caps}
+        caps = {c for ds in parse_suite(text_, f"run {run_id}").datasets for c in ds.l_maxes}
         assert caps == {cap for _, r, cap in before if r == run_id}
 
 
