@@ -204,13 +204,17 @@ def run_slice(suite_path: Path, out_dir: Path, data_dir: str | None, prompts: in
 
 
 def run_summary(url: str) -> dict[str, Any]:
-    """The latest run of a database as plain data: its id and status, and per cell the samples, lossless count,
-    median throughput (tokens/s) and median energy per token (J, None where not measured)."""
+    """The latest run of a database as plain data: its id and status, and per cell the samples, the lossless count
+    and verdict (:func:`~dtbench.reports.stats.cell_lossless`), the throughput every report shows
+    (:func:`~dtbench.reports.stats.cell_throughput`: mean after warmup, tokens/s; None without samples after warmup)
+    and the median energy per token (J, None where not measured)."""
+    import math
     import statistics
 
     from sqlalchemy import select
 
     from dtbench.harness import db
+    from dtbench.reports.stats import cell_lossless, cell_throughput
 
     sessions = db.connect(url, create=False)
     with sessions() as session:
@@ -220,7 +224,7 @@ def run_summary(url: str) -> dict[str, Any]:
         cells = []
         for cell in run.cells:
             samples = list(cell.samples)
-            tps = [s.throughput for s in samples if not s.warmup] or [s.throughput for s in samples]
+            throughput = cell_throughput(samples)
             epj = [s.energy_j / s.new_tokens for s in samples
                    if getattr(s, "energy_j", None) is not None and s.new_tokens]
             cells.append({
@@ -228,7 +232,9 @@ def run_summary(url: str) -> dict[str, Any]:
                 "status": cell.status, "error": cell.error, "samples": len(samples),
                 "lossless": sum(bool(s.lossless) for s in samples if s.lossless is not None),
                 "checked": sum(s.lossless is not None for s in samples),
-                "throughput_median": statistics.median(tps) if tps else None,
+                "verdict": cell_lossless([s.lossless for s in samples],
+                                         sampled=bool(cell.sampling) and bool(cell.lossless_expected)),
+                "throughput": None if math.isnan(throughput) else throughput,
                 "energy_j_per_token_median": statistics.median(epj) if epj else None,
             })
         return {"run_id": run.id, "status": run.status, "cells": cells}

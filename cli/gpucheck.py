@@ -370,20 +370,20 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
     from dtbench.harness.curves import Curves
 
     settings = Settings(min_repeats=5, min_time_s=0.05, max_time_s=0.4, warmup=2, rel_tol=0.05)
-    caps = (24, 40) if small else (800, 1000)
+    l_maxes = (24, 40) if small else (800, 1000)
     T = 16 if small else T_PAPER
     ns = tuple(n_grid(64 if small else 256))
     vocab = target.config.vocab_size
-    context = [3 + (i * 7919) % (vocab - 3) for i in range(max(caps) + T)]
+    context = [3 + (i * 7919) % (vocab - 3) for i in range(max(l_maxes) + T)]
     curves_spec, seen = [], set()
-    for cap in caps:
-        for cache in (cap, cap + T):
-            for c in (Curve("target", "causal", cache, cap, ns), Curve("target", "tree", cache, cap, ns),
-                      Curve("draft", "last", cache, cap, THIN), Curve("draft", "tree", cache, cap, THIN)):
+    for l_max in l_maxes:
+        for cache in (l_max, l_max + T):
+            for c in (Curve("target", "causal", cache, l_max, ns), Curve("target", "tree", cache, l_max, ns),
+                      Curve("draft", "last", cache, l_max, THIN), Curve("draft", "tree", cache, l_max, THIN)):
                 if (c.role, c.kind, c.cache_len) not in seen:  # one cache length serves every cap that reaches it
                     seen.add((c.role, c.kind, c.cache_len))
                     curves_spec.append(c)
-        curves_spec += [Curve("target", "prefill", 0, cap, (cap,)), Curve("draft", "prefill", 0, cap, (cap,))]
+        curves_spec += [Curve("target", "prefill", 0, l_max, (l_max,)), Curve("draft", "prefill", 0, l_max, (l_max,))]
     rows = []
     began = time.perf_counter()
     for c in curves_spec:
@@ -419,9 +419,9 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
             predictions.append(p)
             log(f"predicted {row.method} {row.dataset}: {p.get('predicted_speedup', p.get('predicted_speedup_range'))}"
                 f" (paper {row.speedup})")
-    ar_tpot = {cap: curves.cost("target", 1, cap + T // 2) for cap in caps}
+    ar_tpot = {l_max: curves.cost("target", 1, l_max + T // 2) for l_max in l_maxes}
     return {"ok": bool(rows) and all(r["median_s"] > 0 for r in rows), "seconds": time.perf_counter() - began,
-            "caps": list(caps), "T": T, "ns": list(ns), "settings": settings.__dict__,
+            "caps": list(l_maxes), "T": T, "ns": list(ns), "settings": settings.__dict__,
             "ar_step_s_at_mean_cache": {str(k): v for k, v in ar_tpot.items()},
             "paper_ar_tpot_s": {"800": 7.48e-3, "1000": 9.00e-3}, "points": rows, "predictions": predictions}
 

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import DraftModelProposer, KVTarget, speculate_chain
+from dtbench.decoders.chain import DraftModelProposer, KVTarget, speculate_chain, speculate_chain_batch
 
 
 class LinearParams(DecoderParams):
@@ -32,6 +32,7 @@ class LinearSpeculative(Decoder):
     lossless = True
     family = "chain"
     supports_sampling = True
+    batching = True
 
     @classmethod
     def verify_sizes(cls, params: LinearParams) -> tuple[int, int]:
@@ -42,3 +43,9 @@ class LinearSpeculative(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         yield from speculate_chain(KVTarget(self.target), DraftModelProposer(self.draft), input_ids, max_new_tokens,
                                    self.params.k, self.sampling, self.generator, self.eos_token_id)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """B prompts through the one chain loop: one draft proposer per row, one batched target verification."""
+        yield from speculate_chain_batch(self.target, [DraftModelProposer(self.draft) for _ in prompts], prompts,
+                                         max_new_tokens, self.params.k, self.eos_token_id)

@@ -38,7 +38,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dtbench.core import Corpus, CorpusSpec, DtbenchError
-from dtbench.decoders.base import Decoder, DecoderParams, Step
+from dtbench.decoders.base import Decoder, Step
 from dtbench.decoders.datastore import (CorpusParams, Datastore, check_tokens_file, check_vocabulary,
                                         corpus_datastore, tokens_datastore)
 from dtbench.decoders.tree import TreeDrafter, speculate_tree

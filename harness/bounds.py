@@ -16,7 +16,6 @@ import click
 from pydantic import Field, TypeAdapter, ValidationError
 
 from dtbench.core import read_regular_file as read_regular_file  # defined in the core (decoders read files too)
-from dtbench.harness.errors import DtbenchError
 
 MAX_SECONDS = 30 * 24 * 3600.0  # 30 days: longer than any benchmark, far below timer overflow
 MAX_CALIBRATION_S = 3600.0  # one calibration point is timed for at most an hour

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 
-from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK, Curves, auto_budget
+from dtbench.harness.curves import DEFAULT_FACTOR, Curves, auto_budget
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
@@ -151,21 +151,21 @@ def decoder_sizes(plan) -> tuple[int, int]:
 def curves_for(plan, suite, uses_draft: bool, grown_cache: bool = True) -> list[Curve]:
     """The curves a suite needs: per role, kind and cache length (module docstring)."""
     chain, tree = decoder_sizes(plan)
-    caps = sorted({c for ds in suite.datasets for c in ds.caps})
+    l_maxes = sorted({c for ds in suite.datasets for c in ds.l_maxes})
     T = max(suite.generation_lengths)
     out: list[Curve] = []
     roles = ["target", *(["draft"] if uses_draft else [])]
-    for cap in caps:
+    for l_max in l_maxes:
         for role in roles:
-            for cache_len in sorted({cap, cap + T} if grown_cache else {cap}):
+            for cache_len in sorted({l_max, l_max + T} if grown_cache else {l_max}):
                 if role == "target":
-                    out.append(Curve(role, "causal", cache_len, cap, tuple(n_grid(max(chain, SMALL)))))
+                    out.append(Curve(role, "causal", cache_len, l_max, tuple(n_grid(max(chain, SMALL)))))
                 else:
-                    out.append(Curve(role, "causal", cache_len, cap, THIN))
+                    out.append(Curve(role, "causal", cache_len, l_max, THIN))
                 if tree:
-                    out.append(Curve(role, "tree", cache_len, cap, tuple(n_grid(max(tree, 8)))))
-                out.append(Curve(role, "last", cache_len, cap, THIN))
-            out.append(Curve(role, "prefill", 0, cap, tuple(sorted({max(1, cap // 2), cap}))))
+                    out.append(Curve(role, "tree", cache_len, l_max, tuple(n_grid(max(tree, 8)))))
+                out.append(Curve(role, "last", cache_len, l_max, THIN))
+            out.append(Curve(role, "prefill", 0, l_max, tuple(sorted({max(1, l_max // 2), l_max}))))
     return out
 
 
@@ -357,14 +357,14 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
     (one budget per decoder entry); return {label: n_max}."""
     out = {}
     for cp in auto_cells(plan):
-        cap = min(cap for _, cap, _ in cp.points) if cp.points else 0
+        l_max = min(l_max for _, l_max, *_ in cp.points) if cp.points else 0
         factor = float(getattr(cp.params, "n_max_factor", DEFAULT_FACTOR))
-        n = auto_budget(curves, cap, factor)
+        n = auto_budget(curves, l_max, factor)
         cp.params = cp.params.model_copy(update={"n_max": n})
         out[cp.label] = n
         if console is not None:
             console.print(f"n_max: auto -> {n} for {cp.label} (tree verify within {factor:g}x one token at "
-                          f"L_max={cap})", highlight=False)
+                          f"L_max={l_max})", highlight=False)
     return out
 
 
@@ -379,9 +379,9 @@ def apply_budgets(plan, budgets: dict[str, int]) -> None:
 def contexts_of(prompts: dict[tuple[str, int], list]) -> dict[int, list[int]]:
     """Cache content per L_max: the first prompt of the first dataset with that cap."""
     out: dict[int, list[int]] = {}
-    for (_, cap), ps in prompts.items():
-        if ps and cap not in out:
-            out[cap] = list(ps[0].token_ids)
+    for (_, l_max), ps in prompts.items():
+        if ps and l_max not in out:
+            out[l_max] = list(ps[0].token_ids)
     return out
 
 

@@ -40,8 +40,9 @@ from dtbench.harness import calibrate, models
 from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import Plan, PromptGroup
+from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Outcome, Worker, WorkerInfo, group_key
+from dtbench.harness.worker import Outcome, Worker, WorkerInfo, work_key
 
 EXECUTORS = ("local", "ray")
 
@@ -51,7 +52,7 @@ class Sink(Protocol):
 
     def prompt(self, group: PromptGroup): ...
 
-    def state(self, group: PromptGroup) -> tuple[dict[str, tuple[list[int], float]], set[str]]:
+    def state(self, group: PromptGroup) -> tuple[dict[str, Reference], set[str]]:
         """(stored outputs by label, labels whose cells failed) of a group, read right before it is dispatched."""
 
     def commit(self, group: PromptGroup, outcome: Outcome, worker: WorkerInfo) -> None:
@@ -133,7 +134,7 @@ class LocalExecutor(Executor):
             except (TurnNotReady, PromptFailed) as exc:  # a later turn that has no prompt: its cells fail
                 sink.fail(group, str(exc), worker.info)
                 continue
-            for outcome in worker.run(group_key(group), prompt, done, failed):
+            for outcome in worker.run(work_key(group), prompt, done, failed):
                 sink.commit(group, outcome, worker.info)
 
     def close(self) -> None:

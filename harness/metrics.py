@@ -37,7 +37,27 @@ from dataclasses import dataclass
 from typing import Any
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
+# the columns of a cell's group, (dataset, L_max, T, batch size B): group_key
+GROUP = ["dataset", "l_max", "gen_length", "batch_size"]
 MIB = 2**20
+MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
+
+
+def column_of(record, name: str):
+    """A column of a sample or cell: an ORM object's attribute, or a mapping's / pandas row's item."""
+    return record[name] if isinstance(record, dict) or hasattr(record, "iloc") else getattr(record, name)
+
+
+def group_key(cell) -> tuple[str, int, int, int]:
+    """A cell's group, (dataset, L_max, T, batch size B) (:data:`GROUP`): the cells a speedup, a paper table or a
+    cost-model row compares. ``cell``: an ORM :class:`~dtbench.harness.db.Cell`, a mapping or a summary row; a cell
+    stored before batch sizes existed (no or a NULL ``batch_size``) is B = 1."""
+    try:
+        b = column_of(cell, "batch_size")
+    except (KeyError, AttributeError):
+        b = None
+    b = 1 if b is None or (isinstance(b, float) and math.isnan(b)) else int(b)
+    return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")), b)
 
 
 def peak_memory_bytes(row) -> float | None:
@@ -110,7 +130,7 @@ class Metric:
             return format(v, ".1%") if self.percent else format(v, self.spec)
 
         if mean is None or (isinstance(mean, float) and math.isnan(mean)):
-            return "—"
+            return MISSING
         if std is None or (isinstance(std, float) and math.isnan(std)):
             return one(mean)
         return f"{one(mean)} ± {one(std)}"

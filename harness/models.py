@@ -311,7 +311,6 @@ def check_context(spec: ModelSpec, tokens: int) -> str | None:
     Raises:
         DtbenchError: for a model with learned absolute positions (GPT-2 style) that cannot embed that many.
     """
-    from transformers import AutoConfig
 
     try:
         source, kwargs = _source_kwargs(spec.model, spec.revision)

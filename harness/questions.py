@@ -323,7 +323,7 @@ def check_prompts(spec: DatasetSpec, tokenizer, suite, data_dir: str | None = No
     from dtbench.harness.chat import PromptFailed, Renderer, suite_template
 
     mode, template = suite_template(suite, tokenizer)
-    renderer = Renderer(tokenizer, template, suite.system_prompt, max(spec.caps), mode)
+    renderer = Renderer(tokenizer, template, suite.system_prompt, max(spec.l_maxes), mode)
     slots = layout(spec, suite.seed, data_dir)
     for slot in slots:
         q = slot.question

@@ -20,7 +20,7 @@ from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
-from dtbench.harness.worker import GroupKey, Outcome, Worker, WorkerInfo, group_key
+from dtbench.harness.worker import WorkKey, Outcome, Worker, WorkerInfo, work_key
 from dtbench.harness.suite import Suite
 
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"
@@ -115,7 +115,7 @@ class RayWorker:
             return f"worker on {socket.gethostname()} (pid {os.getpid()}): {self.error}"
         return self.worker.info
 
-    def run(self, key: GroupKey, prompt, done, skip) -> Iterator[Outcome]:
+    def run(self, key: WorkKey, prompt, done, skip) -> Iterator[Outcome]:
         """A streaming generator: each outcome travels to the driver as soon as it is measured."""
         yield from self.worker.run(key, prompt, done, skip)
 
@@ -280,7 +280,7 @@ class RayExecutor(Executor):
         from ray.exceptions import ObjectLostError, RayActorError
 
         queue: deque[PromptGroup] = deque(groups)
-        attempts: dict[GroupKey, int] = {}
+        attempts: dict[WorkKey, int] = {}
         idle: deque[_Actor] = deque(self.actors)
         starting: dict[Any, _Actor] = {}
         running: dict[Any, tuple[_Actor, PromptGroup]] = {}
@@ -302,7 +302,7 @@ class RayExecutor(Executor):
                     sink.fail(group, str(exc), None)
                     continue
                 actor = idle.popleft()
-                gen = actor.handle.run.options(num_returns="streaming").remote(group_key(group), prompt, done, skip)
+                gen = actor.handle.run.options(num_returns="streaming").remote(work_key(group), prompt, done, skip)
                 running[gen] = (actor, group)
             if not running and queue and not idle and not starting:
                 raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")
@@ -339,9 +339,9 @@ class RayExecutor(Executor):
         """A worker died mid-group: retry the group once (first in the queue), else fail its remaining samples;
         start a replacement worker while the restart budget lasts."""
         self._kill(actor)
-        key = group_key(group)
+        key = work_key(group)
         attempts[key] = attempts.get(key, 0) + 1
-        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.name} L_max={group.cap} "
+        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.name} L_max={group.l_max} "
                 f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}")
         if attempts[key] < MAX_ATTEMPTS:
             sink.note(f"{what}; retrying the group on another worker")

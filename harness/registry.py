@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from dtbench.decoders.base import FAMILIES, Decoder, DecoderParams
 from dtbench.harness.errors import DtbenchError, error_location
 
-GROUP = "dtbench.decoders"
+DECODER_GROUP = "dtbench.decoders"  # the entry-point group decoders register under
 BUILTIN_DISTRIBUTION = "dtbench"
 
 
@@ -144,7 +144,7 @@ class Registry:
         return _load(found.entries[name], self.base, self.kind)
 
 
-DECODERS = Registry(GROUP, "decoder", Decoder)
+DECODERS = Registry(DECODER_GROUP, "decoder", Decoder)
 
 
 def scan() -> Discovery:

@@ -32,7 +32,7 @@ from dtbench.harness.errors import DtbenchError
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"
 TABLES = ("runs", "cells", "samples")
-BASELINE = "0001"
+BASELINE_REVISION = "0001"
 # The columns of revision 0001 (= harness/db.py before migrations): how an unversioned database is recognised.
 BASELINE_COLUMNS = {
     "runs": {"id", "suite_name", "suite_path", "suite_text", "suite_hash", "status", "started_at", "finished_at",
@@ -109,7 +109,7 @@ def inspect_state(conn: Connection) -> State:
     if len(ours) == len(TABLES) and all(
             BASELINE_COLUMNS[t] <= cols <= BASELINE_COLUMNS[t] | INTERIM_COLUMNS[t]
             for t in TABLES for cols in [{c["name"] for c in insp.get_columns(t)}]):
-        return State("unversioned", BASELINE, names)
+        return State("unversioned", BASELINE_REVISION, names)
     return State("foreign", None, names)
 
 
@@ -205,7 +205,7 @@ def ensure_current(url: str, *, note: Callable[[str], None] | None = None) -> tu
             if state.kind == "versioned" and before not in revisions():
                 raise newer(where, str(before))
             if state.kind == "unversioned":
-                command.stamp(_config(conn), BASELINE)
+                command.stamp(_config(conn), BASELINE_REVISION)
             if before != target:
                 command.upgrade(_config(conn), "head")
         if conn.dialect.name == "sqlite":  # only now that the file is known to be ours (WAL persists in the file)

@@ -23,6 +23,7 @@ Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
 MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
+MAX_BATCH = 4096  # largest batch size B a suite may ask for
 
 
 L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
@@ -138,13 +139,13 @@ class DatasetSpec(_HasLMax):
     @field_validator("l_max")
     @classmethod
     def _caps_positive(cls, v):
-        caps = v if isinstance(v, list) else [v]
-        if not caps or any(c < 1 for c in caps):
+        l_maxes = v if isinstance(v, list) else [v]
+        if not l_maxes or any(c < 1 for c in l_maxes):
             raise ValueError(f"{L_MAX} must be a positive integer or a non-empty list of them")
-        if any(c > MAX_TOKENS for c in caps):
+        if any(c > MAX_TOKENS for c in l_maxes):
             raise ValueError(f"{L_MAX} must be at most {MAX_TOKENS} tokens")
-        if len(set(caps)) != len(caps):
-            raise ValueError(f"{L_MAX} lists a value twice: {clip(caps)}")
+        if len(set(l_maxes)) != len(l_maxes):
+            raise ValueError(f"{L_MAX} lists a value twice: {clip(l_maxes)}")
         return v
 
     @field_validator("categories")
@@ -163,7 +164,7 @@ class DatasetSpec(_HasLMax):
         return self
 
     @property
-    def caps(self) -> list[int]:
+    def l_maxes(self) -> list[int]:
         """Its L_max values (one, or the swept list)."""
         return self.l_max if isinstance(self.l_max, list) else [self.l_max]
 
@@ -185,6 +186,8 @@ class DecoderSpec(_HasLMax):
         None, description="run only at these T (a subset of the suite's generation_lengths)")
     l_max: int | list[int] | None = Field(
         None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)")
+    batch_sizes: list[int] | None = Field(
+        None, description="run only at these batch sizes B (a subset of the suite's batch_sizes)")
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
         None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding")
@@ -236,7 +239,7 @@ class DecoderSpec(_HasLMax):
         return dict(self._swept)
 
     @property
-    def caps(self) -> list[int] | None:
+    def l_maxes(self) -> list[int] | None:
         """The L_max values it is restricted to (None: every dataset's)."""
         return None if self.l_max is None else (self.l_max if isinstance(self.l_max, list) else [self.l_max])
 
@@ -257,6 +260,10 @@ class Suite(_Frozen):
     datasets: list[DatasetSpec] = Field(min_length=1)
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
     decoders: list[DecoderSpec] = Field(min_length=1)
+    batch_sizes: list[int] = Field(
+        default_factory=lambda: [1], min_length=1, description="batch sizes B: at B a decoder decodes B prompts of "
+        "the dataset together (grouped in order, the same groups for every decoder; a last group smaller than B is "
+        "decoded as a smaller batch and marked); default [1]")
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
@@ -288,6 +295,15 @@ class Suite(_Frozen):
             raise ValueError(f"generation_lengths lists a value twice: {clip(v)}")
         return v
 
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive_batch_sizes(cls, v):
+        if any(b < 1 or b > MAX_BATCH for b in v):
+            raise ValueError(f"batch sizes must be between 1 and {MAX_BATCH}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"batch_sizes lists a value twice: {clip(v)}")
+        return v
+
     @field_validator("timeout_s", mode="before")
     @classmethod
     def _positive_timeout(cls, v):
@@ -300,12 +316,12 @@ class Suite(_Frozen):
     def _unique_dataset_caps(self):
         seen: set[tuple[str, int]] = set()
         for i, ds in enumerate(self.datasets):
-            for cap in ds.caps:
-                if (ds.name, cap) in seen:
-                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {cap} is listed "
+            for l_max in ds.l_maxes:
+                if (ds.name, l_max) in seen:
+                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {l_max} is listed "
                                      f"twice (its cells would collide)")
-                seen.add((ds.name, cap))
-        cells = len(seen) * len(self.generation_lengths) * sum(
+                seen.add((ds.name, l_max))
+        cells = len(seen) * len(self.generation_lengths) * len(self.batch_sizes) * sum(
             max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
         if cells > MAX_GRID:
             raise ValueError(f"the suite expands to {cells} cells, more than the limit of {MAX_GRID}")

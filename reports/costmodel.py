@@ -40,7 +40,16 @@ from sqlalchemy import select
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.output import Document, Report, emit
 from dtbench.reports.render import NOT_LOSSLESS_MARK
-from dtbench.reports.stats import MISSING, baseline_values, family_of, is_missing, show
+from dtbench.reports.stats import (
+    GROUP,
+    MISSING,
+    baseline_values,
+    cell_throughput,
+    family_of,
+    group_key,
+    is_missing,
+    show,
+)
 NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
                   "`calibrate: true` to the suite and run it again)")
 FIG_STEM = "cost_verify_curve"
@@ -178,7 +187,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     out = []
     for c in cells.values():
         cell, samples = c["cell"], c["samples"]
-        if not samples:
+        if not samples or (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
             continue
         priced = [price_sample(curves, s.step_stats or {}, uses_draft_model(cell)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
@@ -187,7 +196,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         in_forward = (sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
                       if all(timed) else math.nan)
         row = {
-            "dataset": cell.dataset, "l_max": cell.l_max, "gen_length": cell.gen_length,
+            **dict(zip(GROUP, group_key(cell))),
             "label": cell.label, "decoder": cell.decoder, "family": family_of(cell.family), "sampling": cell.sampling,
             "n": len(samples),
             "measured_s": measured, "predicted_s": predicted,
@@ -197,7 +206,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             "in_forward_s": in_forward,
             "forward_share": in_forward / measured if measured > 0 else math.nan,
             "forward_speed": predicted / in_forward if in_forward > 0 else math.nan,
-            "measured_throughput": sum(s.new_tokens / s.total_s for s in samples) / len(samples),
+            "measured_throughput": cell_throughput(samples),
             "predicted_throughput": sum(s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced)
                                         if p["predicted_s"] > 0) / len(samples),
             "approx": any(p["approx"] for p in priced),

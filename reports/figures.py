@@ -36,7 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.paper import Setting, ablation, main_setting, methods, prepare, tps_spec
+from dtbench.reports.paper import Setting, ablation, main_setting, methods, non_sweep, prepare, tps_spec
 from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import lossless_failed
 
@@ -66,10 +66,6 @@ def _wrap(label: str, width: int = 16) -> str:
         else:
             cur = f"{cur} {w}".strip()
     return "\n".join(lines + [cur])
-
-
-def _non_sweep(summary: pd.DataFrame) -> pd.DataFrame:
-    return summary[~summary["sweep"].astype(bool)] if "sweep" in summary else summary
 
 
 def _num(v) -> float:
@@ -107,7 +103,7 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     ms, _ = methods(summary, setting)
     if not ms:
         return "Figure 3 skipped: no decoder measured on every dataset of the main setting"
-    datasets = list(setting.caps)
+    datasets = list(setting.l_maxes)
     fig = Figure(figsize=(max(8, 1.6 * len(ms) * 2), 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
     x = np.arange(len(ms))
@@ -117,7 +113,7 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         thr = [_num(m.cells[ds]["throughput_mean"]) for m in ms]
         std = [_num(m.cells[ds]["throughput_std"]) for m in ms]
         spd = [_num(m.cells[ds]["speedup"]) for m in ms]
-        lbl = f"{ds} (L_max={setting.caps[ds]})"
+        lbl = f"{ds} (L_max={setting.l_maxes[ds]})"
         hatch = [PARTIAL_HATCH if bool(m.cells[ds].get("partial", False)) else None for m in ms]
         mark = ["\npartial" if h else "" for h in hatch]
         bars = axes[0].bar(off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j], hatch=hatch)
@@ -165,7 +161,7 @@ def figure4(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         ax.set_xticks(x, labels, fontsize=8)
     _style(left, "throughput (tokens/s)", "throughput (bars) and #Iter. (line)")
     _style(right, "tokens per iteration L̄", "L̄ (bars) and acceptance (line)")
-    fig.suptitle(f"Figure 4 — ablation progression ({ds}, L_max={setting.caps[ds]}, T={setting.T})", fontsize=11)
+    fig.suptitle(f"Figure 4 — ablation progression ({ds}, L_max={setting.l_maxes[ds]}, T={setting.T})", fontsize=11)
     return fig
 
 
@@ -183,11 +179,11 @@ def _lines(ax, cells: pd.DataFrame, axis: str, metric: str, scale: float = 1.0) 
 
 def figure5(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     """Figure 5: sequence-length scaling — throughput, L̄, ℓ̄ and acceptance vs T (one dataset and cap)."""
-    base = _non_sweep(summary)
+    base = non_sweep(summary)
     best, cells = None, base.iloc[0:0]
-    for (ds, cap), grp in base.groupby(["dataset", "l_max"], sort=False):
+    for (ds, l_max), grp in base.groupby(["dataset", "l_max"], sort=False):
         if grp["gen_length"].nunique() > max(1, cells["gen_length"].nunique() if len(cells) else 1):
-            best, cells = (ds, cap), grp
+            best, cells = (ds, l_max), grp
     if best is None:
         return "Figure 5 skipped: no dataset has non-sweep cells at two or more generation lengths T"
     keep = cells.groupby("label")["gen_length"].transform("nunique") >= 2
@@ -210,7 +206,7 @@ def figure5(summary: pd.DataFrame, setting: Setting) -> Figure | str:
 
 def figure8(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     """Figure 8: prompt-length sensitivity — throughput and speedup vs the prompt cap L_max at the main T."""
-    base = _non_sweep(summary)
+    base = non_sweep(summary)
     base = base[base["gen_length"] == setting.T]
     best, cells = None, base.iloc[0:0]
     for ds, grp in base.groupby("dataset", sort=False):
@@ -251,8 +247,8 @@ def _decoder_cells(summary: pd.DataFrame, setting: Setting, keys: tuple[str, ...
     decoders = cells.groupby("decoder", sort=False).size()
     cells = cells[cells["decoder"] == max(decoders.index, key=lambda d: decoders[d])]
     counts = cells.groupby(["dataset", "l_max"], sort=False).size()
-    ds, cap = max(counts.index, key=lambda k: (counts[k], setting.caps.get(k[0]) == k[1]))
-    return ds, cells[(cells["dataset"] == ds) & (cells["l_max"] == cap)]
+    ds, l_max = max(counts.index, key=lambda k: (counts[k], setting.l_maxes.get(k[0]) == k[1]))
+    return ds, cells[(cells["dataset"] == ds) & (cells["l_max"] == l_max)]
 
 
 def _param(cells: pd.DataFrame, name: str) -> pd.Series:
@@ -260,11 +256,11 @@ def _param(cells: pd.DataFrame, name: str) -> pd.Series:
     return pd.Series([(p or {}).get(name) for p in cells["params"]], index=cells.index)
 
 
-def _baselines(ax, summary: pd.DataFrame, setting: Setting, ds: str, cap: int, metric: str = "throughput_mean") -> None:
+def _baselines(ax, summary: pd.DataFrame, setting: Setting, ds: str, l_max: int, metric: str = "throughput_mean") -> None:
     """AR and static-tree lines (Figure 6): the static tree of the main tables if there is one, else the first."""
-    same = _non_sweep(summary)
-    same = same[(same["dataset"] == ds) & (same["l_max"] == cap) & (same["gen_length"] == setting.T)]
-    main = {m.cells[ds]["label"] for m in methods(summary, setting)[0] if ds in m.cells} if ds in setting.caps else set()
+    same = non_sweep(summary)
+    same = same[(same["dataset"] == ds) & (same["l_max"] == l_max) & (same["gen_length"] == setting.T)]
+    main = {m.cells[ds]["label"] for m in methods(summary, setting)[0] if ds in m.cells} if ds in setting.l_maxes else set()
     for kind, color, ls in ((same["decoder"] == BASELINE, "black", "--"),
                             (_tree_kind(same, STATIC_TREE_PARAMS), "gray", ":")):
         rows = same[kind]
@@ -298,7 +294,7 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         cells = cells[full]
     if ds is None or len(cells) < 2:
         return "Figure 6 skipped: fewer than two full DynaTree configurations at the main T"
-    cap = int(cells.iloc[0]["l_max"])
+    l_max = int(cells.iloc[0]["l_max"])
     tau = pd.DataFrame({"h": _param(cells, "tau_h"), "l": _param(cells, "tau_l"),
                         "thr": cells["throughput_mean"].astype(float)}).dropna()
     panels = []
@@ -324,10 +320,10 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         else:
             xl = "(B_min, B_max)" if panel[0] == "b_min" else "(D_0, D_max)"
             _mean_std_panel(ax, cells, panel, xl)
-            _baselines(ax, summary, setting, ds, cap)
+            _baselines(ax, summary, setting, ds, l_max)
             _style(ax, "throughput (tokens/s)", f"{tag}: mean ± std over configurations")
             ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"Figure 6 — DynaTree parameter sensitivity ({ds}, L_max={cap}, T={setting.T}, {len(cells)} configurations)",
+    fig.suptitle(f"Figure 6 — DynaTree parameter sensitivity ({ds}, L_max={l_max}, T={setting.T}, {len(cells)} configurations)",
                  fontsize=11)
     return fig
 
@@ -349,7 +345,7 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     # One value per (D, B, tau): the mean if a grid point was measured twice (e.g. the main fixed tree).
     grid = grid.groupby(["D", "B", "tau"], as_index=False)[metric].mean()
     best = grid.loc[grid[metric].idxmax()]
-    cap = int(cells.iloc[0]["l_max"])
+    l_max = int(cells.iloc[0]["l_max"])
     fig = Figure(figsize=(16, 4.6), layout="constrained")
     a, b, c = fig.subplots(1, 3)
     at_tau = grid[grid["tau"] == best["tau"]]
@@ -385,7 +381,7 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
             c.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8, color="white" if v < mid else "black")
     fig.colorbar(im, ax=c, label=ylabel)
     c.set_title(f"(c) D × B at τ={best['tau']:g}", fontsize=10)
-    fig.suptitle(f"Figure 7 — fixed-tree sweep ({ds}, L_max={cap}, T={setting.T}, {len(grid)} configurations; best "
+    fig.suptitle(f"Figure 7 — fixed-tree sweep ({ds}, L_max={l_max}, T={setting.T}, {len(grid)} configurations; best "
                  f"D={best['D']:g}, B={best['B']:g}, τ={best['tau']:g}: {best[metric]:.2f})", fontsize=11)
     return fig
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text
 from dtbench.reports import render
 from dtbench.reports.compare import SPEEDUP_CI_METHOD
@@ -24,11 +25,11 @@ def _meta(runs) -> pd.DataFrame:
     for r in runs:
         env = r.environment or {}
         rows.append({"run": r.id, "suite": r.suite_name, "status": r.status,
-                     "started": str(r.started_at)[:19], "finished": str(r.finished_at)[:19] if r.finished_at else "—",
+                     "started": str(r.started_at)[:19], "finished": str(r.finished_at)[:19] if r.finished_at else MISSING,
                      "device": env.get("device_name"), "dtbench": env.get("dtbench"), "torch": env.get("torch"),
                      "transformers": env.get("transformers"), "git": (env.get("git_sha") or "")[:10],
                      "target": (env.get("target") or {}).get("model"), "draft": (env.get("draft") or {}).get("model"),
-                     "hardware": render.hardware_text(env) or "—"})
+                     "hardware": render.hardware_text(env) or MISSING})
     return pd.DataFrame(rows)
 
 
@@ -51,13 +52,17 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
              "tables and figures leave them out unless --include-partial.")
     meta = _meta(runs)
     out = ["<h2>Runs</h2>", html_table(Report("runs", "", "", meta, meta))]
+    every = summary  # "Every cell" shows every batch size; the paper's tables and figures are its B = 1 protocol
+    if "batch_size" in summary:
+        summary = summary[summary["batch_size"] == 1].reset_index(drop=True)
     tables, skipped = paper_tables(summary, include_partial)
     out.append("<h2>Paper tables</h2>")
     out += [html_section(t) for t in tables]
     out += [html_note(n) for n in skipped]
     if speedups:
         out.append("<h2>Speedup vs AR with confidence intervals</h2>")
-        caption = ("Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T; "
+        caption = ("Speedup = mean throughput / mean AR throughput of the same dataset, L_max, T and batch size B (at "
+                   "B > 1 per prompt group, throughput over all its rows); "
                    f"{SPEEDUP_CI_METHOD}.")
         out += [html_section(Report(f"speedups_{run_id}", f"run {run_id}", caption,
                                     render.speedup_display(table, confidence), table,
@@ -71,7 +76,7 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
                    f"<figcaption><code>{e(stem)}</code></figcaption></figure>")
     out += [html_note(n) for n in notes]
     out.append("<h2>Every cell</h2>")  # the reports `dtbench report` prints (render.cell_reports)
-    out += [html_section(r) for r in render.cell_reports(summary)]
+    out += [html_section(r) for r in render.cell_reports(every)]
     return html_page(f"dtbench report — run {ids}", out, intro)
 
 

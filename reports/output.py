@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text, markdown_cell, printable, to_csv
 
 if TYPE_CHECKING:  # pandas and rich load when a report is rendered, not when the CLI starts
@@ -308,7 +309,7 @@ def _class_attr(classes: str) -> str:
 
 
 def _html_value(v) -> str:
-    return "—" if v is None or (isinstance(v, float) and v != v) else str(v)
+    return MISSING if v is None or (isinstance(v, float) and v != v) else str(v)
 
 
 def html_section(report: Report, level: int = 3) -> str:

@@ -39,17 +39,17 @@ class Setting:
     """The main experimental setting: T and, per dataset (in run order), its prompt cap L_max."""
 
     T: int
-    caps: dict[str, int]
+    l_maxes: dict[str, int]
 
     def describe(self) -> str:
-        caps = ", ".join(f"{d} L_max={c}" for d, c in self.caps.items())
-        return f"T={self.T}; {caps}"
+        l_maxes = ", ".join(f"{d} L_max={c}" for d, c in self.l_maxes.items())
+        return f"T={self.T}; {l_maxes}"
 
     def cells(self, summary: pd.DataFrame, dataset: str | None = None) -> pd.DataFrame:
         """Summary rows at this setting (one dataset, or all), in their stored order."""
         mask = summary["gen_length"] == self.T
-        caps = self.caps if dataset is None else {dataset: self.caps[dataset]}
-        mask &= pd.Series([caps.get(d) == c for d, c in zip(summary["dataset"], summary["l_max"])],
+        l_maxes = self.l_maxes if dataset is None else {dataset: self.l_maxes[dataset]}
+        mask &= pd.Series([l_maxes.get(d) == c for d, c in zip(summary["dataset"], summary["l_max"])],
                           index=summary.index)
         return summary[mask]
 
@@ -71,13 +71,14 @@ class Method:
 PaperTable = Report
 
 
-def _non_sweep(summary: pd.DataFrame) -> pd.DataFrame:
-    return summary[~summary.get("sweep", pd.Series(False, index=summary.index)).astype(bool)]
+def non_sweep(summary: pd.DataFrame) -> pd.DataFrame:
+    """The summary's cells that are no sweep's points (the paper's tables and figures; sweeps have their own)."""
+    return summary[~summary["sweep"].astype(bool)] if "sweep" in summary else summary
 
 
 def main_setting(summary: pd.DataFrame) -> Setting | None:
     """The main setting of a summary (see the module docstring), or None for an empty summary."""
-    base = _non_sweep(summary)
+    base = non_sweep(summary)
     if base.empty:
         base = summary
     if base.empty:
@@ -85,11 +86,11 @@ def main_setting(summary: pd.DataFrame) -> Setting | None:
     counts = base.groupby("gen_length").size()
     T = int(max(counts.index, key=lambda t: (counts[t], t)))
     at_T = base[base["gen_length"] == T]
-    caps = {}
+    l_maxes = {}
     for ds in dict.fromkeys(at_T["dataset"]):
         c = at_T[at_T["dataset"] == ds].groupby("l_max").size()
-        caps[ds] = int(max(c.index, key=lambda k: (c[k], k)))
-    return Setting(T=T, caps=caps)
+        l_maxes[ds] = int(max(c.index, key=lambda k: (c[k], k)))
+    return Setting(T=T, l_maxes=l_maxes)
 
 
 def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list[str]]:
@@ -98,7 +99,7 @@ def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list
     Returns:
         (methods in stored order, notes naming merged labels, e.g. which K linear speculation used per dataset).
     """
-    cells = _non_sweep(setting.cells(summary, None))
+    cells = non_sweep(setting.cells(summary, None))
     by_label: dict[str, dict[str, pd.Series]] = {}
     for _, row in cells.iterrows():
         by_label.setdefault(row["label"], {})[row["dataset"]] = row
@@ -122,15 +123,15 @@ def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list
             m = Method(label, dict(by_label[label]))
             done.add(label)
         out.append(m)
-    datasets = list(setting.caps)
+    datasets = list(setting.l_maxes)
     full = [m for m in out if all(d in m.cells for d in datasets)]
     for m in full:
         for ds, c in m.cells.items():
-            notes += cell_notes(c, ds)
+            notes += paper_cell_notes(c, ds)
     return full, notes
 
 
-def cell_notes(c: pd.Series, ds: str) -> list[str]:
+def paper_cell_notes(c: pd.Series, ds: str) -> list[str]:
     """Notes a paper table owes its reader about one cell: a failure (partial or not), only warmup samples, a
     divergence from the reference in any sample (warmup included) of a decoder meant to be lossless, samples measured
     on different devices."""
@@ -171,8 +172,8 @@ def _display_name(name: str, cells: dict[str, pd.Series]) -> str:
 def ablation(summary: pd.DataFrame, setting: Setting) -> tuple[str | None, pd.DataFrame]:
     """Table 4's variants: (dataset, its non-sweep tree cells in stored order), or (None, empty) if < 2."""
     best, rows = None, summary.iloc[0:0]
-    for ds in setting.caps:
-        cells = _non_sweep(setting.cells(summary, ds))
+    for ds in setting.l_maxes:
+        cells = non_sweep(setting.cells(summary, ds))
         tree = cells[cells["family"] == "tree"]
         if len(tree) > len(rows):
             best, rows = ds, tree
@@ -339,9 +340,9 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
                      "speedup": c["speedup"], "delta_pct": delta, "tokens_per_iteration": c["tokens_per_iteration"],
                      "iterations": c["iterations"], "acceptance_rate": c["acceptance_rate"]})
     return PaperTable("table4_ablation", "Table 4 — Ablation",
-                      f"{dataset}, L_max={setting.caps[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
+                      f"{dataset}, L_max={setting.l_maxes[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
                       "Δ = relative throughput change vs the first tree variant.", pd.DataFrame(disp), pd.DataFrame(data),
-                      [n for _, c in rows.iterrows() for n in cell_notes(c, dataset)])
+                      [n for _, c in rows.iterrows() for n in paper_cell_notes(c, dataset)])
 
 
 def prepare(summary: pd.DataFrame, include_partial: bool = False) -> pd.DataFrame:

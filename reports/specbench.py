@@ -28,7 +28,7 @@ from sqlalchemy import select
 
 from dtbench.harness.db import Cell, Sample
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import BASELINE
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.questions import GROUPS
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 
@@ -70,8 +70,8 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
     """One row per greedy sample of a question dataset in the run: the cell's point and label, the task, counts,
     wall time and per-step counters (``step_tokens``, ``drafted``, ``accepted`` lists)."""
     rows = session.execute(
-        select(Cell.dataset, Cell.l_max, Cell.gen_length, Cell.label, Cell.decoder, Cell.status, Cell.sampling,
-               Sample.prompt_index,
+        select(Cell.dataset, Cell.l_max, Cell.gen_length, Cell.batch_size, Cell.label, Cell.decoder, Cell.status,
+               Cell.sampling, Sample.prompt_index,
                Sample.warmup, Sample.new_tokens, Sample.total_s, Sample.step_tokens, Sample.step_stats,
                Sample.task_group, Sample.category, Sample.turn, Sample.question_id, Sample.lossless,
                Cell.lossless_expected)
@@ -86,6 +86,7 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
         records.append({**{k: getattr(r, k) for k in ("dataset", "l_max", "gen_length", "label", "decoder", "status",
                                                         "prompt_index", "warmup", "new_tokens", "total_s",
                                                         "task_group", "category", "turn", "question_id")},
+                        "batch_size": r.batch_size or 1,  # question datasets run at B = 1 only (the plan's rule)
                         "not_lossless": bool(r.lossless_expected) and r.lossless is False,
                         "step_tokens": list(r.step_tokens or []), "drafted": list(stats.get("drafted") or []),
                         "accepted": list(stats.get("accepted") or [])})
@@ -140,6 +141,8 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     """
     if samples.empty:
         raise DtbenchError("--spec-bench: the run has no greedy samples of a question dataset (such as spec-bench)")
+    if "batch_size" not in samples:  # frames made before batch sizes existed: B = 1
+        samples = samples.assign(batch_size=1)
     basis = samples[~samples["warmup"].astype(bool)]
     if basis.empty:
         raise DtbenchError("--spec-bench: every question-dataset sample of the run is warmup")
@@ -148,9 +151,9 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     rows = []
     # cells declared lossless with a sample (warmup included) that failed the lossless check: marked where shown
     lossy = set() if "not_lossless" not in samples else {
-        tuple(k) for k in samples.loc[samples["not_lossless"].astype(bool), ["dataset", "l_max", "gen_length", "label"]]
+        tuple(k) for k in samples.loc[samples["not_lossless"].astype(bool), [*GROUP, "label"]]
         .itertuples(index=False)}
-    for point, at in basis.groupby(["dataset", "l_max", "gen_length"], sort=False):
+    for point, at in basis.groupby(GROUP, sort=False):
         ref = at[at["decoder"] == BASELINE]
         if ref.empty:
             raise DtbenchError(f"--spec-bench: no {BASELINE} samples at {point[0]} L_max={point[1]} T={point[2]}")
@@ -187,16 +190,16 @@ def display(board: pd.DataFrame) -> pd.DataFrame:
     out["Mean acc. len (vLLM)"] = [_f(v, ".2f") for v in board["mean_acceptance_length"]]
     width = min(POSITIONS, max((len(p) for p in board["per_position"]), default=0))
     for i in range(width):
-        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else "—" for p in board["per_position"]]
+        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else MISSING for p in board["per_position"]]
     return out
 
 
 def _x(v) -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
 
 
 def _f(v, spec: str, suffix: str = "") -> str:
-    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
 
 
 CAPTION = ("Spec-Bench layout (evaluation/speed.py): per group, speedup = mean over questions of tokens/s (turns "
@@ -217,7 +220,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     with sessions() as session:
         run = get_run(session, run_id)
         board = leaderboard(task_samples(session, run.id))
-    points = list(board.groupby(["dataset", "l_max", "gen_length"], sort=False))
+    points = list(board.groupby(GROUP[:3], sort=False))  # question datasets: B = 1 only, no batch_size column
 
     def title(key) -> str:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"

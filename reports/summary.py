@@ -27,21 +27,21 @@ from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
-from dtbench.reports.stats import GROUP, KEY, baseline_values, family_of
+from dtbench.harness.sample import SCALAR_COLUMNS
+from dtbench.reports.stats import (
+    GROUP,
+    KEY,
+    baseline_values,
+    cell_lossless,
+    collapse_batches,
+    remainder_mask,
+    cell_throughput,
+    family_of,
+    group_key,
+)
 
-# The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
-SAMPLED = "sampled (exact by construction, distribution-tested)"
-
-_SAMPLE_COLS = list(dict.fromkeys([
-    "prompt_index", "warmup", "prompt_tokens", "new_tokens", "total_s", "ttft_s", "tpot_s", "throughput",
-    "iterations", "tokens_per_iteration", "drafted", "accepted", "draft_depth", "target_forwards", "draft_forwards",
-    "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "nvml_scope", "lossless", "first_divergence",
-    "lossless_checked", "lossless_ties", "lossless_errors", "lossless_first_error", "lossless_error_margin",
-    "lossless_tie_margin", "lossless_check_s",
-    "output_hash", "worker_host", "device_name", "energy_status", "task_group", "category", "turn", "question_id",
-    *(m.column for m in METRICS if isinstance(m.column, str)),
-]))
-_CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
+_SAMPLE_COLS = list(SCALAR_COLUMNS)  # every sample column but the bulky per-iteration lists (harness/sample.py)
+_CELL_COLS = ["dataset", "l_max", "gen_length", "batch_size", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
               "sampling",
               "lossless_expected", "lossless_check", "reference_label", "status", "error", "target_model", "draft_model"]
 
@@ -69,6 +69,7 @@ def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
     records = []
     for cell, sample in rows:
         rec = {"cell_id": cell.id, **{c: getattr(cell, c) for c in _CELL_COLS}}
+        rec["batch_size"] = rec["batch_size"] or 1  # cells written before batch sizes: B = 1
         rec.update({c: (getattr(sample, c) if sample is not None else None) for c in _SAMPLE_COLS})
         rec["has_sample"] = sample is not None
         records.append(rec)
@@ -83,11 +84,14 @@ METRIC_COLUMNS = [*METRICS[0].columns, "speedup", *(c for m in METRICS[1:] for c
 
 
 def _aggregates(basis: pd.DataFrame) -> dict[str, float]:
-    """Every metric's per-cell aggregate over the samples after warmup (NaN when there are none)."""
+    """Every metric's per-cell aggregate over the samples after warmup (NaN when there are none); throughput's mean
+    is :func:`~dtbench.reports.stats.cell_throughput`."""
     out = {}
     for m in METRICS:
         values = m.values(basis).dropna() if len(basis) else pd.Series(dtype=float)
         mean = values.mean() if len(values) else float("nan")
+        if m.name == "throughput":
+            mean = cell_throughput(basis.to_dict("records"))
         if m.spread:
             out[f"{m.name}_mean"], out[f"{m.name}_std"] = mean, values.std(ddof=1) if len(values) else float("nan")
         else:
@@ -151,20 +155,16 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     for cell_id, cell in frame.groupby("cell_id", sort=False):
         first = cell.iloc[0]
         measured = cell[cell["has_sample"]]
-        basis = measured[~measured["warmup"].astype(bool)]
+        remainder = remainder_mask(measured)
+        basis = collapse_batches(measured[~measured["warmup"].astype(bool) & ~remainder])
         compared = measured["lossless"].dropna()
-        if first["sampling"] and bool(first["lossless_expected"]):
-            lossless = SAMPLED
-        elif len(compared) == 0:
-            lossless = "—"
-        else:
-            lossless = "yes" if bool(compared.all()) else "no"
+        lossless = cell_lossless(measured["lossless"], sampled=bool(first["sampling"]) and bool(first["lossless_expected"]))
         out.append({
-            "cell_id": cell_id, "dataset": first["dataset"], "l_max": int(first["l_max"]),
-            "gen_length": int(first["gen_length"]), "label": first["label"], "decoder": first["decoder"],
+            "cell_id": cell_id, **dict(zip(GROUP, group_key(first))), "label": first["label"], "decoder": first["decoder"],
             "family": family_of(first["family"]),
             "params": first["params"], "decoder_version": first["decoder_version"], "sweep_group": first["sweep_group"],
-            "n": len(basis), "warmup_n": len(measured) - len(basis),
+            "n": len(basis), "warmup_n": int(measured["warmup"].astype(bool).sum()),
+            "remainder_n": int(remainder.sum()),
             **_aggregates(basis),
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
             "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),

@@ -23,11 +23,11 @@ HARDWARE = {"cpu_flags": {"avx2": True, "avx512f": True, "avx512_bf16": True, "a
                           "amx_bf16": False, "amx_tile": False}, "torch_cpu_capability": "AVX512"}
 
 
-def suite_text(name: str, decoders: list[dict[str, Any]], datasets=("wikitext-2",), T=(64,), cap=128) -> str:
+def suite_text(name: str, decoders: list[dict[str, Any]], datasets=("wikitext-2",), T=(64,), l_max=128) -> str:
     """A valid suite YAML (stored with the run; reports read its ``sweep:`` entries)."""
     return yaml.safe_dump({
         "name": name,
-        "datasets": [{"name": d, "prompts": 10, "warmup": 2, "L_max": cap} for d in datasets],
+        "datasets": [{"name": d, "prompts": 10, "warmup": 2, "L_max": l_max} for d in datasets],
         "generation_lengths": list(T), "decoders": decoders,
     }, sort_keys=False)
 
@@ -41,7 +41,7 @@ def add_run(session, name="t", env=None, text=None, status="completed") -> Run:
     return run
 
 
-def add_cell(session, run: Run, label: str, decoder: str | None = None, *, dataset="wikitext-2", cap=128, T=64,
+def add_cell(session, run: Run, label: str, decoder: str | None = None, *, dataset="wikitext-2", l_max=128, T=64,
              params=None, version="1", status="done", error=None, target="smollm2 (float32)", draft=None,
              sweep_group: str | None = None, sampling: dict | None = None, family: str | None = None) -> Cell:
     """A cell as the runner stores it; ``family`` defaults to the one the installed decoder declares (None for an
@@ -52,7 +52,7 @@ def add_cell(session, run: Run, label: str, decoder: str | None = None, *, datas
             family = registry.get(decoder).family
         except DtbenchError:
             family = None
-    cell = Cell(run=run, dataset=dataset, l_max=cap, gen_length=T, decoder=decoder, family=family, label=label,
+    cell = Cell(run=run, dataset=dataset, l_max=l_max, gen_length=T, decoder=decoder, family=family, label=label,
                 decoder_version=version, decoder_distribution="dtbench", params=params or {},
                 lossless_expected=True, reference_label=None if decoder == "ar" else "ar",
                 target_model=target, draft_model=draft if draft is not None else (None if decoder == "ar" else "draft (bf16)"),
@@ -138,23 +138,23 @@ def paper_like(session, seed: int = 0) -> list[int]:
         {"name": "dynatree", "label": "DTD", "sweep": {"d0": [4, 6]}, "datasets": ["wikitext-2"]},
     ]
     dyn = {"tau_h": 0.9, "tau_l": 0.4, "b_min": 1, "b_max": 3, "d0": 5, "d_max": 8}
-    text = suite_text("paper", decs, datasets=("wikitext-2", "pg19"), T=(1500,), cap=[800, 1000][0])
+    text = suite_text("paper", decs, datasets=("wikitext-2", "pg19"), T=(1500,), l_max=[800, 1000][0])
     r1 = add_run(session, "paper", text=text)
-    caps = {"wikitext-2": 800, "pg19": 1000}
+    l_maxes = {"wikitext-2": 800, "pg19": 1000}
     main = {"AR": ("ar", {}, 133.4, 0.5, 1.0, None, None), "Linear Spec (K=8)": ("linear", {"k": 8}, 196.1, 37.8, 6.82, .882, 7.05),
             "Linear Spec (K=5)": ("linear", {"k": 5}, 144.9, 28.6, 4.56, .925, 4.63),
             "Fixed Tree (D=5, B=2)": ("fixed_tree", {"depth": 5, "branching": 2}, 188.0, 16.5, 5.9, .7, 5.5),
             "+ Dynamic Breadth & Depth": ("dynatree", {"history_adaptation": False}, 213.2, 26.1, 6.9, .95, 7.0),
             "DynaTree": ("dynatree", dyn, 219.5, 22.2, 7.08, 1.022, 7.15),
             "Fixed Tree (D=8, B=3, tau=0.1)": ("fixed_tree", {"depth": 8, "branching": 3, "tau": 0.1}, 200.7, 41.7, 6.79, .71, 7.10)}
-    for ds, cap in caps.items():
+    for ds, l_max in l_maxes.items():
         scale = 1.0 if ds == "wikitext-2" else 0.86
         for label, (dec, params, thr, sd, L, acc, path) in main.items():
             if ds == "pg19" and label in ("Linear Spec (K=8)", "Fixed Tree (D=5, B=2)", "+ Dynamic Breadth & Depth"):
                 continue
             if ds == "wikitext-2" and label == "Linear Spec (K=5)":
                 continue
-            c = add_cell(session, r1, label, dec, dataset=ds, cap=cap, T=1500, params=params)
+            c = add_cell(session, r1, label, dec, dataset=ds, l_max=l_max, T=1500, params=params)
             add_samples(session, c, _noisy(rng, thr * scale, sd * 0.5, 10), warmup=2, acceptance=acc, path=path,
                         iterations=int(1500 / L), rss_mib=6100 + (0 if dec == "ar" else 200) + (50 if ds == "pg19" else 0),
                         ttft_s=0.019 if dec == "ar" else 0.0145)
@@ -162,34 +162,34 @@ def paper_like(session, seed: int = 0) -> list[int]:
         for B in fixed_sweep["branching"]:
             for tau in fixed_sweep["tau"]:
                 thr = 150 + 8 * D + (6 if B == 3 else 0) - (40 * abs(tau - 0.05))
-                c = add_cell(session, r1, f"FT (depth={D}, branching={B}, tau={tau})", "fixed_tree", cap=800, T=1500,
+                c = add_cell(session, r1, f"FT (depth={D}, branching={B}, tau={tau})", "fixed_tree", l_max=800, T=1500,
                              params={"depth": D, "branching": B, "tau": tau}, sweep_group="FT")
                 add_samples(session, c, _noisy(rng, thr, 10, 10), warmup=2, acceptance=0.6, path=D * 0.7,
                             iterations=int(1500 / (D * 0.8)))
     for th in dyn_sweep["tau_h"]:
         for tl in dyn_sweep["tau_l"]:
-            c = add_cell(session, r1, f"DT (tau_h={th}, tau_l={tl})", "dynatree", cap=800, T=1500,
+            c = add_cell(session, r1, f"DT (tau_h={th}, tau_l={tl})", "dynatree", l_max=800, T=1500,
                          params={**dyn, "tau_h": th, "tau_l": tl}, sweep_group="DT")
             add_samples(session, c, _noisy(rng, 200 + 30 * th - 20 * tl, 15, 10), warmup=2, acceptance=0.9, path=6.5,
                         iterations=220)
     for label, key, values in (("DTB", "b_max", [2, 4]), ("DTD", "d0", [4, 6])):
         for v in values:
-            c = add_cell(session, r1, f"{label} ({key}={v})", "dynatree", cap=800, T=1500, params={**dyn, key: v},
+            c = add_cell(session, r1, f"{label} ({key}={v})", "dynatree", l_max=800, T=1500, params={**dyn, key: v},
                          sweep_group=label)
             add_samples(session, c, _noisy(rng, 205 + 3 * v, 15, 10), warmup=2, acceptance=0.9, path=6.5, iterations=220)
-    r2 = add_run(session, "paper-length", text=suite_text("paper-length", decs[:2] + decs[5:7], T=(100, 500, 1000, 1500), cap=800))
+    r2 = add_run(session, "paper-length", text=suite_text("paper-length", decs[:2] + decs[5:7], T=(100, 500, 1000, 1500), l_max=800))
     for T in (100, 500, 1000, 1500):
         for label in ("AR", "Linear Spec (K=8)", "DynaTree", "Fixed Tree (D=8, B=3, tau=0.1)"):
             dec, params, thr, sd, L, acc, path = main[label]
-            c = add_cell(session, r2, label, dec, cap=800, T=T, params=params)
+            c = add_cell(session, r2, label, dec, l_max=800, T=T, params=params)
             add_samples(session, c, _noisy(rng, thr * (0.9 + 0.1 * T / 1500), sd * 0.3, 6), warmup=1, acceptance=acc,
                         path=path, iterations=int(T / L))
-    r3 = add_run(session, "paper-prompt", text=suite_text("paper-prompt", decs[:2] + decs[5:7], T=(1500,), cap=[100, 200, 800, 1000][0]))
-    for cap in (100, 200, 800, 1000):
+    r3 = add_run(session, "paper-prompt", text=suite_text("paper-prompt", decs[:2] + decs[5:7], T=(1500,), l_max=[100, 200, 800, 1000][0]))
+    for l_max in (100, 200, 800, 1000):
         for label in ("AR", "Linear Spec (K=8)", "DynaTree", "Fixed Tree (D=8, B=3, tau=0.1)"):
             dec, params, thr, sd, L, acc, path = main[label]
-            c = add_cell(session, r3, label, dec, cap=cap, T=1500, params=params)
-            add_samples(session, c, _noisy(rng, thr * (1.05 - cap / 4000), sd * 0.3, 6), warmup=1, acceptance=acc,
+            c = add_cell(session, r3, label, dec, l_max=l_max, T=1500, params=params)
+            add_samples(session, c, _noisy(rng, thr * (1.05 - l_max / 4000), sd * 0.3, 6), warmup=1, acceptance=acc,
                         path=path, iterations=int(1500 / L))
     session.commit()
     return [r1.id, r2.id, r3.id]

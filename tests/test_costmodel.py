@@ -119,11 +119,11 @@ DECODERS = {
 }
 
 
-def tiny_suite(name: str, params: dict, cap: int, T: int):
+def tiny_suite(name: str, params: dict, l_max: int, T: int):
     text = yaml.safe_dump({
         "name": "fake", "device": "cpu", "target": {"model": "t", "dtype": "float64"},
         "draft": {"model": "d", "dtype": "float64"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": cap}],
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": l_max}],
         "generation_lengths": [T], "decoders": [{"name": name, "params": params}]})
     suite = parse_suite(text)
     return suite, plan_suite(suite)

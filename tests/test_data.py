@@ -141,10 +141,10 @@ def test_tuning_prompts_come_from_other_documents_than_every_benchmark(data_dir)
         for t_ds in tuning.datasets:
             for b_ds in (d for d in bench.datasets if d.name == t_ds.name):
                 assert b_ds.skip == 0
-                held = {p.document for cap in t_ds.caps for p in data.select_prompts(
-                    data.load_documents(t_ds, str(data_dir)), tokenizer, t_ds.prompts, cap, tuning.seed)}
-                used = {p.document for cap in b_ds.caps for p in data.select_prompts(
-                    data.load_documents(b_ds, str(data_dir)), tokenizer, b_ds.prompts, cap, bench.seed)}
+                held = {p.document for l_max in t_ds.l_maxes for p in data.select_prompts(
+                    data.load_documents(t_ds, str(data_dir)), tokenizer, t_ds.prompts, l_max, tuning.seed)}
+                used = {p.document for l_max in b_ds.l_maxes for p in data.select_prompts(
+                    data.load_documents(b_ds, str(data_dir)), tokenizer, b_ds.prompts, l_max, bench.seed)}
                 assert held and used and not held & used, (path.name, held & used)
                 checked += 1
     assert checked >= 4

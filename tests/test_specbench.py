@@ -14,7 +14,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from dtbench.harness import chat, questions
 from dtbench.harness.errors import DtbenchError

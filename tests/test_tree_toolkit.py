@@ -381,9 +381,9 @@ def as_paper_nodes(tree):
 
 
 def draft(policy, dist, vocab, strategy, tree_root="paper", prune="leaf", depth_cap=None):
-    cap = depth_cap or policy.depth_limit + T.root_offset(tree_root)
-    tree = T.TokenTree(99, policy.n_max, T.tree_capacity(policy.max_breadth, cap, policy.n_max), "cpu")
-    T.draft_tree(ScriptedSession(dist, vocab), tree, 99, policy, cap, strategy, tree_root=tree_root, prune=prune)
+    l_max = depth_cap or policy.depth_limit + T.root_offset(tree_root)
+    tree = T.TokenTree(99, policy.n_max, T.tree_capacity(policy.max_breadth, l_max, policy.n_max), "cpu")
+    T.draft_tree(ScriptedSession(dist, vocab), tree, 99, policy, l_max, strategy, tree_root=tree_root, prune=prune)
     return tree
 
 

@@ -1,0 +1,133 @@
+"""The one sample record: every column of a measured sample, declared once, and the reference output a decoder's
+sample is compared with.
+
+:class:`SampleRecord` is what a worker produces for one (cell, prompt) and the ``samples`` table stores (the table's
+columns are these fields plus its bookkeeping ``id``, ``cell_id`` and ``created_at``; tests/test_db.py asserts they
+are equal, so a new column is a field here, a column in :class:`dtbench.harness.db.Sample` and a migration). Every
+other shape is derived from it: the plain dict shipped between processes (:meth:`SampleRecord.as_row`), the row the
+runner stores, the columns the reports read back (:data:`COLUMNS`). Definitions of the metrics:
+:mod:`dtbench.harness.metrics` (:func:`~dtbench.harness.metrics.sample_row` fills the measurement's part).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, NamedTuple
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleRecord:
+    """One prompt decoded by one cell. Times in seconds, memory in bytes, energy in joules, counts in tokens or
+    forwards (definitions: :mod:`dtbench.harness.metrics`).
+
+    Attributes:
+        prompt_index, document, warmup, prompt_tokens: which prompt (its index in the cell, source document, whether
+            it is one of the first W, its length in tokens).
+        task_group, category, turn, question_id: a question dataset's task (None for raw text).
+        new_tokens: T generated; total_s, ttft_s, tpot_s, throughput: wall times and T / total_s.
+        iterations, tokens_per_iteration, drafted, accepted, draft_depth, acceptance_rate, acceptance_incl_bonus,
+            mean_path_length, mean_path_length_all, target_forwards, draft_forwards: the speculation counters.
+        step_tokens, step_stats, step_times_s: per iteration (committed tokens; drafted/accepted/depth/forwards and
+            the decoder's state; seconds from start at each iteration's end).
+        peak_rss_bytes, peak_allocated_bytes, peak_nvml_bytes, nvml_scope: peak memory.
+        energy_j, energy_status, energy_source: energy over the sample (:mod:`dtbench.harness.energy`).
+        output_hash, output_tokens: the output's identity and token ids.
+        lossless, first_divergence: the verdict against the reference and the first differing position.
+        lossless_*: the teacher-forced check of every emitted token (:mod:`dtbench.harness.lossless`).
+        worker_host, device_name: where it was measured.
+        batch_group, batch_rows, batch_total_s: a row of a batched cell (B > 1, issue 29): its prompt group's first
+            prompt index, the rows decoded together (< B: the remainder group) and the group's wall time in seconds
+            (until its last row finished); None at B = 1.
+    """
+
+    prompt_index: int
+    document: str
+    warmup: bool
+    prompt_tokens: int
+    new_tokens: int
+    total_s: float
+    ttft_s: float
+    throughput: float
+    iterations: int
+    tokens_per_iteration: float
+    drafted: int
+    accepted: int
+    draft_depth: int
+    step_tokens: list[int]
+    step_stats: dict[str, Any]
+    step_times_s: list[float]
+    output_hash: str
+    output_tokens: list[int]
+    tpot_s: float | None = None
+    acceptance_rate: float | None = None
+    acceptance_incl_bonus: float | None = None
+    mean_path_length: float | None = None
+    mean_path_length_all: float | None = None
+    target_forwards: int | None = None
+    draft_forwards: int | None = None
+    task_group: str | None = None
+    category: str | None = None
+    turn: int | None = None
+    question_id: str | None = None
+    peak_rss_bytes: int | None = None
+    peak_allocated_bytes: int | None = None
+    peak_nvml_bytes: int | None = None
+    nvml_scope: str | None = None
+    energy_j: float | None = None
+    energy_status: str | None = None
+    energy_source: str | None = None
+    lossless: bool | None = None
+    first_divergence: int | None = None
+    lossless_checked: int | None = None
+    lossless_ties: int | None = None
+    lossless_errors: int | None = None
+    lossless_first_error: int | None = None
+    lossless_error_margin: float | None = None
+    lossless_tie_margin: float | None = None
+    lossless_noise: float | None = None
+    lossless_check_s: float | None = None
+    lossless_diagnoses: list[dict[str, Any]] | None = None
+    worker_host: str | None = None
+    device_name: str | None = None
+    batch_group: int | None = None
+    batch_rows: int | None = None
+    batch_total_s: float | None = None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> SampleRecord:
+        """The record of a row of columns (a worker's shipped dict).
+
+        Raises:
+            ValueError: a key that is no column, or a required column missing.
+        """
+        unknown = sorted(set(row) - set(COLUMNS))
+        if unknown:
+            raise ValueError(f"not sample columns: {', '.join(unknown)}")
+        try:
+            return cls(**row)
+        except TypeError as exc:  # a required column missing
+            raise ValueError(str(exc)) from None
+
+    def as_row(self) -> dict[str, Any]:
+        """The columns as a plain dict (JSON-able values: what executors ship and the runner stores)."""
+        return asdict(self)
+
+
+COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(SampleRecord))
+# Columns a per-cell report never reads back: per-iteration lists and the output itself (large JSON).
+BULKY = frozenset({"step_tokens", "step_stats", "step_times_s", "output_tokens", "lossless_diagnoses", "document"})
+SCALAR_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c not in BULKY)
+
+
+class Reference(NamedTuple):
+    """The reference decoder's output on one prompt, what a dependent decoder's sample is compared with.
+
+    Attributes:
+        tokens: its output token ids.
+        total_s: its wall time (s), the yardstick of ``timeout_s: auto``.
+        cpu_s: its CPU seconds when measured in this process; None when read back from the database (a resumed run).
+    """
+
+    tokens: list[int]
+    total_s: float
+    cpu_s: float | None = None
