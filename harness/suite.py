@@ -112,6 +112,10 @@ class DatasetSpec(_HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
     name: Name
+    label: Name | None = Field(
+        None, description="the entry's name in the results (cells, reports, per-decoder `datasets:` restrictions); "
+        "default: the dataset's name. Two entries of one dataset (Spec-Bench's questions beside a user's own question "
+        "file, two text-files folders) run side by side under different labels")
     prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
     l_max: int | list[int] = Field(800, alias=L_MAX,
@@ -135,6 +139,11 @@ class DatasetSpec(_HasLMax):
         0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
         "(tuning on other documents than the benchmark)")
+
+    @property
+    def key(self) -> str:
+        """The entry's identity in the results: its ``label``, else the dataset's name (stored as ``cells.dataset``)."""
+        return self.label or self.name
 
     @field_validator("l_max")
     @classmethod
@@ -317,10 +326,11 @@ class Suite(_Frozen):
         seen: set[tuple[str, int]] = set()
         for i, ds in enumerate(self.datasets):
             for l_max in ds.l_maxes:
-                if (ds.name, l_max) in seen:
-                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {l_max} is listed "
-                                     f"twice (its cells would collide)")
-                seen.add((ds.name, l_max))
+                if (ds.key, l_max) in seen:
+                    what = f"label '{clip(ds.key, 60)}'" if ds.label else f"dataset '{clip(ds.name, 60)}'"
+                    raise ValueError(f"datasets.{i}: {what} with {L_MAX} {l_max} is listed twice (its cells would "
+                                     f"collide; give the entries different label: keys)")
+                seen.add((ds.key, l_max))
         cells = len(seen) * len(self.generation_lengths) * len(self.batch_sizes) * sum(
             max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
         if cells > MAX_GRID:
