@@ -305,7 +305,7 @@ def validate(suite_path, data_dir) -> None:
             console.print("warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
                           "refuses it here (it can run with --executor ray on a cluster with GPUs)",
                           style="yellow", markup=False, highlight=False, soft_wrap=True)
-    points = sum(1 for ds, l_max, T in plan.points() if plan.decoders_at(ds.name, l_max, T))
+    points = sum(1 for ds, l_max, T, B in plan.points() if plan.decoders_at(ds.key, l_max, T, B))
     click.echo(f"{printable(suite_path)}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
                f"{plan.n_samples} samples")
 
@@ -314,6 +314,7 @@ def validate(suite_path, data_dir) -> None:
 def list_decoders() -> None:
     """List registered decoders: name, distribution, lossless flag, draft model need and params."""
     from dtbench.harness import registry
+    from dtbench.reports.output import plain
 
     table = Table(title="registered decoders (entry-point group dtbench.decoders)")
     for col in ("name", "distribution", "lossless", "draft", "params"):
@@ -322,20 +323,23 @@ def list_decoders() -> None:
     found = registry.scan()
     for entry in found.refused + [e for es in found.ambiguous.values() for e in es]:
         why = "refused: built-in name" if entry in found.refused else "ambiguous: name claimed twice"
-        table.add_row(entry.name, f"{entry.distribution} {entry.version}", MISSING, MISSING, f"[red]{why}[/red]")
+        table.add_row(plain(entry.name), plain(f"{entry.distribution} {entry.version}"), MISSING, MISSING,
+                      f"[red]{why}[/red]")
     problems.extend(found.warnings("decoder"))
     for name, entry in sorted(registry.discover().items()):
         try:
             cls = entry.load()
         except DtbenchError as exc:
             problems.append(str(exc))
-            table.add_row(name, f"{entry.distribution} {entry.version}", "?", "?", "[red]failed to load[/red]")
+            table.add_row(plain(name), plain(f"{entry.distribution} {entry.version}"), "?", "?",
+                          "[red]failed to load[/red]")
             continue
         params = ", ".join(
             f"{k}={f.default!r}" if not f.is_required() else f"{k} (required)" for k, f in cls.Params.model_fields.items()
         )
-        table.add_row(name, f"{entry.distribution} {entry.version}", "yes" if cls.lossless else "no",
-                      "yes" if cls.needs_draft else "no", params or MISSING)
+        # a plugin's names and defaults are text from elsewhere: escaped, never parsed as rich markup
+        table.add_row(plain(name), plain(f"{entry.distribution} {entry.version}"), "yes" if cls.lossless else "no",
+                      "yes" if cls.needs_draft else "no", plain(params or MISSING))
     output.stdout().print(table)  # the reports' console: a pipe gets the full width
     for p in problems:
         click.echo(f"warning: {printable(p)}", err=True)

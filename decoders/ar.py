@@ -28,6 +28,7 @@ class Autoregressive(Decoder[ARParams]):
     lossless = True
     supports_sampling = True
     family = "ar"
+    batching = True
 
     @classmethod
     def reference(cls, params: ARParams) -> tuple[str, dict[str, Any]] | None:
@@ -45,3 +46,12 @@ class Autoregressive(Decoder[ARParams]):
             logits = kv.forward(self.target, [token], cache)
             token = next_token(logits[-1], self.sampling, self.generator)
             yield Step(tokens=(token,))
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """Greedy AR over B prompts together: the one chain loop with no drafts (one batched target forward per
+        token, every row its own position and cache length; a finished row leaves the batch)."""
+        from dtbench.decoders.chain import NoDrafts, speculate_chain_batch
+
+        yield from speculate_chain_batch(self.target, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0,
+                                         self.eos_token_id)

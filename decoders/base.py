@@ -76,6 +76,10 @@ class Decoder(ABC, Generic[P]):
         version: bumped when the algorithm changes, so results stay comparable only within a version.
         supports_sampling: True if it honours ``self.sampling`` / ``self.generator`` (set by the runner; a suite
             that samples is refused for decoders without it).
+        batching: True if it decodes B prompts together (:meth:`generate_batch`, suite key ``batch_sizes``):
+            ``ar``, the chain and tree decoders through the one chain/tree loop, ``hf_generate`` through transformers'
+            batched ``generate``. A suite asking a decoder without it for B > 1 is refused at validate (a
+            capability, never a name).
         family: what kind of loop it runs, stored on every cell (``cells.family``) and read by the reports:
             ``"ar"`` one target forward per token, nothing drafted (the paper's AR rows); ``"chain"`` a drafted
             chain of K tokens verified in one target forward (:func:`dtbench.decoders.chain.speculate_chain`; the
@@ -90,6 +94,7 @@ class Decoder(ABC, Generic[P]):
     lossless: ClassVar[bool] = True
     version: ClassVar[str] = "1"
     supports_sampling: ClassVar[bool] = False
+    batching: ClassVar[bool] = False
 
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
     sampling: Any = None  # SamplingSettings | None
@@ -124,6 +129,14 @@ class Decoder(ABC, Generic[P]):
 
         Only asked when ``supports_sampling`` is True; a decoder whose sampling is lossless only for some params
         overrides it (the plan refuses such a cell before any model loads).
+        """
+        return None
+
+    @classmethod
+    def batching_error(cls, params: DecoderParams) -> str | None:
+        """Why this decoder cannot decode batches with ``params`` (a one-line reason), or None if it can.
+
+        Only asked when ``batching`` is True and the suite asks for B > 1 (the plan refuses such a cell at validate).
         """
         return None
 
@@ -195,6 +208,25 @@ class Decoder(ABC, Generic[P]):
             are the generated continuation; the runner keeps the first T (and nothing after the first EOS when
             ``eos_token_id`` is set, see :func:`cut_at_eos`) and stops iterating then.
         """
+
+
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """Decode B prompts together (batch size B = ``len(prompts)``, greedy; only when ``batching`` is True).
+
+        Args:
+            prompts: per row the prompt ids, shape (1, prompt_len_r) int64 (ragged lengths), on the target's device.
+            max_new_tokens: T per row; with ``eos_token_id`` set, the most (a row ends at its first EOS).
+
+        Yields:
+            One dict {row index: Step} per target verification (the iteration's committed tokens of each row that
+            took part; the first dict holds every row's prefill token). A row's Steps concatenated are its
+            continuation; the runner timestamps each dict, keeps each row's first T tokens (cut after EOS) and stops
+            once every row is done.
+
+        Raises:
+            NotImplementedError: the decoder cannot batch (``batching`` False).
+        """
+        raise NotImplementedError(f"decoder {type(self).__name__} does not decode batches (batching = False)")
 
 
 def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset[int]:

@@ -12,7 +12,7 @@ target's cache is not a plain ``DynamicCache``, :class:`ChainTarget`; then ``gen
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from typing import cast
 
@@ -51,6 +51,13 @@ class Proposer(ABC):
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
         """The verification's result: the first ``accepted`` drafts were committed, then the target's bonus token
         ``committed[-1]``, which becomes the new pending token."""
+
+
+class NoDrafts(Proposer):
+    """Proposes nothing: the chain loop then verifies only the pending token, i.e. autoregressive decoding."""
+
+    def propose(self, max_tokens: int) -> list[int]:
+        return []
 
 
 class ChainTarget(ABC):
@@ -141,15 +148,75 @@ class DraftModelProposer(Proposer):
         self.context += len(committed)
 
 
+class RowsTarget(ABC):
+    """The target's side of a verification over one or several rows (sequences decoded together).
+
+    :func:`speculate_chain_rows` talks to this; :class:`OneRow` wraps a :class:`ChainTarget` (batch 1, the plain
+    cache operations unchanged), :class:`RaggedRows` a :class:`~dtbench.decoders.kv.RaggedBatch` (batch B).
+    """
+
+    @abstractmethod
+    def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Feed each row's prompt, shape (1, prompt_len) int64; each row's last-position logits, (vocab,)."""
+
+    @abstractmethod
+    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Feed each active row its ``[pending, *drafts]`` (one forward); per row logits (len(tokens), vocab)."""
+
+    @abstractmethod
+    def keep(self, counts: list[int]) -> None:
+        """Row i keeps the first ``counts[i]`` tokens of its last verification (pending + accepted drafts)."""
+
+    def retain(self, rows: list[int]) -> None:
+        """Only these rows (indices into the active rows) stay in the batch: finished rows stop costing work."""
+
+
+class OneRow(RowsTarget):
+    """One row over a :class:`ChainTarget`: exactly the batch-1 cache operations (no masks, no padding)."""
+
+    def __init__(self, target: ChainTarget):
+        self.target = target
+
+    def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.target.prefill(prompts[0])]
+
+    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        return [self.target.verify(rows[0])]
+
+    def keep(self, counts: list[int]) -> None:
+        self.target.keep(counts[0])
+
+
+class RaggedRows(RowsTarget):
+    """B rows over one :class:`~dtbench.decoders.kv.RaggedBatch`: causal per row, ragged drafts and acceptance."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.batch = kv.RaggedBatch(model)
+
+    def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.batch.prefill([p[0].tolist() for p in prompts])
+
+    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        logits = self.batch.forward(rows)
+        return [logits[r, :len(t)] for r, t in enumerate(rows)]
+
+    def keep(self, counts: list[int]) -> None:
+        self.batch.keep([list(range(c)) for c in counts])
+
+    def retain(self, rows: list[int]) -> None:
+        self.batch.retain(rows)
+
+
 def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
                     k: int, sampling: SamplingSettings | None = None, generator: torch.Generator | None = None,
                     eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
-    """Chain speculative decoding (Leviathan et al. 2023; paper section 4.3): greedy verification, or speculative
-    sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
+    """Chain speculative decoding of one prompt (Leviathan et al. 2023; paper section 4.3): greedy verification, or
+    speculative sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
 
-    Each iteration proposes at most ``min(k, T - produced - 1)`` drafts (so with the bonus token it never
-    commits past T), verifies ``[pending, *drafts]`` in one target forward, keeps the longest matching prefix
-    plus the target's bonus token and rolls both sides back.
+    The one chain loop (:func:`speculate_chain_rows`) with a single row on ``target`` (:class:`OneRow`): each
+    iteration proposes at most ``min(k, T - produced - 1)`` drafts (so with the bonus token it never commits past
+    T), verifies ``[pending, *drafts]`` in one target forward, keeps the longest matching prefix plus the target's
+    bonus token and rolls both sides back.
 
     Args:
         target: the target's cache policy (:class:`KVTarget` for a plain cache).
@@ -166,28 +233,76 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
         drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed (the last Step cut after EOS).
     """
-    proposer.sampling, proposer.generator = sampling, generator  # type: ignore[assignment]
+    for steps in speculate_chain_rows(OneRow(target), [proposer], [input_ids], max_new_tokens, k, sampling,
+                                      generator, eos_token_id):
+        yield steps[0]
+
+
+def speculate_chain_batch(model: torch.nn.Module, proposers: Sequence[Proposer], prompts: list[torch.Tensor],
+                          max_new_tokens: int, k: int, eos_token_id: int | tuple[int, ...] | None = None
+                          ) -> Iterator[dict[int, Step]]:
+    """Greedy chain speculation of B prompts together (batch size B = ``len(prompts)``): the one chain loop over a
+    :class:`RaggedRows` target, one proposer per row. Yields as :func:`speculate_chain_rows`."""
+    yield from speculate_chain_rows(RaggedRows(model), proposers, prompts, max_new_tokens, k, None, None,
+                                    eos_token_id)
+
+
+def speculate_chain_rows(target: RowsTarget, proposers: Sequence[Proposer], prompts: list[torch.Tensor],
+                         max_new_tokens: int, k: int, sampling: SamplingSettings | None = None,
+                         generator: torch.Generator | None = None, eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[dict[int, Step]]:
+    """The one chain loop (prefill, propose, verify, roll back, commit) over B rows decoded together.
+
+    Each row has its own prompt length, its own proposer (a proposer serves one row) and its own acceptance: every
+    iteration, each active row proposes up to ``min(k, T - produced - 1)`` drafts, all rows' ``[pending, *drafts]``
+    are verified in ONE target forward (ragged: per-row lengths, masks and positions in :class:`RaggedRows`), and
+    each row keeps exactly its own accepted prefix plus its bonus token. A row that reached T or committed an EOS
+    leaves the batch (:meth:`RowsTarget.retain`), so it costs no further verification. With one row this is
+    batch-1 chain speculation, step for step.
+
+    Args:
+        target: the rows' target (:class:`OneRow` or :class:`RaggedRows`).
+        proposers: one fresh proposer per row.
+        prompts: per row the prompt ids, shape (1, prompt_len_r), int64, on the target's device.
+        max_new_tokens, k, sampling, generator, eos_token_id: as :func:`speculate_chain` (sampling: one row only).
+
+    Yields:
+        Per iteration a dict {row index: Step} of the rows that committed in it (the first: every row's prefill
+        token, the TTFT); a row's Steps are those of :func:`speculate_chain` on that row alone.
+    """
+    for proposer in proposers:
+        proposer.sampling, proposer.generator = sampling, generator  # type: ignore[assignment]
     eos = eos_ids(eos_token_id)
-    pending = next_token(target.prefill(input_ids), sampling, generator)
-    yield Step(tokens=(pending,))
-    if pending in eos:
-        return
-    proposer.begin(input_ids[0].tolist(), pending)
-    produced = 1
-    while produced < max_new_tokens:
-        drafts = list(proposer.propose(min(k, max_new_tokens - produced - 1)))
-        logits = target.verify([pending, *drafts])
-        if sampling is None:
-            accepted, committed = verify_chain(drafts, logits)
-        else:
-            accepted, committed = verify_chain_sampled(drafts, proposer.draft_probs if drafts else None,
-                                                       sampling.probs(logits), generator)
-        target.keep(1 + accepted)
-        proposer.accept(drafts, accepted, committed)
-        pending = committed[-1]
-        produced += len(committed)
-        n = len(drafts)
-        step, ended = cut_at_eos(Step(tokens=committed, drafted=n, accepted=accepted, depth=n), eos)
-        yield step
-        if ended:
-            return
+    first = target.prefill(prompts)
+    pending = [next_token(logits, sampling, generator) for logits in first]
+    yield {r: Step(tokens=(t,)) for r, t in enumerate(pending)}
+    active = [r for r, t in enumerate(pending) if t not in eos]
+    for r in active:
+        proposers[r].begin(prompts[r][0].tolist(), pending[r])
+    produced = [1] * len(prompts)
+    live = [r for r in active if produced[r] < max_new_tokens]
+    if len(live) < len(prompts):
+        target.retain([i for i, r in enumerate(range(len(prompts))) if r in live])
+    active = live
+    while active:
+        drafts = [list(proposers[r].propose(min(k, max_new_tokens - produced[r] - 1))) for r in active]
+        logits = target.verify([[pending[r], *d] for r, d in zip(active, drafts)])
+        out, counts, stay = {}, [], []
+        for i, (r, d, lg) in enumerate(zip(active, drafts, logits)):
+            if sampling is None:
+                accepted, committed = verify_chain(d, lg)
+            else:
+                accepted, committed = verify_chain_sampled(d, proposers[r].draft_probs if d else None,
+                                                           sampling.probs(lg), generator)
+            counts.append(1 + accepted)
+            proposers[r].accept(d, accepted, committed)
+            pending[r] = committed[-1]
+            produced[r] += len(committed)
+            n = len(d)
+            out[r], ended = cut_at_eos(Step(tokens=committed, drafted=n, accepted=accepted, depth=n), eos)
+            if not ended and produced[r] < max_new_tokens:
+                stay.append(i)
+        target.keep(counts)
+        yield out
+        if len(stay) < len(active):
+            target.retain(stay)
+            active = [active[i] for i in stay]

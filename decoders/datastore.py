@@ -235,8 +235,8 @@ def read_tokens(path: str) -> np.ndarray:
             header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
             dtype = header(f)[2]
         if dtype.kind not in "iu":
-            raise DtbenchError(f"{where} holds {dtype.name} values, not integer token ids (a float array is not "
-                               f"truncated)")
+            raise DtbenchError(f"{where} holds {dtype.name} values, not integer token ids"
+                               + (" (a float array is not truncated)" if dtype.kind == "f" else ""))
         array = np.load(file, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise DtbenchError(f"cannot read {where}: {clip(exc, 160)}") from None

@@ -173,7 +173,43 @@ class _StreamedGenerate(Decoder):
             while not call.dead:  # a call paused in put() finishes its iteration and returns
                 call.switch()
 
-    def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    def _batch_pad(self) -> int:
+        target = self.target
+        pad = target.generation_config.pad_token_id
+        if pad is None:
+            pad = getattr(target.config, "pad_token_id", None)
+        return 0 if pad is None else int(pad)
+
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """B prompts in ONE transformers ``generate`` call (left-padded, with the attention mask: transformers' own
+        batched greedy decoding, AR's peer at the same B); one dict {row: Step} per streamer put.
+
+        Rows that reached EOS keep receiving transformers' padding until every row is done (its loop costs them
+        as it does); the runner ignores a row's steps after its EOS.
+        """
+        b, width = len(prompts), max(p.shape[-1] for p in prompts)
+        dev = prompts[0].device
+        ids = torch.full((b, width), self._batch_pad(), dtype=torch.long, device=dev)
+        mask = torch.zeros((b, width), dtype=torch.long, device=dev)
+        for r, p in enumerate(prompts):
+            n = p.shape[-1]
+            ids[r, width - n:], mask[r, width - n:] = p[0], 1
+        bridge = _Bridge()
+        call = greenlet(lambda: self._work(bridge, ids, max_new_tokens, mask))
+        try:
+            message = call.switch()
+            while not call.dead:
+                _, payload, drafted = message
+                rows = payload.view(b, -1)
+                yield {r: self._step(tuple(rows[r].tolist()), drafted) for r in range(b)}
+                message = call.switch()
+        finally:
+            bridge.stop.set()
+            while not call.dead:
+                call.switch()
+
+    def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int,
+              attention_mask: torch.Tensor | None = None) -> None:
         """The greenlet's body: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
         at EOS) with the subclass's settings."""
         target = self.target
@@ -193,7 +229,7 @@ class _StreamedGenerate(Decoder):
         with self._around_call(bridge):
             target.generate(
                 input_ids,
-                attention_mask=torch.ones_like(input_ids),
+                attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
                 num_beams=1,
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens if stop is None else None,
@@ -235,6 +271,14 @@ class HFGenerate(_StreamedGenerate):
     lossless = True
     supports_sampling = True  # generate(do_sample=True, temperature, top_k, top_p): the reference for ar's sampling
     family = "external"  # transformers' own decoding loop
+    batching = True  # plain generate over a left-padded batch (prompt lookup: batch size 1 only, batching_error)
+
+    @classmethod
+    def batching_error(cls, params: HFGenerateParams) -> str | None:
+        """transformers' prompt lookup decoding takes one sequence at a time."""
+        if params.prompt_lookup_num_tokens is not None:
+            return "transformers' prompt lookup decoding (prompt_lookup_num_tokens) decodes batch size 1 only"
+        return None
 
     def _lookup(self) -> bool:
         return self.params.prompt_lookup_num_tokens is not None

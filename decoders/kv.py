@@ -147,3 +147,136 @@ def prefill_features(model: torch.nn.Module, input_ids: torch.Tensor, hidden_lay
     cache = new_cache()
     logits, features = forward(model, input_ids, cache, last_only=True, hidden_layers=hidden_layers)
     return cache, logits[-1], features
+
+
+class RaggedBatch:
+    """B sequences decoded together in one target: one right-padded ``DynamicCache`` with a length per row.
+
+    Row r's committed positions are cache slots ``[0, lengths[r])``; the slots after them, up to the cache's width
+    (the longest row), are padding that no query attends to. A forward feeds each row its own new tokens (ragged:
+    n_r per row, padded to the longest) at slots ``[width, width + N)``, with per-row position ids
+    (``lengths[r] + depth``) and a per-row 4D attention mask (the row's prefix, then the ancestor relation of its new
+    tokens: causal for a chain, the tree mask of paper 3.4 for a tree). :meth:`keep` then moves each row's accepted
+    entries right after its prefix and crops the padding, so every row keeps exactly its own accepted prefix (ragged
+    acceptance, never cut to the shortest row); :meth:`retain` drops finished rows, which then cost no verification.
+
+    The design follows the padded-batch verification of batched speculative decoding (BASS, Qian et al. 2024,
+    "ragged" per-row lengths by masks and position ids) on transformers' 4D-mask path, the same path the one-row tree
+    verification uses (:func:`dtbench.decoders.tree.structure.tree_attention_mask`).
+
+    Args:
+        model: a transformers causal LM whose attention takes an explicit 4D mask (sdpa or eager).
+
+    Raises:
+        ValueError: another attention implementation (it cannot take a per-row mask).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from dtbench.decoders.tree.structure import attention_mask_kind
+
+        self.model = model
+        self.kind = attention_mask_kind(model)
+        self.cache = new_cache()
+        self.lengths: list[int] = []
+        self._width = 0  # cache width before the last forward (where its new tokens start)
+        self._fed: list[int] = []  # new tokens per row in the last forward
+
+    @property
+    def rows(self) -> int:
+        """Rows currently in the batch."""
+        return len(self.lengths)
+
+    def prefill(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Feed every row's prompt in one forward (right-padded); each row's last-position logits, (vocab,) each."""
+        self.lengths = [0] * len(prompts)
+        last = sorted({len(p) - 1 for p in prompts})
+        logits = self.forward(prompts, keep_logits=last)
+        self.keep([list(range(len(p))) for p in prompts])
+        return [logits[r, last.index(len(p) - 1)] for r, p in enumerate(prompts)]
+
+    def forward(self, tokens: list[list[int]], ancestors: list[torch.Tensor | None] | None = None,
+                depths: list[torch.Tensor | None] | None = None, keep_logits: list[int] | None = None
+                ) -> torch.Tensor:
+        """One forward over every row's new tokens; the cache grows by the longest row's count.
+
+        Args:
+            tokens: per row the new token ids (n_r >= 1 each), in the order they are fed.
+            ancestors: per row an (n_r, n_r) bool ancestor-or-self matrix among its new tokens (a tree), or None
+                (a chain: causal); None for all rows: every row is a chain.
+            depths: per row (n_r,) int64 position offsets of the new tokens after the row's prefix (a tree's node
+                depths), or None (0, 1, ..., n_r - 1).
+            keep_logits: compute logits only at these new-token indices (shared by all rows, transformers'
+                ``logits_to_keep`` as a tensor); None: at every index.
+
+        Returns:
+            Logits (rows, N or len(keep_logits), vocab) in the model's dtype, N the longest row's n_r; entries past a
+            row's n_r are padding.
+        """
+        dev = self.model.device
+        b, width = len(tokens), cache_len(self.cache)
+        n = max(len(t) for t in tokens)
+        ids = torch.zeros((b, n), dtype=torch.long)
+        pos = torch.zeros((b, n), dtype=torch.long)
+        new = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)  # padding queries attend to themselves only
+        for r, row in enumerate(tokens):
+            m = len(row)
+            ids[r, :m] = torch.as_tensor(row, dtype=torch.long)
+            ids[r, m:] = ids[r, m - 1]
+            d = depths[r] if depths is not None and depths[r] is not None else None
+            pos[r, :m] = self.lengths[r] + (d.cpu() if d is not None else torch.arange(m))
+            pos[r, m:] = self.lengths[r]
+            a = ancestors[r] if ancestors is not None and ancestors[r] is not None else None
+            new[r, :m, :m] = a.cpu() if a is not None else torch.ones(m, m, dtype=torch.bool).tril_()
+        prefix = torch.arange(width) < torch.tensor(self.lengths).unsqueeze(1)  # (b, width)
+        allowed = torch.cat([prefix.unsqueeze(1).expand(b, n, width), new], dim=2).unsqueeze(1).to(dev)
+        if self.kind == "bool":
+            mask = allowed
+        else:
+            dtype = self.model.dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+        kwargs = {}
+        if keep_logits is not None:
+            kwargs["logits_to_keep"] = torch.tensor(keep_logits, dtype=torch.long, device=dev)
+        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, use_cache=True,
+                         **{cache_keyword(self.model): self.cache}, **kwargs)
+        self._width, self._fed = width, [len(t) for t in tokens]
+        return out.logits
+
+    def keep(self, kept: list[list[int]]) -> None:
+        """After :meth:`forward`: row r keeps its new tokens ``kept[r]`` (indices into its new tokens, increasing)
+        right after its prefix; every other new entry and all padding past the longest row are dropped.
+
+        Only the kept entries move (an in-place copy to lower slots); the cache is then cropped to the longest row.
+        """
+        width = self._width
+        src_b, src_s, dst_s = [], [], []
+        for r, idx in enumerate(kept):
+            for i, u in enumerate(idx):
+                if width + u != self.lengths[r] + i:
+                    src_b.append(r)
+                    src_s.append(width + u)
+                    dst_s.append(self.lengths[r] + i)
+            self.lengths[r] += len(idx)
+        if src_b:
+            dev = self.cache.layers[0].keys.device
+            b_i = torch.tensor(src_b, device=dev)
+            s_i, d_i = torch.tensor(src_s, device=dev), torch.tensor(dst_s, device=dev)
+            for layer in self.cache.layers:
+                layer.keys[b_i, :, d_i] = layer.keys[b_i, :, s_i]
+                layer.values[b_i, :, d_i] = layer.values[b_i, :, s_i]
+        crop(self.cache, max(self.lengths, default=0))
+
+    def retain(self, rows: list[int]) -> None:
+        """Keep only these rows (indices into the current rows, in order): finished rows leave the batch."""
+        if rows == list(range(self.rows)):
+            return
+        self.lengths = [self.lengths[r] for r in rows]
+        if not rows:
+            self.cache = new_cache()
+            return
+        dev = self.cache.layers[0].keys.device
+        sel = torch.tensor(rows, device=dev)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, sel)
+            layer.values = layer.values.index_select(0, sel)
+        crop(self.cache, max(self.lengths))

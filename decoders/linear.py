@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import DraftModelProposer, KVTarget, speculate_chain
+from dtbench.decoders.chain import DraftModelProposer, KVTarget, speculate_chain, speculate_chain_batch
 
 
 class LinearParams(DecoderParams):
@@ -32,6 +32,7 @@ class LinearSpeculative(Decoder[LinearParams]):
     lossless = True
     family = "chain"
     supports_sampling = True
+    batching = True
 
     @classmethod
     def verify_sizes(cls, params: LinearParams) -> tuple[int, int]:
@@ -43,3 +44,10 @@ class LinearSpeculative(Decoder[LinearParams]):
         assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
         yield from speculate_chain(KVTarget(self.target), DraftModelProposer(self.draft), input_ids, max_new_tokens,
                                    self.params.k, self.sampling, self.generator, self.eos_token_id)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """B prompts through the one chain loop: one draft proposer per row, one batched target verification."""
+        assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
+        yield from speculate_chain_batch(self.target, [DraftModelProposer(self.draft) for _ in prompts], prompts,
+                                         max_new_tokens, self.params.k, self.eos_token_id)

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain
+from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain, speculate_chain_batch
 
 Occurrence = Literal["earliest", "latest"]
 
@@ -143,6 +143,7 @@ class Ngram(Decoder[NgramParams]):
     needs_draft = False
     lossless = True
     supports_sampling = True
+    batching = True
     version = "1"
 
     @classmethod
@@ -170,3 +171,11 @@ class Ngram(Decoder[NgramParams]):
         self._proposer = NgramProposer(p.min_n, p.max_n, p.occurrence)
         yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
                                    self.sampling, self.generator, eos_token_id=self.eos_token_id)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """B prompts through the one chain loop, one lookup proposer per row (each over its own row's text)."""
+        p = self.params
+        proposers = [NgramProposer(p.min_n, p.max_n, p.occurrence) for _ in prompts]
+        self._proposer = proposers[-1]
+        yield from speculate_chain_batch(self.target, proposers, prompts, max_new_tokens, p.k, self.eos_token_id)

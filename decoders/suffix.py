@@ -25,7 +25,7 @@ from pydantic import Field
 
 from dtbench.core import Corpus, CorpusSpec, DtbenchError
 from dtbench.decoders.base import Decoder, Step
-from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain
+from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain, speculate_chain_batch
 from dtbench.decoders.datastore import (CorpusParams, Datastore, check_tokens_file, check_vocabulary,
                                         corpus_datastore, tokens_datastore)
 
@@ -200,6 +200,7 @@ class SuffixDecoding(Decoder[SuffixParams]):
     needs_draft = True
     lossless = True
     supports_sampling = True
+    batching = True
     version = "1"
 
     def __init__(self, target, draft, params: SuffixParams):
@@ -274,3 +275,16 @@ class SuffixDecoding(Decoder[SuffixParams]):
         self._proposer = SuffixProposer(p.min_match, fallback, self.store, p.max_corpus_match)
         yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
                                    self.sampling, self.generator, eos_token_id=self.eos_token_id)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """B prompts through the one chain loop, one suffix-automaton proposer per row (each over its own row's
+        text; the corpus datastore, if any, is shared read-only)."""
+        p = self.params
+        if p.corpus is not None and self.store is None:
+            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
+                               "use_corpus)")
+        proposers = [SuffixProposer(p.min_match, DraftModelProposer(self.draft) if p.fallback == "draft" else None,
+                                    self.store, p.max_corpus_match) for _ in prompts]
+        self._proposer = proposers[-1]
+        yield from speculate_chain_batch(self.target, proposers, prompts, max_new_tokens, p.k, self.eos_token_id)

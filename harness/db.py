@@ -88,15 +88,18 @@ class Run(Base):
 
 
 class Cell(Base):
-    """One decoder configuration on one (dataset, L_max, T) of a run."""
+    """One decoder configuration on one (dataset, L_max, T, batch size B) of a run."""
 
     __tablename__ = "cells"
-    __table_args__ = (UniqueConstraint("run_id", "dataset", "l_max", "gen_length", "label"),)
+    __table_args__ = (UniqueConstraint("run_id", "dataset", "l_max", "gen_length", "batch_size", "label",
+                                       name="uq_cells_point_label"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     dataset: Mapped[str] = mapped_column(String(200))
     l_max: Mapped[int] = mapped_column(Integer)  # the prompt cap L_max (column prompt_cap before revision 0006)
     gen_length: Mapped[int] = mapped_column(Integer)
+    # 0011: batch size B, prompts decoded together (suite key batch_sizes); 1 for every cell written before it
+    batch_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     decoder: Mapped[str] = mapped_column(String(200))
     family: Mapped[str | None] = mapped_column(String(20))  # the decoder's declared family: ar|chain|tree|external
     label: Mapped[str] = mapped_column(String(300))
@@ -192,6 +195,12 @@ class Sample(Base):
     category: Mapped[str | None] = mapped_column(String(100))
     turn: Mapped[int | None] = mapped_column(Integer)
     question_id: Mapped[str | None] = mapped_column(String(100))
+    # 0011, batched cells (B > 1): the prompt group's first prompt index (the key its rows are paired by across
+    # decoders), the rows decoded together (< B: the dataset's remainder group), and the group's wall time in seconds
+    # from the start until its last row finished (its total throughput = the rows' new tokens / this); NULL at B = 1
+    batch_group: Mapped[int | None] = mapped_column(Integer)
+    batch_rows: Mapped[int | None] = mapped_column(Integer)
+    batch_total_s: Mapped[float | None] = mapped_column(Float)
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 
@@ -222,6 +231,9 @@ class Calibration(Base):
     n: Mapped[int] = mapped_column(Integer)  # new tokens fed in the forward
     tree_mask: Mapped[bool] = mapped_column(Boolean)
     last_only: Mapped[bool] = mapped_column(Boolean)
+    # 0012: rows of the forward, B sequences decoded together (a RaggedBatch verification: n new tokens per row, a
+    # per-row 4D mask); NULL (every row before 0012) or 1: one sequence
+    rows: Mapped[int | None] = mapped_column(Integer)
     median_s: Mapped[float] = mapped_column(Float)
     iqr_s: Mapped[float] = mapped_column(Float)
     repeats: Mapped[int] = mapped_column(Integer)

@@ -37,6 +37,11 @@ closer than that noise, the argmax can flip (SpecInfer/EAGLE/Medusa users meet i
    later ones use the teacher-forced logits alone (margin = top-1 - emitted logit there) against the largest noise
    measured in the sample so far (0 if none): a decoder that far off is in error anyway.
 
+At batch size B > 1 (issue 29) the check runs per row, against the reference's same row; a flagged position is also
+computed in the *batched shape* (:func:`batched_shape`: the row's prefix inside a right-padded batch beside the other
+rows' prompts), a third computation the rule counts: a flip that the batch's numerics explain is a tie, a token no
+shape picks (and further below the top than their noise) is an error in that row.
+
 Verdicts (suite key ``lossless_check``): ``tie_aware`` (default) passes a sample with ``errors == 0``, ties allowed;
 ``exact`` is the token-for-token rule (output equal to the reference's). The counts are computed and stored under
 both rules.
@@ -131,27 +136,40 @@ class Check:
         )
 
 
-def classify(emitted: int, incremental: torch.Tensor, full: torch.Tensor) -> tuple[str, float, float]:
+def classify(emitted: int, incremental: torch.Tensor, full: torch.Tensor,
+             *others: torch.Tensor) -> tuple[str, float, float]:
     """The tie rule at one position: ``(kind, margin, noise)`` (this module's docstring, step 3).
 
     Args:
         emitted: the decoder's token id.
         incremental, full: the target's next-token logits at that position from the two computation shapes,
             shape (vocab,), any float dtype (compared in float64).
+        others: more computation shapes of the same logits (a batched row's: the position computed inside a padded
+            batch, :func:`batched_shape`); each counts like ``full``.
 
     Returns:
-        kind: ``ok`` (argmax of both), ``tie`` (argmax of one, or ``margin <= noise``) or ``error``;
-        margin = max(incremental) - incremental[emitted] (>= 0, logits); noise = max |incremental - full|.
+        kind: ``ok`` (argmax of every shape), ``tie`` (argmax of some, or ``margin <= noise``) or ``error``;
+        margin = max(incremental) - incremental[emitted] (>= 0, logits); noise = max over the other shapes of
+        max |incremental - shape|.
     """
-    inc, fl = incremental.double(), full.double()
-    noise = float((inc - fl).abs().max())
+    inc = incremental.double()
+    shapes = [full.double(), *(o.double() for o in others)]
+    noise = max(float((inc - sh).abs().max()) for sh in shapes)
     margin = float(inc.max() - inc[emitted])
-    picks = (int(inc.argmax()) == emitted) + (int(fl.argmax()) == emitted)
-    if picks == 2:
+    picks = (int(inc.argmax()) == emitted) + sum(int(sh.argmax()) == emitted for sh in shapes)
+    if picks == 1 + len(shapes):
         return "ok", margin, noise
-    if picks == 1 or margin <= noise:
+    if picks >= 1 or margin <= noise:
         return "tie", margin, noise
     return "error", margin, noise
+
+
+def batched_shape(model: torch.nn.Module, prefix: list[int], companions: list[list[int]]) -> torch.Tensor:
+    """The target's next-token logits after ``prefix`` computed as one row of a right-padded batch beside
+    ``companions`` (the other rows' prompts): the batched shape of a row decoded at batch size B > 1
+    (:class:`~dtbench.decoders.kv.RaggedBatch`), whose reductions round differently from batch 1. Shape (vocab,)."""
+    with torch.inference_mode():
+        return kv.RaggedBatch(model).prefill([list(prefix), *[list(c) for c in companions]])[0]
 
 
 def _top2(logits: torch.Tensor) -> tuple[float, float]:
@@ -213,7 +231,7 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int],
 
 
 def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], reference: list[int] | None,
-                 device, *, chunk: int = CHUNK) -> Check:
+                 device, *, chunk: int = CHUNK, companions: list[list[int]] | None = None) -> Check:
     """Check every emitted token of ``output`` against the target and diagnose every flagged position.
 
     Args:
@@ -221,6 +239,9 @@ def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], r
         prompt: the prompt token ids (>= 1); output: the decoder's T new tokens.
         reference: the reference decoder's output on the same prompt (its first divergence is diagnosed), or None.
         chunk: see :func:`teacher_forced`.
+        companions: a row decoded at batch size B > 1: the other rows' prompts; each flagged position is then also
+            computed in the batched shape (:func:`batched_shape`), a third computation the tie rule counts, so a
+            difference the batch's numerics explain is a tie and anything else an error in this row.
 
     Returns:
         a :class:`Check` (counts, first error, largest tie margin, diagnoses, seconds spent).
@@ -239,7 +260,8 @@ def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], r
                 check.add(Diagnosis(i, e, "tie" if tf_margin[i] <= noise else "error", tf_margin[i], noise))
                 continue
             inc, full = two_shapes(model, list(prompt) + list(output[:i]), device)
-            kind, margin, noise = classify(e, inc, full)
+            extra = [batched_shape(model, list(prompt) + list(output[:i]), companions)] if companions else []
+            kind, margin, noise = classify(e, inc, full, *extra)
             ref = int(reference[i]) if i == diverged and reference is not None and i < len(reference) else None
             if kind == "ok":  # both shapes pick e, but the chunked pass (or the reference's cache) picked another
                 kind = "tie"
@@ -268,7 +290,7 @@ def verdict(rule: str, check: Check | None, first_divergence: int | None, has_re
 
 
 def sample_columns(model: torch.nn.Module, prompt: list[int], row: dict[str, Any], reference: list[int] | None,
-                   device, rule: str) -> dict[str, Any]:
+                   device, rule: str, companions: list[list[int]] | None = None) -> dict[str, Any]:
     """The ``samples`` columns the check adds to a greedy lossless decoder's row (the runner's one hook).
 
     Args:
@@ -276,9 +298,10 @@ def sample_columns(model: torch.nn.Module, prompt: list[int], row: dict[str, Any
             (its ``output_tokens`` and ``first_divergence`` are read).
         reference: the reference's output on the prompt (None: the sample is a reference, or is not compared).
         rule: the suite's ``lossless_check`` (:data:`RULES`).
+        companions: the other rows' prompts when the row was decoded in a batch (:func:`check_output`).
 
     Returns:
         the ``lossless_*`` columns of :meth:`Check.columns` and ``lossless`` under ``rule`` (:func:`verdict`).
     """
-    check = check_output(model, list(prompt), list(row["output_tokens"]), reference, device)
+    check = check_output(model, list(prompt), list(row["output_tokens"]), reference, device, companions=companions)
     return {**check.columns(), "lossless": verdict(rule, check, row["first_divergence"], reference is not None)}

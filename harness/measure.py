@@ -459,3 +459,93 @@ def measure(decoder: Decoder[Any], prompt_ids: Sequence[int], gen_length: int, d
     return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
                        forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading,
                        cpu_s=time.process_time() - cpu0)
+
+
+def measure_batch(decoder: Decoder[Any], prompts: Sequence[Sequence[int]], gen_length: int, device: torch.device, *, timeout_s: float | None = None,
+                  cpu_timeout_s: float | None = None) -> list[Measurement]:
+    """Run ``decoder`` on B prompts decoded together (:meth:`~dtbench.decoders.base.Decoder.generate_batch`),
+    timing each iteration after synchronizing the device; one :class:`Measurement` per row.
+
+    The clock starts right before ``generate_batch`` is called (the batched prefill included) and reads after each
+    yielded {row: Step} dict: a row's step times are the times of the iterations it committed in (its TTFT the
+    prefill's, its total the time its last token was committed), so every row's TTFT and TPOT are its own while the
+    batch's wall time is the last row's total. Each row keeps its first T tokens, cut after its first EOS when the
+    decoder stops at EOS. The forwards counted by the hooks are the batch's (one forward serves every active row);
+    each row's records carry the forwards of the iterations it took part in. Memory, energy, forward seconds and
+    CPU time are the batch's, the same in every row.
+
+    Args:
+        decoder: a decoder whose class declares ``batching``.
+        prompts: per row the prompt token ids (ragged lengths, each >= 1).
+        gen_length, device, timeout_s, cpu_timeout_s: as :func:`measure`.
+
+    Raises:
+        DtbenchError: a step for a row that does not exist, an empty step, a token that is not an integer id, or a
+            row that stopped before T (and before an EOS, when stopping at EOS).
+        SampleTimeout: the batch ran past ``timeout_s`` (or ``cpu_timeout_s``).
+    """
+    import operator
+
+    from dtbench.decoders.base import Step, cut_at_eos, eos_ids
+    from dtbench.harness.errors import DtbenchError
+
+    eos = eos_ids(getattr(decoder, "eos_token_id", None))
+    b = len(prompts)
+    inputs = [torch.tensor([list(p)], dtype=torch.long, device=device) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in range(b)]
+    steps: list[list[Step]] = [[] for _ in range(b)]
+    records: list[list[StepRecord]] = [[] for _ in range(b)]
+    done = [False] * b
+    ended = [False] * b
+    synchronize(device)
+    counter = ForwardCounter(decoder.target, decoder.draft)
+    cpu0 = time.process_time()
+    with _Deadline(timeout_s, cpu_timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
+        last = counter.snapshot()
+        start = now()
+        gen = decoder.generate_batch(inputs, gen_length)
+        try:
+            for it, out in enumerate(gen):
+                synchronize(device)
+                t = now() - start
+                snap = counter.snapshot()
+                draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
+                draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
+                record = StepRecord(
+                    t, snap[0] - last[0], draft_fw, snap[2] - last[2], draft_tok,
+                    counter.fed_between("target", last[0], snap[0]) or [],
+                    None if snap[1] is None or last[1] is None else counter.fed_between("draft", last[1], snap[1]))
+                last = snap
+                for r, step in out.items():
+                    if not (isinstance(r, int) and 0 <= r < b):
+                        raise DtbenchError(f"decoder yielded a step for row {r!r} of a batch of {b} at iteration {it}")
+                    if done[r]:
+                        continue
+                    if not step.tokens:
+                        raise DtbenchError(f"decoder yielded a step with no tokens for row {r} at iteration {it}")
+                    try:
+                        ids = [operator.index(x) for x in step.tokens]
+                    except TypeError:
+                        raise DtbenchError(f"decoder yielded a token that is not an integer id for row {r} at "
+                                           f"iteration {it}: {step.tokens[:8]!r}") from None
+                    step = Step(tuple(ids), step.drafted, step.accepted, step.depth)
+                    step, ended[r] = cut_at_eos(step, eos) if eos else (step, False)
+                    steps[r].append(step)
+                    records[r].append(record)
+                    tokens[r].extend(step.tokens)
+                    done[r] = ended[r] or len(tokens[r]) >= gen_length
+                if all(done):
+                    break
+        finally:
+            close = getattr(gen, "close", None)  # a generator (the contract's usual generate_batch) is closed
+            if close is not None:
+                close()
+    short = [r for r in range(b) if not done[r]]
+    if short:
+        raise DtbenchError(f"decoder stopped row {short[0]} after {len(tokens[short[0]])} of {gen_length} tokens")
+    synchronize(device)
+    stats = getattr(decoder, "state_stats", None)
+    state = stats() if stats else None
+    forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
+    return [Measurement(tokens=tokens[r][:gen_length], steps=steps[r], records=records[r], memory=mem.peak,
+                        forward_s=forward_s, state=state, energy=energy.reading, cpu_s=cpu_s) for r in range(b)]

@@ -1,9 +1,11 @@
 """The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (docs/architecture.md "The data flow, once").
 
-Cells are dataset x L_max x T x decoder; a decoder entry may be restricted to some datasets, T and L_max values.
+Cells are dataset x L_max x T x batch size B x decoder; a decoder entry may be restricted to some datasets, T, L_max
+and B values.
 Reference decoders (``ar``, and any decoder's declared reference) are added where a dependent runs and ordered
 first, so every sample is compared as soon as it is measured. The unit of work is a :class:`PromptGroup`: one
-(dataset, L_max, T, prompt) with the reference and every other decoder, in order, on one device — the runner,
+(dataset, L_max, T, B) and B prompts decoded together (one prompt at B = 1) with the reference and every other
+decoder, in order, on one device — the runner,
 ``validate``, the progress bar and any executor all read this one plan.
 """
 
@@ -25,7 +27,7 @@ from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
 @dataclass
 class CellPlan:
     """A decoder configuration with its validated params, its reference's label (None for ``ar``) and the
-    (dataset, L_max, T) points it runs at."""
+    (dataset, L_max, T, B) points it runs at."""
 
     spec: DecoderSpec
     cls: type[Decoder]
@@ -34,7 +36,7 @@ class CellPlan:
     version: str
     reference_label: str | None = None
     implicit: bool = False
-    points: set[tuple[str, int, int]] = field(default_factory=set)
+    points: set[tuple[str, int, int, int]] = field(default_factory=set)
     sampling: SamplingSpec | None = None  # effective sampling settings (None: greedy)
 
     @property
@@ -44,8 +46,15 @@ class CellPlan:
 
 @dataclass(frozen=True)
 class PromptGroup:
-    """The unit of work: one prompt of one (dataset, L_max, T), decoded by its decoders in order (references
-    first), all on one device so every speedup and lossless check pairs runs of the same machine."""
+    """The unit of work: one prompt of one (dataset, L_max, T) at batch size 1, or at batch size B the B prompts
+    ``rows`` decoded together (a *prompt group*), decoded by its decoders in order (references first), all on one
+    device so every speedup and lossless check pairs runs of the same machine.
+
+    At B > 1 the dataset's prompts are grouped in order, the same groups for every decoder (:meth:`Plan.groups`): the
+    W warmup prompts form warmup groups of at most B, the others groups of B; a last group of fewer than B prompts is
+    the *remainder* (decoded as a smaller batch and marked, never dropped). ``prompt_index`` is the group's first
+    prompt, the key every decoder's samples of the group are paired by.
+    """
 
     dataset: DatasetSpec
     l_max: int
@@ -53,6 +62,18 @@ class PromptGroup:
     prompt_index: int
     decoders: tuple[CellPlan, ...]
     slot_warmup: bool | None = None  # question datasets: the slot's own flag (W per group)
+    batch_size: int = 1  # the cells' B
+    rows: tuple[int, ...] = ()  # the prompt indices decoded together (B > 1); () at B = 1: (prompt_index,)
+
+    @property
+    def prompt_indices(self) -> tuple[int, ...]:
+        """The prompts this group decodes (one at B = 1)."""
+        return self.rows or (self.prompt_index,)
+
+    @property
+    def remainder(self) -> bool:
+        """A group of fewer than B prompts after the warmup (the dataset's last, decoded as a smaller batch)."""
+        return len(self.prompt_indices) < self.batch_size and not self.warmup
 
     @property
     def warmup(self) -> bool:
@@ -70,24 +91,30 @@ class Plan:
     skipped: list[str] = field(default_factory=list)  # optional decoders that are not installed
     data_dir: str | None = None  # where question datasets are read from (their layout: data.sample_slots)
 
-    def points(self) -> list[tuple[DatasetSpec, int, int]]:
-        """(dataset, L_max, T) in run order."""
-        return [(ds, l_max, T) for ds in self.suite.datasets for l_max in ds.l_maxes for T in self.suite.generation_lengths]
+    def points(self) -> list[tuple[DatasetSpec, int, int, int]]:
+        """(dataset, L_max, T, B) in run order."""
+        return [(ds, l_max, T, B) for ds in self.suite.datasets for l_max in ds.l_maxes
+                for T in self.suite.generation_lengths for B in self.suite.batch_sizes]
 
-    def decoders_at(self, dataset: str, l_max: int, gen_length: int) -> list[CellPlan]:
-        """The decoders that run at one (dataset, L_max, T), references first."""
-        return [c for c in self.decoders if (dataset, l_max, gen_length) in c.points]
+    def decoders_at(self, dataset: str, l_max: int, gen_length: int, batch_size: int = 1) -> list[CellPlan]:
+        """The decoders that run at one (dataset, L_max, T, B), references first."""
+        return [c for c in self.decoders if (dataset, l_max, gen_length, batch_size) in c.points]
 
-    def cells(self) -> list[tuple[DatasetSpec, int, int, CellPlan]]:
-        """Every cell (dataset, L_max, T, decoder) in run order."""
-        return [(ds, l_max, T, c) for ds, l_max, T in self.points() for c in self.decoders_at(ds.name, l_max, T)]
+    def cells(self) -> list[tuple[DatasetSpec, int, int, int, CellPlan]]:
+        """Every cell (dataset, L_max, T, B, decoder) in run order."""
+        return [(ds, l_max, T, B, c) for ds, l_max, T, B in self.points()
+                for c in self.decoders_at(ds.key, l_max, T, B)]
 
     def groups(self) -> list[PromptGroup]:
-        """Every prompt group in run order: (dataset, L_max, T) major, then prompt index."""
+        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index (:class:`PromptGroup`)."""
         out = []
-        for ds, l_max, T in self.points():
-            decs = tuple(self.decoders_at(ds.name, l_max, T))
+        for ds, l_max, T, B in self.points():
+            decs = tuple(self.decoders_at(ds.key, l_max, T, B))
             if not decs:
+                continue
+            if B > 1:
+                out.extend(PromptGroup(ds, l_max, T, rows[0], decs, batch_size=B, rows=rows)
+                           for rows in batch_groups(ds.prompts, ds.warmup, B))
                 continue
             slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
             if slots is None:
@@ -98,7 +125,18 @@ class Plan:
 
     @property
     def n_samples(self) -> int:
-        return sum(len(g.decoders) for g in self.groups())
+        return sum(len(g.decoders) * len(g.prompt_indices) for g in self.groups())
+
+
+def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, ...]]:
+    """The prompt groups of a dataset at batch size B: prompt indices in order, the W warmup prompts in groups of at
+    most B, then the other prompts in groups of B, the last one possibly smaller (the remainder).
+
+    Every decoder at the same (dataset, L_max, T, B) gets exactly these groups, so speedups pair group by group.
+    """
+    warm = [tuple(range(i, min(i + batch_size, warmup))) for i in range(0, warmup, batch_size)]
+    rest = [tuple(range(i, min(i + batch_size, prompts))) for i in range(warmup, prompts, batch_size)]
+    return warm + rest
 
 
 def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:
@@ -185,7 +223,36 @@ def plan_suite(suite: Suite) -> Plan:
             queue.append(rp)
         p.reference_label = by_key[key].spec.display
     _spread_to_references(plans)
+    _check_batching(suite, plans)
     return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
+
+
+def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
+    """Batch sizes B > 1 only for decoders that declare ``batching`` (a capability), greedy, on raw-text datasets.
+
+    Raises:
+        DtbenchError: one line naming the decoder (or dataset) and what to change.
+    """
+    for p in plans:
+        sizes = sorted({b for *_, b in p.points if b > 1})
+        if not sizes:
+            continue
+        where = f"{p.spec.where}: " if p.spec.where else ""
+        name = clip(p.spec.display, 80)
+        if not p.cls.batching:
+            raise DtbenchError(f"{where}decoder '{name}' cannot decode batches (its class does not declare batching); "
+                               f"restrict it with `batch_sizes: [1]` or drop batch sizes {sizes} from the suite")
+        if why := p.cls.batching_error(p.params):
+            raise DtbenchError(f"{where}decoder '{name}': {why}; restrict it with `batch_sizes: [1]`")
+        if p.sampling is not None:
+            raise DtbenchError(f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
+                               f"`sampling: greedy` on it or `batch_sizes: [1]`")
+    for ds in suite.datasets:
+        if data.is_chat(ds) and any(p.points & {(ds.key, c, T, B) for c in ds.l_maxes for T in suite.generation_lengths
+                                                for B in suite.batch_sizes if B > 1} for p in plans):
+            where = f"{ds.where}: " if ds.where else ""
+            raise DtbenchError(f"{where}dataset '{clip(ds.name, 60)}' is a question dataset (multi-turn prompts built "
+                               f"from earlier answers); batch sizes > 1 run on raw-text datasets only")
 
 
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:
@@ -249,13 +316,14 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
 
 
 def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
-    """The (dataset, L_max, T) a suite entry runs at, after its ``datasets``/``L_max``/``generation_lengths``.
+    """The (dataset, L_max, T, B) a suite entry runs at, after its ``datasets``/``L_max``/``generation_lengths``/
+    ``batch_sizes``.
 
     Raises:
         DtbenchError: a restriction naming a dataset, L_max or T the suite does not have.
     """
     where = f"{spec.where}: " if spec.where else ""
-    names = {ds.name for ds in suite.datasets}
+    names = {ds.name for ds in suite.datasets} | {ds.key for ds in suite.datasets}
     for name in spec.datasets or []:
         if name not in names:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': datasets names '{clip(name, 60)}', "
@@ -269,11 +337,17 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
     if spec.l_maxes is not None and set(spec.l_maxes) - all_l_maxes:
         raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.l_maxes) - all_l_maxes)}"
                            f" is not an L_max of any dataset")
+    if spec.batch_sizes is not None:
+        extra = sorted(set(spec.batch_sizes) - set(suite.batch_sizes))
+        if extra:
+            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': batch_sizes {extra} are not in the suite's "
+                               f"batch_sizes")
     return {
-        (ds.name, l_max, T)
-        for ds in suite.datasets if spec.datasets is None or ds.name in spec.datasets
+        (ds.key, l_max, T, B)  # a restriction names an entry by its label or every entry of a dataset by its name
+        for ds in suite.datasets if spec.datasets is None or ds.key in spec.datasets or ds.name in spec.datasets
         for l_max in ds.l_maxes if spec.l_maxes is None or l_max in spec.l_maxes
         for T in suite.generation_lengths if spec.generation_lengths is None or T in spec.generation_lengths
+        for B in suite.batch_sizes if spec.batch_sizes is None or B in spec.batch_sizes
     }
 
 

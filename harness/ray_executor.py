@@ -341,7 +341,7 @@ class RayExecutor(Executor):
         self._kill(actor)
         key = work_key(group)
         attempts[key] = attempts.get(key, 0) + 1
-        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.name} L_max={group.l_max} "
+        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.key} L_max={group.l_max} "
                 f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}")
         if attempts[key] < MAX_ATTEMPTS:
             sink.note(f"{what}; retrying the group on another worker")

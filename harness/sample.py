@@ -35,6 +35,9 @@ class SampleRecord:
         lossless, first_divergence: the verdict against the reference and the first differing position.
         lossless_*: the teacher-forced check of every emitted token (:mod:`dtbench.harness.lossless`).
         worker_host, device_name: where it was measured.
+        batch_group, batch_rows, batch_total_s: a row of a batched cell (B > 1, issue 29): its prompt group's first
+            prompt index, the rows decoded together (< B: the remainder group) and the group's wall time in seconds
+            (until its last row finished); None at B = 1.
     """
 
     prompt_index: int
@@ -86,6 +89,9 @@ class SampleRecord:
     lossless_diagnoses: list[dict[str, Any]] | None = None
     worker_host: str | None = None
     device_name: str | None = None
+    batch_group: int | None = None
+    batch_rows: int | None = None
+    batch_total_s: float | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> SampleRecord:

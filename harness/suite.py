@@ -23,6 +23,7 @@ Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
 MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
+MAX_BATCH = 4096  # largest batch size B a suite may ask for
 
 
 L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
@@ -112,6 +113,10 @@ class DatasetSpec(_HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
     name: Name = Field(description="a registered dataset: wikitext-2, pg19, text-files, spec-bench or a plugin's")
+    label: Name | None = Field(
+        None, description="the entry's name in the results (cells, reports, per-decoder `datasets:` restrictions); "
+        "default: the dataset's name. Two entries of one dataset (Spec-Bench's questions beside a user's own question "
+        "file, two text-files folders) run side by side under different labels")
     prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
     l_max: int | list[int] = Field(800, alias=L_MAX,
@@ -135,6 +140,11 @@ class DatasetSpec(_HasLMax):
         0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
         "(tuning on other documents than the benchmark)")
+
+    @property
+    def key(self) -> str:
+        """The entry's identity in the results: its ``label``, else the dataset's name (stored as ``cells.dataset``)."""
+        return self.label or self.name
 
     @field_validator("l_max")
     @classmethod
@@ -187,6 +197,8 @@ class DecoderSpec(_HasLMax):
         None, description="run only at these T (a subset of the suite's generation_lengths)")
     l_max: int | list[int] | None = Field(
         None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)")
+    batch_sizes: list[int] | None = Field(
+        None, description="run only at these batch sizes B (a subset of the suite's batch_sizes)")
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
         None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding")
@@ -259,6 +271,10 @@ class Suite(_Frozen):
     datasets: list[DatasetSpec] = Field(min_length=1, description="where prompts come from (one cell axis)")
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
     decoders: list[DecoderSpec] = Field(min_length=1, description="the decoders measured, each with its params")
+    batch_sizes: list[int] = Field(
+        default_factory=lambda: [1], min_length=1, description="batch sizes B: at B a decoder decodes B prompts of "
+        "the dataset together (grouped in order, the same groups for every decoder; a last group smaller than B is "
+        "decoded as a smaller batch and marked); default [1]")
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
     calibrate: bool = Field(
         False, description="measure the target's and draft's forward-latency curves before the first cell and store "
@@ -290,6 +306,15 @@ class Suite(_Frozen):
             raise ValueError(f"generation_lengths lists a value twice: {clip(v)}")
         return v
 
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive_batch_sizes(cls, v):
+        if any(b < 1 or b > MAX_BATCH for b in v):
+            raise ValueError(f"batch sizes must be between 1 and {MAX_BATCH}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"batch_sizes lists a value twice: {clip(v)}")
+        return v
+
     @field_validator("timeout_s", mode="before")
     @classmethod
     def _positive_timeout(cls, v):
@@ -303,11 +328,12 @@ class Suite(_Frozen):
         seen: set[tuple[str, int]] = set()
         for i, ds in enumerate(self.datasets):
             for l_max in ds.l_maxes:
-                if (ds.name, l_max) in seen:
-                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {l_max} is listed "
-                                     f"twice (its cells would collide)")
-                seen.add((ds.name, l_max))
-        cells = len(seen) * len(self.generation_lengths) * sum(
+                if (ds.key, l_max) in seen:
+                    what = f"label '{clip(ds.key, 60)}'" if ds.label else f"dataset '{clip(ds.name, 60)}'"
+                    raise ValueError(f"datasets.{i}: {what} with {L_MAX} {l_max} is listed twice (its cells would "
+                                     f"collide; give the entries different label: keys)")
+                seen.add((ds.key, l_max))
+        cells = len(seen) * len(self.generation_lengths) * len(self.batch_sizes) * sum(
             max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
         if cells > MAX_GRID:
             raise ValueError(f"the suite expands to {cells} cells, more than the limit of {MAX_GRID}")

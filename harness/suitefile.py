@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from dtbench.harness.bounds import MAX_SUITE_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip, error_location
+from dtbench.harness.safetext import printable
 from dtbench.harness.suite import L_MAX, OLD_L_MAX, Suite
 
 MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
@@ -96,8 +97,9 @@ def _note_old_names(data: dict, where_of) -> None:
     if old and not any(both for *_, both in old):  # both keys in one entry: the validation error says it all
         key, i, _ = old[0]
         more = f" (and {len(old) - 1} more entries)" if len(old) > 1 else ""
-        print(f"note: {where_of((key, i, OLD_L_MAX))}: {key}.{i}: {OLD_L_MAX} is the deprecated name of {L_MAX}"
-              f"{more}; write {L_MAX}", file=sys.stderr, flush=True)
+        where = printable(where_of((key, i, OLD_L_MAX)))
+        print(f"note: {where}: {key}.{i}: {OLD_L_MAX} is the deprecated name of {L_MAX}{more}; write {L_MAX}",
+              file=sys.stderr, flush=True)
 
 
 def _validate(data: dict, where_of) -> Suite:

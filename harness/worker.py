@@ -23,7 +23,7 @@ from rich.console import Console
 
 from dtbench.harness import calibrate, data, fingerprint, lossless, models
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.measure import SampleTimeout, device_name, environment, measure
+from dtbench.harness.measure import SampleTimeout, device_name, environment, measure, measure_batch
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
 from dtbench.harness.sample import Reference, SampleRecord
@@ -74,7 +74,20 @@ class Outcome:
     label: str
     row: dict[str, Any] | None = None
     error: str | None = None
+    rows: list[dict[str, Any]] | None = None  # a batched group (B > 1): every row's samples row (``row`` the first)
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
+
+
+def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None = None):
+    """The decoder of ``cp`` bound to the loaded models (torch seeded with the suite's seed first), its declared
+    corpus (:meth:`Decoder.corpus_of`), held out from the suite's prompts with the suite's seed, handed to it."""
+    torch.manual_seed(suite.seed)
+    decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
+    corpus = cp.cls.corpus_of(cp.params)
+    if corpus is not None:
+        tokenizer = getattr(target.model.config, "name_or_path", "") or ""
+        decoder.use_corpus(data.corpus_documents(corpus, tokenizer, suite.seed, data_dir))
+    return decoder
 
 
 def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | None, target, draft,
@@ -101,12 +114,7 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | Non
                                        f"{prompt.index}")
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
     try:
-        torch.manual_seed(suite.seed)
-        decoder = cp.cls(target.model, draft.model if (draft and cp.cls.needs_draft) else None, cp.params)
-        corpus = cp.cls.corpus_of(cp.params)
-        if corpus is not None:
-            tokenizer = getattr(target.model.config, "name_or_path", "") or ""
-            decoder.use_corpus(data.corpus_documents(corpus, tokenizer, suite.seed, data_dir))
+        decoder = make_decoder(cp, target, draft, suite, data_dir)
         if cp.sampling is not None:
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
         if stop_at_eos:
@@ -129,6 +137,55 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | Non
     return Outcome(cp.label, row=row, cpu_s=m.cpu_s)
 
 
+def measure_group(cp: CellPlan, prompts: list, group: PromptGroup, ref: tuple | None, target, draft, device,
+                  suite: Suite, stop_at_eos: bool = False, data_dir: str | None = None) -> Outcome:
+    """Measure one decoder on a prompt group at batch size B > 1 (its prompts decoded together); never raises for
+    what the decoder does wrong (as :func:`measure_one`).
+
+    Every row becomes its own samples row (its own tokens, TTFT, TPOT, acceptance, output check) plus the group's
+    ``batch_group`` (first prompt index), ``batch_rows`` and ``batch_total_s`` (the batch's wall time). The output
+    check is per row: the reference's row (the reference decoder at the same B) for ``first_divergence``, and the
+    tie-aware teacher-forced check of every emitted token of each row (:func:`lossless.sample_columns`, batch 1).
+
+    Args:
+        prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
+        ref: the reference decoder's :class:`Reference` on this group (tokens: one list per row; total_s: the
+            batch's wall time), or None.
+    """
+    if cp.reference_label and ref is None:
+        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for the prompt group "
+                                       f"{group.prompt_index}")
+    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
+    where = f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
+    try:
+        decoder = make_decoder(cp, target, draft, suite, data_dir)
+        if stop_at_eos:
+            decoder.eos_token_id = models.eos_token_id(target.model)
+        ms = measure_batch(decoder, [p.token_ids for p in prompts], group.gen_length, device, timeout_s=timeout,
+                           cpu_timeout_s=cpu_limit)
+        wall = max(m.step_times[-1] for m in ms)
+        rows = []
+        for r, (m, prompt) in enumerate(zip(ms, prompts)):
+            reference = ref.tokens[r] if ref else None
+            row = sample_row(m, prompt, group.warmup, reference)
+            row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
+            if cp.cls.lossless:  # every emitted token of every row checked, outside the timed region
+                others = [p.token_ids for j, p in enumerate(prompts) if j != r]
+                row.update(lossless.sample_columns(target.model, prompt.token_ids, row, reference, device,
+                                                   suite.lossless_check, companions=others))
+            rows.append(SampleRecord.from_row(row).as_row())
+        json.dumps(rows)
+    except KeyboardInterrupt:
+        raise
+    except SampleTimeout:
+        cpu = f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        return Outcome(cp.label, error=f"{where}: timed out after{cpu}")
+    except (Exception, SystemExit) as exc:
+        kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
+        return Outcome(cp.label, error=f"{where}: {kind}: {clip(exc, 1500)}")
+    return Outcome(cp.label, row=rows[0], rows=rows, cpu_s=ms[0].cpu_s)
+
+
 def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
     """(SamplingSettings, a generator seeded from the base seed and the prompt index) for one sample.
 
@@ -148,13 +205,25 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
     Args:
-        group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt`.
+        group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt` (at B > 1 the list of its
+            rows' prompts, decoded together by :func:`measure_group`).
         done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
-            but available as references.
+            but available as references (at B > 1: (per-row tokens, batch seconds, None) of the group).
         skip: labels of cells that already failed: not measured.
     """
     outputs = dict(done)
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
+    if group.batch_size > 1:
+        for cp in group.decoders:
+            if cp.label in outputs or cp.label in skip:
+                continue
+            ref = outputs.get(cp.reference_label) if cp.reference_label else None
+            outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
+            if outcome.rows is not None:
+                outputs[cp.label] = Reference([r["output_tokens"] for r in outcome.rows],
+                                              outcome.rows[0]["batch_total_s"], outcome.cpu_s)
+            yield outcome
+        return
     by_label = {cp.label: cp for cp in group.decoders}
     for cp in group.decoders:
         if cp.label in outputs or cp.label in skip:
@@ -169,12 +238,13 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         yield outcome
 
 
-WorkKey = tuple[str, int, int, int]  # (dataset, L_max, T, prompt index)
+WorkKey = tuple[str, int, int, int, int]  # (dataset, L_max, T, B, first prompt index)
 
 
 def work_key(group: PromptGroup) -> WorkKey:
-    """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T) and the prompt index."""
-    return (group.dataset.name, group.l_max, group.gen_length, group.prompt_index)
+    """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B) and the (first) prompt
+    index."""
+    return (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index)
 
 
 @dataclass

@@ -164,7 +164,8 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     table = speedup_table(frame, confidence=1 - alpha)
     if table.empty:
         raise DtbenchError(f"run {rid} has no decoder besides AR to compare")
-    caption = ("speedup = mean throughput / mean AR throughput (same dataset, L_max, T), prompts after warmup; "
+    caption = ("speedup = mean throughput / mean AR throughput (same dataset, L_max, T, batch size), prompts after "
+               "warmup (at B > 1: prompt groups, throughput over all rows); "
                f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}")
     title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
     report = Report("speedups", title, caption, render.speedup_display(table, 1 - alpha), table, row_styles=styles)
@@ -216,6 +217,9 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
     with sessions() as session:
         summary, runs = combined_summary(session, run_ids)
         frames = {r.id: samples_frame(session, r.id) for r in runs} if html_file else {}
+    every = summary  # the HTML report shows every cell, batch sizes > 1 included
+    if "batch_size" in summary:  # the paper's tables and figures: its protocol, one prompt at a time (B = 1)
+        summary = summary[summary["batch_size"] == 1].reset_index(drop=True)
     if tables:
         from dtbench.reports.paper import paper_tables
 
@@ -233,6 +237,13 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.costmodel import write_figure
 
         paths += write_figure(sessions, run_ids, fig_dir)  # the verify-cost curve, when a run has a calibration
+        from dtbench.reports.costmodel import batch_figures
+        from dtbench.reports.figures import save_figures
+
+        batch_figs, batch_notes = batch_figures(sessions, run_ids)  # speedup vs batch size (issue 29)
+        paths += save_figures(batch_figs, fig_dir)
+        notes = [*notes, *batch_notes]
+
         for note in notes:
             _note(f"note: {note}")
         _note(f"wrote {len(paths)} figure files to {fig_dir}: " + ", ".join(sorted({p.stem for p in paths})))
@@ -240,7 +251,13 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.html import build_html, write_html
 
         cis = {rid: speedup_table(f, confidence=1 - alpha) for rid, f in frames.items() if not f.empty}
-        path = write_html(html_file, build_html(summary, runs, cis, confidence=1 - alpha, include_partial=include_partial))
+        from dtbench.reports.costmodel import batch_figures
+
+        extra, extra_notes = batch_figures(sessions, [r.id for r in runs])
+        for note in extra_notes:
+            _note(f"note: {note}")
+        path = write_html(html_file, build_html(every, runs, cis, confidence=1 - alpha, include_partial=include_partial,
+                                                extra_figures=extra))
         _note(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
 

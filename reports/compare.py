@@ -26,7 +26,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import ALIASES, GATEABLE, Metric
 from dtbench.harness.metrics import METRICS as REGISTRY
 from dtbench.harness.runs import MUST_MATCH
-from dtbench.reports.stats import GROUP, KEY, MIN_PROMPTS, N_TOO_SMALL, baseline_values, cell_value
+from dtbench.reports.stats import (GROUP, KEY, MIN_PROMPTS, N_TOO_SMALL, baseline_values, cell_value,
+                                   collapse_batches, remainder_mask)
 
 # Marks of a run-to-run comparison, in the order a reader cares about them.
 BETTER, WORSE, NOT_SIGNIFICANT = "better", "worse", "not significant"
@@ -47,9 +48,12 @@ def per_prompt(frame: pd.DataFrame) -> pd.DataFrame:
     Adds every metric of the registry (:data:`dtbench.harness.metrics.METRICS`) in its display unit (``ttft_ms``,
     ``tpot_ms`` in ms, ``peak_mib`` in MiB, ...) and ``speedup``: the paired per-prompt ratio, the sample's
     throughput over its baseline's on the same prompt (:func:`~dtbench.reports.stats.baseline_values`: the AR cell
-    of the same dataset, L_max and T that decodes the same way); NaN without one.
+    of the same dataset, L_max, T and batch size that decodes the same way); NaN without one. At B > 1 a row is a
+    prompt group (:func:`~dtbench.reports.stats.collapse_batches`: total throughput over its rows), so the pairs are
+    per group; remainder groups are left out.
     """
-    s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)].copy()
+    s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)]
+    s = collapse_batches(s[~remainder_mask(s)]).copy()  # B > 1: one row per prompt group, remainder left out
     if s.empty:
         return s.assign(**{m.name: [] for m in REGISTRY}, baseline_throughput=[], speedup=[])
     for m in REGISTRY:
@@ -122,7 +126,8 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
     s = per_prompt(frame)
     rows = []
     for key, cells in frame.groupby(GROUP, sort=False):
-        group = s[(s["dataset"] == key[0]) & (s["l_max"] == key[1]) & (s["gen_length"] == key[2])]
+        group = s[(s["dataset"] == key[0]) & (s["l_max"] == key[1]) & (s["gen_length"] == key[2])
+                  & (s["batch_size"] == key[3])]
         first_rows = cells.drop_duplicates("cell_id")
         ar_label_of = dict(zip(first_rows["label"], baseline_values(first_rows, "label", missing=None)))
         for label in dict.fromkeys(cells["label"]):
@@ -157,10 +162,11 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
                 if partial:
                     row["verdict"] += " (partial)"
             rows.append(row)
-    return pd.DataFrame(rows, columns=[*GROUP, "label", "decoder", "status", "partial", "not_lossless", "n",
+    # batch_size last: the columns before it are those of the tables before batch sizes existed
+    return pd.DataFrame(rows, columns=[*GROUP[:3], "label", "decoder", "status", "partial", "not_lossless", "n",
                                        "throughput_mean",
                                        "ar_throughput_mean", "speedup", "paired_speedup", "ci_low", "ci_high",
-                                       "ci_method", "verdict"])
+                                       "ci_method", "verdict", "batch_size"])
 
 
 # --- run to run --------------------------------------------------------------------------------------------
@@ -309,7 +315,7 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
             row["after"] = va["throughput"].mean()
         if len(vb) and len(va):
             row["ratio"] = row["after"] / row["before"]
-        where = f"{key[0]} L_max={key[1]} T={key[2]} {key[3]}"
+        where = f"{key[0]} L_max={key[1]} T={key[2]}" + (f" B={key[3]}" if key[3] != 1 else "") + f" {key[4]}"
         if b is None:
             row["mark"] = NEW
         elif a is None:
@@ -344,5 +350,5 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
                         change = f"{100 * (ma - mb) / abs(mb):+.1f}%" if g.relative and mb else f"{ma - mb:+.4g} {g.metric.unit}"
                         failures.append(f"{g.text}: {where} {col} {mb:.4g} → {ma:.4g} ({change}, p={pg:.3g})")
         rows.append(row)
-    return pd.DataFrame(rows, columns=[*KEY, "before", "after", "before_partial", "after_partial", "ratio", "p_value",
-                                       "mark", "note"]), failures
+    return pd.DataFrame(rows, columns=[*GROUP[:3], "label", "before", "after", "before_partial", "after_partial",
+                                       "ratio", "p_value", "mark", "note", "batch_size"]), failures

@@ -34,7 +34,7 @@ def _meta(runs) -> pd.DataFrame:
 
 
 def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | None = None,
-               confidence: float = 0.95, include_partial: bool = False) -> str:
+               confidence: float = 0.95, include_partial: bool = False, extra_figures: dict | None = None) -> str:
     """The report as one HTML document.
 
     Args:
@@ -43,6 +43,8 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
         speedups: per run id, :func:`~dtbench.reports.compare.speedup_table` (optional section).
         confidence: the level those intervals were computed at (for the column heading).
         include_partial: show partial cells' numbers in the paper tables and figures (always in "Every cell").
+        extra_figures: more figures (stem -> matplotlib Figure) shown after the paper's, e.g. the speedup-vs-batch
+            figure (:func:`~dtbench.reports.costmodel.batch_figures`).
     """
     e = html_text
     ids = ", ".join(str(r.id) for r in runs)
@@ -52,19 +54,24 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
              "tables and figures leave them out unless --include-partial.")
     meta = _meta(runs)
     out = ["<h2>Runs</h2>", html_table(Report("runs", "", "", meta, meta))]
+    every = summary  # "Every cell" shows every batch size; the paper's tables and figures are its B = 1 protocol
+    if "batch_size" in summary:
+        summary = summary[summary["batch_size"] == 1].reset_index(drop=True)
     tables, skipped = paper_tables(summary, include_partial)
     out.append("<h2>Paper tables</h2>")
     out += [html_section(t) for t in tables]
     out += [html_note(n) for n in skipped]
     if speedups:
         out.append("<h2>Speedup vs AR with confidence intervals</h2>")
-        caption = ("Speedup = mean throughput / mean AR throughput of the same dataset, L_max and T; "
+        caption = ("Speedup = mean throughput / mean AR throughput of the same dataset, L_max, T and batch size B (at "
+                   "B > 1 per prompt group, throughput over all its rows); "
                    f"{SPEEDUP_CI_METHOD}.")
         out += [html_section(Report(f"speedups_{run_id}", f"run {run_id}", caption,
                                     render.speedup_display(table, confidence), table,
                                     row_styles=[render.verdict_style(v) for v in table["verdict"]]))
                 for run_id, table in speedups.items() if not table.empty]
     figs, notes = build_figures(summary, include_partial)
+    figs = {**figs, **(extra_figures or {})}
     out.append("<h2>Figures</h2>")
     for stem, fig in figs.items():
         svg = base64.b64encode(to_bytes(fig, "svg")).decode()
@@ -72,7 +79,7 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
                    f"<figcaption><code>{e(stem)}</code></figcaption></figure>")
     out += [html_note(n) for n in notes]
     out.append("<h2>Every cell</h2>")  # the reports `dtbench report` prints (render.cell_reports)
-    out += [html_section(r) for r in render.cell_reports(summary)]
+    out += [html_section(r) for r in render.cell_reports(every)]
     return html_page(f"dtbench report — run {ids}", out, intro)
 
 

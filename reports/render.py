@@ -165,8 +165,8 @@ def formatted(row: pd.Series) -> dict[str, str]:
 
 
 def _title(key) -> str:
-    dataset, l_max, T = key
-    return f"{dataset} · L_max={l_max} · T={T}"
+    dataset, l_max, T, B = key
+    return f"{dataset} · L_max={l_max} · T={T}" + (f" · B={B}" if B != 1 else "")
 
 
 def cell_reports(summary: pd.DataFrame) -> list[Report]:
@@ -187,7 +187,12 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
                   for row in rows]
         notes = [Note(note, "red" if row["status"] == "failed" else "yellow") for row in rows for note in cell_notes(row)]
         n = int(group["n"].max()) if len(group) else 0
-        reports.append(Report(f"cells_{i}", _title(key), f"mean ± std over {n} prompts after warmup", display,
+        unit = "prompts" if key[3] == 1 else f"prompt groups of B={key[3]} (throughput: all rows; TTFT/TPOT/accept.: " \
+            "mean over rows)"
+        rem = int(group["remainder_n"].max()) if "remainder_n" in group and len(group) else 0
+        caption = f"mean ± std over {n} {unit} after warmup" + (
+            f"; remainder: {rem} prompts decoded as a smaller batch, left out" if rem else "")
+        reports.append(Report(f"cells_{i}", _title(key), caption, display,
                               group[CELL_DATA], notes=notes, row_styles=styles, left=frozenset({"Decoder", "Lossless"})))
     return reports
 
@@ -205,7 +210,7 @@ MACHINE_COLUMNS = [
     *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "lossless_rule", "target_dtype",
     "lossless_checked_n", "lossless_ties", "lossless_tie_samples", "lossless_error_samples", "lossless_first_error",
     "lossless_error_margin", "lossless_max_tie_margin", "lossless_check_s", "reference", "status", "error",
-    "warmup_n", "partial", "all_warmup", "mixed_devices",
+    "warmup_n", "partial", "all_warmup", "mixed_devices", "batch_size", "remainder_n",
 ]
 
 
@@ -223,13 +228,21 @@ def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFra
             return f"{N_TOO_SMALL} (n < {MIN_PROMPTS})"
         return MISSING if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
 
-    return pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+    out = pd.DataFrame([{
+        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]),
+        "B": str(int(r.get("batch_size", 1) or 1)), "Decoder": r["label"],
         "n": str(r["n"]), "Throughput (t/s)": fmt(r["throughput_mean"], ".1f") + partial_mark(r),
         "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"), "Speedup": fmt(r["speedup"], ".3f", "×") + speedup_mark(r),
         "Per-prompt (geo. mean)": fmt(r["paired_speedup"], ".3f", "×"), ci: interval(r), "Verdict": r["verdict"],
-    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "n", "Throughput (t/s)", "AR (t/s)",
-                                              "Speedup", "Per-prompt (geo. mean)", ci, "Verdict"])
+    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "B", "Decoder", "n", "Throughput (t/s)",
+                                              "AR (t/s)", "Speedup", "Per-prompt (geo. mean)", ci, "Verdict"])
+    return _batch_column(out, table)
+
+
+def _batch_column(display: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """``display`` with its "B" (batch size) column only when some row is at B > 1 (B = 1 reports look as before)."""
+    batched = "batch_size" in table and bool((pd.to_numeric(table["batch_size"]).fillna(1) != 1).any())
+    return display if batched else display.drop(columns=["B"])
 
 
 MARK_STYLES = {"better": "green", "worse": "red", "newly failing": "bold red", "still failing": "red",
@@ -248,12 +261,14 @@ def compare_display(table: pd.DataFrame) -> pd.DataFrame:
     def side(r, which: str) -> str:
         return fmt(r[which], ".2f") + (PARTIAL_MARK if bool(r.get(f"{which}_partial", False)) else "")
 
-    return pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
+    out = pd.DataFrame([{
+        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]),
+        "B": str(int(r.get("batch_size", 1) or 1)), "Decoder": r["label"],
         "Before (t/s)": side(r, "before"), "After (t/s)": side(r, "after"), "Ratio": fmt(r["ratio"], ".3f", "×"),
         "p": fmt(r["p_value"], ".3g"), "Mark": r["mark"], "Note": r["note"],
-    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "Decoder", "Before (t/s)", "After (t/s)", "Ratio",
-                                              "p", "Mark", "Note"])
+    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "B", "Decoder", "Before (t/s)", "After (t/s)",
+                                              "Ratio", "p", "Mark", "Note"])
+    return _batch_column(out, table)
 
 
 # --- the run's environment ----------------------------------------------------------------------------------

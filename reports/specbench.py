@@ -70,8 +70,8 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
     """One row per greedy sample of a question dataset in the run: the cell's point and label, the task, counts,
     wall time and per-step counters (``step_tokens``, ``drafted``, ``accepted`` lists)."""
     rows = session.execute(
-        select(Cell.dataset, Cell.l_max, Cell.gen_length, Cell.label, Cell.decoder, Cell.status, Cell.sampling,
-               Sample.prompt_index,
+        select(Cell.dataset, Cell.l_max, Cell.gen_length, Cell.batch_size, Cell.label, Cell.decoder, Cell.status,
+               Cell.sampling, Sample.prompt_index,
                Sample.warmup, Sample.new_tokens, Sample.total_s, Sample.step_tokens, Sample.step_stats,
                Sample.task_group, Sample.category, Sample.turn, Sample.question_id, Sample.lossless,
                Cell.lossless_expected)
@@ -86,6 +86,7 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
         records.append({**{k: getattr(r, k) for k in ("dataset", "l_max", "gen_length", "label", "decoder", "status",
                                                         "prompt_index", "warmup", "new_tokens", "total_s",
                                                         "task_group", "category", "turn", "question_id")},
+                        "batch_size": r.batch_size or 1,  # question datasets run at B = 1 only (the plan's rule)
                         "not_lossless": bool(r.lossless_expected) and r.lossless is False,
                         "step_tokens": list(r.step_tokens or []), "drafted": list(stats.get("drafted") or []),
                         "accepted": list(stats.get("accepted") or [])})
@@ -140,6 +141,8 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     """
     if samples.empty:
         raise DtbenchError("--spec-bench: the run has no greedy samples of a question dataset (such as spec-bench)")
+    if "batch_size" not in samples:  # frames made before batch sizes existed: B = 1
+        samples = samples.assign(batch_size=1)
     basis = samples[~samples["warmup"].astype(bool)]
     if basis.empty:
         raise DtbenchError("--spec-bench: every question-dataset sample of the run is warmup")
@@ -217,7 +220,7 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     with sessions() as session:
         run = get_run(session, run_id)
         board = leaderboard(task_samples(session, run.id))
-    points = list(board.groupby(GROUP, sort=False))
+    points = list(board.groupby(GROUP[:3], sort=False))  # question datasets: B = 1 only, no batch_size column
 
     def title(key) -> str:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"

@@ -1,7 +1,12 @@
 """The cell-statistics layer every report shares: which cells are compared, how, and how a missing value reads.
 
-- The *group* of a cell is its (dataset, L_max, T) (:data:`GROUP`); a cell is identified within a run by its group
-  and label (:data:`KEY`).
+- The *group* of a cell is its (dataset, L_max, T, batch size B) (:data:`GROUP`); a cell is identified within a run by
+  its group and label (:data:`KEY`). Cells stored before batch sizes existed are B = 1.
+- At B > 1 the unit of pairing is the *prompt group* (B prompts decoded together, the same groups for every decoder):
+  :func:`collapse_batches` turns a group's rows into one row (total throughput = the rows' tokens / the batch's wall
+  time; TTFT, TPOT, acceptance, tokens per iteration the mean over its rows), keyed by the group's first prompt, so
+  per-prompt pairs become per-group pairs. A *remainder* group (fewer than B prompts) is kept out of the statistics
+  at B and counted apart.
 - A cell's *reference for speedups* is the baseline decoder's (:data:`BASELINE`, greedy full-cache AR) cell of the
   same group that decodes the same way (:func:`decoding`: greedy, or the same sampling settings). Sampled cells are
   never divided by greedy AR.
@@ -35,7 +40,7 @@ FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (wr
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
 SAMPLED = "sampled (exact by construction, distribution-tested)"
 
-__all__ = ["BASELINE", "FAMILY_UNKNOWN", "GROUP", "KEY", "MIN_PROMPTS", "MISSING", "N_TOO_SMALL", "SAMPLED",
+__all__ = ["BASELINE", "FAMILY_UNKNOWN", "collapse_batches", "remainder_mask", "GROUP", "KEY", "MIN_PROMPTS", "MISSING", "N_TOO_SMALL", "SAMPLED",
            "baseline_values", "cell_lossless", "cell_throughput", "cell_value", "decoding", "family_of", "group_key",
            "is_missing", "pairing_key", "show"]
 
@@ -139,3 +144,51 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
     values = [base.get(k, missing) for k in keys]
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     return pd.Series(values, index=frame.index, dtype=float if numeric else object)
+
+
+# Per-row columns a prompt group's row averages over its rows (the others are the batch's, or summed).
+_ROW_MEANS = ("prompt_tokens", "ttft_s", "tpot_s", "iterations", "tokens_per_iteration", "drafted", "accepted",
+              "draft_depth", "acceptance_rate", "acceptance_incl_bonus", "mean_path_length", "mean_path_length_all",
+              "target_forwards", "draft_forwards")
+
+
+def remainder_mask(samples: pd.DataFrame) -> pd.Series:
+    """Rows of a remainder group: a batched cell's group of fewer than B prompts after the warmup (decoded as a smaller
+    batch and marked, :class:`dtbench.harness.plan.PromptGroup`); all False without batch columns."""
+    if "batch_rows" not in samples or "batch_size" not in samples:
+        return pd.Series(False, index=samples.index)
+    rows = pd.to_numeric(samples["batch_rows"], errors="coerce")
+    size = pd.to_numeric(samples["batch_size"], errors="coerce").fillna(1)
+    warmup = samples["warmup"].fillna(False).astype(bool) if "warmup" in samples else False
+    return (rows.notna() & (rows < size) & ~warmup).astype(bool)
+
+
+def collapse_batches(samples: pd.DataFrame) -> pd.DataFrame:
+    """One row per prompt group for batched samples (``batch_group`` set), the other rows unchanged, in order.
+
+    A group's row: ``prompt_index`` the group's first prompt (the pairing key, the same for every decoder),
+    ``new_tokens`` the rows' sum, ``total_s`` the batch's wall time (``batch_total_s``), ``throughput`` their ratio
+    (the total throughput at B, tokens/s over all rows), the per-row metrics (TTFT, TPOT, acceptance, tokens per
+    iteration, ...) the mean over the rows, ``lossless`` True only if every row is; memory and energy are the batch's.
+    """
+    if "batch_group" not in samples or not samples["batch_group"].notna().any():
+        return samples
+    batched = samples["batch_group"].notna()
+    out = []
+    for _, grp in samples[batched].groupby(["cell_id", "batch_group"], sort=False):
+        row = grp.iloc[0].copy()
+        for c in _ROW_MEANS:
+            if c in grp:
+                values = pd.to_numeric(grp[c], errors="coerce")
+                row[c] = float(values.mean()) if values.notna().any() else None
+        tokens = int(pd.to_numeric(grp["new_tokens"]).sum())
+        total = float(row["batch_total_s"])
+        row["new_tokens"], row["total_s"] = tokens, total
+        row["throughput"] = tokens / total if total > 0 else float("inf")
+        row["prompt_index"] = int(row["batch_group"])
+        if "lossless" in grp:
+            verdicts = grp["lossless"].dropna()
+            row["lossless"] = bool(verdicts.all()) if len(verdicts) else None
+        out.append(row)
+    groups = pd.DataFrame(out)
+    return pd.concat([samples[~batched], groups]).sort_index(kind="stable")

@@ -33,13 +33,15 @@ from dtbench.reports.stats import (
     KEY,
     baseline_values,
     cell_lossless,
+    collapse_batches,
+    remainder_mask,
     cell_throughput,
     family_of,
     group_key,
 )
 
 _SAMPLE_COLS = list(SCALAR_COLUMNS)  # every sample column but the bulky per-iteration lists (harness/sample.py)
-_CELL_COLS = ["dataset", "l_max", "gen_length", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
+_CELL_COLS = ["dataset", "l_max", "gen_length", "batch_size", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
               "sampling",
               "lossless_expected", "lossless_check", "reference_label", "status", "error", "target_model", "draft_model"]
 
@@ -67,6 +69,7 @@ def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
     records = []
     for cell, sample in rows:
         rec = {"cell_id": cell.id, **{c: getattr(cell, c) for c in _CELL_COLS}}
+        rec["batch_size"] = rec["batch_size"] or 1  # cells written before batch sizes: B = 1
         rec.update({c: (getattr(sample, c) if sample is not None else None) for c in _SAMPLE_COLS})
         rec["has_sample"] = sample is not None
         records.append(rec)
@@ -152,14 +155,16 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     for cell_id, cell in frame.groupby("cell_id", sort=False):
         first = cell.iloc[0]
         measured = cell[cell["has_sample"]]
-        basis = measured[~measured["warmup"].astype(bool)]
+        remainder = remainder_mask(measured)
+        basis = collapse_batches(measured[~measured["warmup"].astype(bool) & ~remainder])
         compared = measured["lossless"].dropna()
         lossless = cell_lossless(measured["lossless"], sampled=bool(first["sampling"]) and bool(first["lossless_expected"]))
         out.append({
             "cell_id": cell_id, **dict(zip(GROUP, group_key(first))), "label": first["label"], "decoder": first["decoder"],
             "family": family_of(first["family"]),
             "params": first["params"], "decoder_version": first["decoder_version"], "sweep_group": first["sweep_group"],
-            "n": len(basis), "warmup_n": len(measured) - len(basis),
+            "n": len(basis), "warmup_n": int(measured["warmup"].astype(bool).sum()),
+            "remainder_n": int(remainder.sum()),
             **_aggregates(basis),
             "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
             "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),

@@ -1216,3 +1216,26 @@ def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
                         lambda repo, name: str(snapshot / name) if repo == "org/head" else None)
     params = SimpleNamespace(model_dump=lambda: {"head": "org/head", "depth": 3, "other": "not/cached"})
     assert fingerprint.decoder_files(params) == {"head": {"hub_id": "org/head", "revision": "b" * 40}}
+
+
+def test_a_plugins_names_are_escaped_in_the_decoders_table(tmp_path, monkeypatch):
+    from kit import install_plugin
+
+    install_plugin(monkeypatch, tmp_path / "site", "dtbench-evil", {"evil": "dtbench_evil:Evil"}, """
+        from pydantic import Field
+
+        from dtbench.decoders.ar import Autoregressive
+        from dtbench.decoders.base import DecoderParams
+
+
+        class P(DecoderParams):
+            mode: str = Field("\\x1b]0;pwn\\x07[red]x[/red]")
+
+
+        class Evil(Autoregressive):
+            Params = P
+        """)
+    result = invoke("decoders")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout and "\x07" not in result.stdout
+    assert "\\x1b]0;pwn\\x07[red]x[/red]" in result.stdout.replace("\n", "").replace(" ", "")

@@ -288,14 +288,40 @@ def test_0006_downgrades_and_upgrades_again(db_url):
         s.commit()
     engine = create_engine(db_url)
     try:
-        for rev, column in (("0005", "prompt_cap"), ("head", "l_max")):
+        # At head the constraint also holds batch_size (revision 0011, issue 29).
+        for rev, column, unique in (("0005", "prompt_cap", ("run_id", "dataset", "prompt_cap", "gen_length", "label")),
+                                    ("head", "l_max", ("run_id", "dataset", "l_max", "gen_length", "batch_size",
+                                                       "label"))):
             with engine.begin() as conn:
                 getattr(command, "downgrade" if rev != "head" else "upgrade")(schema._config(conn), rev)
             insp = inspect(engine)
             assert column in {c["name"] for c in insp.get_columns("cells")}
-            assert ("run_id", "dataset", column, "gen_length", "label") in \
-                [tuple(u["column_names"]) for u in insp.get_unique_constraints("cells")]
+            assert unique in [tuple(u["column_names"]) for u in insp.get_unique_constraints("cells")]
             with engine.connect() as conn:
                 assert conn.execute(text(f"SELECT {column} FROM cells")).scalar() == 8
     finally:
         engine.dispose()
+
+
+def test_0011_old_cells_report_as_batch_size_1_and_the_unique_key_holds_b(old_db):
+    """Issue 29: an upgraded database's cells are B = 1 and its samples have no batch group; two cells that differ
+    only in batch size may coexist, two with the same B may not."""
+    from sqlalchemy.exc import IntegrityError
+
+    url = f"sqlite:///{old_db}"
+    assert invoke("db", "upgrade", "--db", str(old_db)).exit_code == 0
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert set(conn.execute(text("SELECT DISTINCT batch_size FROM cells")).scalars()) == {1}
+        assert conn.execute(text("SELECT COUNT(*) FROM samples WHERE batch_group IS NOT NULL")).scalar() == 0
+    sessions = db.connect(url)
+    with sessions() as s:
+        cell = s.scalars(select(db.Cell)).first()
+        fields = dict(run_id=cell.run_id, dataset=cell.dataset, l_max=cell.l_max, gen_length=cell.gen_length,
+                      decoder=cell.decoder, label=cell.label, decoder_version="1", decoder_distribution="d",
+                      params={}, lossless_expected=True, target_model="m", status="done")
+        s.add(db.Cell(batch_size=4, **fields))
+        s.commit()
+        s.add(db.Cell(batch_size=4, **fields))
+        with pytest.raises(IntegrityError):
+            s.commit()

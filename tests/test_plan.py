@@ -32,8 +32,9 @@ def test_restrictions_and_reference_spreading():
     # References first: the implicit ar, and the implicit streaming_ar reference of S.
     assert labels.index("ar") < labels.index("L") and labels.index("streaming_ar (sinks=4, window=32)") < labels.index("S")
     by = {c.label: c for c in plan.decoders}
-    assert by["L-scaling"].points == {("pg19", 64, 16), ("pg19", 64, 32)}
-    assert by["S"].points == {("pg19", 64, 32)}
+    # a point is (dataset, L_max, T, batch size B); the suite's batch_sizes default to [1]
+    assert by["L-scaling"].points == {("pg19", 64, 16, 1), ("pg19", 64, 32, 1)}
+    assert by["S"].points == {("pg19", 64, 32, 1)}
     assert by["streaming_ar (sinks=4, window=32)"].points == by["S"].points  # only where its dependent runs
     assert by["ar"].points == by["L"].points  # ar everywhere L runs (L is unrestricted): 3 caps x 3 T
     assert len(by["ar"].points) == 9
@@ -52,6 +53,7 @@ def test_restrictions_and_reference_spreading():
     ("{name: linear, generation_lengths: [64]}", "generation_lengths [64] are not in the suite's"),
     ("{name: linear, L_max: 999}", "L_max [999] is not an L_max of any dataset"),
     ("{name: linear, datasets: [c4]}", "datasets names 'c4', which the suite does not have"),
+    ("{name: linear, batch_sizes: [4]}", "batch_sizes [4] are not in the suite's batch_sizes"),
 ])
 def test_restrictions_must_name_suite_values(tmp_path, entry, needle):
     text = SUITE.split("decoders:")[0] + f"decoders:\n  - {{name: ar}}\n  - {entry}\n"

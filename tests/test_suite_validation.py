@@ -177,8 +177,8 @@ def test_prompt_cap_is_the_deprecated_name_of_l_max(tmp_path):
     write_suite(tmp_path, {**BASE, **entries("L_max")}, "new.yaml")
     (old, _), (new, _) = load_suite(tmp_path / "old.yaml"), load_suite(tmp_path / "new.yaml")
     assert old.model_dump() == new.model_dump() and old.datasets[0].l_maxes == [16, 32] and old.decoders[1].l_maxes == [16]
-    assert [(ds.name, l_max, T, c.label) for ds, l_max, T, c in plan_suite(old).cells()] == \
-           [(ds.name, l_max, T, c.label) for ds, l_max, T, c in plan_suite(new).cells()]
+    assert [(ds.name, l_max, T, B, c.label) for ds, l_max, T, B, c in plan_suite(old).cells()] == \
+           [(ds.name, l_max, T, B, c.label) for ds, l_max, T, B, c in plan_suite(new).cells()]
     quiet = validate(tmp_path, {**BASE, **entries("L_max")}, "new.yaml")
     assert quiet.exit_code == 0 and "deprecated" not in quiet.output
     for i, key in ((0, "datasets"), (1, "decoders")):

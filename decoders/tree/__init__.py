@@ -164,76 +164,159 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         ValueError: unknown strategy, tree_root or prune mode, ``prune="skip"`` with sampling, or a model
             whose attention implementation cannot take a tree mask.
     """
+    for steps in speculate_tree_rows(target, draft, [input_ids], max_new_tokens, [policy], cache_strategy,
+                                     draft_strategy, tree_root=tree_root, prune=prune, sampling=sampling,
+                                     generator=generator, eos_token_id=eos_token_id):
+        yield steps[0]
+
+
+def speculate_tree_batch(target: torch.nn.Module, draft: torch.nn.Module, prompts: list[torch.Tensor],
+                         max_new_tokens: int, policies: list[ExpansionPolicy], cache_strategy: CacheStrategy = "compact",
+                         draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
+                         prune: Prune = "leaf", eos_token_id: int | tuple[int, ...] | None = None
+                         ) -> Iterator[dict[int, Step]]:
+    """Greedy tree speculation of B prompts together (B = ``len(prompts)``): the one tree loop
+    (:func:`speculate_tree_rows`) over a :class:`~dtbench.decoders.kv.RaggedBatch`, one expansion policy and one
+    draft session per row; yields as :func:`speculate_tree_rows`."""
+    yield from speculate_tree_rows(target, draft, prompts, max_new_tokens, policies, cache_strategy, draft_strategy,
+                                   tree_root=tree_root, prune=prune, eos_token_id=eos_token_id, batched=True)
+
+
+def speculate_tree_rows(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[torch.Tensor],
+                        max_new_tokens: int, policies: list[ExpansionPolicy | TreeDrafter],
+                        cache_strategy: CacheStrategy = "compact", draft_strategy: DraftStrategy = "per_level", *,
+                        tree_root: TreeRoot = "paper", prune: Prune = "leaf", sampling=None,
+                        generator: torch.Generator | None = None,
+                        eos_token_id: int | tuple[int, ...] | None = None, batched: bool = False
+                        ) -> Iterator[dict[int, Step]]:
+    """The one tree loop (Algorithm 1, repeated) over B rows decoded together; see :func:`speculate_tree`.
+
+    Each row drafts its own tree with its own policy and draft session (a drafter serves one row). ``batched=False``
+    (one row): the target keeps a plain cache and every operation is the batch-1 one (:func:`tree_logits`,
+    ``kv.keep_positions``), with drafters, side branches and sampling. ``batched=True`` (greedy expansion policies):
+    the target is a :class:`~dtbench.decoders.kv.RaggedBatch` and every row's tree is verified in ONE target forward
+    (per-row tree masks over per-row prefixes, per-row position ids); each row then keeps exactly its own accepted
+    path (``compact``: its KV entries; ``rebuild``: a second batched forward over each row's [root, path]), and a row
+    that reached T or committed an EOS leaves the batch, costing no further verification.
+
+    Yields:
+        Per iteration a dict {row index: Step} of the rows that committed in it (the first: every row's prefill
+        token); a row's Steps are those :func:`speculate_tree` yields for that row alone.
+
+    Raises:
+        ValueError: as :func:`speculate_tree`; ``batched`` with a :class:`TreeDrafter` or with sampling.
+    """
     if cache_strategy not in ("compact", "rebuild"):
         raise ValueError(f"unknown cache strategy {cache_strategy!r}")
     check_draft_options(draft_strategy, prune, sampling is not None)
-    drafter = policy if isinstance(policy, TreeDrafter) else None
+    drafter = policies[0] if isinstance(policies[0], TreeDrafter) else None
     if drafter is not None and sampling is not None:
         raise ValueError("a tree drafter drafts greedily; sampling is not supported with it")
+    if batched and (drafter is not None or sampling is not None):
+        raise ValueError("batched tree decoding takes greedy expansion policies only (no tree drafter, no sampling)")
+    if not batched and len(prompts) != 1:
+        raise ValueError("several rows need batched=True")
     offset = 0 if drafter else root_offset(tree_root)
     t_kind = attention_mask_kind(target)
     hidden = drafter.hidden_layers if drafter is not None and drafter.hidden_layers else None
-    if drafter is None:
-        session = DraftSession(draft, input_ids[0].tolist())
-    if hidden is None:
-        t_cache, logits = kv.prefill(target, input_ids)
+    rows = range(len(prompts))
+    sessions = [DraftSession(draft, p[0].tolist()) for p in prompts] if drafter is None else [None]
+    ragged = kv.RaggedBatch(target) if batched else None
+    if ragged is not None:
+        first = ragged.prefill([p[0].tolist() for p in prompts])
+    elif hidden is None:
+        t_cache, logits = kv.prefill(target, prompts[0])
+        first = [logits]
     else:
-        t_cache, logits, features = kv.prefill_features(target, input_ids, hidden)
-    pending = next_token(logits.reshape(-1), sampling, generator)
+        t_cache, logits, features = kv.prefill_features(target, prompts[0], hidden)
+        first = [logits]
+    pending = [next_token(logits.reshape(-1), sampling, generator) for logits in first]
     if hidden is not None:
-        drafter.feed_target(features, input_ids[0, 1:].tolist() + [pending])
-    yield Step(tokens=(pending,))
+        drafter.feed_target(features, prompts[0][0, 1:].tolist() + [pending[0]])
+    yield {r: Step(tokens=(pending[r],)) for r in rows}
     eos = eos_ids(eos_token_id)
-    if pending in eos:
-        return
-    produced = 1
-    while produced < max_new_tokens:
-        depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced - 1)
-        tree = TokenTree(pending, policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
-                         target.device if drafter else session.device)
-        drawn = None if sampling is None else TreeSampling(sampling, generator)
-        if depth_cap >= 1:
-            if drafter is not None:
-                drafter.draft(tree, pending, depth_cap)
+    produced = [1] * len(prompts)
+    active = [r for r in rows if pending[r] not in eos and produced[r] < max_new_tokens]
+    if ragged is not None:
+        ragged.retain(active)
+    while active:
+        trees, drawn = {}, None
+        for r in active:
+            policy = policies[r]
+            depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced[r] - 1)
+            tree = TokenTree(pending[r], policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
+                             target.device if drafter else sessions[r].device)
+            drawn = None if sampling is None else TreeSampling(sampling, generator)
+            if depth_cap >= 1:
+                if drafter is not None:
+                    drafter.draft(tree, pending[r], depth_cap)
+                else:
+                    draft_tree(sessions[r], tree, pending[r], policy, depth_cap, draft_strategy, tree_root=tree_root,
+                               prune=prune, sampling=drawn)
+            trees[r] = tree
+        chosen: dict[int, tuple[list[int], list[int]]] = {}
+        if ragged is not None:
+            logits = ragged.forward([trees[r].tokens[:trees[r].size].tolist() for r in active],
+                                    [trees[r].ancestors() if trees[r].size > 1 else None for r in active],
+                                    [trees[r].depths[:trees[r].size] for r in active])
+            for i, r in enumerate(active):
+                tree, n = trees[r], trees[r].size
+                pred = torch.argmax(logits[i, :n], dim=-1).to(tree.device)
+                chosen[r] = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred)
+            if cache_strategy == "compact":
+                ragged.keep([chosen[r][0] for r in active])
             else:
-                draft_tree(session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root,
-                           prune=prune, sampling=drawn)
-        prefix_len = kv.cache_len(t_cache)
-        n = tree.size
-        if drafter is not None:
-            side = drafter.side_branch()
-            out = tree_logits(target, t_cache, tree, t_kind, hidden, side)
-            logits, features = out if hidden is not None else (out, None)
-            drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
-            pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
-            path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
-                                          pred)
-            if hidden is not None:
-                drafter.feed_target(features[path], committed)
-        elif sampling is None:
-            pred = tree_predictions(target, t_cache, tree, t_kind)
-            path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
-                                          pred)
+                ragged.keep([[] for _ in active])
+                ragged.forward([[pending[r], *chosen[r][1][:-1]] for r in active])
+                ragged.keep([list(range(len(chosen[r][1]))) for r in active])
         else:
-            logits = tree_logits(target, t_cache, tree, t_kind)
-            path, committed = verify_tree_sampled(tree.tokens[:n].tolist(), tree.parents[:n].tolist(),
-                                                  lambda u, rows=logits: sampling.probs(rows[u]), drawn.draft_probs, generator)
-        if cache_strategy == "compact":
-            kv.keep_positions(t_cache, prefix_len, [prefix_len + u for u in path])
-        else:
-            kv.crop(t_cache, prefix_len)
-            kv.forward(target, [pending, *committed[:-1]], t_cache, last_only=True)
-        if drafter is None:
-            session.commit(pending, path, committed)
-        step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1,
-                    depth=tree.max_depth)
-        policy.observe(step)
-        pending = committed[-1]
-        produced += len(committed)
-        step, ended = cut_at_eos(step, eos)
-        yield step
-        if ended:
-            return
+            r, tree = active[0], trees[active[0]]
+            prefix_len = kv.cache_len(t_cache)
+            n = tree.size
+            if drafter is not None:
+                side = drafter.side_branch()
+                out = tree_logits(target, t_cache, tree, t_kind, hidden, side)
+                logits, features = out if hidden is not None else (out, None)
+                drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
+                pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
+                path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
+                                              pred)
+                if hidden is not None:
+                    drafter.feed_target(features[path], committed)
+            elif sampling is None:
+                pred = tree_predictions(target, t_cache, tree, t_kind)
+                path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
+                                              pred)
+            else:
+                logits = tree_logits(target, t_cache, tree, t_kind)
+                path, committed = verify_tree_sampled(tree.tokens[:n].tolist(), tree.parents[:n].tolist(),
+                                                      lambda u, rows=logits: sampling.probs(rows[u]), drawn.draft_probs,
+                                                      generator)
+            if cache_strategy == "compact":
+                kv.keep_positions(t_cache, prefix_len, [prefix_len + u for u in path])
+            else:
+                kv.crop(t_cache, prefix_len)
+                kv.forward(target, [pending[r], *committed[:-1]], t_cache, last_only=True)
+            chosen[r] = (path, committed)
+        out, stay = {}, []
+        for i, r in enumerate(active):
+            path, committed = chosen[r]
+            tree = trees[r]
+            if drafter is None:
+                sessions[r].commit(pending[r], path, committed)
+            step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1,
+                        depth=tree.max_depth)
+            policies[r].observe(step)
+            pending[r] = committed[-1]
+            produced[r] += len(committed)
+            out[r], ended = cut_at_eos(step, eos)
+            if not ended and produced[r] < max_new_tokens:
+                stay.append(i)
+        yield out
+        if len(stay) < len(active):
+            if ragged is not None:
+                ragged.retain(stay)
+            active = [active[i] for i in stay]
 
 
 class TreeParams(DecoderParams):
@@ -300,6 +383,7 @@ class TreeDecoder(Decoder):
     lossless = True
     supports_sampling = True
     family = "tree"
+    batching = True
     version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
 
     @classmethod
@@ -326,6 +410,15 @@ class TreeDecoder(Decoder):
         yield from speculate_tree(self.target, self.draft, input_ids, max_new_tokens, self.make_policy(),
                                   p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune,
                                   sampling=self.sampling, generator=self.generator, eos_token_id=self.eos_token_id)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
+        """B prompts through :func:`speculate_tree_batch`: a fresh policy and draft session per row, every row's
+        tree verified in one batched target forward."""
+        p = self.params
+        yield from speculate_tree_batch(self.target, self.draft, prompts, max_new_tokens,
+                                        [self.make_policy() for _ in prompts], p.cache_strategy, p.draft_strategy,
+                                        tree_root=p.tree_root, prune=p.prune, eos_token_id=self.eos_token_id)
 
     @classmethod
     def sampling_error(cls, params: DecoderParams) -> str | None:
