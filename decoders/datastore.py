@@ -22,13 +22,13 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from dtbench.core import Corpus, CorpusSpec, DtbenchError, clip
-from dtbench.decoders.base import DecoderParams
+from dtbench.decoders.base import Decoder, DecoderParams
 
 SEPARATOR = np.iinfo(np.uint32).max  # between documents: never a token id, so no match or draft crosses it
 MAX_TOKENS_FILE_BYTES = 256 << 20  # a tokens file, bounded like one dataset file (harness.bounds.MAX_DOCUMENT_BYTES)
@@ -298,3 +298,51 @@ def tokens_datastore(path: str) -> Datastore:
     store.build_s = time.perf_counter() - start
     _STORES[key] = store
     return store
+
+
+CP = TypeVar("CP", bound=CorpusParams)
+
+
+class CorpusDecoder(Decoder[CP]):
+    """Base of the decoders whose params are a :class:`CorpusParams` (``rest``, ``suffix``): the corpus they declare,
+    the datastore built from the documents the harness injects, and the checks of a ``tokens:`` file.
+
+    Subclasses set ``self.store`` in ``__init__`` (``tokens_datastore`` of a tokens file, else None until
+    :meth:`use_corpus`) and implement ``generate``.
+    """
+
+    store: Datastore | None = None
+
+    @classmethod
+    def corpus_of(cls, params: CP) -> CorpusSpec | None:
+        """The declared corpus (``corpus:`` with ``tokenizer:``), or None (no corpus, or a tokens file)."""
+        return params.corpus_spec()
+
+    def use_corpus(self, corpus: Corpus) -> None:
+        """Build (or take from the process's cache) the datastore of the injected corpus.
+
+        Raises:
+            ValueError: a token id outside the target's vocabulary (a corpus tokenized with another tokenizer).
+        """
+        super().use_corpus(corpus)
+        self.store = corpus_datastore(corpus)
+        check_vocabulary(self.store, self.target, "the corpus")
+
+    @classmethod
+    def check_files(cls, params: CP) -> None:
+        """``dtbench validate`` and the run's preflight: the ``tokens:`` file is a valid one (before any model loads).
+
+        Raises:
+            DtbenchError: see :func:`read_tokens`.
+        """
+        check_tokens_file(params)
+
+    @classmethod
+    def check_target(cls, params: CP, target: Any) -> None:
+        """When the models are loaded, before any sample: the ``tokens:`` file's ids are in the target's vocabulary.
+
+        Raises:
+            ValueError: an id outside it (one line); DtbenchError: an unreadable tokens file.
+        """
+        if params.tokens is not None:
+            check_vocabulary(tokens_datastore(params.tokens), target, f"tokens file {params.tokens}")

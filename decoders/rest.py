@@ -37,10 +37,9 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from dtbench.core import Corpus, CorpusSpec, DtbenchError
-from dtbench.decoders.base import Decoder, Step
-from dtbench.decoders.datastore import (CorpusParams, Datastore, check_tokens_file, check_vocabulary,
-                                        corpus_datastore, tokens_datastore)
+from dtbench.core import DtbenchError
+from dtbench.decoders.base import Step
+from dtbench.decoders.datastore import CorpusDecoder, CorpusParams, Datastore, tokens_datastore
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
 
@@ -166,7 +165,7 @@ class RestParams(CorpusParams):
         return self
 
 
-class Rest(Decoder[RestParams]):
+class Rest(CorpusDecoder[RestParams]):
     """REST on the one tree loop: retrieval tree from a suffix-array datastore, greedy verification; lossless.
 
     Capabilities: family ``tree``; verify sizes (0 chain tokens, root + n_max masked); no sampling (the tree
@@ -184,40 +183,6 @@ class Rest(Decoder[RestParams]):
         super().__init__(target, None, params)
         self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
         self._drafter: RestDrafter | None = None
-
-    @classmethod
-    def corpus_of(cls, params: RestParams) -> CorpusSpec | None:
-        """The declared corpus (``corpus:`` with ``tokenizer:``), or None for a tokens file."""
-        return params.corpus_spec()
-
-    def use_corpus(self, corpus: Corpus) -> None:
-        """Build (or take from the process's cache) the datastore of the injected corpus.
-
-        Raises:
-            ValueError: a token id outside the target's vocabulary (a corpus tokenized with another tokenizer).
-        """
-        super().use_corpus(corpus)
-        self.store = corpus_datastore(corpus)
-        check_vocabulary(self.store, self.target, "the corpus")
-
-    @classmethod
-    def check_files(cls, params: RestParams) -> None:
-        """``dtbench validate`` and the run's preflight: the ``tokens:`` file is a valid one (before any model loads).
-
-        Raises:
-            DtbenchError: see :func:`~dtbench.decoders.datastore.read_tokens`.
-        """
-        check_tokens_file(params)
-
-    @classmethod
-    def check_target(cls, params: RestParams, target) -> None:
-        """When the models are loaded, before any sample: the ``tokens:`` file's ids are in the target's vocabulary.
-
-        Raises:
-            ValueError: an id outside it (one line); DtbenchError: an unreadable tokens file.
-        """
-        if params.tokens is not None:
-            check_vocabulary(tokens_datastore(params.tokens), target, f"tokens file {params.tokens}")
 
     @classmethod
     def verify_sizes(cls, params: RestParams) -> tuple[int, int]:

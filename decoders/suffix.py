@@ -23,11 +23,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from dtbench.core import Corpus, CorpusSpec, DtbenchError
-from dtbench.decoders.base import Decoder, Step
+from dtbench.core import DtbenchError
+from dtbench.decoders.base import Step
 from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain, speculate_chain_batch
-from dtbench.decoders.datastore import (CorpusParams, Datastore, check_tokens_file, check_vocabulary,
-                                        corpus_datastore, tokens_datastore)
+from dtbench.decoders.datastore import CorpusDecoder, CorpusParams, Datastore, tokens_datastore
 
 
 class SuffixAutomaton:
@@ -186,7 +185,7 @@ class SuffixParams(CorpusParams):
     max_corpus_match: int = Field(16, ge=1, le=256, description="longest context suffix searched in the corpus")
 
 
-class SuffixDecoding(Decoder[SuffixParams]):
+class SuffixDecoding(CorpusDecoder[SuffixParams]):
     """Suffix-automaton speculative decoding on the one chain loop; lossless (greedy and sampled).
 
     Capabilities: family ``chain``; verify sizes (k + 1 chain tokens, 0 masked); sampling: automaton drafts are
@@ -213,40 +212,6 @@ class SuffixDecoding(Decoder[SuffixParams]):
             raise ValueError("suffix: fallback 'draft' needs a draft model, and the suite declares none")
         self.target, self.draft, self.params = target, draft if params.fallback == "draft" else None, params
         self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
-
-    @classmethod
-    def corpus_of(cls, params: SuffixParams) -> CorpusSpec | None:
-        """The declared corpus (``corpus:`` with ``tokenizer:``), or None (no corpus, or a tokens file)."""
-        return params.corpus_spec()
-
-    def use_corpus(self, corpus: Corpus) -> None:
-        """Build (or take from the process's cache) the datastore of the injected corpus.
-
-        Raises:
-            ValueError: a token id outside the target's vocabulary (a corpus tokenized with another tokenizer).
-        """
-        super().use_corpus(corpus)
-        self.store = corpus_datastore(corpus)
-        check_vocabulary(self.store, self.target, "the corpus")
-
-    @classmethod
-    def check_files(cls, params: SuffixParams) -> None:
-        """``dtbench validate`` and the run's preflight: the ``tokens:`` file is a valid one (before any model loads).
-
-        Raises:
-            DtbenchError: see :func:`~dtbench.decoders.datastore.read_tokens`.
-        """
-        check_tokens_file(params)
-
-    @classmethod
-    def check_target(cls, params: SuffixParams, target) -> None:
-        """When the models are loaded, before any sample: the ``tokens:`` file's ids are in the target's vocabulary.
-
-        Raises:
-            ValueError: an id outside it (one line); DtbenchError: an unreadable tokens file.
-        """
-        if params.tokens is not None:
-            check_vocabulary(tokens_datastore(params.tokens), target, f"tokens file {params.tokens}")
 
     @classmethod
     def verify_sizes(cls, params: SuffixParams) -> tuple[int, int]:

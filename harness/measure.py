@@ -179,6 +179,9 @@ def _flags(kwargs: dict[str, Any]) -> int:
     return flags
 
 
+Snapshot = tuple[int, int | None, int, int | None]  # ForwardCounter.snapshot: forwards and tokens so far
+
+
 class ForwardCounter:
     """Counts forward passes and the tokens they fed, for the target and the draft, with forward pre-hooks, and
     times them with pre/post hooks.
@@ -273,11 +276,21 @@ class ForwardCounter:
             return None
         return [list(e) for e in self.fed[role][start:end]]
 
-    def snapshot(self) -> tuple[int, int | None, int, int | None]:
+    def snapshot(self) -> Snapshot:
         """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
         has_draft = "draft" in self.models
         return (self.forwards["target"], self.forwards["draft"] if has_draft else None,
                 self.tokens["target"], self.tokens["draft"] if has_draft else None)
+
+
+    def record(self, t: float, last: Snapshot, snap: Snapshot) -> StepRecord:
+        """The :class:`StepRecord` of one step ending at ``t`` seconds: the forwards and tokens counted between the
+        snapshots ``last`` and ``snap`` (:meth:`snapshot`), the draft's None where it is not counted."""
+        draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
+        draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
+        return StepRecord(t, snap[0] - last[0], draft_fw, snap[2] - last[2], draft_tok,
+                          self.fed_between("target", last[0], snap[0]) or [],
+                          None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]))
 
 
 class _Deadline:
@@ -435,12 +448,7 @@ def measure(decoder: Decoder[Any], prompt_ids: Sequence[int], gen_length: int, d
                 except TypeError:
                     raise DtbenchError(f"decoder yielded a token that is not an integer id at iteration "
                                        f"{len(steps)}: {step.tokens[:8]!r}") from None
-                draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
-                draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
-                records.append(StepRecord(
-                    t, snap[0] - last[0], draft_fw, snap[2] - last[2], draft_tok,
-                    counter.fed_between("target", last[0], snap[0]) or [],
-                    None if snap[1] is None or last[1] is None else counter.fed_between("draft", last[1], snap[1])))
+                records.append(counter.record(t, last, snap))
                 last = snap
                 step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
                 step, ended = cut_at_eos(step, eos) if eos else (step, False)
@@ -509,12 +517,7 @@ def measure_batch(decoder: Decoder[Any], prompts: Sequence[Sequence[int]], gen_l
                 synchronize(device)
                 t = now() - start
                 snap = counter.snapshot()
-                draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
-                draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
-                record = StepRecord(
-                    t, snap[0] - last[0], draft_fw, snap[2] - last[2], draft_tok,
-                    counter.fed_between("target", last[0], snap[0]) or [],
-                    None if snap[1] is None or last[1] is None else counter.fed_between("draft", last[1], snap[1]))
+                record = counter.record(t, last, snap)
                 last = snap
                 for r, step in out.items():
                     if not (isinstance(r, int) and 0 <= r < b):
