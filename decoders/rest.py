@@ -43,6 +43,7 @@ from dtbench.decoders.datastore import CorpusDecoder, CorpusParams, Datastore, t
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
 
+
 def frequent_trie(cont: np.ndarray, n_max: int) -> list[tuple[tuple[int, ...], int]]:
     """The ``n_max`` most frequent prefixes of the continuations, as (prefix, count) in BFS order (REST's pruned
     trie). Ties prefer shallower nodes, so every chosen prefix's parent is chosen too.
@@ -115,8 +116,9 @@ class RestDrafter(TreeDrafter):
     def draft(self, tree: TokenTree, root: int, depth_cap: int) -> None:
         p = self.p
         self.retrievals["steps"] += 1
-        s, cont = self.store.retrieve(self.context, p.max_suffix, p.min_suffix, p.max_retrieved,
-                                      min(p.depth, depth_cap))
+        s, cont = self.store.retrieve(
+            self.context, p.max_suffix, p.min_suffix, p.max_retrieved, min(p.depth, depth_cap)
+        )
         if not s:
             return
         self.retrievals["matched"] += 1
@@ -130,8 +132,13 @@ class RestDrafter(TreeDrafter):
             level = [(t, c) for t, c in trie if len(t) == d]
             parents = torch.tensor([index[t[:-1]] for t, _ in level], device=tree.device)
             logp = torch.log(torch.tensor([c / total for _, c in level], device=tree.device))
-            new = tree.add(parents, torch.tensor([t[-1] for t, _ in level], device=tree.device),
-                           logp - tree.cum_logp[parents], logp, d)
+            new = tree.add(
+                parents,
+                torch.tensor([t[-1] for t, _ in level], device=tree.device),
+                logp - tree.cum_logp[parents],
+                logp,
+                d,
+            )
             index.update(zip((t for t, _ in level), new))
 
 
@@ -150,7 +157,8 @@ class RestParams(CorpusParams):
 
     n_max: int = Field(64, ge=1, le=1024, description="trie nodes chosen per step (REST num_draft)")
     prune: Literal["reference", "frequency"] = Field(
-        "reference", description="reference: REST's cut_to_choices of the chosen nodes; frequency: verify all n_max")
+        "reference", description="reference: REST's cut_to_choices of the chosen nodes; frequency: verify all n_max"
+    )
     depth: int = Field(10, ge=1, le=64, description="longest retrieved continuation (tokens)")
     max_suffix: int = Field(16, ge=1, le=256, description="longest context suffix searched (tokens)")
     min_suffix: int = Field(2, ge=1, le=256, description="shortest context suffix searched (tokens)")
@@ -195,8 +203,12 @@ class Rest(CorpusDecoder[RestParams]):
         s = self.store
         if s is None:
             return None
-        info = {"datastore_tokens": int(len(s.tokens)), "datastore_documents": s.documents,
-                "datastore_bytes": s.nbytes, "datastore_build_ms": round(s.build_s * 1000)}
+        info = {
+            "datastore_tokens": int(len(s.tokens)),
+            "datastore_documents": s.documents,
+            "datastore_bytes": s.nbytes,
+            "datastore_build_ms": round(s.build_s * 1000),
+        }
         if self._drafter is not None:
             info.update({f"retrieval_{k}": v for k, v in self._drafter.retrievals.items()})
         return info
@@ -205,8 +217,18 @@ class Rest(CorpusDecoder[RestParams]):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """Generate ``max_new_tokens`` tokens greedily; one Step per target forward (the tree loop's)."""
         if self.store is None:
-            raise DtbenchError("rest: no datastore: the corpus's documents were never given (the harness calls "
-                               "use_corpus; a direct caller passes the documents with use_corpus(Corpus(...)))")
+            raise DtbenchError(
+                "rest: no datastore: the corpus's documents were never given (the harness calls "
+                "use_corpus; a direct caller passes the documents with use_corpus(Corpus(...)))"
+            )
         self._drafter = RestDrafter(self.store, input_ids[0].tolist(), self.params)
-        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self._drafter, "compact",
-                                  tree_root="pending", eos_token_id=self.eos_token_id)
+        yield from speculate_tree(
+            self.target,
+            None,
+            input_ids,
+            max_new_tokens,
+            self._drafter,
+            "compact",
+            tree_root="pending",
+            eos_token_id=self.eos_token_id,
+        )

@@ -101,8 +101,11 @@ class SuffixAutomaton:
         """Size of the automaton: states, transitions and bytes (``sys.getsizeof`` of its lists and dicts)."""
         size = sum(sys.getsizeof(x) for x in (self.tokens, self.length, self.link, self.first_end, self.next))
         size += sum(sys.getsizeof(d) for d in self.next)
-        return {"automaton_states": len(self.length), "automaton_transitions": sum(len(d) for d in self.next),
-                "automaton_bytes": size}
+        return {
+            "automaton_states": len(self.length),
+            "automaton_transitions": sum(len(d) for d in self.next),
+            "automaton_bytes": size,
+        }
 
 
 class SuffixProposer(Proposer):
@@ -113,8 +116,13 @@ class SuffixProposer(Proposer):
     committed tokens join its backlog (fed with its next draft forward).
     """
 
-    def __init__(self, min_match: int, fallback: DraftModelProposer | None, store: Datastore | None = None,
-                 max_corpus_match: int = 16):
+    def __init__(
+        self,
+        min_match: int,
+        fallback: DraftModelProposer | None,
+        store: Datastore | None = None,
+        max_corpus_match: int = 16,
+    ):
         self.min_match = min_match
         self.fallback = fallback
         self.store, self.max_corpus_match = store, max_corpus_match
@@ -133,15 +141,16 @@ class SuffixProposer(Proposer):
             return []
         n, start = self.sam.repeated_suffix()
         if self.store is not None and n < self.max_corpus_match:  # the corpus, when its match is longer
-            m, cont = self.store.retrieve(self.sam.tokens, self.max_corpus_match, max(n + 1, self.min_match), 1,
-                                          max_tokens)
+            m, cont = self.store.retrieve(
+                self.sam.tokens, self.max_corpus_match, max(n + 1, self.min_match), 1, max_tokens
+            )
             drafts = [t for t in cont[0].tolist() if t >= 0] if m else []
             if drafts:
                 self.counts["corpus"] += 1
                 return drafts
         if n >= self.min_match:
             self.counts["automaton"] += 1
-            return self.sam.tokens[start:start + max_tokens]
+            return self.sam.tokens[start : start + max_tokens]
         if self.fallback is None:
             return []
         self.counts["fallback"] += 1
@@ -180,8 +189,9 @@ class SuffixParams(CorpusParams):
 
     k: int = Field(8, ge=1, le=128, description="most draft tokens per iteration")
     min_match: int = Field(2, ge=1, le=256, description="shortest automaton match drafted from (tokens)")
-    fallback: Literal["none", "draft"] = Field("none", description="on a short match: 'none' or 'draft' "
-                                               "(the draft model's chain)")
+    fallback: Literal["none", "draft"] = Field(
+        "none", description="on a short match: 'none' or 'draft' (the draft model's chain)"
+    )
     max_corpus_match: int = Field(16, ge=1, le=256, description="longest context suffix searched in the corpus")
 
 
@@ -234,12 +244,21 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
         forward (the chain loop's)."""
         p = self.params
         if p.corpus is not None and self.store is None:
-            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
-                               "use_corpus)")
+            raise DtbenchError(
+                "suffix: no datastore: the corpus's documents were never given (the harness calls use_corpus)"
+            )
         fallback = DraftModelProposer(self.draft) if p.fallback == "draft" else None
         self._proposer = SuffixProposer(p.min_match, fallback, self.store, p.max_corpus_match)
-        yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
-                                   self.sampling, self.generator, eos_token_id=self.eos_token_id)
+        yield from speculate_chain(
+            KVTarget(self.target),
+            self._proposer,
+            input_ids,
+            max_new_tokens,
+            p.k,
+            self.sampling,
+            self.generator,
+            eos_token_id=self.eos_token_id,
+        )
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
@@ -247,9 +266,17 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
         text; the corpus datastore, if any, is shared read-only)."""
         p = self.params
         if p.corpus is not None and self.store is None:
-            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
-                               "use_corpus)")
-        proposers = [SuffixProposer(p.min_match, DraftModelProposer(self.draft) if p.fallback == "draft" else None,
-                                    self.store, p.max_corpus_match) for _ in prompts]
+            raise DtbenchError(
+                "suffix: no datastore: the corpus's documents were never given (the harness calls use_corpus)"
+            )
+        proposers = [
+            SuffixProposer(
+                p.min_match,
+                DraftModelProposer(self.draft) if p.fallback == "draft" else None,
+                self.store,
+                p.max_corpus_match,
+            )
+            for _ in prompts
+        ]
         self._proposer = proposers[-1]
         yield from speculate_chain_batch(self.target, proposers, prompts, max_new_tokens, p.k, self.eos_token_id)

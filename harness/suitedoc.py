@@ -64,8 +64,10 @@ def table(model: type[BaseModel]) -> list[str]:
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
         key = field.alias or name
-        rows.append(f"| `{key}` | {_cell(type_text(field.annotation))} | {_cell(_default(field))} | "
-                    f"{_cell(field.description or '')} |")
+        rows.append(
+            f"| `{key}` | {_cell(type_text(field.annotation))} | {_cell(_default(field))} | "
+            f"{_cell(field.description or '')} |"
+        )
     return rows
 
 
@@ -79,16 +81,23 @@ def builtin_decoders() -> list[tuple[str, type[BaseModel]]]:
 
 def reference_markdown() -> str:
     """The whole of docs/suite-reference.md."""
-    out = ["# Suite reference", "",
-           "Generated from the suite schema (`harness/suite.py`) and the built-in decoders' params by "
-           "`python -m dtbench.harness.suitedoc --write`; do not edit by hand (tests/test_docs.py fails when it is "
-           "stale). How to write a suite: [suites.md](suites.md). `prompt_cap` is the deprecated name of `L_max`.",
-           ""]
+    out = [
+        "# Suite reference",
+        "",
+        "Generated from the suite schema (`harness/suite.py`) and the built-in decoders' params by "
+        "`python -m dtbench.harness.suitedoc --write`; do not edit by hand (tests/test_docs.py fails when it is "
+        "stale). How to write a suite: [suites.md](suites.md). `prompt_cap` is the deprecated name of `L_max`.",
+        "",
+    ]
     for title, model in SECTIONS:
         doc = (model.__doc__ or "").strip().split("\n\n")[0]
         out += [f"## {title}", "", " ".join(doc.split()), "", *table(model), ""]
-    out += ["## Decoder params (`params:` of a `decoders:` entry)", "",
-            "Each built-in decoder's keys; `dtbench decoders` lists the installed ones, plugins included.", ""]
+    out += [
+        "## Decoder params (`params:` of a `decoders:` entry)",
+        "",
+        "Each built-in decoder's keys; `dtbench decoders` lists the installed ones, plugins included.",
+        "",
+    ]
     for name, params in builtin_decoders():
         rows = table(params)
         out += [f"### `{name}`", ""] + (rows if len(rows) > 2 else ["No params."]) + [""]
