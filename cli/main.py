@@ -229,11 +229,16 @@ def run_exit_code(sessions, run_id: int) -> int:
 @click.option("--spec-bench", "spec_bench", is_flag=True,
               help="Spec-Bench's leaderboard layout: speedup per task group, #MAT, overall; with vLLM's acceptance "
                    "rate, mean acceptance length and per-position acceptance for every method")
+@click.option("--engine", "engine", is_flag=True,
+              help="the load table: every cell per load level (batch size B, or a server's requests in flight) with "
+                   "its speedup over its reference at that load (a server over its plain server, dtbench's decoders "
+                   "over ar) and a CI, p50/p90/p99 TTFT/ITL/TPOT/E2E, acceptance length per step and per request by "
+                   "source, tokens per read, lossless and its rule")
 @click.option("--include-partial", is_flag=True,
               help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
                    "marked partial; by default they are left out with a note")
 def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file,
-           cost_model, by, spec_bench, include_partial) -> None:
+           cost_model, by, spec_bench, engine, include_partial) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
     \b
@@ -252,6 +257,8 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     dtbench report --by group|category          question datasets: every cell per task group / raw category
     dtbench report --spec-bench                 Spec-Bench's leaderboard: speedup per group, #MAT, overall, and
                                                 vLLM's acceptance rate, mean acceptance length, per-position curve
+    dtbench report --engine [--run ID]          load table: speedup vs the reference at each load (batch size or
+                                                concurrency) with a CI, latency percentiles, acceptance by source
     dtbench report --cost-model [--run ID]      predicted (calibrated forwards) vs measured time, efficiency,
                                                 predicted best K of chain decoders (--figures DIR adds the
                                                 verify-cost curve when the run has a calibration)
@@ -268,7 +275,7 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
                    only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
                    html_file=html_file, include_partial=include_partial, cost_model=cost_model, by=by,
-                   spec_bench=spec_bench)
+                   spec_bench=spec_bench, engine=engine)
 
 
 def _gate_metrics() -> str:

@@ -33,7 +33,7 @@ def _run_token(token: str) -> int | None:
 
 def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir,
                    html_file, include_partial: bool = False, cost_model: bool = False, by: str | None = None,
-                   spec_bench: bool = False) -> None:
+                   spec_bench: bool = False, engine: bool = False) -> None:
     """Validate the option combination, then produce each requested output.
 
     ``include_partial`` (``--include-partial``): show the numbers of partial cells (failed after some prompts) in
@@ -78,7 +78,14 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if by and spec_bench:
         raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
 
+    if engine and (pair or compare or tables or files or cost_model or by or spec_bench or len(run_ids) > 1):
+        raise DtbenchError("--engine is a report of its own; give it alone (with --run ID and --format)")
     sessions = db.connect(db_url, create=False)
+    if engine:
+        from dtbench.reports.engine import engine_report
+
+        engine_report(sessions, run_ids[0] if run_ids else None, fmt, 1 - alpha)
+        return
     if spec_bench:
         from dtbench.reports.specbench import spec_bench_report
 
