@@ -10,7 +10,10 @@ run) measures, for the suite's target and draft on its device and with the forwa
   (tree verification, per-level tree drafting; StreamingLLM's masked forwards are priced on it too);
 - ``last``: logits of the last position only (``logits_to_keep=1``: chain drafting, a tree session's first draft
   forward, the rebuild strategy's re-run);
-- ``prefill``: the prompt (``cache_len = 0``, last position's logits only).
+- ``prefill``: the prompt (``cache_len = 0``, last position's logits only);
+- ``batched`` (suites with batch sizes B > 1, issue 29): the target's verification of B rows together, n new tokens per
+  row, through :class:`~dtbench.decoders.kv.RaggedBatch` (per-row 4D masks) — the (B, new tokens) grid the batch
+  cost model prices a cell at B with (stored with ``rows`` = B).
 
 ``n`` runs over a grid (every n up to 16, then 24, 32, 48, 64, 96, ... up to the largest tree or chain the suite's
 decoders can build); ``cache_len`` over the suite's prompt lengths L_max and L_max + max(T) (the cache grows while
@@ -62,6 +65,7 @@ SMALL = 16  # every n up to here is calibrated (CPU kernels make the curve non-m
 LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 THIN = (1, 2, 3, 4, 6, 8, 12, 16)  # the grid of the kinds only small forwards use (drafting, rebuild re-runs)
 KINDS = {"causal": (False, False), "tree": (True, False), "last": (False, True)}  # kind -> (tree_mask, last_only)
+BATCHED = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # n of the batched curves (B > 1), up to the largest verify
 
 
 def n_grid(n_max: int) -> list[int]:
@@ -87,14 +91,15 @@ class Curve:
     """One curve to measure: a role's forwards of one kind on one cache length, over ``ns``."""
 
     role: str
-    kind: str  # causal | tree | last | prefill
+    kind: str  # causal | tree | last | prefill | batched
     cache_len: int
     prompt_len: int
     ns: tuple[int, ...]
+    rows: int = 1  # batched: B rows of n new tokens each (kv.RaggedBatch, a per-row 4D mask)
 
     @property
     def tree_mask(self) -> bool:
-        return self.kind == "tree"
+        return self.kind in ("tree", "batched")
 
     @property
     def last_only(self) -> bool:
@@ -116,6 +121,7 @@ class Point:
     median_s: float
     iqr_s: float
     repeats: int
+    rows: int = 1
 
 
 @dataclass
@@ -166,6 +172,13 @@ def curves_for(plan, suite, uses_draft: bool, grown_cache: bool = True) -> list[
                     out.append(Curve(role, "tree", cache_len, l_max, tuple(n_grid(max(tree, 8)))))
                 out.append(Curve(role, "last", cache_len, l_max, THIN))
             out.append(Curve(role, "prefill", 0, l_max, tuple(sorted({max(1, l_max // 2), l_max}))))
+        # batch sizes B > 1 (issue 29): the target's batched verification over a (B, n) grid; drafts run per row
+        # (batch 1), priced on the curves above
+        largest = max(chain, tree, 1)
+        ns = tuple(n for n in BATCHED if n < largest) + (min(largest, BATCHED[-1]),)
+        for b in sorted(b for b in getattr(suite, "batch_sizes", [1]) if b > 1):
+            for cache_len in sorted({l_max, l_max + T // 2}):
+                out.append(Curve("target", "batched", cache_len, l_max, tuple(sorted(set(ns))), rows=b))
     return out
 
 
@@ -279,6 +292,34 @@ def _measure_curve(model, curve: Curve, context: list[int], device, settings: Se
     return out
 
 
+def measure_batched(model, curve: Curve, context: list[int], device, settings: Settings,
+                    clock: Callable[[], float]) -> list[tuple[int, float, float, int]]:
+    """(n, median s, IQR s, repeats) of ONE batched verification forward per n: ``curve.rows`` rows, each holding
+    ``curve.cache_len`` cached positions, n new causal tokens per row, through :class:`~dtbench.decoders.kv.RaggedBatch`
+    (the batched loops' forward, its per-row mask and position ids built inside the timed call, as the loops do);
+    the rows' new entries dropped after each (untimed)."""
+    import torch
+
+    from dtbench.decoders import kv
+
+    out = []
+    with torch.inference_mode():
+        batch = kv.RaggedBatch(model)
+        batch.prefill([_tokens(context, curve.cache_len)] * curve.rows)
+        for n in curve.ns:
+            rows = [_tokens(context, n)] * curve.rows
+
+            def run_once(rows=rows):
+                batch.forward(rows)
+
+            def reset():
+                batch.keep([[] for _ in range(curve.rows)])
+
+            med, iqr, reps = time_point(run_once, reset, device, settings, clock)
+            out.append((n, med, iqr, reps))
+    return out
+
+
 def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[int, list[int]], *,
               settings: Settings | None = None, clock: Callable[[], float] | None = None,
               console: Console | None = None) -> list[Point]:
@@ -307,12 +348,14 @@ def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[i
             except ValueError:
                 continue  # this attention implementation runs no tree forwards: nothing to price
         if console is not None:
-            console.print(f"calibrating {curve.role} {curve.kind} on {curve.cache_len} cached tokens "
+            rows = f" x {curve.rows} rows" if curve.rows > 1 else ""
+            console.print(f"calibrating {curve.role} {curve.kind} on {curve.cache_len} cached tokens{rows} "
                           f"(n = {curve.ns[0]}..{curve.ns[-1]}, curve {i + 1}/{len(curves)})", highlight=False)
-        for n, med, iqr, reps in measure_curve(lm.model, curve, contexts.get(curve.prompt_len, []), device, settings,
-                                               clock):
+        measure_fn = measure_batched if curve.kind == "batched" else measure_curve
+        for n, med, iqr, reps in measure_fn(lm.model, curve, contexts.get(curve.prompt_len, []), device, settings,
+                                            clock):
             points.append(Point(curve.role, lm.name, lm.dtype, curve.prompt_len, curve.cache_len, n, curve.tree_mask,
-                                curve.last_only, med, iqr, reps))
+                                curve.last_only, med, iqr, reps, curve.rows))
     return points
 
 

@@ -36,7 +36,9 @@ class Curves:
 
         table: dict[tuple[str, str], dict[int, list[tuple[int, float]]]] = {}
         for r in self.rows:
-            kind = "prefill" if r.cache_len == 0 else "tree" if r.tree_mask else "last" if r.last_only else "causal"
+            b = int(getattr(r, "rows", None) or 1)
+            kind = (f"batched:{b}" if b > 1 else "prefill" if r.cache_len == 0 else "tree" if r.tree_mask
+                    else "last" if r.last_only else "causal")
             table.setdefault((r.role, kind), {}).setdefault(int(r.cache_len), []).append((int(r.n), float(r.median_s)))
         def curve(pts):  # the same n measured twice (it should not be): their mean
             by_n: dict[int, list[float]] = {}
@@ -79,6 +81,52 @@ class Curves:
             if self.has(role, kind):
                 return kind
         raise KeyError(f"no calibration for the {role}")
+
+    def batch_sizes(self, role: str = "target") -> list[int]:
+        """The batch sizes B > 1 with a batched curve of ``role`` (issue 29)."""
+        return sorted(int(k.split(":")[1]) for r, k in self._table if r == role and k.startswith("batched:"))
+
+    def batched_cost(self, n: int, past: int | None, rows: int, role: str = "target") -> float:
+        """Seconds of one batched verification forward of ``role``: ``rows`` sequences, n new tokens each, after
+        ``past`` cached positions per row. B = 1 is the plain curve (:meth:`cost`, tree mask); a B between two
+        calibrated batch sizes is interpolated linearly in B (beyond the largest: along the last two, never below
+        the largest's cost).
+
+        Raises:
+            KeyError: no batched curve of ``role`` (the suite had no batch size > 1 when it calibrated).
+        """
+        if rows <= 1:
+            return self.cost(role, n, past, FED_MASK)
+        sizes = self.batch_sizes(role)
+        if not sizes:
+            raise KeyError(f"no batched calibration for the {role}")
+
+        def at(b: int) -> float:
+            return self.cost(role, n, past, FED_MASK) if b == 1 else self._per_cache(self._table[(role, f"batched:{b}")],
+                                                                                       n, past)
+
+        grid = [1, *sizes]
+        if rows in grid:
+            return at(rows)
+        lo = max((b for b in grid if b < rows), default=1)
+        hi = min((b for b in grid if b > rows), default=None)
+        if hi is None:  # beyond the largest calibrated B: the last two points' slope
+            lo, hi = grid[-2], grid[-1]
+            y0, y1 = at(lo), at(hi)
+            return max(y1, y0 + (y1 - y0) * (rows - lo) / (hi - lo))
+        y0, y1 = at(lo), at(hi)
+        return y0 + (y1 - y0) * (rows - lo) / (hi - lo)
+
+    def _per_cache(self, per: dict, n: float, past: int | None) -> float:
+        lens = sorted(per)
+        if past is None or len(lens) == 1 or past <= lens[0]:
+            return self._interp(*per[lens[0]], n)
+        if past >= lens[-1]:
+            return self._interp(*per[lens[-1]], n)
+        hi = next(i for i, c in enumerate(lens) if c >= past)
+        c0, c1 = lens[hi - 1], lens[hi]
+        y0, y1 = self._interp(*per[c0], n), self._interp(*per[c1], n)
+        return y0 + (y1 - y0) * (past - c0) / (c1 - c0)
 
     def cost(self, role: str, n: int, past: int | None, flags: int = 0) -> float:
         """Seconds of one forward of ``role`` over ``n`` new tokens after ``past`` cached positions.

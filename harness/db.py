@@ -231,6 +231,9 @@ class Calibration(Base):
     n: Mapped[int] = mapped_column(Integer)  # new tokens fed in the forward
     tree_mask: Mapped[bool] = mapped_column(Boolean)
     last_only: Mapped[bool] = mapped_column(Boolean)
+    # 0012: rows of the forward, B sequences decoded together (a RaggedBatch verification: n new tokens per row, a
+    # per-row 4D mask); NULL (every row before 0012) or 1: one sequence
+    rows: Mapped[int | None] = mapped_column(Integer)
     median_s: Mapped[float] = mapped_column(Float)
     iqr_s: Mapped[float] = mapped_column(Float)
     repeats: Mapped[int] = mapped_column(Integer)

@@ -244,6 +244,12 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.costmodel import write_figure
 
         paths += write_figure(sessions, run_ids, fig_dir)  # the verify-cost curve, when a run has a calibration
+        from dtbench.reports.costmodel import batch_figures
+        from dtbench.reports.figures import save_figures
+
+        batch_figs, batch_notes = batch_figures(sessions, run_ids)  # speedup vs batch size (issue 29)
+        paths += save_figures(batch_figs, fig_dir)
+        notes = [*notes, *batch_notes]
 
         for note in notes:
             _note(f"note: {note}")
@@ -252,7 +258,13 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.html import build_html, write_html
 
         cis = {rid: speedup_table(f, confidence=1 - alpha) for rid, f in frames.items() if not f.empty}
-        path = write_html(html_file, build_html(every, runs, cis, confidence=1 - alpha, include_partial=include_partial))
+        from dtbench.reports.costmodel import batch_figures
+
+        extra, extra_notes = batch_figures(sessions, [r.id for r in runs])
+        for note in extra_notes:
+            _note(f"note: {note}")
+        path = write_html(html_file, build_html(every, runs, cis, confidence=1 - alpha, include_partial=include_partial,
+                                                extra_figures=extra))
         _note(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
 

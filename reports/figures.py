@@ -468,3 +468,66 @@ def save_figures(figs: dict, outdir: str | Path) -> list[Path]:
     except OSError as exc:
         raise DtbenchError(f"cannot write figures to {outdir}: {exc.strerror or exc}") from None
     return paths
+
+
+BATCH_FIG_STEM = "speedup_vs_batch"
+
+
+def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> Figure | str:
+    """Figure (issue 29): speedup vs batch size B per decoder, against ar at the same (dataset, L_max, T, B).
+
+    Args:
+        measured: :func:`~dtbench.reports.compare.speedup_table` rows (dataset, l_max, gen_length, batch_size, label,
+            speedup, ci_low, ci_high): the measured speedup (solid, markers) and its 95% paired CI (a band where the
+            CI exists; ``n too small`` leaves a gap).
+        predicted: :func:`~dtbench.reports.costmodel.batch_table` rows (label, batch_size, predicted_speedup), or
+            None: the cost model's prediction (dashed).
+
+    Returns:
+        the Figure (log2 x axis; the line speedup = 1; B*, the first B with measured speedup below 1, marked with
+        a vertical tick), or a one-line reason when no decoder has two batch sizes.
+    """
+    rows = measured[measured["speedup"].notna()] if not measured.empty else measured
+    groups = [(k, g.sort_values("batch_size")) for k, g in rows.groupby(["dataset", "l_max", "gen_length", "label"],
+                                                                        sort=False) if g["batch_size"].nunique() > 1]
+    if not groups:
+        return "speedup-vs-batch figure skipped: no decoder was measured at two or more batch sizes"
+    points = {(k[0], k[1], k[2]) for k, _ in groups}
+    fig = Figure(figsize=(7.5, 4.6))
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = colormaps["tab10"]
+    for i, ((ds, l_max, T, label), g) in enumerate(groups):
+        color = cmap(i % 10)
+        name = label if len(points) == 1 else f"{label} ({ds}, L_max={l_max}, T={T})"
+        x = g["batch_size"].to_numpy(dtype=float)
+        ax.plot(x, g["speedup"], marker="o", color=color, label=name)
+        lo, hi = g["ci_low"].to_numpy(dtype=float), g["ci_high"].to_numpy(dtype=float)
+        ok = np.isfinite(lo) & np.isfinite(hi)
+        if ok.any():
+            ax.fill_between(x, np.where(ok, lo, np.nan), np.where(ok, hi, np.nan), color=color, alpha=0.15,
+                            linewidth=0)
+        below = g[g["speedup"] < 1]
+        if not below.empty:
+            b_star = float(below["batch_size"].iloc[0])
+            ax.plot([b_star], [float(below["speedup"].iloc[0])], marker="v", markersize=11, color=color,
+                    linestyle="none")
+            ax.annotate(f"B*={int(b_star)}", (b_star, float(below["speedup"].iloc[0])), textcoords="offset points",
+                        xytext=(4, -14), fontsize=7, color=color)
+        if predicted is not None and not predicted.empty:
+            p = predicted[(predicted["dataset"] == ds) & (predicted["l_max"] == l_max)
+                          & (predicted["gen_length"] == T) & (predicted["label"] == label)].sort_values("batch_size")
+            p = p[p["predicted_speedup"].notna()]
+            if len(p):
+                ax.plot(p["batch_size"], p["predicted_speedup"], linestyle="--", color=color, alpha=0.9)
+    ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    sizes = sorted({int(b) for _, g in groups for b in g["batch_size"]})
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([str(b) for b in sizes])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("batch size B (prompts decoded together)")
+    _style(ax, "speedup vs ar at the same B (×)",
+           "Speedup vs batch size (bands: 95% CI; dashed: cost model; ▼: B*)")
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig

@@ -34,7 +34,7 @@ def _meta(runs) -> pd.DataFrame:
 
 
 def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | None = None,
-               confidence: float = 0.95, include_partial: bool = False) -> str:
+               confidence: float = 0.95, include_partial: bool = False, extra_figures: dict | None = None) -> str:
     """The report as one HTML document.
 
     Args:
@@ -43,6 +43,8 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
         speedups: per run id, :func:`~dtbench.reports.compare.speedup_table` (optional section).
         confidence: the level those intervals were computed at (for the column heading).
         include_partial: show partial cells' numbers in the paper tables and figures (always in "Every cell").
+        extra_figures: more figures (stem -> matplotlib Figure) shown after the paper's, e.g. the speedup-vs-batch
+            figure (:func:`~dtbench.reports.costmodel.batch_figures`).
     """
     e = html_text
     ids = ", ".join(str(r.id) for r in runs)
@@ -69,6 +71,7 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
                                     row_styles=[render.verdict_style(v) for v in table["verdict"]]))
                 for run_id, table in speedups.items() if not table.empty]
     figs, notes = build_figures(summary, include_partial)
+    figs = {**figs, **(extra_figures or {})}
     out.append("<h2>Figures</h2>")
     for stem, fig in figs.items():
         svg = base64.b64encode(to_bytes(fig, "svg")).decode()

@@ -438,3 +438,102 @@ def test_a_decoder_corrupting_one_row_is_an_error_in_that_row(monkeypatch, pair,
     # the first error at the corrupted position (the next token may be one too: it was computed from the true prefix)
     assert bad.lossless_errors >= 1 and (bad.lossless_first_error, bad.first_divergence) == (2, 2)
     assert all(x.lossless_errors == 0 for x in cells_of(dbfile)[("ar", 3)])
+
+
+# --- the cost model over batch and the figure (items 5, 6) ------------------------------------------------------
+
+
+class _Row:
+    def __init__(self, role, n, median_s, rows=1, cache_len=64, tree_mask=False, last_only=False):
+        self.role, self.n, self.median_s, self.rows = role, n, median_s, rows
+        self.cache_len, self.tree_mask, self.last_only = cache_len, tree_mask, last_only
+
+
+def synthetic_curves():
+    """Forward costs of a compute-bound target: c_B(n) = 1 ms x max(1, B x n / 8) (flat until 8 tokens in the
+    forward, then linear); a draft token costs 0.1 ms."""
+    from dtbench.harness.curves import Curves
+
+    rows = []
+    for b in (1, 2, 4, 8, 16):
+        for n in (1, 2, 4, 8, 16, 32):
+            cost = 1e-3 * max(1.0, b * n / 8)
+            if b == 1:
+                rows += [_Row("target", n, cost), _Row("target", n, cost, tree_mask=True)]
+            else:
+                rows.append(_Row("target", n, cost, rows=b, tree_mask=True))
+    rows += [_Row("draft", n, 1e-4, last_only=True) for n in (1, 2)] + [_Row("draft", n, 1e-4) for n in (1, 2)]
+    return Curves(rows)
+
+
+def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
+    from dtbench.reports.costmodel import best_k_at, budget_at, predicted_batch_speedup
+
+    curves = synthetic_curves()
+    assert curves.batch_sizes() == [2, 4, 8, 16]
+    assert curves.batched_cost(4, 64, 4) == pytest.approx(2e-3)
+    assert curves.batched_cost(4, 64, 6) == pytest.approx(3e-3)  # between B=4 and B=8, linear in B
+    assert curves.batched_cost(4, 64, 1) == pytest.approx(1e-3)  # B = 1: the plain curve
+    # a chain decoder committing 3 tokens per iteration, verifying 5, drafting 4 tokens per row (0.4 ms)
+    chain = {"L": 3.0, "n": 5.0, "d": 4e-4}
+    s = {b: predicted_batch_speedup(curves, chain, b, 64, "chain") for b in (1, 2, 4, 8, 16)}
+    assert s[1] == pytest.approx(3 * 1e-3 / (1e-3 + 4e-4))  # memory-bound: verifying is nearly free
+    assert s[1] > s[2] > s[4] > s[8] >= s[16] and s[16] < 1 < s[1]  # compute-bound at large B: B* exists
+    ar = {"L": 1.0, "n": 1.0, "d": 0.0}
+    assert all(predicted_batch_speedup(curves, ar, b, 64, "ar") == pytest.approx(1.0) for b in (1, 4, 16))
+    # the best K shrinks as B grows (drafts stop being free), the node budget too
+    p = [0.8] * 8
+    ks = {b: best_k_at(curves, p, 1e-4, b, 64)[0] for b in (1, 16)}
+    assert ks[16] < ks[1]
+    assert budget_at(curves, 16, 64, ceiling=64) < budget_at(curves, 1, 64, ceiling=64)
+
+
+def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
+    import pandas as pd
+
+    from dtbench.reports.figures import speedup_vs_batch
+
+    measured = pd.DataFrame([
+        dict(dataset="w", l_max=64, gen_length=32, batch_size=b, label="linear", speedup=s, ci_low=lo, ci_high=hi)
+        for b, s, lo, hi in ((1, 1.8, 1.6, 2.0), (4, 1.2, 1.0, 1.4), (16, 0.7, float("nan"), float("nan")))])
+    predicted = measured.assign(predicted_speedup=[1.9, 1.1, 0.8])
+    fig = speedup_vs_batch(measured, predicted)
+    ax = fig.axes[0]
+    lines = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(lines) == 1 and list(lines[0].get_ydata()) == [1.9, 1.1, 0.8]  # the prediction, dashed
+    assert any(t.get_text() == "B*=16" for t in ax.texts)  # the first B below 1, marked
+    assert len(ax.collections) == 1  # the CI band
+    assert [int(t) for t in ax.get_xticks()] == [1, 4, 16]
+    assert speedup_vs_batch(measured[measured["batch_size"] == 1]).startswith("speedup-vs-batch figure skipped")
+
+
+def test_a_calibrated_run_reports_speedup_vs_b_with_prediction_and_figure(monkeypatch, pair, tmp_path, data_dir):
+    """calibrate: true with batch sizes measures the target's batched curves; --cost-model prints the batch table
+    (measured with CI, predicted), B* lines and the mean absolute error; --figures writes the figure."""
+    from dtbench.harness import calibrate as cal
+    from kit import fast_calibration_settings
+
+    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], batch_sizes=[1, 2],
+                       calibrate=True)
+    suite["datasets"][0].update(prompts=5, warmup=1)
+    result, dbfile = run_cli(tmp_path, data_dir, suite)
+    assert result.exit_code == 0, result.output
+    with db.connect(str(dbfile))() as s:
+        rows = {r.rows for r in s.scalars(select(db.Calibration))}
+        batched = [r for r in s.scalars(select(db.Calibration)) if r.rows == 2]
+    assert rows >= {None, 2} or rows >= {1, 2}
+    assert batched and {r.n for r in batched} >= {1, 2, 3} and all(r.tree_mask for r in batched)
+    out = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert {r["batch_size"] for r in doc["batch_sizes"]["rows"]} == {1, 2}
+    assert all(r["predicted_speedup"] > 0 for r in doc["batch_sizes"]["rows"])
+    text = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "markdown").stdout
+    assert "speedup vs batch size, measured and predicted" in text
+    assert "linear (wikitext-2, L_max=16, T=6): measured" in text and "; predicted" in text
+    assert "best K per B: B=1: K=" in text and "mean absolute error of predicted vs measured speedup" in text
+    figs = tmp_path / "figs"
+    shown = invoke("report", "--db", str(dbfile), "--figures", str(figs))
+    assert shown.exit_code == 0, shown.output
+    assert (figs / "speedup_vs_batch.png").exists() and (figs / "speedup_vs_batch.svg").exists()
