@@ -8,9 +8,9 @@ clock of every other decoder.
 
 Engines (``engine:``), each read where its own documentation or source says the numbers are:
 
-- ``llama.cpp`` (llama-server, ``tools/server``): the prompt as token ids; ``n_probs`` top candidates per token
-  (their ``id`` gives the token ids of the stream); per response ``timings.draft_n`` / ``timings.draft_n_accepted``
-  (``server-common.cpp``, ``result_timings::to_json``).
+- ``llama.cpp`` (llama-server, ``tools/server``): the prompt as token ids; ``return_tokens`` + ``verbose`` give each
+  streamed event's token ids (``__verbose.tokens``); per response ``timings.draft_n`` / ``timings.draft_n_accepted``
+  (``server-common.cpp``, ``result_timings::to_json``); top candidates through ``n_probs`` (check requests only).
 - ``vllm``: the prompt as token ids; ``return_token_ids`` (``choices[].token_ids``) or, in older versions,
   ``logprobs`` with ``return_tokens_as_token_ids`` (``token_id:N`` keys); Prometheus ``/metrics`` counters
   ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total`` and
@@ -77,8 +77,8 @@ class ServerParams(DecoderParams):
     request_rate: float | None = Field(
         None, gt=0, le=1e6, description="requests per second of seeded Poisson arrivals (the suite's seed); absent: "
         "every request of the group starts at once, up to the concurrency")
-    top_logprobs: int = Field(2, ge=0, le=20, description="top candidates asked per token (the tie-aware check "
-                              "needs 2; 0: none, the exact rule applies)")
+    top_logprobs: int = Field(2, ge=0, le=20, description="top candidates asked of the reference server at a "
+                              "divergence, after the timed requests (the tie-aware check needs 2; 0: the exact rule)")
     tie_margin: float = Field(
         0.05, ge=0, le=10, description="a divergence from the reference whose top-2 log-probability margin in the "
         "reference's response is at most this is a numeric tie (the engine's noise: batch shapes and quantized "
@@ -113,6 +113,7 @@ class Chunk:
     top: list[list[tuple[Any, float]]] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
     finish: str | None = None
+    decoded: int | None = None  # tokens the server had decoded when it sent the event (llama.cpp tokens_predicted)
 
 
 def request_body(params: ServerParams, prompt: list[int] | str, max_tokens: int, stop_at_eos: bool) -> dict[str, Any]:
@@ -127,17 +128,32 @@ def request_body(params: ServerParams, prompt: list[int] | str, max_tokens: int,
                             "stream_options": {"include_usage": True}}
     if params.model:
         body["model"] = params.model
-    n = params.top_logprobs
-    if params.engine == "llama.cpp":
-        body.update(n_probs=max(n, 1), ignore_eos=not stop_at_eos, cache_prompt=False, timings_per_token=False)
+    if params.engine == "llama.cpp":  # token ids through `return_tokens` (in `__verbose` on the OpenAI route)
+        body.update(ignore_eos=not stop_at_eos, cache_prompt=False, return_tokens=True, verbose=True)
     elif params.engine == "vllm":
-        body.update(ignore_eos=not stop_at_eos, return_token_ids=True, logprobs=max(n, 1),
-                    return_tokens_as_token_ids=True)
+        body.update(ignore_eos=not stop_at_eos, return_token_ids=True)
     elif params.engine == "sglang":
-        body.update(ignore_eos=not stop_at_eos, logprobs=max(n, 1), return_meta_info=True)
-    elif n:
-        body["logprobs"] = n
+        body.update(ignore_eos=not stop_at_eos, return_meta_info=True)
     body.update(params.extra_body)
+    return body
+
+
+def top_body(params: ServerParams, prompt: list[int], n: int, tokens: int = 1) -> dict[str, Any]:
+    """The body of one non-streamed check request (outside the timed region): the top ``n`` candidates of the next
+    ``tokens`` tokens after ``prompt`` (the request's prompt plus the reference's output up to a divergence), greedy.
+
+    Asked apart because top log-probabilities are not free: llama.cpp's ``n_probs`` sorts the vocabulary at every
+    token (measured here: 53 -> 248 ms per token for SmolLM2-135M on 2 CPU cores), which the timed requests must not
+    pay."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": False}
+    if params.model:
+        body["model"] = params.model
+    if params.engine == "llama.cpp":
+        body.update(n_probs=n, cache_prompt=False)
+    else:
+        body["logprobs"] = n
+        if params.engine == "vllm":
+            body["return_tokens_as_token_ids"] = True
     return body
 
 
@@ -187,6 +203,12 @@ def parse_chunk(engine: str, event: dict[str, Any]) -> Chunk:
             top.append(pairs)
     if isinstance(choice.get("token_ids"), list):  # vLLM return_token_ids
         tokens = [int(t) for t in choice["token_ids"]]
+    verbose = event.get("__verbose")
+    decoded = None
+    if isinstance(verbose, dict) and isinstance(verbose.get("tokens"), list):  # llama.cpp return_tokens + verbose
+        tokens = [int(t) for t in verbose["tokens"]]
+        if isinstance(verbose.get("tokens_predicted"), int) and not verbose.get("stop"):
+            decoded = int(verbose["tokens_predicted"])
     counters: dict[str, float] = {}
     timings = event.get("timings")
     if isinstance(timings, dict):  # llama.cpp: present on the final event; draft_* only when it drafted
@@ -199,7 +221,10 @@ def parse_chunk(engine: str, event: dict[str, Any]) -> Chunk:
                     "spec_draft_token_num"):
             if meta.get(key) is not None:
                 counters[f"sglang:{key}"] = float(meta[key])
-    return Chunk(tokens=tokens, text=text, top=top, counters=counters, finish=finish)
+    usage = event.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        counters["usage:completion_tokens"] = float(usage["completion_tokens"])
+    return Chunk(tokens=tokens, text=text, top=top, counters=counters, finish=finish, decoded=decoded)
 
 
 VLLM_COUNTERS = {

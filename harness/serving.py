@@ -18,9 +18,9 @@ dtbench's own loops.
   end-to-end latency (E2E) the last token's arrival minus its send time. The client-side tokens per read (the
   tokens a read brought) stand beside the server's own counters.
 - The output check (T = 0): each request's tokens against the reference server's on the same prompt: *tie-aware*
-  where both returned top-2 log-probabilities (the first divergence is a tie when the reference's top-2 margin there
-  is at most ``tie_margin``; the tokens after it follow another prefix and are not compared), otherwise *exact*; the
-  rule that applied is stored with every sample (``step_stats.server.lossless_rule``).
+  (the first divergence is a tie when the reference server's top-2 log-probability margin there, asked in one check
+  request after the timed ones, is at most ``tie_margin``; the tokens after it follow another prefix and are not
+  compared), otherwise *exact*; the rule that applied is stored with every sample (``step_stats.server.lossless_rule``).
 """
 
 from __future__ import annotations
@@ -88,14 +88,18 @@ def llama_server_binary() -> str:
     return str(path)
 
 
+try:  # loaded here, not in the forked child (no import or loader lock taken between fork and exec)
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+
+
 def _die_with_parent() -> None:
-    """In the child before exec: a new session (its own process group), and SIGTERM when dtbench dies (Linux)."""
+    """In the child before exec: a new session (its own process group), and SIGTERM when dtbench's launching thread
+    dies (Linux ``PR_SET_PDEATHSIG``), so even a killed dtbench leaves no server behind."""
     os.setsid()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _slug(text: str) -> str:
@@ -209,21 +213,23 @@ class ServerPool:
         base_url = f"http://{HOST}:{port}"
         server = Launched(label, argv, base_url, log_path, proc, tuple(cell))
         deadline = time.monotonic() + params.startup_timeout_s
-        while True:
-            if (code := proc.poll()) is not None:
-                server.stop()
-                raise ServerError(f"server '{label}' exited with code {code} before it was ready; see its log "
-                                  f"{log_path}")
-            try:
-                if httpx.get(base_url + params.health_path, timeout=2.0).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                server.stop()
-                raise ServerError(f"server '{label}' was not healthy ({params.health_path}) after "
-                                  f"{params.startup_timeout_s:g} s; see its log {log_path}")
-            time.sleep(0.2)
+        try:
+            while True:
+                if (code := proc.poll()) is not None:
+                    raise ServerError(f"server '{label}' exited with code {code} before it was ready; see its log "
+                                      f"{log_path}")
+                try:
+                    if httpx.get(base_url + params.health_path, timeout=2.0).status_code == 200:
+                        return server
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerError(f"server '{label}' was not healthy ({params.health_path}) after "
+                                      f"{params.startup_timeout_s:g} s; see its log {log_path}")
+                time.sleep(0.2)
+        except BaseException:  # not ready, or Ctrl-C during the wait: the process is not left behind
+            server.stop()
+            raise
 
     def close(self) -> None:
         """Stop every launched server (never raises)."""
@@ -248,6 +254,8 @@ class RequestRecord:
     counters: dict[str, float] = field(default_factory=dict)
     finish: str | None = None
     done_s: float = 0.0  # seconds from the group's start to the last read
+    decoded: int = 0  # the server's own count of decoded tokens at its last event (llama.cpp), 0 if not sent
+    recovered: bool = False  # token ids taken from a non-streamed repeat (see _recover_ids)
 
 
 def _events(buffer: bytes) -> tuple[list[dict], bytes]:
@@ -278,17 +286,26 @@ async def _one(client, url: str, body: dict, params: ServerParams, record: Reque
                 text = (await response.aread()).decode(errors="replace")
                 raise ServerError(f"answered HTTP {response.status_code}: {clip(text, 300)}")
             buffer = b""
+            decoded = 0
             async for raw in response.aiter_bytes():
                 now = time.perf_counter()
                 events, buffer = _events(buffer + raw)
                 brought = 0
                 for event in events:
                     chunk: Chunk = parse_chunk(params.engine, event)
-                    if chunk.tokens is not None:
+                    if chunk.decoded is not None:  # llama.cpp holds back a token that ends inside a UTF-8
+                        brought += chunk.decoded - decoded  # character and sends the next event with one id only:
+                        decoded = chunk.decoded  # its decoded count says how many tokens the read brought
+                        record.tokens.extend(chunk.tokens or [])
+                    elif chunk.tokens is not None:
                         record.tokens.extend(chunk.tokens)
                         brought += len(chunk.tokens)
                     elif chunk.text:
                         brought += 1  # a text-only engine: one chunk, token count unknown until re-tokenized
+                    final = chunk.counters.get("usage:completion_tokens")
+                    if decoded and final is not None and final > decoded:  # the last tokens ended inside a UTF-8
+                        brought += int(final) - decoded  # character: they arrive with the final event
+                        decoded = int(final)
                     record.text += chunk.text
                     record.top.extend(chunk.top)
                     record.counters.update(chunk.counters)
@@ -298,6 +315,7 @@ async def _one(client, url: str, body: dict, params: ServerParams, record: Reque
             if params.prompt_format == "text" or not record.tokens and record.text:
                 record.tokens = tokenize(record.text)
         record.done_s = time.perf_counter() - t0
+        record.decoded = decoded
 
 
 async def _group(base_url: str, bodies: list[dict], params: ServerParams, delays: list[float], concurrency: int,
@@ -347,19 +365,27 @@ def arrival_delays(n: int, rate: float | None, seed: int) -> list[float]:
     return out
 
 
-def check_output(tokens: list[int], top: list, reference: list[int] | None, ref_top: list | None,
-                 params: ServerParams, rule: str) -> dict[str, Any]:
+def check_output(tokens: list[int], reference: list[int] | None, top_at, params: ServerParams,
+                 rule: str) -> dict[str, Any]:
     """The lossless columns of one request against the reference server's output on the same prompt.
 
-    Tie-aware (``rule`` tie_aware, both responses carried top-2 log-probabilities with token ids): at the first
-    divergence i, the reference emitted ``a`` and this server ``b``; with ``lp`` the reference's log-probabilities
-    at i, the divergence is a *tie* when ``lp[a] - lp[b] <= tie_margin`` (both among its top candidates), else an
-    *error*; positions after a tie follow another prefix and are not compared. Exact otherwise: the outputs must be
-    equal token for token.
+    Tie-aware (``rule`` tie_aware and ``top_logprobs`` >= 2): at the first divergence i, the reference emitted ``a``
+    and this server ``b``. ``top_at(i)`` asks the reference server, in check requests outside the timed region, for
+    its top candidates at i computed in two shapes (:func:`two_shapes`): as one token decoded on the cache (the shape
+    of the timed run) and inside a prefill over the whole prefix. Their largest disagreement on a candidate both list
+    is the engine's measured *noise* there (batch shapes and quantized kernels round differently: on CPU llama.cpp
+    switches matrix kernels with the batch size). The divergence is a *tie* when both tokens are among the decode
+    shape's candidates and ``lp[a] - lp[b] <= max(tie_margin, noise)``, else an *error*; positions after a tie follow
+    another prefix and are not compared. Exact otherwise: the outputs must be equal token for token.
+
+    Args:
+        top_at: ``i -> (decode-shape candidates, prefill-shape candidates)``, each ``[(token id, log-probability)]``
+            best first or None; None: no check requests (the exact rule).
 
     Returns:
         ``lossless``, ``first_divergence``, ``lossless_checked``/``_ties``/``_errors``/``_first_error``/
-        ``_tie_margin``/``_error_margin``, ``lossless_diagnoses`` and the rule that applied (``lossless_rule``).
+        ``_tie_margin``/``_error_margin``/``_noise``, ``lossless_diagnoses`` and the rule that applied
+        (``lossless_rule``).
     """
     out: dict[str, Any] = {"lossless": None, "first_divergence": None, "lossless_rule": None}
     if reference is None:
@@ -367,34 +393,101 @@ def check_output(tokens: list[int], top: list, reference: list[int] | None, ref_
     from dtbench.harness.metrics import first_divergence
 
     div = first_divergence(tokens, reference)
-    tie_aware = (rule == "tie_aware" and params.top_logprobs >= 2 and ref_top is not None and len(ref_top) > (div or 0)
-                 and all(isinstance(c[0], int) for cands in ref_top[:1] for c in cands[:1]))
-    out["lossless_rule"] = (f"tie_aware (reference's top-2 log-probability margin <= {params.tie_margin:g})"
-                            if tie_aware else "exact")
+    tie_rule = (f"tie_aware (the reference server's top-2 log-probability margin at the divergence <= max({params.tie_margin:g}, "
+                f"the noise between its decode and prefill shapes there))")
+    tie_aware = rule == "tie_aware" and params.top_logprobs >= 2 and top_at is not None
+    out["lossless_rule"] = tie_rule if tie_aware else "exact"
     out["first_divergence"] = div
     if div is None:
         out.update(lossless=True, lossless_checked=len(tokens), lossless_ties=0, lossless_errors=0)
         return out
     checked = div + 1
-    if not tie_aware or div >= len(tokens) or div >= len(reference):
+    shapes = top_at(div) if tie_aware and div < min(len(tokens), len(reference)) else None
+    decode, prefill = shapes if shapes else (None, None)
+    top = decode or prefill
+    if top is None or not all(isinstance(c[0], int) for c in top):
+        if tie_aware:
+            out["lossless_rule"] = "exact (the reference server returned no top candidates with token ids)"
         out.update(lossless=False, lossless_checked=checked, lossless_ties=0, lossless_errors=1,
                    lossless_first_error=div)
         return out
     a, b = reference[div], tokens[div]
-    lp = {c[0]: c[1] for c in ref_top[div]}
+    lp = {c[0]: c[1] for c in top}
+    other = {c[0]: c[1] for c in (prefill or [])} if decode else {}
+    common = set(lp) & set(other)
+    noise = max((abs(lp[t] - other[t]) for t in common), default=0.0)
     margin = lp[a] - lp[b] if a in lp and b in lp else None
-    diagnosis = {"position": div, "reference_token": a, "emitted_token": b, "margin": margin,
-                 "reference_top": [list(c) for c in ref_top[div]], "emitted_top": [list(c) for c in top[div]]
-                 if div < len(top) else None}
-    if margin is not None and margin <= params.tie_margin:
+    diagnosis = {"position": div, "reference_token": a, "emitted_token": b, "margin": margin, "noise": noise,
+                 "decode_top": [list(c) for c in decode] if decode else None,
+                 "prefill_top": [list(c) for c in prefill] if prefill else None}
+    if margin is not None and margin <= max(params.tie_margin, noise):
         diagnosis["verdict"] = "tie"
         out.update(lossless=True, lossless_checked=checked, lossless_ties=1, lossless_errors=0,
-                   lossless_tie_margin=margin, lossless_diagnoses=[diagnosis])
+                   lossless_tie_margin=margin, lossless_noise=noise, lossless_diagnoses=[diagnosis])
     else:
         diagnosis["verdict"] = "error"
         out.update(lossless=False, lossless_checked=checked, lossless_ties=0, lossless_errors=1,
-                   lossless_first_error=div, lossless_error_margin=margin, lossless_diagnoses=[diagnosis])
+                   lossless_first_error=div, lossless_error_margin=margin, lossless_noise=noise,
+                   lossless_diagnoses=[diagnosis])
     return out
+
+
+def two_shapes(base_url: str, params: ServerParams, prompt: list[int], reference: list[int], i: int, n: int):
+    """The server's top ``n`` candidates at output position i in two shapes (check requests, not timed): *decode*,
+    the prefix up to i - 1 as the prompt and two tokens generated (the second is decoded alone on the cache, as in
+    the timed run; used only when the first is ``reference[i - 1]``), and *prefill*, the prefix up to i as the prompt
+    and one token generated. Returns (decode or None, prefill or None)."""
+    prefill = top_candidates(base_url, params, prompt + list(reference[:i]), n)
+    decode = None
+    if i >= 1:
+        both = top_candidates(base_url, params, prompt + list(reference[:i - 1]), n, tokens=2)
+        if both and len(both) == 2 and both[0] and both[0][0][0] == reference[i - 1]:
+            decode = both[1]
+    return decode, prefill
+
+
+def top_candidates(base_url: str, params: ServerParams, prompt: list[int], n: int, tokens: int = 1,
+                   timeout: float = 120.0):
+    """The server's top ``n`` candidates of the next token after ``prompt`` (one greedy check request, not timed),
+    best first; with ``tokens`` > 1, the list of each generated position's candidates. None when none came back.
+
+    Raises:
+        ServerError: an HTTP error status.
+    """
+    import httpx
+
+    from dtbench.decoders.server import top_body
+
+    response = httpx.post(base_url + "/v1/completions", json=top_body(params, prompt, n, tokens), timeout=timeout)
+    if response.status_code != 200:
+        raise ServerError(f"answered the check request with HTTP {response.status_code}: {clip(response.text, 200)}")
+    chunk = parse_chunk(params.engine, response.json())
+    if tokens > 1:
+        return chunk.top or None
+    return chunk.top[0] if chunk.top else None
+
+
+def _recover_ids(base_url: str, body: dict, rec: RequestRecord, label: str, where: str) -> None:
+    """The token ids of a llama.cpp stream that held tokens back (a UTF-8 character split over several byte tokens:
+    the event that completes it carries one id): the same request once more, not streamed and not timed, whose final
+    response lists every id; taken only if it has as many tokens and its text begins with the streamed text (a
+    character cut at the end is never streamed).
+
+    Raises:
+        ServerError: the repeat's text differs from the streamed text (the ids cannot be told).
+    """
+    import httpx
+
+    response = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=600)
+    data = response.json() if response.status_code == 200 else {}
+    verbose = data.get("__verbose") or {}
+    choices = data.get("choices") or [{}]
+    if verbose.get("tokens") and len(verbose["tokens"]) == rec.decoded and (choices[0].get("text") or "").startswith(
+            rec.text):
+        rec.tokens, rec.recovered = [int(t) for t in verbose["tokens"]], True
+        return
+    raise ServerError(f"server '{label}' streamed {len(rec.tokens)} token ids for {rec.decoded} tokens and a repeat "
+                      f"did not reproduce its text; {where}")
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -409,7 +502,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bool, gen_length: int,
                      concurrency: int, cell: tuple, pool: ServerPool, *, seed: int, stop_at_eos: bool,
-                     references: list | None, reference_tops: list | None, rule: str, tokenizer,
+                     references: list | None, reference: tuple[str, ServerParams] | None, rule: str, tokenizer,
                      batch_group: int | None) -> list[dict[str, Any]]:
     """Measure one prompt group of a server cell: one streamed request per prompt, at most ``concurrency`` in flight.
 
@@ -418,8 +511,9 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
         prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
         warmup: the group's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
         pool: the worker's :class:`ServerPool`; seed: the Poisson arrivals' seed.
-        references, reference_tops: per row the reference server's tokens and top log-probabilities (None: this
-            cell is a reference, or they are not known).
+        references: per row the reference server's output tokens (None: this cell is a reference itself).
+        reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
+            server of this cell's load level is running: the pool stops servers only when the load level moves on).
         rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
         batch_group: the group's first prompt index when B > 1 (stored with every row), else None.
 
@@ -453,11 +547,19 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
     except DtbenchError as exc:  # an HTTP error status, an error event, an event that is not JSON
         raise ServerError(f"server '{label}': {exc}; {where}") from None
     except (OSError, Exception) as exc:  # httpx errors, a dropped connection, a timeout
-        code = server.exited() if server else None
+        code = None
+        if server is not None:  # a closed connection can come before the dying process can be reaped
+            try:
+                code = server.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                code = None
         if code is not None:
             raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log "
                               f"{server.log_path}") from None
         raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
+    for rec, body in zip(records, bodies):
+        if rec.decoded and len(rec.tokens) < rec.decoded:
+            _recover_ids(base_url, body, rec, label, where)
     group_metrics = metrics_delta(before, after) if after else {}
     rows = []
     for r, (prompt, rec) in enumerate(zip(prompts, records)):
@@ -473,7 +575,17 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
         itl = [b - a for a, b in zip(times, times[1:])]
         spec = request_acceptance(rec.counters, T)
         ref = references[r] if references else None
-        check = check_output(tokens, rec.top, ref, reference_tops[r] if reference_tops else None, params, rule)
+        top_at = None
+        if reference is not None and ref is not None:
+            ref_url, _ = pool.endpoint(reference[0], reference[1], cell, concurrency)
+            ids = list(prompt.token_ids)
+
+            def top_at(i: int, ids=ids, ref=ref, ref_url=ref_url):
+                return two_shapes(ref_url, reference[1], ids, ref, i, max(params.top_logprobs, 5))
+        try:
+            check = check_output(tokens, ref, top_at, params, rule)
+        except ServerError as exc:
+            raise ServerError(f"reference server '{reference[0]}' {exc}") from None
         drafted, accepted = spec.get("drafted") or 0, spec.get("accepted") or 0
         steps = spec.get("steps")
         server_stats = {
@@ -482,9 +594,8 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
             "sent_s": rec.sent_s, "e2e_s": e2e, "ttft_s": ttft, "itl_s": itl, "finish_reason": rec.finish,
             "prompt": prompt_checks[r], "counters": rec.counters, "acceptance": spec,
             "group_metrics": group_metrics or None, "group_wall_s": wall,
-            "tokens_per_read": [n for _, n in rec.reads],
+            "tokens_per_read": [n for _, n in rec.reads], "ids_recovered": rec.recovered,
             "lossless_rule": check.pop("lossless_rule"),
-            "top": [[list(c) for c in cands] for cands in rec.top[:gen_length]] if params.top_logprobs else None,
         }
         rows.append(dict(
             prompt_index=prompt.index, document=prompt.document[:500],

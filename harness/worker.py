@@ -195,7 +195,7 @@ def measure_served(cp: CellPlan, prompts: list, group: PromptGroup, ref_rows: li
 
     Args:
         prompts: the group's prompts in row order (one at B = 1).
-        ref_rows: the reference server's rows on this group (their output tokens and top log-probabilities), or None.
+        ref_rows: the reference server's rows on this group (their output tokens), or None.
         servers: the worker's :class:`~dtbench.harness.serving.ServerPool`.
     """
     from dtbench.harness import serving
@@ -209,8 +209,8 @@ def measure_served(cp: CellPlan, prompts: list, group: PromptGroup, ref_rows: li
             cp.label, cp.params, prompts, group.warmup, group.gen_length, group.batch_size,
             (group.dataset.name, group.l_max, group.gen_length, group.batch_size), servers, seed=suite.seed,
             stop_at_eos=stop_at_eos, references=[r["output_tokens"] for r in ref_rows] if ref_rows else None,
-            reference_tops=[((r.get("step_stats") or {}).get("server") or {}).get("top") for r in ref_rows]
-            if ref_rows else None, rule=suite.lossless_check, tokenizer=tokenizer,
+            reference=next(((c.label, c.params) for c in group.decoders if c.label == cp.reference_label), None),
+            rule=suite.lossless_check, tokenizer=tokenizer,
             batch_group=group.prompt_index if batched else None)
         rows = [SampleRecord.from_row(row).as_row() for row in rows]
         json.dumps(rows)
@@ -224,8 +224,8 @@ def measure_served(cp: CellPlan, prompts: list, group: PromptGroup, ref_rows: li
 
 def _served_reference(cp: CellPlan, served: dict[str, list[dict]], outputs: dict[str, Reference],
                       batched: bool) -> list[dict] | None:
-    """The reference server's rows on this group: measured now (with their top log-probabilities), or read back
-    from the database on a resumed run (tokens only: the exact rule applies then); None without a reference."""
+    """The reference server's rows on this group: measured now, or read back from the database on a resumed run;
+    None without a reference."""
     if not cp.reference_label:
         return None
     if cp.reference_label in served:

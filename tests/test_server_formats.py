@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dtbench.decoders.server import (ServerParams, metrics_delta, parse_chunk, parse_metrics, request_acceptance,
-                                     request_body)
+                                     request_body, top_body)
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.serving import _events, arrival_delays, check_output
 
@@ -59,6 +59,8 @@ def test_llama_cpp_events_ids_timings_and_derived_steps():
              "timings": {"predicted_n": 32, "draft_n": 40, "draft_n_accepted": 20, "prompt_n": 10}}
     c = parse_chunk("llama.cpp", partial)
     assert c.tokens == [253] and c.top == [[(253, -0.1), (9, -2.5)]]
+    verbose = {"choices": [{"text": "In", "index": 0, "finish_reason": None}], "__verbose": {"tokens": [788]}}
+    assert parse_chunk("llama.cpp", verbose).tokens == [788]  # return_tokens + verbose, as llama-server streams it
     f = parse_chunk("llama.cpp", final)
     acc = request_acceptance(f.counters, new_tokens=32)
     assert (acc["drafted"], acc["accepted"], acc["steps"]) == (40, 20, 12)  # 32 tokens - 20 accepted = 12 steps
@@ -82,9 +84,13 @@ def test_request_body_per_engine():
     p = ServerParams(**PLAIN)
     body = request_body(p, [1, 2, 3], 16, stop_at_eos=False)
     assert body["prompt"] == [1, 2, 3] and body["temperature"] == 0.0 and body["stream"] is True
-    assert body["ignore_eos"] is True and body["n_probs"] == 2 and body["max_tokens"] == 16
+    assert body["ignore_eos"] is True and body["return_tokens"] and "n_probs" not in body and body["max_tokens"] == 16
+    check = top_body(p, [1, 2, 3, 9], 2)
+    assert check["n_probs"] == 2 and check["max_tokens"] == 1 and check["prompt"] == [1, 2, 3, 9]
     v = request_body(ServerParams(base_url="http://x:1", engine="vllm", model="m"), [1], 4, stop_at_eos=True)
-    assert v["return_token_ids"] and v["return_tokens_as_token_ids"] and v["ignore_eos"] is False and v["model"] == "m"
+    assert v["return_token_ids"] and v["ignore_eos"] is False and v["model"] == "m" and "logprobs" not in v
+    vc = top_body(ServerParams(base_url="http://x:1", engine="vllm"), [1], 2)
+    assert vc["logprobs"] == 2 and vc["return_tokens_as_token_ids"]
 
 
 def test_params_need_one_source():
@@ -100,18 +106,33 @@ def test_output_check_tie_error_exact():
     p = ServerParams(**PLAIN)
     ref = [5, 6, 7, 8]
     ref_top = [[(5, -0.1), (1, -3.0)], [(6, -0.1), (2, -3.0)], [(7, -0.70), (9, -0.72)], [(8, -0.1), (3, -2.0)]]
-    same = check_output(ref, ref_top, ref, ref_top, p, "tie_aware")
+    asked = []
+
+    def top_at(i):
+        asked.append(i)
+        return ref_top[i], ref_top[i]  # the decode and prefill shapes agree: noise 0
+
+    same = check_output(ref, ref, top_at, p, "tie_aware")
     assert same["lossless"] is True and same["lossless_checked"] == 4 and same["lossless_rule"].startswith("tie_aware")
-    tie = check_output([5, 6, 9, 1], [], ref, ref_top, p, "tie_aware")  # 9 within 0.02 of 7 at position 2
-    assert tie["lossless"] is True and tie["lossless_ties"] == 1 and tie["first_divergence"] == 2
+    assert asked == []  # equal outputs: no check request
+    tie = check_output([5, 6, 9, 1], ref, top_at, p, "tie_aware")  # 9 within 0.02 of 7 at position 2
+    assert tie["lossless"] is True and tie["lossless_ties"] == 1 and tie["first_divergence"] == 2 and asked == [2]
     assert tie["lossless_tie_margin"] == pytest.approx(0.02) and tie["lossless_checked"] == 3
-    err = check_output([5, 2, 7, 8], [], ref, ref_top, p, "tie_aware")  # 2 is 2.9 below 6: not a tie
+    err = check_output([5, 2, 7, 8], ref, top_at, p, "tie_aware")  # 2 is 2.9 below 6: not a tie
     assert err["lossless"] is False and err["lossless_first_error"] == 1 and err["lossless_error_margin"] > 2
-    exact = check_output([5, 6, 9, 1], [], ref, ref_top, p, "exact")  # the suite's exact rule: no tie allowed
+    outside = check_output([5, 4, 7, 8], ref, top_at, p, "tie_aware")  # 4 is not among the reference's top 2
+    assert outside["lossless"] is False and outside["lossless_error_margin"] is None
+    exact = check_output([5, 6, 9, 1], ref, top_at, p, "exact")  # the suite's exact rule: no tie allowed
     assert exact["lossless"] is False and exact["lossless_rule"] == "exact"
-    no_top = check_output([5, 6, 9, 1], [], ref, None, p, "tie_aware")  # no log-probabilities: exact
-    assert no_top["lossless"] is False and no_top["lossless_rule"] == "exact"
-    assert check_output(ref, [], None, None, p, "tie_aware")["lossless"] is None  # a reference itself
+    noisy = check_output([5, 6, 9, 1], ref, lambda i: ([(7, -0.5), (9, -0.9)], [(7, -0.8), (9, -0.7)]), p,
+                         "tie_aware")  # margin 0.4, but the two shapes disagree by 0.3 on 7 and 0.2 on 9: noise 0.3
+    assert noisy["lossless"] is False and noisy["lossless_noise"] == pytest.approx(0.3)
+    within = check_output([5, 6, 9, 1], ref, lambda i: ([(7, -0.5), (9, -0.7)], [(7, -0.8), (9, -0.7)]), p,
+                          "tie_aware")  # margin 0.2 <= noise 0.3: a tie
+    assert within["lossless"] is True and within["lossless_ties"] == 1
+    no_top = check_output([5, 6, 9, 1], ref, lambda i: (None, None), p, "tie_aware")  # no candidates: exact
+    assert no_top["lossless"] is False and no_top["lossless_rule"].startswith("exact")
+    assert check_output(ref, None, None, p, "tie_aware")["lossless"] is None  # a reference itself
 
 
 def test_poisson_arrivals_seeded():
