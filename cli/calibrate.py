@@ -56,7 +56,7 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     for ds in suite.datasets:
         docs = data.load_documents(ds, data_dir)
         for l_max in ds.l_maxes:
-            prompts[(ds.name, l_max)] = data.select_prompts(docs, tokenizer, 1, l_max, suite.seed)
+            prompts[(ds.key, l_max)] = data.select_prompts(docs, tokenizer, 1, l_max, suite.seed)
     with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
         target = models.load_model(suite.target, device)
     draft = None

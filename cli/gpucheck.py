@@ -39,7 +39,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ SMALL_DRAFT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, i
 
 @dataclass(frozen=True)
 class PaperRow:
-    """One method of the paper's Tables 1 and 3 at T = 1500 (``../shared/paper/dynatree.md``, Section 4.4).
+    """One method of the paper's Tables 1 and 3 at T = 1500 (the DynaTree paper, docs/architecture.md "The paper"; Section 4.4).
 
     Attributes:
         speedup: Table 1's speedup over AR; throughput: Table 1's tokens/s; tokens_per_iter: Table 3's L-bar;
@@ -110,7 +110,7 @@ NVML_OVER_ALLOCATOR = 4 * 2**30  # NVML adds the CUDA context and the allocator'
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _tests_on_path() -> None:
@@ -471,7 +471,7 @@ def step_overhead(device, target, draft, small: bool, workdir: Path, log, skip: 
         try:
             measure(build(name, params, target, draft, workdir), prompt, T0, device)  # warmup
 
-            def medians(length: int):
+            def medians(length: int, name: str = name, params: dict = params):  # bound per decoder
                 runs = [measure(build(name, params, target, draft, workdir), prompt, length, device)
                         for _ in range(REPEATS)]
                 totals = [_totals(m) for m in runs]
@@ -626,7 +626,7 @@ def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path
     skip: set[str] = set()
     result, models = None, None
     rows_file = out_dir / f".{step}.jsonl"
-    for attempt in range(MAX_CRASHES + 1):
+    for _attempt in range(MAX_CRASHES + 1):
         rows_file.unlink(missing_ok=True)
         err_file = out_dir / f"{step}.stderr"
         cmd = [sys.executable, "-P", "-X", "faulthandler", "-m", "dtbench.cli.gpucheck", *argv_base, "--child", step,

@@ -40,7 +40,7 @@ class FormatChoice(click.Choice):
         pass
 
 
-# Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
+# Exit codes of `dtbench run` (docs/measurement.md "Exit codes"); a report still prints before a non-zero exit.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
 EXIT_INTERRUPTED = 130
@@ -312,7 +312,7 @@ def validate(suite_path, data_dir) -> None:
             console.print("warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
                           "refuses it here (it can run with --executor ray on a cluster with GPUs)",
                           style="yellow", markup=False, highlight=False, soft_wrap=True)
-    points = sum(1 for ds, l_max, T, B in plan.points() if plan.decoders_at(ds.name, l_max, T, B))
+    points = sum(1 for ds, l_max, T, B in plan.points() if plan.decoders_at(ds.key, l_max, T, B))
     click.echo(f"{printable(suite_path)}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
                f"{plan.n_samples} samples")
 

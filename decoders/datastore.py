@@ -22,7 +22,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -66,7 +66,7 @@ class Datastore:
             from pydivsufsort import divsufsort
         except ImportError:
             raise DtbenchError("rest: the datastore needs pydivsufsort (pip install pydivsufsort)") from None
-        parts = []
+        parts: list[np.ndarray] = []
         for d in docs:
             parts.extend((np.asarray(d, dtype=np.uint32), np.array([SEPARATOR], dtype=np.uint32)))
         tokens = np.concatenate(parts)
@@ -116,7 +116,7 @@ class Datastore:
 
     def _key(self, i: int, m: int) -> list[int]:
         p = int(self.sa[i])
-        return self.tokens[p:p + m].tolist()
+        return cast(list[int], self.tokens[p:p + m].tolist())
 
     def find(self, pattern: list[int]) -> tuple[int, int]:
         """The suffix-array range [lo, hi) of the suffixes starting with ``pattern`` (binary search, O(m log n))."""
@@ -240,7 +240,7 @@ def read_tokens(path: str) -> np.ndarray:
         array = np.load(file, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise DtbenchError(f"cannot read {where}: {clip(exc, 160)}") from None
-    flat = array.reshape(-1)
+    flat: np.ndarray = array.reshape(-1)
     if flat.size == 0:
         raise DtbenchError(f"{where} is empty (no token ids)")
     low, high = int(flat.min()), int(flat.max())
@@ -264,7 +264,7 @@ def check_tokens_file(params: CorpusParams) -> None:
         read_tokens(params.tokens)
 
 
-def vocabulary_size(target) -> int:
+def vocabulary_size(target: Any) -> int:
     """The target's vocabulary size: its LM head's rows (the ids it can score), else ``config.vocab_size``."""
     head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
     if head is not None and getattr(head, "weight", None) is not None:
@@ -272,7 +272,7 @@ def vocabulary_size(target) -> int:
     return int(target.config.vocab_size)
 
 
-def check_vocabulary(store: Datastore, target, where: str) -> None:
+def check_vocabulary(store: Datastore, target: Any, where: str) -> None:
     """Every token of ``store`` is an id of ``target``'s vocabulary (a draft of it must be scoreable).
 
     Raises:

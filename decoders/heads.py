@@ -186,7 +186,7 @@ def _fits(what: str, head_size: int, target_size: int, head: str) -> None:
         raise ValueError(f"head {head}: its {what} {head_size} does not fit the target's {what} {target_size}")
 
 
-_LOADED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_LOADED: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _cached(target: nn.Module, key: tuple, build):
@@ -210,7 +210,7 @@ class HeadDecoder(Decoder):
             target, raising a one-line ValueError for a head that does not fit).
     """
 
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False

@@ -70,7 +70,7 @@ def forward(
     return out.logits[0], torch.cat([out.hidden_states[i][0] for i in hidden_layers], dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_keyword_of(cls: type) -> str:
     try:
         params = inspect.signature(cls.forward).parameters

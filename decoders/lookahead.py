@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -199,7 +198,7 @@ class Lookahead(Decoder):
     """
 
     Params = LookaheadParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -124,13 +124,13 @@ class NgramParams(DecoderParams):
                                    "occurrence of the matched suffix supplies the draft")
 
     @model_validator(mode="after")
-    def _ordered(self):
+    def _ordered(self) -> NgramParams:
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
         return self
 
 
-class Ngram(Decoder):
+class Ngram(Decoder[NgramParams]):
     """N-gram / prompt lookup speculative decoding on the one chain loop; lossless (greedy and sampled).
 
     Capabilities: family ``chain``; verify sizes (K + 1 chain tokens, 0 masked); sampling by speculative sampling
@@ -139,7 +139,7 @@ class Ngram(Decoder):
     """
 
     Params = NgramParams
-    family: ClassVar[str] = "chain"
+    family = "chain"
     needs_draft = False
     lossless = True
     supports_sampling = True

@@ -31,7 +31,7 @@ suite's seed, or from a ``.npy`` tokens file; its size, token count and build ti
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -166,7 +166,7 @@ class RestParams(CorpusParams):
         return self
 
 
-class Rest(Decoder):
+class Rest(Decoder[RestParams]):
     """REST on the one tree loop: retrieval tree from a suffix-array datastore, greedy verification; lossless.
 
     Capabilities: family ``tree``; verify sizes (0 chain tokens, root + n_max masked); no sampling (the tree
@@ -174,7 +174,7 @@ class Rest(Decoder):
     """
 
     Params = RestParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False

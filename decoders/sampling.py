@@ -29,6 +29,7 @@ prompt index), never from global RNG state, so a seeded run is identical run to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,7 +146,8 @@ def verify_chain_sampled(drafts: list[int], draft_probs: list[torch.Tensor] | No
     return len(drafts), (*drafts, sample(target_probs[len(drafts)], generator))
 
 
-def verify_tree_sampled(tokens: list[int], parents: list[int], target_probs, draft_probs: dict[int, torch.Tensor],
+def verify_tree_sampled(tokens: list[int], parents: list[int], target_probs: Callable[[int], torch.Tensor],
+                        draft_probs: dict[int, torch.Tensor],
                         generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """Multi-draft speculative sampling down a token tree (recursive rejection sampling; module docstring).
 
@@ -175,6 +177,7 @@ def verify_tree_sampled(tokens: list[int], parents: list[int], target_probs, dra
         p = target_probs(u)
         q = draft_probs[u].to(p.dtype).clone() if children[u] else None
         for c in children[u]:
+            assert q is not None  # a node with children has its draft distribution
             x = tokens[c]
             if accept(p[x].item(), q[x].item(), generator, p.device):
                 break

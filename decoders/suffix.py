@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -186,7 +186,7 @@ class SuffixParams(CorpusParams):
     max_corpus_match: int = Field(16, ge=1, le=256, description="longest context suffix searched in the corpus")
 
 
-class SuffixDecoding(Decoder):
+class SuffixDecoding(Decoder[SuffixParams]):
     """Suffix-automaton speculative decoding on the one chain loop; lossless (greedy and sampled).
 
     Capabilities: family ``chain``; verify sizes (k + 1 chain tokens, 0 masked); sampling: automaton drafts are
@@ -196,7 +196,7 @@ class SuffixDecoding(Decoder):
     """
 
     Params = SuffixParams
-    family: ClassVar[str] = "chain"
+    family = "chain"
     needs_draft = True
     lossless = True
     supports_sampling = True

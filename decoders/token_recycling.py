@@ -22,7 +22,7 @@ at several nodes of a tree, its row takes the top-k of its last node in BFS orde
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -140,7 +140,7 @@ class TokenRecycling(Decoder):
     """
 
     Params = TokenRecyclingParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False

@@ -257,11 +257,14 @@ class Dataset(ABC):
         hub: where the dataset lives on the Hugging Face hub (:class:`HubSource`), or None (local or plugin data).
         chat: True for question datasets (a chat workload: the suite's ``stop_at_eos`` defaults to true, and its
             ``chat_template`` to ``auto``); False for raw text continued as it is (the paper's protocol).
+        stop_at_eos: the suite's ``stop_at_eos`` default for this dataset; None follows ``chat`` (a code-completion
+            workload such as ``humaneval`` is not chat but stops at EOS).
     """
 
     Params: ClassVar[type[DatasetParams]] = DatasetParams
     hub: ClassVar[HubSource | None] = None
     chat: bool = False
+    stop_at_eos: ClassVar[bool | None] = None
 
     def __init__(self, params: DatasetParams | None = None):
         """Bind the validated params (an instance of ``self.Params``; its defaults when None)."""
@@ -320,6 +323,44 @@ class PG19(Dataset):
         return _pg19(spec, data_dir)
 
 
+def _humaneval(spec: DatasetSpec, data_dir: str | None) -> Documents:
+    local = _local_dir(spec, data_dir)
+    if local is not None:
+        path = local / "humaneval" / "HumanEval.jsonl"
+        if not path.is_file():
+            raise DtbenchError(f"humaneval: {path} not found (data dir {local})")
+        rows, source = [], _local_files([path])
+        for n, line in enumerate(_read(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DtbenchError(f"humaneval: {path} line {n} is not JSON ({exc})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise DtbenchError(f"humaneval: {path} line {n} has no string 'prompt'")
+            rows.append(row)
+    else:
+        rows, source = hub_rows(spec, HumanEval.hub)
+    return Documents([(str(r.get("task_id", i)), r["prompt"]) for i, r in enumerate(rows)], source=source)
+
+
+class HumanEval(Dataset):
+    """OpenAI HumanEval (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"; 164 problems): code
+    completion as a workload. Each problem's ``prompt`` field (imports, a function signature and its docstring) is
+    one document, continued as it is: no chat template (not a question dataset), and generation stops at EOS by
+    default (:attr:`Dataset.stop_at_eos`), as a completion would. Prompts are chosen and capped like every raw-text
+    dataset's (:func:`select_prompts`: the first L_max tokens; the longest prompt is 395 SmolLM2 tokens, so
+    ``L_max >= 400`` keeps every problem whole). Local file ``humaneval/HumanEval.jsonl`` (sha256 in the run's
+    provenance), else the hub's ``openai/openai_humaneval`` test split."""
+
+    hub = HubSource("openai/openai_humaneval", "openai_humaneval", "test", streaming=False)
+    stop_at_eos = True
+
+    def documents(self, spec, data_dir):
+        return _humaneval(spec, data_dir)
+
+
 class TextFiles(Dataset):
     """A user's own corpus: one document per UTF-8 text file (``path:`` a folder or a glob)."""
 
@@ -369,8 +410,15 @@ def sample_slots(spec: DatasetSpec, seed: int, data_dir: str | None = None) -> l
 
 def stops_at_eos(stop_at_eos: bool | None, spec: DatasetSpec) -> bool:
     """Whether generation stops at EOS for this dataset entry: the suite's ``stop_at_eos`` when given, otherwise the
-    dataset's own default (:attr:`Dataset.chat`; an unknown dataset name is left to the plan's check: False)."""
-    return stop_at_eos if stop_at_eos is not None else is_chat(spec)
+    dataset's own default (:attr:`Dataset.stop_at_eos`, else :attr:`Dataset.chat`; an unknown dataset name is left
+    to the plan's check: False)."""
+    if stop_at_eos is not None:
+        return stop_at_eos
+    try:
+        own = getattr(REGISTRY.get(spec.name), "stop_at_eos", None)
+    except Exception:  # noqa: BLE001  (an unknown or broken dataset plugin is reported where it is loaded)
+        own = None
+    return own if own is not None else is_chat(spec)
 
 
 def is_chat(spec: DatasetSpec) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, TypeDecorator,
@@ -31,7 +31,7 @@ from dtbench.harness.safetext import printable
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (what the models store)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UTCDateTime(TypeDecorator):
@@ -48,16 +48,16 @@ class UTCDateTime(TypeDecorator):
 
     def process_bind_param(self, value, dialect):
         if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc)
+            value = value.astimezone(UTC)
             if dialect.name == "sqlite":
                 value = value.replace(tzinfo=None)
         elif value is not None and dialect.name != "sqlite":
-            value = value.replace(tzinfo=timezone.utc)
+            value = value.replace(tzinfo=UTC)
         return value
 
     def process_result_value(self, value, dialect):
         if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+            value = value.astimezone(UTC).replace(tzinfo=None)
         return value
 
 
@@ -84,7 +84,7 @@ class Run(Base):
     owner_host: Mapped[str | None] = mapped_column(String(255))
     owner_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    cells: Mapped[list["Cell"]] = relationship(back_populates="run", cascade="all, delete-orphan")
+    cells: Mapped[list[Cell]] = relationship(back_populates="run", cascade="all, delete-orphan")
 
 
 class Cell(Base):
@@ -118,7 +118,7 @@ class Cell(Base):
     status: Mapped[str] = mapped_column(String(20), default="pending")  # pending|running|done|failed
     error: Mapped[str | None] = mapped_column(Text)
     run: Mapped[Run] = relationship(back_populates="cells")
-    samples: Mapped[list["Sample"]] = relationship(back_populates="cell", cascade="all, delete-orphan")
+    samples: Mapped[list[Sample]] = relationship(back_populates="cell", cascade="all, delete-orphan")
 
 
 class Sample(Base):

@@ -230,7 +230,7 @@ class EnergyTracker:
         self._meter: Meter | str | None = None
         self._key: str | None = None
 
-    def __enter__(self) -> "EnergyTracker":
+    def __enter__(self) -> EnergyTracker:
         self._meter = meter_for(self.device)
         if isinstance(self._meter, str):
             self.reading = EnergyReading(None, UNAVAILABLE, self._meter)

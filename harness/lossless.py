@@ -1,5 +1,5 @@
 """The lossless check: is every token a greedy decoder emitted the target's greedy choice, and is a divergence from
-the reference a numeric tie or a decoder bug? (DESIGN.md "Tree verification, correctly and fast"; issue 20.)
+the reference a numeric tie or a decoder bug? (docs/lossless.md; issue 20.)
 
 A lossless decoder (``Decoder.lossless``, greedy decoding) must emit, at every position, the target's argmax given
 the decoder's *own* prefix. In float32, and much more in bfloat16/float16, the target's logits at one position are

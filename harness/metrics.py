@@ -4,7 +4,7 @@ its name, unit, header, number format, per-cell aggregation, better direction an
 Reports (summary, tables, CSV/JSON, run-to-run comparison and gates) iterate over :data:`METRICS`; adding a
 metric is one :class:`Metric` entry (plus its samples column, with a migration, and its line in :func:`sample_row`).
 
-Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
+Definitions (docs/measurement.md):
 
 - throughput = T / total wall time (tokens/s, prefill included); TTFT = time to the first committed token;
   TPOT = (total - TTFT) / (T - 1), seconds.
@@ -32,9 +32,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dtbench.harness.measure import Measurement
+    from dtbench.harness.prompt import Prompt
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
 # the columns of a cell's group, (dataset, L_max, T, batch size B): group_key
@@ -43,12 +49,12 @@ MIB = 2**20
 MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
 
 
-def column_of(record, name: str):
+def column_of(record: Any, name: str) -> Any:
     """A column of a sample or cell: an ORM object's attribute, or a mapping's / pandas row's item."""
     return record[name] if isinstance(record, dict) or hasattr(record, "iloc") else getattr(record, name)
 
 
-def group_key(cell) -> tuple[str, int, int, int]:
+def group_key(cell: Any) -> tuple[str, int, int, int]:
     """A cell's group, (dataset, L_max, T, batch size B) (:data:`GROUP`): the cells a speedup, a paper table or a
     cost-model row compares. ``cell``: an ORM :class:`~dtbench.harness.db.Cell`, a mapping or a summary row; a cell
     stored before batch sizes existed (no or a NULL ``batch_size``) is B = 1."""
@@ -60,7 +66,7 @@ def group_key(cell) -> tuple[str, int, int, int]:
     return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")), b)
 
 
-def peak_memory_bytes(row) -> float | None:
+def peak_memory_bytes(row: Mapping[str, Any]) -> float | None:
     """The peak memory a reader compares (bytes): torch allocator peak on CUDA, else the process RSS peak (CPU)."""
     for col in ("peak_allocated_bytes", "peak_rss_bytes"):
         v = row.get(col)
@@ -69,12 +75,12 @@ def peak_memory_bytes(row) -> float | None:
     return None
 
 
-def _energy_ratio(row, per_token: bool) -> float | None:
+def _energy_ratio(row: Mapping[str, Any], per_token: bool) -> float | None:
     """J per token (``per_token``) or tokens per J of a samples row; None without a measured energy."""
     e, n = row.get("energy_j"), row.get("new_tokens")
     if e is None or n is None or (isinstance(e, float) and math.isnan(e)) or e <= 0 or not n:
         return None
-    return e / n if per_token else n / e
+    return float(e / n if per_token else n / e)
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,13 @@ class Metric:
         spread: aggregated per cell as mean ± std (columns ``{name}_mean``/``{name}_std``), else the mean (``{name}``).
         higher_is_better: the good direction for comparisons and gates; None: no direction.
         aliases: other names ``--fail-if`` accepts.
-        source: where it is defined (DESIGN.md, the paper), for docs.
+        source: where it is defined (docs/, the paper), for docs.
         optional: a table column only where some cell of the table has a value (energy: only where a counter was
             readable); CSV/JSON always carry it.
     """
 
     name: str
-    column: str | Callable
+    column: str | Callable[[Mapping[str, Any]], float | None]
     header: str | None
     unit: str
     scale: float = 1.0
@@ -114,7 +120,7 @@ class Metric:
         """The summary columns this metric produces."""
         return [f"{self.name}_mean", f"{self.name}_std"] if self.spread else [self.name]
 
-    def values(self, samples):
+    def values(self, samples: pd.DataFrame) -> pd.Series:
         """Per-sample values in the display unit, a float pandas Series (samples: a frame of samples rows)."""
         import pandas as pd
 
@@ -124,9 +130,9 @@ class Metric:
             raw = samples[self.column]
         return pd.to_numeric(raw, errors="coerce").astype(float) * self.scale
 
-    def format(self, mean, std=None) -> str:
+    def format(self, mean: float | None, std: float | None = None) -> str:
         """Display string: ``mean ± std`` (std where given and defined), percent if asked, "—" when missing."""
-        def one(v) -> str:
+        def one(v: float) -> str:
             return format(v, ".1%") if self.percent else format(v, self.spec)
 
         if mean is None or (isinstance(mean, float) and math.isnan(mean)):
@@ -174,7 +180,7 @@ GATEABLE = {m.name: m for m in [METRICS[0], SPEEDUP, *METRICS[1:]] if m.higher_i
 ALIASES = {alias: m.name for m in GATEABLE.values() for alias in m.aliases}
 
 
-def energy_columns(reading) -> dict[str, Any]:
+def energy_columns(reading: Any) -> dict[str, Any]:
     """The samples columns of an :class:`~dtbench.harness.energy.EnergyReading` (joules; status; source)."""
     if reading is None:
         return {"energy_j": None, "energy_status": None, "energy_source": None}
@@ -205,7 +211,7 @@ def _clip100(text: str | None) -> str | None:
     return None if text is None else text[:100]
 
 
-def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
+def sample_row(m: Measurement, prompt: Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
     """The samples-table columns of one measurement (definitions in this module's docstring).
 
     Args:

@@ -1,4 +1,4 @@
-"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (DESIGN.md "The data flow").
+"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (docs/architecture.md "The data flow, once").
 
 Cells are dataset x L_max x T x batch size B x decoder; a decoder entry may be restricted to some datasets, T, L_max
 and B values.
@@ -103,13 +103,13 @@ class Plan:
     def cells(self) -> list[tuple[DatasetSpec, int, int, int, CellPlan]]:
         """Every cell (dataset, L_max, T, B, decoder) in run order."""
         return [(ds, l_max, T, B, c) for ds, l_max, T, B in self.points()
-                for c in self.decoders_at(ds.name, l_max, T, B)]
+                for c in self.decoders_at(ds.key, l_max, T, B)]
 
     def groups(self) -> list[PromptGroup]:
         """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index (:class:`PromptGroup`)."""
         out = []
         for ds, l_max, T, B in self.points():
-            decs = tuple(self.decoders_at(ds.name, l_max, T, B))
+            decs = tuple(self.decoders_at(ds.key, l_max, T, B))
             if not decs:
                 continue
             slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
@@ -262,7 +262,7 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
             raise DtbenchError(f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
                                f"`sampling: greedy` on it or `batch_sizes: [1]`")
     for ds in suite.datasets:
-        if data.is_chat(ds) and any(p.points & {(ds.name, c, T, B) for c in ds.l_maxes for T in suite.generation_lengths
+        if data.is_chat(ds) and any(p.points & {(ds.key, c, T, B) for c in ds.l_maxes for T in suite.generation_lengths
                                                 for B in suite.batch_sizes if B > 1} for p in plans):
             if _single_turn(ds):
                 continue  # single-turn questions (every Spec-Bench group but mt_bench): grouped in order
@@ -350,7 +350,7 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
         DtbenchError: a restriction naming a dataset, L_max or T the suite does not have.
     """
     where = f"{spec.where}: " if spec.where else ""
-    names = {ds.name for ds in suite.datasets}
+    names = {ds.name for ds in suite.datasets} | {ds.key for ds in suite.datasets}
     for name in spec.datasets or []:
         if name not in names:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': datasets names '{clip(name, 60)}', "
@@ -370,8 +370,8 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': batch_sizes {extra} are not in the suite's "
                                f"batch_sizes")
     return {
-        (ds.name, l_max, T, B)
-        for ds in suite.datasets if spec.datasets is None or ds.name in spec.datasets
+        (ds.key, l_max, T, B)  # a restriction names an entry by its label or every entry of a dataset by its name
+        for ds in suite.datasets if spec.datasets is None or ds.key in spec.datasets or ds.name in spec.datasets
         for l_max in ds.l_maxes if spec.l_maxes is None or l_max in spec.l_maxes
         for T in suite.generation_lengths if spec.generation_lengths is None or T in spec.generation_lengths
         for B in suite.batch_sizes if spec.batch_sizes is None or B in spec.batch_sizes

@@ -341,7 +341,7 @@ class RayExecutor(Executor):
         self._kill(actor)
         key = work_key(group)
         attempts[key] = attempts.get(key, 0) + 1
-        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.name} L_max={group.l_max} "
+        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.key} L_max={group.l_max} "
                 f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}")
         if attempts[key] < MAX_ATTEMPTS:
             sink.note(f"{what}; retrying the group on another worker")
@@ -441,6 +441,6 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
 
 def _diff(got: list[tuple[str, str]], expected: list[tuple[str, str]]) -> str:
     extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
-    parts = [f"it has {', '.join(f'{l} {v}' for l, v in extra)}" if extra else "",
-             f"it lacks {', '.join(f'{l} {v}' for l, v in missing)}" if missing else ""]
+    parts = [f"it has {', '.join(f'{label} {v}' for label, v in extra)}" if extra else "",
+             f"it lacks {', '.join(f'{label} {v}' for label, v in missing)}" if missing else ""]
     return clip("; ".join(p for p in parts if p) or "the same decoders in another order", 300)

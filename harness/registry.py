@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -45,7 +45,7 @@ class DecoderEntry:
         return _load(self, Decoder, "decoder")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(entry: DecoderEntry, base: type, kind: str) -> type:
     try:
         obj = entry.entry_point.load()

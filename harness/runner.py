@@ -123,13 +123,13 @@ def run_suite(
         sources = []  # where each entry's documents came from: hub id/config/split/revision or local files + sha256
         for ds in suite.datasets:
             docs = data.load_documents(ds, data_dir)
-            sources.append(docs.provenance)
+            sources.append({**docs.provenance, **({"label": ds.label} if ds.label else {})})
             if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
                 for l_max in ds.l_maxes:
-                    prompts[(ds.name, l_max)] = questions.prompts(ds, l_max, tokenizer, suite, data_dir)
+                    prompts[(ds.key, l_max)] = questions.prompts(ds, l_max, tokenizer, suite, data_dir)
                 continue
             for l_max in ds.l_maxes:
-                prompts[(ds.name, l_max)] = data.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
+                prompts[(ds.key, l_max)] = data.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
         for warning in info.warnings:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
@@ -138,7 +138,7 @@ def run_suite(
         env["executor"] = executor.describe()
         env["datasets"] = sources
         # whether generation stopped at EOS, per dataset entry (the suite's stop_at_eos, or the dataset's default)
-        env["stop_at_eos"] = {ds.name: data.stops_at_eos(suite.stop_at_eos, ds) for ds in suite.datasets}
+        env["stop_at_eos"] = {ds.key: data.stops_at_eos(suite.stop_at_eos, ds) for ds in suite.datasets}
         if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
             env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
         with sessions() as session:
@@ -195,26 +195,26 @@ class _Sink:
     def _where(self, group: PromptGroup) -> str:
         if group.batch_size > 1:
             rows = group.prompt_indices
-            return (f"{group.dataset.name} L_max={group.l_max} T={group.gen_length} B={group.batch_size} · prompts "
+            return (f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} B={group.batch_size} · prompts "
                     f"{rows[0] + 1}-{rows[-1] + 1}/{group.dataset.prompts}")
-        return (f"{group.dataset.name} L_max={group.l_max} T={group.gen_length} · prompt "
+        return (f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} · prompt "
                 f"{group.prompt_index + 1}/{group.dataset.prompts}")
 
     def _count(self, group: PromptGroup, labels, description: str) -> None:
-        seen = self.counted.setdefault((group.dataset.name, group.l_max, group.gen_length, group.batch_size,
+        seen = self.counted.setdefault((group.dataset.key, group.l_max, group.gen_length, group.batch_size,
                                         group.prompt_index), set())
         new = set(labels) - seen
         seen |= new
         self.bar.update(self.task, advance=len(new) * len(group.prompt_indices), description=description)
 
     def _cell(self, group: PromptGroup, label: str) -> int:
-        return self.cells[(group.dataset.name, group.l_max, group.gen_length, group.batch_size, label)]
+        return self.cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, label)]
 
     def prompt(self, group: PromptGroup):
         if group.batch_size > 1:  # raw-text prompts only (the plan refuses question datasets at B > 1)
-            return [self.prompts[(group.dataset.name, group.l_max)][i] for i in group.prompt_indices]
+            return [self.prompts[(group.dataset.key, group.l_max)][i] for i in group.prompt_indices]
         # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
-        return chat.resolve(self.prompts[(group.dataset.name, group.l_max)], group.prompt_index,
+        return chat.resolve(self.prompts[(group.dataset.key, group.l_max)], group.prompt_index,
                             lambda index: _reference_output(self.sessions, self.cells, group, index))
 
     def state(self, group: PromptGroup):
@@ -262,11 +262,11 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
     existing = {(*group_key(c), c.label): c for c in run.cells}
     ids = {}
     for ds, l_max, T, B, cp in plan.cells():
-        key = (ds.name, l_max, T, B, cp.label)
+        key = (ds.key, l_max, T, B, cp.label)
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.name, l_max=l_max, gen_length=T, batch_size=B, decoder=cp.spec.name,
+                run=run, dataset=ds.key, l_max=l_max, gen_length=T, batch_size=B, decoder=cp.spec.name,
                 family=cp.cls.family,
                 label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
@@ -291,7 +291,7 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
     failed: set[str] = set()
     with sessions() as session:
         for cp in group.decoders:
-            cell = session.get(Cell, cells[(group.dataset.name, group.l_max, group.gen_length, group.batch_size,
+            cell = session.get(Cell, cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size,
                                             cp.label)])
             if cell.status == "failed":
                 failed.add(cp.label)
@@ -315,7 +315,7 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
     ref = next(cp for cp in group.decoders if not cp.reference_label)
     with sessions() as session:
         return session.scalar(select(Sample.output_tokens).where(
-            Sample.cell_id == cells[(group.dataset.name, group.l_max, group.gen_length, group.batch_size, ref.label)],
+            Sample.cell_id == cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, ref.label)],
             Sample.prompt_index == index))
 
 

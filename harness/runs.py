@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from datetime import timezone
+from datetime import UTC
 from typing import Any
 
 import psutil
@@ -43,7 +43,7 @@ class Heartbeat:
             except Exception:  # a busy database must not kill the run; the next beat retries
                 pass
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self._thread.start()
         return self
 
@@ -53,7 +53,7 @@ class Heartbeat:
 
 
 def _aware(t):
-    return t if t is None or t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+    return t if t is None or t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def owner_alive(run: Run) -> str | None:

@@ -101,10 +101,11 @@ class _HasLMax(_Located):
 class ModelSpec(_Frozen):
     """A model: the embedded default ``smollm2-135m``, a hub id or a local directory; its dtype and attention."""
 
-    model: ModelName = "smollm2-135m"
-    dtype: Dtype = "float32"
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    revision: str | None = None
+    model: ModelName = Field("smollm2-135m", description="the embedded default smollm2-135m, a hub id or a local "
+                             "model folder")
+    dtype: Dtype = Field("float32", description="weights and compute dtype")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers' attention kernel")
+    revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
     trust_remote_code: bool = Field(
         False, description="let transformers import Python files that the model's config.json (auto_map) names; off "
         "by default: such a model is an error, and with it on `validate` names the files that will run")
@@ -127,7 +128,11 @@ class SamplingSpec(_Frozen):
 class DatasetSpec(_HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
-    name: Name
+    name: Name = Field(description="a registered dataset: wikitext-2, pg19, text-files, spec-bench or a plugin's")
+    label: Name | None = Field(
+        None, description="the entry's name in the results (cells, reports, per-decoder `datasets:` restrictions); "
+        "default: the dataset's name. Two entries of one dataset (Spec-Bench's questions beside a user's own question "
+        "file, two text-files folders) run side by side under different labels")
     prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
     l_max: int | list[int] = Field(800, alias=L_MAX,
@@ -151,6 +156,11 @@ class DatasetSpec(_HasLMax):
         0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
         "(tuning on other documents than the benchmark)")
+
+    @property
+    def key(self) -> str:
+        """The entry's identity in the results: its ``label``, else the dataset's name (stored as ``cells.dataset``)."""
+        return self.label or self.name
 
     @field_validator("l_max")
     @classmethod
@@ -193,11 +203,12 @@ class DecoderSpec(_HasLMax):
     ``generation_lengths`` and ``L_max`` to some of the suite's T and L_max.
     """
 
-    name: Name
-    label: Label | None = None
-    params: dict[str, Any] = Field(default_factory=dict)
-    sweep: dict[str, list[Any]] = Field(default_factory=dict)
-    datasets: list[Name] | None = None
+    name: Name = Field(description="a registered decoder (dtbench decoders lists them)")
+    label: Label | None = Field(None, description="its name in reports (default: made from name and params)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the decoder's own keys (below)")
+    sweep: dict[str, list[Any]] = Field(default_factory=dict, description="param -> values: one cell per point "
+                                        "of the grid")
+    datasets: list[Name] | None = Field(None, description="run only on these datasets (default: all)")
     generation_lengths: list[int] | None = Field(
         None, description="run only at these T (a subset of the suite's generation_lengths)")
     l_max: int | list[int] | None = Field(
@@ -231,7 +242,7 @@ class DecoderSpec(_HasLMax):
             raise ValueError(f"sweep expands to {size} decoders, more than the limit of {MAX_GRID}")
         return v
 
-    def expand(self) -> list["DecoderSpec"]:
+    def expand(self) -> list[DecoderSpec]:
         """The decoders this entry stands for: itself, or one per point of its sweep grid.
 
         Each point is a ``model_copy`` of this entry (every field carried over, new ones included) with the point's
@@ -273,15 +284,15 @@ class DecoderSpec(_HasLMax):
 class Suite(_Frozen):
     """A whole benchmark: models x datasets x prompt caps (L_max) x generation lengths x decoders."""
 
-    name: Name
-    description: str = ""
+    name: Name = Field(description="the suite's name (stored with the run)")
+    description: str = Field("", description="free text, stored with the run")
     seed: Seed = Field(0, description="prompt selection seed (0 <= seed < 2^63, what torch accepts)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    target: ModelSpec = Field(default_factory=ModelSpec)
-    draft: ModelSpec | None = None
-    datasets: list[DatasetSpec] = Field(min_length=1)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    target: ModelSpec = Field(default_factory=ModelSpec, description="the target model")
+    draft: ModelSpec | None = Field(None, description="the draft model, for decoders that need one")
+    datasets: list[DatasetSpec] = Field(min_length=1, description="where prompts come from (one cell axis)")
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
-    decoders: list[DecoderSpec] = Field(min_length=1)
+    decoders: list[DecoderSpec] = Field(min_length=1, description="the decoders measured, each with its params")
     batch_sizes: list[int] = Field(
         default_factory=lambda: [1], min_length=1, description="batch sizes B: at B a decoder decodes B prompts of "
         "the dataset together (grouped in order, the same groups for every decoder; a last group smaller than B is "
@@ -345,10 +356,11 @@ class Suite(_Frozen):
         seen: set[tuple[str, int]] = set()
         for i, ds in enumerate(self.datasets):
             for l_max in ds.l_maxes:
-                if (ds.name, l_max) in seen:
-                    raise ValueError(f"datasets.{i}: dataset '{clip(ds.name, 60)}' with {L_MAX} {l_max} is listed "
-                                     f"twice (its cells would collide)")
-                seen.add((ds.name, l_max))
+                if (ds.key, l_max) in seen:
+                    what = f"label '{clip(ds.key, 60)}'" if ds.label else f"dataset '{clip(ds.name, 60)}'"
+                    raise ValueError(f"datasets.{i}: {what} with {L_MAX} {l_max} is listed twice (its cells would "
+                                     f"collide; give the entries different label: keys)")
+                seen.add((ds.key, l_max))
         cells = len(seen) * len(self.generation_lengths) * len(self.batch_sizes) * sum(
             max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
         if cells > MAX_GRID:

@@ -311,7 +311,7 @@ WorkKey = tuple[str, int, int, int, int]  # (dataset, L_max, T, B, first prompt 
 def work_key(group: PromptGroup) -> WorkKey:
     """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B) and the (first) prompt
     index."""
-    return (group.dataset.name, group.l_max, group.gen_length, group.batch_size, group.prompt_index)
+    return (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index)
 
 
 @dataclass

@@ -189,7 +189,7 @@ class Gate:
     bad_is_increase: bool
 
     @classmethod
-    def parse(cls, text: str) -> "Gate":
+    def parse(cls, text: str) -> Gate:
         """Parse ``METRIC:THRESHOLD``.
 
         Raises:

@@ -1,4 +1,4 @@
-"""The DynaTree paper's figures (Figures 3-8 of ``paper/dynatree.md``) drawn from the results database.
+"""The DynaTree paper's figures (Figures 3-8 of the DynaTree paper, docs/architecture.md "The paper") drawn from the results database.
 
 Each figure is built from a per-cell summary (:func:`~dtbench.reports.summary.combined_summary`) with
 matplotlib's object-oriented API (``matplotlib.figure.Figure``, no pyplot state: PNG through the Agg canvas,

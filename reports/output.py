@@ -24,7 +24,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import TYPE_CHECKING
 
 import click
@@ -334,7 +334,7 @@ def html_page(title: str, body: Sequence[str], intro: str = "") -> str:
     return "\n".join([
         f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>",
         f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
-        f"<p class='caption'>Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from the results database."
+        f"<p class='caption'>Generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC} from the results database."
         f"{' ' + intro if intro else ''}</p>",
         *body, "</body></html>"])
 

@@ -1,4 +1,4 @@
-"""The DynaTree paper's tables (Tables 1-5 of ``paper/dynatree.md``) regenerated from the results database.
+"""The DynaTree paper's tables (Tables 1-5 of the DynaTree paper, docs/architecture.md "The paper") regenerated from the results database.
 
 Input is a per-cell summary (:func:`~dtbench.reports.summary.combined_summary`: one or more runs). Which
 cells go where:

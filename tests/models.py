@@ -6,7 +6,7 @@ float64 keeps greedy argmaxes free of the near-ties that small random models pro
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -71,7 +71,7 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
     return other
 
 
-@lru_cache(maxsize=None)
+@cache
 def model_zoo(attn: str = "sdpa", arch: str = "llama",
               sharpness: float = FLAT) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
     """(target, draft) pairs for the three kinds of draft: the target itself (accepts everything), a perturbed

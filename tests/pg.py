@@ -68,7 +68,7 @@ class Server:
     def _as_server_user(self, cmd: list[str]) -> list[str]:
         return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         if self.admin_url:
             return self
         self.tmp = Path(tempfile.mkdtemp(prefix="dtbench-pg-"))

@@ -537,3 +537,51 @@ def test_a_calibrated_run_reports_speedup_vs_b_with_prediction_and_figure(monkey
     shown = invoke("report", "--db", str(dbfile), "--figures", str(figs))
     assert shown.exit_code == 0, shown.output
     assert (figs / "speedup_vs_batch.png").exists() and (figs / "speedup_vs_batch.svg").exists()
+
+
+FLAKY = '''
+import os
+from dtbench.decoders.ar import Autoregressive
+
+
+class Flaky(Autoregressive):
+    """Batched AR whose second batch (while the file named by DTBENCH_FLAKY exists) is a Ctrl-C."""
+
+    supports_sampling = False
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate_batch(self, prompts, max_new_tokens):
+        path = os.environ["DTBENCH_FLAKY"]
+        if os.path.exists(path):
+            calls = int(open(path).read() or 0)
+            open(path, "w").write(str(calls + 1))
+            if calls == 1:
+                raise KeyboardInterrupt
+        yield from super().generate_batch(prompts, max_new_tokens)
+'''
+
+
+def test_an_interrupted_batched_run_resumes_group_by_group(monkeypatch, pair, tmp_path, data_dir):
+    install_plugin(monkeypatch, tmp_path / "site", "dtbench-flaky", {"flaky": "dtbench_flaky:Flaky"}, FLAKY)
+    marker = tmp_path / "fail"
+    marker.write_text("")
+    monkeypatch.setenv("DTBENCH_FLAKY", str(marker))
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "flaky"}], batch_sizes=[2])
+    suite["datasets"][0].update(prompts=4, warmup=0)
+    result, dbfile = run_cli(tmp_path, data_dir, suite)
+    assert "interrupted" in result.output, result.output
+    before = {x.prompt_index: (x.id, x.output_hash) for x in cells_of(dbfile)[("ar", 2)]}
+    kept = {x.prompt_index: x.id for x in cells_of(dbfile)[("flaky", 2)]}
+    assert len(before) == 4 and set(kept) == {0, 1}  # the first group stored whole, the second not at all
+    marker.unlink()
+    again = invoke("run", str(tmp_path / "suite.yaml"), "--db", str(dbfile), "--data-dir", str(data_dir),
+                   "--no-progress", "--resume-run", "1")
+    assert again.exit_code == 0, again.output
+    after = cells_of(dbfile)
+    assert {x.prompt_index: (x.id, x.output_hash) for x in after[("ar", 2)]} == before  # not measured again
+    assert [(x.prompt_index, x.batch_group) for x in after[("flaky", 2)]] == [(0, 0), (1, 0), (2, 2), (3, 2)]
+    assert {x.prompt_index: x.id for x in after[("flaky", 2)] if x.prompt_index < 2} == kept
+    assert all(x.lossless for x in after[("flaky", 2)])

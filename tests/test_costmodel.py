@@ -253,7 +253,7 @@ def test_best_k_from_costs():
     up to where E(k) saturates against k draft steps."""
     pts = []
     for role in ("target", "draft"):
-        for kind, mask, last in (("causal", False, False), ("last", False, True)):
+        for _kind, mask, last in (("causal", False, False), ("last", False, True)):
             for n in range(1, 17):
                 pts.append(cal.Point(role, "m", "f", 100, 100, n, mask, last, 0.1 if role == "target" else 0.01,
                                      0, 1))

@@ -4,7 +4,7 @@ definitions."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone, UTC
 
 import pytest
 import torch
@@ -49,7 +49,7 @@ def test_sample_round_trip_and_metric_definitions(sessions):
         back = s.scalars(select(db.Sample).where(db.Sample.cell_id == cell_id)).one()
     for key, value in row.items():
         assert getattr(back, key) == value, key
-    # Definitions (DESIGN.md "Metrics"), checked against the raw per-step record.
+    # Definitions (docs/measurement.md), checked against the raw per-step record.
     assert back.new_tokens == 20 == len(back.output_tokens)
     assert sum(back.step_tokens) >= 20 and sum(back.step_tokens[:-1]) < 20
     assert back.iterations == len(back.step_tokens) == len(back.step_times_s)
@@ -113,7 +113,7 @@ def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
         assert sample.step_stats == stats and sample.step_stats["zé"][0] == 0.1 + 0.2
         assert sample.peak_allocated_bytes == 80 * 2**30 and sample.peak_nvml_bytes == 2**40  # BIGINT
         assert sample.target_forwards is None and sample.draft_forwards == 7 and sample.nvml_scope == "process"
-        assert sample.created_at.tzinfo is None and abs(datetime.now(timezone.utc).replace(tzinfo=None)
+        assert sample.created_at.tzinfo is None and abs(datetime.now(UTC).replace(tzinfo=None)
                                                         - sample.created_at) < timedelta(minutes=5)
     with sessions() as s:  # (cell, prompt_index) is unique
         s.add(_sample(s.get(db.Cell, cell_id), prompt_index=0))

@@ -541,7 +541,7 @@ class _Paced:
 
         from dtbench.decoders.base import Step
 
-        for i in range(T):
+        for _i in range(T):
             end = time.monotonic() + self.wait
             while self.spin and time.monotonic() < end:
                 pass

@@ -194,7 +194,7 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
             if version == 3 else None
         nodes = tree.nodes()
         assert len(nodes) == 20 and max(n.depth for n in nodes) >= 3  # a full budget, several levels deep
-        for u, node in enumerate(nodes[1:], start=1):
+        for u, _node in enumerate(nodes[1:], start=1):
             path = []
             while u:
                 path.append(u)

@@ -101,7 +101,7 @@ def test_lockstep_worker_waits_for_the_consumer():
     handle = target.register_forward_hook(lambda *args: calls.append(1))
     try:
         seen = []
-        for step in HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=3)).generate(
+        for _step in HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=3)).generate(
             torch.tensor([[3, 4, 5]]), 12
         ):
             before = len(calls)

@@ -264,7 +264,7 @@ def test_float64_models_have_no_ties_and_the_same_verdicts_under_both_rules(pair
         result, dbfile = run_cli(tmp_path, data_dir, suite_dict(*pair, decoders, lossless_check=rule), f"{rule}.db")
         assert result.exit_code == 0, result.output
         samples = samples_of(dbfile)
-        for label, xs in samples.items():
+        for _label, xs in samples.items():
             assert all(x.lossless_ties == 0 and x.lossless_errors == 0 and x.lossless_checked == 6 for x in xs)
         verdicts[rule] = {label: [x.lossless for x in xs] for label, xs in samples.items() if label != "ar"}
         assert "tie" not in result.stdout

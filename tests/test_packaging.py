@@ -66,13 +66,13 @@ def test_wheel_installs_and_imports(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # A fresh interpreter that sees only the unpacked wheel (plus dependencies), not the source tree.
-    code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', %r)]; sys.path.insert(0, %r);"
+    code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', {!r})]; sys.path.insert(0, {!r});"
             "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
-            "assert %r in r.__file__, r.__file__;"
+            "assert {!r} in r.__file__, r.__file__;"
             # the installed migrations create a database at the newest revision
-            "from dtbench.harness import db, schema; assert %r in schema.MIGRATIONS.as_posix();"
-            "db.connect(%r); assert schema.ensure_current(%r)[0] == schema.head() == %r"
-            ) % (str(ROOT), str(site), str(site), str(site), str(tmp_path / "w.db"), f"sqlite:///{tmp_path / 'w.db'}",
+            "from dtbench.harness import db, schema; assert {!r} in schema.MIGRATIONS.as_posix();"
+            "db.connect({!r}); assert schema.ensure_current({!r})[0] == schema.head() == {!r}"
+            ).format(str(ROOT), str(site), str(site), str(site), str(tmp_path / "w.db"), f"sqlite:///{tmp_path / 'w.db'}",
                  _head())
     done = subprocess.run([sys.executable, "-I", "-c", code.replace("import sys;", "import sys, site; site.main();")],
                           capture_output=True, text=True, cwd=tmp_path)

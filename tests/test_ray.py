@@ -233,7 +233,7 @@ def test_a_group_whose_worker_dies_twice_fails_its_remaining_samples(cluster, pa
     assert rows(dbfile, "select status from runs") == [("completed",)]
     cells = rows(dbfile, "select label, status, error from cells order by id")
     assert cells[0] == ("ar", "done", None)
-    for label, status, error in cells[1:]:  # the group's samples not stored yet fail their cells
+    for _label, status, error in cells[1:]:  # the group's samples not stored yet fail their cells
         assert status == "failed" and error.startswith("prompt 0: the worker died (twice): ActorDiedError"), cells
     assert rows(dbfile, "select c.label, count(*) from samples s join cells c on c.id = s.cell_id group by 1") == [
         ("ar", 1)]

@@ -181,8 +181,8 @@ def test_table4_ablation_delta_vs_first_tree_variant(small_db):
 def test_main_setting_prefers_most_cells_then_largest():
     import pandas as pd
 
-    rows = [dict(dataset="w", l_max=c, gen_length=T, label=l, sweep=False)
-            for c, T, l in [(800, 1500, "a"), (800, 1500, "b"), (100, 1500, "a"), (100, 500, "a"), (100, 500, "b"),
+    rows = [dict(dataset="w", l_max=c, gen_length=T, label=label, sweep=False)
+            for c, T, label in [(800, 1500, "a"), (800, 1500, "b"), (100, 1500, "a"), (100, 500, "a"), (100, 500, "b"),
                             (800, 500, "c")]]
     setting = paper.main_setting(pd.DataFrame(rows))
     assert setting.T == 1500 and setting.l_maxes == {"w": 800}  # 3 cells at 1500 vs 3 at 500: tie -> larger T

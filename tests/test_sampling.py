@@ -11,7 +11,7 @@ must fail the same test (a test of the test).
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -42,7 +42,7 @@ def tiny(seed: int, sharpness: float = 2.0):
     return model
 
 
-@lru_cache(maxsize=None)
+@cache
 def models():
     import copy
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ SHAPES = list(itertools.product(["paper", "pending"], ["leaf", "skip"]))  # (tre
 DECODERS = {"fixed_tree": FixedTree, "dynatree": DynaTree}
 
 
-@lru_cache(maxsize=None)
+@cache
 def ar_tokens(attn: str, prompt: tuple[int, ...], n: int, arch: str = "llama", sharpness: float = FLAT) -> list[int]:
     target = model_zoo(attn, arch, sharpness)["self"][0]
     out = run_decoder(Autoregressive(target, None, Autoregressive.Params()), list(prompt), n)

@@ -290,7 +290,8 @@ def speculate_tree_rows(target: torch.nn.Module, draft: torch.nn.Module | None, 
             else:
                 logits = tree_logits(target, t_cache, tree, t_kind)
                 path, committed = verify_tree_sampled(tree.tokens[:n].tolist(), tree.parents[:n].tolist(),
-                                                      lambda u: sampling.probs(logits[u]), drawn.draft_probs, generator)
+                                                      lambda u, rows=logits: sampling.probs(rows[u]), drawn.draft_probs,
+                                                      generator)
             if cache_strategy == "compact":
                 kv.keep_positions(t_cache, prefix_len, [prefix_len + u for u in path])
             else:
