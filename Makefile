@@ -44,6 +44,7 @@ test: setup
 # tools/typecheck.py (the checkout's folders linked as the installed dtbench/ package).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) tools/typecheck.py
 
 # What CI runs (.ci/run): the gate, then the tests.

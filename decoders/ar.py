@@ -53,5 +53,6 @@ class Autoregressive(Decoder[ARParams]):
         token, every row its own position and cache length; a finished row leaves the batch)."""
         from dtbench.decoders.chain import NoDrafts, speculate_chain_batch
 
-        yield from speculate_chain_batch(self.target, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0,
-                                         self.eos_token_id)
+        yield from speculate_chain_batch(
+            self.target, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0, self.eos_token_id
+        )

@@ -10,9 +10,9 @@ verification; the runner, never the decoder, timestamps those steps (docs/archit
 
 from __future__ import annotations
 
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -214,7 +214,6 @@ class Decoder(ABC, Generic[P]):
             ``eos_token_id`` is set, see :func:`cut_at_eos`) and stops iterating then.
         """
 
-
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
         """Decode B prompts together (batch size B = ``len(prompts)``, greedy; only when ``batching`` is True).
 
@@ -262,9 +261,10 @@ def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
         return step, False
     for i, token in enumerate(step.tokens):
         if token in eos:
-            tokens = step.tokens[:i + 1]
-            return Step(tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)),
-                        depth=step.depth), True
+            tokens = step.tokens[: i + 1]
+            return Step(
+                tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)), depth=step.depth
+            ), True
     return step, False
 
 

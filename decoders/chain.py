@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-
 from typing import cast
 
 import torch
@@ -198,7 +197,7 @@ class RaggedRows(RowsTarget):
 
     def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
         logits = self.batch.forward(rows)
-        return [logits[r, :len(t)] for r, t in enumerate(rows)]
+        return [logits[r, : len(t)] for r, t in enumerate(rows)]
 
     def keep(self, counts: list[int]) -> None:
         self.batch.keep([list(range(c)) for c in counts])
@@ -207,9 +206,16 @@ class RaggedRows(RowsTarget):
         self.batch.retain(rows)
 
 
-def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
-                    k: int, sampling: SamplingSettings | None = None, generator: torch.Generator | None = None,
-                    eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
+def speculate_chain(
+    target: ChainTarget,
+    proposer: Proposer,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    k: int,
+    sampling: SamplingSettings | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[Step]:
     """Chain speculative decoding of one prompt (Leviathan et al. 2023; paper section 4.3): greedy verification, or
     speculative sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
 
@@ -233,23 +239,35 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
         drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed (the last Step cut after EOS).
     """
-    for steps in speculate_chain_rows(OneRow(target), [proposer], [input_ids], max_new_tokens, k, sampling,
-                                      generator, eos_token_id):
+    for steps in speculate_chain_rows(
+        OneRow(target), [proposer], [input_ids], max_new_tokens, k, sampling, generator, eos_token_id
+    ):
         yield steps[0]
 
 
-def speculate_chain_batch(model: torch.nn.Module, proposers: Sequence[Proposer], prompts: list[torch.Tensor],
-                          max_new_tokens: int, k: int, eos_token_id: int | tuple[int, ...] | None = None
-                          ) -> Iterator[dict[int, Step]]:
+def speculate_chain_batch(
+    model: torch.nn.Module,
+    proposers: Sequence[Proposer],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    k: int,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[dict[int, Step]]:
     """Greedy chain speculation of B prompts together (batch size B = ``len(prompts)``): the one chain loop over a
     :class:`RaggedRows` target, one proposer per row. Yields as :func:`speculate_chain_rows`."""
-    yield from speculate_chain_rows(RaggedRows(model), proposers, prompts, max_new_tokens, k, None, None,
-                                    eos_token_id)
+    yield from speculate_chain_rows(RaggedRows(model), proposers, prompts, max_new_tokens, k, None, None, eos_token_id)
 
 
-def speculate_chain_rows(target: RowsTarget, proposers: Sequence[Proposer], prompts: list[torch.Tensor],
-                         max_new_tokens: int, k: int, sampling: SamplingSettings | None = None,
-                         generator: torch.Generator | None = None, eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[dict[int, Step]]:
+def speculate_chain_rows(
+    target: RowsTarget,
+    proposers: Sequence[Proposer],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    k: int,
+    sampling: SamplingSettings | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[dict[int, Step]]:
     """The one chain loop (prefill, propose, verify, roll back, commit) over B rows decoded together.
 
     Each row has its own prompt length, its own proposer (a proposer serves one row) and its own acceptance: every
@@ -291,8 +309,9 @@ def speculate_chain_rows(target: RowsTarget, proposers: Sequence[Proposer], prom
             if sampling is None:
                 accepted, committed = verify_chain(d, lg)
             else:
-                accepted, committed = verify_chain_sampled(d, proposers[r].draft_probs if d else None,
-                                                           sampling.probs(lg), generator)
+                accepted, committed = verify_chain_sampled(
+                    d, proposers[r].draft_probs if d else None, sampling.probs(lg), generator
+                )
             counts.append(1 + accepted)
             proposers[r].accept(d, accepted, committed)
             pending[r] = committed[-1]

@@ -42,12 +42,26 @@ class LinearSpeculative(Decoder[LinearParams]):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
-        yield from speculate_chain(KVTarget(self.target), DraftModelProposer(self.draft), input_ids, max_new_tokens,
-                                   self.params.k, self.sampling, self.generator, self.eos_token_id)
+        yield from speculate_chain(
+            KVTarget(self.target),
+            DraftModelProposer(self.draft),
+            input_ids,
+            max_new_tokens,
+            self.params.k,
+            self.sampling,
+            self.generator,
+            self.eos_token_id,
+        )
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
         """B prompts through the one chain loop: one draft proposer per row, one batched target verification."""
         assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
-        yield from speculate_chain_batch(self.target, [DraftModelProposer(self.draft) for _ in prompts], prompts,
-                                         max_new_tokens, self.params.k, self.eos_token_id)
+        yield from speculate_chain_batch(
+            self.target,
+            [DraftModelProposer(self.draft) for _ in prompts],
+            prompts,
+            max_new_tokens,
+            self.params.k,
+            self.eos_token_id,
+        )

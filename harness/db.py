@@ -17,11 +17,23 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, TypeDecorator,
-                        UniqueConstraint, select)
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    select,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from dtbench.harness import schema
@@ -91,8 +103,11 @@ class Cell(Base):
     """One decoder configuration on one (dataset, L_max, T, batch size B) of a run."""
 
     __tablename__ = "cells"
-    __table_args__ = (UniqueConstraint("run_id", "dataset", "l_max", "gen_length", "batch_size", "label",
-                                       name="uq_cells_point_label"),)
+    __table_args__ = (
+        UniqueConstraint(
+            "run_id", "dataset", "l_max", "gen_length", "batch_size", "label", name="uq_cells_point_label"
+        ),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     dataset: Mapped[str] = mapped_column(String(200))
@@ -244,8 +259,9 @@ def _stderr_note(message: str) -> None:
     print(f"note: {printable(message)}", file=sys.stderr, flush=True)
 
 
-def connect(url: str | None = None, *, create: bool = True,
-            note: Callable[[str], None] | None = _stderr_note) -> sessionmaker[Session]:
+def connect(
+    url: str | None = None, *, create: bool = True, note: Callable[[str], None] | None = _stderr_note
+) -> sessionmaker[Session]:
     """Open the results database and return a session factory.
 
     ``create=True`` (a writer: ``dtbench run``): create the database at the newest schema revision if it is new,

@@ -15,15 +15,14 @@ import platform
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
-
 
 from dtbench.harness.energy import EnergyReading, EnergyTracker
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
@@ -130,7 +129,10 @@ def environment(device: torch.device) -> dict[str, Any]:
 def _git_sha() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
         return out.stdout.strip() or None if out.returncode == 0 else None
@@ -149,6 +151,7 @@ class SampleTimeout(BaseException):
 
 
 from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined once, torch-free, with the pricing)
+
 # Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
 # drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
 # drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind.
@@ -177,6 +180,9 @@ def _flags(kwargs: dict[str, Any]) -> int:
     if isinstance(keep, int) and not isinstance(keep, bool) and keep == 1:
         flags |= FED_LAST
     return flags
+
+
+Snapshot = tuple[int, int | None, int, int | None]  # ForwardCounter.snapshot: forwards and tokens so far
 
 
 class ForwardCounter:
@@ -273,11 +279,30 @@ class ForwardCounter:
             return None
         return [list(e) for e in self.fed[role][start:end]]
 
-    def snapshot(self) -> tuple[int, int | None, int, int | None]:
+    def snapshot(self) -> Snapshot:
         """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
         has_draft = "draft" in self.models
-        return (self.forwards["target"], self.forwards["draft"] if has_draft else None,
-                self.tokens["target"], self.tokens["draft"] if has_draft else None)
+        return (
+            self.forwards["target"],
+            self.forwards["draft"] if has_draft else None,
+            self.tokens["target"],
+            self.tokens["draft"] if has_draft else None,
+        )
+
+    def record(self, t: float, last: Snapshot, snap: Snapshot) -> StepRecord:
+        """The :class:`StepRecord` of one step ending at ``t`` seconds: the forwards and tokens counted between the
+        snapshots ``last`` and ``snap`` (:meth:`snapshot`), the draft's None where it is not counted."""
+        draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
+        draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
+        return StepRecord(
+            t,
+            snap[0] - last[0],
+            draft_fw,
+            snap[2] - last[2],
+            draft_tok,
+            self.fed_between("target", last[0], snap[0]) or [],
+            None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]),
+        )
 
 
 class _Deadline:
@@ -313,15 +338,17 @@ class _Deadline:
     def _watch(self, wall0: float, cpu0: float) -> None:
         while not self._stop.wait(self.POLL_S):
             if (self.seconds is not None and time.monotonic() - wall0 >= self.seconds) or (
-                    self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds):
+                self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds
+            ):
                 self._fire()
                 return
 
     def __enter__(self) -> _Deadline:
         if self.seconds is not None or self.cpu_seconds is not None:
             self._armed = True
-            self._timer = threading.Thread(target=self._watch, args=(time.monotonic(), time.process_time()),
-                                           daemon=True, name="dtbench-deadline")
+            self._timer = threading.Thread(
+                target=self._watch, args=(time.monotonic(), time.process_time()), daemon=True, name="dtbench-deadline"
+            )
             self._timer.start()
         return self
 
@@ -381,8 +408,15 @@ class Measurement:
         return [r.time_s for r in self.records]
 
 
-def measure(decoder: Decoder[Any], prompt_ids: Sequence[int], gen_length: int, device: torch.device, *, timeout_s: float | None = None,
-            cpu_timeout_s: float | None = None) -> Measurement:
+def measure(
+    decoder: Decoder[Any],
+    prompt_ids: Sequence[int],
+    gen_length: int,
+    device: torch.device,
+    *,
+    timeout_s: float | None = None,
+    cpu_timeout_s: float | None = None,
+) -> Measurement:
     """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
@@ -433,14 +467,11 @@ def measure(decoder: Decoder[Any], prompt_ids: Sequence[int], gen_length: int, d
                 try:
                     ids = [operator.index(x) for x in step.tokens]
                 except TypeError:
-                    raise DtbenchError(f"decoder yielded a token that is not an integer id at iteration "
-                                       f"{len(steps)}: {step.tokens[:8]!r}") from None
-                draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
-                draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
-                records.append(StepRecord(
-                    t, snap[0] - last[0], draft_fw, snap[2] - last[2], draft_tok,
-                    counter.fed_between("target", last[0], snap[0]) or [],
-                    None if snap[1] is None or last[1] is None else counter.fed_between("draft", last[1], snap[1])))
+                    raise DtbenchError(
+                        f"decoder yielded a token that is not an integer id at iteration "
+                        f"{len(steps)}: {step.tokens[:8]!r}"
+                    ) from None
+                records.append(counter.record(t, last, snap))
                 last = snap
                 step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
                 step, ended = cut_at_eos(step, eos) if eos else (step, False)
@@ -456,13 +487,27 @@ def measure(decoder: Decoder[Any], prompt_ids: Sequence[int], gen_length: int, d
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
-    return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading,
-                       cpu_s=time.process_time() - cpu0)
+    return Measurement(
+        tokens=tokens[:gen_length],
+        steps=steps,
+        records=records,
+        memory=mem.peak,
+        forward_s=counter.forward_seconds(),
+        state=stats() if stats else None,
+        energy=energy.reading,
+        cpu_s=time.process_time() - cpu0,
+    )
 
 
-def measure_batch(decoder: Decoder[Any], prompts: Sequence[Sequence[int]], gen_length: int, device: torch.device, *, timeout_s: float | None = None,
-                  cpu_timeout_s: float | None = None) -> list[Measurement]:
+def measure_batch(
+    decoder: Decoder[Any],
+    prompts: Sequence[Sequence[int]],
+    gen_length: int,
+    device: torch.device,
+    *,
+    timeout_s: float | None = None,
+    cpu_timeout_s: float | None = None,
+) -> list[Measurement]:
     """Run ``decoder`` on B prompts decoded together (:meth:`~dtbench.decoders.base.Decoder.generate_batch`),
     timing each iteration after synchronizing the device; one :class:`Measurement` per row.
 
@@ -509,12 +554,7 @@ def measure_batch(decoder: Decoder[Any], prompts: Sequence[Sequence[int]], gen_l
                 synchronize(device)
                 t = now() - start
                 snap = counter.snapshot()
-                draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
-                draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
-                record = StepRecord(
-                    t, snap[0] - last[0], draft_fw, snap[2] - last[2], draft_tok,
-                    counter.fed_between("target", last[0], snap[0]) or [],
-                    None if snap[1] is None or last[1] is None else counter.fed_between("draft", last[1], snap[1]))
+                record = counter.record(t, last, snap)
                 last = snap
                 for r, step in out.items():
                     if not (isinstance(r, int) and 0 <= r < b):
@@ -526,8 +566,10 @@ def measure_batch(decoder: Decoder[Any], prompts: Sequence[Sequence[int]], gen_l
                     try:
                         ids = [operator.index(x) for x in step.tokens]
                     except TypeError:
-                        raise DtbenchError(f"decoder yielded a token that is not an integer id for row {r} at "
-                                           f"iteration {it}: {step.tokens[:8]!r}") from None
+                        raise DtbenchError(
+                            f"decoder yielded a token that is not an integer id for row {r} at "
+                            f"iteration {it}: {step.tokens[:8]!r}"
+                        ) from None
                     step = Step(tuple(ids), step.drafted, step.accepted, step.depth)
                     step, ended[r] = cut_at_eos(step, eos) if eos else (step, False)
                     steps[r].append(step)
@@ -547,5 +589,16 @@ def measure_batch(decoder: Decoder[Any], prompts: Sequence[Sequence[int]], gen_l
     stats = getattr(decoder, "state_stats", None)
     state = stats() if stats else None
     forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
-    return [Measurement(tokens=tokens[r][:gen_length], steps=steps[r], records=records[r], memory=mem.peak,
-                        forward_s=forward_s, state=state, energy=energy.reading, cpu_s=cpu_s) for r in range(b)]
+    return [
+        Measurement(
+            tokens=tokens[r][:gen_length],
+            steps=steps[r],
+            records=records[r],
+            memory=mem.peak,
+            forward_s=forward_s,
+            state=state,
+            energy=energy.reading,
+            cpu_s=cpu_s,
+        )
+        for r in range(b)
+    ]

@@ -132,6 +132,7 @@ class Metric:
 
     def format(self, mean: float | None, std: float | None = None) -> str:
         """Display string: ``mean ± std`` (std where given and defined), percent if asked, "—" when missing."""
+
         def one(v: float) -> str:
             return format(v, ".1%") if self.percent else format(v, self.spec)
 
@@ -143,39 +144,155 @@ class Metric:
 
 
 METRICS: list[Metric] = [
-    Metric("throughput", "throughput", "Throughput (t/s)", "tokens/s", spec=".1f", spread=True,
-           higher_is_better=True, aliases=("tps",), source="T / decode wall time, prefill included"),
-    Metric("ttft_ms", "ttft_s", "TTFT (ms)", "ms", scale=1e3, spec=".1f", spread=True, higher_is_better=False,
-           aliases=("ttft",), source="time to the first committed token"),
-    Metric("tpot_ms", "tpot_s", "TPOT (ms)", "ms", scale=1e3, spec=".2f", spread=True, higher_is_better=False,
-           aliases=("tpot",), source="(total - TTFT) / (T - 1)"),
-    Metric("acceptance_rate", "acceptance_rate", "Accept.", "fraction", percent=True, higher_is_better=True,
-           aliases=("acceptance", "accept"), source="committed drafted tokens / drafted depth"),
-    Metric("acceptance_incl_bonus", "acceptance_incl_bonus", None, "fraction", percent=True, higher_is_better=True,
-           aliases=("accept_bonus",), source="committed tokens incl. the bonus / drafted depth (paper Table 3)"),
-    Metric("tokens_per_iteration", "tokens_per_iteration", "L (tok/iter)", "tokens", higher_is_better=True,
-           aliases=("L",), source="T / iterations"),
-    Metric("mean_path_length", "mean_path_length", "ℓ (path)", "tokens", higher_is_better=True,
-           aliases=("l", "path_length"), source="committed path before the bonus, iterations that drafted"),
-    Metric("mean_path_length_all", "mean_path_length_all", None, "tokens", higher_is_better=True,
-           aliases=("l_all",), source="committed path before the bonus, every iteration (the paper's)"),
-    Metric("iterations", "iterations", "#Iter", "iterations", spec=".1f", higher_is_better=False,
-           aliases=("iter",), source="target verifications, the prefill first"),
-    Metric("peak_mib", peak_memory_bytes, "Peak mem (MiB)", "MiB", scale=1 / MIB, spec=".0f",
-           higher_is_better=False, aliases=("memory", "peak_memory", "mem"),
-           source="torch allocator peak on CUDA, process RSS peak on CPU"),
+    Metric(
+        "throughput",
+        "throughput",
+        "Throughput (t/s)",
+        "tokens/s",
+        spec=".1f",
+        spread=True,
+        higher_is_better=True,
+        aliases=("tps",),
+        source="T / decode wall time, prefill included",
+    ),
+    Metric(
+        "ttft_ms",
+        "ttft_s",
+        "TTFT (ms)",
+        "ms",
+        scale=1e3,
+        spec=".1f",
+        spread=True,
+        higher_is_better=False,
+        aliases=("ttft",),
+        source="time to the first committed token",
+    ),
+    Metric(
+        "tpot_ms",
+        "tpot_s",
+        "TPOT (ms)",
+        "ms",
+        scale=1e3,
+        spec=".2f",
+        spread=True,
+        higher_is_better=False,
+        aliases=("tpot",),
+        source="(total - TTFT) / (T - 1)",
+    ),
+    Metric(
+        "acceptance_rate",
+        "acceptance_rate",
+        "Accept.",
+        "fraction",
+        percent=True,
+        higher_is_better=True,
+        aliases=("acceptance", "accept"),
+        source="committed drafted tokens / drafted depth",
+    ),
+    Metric(
+        "acceptance_incl_bonus",
+        "acceptance_incl_bonus",
+        None,
+        "fraction",
+        percent=True,
+        higher_is_better=True,
+        aliases=("accept_bonus",),
+        source="committed tokens incl. the bonus / drafted depth (paper Table 3)",
+    ),
+    Metric(
+        "tokens_per_iteration",
+        "tokens_per_iteration",
+        "L (tok/iter)",
+        "tokens",
+        higher_is_better=True,
+        aliases=("L",),
+        source="T / iterations",
+    ),
+    Metric(
+        "mean_path_length",
+        "mean_path_length",
+        "ℓ (path)",
+        "tokens",
+        higher_is_better=True,
+        aliases=("l", "path_length"),
+        source="committed path before the bonus, iterations that drafted",
+    ),
+    Metric(
+        "mean_path_length_all",
+        "mean_path_length_all",
+        None,
+        "tokens",
+        higher_is_better=True,
+        aliases=("l_all",),
+        source="committed path before the bonus, every iteration (the paper's)",
+    ),
+    Metric(
+        "iterations",
+        "iterations",
+        "#Iter",
+        "iterations",
+        spec=".1f",
+        higher_is_better=False,
+        aliases=("iter",),
+        source="target verifications, the prefill first",
+    ),
+    Metric(
+        "peak_mib",
+        peak_memory_bytes,
+        "Peak mem (MiB)",
+        "MiB",
+        scale=1 / MIB,
+        spec=".0f",
+        higher_is_better=False,
+        aliases=("memory", "peak_memory", "mem"),
+        source="torch allocator peak on CUDA, process RSS peak on CPU",
+    ),
     # Energy (harness/energy.py): None where no counter was readable or the sample was shorter than its update period.
-    Metric("energy_j", "energy_j", None, "J", spec=".3g", higher_is_better=False, aliases=("energy",), optional=True,
-           source="energy counter increase over the sample (NVML on CUDA, RAPL on CPU), via Zeus"),
-    Metric("j_per_token", lambda row: _energy_ratio(row, per_token=True), "J/token", "J/token", spec=".3g",
-           higher_is_better=False, aliases=("joules_per_token",), optional=True, source="energy_j / T"),
-    Metric("tokens_per_j", lambda row: _energy_ratio(row, per_token=False), "tok/J", "tokens/J", spec=".3g",
-           higher_is_better=True, aliases=("tokens_per_joule",), optional=True, source="T / energy_j"),
+    Metric(
+        "energy_j",
+        "energy_j",
+        None,
+        "J",
+        spec=".3g",
+        higher_is_better=False,
+        aliases=("energy",),
+        optional=True,
+        source="energy counter increase over the sample (NVML on CUDA, RAPL on CPU), via Zeus",
+    ),
+    Metric(
+        "j_per_token",
+        lambda row: _energy_ratio(row, per_token=True),
+        "J/token",
+        "J/token",
+        spec=".3g",
+        higher_is_better=False,
+        aliases=("joules_per_token",),
+        optional=True,
+        source="energy_j / T",
+    ),
+    Metric(
+        "tokens_per_j",
+        lambda row: _energy_ratio(row, per_token=False),
+        "tok/J",
+        "tokens/J",
+        spec=".3g",
+        higher_is_better=True,
+        aliases=("tokens_per_joule",),
+        optional=True,
+        source="T / energy_j",
+    ),
 ]
 BY_NAME = {m.name: m for m in METRICS}
 # Derived per cell against the baseline, not read from one sample: the speedup (throughput / AR throughput).
-SPEEDUP = Metric("speedup", "speedup", "Speedup", "×", spec=".2f", higher_is_better=True,
-                 source="throughput / AR throughput, same dataset, L_max and T")
+SPEEDUP = Metric(
+    "speedup",
+    "speedup",
+    "Speedup",
+    "×",
+    spec=".2f",
+    higher_is_better=True,
+    source="throughput / AR throughput, same dataset, L_max and T",
+)
 GATEABLE = {m.name: m for m in [METRICS[0], SPEEDUP, *METRICS[1:]] if m.higher_is_better is not None}
 ALIASES = {alias: m.name for m in GATEABLE.values() for alias in m.aliases}
 
@@ -184,8 +301,11 @@ def energy_columns(reading: Any) -> dict[str, Any]:
     """The samples columns of an :class:`~dtbench.harness.energy.EnergyReading` (joules; status; source)."""
     if reading is None:
         return {"energy_j": None, "energy_status": None, "energy_source": None}
-    return {"energy_j": reading.energy_j, "energy_status": reading.status,
-            "energy_source": (reading.source or "")[:200] or None}
+    return {
+        "energy_j": reading.energy_j,
+        "energy_status": reading.status,
+        "energy_source": (reading.source or "")[:200] or None,
+    }
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:

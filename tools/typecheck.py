@@ -42,7 +42,9 @@ def main(argv: list[str]) -> int:
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     out = proc.stdout
     for name in FOLDERS:  # .mypy_cache/layout/dtbench/harness/x.py -> harness/x.py (the checkout's file)
-        out = out.replace(f"{base}/dtbench/{name}/", f"{name}/").replace(f".mypy_cache/layout/dtbench/{name}/", f"{name}/")
+        out = out.replace(f"{base}/dtbench/{name}/", f"{name}/").replace(
+            f".mypy_cache/layout/dtbench/{name}/", f"{name}/"
+        )
     sys.stdout.write(out.replace(f"{base}/dtbench/", "dtbench/").replace(".mypy_cache/layout/dtbench/", "dtbench/"))
     sys.stderr.write(proc.stderr)
     return proc.returncode
