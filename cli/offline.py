@@ -1,7 +1,7 @@
 """Offline installation (issue 24): a wheelhouse for a GPU node without network, and the install from it.
 
-Standard library only, so the Makefile runs it with any Python 3 before dtbench is installed
-(``python3 cli/offline.py wheelhouse|install ...``):
+Standard library only at import time (the kit commands import ``packaging`` where they use it), so the Makefile
+runs it with any Python 3 before dtbench is installed (``python3 cli/offline.py wheelhouse|install ...``):
 
 - ``wheelhouse``: ``pip download`` (wheels only) into ``.whl/`` of every runtime and test dependency of this checkout,
   for a chosen Python version and platform (default: the running interpreter's; for a GPU node, e.g.

@@ -223,7 +223,9 @@ def test_install_is_offline_from_the_wheelhouse_and_holds_torch(tmp_path):
 def test_offline_module_needs_only_the_standard_library():
     source = (REPO / "cli" / "offline.py").read_text()
     imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
-    assert imports <= {"__future__", "argparse", "os", "platform", "re", "subprocess", "sys", "pathlib"}
+    # The standard library only at import time (any Python 3 runs it before dtbench is installed); the kit's commands
+    # import `packaging` where they use it (make gpu-kit runs them with the venv's Python).
+    assert imports <= set(sys.stdlib_module_names) | {"__future__"}, imports - set(sys.stdlib_module_names)
 
 
 def _fake_amdsmi(root: Path, body: str) -> dict:
