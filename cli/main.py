@@ -362,6 +362,15 @@ def run_exit_code(sessions, run_id: int) -> int:
     "rate, mean acceptance length and per-position acceptance for every method",
 )
 @click.option(
+    "--engine",
+    "engine",
+    is_flag=True,
+    help="the load table: every cell per load level (batch size B, or a server's requests in flight) with "
+    "its speedup over its reference at that load (a server over its plain server, dtbench's decoders "
+    "over ar) and a CI, p50/p90/p99 TTFT/ITL/TPOT/E2E, acceptance length per step and per request by "
+    "source, tokens per read, lossless and its rule",
+)
+@click.option(
     "--profile",
     "profile",
     is_flag=True,
@@ -398,6 +407,7 @@ def report(
     cost_model,
     by,
     spec_bench,
+    engine,
     profile,
     profile_json,
     include_partial,
@@ -420,6 +430,8 @@ def report(
     dtbench report --by group|category          question datasets: every cell per task group / raw category
     dtbench report --spec-bench                 Spec-Bench's leaderboard: speedup per group, #MAT, overall, and
                                                 vLLM's acceptance rate, mean acceptance length, per-position curve
+    dtbench report --engine [--run ID]          load table: speedup vs the reference at each load (batch size or
+                                                concurrency) with a CI, latency percentiles, acceptance by source
     dtbench report --profile [--run ID]         acceptance profile per cell (position = depth along the accepted
                                                 path), CIs, histogram, per-step and per-request mean lengths, and
                                                 the specdec_bench profile JSON; a failed consistency check exits 2
@@ -453,6 +465,7 @@ def report(
         cost_model=cost_model,
         by=by,
         spec_bench=spec_bench,
+        engine=engine,
         profile=profile,
         profile_json=profile_json,
     )

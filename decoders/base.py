@@ -86,6 +86,10 @@ class Decoder(ABC, Generic[P]):
             cost model predicts its best K from the per-position acceptance); ``"tree"`` a drafted token tree
             verified with a tree mask (:func:`dtbench.decoders.tree.speculate_tree`; the paper's tree tables and
             ablation); ``"external"`` another library's loop (the default: nothing is assumed).
+        requests: True if it is measured through requests to a server (``server``, issue 30): the harness's
+            bounded async client (:mod:`dtbench.harness.serving`) sends each prompt of a prompt group as one streamed
+            request, the load level B being the requests in flight (the suite's ``concurrency:``), and times every
+            streamed chunk; :meth:`generate` is never called and no forward runs in dtbench's process.
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams
@@ -95,6 +99,7 @@ class Decoder(ABC, Generic[P]):
     version: ClassVar[str] = "1"
     supports_sampling: ClassVar[bool] = False
     batching: ClassVar[bool] = False
+    requests: ClassVar[bool] = False
 
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
     sampling: Any = None  # SamplingSettings | None

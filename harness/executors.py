@@ -142,6 +142,8 @@ class LocalExecutor(Executor):
                 sink.commit(group, outcome, worker.info)
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # launched servers stopped (issue 30)
         self.worker = None
 
     def describe(self) -> dict[str, Any]:

@@ -118,13 +118,19 @@ class Plan:
             decs = tuple(self.decoders_at(ds.key, l_max, T, B))
             if not decs:
                 continue
+            slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
+            if B > 1 and slots is not None:  # single-turn questions (the plan refuses later turns at B > 1)
+                out.extend(
+                    PromptGroup(ds, l_max, T, rows[0], decs, slots[rows[0]].warmup, batch_size=B, rows=rows)
+                    for rows in slot_groups([s.warmup for s in slots], B)
+                )
+                continue
             if B > 1:
                 out.extend(
                     PromptGroup(ds, l_max, T, rows[0], decs, batch_size=B, rows=rows)
                     for rows in batch_groups(ds.prompts, ds.warmup, B)
                 )
                 continue
-            slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
             if slots is None:
                 out.extend(PromptGroup(ds, l_max, T, i, decs) for i in range(ds.prompts))
             else:
@@ -145,6 +151,17 @@ def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, 
     warm = [tuple(range(i, min(i + batch_size, warmup))) for i in range(0, warmup, batch_size)]
     rest = [tuple(range(i, min(i + batch_size, prompts))) for i in range(warmup, prompts, batch_size)]
     return warm + rest
+
+
+def slot_groups(warmup: list[bool], batch_size: int) -> list[tuple[int, ...]]:
+    """The prompt groups of a question dataset at batch size B (single-turn questions): its warmup slots in order in
+    groups of at most B, then its other slots in order in groups of B (the last possibly smaller: the remainder), so
+    the W warmup questions of each task group never split the measured ones into small groups."""
+    warm = [i for i, w in enumerate(warmup) if w]
+    rest = [i for i, w in enumerate(warmup) if not w]
+    return [tuple(warm[i : i + batch_size]) for i in range(0, len(warm), batch_size)] + [
+        tuple(rest[i : i + batch_size]) for i in range(0, len(rest), batch_size)
+    ]
 
 
 def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:
@@ -294,11 +311,24 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
             }
             for p in plans
         ):
+            if _single_turn(ds):
+                continue  # single-turn questions (every Spec-Bench group but mt_bench): grouped in order
             where = f"{ds.where}: " if ds.where else ""
             raise DtbenchError(
-                f"{where}dataset '{clip(ds.name, 60)}' is a question dataset (multi-turn prompts built "
-                f"from earlier answers); batch sizes > 1 run on raw-text datasets only"
+                f"{where}dataset '{clip(ds.name, 60)}' has multi-turn questions (later turns are "
+                f"prompted with earlier answers); batch sizes > 1 need single-turn questions (leave "
+                f"out mt_bench with `categories:`) or a raw-text dataset"
             )
+
+
+def _single_turn(ds: DatasetSpec) -> bool:
+    """Whether a question entry holds single-turn questions only: Spec-Bench's own file (no ``path:``) with
+    ``categories:`` that leave out MT-bench (its only group with second turns)."""
+    if ds.name != "spec-bench" or ds.path is not None or not ds.categories:
+        return False
+    from dtbench.harness.questions import GROUPS
+
+    return not any(c == "mt_bench" or c in GROUPS["mt_bench"] for c in ds.categories)
 
 
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:

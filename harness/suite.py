@@ -26,6 +26,22 @@ MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
 MAX_BATCH = 4096  # largest batch size B a suite may ask for
 
 
+def _one_load_axis(data):
+    """``concurrency:`` is the load axis under its serving name: the requests in flight for a server decoder
+    (``server``), the batch size B for dtbench's own decoders; stored as ``batch_sizes`` (the cells' ``batch_size``
+    column, the reports' load column). Given both, they must be one list."""
+    if isinstance(data, dict) and "concurrency" in data:
+        data = dict(data)
+        levels = data.pop("concurrency")
+        if "batch_sizes" in data and data["batch_sizes"] != levels:
+            raise ValueError(
+                "batch_sizes and concurrency are one axis (the load level: the batch size of dtbench's "
+                "decoders, the requests in flight of a server); give it once"
+            )
+        data["batch_sizes"] = levels
+    return data
+
+
 L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
 OLD_L_MAX = "prompt_cap"  # its deprecated old name, still accepted
 
@@ -222,7 +238,9 @@ class DecoderSpec(_HasLMax):
         None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)"
     )
     batch_sizes: list[int] | None = Field(
-        None, description="run only at these batch sizes B (a subset of the suite's batch_sizes)"
+        None,
+        description="run only at these batch sizes B (a subset of the suite's batch_sizes; `concurrency:` is "
+        "the same key under its serving name)",
     )
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
@@ -230,6 +248,12 @@ class DecoderSpec(_HasLMax):
     )
 
     _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
+
+    @model_validator(mode="before")
+    @classmethod
+    def _concurrency(cls, data):
+        return _one_load_axis(data)
+
     _swept: dict[str, Any] = PrivateAttr(default_factory=dict)  # its point of the sweep grid
 
     @field_validator("sweep")
@@ -303,7 +327,8 @@ class Suite(_Frozen):
         min_length=1,
         description="batch sizes B: at B a decoder decodes B prompts of "
         "the dataset together (grouped in order, the same groups for every decoder; a last group smaller than B is "
-        "decoded as a smaller batch and marked); default [1]",
+        "decoded as a smaller batch and marked); default [1]. `concurrency:` is the same axis under its serving "
+        "name: a server decoder keeps that many requests in flight",
     )
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
     calibrate: bool = Field(
@@ -336,6 +361,11 @@ class Suite(_Frozen):
         description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
         "prompt (at least 60 s; 1800 s for a reference itself); null: none",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _concurrency(cls, data):
+        return _one_load_axis(data)
 
     @field_validator("generation_lengths")
     @classmethod

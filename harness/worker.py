@@ -234,6 +234,76 @@ def measure_group(
     return Outcome(cp.label, row=rows[0], rows=rows, cpu_s=ms[0].cpu_s)
 
 
+def measure_served(
+    cp: CellPlan,
+    prompts: list,
+    group: PromptGroup,
+    ref_rows: list[dict] | None,
+    suite: Suite,
+    servers,
+    tokenizer,
+    stop_at_eos: bool = False,
+) -> Outcome:
+    """Measure a server cell (a decoder declaring ``requests``, issue 30) on one prompt group through requests
+    (:func:`dtbench.harness.serving.measure_requests`); never raises for what the server does wrong (as
+    :func:`measure_one`): a server that does not start, exits, or answers with an error fails its cell with one line
+    naming the server and its log.
+
+    Args:
+        prompts: the group's prompts in row order (one at B = 1).
+        ref_rows: the reference server's rows on this group (their output tokens), or None.
+        servers: the worker's :class:`~dtbench.harness.serving.ServerPool`.
+    """
+    from dtbench.harness import serving
+
+    if cp.reference_label and ref_rows is None:
+        return Outcome(
+            cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {group.prompt_index}"
+        )
+    batched = group.batch_size > 1
+    try:
+        rows = serving.measure_requests(
+            cp.label,
+            cp.params,
+            prompts,
+            group.warmup,
+            group.gen_length,
+            group.batch_size,
+            (group.dataset.name, group.l_max, group.gen_length, group.batch_size),
+            servers,
+            seed=suite.seed,
+            stop_at_eos=stop_at_eos,
+            references=[r["output_tokens"] for r in ref_rows] if ref_rows else None,
+            reference=next(((c.label, c.params) for c in group.decoders if c.label == cp.reference_label), None),
+            rule=suite.lossless_check,
+            tokenizer=tokenizer,
+            batch_group=group.prompt_index if batched else None,
+        )
+        rows = [SampleRecord.from_row(row).as_row() for row in rows]
+        json.dumps(rows)
+    except KeyboardInterrupt:
+        raise
+    except (Exception, SystemExit) as exc:
+        message = str(exc) if isinstance(exc, DtbenchError) else f"{type(exc).__name__}: {exc}"
+        return Outcome(cp.label, error=clip(message, 1500))
+    return Outcome(cp.label, row=rows[0], rows=rows if batched else None)
+
+
+def _served_reference(
+    cp: CellPlan, served: dict[str, list[dict]], outputs: dict[str, Reference], batched: bool
+) -> list[dict] | None:
+    """The reference server's rows on this group: measured now, or read back from the database on a resumed run;
+    None without a reference."""
+    if not cp.reference_label:
+        return None
+    if cp.reference_label in served:
+        return served[cp.reference_label]
+    ref = outputs.get(cp.reference_label)
+    if ref is None:
+        return None
+    return [{"output_tokens": t} for t in (ref.tokens if batched else [ref.tokens])]
+
+
 def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
     """(SamplingSettings, a generator seeded from the base seed and the prompt index) for one sample.
 
@@ -257,6 +327,8 @@ def run_group(
     done: dict[str, Reference],
     skip: set[str],
     data_dir: str | None = None,
+    servers=None,
+    tokenizer=None,
 ) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
@@ -266,15 +338,25 @@ def run_group(
         done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
             but available as references (at B > 1: (per-row tokens, batch seconds, None) of the group).
         skip: labels of cells that already failed: not measured.
+        servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
+            declare ``requests``: :func:`measure_served`, at every B).
     """
     outputs = dict(done)
+    served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
     if group.batch_size > 1:
         for cp in group.decoders:
             if cp.label in outputs or cp.label in skip:
                 continue
             ref = outputs.get(cp.reference_label) if cp.reference_label else None
-            outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
+            if cp.cls.requests:
+                outcome = measure_served(
+                    cp, prompt, group, _served_reference(cp, served, outputs, True), suite, servers, tokenizer, stop
+                )
+                if outcome.rows is not None:
+                    served[cp.label] = outcome.rows
+            else:
+                outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
             if outcome.rows is not None:
                 outputs[cp.label] = Reference(
                     [r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"], outcome.cpu_s
@@ -288,6 +370,15 @@ def run_group(
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
+        if cp.cls.requests:
+            outcome = measure_served(
+                cp, [prompt], group, _served_reference(cp, served, outputs, False), suite, servers, tokenizer, stop
+            )
+            if outcome.row is not None:
+                served[cp.label] = [outcome.row]
+                outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], None)
+            yield outcome
+            continue
         outcome = measure_one(
             cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare, stop, data_dir
         )
@@ -380,6 +471,10 @@ class Worker:
         self.device = models.resolve_device(device)
         if tokenizer is None:
             tokenizer = models.load_tokenizer(suite.target)
+        self.tokenizer = tokenizer
+        from dtbench.harness.serving import ServerPool
+
+        self.servers = ServerPool()  # the servers this worker launches for server cells (issue 30)
         with status(f"loading target {suite.target.model} ({suite.target.dtype}) on {self.device}"):
             self.target = models.load_model(suite.target, self.device)
         loaded = [(self.target, suite.target)]
@@ -425,8 +520,22 @@ class Worker:
         if group is None:
             raise DtbenchError(f"this worker's plan has no prompt group {key}")
         yield from run_group(
-            group, prompt, self.target, self.draft, self.device, self.suite, done, skip, self.plan.data_dir
+            group,
+            prompt,
+            self.target,
+            self.draft,
+            self.device,
+            self.suite,
+            done,
+            skip,
+            self.plan.data_dir,
+            servers=self.servers,
+            tokenizer=self.tokenizer,
         )
+
+    def close(self) -> None:
+        """Stop every server this worker launched (end of run, Ctrl-C, failure); never raises."""
+        self.servers.close()
 
     def calibrate(
         self, contexts: dict[int, list[int]], settings: calibrate.Settings, console: Console | None = None

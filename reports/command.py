@@ -49,6 +49,7 @@ def report_command(
     cost_model: bool = False,
     by: str | None = None,
     spec_bench: bool = False,
+    engine: bool = False,
     profile: bool = False,
     profile_json: str | None = None,
 ) -> None:
@@ -98,16 +99,22 @@ def report_command(
     if by and spec_bench:
         raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
 
+    if engine and (pair or compare or tables or files or cost_model or by or spec_bench or len(run_ids) > 1):
+        raise DtbenchError("--engine is a report of its own; give it alone (with --run ID and --format)")
     if profile_json and not profile:
         raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
-    if profile and (pair or compare or tables or files or cost_model or by or spec_bench or len(run_ids) > 1):
+    if profile and (pair or compare or tables or files or cost_model or by or spec_bench or engine or len(run_ids) > 1):
         raise DtbenchError("--profile is a report of its own; give it alone (with --run ID, --format, --profile-json)")
-
     sessions = db.connect(db_url, create=False)
     if profile:
         from dtbench.reports.profile import profile_report
 
         profile_report(sessions, run_ids[0] if run_ids else None, fmt, profile_json, 1 - alpha)
+        return
+    if engine:
+        from dtbench.reports.engine import engine_report
+
+        engine_report(sessions, run_ids[0] if run_ids else None, fmt, 1 - alpha)
         return
     if spec_bench:
         from dtbench.reports.specbench import spec_bench_report

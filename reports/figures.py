@@ -591,7 +591,7 @@ def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = No
     ax.set_xticks(sizes)
     ax.set_xticklabels([str(b) for b in sizes])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("batch size B (prompts decoded together)")
+    ax.set_xlabel("load: batch size B (prompts decoded together) or a server's requests in flight")
     _style(ax, "speedup vs ar at the same B (×)", "Speedup vs batch size (bands: 95% CI; dashed: cost model; ▼: B*)")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
