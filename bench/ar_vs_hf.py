@@ -24,9 +24,16 @@ from dtbench.harness.suite import DatasetSpec, ModelSpec
 def hf_generate(model, ids: list[int], T: int) -> tuple[list[int], float]:
     x = torch.tensor([ids])
     start = time.perf_counter()
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=T, min_new_tokens=T,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist(), time.perf_counter() - start
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=T,
+        min_new_tokens=T,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist(), time.perf_counter() - start
 
 
 def main() -> None:
@@ -57,8 +64,10 @@ def main() -> None:
             theirs.append(args.T / hf_s)
             print(f"repeat {r} prompt {p.index}: ar {ours[-1]:6.2f} t/s   hf generate {theirs[-1]:6.2f} t/s")
     ratios = [a / b for a, b in zip(ours, theirs)]
-    print(f"median ar {statistics.median(ours):.2f} t/s, hf generate {statistics.median(theirs):.2f} t/s, "
-          f"median ratio ar/hf {statistics.median(ratios):.3f} over {len(ratios)} pairs (torch threads {torch.get_num_threads()})")
+    print(
+        f"median ar {statistics.median(ours):.2f} t/s, hf generate {statistics.median(theirs):.2f} t/s, "
+        f"median ratio ar/hf {statistics.median(ratios):.3f} over {len(ratios)} pairs (torch threads {torch.get_num_threads()})"
+    )
 
 
 if __name__ == "__main__":

@@ -8,29 +8,52 @@ import click
 from rich.console import Console
 
 from dtbench.harness.bounds import CalibrationSeconds, Checked
-from dtbench.harness.errors import DtbenchError
-
 from dtbench.harness.calibrate import Settings, calibrate, contexts_of, store
 from dtbench.harness.curves import Curves
-
+from dtbench.harness.errors import DtbenchError
 
 # --- the command ------------------------------------------------------------------------------------------------
 
 
 @click.command("calibrate")
 @click.argument("suite_path", type=click.Path(dir_okay=False))
-@click.option("--db", "db_url", help="SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; "
-                                     "default sqlite:///results.db]")
-@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
-              help="local dataset folder (the cache is filled with the suite's first prompt) [env DTBENCH_DATA_DIR]")
-@click.option("--min-time", type=Checked(CalibrationSeconds, "SECONDS"), default=Settings.min_time_s, show_default=True,
-              help="seconds each point is timed at least")
-@click.option("--max-time", type=Checked(CalibrationSeconds, "SECONDS"), default=Settings.max_time_s, show_default=True,
-              help="seconds after which a point stops even if its median is not yet stable")
-@click.option("--min-repeats", type=click.IntRange(1), default=Settings.min_repeats, show_default=True,
-              help="forwards each point is timed at least")
-@click.option("--prompt-cache-only", is_flag=True,
-              help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)")
+@click.option(
+    "--db",
+    "db_url",
+    help="SQLAlchemy URL or SQLite file of the results database [env DTBENCH_DB; default sqlite:///results.db]",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    envvar="DTBENCH_DATA_DIR",
+    help="local dataset folder (the cache is filled with the suite's first prompt) [env DTBENCH_DATA_DIR]",
+)
+@click.option(
+    "--min-time",
+    type=Checked(CalibrationSeconds, "SECONDS"),
+    default=Settings.min_time_s,
+    show_default=True,
+    help="seconds each point is timed at least",
+)
+@click.option(
+    "--max-time",
+    type=Checked(CalibrationSeconds, "SECONDS"),
+    default=Settings.max_time_s,
+    show_default=True,
+    help="seconds after which a point stops even if its median is not yet stable",
+)
+@click.option(
+    "--min-repeats",
+    type=click.IntRange(1),
+    default=Settings.min_repeats,
+    show_default=True,
+    help="forwards each point is timed at least",
+)
+@click.option(
+    "--prompt-cache-only",
+    is_flag=True,
+    help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)",
+)
 def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, prompt_cache_only) -> None:
     """Measure SUITE_PATH's target and draft forward-latency curves and store them (standalone, run_id NULL).
 
@@ -63,13 +86,13 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
         with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
             draft = models.load_model(suite.draft, device)
-    settings = Settings(min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time,
-                        grown_cache=not prompt_cache_only)
+    settings = Settings(
+        min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time, grown_cache=not prompt_cache_only
+    )
     points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
     batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)
     where = engines.display_url(engines.resolve_url(db_url))
-    console.print(f"stored {len(points)} calibration points (batch {batch}) in {where}",
-                  highlight=False)
+    console.print(f"stored {len(points)} calibration points (batch {batch}) in {where}", highlight=False)
     for line in summary_lines(Curves(points)):
         click.echo(line)
 

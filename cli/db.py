@@ -64,5 +64,7 @@ def current(db_url) -> None:
         raise schema.newer(where, str(state.revision))
     else:
         unversioned = " (written before migrations: no alembic_version table)" if state.kind == "unversioned" else ""
-        click.echo(f"{where}: schema revision {state.revision}{unversioned}, older than head {head}: "
-                   f"{schema.upgrade_instruction(url)}")
+        click.echo(
+            f"{where}: schema revision {state.revision}{unversioned}, older than head {head}: "
+            f"{schema.upgrade_instruction(url)}"
+        )

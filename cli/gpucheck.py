@@ -39,11 +39,12 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import click
+
 
 def _tests_dir() -> Path:
     """The repository's tests/ (the test kit the check reuses): beside this file in a checkout, else under the
@@ -52,24 +53,54 @@ def _tests_dir() -> Path:
         if (root / "tests" / "models.py").is_file():
             return root / "tests"
     raise click.ClickException("cannot find the repository's tests/ folder: run from the dtbench checkout")
+
+
 SCHEMA = "dtbench.gpu-check/1"
 STEPS = ("lossless", "timing", "costmodel", "overhead")
 
 # Pythia's GPT-NeoX configurations (EleutherAI/pythia-2.8b and pythia-70m config.json): the paper's target and draft.
-PYTHIA_2_8B = dict(hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, intermediate_size=10240,
-                   vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
-PYTHIA_70M = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, intermediate_size=2048,
-                  vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+PYTHIA_2_8B = dict(
+    hidden_size=2560,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    intermediate_size=10240,
+    vocab_size=50304,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+)
+PYTHIA_70M = dict(
+    hidden_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    intermediate_size=2048,
+    vocab_size=50304,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+)
 # --small (the CPU dry run and the tests): the same architecture, a few MB.
-SMALL_TARGET = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
-                    vocab_size=512, rotary_pct=0.25, max_position_embeddings=2048)
-SMALL_DRAFT = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                   vocab_size=512, rotary_pct=0.25, max_position_embeddings=2048)
+SMALL_TARGET = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=512,
+    vocab_size=512,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+)
+SMALL_DRAFT = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=64,
+    vocab_size=512,
+    rotary_pct=0.25,
+    max_position_embeddings=2048,
+)
 
 
 @dataclass(frozen=True)
 class PaperRow:
-    """One method of the paper's Tables 1 and 3 at T = 1500 (``../shared/paper/dynatree.md``, Section 4.4).
+    """One method of the paper's Tables 1 and 3 at T = 1500 (the DynaTree paper, docs/architecture.md "The paper"; Section 4.4).
 
     Attributes:
         speedup: Table 1's speedup over AR; throughput: Table 1's tokens/s; tokens_per_iter: Table 3's L-bar;
@@ -94,15 +125,59 @@ class PaperRow:
 T_PAPER = 1500
 PAPER = (
     PaperRow("linear", "wikitext-2", 800, 1.47, 196.1, 6.82, 220, k=8, cite="Table 1 'Linear Spec' (K = 8); Table 3"),
-    PaperRow("fixed_tree", "wikitext-2", 800, 1.50, 200.7, 6.79, 221, depth=8, branching=3, tau=0.1,
-             cite="Table 1 'Fixed Tree (D = 8, B = 3, tau = 0.1)'; Table 3"),
-    PaperRow("dynatree", "wikitext-2", 800, 1.64, 219.5, 7.08, 212, depth=8, branching=3, tau=0.1,
-             cite="Table 1 'DynaTree' (D_max = 8, B_max = 3, Appendix A); Table 3"),
+    PaperRow(
+        "fixed_tree",
+        "wikitext-2",
+        800,
+        1.50,
+        200.7,
+        6.79,
+        221,
+        depth=8,
+        branching=3,
+        tau=0.1,
+        cite="Table 1 'Fixed Tree (D = 8, B = 3, tau = 0.1)'; Table 3",
+    ),
+    PaperRow(
+        "dynatree",
+        "wikitext-2",
+        800,
+        1.64,
+        219.5,
+        7.08,
+        212,
+        depth=8,
+        branching=3,
+        tau=0.1,
+        cite="Table 1 'DynaTree' (D_max = 8, B_max = 3, Appendix A); Table 3",
+    ),
     PaperRow("linear", "pg19", 1000, 1.26, 144.9, 4.56, 329, k=5, cite="Table 1 'Linear Spec' (K = 5); Table 3"),
-    PaperRow("fixed_tree", "pg19", 1000, 1.62, 185.5, 6.20, 242, depth=8, branching=3, tau=0.1,
-             cite="Table 1 'Fixed Tree (D = 8, B = 3, tau = 0.1)'; Table 3"),
-    PaperRow("dynatree", "pg19", 1000, 1.70, 194.9, 6.17, 243, depth=8, branching=3, tau=0.1,
-             cite="Table 1 'DynaTree'; Table 3"),
+    PaperRow(
+        "fixed_tree",
+        "pg19",
+        1000,
+        1.62,
+        185.5,
+        6.20,
+        242,
+        depth=8,
+        branching=3,
+        tau=0.1,
+        cite="Table 1 'Fixed Tree (D = 8, B = 3, tau = 0.1)'; Table 3",
+    ),
+    PaperRow(
+        "dynatree",
+        "pg19",
+        1000,
+        1.70,
+        194.9,
+        6.17,
+        243,
+        depth=8,
+        branching=3,
+        tau=0.1,
+        cite="Table 1 'DynaTree'; Table 3",
+    ),
 )
 AR_THROUGHPUT = {"wikitext-2": 133.4, "pg19": 114.8}  # Table 1, AR rows (tokens/s)
 EVENT_REL_TOL, EVENT_ABS_TOL_S = 0.10, 0.5e-3  # CUDA events vs wall clock (as tests/test_cuda.py)
@@ -110,7 +185,7 @@ NVML_OVER_ALLOCATOR = 4 * 2**30  # NVML adds the CUDA context and the allocator'
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _tests_on_path() -> None:
@@ -131,8 +206,7 @@ def neox(shape: dict, dtype, device, seed: int):
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    cfg = GPTNeoXConfig(**shape, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0,
-                        eos_token_id=0)
+    cfg = GPTNeoXConfig(**shape, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -229,25 +303,38 @@ def step_lossless(device, small: bool, workdir: Path, log, skip: frozenset = fro
                 if rid in skip:
                     continue
                 _crash_if_asked(name)
-                row: dict[str, Any] = {"id": rid, "arch": arch, "dtype": str(dtype).removeprefix("torch."),
-                                       "decoder": name,
-                                       "params": {k: v for k, v in params.items() if not str(v).startswith("<")},
-                                       "rule": rule}
+                row: dict[str, Any] = {
+                    "id": rid,
+                    "arch": arch,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "decoder": name,
+                    "params": {k: v for k, v in params.items() if not str(v).startswith("<")},
+                    "rule": rule,
+                }
                 try:
                     m = measure(build(name, params, target, draft, workdir), prompt, T, device)
                     check = check_output(target, prompt, m.tokens, ref, device)
                     div = first_divergence(m.tokens, ref)
                     ok = (div is None) if rule == "exact" else check.errors == 0
-                    row.update(tokens=len(m.tokens), iterations=len(m.steps), first_divergence=div,
-                               ties=check.ties, errors=check.errors, max_tie_margin=check.max_tie_margin,
-                               noise=check.max_noise, ok=ok)
+                    row.update(
+                        tokens=len(m.tokens),
+                        iterations=len(m.steps),
+                        first_divergence=div,
+                        ties=check.ties,
+                        errors=check.errors,
+                        max_tie_margin=check.max_tie_margin,
+                        noise=check.max_noise,
+                        ok=ok,
+                    )
                 except Exception as exc:  # a crashing decoder is a failed row, the check goes on
                     row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
                 rows.append(row)
                 if emit:
                     emit(row)
-                log(f"lossless {arch} {row['dtype']} {name} {row['params']}: "
-                    f"{'ok' if row['ok'] else 'FAIL'} {row.get('error', '')}")
+                log(
+                    f"lossless {arch} {row['dtype']} {name} {row['params']}: "
+                    f"{'ok' if row['ok'] else 'FAIL'} {row.get('error', '')}"
+                )
     return {"ok": all(r["ok"] for r in rows), "T": T, "prompt_tokens": len(prompt), "rows": rows}
 
 
@@ -277,14 +364,25 @@ def step_timing(device, target, log) -> dict:
                     _sync(device)
                     wall = time.perf_counter() - start
                 ev = counter.forward_seconds()["target"]
-                events.append({"n": n, "events_s": ev, "wall_s": wall,
-                               "ok": ev <= wall + EVENT_ABS_TOL_S and ev >= wall * (1 - EVENT_REL_TOL) - EVENT_ABS_TOL_S})
+                events.append(
+                    {
+                        "n": n,
+                        "events_s": ev,
+                        "wall_s": wall,
+                        "ok": ev <= wall + EVENT_ABS_TOL_S and ev >= wall * (1 - EVENT_REL_TOL) - EVENT_ABS_TOL_S,
+                    }
+                )
     # On a CPU the "events" are the wall clock read inside the hooks: the comparison is shown, not judged (a loaded
     # CPU puts more than 10% of a 1 ms forward outside the hooks).
-    out["forward_events_vs_wall"] = {"ok": all(e["ok"] for e in events) if device.type == "cuda" else True,
-                                     "source": "cuda events" if device.type == "cuda" else
-                                     "wall clock inside the hooks (CPU: informational, not judged)",
-                                     "rel_tol": EVENT_REL_TOL, "abs_tol_s": EVENT_ABS_TOL_S, "rows": events}
+    out["forward_events_vs_wall"] = {
+        "ok": all(e["ok"] for e in events) if device.type == "cuda" else True,
+        "source": "cuda events"
+        if device.type == "cuda"
+        else "wall clock inside the hooks (CPU: informational, not judged)",
+        "rel_tol": EVENT_REL_TOL,
+        "abs_tol_s": EVENT_ABS_TOL_S,
+        "rows": events,
+    }
     size = 512 * 2**20 if device.type == "cuda" else 64 * 2**20
     with MemoryTracker(device) as mem:
         block = torch.empty(size, dtype=torch.uint8, device=device)
@@ -294,29 +392,45 @@ def step_timing(device, target, log) -> dict:
         del block
     peak = mem.peak
     if device.type == "cuda":
-        ok = (peak.allocated_bytes is not None and peak.allocated_bytes >= size and peak.nvml_bytes is not None
-              and peak.nvml_bytes >= peak.allocated_bytes
-              and (peak.nvml_scope != "process" or peak.nvml_bytes - peak.allocated_bytes < NVML_OVER_ALLOCATOR))
+        ok = (
+            peak.allocated_bytes is not None
+            and peak.allocated_bytes >= size
+            and peak.nvml_bytes is not None
+            and peak.nvml_bytes >= peak.allocated_bytes
+            and (peak.nvml_scope != "process" or peak.nvml_bytes - peak.allocated_bytes < NVML_OVER_ALLOCATOR)
+        )
     else:
         ok = peak.rss_bytes is not None and peak.rss_bytes >= size
-    out["memory"] = {"ok": bool(ok), "block_bytes": size, "allocated_bytes": peak.allocated_bytes,
-                     "nvml_bytes": peak.nvml_bytes, "nvml_scope": peak.nvml_scope, "rss_bytes": peak.rss_bytes}
+    out["memory"] = {
+        "ok": bool(ok),
+        "block_bytes": size,
+        "allocated_bytes": peak.allocated_bytes,
+        "nvml_bytes": peak.nvml_bytes,
+        "nvml_scope": peak.nvml_scope,
+        "rss_bytes": peak.rss_bytes,
+    }
     T = 64
     prompt = torch.randint(3, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     ar = build("ar", {}, target, None, Path(tempfile.gettempdir()))
     measure(ar, prompt, 8, device)  # warmup
     m = measure(ar, prompt, T, device)
     e = m.energy
-    energy = {"status": e.status if e else "unavailable", "source": e.source if e else "no reading",
-              "energy_j": e.energy_j if e else None, "tokens": T,
-              "j_per_token": (e.energy_j / T) if e is not None and e.status == MEASURED and e.energy_j else None,
-              "seconds": m.step_times[-1]}
+    energy = {
+        "status": e.status if e else "unavailable",
+        "source": e.source if e else "no reading",
+        "energy_j": e.energy_j if e else None,
+        "tokens": T,
+        "j_per_token": (e.energy_j / T) if e is not None and e.status == MEASURED and e.energy_j else None,
+        "seconds": m.step_times[-1],
+    }
     # On a GPU the counter must be readable (NVML, Volta+); on a CPU an unreadable RAPL is normal, not a failure.
     energy["ok"] = energy["j_per_token"] is not None if device.type == "cuda" else True
     out["energy"] = energy
     out["ok"] = out["forward_events_vs_wall"]["ok"] and out["memory"]["ok"] and energy["ok"]
-    log(f"timing: events {out['forward_events_vs_wall']['ok']}, memory {out['memory']['ok']}, "
-        f"energy {energy['status']} {energy['j_per_token']}")
+    log(
+        f"timing: events {out['forward_events_vs_wall']['ok']}, memory {out['memory']['ok']}, "
+        f"energy {energy['status']} {energy['j_per_token']}"
+    )
     return out
 
 
@@ -328,7 +442,7 @@ def tree_node_bounds(depth: int, branching: int, tau: float) -> tuple[int, int]:
     pruning at path probability ``tau`` (paper 3.3; dtbench's ``prune: leaf``): at least one node per level; at most
     ``min(B^d, B * floor(1 / tau))`` at level d, since at most ``1/tau`` nodes of a level have path probability
     >= tau (their probabilities sum to at most 1) and only those are expanded."""
-    most = sum(min(branching ** d, branching * math.floor(1 / tau)) for d in range(1, depth + 1))
+    most = sum(min(branching**d, branching * math.floor(1 / tau)) for d in range(1, depth + 1))
     return depth, most
 
 
@@ -360,8 +474,13 @@ def predict(curves, row: PaperRow, nodes: int | None = None) -> dict:
         draft = sum(curves.cost("draft", s, past, FED_MASK) for s in _level_sizes(nodes, row.depth))
         verify = curves.cost("target", 1 + nodes, past, FED_MASK)
     method = prefill + row.iterations * (draft + verify)
-    return {"ar_s": ar, "method_s": method, "draft_s_per_iter": draft, "verify_s_per_iter": verify,
-            "speedup": ar / method}
+    return {
+        "ar_s": ar,
+        "method_s": method,
+        "draft_s_per_iter": draft,
+        "verify_s_per_iter": verify,
+        "speedup": ar / method,
+    }
 
 
 def step_costmodel(device, target, draft, small: bool, log) -> dict:
@@ -378,8 +497,12 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
     curves_spec, seen = [], set()
     for l_max in l_maxes:
         for cache in (l_max, l_max + T):
-            for c in (Curve("target", "causal", cache, l_max, ns), Curve("target", "tree", cache, l_max, ns),
-                      Curve("draft", "last", cache, l_max, THIN), Curve("draft", "tree", cache, l_max, THIN)):
+            for c in (
+                Curve("target", "causal", cache, l_max, ns),
+                Curve("target", "tree", cache, l_max, ns),
+                Curve("draft", "last", cache, l_max, THIN),
+                Curve("draft", "tree", cache, l_max, THIN),
+            ):
                 if (c.role, c.kind, c.cache_len) not in seen:  # one cache length serves every cap that reaches it
                     seen.add((c.role, c.kind, c.cache_len))
                     curves_spec.append(c)
@@ -389,9 +512,20 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
     for c in curves_spec:
         model = target if c.role == "target" else draft
         for n, med, iqr, reps in measure_curve(model, c, context, device, settings, time.perf_counter):
-            rows.append({"role": c.role, "kind": c.kind, "cache_len": c.cache_len, "prompt_len": c.prompt_len,
-                         "n": n, "tree_mask": c.tree_mask, "last_only": c.last_only, "median_s": med, "iqr_s": iqr,
-                         "repeats": reps})
+            rows.append(
+                {
+                    "role": c.role,
+                    "kind": c.kind,
+                    "cache_len": c.cache_len,
+                    "prompt_len": c.prompt_len,
+                    "n": n,
+                    "tree_mask": c.tree_mask,
+                    "last_only": c.last_only,
+                    "median_s": med,
+                    "iqr_s": iqr,
+                    "repeats": reps,
+                }
+            )
         log(f"calibrated {c.role} {c.kind} cache {c.cache_len}: n {c.ns[0]}..{c.ns[-1]}")
 
     class _Row:  # Curves reads attributes
@@ -402,9 +536,15 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
     predictions = []
     if True:  # small shapes: the same arithmetic on toy curves (exercised, not meaningful: "small" is set)
         for row in PAPER:
-            p: dict[str, Any] = {"method": row.method, "dataset": row.dataset, "l_max": row.l_max,
-                                 "paper_speedup": row.speedup, "paper_cite": row.cite,
-                                 "tokens_per_iter": row.tokens_per_iter, "iterations": row.iterations}
+            p: dict[str, Any] = {
+                "method": row.method,
+                "dataset": row.dataset,
+                "l_max": row.l_max,
+                "paper_speedup": row.speedup,
+                "paper_cite": row.cite,
+                "tokens_per_iter": row.tokens_per_iter,
+                "iterations": row.iterations,
+            }
             if row.k is not None:
                 p.update(k=row.k, predicted=predict(curves, row))
                 p["predicted_speedup"] = p["predicted"]["speedup"]
@@ -412,26 +552,49 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
                 lo, hi = tree_node_bounds(row.depth, row.branching, row.tau)
                 grid = {n: predict(curves, row, n)["speedup"] for n in range(lo, hi + 1)}
                 implied = min(grid, key=lambda n: abs(grid[n] - row.speedup))
-                p.update(depth=row.depth, branching=row.branching, tau=row.tau, nodes_range=[lo, hi],
-                         predicted_speedup_range=[grid[hi], grid[lo]],
-                         predicted_at_fewest=predict(curves, row, lo), predicted_at_most=predict(curves, row, hi),
-                         nodes_implied_by_paper=implied, paper_inside_range=grid[hi] <= row.speedup <= grid[lo])
+                p.update(
+                    depth=row.depth,
+                    branching=row.branching,
+                    tau=row.tau,
+                    nodes_range=[lo, hi],
+                    predicted_speedup_range=[grid[hi], grid[lo]],
+                    predicted_at_fewest=predict(curves, row, lo),
+                    predicted_at_most=predict(curves, row, hi),
+                    nodes_implied_by_paper=implied,
+                    paper_inside_range=grid[hi] <= row.speedup <= grid[lo],
+                )
             predictions.append(p)
-            log(f"predicted {row.method} {row.dataset}: {p.get('predicted_speedup', p.get('predicted_speedup_range'))}"
-                f" (paper {row.speedup})")
+            log(
+                f"predicted {row.method} {row.dataset}: {p.get('predicted_speedup', p.get('predicted_speedup_range'))}"
+                f" (paper {row.speedup})"
+            )
     ar_tpot = {l_max: curves.cost("target", 1, l_max + T // 2) for l_max in l_maxes}
-    return {"ok": bool(rows) and all(r["median_s"] > 0 for r in rows), "seconds": time.perf_counter() - began,
-            "caps": list(l_maxes), "T": T, "ns": list(ns), "settings": settings.__dict__,
-            "ar_step_s_at_mean_cache": {str(k): v for k, v in ar_tpot.items()},
-            "paper_ar_tpot_s": {"800": 7.48e-3, "1000": 9.00e-3}, "points": rows, "predictions": predictions}
+    return {
+        "ok": bool(rows) and all(r["median_s"] > 0 for r in rows),
+        "seconds": time.perf_counter() - began,
+        "caps": list(l_maxes),
+        "T": T,
+        "ns": list(ns),
+        "settings": settings.__dict__,
+        "ar_step_s_at_mean_cache": {str(k): v for k, v in ar_tpot.items()},
+        "paper_ar_tpot_s": {"800": 7.48e-3, "1000": 9.00e-3},
+        "points": rows,
+        "predictions": predictions,
+    }
 
 
 # --- d. loop overhead -----------------------------------------------------------------------------------------------
 
 OVERHEAD_DECODERS = (
-    ("ar", {}), ("linear", {"k": 8}), ("fixed_tree", {"depth": 8, "branching": 3, "tau": 0.1}), ("dynatree", {}),
-    ("ngram", {"k": 4}), ("suffix", {"k": 8}), ("token_recycling", {}),
-    ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}), ("hf_generate", {}),
+    ("ar", {}),
+    ("linear", {"k": 8}),
+    ("fixed_tree", {"depth": 8, "branching": 3, "tau": 0.1}),
+    ("dynatree", {}),
+    ("ngram", {"k": 4}),
+    ("suffix", {"k": 8}),
+    ("token_recycling", {}),
+    ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
+    ("hf_generate", {}),
     ("hf_assisted", {}),
 )
 
@@ -445,8 +608,9 @@ def _totals(m) -> tuple[float, float, int]:
     return m.step_times[-1], (fwd.get("target") or 0.0) + (fwd.get("draft") or 0.0), len(m.steps)
 
 
-def step_overhead(device, target, draft, small: bool, workdir: Path, log, skip: frozenset = frozenset(),
-                  emit=None) -> dict:
+def step_overhead(
+    device, target, draft, small: bool, workdir: Path, log, skip: frozenset = frozenset(), emit=None
+) -> dict:
     """Each decoder's time outside model forwards per iteration at the paper's shapes (step d).
 
     Differential, so the prefill cancels: the decoder runs to T0 and to T0 + T new tokens on the same prompt (random
@@ -471,22 +635,32 @@ def step_overhead(device, target, draft, small: bool, workdir: Path, log, skip: 
         try:
             measure(build(name, params, target, draft, workdir), prompt, T0, device)  # warmup
 
-            def medians(length: int):
-                runs = [measure(build(name, params, target, draft, workdir), prompt, length, device)
-                        for _ in range(REPEATS)]
+            def medians(length: int, name: str = name, params: dict = params):  # bound per decoder
+                runs = [
+                    measure(build(name, params, target, draft, workdir), prompt, length, device) for _ in range(REPEATS)
+                ]
                 totals = [_totals(m) for m in runs]
-                return (statistics.median(t[0] for t in totals), statistics.median(t[1] for t in totals),
-                        totals[0][2], runs[-1])
+                return (
+                    statistics.median(t[0] for t in totals),
+                    statistics.median(t[1] for t in totals),
+                    totals[0][2],
+                    runs[-1],
+                )
 
             w0, f0, i0, _ = medians(T0)
             w1, f1, i1, m = medians(T0 + T)
             iters = i1 - i0
-            row.update(iterations=iters, tokens=T, wall_s=w1 - w0, forward_s=f1 - f0,
-                       forwards_timed=m.forward_s is not None)
+            row.update(
+                iterations=iters, tokens=T, wall_s=w1 - w0, forward_s=f1 - f0, forwards_timed=m.forward_s is not None
+            )
             if iters > 0:
                 loop = max(0.0, (w1 - w0) - (f1 - f0))
-                row.update(tokens_per_iter=T / iters, overhead_s_per_iter=loop / iters,
-                           forward_s_per_iter=(f1 - f0) / iters, overhead_share=loop / max(w1 - w0, 1e-12))
+                row.update(
+                    tokens_per_iter=T / iters,
+                    overhead_s_per_iter=loop / iters,
+                    forward_s_per_iter=(f1 - f0) / iters,
+                    overhead_share=loop / max(w1 - w0, 1e-12),
+                )
                 if name in paper_iter_s:
                     row["paper_s_per_iter"] = paper_iter_s[name]
                     row["overhead_share_of_paper_iter"] = (loop / iters) / paper_iter_s[name]
@@ -496,8 +670,10 @@ def step_overhead(device, target, draft, small: bool, workdir: Path, log, skip: 
         rows.append(row)
         if emit:
             emit(row)
-        log(f"overhead {name}: {row.get('overhead_s_per_iter')} s/iter over {row.get('iterations')} iterations "
-            f"{row.get('error', '')}")
+        log(
+            f"overhead {name}: {row.get('overhead_s_per_iter')} s/iter over {row.get('iterations')} iterations "
+            f"{row.get('error', '')}"
+        )
     return {"ok": all(r["ok"] for r in rows), "prompt_tokens": L, "T0": T0, "T": T, "rows": rows}
 
 
@@ -518,9 +694,15 @@ def environment(device) -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "device": str(device), "device_name": device_name(device), "host": platform.node(),
-           "torch_file": torch.__file__}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": str(device),
+        "device_name": device_name(device),
+        "host": platform.node(),
+        "torch_file": torch.__file__,
+    }
     for dist in ("dtbench", "transformers", "sqlalchemy", "pydantic", "zeus", "nvidia-ml-py", "numpy"):
         env[dist] = version(dist)
     if device.type == "cuda":
@@ -535,18 +717,36 @@ def summary(result: dict) -> dict:
     out: dict[str, Any] = {}
     if "lossless" in steps and "rows" in steps["lossless"]:
         rows = steps["lossless"]["rows"]
-        out["lossless"] = {"rows": len(rows), "passed": sum(r["ok"] for r in rows),
-                           "failed": [f"{r['arch']} {r['dtype']} {r['decoder']}" for r in rows if not r["ok"]],
-                           "ties": sum(r.get("ties") or 0 for r in rows)}
+        out["lossless"] = {
+            "rows": len(rows),
+            "passed": sum(r["ok"] for r in rows),
+            "failed": [f"{r['arch']} {r['dtype']} {r['decoder']}" for r in rows if not r["ok"]],
+            "ties": sum(r.get("ties") or 0 for r in rows),
+        }
     if "costmodel" in steps and "predictions" in steps["costmodel"]:
-        out["speedups"] = [{"method": p["method"], "dataset": p["dataset"], "paper": p["paper_speedup"],
-                            "predicted": p.get("predicted_speedup", p.get("predicted_speedup_range")),
-                            **({"nodes_range": p["nodes_range"], "nodes_implied_by_paper": p["nodes_implied_by_paper"],
-                                "paper_inside_range": p["paper_inside_range"]} if "nodes_range" in p else {})} for p in steps["costmodel"]["predictions"]]
+        out["speedups"] = [
+            {
+                "method": p["method"],
+                "dataset": p["dataset"],
+                "paper": p["paper_speedup"],
+                "predicted": p.get("predicted_speedup", p.get("predicted_speedup_range")),
+                **(
+                    {
+                        "nodes_range": p["nodes_range"],
+                        "nodes_implied_by_paper": p["nodes_implied_by_paper"],
+                        "paper_inside_range": p["paper_inside_range"],
+                    }
+                    if "nodes_range" in p
+                    else {}
+                ),
+            }
+            for p in steps["costmodel"]["predictions"]
+        ]
     if "overhead" in steps and "rows" in steps["overhead"]:
-        out["overhead_ms_per_iter"] = {r["decoder"]: (None if r.get("overhead_s_per_iter") is None
-                                                      else round(r["overhead_s_per_iter"] * 1e3, 3))
-                                       for r in steps["overhead"]["rows"]}
+        out["overhead_ms_per_iter"] = {
+            r["decoder"]: (None if r.get("overhead_s_per_iter") is None else round(r["overhead_s_per_iter"] * 1e3, 3))
+            for r in steps["overhead"]["rows"]
+        }
     return out
 
 
@@ -565,8 +765,13 @@ def _describe(step: str, rid: str) -> dict:
     if step == "lossless":
         arch, dtype, i = rid.split("/")
         name, params = lossless_decoders()[int(i)]
-        return {"arch": arch, "dtype": dtype, "decoder": name, "rule": "exact" if dtype == "float32" else "tie_aware",
-                "params": {k: v for k, v in params.items() if not str(v).startswith("<")}}
+        return {
+            "arch": arch,
+            "dtype": dtype,
+            "decoder": name,
+            "rule": "exact" if dtype == "float32" else "tie_aware",
+            "params": {k: v for k, v in params.items() if not str(v).startswith("<")},
+        }
     name, params = OVERHEAD_DECODERS[int(rid)]
     return {"decoder": name, "params": params}
 
@@ -578,9 +783,13 @@ def build_models(device, small: bool):
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     shapes = (SMALL_TARGET, SMALL_DRAFT) if small else (PYTHIA_2_8B, PYTHIA_70M)
     target, draft = neox(shapes[0], dtype, device, seed=0), neox(shapes[1], dtype, device, seed=1)
-    desc = {"target": shapes[0], "draft": shapes[1], "dtype": str(dtype).removeprefix("torch."),
-            "target_parameters": sum(p.numel() for p in target.parameters()),
-            "draft_parameters": sum(p.numel() for p in draft.parameters())}
+    desc = {
+        "target": shapes[0],
+        "draft": shapes[1],
+        "dtype": str(dtype).removeprefix("torch."),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "draft_parameters": sum(p.numel() for p in draft.parameters()),
+    }
     return target, draft, desc
 
 
@@ -598,8 +807,10 @@ def run_child(step: str, device, small: bool, rows_file: Path, skip: frozenset, 
             res = step_lossless(device, small, workdir, log, skip, lambda r: emit({"row": r}))
         else:
             target, draft, models = build_models(device, small)
-            log(f"built target ({models['target_parameters'] / 1e9:.2f} B parameters) and draft "
-                f"({models['draft_parameters'] / 1e6:.1f} M) in {models['dtype']}")
+            log(
+                f"built target ({models['target_parameters'] / 1e9:.2f} B parameters) and draft "
+                f"({models['draft_parameters'] / 1e6:.1f} M) in {models['dtype']}"
+            )
             if step == "timing":
                 res = step_timing(device, target, log)
             elif step == "costmodel":
@@ -626,11 +837,24 @@ def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path
     skip: set[str] = set()
     result, models = None, None
     rows_file = out_dir / f".{step}.jsonl"
-    for attempt in range(MAX_CRASHES + 1):
+    for _attempt in range(MAX_CRASHES + 1):
         rows_file.unlink(missing_ok=True)
         err_file = out_dir / f"{step}.stderr"
-        cmd = [sys.executable, "-P", "-X", "faulthandler", "-m", "dtbench.cli.gpucheck", *argv_base, "--child", step,
-               "--rows-file", str(rows_file), "--skip-ids", ",".join(sorted(skip))]
+        cmd = [
+            sys.executable,
+            "-P",
+            "-X",
+            "faulthandler",
+            "-m",
+            "dtbench.cli.gpucheck",
+            *argv_base,
+            "--child",
+            step,
+            "--rows-file",
+            str(rows_file),
+            "--skip-ids",
+            ",".join(sorted(skip)),
+        ]
         with err_file.open("w", encoding="utf-8") as err:
             rc = subprocess.run(cmd, stderr=err).returncode
         lines = rows_file.read_text(encoding="utf-8").splitlines() if rows_file.exists() else []
@@ -655,8 +879,12 @@ def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path
         if step == "lossless":  # the same decoder on the other pairs/dtypes: not retried (each crash costs a child)
             for other in pending[1:]:
                 if other.split("/")[-1] == crashed.split("/")[-1]:
-                    rows[other] = {"id": other, **_describe(step, other), "ok": False,
-                                   "error": f"not run: this decoder crashed on {crashed}"}
+                    rows[other] = {
+                        "id": other,
+                        **_describe(step, other),
+                        "ok": False,
+                        "error": f"not run: this decoder crashed on {crashed}",
+                    }
                     skip.add(other)
         log(f"{step} {crashed} {rows[crashed]['decoder']}: {how}; faulthandler: {trace.strip().splitlines()[-1:]}")
     else:
@@ -670,20 +898,42 @@ def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Folder for gpu-check.json and gpu-check.log (created).")
-@click.option("--device", "device_name", default="auto", show_default=True,
-              help="cuda, cpu, or auto (cuda when torch sees a GPU).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Folder for gpu-check.json and gpu-check.log (created).",
+)
+@click.option(
+    "--device",
+    "device_name",
+    default="auto",
+    show_default=True,
+    help="cuda, cpu, or auto (cuda when torch sees a GPU).",
+)
 @click.option("--small", is_flag=True, help="Small shapes instead of Pythia-2.8B/70M (the CPU dry run, tests).")
-@click.option("--steps", default=",".join(STEPS), show_default=True,
-              help="Comma-separated subset of: " + ", ".join(STEPS) + ".")
-@click.option("--decoders", default=None, help="Comma-separated decoder names: restrict steps lossless and overhead "
-              "to them (default: every built-in).")
+@click.option(
+    "--steps", default=",".join(STEPS), show_default=True, help="Comma-separated subset of: " + ", ".join(STEPS) + "."
+)
+@click.option(
+    "--decoders",
+    default=None,
+    help="Comma-separated decoder names: restrict steps lossless and overhead to them (default: every built-in).",
+)
 @click.option("--child", default=None, hidden=True)
 @click.option("--rows-file", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("--skip-ids", default="", hidden=True)
-def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str | None, child: str | None,
-         rows_file: Path | None, skip_ids: str) -> None:
+def main(
+    out_dir: Path,
+    device_name: str,
+    small: bool,
+    steps: str,
+    decoders: str | None,
+    child: str | None,
+    rows_file: Path | None,
+    skip_ids: str,
+) -> None:
     """Run the offline GPU check (issue 31) and write OUT/gpu-check.json (each step in a child process)."""
     import torch
 
@@ -692,8 +942,11 @@ def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     bad = [s for s in chosen if s not in STEPS]
     if bad or not chosen:
-        raise click.UsageError(f"--steps: unknown step {bad[0]!r} (choose from {', '.join(STEPS)})" if bad
-                               else "--steps: name at least one step")
+        raise click.UsageError(
+            f"--steps: unknown step {bad[0]!r} (choose from {', '.join(STEPS)})"
+            if bad
+            else "--steps: name at least one step"
+        )
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     if device_name not in ("cuda", "cpu"):
@@ -714,9 +967,15 @@ def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str
     if child:
         run_child(child, device, small, rows_file, frozenset(filter(None, skip_ids.split(","))), log)
         return
-    result: dict[str, Any] = {"schema": SCHEMA, "started": _now(), "small": small, "steps_requested": chosen,
-                              "decoders_requested": sorted(ONLY) if ONLY else None,
-                              "environment": environment(device), "steps": {}}
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "started": _now(),
+        "small": small,
+        "steps_requested": chosen,
+        "decoders_requested": sorted(ONLY) if ONLY else None,
+        "environment": environment(device),
+        "steps": {},
+    }
     path = out_dir / "gpu-check.json"
 
     def write() -> None:
@@ -726,10 +985,18 @@ def main(out_dir: Path, device_name: str, small: bool, steps: str, decoders: str
         result["summary"] = summary(result)
         path.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
 
-    log(f"gpu-check on {result['environment']['device_name']} ({device}), torch {torch.__version__}, "
-        f"steps {', '.join(chosen)}{' (small shapes)' if small else ''}")
-    argv_base = ["--out", str(out_dir), "--device", device_name, *(["--small"] if small else []),
-                 *(["--decoders", decoders] if decoders else [])]
+    log(
+        f"gpu-check on {result['environment']['device_name']} ({device}), torch {torch.__version__}, "
+        f"steps {', '.join(chosen)}{' (small shapes)' if small else ''}"
+    )
+    argv_base = [
+        "--out",
+        str(out_dir),
+        "--device",
+        device_name,
+        *(["--small"] if small else []),
+        *(["--decoders", decoders] if decoders else []),
+    ]
     for step in chosen:
         t0 = time.perf_counter()
         res, models = run_step(step, argv_base, device, small, out_dir, log)

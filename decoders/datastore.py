@@ -22,13 +22,13 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from dtbench.core import Corpus, CorpusSpec, DtbenchError, clip
-from dtbench.decoders.base import DecoderParams
+from dtbench.decoders.base import Decoder, DecoderParams
 
 SEPARATOR = np.iinfo(np.uint32).max  # between documents: never a token id, so no match or draft crosses it
 MAX_TOKENS_FILE_BYTES = 256 << 20  # a tokens file, bounded like one dataset file (harness.bounds.MAX_DOCUMENT_BYTES)
@@ -66,7 +66,7 @@ class Datastore:
             from pydivsufsort import divsufsort
         except ImportError:
             raise DtbenchError("rest: the datastore needs pydivsufsort (pip install pydivsufsort)") from None
-        parts = []
+        parts: list[np.ndarray] = []
         for d in docs:
             parts.extend((np.asarray(d, dtype=np.uint32), np.array([SEPARATOR], dtype=np.uint32)))
         tokens = np.concatenate(parts)
@@ -116,7 +116,7 @@ class Datastore:
 
     def _key(self, i: int, m: int) -> list[int]:
         p = int(self.sa[i])
-        return self.tokens[p:p + m].tolist()
+        return cast(list[int], self.tokens[p : p + m].tolist())
 
     def find(self, pattern: list[int]) -> tuple[int, int]:
         """The suffix-array range [lo, hi) of the suffixes starting with ``pattern`` (binary search, O(m log n))."""
@@ -125,8 +125,9 @@ class Datastore:
         hi = bisect.bisect_right(range(lo, len(self.sa)), pattern, key=lambda i: self._key(i, m)) + lo
         return lo, hi
 
-    def retrieve(self, context: list[int], max_suffix: int, min_suffix: int, max_retrieved: int,
-                 depth: int) -> tuple[int, np.ndarray]:
+    def retrieve(
+        self, context: list[int], max_suffix: int, min_suffix: int, max_retrieved: int, depth: int
+    ) -> tuple[int, np.ndarray]:
         """Continuations of the longest context suffix found (REST's exact-match retrieval, longest first).
 
         Returns:
@@ -136,7 +137,7 @@ class Datastore:
         for s in range(min(max_suffix, len(context)), min_suffix - 1, -1):
             lo, hi = self.find(context[-s:])
             if hi > lo:
-                starts = self.sa[lo:min(hi, lo + max_retrieved)] + s
+                starts = self.sa[lo : min(hi, lo + max_retrieved)] + s
                 idx = starts[:, None] + np.arange(depth)[None, :]
                 cont = self.tokens[np.minimum(idx, len(self.tokens) - 1)].astype(np.int64)
                 bad = (idx >= len(self.tokens)) | (cont == SEPARATOR)
@@ -157,8 +158,10 @@ class CorpusParams(DecoderParams):
         tokenizer: tokenizer of ``corpus`` (a model id or folder); default: the target's ``name_or_path``.
     """
 
-    corpus: CorpusSpec | None = Field(None, description="the datastore's text: a dataset entry (held out from the "
-                                      "suite's prompts with the suite's seed)")
+    corpus: CorpusSpec | None = Field(
+        None,
+        description="the datastore's text: a dataset entry (held out from the suite's prompts with the suite's seed)",
+    )
     tokens: str | None = Field(None, description="or a .npy file of token ids (-1 separates documents)")
     tokenizer: str | None = Field(None, description="tokenizer for corpus (default: the target's name_or_path)")
 
@@ -166,8 +169,10 @@ class CorpusParams(DecoderParams):
     @classmethod
     def _no_own_seed(cls, data: Any) -> Any:
         if isinstance(data, dict) and "seed" in data:
-            raise ValueError("seed: the corpus is held out with the suite's seed (the order its prompts are drawn "
-                             "in); remove `seed:` from the decoder's params")
+            raise ValueError(
+                "seed: the corpus is held out with the suite's seed (the order its prompts are drawn "
+                "in); remove `seed:` from the decoder's params"
+            )
         return data
 
     @model_validator(mode="after")
@@ -235,12 +240,14 @@ def read_tokens(path: str) -> np.ndarray:
             header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
             dtype = header(f)[2]
         if dtype.kind not in "iu":
-            raise DtbenchError(f"{where} holds {dtype.name} values, not integer token ids"
-                               + (" (a float array is not truncated)" if dtype.kind == "f" else ""))
+            raise DtbenchError(
+                f"{where} holds {dtype.name} values, not integer token ids"
+                + (" (a float array is not truncated)" if dtype.kind == "f" else "")
+            )
         array = np.load(file, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
         raise DtbenchError(f"cannot read {where}: {clip(exc, 160)}") from None
-    flat = array.reshape(-1)
+    flat: np.ndarray = array.reshape(-1)
     if flat.size == 0:
         raise DtbenchError(f"{where} is empty (no token ids)")
     low, high = int(flat.min()), int(flat.max())
@@ -264,7 +271,7 @@ def check_tokens_file(params: CorpusParams) -> None:
         read_tokens(params.tokens)
 
 
-def vocabulary_size(target) -> int:
+def vocabulary_size(target: Any) -> int:
     """The target's vocabulary size: its LM head's rows (the ids it can score), else ``config.vocab_size``."""
     head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
     if head is not None and getattr(head, "weight", None) is not None:
@@ -272,7 +279,7 @@ def vocabulary_size(target) -> int:
     return int(target.config.vocab_size)
 
 
-def check_vocabulary(store: Datastore, target, where: str) -> None:
+def check_vocabulary(store: Datastore, target: Any, where: str) -> None:
     """Every token of ``store`` is an id of ``target``'s vocabulary (a draft of it must be scoreable).
 
     Raises:
@@ -280,8 +287,10 @@ def check_vocabulary(store: Datastore, target, where: str) -> None:
     """
     vocab = vocabulary_size(target)
     if store.max_token >= vocab:
-        raise ValueError(f"{where} holds token id {store.max_token}, outside the target's vocabulary (0..{vocab - 1}); "
-                         f"was it tokenized with another tokenizer?")
+        raise ValueError(
+            f"{where} holds token id {store.max_token}, outside the target's vocabulary (0..{vocab - 1}); "
+            f"was it tokenized with another tokenizer?"
+        )
 
 
 def tokens_datastore(path: str) -> Datastore:
@@ -298,3 +307,51 @@ def tokens_datastore(path: str) -> Datastore:
     store.build_s = time.perf_counter() - start
     _STORES[key] = store
     return store
+
+
+CP = TypeVar("CP", bound=CorpusParams)
+
+
+class CorpusDecoder(Decoder[CP]):
+    """Base of the decoders whose params are a :class:`CorpusParams` (``rest``, ``suffix``): the corpus they declare,
+    the datastore built from the documents the harness injects, and the checks of a ``tokens:`` file.
+
+    Subclasses set ``self.store`` in ``__init__`` (``tokens_datastore`` of a tokens file, else None until
+    :meth:`use_corpus`) and implement ``generate``.
+    """
+
+    store: Datastore | None = None
+
+    @classmethod
+    def corpus_of(cls, params: CP) -> CorpusSpec | None:
+        """The declared corpus (``corpus:`` with ``tokenizer:``), or None (no corpus, or a tokens file)."""
+        return params.corpus_spec()
+
+    def use_corpus(self, corpus: Corpus) -> None:
+        """Build (or take from the process's cache) the datastore of the injected corpus.
+
+        Raises:
+            ValueError: a token id outside the target's vocabulary (a corpus tokenized with another tokenizer).
+        """
+        super().use_corpus(corpus)
+        self.store = corpus_datastore(corpus)
+        check_vocabulary(self.store, self.target, "the corpus")
+
+    @classmethod
+    def check_files(cls, params: CP) -> None:
+        """``dtbench validate`` and the run's preflight: the ``tokens:`` file is a valid one (before any model loads).
+
+        Raises:
+            DtbenchError: see :func:`read_tokens`.
+        """
+        check_tokens_file(params)
+
+    @classmethod
+    def check_target(cls, params: CP, target: Any) -> None:
+        """When the models are loaded, before any sample: the ``tokens:`` file's ids are in the target's vocabulary.
+
+        Raises:
+            ValueError: an id outside it (one line); DtbenchError: an unreadable tokens file.
+        """
+        if params.tokens is not None:
+            check_vocabulary(tokens_datastore(params.tokens), target, f"tokens file {params.tokens}")

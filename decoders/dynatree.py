@@ -30,8 +30,9 @@ from dtbench.decoders.base import Step
 from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams
 
 
-def breadth_rule(confidence: torch.Tensor, tau_h: float, tau_l: float, b_min: int, b_mid: int,
-                 b_max: int) -> torch.Tensor:
+def breadth_rule(
+    confidence: torch.Tensor, tau_h: float, tau_l: float, b_min: int, b_mid: int, b_max: int
+) -> torch.Tensor:
     """Per-node branching factor, paper 3.3:
 
         B(u) = B_min if c(u) >= tau_h;  B_mid if tau_l <= c(u) < tau_h;  B_max if c(u) < tau_l.
@@ -50,8 +51,9 @@ def breadth_rule(confidence: torch.Tensor, tau_h: float, tau_l: float, b_min: in
     return torch.where(confidence >= tau_h, b_min, b)
 
 
-def depth_gate(depth: int, cum_logp: torch.Tensor, d0: float, d_max: int, rho_stop: float,
-               rho_deep: float) -> torch.Tensor:
+def depth_gate(
+    depth: int, cum_logp: torch.Tensor, d0: float, d_max: int, rho_stop: float, rho_deep: float
+) -> torch.Tensor:
     """Dynamic depth control, paper 3.3: u is expandable iff
 
         d(u) < D_max  and  p(u) >= rho_stop  and  (d(u) < D_0  or  p(u) >= rho_deep),
@@ -95,8 +97,9 @@ class HistoryController:
     gate compares d(u) < D_0).
     """
 
-    def __init__(self, window: int, target: float, eta_depth: float, eta_h: float, d_max: int,
-                 eta_l: float | None = None):
+    def __init__(
+        self, window: int, target: float, eta_depth: float, eta_h: float, d_max: int, eta_l: float | None = None
+    ):
         """Args: window: W; target: a*; eta_depth, eta_h, eta_l: step sizes (per unit acceptance error;
         eta_l None = tau_l constant); d_max: D_max (D_0's upper clip is D_max - 1)."""
         self.values: deque[float] = deque(maxlen=window)
@@ -106,8 +109,9 @@ class HistoryController:
         self.eta_l = eta_l
         self.d_max = d_max
 
-    def update(self, accepted: int, drafted: int, d0: float, tau_h: float,
-               tau_l: float | None = None) -> tuple[float, float] | tuple[float, float, float]:
+    def update(
+        self, accepted: int, drafted: int, d0: float, tau_h: float, tau_l: float | None = None
+    ) -> tuple[float, float] | tuple[float, float, float]:
         """Record one iteration and return the adapted (D_0, tau_h), or (D_0, tau_h, tau_l) when ``tau_l`` is
         given (moved only if ``eta_l`` is set); all unchanged if drafted == 0."""
         if drafted > 0:
@@ -176,8 +180,13 @@ class DynaTreeParams(TreeParams):
     rho_stop: float = Field(0.2, gt=0.0, lt=1.0, description="early-stopping path probability rho_stop")
     rho_deep: float = Field(0.5, gt=0.0, lt=1.0, description="deep-expansion path probability rho_deep")
     window: int = Field(8, ge=1, le=1024, description="history window W (iterations)")
-    node_acceptance: float = Field(0.35, gt=0.0, lt=1.0, description="target node acceptance a* (accepted/drafted)",
-                                   validation_alias=AliasChoices("node_acceptance", "target_acceptance"))
+    node_acceptance: float = Field(
+        0.35,
+        gt=0.0,
+        lt=1.0,
+        description="target node acceptance a* (accepted/drafted)",
+        validation_alias=AliasChoices("node_acceptance", "target_acceptance"),
+    )
     eta_depth: float = Field(2.0, gt=0.0, le=100.0, description="step size eta_D for D_0")
     eta_h: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_h for tau_h")
     eta_l: float = Field(0.2, gt=0.0, le=10.0, description="step size eta_l for tau_l (when adapt_tau_l)")
@@ -212,9 +221,14 @@ class DynamicPolicy(ExpansionPolicy):
         self.tau = params.tau
         self.n_max = params.n_max
         self.max_breadth = params.b_max if params.dynamic_breadth else params.branching
-        self.history = HistoryController(params.window, params.node_acceptance, params.eta_depth,
-                                         params.eta_h, params.d_max,
-                                         eta_l=params.eta_l if params.adapt_tau_l else None)
+        self.history = HistoryController(
+            params.window,
+            params.node_acceptance,
+            params.eta_depth,
+            params.eta_h,
+            params.d_max,
+            eta_l=params.eta_l if params.adapt_tau_l else None,
+        )
 
     @property
     def depth_limit(self) -> int:
@@ -237,8 +251,9 @@ class DynamicPolicy(ExpansionPolicy):
     def observe(self, step: Step) -> None:
         """History adaptation after each verification (no-op when switched off)."""
         if self.p.history_adaptation:
-            self.d0, self.tau_h, self.tau_l = self.history.update(step.accepted, step.drafted, self.d0,
-                                                                  self.tau_h, self.tau_l)
+            self.d0, self.tau_h, self.tau_l = self.history.update(
+                step.accepted, step.drafted, self.d0, self.tau_h, self.tau_l
+            )
 
 
 class DynaTree(TreeDecoder):

@@ -109,14 +109,23 @@ class EagleDrafter(TreeDrafter):
         accepted tokens whose path lies within the m best-scored drafted nodes but not the m - 1 best
         (m = 1 .. total_token - 1). The cost model derives the tokens per iteration every smaller ``total_token``
         would have committed on the same run (exact for greedy verification)."""
-        return {"drafting_iterations": self.drafting_iterations, "drafted_nodes": self.n_max,
-                **{f"accepted_tokens_needing_{m}_nodes": c for m, c in sorted(self.needing.items())}}
+        return {
+            "drafting_iterations": self.drafting_iterations,
+            "drafted_nodes": self.n_max,
+            **{f"accepted_tokens_needing_{m}_nodes": c for m, c in sorted(self.needing.items())},
+        }
 
-    def _forward(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                 ancestors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # keyword arguments: the runner's forward hooks read input_ids and past_key_values from them
-        return self.head(input_ids=ids[None], features=features, position_ids=positions[None], ancestors=ancestors,
-                         past_key_values=self.cache)
+        return self.head(
+            input_ids=ids[None],
+            features=features,
+            position_ids=positions[None],
+            ancestors=ancestors,
+            past_key_values=self.cache,
+        )
 
     def _feed_committed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the pending (target feature, token) pairs causally; return the last pair's (hidden (1, 1, h),
@@ -156,8 +165,12 @@ class EagleDrafter(TreeDrafter):
             parents.append(fed_cand.repeat_interleave(k))
             best = cum.flatten().topk(k).indices  # the next level's fed nodes (topk_cs_index)
             rows = anc[-k:][best // k]
-            anc = torch.cat((torch.cat((anc, torch.zeros(anc.shape[0], k, dtype=torch.bool, device=dev)), 1),
-                             torch.cat((rows, torch.eye(k, dtype=torch.bool, device=dev)), 1)))
+            anc = torch.cat(
+                (
+                    torch.cat((anc, torch.zeros(anc.shape[0], k, dtype=torch.bool, device=dev)), 1),
+                    torch.cat((rows, torch.eye(k, dtype=torch.bool, device=dev)), 1),
+                )
+            )
             fed_ids, fed_feat, fed_scores = tokens[-1][best], out[:, best // k], cum.flatten()[best]
             fed_cand = n_cand + best
             n_cand += k * k
@@ -166,8 +179,9 @@ class EagleDrafter(TreeDrafter):
         self._drafted = (tree, rank) if rank is not None else None
 
     @staticmethod
-    def _add_best(tree: TokenTree, scores: torch.Tensor, own: torch.Tensor, tokens: torch.Tensor,
-                  parents: torch.Tensor, k: int) -> torch.Tensor | None:
+    def _add_best(
+        tree: TokenTree, scores: torch.Tensor, own: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, k: int
+    ) -> torch.Tensor | None:
         """Add the best candidates by score to ``tree`` in BFS order (one host sync for the level sizes); return
         each tree node's rank by score among the drafted nodes ((size,) int64, the root -1), None if none fit."""
         n = min(tree.budget_left, scores.numel())
@@ -183,11 +197,16 @@ class EagleDrafter(TreeDrafter):
         for level, count in enumerate(torch.bincount(levels).tolist()):
             if count == 0:
                 continue
-            idx = sel[start:start + count]
+            idx = sel[start : start + count]
             start += count
             par = parents[idx]
-            new = tree.add(node_of[par].to(tree.device), tokens[idx].to(tree.device), own[idx].to(tree.device),
-                           scores[idx].to(tree.device), level)
+            new = tree.add(
+                node_of[par].to(tree.device),
+                tokens[idx].to(tree.device),
+                own[idx].to(tree.device),
+                scores[idx].to(tree.device),
+                level,
+            )
             node_of[idx] = torch.arange(new.start, new.stop, device=scores.device)
         rank = torch.full((tree.size,), -1, dtype=torch.long, device=scores.device)
         rank[node_of[sel]] = rank_of[sel]
@@ -216,7 +235,8 @@ class EagleParams(DecoderParams):
     top_k: Annotated[int, Field(ge=1, le=64)] = Field(10, description="children per node and nodes fed per level")
     depth: Annotated[int, Field(ge=0, le=64)] = Field(5, description="head forwards per tree after the root's")
     total_token: Annotated[int, Field(ge=2, le=1024)] = Field(
-        60, description="tokens per verification, root included (total_token - 1 drafted nodes)")
+        60, description="tokens per verification, root included (total_token - 1 drafted nodes)"
+    )
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
 
@@ -248,8 +268,16 @@ class Eagle(HeadDecoder):
         """Run :func:`speculate_tree` with an :class:`EagleDrafter` (see there for the Steps)."""
         p = self.params
         drafter = self._drafter = EagleDrafter(self.draft, p.top_k, p.depth, p.total_token)
-        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, p.cache_strategy,
-                                  tree_root="pending", eos_token_id=self.eos_token_id)
+        yield from speculate_tree(
+            self.target,
+            None,
+            input_ids,
+            max_new_tokens,
+            drafter,
+            p.cache_strategy,
+            tree_root="pending",
+            eos_token_id=self.eos_token_id,
+        )
 
 
 __all__ = ["Eagle", "EagleDrafter", "EagleParams", "Step"]

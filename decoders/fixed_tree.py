@@ -26,8 +26,13 @@ class FixedTreeParams(TreeParams):
             :class:`~dtbench.decoders.tree.TreeParams`.
     """
 
-    depth: int = Field(8, ge=1, le=64, description="tree depth D (from u0 at depth 0 with tree_root=paper; "
-                       "drafted tokens on the longest path with tree_root=pending)")
+    depth: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="tree depth D (from u0 at depth 0 with tree_root=paper; "
+        "drafted tokens on the longest path with tree_root=pending)",
+    )
     branching: int = Field(3, ge=1, le=32, description="branching factor B (children per expanded node)")
 
 

@@ -48,7 +48,10 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
-    LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
+    LlamaAttention,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
 )
 
 from dtbench.decoders.base import Decoder
@@ -79,8 +82,7 @@ def head_file(head: str, names: tuple[str, ...]) -> Path:
             return Path(hf_hub_download(head, name))
         except Exception as exc:  # offline, missing repo or file: try the next name, report all
             errors.append(f"{name}: {type(exc).__name__}")
-    raise ValueError(f"head {head!r} is not a local folder and could not be fetched from the hub "
-                     f"({'; '.join(errors)})")
+    raise ValueError(f"head {head!r} is not a local folder and could not be fetched from the hub ({'; '.join(errors)})")
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a head's config.json
@@ -171,8 +173,10 @@ def _check_shapes(head: str, layout: nn.Module, shapes: dict[str, tuple[int, ...
     """
     for key, tensor in layout.state_dict().items():
         if key in shapes and not key.startswith(tuple(skip)) and tuple(tensor.shape) != shapes[key]:
-            raise ValueError(f"head {head}: {key} has shape {list(shapes[key])} in the weights, but config.json "
-                             f"makes it {list(tensor.shape)}")
+            raise ValueError(
+                f"head {head}: {key} has shape {list(shapes[key])} in the weights, but config.json "
+                f"makes it {list(tensor.shape)}"
+            )
 
 
 def _target_sizes(target: nn.Module) -> tuple[int, int]:
@@ -186,7 +190,7 @@ def _fits(what: str, head_size: int, target_size: int, head: str) -> None:
         raise ValueError(f"head {head}: its {what} {head_size} does not fit the target's {what} {target_size}")
 
 
-_LOADED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_LOADED: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _cached(target: nn.Module, key: tuple, build):
@@ -210,7 +214,7 @@ class HeadDecoder(Decoder):
             target, raising a one-line ValueError for a head that does not fit).
     """
 
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False
@@ -277,7 +281,8 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
-            for _ in range(num_heads))
+            for _ in range(num_heads)
+        )
 
     def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """Head logits from target features.
@@ -312,16 +317,20 @@ def _medusa_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]]) -> 
     ids = sorted({int(k.split(".", 1)[0]) for k in shapes if k.split(".", 1)[0].isdigit()})
     lm = shapes.get(f"0.{layers}.weight")
     if not ids or ids != list(range(len(ids))) or lm is None or len(lm) != 2 or 0 in lm:
-        raise ValueError(f"head {head}: medusa_lm_head keys are not Medusa-1's ({{i}}.{{j}}.linear.weight, "
-                         f"{{i}}.{layers}.weight with medusa_num_layers={layers})")
+        raise ValueError(
+            f"head {head}: medusa_lm_head keys are not Medusa-1's ({{i}}.{{j}}.linear.weight, "
+            f"{{i}}.{layers}.weight with medusa_num_layers={layers})"
+        )
     vocab, hidden = lm
     with torch.device("meta"):
         layout = MedusaHeads(len(ids), layers, hidden, vocab).heads
     expected = set(layout.state_dict())
     unknown, absent = sorted(shapes.keys() - expected), sorted(expected - shapes.keys())
     if unknown or absent:
-        raise ValueError(f"head {head}: medusa_lm_head does not match Medusa-1's layout with medusa_num_layers="
-                         f"{layers} (unexpected {unknown[:4]}, missing {absent[:4]})")
+        raise ValueError(
+            f"head {head}: medusa_lm_head does not match Medusa-1's layout with medusa_num_layers="
+            f"{layers} (unexpected {unknown[:4]}, missing {absent[:4]})"
+        )
     _check_shapes(head, layout, shapes)
     return len(ids), layers, int(hidden), int(vocab)
 
@@ -343,6 +352,7 @@ def load_medusa(head: str, target: nn.Module) -> MedusaHeads:
         ValueError: missing files or config fields, keys that are not Medusa-1's, or a hidden size or vocabulary
             that does not fit the target (one line, both sizes).
     """
+
     def build() -> MedusaHeads:
         cfg = _config(head)
         sd = _state_dict(_medusa_file(head))
@@ -377,8 +387,12 @@ class EagleLayer(nn.Module):
         self.eagle3 = eagle3
         self.self_attn = LlamaAttention(config, layer_idx=0)
         if eagle3:
-            h, heads, kv, hd = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                                self.self_attn.head_dim)
+            h, heads, kv, hd = (
+                config.hidden_size,
+                config.num_attention_heads,
+                config.num_key_value_heads,
+                self.self_attn.head_dim,
+            )
             self.self_attn.q_proj = nn.Linear(2 * h, heads * hd, bias=False)
             self.self_attn.k_proj = nn.Linear(2 * h, kv * hd, bias=False)
             self.self_attn.v_proj = nn.Linear(2 * h, kv * hd, bias=False)
@@ -405,8 +419,9 @@ class EagleHead(nn.Module):
         kind: the 4D mask format of its attention implementation (the target's).
     """
 
-    def __init__(self, config: LlamaConfig, version: int, target: nn.Module, *, fc_in: int, fc_bias: bool,
-                 own_embedding: bool):
+    def __init__(
+        self, config: LlamaConfig, version: int, target: nn.Module, *, fc_in: int, fc_bias: bool, own_embedding: bool
+    ):
         super().__init__()
         self.version = version
         self.config = config
@@ -425,8 +440,11 @@ class EagleHead(nn.Module):
             self.hidden_layers = (L,)
         if own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self._target = ((target.get_input_embeddings(), target.get_output_embeddings())  # not submodules
-                        if target is not None else (None, None))
+        self._target = (
+            (target.get_input_embeddings(), target.get_output_embeddings())  # not submodules
+            if target is not None
+            else (None, None)
+        )
         self.rotary = LlamaRotaryEmbedding(config)
         self.kind = attention_mask_kind(target) if target is not None else None
 
@@ -438,8 +456,14 @@ class EagleHead(nn.Module):
         table = self.embed_tokens if hasattr(self, "embed_tokens") else self._target[0]
         return table(ids)
 
-    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                ancestors: torch.Tensor, past_key_values) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        ancestors: torch.Tensor,
+        past_key_values,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over n (feature, token) pairs appended after its cache (cnets ``Model.forward``).
 
         Args:
@@ -484,8 +508,13 @@ def eagle_version(cfg: dict) -> int:
 
 
 _EAGLE_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
-_EAGLE_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "draft_vocab_size", "target_hidden_size",
-                         "max_position_embeddings")
+_EAGLE_OPTIONAL_SIZES = (
+    "num_key_value_heads",
+    "head_dim",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "max_position_embeddings",
+)
 
 
 def _eagle_config(head: str, cfg: dict) -> LlamaConfig:
@@ -503,28 +532,35 @@ def _eagle_config(head: str, cfg: dict) -> LlamaConfig:
             sizes[k] = _positive_int(cfg, k, head)
     heads, kv = sizes["num_attention_heads"], sizes.get("num_key_value_heads", sizes["num_attention_heads"])
     if "head_dim" not in sizes and sizes["hidden_size"] % heads:
-        raise ValueError(f"head {head}: config.json: hidden_size {sizes['hidden_size']} is not a multiple of "
-                         f"num_attention_heads {heads}")
+        raise ValueError(
+            f"head {head}: config.json: hidden_size {sizes['hidden_size']} is not a multiple of "
+            f"num_attention_heads {heads}"
+        )
     if heads % kv:
-        raise ValueError(f"head {head}: config.json: num_attention_heads {heads} is not a multiple of "
-                         f"num_key_value_heads {kv}")
+        raise ValueError(
+            f"head {head}: config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
+        )
     eps = cfg.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
-        raise ValueError(f"head {head}: config.json: rms_norm_eps must be a number between 0 and 1, not "
-                         f"{json.dumps(eps)[:40]}")
+        raise ValueError(
+            f"head {head}: config.json: rms_norm_eps must be a number between 0 and 1, not {json.dumps(eps)[:40]}"
+        )
     act = cfg.get("hidden_act", "silu")
     if not isinstance(act, str) or act not in ACT2FN:
-        raise ValueError(f"head {head}: config.json: hidden_act {json.dumps(act)[:40]} is not an activation "
-                         f"transformers knows")
+        raise ValueError(
+            f"head {head}: config.json: hidden_act {json.dumps(act)[:40]} is not an activation transformers knows"
+        )
     try:
         return LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype", "dtype")})
     except Exception as exc:  # noqa: BLE001  (transformers' strict config validation: any bad field)
-        raise ValueError(f"head {head}: config.json is not a Llama config ({type(exc).__name__}: "
-                         f"{' '.join(str(exc).split())[:200]})") from None
+        raise ValueError(
+            f"head {head}: config.json is not a Llama config ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        ) from None
 
 
-def _eagle_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]],
-                  read: Callable[[str], torch.Tensor]) -> tuple[LlamaConfig, int, dict]:
+def _eagle_layout(
+    head: str, cfg: dict, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor]
+) -> tuple[LlamaConfig, int, dict]:
     """(LlamaConfig, version, EagleHead keyword arguments) of an EAGLE head, config.json and every weight's shape
     checked against the layout they make (built on the meta device: nothing allocated), and EAGLE-3's ``d2t``
     checked to map every draft id into ``vocab_size``.
@@ -536,8 +572,10 @@ def _eagle_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]],
     version = eagle_version(cfg)
     layer_key = "midlayer." if version == 3 else "layers.0."
     if "fc.weight" not in shapes or not any(k.startswith(layer_key) for k in shapes):
-        raise ValueError(f"head {head}: weights lack fc.weight or {layer_key}* (config.json says EAGLE-"
-                         f"{'3' if version == 3 else '1/2'})")
+        raise ValueError(
+            f"head {head}: weights lack fc.weight or {layer_key}* (config.json says EAGLE-"
+            f"{'3' if version == 3 else '1/2'})"
+        )
     config = _eagle_config(head, cfg)
     fc = shapes["fc.weight"]
     if len(fc) != 2 or 0 in fc:
@@ -549,8 +587,10 @@ def _eagle_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]],
     synthesized = set()
     if version == 3 and not {"d2t", "t2d"} <= shapes.keys():
         if config.draft_vocab_size != config.vocab_size:
-            raise ValueError(f"head {head}: draft_vocab_size {config.draft_vocab_size} differs from vocab_size "
-                             f"{config.vocab_size} but the weights hold no d2t/t2d maps")
+            raise ValueError(
+                f"head {head}: draft_vocab_size {config.draft_vocab_size} differs from vocab_size "
+                f"{config.vocab_size} but the weights hold no d2t/t2d maps"
+            )
         synthesized = {"d2t", "t2d"}  # identity maps, filled in by the loader
     # RoPE's inv_freq is computed, not learned: a checkpoint saved where it was a persistent buffer (older
     # transformers) holds it; the reference loads such files (strict=False since its EAGLE-3 release)
@@ -559,8 +599,10 @@ def _eagle_layout(head: str, cfg: dict, shapes: dict[str, tuple[int, ...]],
     if version == 3:  # the reference loads EAGLE-3 heads with strict=False: extra tensors are ignored
         unknown = [k for k in unknown if k.startswith("layers.")]
     if unknown or absent:
-        raise ValueError(f"head {head}: weights do not match the EAGLE-{'3' if version == 3 else '1/2'} layout "
-                         f"(unexpected {unknown[:4]}, missing {absent[:4]})")
+        raise ValueError(
+            f"head {head}: weights do not match the EAGLE-{'3' if version == 3 else '1/2'} layout "
+            f"(unexpected {unknown[:4]}, missing {absent[:4]})"
+        )
     _check_shapes(head, layout, shapes)
     if version == 3 and "d2t" in shapes and config.draft_vocab_size != config.vocab_size:
         _check_d2t(head, read("d2t"), config.vocab_size)
@@ -579,8 +621,10 @@ def _check_d2t(head: str, d2t: torch.Tensor, vocab: int) -> None:
     bad = torch.nonzero((mapped < 0) | (mapped >= vocab)).reshape(-1)
     if len(bad):
         i = int(bad[0])
-        raise ValueError(f"head {head}: d2t maps draft id {i} to token {int(mapped[i])}, outside the vocabulary "
-                         f"(0..{vocab - 1}); {len(bad)} draft ids are mapped outside it")
+        raise ValueError(
+            f"head {head}: d2t maps draft id {i} to token {int(mapped[i])}, outside the vocabulary "
+            f"(0..{vocab - 1}); {len(bad)} draft ids are mapped outside it"
+        )
 
 
 def _eagle_file(head: str) -> Path:
@@ -606,11 +650,11 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
             config.json says, an EAGLE-3 d2t mapping outside the vocabulary, or sizes that do not fit the target
             (hidden size, vocabulary, fc input; one line naming both sizes); all before the head is allocated.
     """
+
     def build() -> EagleHead:
         cfg = _config(head)
         sd = _state_dict(_eagle_file(head))
-        config, version, kwargs = _eagle_layout(head, cfg, {k: tuple(v.shape) for k, v in sd.items()},
-                                                sd.__getitem__)
+        config, version, kwargs = _eagle_layout(head, cfg, {k: tuple(v.shape) for k, v in sd.items()}, sd.__getitem__)
         t_hidden, t_vocab = _target_sizes(target)
         config._attn_implementation = getattr(target.config, "_attn_implementation", None) or "eager"
         _fits("vocabulary size", int(config.vocab_size), t_vocab, head)
@@ -622,14 +666,23 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
         _fits("fc input size", kwargs["fc_in"], fc_in, head)
         if version == 3:
             if target.config.num_hidden_layers < 7:
-                raise ValueError(f"head {head}: EAGLE-3 reads target layers 2, L//2 and L-3, which need L >= 7 "
-                                 f"layers; the target has {target.config.num_hidden_layers}")
-            _fits("lm_head vocabulary (draft_vocab_size)", int(sd["lm_head.weight"].shape[0]),
-                  int(config.draft_vocab_size), head)
+                raise ValueError(
+                    f"head {head}: EAGLE-3 reads target layers 2, L//2 and L-3, which need L >= 7 "
+                    f"layers; the target has {target.config.num_hidden_layers}"
+                )
+            _fits(
+                "lm_head vocabulary (draft_vocab_size)",
+                int(sd["lm_head.weight"].shape[0]),
+                int(config.draft_vocab_size),
+                head,
+            )
         module = EagleHead(config, version, target, **kwargs)
         if version == 3 and not {"d2t", "t2d"} <= sd.keys():
-            sd = {**sd, "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
-                  "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
+            sd = {
+                **sd,
+                "d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
+                "t2d": torch.ones(config.vocab_size, dtype=torch.bool),
+            }
         expected = {k for k in module.state_dict() if not k.startswith("rotary.")}
         sd = {k: v for k, v in sd.items() if k in expected}  # unknown tensors were refused or are ignored (EAGLE-3)
         try:

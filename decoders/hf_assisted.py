@@ -40,7 +40,6 @@ scikit-learn it stays fixed. Results are only comparable between environments th
 from __future__ import annotations
 
 import logging
-
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,10 +58,24 @@ _ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", 
 # Generation settings forced to their neutral value, so that a model's own generation_config cannot turn greedy
 # decoding into something else (repetition penalties, banned n-grams, forced or suppressed tokens).
 _NEUTRAL = dict(
-    repetition_penalty=None, no_repeat_ngram_size=None, bad_words_ids=None, suppress_tokens=None,
-    begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None,
-    encoder_repetition_penalty=None, encoder_no_repeat_ngram_size=None, renormalize_logits=None,
-    temperature=None, top_k=None, top_p=None, min_p=None, typical_p=None, epsilon_cutoff=None, eta_cutoff=None,
+    repetition_penalty=None,
+    no_repeat_ngram_size=None,
+    bad_words_ids=None,
+    suppress_tokens=None,
+    begin_suppress_tokens=None,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    sequence_bias=None,
+    encoder_repetition_penalty=None,
+    encoder_no_repeat_ngram_size=None,
+    renormalize_logits=None,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    typical_p=None,
+    epsilon_cutoff=None,
+    eta_cutoff=None,
 )
 
 
@@ -193,7 +206,7 @@ class _StreamedGenerate(Decoder):
         mask = torch.zeros((b, width), dtype=torch.long, device=dev)
         for r, p in enumerate(prompts):
             n = p.shape[-1]
-            ids[r, width - n:], mask[r, width - n:] = p[0], 1
+            ids[r, width - n :], mask[r, width - n :] = p[0], 1
         bridge = _Bridge()
         call = greenlet(lambda: self._work(bridge, ids, max_new_tokens, mask))
         try:
@@ -208,8 +221,9 @@ class _StreamedGenerate(Decoder):
             while not call.dead:
                 call.switch()
 
-    def _work(self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int,
-              attention_mask: torch.Tensor | None = None) -> None:
+    def _work(
+        self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None
+    ) -> None:
         """The greenlet's body: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
         at EOS) with the subclass's settings."""
         target = self.target
@@ -224,8 +238,12 @@ class _StreamedGenerate(Decoder):
             # transformers samples from the global torch RNG: seed it from this sample's own generator, so a
             # seeded run is reproducible (the only global RNG use in dtbench, inside this call).
             torch.manual_seed(self.generator.initial_seed() if self.generator is not None else 0)
-            settings.update(do_sample=True, temperature=self.sampling.temperature,
-                            top_k=self.sampling.top_k or None, top_p=self.sampling.top_p)
+            settings.update(
+                do_sample=True,
+                temperature=self.sampling.temperature,
+                top_k=self.sampling.top_k or None,
+                top_p=self.sampling.top_p,
+            )
         with self._around_call(bridge):
             target.generate(
                 input_ids,
@@ -253,10 +271,15 @@ class HFGenerateParams(DecoderParams):
         max_matching_ngram_size: longest n-gram matched (transformers' default, 2, when None).
     """
 
-    prompt_lookup_num_tokens: int | None = Field(None, ge=1, le=128, description="transformers' prompt lookup: "
-                                                 "candidate tokens per iteration (None: plain generate)")
-    max_matching_ngram_size: int | None = Field(None, ge=1, le=64, description="prompt lookup's longest n-gram "
-                                                "(None: transformers' default, 2)")
+    prompt_lookup_num_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=128,
+        description="transformers' prompt lookup: candidate tokens per iteration (None: plain generate)",
+    )
+    max_matching_ngram_size: int | None = Field(
+        None, ge=1, le=64, description="prompt lookup's longest n-gram (None: transformers' default, 2)"
+    )
 
 
 class HFGenerate(_StreamedGenerate):
@@ -355,7 +378,10 @@ class HFAssisted(_StreamedGenerate):
             # holding only the assistant settings, swapped in for the call.
             draft.generation_config = GenerationConfig(
                 **{name: getattr(self.params, name) for name in _ASSISTANT_SETTINGS},
-                eos_token_id=None, pad_token_id=pad, do_sample=False, num_beams=1,
+                eos_token_id=None,
+                pad_token_id=pad,
+                do_sample=False,
+                num_beams=1,
             )
             with _counting_candidates(target, bridge), _quiet_assistant_call():
                 yield

@@ -70,7 +70,7 @@ def forward(
     return out.logits[0], torch.cat([out.hidden_states[i][0] for i in hidden_layers], dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_keyword_of(cls: type) -> str:
     try:
         params = inspect.signature(cls.forward).parameters
@@ -194,9 +194,13 @@ class RaggedBatch:
         self.keep([list(range(len(p))) for p in prompts])
         return [logits[r, last.index(len(p) - 1)] for r, p in enumerate(prompts)]
 
-    def forward(self, tokens: list[list[int]], ancestors: list[torch.Tensor | None] | None = None,
-                depths: list[torch.Tensor | None] | None = None, keep_logits: list[int] | None = None
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: list[list[int]],
+        ancestors: list[torch.Tensor | None] | None = None,
+        depths: list[torch.Tensor | None] | None = None,
+        keep_logits: list[int] | None = None,
+    ) -> torch.Tensor:
         """One forward over every row's new tokens; the cache grows by the longest row's count.
 
         Args:
@@ -237,8 +241,14 @@ class RaggedBatch:
         kwargs = {}
         if keep_logits is not None:
             kwargs["logits_to_keep"] = torch.tensor(keep_logits, dtype=torch.long, device=dev)
-        out = self.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, use_cache=True,
-                         **{cache_keyword(self.model): self.cache}, **kwargs)
+        out = self.model(
+            input_ids=ids.to(dev),
+            position_ids=pos.to(dev),
+            attention_mask=mask,
+            use_cache=True,
+            **{cache_keyword(self.model): self.cache},
+            **kwargs,
+        )
         self._width, self._fed = width, [len(t) for t in tokens]
         return out.logits
 

@@ -21,7 +21,7 @@ class LinearParams(DecoderParams):
     k: int = Field(5, ge=1, le=64, description="draft tokens per iteration (K)")
 
 
-class LinearSpeculative(Decoder):
+class LinearSpeculative(Decoder[LinearParams]):
     """Draft K tokens greedily with the draft model, verify them in one target forward, commit the longest
     matching prefix plus the target's bonus token (:func:`~dtbench.decoders.chain.speculate_chain` with a
     :class:`~dtbench.decoders.chain.DraftModelProposer`; the target runs exactly one forward per iteration).
@@ -41,11 +41,27 @@ class LinearSpeculative(Decoder):
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        yield from speculate_chain(KVTarget(self.target), DraftModelProposer(self.draft), input_ids, max_new_tokens,
-                                   self.params.k, self.sampling, self.generator, self.eos_token_id)
+        assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
+        yield from speculate_chain(
+            KVTarget(self.target),
+            DraftModelProposer(self.draft),
+            input_ids,
+            max_new_tokens,
+            self.params.k,
+            self.sampling,
+            self.generator,
+            self.eos_token_id,
+        )
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
         """B prompts through the one chain loop: one draft proposer per row, one batched target verification."""
-        yield from speculate_chain_batch(self.target, [DraftModelProposer(self.draft) for _ in prompts], prompts,
-                                         max_new_tokens, self.params.k, self.eos_token_id)
+        assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
+        yield from speculate_chain_batch(
+            self.target,
+            [DraftModelProposer(self.draft) for _ in prompts],
+            prompts,
+            max_new_tokens,
+            self.params.k,
+            self.eos_token_id,
+        )

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -65,7 +64,7 @@ class NgramPool:
     def add_text(self, tokens: list[int], n: int) -> None:
         """Insert every n-gram of ``tokens`` (``fill_pool_with_prompt``)."""
         for s in range(len(tokens) - n + 1):
-            self.add(tokens[s], tuple(tokens[s + 1:s + n]))
+            self.add(tokens[s], tuple(tokens[s + 1 : s + n]))
 
     def candidates(self, key: int) -> list[tuple[int, ...]]:
         """The continuations stored under ``key``, oldest first."""
@@ -93,7 +92,7 @@ class LookaheadDrafter(TreeDrafter):
         self.levels: list[list[int]] = [[rng.choice(prompt) for _ in range(window - 1)]]
         self.pool = NgramPool(guess)
         self.pool_from_prompt = pool_from_prompt
-        self.history = list(prompt[-(ngram - 1):]) if ngram > 1 else []
+        self.history = list(prompt[-(ngram - 1) :]) if ngram > 1 else []
         if pool_from_prompt:
             self.pool.add_text(list(prompt), ngram)
         self.max_breadth = guess
@@ -109,7 +108,7 @@ class LookaheadDrafter(TreeDrafter):
             for cont in self.pool.candidates(root):
                 if len(cont) >= d and cont[:d] not in trie and cont[:d] not in level:
                     level.append(cont[:d])
-            level = level[:tree.budget_left]
+            level = level[: tree.budget_left]
             if not level:
                 break
             parents = torch.tensor([trie[p[:-1]] for p in level], device=tree.device)
@@ -165,7 +164,7 @@ class LookaheadDrafter(TreeDrafter):
         if self.pool_from_prompt:  # the last committed token is the next root, added by feed_logits
             self.history.extend(step.tokens[:-1])
             self.pool.add_text(self.history, self.n)
-            self.history = self.history[-(self.n - 1):]
+            self.history = self.history[-(self.n - 1) :]
 
 
 class LookaheadParams(DecoderParams):
@@ -199,7 +198,7 @@ class Lookahead(Decoder):
     """
 
     Params = LookaheadParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False
@@ -223,17 +222,29 @@ class Lookahead(Decoder):
         if self.drafter is None:
             return None
         ngrams = self.drafter.pool.ngrams
-        return {"pool_ngrams": ngrams, "pool_tokens": ngrams * self.params.ngram_size,
-                "window_tokens": sum(len(level) for level in self.drafter.levels)}
+        return {
+            "pool_ngrams": ngrams,
+            "pool_tokens": ngrams * self.params.ngram_size,
+            "window_tokens": sum(len(level) for level in self.drafter.levels),
+        }
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         """Run :func:`~dtbench.decoders.tree.speculate_tree` with a fresh :class:`LookaheadDrafter`."""
         p = self.params
-        self.drafter = LookaheadDrafter(input_ids[0].tolist(), p.window_size, p.ngram_size, p.guess_set_size,
-                                        p.pool_from_prompt, p.seed)
-        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self.drafter, p.cache_strategy,
-                                  tree_root="pending", eos_token_id=self.eos_token_id)
+        self.drafter = LookaheadDrafter(
+            input_ids[0].tolist(), p.window_size, p.ngram_size, p.guess_set_size, p.pool_from_prompt, p.seed
+        )
+        yield from speculate_tree(
+            self.target,
+            None,
+            input_ids,
+            max_new_tokens,
+            self.drafter,
+            p.cache_strategy,
+            tree_root="pending",
+            eos_token_id=self.eos_token_id,
+        )
 
 
 __all__ = ["Lookahead", "LookaheadDrafter", "LookaheadParams", "NgramPool"]

@@ -25,12 +25,69 @@ from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
 # medusa/model/medusa_choices.py, mc_sim_7b_63 (the reference's default for Vicuna-7B), verbatim.
 MC_SIM_7B_63 = [
-    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5], [0, 0, 1],
-    [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0],
-    [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6],
-    [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2],
-    [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1],
-    [1, 6], [0, 7, 0],
+    [0],
+    [0, 0],
+    [1],
+    [0, 1],
+    [2],
+    [0, 0, 0],
+    [1, 0],
+    [0, 2],
+    [3],
+    [0, 3],
+    [4],
+    [0, 4],
+    [2, 0],
+    [0, 5],
+    [0, 0, 1],
+    [5],
+    [0, 6],
+    [6],
+    [0, 7],
+    [0, 1, 0],
+    [1, 1],
+    [7],
+    [0, 8],
+    [0, 0, 2],
+    [3, 0],
+    [0, 9],
+    [8],
+    [9],
+    [1, 0, 0],
+    [0, 2, 0],
+    [1, 2],
+    [0, 0, 3],
+    [4, 0],
+    [2, 1],
+    [0, 0, 4],
+    [0, 0, 5],
+    [0, 0, 0, 0],
+    [0, 1, 1],
+    [0, 0, 6],
+    [0, 3, 0],
+    [5, 0],
+    [1, 3],
+    [0, 0, 7],
+    [0, 0, 8],
+    [0, 0, 9],
+    [6, 0],
+    [0, 4, 0],
+    [1, 4],
+    [7, 0],
+    [0, 1, 2],
+    [2, 0, 0],
+    [3, 1],
+    [2, 2],
+    [8, 0],
+    [0, 5, 0],
+    [1, 5],
+    [1, 0, 1],
+    [0, 2, 1],
+    [9, 0],
+    [0, 6, 0],
+    [0, 0, 0, 1],
+    [1, 6],
+    [0, 7, 0],
 ]
 MEDUSA_CHOICES = {"mc_sim_7b_63": MC_SIM_7B_63}
 Rank = Annotated[int, Field(ge=0, le=1023)]
@@ -87,12 +144,13 @@ class MedusaDrafter(TreeDrafter):
         node_of = {}
         for d in range(1, depth_cap + 1):
             level = [i for i, c in enumerate(self.paths) if len(c) == d]
-            level = level[:tree.budget_left]
+            level = level[: tree.budget_left]
             if not level:
                 break
             ranks = torch.tensor([self.paths[i][-1] for i in level], device=tree.device)
-            parents = torch.tensor([node_of[self.parents[i]] if self.parents[i] >= 0 else 0 for i in level],
-                                   device=tree.device)
+            parents = torch.tensor(
+                [node_of[self.parents[i]] if self.parents[i] >= 0 else 0 for i in level], device=tree.device
+            )
             lp = logp[d - 1, ranks]
             new = tree.add(parents, tokens[d - 1, ranks], lp, tree.cum_logp[parents] + lp, d)
             node_of.update(zip(level, new))
@@ -110,9 +168,9 @@ class MedusaParams(DecoderParams):
     """
 
     head: str = Field(..., min_length=1, description="Medusa head: local folder or hub id (medusa_lm_head.pt)")
-    choices: Literal["mc_sim_7b_63"] | Annotated[list[Annotated[list[Rank], Field(min_length=1)]],
-                                                Field(min_length=1)] = Field(
-        "mc_sim_7b_63", description="static tree: 'mc_sim_7b_63' or a list of top-k rank paths")
+    choices: (
+        Literal["mc_sim_7b_63"] | Annotated[list[Annotated[list[Rank], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field("mc_sim_7b_63", description="static tree: 'mc_sim_7b_63' or a list of top-k rank paths")
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
 
@@ -142,8 +200,16 @@ class Medusa(HeadDecoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         drafter = MedusaDrafter(self.draft, self.choices_of(self.params), self.target.config.num_hidden_layers)
-        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, drafter, self.params.cache_strategy,
-                                  tree_root="pending", eos_token_id=self.eos_token_id)
+        yield from speculate_tree(
+            self.target,
+            None,
+            input_ids,
+            max_new_tokens,
+            drafter,
+            self.params.cache_strategy,
+            tree_root="pending",
+            eos_token_id=self.eos_token_id,
+        )
 
 
 __all__ = ["MC_SIM_7B_63", "Medusa", "MedusaDrafter", "MedusaParams", "Step", "static_tree"]

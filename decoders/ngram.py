@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -28,8 +28,9 @@ from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain, speculat
 Occurrence = Literal["earliest", "latest"]
 
 
-def longest_suffix_match(tokens: list[int], min_n: int, max_n: int,
-                         occurrence: Occurrence = "earliest") -> tuple[int, int]:
+def longest_suffix_match(
+    tokens: list[int], min_n: int, max_n: int, occurrence: Occurrence = "earliest"
+) -> tuple[int, int]:
     """The longest suffix of ``tokens`` (at most ``max_n`` long) that also occurs earlier, by KMP (vLLM's search).
 
     The sequence is reversed, so a suffix of ``tokens`` is a prefix of the reversed sequence; the KMP failure
@@ -93,7 +94,7 @@ class NgramProposer(Proposer):
         if not n:
             return []
         self.matches += 1
-        return self.tokens[start:start + max_tokens]
+        return self.tokens[start : start + max_tokens]
 
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
         self.tokens.extend(committed)
@@ -101,8 +102,11 @@ class NgramProposer(Proposer):
     def state(self) -> dict[str, int]:
         """What the method stored: the context (tokens, and its list's bytes by ``sys.getsizeof``: pointers only,
         small ints are shared) and how many lookups found a match."""
-        return {"context_tokens": len(self.tokens), "context_bytes": sys.getsizeof(self.tokens),
-                "lookup_matches": self.matches}
+        return {
+            "context_tokens": len(self.tokens),
+            "context_bytes": sys.getsizeof(self.tokens),
+            "lookup_matches": self.matches,
+        }
 
 
 class NgramParams(DecoderParams):
@@ -120,17 +124,19 @@ class NgramParams(DecoderParams):
     k: int = Field(10, ge=1, le=128, description="draft tokens per iteration (K)")
     min_n: int = Field(1, ge=1, le=64, description="shortest context suffix matched")
     max_n: int = Field(3, ge=1, le=64, description="longest context suffix matched")
-    occurrence: Occurrence = Field("earliest", description="'earliest' (vLLM, transformers) or 'latest' "
-                                   "occurrence of the matched suffix supplies the draft")
+    occurrence: Occurrence = Field(
+        "earliest",
+        description="'earliest' (vLLM, transformers) or 'latest' occurrence of the matched suffix supplies the draft",
+    )
 
     @model_validator(mode="after")
-    def _ordered(self):
+    def _ordered(self) -> NgramParams:
         if self.min_n > self.max_n:
             raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
         return self
 
 
-class Ngram(Decoder):
+class Ngram(Decoder[NgramParams]):
     """N-gram / prompt lookup speculative decoding on the one chain loop; lossless (greedy and sampled).
 
     Capabilities: family ``chain``; verify sizes (K + 1 chain tokens, 0 masked); sampling by speculative sampling
@@ -139,7 +145,7 @@ class Ngram(Decoder):
     """
 
     Params = NgramParams
-    family: ClassVar[str] = "chain"
+    family = "chain"
     needs_draft = False
     lossless = True
     supports_sampling = True
@@ -169,8 +175,16 @@ class Ngram(Decoder):
         """
         p = self.params
         self._proposer = NgramProposer(p.min_n, p.max_n, p.occurrence)
-        yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
-                                   self.sampling, self.generator, eos_token_id=self.eos_token_id)
+        yield from speculate_chain(
+            KVTarget(self.target),
+            self._proposer,
+            input_ids,
+            max_new_tokens,
+            p.k,
+            self.sampling,
+            self.generator,
+            eos_token_id=self.eos_token_id,
+        )
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:

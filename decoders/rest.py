@@ -31,18 +31,18 @@ suite's seed, or from a ``.npy`` tokens file; its size, token count and build ti
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from dtbench.core import Corpus, CorpusSpec, DtbenchError
-from dtbench.decoders.base import Decoder, Step
-from dtbench.decoders.datastore import (CorpusParams, Datastore, check_tokens_file, check_vocabulary,
-                                        corpus_datastore, tokens_datastore)
+from dtbench.core import DtbenchError
+from dtbench.decoders.base import Step
+from dtbench.decoders.datastore import CorpusDecoder, CorpusParams, Datastore, tokens_datastore
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
+
 
 def frequent_trie(cont: np.ndarray, n_max: int) -> list[tuple[tuple[int, ...], int]]:
     """The ``n_max`` most frequent prefixes of the continuations, as (prefix, count) in BFS order (REST's pruned
@@ -116,8 +116,9 @@ class RestDrafter(TreeDrafter):
     def draft(self, tree: TokenTree, root: int, depth_cap: int) -> None:
         p = self.p
         self.retrievals["steps"] += 1
-        s, cont = self.store.retrieve(self.context, p.max_suffix, p.min_suffix, p.max_retrieved,
-                                      min(p.depth, depth_cap))
+        s, cont = self.store.retrieve(
+            self.context, p.max_suffix, p.min_suffix, p.max_retrieved, min(p.depth, depth_cap)
+        )
         if not s:
             return
         self.retrievals["matched"] += 1
@@ -131,8 +132,13 @@ class RestDrafter(TreeDrafter):
             level = [(t, c) for t, c in trie if len(t) == d]
             parents = torch.tensor([index[t[:-1]] for t, _ in level], device=tree.device)
             logp = torch.log(torch.tensor([c / total for _, c in level], device=tree.device))
-            new = tree.add(parents, torch.tensor([t[-1] for t, _ in level], device=tree.device),
-                           logp - tree.cum_logp[parents], logp, d)
+            new = tree.add(
+                parents,
+                torch.tensor([t[-1] for t, _ in level], device=tree.device),
+                logp - tree.cum_logp[parents],
+                logp,
+                d,
+            )
             index.update(zip((t for t, _ in level), new))
 
 
@@ -151,7 +157,8 @@ class RestParams(CorpusParams):
 
     n_max: int = Field(64, ge=1, le=1024, description="trie nodes chosen per step (REST num_draft)")
     prune: Literal["reference", "frequency"] = Field(
-        "reference", description="reference: REST's cut_to_choices of the chosen nodes; frequency: verify all n_max")
+        "reference", description="reference: REST's cut_to_choices of the chosen nodes; frequency: verify all n_max"
+    )
     depth: int = Field(10, ge=1, le=64, description="longest retrieved continuation (tokens)")
     max_suffix: int = Field(16, ge=1, le=256, description="longest context suffix searched (tokens)")
     min_suffix: int = Field(2, ge=1, le=256, description="shortest context suffix searched (tokens)")
@@ -166,7 +173,7 @@ class RestParams(CorpusParams):
         return self
 
 
-class Rest(Decoder):
+class Rest(CorpusDecoder[RestParams]):
     """REST on the one tree loop: retrieval tree from a suffix-array datastore, greedy verification; lossless.
 
     Capabilities: family ``tree``; verify sizes (0 chain tokens, root + n_max masked); no sampling (the tree
@@ -174,7 +181,7 @@ class Rest(Decoder):
     """
 
     Params = RestParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False
@@ -184,40 +191,6 @@ class Rest(Decoder):
         super().__init__(target, None, params)
         self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
         self._drafter: RestDrafter | None = None
-
-    @classmethod
-    def corpus_of(cls, params: RestParams) -> CorpusSpec | None:
-        """The declared corpus (``corpus:`` with ``tokenizer:``), or None for a tokens file."""
-        return params.corpus_spec()
-
-    def use_corpus(self, corpus: Corpus) -> None:
-        """Build (or take from the process's cache) the datastore of the injected corpus.
-
-        Raises:
-            ValueError: a token id outside the target's vocabulary (a corpus tokenized with another tokenizer).
-        """
-        super().use_corpus(corpus)
-        self.store = corpus_datastore(corpus)
-        check_vocabulary(self.store, self.target, "the corpus")
-
-    @classmethod
-    def check_files(cls, params: RestParams) -> None:
-        """``dtbench validate`` and the run's preflight: the ``tokens:`` file is a valid one (before any model loads).
-
-        Raises:
-            DtbenchError: see :func:`~dtbench.decoders.datastore.read_tokens`.
-        """
-        check_tokens_file(params)
-
-    @classmethod
-    def check_target(cls, params: RestParams, target) -> None:
-        """When the models are loaded, before any sample: the ``tokens:`` file's ids are in the target's vocabulary.
-
-        Raises:
-            ValueError: an id outside it (one line); DtbenchError: an unreadable tokens file.
-        """
-        if params.tokens is not None:
-            check_vocabulary(tokens_datastore(params.tokens), target, f"tokens file {params.tokens}")
 
     @classmethod
     def verify_sizes(cls, params: RestParams) -> tuple[int, int]:
@@ -230,8 +203,12 @@ class Rest(Decoder):
         s = self.store
         if s is None:
             return None
-        info = {"datastore_tokens": int(len(s.tokens)), "datastore_documents": s.documents,
-                "datastore_bytes": s.nbytes, "datastore_build_ms": round(s.build_s * 1000)}
+        info = {
+            "datastore_tokens": int(len(s.tokens)),
+            "datastore_documents": s.documents,
+            "datastore_bytes": s.nbytes,
+            "datastore_build_ms": round(s.build_s * 1000),
+        }
         if self._drafter is not None:
             info.update({f"retrieval_{k}": v for k, v in self._drafter.retrievals.items()})
         return info
@@ -240,8 +217,18 @@ class Rest(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """Generate ``max_new_tokens`` tokens greedily; one Step per target forward (the tree loop's)."""
         if self.store is None:
-            raise DtbenchError("rest: no datastore: the corpus's documents were never given (the harness calls "
-                               "use_corpus; a direct caller passes the documents with use_corpus(Corpus(...)))")
+            raise DtbenchError(
+                "rest: no datastore: the corpus's documents were never given (the harness calls "
+                "use_corpus; a direct caller passes the documents with use_corpus(Corpus(...)))"
+            )
         self._drafter = RestDrafter(self.store, input_ids[0].tolist(), self.params)
-        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self._drafter, "compact",
-                                  tree_root="pending", eos_token_id=self.eos_token_id)
+        yield from speculate_tree(
+            self.target,
+            None,
+            input_ids,
+            max_new_tokens,
+            self._drafter,
+            "compact",
+            tree_root="pending",
+            eos_token_id=self.eos_token_id,
+        )

@@ -29,6 +29,7 @@ prompt index), never from global RNG state, so a seeded run is identical run to 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,8 +72,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def sample_without_replacement(probs: torch.Tensor, k: int,
-                               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_without_replacement(
+    probs: torch.Tensor, k: int, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """k ordered draws without replacement from each row of ``probs`` (Gumbel-top-k, Kool et al. 2019).
 
     Sorting log q + Gumbel noise and taking the first k is distributed exactly as drawing k times one after the
@@ -115,8 +117,12 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r / total if total > 0 else p
 
 
-def verify_chain_sampled(drafts: list[int], draft_probs: list[torch.Tensor] | None, target_probs: torch.Tensor,
-                         generator: torch.Generator | None) -> tuple[int, tuple[int, ...]]:
+def verify_chain_sampled(
+    drafts: list[int],
+    draft_probs: list[torch.Tensor] | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, tuple[int, ...]]:
     """Speculative sampling of a draft chain (Leviathan et al. 2023, Algorithm 1).
 
     Args:
@@ -145,8 +151,13 @@ def verify_chain_sampled(drafts: list[int], draft_probs: list[torch.Tensor] | No
     return len(drafts), (*drafts, sample(target_probs[len(drafts)], generator))
 
 
-def verify_tree_sampled(tokens: list[int], parents: list[int], target_probs, draft_probs: dict[int, torch.Tensor],
-                        generator: torch.Generator | None) -> tuple[list[int], list[int]]:
+def verify_tree_sampled(
+    tokens: list[int],
+    parents: list[int],
+    target_probs: Callable[[int], torch.Tensor],
+    draft_probs: dict[int, torch.Tensor],
+    generator: torch.Generator | None,
+) -> tuple[list[int], list[int]]:
     """Multi-draft speculative sampling down a token tree (recursive rejection sampling; module docstring).
 
     Starting at the root, the children of the current node are tried in index order (the order they were drawn
@@ -175,6 +186,7 @@ def verify_tree_sampled(tokens: list[int], parents: list[int], target_probs, dra
         p = target_probs(u)
         q = draft_probs[u].to(p.dtype).clone() if children[u] else None
         for c in children[u]:
+            assert q is not None  # a node with children has its draft distribution
             x = tokens[c]
             if accept(p[x].item(), q[x].item(), generator, p.device):
                 break

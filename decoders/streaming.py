@@ -19,8 +19,14 @@ from pydantic import Field
 from dtbench.decoders.base import Decoder, DecoderParams, Step, eos_ids, next_token
 from dtbench.decoders.chain import ChainTarget, DraftModelProposer, speculate_chain
 from dtbench.decoders.streaming_kv import (  # noqa: F401  (re-exported for tests and plugins)
-    PREFILL_CHUNK, SUPPORTED_ATTENTION, SUPPORTED_MODEL_TYPES, SUPPORTED_ROPE_TYPES, StreamingKV, Rope,
+    PREFILL_CHUNK,
+    SUPPORTED_ATTENTION,
+    SUPPORTED_MODEL_TYPES,
+    SUPPORTED_ROPE_TYPES,
+    Rope,
+    StreamingKV,
 )
+
 
 class StreamingParams(DecoderParams):
     """Cache policy shared by both StreamingLLM decoders.
@@ -131,9 +137,16 @@ class StreamingSpeculative(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         S, R = self.params.sinks, self.params.window
-        yield from speculate_chain(StreamingTarget(self.target, S, R), StreamingDraftProposer(self.draft, S, R),
-                                   input_ids, max_new_tokens, self.params.k, self.sampling, self.generator,
-                                   self.eos_token_id)
+        yield from speculate_chain(
+            StreamingTarget(self.target, S, R),
+            StreamingDraftProposer(self.draft, S, R),
+            input_ids,
+            max_new_tokens,
+            self.params.k,
+            self.sampling,
+            self.generator,
+            self.eos_token_id,
+        )
 
 
 class StreamingTarget(ChainTarget):

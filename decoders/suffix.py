@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
 
-from dtbench.core import Corpus, CorpusSpec, DtbenchError
-from dtbench.decoders.base import Decoder, Step
+from dtbench.core import DtbenchError
+from dtbench.decoders.base import Step
 from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain, speculate_chain_batch
-from dtbench.decoders.datastore import (CorpusParams, Datastore, check_tokens_file, check_vocabulary,
-                                        corpus_datastore, tokens_datastore)
+from dtbench.decoders.datastore import CorpusDecoder, CorpusParams, Datastore, tokens_datastore
 
 
 class SuffixAutomaton:
@@ -102,8 +101,11 @@ class SuffixAutomaton:
         """Size of the automaton: states, transitions and bytes (``sys.getsizeof`` of its lists and dicts)."""
         size = sum(sys.getsizeof(x) for x in (self.tokens, self.length, self.link, self.first_end, self.next))
         size += sum(sys.getsizeof(d) for d in self.next)
-        return {"automaton_states": len(self.length), "automaton_transitions": sum(len(d) for d in self.next),
-                "automaton_bytes": size}
+        return {
+            "automaton_states": len(self.length),
+            "automaton_transitions": sum(len(d) for d in self.next),
+            "automaton_bytes": size,
+        }
 
 
 class SuffixProposer(Proposer):
@@ -114,8 +116,13 @@ class SuffixProposer(Proposer):
     committed tokens join its backlog (fed with its next draft forward).
     """
 
-    def __init__(self, min_match: int, fallback: DraftModelProposer | None, store: Datastore | None = None,
-                 max_corpus_match: int = 16):
+    def __init__(
+        self,
+        min_match: int,
+        fallback: DraftModelProposer | None,
+        store: Datastore | None = None,
+        max_corpus_match: int = 16,
+    ):
         self.min_match = min_match
         self.fallback = fallback
         self.store, self.max_corpus_match = store, max_corpus_match
@@ -134,15 +141,16 @@ class SuffixProposer(Proposer):
             return []
         n, start = self.sam.repeated_suffix()
         if self.store is not None and n < self.max_corpus_match:  # the corpus, when its match is longer
-            m, cont = self.store.retrieve(self.sam.tokens, self.max_corpus_match, max(n + 1, self.min_match), 1,
-                                          max_tokens)
+            m, cont = self.store.retrieve(
+                self.sam.tokens, self.max_corpus_match, max(n + 1, self.min_match), 1, max_tokens
+            )
             drafts = [t for t in cont[0].tolist() if t >= 0] if m else []
             if drafts:
                 self.counts["corpus"] += 1
                 return drafts
         if n >= self.min_match:
             self.counts["automaton"] += 1
-            return self.sam.tokens[start:start + max_tokens]
+            return self.sam.tokens[start : start + max_tokens]
         if self.fallback is None:
             return []
         self.counts["fallback"] += 1
@@ -181,12 +189,13 @@ class SuffixParams(CorpusParams):
 
     k: int = Field(8, ge=1, le=128, description="most draft tokens per iteration")
     min_match: int = Field(2, ge=1, le=256, description="shortest automaton match drafted from (tokens)")
-    fallback: Literal["none", "draft"] = Field("none", description="on a short match: 'none' or 'draft' "
-                                               "(the draft model's chain)")
+    fallback: Literal["none", "draft"] = Field(
+        "none", description="on a short match: 'none' or 'draft' (the draft model's chain)"
+    )
     max_corpus_match: int = Field(16, ge=1, le=256, description="longest context suffix searched in the corpus")
 
 
-class SuffixDecoding(Decoder):
+class SuffixDecoding(CorpusDecoder[SuffixParams]):
     """Suffix-automaton speculative decoding on the one chain loop; lossless (greedy and sampled).
 
     Capabilities: family ``chain``; verify sizes (k + 1 chain tokens, 0 masked); sampling: automaton drafts are
@@ -196,7 +205,7 @@ class SuffixDecoding(Decoder):
     """
 
     Params = SuffixParams
-    family: ClassVar[str] = "chain"
+    family = "chain"
     needs_draft = True
     lossless = True
     supports_sampling = True
@@ -213,40 +222,6 @@ class SuffixDecoding(Decoder):
             raise ValueError("suffix: fallback 'draft' needs a draft model, and the suite declares none")
         self.target, self.draft, self.params = target, draft if params.fallback == "draft" else None, params
         self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
-
-    @classmethod
-    def corpus_of(cls, params: SuffixParams) -> CorpusSpec | None:
-        """The declared corpus (``corpus:`` with ``tokenizer:``), or None (no corpus, or a tokens file)."""
-        return params.corpus_spec()
-
-    def use_corpus(self, corpus: Corpus) -> None:
-        """Build (or take from the process's cache) the datastore of the injected corpus.
-
-        Raises:
-            ValueError: a token id outside the target's vocabulary (a corpus tokenized with another tokenizer).
-        """
-        super().use_corpus(corpus)
-        self.store = corpus_datastore(corpus)
-        check_vocabulary(self.store, self.target, "the corpus")
-
-    @classmethod
-    def check_files(cls, params: SuffixParams) -> None:
-        """``dtbench validate`` and the run's preflight: the ``tokens:`` file is a valid one (before any model loads).
-
-        Raises:
-            DtbenchError: see :func:`~dtbench.decoders.datastore.read_tokens`.
-        """
-        check_tokens_file(params)
-
-    @classmethod
-    def check_target(cls, params: SuffixParams, target) -> None:
-        """When the models are loaded, before any sample: the ``tokens:`` file's ids are in the target's vocabulary.
-
-        Raises:
-            ValueError: an id outside it (one line); DtbenchError: an unreadable tokens file.
-        """
-        if params.tokens is not None:
-            check_vocabulary(tokens_datastore(params.tokens), target, f"tokens file {params.tokens}")
 
     @classmethod
     def verify_sizes(cls, params: SuffixParams) -> tuple[int, int]:
@@ -269,12 +244,21 @@ class SuffixDecoding(Decoder):
         forward (the chain loop's)."""
         p = self.params
         if p.corpus is not None and self.store is None:
-            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
-                               "use_corpus)")
+            raise DtbenchError(
+                "suffix: no datastore: the corpus's documents were never given (the harness calls use_corpus)"
+            )
         fallback = DraftModelProposer(self.draft) if p.fallback == "draft" else None
         self._proposer = SuffixProposer(p.min_match, fallback, self.store, p.max_corpus_match)
-        yield from speculate_chain(KVTarget(self.target), self._proposer, input_ids, max_new_tokens, p.k,
-                                   self.sampling, self.generator, eos_token_id=self.eos_token_id)
+        yield from speculate_chain(
+            KVTarget(self.target),
+            self._proposer,
+            input_ids,
+            max_new_tokens,
+            p.k,
+            self.sampling,
+            self.generator,
+            eos_token_id=self.eos_token_id,
+        )
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
@@ -282,9 +266,17 @@ class SuffixDecoding(Decoder):
         text; the corpus datastore, if any, is shared read-only)."""
         p = self.params
         if p.corpus is not None and self.store is None:
-            raise DtbenchError("suffix: no datastore: the corpus's documents were never given (the harness calls "
-                               "use_corpus)")
-        proposers = [SuffixProposer(p.min_match, DraftModelProposer(self.draft) if p.fallback == "draft" else None,
-                                    self.store, p.max_corpus_match) for _ in prompts]
+            raise DtbenchError(
+                "suffix: no datastore: the corpus's documents were never given (the harness calls use_corpus)"
+            )
+        proposers = [
+            SuffixProposer(
+                p.min_match,
+                DraftModelProposer(self.draft) if p.fallback == "draft" else None,
+                self.store,
+                p.max_corpus_match,
+            )
+            for _ in prompts
+        ]
         self._proposer = proposers[-1]
         yield from speculate_chain_batch(self.target, proposers, prompts, max_new_tokens, p.k, self.eos_token_id)

@@ -22,7 +22,7 @@ at several nodes of a tree, its row takes the top-k of its last node in BFS orde
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -34,17 +34,86 @@ from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
 # model/recycling/tree_template_.py, version "2.2.2" (the reference's default), verbatim: 80 rank paths.
 TEMPLATE_2_2_2 = [
-    [0], [1], [2], [3], [4], [5], [6], [7],
-    [0, 0], [0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [0, 7], [1, 0], [1, 1], [1, 2], [1, 3], [2, 0], [2, 1],
-    [2, 2], [3, 0], [3, 1], [4, 0], [5, 0], [6, 0], [7, 0],
-    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 0, 4], [0, 0, 5], [0, 0, 6], [0, 0, 7], [0, 1, 0], [0, 1, 1],
-    [0, 1, 2], [0, 2, 0], [0, 2, 1], [0, 3, 0], [0, 4, 0], [0, 5, 0], [0, 6, 0], [0, 7, 0], [1, 0, 0], [1, 0, 1],
-    [1, 1, 0], [2, 0, 0], [3, 0, 0], [4, 0, 0], [5, 0, 0],
-    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 3], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 2, 0],
-    [0, 0, 3, 0], [0, 0, 4, 0], [0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0],
-    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0],
-    [0, 1, 0, 0, 0], [1, 0, 0, 0, 0],
-    [0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 0, 0],
+    [0],
+    [1],
+    [2],
+    [3],
+    [4],
+    [5],
+    [6],
+    [7],
+    [0, 0],
+    [0, 1],
+    [0, 2],
+    [0, 3],
+    [0, 4],
+    [0, 5],
+    [0, 6],
+    [0, 7],
+    [1, 0],
+    [1, 1],
+    [1, 2],
+    [1, 3],
+    [2, 0],
+    [2, 1],
+    [2, 2],
+    [3, 0],
+    [3, 1],
+    [4, 0],
+    [5, 0],
+    [6, 0],
+    [7, 0],
+    [0, 0, 0],
+    [0, 0, 1],
+    [0, 0, 2],
+    [0, 0, 3],
+    [0, 0, 4],
+    [0, 0, 5],
+    [0, 0, 6],
+    [0, 0, 7],
+    [0, 1, 0],
+    [0, 1, 1],
+    [0, 1, 2],
+    [0, 2, 0],
+    [0, 2, 1],
+    [0, 3, 0],
+    [0, 4, 0],
+    [0, 5, 0],
+    [0, 6, 0],
+    [0, 7, 0],
+    [1, 0, 0],
+    [1, 0, 1],
+    [1, 1, 0],
+    [2, 0, 0],
+    [3, 0, 0],
+    [4, 0, 0],
+    [5, 0, 0],
+    [0, 0, 0, 0],
+    [0, 0, 0, 1],
+    [0, 0, 0, 2],
+    [0, 0, 0, 3],
+    [0, 0, 0, 4],
+    [0, 0, 1, 0],
+    [0, 0, 1, 1],
+    [0, 0, 2, 0],
+    [0, 0, 3, 0],
+    [0, 0, 4, 0],
+    [0, 1, 0, 0],
+    [0, 2, 0, 0],
+    [1, 0, 0, 0],
+    [2, 0, 0, 0],
+    [3, 0, 0, 0],
+    [0, 0, 0, 0, 0],
+    [0, 0, 0, 0, 1],
+    [0, 0, 0, 0, 2],
+    [0, 0, 0, 1, 0],
+    [0, 0, 0, 2, 0],
+    [0, 0, 1, 0, 0],
+    [0, 1, 0, 0, 0],
+    [1, 0, 0, 0, 0],
+    [0, 0, 0, 0, 0, 0],
+    [0, 0, 0, 0, 0, 1],
+    [0, 0, 0, 1, 0, 0],
 ]
 TEMPLATES = {"2.2.2": TEMPLATE_2_2_2}
 Rank = Annotated[int, Field(ge=0, le=255)]
@@ -86,7 +155,7 @@ class TokenRecyclingDrafter(TreeDrafter):
             parents = torch.tensor([node_of[self.parents[i]] for i in level], device=tree.device)
             ranks = torch.tensor([self.paths[i][-1] for i in level], device=self.adjacency.device)
             cand = self.adjacency[tree.tokens[parents].to(self.adjacency.device), ranks].to(tree.device)
-            keep = (cand >= 0).nonzero().flatten()[:tree.budget_left]
+            keep = (cand >= 0).nonzero().flatten()[: tree.budget_left]
             kept = keep.tolist()
             if not kept:
                 break
@@ -97,11 +166,12 @@ class TokenRecyclingDrafter(TreeDrafter):
     def feed_logits(self, tree: TokenTree, logits: torch.Tensor, side_logits: torch.Tensor | None) -> None:
         """Row ``tokens[u]`` <- top-k of ``logits[u]`` for every fed node u (the last node of a repeated token)."""
         dev = self.adjacency.device
-        tokens = tree.tokens[:tree.size].to(dev)
+        tokens = tree.tokens[: tree.size].to(dev)
         top = torch.topk(logits.to(dev), self.k, dim=-1).indices.to(torch.int32)
         uniq, inverse = torch.unique(tokens, return_inverse=True)
         last = torch.full((uniq.numel(),), -1, dtype=torch.long, device=dev).scatter_reduce(
-            0, inverse, torch.arange(tokens.numel(), device=dev), reduce="amax")
+            0, inverse, torch.arange(tokens.numel(), device=dev), reduce="amax"
+        )
         self.adjacency[tokens[last]] = top[last]
 
 
@@ -116,9 +186,10 @@ class TokenRecyclingParams(DecoderParams):
     """
 
     k: int = Field(8, ge=1, le=256, description="candidate tokens kept per vocabulary entry (adjacency width)")
-    template: Literal["2.2.2"] | Annotated[list[Annotated[list[Rank], Field(min_length=1)]],
-                                           Field(min_length=1, max_length=1024)] = Field(
-        "2.2.2", description="static tree: '2.2.2' (the reference's, 80 nodes) or a list of rank paths")
+    template: (
+        Literal["2.2.2"]
+        | Annotated[list[Annotated[list[Rank], Field(min_length=1)]], Field(min_length=1, max_length=1024)]
+    ) = Field("2.2.2", description="static tree: '2.2.2' (the reference's, 80 nodes) or a list of rank paths")
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
 
     @model_validator(mode="after")
@@ -140,7 +211,7 @@ class TokenRecycling(Decoder):
     """
 
     Params = TokenRecyclingParams
-    family: ClassVar[str] = "tree"
+    family = "tree"
     needs_draft = False
     lossless = True
     supports_sampling = False
@@ -174,8 +245,16 @@ class TokenRecycling(Decoder):
         """Run :func:`~dtbench.decoders.tree.speculate_tree` with a fresh :class:`TokenRecyclingDrafter`."""
         vocab = self.target.get_output_embeddings().weight.shape[0]
         self.drafter = TokenRecyclingDrafter(vocab, self.params.k, self.template_of(self.params), self.target.device)
-        yield from speculate_tree(self.target, None, input_ids, max_new_tokens, self.drafter,
-                                  self.params.cache_strategy, tree_root="pending", eos_token_id=self.eos_token_id)
+        yield from speculate_tree(
+            self.target,
+            None,
+            input_ids,
+            max_new_tokens,
+            self.drafter,
+            self.params.cache_strategy,
+            tree_root="pending",
+            eos_token_id=self.eos_token_id,
+        )
 
 
 __all__ = ["TEMPLATE_2_2_2", "TokenRecycling", "TokenRecyclingDrafter", "TokenRecyclingParams"]

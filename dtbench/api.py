@@ -48,18 +48,44 @@ from dtbench.reports.output import Document, Report, renderer
 
 __all__ = [
     # errors and strict types
-    "DtbenchError", "StrictBools",
+    "DtbenchError",
+    "StrictBools",
     # the decoder contract
-    "Decoder", "DecoderParams", "Step", "Family", "FAMILIES", "cut_at_eos", "eos_ids", "greedy_token", "next_token",
+    "Decoder",
+    "DecoderParams",
+    "Step",
+    "Family",
+    "FAMILIES",
+    "cut_at_eos",
+    "eos_ids",
+    "greedy_token",
+    "next_token",
     "verify_chain",
     # corpora
-    "CorpusSpec", "Corpus",
+    "CorpusSpec",
+    "Corpus",
     # the one chain loop
-    "speculate_chain", "Proposer", "DraftModelProposer", "KVTarget", "ChainTarget",
+    "speculate_chain",
+    "Proposer",
+    "DraftModelProposer",
+    "KVTarget",
+    "ChainTarget",
     # the one tree loop and its toolkit
-    "speculate_tree", "TreeDrafter", "TreeDecoder", "TreeParams", "ExpansionPolicy", "TokenTree", "CacheStrategy",
+    "speculate_tree",
+    "TreeDrafter",
+    "TreeDecoder",
+    "TreeParams",
+    "ExpansionPolicy",
+    "TokenTree",
+    "CacheStrategy",
     # datasets
-    "Dataset", "DatasetParams", "DatasetSpec", "Documents", "HubSource",
+    "Dataset",
+    "DatasetParams",
+    "DatasetSpec",
+    "Documents",
+    "HubSource",
     # report formats
-    "renderer", "Document", "Report",
+    "renderer",
+    "Document",
+    "Report",
 ]

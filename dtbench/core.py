@@ -145,10 +145,15 @@ class CorpusSpec(StrictBools):
     hub_id: str | None = Field(None, description="Hugging Face dataset repo (or local folder of its parquet layout)")
     revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
     params: dict[str, Any] = Field(default_factory=dict, description="the dataset's own keys")
-    skip: int = Field(0, ge=0, description="leave out the first `skip` usable documents of the suite seed's order "
-                      "(the documents a suite entry with prompts <= skip draws its prompts from)")
-    tokenizer: str | None = Field(None, description="tokenizer of the documents, a model id or folder (default: the "
-                                  "target's name_or_path)")
+    skip: int = Field(
+        0,
+        ge=0,
+        description="leave out the first `skip` usable documents of the suite seed's order "
+        "(the documents a suite entry with prompts <= skip draws its prompts from)",
+    )
+    tokenizer: str | None = Field(
+        None, description="tokenizer of the documents, a model id or folder (default: the target's name_or_path)"
+    )
 
     def dataset_entry(self) -> dict[str, Any]:
         """The suite ``datasets:`` entry this corpus reads (its keys without ``tokenizer``), for the data loaders."""

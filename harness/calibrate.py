@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-
 from dtbench.harness.curves import DEFAULT_FACTOR, Curves, auto_budget
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
@@ -194,8 +193,13 @@ def _iqr(xs: list[float]) -> float:
     return float(q[1] - q[0])
 
 
-def time_point(run_once: Callable[[], None], reset: Callable[[], None], device: torch.device, settings: Settings,
-               clock: Callable[[], float]) -> tuple[float, float, int]:
+def time_point(
+    run_once: Callable[[], None],
+    reset: Callable[[], None],
+    device: torch.device,
+    settings: Settings,
+    clock: Callable[[], float],
+) -> tuple[float, float, int]:
     """(median s, IQR s, repeats) of ``run_once`` timed device-synchronized; ``reset`` (untimed) after each call."""
     from dtbench.harness.memory import synchronize
 
@@ -242,8 +246,14 @@ def _tokens(context: list[int], length: int) -> list[int]:
     return (context * reps)[:length]
 
 
-def measure_curve(model: torch.nn.Module, curve: Curve, context: list[int], device: torch.device, settings: Settings,
-                  clock: Callable[[], float]) -> list[tuple[int, float, float, int]]:
+def measure_curve(
+    model: torch.nn.Module,
+    curve: Curve,
+    context: list[int],
+    device: torch.device,
+    settings: Settings,
+    clock: Callable[[], float],
+) -> list[tuple[int, float, float, int]]:
     """(n, median s, IQR s, repeats) of each n of ``curve`` with ``model``.
 
     Raises:
@@ -255,8 +265,9 @@ def measure_curve(model: torch.nn.Module, curve: Curve, context: list[int], devi
         return _measure_curve(model, curve, context, device, settings, clock)
 
 
-def _measure_curve(model, curve: Curve, context: list[int], device, settings: Settings,
-                   clock: Callable[[], float]) -> list[tuple[int, float, float, int]]:
+def _measure_curve(
+    model, curve: Curve, context: list[int], device, settings: Settings, clock: Callable[[], float]
+) -> list[tuple[int, float, float, int]]:
     import torch
 
     from dtbench.decoders import kv
@@ -272,6 +283,7 @@ def _measure_curve(model, curve: Curve, context: list[int], device, settings: Se
         if curve.tree_mask:
             kwargs["position_ids"], kwargs["attention_mask"] = _tree_inputs(model, n, curve.cache_len)
         if curve.cache_len:
+
             def run_once(toks=toks, kwargs=kwargs):
                 kv.forward(model, toks, cache, **kwargs)
 
@@ -292,8 +304,9 @@ def _measure_curve(model, curve: Curve, context: list[int], device, settings: Se
     return out
 
 
-def measure_batched(model, curve: Curve, context: list[int], device, settings: Settings,
-                    clock: Callable[[], float]) -> list[tuple[int, float, float, int]]:
+def measure_batched(
+    model, curve: Curve, context: list[int], device, settings: Settings, clock: Callable[[], float]
+) -> list[tuple[int, float, float, int]]:
     """(n, median s, IQR s, repeats) of ONE batched verification forward per n: ``curve.rows`` rows, each holding
     ``curve.cache_len`` cached positions, n new causal tokens per row, through :class:`~dtbench.decoders.kv.RaggedBatch`
     (the batched loops' forward, its per-row mask and position ids built inside the timed call, as the loops do);
@@ -320,9 +333,18 @@ def measure_batched(model, curve: Curve, context: list[int], device, settings: S
     return out
 
 
-def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[int, list[int]], *,
-              settings: Settings | None = None, clock: Callable[[], float] | None = None,
-              console: Console | None = None) -> list[Point]:
+def calibrate(
+    plan,
+    suite,
+    target,
+    draft,
+    device: torch.device,
+    contexts: dict[int, list[int]],
+    *,
+    settings: Settings | None = None,
+    clock: Callable[[], float] | None = None,
+    console: Console | None = None,
+) -> list[Point]:
     """Measure every curve the suite needs (:func:`curves_for`).
 
     Args:
@@ -349,28 +371,61 @@ def calibrate(plan, suite, target, draft, device: torch.device, contexts: dict[i
                 continue  # this attention implementation runs no tree forwards: nothing to price
         if console is not None:
             rows = f" x {curve.rows} rows" if curve.rows > 1 else ""
-            console.print(f"calibrating {curve.role} {curve.kind} on {curve.cache_len} cached tokens{rows} "
-                          f"(n = {curve.ns[0]}..{curve.ns[-1]}, curve {i + 1}/{len(curves)})", highlight=False)
+            console.print(
+                f"calibrating {curve.role} {curve.kind} on {curve.cache_len} cached tokens{rows} "
+                f"(n = {curve.ns[0]}..{curve.ns[-1]}, curve {i + 1}/{len(curves)})",
+                highlight=False,
+            )
         measure_fn = measure_batched if curve.kind == "batched" else measure_curve
-        for n, med, iqr, reps in measure_fn(lm.model, curve, contexts.get(curve.prompt_len, []), device, settings,
-                                            clock):
-            points.append(Point(curve.role, lm.name, lm.dtype, curve.prompt_len, curve.cache_len, n, curve.tree_mask,
-                                curve.last_only, med, iqr, reps, curve.rows))
+        for n, med, iqr, reps in measure_fn(
+            lm.model, curve, contexts.get(curve.prompt_len, []), device, settings, clock
+        ):
+            points.append(
+                Point(
+                    curve.role,
+                    lm.name,
+                    lm.dtype,
+                    curve.prompt_len,
+                    curve.cache_len,
+                    n,
+                    curve.tree_mask,
+                    curve.last_only,
+                    med,
+                    iqr,
+                    reps,
+                    curve.rows,
+                )
+            )
     return points
 
 
-def measure_on(worker, contexts: dict[int, list[int]], settings: Settings,
-               console: Console | None = None) -> Measured:
+def measure_on(worker, contexts: dict[int, list[int]], settings: Settings, console: Console | None = None) -> Measured:
     """:func:`calibrate` with a :class:`~dtbench.harness.worker.Worker`'s plan, models and device, in the worker's
     process (the driver's, or a Ray actor's)."""
-    points = calibrate(worker.plan, worker.suite, worker.target, worker.draft, worker.device, contexts,
-                       settings=settings, console=console)
+    points = calibrate(
+        worker.plan,
+        worker.suite,
+        worker.target,
+        worker.draft,
+        worker.device,
+        contexts,
+        settings=settings,
+        console=console,
+    )
     info = worker.info
     return Measured(points, info.host, info.pid, str(worker.device), info.device_name)
 
 
-def store(sessions, points: list[Point], *, run_id: int | None, suite_name: str, suite_hash: str,
-          device: torch.device | str, device_name: str | None = None) -> str:
+def store(
+    sessions,
+    points: list[Point],
+    *,
+    run_id: int | None,
+    suite_name: str,
+    suite_hash: str,
+    device: torch.device | str,
+    device_name: str | None = None,
+) -> str:
     """Write ``points`` as one calibration batch; return the batch id.
 
     ``device_name``: the measuring worker's (default: :func:`~dtbench.harness.measure.device_name` of ``device``
@@ -382,8 +437,17 @@ def store(sessions, points: list[Point], *, run_id: int | None, suite_name: str,
     dev_name = device_name if device_name is not None else measure.device_name(device)
     with sessions() as session:
         for p in points:
-            session.add(Calibration(run_id=run_id, batch=batch, suite_name=suite_name, suite_hash=suite_hash,
-                                    device=str(device), device_name=dev_name, **p.__dict__))
+            session.add(
+                Calibration(
+                    run_id=run_id,
+                    batch=batch,
+                    suite_name=suite_name,
+                    suite_hash=suite_hash,
+                    device=str(device),
+                    device_name=dev_name,
+                    **p.__dict__,
+                )
+            )
         session.commit()
     return batch
 
@@ -406,8 +470,10 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
         cp.params = cp.params.model_copy(update={"n_max": n})
         out[cp.label] = n
         if console is not None:
-            console.print(f"n_max: auto -> {n} for {cp.label} (tree verify within {factor:g}x one token at "
-                          f"L_max={l_max})", highlight=False)
+            console.print(
+                f"n_max: auto -> {n} for {cp.label} (tree verify within {factor:g}x one token at L_max={l_max})",
+                highlight=False,
+            )
     return out
 
 
@@ -428,8 +494,9 @@ def contexts_of(prompts: dict[tuple[str, int], list]) -> dict[int, list[int]]:
     return out
 
 
-def before_cells(sessions, run_id: int, plan, suite, suite_text: str, executor, prompts,
-                 console: Console) -> Curves | None:
+def before_cells(
+    sessions, run_id: int, plan, suite, suite_text: str, executor, prompts, console: Console
+) -> Curves | None:
     """The runner's step before the first cell: calibrate when the suite asks (``calibrate: true``) or a decoder
     has ``n_max: auto`` — on the ``executor``'s worker (:mod:`dtbench.harness.executors`), reusing the run's stored
     calibration on ``--resume`` — then resolve ``n_max: auto``, record the chosen budgets in the cells' params and
@@ -447,15 +514,25 @@ def before_cells(sessions, run_id: int, plan, suite, suite_text: str, executor, 
     if curves is None:
         measured = executor.calibrate(contexts_of(prompts), Settings(), console)
         points = measured.points
-        batch = store(sessions, points, run_id=run_id, suite_name=suite.name, suite_hash=suite_hash(suite_text),
-                      device=measured.device, device_name=measured.device_name)
+        batch = store(
+            sessions,
+            points,
+            run_id=run_id,
+            suite_name=suite.name,
+            suite_hash=suite_hash(suite_text),
+            device=measured.device,
+            device_name=measured.device_name,
+        )
         with sessions() as session:
             run = session.get(Run, run_id)
             run.environment = {**(run.environment or {}), "calibration": {"batch": batch, **measured.where}}
             session.commit()
         curves = Curves(points, batch=batch, run_id=run_id)
-        console.print(f"calibration stored: {len(points)} points (batch {batch[:8]}), measured on "
-                      f"{measured.host} (pid {measured.pid}, {measured.device_name})", highlight=False)
+        console.print(
+            f"calibration stored: {len(points)} points (batch {batch[:8]}), measured on "
+            f"{measured.host} (pid {measured.pid}, {measured.device_name})",
+            highlight=False,
+        )
     budgets = resolve_auto(plan, curves, console)
     if budgets:
         with sessions() as session:

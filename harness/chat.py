@@ -67,8 +67,11 @@ def _time_bound(seconds: float) -> Iterator[None]:
     """Interrupt the body with :class:`_Expired` after ``seconds`` (an interval timer and SIGALRM: the main thread
     of a POSIX process, and only while no other timer is set; elsewhere the body runs unbounded in time, its
     output still bounded in size)."""
-    if (threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer")
-            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+        or signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    ):
         yield
         return
 
@@ -95,8 +98,9 @@ def _bounded_render(template: str, chat: list[dict[str, str]], tokenizer, limit:
 
     compiled = _compile_jinja_template(template)
     parts, size = [], 0
-    for chunk in compiled.generate(messages=chat, tools=None, documents=None, add_generation_prompt=True,
-                                   **dict(tokenizer.special_tokens_map)):
+    for chunk in compiled.generate(
+        messages=chat, tools=None, documents=None, add_generation_prompt=True, **dict(tokenizer.special_tokens_map)
+    ):
         size += len(chunk)
         if size > limit:
             raise PromptFailed(f"renders more than {limit:,} characters")
@@ -115,14 +119,17 @@ def template_text(mode: str, tokenizer, model_name: str) -> str | None:
     if mode == "auto":
         text = getattr(tokenizer, "chat_template", None)
         if not text:
-            raise DtbenchError(f"model '{model_name}' has no chat template (chat_template: auto); set chat_template: "
-                               f"none or the path of a template file")
+            raise DtbenchError(
+                f"model '{model_name}' has no chat template (chat_template: auto); set chat_template: "
+                f"none or the path of a template file"
+            )
         return text if isinstance(text, str) else str(text)
     try:  # a regular file of at most 1 MiB: chat_template: /dev/zero is an error, not a hang
         text = read_regular_file(Path(mode).expanduser(), MAX_SUITE_BYTES, what="chat template").decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise DtbenchError(f"chat_template: cannot read {clip(mode, 200)} "
-                           f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+        raise DtbenchError(
+            f"chat_template: cannot read {clip(mode, 200)} ({getattr(exc, 'strerror', None) or type(exc).__name__})"
+        ) from None
     if not text.strip():
         raise DtbenchError(f"chat_template: {clip(mode, 200)} is empty (it would render empty prompts)")
     return text
@@ -130,8 +137,11 @@ def template_text(mode: str, tokenizer, model_name: str) -> str | None:
 
 def describe(mode: str, template: str | None, system_prompt: str | None) -> dict[str, Any]:
     """What the run records about its chat prompts: the setting, the system prompt, the template's sha256."""
-    return {"chat_template": mode, "system_prompt": system_prompt,
-            "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template is not None else None}
+    return {
+        "chat_template": mode,
+        "system_prompt": system_prompt,
+        "template_sha256": hashlib.sha256(template.encode()).hexdigest() if template is not None else None,
+    }
 
 
 def messages(turns: list[str], answers: list[str], system_prompt: str | None) -> list[dict[str, str]]:
@@ -144,8 +154,9 @@ def messages(turns: list[str], answers: list[str], system_prompt: str | None) ->
     return out
 
 
-def render(tokenizer, template: str | None, turns: list[str], answers: list[str],
-           system_prompt: str | None, name: str = "") -> list[int]:
+def render(
+    tokenizer, template: str | None, turns: list[str], answers: list[str], system_prompt: str | None, name: str = ""
+) -> list[int]:
     """Token ids of the prompt for the last of ``turns``, ending with the generation prompt.
 
     Args:
@@ -164,8 +175,9 @@ def render(tokenizer, template: str | None, turns: list[str], answers: list[str]
     """
     where = f"chat_template {printable(clip(name or 'auto', 120))}"
     if template is None:
-        parts = ([system_prompt] if system_prompt else []) + [x for pair in zip(turns, [*answers, None]) for x in pair
-                                                                if x is not None]
+        parts = ([system_prompt] if system_prompt else []) + [
+            x for pair in zip(turns, [*answers, None]) for x in pair if x is not None
+        ]
         ids = list(tokenizer.encode("\n\n".join(parts)))
     else:
         chat = messages(turns, answers, system_prompt)
@@ -173,8 +185,9 @@ def render(tokenizer, template: str | None, turns: list[str], answers: list[str]
         try:
             with _time_bound(RENDER_SECONDS):
                 _bounded_render(template, chat, tokenizer, limit)  # raises, hangs or grows here, within bounds
-                out = tokenizer.apply_chat_template(chat, chat_template=template, add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)
+                out = tokenizer.apply_chat_template(
+                    chat, chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=True
+                )
         except _Expired:
             raise PromptFailed(f"{where}: rendering one prompt took longer than {RENDER_SECONDS:g} s") from None
         except PromptFailed as exc:
@@ -202,7 +215,7 @@ class Renderer:
     def ids(self, turns: list[str], answers: list[str]) -> tuple[int, ...]:
         """The prompt's last ``l_max`` token ids (:func:`render`; raises :class:`PromptFailed`)."""
         ids = render(self.tokenizer, self.template, turns, answers, self.system_prompt, self.name)
-        return tuple(ids[-self.l_max:])
+        return tuple(ids[-self.l_max :])
 
     def answer(self, tokens: list[int]) -> str:
         """The text of a stored answer (special tokens, EOS included, skipped; stripped as FastChat strips it)."""
@@ -237,8 +250,10 @@ def resolve(prompts: list, index: int, reference_output: Callable[[int], list[in
     for back in range(turn - 1, 0, -1):
         tokens = reference_output(index - back)
         if tokens is None:
-            raise TurnNotReady(f"question {prompt.question_id} turn {turn}: the reference decoder's answer to turn "
-                               f"{turn - back} (prompt {index - back}) is not stored, so turn {turn} has no prompt")
+            raise TurnNotReady(
+                f"question {prompt.question_id} turn {turn}: the reference decoder's answer to turn "
+                f"{turn - back} (prompt {index - back}) is not stored, so turn {turn} has no prompt"
+            )
         answers.append(prompts.renderer.answer(tokens))
     turns = list(prompts.questions[index][:turn])
     resolved = replace(prompt, token_ids=prompts.renderer.ids(turns, answers))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-
 FED_MASK, FED_LAST = 1, 2  # flags of a counted forward (measure.ForwardCounter): a 4D mask; last logits only
 DEFAULT_FACTOR = 2.0  # n_max: auto's default n_max_factor: a tree verification may cost 2 AR steps
 
@@ -37,9 +35,19 @@ class Curves:
         table: dict[tuple[str, str], dict[int, list[tuple[int, float]]]] = {}
         for r in self.rows:
             b = int(getattr(r, "rows", None) or 1)
-            kind = (f"batched:{b}" if b > 1 else "prefill" if r.cache_len == 0 else "tree" if r.tree_mask
-                    else "last" if r.last_only else "causal")
+            kind = (
+                f"batched:{b}"
+                if b > 1
+                else "prefill"
+                if r.cache_len == 0
+                else "tree"
+                if r.tree_mask
+                else "last"
+                if r.last_only
+                else "causal"
+            )
             table.setdefault((r.role, kind), {}).setdefault(int(r.cache_len), []).append((int(r.n), float(r.median_s)))
+
         def curve(pts):  # the same n measured twice (it should not be): their mean
             by_n: dict[int, list[float]] = {}
             for n, sec in pts:
@@ -102,8 +110,11 @@ class Curves:
             raise KeyError(f"no batched calibration for the {role}")
 
         def at(b: int) -> float:
-            return self.cost(role, n, past, FED_MASK) if b == 1 else self._per_cache(self._table[(role, f"batched:{b}")],
-                                                                                       n, past)
+            return (
+                self.cost(role, n, past, FED_MASK)
+                if b == 1
+                else self._per_cache(self._table[(role, f"batched:{b}")], n, past)
+            )
 
         grid = [1, *sizes]
         if rows in grid:
@@ -156,17 +167,26 @@ def load_curves(session, run) -> Curves | None:
 
     from dtbench.harness.db import Calibration
 
-    rows = session.scalars(select(Calibration).where(Calibration.run_id == run.id)
-                           .order_by(Calibration.id.desc())).all()
+    rows = session.scalars(
+        select(Calibration).where(Calibration.run_id == run.id).order_by(Calibration.id.desc())
+    ).all()
     if rows:
         batch = rows[0].batch
         return Curves([r for r in rows if r.batch == batch], batch=batch, run_id=run.id)
     env = run.environment or {}
     tgt, dft = env.get("target") or {}, env.get("draft") or {}
-    cands = session.scalars(select(Calibration).where(
-        Calibration.run_id.is_(None), Calibration.role == "target", Calibration.model == tgt.get("model"),
-        Calibration.dtype == tgt.get("dtype"), Calibration.device == env.get("device"),
-        Calibration.device_name == env.get("device_name")).order_by(Calibration.id.desc())).all()
+    cands = session.scalars(
+        select(Calibration)
+        .where(
+            Calibration.run_id.is_(None),
+            Calibration.role == "target",
+            Calibration.model == tgt.get("model"),
+            Calibration.dtype == tgt.get("dtype"),
+            Calibration.device == env.get("device"),
+            Calibration.device_name == env.get("device_name"),
+        )
+        .order_by(Calibration.id.desc())
+    ).all()
     for cand in cands:
         batch_rows = session.scalars(select(Calibration).where(Calibration.batch == cand.batch)).all()
         drafts = [r for r in batch_rows if r.role == "draft"]

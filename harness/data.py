@@ -52,10 +52,10 @@ from dtbench.core import Corpus, CorpusSpec, StrictBools
 from dtbench.harness import hub
 from dtbench.harness.bounds import MAX_DOCUMENT_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.safetext import printable
-from dtbench.harness.registry import Registry, validate_model
-from dtbench.harness.suite import DatasetSpec
 from dtbench.harness.prompt import Prompt
+from dtbench.harness.registry import Registry, validate_model
+from dtbench.harness.safetext import printable
+from dtbench.harness.suite import DatasetSpec
 
 DATA_DIR_ENV = "DTBENCH_DATA_DIR"
 MIN_PROMPT_TOKENS = 16
@@ -120,8 +120,13 @@ class Documents(list):
     """The (title, text) documents of one dataset entry, in source order, carrying the entry's ``skip`` (so
     :func:`select_prompts` honours it whoever calls the pair) and where they came from (``source``)."""
 
-    def __init__(self, docs: Iterable[tuple[str, str]], skip: int = 0, source: dict[str, Any] | None = None,
-                 name: str | None = None):
+    def __init__(
+        self,
+        docs: Iterable[tuple[str, str]],
+        skip: int = 0,
+        source: dict[str, Any] | None = None,
+        name: str | None = None,
+    ):
         super().__init__(docs)
         self.skip = skip
         self.source = source or {}
@@ -139,8 +144,12 @@ def _local_dir(spec: DatasetSpec, data_dir: str | None) -> Path | None:
     chosen = spec.data_dir or data_dir or os.environ.get(DATA_DIR_ENV)
     if chosen and (spec.hub_id or spec.revision):  # the local folder wins: say that the hub keys are not used
         keys = " and ".join(k for k in ("hub_id", "revision") if getattr(spec, k))
-        print(f"note: {spec.name}: {keys} ignored: the local data folder {printable(chosen)} is used instead (unset --data-dir, "
-              f"{DATA_DIR_ENV} and data_dir: to load from the hub)", file=sys.stderr, flush=True)
+        print(
+            f"note: {spec.name}: {keys} ignored: the local data folder {printable(chosen)} is used instead (unset --data-dir, "
+            f"{DATA_DIR_ENV} and data_dir: to load from the hub)",
+            file=sys.stderr,
+            flush=True,
+        )
     return Path(chosen).expanduser() if chosen else None
 
 
@@ -161,8 +170,9 @@ def _wikitext(spec: DatasetSpec, data_dir: str | None) -> Documents:
         return Documents(_split_wikitext(_read(path)), source=_local_files([path]))
     rows, source = hub_rows(spec, WikiText2.hub)
     # One row per line of the raw file (blank lines included), each ending in a newline.
-    return Documents(_split_wikitext("\n".join(r["text"].rstrip("\n") for r in rows if r["text"].strip())),
-                     source=source)
+    return Documents(
+        _split_wikitext("\n".join(r["text"].rstrip("\n") for r in rows if r["text"].strip())), source=source
+    )
 
 
 def _pg19(spec: DatasetSpec, data_dir: str | None) -> Documents:
@@ -224,8 +234,7 @@ def hub_rows(spec: DatasetSpec, base: HubSource) -> tuple[Iterable[dict[str, Any
         DtbenchError: the hub (or the given folder) cannot be read, naming the offline alternative.
     """
     hub_id = spec.hub_id or base.hub_id
-    source = {"source": "hub", "hub_id": hub_id, "config": base.config, "split": base.split,
-              "revision": spec.revision}
+    source = {"source": "hub", "hub_id": hub_id, "config": base.config, "split": base.split, "revision": spec.revision}
     try:
         import datasets
 
@@ -233,8 +242,9 @@ def hub_rows(spec: DatasetSpec, base: HubSource) -> tuple[Iterable[dict[str, Any
         if not Path(hub_id).expanduser().is_dir():
             hub.prepare()  # an unreachable hub: one short probe, then the cache only (no half minute of retries)
         with hub.quiet():
-            rows = datasets.load_dataset(hub_id, base.config, split=base.split, revision=spec.revision,
-                                         streaming=base.streaming)
+            rows = datasets.load_dataset(
+                hub_id, base.config, split=base.split, revision=spec.revision, streaming=base.streaming
+            )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise DtbenchError(
@@ -439,7 +449,10 @@ def load_documents(spec: DatasetSpec, data_dir: str | None = None) -> Documents:
     """
     ds = dataset(spec)
     loaded = ds.documents(spec, data_dir)
-    source = getattr(loaded, "source", None) or {"source": "plugin", "class": f"{type(ds).__module__}.{type(ds).__qualname__}"}
+    source = getattr(loaded, "source", None) or {
+        "source": "plugin",
+        "class": f"{type(ds).__module__}.{type(ds).__qualname__}",
+    }
     docs = Documents(((t, x) for t, x in loaded if x.strip()), skip=spec.skip, source=source, name=spec.name)
     if not docs:
         raise DtbenchError(f"{spec.name}: no non-empty documents")
@@ -565,8 +578,10 @@ def corpus_documents(spec: CorpusSpec, tokenizer_name: str, seed: int, data_dir:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
         except Exception as exc:  # transformers raises OSError, ValueError, ... for a bad id
-            raise DtbenchError(f"corpus {spec.name}: cannot load tokenizer {name!r}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+            raise DtbenchError(
+                f"corpus {spec.name}: cannot load tokenizer {name!r}: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
         docs = load_documents(corpus_entry(spec), data_dir)
         held = held_out_documents(docs, tokenizer, spec.skip, seed)
         _CORPORA[key] = Corpus(key, tuple(tuple(d) for d in held))
@@ -615,4 +630,5 @@ def check_corpus(spec: CorpusSpec, datasets: Iterable[DatasetSpec], *, files: bo
                 raise DtbenchError(
                     f"corpus: {spec.name} with skip: {spec.skip} would hold the documents of the suite's {ds.prompts} "
                     f"{ds.name} prompts (the first {need} usable documents of the suite seed's order); set the "
-                    f"corpus's skip: {need} or more")
+                    f"corpus's skip: {need} or more"
+                )

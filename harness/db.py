@@ -17,11 +17,23 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, TypeDecorator,
-                        UniqueConstraint, select)
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    select,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
 from dtbench.harness import schema
@@ -31,7 +43,7 @@ from dtbench.harness.safetext import printable
 
 def utcnow() -> datetime:
     """The current time, timezone-aware UTC (what the models store)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UTCDateTime(TypeDecorator):
@@ -48,16 +60,16 @@ class UTCDateTime(TypeDecorator):
 
     def process_bind_param(self, value, dialect):
         if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc)
+            value = value.astimezone(UTC)
             if dialect.name == "sqlite":
                 value = value.replace(tzinfo=None)
         elif value is not None and dialect.name != "sqlite":
-            value = value.replace(tzinfo=timezone.utc)
+            value = value.replace(tzinfo=UTC)
         return value
 
     def process_result_value(self, value, dialect):
         if value is not None and value.tzinfo is not None:
-            value = value.astimezone(timezone.utc).replace(tzinfo=None)
+            value = value.astimezone(UTC).replace(tzinfo=None)
         return value
 
 
@@ -84,15 +96,18 @@ class Run(Base):
     owner_host: Mapped[str | None] = mapped_column(String(255))
     owner_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    cells: Mapped[list["Cell"]] = relationship(back_populates="run", cascade="all, delete-orphan")
+    cells: Mapped[list[Cell]] = relationship(back_populates="run", cascade="all, delete-orphan")
 
 
 class Cell(Base):
     """One decoder configuration on one (dataset, L_max, T, batch size B) of a run."""
 
     __tablename__ = "cells"
-    __table_args__ = (UniqueConstraint("run_id", "dataset", "l_max", "gen_length", "batch_size", "label",
-                                       name="uq_cells_point_label"),)
+    __table_args__ = (
+        UniqueConstraint(
+            "run_id", "dataset", "l_max", "gen_length", "batch_size", "label", name="uq_cells_point_label"
+        ),
+    )
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     dataset: Mapped[str] = mapped_column(String(200))
@@ -118,7 +133,7 @@ class Cell(Base):
     status: Mapped[str] = mapped_column(String(20), default="pending")  # pending|running|done|failed
     error: Mapped[str | None] = mapped_column(Text)
     run: Mapped[Run] = relationship(back_populates="cells")
-    samples: Mapped[list["Sample"]] = relationship(back_populates="cell", cascade="all, delete-orphan")
+    samples: Mapped[list[Sample]] = relationship(back_populates="cell", cascade="all, delete-orphan")
 
 
 class Sample(Base):
@@ -244,8 +259,9 @@ def _stderr_note(message: str) -> None:
     print(f"note: {printable(message)}", file=sys.stderr, flush=True)
 
 
-def connect(url: str | None = None, *, create: bool = True,
-            note: Callable[[str], None] | None = _stderr_note) -> sessionmaker[Session]:
+def connect(
+    url: str | None = None, *, create: bool = True, note: Callable[[str], None] | None = _stderr_note
+) -> sessionmaker[Session]:
     """Open the results database and return a session factory.
 
     ``create=True`` (a writer: ``dtbench run``): create the database at the newest schema revision if it is new,

@@ -115,8 +115,9 @@ class Meter:
         return EnergyReading(total, MEASURED, self.source, window)
 
 
-def probe_update_period(read: Callable[[], float], budget_s: float = PROBE_S, clock=time.perf_counter,
-                        sleep=time.sleep) -> float | None:
+def probe_update_period(
+    read: Callable[[], float], budget_s: float = PROBE_S, clock=time.perf_counter, sleep=time.sleep
+) -> float | None:
     """The update period (s) of a cumulative counter: the longest interval between two successive changes seen
     while polling ``read`` for ``budget_s`` seconds (every 1 ms), None when fewer than two changes were seen."""
     changes: list[float] = []
@@ -230,7 +231,7 @@ class EnergyTracker:
         self._meter: Meter | str | None = None
         self._key: str | None = None
 
-    def __enter__(self) -> "EnergyTracker":
+    def __enter__(self) -> EnergyTracker:
         self._meter = meter_for(self.device)
         if isinstance(self._meter, str):
             self.reading = EnergyReading(None, UNAVAILABLE, self._meter)

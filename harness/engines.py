@@ -55,8 +55,9 @@ def parse_url(url: str) -> URL:
     try:
         return make_url(url)
     except ArgumentError:
-        raise DtbenchError(f"not a database URL: {url!r} (expected e.g. sqlite:///results.db or "
-                           "postgresql+psycopg://user@host/db)") from None
+        raise DtbenchError(
+            f"not a database URL: {url!r} (expected e.g. sqlite:///results.db or postgresql+psycopg://user@host/db)"
+        ) from None
 
 
 def sqlite_path(url: str | URL) -> Path | None:
@@ -156,11 +157,15 @@ def check_writable(url: str) -> None:
     if path is None:
         return
     if path.exists() and path.is_file() and not writable(path):
-        raise DtbenchError(f"cannot write the results database {path}: the file is read-only (chmod u+w it, or pass "
-                           f"--db for another database)")
+        raise DtbenchError(
+            f"cannot write the results database {path}: the file is read-only (chmod u+w it, or pass "
+            f"--db for another database)"
+        )
     if path.parent.is_dir() and not writable(path.parent):
-        raise DtbenchError(f"cannot write the results database {path}: its folder {path.parent} is read-only "
-                           f"(SQLite writes its journal files beside the database)")
+        raise DtbenchError(
+            f"cannot write the results database {path}: its folder {path.parent} is read-only "
+            f"(SQLite writes its journal files beside the database)"
+        )
 
 
 def reader_engine(url: str) -> Engine:

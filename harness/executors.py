@@ -77,11 +77,14 @@ class Executor:
         """Load the models on every worker; the returned worker's environment becomes the run's."""
         raise NotImplementedError
 
-    def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
-                  console: Console) -> calibrate.Measured:
+    def calibrate(
+        self, contexts: dict[int, list[int]], settings: calibrate.Settings, console: Console
+    ) -> calibrate.Measured:
         """Measure the cost model's curves on a worker (after :meth:`start`, before any group)."""
-        raise DtbenchError(f"the {self.name} executor cannot calibrate: calibrate: true and n_max: auto need "
-                           f"--executor local or ray (or store a calibration with `dtbench calibrate` first)")
+        raise DtbenchError(
+            f"the {self.name} executor cannot calibrate: calibrate: true and n_max: auto need "
+            f"--executor local or ray (or store a calibration with `dtbench calibrate` first)"
+        )
 
     def set_budgets(self, budgets: dict[str, int]) -> None:
         """Hand the resolved ``n_max: auto`` budgets to every worker, present and future."""
@@ -115,8 +118,9 @@ class LocalExecutor(Executor):
         self.device = models.resolve_device(suite.device)
 
     def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
-        self.worker = Worker(suite, str(self.device), plan=plan, tokenizer=tokenizer, threads=self.threads,
-                             status=console.status)
+        self.worker = Worker(
+            suite, str(self.device), plan=plan, tokenizer=tokenizer, threads=self.threads, status=console.status
+        )
         return self.worker.info
 
     def calibrate(self, contexts, settings, console: Console) -> calibrate.Measured:
@@ -138,8 +142,9 @@ class LocalExecutor(Executor):
                 sink.commit(group, outcome, worker.info)
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()  # launched servers stopped (issue 30)
         self.worker = None
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "threads": self.threads}
-

@@ -47,8 +47,11 @@ def path_sha256(path: Path) -> str:
     if path.is_file():
         return file_sha256(path)
     digest = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(
-            part.startswith(".") for part in p.relative_to(path).parts)):
+    for f in sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    ):
         digest.update(f"{f.relative_to(path).as_posix()}\0{file_sha256(f)}\n".encode())
     return digest.hexdigest()
 

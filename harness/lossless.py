@@ -1,5 +1,5 @@
 """The lossless check: is every token a greedy decoder emitted the target's greedy choice, and is a divergence from
-the reference a numeric tie or a decoder bug? (DESIGN.md "Tree verification, correctly and fast"; issue 20.)
+the reference a numeric tie or a decoder bug? (docs/lossless.md; issue 20.)
 
 A lossless decoder (``Decoder.lossless``, greedy decoding) must emit, at every position, the target's argmax given
 the decoder's *own* prefix. In float32, and much more in bfloat16/float16, the target's logits at one position are
@@ -129,15 +129,21 @@ class Check:
     def columns(self) -> dict[str, Any]:
         """The ``samples`` columns of this check (plain JSON-able values)."""
         return dict(
-            lossless_checked=self.checked, lossless_ties=self.ties, lossless_errors=self.errors,
-            lossless_first_error=self.first_error, lossless_error_margin=self.error_margin,
-            lossless_tie_margin=self.max_tie_margin, lossless_noise=self.max_noise, lossless_check_s=self.seconds,
+            lossless_checked=self.checked,
+            lossless_ties=self.ties,
+            lossless_errors=self.errors,
+            lossless_first_error=self.first_error,
+            lossless_error_margin=self.error_margin,
+            lossless_tie_margin=self.max_tie_margin,
+            lossless_noise=self.max_noise,
+            lossless_check_s=self.seconds,
             lossless_diagnoses=[asdict(d) for d in self.diagnoses],
         )
 
 
-def classify(emitted: int, incremental: torch.Tensor, full: torch.Tensor,
-             *others: torch.Tensor) -> tuple[str, float, float]:
+def classify(
+    emitted: int, incremental: torch.Tensor, full: torch.Tensor, *others: torch.Tensor
+) -> tuple[str, float, float]:
     """The tie rule at one position: ``(kind, margin, noise)`` (this module's docstring, step 3).
 
     Args:
@@ -198,8 +204,9 @@ def two_shapes(model: torch.nn.Module, prefix: list[int], device) -> tuple[torch
     return incremental, full
 
 
-def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int], device,
-                   chunk: int = CHUNK) -> tuple[list[int], list[float]]:
+def teacher_forced(
+    model: torch.nn.Module, prompt: list[int], output: list[int], device, chunk: int = CHUNK
+) -> tuple[list[int], list[float]]:
     """The target's greedy choice at every output position given the output's own prefix (the verification shape).
 
     Args:
@@ -216,22 +223,30 @@ def teacher_forced(model: torch.nn.Module, prompt: list[int], output: list[int],
         return argmax, margin
     cache = kv.new_cache()
     ids = torch.tensor([list(prompt) + list(output[:-1])], dtype=torch.long, device=device)
-    logits = kv.forward(model, ids[:, :len(prompt)], cache, last_only=True)  # predicts output[0]
+    logits = kv.forward(model, ids[:, : len(prompt)], cache, last_only=True)  # predicts output[0]
     while True:
         start = len(argmax)  # the output position the first row of ``logits`` predicts
         rows = logits.double()
-        targets = torch.tensor(output[start:start + rows.shape[0]], device=rows.device)
+        targets = torch.tensor(output[start : start + rows.shape[0]], device=rows.device)
         argmax.extend(int(a) for a in rows.argmax(-1))
         margin.extend(float(m) for m in rows.max(-1).values - rows.gather(-1, targets[:, None])[:, 0])
         if len(argmax) >= len(output):
             break
         fed = len(prompt) + len(argmax) - 1  # tokens in the cache: the prompt and output[:len(argmax) - 1]
-        logits = kv.forward(model, ids[:, fed:fed + chunk], cache)  # row j predicts output[len(argmax) + j]
-    return argmax[:len(output)], margin[:len(output)]
+        logits = kv.forward(model, ids[:, fed : fed + chunk], cache)  # row j predicts output[len(argmax) + j]
+    return argmax[: len(output)], margin[: len(output)]
 
 
-def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], reference: list[int] | None,
-                 device, *, chunk: int = CHUNK, companions: list[list[int]] | None = None) -> Check:
+def check_output(
+    model: torch.nn.Module,
+    prompt: list[int],
+    output: list[int],
+    reference: list[int] | None,
+    device,
+    *,
+    chunk: int = CHUNK,
+    companions: list[list[int]] | None = None,
+) -> Check:
     """Check every emitted token of ``output`` against the target and diagnose every flagged position.
 
     Args:
@@ -251,8 +266,10 @@ def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], r
     with torch.inference_mode():
         argmax, tf_margin = teacher_forced(model, prompt, output, device, chunk)
         diverged = first_divergence(output, reference) if reference is not None else None
-        flagged = sorted({i for i, (a, t) in enumerate(zip(argmax, output)) if a != t}
-                         | ({diverged} if diverged is not None and diverged < len(output) else set()))
+        flagged = sorted(
+            {i for i, (a, t) in enumerate(zip(argmax, output)) if a != t}
+            | ({diverged} if diverged is not None and diverged < len(output) else set())
+        )
         for n, i in enumerate(flagged):
             e = int(output[i])
             if n >= DIAGNOSE_LIMIT:
@@ -266,8 +283,11 @@ def check_output(model: torch.nn.Module, prompt: list[int], output: list[int], r
             if kind == "ok":  # both shapes pick e, but the chunked pass (or the reference's cache) picked another
                 kind = "tie"
                 margin = abs(float(inc.double()[e] - inc.double()[ref])) if ref is not None else tf_margin[i]
-            check.add(Diagnosis(i, e, kind, margin, noise, int(inc.argmax()), int(full.argmax()),
-                                _top2(inc), _top2(full), ref))
+            check.add(
+                Diagnosis(
+                    i, e, kind, margin, noise, int(inc.argmax()), int(full.argmax()), _top2(inc), _top2(full), ref
+                )
+            )
     check.seconds = time.perf_counter() - start
     return check
 
@@ -289,8 +309,15 @@ def verdict(rule: str, check: Check | None, first_divergence: int | None, has_re
     raise ValueError(f"unknown lossless_check rule {rule!r} (choose {' or '.join(RULES)})")
 
 
-def sample_columns(model: torch.nn.Module, prompt: list[int], row: dict[str, Any], reference: list[int] | None,
-                   device, rule: str, companions: list[list[int]] | None = None) -> dict[str, Any]:
+def sample_columns(
+    model: torch.nn.Module,
+    prompt: list[int],
+    row: dict[str, Any],
+    reference: list[int] | None,
+    device,
+    rule: str,
+    companions: list[list[int]] | None = None,
+) -> dict[str, Any]:
     """The ``samples`` columns the check adds to a greedy lossless decoder's row (the runner's one hook).
 
     Args:

@@ -15,17 +15,20 @@ import platform
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
 
-
 from dtbench.harness.energy import EnergyReading, EnergyTracker
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
+
+if TYPE_CHECKING:
+    from dtbench.decoders.base import Decoder, Step
 
 
 def device_name(device: torch.device) -> str:
@@ -49,7 +52,7 @@ def cpu_model() -> str:
 
 # /proc/cpuinfo flags that decide how fast a dtype runs on CPU: AVX2/AVX-512 vector width, native bf16 and fp16
 # arithmetic (AVX-512 BF16/FP16) and Intel AMX tiles (oneDNN's bf16 matmuls). Without avx512_bf16/amx_bf16 a
-# bfloat16 model is converted on the fly and can be slower than float32 (DESIGN.md, "Embedded default").
+# bfloat16 model is converted on the fly and can be slower than float32 (docs/architecture.md, "The embedded default").
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
@@ -126,7 +129,10 @@ def environment(device: torch.device) -> dict[str, Any]:
 def _git_sha() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
         return out.stdout.strip() or None if out.returncode == 0 else None
@@ -145,18 +151,19 @@ class SampleTimeout(BaseException):
 
 
 from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined once, torch-free, with the pricing)
+
 # Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
 # drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
 # drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind.
 
 
-def cache_argument(kwargs: dict):
+def cache_argument(kwargs: dict[str, Any]) -> Any:
     """The KV cache a forward was called with: ``cache`` (transformers 5.2x's keyword, see
     :func:`dtbench.decoders.kv.cache_keyword`) or ``past_key_values`` (older models); None if neither."""
     return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
 
 
-def _past_len(cache) -> int | None:
+def _past_len(cache: Any) -> int | None:
     """KV positions a forward's cache held before it ran (None where unknown)."""
     if cache is None:
         return 0
@@ -166,13 +173,16 @@ def _past_len(cache) -> int | None:
         return None
 
 
-def _flags(kwargs) -> int:
+def _flags(kwargs: dict[str, Any]) -> int:
     mask = kwargs.get("attention_mask")
     flags = FED_MASK if torch.is_tensor(mask) and mask.dim() == 4 else 0
     keep = kwargs.get("logits_to_keep")
     if isinstance(keep, int) and not isinstance(keep, bool) and keep == 1:
         flags |= FED_LAST
     return flags
+
+
+Snapshot = tuple[int, int | None, int, int | None]  # ForwardCounter.snapshot: forwards and tokens so far
 
 
 class ForwardCounter:
@@ -200,14 +210,14 @@ class ForwardCounter:
         self.tokens = {k: 0 for k in ("target", "draft")}
         # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
         self.fed: dict[str, list[tuple[int, int | None, int]]] = {k: [] for k in ("target", "draft")}
-        self._handles: list = []
+        self._handles: list[Any] = []
         self._seconds = {k: 0.0 for k in ("target", "draft")}
         self._open: dict[str, Any] = {}
-        self._events: dict[str, list] = {k: [] for k in ("target", "draft")}
+        self._events: dict[str, list[tuple[Any, Any]]] = {k: [] for k in ("target", "draft")}
         self._cuda = {k: getattr(m, "device", torch.device("cpu")).type == "cuda" for k, m in self.models.items()}
 
-    def _hook(self, role: str):
-        def pre_hook(module, args, kwargs):
+    def _hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:  # called with inputs_embeds
                 ids = kwargs.get("inputs_embeds")
@@ -218,7 +228,7 @@ class ForwardCounter:
             self.tokens[role] += n
             self.fed[role].append((n, _past_len(cache_argument(kwargs)), _flags(kwargs)))
             if self._cuda[role]:
-                start = torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 start.record()
                 self._open[role] = start
             else:
@@ -226,13 +236,13 @@ class ForwardCounter:
 
         return pre_hook
 
-    def _post_hook(self, role: str):
-        def post_hook(module, args, kwargs, output):
+    def _post_hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def post_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             start = self._open.pop(role, None)
             if start is None:
                 return
             if self._cuda[role]:
-                end = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
                 end.record()
                 self._events[role].append((start, end))
             else:
@@ -251,13 +261,13 @@ class ForwardCounter:
             out[role] = self._seconds[role] + sum(a.elapsed_time(b) for a, b in self._events[role]) / 1000.0
         return out
 
-    def __enter__(self) -> "ForwardCounter":
+    def __enter__(self) -> ForwardCounter:
         for role, model in self.models.items():
             self._handles.append(model.register_forward_pre_hook(self._hook(role), with_kwargs=True))
             self._handles.append(model.register_forward_hook(self._post_hook(role), with_kwargs=True))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -269,11 +279,30 @@ class ForwardCounter:
             return None
         return [list(e) for e in self.fed[role][start:end]]
 
-    def snapshot(self) -> tuple[int, int | None, int, int | None]:
+    def snapshot(self) -> Snapshot:
         """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
         has_draft = "draft" in self.models
-        return (self.forwards["target"], self.forwards["draft"] if has_draft else None,
-                self.tokens["target"], self.tokens["draft"] if has_draft else None)
+        return (
+            self.forwards["target"],
+            self.forwards["draft"] if has_draft else None,
+            self.tokens["target"],
+            self.tokens["draft"] if has_draft else None,
+        )
+
+    def record(self, t: float, last: Snapshot, snap: Snapshot) -> StepRecord:
+        """The :class:`StepRecord` of one step ending at ``t`` seconds: the forwards and tokens counted between the
+        snapshots ``last`` and ``snap`` (:meth:`snapshot`), the draft's None where it is not counted."""
+        draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
+        draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
+        return StepRecord(
+            t,
+            snap[0] - last[0],
+            draft_fw,
+            snap[2] - last[2],
+            draft_tok,
+            self.fed_between("target", last[0], snap[0]) or [],
+            None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]),
+        )
 
 
 class _Deadline:
@@ -309,19 +338,21 @@ class _Deadline:
     def _watch(self, wall0: float, cpu0: float) -> None:
         while not self._stop.wait(self.POLL_S):
             if (self.seconds is not None and time.monotonic() - wall0 >= self.seconds) or (
-                    self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds):
+                self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds
+            ):
                 self._fire()
                 return
 
-    def __enter__(self) -> "_Deadline":
+    def __enter__(self) -> _Deadline:
         if self.seconds is not None or self.cpu_seconds is not None:
             self._armed = True
-            self._timer = threading.Thread(target=self._watch, args=(time.monotonic(), time.process_time()),
-                                           daemon=True, name="dtbench-deadline")
+            self._timer = threading.Thread(
+                target=self._watch, args=(time.monotonic(), time.process_time()), daemon=True, name="dtbench-deadline"
+            )
             self._timer.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._timer is None:
             return
         import ctypes
@@ -344,8 +375,8 @@ class StepRecord:
     draft_tokens: int | None
     # Per forward of this step, in call order: (tokens fed n, KV positions before it, FED_* flags); the draft's
     # None where its forwards are not counted. Default empty: records made before they existed.
-    target_fed: list = field(default_factory=list)
-    draft_fed: list | None = None
+    target_fed: list[list[int | None]] = field(default_factory=list)
+    draft_fed: list[list[int | None]] | None = None
 
 
 @dataclass
@@ -364,11 +395,11 @@ class Measurement:
     """
 
     tokens: list[int]
-    steps: list
+    steps: list[Step]
     records: list[StepRecord]
     memory: MemoryPeak
-    forward_s: dict | None = None
-    state: dict | None = None
+    forward_s: dict[str, float | None] | None = None
+    state: dict[str, int] | None = None
     energy: EnergyReading | None = None
     cpu_s: float | None = None  # this process's CPU seconds during the sample (all threads): the timeout's yardstick
 
@@ -377,8 +408,15 @@ class Measurement:
         return [r.time_s for r in self.records]
 
 
-def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeout_s: float | None = None,
-            cpu_timeout_s: float | None = None) -> Measurement:
+def measure(
+    decoder: Decoder[Any],
+    prompt_ids: Sequence[int],
+    gen_length: int,
+    device: torch.device,
+    *,
+    timeout_s: float | None = None,
+    cpu_timeout_s: float | None = None,
+) -> Measurement:
     """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
@@ -410,7 +448,7 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
     ended = False
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     tokens: list[int] = []
-    steps: list = []
+    steps: list[Step] = []
     records: list[StepRecord] = []
     synchronize(device)
     counter = ForwardCounter(decoder.target, decoder.draft)
@@ -429,13 +467,11 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                 try:
                     ids = [operator.index(x) for x in step.tokens]
                 except TypeError:
-                    raise DtbenchError(f"decoder yielded a token that is not an integer id at iteration "
-                                       f"{len(steps)}: {step.tokens[:8]!r}") from None
-                records.append(StepRecord(
-                    t, snap[0] - last[0], None if snap[1] is None else snap[1] - last[1],
-                    snap[2] - last[2], None if snap[3] is None else snap[3] - last[3],
-                    counter.fed_between("target", last[0], snap[0]),
-                    None if snap[1] is None else counter.fed_between("draft", last[1], snap[1])))
+                    raise DtbenchError(
+                        f"decoder yielded a token that is not an integer id at iteration "
+                        f"{len(steps)}: {step.tokens[:8]!r}"
+                    ) from None
+                records.append(counter.record(t, last, snap))
                 last = snap
                 step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
                 step, ended = cut_at_eos(step, eos) if eos else (step, False)
@@ -444,18 +480,34 @@ def measure(decoder, prompt_ids, gen_length: int, device: torch.device, *, timeo
                 if ended or len(tokens) >= gen_length:
                     break
         finally:
-            gen.close()
+            close = getattr(gen, "close", None)  # a generator (the contract's usual generate) is closed
+            if close is not None:
+                close()
     if len(tokens) < gen_length and not ended:
         raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
-    return Measurement(tokens=tokens[:gen_length], steps=steps, records=records, memory=mem.peak,
-                       forward_s=counter.forward_seconds(), state=stats() if stats else None, energy=energy.reading,
-                       cpu_s=time.process_time() - cpu0)
+    return Measurement(
+        tokens=tokens[:gen_length],
+        steps=steps,
+        records=records,
+        memory=mem.peak,
+        forward_s=counter.forward_seconds(),
+        state=stats() if stats else None,
+        energy=energy.reading,
+        cpu_s=time.process_time() - cpu0,
+    )
 
 
-def measure_batch(decoder, prompts: list, gen_length: int, device: torch.device, *, timeout_s: float | None = None,
-                  cpu_timeout_s: float | None = None) -> list[Measurement]:
+def measure_batch(
+    decoder: Decoder[Any],
+    prompts: Sequence[Sequence[int]],
+    gen_length: int,
+    device: torch.device,
+    *,
+    timeout_s: float | None = None,
+    cpu_timeout_s: float | None = None,
+) -> list[Measurement]:
     """Run ``decoder`` on B prompts decoded together (:meth:`~dtbench.decoders.base.Decoder.generate_batch`),
     timing each iteration after synchronizing the device; one :class:`Measurement` per row.
 
@@ -486,7 +538,7 @@ def measure_batch(decoder, prompts: list, gen_length: int, device: torch.device,
     b = len(prompts)
     inputs = [torch.tensor([list(p)], dtype=torch.long, device=device) for p in prompts]
     tokens: list[list[int]] = [[] for _ in range(b)]
-    steps: list[list] = [[] for _ in range(b)]
+    steps: list[list[Step]] = [[] for _ in range(b)]
     records: list[list[StepRecord]] = [[] for _ in range(b)]
     done = [False] * b
     ended = [False] * b
@@ -502,11 +554,7 @@ def measure_batch(decoder, prompts: list, gen_length: int, device: torch.device,
                 synchronize(device)
                 t = now() - start
                 snap = counter.snapshot()
-                record = StepRecord(
-                    t, snap[0] - last[0], None if snap[1] is None else snap[1] - last[1],
-                    snap[2] - last[2], None if snap[3] is None else snap[3] - last[3],
-                    counter.fed_between("target", last[0], snap[0]),
-                    None if snap[1] is None else counter.fed_between("draft", last[1], snap[1]))
+                record = counter.record(t, last, snap)
                 last = snap
                 for r, step in out.items():
                     if not (isinstance(r, int) and 0 <= r < b):
@@ -518,8 +566,10 @@ def measure_batch(decoder, prompts: list, gen_length: int, device: torch.device,
                     try:
                         ids = [operator.index(x) for x in step.tokens]
                     except TypeError:
-                        raise DtbenchError(f"decoder yielded a token that is not an integer id for row {r} at "
-                                           f"iteration {it}: {step.tokens[:8]!r}") from None
+                        raise DtbenchError(
+                            f"decoder yielded a token that is not an integer id for row {r} at "
+                            f"iteration {it}: {step.tokens[:8]!r}"
+                        ) from None
                     step = Step(tuple(ids), step.drafted, step.accepted, step.depth)
                     step, ended[r] = cut_at_eos(step, eos) if eos else (step, False)
                     steps[r].append(step)
@@ -529,7 +579,9 @@ def measure_batch(decoder, prompts: list, gen_length: int, device: torch.device,
                 if all(done):
                     break
         finally:
-            gen.close()
+            close = getattr(gen, "close", None)  # a generator (the contract's usual generate_batch) is closed
+            if close is not None:
+                close()
     short = [r for r in range(b) if not done[r]]
     if short:
         raise DtbenchError(f"decoder stopped row {short[0]} after {len(tokens[short[0]])} of {gen_length} tokens")
@@ -537,5 +589,16 @@ def measure_batch(decoder, prompts: list, gen_length: int, device: torch.device,
     stats = getattr(decoder, "state_stats", None)
     state = stats() if stats else None
     forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
-    return [Measurement(tokens=tokens[r][:gen_length], steps=steps[r], records=records[r], memory=mem.peak,
-                        forward_s=forward_s, state=state, energy=energy.reading, cpu_s=cpu_s) for r in range(b)]
+    return [
+        Measurement(
+            tokens=tokens[r][:gen_length],
+            steps=steps[r],
+            records=records[r],
+            memory=mem.peak,
+            forward_s=forward_s,
+            state=state,
+            energy=energy.reading,
+            cpu_s=cpu_s,
+        )
+        for r in range(b)
+    ]

@@ -98,7 +98,7 @@ class MemoryTracker:
         self._pollers: dict[str, _Poller] = {}
         self._hwm = False
 
-    def __enter__(self) -> "MemoryTracker":
+    def __enter__(self) -> MemoryTracker:
         self._hwm = self._reset_hwm()
         if not self._hwm:
             proc = psutil.Process()

@@ -4,7 +4,7 @@ its name, unit, header, number format, per-cell aggregation, better direction an
 Reports (summary, tables, CSV/JSON, run-to-run comparison and gates) iterate over :data:`METRICS`; adding a
 metric is one :class:`Metric` entry (plus its samples column, with a migration, and its line in :func:`sample_row`).
 
-Definitions (DESIGN.md "Metrics"; README "Measurement protocol"):
+Definitions (docs/measurement.md):
 
 - throughput = T / total wall time (tokens/s, prefill included); TTFT = time to the first committed token;
   TPOT = (total - TTFT) / (T - 1), seconds.
@@ -32,9 +32,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from dtbench.harness.measure import Measurement
+    from dtbench.harness.prompt import Prompt
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
 # the columns of a cell's group, (dataset, L_max, T, batch size B): group_key
@@ -43,12 +49,12 @@ MIB = 2**20
 MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
 
 
-def column_of(record, name: str):
+def column_of(record: Any, name: str) -> Any:
     """A column of a sample or cell: an ORM object's attribute, or a mapping's / pandas row's item."""
     return record[name] if isinstance(record, dict) or hasattr(record, "iloc") else getattr(record, name)
 
 
-def group_key(cell) -> tuple[str, int, int, int]:
+def group_key(cell: Any) -> tuple[str, int, int, int]:
     """A cell's group, (dataset, L_max, T, batch size B) (:data:`GROUP`): the cells a speedup, a paper table or a
     cost-model row compares. ``cell``: an ORM :class:`~dtbench.harness.db.Cell`, a mapping or a summary row; a cell
     stored before batch sizes existed (no or a NULL ``batch_size``) is B = 1."""
@@ -60,7 +66,7 @@ def group_key(cell) -> tuple[str, int, int, int]:
     return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")), b)
 
 
-def peak_memory_bytes(row) -> float | None:
+def peak_memory_bytes(row: Mapping[str, Any]) -> float | None:
     """The peak memory a reader compares (bytes): torch allocator peak on CUDA, else the process RSS peak (CPU)."""
     for col in ("peak_allocated_bytes", "peak_rss_bytes"):
         v = row.get(col)
@@ -69,12 +75,12 @@ def peak_memory_bytes(row) -> float | None:
     return None
 
 
-def _energy_ratio(row, per_token: bool) -> float | None:
+def _energy_ratio(row: Mapping[str, Any], per_token: bool) -> float | None:
     """J per token (``per_token``) or tokens per J of a samples row; None without a measured energy."""
     e, n = row.get("energy_j"), row.get("new_tokens")
     if e is None or n is None or (isinstance(e, float) and math.isnan(e)) or e <= 0 or not n:
         return None
-    return e / n if per_token else n / e
+    return float(e / n if per_token else n / e)
 
 
 @dataclass(frozen=True)
@@ -91,13 +97,13 @@ class Metric:
         spread: aggregated per cell as mean ± std (columns ``{name}_mean``/``{name}_std``), else the mean (``{name}``).
         higher_is_better: the good direction for comparisons and gates; None: no direction.
         aliases: other names ``--fail-if`` accepts.
-        source: where it is defined (DESIGN.md, the paper), for docs.
+        source: where it is defined (docs/, the paper), for docs.
         optional: a table column only where some cell of the table has a value (energy: only where a counter was
             readable); CSV/JSON always carry it.
     """
 
     name: str
-    column: str | Callable
+    column: str | Callable[[Mapping[str, Any]], float | None]
     header: str | None
     unit: str
     scale: float = 1.0
@@ -114,7 +120,7 @@ class Metric:
         """The summary columns this metric produces."""
         return [f"{self.name}_mean", f"{self.name}_std"] if self.spread else [self.name]
 
-    def values(self, samples):
+    def values(self, samples: pd.DataFrame) -> pd.Series:
         """Per-sample values in the display unit, a float pandas Series (samples: a frame of samples rows)."""
         import pandas as pd
 
@@ -124,9 +130,10 @@ class Metric:
             raw = samples[self.column]
         return pd.to_numeric(raw, errors="coerce").astype(float) * self.scale
 
-    def format(self, mean, std=None) -> str:
+    def format(self, mean: float | None, std: float | None = None) -> str:
         """Display string: ``mean ± std`` (std where given and defined), percent if asked, "—" when missing."""
-        def one(v) -> str:
+
+        def one(v: float) -> str:
             return format(v, ".1%") if self.percent else format(v, self.spec)
 
         if mean is None or (isinstance(mean, float) and math.isnan(mean)):
@@ -137,49 +144,168 @@ class Metric:
 
 
 METRICS: list[Metric] = [
-    Metric("throughput", "throughput", "Throughput (t/s)", "tokens/s", spec=".1f", spread=True,
-           higher_is_better=True, aliases=("tps",), source="T / decode wall time, prefill included"),
-    Metric("ttft_ms", "ttft_s", "TTFT (ms)", "ms", scale=1e3, spec=".1f", spread=True, higher_is_better=False,
-           aliases=("ttft",), source="time to the first committed token"),
-    Metric("tpot_ms", "tpot_s", "TPOT (ms)", "ms", scale=1e3, spec=".2f", spread=True, higher_is_better=False,
-           aliases=("tpot",), source="(total - TTFT) / (T - 1)"),
-    Metric("acceptance_rate", "acceptance_rate", "Accept.", "fraction", percent=True, higher_is_better=True,
-           aliases=("acceptance", "accept"), source="committed drafted tokens / drafted depth"),
-    Metric("acceptance_incl_bonus", "acceptance_incl_bonus", None, "fraction", percent=True, higher_is_better=True,
-           aliases=("accept_bonus",), source="committed tokens incl. the bonus / drafted depth (paper Table 3)"),
-    Metric("tokens_per_iteration", "tokens_per_iteration", "L (tok/iter)", "tokens", higher_is_better=True,
-           aliases=("L",), source="T / iterations"),
-    Metric("mean_path_length", "mean_path_length", "ℓ (path)", "tokens", higher_is_better=True,
-           aliases=("l", "path_length"), source="committed path before the bonus, iterations that drafted"),
-    Metric("mean_path_length_all", "mean_path_length_all", None, "tokens", higher_is_better=True,
-           aliases=("l_all",), source="committed path before the bonus, every iteration (the paper's)"),
-    Metric("iterations", "iterations", "#Iter", "iterations", spec=".1f", higher_is_better=False,
-           aliases=("iter",), source="target verifications, the prefill first"),
-    Metric("peak_mib", peak_memory_bytes, "Peak mem (MiB)", "MiB", scale=1 / MIB, spec=".0f",
-           higher_is_better=False, aliases=("memory", "peak_memory", "mem"),
-           source="torch allocator peak on CUDA, process RSS peak on CPU"),
+    Metric(
+        "throughput",
+        "throughput",
+        "Throughput (t/s)",
+        "tokens/s",
+        spec=".1f",
+        spread=True,
+        higher_is_better=True,
+        aliases=("tps",),
+        source="T / decode wall time, prefill included",
+    ),
+    Metric(
+        "ttft_ms",
+        "ttft_s",
+        "TTFT (ms)",
+        "ms",
+        scale=1e3,
+        spec=".1f",
+        spread=True,
+        higher_is_better=False,
+        aliases=("ttft",),
+        source="time to the first committed token",
+    ),
+    Metric(
+        "tpot_ms",
+        "tpot_s",
+        "TPOT (ms)",
+        "ms",
+        scale=1e3,
+        spec=".2f",
+        spread=True,
+        higher_is_better=False,
+        aliases=("tpot",),
+        source="(total - TTFT) / (T - 1)",
+    ),
+    Metric(
+        "acceptance_rate",
+        "acceptance_rate",
+        "Accept.",
+        "fraction",
+        percent=True,
+        higher_is_better=True,
+        aliases=("acceptance", "accept"),
+        source="committed drafted tokens / drafted depth",
+    ),
+    Metric(
+        "acceptance_incl_bonus",
+        "acceptance_incl_bonus",
+        None,
+        "fraction",
+        percent=True,
+        higher_is_better=True,
+        aliases=("accept_bonus",),
+        source="committed tokens incl. the bonus / drafted depth (paper Table 3)",
+    ),
+    Metric(
+        "tokens_per_iteration",
+        "tokens_per_iteration",
+        "L (tok/iter)",
+        "tokens",
+        higher_is_better=True,
+        aliases=("L",),
+        source="T / iterations",
+    ),
+    Metric(
+        "mean_path_length",
+        "mean_path_length",
+        "ℓ (path)",
+        "tokens",
+        higher_is_better=True,
+        aliases=("l", "path_length"),
+        source="committed path before the bonus, iterations that drafted",
+    ),
+    Metric(
+        "mean_path_length_all",
+        "mean_path_length_all",
+        None,
+        "tokens",
+        higher_is_better=True,
+        aliases=("l_all",),
+        source="committed path before the bonus, every iteration (the paper's)",
+    ),
+    Metric(
+        "iterations",
+        "iterations",
+        "#Iter",
+        "iterations",
+        spec=".1f",
+        higher_is_better=False,
+        aliases=("iter",),
+        source="target verifications, the prefill first",
+    ),
+    Metric(
+        "peak_mib",
+        peak_memory_bytes,
+        "Peak mem (MiB)",
+        "MiB",
+        scale=1 / MIB,
+        spec=".0f",
+        higher_is_better=False,
+        aliases=("memory", "peak_memory", "mem"),
+        source="torch allocator peak on CUDA, process RSS peak on CPU",
+    ),
     # Energy (harness/energy.py): None where no counter was readable or the sample was shorter than its update period.
-    Metric("energy_j", "energy_j", None, "J", spec=".3g", higher_is_better=False, aliases=("energy",), optional=True,
-           source="energy counter increase over the sample (NVML on CUDA, RAPL on CPU), via Zeus"),
-    Metric("j_per_token", lambda row: _energy_ratio(row, per_token=True), "J/token", "J/token", spec=".3g",
-           higher_is_better=False, aliases=("joules_per_token",), optional=True, source="energy_j / T"),
-    Metric("tokens_per_j", lambda row: _energy_ratio(row, per_token=False), "tok/J", "tokens/J", spec=".3g",
-           higher_is_better=True, aliases=("tokens_per_joule",), optional=True, source="T / energy_j"),
+    Metric(
+        "energy_j",
+        "energy_j",
+        None,
+        "J",
+        spec=".3g",
+        higher_is_better=False,
+        aliases=("energy",),
+        optional=True,
+        source="energy counter increase over the sample (NVML on CUDA, RAPL on CPU), via Zeus",
+    ),
+    Metric(
+        "j_per_token",
+        lambda row: _energy_ratio(row, per_token=True),
+        "J/token",
+        "J/token",
+        spec=".3g",
+        higher_is_better=False,
+        aliases=("joules_per_token",),
+        optional=True,
+        source="energy_j / T",
+    ),
+    Metric(
+        "tokens_per_j",
+        lambda row: _energy_ratio(row, per_token=False),
+        "tok/J",
+        "tokens/J",
+        spec=".3g",
+        higher_is_better=True,
+        aliases=("tokens_per_joule",),
+        optional=True,
+        source="T / energy_j",
+    ),
 ]
 BY_NAME = {m.name: m for m in METRICS}
 # Derived per cell against the baseline, not read from one sample: the speedup (throughput / AR throughput).
-SPEEDUP = Metric("speedup", "speedup", "Speedup", "×", spec=".2f", higher_is_better=True,
-                 source="throughput / AR throughput, same dataset, L_max and T")
+SPEEDUP = Metric(
+    "speedup",
+    "speedup",
+    "Speedup",
+    "×",
+    spec=".2f",
+    higher_is_better=True,
+    source="throughput / AR throughput, same dataset, L_max and T",
+)
 GATEABLE = {m.name: m for m in [METRICS[0], SPEEDUP, *METRICS[1:]] if m.higher_is_better is not None}
 ALIASES = {alias: m.name for m in GATEABLE.values() for alias in m.aliases}
 
 
-def energy_columns(reading) -> dict[str, Any]:
+def energy_columns(reading: Any) -> dict[str, Any]:
     """The samples columns of an :class:`~dtbench.harness.energy.EnergyReading` (joules; status; source)."""
     if reading is None:
         return {"energy_j": None, "energy_status": None, "energy_source": None}
-    return {"energy_j": reading.energy_j, "energy_status": reading.status,
-            "energy_source": (reading.source or "")[:200] or None}
+    return {
+        "energy_j": reading.energy_j,
+        "energy_status": reading.status,
+        "energy_source": (reading.source or "")[:200] or None,
+    }
 
 
 def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
@@ -205,7 +331,7 @@ def _clip100(text: str | None) -> str | None:
     return None if text is None else text[:100]
 
 
-def sample_row(m, prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
+def sample_row(m: Measurement, prompt: Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
     """The samples-table columns of one measurement (definitions in this module's docstring).
 
     Args:

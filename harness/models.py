@@ -180,8 +180,11 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
         try:
             with hub.quiet():
                 base = AutoModelForCausalLM.from_pretrained(
-                    source, dtype=dtype if spec.model != EMBEDDED else torch.float32,
-                    attn_implementation=spec.attn_implementation, trust_remote_code=spec.trust_remote_code, **kwargs,
+                    source,
+                    dtype=dtype if spec.model != EMBEDDED else torch.float32,
+                    attn_implementation=spec.attn_implementation,
+                    trust_remote_code=spec.trust_remote_code,
+                    **kwargs,
                 )
         except Exception as exc:
             raise DtbenchError(f"cannot load model '{spec.model}': {_short(exc, spec.model)}") from None
@@ -192,8 +195,14 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     model = copy.deepcopy(base) if spec.model == EMBEDDED else base
     model = model.to(device=device, dtype=dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
-    return LoadedModel(model=model, name=spec.model, dtype=spec.dtype, device=str(device), params=n_params,
-                       trust_remote_code=spec.trust_remote_code)
+    return LoadedModel(
+        model=model,
+        name=spec.model,
+        dtype=spec.dtype,
+        device=str(device),
+        params=n_params,
+        trust_remote_code=spec.trust_remote_code,
+    )
 
 
 _AUTO_MAP_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
@@ -236,8 +245,12 @@ def remote_code_files(spec: ModelSpec) -> list[str]:
             auto_map = json.loads(path.read_text(encoding="utf-8")).get("auto_map") or {}
         except (OSError, ValueError, AttributeError):
             continue
-        refs = [v for value in (auto_map.values() if isinstance(auto_map, dict) else [])
-                for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, str) and v]
+        refs = [
+            v
+            for value in (auto_map.values() if isinstance(auto_map, dict) else [])
+            for v in (value if isinstance(value, (list, tuple)) else [value])
+            if isinstance(v, str) and v
+        ]
         for ref in refs:
             repo, _, dotted = ref.rpartition("--")
             module = dotted.rpartition(".")[0] or dotted
@@ -260,8 +273,10 @@ def require_remote_code_opt_in(spec: ModelSpec) -> list[str]:
     files = remote_code_files(spec)
     if files and not spec.trust_remote_code:
         shown = ", ".join(files[:3]) + (f" (and {len(files) - 3} more)" if len(files) > 3 else "")
-        raise DtbenchError(f"model '{spec.model}' needs its own code to load ({shown}); dtbench does not run it "
-                           f"unless the suite says `trust_remote_code: true` for this model")
+        raise DtbenchError(
+            f"model '{spec.model}' needs its own code to load ({shown}); dtbench does not run it "
+            f"unless the suite says `trust_remote_code: true` for this model"
+        )
     return files
 
 
@@ -293,8 +308,10 @@ def check_embedding(model: torch.nn.Module, tokenizer, name: str) -> None:
     for what, emb in (("input", model.get_input_embeddings()), ("output", model.get_output_embeddings())):
         rows = getattr(emb, "num_embeddings", None) or getattr(emb, "out_features", None)
         if rows is not None and rows < vocab:
-            raise DtbenchError(f"model '{name}': its {what} embedding has {rows} rows, fewer than the tokenizer's "
-                               f"{vocab} tokens; the tokenizer does not belong to this model")
+            raise DtbenchError(
+                f"model '{name}': its {what} embedding has {rows} rows, fewer than the tokenizer's "
+                f"{vocab} tokens; the tokenizer does not belong to this model"
+            )
 
 
 _LEARNED_POSITIONS = {"gpt2", "opt", "gpt_bigcode", "biogpt"}  # model types whose position table is finite

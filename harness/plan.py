@@ -1,4 +1,4 @@
-"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (DESIGN.md "The data flow").
+"""The run plan: a suite expanded, once, into ordered decoders, cells and prompt groups (docs/architecture.md "The data flow, once").
 
 Cells are dataset x L_max x T x batch size B x decoder; a decoder entry may be restricted to some datasets, T, L_max
 and B values.
@@ -12,7 +12,6 @@ decoder, in order, on one device — the runner,
 from __future__ import annotations
 
 import inspect
-
 import json
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ from dtbench.harness import data, models, registry
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.safetext import printable
 from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
+
 
 @dataclass
 class CellPlan:
@@ -93,8 +93,13 @@ class Plan:
 
     def points(self) -> list[tuple[DatasetSpec, int, int, int]]:
         """(dataset, L_max, T, B) in run order."""
-        return [(ds, l_max, T, B) for ds in self.suite.datasets for l_max in ds.l_maxes
-                for T in self.suite.generation_lengths for B in self.suite.batch_sizes]
+        return [
+            (ds, l_max, T, B)
+            for ds in self.suite.datasets
+            for l_max in ds.l_maxes
+            for T in self.suite.generation_lengths
+            for B in self.suite.batch_sizes
+        ]
 
     def decoders_at(self, dataset: str, l_max: int, gen_length: int, batch_size: int = 1) -> list[CellPlan]:
         """The decoders that run at one (dataset, L_max, T, B), references first."""
@@ -102,8 +107,9 @@ class Plan:
 
     def cells(self) -> list[tuple[DatasetSpec, int, int, int, CellPlan]]:
         """Every cell (dataset, L_max, T, B, decoder) in run order."""
-        return [(ds, l_max, T, B, c) for ds, l_max, T, B in self.points()
-                for c in self.decoders_at(ds.key, l_max, T, B)]
+        return [
+            (ds, l_max, T, B, c) for ds, l_max, T, B in self.points() for c in self.decoders_at(ds.key, l_max, T, B)
+        ]
 
     def groups(self) -> list[PromptGroup]:
         """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index (:class:`PromptGroup`)."""
@@ -112,11 +118,19 @@ class Plan:
             decs = tuple(self.decoders_at(ds.key, l_max, T, B))
             if not decs:
                 continue
-            if B > 1:
-                out.extend(PromptGroup(ds, l_max, T, rows[0], decs, batch_size=B, rows=rows)
-                           for rows in batch_groups(ds.prompts, ds.warmup, B))
-                continue
             slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
+            if B > 1 and slots is not None:  # single-turn questions (the plan refuses later turns at B > 1)
+                out.extend(
+                    PromptGroup(ds, l_max, T, rows[0], decs, slots[rows[0]].warmup, batch_size=B, rows=rows)
+                    for rows in slot_groups([s.warmup for s in slots], B)
+                )
+                continue
+            if B > 1:
+                out.extend(
+                    PromptGroup(ds, l_max, T, rows[0], decs, batch_size=B, rows=rows)
+                    for rows in batch_groups(ds.prompts, ds.warmup, B)
+                )
+                continue
             if slots is None:
                 out.extend(PromptGroup(ds, l_max, T, i, decs) for i in range(ds.prompts))
             else:
@@ -137,6 +151,17 @@ def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, 
     warm = [tuple(range(i, min(i + batch_size, warmup))) for i in range(0, warmup, batch_size)]
     rest = [tuple(range(i, min(i + batch_size, prompts))) for i in range(warmup, prompts, batch_size)]
     return warm + rest
+
+
+def slot_groups(warmup: list[bool], batch_size: int) -> list[tuple[int, ...]]:
+    """The prompt groups of a question dataset at batch size B (single-turn questions): its warmup slots in order in
+    groups of at most B, then its other slots in order in groups of B (the last possibly smaller: the remainder), so
+    the W warmup questions of each task group never split the measured ones into small groups."""
+    warm = [i for i, w in enumerate(warmup) if w]
+    rest = [i for i, w in enumerate(warmup) if not w]
+    return [tuple(warm[i : i + batch_size]) for i in range(0, len(warm), batch_size)] + [
+        tuple(rest[i : i + batch_size]) for i in range(0, len(rest), batch_size)
+    ]
 
 
 def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:
@@ -178,8 +203,10 @@ def plan_suite(suite: Suite) -> Plan:
         e = entries[spec.name]
         sampling = None if spec.sampling == "greedy" else (spec.sampling or suite.sampling)
         if sampling is not None and not cls.supports_sampling:
-            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
-                               f"set `sampling: greedy` on it or remove the suite's `sampling:`")
+            raise DtbenchError(
+                f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
+                f"set `sampling: greedy` on it or remove the suite's `sampling:`"
+            )
         corpus = cls.corpus_of(params)
         if corpus is not None:
             try:
@@ -188,8 +215,17 @@ def plan_suite(suite: Suite) -> Plan:
                 raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
         if sampling is not None and (why := cls.sampling_error(params)):
             raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {why}")
-        plans.append(CellPlan(spec, cls, params, e.distribution, f"{cls.version} ({e.distribution} {e.version})",
-                              points=_points(suite, spec), sampling=sampling))
+        plans.append(
+            CellPlan(
+                spec,
+                cls,
+                params,
+                e.distribution,
+                f"{cls.version} ({e.distribution} {e.version})",
+                points=_points(suite, spec),
+                sampling=sampling,
+            )
+        )
     by_key: dict[str, CellPlan] = {}
     for p in plans:  # the first of equal configurations is the reference of the others' dependents
         by_key.setdefault(_params_key(p.spec.name, p.params, p.sampling), p)
@@ -208,16 +244,28 @@ def plan_suite(suite: Suite) -> Plan:
         if key not in by_key:
             label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
             if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
-                label += " (greedy)" if rsampling is None else \
-                    f" (T={rsampling.temperature:g}, top_k={rsampling.top_k}, top_p={rsampling.top_p:g})"
+                label += (
+                    " (greedy)"
+                    if rsampling is None
+                    else f" (T={rsampling.temperature:g}, top_k={rsampling.top_k}, top_p={rsampling.top_p:g})"
+                )
             e = entries[name]
-            rp = CellPlan(DecoderSpec(name=name, label=label, params=raw), rcls, rparams, e.distribution,
-                          f"{rcls.version} ({e.distribution} {e.version})", implicit=True, sampling=rsampling)
+            rp = CellPlan(
+                DecoderSpec(name=name, label=label, params=raw),
+                rcls,
+                rparams,
+                e.distribution,
+                f"{rcls.version} ({e.distribution} {e.version})",
+                implicit=True,
+                sampling=rsampling,
+            )
             clash = next((q for q in plans if q.spec.display == label), None)
             if clash is not None:
                 where = f"{clash.spec.where}: " if clash.spec.where else ""
-                raise DtbenchError(f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
-                                   f"the reference decoder '{name}' that dtbench adds; choose another label")
+                raise DtbenchError(
+                    f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
+                    f"the reference decoder '{name}' that dtbench adds; choose another label"
+                )
             by_key[key] = rp
             plans.append(rp)
             queue.append(rp)
@@ -240,19 +288,47 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
         where = f"{p.spec.where}: " if p.spec.where else ""
         name = clip(p.spec.display, 80)
         if not p.cls.batching:
-            raise DtbenchError(f"{where}decoder '{name}' cannot decode batches (its class does not declare batching); "
-                               f"restrict it with `batch_sizes: [1]` or drop batch sizes {sizes} from the suite")
+            raise DtbenchError(
+                f"{where}decoder '{name}' cannot decode batches (its class does not declare batching); "
+                f"restrict it with `batch_sizes: [1]` or drop batch sizes {sizes} from the suite"
+            )
         if why := p.cls.batching_error(p.params):
             raise DtbenchError(f"{where}decoder '{name}': {why}; restrict it with `batch_sizes: [1]`")
         if p.sampling is not None:
-            raise DtbenchError(f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
-                               f"`sampling: greedy` on it or `batch_sizes: [1]`")
+            raise DtbenchError(
+                f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
+                f"`sampling: greedy` on it or `batch_sizes: [1]`"
+            )
     for ds in suite.datasets:
-        if data.is_chat(ds) and any(p.points & {(ds.key, c, T, B) for c in ds.l_maxes for T in suite.generation_lengths
-                                                for B in suite.batch_sizes if B > 1} for p in plans):
+        if data.is_chat(ds) and any(
+            p.points
+            & {
+                (ds.key, c, T, B)
+                for c in ds.l_maxes
+                for T in suite.generation_lengths
+                for B in suite.batch_sizes
+                if B > 1
+            }
+            for p in plans
+        ):
+            if _single_turn(ds):
+                continue  # single-turn questions (every Spec-Bench group but mt_bench): grouped in order
             where = f"{ds.where}: " if ds.where else ""
-            raise DtbenchError(f"{where}dataset '{clip(ds.name, 60)}' is a question dataset (multi-turn prompts built "
-                               f"from earlier answers); batch sizes > 1 run on raw-text datasets only")
+            raise DtbenchError(
+                f"{where}dataset '{clip(ds.name, 60)}' has multi-turn questions (later turns are "
+                f"prompted with earlier answers); batch sizes > 1 need single-turn questions (leave "
+                f"out mt_bench with `categories:`) or a raw-text dataset"
+            )
+
+
+def _single_turn(ds: DatasetSpec) -> bool:
+    """Whether a question entry holds single-turn questions only: Spec-Bench's own file (no ``path:``) with
+    ``categories:`` that leave out MT-bench (its only group with second turns)."""
+    if ds.name != "spec-bench" or ds.path is not None or not ds.categories:
+        return False
+    from dtbench.harness.questions import GROUPS
+
+    return not any(c == "mt_bench" or c in GROUPS["mt_bench"] for c in ds.categories)
 
 
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:
@@ -308,8 +384,14 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
         except DtbenchError as exc:
             raise DtbenchError(f"{role}: {exc}") from None
         if files:
-            console.print(f"warning: {role} '{printable(spec.model)}' sets trust_remote_code: true; loading it runs "
-                          f"{printable(', '.join(files))}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+            console.print(
+                f"warning: {role} '{printable(spec.model)}' sets trust_remote_code: true; loading it runs "
+                f"{printable(', '.join(files))}",
+                style="yellow",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
         warning = models.check_context(spec, longest)
         if warning:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
@@ -326,28 +408,39 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
     names = {ds.name for ds in suite.datasets} | {ds.key for ds in suite.datasets}
     for name in spec.datasets or []:
         if name not in names:
-            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': datasets names '{clip(name, 60)}', "
-                               f"which the suite does not have ({', '.join(sorted(names))})")
+            raise DtbenchError(
+                f"{where}decoder '{clip(spec.display, 80)}': datasets names '{clip(name, 60)}', "
+                f"which the suite does not have ({', '.join(sorted(names))})"
+            )
     if spec.generation_lengths is not None:
         extra = sorted(set(spec.generation_lengths) - set(suite.generation_lengths))
         if extra:
-            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': generation_lengths {extra} are not in "
-                               f"the suite's generation_lengths")
+            raise DtbenchError(
+                f"{where}decoder '{clip(spec.display, 80)}': generation_lengths {extra} are not in "
+                f"the suite's generation_lengths"
+            )
     all_l_maxes = {c for ds in suite.datasets for c in ds.l_maxes}
     if spec.l_maxes is not None and set(spec.l_maxes) - all_l_maxes:
-        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.l_maxes) - all_l_maxes)}"
-                           f" is not an L_max of any dataset")
+        raise DtbenchError(
+            f"{where}decoder '{clip(spec.display, 80)}': L_max {sorted(set(spec.l_maxes) - all_l_maxes)}"
+            f" is not an L_max of any dataset"
+        )
     if spec.batch_sizes is not None:
         extra = sorted(set(spec.batch_sizes) - set(suite.batch_sizes))
         if extra:
-            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': batch_sizes {extra} are not in the suite's "
-                               f"batch_sizes")
+            raise DtbenchError(
+                f"{where}decoder '{clip(spec.display, 80)}': batch_sizes {extra} are not in the suite's batch_sizes"
+            )
     return {
         (ds.key, l_max, T, B)  # a restriction names an entry by its label or every entry of a dataset by its name
-        for ds in suite.datasets if spec.datasets is None or ds.key in spec.datasets or ds.name in spec.datasets
-        for l_max in ds.l_maxes if spec.l_maxes is None or l_max in spec.l_maxes
-        for T in suite.generation_lengths if spec.generation_lengths is None or T in spec.generation_lengths
-        for B in suite.batch_sizes if spec.batch_sizes is None or B in spec.batch_sizes
+        for ds in suite.datasets
+        if spec.datasets is None or ds.key in spec.datasets or ds.name in spec.datasets
+        for l_max in ds.l_maxes
+        if spec.l_maxes is None or l_max in spec.l_maxes
+        for T in suite.generation_lengths
+        if spec.generation_lengths is None or T in spec.generation_lengths
+        for B in suite.batch_sizes
+        if spec.batch_sizes is None or B in spec.batch_sizes
     }
 
 
@@ -371,8 +464,10 @@ def _reference_of(p: CellPlan) -> tuple[str, dict] | None:
         DtbenchError: the decoder defines ``reference`` as an instance method (the contract before issue 18).
     """
     if not isinstance(inspect.getattr_static(p.cls, "reference"), classmethod):
-        raise DtbenchError(f"decoder '{p.spec.name}' ({p.cls.__name__}) defines reference() as an instance method; "
-                           f"it must be a classmethod reference(cls, params) (see dtbench.decoders.base.Decoder)")
+        raise DtbenchError(
+            f"decoder '{p.spec.name}' ({p.cls.__name__}) defines reference() as an instance method; "
+            f"it must be a classmethod reference(cls, params) (see dtbench.decoders.base.Decoder)"
+        )
     return p.cls.reference(p.params)
 
 

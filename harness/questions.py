@@ -39,14 +39,19 @@ from dtbench.harness.suite import DatasetSpec
 
 SPEC_BENCH_COMMIT = "fd2c1cd7d2201ef71db4c5f4e455008f017967bf"
 SPEC_BENCH_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
-SPEC_BENCH_URL = (f"https://raw.githubusercontent.com/hemingkx/Spec-Bench/{SPEC_BENCH_COMMIT}/"
-                  "data/spec_bench/question.jsonl")
+SPEC_BENCH_URL = (
+    f"https://raw.githubusercontent.com/hemingkx/Spec-Bench/{SPEC_BENCH_COMMIT}/data/spec_bench/question.jsonl"
+)
 URL_ENV = "DTBENCH_SPEC_BENCH_URL"
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS: dict[str, tuple[str, ...]] = {
-    "mt_bench": MT_BENCH, "translation": ("translation",), "summarization": ("summarization",), "qa": ("qa",),
-    "math_reasoning": ("math_reasoning",), "rag": ("rag",),
+    "mt_bench": MT_BENCH,
+    "translation": ("translation",),
+    "summarization": ("summarization",),
+    "qa": ("qa",),
+    "math_reasoning": ("math_reasoning",),
+    "rag": ("rag",),
 }
 """Spec-Bench's six task groups (``evaluation/speed.py``) and the raw categories each holds."""
 
@@ -110,15 +115,18 @@ def parse_questions(text: str, where: str) -> list[Question]:
         for field, value in [("category", category), *((f"turn {i}", t) for i, t in enumerate(turns, 1))]:
             bad = _not_utf8(value)
             if bad:  # JSON's \ud800 escape decodes to a lone surrogate, which no tokenizer can encode
-                raise DtbenchError(f"{where}:{n}: {field} holds {bad}, which is not text (a lone UTF-16 surrogate "
-                                   f"escape)")
+                raise DtbenchError(
+                    f"{where}:{n}: {field} holds {bad}, which is not text (a lone UTF-16 surrogate escape)"
+                )
         raw_id = row.get("question_id", n)
         if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or _not_utf8(str(raw_id)):
             raise DtbenchError(f"{where}:{n}: `question_id` must be a string or an integer")
         qid = str(raw_id)
         if qid in seen:  # reports sum a question's turns by its id: two questions of one id would merge
-            raise DtbenchError(f"{where}:{n}: question_id {printable(clip(qid, 60))} is also the question_id of line "
-                               f"{seen[qid]}; question ids must be unique")
+            raise DtbenchError(
+                f"{where}:{n}: question_id {printable(clip(qid, 60))} is also the question_id of line "
+                f"{seen[qid]}; question ids must be unique"
+            )
         seen[qid] = n
         out.append(Question(qid, category, tuple(turns)))
     if not out:
@@ -165,12 +173,16 @@ def download(url: str | None = None, cache: Path | None = None) -> Path:
         with urllib.request.urlopen(url, timeout=60) as response:  # noqa: S310  (https, or a mirror the user set)
             raw = response.read(64 << 20)
     except Exception as exc:  # noqa: BLE001  (any network failure is one line)
-        raise DtbenchError(f"spec-bench: cannot download {clip(url, 120)} ({clip(exc, 160)}); offline, point "
-                           f"--data-dir at a folder holding spec-bench/question.jsonl (e.g. ../shared/data)") from None
+        raise DtbenchError(
+            f"spec-bench: cannot download {clip(url, 120)} ({clip(exc, 160)}); offline, point "
+            f"--data-dir at a folder holding spec-bench/question.jsonl (e.g. ../shared/data)"
+        ) from None
     digest = hashlib.sha256(raw).hexdigest()
     if digest != SPEC_BENCH_SHA256:
-        raise DtbenchError(f"spec-bench: {clip(url, 120)} has sha256 {digest[:16]}..., not the pinned file's "
-                           f"{SPEC_BENCH_SHA256[:16]}... (commit {SPEC_BENCH_COMMIT[:12]}); nothing was cached")
+        raise DtbenchError(
+            f"spec-bench: {clip(url, 120)} has sha256 {digest[:16]}..., not the pinned file's "
+            f"{SPEC_BENCH_SHA256[:16]}... (commit {SPEC_BENCH_COMMIT[:12]}); nothing was cached"
+        )
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         tmp.write_bytes(raw)
@@ -182,10 +194,14 @@ def download(url: str | None = None, cache: Path | None = None) -> Path:
 
 
 def _cache_error(cache: Path, exc: OSError) -> str:
-    why = {FileExistsError: "a file, not a folder, is in the way", NotADirectoryError: "a file, not a folder, is in "
-           "its path"}.get(type(exc), exc.strerror or type(exc).__name__)
-    return (f"spec-bench: cannot use the download cache {printable(cache)} ({why}); set DTBENCH_CACHE to a writable "
-            f"folder, or point --data-dir at a folder holding spec-bench/question.jsonl")
+    why = {
+        FileExistsError: "a file, not a folder, is in the way",
+        NotADirectoryError: "a file, not a folder, is in its path",
+    }.get(type(exc), exc.strerror or type(exc).__name__)
+    return (
+        f"spec-bench: cannot use the download cache {printable(cache)} ({why}); set DTBENCH_CACHE to a writable "
+        f"folder, or point --data-dir at a folder holding spec-bench/question.jsonl"
+    )
 
 
 def question_file(spec: DatasetSpec, data_dir: str | None = None) -> tuple[Path, dict]:
@@ -205,8 +221,11 @@ def question_file(spec: DatasetSpec, data_dir: str | None = None) -> tuple[Path,
         if not path.is_file():
             raise DtbenchError(f"{spec.name}: {path} not found (data dir {chosen})")
         return path, {"source": "local"}
-    return download(), {"source": "download", "url": os.environ.get(URL_ENV) or SPEC_BENCH_URL,
-                        "commit": SPEC_BENCH_COMMIT}
+    return download(), {
+        "source": "download",
+        "url": os.environ.get(URL_ENV) or SPEC_BENCH_URL,
+        "commit": SPEC_BENCH_COMMIT,
+    }
 
 
 @lru_cache(maxsize=16)
@@ -250,13 +269,17 @@ def selections(spec: DatasetSpec, questions: list[Question]) -> list[tuple[str, 
                 out.append((name, (name,)))
             else:
                 known = sorted({*(g for g, cs in GROUPS.items() if any(c in present for c in cs)), *present})
-                raise DtbenchError(f"{spec.name}: unknown category '{printable(clip(name, 60))}' "
-                                   f"(known: {printable(clip(', '.join(known), 300))})")
+                raise DtbenchError(
+                    f"{spec.name}: unknown category '{printable(clip(name, 60))}' "
+                    f"(known: {printable(clip(', '.join(known), 300))})"
+                )
         for (a, a_cats), (b, b_cats) in itertools.combinations(out, 2):
             if set(a_cats) & set(b_cats):  # one question measured twice, counted twice in "overall"
-                raise DtbenchError(f"{spec.name}: categories name '{printable(a)}' and '{printable(b)}', which share "
-                                   f"questions; name each question's selection once (--by category breaks a group "
-                                   f"down)")
+                raise DtbenchError(
+                    f"{spec.name}: categories name '{printable(a)}' and '{printable(b)}', which share "
+                    f"questions; name each question's selection once (--by category breaks a group "
+                    f"down)"
+                )
         return out
     groups = [(g, cs) for g, cs in GROUPS.items() if any(c in present for c in cs)]
     covered = {c for _, cs in groups for c in cs}

@@ -20,8 +20,8 @@ from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
-from dtbench.harness.worker import WorkKey, Outcome, Worker, WorkerInfo, work_key
 from dtbench.harness.suite import Suite
+from dtbench.harness.worker import Outcome, Worker, WorkerInfo, WorkKey, work_key
 
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"
 MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remaining samples fail their cells
@@ -33,9 +33,11 @@ CONNECT_TIMEOUT_S = 30.0  # default --connect-timeout: seconds to wait for a giv
 # The energy extra's Zeus requires amdsmi, whose import raises KeyError (not ImportError) where ROCm's libamd_smi.so is
 # missing; Ray (2.60) imports amdsmi in every process at `import ray` and catches only ImportError. So a plain
 # `pip install 'dtbench[ray,energy]'` left a Ray that cannot start. dtbench hides such an amdsmi (hide_broken_amdsmi).
-AMDSMI_STANDIN = ('"""Stand-in dtbench puts first on the PYTHONPATH of the Ray processes it starts: the installed amdsmi '
-                  'cannot load here."""\nraise ImportError("amdsmi cannot load on this machine (ROCm\'s libamd_smi.so '
-                  'is missing); dtbench hides it from Ray")\n')
+AMDSMI_STANDIN = (
+    '"""Stand-in dtbench puts first on the PYTHONPATH of the Ray processes it starts: the installed amdsmi '
+    'cannot load here."""\nraise ImportError("amdsmi cannot load on this machine (ROCm\'s libamd_smi.so '
+    'is missing); dtbench hides it from Ray")\n'
+)
 
 
 def hide_broken_amdsmi() -> bool:
@@ -97,8 +99,9 @@ class RayWorker:
     (the error comes back from :meth:`ready`, as one line), so a bad model is a user error, not a dead actor.
     ``budgets``: ``n_max: auto`` budgets the driver resolved already (a replacement started mid-run)."""
 
-    def __init__(self, suite: Suite, device: str, threads: int | None, cwd: str | None,
-                 budgets: dict[str, int] | None = None):
+    def __init__(
+        self, suite: Suite, device: str, threads: int | None, cwd: str | None, budgets: dict[str, int] | None = None
+    ):
         self.worker, self.error = None, None
         try:
             self.worker = Worker(suite, device, threads=threads, cwd=cwd)
@@ -125,8 +128,7 @@ class RayWorker:
         try:
             return self.worker.calibrate(contexts, calibrate.Settings(**settings))
         except Exception as exc:
-            return (f"calibrating on Ray worker {self.worker.info.where} failed: {type(exc).__name__}: "
-                    f"{clip(exc, 1000)}")
+            return f"calibrating on Ray worker {self.worker.info.where} failed: {type(exc).__name__}: {clip(exc, 1000)}"
 
     def set_budgets(self, budgets: dict[str, int]) -> None:
         self.worker.set_budgets(budgets)
@@ -153,8 +155,13 @@ class RayExecutor(Executor):
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, workers: int | None = None, threads_per_worker: int | None = None,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S):
+    def __init__(
+        self,
+        address: str | None = None,
+        workers: int | None = None,
+        threads_per_worker: int | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ):
         self.address, self.n_workers, self.threads = address, workers, threads_per_worker or 1
         self.connect_timeout_s = connect_timeout_s
         self.ray = None
@@ -182,8 +189,10 @@ class RayExecutor(Executor):
             except DtbenchError:
                 raise
             except Exception as exc:
-                raise DtbenchError(f"cannot start or join Ray (address {self.address or 'local'}): "
-                                   f"{type(exc).__name__}: {clip(exc, 300)}") from None
+                raise DtbenchError(
+                    f"cannot start or join Ray (address {self.address or 'local'}): "
+                    f"{type(exc).__name__}: {clip(exc, 300)}"
+                ) from None
             self.started_ray = True
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
@@ -197,15 +206,18 @@ class RayExecutor(Executor):
         else:
             n = self.n_workers or max(1, cpus // self.threads)
             if n * self.threads > cpus:
-                raise DtbenchError(f"--workers {n} x --threads-per-worker {self.threads} needs {n * self.threads} CPUs; "
-                                   f"the Ray cluster has {cpus}")
+                raise DtbenchError(
+                    f"--workers {n} x --threads-per-worker {self.threads} needs {n * self.threads} CPUs; "
+                    f"the Ray cluster has {cpus}"
+                )
         self.n_workers = n
         self.restarts_left = 2 * n + 2
 
     def _spawn(self, suite: Suite) -> _Actor:
         if self._remote is None:
             self._remote = self.ray.remote(RayWorker).options(
-                num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1)
+                num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1
+            )
         handle = self._remote.remote(suite, self.device, self.threads, os.getcwd(), self.budgets or None)
         return _Actor(handle, handle.ready.remote())
 
@@ -215,24 +227,31 @@ class RayExecutor(Executor):
         self.actors = [self._spawn(suite) for _ in range(self.n_workers)]
         expected = [(p.label, p.version) for p in plan.decoders]
         pending = {a.ready_ref: a for a in self.actors}
-        with console.status(f"starting {self.n_workers} Ray worker(s) on {self.device}: loading "
-                            f"{suite.target.model} and the draft on each") as spinner:
+        with console.status(
+            f"starting {self.n_workers} Ray worker(s) on {self.device}: loading "
+            f"{suite.target.model} and the draft on each"
+        ) as spinner:
             while pending:
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
                 for ref in ready:
                     actor = pending.pop(ref)
                     actor.info = self._ready(ref)
                     if actor.info.decoders != expected:
-                        raise DtbenchError(f"Ray worker {actor.info.where} has other decoders or versions than this "
-                                           f"driver: {_diff(actor.info.decoders, expected)}; install the same dtbench "
-                                           f"and plugins on every node")
-                spinner.update(f"starting {self.n_workers} Ray worker(s) on {self.device}: "
-                               f"{self.n_workers - len(pending)} ready")
+                        raise DtbenchError(
+                            f"Ray worker {actor.info.where} has other decoders or versions than this "
+                            f"driver: {_diff(actor.info.decoders, expected)}; install the same dtbench "
+                            f"and plugins on every node"
+                        )
+                spinner.update(
+                    f"starting {self.n_workers} Ray worker(s) on {self.device}: {self.n_workers - len(pending)} ready"
+                )
         infos = [a.info for a in self.actors]
         names = sorted({i.device_name for i in infos})
         if len(names) > 1:
-            console.print(f"[yellow]warning: the Ray workers have different devices ({'; '.join(names)}); a cell "
-                          f"measured on several is flagged in the report[/yellow]")
+            console.print(
+                f"[yellow]warning: the Ray workers have different devices ({'; '.join(names)}); a cell "
+                f"measured on several is flagged in the report[/yellow]"
+            )
         infos[0].warnings = sorted({w for i in infos for w in i.warnings})
         return infos[0]
 
@@ -243,8 +262,11 @@ class RayExecutor(Executor):
         actor = self.actors[0]
         names = sorted({a.info.device_name for a in self.actors})
         if len(names) > 1:
-            console.print(f"[yellow]warning: the Ray workers have different devices; the cost model's curves come "
-                          f"from {actor.info.device_name} ({actor.info.host}) only[/yellow]", highlight=False)
+            console.print(
+                f"[yellow]warning: the Ray workers have different devices; the cost model's curves come "
+                f"from {actor.info.device_name} ({actor.info.host}) only[/yellow]",
+                highlight=False,
+            )
         # a line, not a spinner: the run's progress bar is already live
         console.print(f"calibrating the cost model on Ray worker {actor.info.where}", highlight=False)
         try:
@@ -341,15 +363,16 @@ class RayExecutor(Executor):
         self._kill(actor)
         key = work_key(group)
         attempts[key] = attempts.get(key, 0) + 1
-        what = (f"Ray worker {actor.info.where} died while measuring {group.dataset.key} L_max={group.l_max} "
-                f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}")
+        what = (
+            f"Ray worker {actor.info.where} died while measuring {group.dataset.key} L_max={group.l_max} "
+            f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}"
+        )
         if attempts[key] < MAX_ATTEMPTS:
             sink.note(f"{what}; retrying the group on another worker")
             queue.appendleft(group)
         else:
             sink.note(f"{what}; it was the group's second attempt, so its remaining samples fail their cells")
-            sink.fail(group, f"prompt {group.prompt_index}: the worker died (twice): {_one_line(exc, 300)}",
-                      actor.info)
+            sink.fail(group, f"prompt {group.prompt_index}: the worker died (twice): {_one_line(exc, 300)}", actor.info)
         if self.restarts_left > 0:
             self.restarts_left -= 1
             new = self._spawn(self.suite)
@@ -377,8 +400,13 @@ class RayExecutor(Executor):
             self.started_ray = False
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "address": self.address, "workers": self.n_workers,
-                "threads_per_worker": self.threads, "device": self.device}
+        return {
+            "name": self.name,
+            "address": self.address,
+            "workers": self.n_workers,
+            "threads_per_worker": self.threads,
+            "device": self.device,
+        }
 
 
 def _tcp_endpoint(address: str) -> tuple[str, int] | None:
@@ -412,8 +440,10 @@ def _join(ray, address: str, kwargs: dict[str, Any], timeout_s: float) -> None:
         try:
             socket.create_connection(endpoint, timeout=timeout_s).close()
         except OSError as exc:
-            raise DtbenchError(f"cannot join Ray at {address}: nothing answers there ({exc.strerror or exc}); "
-                               f"start the cluster (ray start --head) or check --address") from None
+            raise DtbenchError(
+                f"cannot join Ray at {address}: nothing answers there ({exc.strerror or exc}); "
+                f"start the cluster (ray start --head) or check --address"
+            ) from None
     outcome: dict[str, BaseException | None] = {}
 
     def connect() -> None:
@@ -428,8 +458,10 @@ def _join(ray, address: str, kwargs: dict[str, Any], timeout_s: float) -> None:
     while thread.is_alive() and time.monotonic() < deadline:
         thread.join(0.1)
     if "error" not in outcome:
-        raise DtbenchError(f"cannot join Ray at {address}: no answer from a Ray cluster within {timeout_s:g} s "
-                           f"(--connect-timeout); is it a Ray head node's port?")
+        raise DtbenchError(
+            f"cannot join Ray at {address}: no answer from a Ray cluster within {timeout_s:g} s "
+            f"(--connect-timeout); is it a Ray head node's port?"
+        )
     if outcome["error"] is not None:
         raise outcome["error"]
 
@@ -441,6 +473,8 @@ def _one_line(exc: BaseException, limit: int = 200) -> str:
 
 def _diff(got: list[tuple[str, str]], expected: list[tuple[str, str]]) -> str:
     extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
-    parts = [f"it has {', '.join(f'{l} {v}' for l, v in extra)}" if extra else "",
-             f"it lacks {', '.join(f'{l} {v}' for l, v in missing)}" if missing else ""]
+    parts = [
+        f"it has {', '.join(f'{label} {v}' for label, v in extra)}" if extra else "",
+        f"it lacks {', '.join(f'{label} {v}' for label, v in missing)}" if missing else "",
+    ]
     return clip("; ".join(p for p in parts if p) or "the same decoders in another order", 300)

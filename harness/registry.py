@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -45,7 +45,7 @@ class DecoderEntry:
         return _load(self, Decoder, "decoder")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(entry: DecoderEntry, base: type, kind: str) -> type:
     try:
         obj = entry.entry_point.load()
@@ -78,10 +78,15 @@ class Discovery:
 
     def warnings(self, kind: str) -> list[str]:
         """One line per refused or ambiguous registration."""
-        out = [f"{kind} '{e.name}' from distribution {e.distribution} {e.version} refused: '{e.name}' is a "
-               f"built-in name of dtbench" for e in self.refused]
-        out += [f"{kind} '{name}' is registered by {_both(es)}; uninstall one to use it"
-                for name, es in self.ambiguous.items()]
+        out = [
+            f"{kind} '{e.name}' from distribution {e.distribution} {e.version} refused: '{e.name}' is a "
+            f"built-in name of dtbench"
+            for e in self.refused
+        ]
+        out += [
+            f"{kind} '{name}' is registered by {_both(es)}; uninstall one to use it"
+            for name, es in self.ambiguous.items()
+        ]
         return out
 
 
@@ -135,8 +140,9 @@ class Registry:
         """
         found = found or self.scan()
         if name in found.ambiguous:
-            raise DtbenchError(f"{self.kind} '{name}' is registered by {_both(found.ambiguous[name])}; "
-                               f"uninstall one of them to use it")
+            raise DtbenchError(
+                f"{self.kind} '{name}' is registered by {_both(found.ambiguous[name])}; uninstall one of them to use it"
+            )
         if name not in found.entries:
             close = difflib.get_close_matches(name, found.entries, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -168,8 +174,9 @@ def get(name: str) -> type[Decoder]:
     found.entries = discover()  # module-level discover() may be patched (tests inject fake entries)
     cls = DECODERS.get(name, found)
     if cls.family not in FAMILIES:
-        raise DtbenchError(f"decoder '{name}' declares family {cls.family!r}; a decoder's family is one of "
-                           f"{', '.join(FAMILIES)}")
+        raise DtbenchError(
+            f"decoder '{name}' declares family {cls.family!r}; a decoder's family is one of {', '.join(FAMILIES)}"
+        )
     return cls
 
 

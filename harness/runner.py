@@ -24,10 +24,10 @@ from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import group_key
-from dtbench.harness.safetext import printable
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runs import Heartbeat, check_resumable, open_run
+from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
 from dtbench.harness.worker import Outcome
@@ -103,8 +103,12 @@ def run_suite(
     plan = plan_suite(suite)
     plan.data_dir = data_dir
     for label in plan.skipped:
-        console.print(f"note: optional decoder '{printable(label)}' is not installed; skipped", style="yellow",
-                      markup=False, highlight=False)
+        console.print(
+            f"note: optional decoder '{printable(label)}' is not installed; skipped",
+            style="yellow",
+            markup=False,
+            highlight=False,
+        )
     for line in registry.scan().warnings("decoder"):
         console.print(f"warning: {printable(line)}", style="yellow", markup=False, highlight=False)
     preflight(suite, plan, console)
@@ -117,8 +121,9 @@ def run_suite(
         # Everything cheap and fallible first: tokenizers, vocabulary, prompts. Then the models, on every worker.
         tokenizer = models.load_tokenizer(suite.target)
         if suite.draft is not None and suite.draft.model != suite.target.model:
-            models.check_tokenizers(tokenizer, models.load_tokenizer(suite.draft), suite.target.model,
-                                    suite.draft.model)
+            models.check_tokenizers(
+                tokenizer, models.load_tokenizer(suite.draft), suite.target.model, suite.draft.model
+            )
         prompts: dict[tuple[str, int], list[Prompt]] = {}
         sources = []  # where each entry's documents came from: hub id/config/split/revision or local files + sha256
         for ds in suite.datasets:
@@ -150,10 +155,20 @@ def run_suite(
         status, error = "failed", None
         heartbeat = Heartbeat(sessions, run_id)
         try:
-            with _sigterm_as_interrupt(), heartbeat, Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TimeRemainingColumn(), console=console, disable=not progress, transient=False,
-            ) as bar:
+            with (
+                _sigterm_as_interrupt(),
+                heartbeat,
+                Progress(
+                    TextColumn("[bold]{task.description}"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeElapsedColumn(),
+                    TimeRemainingColumn(),
+                    console=console,
+                    disable=not progress,
+                    transient=False,
+                ) as bar,
+            ):
                 # calibrate: true / n_max: auto (issue 12): measured on the executor's (first) worker, stored with
                 # the run by this process, auto budgets resolved in the plan and handed to every worker.
                 if needs_calibration(plan, suite):
@@ -166,14 +181,18 @@ def run_suite(
             status = "interrupted"
         except BaseException as exc:
             error = clip(f"{type(exc).__name__}: {exc}", 2000)
-            raise RunFailed(f"run {run_id} failed: {clip(error, 300)}; measured samples are kept "
-                            f"(continue with --resume-run {run_id})") from exc
+            raise RunFailed(
+                f"run {run_id} failed: {clip(error, 300)}; measured samples are kept "
+                f"(continue with --resume-run {run_id})"
+            ) from exc
         finally:
             _close_run(sessions, run_id, status, error, console)
     finally:
         executor.close()  # workers stop (Ray actors killed, Ray shut down if this run started it)
     if status == "interrupted":
-        raise RunInterrupted(f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})")
+        raise RunInterrupted(
+            f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})"
+        )
     return run_id
 
 
@@ -195,14 +214,19 @@ class _Sink:
     def _where(self, group: PromptGroup) -> str:
         if group.batch_size > 1:
             rows = group.prompt_indices
-            return (f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} B={group.batch_size} · prompts "
-                    f"{rows[0] + 1}-{rows[-1] + 1}/{group.dataset.prompts}")
-        return (f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} · prompt "
-                f"{group.prompt_index + 1}/{group.dataset.prompts}")
+            return (
+                f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} B={group.batch_size} · prompts "
+                f"{rows[0] + 1}-{rows[-1] + 1}/{group.dataset.prompts}"
+            )
+        return (
+            f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} · prompt "
+            f"{group.prompt_index + 1}/{group.dataset.prompts}"
+        )
 
     def _count(self, group: PromptGroup, labels, description: str) -> None:
-        seen = self.counted.setdefault((group.dataset.key, group.l_max, group.gen_length, group.batch_size,
-                                        group.prompt_index), set())
+        seen = self.counted.setdefault(
+            (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index), set()
+        )
         new = set(labels) - seen
         seen |= new
         self.bar.update(self.task, advance=len(new) * len(group.prompt_indices), description=description)
@@ -214,8 +238,11 @@ class _Sink:
         if group.batch_size > 1:  # raw-text prompts only (the plan refuses question datasets at B > 1)
             return [self.prompts[(group.dataset.key, group.l_max)][i] for i in group.prompt_indices]
         # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
-        return chat.resolve(self.prompts[(group.dataset.key, group.l_max)], group.prompt_index,
-                            lambda index: _reference_output(self.sessions, self.cells, group, index))
+        return chat.resolve(
+            self.prompts[(group.dataset.key, group.l_max)],
+            group.prompt_index,
+            lambda index: _reference_output(self.sessions, self.cells, group, index),
+        )
 
     def state(self, group: PromptGroup):
         done, failed = _group_state(self.sessions, self.cells, group)
@@ -253,12 +280,17 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
                     cell.status = "done" if status == "completed" else "pending"
             session.commit()
     except Exception as exc:  # the database itself is failing: the run stays 'running' with a stale heartbeat
-        console.print(f"could not record run {run_id} as {status}: {type(exc).__name__}: {printable(clip(exc))}",
-                      style="red", markup=False, highlight=False)
+        console.print(
+            f"could not record run {run_id} as {status}: {type(exc).__name__}: {printable(clip(exc))}",
+            style="red",
+            markup=False,
+            highlight=False,
+        )
 
 
-def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
-                ) -> dict[tuple[str, int, int, int, str], int]:
+def _open_cells(
+    session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
+) -> dict[tuple[str, int, int, int, str], int]:
     existing = {(*group_key(c), c.label): c for c in run.cells}
     ids = {}
     for ds, l_max, T, B, cp in plan.cells():
@@ -266,12 +298,21 @@ def _open_cells(session, run, plan: Plan, target: dict[str, Any], draft: dict[st
         cell = existing.get(key)
         if cell is None:
             cell = Cell(
-                run=run, dataset=ds.key, l_max=l_max, gen_length=T, batch_size=B, decoder=cp.spec.name,
+                run=run,
+                dataset=ds.key,
+                l_max=l_max,
+                gen_length=T,
+                batch_size=B,
+                decoder=cp.spec.name,
                 family=cp.cls.family,
-                label=cp.label, decoder_version=str(cp.version), decoder_distribution=cp.distribution,
-                params=cp.params.model_dump(mode="json"), lossless_expected=cp.cls.lossless,
+                label=cp.label,
+                decoder_version=str(cp.version),
+                decoder_distribution=cp.distribution,
+                params=cp.params.model_dump(mode="json"),
+                lossless_expected=cp.cls.lossless,
                 lossless_check=plan.suite.lossless_check,
-                sweep_group=cp.spec.sweep_group, swept=cp.spec.swept or None,
+                sweep_group=cp.spec.sweep_group,
+                swept=cp.spec.swept or None,
                 sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
                 reference_label=cp.reference_label,
                 target_model=f"{target['model']} ({target['dtype']})",
@@ -291,19 +332,24 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
     failed: set[str] = set()
     with sessions() as session:
         for cp in group.decoders:
-            cell = session.get(Cell, cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size,
-                                            cp.label)])
+            cell = session.get(
+                Cell, cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, cp.label)]
+            )
             if cell.status == "failed":
                 failed.add(cp.label)
                 continue
             if group.batch_size > 1:  # a batch's rows are committed together: all stored or none
-                rows = session.scalars(select(Sample).where(Sample.cell_id == cell.id, Sample.prompt_index.in_(
-                    group.prompt_indices)).order_by(Sample.prompt_index)).all()
+                rows = session.scalars(
+                    select(Sample)
+                    .where(Sample.cell_id == cell.id, Sample.prompt_index.in_(group.prompt_indices))
+                    .order_by(Sample.prompt_index)
+                ).all()
                 if len(rows) == len(group.prompt_indices):
                     done[cp.label] = Reference([r.output_tokens for r in rows], rows[0].batch_total_s)
                 continue
-            sample = session.scalar(select(Sample).where(Sample.cell_id == cell.id,
-                                                         Sample.prompt_index == group.prompt_index))
+            sample = session.scalar(
+                select(Sample).where(Sample.cell_id == cell.id, Sample.prompt_index == group.prompt_index)
+            )
             if sample is not None:
                 done[cp.label] = Reference(sample.output_tokens, sample.total_s)
     return done, failed
@@ -314,9 +360,13 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
     for prompt ``index`` of the same (dataset, L_max, T), or None."""
     ref = next(cp for cp in group.decoders if not cp.reference_label)
     with sessions() as session:
-        return session.scalar(select(Sample.output_tokens).where(
-            Sample.cell_id == cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, ref.label)],
-            Sample.prompt_index == index))
+        return session.scalar(
+            select(Sample.output_tokens).where(
+                Sample.cell_id
+                == cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, ref.label)],
+                Sample.prompt_index == index,
+            )
+        )
 
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
@@ -335,8 +385,14 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
         session.commit()
 
 
-def make_executor(name: str, *, address: str | None = None, workers: int | None = None,
-                  threads_per_worker: int | None = None, connect_timeout_s: float | None = None) -> executors.Executor:
+def make_executor(
+    name: str,
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    threads_per_worker: int | None = None,
+    connect_timeout_s: float | None = None,
+) -> executors.Executor:
     """The executor named by ``dtbench run --executor``.
 
     Raises:
@@ -353,4 +409,3 @@ def make_executor(name: str, *, address: str | None = None, workers: int | None 
         timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
         return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
     raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(executors.EXECUTORS)})")
-

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from datetime import timezone
+from datetime import UTC
 from typing import Any
 
 import psutil
@@ -23,7 +23,6 @@ from dtbench.harness.suitefile import suite_hash
 
 HEARTBEAT_S = 30.0  # a running run refreshes runs.heartbeat_at this often (and at every committed sample)
 STALE_S = 300.0  # a run of another host whose heartbeat is older than this is taken as dead
-
 
 
 class Heartbeat:
@@ -43,7 +42,7 @@ class Heartbeat:
             except Exception:  # a busy database must not kill the run; the next beat retries
                 pass
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self._thread.start()
         return self
 
@@ -53,7 +52,7 @@ class Heartbeat:
 
 
 def _aware(t):
-    return t if t is None or t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+    return t if t is None or t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def owner_alive(run: Run) -> str | None:
@@ -100,11 +99,15 @@ def check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) 
     if run.status == "completed":
         raise DtbenchError(f"run {resume} is completed; nothing to resume")
     if run.suite_hash != suite_hash(suite_text):
-        raise DtbenchError(f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one")
+        raise DtbenchError(
+            f"run {resume} was made from a different suite text ({run.suite_name}); cannot resume it with this one"
+        )
     alive = owner_alive(run)
     if alive and run.owner_host == socket.gethostname():
-        raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it or stop it (kill "
-                           f"{run.owner_pid}), then resume (--force takes over only an owner on another host)")
+        raise DtbenchError(
+            f"run {resume} is still being written: {alive}; wait for it or stop it (kill "
+            f"{run.owner_pid}), then resume (--force takes over only an owner on another host)"
+        )
     if alive and not force:
         raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
 
@@ -116,8 +119,15 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
     """
     owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
     if resume is None:
-        run = Run(suite_name=suite.name, suite_path=suite_path, suite_text=suite_text, suite_hash=suite_hash(suite_text),
-                  status="running", environment=env, **owner)
+        run = Run(
+            suite_name=suite.name,
+            suite_path=suite_path,
+            suite_text=suite_text,
+            suite_hash=suite_hash(suite_text),
+            status="running",
+            environment=env,
+            **owner,
+        )
         session.add(run)
         session.flush()
         return run
@@ -127,8 +137,10 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
     changed = [k for k in MUST_MATCH if run.environment.get(k) != env.get(k)]
     if changed:
         k = changed[0]
-        raise DtbenchError(f"run {resume} was measured with {k} = {run.environment.get(k)!r}, this machine has "
-                           f"{env.get(k)!r}; start a new run instead of resuming")
+        raise DtbenchError(
+            f"run {resume} was measured with {k} = {run.environment.get(k)!r}, this machine has "
+            f"{env.get(k)!r}; start a new run instead of resuming"
+        )
     run.status, run.error = "running", None
     run.finished_at = None
     for key, value in owner.items():

@@ -35,16 +35,68 @@ TABLES = ("runs", "cells", "samples")
 BASELINE_REVISION = "0001"
 # The columns of revision 0001 (= harness/db.py before migrations): how an unversioned database is recognised.
 BASELINE_COLUMNS = {
-    "runs": {"id", "suite_name", "suite_path", "suite_text", "suite_hash", "status", "started_at", "finished_at",
-             "environment", "error"},
-    "cells": {"id", "run_id", "dataset", "prompt_cap", "gen_length", "decoder", "label", "decoder_version",
-              "decoder_distribution", "params", "lossless_expected", "reference_label", "target_model", "draft_model",
-              "status", "error"},
-    "samples": {"id", "cell_id", "prompt_index", "document", "warmup", "prompt_tokens", "new_tokens", "total_s",
-                "ttft_s", "tpot_s", "throughput", "iterations", "tokens_per_iteration", "drafted", "accepted",
-                "draft_depth", "acceptance_rate", "mean_path_length", "target_forwards", "step_tokens", "step_stats",
-                "step_times_s", "peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes", "output_hash",
-                "output_tokens", "lossless", "first_divergence", "created_at"},
+    "runs": {
+        "id",
+        "suite_name",
+        "suite_path",
+        "suite_text",
+        "suite_hash",
+        "status",
+        "started_at",
+        "finished_at",
+        "environment",
+        "error",
+    },
+    "cells": {
+        "id",
+        "run_id",
+        "dataset",
+        "prompt_cap",
+        "gen_length",
+        "decoder",
+        "label",
+        "decoder_version",
+        "decoder_distribution",
+        "params",
+        "lossless_expected",
+        "reference_label",
+        "target_model",
+        "draft_model",
+        "status",
+        "error",
+    },
+    "samples": {
+        "id",
+        "cell_id",
+        "prompt_index",
+        "document",
+        "warmup",
+        "prompt_tokens",
+        "new_tokens",
+        "total_s",
+        "ttft_s",
+        "tpot_s",
+        "throughput",
+        "iterations",
+        "tokens_per_iteration",
+        "drafted",
+        "accepted",
+        "draft_depth",
+        "acceptance_rate",
+        "mean_path_length",
+        "target_forwards",
+        "step_tokens",
+        "step_stats",
+        "step_times_s",
+        "peak_rss_bytes",
+        "peak_allocated_bytes",
+        "peak_nvml_bytes",
+        "output_hash",
+        "output_tokens",
+        "lossless",
+        "first_divergence",
+        "created_at",
+    },
 }
 # Columns that dtbench between commit 3c3e168 and the migrations added with create_all, without alembic_version:
 # such a database is stamped 0001 as well, and revision 0002 adds only what it lacks.
@@ -107,15 +159,19 @@ def inspect_state(conn: Connection) -> State:
         return State("new", None, names)
     insp = inspect(conn)
     if len(ours) == len(TABLES) and all(
-            BASELINE_COLUMNS[t] <= cols <= BASELINE_COLUMNS[t] | INTERIM_COLUMNS[t]
-            for t in TABLES for cols in [{c["name"] for c in insp.get_columns(t)}]):
+        BASELINE_COLUMNS[t] <= cols <= BASELINE_COLUMNS[t] | INTERIM_COLUMNS[t]
+        for t in TABLES
+        for cols in [{c["name"] for c in insp.get_columns(t)}]
+    ):
         return State("unversioned", BASELINE_REVISION, names)
     return State("foreign", None, names)
 
 
 def newer(where: str, revision: str) -> DtbenchError:
-    return DtbenchError(f"the results database {where} is at schema revision {revision}, newer than this dtbench "
-                        f"knows (up to {head()}): upgrade dtbench to read or write it")
+    return DtbenchError(
+        f"the results database {where} is at schema revision {revision}, newer than this dtbench "
+        f"knows (up to {head()}): upgrade dtbench to read or write it"
+    )
 
 
 def not_ours(where: str, state: State) -> DtbenchError:
@@ -270,5 +326,7 @@ def require_current(engine: Engine, url: str) -> State:
         return state
     if state.kind == "versioned" and state.revision not in revisions():
         raise newer(where, str(state.revision))
-    raise DtbenchError(f"the results database {where} has schema revision {state.revision}, older than this "
-                       f"dtbench's {head()}: {upgrade_instruction(url)}")
+    raise DtbenchError(
+        f"the results database {where} has schema revision {state.revision}, older than this "
+        f"dtbench's {head()}: {upgrade_instruction(url)}"
+    )

@@ -26,6 +26,22 @@ MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
 MAX_BATCH = 4096  # largest batch size B a suite may ask for
 
 
+def _one_load_axis(data):
+    """``concurrency:`` is the load axis under its serving name: the requests in flight for a server decoder
+    (``server``), the batch size B for dtbench's own decoders; stored as ``batch_sizes`` (the cells' ``batch_size``
+    column, the reports' load column). Given both, they must be one list."""
+    if isinstance(data, dict) and "concurrency" in data:
+        data = dict(data)
+        levels = data.pop("concurrency")
+        if "batch_sizes" in data and data["batch_sizes"] != levels:
+            raise ValueError(
+                "batch_sizes and concurrency are one axis (the load level: the batch size of dtbench's "
+                "decoders, the requests in flight of a server); give it once"
+            )
+        data["batch_sizes"] = levels
+    return data
+
+
 L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
 OLD_L_MAX = "prompt_cap"  # its deprecated old name, still accepted
 
@@ -33,8 +49,9 @@ OLD_L_MAX = "prompt_cap"  # its deprecated old name, still accepted
 def _no_control(value: str) -> str:
     bad = control_character(value)
     if bad is not None:
-        raise ValueError(f"holds a control character ({bad}); names and labels reach terminals, Markdown and CSV, "
-                         f"so they may not")
+        raise ValueError(
+            f"holds a control character ({bad}); names and labels reach terminals, Markdown and CSV, so they may not"
+        )
     return value
 
 
@@ -76,8 +93,9 @@ class _HasLMax(_Located):
     def _old_name(cls, data):
         if isinstance(data, dict) and OLD_L_MAX in data:
             if L_MAX in data:
-                raise ValueError(f"{L_MAX}: given twice, as {L_MAX} and as {OLD_L_MAX} (its deprecated old name); "
-                                 f"keep {L_MAX} only")
+                raise ValueError(
+                    f"{L_MAX}: given twice, as {L_MAX} and as {OLD_L_MAX} (its deprecated old name); keep {L_MAX} only"
+                )
             data = {(L_MAX if k == OLD_L_MAX else k): v for k, v in data.items()}
         return data
 
@@ -85,13 +103,17 @@ class _HasLMax(_Located):
 class ModelSpec(_Frozen):
     """A model: the embedded default ``smollm2-135m``, a hub id or a local directory; its dtype and attention."""
 
-    model: ModelName = "smollm2-135m"
-    dtype: Dtype = "float32"
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    revision: str | None = None
+    model: ModelName = Field(
+        "smollm2-135m", description="the embedded default smollm2-135m, a hub id or a local model folder"
+    )
+    dtype: Dtype = Field("float32", description="weights and compute dtype")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers' attention kernel")
+    revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
     trust_remote_code: bool = Field(
-        False, description="let transformers import Python files that the model's config.json (auto_map) names; off "
-        "by default: such a model is an error, and with it on `validate` names the files that will run")
+        False,
+        description="let transformers import Python files that the model's config.json (auto_map) names; off "
+        "by default: such a model is an error, and with it on `validate` names the files that will run",
+    )
 
 
 class SamplingSpec(_Frozen):
@@ -104,41 +126,57 @@ class SamplingSpec(_Frozen):
     temperature: float = Field(1.0, gt=0, le=100, description="logits are divided by it")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
     top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set reaching this probability (1: all)")
-    seed: Seed | None = Field(None, description="base seed of the per-sample generators (default: the suite's seed; "
-                              "0 <= seed < 2^63)")
+    seed: Seed | None = Field(
+        None, description="base seed of the per-sample generators (default: the suite's seed; 0 <= seed < 2^63)"
+    )
 
 
 class DatasetSpec(_HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
-    name: Name
+    name: Name = Field(description="a registered dataset: wikitext-2, pg19, text-files, spec-bench or a plugin's")
     label: Name | None = Field(
-        None, description="the entry's name in the results (cells, reports, per-decoder `datasets:` restrictions); "
+        None,
+        description="the entry's name in the results (cells, reports, per-decoder `datasets:` restrictions); "
         "default: the dataset's name. Two entries of one dataset (Spec-Bench's questions beside a user's own question "
-        "file, two text-files folders) run side by side under different labels")
+        "file, two text-files folders) run side by side under different labels",
+    )
     prompts: int = Field(10, ge=1, le=MAX_GRID, description="N, prompts measured (warmup included)")
     warmup: int = Field(2, ge=0, description="W, first prompts flagged as warmup")
-    l_max: int | list[int] = Field(800, alias=L_MAX,
-                                   description="L_max, maximum prompt length in tokens (a list sweeps it)")
+    l_max: int | list[int] = Field(
+        800, alias=L_MAX, description="L_max, maximum prompt length in tokens (a list sweeps it)"
+    )
     data_dir: str | None = Field(None, description="local data folder instead of the Hugging Face hub")
-    path: str | None = Field(None, description="files for the text-files dataset (folder or glob); the jsonl "
-                             "question file of spec-bench (a user's own questions)")
+    path: str | None = Field(
+        None,
+        description="files for the text-files dataset (folder or glob); the jsonl "
+        "question file of spec-bench (a user's own questions)",
+    )
     hub_id: str | None = Field(
-        None, description="Hugging Face dataset repo (or a local folder of the same parquet layout) to load from "
+        None,
+        description="Hugging Face dataset repo (or a local folder of the same parquet layout) to load from "
         "instead of the dataset's default (its class attribute ``hub``; wikitext-2: Salesforce/wikitext, pg19: "
-        "emozilla/pg19)")
+        "emozilla/pg19)",
+    )
     revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
     categories: list[Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_no_control)]] | None = Field(
-        None, min_length=1, description="question datasets (spec-bench): Spec-Bench groups (mt_bench, translation, "
+        None,
+        min_length=1,
+        description="question datasets (spec-bench): Spec-Bench groups (mt_bench, translation, "
         "summarization, qa, math_reasoning, rag) and/or raw categories to run, N prompts and W warmup each "
-        "(default: the six groups); each named once")
+        "(default: the six groups); each named once",
+    )
     params: dict[str, Any] = Field(
-        default_factory=dict, description="the dataset's own keys, validated by its Params model (e.g. jsonl-text's "
-        "text_field)")
+        default_factory=dict,
+        description="the dataset's own keys, validated by its Params model (e.g. jsonl-text's text_field)",
+    )
     skip: int = Field(
-        0, ge=0, description="held-out selection: leave out the first `skip` usable documents of the seeded "
+        0,
+        ge=0,
+        description="held-out selection: leave out the first `skip` usable documents of the seeded "
         "document order, i.e. the documents a suite with the same seed and prompts <= skip draws its prompts from "
-        "(tuning on other documents than the benchmark)")
+        "(tuning on other documents than the benchmark)",
+    )
 
     @property
     def key(self) -> str:
@@ -186,22 +224,36 @@ class DecoderSpec(_HasLMax):
     ``generation_lengths`` and ``L_max`` to some of the suite's T and L_max.
     """
 
-    name: Name
-    label: Label | None = None
-    params: dict[str, Any] = Field(default_factory=dict)
-    sweep: dict[str, list[Any]] = Field(default_factory=dict)
-    datasets: list[Name] | None = None
+    name: Name = Field(description="a registered decoder (dtbench decoders lists them)")
+    label: Label | None = Field(None, description="its name in reports (default: made from name and params)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the decoder's own keys (below)")
+    sweep: dict[str, list[Any]] = Field(
+        default_factory=dict, description="param -> values: one cell per point of the grid"
+    )
+    datasets: list[Name] | None = Field(None, description="run only on these datasets (default: all)")
     generation_lengths: list[int] | None = Field(
-        None, description="run only at these T (a subset of the suite's generation_lengths)")
+        None, description="run only at these T (a subset of the suite's generation_lengths)"
+    )
     l_max: int | list[int] | None = Field(
-        None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)")
+        None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)"
+    )
     batch_sizes: list[int] | None = Field(
-        None, description="run only at these batch sizes B (a subset of the suite's batch_sizes)")
+        None,
+        description="run only at these batch sizes B (a subset of the suite's batch_sizes; `concurrency:` is "
+        "the same key under its serving name)",
+    )
     optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
-        None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding")
+        None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding"
+    )
 
     _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
+
+    @model_validator(mode="before")
+    @classmethod
+    def _concurrency(cls, data):
+        return _one_load_axis(data)
+
     _swept: dict[str, Any] = PrivateAttr(default_factory=dict)  # its point of the sweep grid
 
     @field_validator("sweep")
@@ -218,7 +270,7 @@ class DecoderSpec(_HasLMax):
             raise ValueError(f"sweep expands to {size} decoders, more than the limit of {MAX_GRID}")
         return v
 
-    def expand(self) -> list["DecoderSpec"]:
+    def expand(self) -> list[DecoderSpec]:
         """The decoders this entry stands for: itself, or one per point of its sweep grid.
 
         Each point is a ``model_copy`` of this entry (every field carried over, new ones included) with the point's
@@ -231,8 +283,9 @@ class DecoderSpec(_HasLMax):
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values))
             suffix = ", ".join(f"{k}={v}" for k, v in point.items())
-            spec = self.model_copy(update={"label": f"{self.display} ({suffix})", "params": {**self.params, **point},
-                                           "sweep": {}})
+            spec = self.model_copy(
+                update={"label": f"{self.display} ({suffix})", "params": {**self.params, **point}, "sweep": {}}
+            )
             spec._group, spec._swept = self.display, point
             out.append(spec)
         return out
@@ -260,38 +313,59 @@ class DecoderSpec(_HasLMax):
 class Suite(_Frozen):
     """A whole benchmark: models x datasets x prompt caps (L_max) x generation lengths x decoders."""
 
-    name: Name
-    description: str = ""
+    name: Name = Field(description="the suite's name (stored with the run)")
+    description: str = Field("", description="free text, stored with the run")
     seed: Seed = Field(0, description="prompt selection seed (0 <= seed < 2^63, what torch accepts)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    target: ModelSpec = Field(default_factory=ModelSpec)
-    draft: ModelSpec | None = None
-    datasets: list[DatasetSpec] = Field(min_length=1)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu")
+    target: ModelSpec = Field(default_factory=ModelSpec, description="the target model")
+    draft: ModelSpec | None = Field(None, description="the draft model, for decoders that need one")
+    datasets: list[DatasetSpec] = Field(min_length=1, description="where prompts come from (one cell axis)")
     generation_lengths: list[int] = Field(min_length=1, description="T values, new tokens per prompt")
-    decoders: list[DecoderSpec] = Field(min_length=1)
+    decoders: list[DecoderSpec] = Field(min_length=1, description="the decoders measured, each with its params")
     batch_sizes: list[int] = Field(
-        default_factory=lambda: [1], min_length=1, description="batch sizes B: at B a decoder decodes B prompts of "
+        default_factory=lambda: [1],
+        min_length=1,
+        description="batch sizes B: at B a decoder decodes B prompts of "
         "the dataset together (grouped in order, the same groups for every decoder; a last group smaller than B is "
-        "decoded as a smaller batch and marked); default [1]")
+        "decoded as a smaller batch and marked); default [1]. `concurrency:` is the same axis under its serving "
+        "name: a server decoder keeps that many requests in flight",
+    )
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
     calibrate: bool = Field(
-        False, description="measure the target's and draft's forward-latency curves before the first cell and store "
-        "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)")
+        False,
+        description="measure the target's and draft's forward-latency curves before the first cell and store "
+        "them with the run (the cost model of `dtbench report --cost-model`; `n_max: auto` calibrates regardless)",
+    )
     lossless_check: Literal["exact", "tie_aware"] = Field(
-        "tie_aware", description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
+        "tie_aware",
+        description="the lossless verdict: tie_aware (every emitted token is the target's greedy choice "
         "given the decoder's own prefix, numeric near ties allowed; harness/lossless.py) or exact (token for token "
-        "equal to the reference's output)")
+        "equal to the reference's output)",
+    )
     chat_template: str | None = Field(
-        None, min_length=1, max_length=4096, description="question datasets: 'auto' (the target tokenizer's own chat "
-        "template), 'none' (the turns as plain text) or the path of a Jinja chat template file; default auto")
+        None,
+        min_length=1,
+        max_length=4096,
+        description="question datasets: 'auto' (the target tokenizer's own chat "
+        "template), 'none' (the turns as plain text) or the path of a Jinja chat template file; default auto",
+    )
     system_prompt: str | None = Field(None, max_length=100_000, description="a system message before the questions")
     stop_at_eos: bool | None = Field(
-        None, description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
+        None,
+        description="stop each generation at the target's first EOS (T becomes max_new_tokens; no token after "
         "EOS emitted or counted); false: exactly T tokens, EOS ignored (the paper's fixed-T protocol); null (default): "
-        "true for question (chat) datasets such as spec-bench, false for raw text")
+        "true for question (chat) datasets such as spec-bench, false for raw text",
+    )
     timeout_s: Seconds | Literal["auto"] | None = Field(
-        "auto", description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
-        "prompt (at least 60 s; 1800 s for a reference itself); null: none")
+        "auto",
+        description="per-sample time limit in seconds; auto: 10x the reference decoder's time on the same "
+        "prompt (at least 60 s; 1800 s for a reference itself); null: none",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _concurrency(cls, data):
+        return _one_load_axis(data)
 
     @field_validator("generation_lengths")
     @classmethod
@@ -317,8 +391,10 @@ class Suite(_Frozen):
     @classmethod
     def _positive_timeout(cls, v):
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= MAX_SECONDS:  # NaN fails too
-            raise ValueError(f"timeout_s must be a positive number of seconds up to {MAX_SECONDS:.0f} (30 days), "
-                             f"auto, or null (no limit)")
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds up to {MAX_SECONDS:.0f} (30 days), "
+                f"auto, or null (no limit)"
+            )
         return v
 
     @model_validator(mode="after")
@@ -328,11 +404,17 @@ class Suite(_Frozen):
             for l_max in ds.l_maxes:
                 if (ds.key, l_max) in seen:
                     what = f"label '{clip(ds.key, 60)}'" if ds.label else f"dataset '{clip(ds.name, 60)}'"
-                    raise ValueError(f"datasets.{i}: {what} with {L_MAX} {l_max} is listed twice (its cells would "
-                                     f"collide; give the entries different label: keys)")
+                    raise ValueError(
+                        f"datasets.{i}: {what} with {L_MAX} {l_max} is listed twice (its cells would "
+                        f"collide; give the entries different label: keys)"
+                    )
                 seen.add((ds.key, l_max))
-        cells = len(seen) * len(self.generation_lengths) * len(self.batch_sizes) * sum(
-            max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
+        cells = (
+            len(seen)
+            * len(self.generation_lengths)
+            * len(self.batch_sizes)
+            * sum(max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
+        )
         if cells > MAX_GRID:
             raise ValueError(f"the suite expands to {cells} cells, more than the limit of {MAX_GRID}")
         return self
@@ -343,8 +425,10 @@ class Suite(_Frozen):
         seen: dict[str, DecoderSpec] = {}
         for d in out:
             if d.display in seen:
-                raise DtbenchError(f"{d.where or 'suite'}: decoder label '{clip(d.display, 80)}' is used twice "
-                                   f"(set a distinct `label:`)")
+                raise DtbenchError(
+                    f"{d.where or 'suite'}: decoder label '{clip(d.display, 80)}' is used twice "
+                    f"(set a distinct `label:`)"
+                )
             seen[d.display] = d
         return out
 
@@ -354,5 +438,3 @@ def _product(values) -> int:
     for v in values:
         out *= v
     return out
-
-

@@ -83,8 +83,10 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
         raise DtbenchError(f"{source}: a suite must be a YAML mapping (name:, datasets:, decoders:, ...)")
     count, depth = _count_nodes(data, MAX_NODES)
     if count > MAX_NODES:
-        raise DtbenchError(f"{source}: the suite expands to more than {MAX_NODES} values (YAML aliases nested too "
-                           f"deeply?); write the values out")
+        raise DtbenchError(
+            f"{source}: the suite expands to more than {MAX_NODES} values (YAML aliases nested too "
+            f"deeply?); write the values out"
+        )
     if depth > MAX_DEPTH:
         raise DtbenchError(f"{source}: the YAML nests more than {MAX_DEPTH} levels deep")
     return data, node
@@ -92,14 +94,22 @@ def _compose(text: str, source: str) -> tuple[dict, yaml.Node]:
 
 def _note_old_names(data: dict, where_of) -> None:
     """One line on stderr when datasets or decoders entries use ``prompt_cap:`` (the old name of ``L_max:``)."""
-    old = [(key, i, L_MAX in entry) for key in ("datasets", "decoders") if isinstance(data.get(key), list)
-           for i, entry in enumerate(data[key]) if isinstance(entry, dict) and OLD_L_MAX in entry]
+    old = [
+        (key, i, L_MAX in entry)
+        for key in ("datasets", "decoders")
+        if isinstance(data.get(key), list)
+        for i, entry in enumerate(data[key])
+        if isinstance(entry, dict) and OLD_L_MAX in entry
+    ]
     if old and not any(both for *_, both in old):  # both keys in one entry: the validation error says it all
         key, i, _ = old[0]
         more = f" (and {len(old) - 1} more entries)" if len(old) > 1 else ""
         where = printable(where_of((key, i, OLD_L_MAX)))
-        print(f"note: {where}: {key}.{i}: {OLD_L_MAX} is the deprecated name of {L_MAX}{more}; write {L_MAX}",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: {where}: {key}.{i}: {OLD_L_MAX} is the deprecated name of {L_MAX}{more}; write {L_MAX}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _validate(data: dict, where_of) -> Suite:
@@ -168,8 +178,9 @@ def _load_tree(path: Path, chain: tuple[Path, ...], texts: list[tuple[Path, str]
         text = _read(path, MAX_SUITE_BYTES - used)
     except DtbenchError as exc:
         if texts and "larger than" in str(exc):
-            raise DtbenchError(f"{path}: the suite and its include: files hold more than {MAX_SUITE_BYTES:,} bytes "
-                               f"together") from None
+            raise DtbenchError(
+                f"{path}: the suite and its include: files hold more than {MAX_SUITE_BYTES:,} bytes together"
+            ) from None
         raise
     texts.append((path, text))
     data, node = _compose(text, str(path))
@@ -180,8 +191,9 @@ def _load_tree(path: Path, chain: tuple[Path, ...], texts: list[tuple[Path, str]
         names = includes if isinstance(includes, list) else [includes]
         for name in names:
             if not isinstance(name, str) or not name:
-                raise DtbenchError(f"{path}:{_line_of(node, ('include',))}: include: must be a file name or a list "
-                                   f"of them")
+                raise DtbenchError(
+                    f"{path}:{_line_of(node, ('include',))}: include: must be a file name or a list of them"
+                )
             child = (path.parent / name).resolve()
             if child in chain or child == path.resolve():
                 raise DtbenchError(f"{path}: include: {clip(name, 100)} includes itself (directly or not)")

@@ -47,8 +47,9 @@ def sample_timeout(setting: float | str | None, reference_s: float | None) -> fl
     return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_s)
 
 
-def cpu_timeout(setting: float | str | None, reference_s: float | None, reference_cpu_s: float | None
-                ) -> tuple[float | None, float | None]:
+def cpu_timeout(
+    setting: float | str | None, reference_s: float | None, reference_cpu_s: float | None
+) -> tuple[float | None, float | None]:
     """(wall limit, CPU limit) of one sample in seconds: ``auto`` measured in CPU time when the reference's is known.
 
     On a shared machine the wall time of a sample stretches with whatever else runs, so ``10x the reference's wall
@@ -60,8 +61,10 @@ def cpu_timeout(setting: float | str | None, reference_s: float | None, referenc
     """
     if setting != "auto" or reference_s is None or reference_cpu_s is None:
         return sample_timeout(setting, reference_s), None
-    return (max(AUTO_TIMEOUT_REFERENCE_S, AUTO_TIMEOUT_FACTOR * reference_s),
-            max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_cpu_s))
+    return (
+        max(AUTO_TIMEOUT_REFERENCE_S, AUTO_TIMEOUT_FACTOR * reference_s),
+        max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_cpu_s),
+    )
 
 
 @dataclass
@@ -90,9 +93,20 @@ def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None
     return decoder
 
 
-def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | None, target, draft,
-                device, suite: Suite, compare: bool = True, stop_at_eos: bool = False,
-                data_dir: str | None = None) -> Outcome:
+def measure_one(
+    cp: CellPlan,
+    prompt,
+    T: int,
+    warmup: bool,
+    ref: Reference | None,
+    target,
+    draft,
+    device,
+    suite: Suite,
+    compare: bool = True,
+    stop_at_eos: bool = False,
+    data_dir: str | None = None,
+) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
@@ -110,8 +124,9 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | Non
             (:meth:`Decoder.use_corpus`) before timing starts.
     """
     if cp.reference_label and ref is None:
-        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt "
-                                       f"{prompt.index}")
+        return Outcome(
+            cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {prompt.index}"
+        )
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
     try:
         decoder = make_decoder(cp, target, draft, suite, data_dir)
@@ -122,14 +137,24 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | Non
         m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
         row = sample_row(m, prompt, warmup, ref.tokens if ref and compare else None)
         if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
-            row.update(lossless.sample_columns(target.model, prompt.token_ids, row, ref.tokens if ref and compare else None,
-                                               device, suite.lossless_check))
+            row.update(
+                lossless.sample_columns(
+                    target.model,
+                    prompt.token_ids,
+                    row,
+                    ref.tokens if ref and compare else None,
+                    device,
+                    suite.lossless_check,
+                )
+            )
         row = SampleRecord.from_row(row).as_row()  # exactly the sample's columns (harness/sample.py)
         json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
-        cpu = f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        cpu = (
+            f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        )
         return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after{cpu}")
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
@@ -137,8 +162,18 @@ def measure_one(cp: CellPlan, prompt, T: int, warmup: bool, ref: Reference | Non
     return Outcome(cp.label, row=row, cpu_s=m.cpu_s)
 
 
-def measure_group(cp: CellPlan, prompts: list, group: PromptGroup, ref: tuple | None, target, draft, device,
-                  suite: Suite, stop_at_eos: bool = False, data_dir: str | None = None) -> Outcome:
+def measure_group(
+    cp: CellPlan,
+    prompts: list,
+    group: PromptGroup,
+    ref: tuple | None,
+    target,
+    draft,
+    device,
+    suite: Suite,
+    stop_at_eos: bool = False,
+    data_dir: str | None = None,
+) -> Outcome:
     """Measure one decoder on a prompt group at batch size B > 1 (its prompts decoded together); never raises for
     what the decoder does wrong (as :func:`measure_one`).
 
@@ -153,16 +188,24 @@ def measure_group(cp: CellPlan, prompts: list, group: PromptGroup, ref: tuple | 
             batch's wall time), or None.
     """
     if cp.reference_label and ref is None:
-        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for the prompt group "
-                                       f"{group.prompt_index}")
+        return Outcome(
+            cp.label,
+            error=f"reference decoder '{cp.reference_label}' has no output for the prompt group {group.prompt_index}",
+        )
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
     where = f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
     try:
         decoder = make_decoder(cp, target, draft, suite, data_dir)
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
-        ms = measure_batch(decoder, [p.token_ids for p in prompts], group.gen_length, device, timeout_s=timeout,
-                           cpu_timeout_s=cpu_limit)
+        ms = measure_batch(
+            decoder,
+            [p.token_ids for p in prompts],
+            group.gen_length,
+            device,
+            timeout_s=timeout,
+            cpu_timeout_s=cpu_limit,
+        )
         wall = max(m.step_times[-1] for m in ms)
         rows = []
         for r, (m, prompt) in enumerate(zip(ms, prompts)):
@@ -171,19 +214,94 @@ def measure_group(cp: CellPlan, prompts: list, group: PromptGroup, ref: tuple | 
             row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
             if cp.cls.lossless:  # every emitted token of every row checked, outside the timed region
                 others = [p.token_ids for j, p in enumerate(prompts) if j != r]
-                row.update(lossless.sample_columns(target.model, prompt.token_ids, row, reference, device,
-                                                   suite.lossless_check, companions=others))
+                row.update(
+                    lossless.sample_columns(
+                        target.model, prompt.token_ids, row, reference, device, suite.lossless_check, companions=others
+                    )
+                )
             rows.append(SampleRecord.from_row(row).as_row())
         json.dumps(rows)
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
-        cpu = f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        cpu = (
+            f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
+        )
         return Outcome(cp.label, error=f"{where}: timed out after{cpu}")
     except (Exception, SystemExit) as exc:
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
         return Outcome(cp.label, error=f"{where}: {kind}: {clip(exc, 1500)}")
     return Outcome(cp.label, row=rows[0], rows=rows, cpu_s=ms[0].cpu_s)
+
+
+def measure_served(
+    cp: CellPlan,
+    prompts: list,
+    group: PromptGroup,
+    ref_rows: list[dict] | None,
+    suite: Suite,
+    servers,
+    tokenizer,
+    stop_at_eos: bool = False,
+) -> Outcome:
+    """Measure a server cell (a decoder declaring ``requests``, issue 30) on one prompt group through requests
+    (:func:`dtbench.harness.serving.measure_requests`); never raises for what the server does wrong (as
+    :func:`measure_one`): a server that does not start, exits, or answers with an error fails its cell with one line
+    naming the server and its log.
+
+    Args:
+        prompts: the group's prompts in row order (one at B = 1).
+        ref_rows: the reference server's rows on this group (their output tokens), or None.
+        servers: the worker's :class:`~dtbench.harness.serving.ServerPool`.
+    """
+    from dtbench.harness import serving
+
+    if cp.reference_label and ref_rows is None:
+        return Outcome(
+            cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {group.prompt_index}"
+        )
+    batched = group.batch_size > 1
+    try:
+        rows = serving.measure_requests(
+            cp.label,
+            cp.params,
+            prompts,
+            group.warmup,
+            group.gen_length,
+            group.batch_size,
+            (group.dataset.name, group.l_max, group.gen_length, group.batch_size),
+            servers,
+            seed=suite.seed,
+            stop_at_eos=stop_at_eos,
+            references=[r["output_tokens"] for r in ref_rows] if ref_rows else None,
+            reference=next(((c.label, c.params) for c in group.decoders if c.label == cp.reference_label), None),
+            rule=suite.lossless_check,
+            tokenizer=tokenizer,
+            batch_group=group.prompt_index if batched else None,
+        )
+        rows = [SampleRecord.from_row(row).as_row() for row in rows]
+        json.dumps(rows)
+    except KeyboardInterrupt:
+        raise
+    except (Exception, SystemExit) as exc:
+        message = str(exc) if isinstance(exc, DtbenchError) else f"{type(exc).__name__}: {exc}"
+        return Outcome(cp.label, error=clip(message, 1500))
+    return Outcome(cp.label, row=rows[0], rows=rows if batched else None)
+
+
+def _served_reference(
+    cp: CellPlan, served: dict[str, list[dict]], outputs: dict[str, Reference], batched: bool
+) -> list[dict] | None:
+    """The reference server's rows on this group: measured now, or read back from the database on a resumed run;
+    None without a reference."""
+    if not cp.reference_label:
+        return None
+    if cp.reference_label in served:
+        return served[cp.reference_label]
+    ref = outputs.get(cp.reference_label)
+    if ref is None:
+        return None
+    return [{"output_tokens": t} for t in (ref.tokens if batched else [ref.tokens])]
 
 
 def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
@@ -199,9 +317,19 @@ def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any,
     return SamplingSettings(spec.temperature, spec.top_k, spec.top_p), generator
 
 
-def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
-              done: dict[str, Reference], skip: set[str],
-              data_dir: str | None = None) -> Iterator[Outcome]:
+def run_group(
+    group: PromptGroup,
+    prompt,
+    target,
+    draft,
+    device,
+    suite: Suite,
+    done: dict[str, Reference],
+    skip: set[str],
+    data_dir: str | None = None,
+    servers=None,
+    tokenizer=None,
+) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
     Args:
@@ -210,18 +338,29 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
             but available as references (at B > 1: (per-row tokens, batch seconds, None) of the group).
         skip: labels of cells that already failed: not measured.
+        servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
+            declare ``requests``: :func:`measure_served`, at every B).
     """
     outputs = dict(done)
+    served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
     if group.batch_size > 1:
         for cp in group.decoders:
             if cp.label in outputs or cp.label in skip:
                 continue
             ref = outputs.get(cp.reference_label) if cp.reference_label else None
-            outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
+            if cp.cls.requests:
+                outcome = measure_served(
+                    cp, prompt, group, _served_reference(cp, served, outputs, True), suite, servers, tokenizer, stop
+                )
+                if outcome.rows is not None:
+                    served[cp.label] = outcome.rows
+            else:
+                outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
             if outcome.rows is not None:
-                outputs[cp.label] = Reference([r["output_tokens"] for r in outcome.rows],
-                                              outcome.rows[0]["batch_total_s"], outcome.cpu_s)
+                outputs[cp.label] = Reference(
+                    [r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"], outcome.cpu_s
+                )
             yield outcome
         return
     by_label = {cp.label: cp for cp in group.decoders}
@@ -231,8 +370,18 @@ def run_group(group: PromptGroup, prompt, target, draft, device, suite: Suite,
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
-        outcome = measure_one(cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare,
-                              stop, data_dir)
+        if cp.cls.requests:
+            outcome = measure_served(
+                cp, [prompt], group, _served_reference(cp, served, outputs, False), suite, servers, tokenizer, stop
+            )
+            if outcome.row is not None:
+                served[cp.label] = [outcome.row]
+                outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], None)
+            yield outcome
+            continue
+        outcome = measure_one(
+            cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare, stop, data_dir
+        )
         if outcome.row is not None:
             outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
         yield outcome
@@ -301,9 +450,17 @@ class Worker:
             ``check_target(params, target)`` refuses the target (a learned head of other sizes).
     """
 
-    def __init__(self, suite: Suite, device: str, *, plan: Plan | None = None, tokenizer=None,
-                 threads: int | None = None, cwd: str | None = None,
-                 status: Callable[[str], Any] | None = None):
+    def __init__(
+        self,
+        suite: Suite,
+        device: str,
+        *,
+        plan: Plan | None = None,
+        tokenizer=None,
+        threads: int | None = None,
+        cwd: str | None = None,
+        status: Callable[[str], Any] | None = None,
+    ):
         if cwd and os.path.isdir(cwd):
             os.chdir(cwd)
         if threads:
@@ -314,6 +471,10 @@ class Worker:
         self.device = models.resolve_device(device)
         if tokenizer is None:
             tokenizer = models.load_tokenizer(suite.target)
+        self.tokenizer = tokenizer
+        from dtbench.harness.serving import ServerPool
+
+        self.servers = ServerPool()  # the servers this worker launches for server cells (issue 30)
         with status(f"loading target {suite.target.model} ({suite.target.dtype}) on {self.device}"):
             self.target = models.load_model(suite.target, self.device)
         loaded = [(self.target, suite.target)]
@@ -342,9 +503,15 @@ class Worker:
         env["target"], env["draft"] = model_info(self.target), model_info(self.draft)
         env["files"] = fingerprint.run_files(suite, self.plan, self.target, self.draft)  # sha256 / hub commits
         self.info = WorkerInfo(
-            host=socket.gethostname(), pid=os.getpid(), device=str(self.device), device_name=device_name(self.device),
-            environment=env, target=model_info(self.target), draft=model_info(self.draft),
-            decoders=[(p.label, p.version) for p in self.plan.decoders], warnings=warnings,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=str(self.device),
+            device_name=device_name(self.device),
+            environment=env,
+            target=model_info(self.target),
+            draft=model_info(self.draft),
+            decoders=[(p.label, p.version) for p in self.plan.decoders],
+            warnings=warnings,
         )
 
     def run(self, key: WorkKey, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
@@ -352,11 +519,27 @@ class Worker:
         group = self.groups.get(key)
         if group is None:
             raise DtbenchError(f"this worker's plan has no prompt group {key}")
-        yield from run_group(group, prompt, self.target, self.draft, self.device, self.suite, done, skip,
-                             self.plan.data_dir)
+        yield from run_group(
+            group,
+            prompt,
+            self.target,
+            self.draft,
+            self.device,
+            self.suite,
+            done,
+            skip,
+            self.plan.data_dir,
+            servers=self.servers,
+            tokenizer=self.tokenizer,
+        )
 
-    def calibrate(self, contexts: dict[int, list[int]], settings: calibrate.Settings,
-                  console: Console | None = None) -> calibrate.Measured:
+    def close(self) -> None:
+        """Stop every server this worker launched (end of run, Ctrl-C, failure); never raises."""
+        self.servers.close()
+
+    def calibrate(
+        self, contexts: dict[int, list[int]], settings: calibrate.Settings, console: Console | None = None
+    ) -> calibrate.Measured:
         """The cost model's curves measured with this worker's models on its device (plain data for the driver)."""
         return calibrate.measure_on(self, contexts, settings, console)
 

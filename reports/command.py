@@ -31,9 +31,28 @@ def _run_token(token: str) -> int | None:
         raise DtbenchError(f"run id must be an integer or 'latest', not {token!r}") from None
 
 
-def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, fail_if, tables, out_dir, fig_dir,
-                   html_file, include_partial: bool = False, cost_model: bool = False, by: str | None = None,
-                   spec_bench: bool = False) -> None:
+def report_command(
+    *,
+    runs,
+    db_url,
+    run_ids,
+    fmt,
+    compare,
+    alpha,
+    only_changed,
+    fail_if,
+    tables,
+    out_dir,
+    fig_dir,
+    html_file,
+    include_partial: bool = False,
+    cost_model: bool = False,
+    by: str | None = None,
+    spec_bench: bool = False,
+    engine: bool = False,
+    profile: bool = False,
+    profile_json: str | None = None,
+) -> None:
     """Validate the option combination, then produce each requested output.
 
     ``include_partial`` (``--include-partial``): show the numbers of partial cells (failed after some prompts) in
@@ -62,8 +81,10 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if tables and not out_dir and fmt == "csv":
         raise DtbenchError("--tables prints table, markdown, json or html; for CSV files use --out DIR")
     if include_partial and not (tables or files):
-        raise DtbenchError("--include-partial is for --tables, --out, --figures and --html (the other reports always "
-                           "show partial cells, marked partial)")
+        raise DtbenchError(
+            "--include-partial is for --tables, --out, --figures and --html (the other reports always "
+            "show partial cells, marked partial)"
+        )
 
     if cost_model and (pair or compare or tables or files):
         raise DtbenchError("--cost-model is a report of its own; give it alone (with --run ID and --format)")
@@ -78,7 +99,23 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if by and spec_bench:
         raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
 
+    if engine and (pair or compare or tables or files or cost_model or by or spec_bench or len(run_ids) > 1):
+        raise DtbenchError("--engine is a report of its own; give it alone (with --run ID and --format)")
+    if profile_json and not profile:
+        raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
+    if profile and (pair or compare or tables or files or cost_model or by or spec_bench or engine or len(run_ids) > 1):
+        raise DtbenchError("--profile is a report of its own; give it alone (with --run ID, --format, --profile-json)")
     sessions = db.connect(db_url, create=False)
+    if profile:
+        from dtbench.reports.profile import profile_report
+
+        profile_report(sessions, run_ids[0] if run_ids else None, fmt, profile_json, 1 - alpha)
+        return
+    if engine:
+        from dtbench.reports.engine import engine_report
+
+        engine_report(sessions, run_ids[0] if run_ids else None, fmt, 1 - alpha)
+        return
     if spec_bench:
         from dtbench.reports.specbench import spec_bench_report
 
@@ -90,8 +127,9 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
         cost_report(sessions, run_ids[0] if run_ids else None, fmt)
         return
     if pair:
-        failures = compare_pair(sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha,
-                                only_changed=only_changed, gates=gates)
+        failures = compare_pair(
+            sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates
+        )
         if failures:
             for line in failures:
                 _note(f"gate tripped: {line}")
@@ -102,8 +140,17 @@ def report_command(*, runs, db_url, run_ids, fmt, compare, alpha, only_changed, 
     if compare:
         speedups(sessions, run_ids[0] if run_ids else None, fmt=fmt, alpha=alpha)
     if tables or files:
-        paper_outputs(sessions, run_ids, fmt=fmt, tables=tables or bool(out_dir), out_dir=out_dir, fig_dir=fig_dir,
-                      html_file=html_file, alpha=alpha, include_partial=include_partial)
+        paper_outputs(
+            sessions,
+            run_ids,
+            fmt=fmt,
+            tables=tables or bool(out_dir),
+            out_dir=out_dir,
+            fig_dir=fig_dir,
+            html_file=html_file,
+            alpha=alpha,
+            include_partial=include_partial,
+        )
     if not (compare or tables or files):
         cell_report(sessions, run_ids[0] if run_ids else None, fmt, by)
         from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
@@ -131,8 +178,14 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
 
     with sessions() as session:
         run = get_run(session, run_id)
-        meta = {"id": run.id, "suite": run.suite_name, "status": run.status, "started_at": str(run.started_at),
-                "finished_at": str(run.finished_at), "environment": run.environment or {}}
+        meta = {
+            "id": run.id,
+            "suite": run.suite_name,
+            "status": run.status,
+            "started_at": str(run.started_at),
+            "finished_at": str(run.finished_at),
+            "environment": run.environment or {},
+        }
         frame = samples_frame(session, run.id)
     if by:
         from dtbench.reports.specbench import by_task
@@ -164,9 +217,11 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     table = speedup_table(frame, confidence=1 - alpha)
     if table.empty:
         raise DtbenchError(f"run {rid} has no decoder besides AR to compare")
-    caption = ("speedup = mean throughput / mean AR throughput (same dataset, L_max, T, batch size), prompts after "
-               "warmup (at B > 1: prompt groups, throughput over all rows); "
-               f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}")
+    caption = (
+        "speedup = mean throughput / mean AR throughput (same dataset, L_max, T, batch size), prompts after "
+        "warmup (at B > 1: prompt groups, throughput over all rows); "
+        f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}"
+    )
     title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
     report = Report("speedups", title, caption, render.speedup_display(table, 1 - alpha), table, row_styles=styles)
     emit(fmt, Document([report], meta={"run": rid, "confidence": 1 - alpha}, rows="cells"))
@@ -175,7 +230,9 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
 # --- between runs --------------------------------------------------------------------------------------------
 
 
-def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float, only_changed: bool, gates) -> list[str]:
+def compare_pair(
+    sessions, run_ids: list[int | None], *, fmt: str, alpha: float, only_changed: bool, gates
+) -> list[str]:
     """Print the run-to-run comparison; return the gate failures (empty when none tripped)."""
     from dtbench.reports import render
     from dtbench.reports.compare import UNCHANGED_MARKS, compare_runs
@@ -196,10 +253,18 @@ def compare_pair(sessions, run_ids: list[int | None], *, fmt: str, alpha: float,
         if table.empty:
             _note("no changed cells")
     title = f"run {ids[0]} → run {ids[1]}"
-    caption = (f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
-               f"per-prompt throughputs, better/worse when p < {alpha:g}")
-    report = Report("compare", title, caption, render.compare_display(table), table,
-                    row_styles=[render.MARK_STYLES.get(m) for m in table["mark"]])
+    caption = (
+        f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
+        f"per-prompt throughputs, better/worse when p < {alpha:g}"
+    )
+    report = Report(
+        "compare",
+        title,
+        caption,
+        render.compare_display(table),
+        table,
+        row_styles=[render.MARK_STYLES.get(m) for m in table["mark"]],
+    )
     gate = {"gates": [g.text for g in gates], "failures": failures}
     emit(fmt, Document([report], meta={"before": ids[0], "after": ids[1], "alpha": alpha, "gate": gate}, rows="cells"))
     return failures
@@ -256,8 +321,10 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         extra, extra_notes = batch_figures(sessions, [r.id for r in runs])
         for note in extra_notes:
             _note(f"note: {note}")
-        path = write_html(html_file, build_html(every, runs, cis, confidence=1 - alpha, include_partial=include_partial,
-                                                extra_figures=extra))
+        path = write_html(
+            html_file,
+            build_html(every, runs, cis, confidence=1 - alpha, include_partial=include_partial, extra_figures=extra),
+        )
         _note(f"wrote {path} ({path.stat().st_size / 1024:.0f} KiB)")
 
 

@@ -26,8 +26,16 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import ALIASES, GATEABLE, Metric
 from dtbench.harness.metrics import METRICS as REGISTRY
 from dtbench.harness.runs import MUST_MATCH
-from dtbench.reports.stats import (GROUP, KEY, MIN_PROMPTS, N_TOO_SMALL, baseline_values, cell_value,
-                                   collapse_batches, remainder_mask)
+from dtbench.reports.stats import (
+    GROUP,
+    KEY,
+    MIN_PROMPTS,
+    N_TOO_SMALL,
+    baseline_values,
+    cell_value,
+    collapse_batches,
+    remainder_mask,
+)
 
 # Marks of a run-to-run comparison, in the order a reader cares about them.
 BETTER, WORSE, NOT_SIGNIFICANT = "better", "worse", "not significant"
@@ -35,7 +43,6 @@ NOT_COMPARABLE, NEWLY_FAILING, FAILING, FIXED = "not comparable", "newly failing
 NEW, MISSING = "new", "missing"
 COMPARABLE_MARKS = (BETTER, WORSE, NOT_SIGNIFICANT)
 UNCHANGED_MARKS = (NOT_SIGNIFICANT, FAILING)
-
 
 
 # Metrics a comparison or gate can read, and the names --fail-if also accepts: from the one metric registry.
@@ -64,9 +71,11 @@ def per_prompt(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 # How the within-run speedup interval is computed, for captions (terminal, Markdown, HTML).
-SPEEDUP_CI_METHOD = (f"CI: Student t-interval on the log of the paired per-prompt ratios (decoder / AR throughput on "
-                     f"the same prompt), i.e. around their geometric mean; '{N_TOO_SMALL}' below {MIN_PROMPTS} paired "
-                     "prompts after warmup")
+SPEEDUP_CI_METHOD = (
+    f"CI: Student t-interval on the log of the paired per-prompt ratios (decoder / AR throughput on "
+    f"the same prompt), i.e. around their geometric mean; '{N_TOO_SMALL}' below {MIN_PROMPTS} paired "
+    "prompts after warmup"
+)
 
 
 def paired_ratio_ci(ratios, confidence: float = 0.95) -> tuple[float, float, float, str]:
@@ -126,8 +135,12 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
     s = per_prompt(frame)
     rows = []
     for key, cells in frame.groupby(GROUP, sort=False):
-        group = s[(s["dataset"] == key[0]) & (s["l_max"] == key[1]) & (s["gen_length"] == key[2])
-                  & (s["batch_size"] == key[3])]
+        group = s[
+            (s["dataset"] == key[0])
+            & (s["l_max"] == key[1])
+            & (s["gen_length"] == key[2])
+            & (s["batch_size"] == key[3])
+        ]
         first_rows = cells.drop_duplicates("cell_id")
         ar_label_of = dict(zip(first_rows["label"], baseline_values(first_rows, "label", missing=None)))
         for label in dict.fromkeys(cells["label"]):
@@ -141,9 +154,22 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
             # a cell declared lossless with a sample that failed the check (render.NOT_LOSSLESS_MARK)
             not_lossless = bool(first["lossless_expected"]) and bool((mine_cells["lossless"] == False).any())  # noqa: E712
             mine = group[group["label"] == label].set_index("prompt_index")["throughput"]
-            row = dict(zip(GROUP, key), label=label, decoder=first["decoder"], status=first["status"], partial=partial,
-                       not_lossless=not_lossless, n=0, throughput_mean=mine.mean() if len(mine) else math.nan, ar_throughput_mean=math.nan,
-                       speedup=math.nan, paired_speedup=math.nan, ci_low=math.nan, ci_high=math.nan, ci_method="")
+            row = dict(
+                zip(GROUP, key),
+                label=label,
+                decoder=first["decoder"],
+                status=first["status"],
+                partial=partial,
+                not_lossless=not_lossless,
+                n=0,
+                throughput_mean=mine.mean() if len(mine) else math.nan,
+                ar_throughput_mean=math.nan,
+                speedup=math.nan,
+                paired_speedup=math.nan,
+                ci_low=math.nan,
+                ci_high=math.nan,
+                ci_method="",
+            )
             if first["status"] == "failed" and not partial:
                 row["verdict"] = "failed"
             elif ar is None or ar.empty:
@@ -163,10 +189,27 @@ def speedup_table(frame: pd.DataFrame, *, confidence: float = 0.95) -> pd.DataFr
                     row["verdict"] += " (partial)"
             rows.append(row)
     # batch_size last: the columns before it are those of the tables before batch sizes existed
-    return pd.DataFrame(rows, columns=[*GROUP[:3], "label", "decoder", "status", "partial", "not_lossless", "n",
-                                       "throughput_mean",
-                                       "ar_throughput_mean", "speedup", "paired_speedup", "ci_low", "ci_high",
-                                       "ci_method", "verdict", "batch_size"])
+    return pd.DataFrame(
+        rows,
+        columns=[
+            *GROUP[:3],
+            "label",
+            "decoder",
+            "status",
+            "partial",
+            "not_lossless",
+            "n",
+            "throughput_mean",
+            "ar_throughput_mean",
+            "speedup",
+            "paired_speedup",
+            "ci_low",
+            "ci_high",
+            "ci_method",
+            "verdict",
+            "batch_size",
+        ],
+    )
 
 
 # --- run to run --------------------------------------------------------------------------------------------
@@ -189,7 +232,7 @@ class Gate:
     bad_is_increase: bool
 
     @classmethod
-    def parse(cls, text: str) -> "Gate":
+    def parse(cls, text: str) -> Gate:
         """Parse ``METRIC:THRESHOLD``.
 
         Raises:
@@ -198,8 +241,10 @@ class Gate:
         name, sep, threshold = text.partition(":")
         name = ALIASES.get(name.strip(), name.strip())
         if not sep or name not in METRICS:
-            raise DtbenchError(f"--fail-if {text!r}: expected METRIC:THRESHOLD with METRIC one of "
-                               f"{', '.join(METRICS)} (e.g. throughput:-5%)")
+            raise DtbenchError(
+                f"--fail-if {text!r}: expected METRIC:THRESHOLD with METRIC one of "
+                f"{', '.join(METRICS)} (e.g. throughput:-5%)"
+            )
         m = re.fullmatch(r"\s*([+-])?\s*(\d+(?:\.\d+)?)\s*(%)?\s*", threshold)
         if not m:
             raise DtbenchError(f"--fail-if {text!r}: threshold must look like -5%, +10%, 5% or an absolute +2")
@@ -277,8 +322,15 @@ def env_differences(before_env: dict, after_env: dict) -> list[str]:
     return out
 
 
-def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict, after_env: dict,
-                 alpha: float = 0.05, gates: list[Gate] = ()) -> tuple[pd.DataFrame, list[str]]:
+def compare_runs(
+    before: pd.DataFrame,
+    after: pd.DataFrame,
+    *,
+    before_env: dict,
+    after_env: dict,
+    alpha: float = 0.05,
+    gates: list[Gate] = (),
+) -> tuple[pd.DataFrame, list[str]]:
     """Match two runs' cells by (dataset, L_max, T, label) and mark each change.
 
     Args:
@@ -304,9 +356,16 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
     rows, failures = [], []
     for key in list(cb) + [k for k in ca if k not in cb]:
         b, a = cb.get(key), ca.get(key)
-        row = dict(zip(KEY, key), before=math.nan, after=math.nan, ratio=math.nan, p_value=math.nan, note="",
-                   before_partial=b is not None and b["cell_id"] in partial_b,
-                   after_partial=a is not None and a["cell_id"] in partial_a)
+        row = dict(
+            zip(KEY, key),
+            before=math.nan,
+            after=math.nan,
+            ratio=math.nan,
+            p_value=math.nan,
+            note="",
+            before_partial=b is not None and b["cell_id"] in partial_b,
+            after_partial=a is not None and a["cell_id"] in partial_a,
+        )
         vb = pb[pb["cell_id"] == b["cell_id"]] if b is not None else pb.iloc[0:0]
         va = pa[pa["cell_id"] == a["cell_id"]] if a is not None else pa.iloc[0:0]
         if len(vb):
@@ -330,7 +389,10 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
         elif reasons := _differences(b, a, env_reasons):
             row["mark"], row["note"] = NOT_COMPARABLE, "; ".join(reasons)
         elif not len(vb) or not len(va):
-            row["mark"], row["note"] = NOT_COMPARABLE, "no samples after warmup " + ("before" if not len(vb) else "after")
+            row["mark"], row["note"] = (
+                NOT_COMPARABLE,
+                "no samples after warmup " + ("before" if not len(vb) else "after"),
+            )
         elif min(len(vb), len(va)) < MIN_PROMPTS:
             row["mark"] = N_TOO_SMALL
             row["note"] = f"{len(vb)} before, {len(va)} after: fewer than {MIN_PROMPTS} prompts after warmup"
@@ -347,8 +409,26 @@ def compare_runs(before: pd.DataFrame, after: pd.DataFrame, *, before_env: dict,
                 if g.beyond(mb, ma):
                     pg = mann_whitney(vb[col], va[col])
                     if pg < alpha:
-                        change = f"{100 * (ma - mb) / abs(mb):+.1f}%" if g.relative and mb else f"{ma - mb:+.4g} {g.metric.unit}"
+                        change = (
+                            f"{100 * (ma - mb) / abs(mb):+.1f}%"
+                            if g.relative and mb
+                            else f"{ma - mb:+.4g} {g.metric.unit}"
+                        )
                         failures.append(f"{g.text}: {where} {col} {mb:.4g} → {ma:.4g} ({change}, p={pg:.3g})")
         rows.append(row)
-    return pd.DataFrame(rows, columns=[*GROUP[:3], "label", "before", "after", "before_partial", "after_partial",
-                                       "ratio", "p_value", "mark", "note", "batch_size"]), failures
+    return pd.DataFrame(
+        rows,
+        columns=[
+            *GROUP[:3],
+            "label",
+            "before",
+            "after",
+            "before_partial",
+            "after_partial",
+            "ratio",
+            "p_value",
+            "mark",
+            "note",
+            "batch_size",
+        ],
+    ), failures

@@ -53,8 +53,11 @@ from dtbench.reports.stats import (
     is_missing,
     show,
 )
-NO_CALIBRATION = ("run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
-                  "`calibrate: true` to the suite and run it again)")
+
+NO_CALIBRATION = (
+    "run {run} has no calibration: run `dtbench calibrate SUITE` on the same machine (or add "
+    "`calibrate: true` to the suite and run it again)"
+)
 FIG_STEM = "cost_verify_curve"
 
 
@@ -104,15 +107,13 @@ def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
 # --- chain decoders: acceptance per position, best K -------------------------------------------------------------
 
 
-def position_acceptance(accepted: list[int], drafted: list[int]) -> list[float]:
-    """p_j, j = 1..max drafted: P(draft j accepted | drafts 1..j-1 accepted), over the iterations that drafted j."""
-    kmax = max(drafted, default=0)
-    out = []
-    for j in range(1, kmax + 1):
-        tried = sum(1 for a, k in zip(accepted, drafted) if k >= j and a >= j - 1)
-        ok = sum(1 for a, k in zip(accepted, drafted) if k >= j and a >= j)
-        out.append(ok / tried if tried else (out[-1] if out else 0.0))
-    return out
+def position_acceptance(accepted: list[int], depth: list[int]) -> list[float]:
+    """p_j, j = 1..max drafted depth: P(draft j accepted | drafts 1..j-1 accepted, j drafted), per step lists
+    ``step_stats["accepted"]`` and ``["depth"]``: the acceptance profile's conditional acceptance, computed by the one
+    function :func:`dtbench.reports.profile.conditional_acceptance`."""
+    from dtbench.reports.profile import conditional_acceptance
+
+    return conditional_acceptance(accepted, depth)
 
 
 def expected_tokens(p: list[float], k: int) -> float:
@@ -128,8 +129,9 @@ def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
     """S(k) for k = 1..len(p) (module docstring)."""
     ar = curves.cost("target", 1, past, 0)
     step = curves.cost("draft", 1, past, 2) if "draft" in curves.roles() else 0.0
-    return {k: ar * expected_tokens(p, k) / (k * step + curves.cost("target", k + 1, past, 0))
-            for k in range(1, len(p) + 1)}
+    return {
+        k: ar * expected_tokens(p, k) / (k * step + curves.cost("target", k + 1, past, 0)) for k in range(1, len(p) + 1)
+    }
 
 
 # --- tree decoders that record their node budget: best total_token ------------------------------------------------
@@ -151,7 +153,7 @@ def budget_speedups(curves, states: list[dict], head_s: float, past: int) -> dic
         iterations += int((state or {}).get("drafting_iterations") or 0)
         for key, count in (state or {}).items():
             if key.startswith(prefix) and key.endswith("_nodes"):
-                m = int(key[len(prefix):-len("_nodes")])
+                m = int(key[len(prefix) : -len("_nodes")])
                 needing[m] = needing.get(m, 0) + int(count)
     budget = max((int((state or {}).get("drafted_nodes") or 0) for state in states), default=0)
     if not iterations or not budget:
@@ -180,8 +182,12 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     from dtbench.harness.curves import DEFAULT_FACTOR, auto_budget
     from dtbench.harness.db import Cell, Sample
 
-    rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
-                           .where(Cell.run_id == run.id).order_by(Cell.id, Sample.prompt_index)).all()
+    rows = session.execute(
+        select(Cell, Sample)
+        .join(Sample, Sample.cell_id == Cell.id)
+        .where(Cell.run_id == run.id)
+        .order_by(Cell.id, Sample.prompt_index)
+    ).all()
     cells: dict[int, dict] = {}
     for cell, s in rows:
         c = cells.setdefault(cell.id, {"cell": cell, "samples": []})
@@ -196,13 +202,20 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]
-        in_forward = (sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
-                      if all(timed) else math.nan)
+        in_forward = (
+            sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
+            if all(timed)
+            else math.nan
+        )
         row = {
             **dict(zip(GROUP, group_key(cell))),
-            "label": cell.label, "decoder": cell.decoder, "family": family_of(cell.family), "sampling": cell.sampling,
+            "label": cell.label,
+            "decoder": cell.decoder,
+            "family": family_of(cell.family),
+            "sampling": cell.sampling,
             "n": len(samples),
-            "measured_s": measured, "predicted_s": predicted,
+            "measured_s": measured,
+            "predicted_s": predicted,
             "target_s": sum(p["target_s"] for p in priced) / len(priced),
             "draft_s": sum(p["draft_s"] for p in priced) / len(priced),
             "efficiency": predicted / measured if measured > 0 else math.nan,
@@ -210,31 +223,39 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             "forward_share": in_forward / measured if measured > 0 else math.nan,
             "forward_speed": predicted / in_forward if in_forward > 0 else math.nan,
             "measured_throughput": cell_throughput(samples),
-            "predicted_throughput": sum(s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced)
-                                        if p["predicted_s"] > 0) / len(samples),
+            "predicted_throughput": sum(
+                s.new_tokens / p["predicted_s"] for s, p in zip(samples, priced) if p["predicted_s"] > 0
+            )
+            / len(samples),
             "approx": any(p["approx"] for p in priced),
             # declared lossless, and a sample failed the lossless check: its speedup marked, no best config named
             "not_lossless": bool(cell.lossless_expected) and any(s.lossless is False for s in samples),
-            "predicted_best_k": None, "predicted_best_speedup": None, "predicted_k_speedup": None,
-            "acceptance_by_position": None, "predicted_best_n_max": None, "predicted_best_total_token": None,
+            "predicted_best_k": None,
+            "predicted_best_speedup": None,
+            "predicted_k_speedup": None,
+            "acceptance_by_position": None,
+            "predicted_best_n_max": None,
+            "predicted_best_total_token": None,
             "predicted_best_total_token_speedup": None,
         }
         if row["family"] == "chain":
             accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
-            drafted = [d for s in samples for d in (s.step_stats or {}).get("drafted", [])]
-            p = position_acceptance(accepted, drafted)
+            depth = [d for s in samples for d in (s.step_stats or {}).get("depth", [])]
+            p = position_acceptance(accepted, depth)
             if p:
                 speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
                 best = max(speed, key=speed.get)
-                row.update(predicted_best_k=best, predicted_best_speedup=speed[best],
-                           predicted_k_speedup=speed.get(len(p)),  # len(p): the most it drafted, its own K
-                           acceptance_by_position=[round(x, 4) for x in p])
+                row.update(
+                    predicted_best_k=best,
+                    predicted_best_speedup=speed[best],
+                    predicted_k_speedup=speed.get(len(p)),  # len(p): the most it drafted, its own K
+                    acceptance_by_position=[round(x, 4) for x in p],
+                )
         states = [(s.step_stats or {}).get("state") for s in samples]
         if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
             iters = sum(int((st or {}).get("drafting_iterations") or 0) for st in states)
             head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
-            speed = budget_speedups(curves, states, head / iters if iters else 0.0,
-                                    cell.l_max + cell.gen_length // 2)
+            speed = budget_speedups(curves, states, head / iters if iters else 0.0, cell.l_max + cell.gen_length // 2)
             if speed:
                 best = max(speed, key=speed.get)
                 row.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
@@ -244,11 +265,17 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    for col in ("predicted_best_k", "predicted_best_n_max", "predicted_best_total_token"):  # whole numbers, missing where they do not apply
+    for col in (
+        "predicted_best_k",
+        "predicted_best_n_max",
+        "predicted_best_total_token",
+    ):  # whole numbers, missing where they do not apply
         table[col] = table[col].astype("Int64")
     # against the AR cell of the same group that decodes the same way (the one pairing of every report)
     table["measured_speedup"] = table["measured_throughput"] / baseline_values(table, "measured_throughput")
-    table["predicted_speedup"] = baseline_values(table, "predicted_s") / table["predicted_s"].where(table["predicted_s"] > 0)
+    table["predicted_speedup"] = baseline_values(table, "predicted_s") / table["predicted_s"].where(
+        table["predicted_s"] > 0
+    )
     return table
 
 
@@ -272,55 +299,124 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         rid = run.id
     if table.empty and batched.empty:
         raise DtbenchError(f"run {rid} has no samples after warmup to price")
-    source = (f"calibration {curves.batch[:8]} of run {rid}" if curves.run_id is not None
-              else f"standalone calibration {curves.batch[:8]} (same models, dtype and device)")
+    source = (
+        f"calibration {curves.batch[:8]} of run {rid}"
+        if curves.run_id is not None
+        else f"standalone calibration {curves.batch[:8]} (same models, dtype and device)"
+    )
     title = f"run {rid}: cost model ({source})"
-    caption = ("predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
-               "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
-               "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T decoding the "
-               "same way; best config (forward costs only): K of chain decoders from the per-position acceptance, "
-               "N_max of tree decoders (largest tree verified within 2x one AR token), total_token of a tree decoder that "
-               "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
-               "measured time)")
+    caption = (
+        "predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
+        "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
+        "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T decoding the "
+        "same way; best config (forward costs only): K of chain decoders from the per-position acceptance, "
+        "N_max of tree decoders (largest tree verified within 2x one AR token), total_token of a tree decoder that "
+        "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
+        "measured time)"
+    )
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
-        caption += ("; a standalone calibration was measured in another process, whose forward costs can differ from "
-                    "the run's (calibrate: true measures in the run's own process)")
-    cols = ["dataset", "l_max", "gen_length", "label", "decoder", "family", "sampling", "n", "predicted_s", "measured_s",
-            "efficiency", "in_forward_s", "forward_share", "forward_speed", "target_s", "draft_s",
-            "predicted_throughput", "measured_throughput",
-            "predicted_speedup", "measured_speedup", "predicted_best_k", "predicted_best_speedup",
-            "predicted_k_speedup", "acceptance_by_position", "predicted_best_total_token",
-            "predicted_best_total_token_speedup", "predicted_best_n_max", "approx"]
+        caption += (
+            "; a standalone calibration was measured in another process, whose forward costs can differ from "
+            "the run's (calibrate: true measures in the run's own process)"
+        )
+    cols = [
+        "dataset",
+        "l_max",
+        "gen_length",
+        "label",
+        "decoder",
+        "family",
+        "sampling",
+        "n",
+        "predicted_s",
+        "measured_s",
+        "efficiency",
+        "in_forward_s",
+        "forward_share",
+        "forward_speed",
+        "target_s",
+        "draft_s",
+        "predicted_throughput",
+        "measured_throughput",
+        "predicted_speedup",
+        "measured_speedup",
+        "predicted_best_k",
+        "predicted_best_speedup",
+        "predicted_k_speedup",
+        "acceptance_by_position",
+        "predicted_best_total_token",
+        "predicted_best_total_token_speedup",
+        "predicted_best_n_max",
+        "approx",
+    ]
 
-    display = pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
-        "n": str(r["n"]), "Measured (s)": show(r["measured_s"], ".3f"),
-        "Predicted (s)": show(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
-        "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}", "Efficiency": show(r["efficiency"], ".2f"),
-        "In fwd": show(r["forward_share"], ".0%"), "Fwd speed": show(r["forward_speed"], ".2f"),
-        "Measured t/s": show(r["measured_throughput"], ".1f"), "Predicted t/s": show(r["predicted_throughput"], ".1f"),
-        "Speedup meas.": show(r["measured_speedup"], ".2f", "×") + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""), "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
-        "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
-    } for _, r in table.iterrows()])
+    display = pd.DataFrame(
+        [
+            {
+                "Dataset": r["dataset"],
+                "L_max": str(r["l_max"]),
+                "T": str(r["gen_length"]),
+                "Decoder": r["label"],
+                "n": str(r["n"]),
+                "Measured (s)": show(r["measured_s"], ".3f"),
+                "Predicted (s)": show(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
+                "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}",
+                "Efficiency": show(r["efficiency"], ".2f"),
+                "In fwd": show(r["forward_share"], ".0%"),
+                "Fwd speed": show(r["forward_speed"], ".2f"),
+                "Measured t/s": show(r["measured_throughput"], ".1f"),
+                "Predicted t/s": show(r["predicted_throughput"], ".1f"),
+                "Speedup meas.": show(r["measured_speedup"], ".2f", "×")
+                + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""),
+                "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+                "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
+            }
+            for _, r in table.iterrows()
+        ]
+    )
     # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
     # per-position acceptance as ';'-joined shares and the sampling settings as JSON text
     reports = [] if table.empty else [Report("cost_model", title, caption, display, table[cols])]
     if not batched.empty:
-        shown = pd.DataFrame([{
-            "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]), "Decoder": r["label"],
-            "B": str(r["batch_size"]), "n": str(r["n"]), "Speedup meas.": show(r["measured_speedup"], ".2f", "×"),
-            "95% CI": (f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if not is_missing(r["ci_low"])
-                       else (r["ci_method"] or MISSING)),
-            "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
-        } for _, r in batched.iterrows()])
-        reports.append(Report("batch_cost_model", f"run {rid}: speedup vs batch size, measured and predicted",
-                              BATCH_CAPTION, shown, batched, notes=[Note(n) for n in batch_notes]))
+        shown = pd.DataFrame(
+            [
+                {
+                    "Dataset": r["dataset"],
+                    "L_max": str(r["l_max"]),
+                    "T": str(r["gen_length"]),
+                    "Decoder": r["label"],
+                    "B": str(r["batch_size"]),
+                    "n": str(r["n"]),
+                    "Speedup meas.": show(r["measured_speedup"], ".2f", "×"),
+                    "95% CI": (
+                        f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+                        if not is_missing(r["ci_low"])
+                        else (r["ci_method"] or MISSING)
+                    ),
+                    "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+                }
+                for _, r in batched.iterrows()
+            ]
+        )
+        reports.append(
+            Report(
+                "batch_cost_model",
+                f"run {rid}: speedup vs batch size, measured and predicted",
+                BATCH_CAPTION,
+                shown,
+                batched,
+                notes=[Note(n) for n in batch_notes],
+            )
+        )
     meta = {"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id}}
     if not batched.empty and not table.empty:  # JSON: the batch rows and notes beside the cells (CSV: the cells)
-        meta["batch_sizes"] = {"rows": json.loads(batched.to_json(orient="records", double_precision=15)),
-                               "notes": list(batch_notes)}
-    emit(fmt, Document(reports, meta=meta, rows="cells", precision=15,
-                       data=table[cols] if not table.empty else batched))
+        meta["batch_sizes"] = {
+            "rows": json.loads(batched.to_json(orient="records", double_precision=15)),
+            "notes": list(batch_notes),
+        }
+    emit(
+        fmt, Document(reports, meta=meta, rows="cells", precision=15, data=table[cols] if not table.empty else batched)
+    )
 
 
 def best_config(row) -> str:
@@ -344,16 +440,16 @@ def verify_figure(curves, sizes: dict[str, float]):
 
     fig = Figure(figsize=(7.5, 4.2), layout="constrained")
     ax = fig.subplots()
-    styles = {("target", "tree"): "-o", ("target", "causal"): "-s", ("draft", "tree"): "--o",
-              ("draft", "last"): "--s"}
+    styles = {("target", "tree"): "-o", ("target", "causal"): "-s", ("draft", "tree"): "--o", ("draft", "last"): "--s"}
     for (role, kind), style in styles.items():
         if curves.has(role, kind):
             ns, secs = curves.points(role, kind)
             ax.plot(ns, secs * 1e3, style, ms=3, lw=1.2, label=f"{role} {kind}")
     for i, (label, size) in enumerate(sorted(sizes.items(), key=lambda kv: kv[1])):
         ax.axvline(size, color=f"C{(i + 4) % 10}", ls=":", lw=1)
-        ax.annotate(label, (size, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7, va="top",
-                    ha="right")
+        ax.annotate(
+            label, (size, 0.98), xycoords=("data", "axes fraction"), rotation=90, fontsize=7, va="top", ha="right"
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per forward n (log scale)")
     ax.set_ylabel("forward latency (ms)")
@@ -377,8 +473,9 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
             if curves is None:
                 continue
             sizes: dict[str, list[int]] = {}
-            for cell, s in session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id)
-                                           .where(Cell.run_id == run.id)).all():
+            for cell, s in session.execute(
+                select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id).where(Cell.run_id == run.id)
+            ).all():
                 ts = (s.step_stats or {}).get("drafted") or []  # old rows' "tree_size" is the same list
                 if any(ts[1:]):  # cells that drafted: their verification sizes
                     sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])
@@ -397,7 +494,8 @@ BATCH_CAPTION = (
     "row); greedy lossless rows decode the same tokens at any B, so L, n and d do not depend on B. B* = the first "
     "batch size whose speedup is below 1 (measured: the point estimate; predicted: over the calibrated batch sizes). "
     "Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the largest tree verified within "
-    "2x one ar step at B (tree).")
+    "2x one ar step at B (tree)."
+)
 
 
 def _b1_parameters(rows: pd.DataFrame) -> dict | None:
@@ -414,22 +512,29 @@ def _b1_parameters(rows: pd.DataFrame) -> dict | None:
         fs = (stats or {}).get("forward_s") or {}
         draft_s += float(fs.get("draft") or 0.0)
     accepted = [a for st in basis["step_stats"] for a in (st or {}).get("accepted", [])]
-    per_it = [d for st in basis["step_stats"] for d in (st or {}).get("drafted", [])]
-    return {"L": float(basis["new_tokens"].sum()) / iters, "n": 1.0 + drafted / iters, "d": draft_s / iters,
-            "p": position_acceptance(accepted, per_it), "draft_tokens_s": draft_s / drafted if drafted else 0.0}
+    per_it = [d for st in basis["step_stats"] for d in (st or {}).get("depth", [])]
+    return {
+        "L": float(basis["new_tokens"].sum()) / iters,
+        "n": 1.0 + drafted / iters,
+        "d": draft_s / iters,
+        "p": position_acceptance(accepted, per_it),
+        "draft_tokens_s": draft_s / drafted if drafted else 0.0,
+    }
 
 
 def predicted_batch_speedup(curves, params: dict, batch: int, past: int, family: str) -> float:
     """S(B) of :data:`BATCH_CAPTION` for one decoder's B = 1 parameters (``L``, ``n``, ``d``) at batch size B."""
     flags = FED_MASK if family == "tree" else 0
     ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
-    verify = curves.batched_cost(params["n"], past, batch) if batch > 1 else curves.cost("target", params["n"], past,
-                                                                                          flags)
+    verify = (
+        curves.batched_cost(params["n"], past, batch) if batch > 1 else curves.cost("target", params["n"], past, flags)
+    )
     return params["L"] * ar / (verify + batch * params["d"])
 
 
-def best_k_at(curves, p: list[float], draft_token_s: float, batch: int, past: int, k_max: int = 16
-              ) -> tuple[int, float] | None:
+def best_k_at(
+    curves, p: list[float], draft_token_s: float, batch: int, past: int, k_max: int = 16
+) -> tuple[int, float] | None:
     """The chain length K maximising E(K) x c_B(1) / (c_B(K + 1) + B x K x draft seconds per token) at batch size
     B (the per-position acceptance ``p`` of B = 1, extended with its last value up to ``k_max``); None without p."""
     if not p:
@@ -479,13 +584,26 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
     for cid, cell in full.items():
         if (cell.batch_size or 1) != 1 or cell.sampling:
             continue
-        frame_rows = pd.DataFrame([{"warmup": s.warmup, "iterations": s.iterations, "drafted": s.drafted,
-                                    "new_tokens": s.new_tokens, "step_stats": s.step_stats} for s in samples[cid]])
+        frame_rows = pd.DataFrame(
+            [
+                {
+                    "warmup": s.warmup,
+                    "iterations": s.iterations,
+                    "drafted": s.drafted,
+                    "new_tokens": s.new_tokens,
+                    "step_stats": s.step_stats,
+                }
+                for s in samples[cid]
+            ]
+        )
         if frame_rows.empty:
             continue
         got = _b1_parameters(frame_rows)
         if got is not None:
-            by_label[(cell.dataset, cell.l_max, cell.gen_length, cell.label)] = {**got, "family": family_of(cell.family)}
+            by_label[(cell.dataset, cell.l_max, cell.gen_length, cell.label)] = {
+                **got,
+                "family": family_of(cell.family),
+            }
     errors = []
     for _, r in speed.iterrows():
         key = (r["dataset"], int(r["l_max"]), int(r["gen_length"]), r["label"])
@@ -495,10 +613,21 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         pred = predicted_batch_speedup(curves, params, b, past, params["family"]) if params else math.nan
         if not math.isnan(pred) and not math.isnan(r["speedup"]):
             errors.append(abs(pred - r["speedup"]) / r["speedup"])
-        rows.append({"dataset": r["dataset"], "l_max": int(r["l_max"]), "gen_length": int(r["gen_length"]),
-                     "label": r["label"], "batch_size": b, "n": int(r["n"]), "measured_speedup": r["speedup"],
-                     "ci_low": r["ci_low"], "ci_high": r["ci_high"], "ci_method": r["ci_method"],
-                     "predicted_speedup": pred})
+        rows.append(
+            {
+                "dataset": r["dataset"],
+                "l_max": int(r["l_max"]),
+                "gen_length": int(r["gen_length"]),
+                "label": r["label"],
+                "batch_size": b,
+                "n": int(r["n"]),
+                "measured_speedup": r["speedup"],
+                "ci_low": r["ci_low"],
+                "ci_high": r["ci_high"],
+                "ci_method": r["ci_method"],
+                "predicted_speedup": pred,
+            }
+        )
     table = pd.DataFrame(rows)
     if table.empty:
         return table, notes
@@ -509,8 +638,11 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             measured = f"none up to B={int(part['batch_size'].max())}"
         else:
             at = below.iloc[0]
-            ci = (f"95% CI [{at['ci_low']:.2f}, {at['ci_high']:.2f}]" if not math.isnan(at["ci_low"])
-                  else f"CI: {at['ci_method'] or N_TOO_SMALL}")
+            ci = (
+                f"95% CI [{at['ci_low']:.2f}, {at['ci_high']:.2f}]"
+                if not math.isnan(at["ci_low"])
+                else f"CI: {at['ci_method'] or N_TOO_SMALL}"
+            )
             measured = f"B*={int(at['batch_size'])} ({at['measured_speedup']:.2f}×, {ci})"
         params = by_label.get((ds, l_max, T, label))
         past = l_max + T // 2
@@ -520,18 +652,20 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             grid = [1, *sizes]
             pred = {b: predicted_batch_speedup(curves, params, b, past, params["family"]) for b in grid}
             first = next((b for b in grid if pred[b] < 1), None)
-            predicted = (f"B*={first} ({pred[first]:.2f}×)" if first is not None
-                         else f"none up to B={grid[-1]}")
+            predicted = f"B*={first} ({pred[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
             if params["family"] == "chain" and params["p"]:
                 ks = {b: best_k_at(curves, params["p"], params["draft_tokens_s"], b, past) for b in grid}
                 predicted += "; best K per B: " + ", ".join(f"B={b}: K={k[0]}" for b, k in ks.items() if k)
             if params["family"] == "tree":
                 predicted += "; N_max per B (verify <= 2x ar step): " + ", ".join(
-                    f"B={b}: {budget_at(curves, b, past)}" for b in grid)
+                    f"B={b}: {budget_at(curves, b, past)}" for b in grid
+                )
         notes.append(f"{label} ({ds}, L_max={l_max}, T={T}): measured {measured}; predicted {predicted}")
     if errors:
-        notes.append(f"mean absolute error of predicted vs measured speedup: {100 * sum(errors) / len(errors):.1f}% "
-                     f"over {len(errors)} cells")
+        notes.append(
+            f"mean absolute error of predicted vs measured speedup: {100 * sum(errors) / len(errors):.1f}% "
+            f"over {len(errors)} cells"
+        )
     return table, notes
 
 
@@ -548,9 +682,27 @@ def batch_figure_of(session, run):
     if frame.empty or not (frame["batch_size"] > 1).any():
         return None
     measured = speedup_table(frame)
+    measured = _servers_against_their_reference(session, run, measured)
     curves = load_curves(session, run)
     predicted = batch_table(session, run, curves)[0] if curves is not None else None
     return speedup_vs_batch(measured, predicted)
+
+
+def _servers_against_their_reference(session, run, measured):
+    """``measured`` with server cells (issue 30) paired with their own plain server at the same concurrency (the
+    load table's speedups, :func:`dtbench.reports.engine.engine_frame`) instead of with ar; plain servers left out."""
+    import pandas as pd
+
+    from dtbench.reports.engine import engine_frame
+
+    if measured.empty or not (measured["decoder"] == "server").any():
+        return measured
+    eng = engine_frame(session, run.id)
+    servers = eng[(eng["decoder"] == "server") & eng["reference"].notna()].copy()
+    servers["label"] = servers["label"] + " (vs " + servers["reference"] + ")"
+    keep = measured[measured["decoder"] != "server"]
+    cols = ["dataset", "l_max", "gen_length", "batch_size", "label", "speedup", "ci_low", "ci_high"]
+    return pd.concat([keep, servers[cols]], ignore_index=True)
 
 
 def batch_figures(sessions, run_ids: list[int | None]) -> tuple[dict, list[str]]:

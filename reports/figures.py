@@ -1,4 +1,4 @@
-"""The DynaTree paper's figures (Figures 3-8 of ``paper/dynatree.md``) drawn from the results database.
+"""The DynaTree paper's figures (Figures 3-8 of the DynaTree paper, docs/architecture.md "The paper") drawn from the results database.
 
 Each figure is built from a per-cell summary (:func:`~dtbench.reports.summary.combined_summary`) with
 matplotlib's object-oriented API (``matplotlib.figure.Figure``, no pyplot state: PNG through the Agg canvas,
@@ -116,12 +116,20 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         lbl = f"{ds} (L_max={setting.l_maxes[ds]})"
         hatch = [PARTIAL_HATCH if bool(m.cells[ds].get("partial", False)) else None for m in ms]
         mark = ["\npartial" if h else "" for h in hatch]
-        bars = axes[0].bar(off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j], hatch=hatch)
-        axes[0].bar_label(bars, labels=[t + m if t else t for t, m in zip(_labels(thr), mark)], fontsize=7,
-                          label_type="center", color="white")
+        bars = axes[0].bar(
+            off, thr, width, yerr=np.nan_to_num(std), capsize=3, label=lbl, color=PALETTE[j], hatch=hatch
+        )
+        axes[0].bar_label(
+            bars,
+            labels=[t + m if t else t for t, m in zip(_labels(thr), mark)],
+            fontsize=7,
+            label_type="center",
+            color="white",
+        )
         bars = axes[1].bar(off, spd, width, label=lbl, color=PALETTE[j], hatch=hatch)
-        axes[1].bar_label(bars, labels=[t + m if t else t for t, m in zip(_labels(spd, "{:.2f}×"), mark)], fontsize=7,
-                          padding=2)
+        axes[1].bar_label(
+            bars, labels=[t + m if t else t for t, m in zip(_labels(spd, "{:.2f}×"), mark)], fontsize=7, padding=2
+        )
     axes[1].axhline(1.0, color="gray", ls="--", lw=1)
     for ax in axes:
         ax.set_xticks(x, [_wrap(m.name) for m in ms], fontsize=8)
@@ -145,15 +153,24 @@ def figure4(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     fig = Figure(figsize=(max(10, 1.5 * len(rows) * 2), 4.4), layout="constrained")
     left, right = fig.subplots(1, 2)
     hatch = [PARTIAL_HATCH if bool(r.get("partial", False)) else None for _, r in rows.iterrows()]
-    bars = left.bar(x, rows["throughput_mean"].astype(float), 0.6, yerr=np.nan_to_num(rows["throughput_std"].astype(float)),
-                    capsize=3, color=PALETTE[0], label="throughput", hatch=hatch)
+    bars = left.bar(
+        x,
+        rows["throughput_mean"].astype(float),
+        0.6,
+        yerr=np.nan_to_num(rows["throughput_std"].astype(float)),
+        capsize=3,
+        color=PALETTE[0],
+        label="throughput",
+        hatch=hatch,
+    )
     left.bar_label(bars, labels=_labels(rows["throughput_mean"]), fontsize=7, label_type="center", color="white")
     twin = left.twinx()
     twin.plot(x, rows["iterations"].astype(float), "o-", color=PALETTE[3], label="#Iter.")
     twin.set_ylabel("#Iter. (verifications)", color=PALETTE[3])
     bars = right.bar(x, rows["tokens_per_iteration"].astype(float), 0.6, color=PALETTE[2], label="L̄", hatch=hatch)
-    right.bar_label(bars, labels=_labels(rows["tokens_per_iteration"], "{:.2f}"), fontsize=7, label_type="center",
-                    color="white")
+    right.bar_label(
+        bars, labels=_labels(rows["tokens_per_iteration"], "{:.2f}"), fontsize=7, label_type="center", color="white"
+    )
     twin2 = right.twinx()
     twin2.plot(x, 100 * rows["acceptance_rate"].astype(float), "s-", color=PALETTE[1], label="acceptance")
     twin2.set_ylabel("acceptance (%)", color=PALETTE[1])
@@ -190,12 +207,15 @@ def figure5(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     cells = cells[keep]
     fig = Figure(figsize=(12, 7.5), layout="constrained")
     axes = fig.subplots(2, 2).ravel()
-    for ax, (metric, scale, ylabel, title) in zip(axes, [
-        ("throughput_mean", 1, "throughput (tokens/s)", "(a) throughput"),
-        ("tokens_per_iteration", 1, "tokens per iteration L̄", "(b) tokens per iteration"),
-        ("mean_path_length", 1, "committed path length ℓ̄", "(c) path length before the bonus token"),
-        ("acceptance_rate", 100, "acceptance (%)", "(d) acceptance rate"),
-    ]):
+    for ax, (metric, scale, ylabel, title) in zip(
+        axes,
+        [
+            ("throughput_mean", 1, "throughput (tokens/s)", "(a) throughput"),
+            ("tokens_per_iteration", 1, "tokens per iteration L̄", "(b) tokens per iteration"),
+            ("mean_path_length", 1, "committed path length ℓ̄", "(c) path length before the bonus token"),
+            ("acceptance_rate", 100, "acceptance (%)", "(d) acceptance rate"),
+        ],
+    ):
         _lines(ax, cells, "gen_length", metric, scale)
         _style(ax, ylabel, title)
         ax.set_xlabel("generation length T (tokens)")
@@ -234,8 +254,11 @@ def figure8(summary: pd.DataFrame, setting: Setting) -> Figure | str:
 
 def _tree_kind(summary: pd.DataFrame, keys: tuple[str, ...]) -> pd.Series:
     """Whether each cell is a tree-family cell whose params hold every key of ``keys``."""
-    return pd.Series([f == "tree" and all(k in (p or {}) for k in keys) for f, p in zip(summary["family"], summary["params"])],
-                     index=summary.index, dtype=bool)
+    return pd.Series(
+        [f == "tree" and all(k in (p or {}) for k in keys) for f, p in zip(summary["family"], summary["params"])],
+        index=summary.index,
+        dtype=bool,
+    )
 
 
 def _decoder_cells(summary: pd.DataFrame, setting: Setting, keys: tuple[str, ...]) -> tuple[str | None, pd.DataFrame]:
@@ -256,13 +279,21 @@ def _param(cells: pd.DataFrame, name: str) -> pd.Series:
     return pd.Series([(p or {}).get(name) for p in cells["params"]], index=cells.index)
 
 
-def _baselines(ax, summary: pd.DataFrame, setting: Setting, ds: str, l_max: int, metric: str = "throughput_mean") -> None:
+def _baselines(
+    ax, summary: pd.DataFrame, setting: Setting, ds: str, l_max: int, metric: str = "throughput_mean"
+) -> None:
     """AR and static-tree lines (Figure 6): the static tree of the main tables if there is one, else the first."""
     same = non_sweep(summary)
     same = same[(same["dataset"] == ds) & (same["l_max"] == l_max) & (same["gen_length"] == setting.T)]
-    main = {m.cells[ds]["label"] for m in methods(summary, setting)[0] if ds in m.cells} if ds in setting.l_maxes else set()
-    for kind, color, ls in ((same["decoder"] == BASELINE, "black", "--"),
-                            (_tree_kind(same, STATIC_TREE_PARAMS), "gray", ":")):
+    main = (
+        {m.cells[ds]["label"] for m in methods(summary, setting)[0] if ds in m.cells}
+        if ds in setting.l_maxes
+        else set()
+    )
+    for kind, color, ls in (
+        (same["decoder"] == BASELINE, "black", "--"),
+        (_tree_kind(same, STATIC_TREE_PARAMS), "gray", ":"),
+    ):
         rows = same[kind]
         rows = pd.concat([rows[rows["label"].isin(main)], rows[~rows["label"].isin(main)]])
         if len(rows):
@@ -289,14 +320,17 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     mean ± std over configurations per (B_min, B_max), (c) per (D_0, D_max); AR and fixed-tree lines."""
     ds, cells = _decoder_cells(summary, setting, DYNAMIC_TREE_PARAMS)
     if ds is not None:
-        full = [all((p or {}).get(k, True) for k in ("dynamic_breadth", "dynamic_depth", "history_adaptation"))
-                for p in cells["params"]]
+        full = [
+            all((p or {}).get(k, True) for k in ("dynamic_breadth", "dynamic_depth", "history_adaptation"))
+            for p in cells["params"]
+        ]
         cells = cells[full]
     if ds is None or len(cells) < 2:
         return "Figure 6 skipped: fewer than two full DynaTree configurations at the main T"
     l_max = int(cells.iloc[0]["l_max"])
-    tau = pd.DataFrame({"h": _param(cells, "tau_h"), "l": _param(cells, "tau_l"),
-                        "thr": cells["throughput_mean"].astype(float)}).dropna()
+    tau = pd.DataFrame(
+        {"h": _param(cells, "tau_h"), "l": _param(cells, "tau_l"), "thr": cells["throughput_mean"].astype(float)}
+    ).dropna()
     panels = []
     if len(set(zip(tau["h"], tau["l"]))) >= 2:
         panels.append("tau")
@@ -323,8 +357,10 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
             _baselines(ax, summary, setting, ds, l_max)
             _style(ax, "throughput (tokens/s)", f"{tag}: mean ± std over configurations")
             ax.legend(fontsize=7, loc="best")
-    fig.suptitle(f"Figure 6 — DynaTree parameter sensitivity ({ds}, L_max={l_max}, T={setting.T}, {len(cells)} configurations)",
-                 fontsize=11)
+    fig.suptitle(
+        f"Figure 6 — DynaTree parameter sensitivity ({ds}, L_max={l_max}, T={setting.T}, {len(cells)} configurations)",
+        fontsize=11,
+    )
     return fig
 
 
@@ -336,9 +372,18 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         cells = cells[~cells.apply(lossless_failed, axis=1).astype(bool)]
     if ds is None or len(cells) < 2:
         return "Figure 7 skipped: fewer than two fixed-tree configurations at the main T"
-    grid = pd.DataFrame({"D": _param(cells, "depth"), "B": _param(cells, "branching"), "tau": _param(cells, "tau"),
-                         "speedup": cells["speedup"].astype(float), "thr": cells["throughput_mean"].astype(float)})
-    metric, ylabel = ("speedup", "speedup vs AR (×)") if grid["speedup"].notna().any() else ("thr", "throughput (tokens/s)")
+    grid = pd.DataFrame(
+        {
+            "D": _param(cells, "depth"),
+            "B": _param(cells, "branching"),
+            "tau": _param(cells, "tau"),
+            "speedup": cells["speedup"].astype(float),
+            "thr": cells["throughput_mean"].astype(float),
+        }
+    )
+    metric, ylabel = (
+        ("speedup", "speedup vs AR (×)") if grid["speedup"].notna().any() else ("thr", "throughput (tokens/s)")
+    )
     grid = grid.dropna(subset=["D", "B", "tau", metric])
     if grid.empty or max(grid["D"].nunique(), grid["B"].nunique(), grid["tau"].nunique()) < 2:
         return "Figure 7 skipped: the fixed-tree configurations do not vary depth, branching or tau"
@@ -358,7 +403,9 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     at_b = grid[grid["B"] == best["B"]]
     for i, (D, g) in enumerate(at_b.groupby("D")):
         g = g.sort_values("tau")
-        b.plot(g["tau"], g[metric], "o-", color=colormaps["viridis"](i / max(1, at_b["D"].nunique() - 1)), label=f"D={D:g}")
+        b.plot(
+            g["tau"], g[metric], "o-", color=colormaps["viridis"](i / max(1, at_b["D"].nunique() - 1)), label=f"D={D:g}"
+        )
     b.set_xscale("log")
     b.xaxis.set_minor_formatter(NullFormatter())
     b.set_xticks(sorted(at_b["tau"].unique()), [f"{t:g}" for t in sorted(at_b["tau"].unique())])
@@ -381,8 +428,11 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
             c.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8, color="white" if v < mid else "black")
     fig.colorbar(im, ax=c, label=ylabel)
     c.set_title(f"(c) D × B at τ={best['tau']:g}", fontsize=10)
-    fig.suptitle(f"Figure 7 — fixed-tree sweep ({ds}, L_max={l_max}, T={setting.T}, {len(grid)} configurations; best "
-                 f"D={best['D']:g}, B={best['B']:g}, τ={best['tau']:g}: {best[metric]:.2f})", fontsize=11)
+    fig.suptitle(
+        f"Figure 7 — fixed-tree sweep ({ds}, L_max={l_max}, T={setting.T}, {len(grid)} configurations; best "
+        f"D={best['D']:g}, B={best['B']:g}, τ={best['tau']:g}: {best[metric]:.2f})",
+        fontsize=11,
+    )
     return fig
 
 
@@ -403,7 +453,9 @@ def partial_note(summary: pd.DataFrame, include_partial: bool) -> list[str]:
     cells = summary[summary["partial"].fillna(False).astype(bool)]
     if cells.empty:
         return []
-    names = ", ".join(f"{r['label']} ({r['dataset']}, L_max={r['l_max']}, T={r['gen_length']})" for _, r in cells.iterrows())
+    names = ", ".join(
+        f"{r['label']} ({r['dataset']}, L_max={r['l_max']}, T={r['gen_length']})" for _, r in cells.iterrows()
+    )
     if include_partial:
         return [f"figures include partial cells (failed after some prompts; hatched bars): {names}"]
     return [f"partial cells left out of the figures (failed after some prompts; --include-partial draws them): {names}"]
@@ -435,8 +487,9 @@ def to_bytes(fig: Figure, fmt: str, dpi: int = 150) -> bytes:
     return buf.getvalue()
 
 
-def write_figures(summary: pd.DataFrame, outdir: str | Path,
-                  include_partial: bool = False) -> tuple[list[Path], list[str]]:
+def write_figures(
+    summary: pd.DataFrame, outdir: str | Path, include_partial: bool = False
+) -> tuple[list[Path], list[str]]:
     """Write each available figure as ``<stem>.png`` and ``<stem>.svg`` under ``outdir`` (created if needed);
     partial cells only with ``include_partial``.
 
@@ -488,8 +541,11 @@ def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = No
         a vertical tick), or a one-line reason when no decoder has two batch sizes.
     """
     rows = measured[measured["speedup"].notna()] if not measured.empty else measured
-    groups = [(k, g.sort_values("batch_size")) for k, g in rows.groupby(["dataset", "l_max", "gen_length", "label"],
-                                                                        sort=False) if g["batch_size"].nunique() > 1]
+    groups = [
+        (k, g.sort_values("batch_size"))
+        for k, g in rows.groupby(["dataset", "l_max", "gen_length", "label"], sort=False)
+        if g["batch_size"].nunique() > 1
+    ]
     if not groups:
         return "speedup-vs-batch figure skipped: no decoder was measured at two or more batch sizes"
     points = {(k[0], k[1], k[2]) for k, _ in groups}
@@ -504,18 +560,28 @@ def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = No
         lo, hi = g["ci_low"].to_numpy(dtype=float), g["ci_high"].to_numpy(dtype=float)
         ok = np.isfinite(lo) & np.isfinite(hi)
         if ok.any():
-            ax.fill_between(x, np.where(ok, lo, np.nan), np.where(ok, hi, np.nan), color=color, alpha=0.15,
-                            linewidth=0)
+            ax.fill_between(x, np.where(ok, lo, np.nan), np.where(ok, hi, np.nan), color=color, alpha=0.15, linewidth=0)
         below = g[g["speedup"] < 1]
         if not below.empty:
             b_star = float(below["batch_size"].iloc[0])
-            ax.plot([b_star], [float(below["speedup"].iloc[0])], marker="v", markersize=11, color=color,
-                    linestyle="none")
-            ax.annotate(f"B*={int(b_star)}", (b_star, float(below["speedup"].iloc[0])), textcoords="offset points",
-                        xytext=(4, -14), fontsize=7, color=color)
+            ax.plot(
+                [b_star], [float(below["speedup"].iloc[0])], marker="v", markersize=11, color=color, linestyle="none"
+            )
+            ax.annotate(
+                f"B*={int(b_star)}",
+                (b_star, float(below["speedup"].iloc[0])),
+                textcoords="offset points",
+                xytext=(4, -14),
+                fontsize=7,
+                color=color,
+            )
         if predicted is not None and not predicted.empty:
-            p = predicted[(predicted["dataset"] == ds) & (predicted["l_max"] == l_max)
-                          & (predicted["gen_length"] == T) & (predicted["label"] == label)].sort_values("batch_size")
+            p = predicted[
+                (predicted["dataset"] == ds)
+                & (predicted["l_max"] == l_max)
+                & (predicted["gen_length"] == T)
+                & (predicted["label"] == label)
+            ].sort_values("batch_size")
             p = p[p["predicted_speedup"].notna()]
             if len(p):
                 ax.plot(p["batch_size"], p["predicted_speedup"], linestyle="--", color=color, alpha=0.9)
@@ -525,9 +591,8 @@ def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = No
     ax.set_xticks(sizes)
     ax.set_xticklabels([str(b) for b in sizes])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("batch size B (prompts decoded together)")
-    _style(ax, "speedup vs ar at the same B (×)",
-           "Speedup vs batch size (bands: 95% CI; dashed: cost model; ▼: B*)")
+    ax.set_xlabel("load: batch size B (prompts decoded together) or a server's requests in flight")
+    _style(ax, "speedup vs ar at the same B (×)", "Speedup vs batch size (bands: 95% CI; dashed: cost model; ▼: B*)")
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig

@@ -24,17 +24,34 @@ def _meta(runs) -> pd.DataFrame:
     rows = []
     for r in runs:
         env = r.environment or {}
-        rows.append({"run": r.id, "suite": r.suite_name, "status": r.status,
-                     "started": str(r.started_at)[:19], "finished": str(r.finished_at)[:19] if r.finished_at else MISSING,
-                     "device": env.get("device_name"), "dtbench": env.get("dtbench"), "torch": env.get("torch"),
-                     "transformers": env.get("transformers"), "git": (env.get("git_sha") or "")[:10],
-                     "target": (env.get("target") or {}).get("model"), "draft": (env.get("draft") or {}).get("model"),
-                     "hardware": render.hardware_text(env) or MISSING})
+        rows.append(
+            {
+                "run": r.id,
+                "suite": r.suite_name,
+                "status": r.status,
+                "started": str(r.started_at)[:19],
+                "finished": str(r.finished_at)[:19] if r.finished_at else MISSING,
+                "device": env.get("device_name"),
+                "dtbench": env.get("dtbench"),
+                "torch": env.get("torch"),
+                "transformers": env.get("transformers"),
+                "git": (env.get("git_sha") or "")[:10],
+                "target": (env.get("target") or {}).get("model"),
+                "draft": (env.get("draft") or {}).get("model"),
+                "hardware": render.hardware_text(env) or MISSING,
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | None = None,
-               confidence: float = 0.95, include_partial: bool = False, extra_figures: dict | None = None) -> str:
+def build_html(
+    summary: pd.DataFrame,
+    runs,
+    speedups: dict[int, pd.DataFrame] | None = None,
+    confidence: float = 0.95,
+    include_partial: bool = False,
+    extra_figures: dict | None = None,
+) -> str:
     """The report as one HTML document.
 
     Args:
@@ -48,10 +65,12 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
     """
     e = html_text
     ids = ", ".join(str(r.id) for r in runs)
-    intro = ("Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
-             "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "
-             "A <em>partial</em> cell failed after some prompts: its numbers come from those prompts only and the paper "
-             "tables and figures leave them out unless --include-partial.")
+    intro = (
+        "Throughput in tokens/s; times in ms; memory in MiB (2<sup>20</sup> bytes). Means and standard deviations "
+        "exclude the warmup prompts (paper section 4.1); the Lossless column counts every sample, warmup included. "
+        "A <em>partial</em> cell failed after some prompts: its numbers come from those prompts only and the paper "
+        "tables and figures leave them out unless --include-partial."
+    )
     meta = _meta(runs)
     out = ["<h2>Runs</h2>", html_table(Report("runs", "", "", meta, meta))]
     every = summary  # "Every cell" shows every batch size; the paper's tables and figures are its B = 1 protocol
@@ -63,20 +82,34 @@ def build_html(summary: pd.DataFrame, runs, speedups: dict[int, pd.DataFrame] | 
     out += [html_note(n) for n in skipped]
     if speedups:
         out.append("<h2>Speedup vs AR with confidence intervals</h2>")
-        caption = ("Speedup = mean throughput / mean AR throughput of the same dataset, L_max, T and batch size B (at "
-                   "B > 1 per prompt group, throughput over all its rows); "
-                   f"{SPEEDUP_CI_METHOD}.")
-        out += [html_section(Report(f"speedups_{run_id}", f"run {run_id}", caption,
-                                    render.speedup_display(table, confidence), table,
-                                    row_styles=[render.verdict_style(v) for v in table["verdict"]]))
-                for run_id, table in speedups.items() if not table.empty]
+        caption = (
+            "Speedup = mean throughput / mean AR throughput of the same dataset, L_max, T and batch size B (at "
+            "B > 1 per prompt group, throughput over all its rows); "
+            f"{SPEEDUP_CI_METHOD}."
+        )
+        out += [
+            html_section(
+                Report(
+                    f"speedups_{run_id}",
+                    f"run {run_id}",
+                    caption,
+                    render.speedup_display(table, confidence),
+                    table,
+                    row_styles=[render.verdict_style(v) for v in table["verdict"]],
+                )
+            )
+            for run_id, table in speedups.items()
+            if not table.empty
+        ]
     figs, notes = build_figures(summary, include_partial)
     figs = {**figs, **(extra_figures or {})}
     out.append("<h2>Figures</h2>")
     for stem, fig in figs.items():
         svg = base64.b64encode(to_bytes(fig, "svg")).decode()
-        out.append(f"<figure><img alt='{e(stem)}' src='data:image/svg+xml;base64,{svg}'>"
-                   f"<figcaption><code>{e(stem)}</code></figcaption></figure>")
+        out.append(
+            f"<figure><img alt='{e(stem)}' src='data:image/svg+xml;base64,{svg}'>"
+            f"<figcaption><code>{e(stem)}</code></figcaption></figure>"
+        )
     out += [html_note(n) for n in notes]
     out.append("<h2>Every cell</h2>")  # the reports `dtbench report` prints (render.cell_reports)
     out += [html_section(r) for r in render.cell_reports(every)]

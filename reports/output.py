@@ -24,7 +24,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import click
@@ -119,8 +119,10 @@ class Document:
             return self.data
         frames = [r.data for r in self.reports]
         if len({tuple(f.columns) for f in frames}) > 1:
-            raise DtbenchError("these reports have different columns and make no one CSV table: "
-                               + ", ".join(r.key for r in self.reports))
+            raise DtbenchError(
+                "these reports have different columns and make no one CSV table: "
+                + ", ".join(r.key for r in self.reports)
+            )
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -130,9 +132,11 @@ RENDERERS: dict[str, Callable[[Document], object]] = {}
 
 def renderer(name: str):
     """Register the renderer of output format ``name`` (a decorator); the CLI's ``--format`` choices are these."""
+
     def register(fn):
         RENDERERS[name] = fn
         return fn
+
     return register
 
 
@@ -163,8 +167,11 @@ def rich_frame(report: Report) -> Table:
     from rich.table import Table
 
     display = report.display
-    table = Table(title=plain(report.title), caption=plain(report.caption, lines=True) if report.caption else None,
-                  caption_justify="left")
+    table = Table(
+        title=plain(report.title),
+        caption=plain(report.caption, lines=True) if report.caption else None,
+        caption_justify="left",
+    )
     for col in display.columns:
         table.add_column(plain(col), justify="left" if _left(report, col) else "right")
     for i, (_, row) in enumerate(display.iterrows()):
@@ -208,6 +215,7 @@ def records(data: pd.DataFrame, precision: int = 10) -> list[dict]:
 def flat(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` as CSV holds it: a list value as its items joined by ``;`` (floats to 6 significant digits), a dict
     value (a cell's params or sampling settings) as compact JSON text with sorted keys; scalars unchanged."""
+
     def cell(v):
         if isinstance(v, (list, tuple)):
             return ";".join(f"{x:.6g}" if isinstance(x, float) else str(x) for x in v)
@@ -228,6 +236,7 @@ def flat(frame: pd.DataFrame) -> pd.DataFrame:
 @renderer("table")
 def _table(doc: Document) -> Callable[[Console], None]:
     """The terminal: the header, then each report as a rich table with its notes below it in their styles."""
+
     def draw(out: Console) -> None:
         if doc.header:
             out.print(printable_lines(doc.header), markup=False, highlight=False)
@@ -235,6 +244,7 @@ def _table(doc: Document) -> Callable[[Console], None]:
             out.print(rich_frame(r))
             for n in r.notes:
                 out.print(printable(n), style=style_of(n), markup=False, highlight=False)
+
     return draw
 
 
@@ -260,8 +270,18 @@ def _json(doc: Document) -> str:
     if doc.rows is not None:
         body = {**doc.meta, doc.rows: records(doc.frame(), doc.precision)}
     else:
-        body = {**doc.meta, **{r.key: {"title": r.title, "caption": r.caption, "notes": list(map(str, r.notes)),
-                                       "rows": records(r.data, doc.precision)} for r in doc.reports}}
+        body = {
+            **doc.meta,
+            **{
+                r.key: {
+                    "title": r.title,
+                    "caption": r.caption,
+                    "notes": list(map(str, r.notes)),
+                    "rows": records(r.data, doc.precision),
+                }
+                for r in doc.reports
+            },
+        }
     return json.dumps(body, indent=2, default=str)
 
 
@@ -295,8 +315,11 @@ def html_table(report: Report) -> str:
     e = html_text
     cols = list(report.display.columns)
     cells = [_class_attr("l" if _left(report, c) else "") for c in cols]
-    out = ["<table>", "<thead><tr>" + "".join(f"<th{a}>{e(str(c))}</th>" for a, c in zip(cells, cols))
-           + "</tr></thead>", "<tbody>"]
+    out = [
+        "<table>",
+        "<thead><tr>" + "".join(f"<th{a}>{e(str(c))}</th>" for a, c in zip(cells, cols)) + "</tr></thead>",
+        "<tbody>",
+    ]
     for i, (_, row) in enumerate(report.display.iterrows()):
         cls = _class_attr(_css_class(report.row_styles[i]) if report.row_styles else "")
         out.append(f"<tr{cls}>" + "".join(f"<td{a}>{e(_html_value(v))}</td>" for a, v in zip(cells, row)) + "</tr>")
@@ -331,12 +354,17 @@ def html_note(note: str) -> str:
 def html_page(title: str, body: Sequence[str], intro: str = "") -> str:
     """A self-contained HTML document (inline CSS, no scripts or external files) around the ``body`` fragments."""
     e = html_text
-    return "\n".join([
-        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>",
-        f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
-        f"<p class='caption'>Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} from the results database."
-        f"{' ' + intro if intro else ''}</p>",
-        *body, "</body></html>"])
+    return "\n".join(
+        [
+            f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{e(title)}</title>",
+            f"<style>{CSS}</style></head><body>",
+            f"<h1>{e(title)}</h1>",
+            f"<p class='caption'>Generated {datetime.now(UTC):%Y-%m-%d %H:%M UTC} from the results database."
+            f"{' ' + intro if intro else ''}</p>",
+            *body,
+            "</body></html>",
+        ]
+    )
 
 
 @renderer("html")

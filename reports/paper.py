@@ -1,4 +1,4 @@
-"""The DynaTree paper's tables (Tables 1-5 of ``paper/dynatree.md``) regenerated from the results database.
+"""The DynaTree paper's tables (Tables 1-5 of the DynaTree paper, docs/architecture.md "The paper") regenerated from the results database.
 
 Input is a per-cell summary (:func:`~dtbench.reports.summary.combined_summary`: one or more runs). Which
 cells go where:
@@ -49,8 +49,9 @@ class Setting:
         """Summary rows at this setting (one dataset, or all), in their stored order."""
         mask = summary["gen_length"] == self.T
         l_maxes = self.l_maxes if dataset is None else {dataset: self.l_maxes[dataset]}
-        mask &= pd.Series([l_maxes.get(d) == c for d, c in zip(summary["dataset"], summary["l_max"])],
-                          index=summary.index)
+        mask &= pd.Series(
+            [l_maxes.get(d) == c for d, c in zip(summary["dataset"], summary["l_max"])], index=summary.index
+        )
         return summary[mask]
 
 
@@ -140,32 +141,44 @@ def paper_cell_notes(c: pd.Series, ds: str) -> list[str]:
     if c["status"] == "failed":
         note = f"{c['label']} failed on {ds} after {int(c['n'])} prompts: {error}"
         if bool(c.get("partial", False)):
-            note += ("; its partial numbers are left out (--include-partial shows them)"
-                     if bool(c.get("partial_hidden", False)) else "; the numbers shown are partial, from those prompts")
+            note += (
+                "; its partial numbers are left out (--include-partial shows them)"
+                if bool(c.get("partial_hidden", False))
+                else "; the numbers shown are partial, from those prompts"
+            )
         notes.append(note)
     elif bool(c.get("all_warmup", False)):
-        notes.append(f"{c['label']} on {ds}: all {int(c['warmup_n'])} measured prompts are warmup, no numbers after warmup")
+        notes.append(
+            f"{c['label']} on {ds}: all {int(c['warmup_n'])} measured prompts are warmup, no numbers after warmup"
+        )
     elif bool(c.get("partial_hidden", False)):
         notes.append(f"{c['label']} on {ds}: speedup left out, its AR baseline is partial (--include-partial shows it)")
     notes += mixed_devices_note(c, f" on {ds}")
     if c.get("lossless") == "no" and bool(c.get("lossless_expected", True)):
         if c.get("lossless_rule") == "tie_aware" and not _isnan(c.get("lossless_first_error")):
             margin = c.get("lossless_error_margin")
-            notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) pass the "
-                         f"tie-aware check; {int(c['lossless_error_samples'])} emitted a token the target does not "
-                         f"choose (first at token {int(c['lossless_first_error'])}"
-                         + ("" if _isnan(margin) else f", margin {margin:.3g} logits") + ")")
+            notes.append(
+                f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) pass the "
+                f"tie-aware check; {int(c['lossless_error_samples'])} emitted a token the target does not "
+                f"choose (first at token {int(c['lossless_first_error'])}"
+                + ("" if _isnan(margin) else f", margin {margin:.3g} logits")
+                + ")"
+            )
         else:
             first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
-            notes.append(f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "
-                         f"{c.get('reference') or 'AR'}{first}")
+            notes.append(
+                f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "
+                f"{c.get('reference') or 'AR'}{first}"
+            )
     notes += lossless_notes(c, f" on {ds}")
     return notes
 
 
 def _display_name(name: str, cells: dict[str, pd.Series]) -> str:
     """A method's display name, marked partial on the datasets where its numbers (shown) are partial."""
-    shown = [ds for ds, c in cells.items() if bool(c.get("partial", False)) and not bool(c.get("partial_hidden", False))]
+    shown = [
+        ds for ds, c in cells.items() if bool(c.get("partial", False)) and not bool(c.get("partial_hidden", False))
+    ]
     return name + (f" (partial: {', '.join(shown)})" if shown else "")
 
 
@@ -251,8 +264,9 @@ def method_table(spec: MethodTableSpec, ms: list[Method], setting: Setting, note
         disp.append(d)
         data.append(n)
     rows = [c for m in ms for c in m.cells.values()]
-    return PaperTable(spec.key, spec.title, spec.caption(setting, rows), pd.DataFrame(disp), pd.DataFrame(data),
-                      list(notes))
+    return PaperTable(
+        spec.key, spec.title, spec.caption(setting, rows), pd.DataFrame(disp), pd.DataFrame(data), list(notes)
+    )
 
 
 def _acceptance_pct(c: pd.Series) -> str:
@@ -271,8 +285,10 @@ def _memory_totals(m: Method, ms: list[Method]) -> tuple[dict, dict]:
     ar_avg = _avg_peak(ar) if ar else math.nan
     a = _avg_peak(m)
     rel = 100 * (a - ar_avg) / ar_avg if not (_isnan(a) or _isnan(ar_avg) or ar_avg == 0) else math.nan
-    return ({"Average (MiB)": fmt(a, ".1f"), "Rel. change": fmt(rel, "+.2f", "%")},
-            {"average_mib": a, "rel_change_pct": rel})
+    return (
+        {"Average (MiB)": fmt(a, ".1f"), "Rel. change": fmt(rel, "+.2f", "%")},
+        {"average_mib": a, "rel_change_pct": rel},
+    )
 
 
 def _failed_mark(c) -> str:
@@ -282,48 +298,79 @@ def _failed_mark(c) -> str:
 
 #: Table 1: throughput (tokens/s, mean ± std over prompts after warmup) and speedup vs AR per dataset.
 TABLE1 = MethodTableSpec(
-    "table1_main", "Table 1 — Main results",
-    (Column("Throughput (t/s)", lambda c: fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"]))),
-     Column("Speedup", lambda c: fmt(c["speedup"], ".2f", "×") + _failed_mark(c))),
+    "table1_main",
+    "Table 1 — Main results",
+    (
+        Column(
+            "Throughput (t/s)",
+            lambda c: fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"])),
+        ),
+        Column("Speedup", lambda c: fmt(c["speedup"], ".2f", "×") + _failed_mark(c)),
+    ),
     ("throughput_mean", "throughput_std", "speedup", "label", "n"),
-    lambda setting, rows: f"{setting.describe()}. Throughput in tokens/s, {_protocol(rows)}; speedup = mean throughput / "
-                          "mean AR throughput of the same dataset, L_max and T.")
+    lambda setting, rows: (
+        f"{setting.describe()}. Throughput in tokens/s, {_protocol(rows)}; speedup = mean throughput / "
+        "mean AR throughput of the same dataset, L_max and T."
+    ),
+)
 
 #: Table 2: TTFT and TPOT (ms, mean ± std over prompts after warmup) per dataset.
 TABLE2 = MethodTableSpec(
-    "table2_latency", "Table 2 — Latency",
-    (Column("TTFT (ms)", lambda c: fmt_pm(c["ttft_ms_mean"], c["ttft_ms_std"], ".1f")),
-     Column("TPOT (ms)", lambda c: fmt_pm(c["tpot_ms_mean"], c["tpot_ms_std"], ".2f"))),
+    "table2_latency",
+    "Table 2 — Latency",
+    (
+        Column("TTFT (ms)", lambda c: fmt_pm(c["ttft_ms_mean"], c["ttft_ms_std"], ".1f")),
+        Column("TPOT (ms)", lambda c: fmt_pm(c["tpot_ms_mean"], c["tpot_ms_std"], ".2f")),
+    ),
     ("ttft_ms_mean", "ttft_ms_std", "tpot_ms_mean", "tpot_ms_std"),
-    lambda setting, rows: f"{setting.describe()}. TTFT: start (prefill included) to the first token; TPOT: (total - TTFT) "
-                          f"/ (T - 1); milliseconds, {_protocol(rows)}.")
+    lambda setting, rows: (
+        f"{setting.describe()}. TTFT: start (prefill included) to the first token; TPOT: (total - TTFT) "
+        f"/ (T - 1); milliseconds, {_protocol(rows)}."
+    ),
+)
 
 #: Table 3: acceptance rate, tokens per iteration L, committed path length ℓ, #iterations per dataset.
 TABLE3 = MethodTableSpec(
-    "table3_efficiency", "Table 3 — Verification efficiency",
-    (Column("Accept.ᵃ", _acceptance_pct),
-     Column("L̄", lambda c: fmt(c["tokens_per_iteration"], ".2f")),
-     Column("ℓ̄ᵇ", lambda c: fmt(c.get("mean_path_length_all", float("nan")), ".2f")),
-     Column("#Iter.", lambda c: fmt(c["iterations"], ".0f"))),
-    ("acceptance_incl_bonus", "acceptance_rate", "tokens_per_iteration", "mean_path_length_all", "mean_path_length",
-     "iterations"),
-    lambda setting, rows: f"{setting.describe()}. ᵃ Accept. follows the paper's Table 3 convention: committed tokens "
-                          "*including* the bonus token / drafted depth, summed over the iterations that drafted, so it "
-                          "can exceed 100% (dtbench's `acceptance_rate`, without the bonus and at most 100%, is in the "
-                          "CSV/JSON). L̄ = T / iterations. ᵇ ℓ̄ = committed path length before the bonus token averaged "
-                          "over every iteration, as the paper does (`mean_path_length_all`; `mean_path_length` "
-                          "averages the iterations that drafted). #Iter. = target verifications, the prefill first; "
-                          f"{_protocol(rows).replace(' ± std', '')}.")
+    "table3_efficiency",
+    "Table 3 — Verification efficiency",
+    (
+        Column("Accept.ᵃ", _acceptance_pct),
+        Column("L̄", lambda c: fmt(c["tokens_per_iteration"], ".2f")),
+        Column("ℓ̄ᵇ", lambda c: fmt(c.get("mean_path_length_all", float("nan")), ".2f")),
+        Column("#Iter.", lambda c: fmt(c["iterations"], ".0f")),
+    ),
+    (
+        "acceptance_incl_bonus",
+        "acceptance_rate",
+        "tokens_per_iteration",
+        "mean_path_length_all",
+        "mean_path_length",
+        "iterations",
+    ),
+    lambda setting, rows: (
+        f"{setting.describe()}. ᵃ Accept. follows the paper's Table 3 convention: committed tokens "
+        "*including* the bonus token / drafted depth, summed over the iterations that drafted, so it "
+        "can exceed 100% (dtbench's `acceptance_rate`, without the bonus and at most 100%, is in the "
+        "CSV/JSON). L̄ = T / iterations. ᵇ ℓ̄ = committed path length before the bonus token averaged "
+        "over every iteration, as the paper does (`mean_path_length_all`; `mean_path_length` "
+        "averages the iterations that drafted). #Iter. = target verifications, the prefill first; "
+        f"{_protocol(rows).replace(' ± std', '')}."
+    ),
+)
 
 #: Table 5: peak memory (MiB = 2^20 bytes) per dataset, their average and the relative change vs AR.
 TABLE5 = MethodTableSpec(
-    "table5_memory", "Table 5 — Peak memory",
+    "table5_memory",
+    "Table 5 — Peak memory",
     (Column("Peak (MiB)", lambda c: fmt(c["peak_mib"], ".1f")),),
     ("peak_mib",),
-    lambda setting, rows: f"{setting.describe()}. Peak per sample (torch allocator peak on CUDA, process RSS peak on "
-                          f"CPU), MiB = 2^20 bytes, mean over {max((int(r['n']) for r in rows), default=0)} prompts "
-                          "after warmup; Average over datasets; relative change vs the AR average.",
-    _memory_totals)
+    lambda setting, rows: (
+        f"{setting.describe()}. Peak per sample (torch allocator peak on CUDA, process RSS peak on "
+        f"CPU), MiB = 2^20 bytes, mean over {max((int(r['n']) for r in rows), default=0)} prompts "
+        "after warmup; Average over datasets; relative change vs the AR average."
+    ),
+    _memory_totals,
+)
 
 
 def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
@@ -332,17 +379,38 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
     disp, data = [], []
     for _, c in rows.iterrows():
         delta = 100 * (c["throughput_mean"] - first) / first if first else math.nan
-        disp.append({"Variant": _display_name(c["label"], {dataset: c}),
-                     "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"])),
-                     "Speedup": fmt(c["speedup"], ".2f", "×") + _failed_mark(c), f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%")})
-        data.append({"variant": c["label"], "decoder": c["decoder"], "params": c["params"], "partial": bool(c.get("partial", False)),
-                     "throughput_mean": c["throughput_mean"], "throughput_std": c["throughput_std"],
-                     "speedup": c["speedup"], "delta_pct": delta, "tokens_per_iteration": c["tokens_per_iteration"],
-                     "iterations": c["iterations"], "acceptance_rate": c["acceptance_rate"]})
-    return PaperTable("table4_ablation", "Table 4 — Ablation",
-                      f"{dataset}, L_max={setting.l_maxes[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
-                      "Δ = relative throughput change vs the first tree variant.", pd.DataFrame(disp), pd.DataFrame(data),
-                      [n for _, c in rows.iterrows() for n in paper_cell_notes(c, dataset)])
+        disp.append(
+            {
+                "Variant": _display_name(c["label"], {dataset: c}),
+                "Throughput (t/s)": fmt_pm(c["throughput_mean"], c["throughput_std"], tps_spec(c["throughput_mean"])),
+                "Speedup": fmt(c["speedup"], ".2f", "×") + _failed_mark(c),
+                f"Δ vs {rows.iloc[0]['label']}": fmt(delta, "+.1f", "%"),
+            }
+        )
+        data.append(
+            {
+                "variant": c["label"],
+                "decoder": c["decoder"],
+                "params": c["params"],
+                "partial": bool(c.get("partial", False)),
+                "throughput_mean": c["throughput_mean"],
+                "throughput_std": c["throughput_std"],
+                "speedup": c["speedup"],
+                "delta_pct": delta,
+                "tokens_per_iteration": c["tokens_per_iteration"],
+                "iterations": c["iterations"],
+                "acceptance_rate": c["acceptance_rate"],
+            }
+        )
+    return PaperTable(
+        "table4_ablation",
+        "Table 4 — Ablation",
+        f"{dataset}, L_max={setting.l_maxes[dataset]}, T={setting.T}; {_protocol([c for _, c in rows.iterrows()])}; "
+        "Δ = relative throughput change vs the first tree variant.",
+        pd.DataFrame(disp),
+        pd.DataFrame(data),
+        [n for _, c in rows.iterrows() for n in paper_cell_notes(c, dataset)],
+    )
 
 
 def prepare(summary: pd.DataFrame, include_partial: bool = False) -> pd.DataFrame:
@@ -375,7 +443,9 @@ def paper_tables(summary: pd.DataFrame, include_partial: bool = False) -> tuple[
     if ds is not None:
         tables.append(table4(ds, rows, setting))
     else:
-        skipped.append("Table 4 skipped: fewer than two non-sweep tree variants (tree-family decoders) at the main setting")
+        skipped.append(
+            "Table 4 skipped: fewer than two non-sweep tree variants (tree-family decoders) at the main setting"
+        )
     if ms:
         tables.append(method_table(TABLE5, ms, setting, notes))
     return tables, skipped

@@ -19,8 +19,11 @@ COLUMNS = [("Decoder", "label"), *((m.header, m.name) for m in _SHOWN), ("Lossle
 
 def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
     """COLUMNS without the optional metrics (energy) that no row of ``group`` has a value for."""
-    empty = {m.name for m in _SHOWN if m.optional and not any(
-        not _missing(v) for c in m.columns for v in (group[c] if c in group else []))}
+    empty = {
+        m.name
+        for m in _SHOWN
+        if m.optional and not any(not _missing(v) for c in m.columns for v in (group[c] if c in group else []))
+    }
     return [(h, c) for h, c in COLUMNS if c not in empty]
 
 
@@ -65,8 +68,10 @@ def mixed_devices_note(row, where: str = "") -> list[str]:
     """The note owed to a cell whose samples came from different device models (``mixed_devices``), else []."""
     if not bool(row.get("mixed_devices", False)):
         return []
-    return [f"{row['label']}{where}: its samples were measured on {len(row['devices'])} different devices "
-            f"({'; '.join(row['devices'])}); speedups across different GPUs are not comparable"]
+    return [
+        f"{row['label']}{where}: its samples were measured on {len(row['devices'])} different devices "
+        f"({'; '.join(row['devices'])}); speedups across different GPUs are not comparable"
+    ]
 
 
 def cell_notes(row: pd.Series) -> list[str]:
@@ -80,21 +85,27 @@ def energy_note(row) -> list[str]:
     short = int(row.get("energy_too_short", 0) or 0)
     if not short:
         return []
-    return [f"{row['label']}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
-            f"update period"]
+    return [
+        f"{row['label']}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
+        f"update period"
+    ]
 
 
 def _state_notes(row: pd.Series) -> list[str]:
     label, error = row["label"], row["error"] or "unknown error"
     if bool(row.get("partial", False)):
         measured = int(row["n"]) + int(row["warmup_n"])
-        return [f"{label} is partial: it failed after {measured} measured prompts ({int(row['n'])} after warmup), "
-                f"its numbers come from those prompts only: {error}"]
+        return [
+            f"{label} is partial: it failed after {measured} measured prompts ({int(row['n'])} after warmup), "
+            f"its numbers come from those prompts only: {error}"
+        ]
     if row["status"] == "failed":
         return [f"{label} failed: {error}"]
     if bool(row.get("all_warmup", False)):
-        return [f"{label}: all {int(row['warmup_n'])} measured prompts are warmup, so it has no numbers after warmup "
-                "(the suite's prompts must exceed its warmup)"]
+        return [
+            f"{label}: all {int(row['warmup_n'])} measured prompts are warmup, so it has no numbers after warmup "
+            "(the suite's prompts must exceed its warmup)"
+        ]
     return []
 
 
@@ -112,8 +123,9 @@ def lossless_detail(row) -> str:
     if row.get("lossless_rule") == "tie_aware" and checked:
         if errors and not _missing(row.get("lossless_first_error")):
             margin = row.get("lossless_error_margin")
-            parts.append(f"error at {int(row['lossless_first_error'])}"
-                         + ("" if _missing(margin) else f", margin {margin:.3g}"))
+            parts.append(
+                f"error at {int(row['lossless_first_error'])}" + ("" if _missing(margin) else f", margin {margin:.3g}")
+            )
     elif row["lossless"] == "no" and len(row.get("divergences") or []):
         parts.append(f"first at {row['divergences'][0]}")
     if checked and ties:
@@ -137,11 +149,16 @@ def lossless_notes(row, where: str = "") -> list[str]:
     largest = "" if _missing(margin) else f", largest tie margin {margin:.3g} logits"
     # The exact rule's verdict is "the output equals the reference's": a tie fails it only where the tie changed the
     # output (the Lossless column's count says how many samples), not by being found.
-    rule = ("ties pass the tie-aware check" if row.get("lossless_rule") == "tie_aware"
-            else "the exact rule fails a sample only where its output differs from the reference's")
-    return [f"{row['label']}{where}: {_plural(int(ties), 'numeric tie')} in {int(row['lossless_tie_samples'])} of "
-            f"{int(row['lossless_checked_n'])} samples{dtype}{largest}: the target's top logits there are within "
-            f"the noise between the incremental and the verification computation; {rule}"]
+    rule = (
+        "ties pass the tie-aware check"
+        if row.get("lossless_rule") == "tie_aware"
+        else "the exact rule fails a sample only where its output differs from the reference's"
+    )
+    return [
+        f"{row['label']}{where}: {_plural(int(ties), 'numeric tie')} in {int(row['lossless_tie_samples'])} of "
+        f"{int(row['lossless_checked_n'])} samples{dtype}{largest}: the target's top logits there are within "
+        f"the noise between the incremental and the verification computation; {rule}"
+    ]
 
 
 def formatted(row: pd.Series) -> dict[str, str]:
@@ -159,8 +176,9 @@ def formatted(row: pd.Series) -> dict[str, str]:
         value = m.format(row[f"{m.name}_mean"], row[f"{m.name}_std"]) if m.spread else m.format(row[m.name])
         if m is SPEEDUP and value != MISSING:
             value += "×"
-        out[m.name] = value + (speedup_mark(row) if m is SPEEDUP and value != MISSING else mark if m is METRICS[0]
-                               else "")
+        out[m.name] = value + (
+            speedup_mark(row) if m is SPEEDUP and value != MISSING else mark if m is METRICS[0] else ""
+        )
     return out
 
 
@@ -181,19 +199,38 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
     for i, (key, group) in enumerate(summary.groupby(GROUP, sort=False)):
         columns = shown_columns(group)
         rows = [row for _, row in group.iterrows()]
-        display = pd.DataFrame([[formatted(row)[c] for _, c in columns] for row in rows],
-                               columns=[h for h, _ in columns])
-        styles = ["red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
-                  for row in rows]
-        notes = [Note(note, "red" if row["status"] == "failed" else "yellow") for row in rows for note in cell_notes(row)]
+        display = pd.DataFrame(
+            [[formatted(row)[c] for _, c in columns] for row in rows], columns=[h for h, _ in columns]
+        )
+        styles = [
+            "red" if row["status"] == "failed" or row["lossless"] == "no" and row["lossless_expected"] else None
+            for row in rows
+        ]
+        notes = [
+            Note(note, "red" if row["status"] == "failed" else "yellow") for row in rows for note in cell_notes(row)
+        ]
         n = int(group["n"].max()) if len(group) else 0
-        unit = "prompts" if key[3] == 1 else f"prompt groups of B={key[3]} (throughput: all rows; TTFT/TPOT/accept.: " \
-            "mean over rows)"
+        unit = (
+            "prompts"
+            if key[3] == 1
+            else f"prompt groups of B={key[3]} (throughput: all rows; TTFT/TPOT/accept.: mean over rows)"
+        )
         rem = int(group["remainder_n"].max()) if "remainder_n" in group and len(group) else 0
         caption = f"mean ± std over {n} {unit} after warmup" + (
-            f"; remainder: {rem} prompts decoded as a smaller batch, left out" if rem else "")
-        reports.append(Report(f"cells_{i}", _title(key), caption, display,
-                              group[CELL_DATA], notes=notes, row_styles=styles, left=frozenset({"Decoder", "Lossless"})))
+            f"; remainder: {rem} prompts decoded as a smaller batch, left out" if rem else ""
+        )
+        reports.append(
+            Report(
+                f"cells_{i}",
+                _title(key),
+                caption,
+                display,
+                group[CELL_DATA],
+                notes=notes,
+                row_styles=styles,
+                left=frozenset({"Decoder", "Lossless"}),
+            )
+        )
     return reports
 
 
@@ -201,16 +238,47 @@ def cell_document(summary: pd.DataFrame, run_meta: dict) -> Document:
     """Every cell of a run as one :class:`~dtbench.reports.output.Document`: the run line (:func:`run_header`)
     above :func:`cell_reports`; CSV and JSON are one row per cell in the summary's order (:data:`CELL_DATA`; JSON
     ``{"run": run_meta, "cells": [...]}``), the cell's params last."""
-    return Document(cell_reports(summary), header=run_header(run_meta), meta={"run": run_meta}, rows="cells",
-                    data=summary[CELL_DATA], title=f"run {run_meta['id']}: every cell")
+    return Document(
+        cell_reports(summary),
+        header=run_header(run_meta),
+        meta={"run": run_meta},
+        rows="cells",
+        data=summary[CELL_DATA],
+        title=f"run {run_meta['id']}: every cell",
+    )
 
 
 MACHINE_COLUMNS = [
-    "dataset", "l_max", "gen_length", "label", "decoder", "n", *METRICS[0].columns, "speedup",
-    *(c for m in METRICS[1:] for c in m.columns), "lossless", "lossless_n", "lossless_rule", "target_dtype",
-    "lossless_checked_n", "lossless_ties", "lossless_tie_samples", "lossless_error_samples", "lossless_first_error",
-    "lossless_error_margin", "lossless_max_tie_margin", "lossless_check_s", "reference", "status", "error",
-    "warmup_n", "partial", "all_warmup", "mixed_devices", "batch_size", "remainder_n",
+    "dataset",
+    "l_max",
+    "gen_length",
+    "label",
+    "decoder",
+    "n",
+    *METRICS[0].columns,
+    "speedup",
+    *(c for m in METRICS[1:] for c in m.columns),
+    "lossless",
+    "lossless_n",
+    "lossless_rule",
+    "target_dtype",
+    "lossless_checked_n",
+    "lossless_ties",
+    "lossless_tie_samples",
+    "lossless_error_samples",
+    "lossless_first_error",
+    "lossless_error_margin",
+    "lossless_max_tie_margin",
+    "lossless_check_s",
+    "reference",
+    "status",
+    "error",
+    "warmup_n",
+    "partial",
+    "all_warmup",
+    "mixed_devices",
+    "batch_size",
+    "remainder_n",
 ]
 
 
@@ -228,14 +296,39 @@ def speedup_display(table: pd.DataFrame, confidence: float = 0.95) -> pd.DataFra
             return f"{N_TOO_SMALL} (n < {MIN_PROMPTS})"
         return MISSING if pd.isna(r["ci_low"]) else f"[{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
 
-    out = pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]),
-        "B": str(int(r.get("batch_size", 1) or 1)), "Decoder": r["label"],
-        "n": str(r["n"]), "Throughput (t/s)": fmt(r["throughput_mean"], ".1f") + partial_mark(r),
-        "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"), "Speedup": fmt(r["speedup"], ".3f", "×") + speedup_mark(r),
-        "Per-prompt (geo. mean)": fmt(r["paired_speedup"], ".3f", "×"), ci: interval(r), "Verdict": r["verdict"],
-    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "B", "Decoder", "n", "Throughput (t/s)",
-                                              "AR (t/s)", "Speedup", "Per-prompt (geo. mean)", ci, "Verdict"])
+    out = pd.DataFrame(
+        [
+            {
+                "Dataset": r["dataset"],
+                "L_max": str(r["l_max"]),
+                "T": str(r["gen_length"]),
+                "B": str(int(r.get("batch_size", 1) or 1)),
+                "Decoder": r["label"],
+                "n": str(r["n"]),
+                "Throughput (t/s)": fmt(r["throughput_mean"], ".1f") + partial_mark(r),
+                "AR (t/s)": fmt(r["ar_throughput_mean"], ".1f"),
+                "Speedup": fmt(r["speedup"], ".3f", "×") + speedup_mark(r),
+                "Per-prompt (geo. mean)": fmt(r["paired_speedup"], ".3f", "×"),
+                ci: interval(r),
+                "Verdict": r["verdict"],
+            }
+            for _, r in table.iterrows()
+        ],
+        columns=[
+            "Dataset",
+            "L_max",
+            "T",
+            "B",
+            "Decoder",
+            "n",
+            "Throughput (t/s)",
+            "AR (t/s)",
+            "Speedup",
+            "Per-prompt (geo. mean)",
+            ci,
+            "Verdict",
+        ],
+    )
     return _batch_column(out, table)
 
 
@@ -245,9 +338,17 @@ def _batch_column(display: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
     return display if batched else display.drop(columns=["B"])
 
 
-MARK_STYLES = {"better": "green", "worse": "red", "newly failing": "bold red", "still failing": "red",
-               "not comparable": "yellow", "new": "cyan", "missing": "magenta", "no longer failing": "green",
-               N_TOO_SMALL: "dim"}
+MARK_STYLES = {
+    "better": "green",
+    "worse": "red",
+    "newly failing": "bold red",
+    "still failing": "red",
+    "not comparable": "yellow",
+    "new": "cyan",
+    "missing": "magenta",
+    "no longer failing": "green",
+    N_TOO_SMALL: "dim",
+}
 VERDICT_STYLES = {"faster": "green", "slower": "red", N_TOO_SMALL: "dim"}
 
 
@@ -258,16 +359,29 @@ def verdict_style(verdict: str) -> str | None:
 
 def compare_display(table: pd.DataFrame) -> pd.DataFrame:
     """Display strings of a run-to-run comparison (:func:`~dtbench.reports.compare.compare_runs`)."""
+
     def side(r, which: str) -> str:
         return fmt(r[which], ".2f") + (PARTIAL_MARK if bool(r.get(f"{which}_partial", False)) else "")
 
-    out = pd.DataFrame([{
-        "Dataset": r["dataset"], "L_max": str(r["l_max"]), "T": str(r["gen_length"]),
-        "B": str(int(r.get("batch_size", 1) or 1)), "Decoder": r["label"],
-        "Before (t/s)": side(r, "before"), "After (t/s)": side(r, "after"), "Ratio": fmt(r["ratio"], ".3f", "×"),
-        "p": fmt(r["p_value"], ".3g"), "Mark": r["mark"], "Note": r["note"],
-    } for _, r in table.iterrows()], columns=["Dataset", "L_max", "T", "B", "Decoder", "Before (t/s)", "After (t/s)",
-                                              "Ratio", "p", "Mark", "Note"])
+    out = pd.DataFrame(
+        [
+            {
+                "Dataset": r["dataset"],
+                "L_max": str(r["l_max"]),
+                "T": str(r["gen_length"]),
+                "B": str(int(r.get("batch_size", 1) or 1)),
+                "Decoder": r["label"],
+                "Before (t/s)": side(r, "before"),
+                "After (t/s)": side(r, "after"),
+                "Ratio": fmt(r["ratio"], ".3f", "×"),
+                "p": fmt(r["p_value"], ".3g"),
+                "Mark": r["mark"],
+                "Note": r["note"],
+            }
+            for _, r in table.iterrows()
+        ],
+        columns=["Dataset", "L_max", "T", "B", "Decoder", "Before (t/s)", "After (t/s)", "Ratio", "p", "Mark", "Note"],
+    )
     return _batch_column(out, table)
 
 
@@ -289,8 +403,11 @@ def hardware_text(env: dict | None) -> str:
     if isinstance(flags, dict) and flags:
         on = [f for f, v in flags.items() if v]
         off = [f for f, v in flags.items() if not v]
-        parts.append("CPU " + (" ".join(on) if on else "none of the AVX2/AVX-512/AMX flags")
-                     + (f" (no {' '.join(off)})" if on and off else ""))
+        parts.append(
+            "CPU "
+            + (" ".join(on) if on else "none of the AVX2/AVX-512/AMX flags")
+            + (f" (no {' '.join(off)})" if on and off else "")
+        )
     if hw.get("torch_cpu_capability"):
         parts.append(f"torch CPU kernels {hw['torch_cpu_capability']}")
     if hw.get("cuda_capability"):
@@ -302,7 +419,9 @@ def hardware_text(env: dict | None) -> str:
 def run_header(meta: dict) -> str:
     """The line above a run's tables: id, suite, status, device, versions, and a second line of hardware flags."""
     env = meta.get("environment") or {}
-    line = (f"run {meta['id']} · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
-            f"torch {env.get('torch')} · transformers {env.get('transformers')}")
+    line = (
+        f"run {meta['id']} · suite {meta['suite']} · {meta['status']} · {env.get('device_name')} · "
+        f"torch {env.get('torch')} · transformers {env.get('transformers')}"
+    )
     hw = hardware_text(env)
     return printable(line) + (f"\nhardware: {printable(hw)}" if hw else "")

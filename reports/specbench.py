@@ -33,8 +33,14 @@ from dtbench.harness.questions import GROUPS
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 
 BY_COLUMNS = {"group": "task_group", "category": "category"}
-GROUP_TITLES = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization", "qa": "QA",
-                "math_reasoning": "Math", "rag": "RAG"}
+GROUP_TITLES = {
+    "mt_bench": "MT-bench",
+    "translation": "Translation",
+    "summarization": "Summarization",
+    "qa": "QA",
+    "math_reasoning": "Math",
+    "rag": "RAG",
+}
 POSITIONS = 8  # per-position acceptance columns shown (the JSON/CSV carry every position)
 
 
@@ -56,8 +62,9 @@ def by_task(frame: pd.DataFrame, by: str) -> pd.DataFrame:
     column = BY_COLUMNS[by]
     tasked = frame[frame["has_sample"] & frame[column].notna()]
     if tasked.empty:
-        raise DtbenchError(f"--by {by}: the run has no samples with a task (it is for question datasets such as "
-                           f"spec-bench)")
+        raise DtbenchError(
+            f"--by {by}: the run has no samples with a task (it is for question datasets such as spec-bench)"
+        )
     parts = []
     for value, sub in tasked.groupby(column, sort=False):
         part = summarize(sub)
@@ -70,26 +77,65 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
     """One row per greedy sample of a question dataset in the run: the cell's point and label, the task, counts,
     wall time and per-step counters (``step_tokens``, ``drafted``, ``accepted`` lists)."""
     rows = session.execute(
-        select(Cell.dataset, Cell.l_max, Cell.gen_length, Cell.batch_size, Cell.label, Cell.decoder, Cell.status,
-               Cell.sampling, Sample.prompt_index,
-               Sample.warmup, Sample.new_tokens, Sample.total_s, Sample.step_tokens, Sample.step_stats,
-               Sample.task_group, Sample.category, Sample.turn, Sample.question_id, Sample.lossless,
-               Cell.lossless_expected)
+        select(
+            Cell.dataset,
+            Cell.l_max,
+            Cell.gen_length,
+            Cell.batch_size,
+            Cell.label,
+            Cell.decoder,
+            Cell.status,
+            Cell.sampling,
+            Sample.prompt_index,
+            Sample.warmup,
+            Sample.new_tokens,
+            Sample.total_s,
+            Sample.step_tokens,
+            Sample.step_stats,
+            Sample.task_group,
+            Sample.category,
+            Sample.turn,
+            Sample.question_id,
+            Sample.lossless,
+            Cell.lossless_expected,
+        )
         .join(Sample, Sample.cell_id == Cell.id)
         .where(Cell.run_id == run_id, Sample.task_group.is_not(None))
-        .order_by(Cell.id, Sample.prompt_index)).all()
+        .order_by(Cell.id, Sample.prompt_index)
+    ).all()
     records = []
     for r in rows:
         if r.sampling:  # a sampled cell: its speedup pairs with sampled AR, not Spec-Bench's greedy protocol
             continue
         stats = r.step_stats or {}
-        records.append({**{k: getattr(r, k) for k in ("dataset", "l_max", "gen_length", "label", "decoder", "status",
-                                                        "prompt_index", "warmup", "new_tokens", "total_s",
-                                                        "task_group", "category", "turn", "question_id")},
-                        "batch_size": r.batch_size or 1,  # question datasets run at B = 1 only (the plan's rule)
-                        "not_lossless": bool(r.lossless_expected) and r.lossless is False,
-                        "step_tokens": list(r.step_tokens or []), "drafted": list(stats.get("drafted") or []),
-                        "accepted": list(stats.get("accepted") or [])})
+        records.append(
+            {
+                **{
+                    k: getattr(r, k)
+                    for k in (
+                        "dataset",
+                        "l_max",
+                        "gen_length",
+                        "label",
+                        "decoder",
+                        "status",
+                        "prompt_index",
+                        "warmup",
+                        "new_tokens",
+                        "total_s",
+                        "task_group",
+                        "category",
+                        "turn",
+                        "question_id",
+                    )
+                },
+                "batch_size": r.batch_size or 1,  # question datasets run at B = 1 only (the plan's rule)
+                "not_lossless": bool(r.lossless_expected) and r.lossless is False,
+                "step_tokens": list(r.step_tokens or []),
+                "drafted": list(stats.get("drafted") or []),
+                "accepted": list(stats.get("accepted") or []),
+            }
+        )
     return pd.DataFrame.from_records(records)
 
 
@@ -117,10 +163,18 @@ def vllm_metrics(samples: pd.DataFrame) -> dict:
             for i in range(a):
                 per_pos[i] += 1
     if not drafts:
-        return {"acceptance_rate": math.nan, "mean_acceptance_length": math.nan, "per_position": [],
-                "drafting_steps": 0}
-    return {"acceptance_rate": accepted / drafted, "mean_acceptance_length": 1 + accepted / drafts,
-            "per_position": [n / drafts for n in per_pos], "drafting_steps": drafts}
+        return {
+            "acceptance_rate": math.nan,
+            "mean_acceptance_length": math.nan,
+            "per_position": [],
+            "drafting_steps": 0,
+        }
+    return {
+        "acceptance_rate": accepted / drafted,
+        "mean_acceptance_length": 1 + accepted / drafts,
+        "per_position": [n / drafts for n in per_pos],
+        "drafting_steps": drafts,
+    }
 
 
 def mean_accepted_tokens(samples: pd.DataFrame) -> float:
@@ -150,9 +204,14 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
     groups = [g for g in GROUPS if g in present] + [g for g in present if g not in GROUPS]
     rows = []
     # cells declared lossless with a sample (warmup included) that failed the lossless check: marked where shown
-    lossy = set() if "not_lossless" not in samples else {
-        tuple(k) for k in samples.loc[samples["not_lossless"].astype(bool), [*GROUP, "label"]]
-        .itertuples(index=False)}
+    lossy = (
+        set()
+        if "not_lossless" not in samples
+        else {
+            tuple(k)
+            for k in samples.loc[samples["not_lossless"].astype(bool), [*GROUP, "label"]].itertuples(index=False)
+        }
+    )
     for point, at in basis.groupby(GROUP, sort=False):
         ref = at[at["decoder"] == BASELINE]
         if ref.empty:
@@ -160,12 +219,20 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
         ref_speed = _question_speeds(ref)
         for label, mine in at.groupby("label", sort=False):
             speeds = _question_speeds(mine)
-            row = {"dataset": point[0], "l_max": point[1], "gen_length": point[2], "label": label,
-                   "questions": len(speeds), "partial": bool((mine["status"] == "failed").any()),
-                   "not_lossless": (*point, label) in lossy}
+            row = {
+                "dataset": point[0],
+                "l_max": point[1],
+                "gen_length": point[2],
+                "label": label,
+                "questions": len(speeds),
+                "partial": bool((mine["status"] == "failed").any()),
+                "not_lossless": (*point, label) in lossy,
+            }
             for g in groups:
-                mean, base = speeds.xs(g, level=0).mean() if g in speeds.index.get_level_values(0) else math.nan, \
-                    ref_speed.xs(g, level=0).mean() if g in ref_speed.index.get_level_values(0) else math.nan
+                mean, base = (
+                    speeds.xs(g, level=0).mean() if g in speeds.index.get_level_values(0) else math.nan,
+                    ref_speed.xs(g, level=0).mean() if g in ref_speed.index.get_level_values(0) else math.nan,
+                )
                 row[g] = mean / base
             row["mat"] = mean_accepted_tokens(mine)
             row["overall"] = speeds.mean() / ref_speed.mean()
@@ -176,12 +243,31 @@ def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:
 
 def display(board: pd.DataFrame) -> pd.DataFrame:
     """The leaderboard as strings: speedups ``1.23x``, #MAT ``2.41``, rates in %, the first POSITIONS positions."""
-    fixed = {"dataset", "l_max", "gen_length", "label", "questions", "partial", "not_lossless", "mat", "overall",
-             "acceptance_rate", "mean_acceptance_length", "per_position", "drafting_steps"}
+    fixed = {
+        "dataset",
+        "l_max",
+        "gen_length",
+        "label",
+        "questions",
+        "partial",
+        "not_lossless",
+        "mat",
+        "overall",
+        "acceptance_rate",
+        "mean_acceptance_length",
+        "per_position",
+        "drafting_steps",
+    }
     groups = [c for c in board.columns if c not in fixed]
     lossy = board["not_lossless"] if "not_lossless" in board else [False] * len(board)
-    out = pd.DataFrame({"Method": [f"{r.label}{' (partial)' if r.partial else ''}{NOT_LOSSLESS_MARK if bad else ''}"
-                                   for r, bad in zip(board.itertuples(), lossy)]})
+    out = pd.DataFrame(
+        {
+            "Method": [
+                f"{r.label}{' (partial)' if r.partial else ''}{NOT_LOSSLESS_MARK if bad else ''}"
+                for r, bad in zip(board.itertuples(), lossy)
+            ]
+        }
+    )
     for g in groups:
         out[GROUP_TITLES.get(g, g)] = [_x(v) for v in board[g]]
     out["#MAT"] = [_f(v, ".2f") for v in board["mat"]]
@@ -202,10 +288,12 @@ def _f(v, spec: str, suffix: str = "") -> str:
     return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
 
 
-CAPTION = ("Spec-Bench layout (evaluation/speed.py): per group, speedup = mean over questions of tokens/s (turns "
-           "summed) / the same for ar; #MAT = tokens committed per verification step incl. the bonus; questions after "
-           "warmup. vLLM (spec_decode/metrics.py): acceptance rate = accepted / drafted, mean acceptance length = 1 + "
-           "accepted / drafting steps, pos i = share of drafting steps accepting more than i tokens.")
+CAPTION = (
+    "Spec-Bench layout (evaluation/speed.py): per group, speedup = mean over questions of tokens/s (turns "
+    "summed) / the same for ar; #MAT = tokens committed per verification step incl. the bonus; questions after "
+    "warmup. vLLM (spec_decode/metrics.py): acceptance rate = accepted / drafted, mean acceptance length = 1 + "
+    "accepted / drafting steps, pos i = share of drafting steps accepting more than i tokens."
+)
 
 
 def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
@@ -225,7 +313,13 @@ def spec_bench_report(sessions, run_id: int | None, fmt: str) -> None:
     def title(key) -> str:
         return f"Spec-Bench · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}"
 
-    reports = [Report(f"specbench_{i}", title(key), CAPTION, display(part), part) for i, (key, part) in enumerate(points)]
+    reports = [
+        Report(f"specbench_{i}", title(key), CAPTION, display(part), part) for i, (key, part) in enumerate(points)
+    ]
     # one table of rows in the leaderboard's order (CSV: per_position as ';'-joined shares); JSON {"run", "rows"}
-    emit(fmt, Document(reports, meta={"run": run.id}, rows="rows", data=board, precision=15,
-                       title=f"Spec-Bench · run {run.id}"))
+    emit(
+        fmt,
+        Document(
+            reports, meta={"run": run.id}, rows="rows", data=board, precision=15, title=f"Spec-Bench · run {run.id}"
+        ),
+    )

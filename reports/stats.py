@@ -40,9 +40,28 @@ FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (wr
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
 SAMPLED = "sampled (exact by construction, distribution-tested)"
 
-__all__ = ["BASELINE", "FAMILY_UNKNOWN", "collapse_batches", "remainder_mask", "GROUP", "KEY", "MIN_PROMPTS", "MISSING", "N_TOO_SMALL", "SAMPLED",
-           "baseline_values", "cell_lossless", "cell_throughput", "cell_value", "decoding", "family_of", "group_key",
-           "is_missing", "pairing_key", "show"]
+__all__ = [
+    "BASELINE",
+    "FAMILY_UNKNOWN",
+    "collapse_batches",
+    "remainder_mask",
+    "GROUP",
+    "KEY",
+    "MIN_PROMPTS",
+    "MISSING",
+    "N_TOO_SMALL",
+    "SAMPLED",
+    "baseline_values",
+    "cell_lossless",
+    "cell_throughput",
+    "cell_value",
+    "decoding",
+    "family_of",
+    "group_key",
+    "is_missing",
+    "pairing_key",
+    "show",
+]
 
 
 def cell_throughput(samples: Iterable) -> float:
@@ -53,8 +72,12 @@ def cell_throughput(samples: Iterable) -> float:
     Args:
         samples: the cell's samples (ORM rows, mappings or frame rows with ``throughput`` and ``warmup``).
     """
-    values = [float(v) for s in samples if not bool(column_of(s, "warmup"))
-              if (v := column_of(s, "throughput")) is not None and not (isinstance(v, float) and math.isnan(v))]
+    values = [
+        float(v)
+        for s in samples
+        if not bool(column_of(s, "warmup"))
+        if (v := column_of(s, "throughput")) is not None and not (isinstance(v, float) and math.isnan(v))
+    ]
     return sum(values) / len(values) if values else math.nan
 
 
@@ -147,9 +170,22 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
 
 
 # Per-row columns a prompt group's row averages over its rows (the others are the batch's, or summed).
-_ROW_MEANS = ("prompt_tokens", "ttft_s", "tpot_s", "iterations", "tokens_per_iteration", "drafted", "accepted",
-              "draft_depth", "acceptance_rate", "acceptance_incl_bonus", "mean_path_length", "mean_path_length_all",
-              "target_forwards", "draft_forwards")
+_ROW_MEANS = (
+    "prompt_tokens",
+    "ttft_s",
+    "tpot_s",
+    "iterations",
+    "tokens_per_iteration",
+    "drafted",
+    "accepted",
+    "draft_depth",
+    "acceptance_rate",
+    "acceptance_incl_bonus",
+    "mean_path_length",
+    "mean_path_length_all",
+    "target_forwards",
+    "draft_forwards",
+)
 
 
 def remainder_mask(samples: pd.DataFrame) -> pd.Series:

@@ -33,17 +33,34 @@ from dtbench.reports.stats import (
     KEY,
     baseline_values,
     cell_lossless,
-    collapse_batches,
-    remainder_mask,
     cell_throughput,
+    collapse_batches,
     family_of,
     group_key,
+    remainder_mask,
 )
 
 _SAMPLE_COLS = list(SCALAR_COLUMNS)  # every sample column but the bulky per-iteration lists (harness/sample.py)
-_CELL_COLS = ["dataset", "l_max", "gen_length", "batch_size", "decoder", "family", "label", "decoder_version", "params", "sweep_group",
-              "sampling",
-              "lossless_expected", "lossless_check", "reference_label", "status", "error", "target_model", "draft_model"]
+_CELL_COLS = [
+    "dataset",
+    "l_max",
+    "gen_length",
+    "batch_size",
+    "decoder",
+    "family",
+    "label",
+    "decoder_version",
+    "params",
+    "sweep_group",
+    "sampling",
+    "lossless_expected",
+    "lossless_check",
+    "reference_label",
+    "status",
+    "error",
+    "target_model",
+    "draft_model",
+]
 
 
 def get_run(session: Session, run_id: int | None) -> Run:
@@ -65,7 +82,9 @@ def get_run(session: Session, run_id: int | None) -> Run:
 
 def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
     """One row per sample of a run, with its cell's columns (``cell_id``, dataset, label, params, ...)."""
-    rows = session.execute(select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id, isouter=True).where(Cell.run_id == run_id)).all()
+    rows = session.execute(
+        select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id, isouter=True).where(Cell.run_id == run_id)
+    ).all()
     records = []
     for cell, sample in rows:
         rec = {"cell_id": cell.id, **{c: getattr(cell, c) for c in _CELL_COLS}}
@@ -115,16 +134,27 @@ def lossless_counts(measured: pd.DataFrame, first: pd.Series) -> dict:
     of the check per sample). Counts are None where no sample was checked.
     """
     checked = measured[measured["lossless_checked"].notna()]
-    out = {"lossless_rule": first["lossless_check"] or "exact", "target_dtype": _dtype(first["target_model"]),
-           "lossless_checked_n": len(checked), "lossless_ties": None, "lossless_tie_samples": None,
-           "lossless_error_samples": None, "lossless_first_error": None, "lossless_error_margin": None,
-           "lossless_max_tie_margin": None, "lossless_check_s": None}
+    out = {
+        "lossless_rule": first["lossless_check"] or "exact",
+        "target_dtype": _dtype(first["target_model"]),
+        "lossless_checked_n": len(checked),
+        "lossless_ties": None,
+        "lossless_tie_samples": None,
+        "lossless_error_samples": None,
+        "lossless_first_error": None,
+        "lossless_error_margin": None,
+        "lossless_max_tie_margin": None,
+        "lossless_check_s": None,
+    }
     if len(checked) == 0:
         return out
     ties, errors = checked["lossless_ties"].fillna(0).astype(int), checked["lossless_errors"].fillna(0).astype(int)
-    out.update(lossless_ties=int(ties.sum()), lossless_tie_samples=int((ties > 0).sum()),
-               lossless_error_samples=int((errors > 0).sum()),
-               lossless_check_s=float(pd.to_numeric(checked["lossless_check_s"], errors="coerce").mean()))
+    out.update(
+        lossless_ties=int(ties.sum()),
+        lossless_tie_samples=int((ties > 0).sum()),
+        lossless_error_samples=int((errors > 0).sum()),
+        lossless_check_s=float(pd.to_numeric(checked["lossless_check_s"], errors="coerce").mean()),
+    )
     margins = pd.to_numeric(checked["lossless_tie_margin"], errors="coerce").dropna()
     if len(margins):
         out["lossless_max_tie_margin"] = float(margins.max())
@@ -158,26 +188,41 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         remainder = remainder_mask(measured)
         basis = collapse_batches(measured[~measured["warmup"].astype(bool) & ~remainder])
         compared = measured["lossless"].dropna()
-        lossless = cell_lossless(measured["lossless"], sampled=bool(first["sampling"]) and bool(first["lossless_expected"]))
-        out.append({
-            "cell_id": cell_id, **dict(zip(GROUP, group_key(first))), "label": first["label"], "decoder": first["decoder"],
-            "family": family_of(first["family"]),
-            "params": first["params"], "decoder_version": first["decoder_version"], "sweep_group": first["sweep_group"],
-            "n": len(basis), "warmup_n": int(measured["warmup"].astype(bool).sum()),
-            "remainder_n": int(remainder.sum()),
-            **_aggregates(basis),
-            "lossless": lossless, "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
-            "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),
-            **lossless_counts(measured, first),
-            "reference": first["reference_label"], "lossless_expected": bool(first["lossless_expected"]),
-            "sampling": first["sampling"],
-            "status": first["status"], "error": first["error"],
-            "partial": first["status"] == "failed" and len(measured) > 0,
-            "all_warmup": len(measured) > 0 and len(basis) == 0,
-            "devices": sorted({str(d) for d in measured["device_name"].dropna()}),
-            # samples after warmup shorter than the energy counter's update period: no energy, marked (issue 24)
-            "energy_too_short": int((basis["energy_status"] == "too_short").sum()) if "energy_status" in basis else 0,
-        })
+        lossless = cell_lossless(
+            measured["lossless"], sampled=bool(first["sampling"]) and bool(first["lossless_expected"])
+        )
+        out.append(
+            {
+                "cell_id": cell_id,
+                **dict(zip(GROUP, group_key(first))),
+                "label": first["label"],
+                "decoder": first["decoder"],
+                "family": family_of(first["family"]),
+                "params": first["params"],
+                "decoder_version": first["decoder_version"],
+                "sweep_group": first["sweep_group"],
+                "n": len(basis),
+                "warmup_n": int(measured["warmup"].astype(bool).sum()),
+                "remainder_n": int(remainder.sum()),
+                **_aggregates(basis),
+                "lossless": lossless,
+                "lossless_n": f"{int(compared.sum())}/{len(compared)}" if len(compared) else "",
+                "divergences": sorted(int(d) for d in measured["first_divergence"].dropna()),
+                **lossless_counts(measured, first),
+                "reference": first["reference_label"],
+                "lossless_expected": bool(first["lossless_expected"]),
+                "sampling": first["sampling"],
+                "status": first["status"],
+                "error": first["error"],
+                "partial": first["status"] == "failed" and len(measured) > 0,
+                "all_warmup": len(measured) > 0 and len(basis) == 0,
+                "devices": sorted({str(d) for d in measured["device_name"].dropna()}),
+                # samples after warmup shorter than the energy counter's update period: no energy, marked (issue 24)
+                "energy_too_short": int((basis["energy_status"] == "too_short").sum())
+                if "energy_status" in basis
+                else 0,
+            }
+        )
     table = pd.DataFrame(out)
     if table.empty:
         return table
@@ -259,7 +304,10 @@ def combined_summary(session: Session, run_ids: list[int | None]) -> tuple[pd.Da
     dup = ranked.duplicated(KEY, keep="last")
     if dup.any():
         kept = ranked[~dup]
-        print(f"note: {int(dup.sum())} cells are in more than one run; each is taken from the run with more cells "
-              f"at its dataset/L_max/T (runs used: {', '.join(map(str, sorted(set(kept['run_id']))))})", file=sys.stderr)
+        print(
+            f"note: {int(dup.sum())} cells are in more than one run; each is taken from the run with more cells "
+            f"at its dataset/L_max/T (runs used: {', '.join(map(str, sorted(set(kept['run_id']))))})",
+            file=sys.stderr,
+        )
     table = ranked[~dup].drop(columns=["_first", "_group_cells", "_run_order"]).reset_index(drop=True)
     return table, runs

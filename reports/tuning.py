@@ -71,14 +71,24 @@ def best_setting(summary: pd.DataFrame) -> dict | None:
     best, second = ranked.iloc[0], ranked.iloc[1]
     defaults = default_params(decoder)
     changed = {k: v for k, v in (best["params"] or {}).items() if defaults.get(k, object()) != v}
-    plain = [s for s, p in zip(cells["speedup"], cells["params"])
-             if defaults and all(defaults.get(k, object()) == v for k, v in (p or {}).items())]
+    plain = [
+        s
+        for s, p in zip(cells["speedup"], cells["params"])
+        if defaults and all(defaults.get(k, object()) == v for k, v in (p or {}).items())
+    ]
     return {
-        "decoder": decoder, "label": best["label"], "dataset": best["dataset"], "l_max": int(best["l_max"]),
-        "gen_length": int(best["gen_length"]), "n": int(best["n"]), "speedup": float(best["speedup"]),
-        "tokens_per_iteration": float(best["tokens_per_iteration"]), "changed": changed,
+        "decoder": decoder,
+        "label": best["label"],
+        "dataset": best["dataset"],
+        "l_max": int(best["l_max"]),
+        "gen_length": int(best["gen_length"]),
+        "n": int(best["n"]),
+        "speedup": float(best["speedup"]),
+        "tokens_per_iteration": float(best["tokens_per_iteration"]),
+        "changed": changed,
         "defaults_speedup": float(plain[0]) if plain else math.nan,
-        "runner_up": (second["label"], float(second["speedup"])), "cells": len(cells),
+        "runner_up": (second["label"], float(second["speedup"])),
+        "cells": len(cells),
     }
 
 
@@ -87,11 +97,13 @@ def tuning_line(best: dict) -> str:
     changed = ", ".join(f"{k}={v}" for k, v in best["changed"].items()) or "none (the defaults)"
     defaults = "" if math.isnan(best["defaults_speedup"]) else f"; defaults {best['defaults_speedup']:.2f}x"
     name = best["decoder"]
-    return (f"{name} tuning: best setting {best['label']!r} — speedup {best['speedup']:.2f}x, "
-            f"L {best['tokens_per_iteration']:.2f} ({best['dataset']}, L_max={best['l_max']}, "
-            f"T={best['gen_length']}, {best['n']} prompts after warmup, {best['cells']} {name} settings{defaults}; "
-            f"runner-up {best['runner_up'][0]!r} {best['runner_up'][1]:.2f}x); params changed from the defaults: "
-            f"{changed}")
+    return (
+        f"{name} tuning: best setting {best['label']!r} — speedup {best['speedup']:.2f}x, "
+        f"L {best['tokens_per_iteration']:.2f} ({best['dataset']}, L_max={best['l_max']}, "
+        f"T={best['gen_length']}, {best['n']} prompts after warmup, {best['cells']} {name} settings{defaults}; "
+        f"runner-up {best['runner_up'][0]!r} {best['runner_up'][1]:.2f}x); params changed from the defaults: "
+        f"{changed}"
+    )
 
 
 def print_tuning_line(sessions, run_id: int | None, echo) -> None:

@@ -23,8 +23,9 @@ import torch
 from dtbench.decoders.tree import TreeDrafter
 
 
-def write_medusa(folder: Path, *, hidden: int, vocab: int, heads: int = 4, layers: int = 1, seed: int = 0,
-                 scale: float = 1.0) -> Path:
+def write_medusa(
+    folder: Path, *, hidden: int, vocab: int, heads: int = 4, layers: int = 1, seed: int = 0, scale: float = 1.0
+) -> Path:
     """A Medusa-1 head folder: config.json + medusa_lm_head.pt with the published keys (random weights)."""
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
@@ -35,21 +36,42 @@ def write_medusa(folder: Path, *, hidden: int, vocab: int, heads: int = 4, layer
             sd[f"{i}.{j}.linear.bias"] = torch.zeros(hidden)
         sd[f"{i}.{layers}.weight"] = torch.randn(vocab, hidden, generator=gen) * scale
     torch.save(sd, folder / "medusa_lm_head.pt")
-    (folder / "config.json").write_text(json.dumps({
-        "medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny-llama"}))
+    (folder / "config.json").write_text(
+        json.dumps({"medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": "tiny-llama"})
+    )
     return folder
 
 
 def _llama_fields(hidden: int, vocab: int) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "intermediate_size": 2 * hidden,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": vocab,
-            "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "hidden_act": "silu", "bos_token_id": 1,
-            "eos_token_id": 2, "torch_dtype": "float16"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 512,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float16",
+    }
 
 
-def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draft_vocab: int | None = None,
-                seed: int = 0, fc_in: int | None = None, safetensors: bool | None = None,
-                embedding: bool | None = None) -> Path:
+def write_eagle(
+    folder: Path,
+    *,
+    hidden: int,
+    vocab: int,
+    version: int = 1,
+    draft_vocab: int | None = None,
+    seed: int = 0,
+    fc_in: int | None = None,
+    safetensors: bool | None = None,
+    embedding: bool | None = None,
+) -> Path:
     """An EAGLE-1/2 (version 1) or EAGLE-3 (version 3) head folder with the published keys (random weights);
     ``embedding``: write ``embed_tokens.weight`` (default: for EAGLE-1/2 only, as published)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -63,17 +85,25 @@ def write_eagle(folder: Path, *, hidden: int, vocab: int, version: int = 1, draf
     attn_in = 2 * h if version == 3 else h
     prefix = "midlayer." if version == 3 else "layers.0."
     sd = {
-        f"{prefix}self_attn.q_proj.weight": w(h, attn_in), f"{prefix}self_attn.k_proj.weight": w(kv_out, attn_in),
-        f"{prefix}self_attn.v_proj.weight": w(kv_out, attn_in), f"{prefix}self_attn.o_proj.weight": w(h, h),
-        f"{prefix}mlp.gate_proj.weight": w(2 * h, h), f"{prefix}mlp.up_proj.weight": w(2 * h, h),
-        f"{prefix}mlp.down_proj.weight": w(h, 2 * h), f"{prefix}post_attention_layernorm.weight": torch.ones(h),
+        f"{prefix}self_attn.q_proj.weight": w(h, attn_in),
+        f"{prefix}self_attn.k_proj.weight": w(kv_out, attn_in),
+        f"{prefix}self_attn.v_proj.weight": w(kv_out, attn_in),
+        f"{prefix}self_attn.o_proj.weight": w(h, h),
+        f"{prefix}mlp.gate_proj.weight": w(2 * h, h),
+        f"{prefix}mlp.up_proj.weight": w(2 * h, h),
+        f"{prefix}mlp.down_proj.weight": w(h, 2 * h),
+        f"{prefix}post_attention_layernorm.weight": torch.ones(h),
     }
     if version == 3:
         dv = draft_vocab or vocab
         cfg["draft_vocab_size"] = dv
-        sd |= {"fc.weight": w(h, fc_in or 3 * h), "midlayer.hidden_norm.weight": torch.ones(h),
-               "midlayer.input_layernorm.weight": torch.ones(h), "norm.weight": torch.ones(h),
-               "lm_head.weight": w(dv, h, s=2.0)}
+        sd |= {
+            "fc.weight": w(h, fc_in or 3 * h),
+            "midlayer.hidden_norm.weight": torch.ones(h),
+            "midlayer.input_layernorm.weight": torch.ones(h),
+            "norm.weight": torch.ones(h),
+            "lm_head.weight": w(dv, h, s=2.0),
+        }
         used = torch.sort(torch.randperm(vocab, generator=gen)[:dv]).values  # draft id -> target id
         sd["d2t"] = used - torch.arange(dv)
         t2d = torch.zeros(vocab, dtype=torch.bool)
@@ -102,9 +132,19 @@ def deep_llama(seed: int, layers: int = 8, sharpness: float = 32.0) -> torch.nn.
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).to(torch.float64).eval()
     with torch.no_grad():
@@ -120,8 +160,9 @@ class Oracle(TreeDrafter):
     than the most probable one). ``log`` records (planted tokens, whether a non-first child was planted) per
     drafted tree."""
 
-    def __init__(self, inner: TreeDrafter, greedy: list[int], plant: tuple[int, ...] = (3, 0, 1, 5, 2),
-                 last_child: bool = False):
+    def __init__(
+        self, inner: TreeDrafter, greedy: list[int], plant: tuple[int, ...] = (3, 0, 1, 5, 2), last_child: bool = False
+    ):
         self.inner, self.greedy, self.plant, self.last_child = inner, greedy, plant, last_child
         self.hidden_layers, self.max_breadth = inner.hidden_layers, inner.max_breadth
         self.n_max, self.depth_limit = inner.n_max, inner.depth_limit

@@ -20,9 +20,19 @@ def save_tiny_llama(folder: Path, tokenizer, *, vocab: int | None = None, seed: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab or len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab or len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).to(torch.float64).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # confident next-token distributions: fewer near-ties, drafts accepted
@@ -48,7 +58,9 @@ def tiny_pair(root: Path) -> tuple[Path, Path]:
 def suite_dict(target: Path, draft: Path, decoders: list, **extra) -> dict:
     """A small CPU suite on WikiText-2 over the tiny float64 pair."""
     return {
-        "name": "kit", "seed": 0, "device": "cpu",
+        "name": "kit",
+        "seed": 0,
+        "device": "cpu",
         "target": {"model": str(target), "dtype": "float64"},
         "draft": {"model": str(draft), "dtype": "float64"},
         "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
@@ -70,8 +82,9 @@ def invoke(*args: str):
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
 
 
-def install_plugin(monkeypatch, root: Path, dist: str, entry_points: dict[str, str], source: str,
-                   module: str | None = None) -> None:
+def install_plugin(
+    monkeypatch, root: Path, dist: str, entry_points: dict[str, str], source: str, module: str | None = None
+) -> None:
     """Install a one-module distribution ``dist`` into ``root`` (a dist-info with METADATA and entry_points.txt,
     registering ``entry_points`` under ``dtbench.decoders``) and put ``root`` on sys.path for this test."""
     module = module or dist.replace("-", "_")

@@ -6,7 +6,7 @@ float64 keeps greedy argmaxes free of the near-ties that small random models pro
 from __future__ import annotations
 
 import copy
-from functools import lru_cache
+from functools import cache
 
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -25,8 +25,16 @@ def tiny_llama(seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> Lla
     ``sharpness``."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         tie_word_embeddings=False,
     )
     cfg._attn_implementation = attn
@@ -39,9 +47,18 @@ def tiny_neox(seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> GPTN
     output layer scaled by ``sharpness``."""
     torch.manual_seed(seed)
     cfg = GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     cfg._attn_implementation = attn
     return _sharpened(GPTNeoXForCausalLM(cfg), sharpness)
@@ -71,9 +88,10 @@ def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Modul
     return other
 
 
-@lru_cache(maxsize=None)
-def model_zoo(attn: str = "sdpa", arch: str = "llama",
-              sharpness: float = FLAT) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+@cache
+def model_zoo(
+    attn: str = "sdpa", arch: str = "llama", sharpness: float = FLAT
+) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
     """(target, draft) pairs for the three kinds of draft: the target itself (accepts everything), a perturbed
     copy (accepts some), an unrelated model (accepts almost nothing)."""
     target = tiny_model(arch, 0, attn=attn, sharpness=sharpness)
@@ -88,10 +106,15 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     """transformers' own greedy generate, EOS ignored: the ground truth for ``ar``."""
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def decoder_steps(decoder, prompt: list[int], max_new_tokens: int) -> list:

@@ -27,8 +27,10 @@ def find_binary(name: str) -> str | None:
     found = shutil.which(name)
     if found:
         return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
-                        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0)
+    candidates = sorted(
+        glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
+        key=lambda p: int(Path(p).parts[-3]) if Path(p).parts[-3].isdigit() else 0,
+    )
     return candidates[-1] if candidates else None
 
 
@@ -68,7 +70,7 @@ class Server:
     def _as_server_user(self, cmd: list[str]) -> list[str]:
         return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
 
-    def start(self) -> "Server":
+    def start(self) -> Server:
         if self.admin_url:
             return self
         self.tmp = Path(tempfile.mkdtemp(prefix="dtbench-pg-"))
@@ -76,15 +78,48 @@ class Server:
             user = pwd.getpwnam("postgres")
             os.chown(self.tmp, user.pw_uid, user.pw_gid)
         data = self.tmp / "data"
-        subprocess.run(self._as_server_user([find_binary("initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-                                             "-E", "UTF8", "--no-sync", "--no-instructions"]),
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            self._as_server_user(
+                [
+                    find_binary("initdb"),
+                    "-D",
+                    str(data),
+                    "-A",
+                    "trust",
+                    "-U",
+                    "postgres",
+                    "-E",
+                    "UTF8",
+                    "--no-sync",
+                    "--no-instructions",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         for _ in range(5):
             self.port = _free_port()
             opts = f"-p {self.port} -k {self.tmp} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=50"
-            done = subprocess.run(self._as_server_user([find_binary("pg_ctl"), "-D", str(data), "-o", opts,
-                                                        "-l", str(self.tmp / "server.log"), "-w", "-t", "60", "start"]),
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                self._as_server_user(
+                    [
+                        find_binary("pg_ctl"),
+                        "-D",
+                        str(data),
+                        "-o",
+                        opts,
+                        "-l",
+                        str(self.tmp / "server.log"),
+                        "-w",
+                        "-t",
+                        "60",
+                        "start",
+                    ]
+                ),
+                capture_output=True,
+                text=True,
+            )
             if done.returncode == 0:
                 break
         else:
@@ -96,8 +131,13 @@ class Server:
     def stop(self) -> None:
         if self.tmp is None:
             return
-        subprocess.run(self._as_server_user([find_binary("pg_ctl"), "-D", str(self.tmp / "data"), "-m", "immediate",
-                                             "-w", "stop"]), capture_output=True, text=True)
+        subprocess.run(
+            self._as_server_user(
+                [find_binary("pg_ctl"), "-D", str(self.tmp / "data"), "-m", "immediate", "-w", "stop"]
+            ),
+            capture_output=True,
+            text=True,
+        )
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp = None
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
+from models import SHARP, VOCAB, model_zoo
 from sqlalchemy import select
 
 from dtbench.decoders import kv
@@ -31,8 +33,6 @@ from dtbench.harness import db, measure
 from dtbench.harness import models as harness_models
 from dtbench.harness.plan import batch_groups, plan_suite
 from dtbench.harness.suitefile import parse_suite
-from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
-from models import SHARP, VOCAB, model_zoo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,7 +84,7 @@ def batched(decoder, prompts: list[list[int]], T: int, eos: int | None = None):
     for r in range(len(prompts)):
         row = tokens[r]
         if eos is not None and eos in row:
-            row = row[:row.index(eos) + 1]
+            row = row[: row.index(eos) + 1]
         cut.append(row[:T])
     return cut, steps
 
@@ -131,7 +131,7 @@ class Oracle(Proposer):
         self.done = 1  # committed tokens so far (the pending one included)
 
     def propose(self, max_tokens):
-        drafts = list(self.truth[self.done:self.done + max_tokens])
+        drafts = list(self.truth[self.done : self.done + max_tokens])
         if self.wrong_at is not None:
             drafts = [t if i < self.wrong_at else (t + 1) % VOCAB for i, t in enumerate(drafts)]
         return drafts
@@ -142,8 +142,11 @@ class Oracle(Proposer):
 
 @pytest.mark.parametrize("arch", ["llama", "neox"])
 @settings(max_examples=10, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20), min_size=3, max_size=6),
-       T=st.integers(8, 30), k=st.integers(1, 6))
+@given(
+    prompts=st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20), min_size=3, max_size=6),
+    T=st.integers(8, 30),
+    k=st.integers(1, 6),
+)
 def test_full_partial_and_rejected_rows_in_one_batch_and_finished_rows_leave(arch, prompts, T, k):
     """Row 0's drafts are always right, row 1's always wrong, row 2's right up to the middle, the rest cycle: each row
     keeps its own acceptance (ragged), equals batch-1 ar, and the batch shrinks as rows finish."""
@@ -152,8 +155,9 @@ def test_full_partial_and_rejected_rows_in_one_batch_and_finished_rows_leave(arc
     wrong = [None, 0, max(1, k // 2)]
     proposers = [Oracle(truth[r], wrong[r % 3]) for r in range(len(prompts))]
     widths: list[int] = []
-    handle = target.register_forward_pre_hook(lambda m, a, kw: widths.append(int(kw["input_ids"].shape[0])),
-                                              with_kwargs=True)
+    handle = target.register_forward_pre_hook(
+        lambda m, a, kw: widths.append(int(kw["input_ids"].shape[0])), with_kwargs=True
+    )
     try:
         with torch.inference_mode():
             out = {r: [] for r in range(len(prompts))}
@@ -228,17 +232,23 @@ def test_plan_groups_are_the_same_for_every_decoder_and_b1_is_unchanged():
     assert [(g.prompt_index, g.rows, g.warmup) for g in b1] == [(i, (), i == 0) for i in range(7)]
     b4 = [g for g in groups if g.batch_size == 4]
     assert [(g.prompt_indices, g.warmup, g.remainder) for g in b4] == [
-        ((0,), True, False), ((1, 2, 3, 4), False, False), ((5, 6), False, True)]
+        ((0,), True, False),
+        ((1, 2, 3, 4), False, False),
+        ((5, 6), False, True),
+    ]
     assert all([c.label for c in g.decoders] == ["ar", "linear", "ngram"] for g in b4)
     assert plan.n_samples == 7 * 2 + 7 * 3
 
 
-@pytest.mark.parametrize("entry, needle", [
-    ("{name: streaming_ar}", "decoder 'streaming_ar' cannot decode batches (its class does not declare batching)"),
-    ("{name: hf_generate, params: {prompt_lookup_num_tokens: 4}}", "decodes batch size 1 only"),
-    ("{name: linear, sampling: {temperature: 0.7}}", "decode greedily only"),
-    ("{name: ar, batch_sizes: [2]}", "batch_sizes [2] are not in the suite's batch_sizes"),
-])
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        ("{name: streaming_ar}", "decoder 'streaming_ar' cannot decode batches (its class does not declare batching)"),
+        ("{name: hf_generate, params: {prompt_lookup_num_tokens: 4}}", "decodes batch size 1 only"),
+        ("{name: linear, sampling: {temperature: 0.7}}", "decode greedily only"),
+        ("{name: ar, batch_sizes: [2]}", "batch_sizes [2] are not in the suite's batch_sizes"),
+    ],
+)
 def test_validate_refuses_what_cannot_batch_in_one_line(tmp_path, entry, needle):
     (tmp_path / "s.yaml").write_text(SUITE + f"  - {entry}\n")
     one_line_error(invoke("validate", str(tmp_path / "s.yaml")), "s.yaml:", "decoders.0:", needle)
@@ -267,8 +277,9 @@ def pair(tmp_path_factory):
 
 def run_cli(tmp_path, data_dir, suite, name="r.db"):
     dbfile = tmp_path / name
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress")
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
     return result, dbfile
 
 
@@ -283,8 +294,14 @@ def cells_of(dbfile) -> dict[tuple[str, int], list[db.Sample]]:
 
 
 def test_a_run_at_several_batch_sizes(pair, tmp_path, data_dir):
-    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}, {"name": "dynatree", "params": {"n_max": 16}},
-                {"name": "ngram"}, {"name": "suffix"}, {"name": "hf_generate"}]
+    decoders = [
+        {"name": "ar"},
+        {"name": "linear", "params": {"k": 3}},
+        {"name": "dynatree", "params": {"n_max": 16}},
+        {"name": "ngram"},
+        {"name": "suffix"},
+        {"name": "hf_generate"},
+    ]
     suite = suite_dict(*pair, decoders, batch_sizes=[1, 3])
     suite["datasets"][0].update(prompts=6, warmup=1)
     result, dbfile = run_cli(tmp_path, data_dir, suite)
@@ -300,7 +317,13 @@ def test_a_run_at_several_batch_sizes(pair, tmp_path, data_dir):
             continue
         # groups (0) warmup, (1, 2, 3), (4, 5) remainder: every row its own sample, its group recorded
         assert [(x.batch_group, x.batch_rows, x.warmup) for x in samples] == [
-            (0, 1, True), (1, 3, False), (1, 3, False), (1, 3, False), (4, 2, False), (4, 2, False)]
+            (0, 1, True),
+            (1, 3, False),
+            (1, 3, False),
+            (1, 3, False),
+            (4, 2, False),
+            (4, 2, False),
+        ]
         for x in samples:
             assert x.output_tokens == ar1[x.prompt_index] and x.new_tokens == 6
             assert x.total_s <= x.batch_total_s and x.ttft_s <= x.total_s
@@ -352,7 +375,7 @@ class BatchTie:
         logits = output.logits
         b = logits.shape[0]
         for r in range(b):
-            for j, p in enumerate(self.positions[r][-logits.shape[1]:]):
+            for j, p in enumerate(self.positions[r][-logits.shape[1] :]):
                 if p == TIE_POSITION:
                     row = logits[r, j]
                     top = row.max() + 1
@@ -426,8 +449,7 @@ class FlipRow(Autoregressive):
 
 
 def test_a_decoder_corrupting_one_row_is_an_error_in_that_row(monkeypatch, pair, tmp_path, data_dir):
-    install_plugin(monkeypatch, tmp_path / "site", "dtbench-fliprow", {"fliprow": "dtbench_fliprow:FlipRow"},
-                   FLIP_ROW)
+    install_plugin(monkeypatch, tmp_path / "site", "dtbench-fliprow", {"fliprow": "dtbench_fliprow:FlipRow"}, FLIP_ROW)
     suite = suite_dict(*pair, [{"name": "ar"}, {"name": "fliprow"}], batch_sizes=[3])
     suite["datasets"][0].update(prompts=3, warmup=0)
     result, dbfile = run_cli(tmp_path, data_dir, suite)
@@ -493,9 +515,12 @@ def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
 
     from dtbench.reports.figures import speedup_vs_batch
 
-    measured = pd.DataFrame([
-        dict(dataset="w", l_max=64, gen_length=32, batch_size=b, label="linear", speedup=s, ci_low=lo, ci_high=hi)
-        for b, s, lo, hi in ((1, 1.8, 1.6, 2.0), (4, 1.2, 1.0, 1.4), (16, 0.7, float("nan"), float("nan")))])
+    measured = pd.DataFrame(
+        [
+            dict(dataset="w", l_max=64, gen_length=32, batch_size=b, label="linear", speedup=s, ci_low=lo, ci_high=hi)
+            for b, s, lo, hi in ((1, 1.8, 1.6, 2.0), (4, 1.2, 1.0, 1.4), (16, 0.7, float("nan"), float("nan")))
+        ]
+    )
     predicted = measured.assign(predicted_speedup=[1.9, 1.1, 0.8])
     fig = speedup_vs_batch(measured, predicted)
     ax = fig.axes[0]
@@ -510,12 +535,14 @@ def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
 def test_a_calibrated_run_reports_speedup_vs_b_with_prediction_and_figure(monkeypatch, pair, tmp_path, data_dir):
     """calibrate: true with batch sizes measures the target's batched curves; --cost-model prints the batch table
     (measured with CI, predicted), B* lines and the mean absolute error; --figures writes the figure."""
-    from dtbench.harness import calibrate as cal
     from kit import fast_calibration_settings
 
+    from dtbench.harness import calibrate as cal
+
     monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
-    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], batch_sizes=[1, 2],
-                       calibrate=True)
+    suite = suite_dict(
+        *pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], batch_sizes=[1, 2], calibrate=True
+    )
     suite["datasets"][0].update(prompts=5, warmup=1)
     result, dbfile = run_cli(tmp_path, data_dir, suite)
     assert result.exit_code == 0, result.output
@@ -577,8 +604,17 @@ def test_an_interrupted_batched_run_resumes_group_by_group(monkeypatch, pair, tm
     kept = {x.prompt_index: x.id for x in cells_of(dbfile)[("flaky", 2)]}
     assert len(before) == 4 and set(kept) == {0, 1}  # the first group stored whole, the second not at all
     marker.unlink()
-    again = invoke("run", str(tmp_path / "suite.yaml"), "--db", str(dbfile), "--data-dir", str(data_dir),
-                   "--no-progress", "--resume-run", "1")
+    again = invoke(
+        "run",
+        str(tmp_path / "suite.yaml"),
+        "--db",
+        str(dbfile),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--resume-run",
+        "1",
+    )
     assert again.exit_code == 0, again.output
     after = cells_of(dbfile)
     assert {x.prompt_index: (x.id, x.output_hash) for x in after[("ar", 2)]} == before  # not measured again

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from kit import fast_calibration_settings, install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 from dtbench.decoders.base import FAMILIES, Decoder
 from dtbench.harness import calibrate as cal
 from dtbench.harness import registry
-from kit import fast_calibration_settings, install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,9 +72,17 @@ class Nameless(Decoder):
 
 @pytest.fixture()
 def plugins(tmp_path, monkeypatch):
-    install_plugin(monkeypatch, tmp_path / "site", "cap-plugins",
-                   {"span_chain": "cap_plugins:SpanChain", "grid_tree": "cap_plugins:GridTree",
-                    "nameless": "cap_plugins:Nameless"}, PLUGINS)
+    install_plugin(
+        monkeypatch,
+        tmp_path / "site",
+        "cap-plugins",
+        {
+            "span_chain": "cap_plugins:SpanChain",
+            "grid_tree": "cap_plugins:GridTree",
+            "nameless": "cap_plugins:Nameless",
+        },
+        PLUGINS,
+    )
 
 
 def test_every_builtin_declares_a_family_and_sizes_from_params_alone():
@@ -97,23 +105,40 @@ def test_plugin_sizes_drive_calibration(plugins):
     from dtbench.harness.plan import plan_suite
     from dtbench.harness.suitefile import parse_suite
 
-    suite = parse_suite(json.dumps({
-        "name": "caps", "device": "cpu", "target": {"model": "t"}, "draft": {"model": "d"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}], "generation_lengths": [6],
-        "decoders": [{"name": "ar"}, {"name": "span_chain", "params": {"span": 7}},
-                     {"name": "grid_tree", "params": {"width": 3, "levels": 2, "n_max": 100}}]}))
+    suite = parse_suite(
+        json.dumps(
+            {
+                "name": "caps",
+                "device": "cpu",
+                "target": {"model": "t"},
+                "draft": {"model": "d"},
+                "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
+                "generation_lengths": [6],
+                "decoders": [
+                    {"name": "ar"},
+                    {"name": "span_chain", "params": {"span": 7}},
+                    {"name": "grid_tree", "params": {"width": 3, "levels": 2, "n_max": 100}},
+                ],
+            }
+        )
+    )
     plan = plan_suite(suite)
     assert cal.decoder_sizes(plan) == (8, 1 + 3 + 9)  # span + pending; root + 3 + 3^2 nodes
     curves = {(c.role, c.kind): max(c.ns) for c in cal.curves_for(plan, suite, uses_draft=True)}
     assert curves[("target", "causal")] >= 8 and curves[("target", "tree")] >= 13
-    assert {cp.spec.name: cp.cls.family for cp in plan.decoders} == {"ar": "ar", "span_chain": "chain",
-                                                                      "grid_tree": "tree"}
+    assert {cp.spec.name: cp.cls.family for cp in plan.decoders} == {
+        "ar": "ar",
+        "span_chain": "chain",
+        "grid_tree": "tree",
+    }
 
 
 def test_a_family_outside_the_four_is_a_one_line_error(plugins, tmp_path):
     suite = tmp_path / "s.yaml"
-    suite.write_text("name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 1}]\ngeneration_lengths: [4]\n"
-                     "decoders: [{name: ar}, {name: nameless}]\n")
+    suite.write_text(
+        "name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 1}]\ngeneration_lengths: [4]\n"
+        "decoders: [{name: ar}, {name: nameless}]\n"
+    )
     one_line_error(invoke("validate", str(suite)), "decoder 'nameless' declares family 'speculative'")
 
 
@@ -123,19 +148,36 @@ def test_plugins_calibrated_priced_and_tabled_by_family(plugins, tmp_path, data_
 
     monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
     target, draft = tiny_pair(tmp_path)
-    suite = suite_dict(target, draft, [
-        {"name": "ar"},
-        {"name": "span_chain", "label": "Span chain", "params": {"span": 3}},
-        {"name": "grid_tree", "label": "Grid 2x2", "params": {"width": 2, "levels": 2, "n_max": 16}},
-        {"name": "grid_tree", "label": "Grid 3x2", "params": {"width": 3, "levels": 2, "n_max": 16}},
-    ], calibrate=True)
+    suite = suite_dict(
+        target,
+        draft,
+        [
+            {"name": "ar"},
+            {"name": "span_chain", "label": "Span chain", "params": {"span": 3}},
+            {"name": "grid_tree", "label": "Grid 2x2", "params": {"width": 2, "levels": 2, "n_max": 16}},
+            {"name": "grid_tree", "label": "Grid 3x2", "params": {"width": 3, "levels": 2, "n_max": 16}},
+        ],
+        calibrate=True,
+    )
     dbfile = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress", "--no-report")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite),
+        "--db",
+        str(dbfile),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--no-report",
+    )
     assert result.exit_code == 0, result.output
     with db.connect(f"sqlite:///{dbfile}")() as s:
-        assert {c.label: c.family for c in s.query(db.Cell)} == {"ar": "ar", "Span chain": "chain",
-                                                                 "Grid 2x2": "tree", "Grid 3x2": "tree"}
+        assert {c.label: c.family for c in s.query(db.Cell)} == {
+            "ar": "ar",
+            "Span chain": "chain",
+            "Grid 2x2": "tree",
+            "Grid 3x2": "tree",
+        }
         sizes = {(r.role, r.tree_mask): r.n for r in s.query(db.Calibration).filter_by(last_only=False)}
     assert sizes
     ns = {}  # calibrated: the target's stored curves reach the plugins' own verification sizes

@@ -6,11 +6,10 @@ import json
 
 import pytest
 import yaml
+from kit import invoke, one_line_error, write_suite
 from sqlalchemy import func, select
 
 from dtbench.harness import db, registry
-
-from kit import invoke, one_line_error, write_suite
 
 TINY = {
     "name": "tiny",
@@ -88,9 +87,15 @@ def test_decoders_lists_builtins():
         ("name: x\ndatasets: [\n  {name: wikitext-2\n", ["malformed YAML", "suite.yaml:"]),
         (yaml.safe_dump({**TINY, "colour": "red"}), ["colour", "unknown key", "suite.yaml:"]),
         (yaml.safe_dump({**TINY, "generation_lengths": [0]}), ["generation_lengths"]),
-        (yaml.safe_dump({**TINY, "decoders": [{"name": "linaer"}]}), ["unknown decoder 'linaer'", "did you mean 'linear'"]),
+        (
+            yaml.safe_dump({**TINY, "decoders": [{"name": "linaer"}]}),
+            ["unknown decoder 'linaer'", "did you mean 'linear'"],
+        ),
         (yaml.safe_dump({**TINY, "decoders": [{"name": "linear", "params": {"k": 0}}]}), ["'linear'", "params.k"]),
-        (yaml.safe_dump({**TINY, "decoders": [{"name": "linear", "params": {"kk": 3}}]}), ["params.kk", "unknown parameter"]),
+        (
+            yaml.safe_dump({**TINY, "decoders": [{"name": "linear", "params": {"kk": 3}}]}),
+            ["params.kk", "unknown parameter"],
+        ),
         (yaml.safe_dump({**TINY, "datasets": [{"name": "wikitext-3"}]}), ["unknown dataset 'wikitext-3'"]),
         (yaml.safe_dump({**TINY, "draft": None}), ["needs a draft model"]),
         ("- just\n- a list\n", ["must be a YAML mapping"]),
@@ -98,8 +103,12 @@ def test_decoders_lists_builtins():
 )
 def test_bad_suites_fail_in_one_line(tmp_path, text, needles):
     for command in ("validate", "run"):
-        one_line_error(invoke(command, write_suite(tmp_path, text), "--db", str(tmp_path / "r.db"))
-                       if command == "run" else invoke(command, write_suite(tmp_path, text)), *needles)
+        one_line_error(
+            invoke(command, write_suite(tmp_path, text), "--db", str(tmp_path / "r.db"))
+            if command == "run"
+            else invoke(command, write_suite(tmp_path, text)),
+            *needles,
+        )
 
 
 def test_yaml_error_names_the_line(tmp_path):
@@ -131,8 +140,14 @@ def test_vocabulary_mismatch(tmp_path, data_dir, smollm2):
 
     _, _, tok = smollm2
     folder = tmp_path / "tiny-draft"
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)  # same tokenizer, so the mismatch is the model's vocabulary
     suite = {**TINY, "draft": {"model": str(folder), "dtype": "float32"}}
@@ -190,7 +205,9 @@ def test_failing_decoder_fails_its_cell_only(tmp_path, data_dir, monkeypatch):
     _with_fake_decoder(monkeypatch, "boom", RuntimeError)
     suite = {**TINY, "decoders": [{"name": "ar"}, {"name": "boom"}, {"name": "linear", "params": {"k": 2}}]}
     dbfile = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress")
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
     assert result.exit_code == 4, result.output  # a cell failed: the report prints, then the documented exit code
     assert "boom failed: prompt 0: RuntimeError: boom at the third token" in result.stdout
     with db.connect(str(dbfile))() as s:
@@ -217,16 +234,27 @@ def test_interrupt_keeps_samples_and_resume_completes(tmp_path, data_dir, monkey
     from dtbench.decoders.ar import Autoregressive
 
     real = registry.discover
-    monkeypatch.setattr(registry, "discover", lambda: {**real(), "stopper": registry.DecoderEntry(
-        "stopper", "fake-dist", "0", type("EP", (), {"load": staticmethod(lambda: Autoregressive)})())})
+    monkeypatch.setattr(
+        registry,
+        "discover",
+        lambda: {
+            **real(),
+            "stopper": registry.DecoderEntry(
+                "stopper", "fake-dist", "0", type("EP", (), {"load": staticmethod(lambda: Autoregressive)})()
+            ),
+        },
+    )
     # A run measured under other versions is not continued: its samples would not be comparable.
     with db.connect(str(dbfile))() as s:
         run = s.scalars(select(db.Run)).one()
         real_env = dict(run.environment)
         run.environment = {**real_env, "torch": "0.0.1"}
         s.commit()
-    one_line_error(invoke("run", "--resume", path, "--db", str(dbfile), "--data-dir", str(data_dir)),
-                   "torch = '0.0.1'", "start a new run")
+    one_line_error(
+        invoke("run", "--resume", path, "--db", str(dbfile), "--data-dir", str(data_dir)),
+        "torch = '0.0.1'",
+        "start a new run",
+    )
     with db.connect(str(dbfile))() as s:
         s.scalars(select(db.Run)).one().environment = real_env
         s.commit()
@@ -235,6 +263,9 @@ def test_interrupt_keeps_samples_and_resume_completes(tmp_path, data_dir, monkey
     with db.connect(str(dbfile))() as s:
         run = s.scalars(select(db.Run)).one()
         assert run.status == "completed"
-        counts = s.execute(select(db.Sample.cell_id, db.Sample.prompt_index, func.count()).group_by(
-            db.Sample.cell_id, db.Sample.prompt_index)).all()
+        counts = s.execute(
+            select(db.Sample.cell_id, db.Sample.prompt_index, func.count()).group_by(
+                db.Sample.cell_id, db.Sample.prompt_index
+            )
+        ).all()
         assert len(counts) == 4 and all(n == 1 for *_, n in counts)

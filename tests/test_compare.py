@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import reportdb
 from click.testing import CliRunner
 from scipy import stats
 
@@ -12,8 +13,6 @@ from dtbench.cli.main import cli
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.compare import Gate, compare_runs, mann_whitney
 from dtbench.reports.summary import samples_frame
-
-import reportdb
 
 BASE = [100.0, 101.0, 99.0, 100.5, 99.5, 100.2, 99.8, 100.1]
 FASTER = [v * 1.2 for v in BASE]
@@ -45,8 +44,16 @@ def two_runs(tmp_path):
             dec = "ar" if label == "AR" else "linear"
             cb = reportdb.add_cell(s, before, label, dec, params={"k": 4} if dec == "linear" else {})
             reportdb.add_samples(s, cb, [1.0] + b, warmup=1)
-            ca = reportdb.add_cell(s, after, label, dec, params=over.get("params", cb.params), version=over.get("version", "1"),
-                                   status=over.get("status", "done"), error=over.get("error"))
+            ca = reportdb.add_cell(
+                s,
+                after,
+                label,
+                dec,
+                params=over.get("params", cb.params),
+                version=over.get("version", "1"),
+                status=over.get("status", "done"),
+                error=over.get("error"),
+            )
             if a is not None:
                 reportdb.add_samples(s, ca, [1.0] + a, warmup=1)
         reportdb.add_samples(s, reportdb.add_cell(s, before, "gone", "linear"), [1.0] + BASE, warmup=1)
@@ -58,8 +65,9 @@ def two_runs(tmp_path):
 def marks(sessions, gates=(), env_after=None, alpha=0.05):
     with sessions() as s:
         fb, fa = samples_frame(s, 1), samples_frame(s, 2)
-    table, failures = compare_runs(fb, fa, before_env=reportdb.ENV, after_env=env_after or reportdb.ENV, alpha=alpha,
-                                   gates=list(gates))
+    table, failures = compare_runs(
+        fb, fa, before_env=reportdb.ENV, after_env=env_after or reportdb.ENV, alpha=alpha, gates=list(gates)
+    )
     return table.set_index("label"), failures
 
 
@@ -67,9 +75,15 @@ def test_marks(two_runs):
     _, sessions = two_runs
     t, failures = marks(sessions)
     assert t["mark"].to_dict() == {
-        "AR": "not significant", "faster": "better", "slower": "worse", "same": "not significant",
-        "params": "not comparable", "version": "not comparable", "breaks": "newly failing",
-        "gone": "missing", "added": "new",
+        "AR": "not significant",
+        "faster": "better",
+        "slower": "worse",
+        "same": "not significant",
+        "params": "not comparable",
+        "version": "not comparable",
+        "breaks": "newly failing",
+        "gone": "missing",
+        "added": "new",
     }
     assert "k 4 → 9" in t.loc["params", "note"] and "decoder version 1 → 2" in t.loc["version", "note"]
     assert "boom" in t.loc["breaks", "note"]
@@ -136,8 +150,21 @@ def test_cli_compare_exit_codes_and_only_changed(two_runs):
     gated = invoke("report", "--db", path, "--compare", "1", "latest", "--fail-if", "throughput:-5%", "--format", "csv")
     assert gated.exit_code == 1
     assert "gate tripped: throughput:-5%: wikitext-2 L_max=128 T=64 slower" in gated.stderr
-    passed = invoke("report", "--db", path, "--compare", "1", "2", "--fail-if", "throughput:-50%", "--fail-if", "ttft_ms:+50%",
-                    "--only-changed", "--format", "markdown")
+    passed = invoke(
+        "report",
+        "--db",
+        path,
+        "--compare",
+        "1",
+        "2",
+        "--fail-if",
+        "throughput:-50%",
+        "--fail-if",
+        "ttft_ms:+50%",
+        "--only-changed",
+        "--format",
+        "markdown",
+    )
     assert passed.exit_code == 1  # the newly failing cell trips any gate
     changed = invoke("report", "--db", path, "--compare", "1", "2", "--only-changed", "--format", "csv")
     labels = [line.split(",")[3] for line in changed.stdout.splitlines()[1:]]
@@ -148,9 +175,12 @@ def test_cli_compare_exit_codes_and_only_changed(two_runs):
 
 def test_cli_compare_bad_input(two_runs):
     path, _ = two_runs
-    for args, needle in [(["--compare", "1", "1"], "two different runs"), (["--compare", "1", "x"], "integer or 'latest'"),
-                         (["--compare", "1", "2", "--fail-if", "nope:-5%"], "METRIC:THRESHOLD"),
-                         (["--compare", "1", "9"], "no run 9")]:
+    for args, needle in [
+        (["--compare", "1", "1"], "two different runs"),
+        (["--compare", "1", "x"], "integer or 'latest'"),
+        (["--compare", "1", "2", "--fail-if", "nope:-5%"], "METRIC:THRESHOLD"),
+        (["--compare", "1", "9"], "no run 9"),
+    ]:
         res = invoke("report", "--db", path, *args)
         assert res.exit_code == 2, (args, res.output)
         lines = res.stderr.strip().splitlines()

@@ -18,6 +18,8 @@ import torch
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import fast_calibration_settings
+from models import VOCAB, model_zoo
 
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
@@ -28,9 +30,6 @@ from dtbench.harness.models import LoadedModel
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
 from dtbench.reports import costmodel
-
-from kit import fast_calibration_settings
-from models import VOCAB, model_zoo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -60,8 +59,9 @@ class FakeCost:
 def cost_tables():
     seconds = st.floats(0.001, 0.1, allow_nan=False, allow_infinity=False)
     key = st.tuples(st.lists(seconds, min_size=4, max_size=4), st.floats(0.0, 0.01))
-    return st.fixed_dictionaries({(r, k): key for r in ("target", "draft")
-                                  for k in ("prefill", "causal", "tree", "last")})
+    return st.fixed_dictionaries(
+        {(r, k): key for r in ("target", "draft") for k in ("prefill", "causal", "tree", "last")}
+    )
 
 
 class FakeClock:
@@ -81,8 +81,11 @@ class FakeClock:
 
         def pre_hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            pending.append(self.cost(role, int(ids.shape[-1]), measure._past_len(measure.cache_argument(kwargs)),
-                                     measure._flags(kwargs)))
+            pending.append(
+                self.cost(
+                    role, int(ids.shape[-1]), measure._past_len(measure.cache_argument(kwargs)), measure._flags(kwargs)
+                )
+            )
 
         def post_hook(module, args, kwargs, output):
             self.t += pending.pop()
@@ -105,26 +108,44 @@ DECODERS = {
     "ar": st.just({}),
     "hf_generate": st.just({}),
     "linear": st.fixed_dictionaries({"k": st.integers(1, 6)}),
-    "fixed_tree": st.fixed_dictionaries({
-        "depth": st.integers(1, 4), "branching": st.integers(1, 3), "n_max": st.integers(1, 24),
-        "cache_strategy": st.sampled_from(["compact", "rebuild"]),
-        "draft_strategy": st.sampled_from(["per_level", "per_node"]), "tau": st.sampled_from([0.0, 0.1])}),
-    "dynatree": st.fixed_dictionaries({
-        "n_max": st.integers(1, 32), "cache_strategy": st.sampled_from(["compact", "rebuild"]),
-        "draft_strategy": st.sampled_from(["per_level", "per_node"]), "tau": st.sampled_from([0.0, 0.1])}),
+    "fixed_tree": st.fixed_dictionaries(
+        {
+            "depth": st.integers(1, 4),
+            "branching": st.integers(1, 3),
+            "n_max": st.integers(1, 24),
+            "cache_strategy": st.sampled_from(["compact", "rebuild"]),
+            "draft_strategy": st.sampled_from(["per_level", "per_node"]),
+            "tau": st.sampled_from([0.0, 0.1]),
+        }
+    ),
+    "dynatree": st.fixed_dictionaries(
+        {
+            "n_max": st.integers(1, 32),
+            "cache_strategy": st.sampled_from(["compact", "rebuild"]),
+            "draft_strategy": st.sampled_from(["per_level", "per_node"]),
+            "tau": st.sampled_from([0.0, 0.1]),
+        }
+    ),
     "hf_assisted": st.fixed_dictionaries({"num_assistant_tokens": st.integers(1, 6)}),
     "streaming_ar": st.fixed_dictionaries({"sinks": st.integers(0, 2), "window": st.integers(3, 9)}),
-    "streaming_spec": st.fixed_dictionaries({"sinks": st.integers(0, 2), "window": st.integers(3, 9),
-                                             "k": st.integers(1, 4)}),
+    "streaming_spec": st.fixed_dictionaries(
+        {"sinks": st.integers(0, 2), "window": st.integers(3, 9), "k": st.integers(1, 4)}
+    ),
 }
 
 
 def tiny_suite(name: str, params: dict, l_max: int, T: int):
-    text = yaml.safe_dump({
-        "name": "fake", "device": "cpu", "target": {"model": "t", "dtype": "float64"},
-        "draft": {"model": "d", "dtype": "float64"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": l_max}],
-        "generation_lengths": [T], "decoders": [{"name": name, "params": params}]})
+    text = yaml.safe_dump(
+        {
+            "name": "fake",
+            "device": "cpu",
+            "target": {"model": "t", "dtype": "float64"},
+            "draft": {"model": "d", "dtype": "float64"},
+            "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": l_max}],
+            "generation_lengths": [T],
+            "decoders": [{"name": name, "params": params}],
+        }
+    )
     suite = parse_suite(text)
     return suite, plan_suite(suite)
 
@@ -135,8 +156,21 @@ def grid_curves(cost: FakeCost, suite, plan) -> curves_mod.Curves:
     for c in cal.curves_for(plan, suite, True):
         for n in c.ns:
             flags = (measure.FED_MASK if c.tree_mask else 0) | (measure.FED_LAST if c.last_only else 0)
-            points.append(cal.Point(c.role, "m", "float64", c.prompt_len, c.cache_len, n, c.tree_mask, c.last_only,
-                                    cost(c.role, n, c.cache_len, flags), 0.0, 1))
+            points.append(
+                cal.Point(
+                    c.role,
+                    "m",
+                    "float64",
+                    c.prompt_len,
+                    c.cache_len,
+                    n,
+                    c.tree_mask,
+                    c.last_only,
+                    cost(c.role, n, c.cache_len, flags),
+                    0.0,
+                    1,
+                )
+            )
     return curves_mod.Curves(points)
 
 
@@ -147,20 +181,34 @@ def test_fed_flags_agree():
 def test_calibrate_with_fake_clock_measures_the_cost_exactly():
     """calibrate() itself, clocked by the fake clock: every point's median is the fake cost of that forward."""
     target, draft = model_zoo()["perturbed"]
-    cost = FakeCost({(r, k): ([0.01, 0.03, 0.025, 0.02], 0.001) for r in ("target", "draft")
-                     for k in ("prefill", "causal", "tree", "last")})
+    cost = FakeCost(
+        {
+            (r, k): ([0.01, 0.03, 0.025, 0.02], 0.001)
+            for r in ("target", "draft")
+            for k in ("prefill", "causal", "tree", "last")
+        }
+    )
     clock = FakeClock(cost)
     clock.attach(target, "target")
     clock.attach(draft, "draft")
     suite, plan = tiny_suite("dynatree", {"n_max": 20}, 12, 6)
     try:
-        points = cal.calibrate(plan, suite, LoadedModel(target, "t", "float64", "cpu", 0),
-                               LoadedModel(draft, "d", "float64", "cpu", 0), torch.device("cpu"),
-                               {12: list(range(3, 15))}, settings=FAST, clock=clock.now)
+        points = cal.calibrate(
+            plan,
+            suite,
+            LoadedModel(target, "t", "float64", "cpu", 0),
+            LoadedModel(draft, "d", "float64", "cpu", 0),
+            torch.device("cpu"),
+            {12: list(range(3, 15))},
+            settings=FAST,
+            clock=clock.now,
+        )
     finally:
         clock.detach()
-    kinds = {(p.role, "prefill" if p.cache_len == 0 else "tree" if p.tree_mask else "last" if p.last_only
-              else "causal") for p in points}
+    kinds = {
+        (p.role, "prefill" if p.cache_len == 0 else "tree" if p.tree_mask else "last" if p.last_only else "causal")
+        for p in points
+    }
     assert kinds == {(r, k) for r in ("target", "draft") for k in ("prefill", "causal", "tree", "last")}
     assert {p.cache_len for p in points} == {0, 12, 18}
     for p in points:
@@ -206,9 +254,22 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
 
 
 @settings(max_examples=40, deadline=None)
-@given(table=cost_tables(), steps=st.lists(st.lists(st.tuples(
-    st.sampled_from(["target", "draft"]), st.integers(1, 300), st.sampled_from([0, 16, 40, 64]),
-    st.sampled_from([0, 1, 2, 3])), max_size=6), min_size=1, max_size=30))
+@given(
+    table=cost_tables(),
+    steps=st.lists(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["target", "draft"]),
+                st.integers(1, 300),
+                st.sampled_from([0, 16, 40, 64]),
+                st.sampled_from([0, 1, 2, 3]),
+            ),
+            max_size=6,
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+)
 def test_price_of_random_step_sequences_is_the_sum_of_forward_costs(table, steps):
     """Any sequence of steps and forwards: the predicted time is the fake cost of each forward, summed."""
     cost = FakeCost(table)
@@ -227,12 +288,18 @@ def test_price_of_random_step_sequences_is_the_sum_of_forward_costs(table, steps
 
 
 def test_old_samples_without_per_forward_records_are_priced_approximately():
-    cost = FakeCost({(r, k): ([0.01, 0.02, 0.03, 0.04], 0.01) for r in ("target", "draft")
-                     for k in ("prefill", "causal", "tree", "last")})
+    cost = FakeCost(
+        {
+            (r, k): ([0.01, 0.02, 0.03, 0.04], 0.01)
+            for r in ("target", "draft")
+            for k in ("prefill", "causal", "tree", "last")
+        }
+    )
     suite, plan = tiny_suite("linear", {"k": 3}, 16, 8)
     curves = grid_curves(cost, suite, plan)
-    priced = costmodel.price_sample(curves, {"target_forwards": [1, 1], "target_tokens": [4, 4],
-                                             "draft_forwards": None, "draft_tokens": None})
+    priced = costmodel.price_sample(
+        curves, {"target_forwards": [1, 1], "target_tokens": [4, 4], "draft_forwards": None, "draft_tokens": None}
+    )
     assert priced["approx"] and priced["draft_s"] == 0
     assert priced["target_s"] == pytest.approx(2 * 0.04)
 
@@ -253,10 +320,9 @@ def test_best_k_from_costs():
     up to where E(k) saturates against k draft steps."""
     pts = []
     for role in ("target", "draft"):
-        for kind, mask, last in (("causal", False, False), ("last", False, True)):
+        for _kind, mask, last in (("causal", False, False), ("last", False, True)):
             for n in range(1, 17):
-                pts.append(cal.Point(role, "m", "f", 100, 100, n, mask, last, 0.1 if role == "target" else 0.01,
-                                     0, 1))
+                pts.append(cal.Point(role, "m", "f", 100, 100, n, mask, last, 0.1 if role == "target" else 0.01, 0, 1))
     curves = curves_mod.Curves(pts)
     speed = costmodel.chain_speedups(curves, [0.9] * 10, 100)
     for k, s in speed.items():
@@ -269,26 +335,71 @@ def test_best_k_from_costs():
 
 
 def test_calibration_round_trips_through_the_database(tmp_path):
-    from dtbench.harness import db
     from reportdb import add_run
 
+    from dtbench.harness import db
+
     sessions = db.connect(f"sqlite:///{tmp_path / 'r.db'}")
-    points = [cal.Point("target", "smollm2-135m", "float32", 128, c, n, mask, last, 0.001 * n + c * 1e-5, 1e-4, 7)
-              for c in (0, 128, 192) for n in (1, 2, 8, 64) for mask, last in ((False, False), (True, False))]
+    points = [
+        cal.Point("target", "smollm2-135m", "float32", 128, c, n, mask, last, 0.001 * n + c * 1e-5, 1e-4, 7)
+        for c in (0, 128, 192)
+        for n in (1, 2, 8, 64)
+        for mask, last in ((False, False), (True, False))
+    ]
     with sessions() as s:
-        run = add_run(s, env={"device": "cpu", "device_name": measure.device_name(torch.device("cpu")),
-                              "target": {"model": "smollm2-135m", "dtype": "float32"}, "draft": None})
-        other = add_run(s, env={"device": "cpu", "device_name": "another cpu",
-                                "target": {"model": "smollm2-135m", "dtype": "float32"}})
+        run = add_run(
+            s,
+            env={
+                "device": "cpu",
+                "device_name": measure.device_name(torch.device("cpu")),
+                "target": {"model": "smollm2-135m", "dtype": "float32"},
+                "draft": None,
+            },
+        )
+        other = add_run(
+            s,
+            env={
+                "device": "cpu",
+                "device_name": "another cpu",
+                "target": {"model": "smollm2-135m", "dtype": "float32"},
+            },
+        )
         s.commit()
         rid, oid = run.id, other.id
     batch = cal.store(sessions, points, run_id=None, suite_name="q", suite_hash="h" * 64, device=torch.device("cpu"))
     with sessions() as s:
         rows = s.query(db.Calibration).order_by(db.Calibration.id).all()
-        assert [(r.role, r.model, r.dtype, r.prompt_len, r.cache_len, r.n, r.tree_mask, r.last_only, r.median_s,
-                 r.iqr_s, r.repeats) for r in rows] == [
-            (p.role, p.model, p.dtype, p.prompt_len, p.cache_len, p.n, p.tree_mask, p.last_only, p.median_s,
-             p.iqr_s, p.repeats) for p in points]
+        assert [
+            (
+                r.role,
+                r.model,
+                r.dtype,
+                r.prompt_len,
+                r.cache_len,
+                r.n,
+                r.tree_mask,
+                r.last_only,
+                r.median_s,
+                r.iqr_s,
+                r.repeats,
+            )
+            for r in rows
+        ] == [
+            (
+                p.role,
+                p.model,
+                p.dtype,
+                p.prompt_len,
+                p.cache_len,
+                p.n,
+                p.tree_mask,
+                p.last_only,
+                p.median_s,
+                p.iqr_s,
+                p.repeats,
+            )
+            for p in points
+        ]
         assert {r.batch for r in rows} == {batch} and all(r.run_id is None for r in rows)
         curves = curves_mod.load_curves(s, s.get(db.Run, rid))  # standalone, matched by model, dtype, device
         assert curves is not None and curves.batch == batch and curves.run_id is None
@@ -296,8 +407,9 @@ def test_calibration_round_trips_through_the_database(tmp_path):
         assert curves.cost("target", 8, 160, 0) == pytest.approx(0.008 + 160e-5)  # between cache lengths
         assert curves.cost("target", 100, 0, 0) == pytest.approx(0.1)  # a prefill, along the last segment
         assert curves_mod.load_curves(s, s.get(db.Run, oid)) is None  # another machine
-    linked = cal.store(sessions, points[:4], run_id=oid, suite_name="q", suite_hash="h" * 64,
-                       device=torch.device("cpu"))
+    linked = cal.store(
+        sessions, points[:4], run_id=oid, suite_name="q", suite_hash="h" * 64, device=torch.device("cpu")
+    )
     with sessions() as s:
         curves = curves_mod.load_curves(s, s.get(db.Run, oid))
         assert curves.batch == linked and curves.run_id == oid
@@ -307,9 +419,10 @@ def test_calibration_round_trips_through_the_database(tmp_path):
 
 
 def test_cost_model_without_calibration_is_a_one_line_error(tmp_path):
-    from dtbench.harness import db
     from kit import invoke
     from reportdb import add_cell, add_run, add_samples
+
+    from dtbench.harness import db
 
     path = tmp_path / "r.db"
     sessions = db.connect(f"sqlite:///{path}")
@@ -325,8 +438,24 @@ def test_cost_model_without_calibration_is_a_one_line_error(tmp_path):
 
 def test_auto_budget_takes_the_largest_n_within_the_factor():
     # one token 10 ms; verify with the tree mask: n=2,3 slow (CPU kernels), n up to 9 within 2x, then steep.
-    costs = {1: 0.010, 2: 0.025, 3: 0.024, 4: 0.012, 5: 0.013, 6: 0.014, 7: 0.015, 8: 0.016, 9: 0.019, 10: 0.021,
-             11: 0.022, 12: 0.023, 13: 0.024, 14: 0.025, 15: 0.026, 16: 0.027}
+    costs = {
+        1: 0.010,
+        2: 0.025,
+        3: 0.024,
+        4: 0.012,
+        5: 0.013,
+        6: 0.014,
+        7: 0.015,
+        8: 0.016,
+        9: 0.019,
+        10: 0.021,
+        11: 0.022,
+        12: 0.023,
+        13: 0.024,
+        14: 0.025,
+        15: 0.026,
+        16: 0.027,
+    }
     pts = [cal.Point("target", "m", "f", 64, 64, n, True, False, c, 0, 1) for n, c in costs.items()]
     pts += [cal.Point("target", "m", "f", 64, 64, 1, False, False, 0.010, 0, 1)]
     curves = curves_mod.Curves(pts)
@@ -337,26 +466,45 @@ def test_auto_budget_takes_the_largest_n_within_the_factor():
 def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     """A suite with `calibrate: true` and `n_max: auto`: the calibration is stored with the run, the budget lands in
     the cell's params, and `report --cost-model --format json` prices every cell."""
+    from kit import invoke, suite_dict, tiny_pair, write_suite
+
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
     from dtbench.harness import db
-    from kit import invoke, suite_dict, tiny_pair, write_suite
 
     monkeypatch.setattr(cal, "Settings", Fast)
     target, draft = tiny_pair(tmp_path)
-    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "linear", "params": {"k": 3}},
-                                       {"name": "dynatree", "params": {"n_max": "auto", "n_max_factor": 3.0}}],
-                       calibrate=True)
+    suite = suite_dict(
+        target,
+        draft,
+        [
+            {"name": "ar"},
+            {"name": "linear", "params": {"k": 3}},
+            {"name": "dynatree", "params": {"n_max": "auto", "n_max_factor": 3.0}},
+        ],
+        calibrate=True,
+    )
     dbfile = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress", "--no-report")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite),
+        "--db",
+        str(dbfile),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--no-report",
+    )
     assert result.exit_code == 0, result.output
     sessions = db.connect(f"sqlite:///{dbfile}")
     with sessions() as s:
         run = s.query(db.Run).one()
         assert s.query(db.Calibration).filter_by(run_id=run.id).count() > 0
         where = run.environment["calibration"]  # measured by the local executor's worker: this process
-        assert where["pid"] == os.getpid() and where["device"] == "cpu" and where["batch"] == curves_mod.load_curves(
-            s, run).batch
+        assert (
+            where["pid"] == os.getpid()
+            and where["device"] == "cpu"
+            and where["batch"] == curves_mod.load_curves(s, run).batch
+        )
         cell = s.query(db.Cell).filter_by(decoder="dynatree").one()
         assert isinstance(cell.params["n_max"], int) and 1 <= cell.params["n_max"] <= N_MAX_AUTO_CEILING
     result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
@@ -373,12 +521,14 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     assert cells["dynatree"]["predicted_best_k"] is None
     # the same report through the other registered formats: one CSV row per cell (the per-position acceptance as
     # ';'-joined shares, as JSON's list), one HTML page
-    rows = list(csv.DictReader(io.StringIO(invoke("report", "--db", str(dbfile), "--cost-model", "--format",
-                                                  "csv").stdout)))
+    rows = list(
+        csv.DictReader(io.StringIO(invoke("report", "--db", str(dbfile), "--cost-model", "--format", "csv").stdout))
+    )
     assert {r["label"] for r in rows} == set(cells) and "prompt_cap" in rows[0]
     linear = next(r for r in rows if r["label"] == "linear")
     assert [float(x) for x in linear["acceptance_by_position"].split(";")] == pytest.approx(
-        cells["linear"]["acceptance_by_position"], abs=1e-6)
+        cells["linear"]["acceptance_by_position"], abs=1e-6
+    )
     page = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "html").stdout
     assert page.startswith("<!DOCTYPE html>") and "cost model" in page and "Best config (pred.)" in page
     result = invoke("report", "--db", str(dbfile), "--figures", str(tmp_path / "figs"))

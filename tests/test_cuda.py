@@ -21,24 +21,24 @@ import time
 
 import pytest
 import torch
-
-from dtbench.harness import models, registry
-from dtbench.harness.prompt import Prompt
-from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
-from dtbench.harness.metrics import sample_row
-from dtbench.harness.suite import ModelSpec
 from test_measurement import BUILTIN, HEAD
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="needs a CUDA GPU (run `make gpu-check` on a GPU node)")]
+from dtbench.harness import models, registry
+from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
+from dtbench.harness.metrics import sample_row
+from dtbench.harness.prompt import Prompt
+from dtbench.harness.suite import ModelSpec
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make gpu-check` on a GPU node)"),
+]
 
 CUDA = torch.device("cuda", 0)
 T = 32
 FP16_TIE_LOGITS = 0.25  # fp16 logits of ~10-30 carry ~0.01-0.03 rounding per op; a gap below this is a near tie
 EVENT_REL_TOL, EVENT_ABS_TOL_S = 0.10, 0.5e-3
 NVML_OVER_ALLOCATOR = 4 * 2**30  # CUDA context (~0.3-1 GiB) + allocator cache stay well below this
-
 
 
 def lossless_builtins() -> set[str]:
@@ -79,7 +79,7 @@ def teacher_forced_misses(target, prompt: list[int], tokens: list[int], tie: flo
     """Positions whose emitted token is more than ``tie`` logits below the target's best, given the same prefix."""
     ids = torch.tensor([prompt + tokens], device=CUDA)
     with torch.no_grad():
-        logits = target(ids).logits[0, len(prompt) - 1:-1].float()  # [T, vocab]: the prediction of each emitted token
+        logits = target(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, vocab]: the prediction of each emitted token
     emitted = logits.gather(1, torch.tensor(tokens, device=CUDA)[:, None])[:, 0]
     return [i for i, gap in enumerate((logits.max(dim=1).values - emitted).tolist()) if gap > tie]
 
@@ -135,6 +135,7 @@ def test_nvml_process_peak_against_the_allocator_peak():
 
 def test_ray_executor_one_worker_per_gpu(tmp_path, data_dir):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'dtbench[ray]')")
+    from kit import suite_dict, tiny_pair, write_suite
     from rich.console import Console
     from sqlalchemy import select
 
@@ -142,7 +143,6 @@ def test_ray_executor_one_worker_per_gpu(tmp_path, data_dir):
     from dtbench.harness.executors import RayExecutor
     from dtbench.harness.runner import run_suite
     from dtbench.harness.suitefile import load_suite
-    from kit import suite_dict, tiny_pair, write_suite
 
     suite = suite_dict(*tiny_pair(tmp_path), [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], device="cuda")
     for role in ("target", "draft"):
@@ -150,8 +150,15 @@ def test_ray_executor_one_worker_per_gpu(tmp_path, data_dir):
     parsed, text = load_suite(write_suite(tmp_path, suite))
     executor = RayExecutor(workers=1)
     sessions = db.connect(str(tmp_path / "ray.db"))
-    run_id = run_suite(parsed, text, sessions, data_dir=str(data_dir), executor=executor,
-                       console=Console(file=io.StringIO()), progress=False)
+    run_id = run_suite(
+        parsed,
+        text,
+        sessions,
+        data_dir=str(data_dir),
+        executor=executor,
+        console=Console(file=io.StringIO()),
+        progress=False,
+    )
     with sessions() as s:
         run = s.get(db.Run, run_id)
         samples = s.scalars(select(db.Sample)).all()

@@ -41,7 +41,8 @@ def write_wikitext_repo(folder: Path, raw: str) -> None:
     (folder / "README.md").write_text(
         "---\nconfigs:\n- config_name: wikitext-2-raw-v1\n  data_files:\n"
         "  - split: test\n    path: wikitext-2-raw-v1/test-*\n  - split: train\n    path: wikitext-2-raw-v1/train-*\n"
-        "---\n")
+        "---\n"
+    )
 
 
 def write_pg19_repo(folder: Path, books: list[tuple[str, str]]) -> None:
@@ -49,9 +50,14 @@ def write_pg19_repo(folder: Path, books: list[tuple[str, str]]) -> None:
     import pandas as pd
 
     (folder / "data").mkdir(parents=True)
-    frame = pd.DataFrame({"short_book_title": [t for t, _ in books], "publication_date": [1900] * len(books),
-                          "url": [f"https://www.gutenberg.org/ebooks/{i}" for i in range(len(books))],
-                          "text": [x for _, x in books]})
+    frame = pd.DataFrame(
+        {
+            "short_book_title": [t for t, _ in books],
+            "publication_date": [1900] * len(books),
+            "url": [f"https://www.gutenberg.org/ebooks/{i}" for i in range(len(books))],
+            "text": [x for _, x in books],
+        }
+    )
     frame.to_parquet(folder / "data" / "test-00000-of-00001-0000000000000000.parquet")
 
 
@@ -80,8 +86,16 @@ def test_wikitext_hub_path_reads_parquet(offline_hub, data_dir):
     assert [t for t, _ in hub] == [t for t, _ in local] and len(hub) > 50
     assert all(squeeze(a) == squeeze(b) for (_, a), (_, b) in zip(hub, local))
     prov = hub.provenance  # returned with the documents
-    assert prov == {"name": "wikitext-2", "source": "hub", "hub_id": str(repo), "config": "wikitext-2-raw-v1",
-                    "split": "test", "revision": None, "datasets": prov["datasets"], "skip": 0}
+    assert prov == {
+        "name": "wikitext-2",
+        "source": "hub",
+        "hub_id": str(repo),
+        "config": "wikitext-2-raw-v1",
+        "split": "test",
+        "revision": None,
+        "datasets": prov["datasets"],
+        "skip": 0,
+    }
     loc = local.provenance
     assert loc["source"] == "local" and loc["files"][0].endswith("wiki.test.raw") and len(loc["sha256"]) == 64
 
@@ -141,10 +155,20 @@ def test_tuning_prompts_come_from_other_documents_than_every_benchmark(data_dir)
         for t_ds in tuning.datasets:
             for b_ds in (d for d in bench.datasets if d.name == t_ds.name):
                 assert b_ds.skip == 0
-                held = {p.document for l_max in t_ds.l_maxes for p in data.select_prompts(
-                    data.load_documents(t_ds, str(data_dir)), tokenizer, t_ds.prompts, l_max, tuning.seed)}
-                used = {p.document for l_max in b_ds.l_maxes for p in data.select_prompts(
-                    data.load_documents(b_ds, str(data_dir)), tokenizer, b_ds.prompts, l_max, bench.seed)}
+                held = {
+                    p.document
+                    for l_max in t_ds.l_maxes
+                    for p in data.select_prompts(
+                        data.load_documents(t_ds, str(data_dir)), tokenizer, t_ds.prompts, l_max, tuning.seed
+                    )
+                }
+                used = {
+                    p.document
+                    for l_max in b_ds.l_maxes
+                    for p in data.select_prompts(
+                        data.load_documents(b_ds, str(data_dir)), tokenizer, b_ds.prompts, l_max, bench.seed
+                    )
+                }
                 assert held and used and not held & used, (path.name, held & used)
                 checked += 1
     assert checked >= 4

@@ -8,10 +8,10 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from kit import invoke, one_line_error, tiny_pair, write_suite
 
 from dtbench.harness import data
 from dtbench.harness.suite import DatasetSpec
-from kit import invoke, one_line_error, tiny_pair, write_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,21 +43,28 @@ def test_code_cpu_suite_validates(data_dir):
 
 
 def _suite(target: Path, draft: Path, datasets: list[dict], decoders=None) -> dict:
-    return {"name": "labels", "seed": 0, "device": "cpu",
-            "target": {"model": str(target), "dtype": "float64"}, "draft": {"model": str(draft), "dtype": "float64"},
-            "chat_template": "none", "datasets": datasets, "generation_lengths": [6],
-            "decoders": decoders or [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}]}
+    return {
+        "name": "labels",
+        "seed": 0,
+        "device": "cpu",
+        "target": {"model": str(target), "dtype": "float64"},
+        "draft": {"model": str(draft), "dtype": "float64"},
+        "chat_template": "none",
+        "datasets": datasets,
+        "generation_lengths": [6],
+        "decoders": decoders or [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}],
+    }
 
 
 def test_one_dataset_twice_needs_labels(tmp_path):
     target, draft = tiny_pair(tmp_path)
-    twice = [{"name": "wikitext-2", "prompts": 1, "warmup": 0, "L_max": 32},
-             {"name": "wikitext-2", "prompts": 1, "warmup": 0, "L_max": 32}]
-    one_line_error(invoke("validate", write_suite(tmp_path, _suite(target, draft, twice))), "listed twice",
-                   "label")
+    twice = [
+        {"name": "wikitext-2", "prompts": 1, "warmup": 0, "L_max": 32},
+        {"name": "wikitext-2", "prompts": 1, "warmup": 0, "L_max": 32},
+    ]
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(target, draft, twice))), "listed twice", "label")
     same = [dict(twice[0], label="a"), dict(twice[1], label="a")]
-    one_line_error(invoke("validate", write_suite(tmp_path, _suite(target, draft, same))), "label 'a'",
-                   "listed twice")
+    one_line_error(invoke("validate", write_suite(tmp_path, _suite(target, draft, same))), "label 'a'", "listed twice")
 
 
 def test_spec_bench_twice_and_humaneval_run_side_by_side(tmp_path, data_dir):
@@ -65,26 +72,50 @@ def test_spec_bench_twice_and_humaneval_run_side_by_side(tmp_path, data_dir):
     and HumanEval: every label has its own cells, prompts and provenance, and reports show the labels."""
     target, draft = tiny_pair(tmp_path)
     mine = tmp_path / "mine.jsonl"
-    mine.write_text("".join(json.dumps(q) + "\n" for q in [
-        {"question_id": "m1", "category": "poetry", "turns": ["Write a haiku about rain."]},
-        {"question_id": "m2", "category": "poetry", "turns": ["Write a couplet about the sea."]}]))
-    datasets = [{"name": "spec-bench", "label": "spec-bench (qa)", "categories": ["qa"], "prompts": 2, "warmup": 1,
-                 "L_max": 200},
-                {"name": "spec-bench", "label": "mine", "path": str(mine), "prompts": 2, "warmup": 1, "L_max": 200},
-                {"name": "humaneval", "label": "code", "prompts": 2, "warmup": 1, "L_max": 400}]
-    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 3}},
-                {"name": "linear", "label": "linear (mine)", "params": {"k": 2}, "datasets": ["mine"]}]
+    mine.write_text(
+        "".join(
+            json.dumps(q) + "\n"
+            for q in [
+                {"question_id": "m1", "category": "poetry", "turns": ["Write a haiku about rain."]},
+                {"question_id": "m2", "category": "poetry", "turns": ["Write a couplet about the sea."]},
+            ]
+        )
+    )
+    datasets = [
+        {
+            "name": "spec-bench",
+            "label": "spec-bench (qa)",
+            "categories": ["qa"],
+            "prompts": 2,
+            "warmup": 1,
+            "L_max": 200,
+        },
+        {"name": "spec-bench", "label": "mine", "path": str(mine), "prompts": 2, "warmup": 1, "L_max": 200},
+        {"name": "humaneval", "label": "code", "prompts": 2, "warmup": 1, "L_max": 400},
+    ]
+    decoders = [
+        {"name": "ar"},
+        {"name": "linear", "params": {"k": 3}},
+        {"name": "linear", "label": "linear (mine)", "params": {"k": 2}, "datasets": ["mine"]},
+    ]
     path = write_suite(tmp_path, _suite(target, draft, datasets, decoders))
     db = tmp_path / "r.db"
-    result = invoke("run", path, "--db", f"sqlite:///{db}", "--data-dir", str(data_dir), "--no-progress",
-                    "--no-report")
+    result = invoke("run", path, "--db", f"sqlite:///{db}", "--data-dir", str(data_dir), "--no-progress", "--no-report")
     assert result.exit_code == 0, result.output
     con = sqlite3.connect(db)
-    cells = con.execute("select dataset, label, count(*) from cells join samples on samples.cell_id = cells.id "
-                        "group by cells.id order by cells.id").fetchall()
-    assert {(d, l) for d, l, _ in cells} == {("spec-bench (qa)", "ar"), ("spec-bench (qa)", "linear"),
-                                             ("mine", "ar"), ("mine", "linear"), ("mine", "linear (mine)"),
-                                             ("code", "ar"), ("code", "linear")}
+    cells = con.execute(
+        "select dataset, label, count(*) from cells join samples on samples.cell_id = cells.id "
+        "group by cells.id order by cells.id"
+    ).fetchall()
+    assert {(d, lbl) for d, lbl, _ in cells} == {
+        ("spec-bench (qa)", "ar"),
+        ("spec-bench (qa)", "linear"),
+        ("mine", "ar"),
+        ("mine", "linear"),
+        ("mine", "linear (mine)"),
+        ("code", "ar"),
+        ("code", "linear"),
+    }
     assert all(n == 2 for _, _, n in cells)
     env = json.loads(con.execute("select environment from runs").fetchone()[0])
     by_label = {s.get("label"): s for s in env["datasets"]}
@@ -92,13 +123,16 @@ def test_spec_bench_twice_and_humaneval_run_side_by_side(tmp_path, data_dir):
     assert by_label["mine"]["name"] == by_label["spec-bench (qa)"]["name"] == "spec-bench"
     assert env["stop_at_eos"] == {"spec-bench (qa)": True, "mine": True, "code": True}
     # the two spec-bench entries drew different questions: their prompts differ
-    prompts = dict(con.execute("select cells.dataset, group_concat(samples.prompt_tokens) from samples join cells on "
-                               "samples.cell_id = cells.id where cells.label = 'ar' group by cells.dataset"))
+    prompts = dict(
+        con.execute(
+            "select cells.dataset, group_concat(samples.prompt_tokens) from samples join cells on "
+            "samples.cell_id = cells.id where cells.label = 'ar' group by cells.dataset"
+        )
+    )
     assert prompts["mine"] != prompts["spec-bench (qa)"]
     report = invoke("report", "--db", f"sqlite:///{db}", "--format", "json")
     assert report.exit_code == 0, report.output
     shown = {c["dataset"] for c in json.loads(report.stdout)["cells"]}  # stderr: the tuning line
     assert shown == {"spec-bench (qa)", "mine", "code"}
     by_group = invoke("report", "--db", f"sqlite:///{db}", "--by", "group", "--format", "markdown")
-    assert by_group.exit_code == 0 and "mine · poetry" in by_group.output and "spec-bench (qa) · qa" in \
-        by_group.output
+    assert by_group.exit_code == 0 and "mine · poetry" in by_group.output and "spec-bench (qa) · qa" in by_group.output

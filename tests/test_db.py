@@ -4,20 +4,20 @@ definitions."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 import torch
+from models import model_zoo
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.harness import db
-from dtbench.harness.prompt import Prompt
 from dtbench.harness.measure import measure
 from dtbench.harness.metrics import first_divergence, sample_row
-from models import model_zoo
+from dtbench.harness.prompt import Prompt
 
 
 @pytest.fixture()
@@ -28,8 +28,18 @@ def sessions(db_url):
 def _store(sessions, rows):
     with sessions() as s:
         run = db.Run(suite_name="t", suite_text="", suite_hash="0", environment={})
-        cell = db.Cell(run=run, dataset="d", l_max=8, gen_length=20, decoder="linear", label="linear",
-                       decoder_version="1", decoder_distribution="dtbench", params={"k": 3}, target_model="tiny")
+        cell = db.Cell(
+            run=run,
+            dataset="d",
+            l_max=8,
+            gen_length=20,
+            decoder="linear",
+            label="linear",
+            decoder_version="1",
+            decoder_distribution="dtbench",
+            params={"k": 3},
+            target_model="tiny",
+        )
         s.add(cell)
         for row in rows:
             s.add(db.Sample(cell=cell, **row))
@@ -49,7 +59,7 @@ def test_sample_round_trip_and_metric_definitions(sessions):
         back = s.scalars(select(db.Sample).where(db.Sample.cell_id == cell_id)).one()
     for key, value in row.items():
         assert getattr(back, key) == value, key
-    # Definitions (DESIGN.md "Metrics"), checked against the raw per-step record.
+    # Definitions (docs/measurement.md), checked against the raw per-step record.
     assert back.new_tokens == 20 == len(back.output_tokens)
     assert sum(back.step_tokens) >= 20 and sum(back.step_tokens[:-1]) < 20
     assert back.iterations == len(back.step_tokens) == len(back.step_times_s)
@@ -82,10 +92,28 @@ def test_divergent_output_is_recorded(sessions):
 
 
 def _sample(cell, prompt_index=0, **over):
-    row = dict(prompt_index=prompt_index, document="d", warmup=False, prompt_tokens=8, new_tokens=4, total_s=1.0,
-               ttft_s=0.1, tpot_s=0.3, throughput=4.0, iterations=4, tokens_per_iteration=1.0, drafted=0, accepted=0,
-               draft_depth=0, target_forwards=4, step_tokens=[1, 1, 1, 1], step_stats={}, step_times_s=[1.0],
-               output_hash="h", output_tokens=[1, 2, 3, 4])
+    row = dict(
+        prompt_index=prompt_index,
+        document="d",
+        warmup=False,
+        prompt_tokens=8,
+        new_tokens=4,
+        total_s=1.0,
+        ttft_s=0.1,
+        tpot_s=0.3,
+        throughput=4.0,
+        iterations=4,
+        tokens_per_iteration=1.0,
+        drafted=0,
+        accepted=0,
+        draft_depth=0,
+        target_forwards=4,
+        step_tokens=[1, 1, 1, 1],
+        step_stats={},
+        step_times_s=[1.0],
+        output_hash="h",
+        output_tokens=[1, 2, 3, 4],
+    )
     row.update(over)
     return db.Sample(cell=cell, **row)
 
@@ -96,12 +124,38 @@ def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
     berlin = timezone(timedelta(hours=1))
     started = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=berlin)
     with sessions() as s:
-        run = db.Run(suite_name="t", suite_text="", suite_hash="0", environment=env, started_at=started,
-                     heartbeat_at=datetime(2026, 1, 2, 2, 0, 0))  # naive: taken as UTC
-        cell = db.Cell(run=run, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar",
-                       decoder_version="1", decoder_distribution="dtbench", params={"k": 3}, target_model="m")
-        s.add(_sample(cell, step_stats=stats, peak_allocated_bytes=80 * 2**30, peak_nvml_bytes=2**40,
-                      target_forwards=None, draft_forwards=7, acceptance_incl_bonus=1.25, nvml_scope="process"))
+        run = db.Run(
+            suite_name="t",
+            suite_text="",
+            suite_hash="0",
+            environment=env,
+            started_at=started,
+            heartbeat_at=datetime(2026, 1, 2, 2, 0, 0),
+        )  # naive: taken as UTC
+        cell = db.Cell(
+            run=run,
+            dataset="d",
+            l_max=8,
+            gen_length=4,
+            decoder="ar",
+            label="ar",
+            decoder_version="1",
+            decoder_distribution="dtbench",
+            params={"k": 3},
+            target_model="m",
+        )
+        s.add(
+            _sample(
+                cell,
+                step_stats=stats,
+                peak_allocated_bytes=80 * 2**30,
+                peak_nvml_bytes=2**40,
+                target_forwards=None,
+                draft_forwards=7,
+                acceptance_incl_bonus=1.25,
+                nvml_scope="process",
+            )
+        )
         s.commit()
         run_id, cell_id = run.id, cell.id
     with sessions() as s:
@@ -113,15 +167,28 @@ def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
         assert sample.step_stats == stats and sample.step_stats["zé"][0] == 0.1 + 0.2
         assert sample.peak_allocated_bytes == 80 * 2**30 and sample.peak_nvml_bytes == 2**40  # BIGINT
         assert sample.target_forwards is None and sample.draft_forwards == 7 and sample.nvml_scope == "process"
-        assert sample.created_at.tzinfo is None and abs(datetime.now(timezone.utc).replace(tzinfo=None)
-                                                        - sample.created_at) < timedelta(minutes=5)
+        assert sample.created_at.tzinfo is None and abs(
+            datetime.now(UTC).replace(tzinfo=None) - sample.created_at
+        ) < timedelta(minutes=5)
     with sessions() as s:  # (cell, prompt_index) is unique
         s.add(_sample(s.get(db.Cell, cell_id), prompt_index=0))
         with pytest.raises(IntegrityError):
             s.commit()
     with sessions() as s:  # (run, dataset, cap, T, label) is unique
-        s.add(db.Cell(run_id=run_id, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar",
-                      decoder_version="1", decoder_distribution="dtbench", params={}, target_model="m"))
+        s.add(
+            db.Cell(
+                run_id=run_id,
+                dataset="d",
+                l_max=8,
+                gen_length=4,
+                decoder="ar",
+                label="ar",
+                decoder_version="1",
+                decoder_distribution="dtbench",
+                params={},
+                target_model="m",
+            )
+        )
         with pytest.raises(IntegrityError):
             s.commit()
     with sessions() as s:  # deleting a run cascades to its cells and samples

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import invoke, one_line_error
 from sqlalchemy import create_engine, func, inspect, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from dtbench.harness import db
 from dtbench.harness.errors import DtbenchError
-from kit import invoke, one_line_error
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results-0001.db"
 
@@ -57,8 +57,15 @@ CHILD = textwrap.dedent("""
 
 def children(url: str, n: int, samples: int, delay: float = 1.5) -> list[subprocess.Popen]:
     gate = time.time() + delay  # after every child has imported SQLAlchemy: they open the database together
-    return [subprocess.Popen([sys.executable, "-c", CHILD, url, str(gate), str(samples)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, url, str(gate), str(samples)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
 
 
 def count(url: str, table: str) -> int:
@@ -99,8 +106,9 @@ def test_two_concurrent_writers_lose_nothing(db_url):
         assert p.returncode == 0, err[-2000:]
     sessions = db.connect(db_url, create=False)
     with sessions() as s:
-        per_run = s.execute(select(db.Cell.run_id, func.count(db.Sample.id)).join(db.Sample)
-                            .group_by(db.Cell.run_id)).all()
+        per_run = s.execute(
+            select(db.Cell.run_id, func.count(db.Sample.id)).join(db.Sample).group_by(db.Cell.run_id)
+        ).all()
     assert sorted(n for _, n in per_run) == [25, 25]
 
 
@@ -229,8 +237,10 @@ def test_empty_db_option_is_an_error(tmp_path, monkeypatch):
     for args in (["report", "--db", ""], ["db", "upgrade", "--db", ""], ["db", "current", "--db", "  "]):
         one_line_error(invoke(*args), "--db is empty")
     suite = tmp_path / "s.yaml"
-    suite.write_text("name: s\ntarget: {model: smollm2-135m}\ndatasets: [{name: wikitext-2, prompts: 1, warmup: 0}]\n"
-                     "generation_lengths: [2]\ndecoders: [{name: ar}]\n")
+    suite.write_text(
+        "name: s\ntarget: {model: smollm2-135m}\ndatasets: [{name: wikitext-2, prompts: 1, warmup: 0}]\n"
+        "generation_lengths: [2]\ndecoders: [{name: ar}]\n"
+    )
     one_line_error(invoke("run", str(suite), "--db", ""), "--db is empty")
     monkeypatch.setenv("DTBENCH_DB", "")
     one_line_error(invoke("report"), "DTBENCH_DB is set but empty")

@@ -14,7 +14,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dtbench.decoders.dynatree import (
-    DynamicPolicy, DynaTreeParams, HistoryController, breadth_rule, depth_gate,
+    DynamicPolicy,
+    DynaTreeParams,
+    HistoryController,
+    breadth_rule,
+    depth_gate,
 )
 
 FAST = settings(max_examples=60, deadline=None)
@@ -25,8 +29,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one thr
 
 
 @FAST
-@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20), st.floats(0.02, 0.98), st.floats(0.01, 0.97),
-       st.lists(st.integers(1, 5), min_size=3, max_size=3))
+@given(
+    st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20),
+    st.floats(0.02, 0.98),
+    st.floats(0.01, 0.97),
+    st.lists(st.integers(1, 5), min_size=3, max_size=3),
+)
 def test_breadth_rule_matches_paper(conf, tau_h, tau_l, bs):
     assume(tau_l < tau_h)
     b_min, b_mid, b_max = sorted(bs)
@@ -36,8 +44,14 @@ def test_breadth_rule_matches_paper(conf, tau_h, tau_l, bs):
 
 
 @FAST
-@given(st.integers(0, 10), st.lists(st.floats(1e-9, 1.0), min_size=1, max_size=20), st.integers(1, 8),
-       st.integers(2, 10), st.floats(1e-6, 0.5), st.floats(1e-6, 0.99))
+@given(
+    st.integers(0, 10),
+    st.lists(st.floats(1e-9, 1.0), min_size=1, max_size=20),
+    st.integers(1, 8),
+    st.integers(2, 10),
+    st.floats(1e-6, 0.5),
+    st.floats(1e-6, 0.99),
+)
 def test_depth_gate_matches_paper(depth, probs, d0, d_max, rho_stop, rho_deep):
     assume(d0 < d_max and rho_stop < rho_deep)
     assume(all(abs(p - r) > 1e-9 * max(p, r) * 10 for p in probs for r in (rho_stop, rho_deep)))
@@ -47,8 +61,14 @@ def test_depth_gate_matches_paper(depth, probs, d0, d_max, rho_stop, rho_deep):
 
 
 @FAST
-@given(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 20)), min_size=1, max_size=30), st.integers(1, 6),
-       st.floats(0.05, 0.95), st.floats(0.1, 3.0), st.floats(0.01, 1.0), st.integers(2, 10))
+@given(
+    st.lists(st.tuples(st.integers(0, 10), st.integers(0, 20)), min_size=1, max_size=30),
+    st.integers(1, 6),
+    st.floats(0.05, 0.95),
+    st.floats(0.1, 3.0),
+    st.floats(0.01, 1.0),
+    st.integers(2, 10),
+)
 def test_history_controller_is_the_papers_proportional_update(history, window, target, eta_d, eta_h, d_max):
     """D_0, tau_h (section 3.3) and tau_l (Algorithm 1 line 7, same clipped form, its own step eta_l)."""
     eta_l = eta_h / 2

@@ -10,18 +10,18 @@ import types
 
 import pytest
 import torch
+from kit import invoke, suite_dict, tiny_pair, write_suite
+from models import model_zoo
 from rich.console import Console
 from sqlalchemy import select
 
 from dtbench.harness import db, energy
-from dtbench.harness.prompt import Prompt
 from dtbench.harness.energy import COUNTER_RESET, MEASURED, TOO_SHORT, UNAVAILABLE, Counter, EnergyTracker, Meter
 from dtbench.harness.measure import measure
 from dtbench.harness.metrics import BY_NAME, sample_row
+from dtbench.harness.prompt import Prompt
 from dtbench.harness.runner import run_suite
 from dtbench.harness.suitefile import load_suite
-from kit import invoke, suite_dict, tiny_pair, write_suite
-from models import model_zoo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
@@ -41,8 +41,10 @@ class FakeZeusMonitor:
         self.gpu_indices = gpu_indices if gpu_indices is not None else [0]
         self.cpu_indices = cpu_indices if cpu_indices is not None else [0]
         self.windows: dict = {}
-        self.gpus = types.SimpleNamespace(supports_get_total_energy_consumption=lambda i: True,
-                                          get_total_energy_consumption=lambda i: self.read("gpu_energy", i) * 1000)
+        self.gpus = types.SimpleNamespace(
+            supports_get_total_energy_consumption=lambda i: True,
+            get_total_energy_consumption=lambda i: self.read("gpu_energy", i) * 1000,
+        )
         self.cpus = types.SimpleNamespace(supports_get_dram_energy_consumption=lambda i: True)
 
     def read(self, field, index):
@@ -68,9 +70,12 @@ class FakeZeusMonitor:
         after = self._state()
         delta = {k: after[k] - before[k] for k in after}
         pick = lambda field, idx: {i: delta[(f"{field}_energy", i)] for i in idx}  # noqa: E731
-        return types.SimpleNamespace(time=self.now - start, gpu_energy=pick("gpu", self.gpu_indices),
-                                     cpu_energy=pick("cpu", self.cpu_indices) or None,
-                                     dram_energy=pick("dram", self.cpu_indices) or None)
+        return types.SimpleNamespace(
+            time=self.now - start,
+            gpu_energy=pick("gpu", self.gpu_indices),
+            cpu_energy=pick("cpu", self.cpu_indices) or None,
+            dram_energy=pick("dram", self.cpu_indices) or None,
+        )
 
 
 def window(meter: Meter, seconds: float, **joules):
@@ -101,8 +106,12 @@ def test_a_window_shorter_than_the_update_period_is_marked_not_zero():
 def test_rapl_wraparound_is_corrected_by_the_counters_range():
     monitor = FakeZeusMonitor(gpu_indices=[])
     monitor.wrap = {("cpu_energy", 0): 1000.0}  # a 1 kJ counter
-    meter = Meter(monitor, [Counter("cpu_energy", 0, wrap_j=1000.0), Counter("dram_energy", 0)],
-                  "rapl:package+dram", energy.RAPL_UPDATE_PERIOD_S)
+    meter = Meter(
+        monitor,
+        [Counter("cpu_energy", 0, wrap_j=1000.0), Counter("dram_energy", 0)],
+        "rapl:package+dram",
+        energy.RAPL_UPDATE_PERIOD_S,
+    )
     monitor.advance(1.0, cpu_0=990.0)  # the raw counter stands 10 J below its range
     r = window(meter, 2.0, cpu_0=25.0, dram_0=4.0)  # it wraps: raw 990 -> 15
     assert monitor.read("cpu_energy", 0) == pytest.approx(15.0)
@@ -224,11 +233,13 @@ def _frame(row):
 
 def _run(tmp_path, data_dir, name: str) -> tuple[str, int]:
     pair = tiny_pair(tmp_path / "models")
-    parsed, text = load_suite(write_suite(tmp_path, suite_dict(*pair, [{"name": "ar"}, {"name": "linear",
-                                                                                       "params": {"k": 2}}]), name))
+    parsed, text = load_suite(
+        write_suite(tmp_path, suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}]), name)
+    )
     url = str(tmp_path / f"{name}.db")
-    run_id = run_suite(parsed, text, db.connect(url), data_dir=str(data_dir), console=Console(file=io.StringIO()),
-                       progress=False)
+    run_id = run_suite(
+        parsed, text, db.connect(url), data_dir=str(data_dir), console=Console(file=io.StringIO()), progress=False
+    )
     return url, run_id
 
 
@@ -248,8 +259,7 @@ def test_runner_without_a_counter_stores_unavailable_and_reports_hide_energy(tmp
     url, _ = _run(tmp_path, data_dir, "none")
     with db.connect(url)() as s:
         samples = s.scalars(select(db.Sample)).all()
-    assert samples and all(x.energy_status == UNAVAILABLE and x.energy_j is None and x.energy_source
-                           for x in samples)
+    assert samples and all(x.energy_status == UNAVAILABLE and x.energy_j is None and x.energy_source for x in samples)
     md = invoke("report", "--db", url, "--format", "markdown")
     assert md.exit_code == 0 and "J/token" not in md.stdout and "Throughput" in md.stdout
     csv = invoke("report", "--db", url, "--format", "csv")

@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import VOCAB, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
-from models import VOCAB, hf_greedy, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

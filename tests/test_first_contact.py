@@ -18,9 +18,18 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg).to(torch.float64).eval()
 
 
@@ -56,11 +65,15 @@ def test_assisted_generation_prints_no_transformers_deprecation():
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            steps = list(HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=3)).generate(
-                torch.tensor([[3, 4, 5, 6]]), 8))
+            steps = list(
+                HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=3)).generate(
+                    torch.tensor([[3, 4, 5, 6]]), 8
+                )
+            )
     finally:
         log.removeHandler(handler)
     assert sum(len(s.tokens) for s in steps) == 8
     assert not [m for m in seen if "generation_config" in m], seen
-    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))], \
-        [str(w.message) for w in caught]
+    assert not [w for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))], [
+        str(w.message) for w in caught
+    ]

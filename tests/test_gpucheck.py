@@ -24,7 +24,8 @@ def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Pa
     """A wheel file holding only METADATA (what the kit's walk and check read)."""
     path = folder / f"{name}-{version}-py3-none-any.whl"
     meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
-        f"Requires-Dist: {r}\n" for r in requires)
+        f"Requires-Dist: {r}\n" for r in requires
+    )
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(f"{name}-{version}.dist-info/METADATA", meta)
     return path
@@ -43,11 +44,13 @@ def test_verify_kit_finds_missing_duplicate_and_mismatched_wheels(tmp_path, monk
     monkeypatch.setattr(offline, "project_requirements", lambda extras=(): ["sqlalchemy>=2.0", "rich>=13"])
     node = {"rich": None, "typing-extensions": None}
     fake_wheel(tmp_path, "sqlalchemy", "2.1.9", ["greenlet>=1; platform_machine == 'x86_64'", "typing-extensions"])
-    assert offline.verify_kit(tmp_path, "3.12", node) == ["sqlalchemy needs greenlet>=1; platform_machine == "
-                                                          "\"x86_64\": neither the node nor the kit has it"]
+    assert offline.verify_kit(tmp_path, "3.12", node) == [
+        'sqlalchemy needs greenlet>=1; platform_machine == "x86_64": neither the node nor the kit has it'
+    ]
     fake_wheel(tmp_path, "greenlet", "0.4", [])
     assert offline.verify_kit(tmp_path, "3.12", node) == [
-        'sqlalchemy needs greenlet>=1; platform_machine == "x86_64": the kit has greenlet-0.4-py3-none-any.whl']
+        'sqlalchemy needs greenlet>=1; platform_machine == "x86_64": the kit has greenlet-0.4-py3-none-any.whl'
+    ]
     fake_wheel(tmp_path, "greenlet", "3.5.6", [])
     problems = offline.verify_kit(tmp_path, "3.12", node)
     assert problems and problems[0].startswith("greenlet: 2 wheels")
@@ -75,13 +78,13 @@ def test_build_kit_walks_requirements_and_skips_the_node_and_torch(tmp_path, mon
             spec = cmd[-1]
             calls.append(spec)
             name = offline.canonical(spec.split("=")[0].split(">")[0].split("<")[0]).replace("-", "_")
-            src = next(p for p in index.glob("*.whl") if offline.canonical(p.name.split("-")[0]) ==
-                       offline.canonical(name))
+            src = next(
+                p for p in index.glob("*.whl") if offline.canonical(p.name.split("-")[0]) == offline.canonical(name)
+            )
             (Path(cmd[cmd.index("--dest") + 1]) / src.name).write_bytes(src.read_bytes())
 
     monkeypatch.setattr(offline, "_run", fake_run)
-    monkeypatch.setattr(offline, "project_requirements", lambda extras=(): ["zeus>=0.16,<0.17", "torch>=2.4",
-                                                                            "numpy"])
+    monkeypatch.setattr(offline, "project_requirements", lambda extras=(): ["zeus>=0.16,<0.17", "torch>=2.4", "numpy"])
     dest = tmp_path / "kit"
     chosen = offline.build_kit(dest, "3.12", ["manylinux_2_28_x86_64"], {"numpy": "2.5.2", "typing-extensions": None})
     assert set(chosen) == {"zeus", "tyro", "docstring-parser", "pydantic", "pydantic-core"}
@@ -94,7 +97,9 @@ def test_build_kit_walks_requirements_and_skips_the_node_and_torch(tmp_path, mon
 def test_kit_summary_counts_the_repository_and_the_budget(tmp_path):
     fake_wheel(tmp_path, "mako", "1.4.3", [])
     s = offline.kit_summary(tmp_path, budget_mib=48)
-    assert s["repository_bytes"] > 100_000 and s["kit_bytes"] == (tmp_path / "mako-1.4.3-py3-none-any.whl").stat().st_size
+    assert (
+        s["repository_bytes"] > 100_000 and s["kit_bytes"] == (tmp_path / "mako-1.4.3-py3-none-any.whl").stat().st_size
+    )
     assert s["fits"] and s["total_bytes"] == s["repository_bytes"] + s["kit_bytes"]
     assert not offline.kit_summary(tmp_path, budget_mib=0.01)["fits"]
 
@@ -105,13 +110,15 @@ def test_node_side_lists_the_node_packages_dtbench_needs_pinned_where_known(tmp_
     assert not any(r.startswith(("torch", "sqlalchemy")) for r in reqs)
 
 
-@pytest.mark.parametrize("args, code, needle", [([], 2, "usage"), (["--small"], 2, "usage"),
-                                                 (["OUT"], 3, "no wheels in")])
+@pytest.mark.parametrize(
+    "args, code, needle", [([], 2, "usage"), (["--small"], 2, "usage"), (["OUT"], 3, "no wheels in")]
+)
 def test_gpu_check_sh_refuses_in_one_line(tmp_path, args, code, needle):
     env = {"PATH": "/usr/bin:/bin", "GPUKIT": str(tmp_path / "empty"), "PYTHON": sys.executable}
     args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
-    proc = subprocess.run(["bash", str(REPO / "tools" / "gpu-check.sh"), *args], capture_output=True, text=True,
-                          env=env)
+    proc = subprocess.run(
+        ["bash", str(REPO / "tools" / "gpu-check.sh"), *args], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == code
     assert needle in (proc.stdout + proc.stderr) and len((proc.stdout + proc.stderr).strip().splitlines()) == 1
 
@@ -176,8 +183,10 @@ def test_lossless_step_passes_and_fails_a_corrupt_decoder(tmp_path, monkeypatch)
 
 @pytest.fixture(scope="module")
 def small_pair():
-    return (gpucheck.neox(gpucheck.SMALL_TARGET, torch.float32, CPU, seed=0),
-            gpucheck.neox(gpucheck.SMALL_DRAFT, torch.float32, CPU, seed=1))
+    return (
+        gpucheck.neox(gpucheck.SMALL_TARGET, torch.float32, CPU, seed=0),
+        gpucheck.neox(gpucheck.SMALL_DRAFT, torch.float32, CPU, seed=1),
+    )
 
 
 def test_timing_step_on_cpu(small_pair):
@@ -195,8 +204,11 @@ def test_overhead_step_is_differential(tmp_path, small_pair, monkeypatch):
 
     def fake(decoder, prompt, T, device, **kw):  # 1 s prefill + 0.5 s forwards; each iteration 2 s wall, 1.5 s fwd
         iters = T // 2
-        return SimpleNamespace(step_times=[1.0 + 2.0 * iters], forward_s={"target": 0.5 + 1.5 * iters, "draft": None},
-                               steps=[None] * (1 + iters))
+        return SimpleNamespace(
+            step_times=[1.0 + 2.0 * iters],
+            forward_s={"target": 0.5 + 1.5 * iters, "draft": None},
+            steps=[None] * (1 + iters),
+        )
 
     monkeypatch.setattr(gpucheck, "ONLY", {"ar"})
     monkeypatch.setattr(measure_mod, "measure", fake)
@@ -215,8 +227,9 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path):
     from click.testing import CliRunner
 
     out = tmp_path / "out"
-    result = CliRunner().invoke(gpucheck.main, ["--out", str(out), "--device", "cpu", "--small",
-                                                "--decoders", "ar,linear"])
+    result = CliRunner().invoke(
+        gpucheck.main, ["--out", str(out), "--device", "cpu", "--small", "--decoders", "ar,linear"]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads((out / "gpu-check.json").read_text())
     jsonschema.validate(data, SCHEMA)
@@ -235,8 +248,10 @@ def test_a_crashing_decoder_fails_its_rows_and_the_check_goes_on(tmp_path, monke
 
     monkeypatch.setenv(gpucheck.CRASH_ENV, "linear")
     out = tmp_path / "out"
-    result = CliRunner().invoke(gpucheck.main, ["--out", str(out), "--device", "cpu", "--small", "--steps",
-                                                "lossless", "--decoders", "ar,linear,ngram"])
+    result = CliRunner().invoke(
+        gpucheck.main,
+        ["--out", str(out), "--device", "cpu", "--small", "--steps", "lossless", "--decoders", "ar,linear,ngram"],
+    )
     assert result.exit_code == 1
     data = json.loads((out / "gpu-check.json").read_text())
     jsonschema.validate(data, SCHEMA)

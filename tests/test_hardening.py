@@ -14,7 +14,6 @@ import re
 
 import pytest
 import yaml
-
 from kit import invoke, one_line_error, write_suite
 
 TINY = {
@@ -46,9 +45,15 @@ def _evil_folder(root, marker):
     folder = root / "evil-model"
     folder.mkdir()
     models.load_tokenizer(ModelSpec()).save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "evil19", "max_position_embeddings": 128,
-        "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evil19",
+                "max_position_embeddings": 128,
+                "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+            }
+        )
+    )
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     tok_cfg["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
@@ -57,7 +62,8 @@ def _evil_folder(root, marker):
         "from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast\n"
         "class EvilConfig(PretrainedConfig):\n    model_type = 'evil19'\n"
         "class EvilModel(PreTrainedModel):\n    config_class = EvilConfig\n"
-        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
     return folder
 
 
@@ -70,8 +76,9 @@ def test_remote_code_in_a_model_folder_never_runs(tmp_path, data_dir, command):
     marker = tmp_path / "marker"
     folder = _evil_folder(tmp_path, marker)
     suite = write_suite(tmp_path, _suite(target={"model": str(folder), "dtype": "float32"}))
-    args = [command, suite] + (["--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress"]
-                               if command == "run" else [])
+    args = [command, suite] + (
+        ["--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress"] if command == "run" else []
+    )
     result = CliRunner().invoke(cli, args, input="y\ny\ny\ny\n", catch_exceptions=False)
     assert not marker.exists(), "the model folder's code ran"
     line = one_line_error(result, "trust_remote_code", "evil.py")
@@ -101,6 +108,7 @@ def test_every_load_passes_trust_remote_code_false(monkeypatch):
         def fake(*args, **kwargs):
             seen.append((name, kwargs.get("trust_remote_code", "absent")))
             raise OSError("stop here")
+
         return fake
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy("tokenizer"))
@@ -109,8 +117,11 @@ def test_every_load_passes_trust_remote_code_false(monkeypatch):
     spec = ModelSpec(model="some-org/some-model")
     import torch
 
-    for call in (lambda: models.load_tokenizer(spec), lambda: models.load_model(spec, torch.device("cpu")),
-                 lambda: models.check_context(spec, 10)):
+    for call in (
+        lambda: models.load_tokenizer(spec),
+        lambda: models.load_model(spec, torch.device("cpu")),
+        lambda: models.check_context(spec, 10),
+    ):
         try:
             call()
         except Exception:
@@ -153,8 +164,11 @@ def test_control_characters_in_labels_are_refused(tmp_path, label):
 @pytest.mark.parametrize("where", ["name", "dataset", "sweep"])
 def test_control_characters_in_names_are_refused(tmp_path, where):
     bad = "x\x1b[2Jy"
-    suite = {"name": _suite(name=bad), "dataset": _suite(datasets=[{"name": bad, "prompts": 2, "warmup": 1}]),
-             "sweep": _suite(decoders=[{"name": "ar"}, {"name": "linear", "sweep": {"k": [bad]}}])}[where]
+    suite = {
+        "name": _suite(name=bad),
+        "dataset": _suite(datasets=[{"name": bad, "prompts": 2, "warmup": 1}]),
+        "sweep": _suite(decoders=[{"name": "ar"}, {"name": "linear", "sweep": {"k": [bad]}}]),
+    }[where]
     line = one_line_error(invoke("validate", write_suite(tmp_path, suite)), "control character")
     assert "\x1b" not in line
 
@@ -170,8 +184,16 @@ def _hostile_db(tmp_path) -> str:
         run = reportdb.add_run(s)
         ar = reportdb.add_cell(s, run, "ar")
         reportdb.add_samples(s, ar, [10.0] * 6, warmup=1)
-        for label in ['=HYPERLINK("http://evil.example","click")', "+1+1", "@SUM(A1)", "-2+3", "red \x1b[31mx",
-                      "title \x1b]0;pwned\x07", "two\nlines | pipe", "markup [/oops]"]:
+        for label in [
+            '=HYPERLINK("http://evil.example","click")',
+            "+1+1",
+            "@SUM(A1)",
+            "-2+3",
+            "red \x1b[31mx",
+            "title \x1b]0;pwned\x07",
+            "two\nlines | pipe",
+            "markup [/oops]",
+        ]:
             cell = reportdb.add_cell(s, run, label, "linear")
             reportdb.add_samples(s, cell, [12.0] * 6, warmup=1)
         s.commit()
@@ -188,7 +210,7 @@ def test_csv_neutralises_formulas(tmp_path):
         assert result.exit_code == 0, result.output
         rows = list(csv.DictReader(io.StringIO(result.stdout)))
         labels = {r["label"] for r in rows}
-        assert "'=HYPERLINK(\"http://evil.example\",\"click\")" in labels, labels
+        assert '\'=HYPERLINK("http://evil.example","click")' in labels, labels
         assert {"'+1+1", "'@SUM(A1)", "'-2+3"} <= labels, labels
         assert not any(v.startswith(("=", "+", "@")) for r in rows for v in r.values() if v), rows
         assert "\x1b" not in result.stdout and "\x07" not in result.stdout
@@ -221,8 +243,13 @@ def _dtbench(*args: str, timeout: float = 180):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "dtbench.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "RAY_ADDRESS": ""})
+    return subprocess.run(
+        [sys.executable, "-m", "dtbench.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
 
 
 def _closed_port() -> int:
@@ -236,8 +263,19 @@ def _closed_port() -> int:
 def test_ray_connect_to_a_closed_port_fails_in_one_line(tmp_path):
     pytest.importorskip("ray")
     address = f"127.0.0.1:{_closed_port()}"
-    done = _dtbench("run", write_suite(tmp_path, TINY), "--db", str(tmp_path / "r.db"), "--executor", "ray",
-                    "--address", address, "--connect-timeout", "1", "--no-progress")
+    done = _dtbench(
+        "run",
+        write_suite(tmp_path, TINY),
+        "--db",
+        str(tmp_path / "r.db"),
+        "--executor",
+        "ray",
+        "--address",
+        address,
+        "--connect-timeout",
+        "1",
+        "--no-progress",
+    )
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot join Ray at " + address), done.stderr
@@ -253,8 +291,19 @@ def test_ray_connect_to_a_silent_port_times_out(tmp_path):
         server.bind(("127.0.0.1", 0))
         server.listen(8)
         address = f"127.0.0.1:{server.getsockname()[1]}"
-        done = _dtbench("run", write_suite(tmp_path, TINY), "--db", str(tmp_path / "r.db"), "--executor", "ray",
-                        "--address", address, "--connect-timeout", "2", "--no-progress")
+        done = _dtbench(
+            "run",
+            write_suite(tmp_path, TINY),
+            "--db",
+            str(tmp_path / "r.db"),
+            "--executor",
+            "ray",
+            "--address",
+            address,
+            "--connect-timeout",
+            "2",
+            "--no-progress",
+        )
     assert done.returncode == 2, done.stderr
     errors = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
     assert errors and f"cannot join Ray at {address}: no answer from a Ray cluster within 2 s" in errors[0], done.stderr
@@ -263,18 +312,21 @@ def test_ray_connect_to_a_silent_port_times_out(tmp_path):
 # --- 5, 8. no NaN, infinity or out-of-range float in options ------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, option", [
-    (["calibrate", "x.yaml", "--min-time", "nan", "--max-time", "nan"], "--min-time"),
-    (["calibrate", "x.yaml", "--min-time", "nan"], "--min-time"),
-    (["calibrate", "x.yaml", "--max-time", "inf"], "--max-time"),
-    (["calibrate", "x.yaml", "--min-time", "0"], "--min-time"),
-    (["calibrate", "x.yaml", "--min-time", "-1"], "--min-time"),
-    (["report", "--compare", "1", "2", "--fail-if", "throughput:-5%", "--alpha", "nan"], "--alpha"),
-    (["report", "--compare", "--alpha", "nan"], "--alpha"),
-    (["report", "--compare", "--alpha", "1"], "--alpha"),
-    (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "nan"], "--connect-timeout"),
-    (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "inf"], "--connect-timeout"),
-])
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["calibrate", "x.yaml", "--min-time", "nan", "--max-time", "nan"], "--min-time"),
+        (["calibrate", "x.yaml", "--min-time", "nan"], "--min-time"),
+        (["calibrate", "x.yaml", "--max-time", "inf"], "--max-time"),
+        (["calibrate", "x.yaml", "--min-time", "0"], "--min-time"),
+        (["calibrate", "x.yaml", "--min-time", "-1"], "--min-time"),
+        (["report", "--compare", "1", "2", "--fail-if", "throughput:-5%", "--alpha", "nan"], "--alpha"),
+        (["report", "--compare", "--alpha", "nan"], "--alpha"),
+        (["report", "--compare", "--alpha", "1"], "--alpha"),
+        (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "nan"], "--connect-timeout"),
+        (["run", "x.yaml", "--executor", "ray", "--connect-timeout", "inf"], "--connect-timeout"),
+    ],
+)
 def test_float_options_refuse_non_finite_and_out_of_range(tmp_path, args, option):
     result = invoke(*args)
     assert result.exit_code == 2, result.output
@@ -285,17 +337,20 @@ def test_float_options_refuse_non_finite_and_out_of_range(tmp_path, args, option
 # --- 9, 10, 5: floats and seeds in a suite -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"timeout_s": float("inf")}, "timeout_s"),
-    ({"timeout_s": 1e300}, "timeout_s"),
-    ({"timeout_s": float("nan")}, "timeout_s"),
-    ({"seed": 340282366920938463463374607431768211456}, "seed"),
-    ({"seed": 1 << 63}, "seed"),
-    ({"seed": -1}, "seed"),
-    ({"sampling": {"seed": 1 << 64}}, "sampling.seed"),
-    ({"sampling": {"temperature": float("nan")}}, "sampling.temperature"),
-    ({"decoders": [{"name": "ar"}, {"name": "dynatree", "params": {"eta_depth": float("nan")}}]}, "eta_depth"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"timeout_s": 1e300}, "timeout_s"),
+        ({"timeout_s": float("nan")}, "timeout_s"),
+        ({"seed": 340282366920938463463374607431768211456}, "seed"),
+        ({"seed": 1 << 63}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"sampling": {"seed": 1 << 64}}, "sampling.seed"),
+        ({"sampling": {"temperature": float("nan")}}, "sampling.temperature"),
+        ({"decoders": [{"name": "ar"}, {"name": "dynatree", "params": {"eta_depth": float("nan")}}]}, "eta_depth"),
+    ],
+)
 def test_suite_numbers_out_of_range_are_one_line_errors(tmp_path, changes, field):
     one_line_error(invoke("validate", write_suite(tmp_path, _suite(**changes))), field)
 
@@ -336,8 +391,9 @@ def test_huge_deep_and_device_suites_are_one_line_errors(tmp_path):
     deep.write_text("name: x\nparams: " + "[" * 5000 + "]" * 5000 + "\n")
     one_line_error(invoke("validate", str(deep)), "nests more than 64 levels")
     nested = tmp_path / "nested.yaml"
-    nested.write_text(yaml.safe_dump({**_suite(), "description": None}).replace("description: null", "x: " + "[" * 100
-                                                                                  + "]" * 100))
+    nested.write_text(
+        yaml.safe_dump({**_suite(), "description": None}).replace("description: null", "x: " + "[" * 100 + "]" * 100)
+    )
     one_line_error(invoke("validate", str(nested)), "nests more than 64 levels")
     big = tmp_path / "big.yaml"
     big.write_text(yaml.safe_dump(_suite()) + ("# padding\n" * 120_000))
@@ -355,8 +411,15 @@ def test_text_files_path_of_a_device(tmp_path):
 # --- 13. a run id no database can hold is no such run -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [["--run", "99999999999999999999999"], ["--compare", "1", "99999999999999999999999"],
-                                  ["--run", str(1 << 63)], ["--cost-model", "--run", "99999999999999999999999"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--run", "99999999999999999999999"],
+        ["--compare", "1", "99999999999999999999999"],
+        ["--run", str(1 << 63)],
+        ["--cost-model", "--run", "99999999999999999999999"],
+    ],
+)
 def test_huge_run_ids_are_no_such_run(tmp_path, args):
     path = _hostile_db(tmp_path)
     one_line_error(invoke("report", "--db", path, *args), "no run ")
@@ -367,8 +430,20 @@ def test_huge_resume_run_id(tmp_path, data_dir):
 
     dbfile = tmp_path / "r.db"
     db.connect(str(dbfile))
-    one_line_error(invoke("run", write_suite(tmp_path, TINY), "--db", str(dbfile), "--data-dir", str(data_dir),
-                          "--resume-run", "99999999999999999999999", "--no-progress"), "no run 99999999999999999999999")
+    one_line_error(
+        invoke(
+            "run",
+            write_suite(tmp_path, TINY),
+            "--db",
+            str(dbfile),
+            "--data-dir",
+            str(data_dir),
+            "--resume-run",
+            "99999999999999999999999",
+            "--no-progress",
+        ),
+        "no run 99999999999999999999999",
+    )
 
 
 # --- 11, 12: read-only databases -------------------------------------------------------------------------------
@@ -418,8 +493,10 @@ def test_run_on_a_read_only_database_fails_before_loading_models(tmp_path, monke
     monkeypatch.setattr(models, "load_tokenizer", no_loading)
     monkeypatch.setattr(models, "load_model", no_loading)
     try:
-        one_line_error(invoke("run", write_suite(tmp_path, TINY), "--db", path, "--no-progress"),
-                       f"cannot write the results database {path}: the file is read-only")
+        one_line_error(
+            invoke("run", write_suite(tmp_path, TINY), "--db", path, "--no-progress"),
+            f"cannot write the results database {path}: the file is read-only",
+        )
     finally:
         os.chmod(path, 0o644)
 
@@ -446,18 +523,39 @@ def test_report_on_a_read_only_database_leaves_nothing(tmp_path, monkeypatch, wh
 
 
 def test_unreachable_hub_is_one_line_without_retries(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                                                            "HF_DATASETS_OFFLINE", "DTBENCH_DATA_DIR")}
-    env.update(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(tmp_path / "hf"),
-               DTBENCH_CACHE=os.environ.get("DTBENCH_CACHE") or os.path.expanduser("~/.cache/dtbench"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "DTBENCH_DATA_DIR")
+    }
+    env.update(
+        HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",
+        HF_HOME=str(tmp_path / "hf"),
+        DTBENCH_CACHE=os.environ.get("DTBENCH_CACHE") or os.path.expanduser("~/.cache/dtbench"),
+    )
     import subprocess
     import sys
 
-    for suite, needle in ((_suite(target={"model": "some-org/some-model"}), "cannot load the tokenizer of"),
-                          (_suite(), "wikitext-2: cannot load Salesforce/wikitext")):
-        done = subprocess.run([sys.executable, "-m", "dtbench.cli.main", "run", write_suite(tmp_path, suite),
-                               "--db", str(tmp_path / "r.db"), "--no-progress"],
-                              capture_output=True, text=True, timeout=240, env=env)
+    for suite, needle in (
+        (_suite(target={"model": "some-org/some-model"}), "cannot load the tokenizer of"),
+        (_suite(), "wikitext-2: cannot load Salesforce/wikitext"),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dtbench.cli.main",
+                "run",
+                write_suite(tmp_path, suite),
+                "--db",
+                str(tmp_path / "r.db"),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
         assert done.returncode == 2, done.stderr
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], done.stderr
@@ -466,13 +564,16 @@ def test_unreachable_hub_is_one_line_without_retries(tmp_path):
 # --- also seen -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"generation_lengths": ["8"]}, "generation_lengths.0"),
-    ({"sampling": {"seed": "42"}}, "sampling.seed"),
-    ({"name": ""}, "name"),
-    ({"decoders": [{"name": "ar", "label": ""}]}, "decoders.0.label"),
-    ({"datasets": [{"name": "wikitext-2", "prompts": "2", "warmup": 1}]}, "datasets.0.prompts"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"generation_lengths": ["8"]}, "generation_lengths.0"),
+        ({"sampling": {"seed": "42"}}, "sampling.seed"),
+        ({"name": ""}, "name"),
+        ({"decoders": [{"name": "ar", "label": ""}]}, "decoders.0.label"),
+        ({"datasets": [{"name": "wikitext-2", "prompts": "2", "warmup": 1}]}, "datasets.0.prompts"),
+    ],
+)
 def test_loose_values_are_refused(tmp_path, changes, field):
     one_line_error(invoke("validate", write_suite(tmp_path, _suite(**changes))), field)
 
@@ -507,9 +608,19 @@ def test_resuming_a_live_run_is_refused_before_models_load(tmp_path, monkeypatch
     dbfile = tmp_path / "r.db"
     sessions = db.connect(str(dbfile))
     with sessions() as s:
-        s.add(db.Run(suite_name="tiny", suite_path=path, suite_text=text, suite_hash=suite_hash(text),
-                     status="running", environment={}, owner_host=socket.gethostname(), owner_pid=os.getpid(),
-                     heartbeat_at=db.utcnow()))
+        s.add(
+            db.Run(
+                suite_name="tiny",
+                suite_path=path,
+                suite_text=text,
+                suite_hash=suite_hash(text),
+                status="running",
+                environment={},
+                owner_host=socket.gethostname(),
+                owner_pid=os.getpid(),
+                heartbeat_at=db.utcnow(),
+            )
+        )
         s.commit()
 
     def no_loading(*a, **kw):
@@ -518,8 +629,11 @@ def test_resuming_a_live_run_is_refused_before_models_load(tmp_path, monkeypatch
     monkeypatch.setattr(models, "load_tokenizer", no_loading)
     monkeypatch.setattr(models, "load_model", no_loading)
     for extra in ([], ["--force"]):
-        one_line_error(invoke("run", path, "--db", str(dbfile), "--resume", "--no-progress", *extra),
-                       "run 1 is still being written", f"pid {os.getpid()} on this host")
+        one_line_error(
+            invoke("run", path, "--db", str(dbfile), "--resume", "--no-progress", *extra),
+            "run 1 is still being written",
+            f"pid {os.getpid()} on this host",
+        )
     with sessions() as s:
         assert s.scalars(select(db.Run)).one().owner_pid == os.getpid()  # untouched
 
@@ -541,7 +655,7 @@ class _Paced:
 
         from dtbench.decoders.base import Step
 
-        for i in range(T):
+        for _i in range(T):
             end = time.monotonic() + self.wait
             while self.spin and time.monotonic() < end:
                 pass
@@ -576,8 +690,13 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     from dtbench.harness import worker as runner
 
     seen = []
-    monkeypatch.setattr(runner, "measure", lambda *a, timeout_s=None, cpu_timeout_s=None, **k: seen.append(
-        (timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(
+        runner,
+        "measure",
+        lambda *a, timeout_s=None, cpu_timeout_s=None, **k: (
+            seen.append((timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop"))
+        ),
+    )
     from types import SimpleNamespace
 
     class Fake:  # a decoder class: constructed, no corpus declared
@@ -626,20 +745,30 @@ def test_rest_datastore_never_holds_a_prompt_document(tmp_path, monkeypatch, see
     injects the corpus, held out with the suite's seed: no prompt document reaches the datastore, whatever the seed."""
     import sqlite3
 
+    from kit import suite_dict, tiny_pair
     from transformers import AutoTokenizer
 
     from dtbench.decoders import datastore
-    from kit import suite_dict, tiny_pair
 
     corpus = _text_corpus(tmp_path / "corpus")
     target, draft = tiny_pair(tmp_path / "models")
     built: list[list[int]] = []
     real = datastore.Datastore.from_documents.__func__
-    monkeypatch.setattr(datastore.Datastore, "from_documents",
-                        classmethod(lambda cls, docs: built.extend(map(list, docs)) or real(cls, docs)))
+    monkeypatch.setattr(
+        datastore.Datastore,
+        "from_documents",
+        classmethod(lambda cls, docs: built.extend(map(list, docs)) or real(cls, docs)),
+    )
     monkeypatch.setattr(datastore, "_STORES", {})
-    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "rest", "params": {
-        "corpus": {"name": "text-files", "path": str(corpus), "skip": 2}}}], seed=seed)
+    suite = suite_dict(
+        target,
+        draft,
+        [
+            {"name": "ar"},
+            {"name": "rest", "params": {"corpus": {"name": "text-files", "path": str(corpus), "skip": 2}}},
+        ],
+        seed=seed,
+    )
     suite["datasets"] = [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 0, "L_max": 16}]
     suite["generation_lengths"] = [4]
     db = tmp_path / "r.db"
@@ -663,8 +792,10 @@ def test_rest_own_seed_and_a_too_small_skip_are_refused(tmp_path):
     corpus = _text_corpus(tmp_path / "corpus")
     target, draft = tiny_pair(tmp_path / "models")
     entry = {"name": "text-files", "path": str(corpus)}
-    for params, needle in (({"corpus": {**entry, "skip": 2}, "seed": 3}, "seed"),
-                           ({"corpus": {**entry, "skip": 1}}, "skip: 2 or more")):
+    for params, needle in (
+        ({"corpus": {**entry, "skip": 2}, "seed": 3}, "seed"),
+        ({"corpus": {**entry, "skip": 1}}, "skip: 2 or more"),
+    ):
         suite = suite_dict(target, draft, [{"name": "rest", "params": params}], seed=3)
         suite["datasets"] = [{**entry, "prompts": 2, "warmup": 0, "L_max": 16}]
         one_line_error(invoke("validate", write_suite(tmp_path, suite)), "rest", needle)
@@ -689,8 +820,14 @@ def _qfile(tmp_path, rows, name="q.jsonl") -> str:
 def _question_suite(tmp_path, rows=None, **entry) -> str:
     """A question suite on the embedded model over a jsonl of ``rows`` (chat_template none unless given)."""
     template = entry.pop("chat_template", "none")
-    ds = {"name": "spec-bench", "path": _qfile(tmp_path, rows or QUESTIONS), "prompts": 1, "warmup": 0, "L_max": 64,
-          **entry}
+    ds = {
+        "name": "spec-bench",
+        "path": _qfile(tmp_path, rows or QUESTIONS),
+        "prompts": 1,
+        "warmup": 0,
+        "L_max": 64,
+        **entry,
+    }
     return write_suite(tmp_path, _suite(datasets=[ds], chat_template=template))
 
 
@@ -701,14 +838,20 @@ HOSTILE_CATEGORY = "\u001b[31mRED\u001b]0;pwn\u0007"
 
 def test_escape_codes_in_a_question_category_are_shown_escaped(tmp_path):
     rows = [*QUESTIONS, {"question_id": "c1", "category": HOSTILE_CATEGORY, "turns": ["hi there"]}]
-    line = one_line_error(invoke("validate", _question_suite(tmp_path, rows, categories=["nosuch"])),
-                          "unknown category 'nosuch'", "\\x1b[31mRED\\x1b]0;pwn\\x07")
+    line = one_line_error(
+        invoke("validate", _question_suite(tmp_path, rows, categories=["nosuch"])),
+        "unknown category 'nosuch'",
+        "\\x1b[31mRED\\x1b]0;pwn\\x07",
+    )
     assert "\x1b" not in line and "\x07" not in line
 
 
 def test_escape_codes_in_a_suite_category_are_refused(tmp_path):
-    line = one_line_error(invoke("validate", _question_suite(tmp_path, categories=["nosuch\x1b[31m"])),
-                          "categories.0", "control character (\\x1b)")
+    line = one_line_error(
+        invoke("validate", _question_suite(tmp_path, categories=["nosuch\x1b[31m"])),
+        "categories.0",
+        "control character (\\x1b)",
+    )
     assert "\x1b" not in line
 
 
@@ -717,8 +860,10 @@ def test_every_error_line_is_escaped(tmp_path, monkeypatch):
     from dtbench.harness import suitefile
     from dtbench.harness.errors import DtbenchError
 
-    for exc, prefix in ((DtbenchError("bad \x1b]0;title\x07 thing"), "error: "),
-                        (RuntimeError("bad \x1b[2J thing"), "internal error: ")):
+    for exc, prefix in (
+        (DtbenchError("bad \x1b]0;title\x07 thing"), "error: "),
+        (RuntimeError("bad \x1b[2J thing"), "internal error: "),
+    ):
         monkeypatch.setattr(suitefile, "load_suite", lambda *a, _e=exc: (_ for _ in ()).throw(_e))
         result = invoke("validate", write_suite(tmp_path, TINY))
         assert result.stderr.startswith(prefix) and "\\x1b" in result.stderr, result.stderr
@@ -773,30 +918,44 @@ def test_markdown_cell_and_html_text():
 
 def test_duplicate_question_ids_are_refused(tmp_path):
     rows = [{"question_id": 7, "category": "qa", "turns": [f"Question {i}?"]} for i in range(4)]
-    one_line_error(invoke("validate", _question_suite(tmp_path, rows, prompts=3)),
-                   "q.jsonl:2: question_id 7 is also the question_id of line 1")
+    one_line_error(
+        invoke("validate", _question_suite(tmp_path, rows, prompts=3)),
+        "q.jsonl:2: question_id 7 is also the question_id of line 1",
+    )
 
 
-@pytest.mark.parametrize("categories, needle", [
-    (["qa", "qa"], "categories lists qa twice"),
-    (["mt_bench", "writing"], "categories name 'mt_bench' and 'writing', which share questions"),
-])
+@pytest.mark.parametrize(
+    "categories, needle",
+    [
+        (["qa", "qa"], "categories lists qa twice"),
+        (["mt_bench", "writing"], "categories name 'mt_bench' and 'writing', which share questions"),
+    ],
+)
 def test_repeated_categories_are_refused(tmp_path, data_dir, categories, needle):
-    ds = {"name": "spec-bench", "data_dir": str(data_dir), "prompts": 2, "warmup": 0, "L_max": 64,
-          "categories": categories}
+    ds = {
+        "name": "spec-bench",
+        "data_dir": str(data_dir),
+        "prompts": 2,
+        "warmup": 0,
+        "L_max": 64,
+        "categories": categories,
+    }
     one_line_error(invoke("validate", write_suite(tmp_path, _suite(datasets=[ds], chat_template="none"))), needle)
 
 
 # --- 33.8 question-file content ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("line, needle", [
-    ("[" * 100_000, "q.jsonl:5: nests too deeply"),
-    ('{"question_id": "s", "category": "qa", "turns": ["x \\ud800 y"]}', "q.jsonl:5: turn 1 holds \\ud800"),
-    ('{"question_id": "s", "category": "qa", "turns": [""]}', "q.jsonl:5: turn 1 is empty"),
-    ('{"question_id": "s", "category": "qa", "turns": ["fine", "  "]}', "q.jsonl:5: turn 2 is empty"),
-    ('{"question_id": ["x"], "category": "qa", "turns": ["fine"]}', "q.jsonl:5: `question_id` must be"),
-])
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ("[" * 100_000, "q.jsonl:5: nests too deeply"),
+        ('{"question_id": "s", "category": "qa", "turns": ["x \\ud800 y"]}', "q.jsonl:5: turn 1 holds \\ud800"),
+        ('{"question_id": "s", "category": "qa", "turns": [""]}', "q.jsonl:5: turn 1 is empty"),
+        ('{"question_id": "s", "category": "qa", "turns": ["fine", "  "]}', "q.jsonl:5: turn 2 is empty"),
+        ('{"question_id": ["x"], "category": "qa", "turns": ["fine"]}', "q.jsonl:5: `question_id` must be"),
+    ],
+)
 def test_bad_question_lines_are_one_line_at_validate(tmp_path, line, needle):
     one_line_error(invoke("validate", _question_suite(tmp_path, [*QUESTIONS, line])), needle)
 
@@ -827,8 +986,10 @@ TEMPLATES = {
     "raise": ("{{ raise_exception('no') }}", "TemplateError: no"),
     "escape": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),
     "undefined": ("{{ messages[5].content.upper() }}", "UndefinedError"),
-    "loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-              "rendering one prompt took longer than"),
+    "loops": (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "rendering one prompt took longer than",
+    ),
     "repeat": ("{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}", "renders more than"),
     "empty": ("  \n", "is empty (it would render empty prompts)"),
     "nothing": ("{% if false %}x{% endif %}", "the prompt is empty (0 tokens)"),
@@ -868,14 +1029,18 @@ def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
         def decode(self, tokens, skip_special_tokens=True):
             return "BOOM"
 
-    template = "{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('bad answer') }}{% endif %}" \
-               "{{ m.content }}{% endfor %}"
+    template = (
+        "{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('bad answer') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
     from dtbench.harness.prompt import Prompt
 
     renderer = chat.Renderer(Tok(), template, None, 64, "t.jinja")
-    prompts = chat.ChatPrompts([Prompt(0, "q", (1,), turn=1, question_id="1"), Prompt(1, "q2", (), turn=2,
-                                                                                       question_id="1")],
-                               renderer, {0: ("a", "b"), 1: ("a", "b")})
+    prompts = chat.ChatPrompts(
+        [Prompt(0, "q", (1,), turn=1, question_id="1"), Prompt(1, "q2", (), turn=2, question_id="1")],
+        renderer,
+        {0: ("a", "b"), 1: ("a", "b")},
+    )
     with pytest.raises(chat.PromptFailed, match="chat_template t.jinja: TemplateError: bad answer"):
         chat.resolve(prompts, 1, lambda index: [5])
 
@@ -892,8 +1057,13 @@ def _head(tmp_path, kind: str, config: dict | None = None, tensors=None) -> str:
     if kind == "medusa":
         write_medusa(folder, hidden=32, vocab=96)
     else:
-        write_eagle(folder, hidden=32, vocab=96, version=3 if kind == "eagle3" else 1,
-                    draft_vocab=48 if kind == "eagle3" else None)
+        write_eagle(
+            folder,
+            hidden=32,
+            vocab=96,
+            version=3 if kind == "eagle3" else 1,
+            draft_vocab=48 if kind == "eagle3" else None,
+        )
     cfg = json.loads((folder / "config.json").read_text())
     if config is not None:
         (folder / "config.json").write_text(json.dumps({**cfg, **config} if isinstance(config, dict) else config))
@@ -911,19 +1081,40 @@ def _d2t(value):
 
 
 HEAD_CASES = {
-    "negative": ("eagle", {"intermediate_size": -5}, None, "config.json: intermediate_size must be a positive integer, "
-                                                         "not -5"),
+    "negative": (
+        "eagle",
+        {"intermediate_size": -5},
+        None,
+        "config.json: intermediate_size must be a positive integer, not -5",
+    ),
     "string": ("eagle", {"hidden_size": "576"}, None, 'config.json: hidden_size must be a positive integer, not "576"'),
     "zero heads": ("eagle", {"num_attention_heads": 0}, None, "num_attention_heads must be a positive integer, not 0"),
     "list": ("eagle", [1, 2], None, "config.json is a JSON list, not an object"),
-    "huge": ("eagle", {"intermediate_size": 3_000_000}, None,
-             "layers.0.mlp.gate_proj.weight has shape [64, 32] in the weights, but config.json makes it [3000000, 32]"),
-    "draft vocab": ("eagle3", {"draft_vocab_size": -1}, None, "config.json: draft_vocab_size must be a positive "
-                                                             "integer, not -1"),
-    "medusa layers": ("medusa", {"medusa_num_layers": "x"}, None, 'config.json: medusa_num_layers must be a positive '
-                                                                 'integer, not "x"'),
-    "d2t huge": ("eagle3", None, _d2t(10**9), "d2t maps draft id 0 to token 1000000000, outside the vocabulary (0..95)"),
-    "d2t negative": ("eagle3", None, _d2t(-10**6), "d2t maps draft id 0 to token -1000000, outside the vocabulary"),
+    "huge": (
+        "eagle",
+        {"intermediate_size": 3_000_000},
+        None,
+        "layers.0.mlp.gate_proj.weight has shape [64, 32] in the weights, but config.json makes it [3000000, 32]",
+    ),
+    "draft vocab": (
+        "eagle3",
+        {"draft_vocab_size": -1},
+        None,
+        "config.json: draft_vocab_size must be a positive integer, not -1",
+    ),
+    "medusa layers": (
+        "medusa",
+        {"medusa_num_layers": "x"},
+        None,
+        'config.json: medusa_num_layers must be a positive integer, not "x"',
+    ),
+    "d2t huge": (
+        "eagle3",
+        None,
+        _d2t(10**9),
+        "d2t maps draft id 0 to token 1000000000, outside the vocabulary (0..95)",
+    ),
+    "d2t negative": ("eagle3", None, _d2t(-(10**6)), "d2t maps draft id 0 to token -1000000, outside the vocabulary"),
 }
 
 
@@ -951,9 +1142,9 @@ def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch,
     """A hub head is checked when it is loaded (validate skips what is not a local folder): still before the module
     is built (EagleHead is never constructed off the meta device)."""
     import torch
+    from heads_kit import deep_llama
 
     from dtbench.decoders import heads
-    from heads_kit import deep_llama
 
     kind, config, tensors, needle = HEAD_CASES[case]
     folder = _head(tmp_path, kind, config, tensors)
@@ -979,15 +1170,18 @@ def test_ray_imports_beside_an_amdsmi_without_rocm(tmp_path):
 
     pytest.importorskip("ray")
     (tmp_path / "amdsmi").mkdir()
-    (tmp_path / "amdsmi" / "__init__.py").write_text("print('Unable to find libamd_smi.so')\n"
-                                                     "raise KeyError('libamd_smi.so')\n")
+    (tmp_path / "amdsmi" / "__init__.py").write_text(
+        "print('Unable to find libamd_smi.so')\nraise KeyError('libamd_smi.so')\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    probe = ("import json, os, subprocess, sys\n"
-             "from dtbench.harness.ray_executor import import_ray\n"
-             "ray = import_ray()\n"
-             "child = subprocess.run([sys.executable, '-c', 'import ray; print(\"worker ok\")'], capture_output=True,"
-             " text=True, env=os.environ)\n"
-             "print(json.dumps([ray.__name__, child.returncode, child.stdout.strip()]))\n")
+    probe = (
+        "import json, os, subprocess, sys\n"
+        "from dtbench.harness.ray_executor import import_ray\n"
+        "ray = import_ray()\n"
+        "child = subprocess.run([sys.executable, '-c', 'import ray; print(\"worker ok\")'], capture_output=True,"
+        " text=True, env=os.environ)\n"
+        "print(json.dumps([ray.__name__, child.returncode, child.stdout.strip()]))\n"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["ray", 0, "worker ok"], done.stdout
@@ -1005,12 +1199,19 @@ def _lossy_db(tmp_path) -> str:
     with reportdb.connect(path)() as s:
         run = reportdb.add_run(s)
         reportdb.add_samples(s, reportdb.add_cell(s, run, "ar"), [10.0] * 6, warmup=1)
-        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=2)", "linear", params={"k": 2}), [20.0] * 6,
-                             warmup=1)
-        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=3)", "linear", params={"k": 3}), [30.0] * 6,
-                             warmup=1)
-        reportdb.add_samples(s, reportdb.add_cell(s, run, "linear (k=4)", "linear", params={"k": 4}), [1000.0] * 6,
-                             warmup=1, diverge={i: 3 for i in range(6)})
+        reportdb.add_samples(
+            s, reportdb.add_cell(s, run, "linear (k=2)", "linear", params={"k": 2}), [20.0] * 6, warmup=1
+        )
+        reportdb.add_samples(
+            s, reportdb.add_cell(s, run, "linear (k=3)", "linear", params={"k": 3}), [30.0] * 6, warmup=1
+        )
+        reportdb.add_samples(
+            s,
+            reportdb.add_cell(s, run, "linear (k=4)", "linear", params={"k": 4}),
+            [1000.0] * 6,
+            warmup=1,
+            diverge={i: 3 for i in range(6)},
+        )
         s.commit()
     return str(path)
 
@@ -1034,10 +1235,10 @@ def test_a_speedup_that_is_not_lossless_is_marked_and_never_best(tmp_path):
 
 
 def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
+    import reportdb
+
     from dtbench.reports.summary import get_run, samples_frame, summarize
     from dtbench.reports.tuning import best_setting
-
-    import reportdb
 
     with reportdb.connect(_lossy_db(tmp_path))() as s:
         summary = summarize(samples_frame(s, get_run(s, None).id))
@@ -1050,10 +1251,22 @@ def test_exact_rule_note_agrees_with_its_verdict():
     exact rule counts ties as divergences."""
     from dtbench.reports.render import lossless_notes
 
-    row = {"label": "linear", "lossless": "yes", "lossless_n": "2/2", "reference": "ar", "status": "done",
-           "lossless_rule": "exact", "lossless_ties": 1, "lossless_tie_samples": 1, "lossless_checked_n": 2,
-           "lossless_error_samples": 0, "target_dtype": "bfloat16", "lossless_max_tie_margin": 0.0625,
-           "divergences": [], "lossless_expected": True}
+    row = {
+        "label": "linear",
+        "lossless": "yes",
+        "lossless_n": "2/2",
+        "reference": "ar",
+        "status": "done",
+        "lossless_rule": "exact",
+        "lossless_ties": 1,
+        "lossless_tie_samples": 1,
+        "lossless_checked_n": 2,
+        "lossless_error_samples": 0,
+        "target_dtype": "bfloat16",
+        "lossless_max_tie_margin": 0.0625,
+        "divergences": [],
+        "lossless_expected": True,
+    }
     note = " ".join(lossless_notes(row))
     assert "counts them as divergences" not in note
     assert "the exact rule fails a sample only where its output differs from the reference's" in note
@@ -1064,8 +1277,9 @@ def test_exact_rule_note_agrees_with_its_verdict():
 
 def _tokens_suite(tmp_path, tokens_path: str, decoder: str = "rest") -> str:
     extra = {} if decoder == "rest" else {"draft": {"model": "smollm2-135m", "dtype": "float32"}}
-    return write_suite(tmp_path, _suite(decoders=[{"name": "ar"}, {"name": decoder, "params": {"tokens": tokens_path}}],
-                                        **extra))
+    return write_suite(
+        tmp_path, _suite(decoders=[{"name": "ar"}, {"name": decoder, "params": {"tokens": tokens_path}}], **extra)
+    )
 
 
 def _npy(tmp_path, name: str, array) -> str:
@@ -1146,18 +1360,26 @@ def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp
 
     path = _npy(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
     monkeypatch.setattr(worker, "measure", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
-    one_line_error(invoke("run", _tokens_suite(tmp_path, path), "--db", str(tmp_path / "r.db"), "--no-progress",
-                          "--data-dir", str(data_dir)),
-                   f"decoder 'rest': tokens file {path} holds token id 60000, outside the target's vocabulary "
-                   f"(0..49151)")
+    one_line_error(
+        invoke(
+            "run",
+            _tokens_suite(tmp_path, path),
+            "--db",
+            str(tmp_path / "r.db"),
+            "--no-progress",
+            "--data-dir",
+            str(data_dir),
+        ),
+        f"decoder 'rest': tokens file {path} holds token id 60000, outside the target's vocabulary (0..49151)",
+    )
 
 
 def test_a_corpus_outside_the_vocabulary_is_refused_before_timing():
     import torch
+    from heads_kit import deep_llama
 
     from dtbench.core import Corpus
     from dtbench.decoders.rest import Rest, RestParams
-    from heads_kit import deep_llama
 
     target = deep_llama(0)  # vocabulary 96
     decoder = Rest(target, None, RestParams.model_validate({"corpus": {"name": "wikitext-2"}}))
@@ -1173,19 +1395,29 @@ def test_the_run_records_file_hashes_and_stop_at_eos(tmp_path, data_dir):
     import hashlib
 
     import numpy as np
+    from kit import save_tiny_llama
     from sqlalchemy import create_engine, text
 
     from dtbench.harness import models
     from dtbench.harness.suite import ModelSpec
-    from kit import save_tiny_llama
 
     target = save_tiny_llama(tmp_path / "target", models.load_tokenizer(ModelSpec()))
     tokens = _npy(tmp_path, "t.npy", np.array([5, 6, 7, 8, -1, 5, 6, 9], dtype=np.int64))
-    suite = _suite(target={"model": str(target), "dtype": "float64"},
-                   decoders=[{"name": "ar"}, {"name": "rest", "params": {"tokens": tokens}}])
+    suite = _suite(
+        target={"model": str(target), "dtype": "float64"},
+        decoders=[{"name": "ar"}, {"name": "rest", "params": {"tokens": tokens}}],
+    )
     db = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(db), "--data-dir", str(data_dir), "--no-progress",
-                    "--no-report")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite),
+        "--db",
+        str(db),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--no-report",
+    )
     assert result.exit_code == 0, result.output
     with create_engine(f"sqlite:///{db}").connect() as c:
         env = json.loads(c.execute(text("select environment from runs")).scalar())
@@ -1212,8 +1444,11 @@ def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
     (snapshot / "config.json").write_text("{}")
     import huggingface_hub
 
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
-                        lambda repo, name: str(snapshot / name) if repo == "org/head" else None)
+    monkeypatch.setattr(
+        huggingface_hub,
+        "try_to_load_from_cache",
+        lambda repo, name: str(snapshot / name) if repo == "org/head" else None,
+    )
     params = SimpleNamespace(model_dump=lambda: {"head": "org/head", "depth": 3, "other": "not/cached"})
     assert fingerprint.decoder_files(params) == {"head": {"hub_id": "org/head", "revision": "b" * 40}}
 
@@ -1221,7 +1456,12 @@ def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
 def test_a_plugins_names_are_escaped_in_the_decoders_table(tmp_path, monkeypatch):
     from kit import install_plugin
 
-    install_plugin(monkeypatch, tmp_path / "site", "dtbench-evil", {"evil": "dtbench_evil:Evil"}, """
+    install_plugin(
+        monkeypatch,
+        tmp_path / "site",
+        "dtbench-evil",
+        {"evil": "dtbench_evil:Evil"},
+        """
         from pydantic import Field
 
         from dtbench.decoders.ar import Autoregressive
@@ -1234,7 +1474,8 @@ def test_a_plugins_names_are_escaped_in_the_decoders_table(tmp_path, monkeypatch
 
         class Evil(Autoregressive):
             Params = P
-        """)
+        """,
+    )
     result = invoke("decoders")
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout

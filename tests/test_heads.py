@@ -8,8 +8,11 @@ import json
 
 import pytest
 import torch
+from heads_kit import Oracle, deep_llama, write_eagle, write_medusa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit import invoke, one_line_error
+from models import SHARP, VOCAB, run_decoder, tiny_llama, tiny_neox
 
 from dtbench.decoders import kv
 from dtbench.decoders.ar import Autoregressive
@@ -18,9 +21,6 @@ from dtbench.decoders.heads import load_eagle, load_medusa
 from dtbench.decoders.medusa import MC_SIM_7B_63, Medusa, MedusaDrafter, MedusaParams, static_tree
 from dtbench.decoders.tree import speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
-from heads_kit import Oracle, deep_llama, write_eagle, write_medusa
-from kit import invoke, one_line_error
-from models import SHARP, VOCAB, run_decoder, tiny_llama, tiny_neox
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = list(range(3, 20))
@@ -80,7 +80,8 @@ def test_loaders_read_the_published_files_into_the_reference_modules(heads):
     assert e3.t2d[e3.to_target(draft_ids)].all() and int(e3.t2d.sum()) == 40
     assert load_eagle(str(heads[3]), TARGETS[3]) is e3  # one load per (target, head): decoders are per prompt
     assert not hasattr(e3, "embed_tokens") and e3.embed(torch.tensor([5])).equal(
-        TARGETS[3].get_input_embeddings()(torch.tensor([5])))  # the target's embedding unless the head has one
+        TARGETS[3].get_input_embeddings()(torch.tensor([5]))
+    )  # the target's embedding unless the head has one
     own = load_eagle(str(heads["3full"]), TARGETS[3])
     assert own.embed_tokens.weight.shape == (VOCAB, HIDDEN) and torch.equal(own.to_target(draft_ids), draft_ids)
 
@@ -135,13 +136,16 @@ def _one_line(exc: pytest.ExceptionInfo, *needles: str) -> None:
         assert n in text, text
 
 
-@pytest.mark.parametrize("what, write, needles", [
-    ("eagle hidden", lambda f: write_eagle(f, hidden=64, vocab=VOCAB), ("hidden size 64", "hidden size 32")),
-    ("eagle vocab", lambda f: write_eagle(f, hidden=HIDDEN, vocab=100), ("vocabulary size 100", "size 96")),
-    ("eagle fc", lambda f: write_eagle(f, hidden=HIDDEN, vocab=VOCAB, fc_in=48), ("fc input size 48", "64")),
-    ("medusa hidden", lambda f: write_medusa(f, hidden=64, vocab=VOCAB), ("hidden size 64", "hidden size 32")),
-    ("medusa vocab", lambda f: write_medusa(f, hidden=HIDDEN, vocab=100), ("vocabulary size 100", "size 96")),
-])
+@pytest.mark.parametrize(
+    "what, write, needles",
+    [
+        ("eagle hidden", lambda f: write_eagle(f, hidden=64, vocab=VOCAB), ("hidden size 64", "hidden size 32")),
+        ("eagle vocab", lambda f: write_eagle(f, hidden=HIDDEN, vocab=100), ("vocabulary size 100", "size 96")),
+        ("eagle fc", lambda f: write_eagle(f, hidden=HIDDEN, vocab=VOCAB, fc_in=48), ("fc input size 48", "64")),
+        ("medusa hidden", lambda f: write_medusa(f, hidden=64, vocab=VOCAB), ("hidden size 64", "hidden size 32")),
+        ("medusa vocab", lambda f: write_medusa(f, hidden=HIDDEN, vocab=100), ("vocabulary size 100", "size 96")),
+    ],
+)
 def test_a_head_that_does_not_fit_the_target_is_a_one_line_error_naming_both_sizes(tmp_path, what, write, needles):
     folder = write(tmp_path / "head")
     cls, params = (Medusa, MedusaParams) if what.startswith("medusa") else (Eagle, EagleParams)
@@ -190,11 +194,14 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
         tree = TokenTree(pending, drafter.n_max, 64, target.device)
         drafter.draft(tree, pending, depth_cap=10)
         assert kv.cache_len(drafter.cache) == len(PROMPT)  # tree KV dropped, committed pairs kept
-        to_draft = {int(t): d for d, t in enumerate(head.to_target(torch.arange(head.lm_head.weight.shape[0])))} \
-            if version == 3 else None
+        to_draft = (
+            {int(t): d for d, t in enumerate(head.to_target(torch.arange(head.lm_head.weight.shape[0])))}
+            if version == 3
+            else None
+        )
         nodes = tree.nodes()
         assert len(nodes) == 20 and max(n.depth for n in nodes) >= 3  # a full budget, several levels deep
-        for u, node in enumerate(nodes[1:], start=1):
+        for u, _node in enumerate(nodes[1:], start=1):
             path = []
             while u:
                 path.append(u)
@@ -203,13 +210,23 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
             cache = kv.new_cache()
             pairs = torch.tensor([PROMPT[1:] + [pending]])
             n = pairs.shape[1]
-            hidden, logp = head(input_ids=pairs, features=features[None], position_ids=torch.arange(n)[None],
-                                ancestors=torch.ones(n, n, dtype=torch.bool).tril(), past_key_values=cache)
+            hidden, logp = head(
+                input_ids=pairs,
+                features=features[None],
+                position_ids=torch.arange(n)[None],
+                ancestors=torch.ones(n, n, dtype=torch.bool).tril(),
+                past_key_values=cache,
+            )
             h, lp = hidden[:, -1:], logp[-1]
             for j, v in enumerate(path[:-1]):
                 one = torch.ones(1, 1, dtype=torch.bool)
-                h, lp = head(input_ids=torch.tensor([[nodes[v].token]]), features=h,
-                             position_ids=torch.tensor([[n + j]]), ancestors=one, past_key_values=cache)
+                h, lp = head(
+                    input_ids=torch.tensor([[nodes[v].token]]),
+                    features=h,
+                    position_ids=torch.tensor([[n + j]]),
+                    ancestors=one,
+                    past_key_values=cache,
+                )
                 lp = lp[-1]
             tok = nodes[path[-1]].token
             want = lp[to_draft[tok] if to_draft else tok]
@@ -217,7 +234,7 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
             assert float(tree.logp[path[-1]]) == pytest.approx(float(want), abs=1e-4 if attn == "eager" else 1e-9)
         # the tree holds the best candidates: every node at least as probable as any unexpanded alternative of its
         # parent is not checked here; the best-first property is: scores never increase along a path
-        cum = tree.cum_logp[:tree.size]
+        cum = tree.cum_logp[: tree.size]
         assert all(cum[u] <= cum[nodes[u].parent] + 1e-12 for u in range(1, tree.size))
 
 
@@ -225,20 +242,30 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
 
 
 @SLOW
-@given(version=st.sampled_from([1, 3, "3full"]), T=st.integers(1, 24), top_k=st.integers(1, 5),
-       depth=st.integers(0, 4), total=st.integers(2, 30), strategy=st.sampled_from(["compact", "rebuild"]),
-       prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12))
+@given(
+    version=st.sampled_from([1, 3, "3full"]),
+    T=st.integers(1, 24),
+    top_k=st.integers(1, 5),
+    depth=st.integers(0, 4),
+    total=st.integers(2, 30),
+    strategy=st.sampled_from(["compact", "rebuild"]),
+    prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12),
+)
 def test_eagle_equals_ar(heads, version, T, top_k, depth, total, strategy, prompt):
     target = TARGETS[3 if version == "3full" else version]
-    params = EagleParams(head=str(heads[version]), top_k=top_k, depth=depth, total_token=total,
-                         cache_strategy=strategy)
+    params = EagleParams(head=str(heads[version]), top_k=top_k, depth=depth, total_token=total, cache_strategy=strategy)
     assert run_decoder(Eagle(target, None, params), prompt, T) == _ar(target, prompt, T)
 
 
 @SLOW
-@given(arch=st.sampled_from(["llama", "neox"]), T=st.integers(1, 24), n_heads=st.integers(1, 5),
-       strategy=st.sampled_from(["compact", "rebuild"]), small=st.booleans(),
-       prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12))
+@given(
+    arch=st.sampled_from(["llama", "neox"]),
+    T=st.integers(1, 24),
+    n_heads=st.integers(1, 5),
+    strategy=st.sampled_from(["compact", "rebuild"]),
+    small=st.booleans(),
+    prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12),
+)
 def test_medusa_equals_ar(tmp_path_factory, arch, T, n_heads, strategy, small, prompt):
     target = TARGETS[1] if arch == "llama" else tiny_neox(0, sharpness=SHARP)
     folder = write_medusa(tmp_path_factory.mktemp("m"), hidden=HIDDEN, vocab=VOCAB, heads=n_heads)
@@ -282,8 +309,7 @@ def test_eagle_with_an_oracle_accepts_several_tokens_down_tree_paths(heads, vers
 
 def test_medusa_with_an_oracle_accepts_several_tokens(heads):
     target = TARGETS[1]
-    drafter = MedusaDrafter(load_medusa(str(heads["medusa"]), target), MC_SIM_7B_63,
-                            target.config.num_hidden_layers)
+    drafter = MedusaDrafter(load_medusa(str(heads["medusa"]), target), MC_SIM_7B_63, target.config.num_hidden_layers)
     tokens, greedy, steps, oracle = _with_oracle(target, drafter, 40, last_child=True)
     assert tokens == greedy
     assert max(s.accepted for s in steps) >= 3 and sum(s.accepted >= 2 for s in steps) >= 3
@@ -293,8 +319,11 @@ def test_medusa_with_an_oracle_accepts_several_tokens(heads):
 def test_a_random_head_accepts_little_without_the_oracle(heads):
     """The oracle test is not vacuous: the same head without it rarely accepts more than one token."""
     target = TARGETS[1]
-    steps = list(Eagle(target, None, EagleParams(head=str(heads[1]), top_k=4, depth=5, total_token=24))
-                 .generate(torch.tensor([PROMPT]), 40))[1:]
+    steps = list(
+        Eagle(target, None, EagleParams(head=str(heads[1]), top_k=4, depth=5, total_token=24)).generate(
+            torch.tensor([PROMPT]), 40
+        )
+    )[1:]
     assert sum(s.accepted >= 2 for s in steps) < 3
 
 
@@ -304,8 +333,11 @@ def test_a_random_head_accepts_little_without_the_oracle(heads):
 def test_verify_sizes_are_declared(heads):
     assert Eagle.verify_sizes(EagleParams(head="x", total_token=60)) == (0, 60)
     assert Medusa.verify_sizes(MedusaParams(head="x")) == (0, 64)
-    steps = list(Eagle(TARGETS[1], None, EagleParams(head=str(heads[1]), top_k=4, depth=4, total_token=17))
-                 .generate(torch.tensor([PROMPT]), 12))
+    steps = list(
+        Eagle(TARGETS[1], None, EagleParams(head=str(heads[1]), top_k=4, depth=4, total_token=17)).generate(
+            torch.tensor([PROMPT]), 12
+        )
+    )
     assert max(s.drafted for s in steps) + 1 == 17  # the declared size is what one verification feeds
 
 
@@ -353,7 +385,7 @@ target: {{model: smollm2-135m}}
 datasets: [{{name: wikitext-2, prompts: 2, warmup: 1, L_max: 32}}]
 generation_lengths: [4]
 decoders:
-  - {{name: eagle, label: E, params: {{head: {tmp_path / 'head'}}}}}
+  - {{name: eagle, label: E, params: {{head: {tmp_path / "head"}}}}}
 """)
     result = invoke("run", str(tmp_path / "s.yaml"), "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir))
     one_line_error(result, "decoder 'E'", "hidden size 64", "hidden size 576")
@@ -366,9 +398,9 @@ decoders:
 
 
 def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve(heads):
-    from dtbench.harness.prompt import Prompt
     from dtbench.harness.measure import measure
     from dtbench.harness.metrics import sample_row
+    from dtbench.harness.prompt import Prompt
     from dtbench.reports.costmodel import price_sample, uses_draft_model
 
     class Flat:  # every forward of either role costs 1 s
@@ -400,9 +432,13 @@ def test_eagle3_features_are_the_inputs_of_target_layers_2_mid_and_L_minus_3():
     target = TARGETS[3]
     L = target.config.num_hidden_layers
     seen = {}
-    hooks = [target.model.layers[i].register_forward_pre_hook(
-        lambda mod, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0]),
-        with_kwargs=True) for i in (2, L // 2, L - 3)]
+    hooks = [
+        target.model.layers[i].register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: seen.__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0]),
+            with_kwargs=True,
+        )
+        for i in (2, L // 2, L - 3)
+    ]
     try:
         with torch.inference_mode():
             _, _, features = kv.prefill_features(target, torch.tensor([PROMPT]), (2, L // 2, L - 3))
@@ -461,19 +497,35 @@ def test_the_recorded_node_budget_predicts_the_acceptance_of_smaller_trees(heads
 def test_a_calibrated_run_prices_eagle_and_predicts_its_best_total_token(tmp_path, data_dir, monkeypatch):
     """`calibrate: true` covers eagle's declared verify size; `report --cost-model` prices its target forwards,
     flags the head's as unpriced and names a predicted best total_token."""
+    from kit import fast_calibration_settings, suite_dict, tiny_pair, write_suite
+
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
     from dtbench.harness import calibrate as cal
-    from kit import fast_calibration_settings, suite_dict, tiny_pair, write_suite
 
     monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
     target, draft = tiny_pair(tmp_path)
     cfg = json.loads((target / "config.json").read_text())
     head = write_eagle(tmp_path / "head", hidden=cfg["hidden_size"], vocab=cfg["vocab_size"])
-    suite = suite_dict(target, draft, [{"name": "ar"}, {"name": "eagle", "label": "E", "params": {
-        "head": str(head), "top_k": 3, "depth": 2, "total_token": 9}}], calibrate=True)
+    suite = suite_dict(
+        target,
+        draft,
+        [
+            {"name": "ar"},
+            {"name": "eagle", "label": "E", "params": {"head": str(head), "top_k": 3, "depth": 2, "total_token": 9}},
+        ],
+        calibrate=True,
+    )
     dbfile = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress", "--no-report")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite),
+        "--db",
+        str(dbfile),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--no-report",
+    )
     assert result.exit_code == 0, result.output
     result = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
     assert result.exit_code == 0, result.output

@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import VOCAB, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams
-from models import VOCAB, hf_greedy, model_zoo, run_decoder
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
 DRAFTS = ["self", "perturbed", "unrelated"]
@@ -87,8 +87,9 @@ def test_heuristic_schedule_restarts_every_call():
     """transformers persists the adapted num_assistant_tokens on the assistant's config; hf_assisted restores
     it, so the same prompt drafts the same way every time."""
     target, draft = model_zoo()["self"]
-    params = HFAssistedParams(num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic",
-                              assistant_confidence_threshold=0.0)
+    params = HFAssistedParams(
+        num_assistant_tokens=2, num_assistant_tokens_schedule="heuristic", assistant_confidence_threshold=0.0
+    )
     runs = [[s.drafted for s in HFAssisted(target, draft, params).generate(torch.tensor([[4, 5]]), 30)] for _ in "ab"]
     assert runs[0] == runs[1] and runs[0][:3] == [2, 4, 6]  # a perfect draft: +2 per fully accepted round
     assert _untouched(target, draft)
@@ -101,7 +102,7 @@ def test_lockstep_worker_waits_for_the_consumer():
     handle = target.register_forward_hook(lambda *args: calls.append(1))
     try:
         seen = []
-        for step in HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=3)).generate(
+        for _step in HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=3)).generate(
             torch.tensor([[3, 4, 5]]), 12
         ):
             before = len(calls)
@@ -158,5 +159,7 @@ def test_needs_a_draft_and_validates_params():
     with pytest.raises(ValueError):
         HFAssistedParams(num_assistant_tokens=5, k=3)
     assert HFAssistedParams().model_dump() == {
-        "num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4
+        "num_assistant_tokens": 20,
+        "num_assistant_tokens_schedule": "constant",
+        "assistant_confidence_threshold": 0.4,
     }

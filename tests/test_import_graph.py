@@ -56,8 +56,13 @@ def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
                         if a.name.startswith("_"):
                             private.append(f"{name}: from {node.module} import {a.name}")
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 private.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
         edges[name].discard(name)
     return edges, private
@@ -113,8 +118,10 @@ def test_the_checker_reads_imports_inside_functions(tmp_path):
     edges, private = imports(mods)
     assert edges["dtbench.harness.one"] == {"dtbench.harness.two"}
     assert cycles(edges) == [["dtbench.harness.one", "dtbench.harness.two"]]
-    assert sorted(private) == ["dtbench.harness.one: dtbench.harness.two._hidden",
-                               "dtbench.harness.two: from dtbench.harness.one import _x"]
+    assert sorted(private) == [
+        "dtbench.harness.one: dtbench.harness.two._hidden",
+        "dtbench.harness.two: from dtbench.harness.one import _x",
+    ]
 
 
 def test_no_import_cycles():
@@ -130,8 +137,13 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_harness_imports_nothing_from_reports_or_cli():
     edges, _ = imports(modules())
-    bad = [f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.harness.") for t in ts
-           if t.startswith(("dtbench.reports", "dtbench.cli"))]
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in edges.items()
+        if m.startswith("dtbench.harness.")
+        for t in ts
+        if t.startswith(("dtbench.reports", "dtbench.cli"))
+    ]
     assert bad == []
 
 
@@ -139,8 +151,13 @@ def test_decoders_import_nothing_from_the_harness_reports_or_cli():
     """Decoders sit on the torch-free core only: a corpus is declared (dtbench.core.CorpusSpec) and injected by the
     harness, never loaded by a decoder."""
     edges, _ = imports(modules())
-    bad = [f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.decoders") for t in ts
-           if t.startswith(("dtbench.harness", "dtbench.reports", "dtbench.cli", "dtbench.api"))]
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in edges.items()
+        if m.startswith("dtbench.decoders")
+        for t in ts
+        if t.startswith(("dtbench.harness", "dtbench.reports", "dtbench.cli", "dtbench.api"))
+    ]
     assert bad == []
 
 
@@ -153,10 +170,21 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
     """Reports read the database; the one documented exception: the tuning line's decoder defaults (reports/tuning.py
     default_params) name installed decoders' params."""
     edges, _ = imports(modules())
-    bad = sorted(f"{m} -> {t}" for m, ts in edges.items() if m.startswith("dtbench.reports") for t in ts
-                 if t in ("dtbench.harness.registry", "dtbench.harness.calibrate", "dtbench.harness.plan",
-                          "dtbench.harness.worker", "dtbench.harness.models")
-                 or t.startswith("dtbench.decoders"))
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, ts in edges.items()
+        if m.startswith("dtbench.reports")
+        for t in ts
+        if t
+        in (
+            "dtbench.harness.registry",
+            "dtbench.harness.calibrate",
+            "dtbench.harness.plan",
+            "dtbench.harness.worker",
+            "dtbench.harness.models",
+        )
+        or t.startswith("dtbench.decoders")
+    )
     assert bad == ["dtbench.reports.tuning -> dtbench.harness.registry"]
 
 
@@ -185,8 +213,13 @@ def _fresh_import(code: str) -> set[str]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint('\\n'.join(sys.modules))"],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint('\\n'.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return set(out.stdout.split())
 
 
@@ -194,8 +227,10 @@ def test_loading_a_suite_imports_no_torch(tmp_path):
     """The suite schema and loader (validate's first step) load without torch; checking decoder params may import
     it, reading and validating the suite's own schema does not."""
     suite = tmp_path / "s.yaml"
-    suite.write_text("name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 0, L_max: 16}]\n"
-                     "generation_lengths: [4]\ndecoders: [{name: ar}]\n")
+    suite.write_text(
+        "name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 0, L_max: 16}]\n"
+        "generation_lengths: [4]\ndecoders: [{name: ar}]\n"
+    )
     loaded = _fresh_import(f"from dtbench.harness.suitefile import load_suite\nload_suite({str(suite)!r})")
     assert "dtbench.harness.suite" in loaded and "torch" not in loaded
     assert "torch" not in _fresh_import("import dtbench.core")

@@ -13,10 +13,10 @@ import socket
 from datetime import timedelta
 
 import pytest
+from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 from sqlalchemy import func, select
 
 from dtbench.harness import db, registry, runs, worker
-from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,8 +80,14 @@ class FastFake(Autoregressive):
         yield Step(tokens=(0,) * max_new_tokens)
 '''
 
-NAMES = {"np_tokens": "NumpyTokens", "float_tokens": "FloatTokens", "bad_counter": "BadCounter", "exits": "Exits",
-         "hangs": "Hangs", "wrong": "Wrong"}
+NAMES = {
+    "np_tokens": "NumpyTokens",
+    "float_tokens": "FloatTokens",
+    "bad_counter": "BadCounter",
+    "exits": "Exits",
+    "hangs": "Hangs",
+    "wrong": "Wrong",
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +97,16 @@ def pair(tmp_path_factory):
 
 @pytest.fixture
 def plugins(monkeypatch, tmp_path):
-    install_plugin(monkeypatch, tmp_path / "site", "dtbench-probe",
-                   {k: f"dtbench_probe:{v}" for k, v in NAMES.items()}, PLUGINS)
+    install_plugin(
+        monkeypatch, tmp_path / "site", "dtbench-probe", {k: f"dtbench_probe:{v}" for k, v in NAMES.items()}, PLUGINS
+    )
 
 
 def run_cli(tmp_path, data_dir, suite, *extra):
     dbfile = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress", *extra)
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress", *extra
+    )
     return result, dbfile
 
 
@@ -114,8 +122,14 @@ def run_row(dbfile):
 
 
 def test_bad_step_contents_and_sys_exit_fail_only_their_cells(plugins, pair, tmp_path, data_dir):
-    decoders = [{"name": "ar"}, {"name": "np_tokens"}, {"name": "float_tokens"}, {"name": "bad_counter"},
-                {"name": "exits"}, {"name": "linear", "params": {"k": 2}}]
+    decoders = [
+        {"name": "ar"},
+        {"name": "np_tokens"},
+        {"name": "float_tokens"},
+        {"name": "bad_counter"},
+        {"name": "exits"},
+        {"name": "linear", "params": {"k": 2}},
+    ]
     result, dbfile = run_cli(tmp_path, data_dir, suite_dict(*pair, decoders))
     assert result.exit_code == 4, result.output  # a cell failed
     cells = cells_of(dbfile)
@@ -154,8 +168,11 @@ def test_database_failure_leaves_run_failed_and_resumable(pair, tmp_path, data_d
     assert result.exit_code == 0, result.output
     assert run_row(dbfile) == ("completed", None)
     with db.connect(str(dbfile))() as s:
-        rows = s.execute(select(db.Sample.cell_id, db.Sample.prompt_index, func.count()).group_by(
-            db.Sample.cell_id, db.Sample.prompt_index)).all()
+        rows = s.execute(
+            select(db.Sample.cell_id, db.Sample.prompt_index, func.count()).group_by(
+                db.Sample.cell_id, db.Sample.prompt_index
+            )
+        ).all()
     assert len(rows) == 4 and all(n == 1 for *_, n in rows)
 
 
@@ -223,8 +240,12 @@ def test_resume_refuses_a_live_run_unless_forced(pair, tmp_path, data_dir):
 
     # This very process is alive on this host: a second `dtbench run --resume` must not write into its run.
     set_owner(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=db.utcnow())
-    one_line_error(run_cli(tmp_path, data_dir, suite, "--resume")[0], "run 1 is still being written",
-                   f"pid {os.getpid()} on this host", "--force")
+    one_line_error(
+        run_cli(tmp_path, data_dir, suite, "--resume")[0],
+        "run 1 is still being written",
+        f"pid {os.getpid()} on this host",
+        "--force",
+    )
     # Another host with a fresh heartbeat: alive. A stale heartbeat: dead, free to resume.
     set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=10))
     one_line_error(run_cli(tmp_path, data_dir, suite, "--resume")[0], "host elsewhere")
@@ -232,8 +253,11 @@ def test_resume_refuses_a_live_run_unless_forced(pair, tmp_path, data_dir):
     assert run_cli(tmp_path, data_dir, suite, "--resume")[0].exit_code == 0
     # A live owner on this host is never taken over, not even with --force (issue 19: two writers of one run).
     set_owner(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=db.utcnow())
-    one_line_error(run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0], "run 1 is still being written",
-                   f"kill {os.getpid()}")
+    one_line_error(
+        run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0],
+        "run 1 is still being written",
+        f"kill {os.getpid()}",
+    )
     # --force takes over an owner on another host whose heartbeat is fresh (it cannot be checked from here).
     set_owner(owner_host="elsewhere", owner_pid=1, heartbeat_at=db.utcnow() - timedelta(seconds=10))
     assert run_cli(tmp_path, data_dir, suite, "--resume", "--force")[0].exit_code == 0

@@ -15,13 +15,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
+from models import SHARP, VOCAB, tiny_llama
 from sqlalchemy import select
 
 from dtbench.decoders import kv
 from dtbench.harness import db, lossless, measure
 from dtbench.harness import models as harness_models
-from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
-from models import SHARP, VOCAB, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,8 +65,9 @@ def pair(tmp_path_factory):
 
 def run_cli(tmp_path, data_dir, suite, name="r.db"):
     dbfile = tmp_path / name
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress")
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
     return result, dbfile
 
 
@@ -119,8 +120,7 @@ def test_classify_states_the_rule():
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 3), T=st.integers(1, 30), chunk=st.integers(1, 40), at=st.integers(0, 29),
-       data=st.data())
+@given(seed=st.integers(0, 3), T=st.integers(1, 30), chunk=st.integers(1, 40), at=st.integers(0, 29), data=st.data())
 def test_every_token_is_checked_and_a_flip_is_an_error_wherever_it_is(seed, T, chunk, at, data):
     """float64: greedy output passes with no tie at any chunking; one runner-up token at any position is an error
     there, and the greedy continuation from the flipped prefix passes."""
@@ -178,7 +178,7 @@ class ShapeTie:
 
     def post(self, module, args, kwargs, output):
         logits = output.logits
-        for j, p in enumerate(self.positions[-logits.shape[1]:]):
+        for j, p in enumerate(self.positions[-logits.shape[1] :]):
             if p == TIE_POSITION:
                 row = logits[0, j]
                 top = row.max() + 1
@@ -223,8 +223,14 @@ def test_a_shape_tie_is_a_tie_the_run_passes_and_the_rest_is_checked(tied_target
     assert "ties pass the tie-aware check" in shown
     report = json.loads(invoke("report", "--db", str(dbfile), "--format", "json").stdout)
     lin = next(c for c in report["cells"] if c["label"] == "linear")
-    assert (lin["lossless"], lin["lossless_rule"], lin["lossless_ties"], lin["lossless_tie_samples"],
-            lin["lossless_error_samples"], lin["target_dtype"]) == ("yes", "tie_aware", 2, 2, 0, "float64")
+    assert (
+        lin["lossless"],
+        lin["lossless_rule"],
+        lin["lossless_ties"],
+        lin["lossless_tie_samples"],
+        lin["lossless_error_samples"],
+        lin["target_dtype"],
+    ) == ("yes", "tie_aware", 2, 2, 0, "float64")
     # The exact rule: the same outputs, and the divergence fails the run.
     result, dbfile = run_cli(tmp_path, data_dir, suite_dict(*tied_target, decoders, lossless_check="exact"), "e.db")
     assert result.exit_code == 3, result.output
@@ -257,14 +263,13 @@ def test_a_flipped_token_is_an_error_under_both_rules(rule, monkeypatch, pair, t
 
 
 def test_float64_models_have_no_ties_and_the_same_verdicts_under_both_rules(pair, tmp_path, data_dir):
-    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}, {"name": "fixed_tree"},
-                {"name": "dynatree"}]
+    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}, {"name": "fixed_tree"}, {"name": "dynatree"}]
     verdicts = {}
     for rule in lossless.RULES:
         result, dbfile = run_cli(tmp_path, data_dir, suite_dict(*pair, decoders, lossless_check=rule), f"{rule}.db")
         assert result.exit_code == 0, result.output
         samples = samples_of(dbfile)
-        for label, xs in samples.items():
+        for _label, xs in samples.items():
             assert all(x.lossless_ties == 0 and x.lossless_errors == 0 and x.lossless_checked == 6 for x in xs)
         verdicts[rule] = {label: [x.lossless for x in xs] for label, xs in samples.items() if label != "ar"}
         assert "tie" not in result.stdout
@@ -279,11 +284,18 @@ def test_embedded_pair_with_a_bfloat16_target_stores_and_reports_a_consistent_ve
     depends on the CPU's kernels; what must hold is that every sample is checked, every divergence is diagnosed,
     each diagnosis obeys the rule, and the report and exit code agree with the stored counts."""
     suite = {
-        "name": "bf16", "seed": 5, "device": "cpu",
-        "target": {"model": "smollm2-135m", "dtype": "bfloat16"}, "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
-        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 32}], "generation_lengths": [8],
-        "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 4}},
-                     {"name": "fixed_tree", "params": {"depth": 5, "branching": 2}}],
+        "name": "bf16",
+        "seed": 5,
+        "device": "cpu",
+        "target": {"model": "smollm2-135m", "dtype": "bfloat16"},
+        "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
+        "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 32}],
+        "generation_lengths": [8],
+        "decoders": [
+            {"name": "ar"},
+            {"name": "linear", "params": {"k": 4}},
+            {"name": "fixed_tree", "params": {"depth": 5, "branching": 2}},
+        ],
     }
     result, dbfile = run_cli(tmp_path, data_dir, suite)
     samples = samples_of(dbfile)

@@ -12,8 +12,7 @@ import types
 import pytest
 import torch
 
-from dtbench.harness import measure
-from dtbench.harness import memory
+from dtbench.harness import measure, memory
 
 MIB = 2**20
 CUDA0 = torch.device("cuda", 0)
@@ -24,8 +23,10 @@ class FakeNvml(types.ModuleType):
 
     def __init__(self, procs_on_b=None, fail_memory=False):
         super().__init__("pynvml")
-        self.gpus = {"GPU-aaaa": {"used": 9000 * MIB, "procs": []},
-                     "GPU-bbbb": {"used": 5000 * MIB, "procs": procs_on_b if procs_on_b is not None else []}}
+        self.gpus = {
+            "GPU-aaaa": {"used": 9000 * MIB, "procs": []},
+            "GPU-bbbb": {"used": 5000 * MIB, "procs": procs_on_b if procs_on_b is not None else []},
+        }
         self.fail_memory = fail_memory
         self.uuid_lookups: list[str] = []
 
@@ -85,15 +86,20 @@ def test_nvml_device_is_looked_up_by_uuid_not_cuda_index(monkeypatch, fake_cuda)
 
 
 def test_nvml_reports_this_process_when_nvml_lists_it(monkeypatch, fake_cuda):
-    procs = [types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=4000 * MIB),
-             types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=700 * MIB)]
+    procs = [
+        types.SimpleNamespace(pid=os.getpid() + 1, usedGpuMemory=4000 * MIB),
+        types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=700 * MIB),
+    ]
     use_nvml(monkeypatch, FakeNvml(procs_on_b=procs))
     peak = track()
     assert (peak.nvml_bytes, peak.nvml_scope) == (700 * MIB, "process")
 
 
-@pytest.mark.parametrize("procs", [[], [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=None)]],
-                         ids=["pid not listed", "per-process figure not available"])
+@pytest.mark.parametrize(
+    "procs",
+    [[], [types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=None)]],
+    ids=["pid not listed", "per-process figure not available"],
+)
 def test_nvml_falls_back_to_device_memory_and_says_so(monkeypatch, fake_cuda, procs):
     use_nvml(monkeypatch, FakeNvml(procs_on_b=procs))
     peak = track()
@@ -159,14 +165,24 @@ def test_poller_returns_none_when_every_read_fails():
 
 def test_hardware_flags_from_cpuinfo(monkeypatch, tmp_path, fake_cuda):
     info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9654\n"
-                    "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    info.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 9654\n"
+        "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    )
     monkeypatch.setattr(measure, "_CPUINFO", info)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     hw = measure.hardware_flags(torch.device("cpu"))
-    assert hw == {"cpu_flags": {"avx2": True, "avx512f": True, "avx512_bf16": True, "avx512_fp16": False,
-                                "amx_bf16": False, "amx_tile": False},
-                  "torch_cpu_capability": "AVX512"}
+    assert hw == {
+        "cpu_flags": {
+            "avx2": True,
+            "avx512f": True,
+            "avx512_bf16": True,
+            "avx512_fp16": False,
+            "amx_bf16": False,
+            "amx_tile": False,
+        },
+        "torch_cpu_capability": "AVX512",
+    }
     assert measure.hardware_flags(CUDA0)["cuda_capability"] == "9.0" and measure.hardware_flags(CUDA0)["cuda_bf16"]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
     assert measure.hardware_flags(CUDA0)["cuda_bf16"] is False

@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from heads_kit import write_eagle, write_medusa
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import model_zoo
 
 from dtbench.harness import registry
-from dtbench.harness.prompt import Prompt
 from dtbench.harness.measure import ForwardCounter, measure
 from dtbench.harness.metrics import sample_row
-from heads_kit import write_eagle, write_medusa
-from models import model_zoo
+from dtbench.harness.prompt import Prompt
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
@@ -29,14 +29,23 @@ PROMPT = list(range(3, 20))
 HEAD = "<head written by build()>"
 STORE = "<rest tokens file written by build()>"
 BUILTIN = [
-    ("ar", {}), ("linear", {"k": 3}), ("fixed_tree", {"depth": 3, "branching": 2}),
+    ("ar", {}),
+    ("linear", {"k": 3}),
+    ("fixed_tree", {"depth": 3, "branching": 2}),
     ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
     ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
-    ("dynatree", {}), ("hf_assisted", {}), ("hf_generate", {}), ("streaming_ar", {"sinks": 4, "window": 64}),
-    ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}), ("medusa", {"head": HEAD}),
-    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}), ("token_recycling", {}),
+    ("dynatree", {}),
+    ("hf_assisted", {}),
+    ("hf_generate", {}),
+    ("streaming_ar", {"sinks": 4, "window": 64}),
+    ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}),
+    ("medusa", {"head": HEAD}),
+    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}),
+    ("token_recycling", {}),
     ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
-    ("ngram", {"k": 4}), ("suffix", {"k": 3, "min_match": 1}), ("suffix", {"k": 3, "fallback": "draft"}),
+    ("ngram", {"k": 4}),
+    ("suffix", {"k": 3, "min_match": 1}),
+    ("suffix", {"k": 3, "fallback": "draft"}),
     ("rest", {"tokens": STORE}),
 ]
 
@@ -123,8 +132,12 @@ def test_forward_counter_with_shared_target_and_draft():
 
 
 @settings(max_examples=25, deadline=None)
-@given(T=st.integers(1, 16), k=st.integers(1, 6), kind=st.sampled_from(["self", "perturbed"]),
-       name=st.sampled_from(["linear", "streaming_spec"]))
+@given(
+    T=st.integers(1, 16),
+    k=st.integers(1, 6),
+    kind=st.sampled_from(["self", "perturbed"]),
+    name=st.sampled_from(["linear", "streaming_spec"]),
+)
 def test_chain_decoders_never_draft_past_T(T, k, kind, name):
     params = {"k": k} if name == "linear" else {"k": k, "sinks": 4, "window": 64}
     steps = list(build(name, params, kind).generate(torch.tensor([PROMPT]), T))

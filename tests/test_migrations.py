@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from kit import invoke, one_line_error
 from sqlalchemy import MetaData, create_engine, inspect, select, text
 
 from dtbench.harness import db, engines, schema
 from dtbench.harness.errors import DtbenchError
-from kit import invoke, one_line_error
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 OLD_DB = FIXTURES / "results-0001.db"
@@ -47,16 +47,18 @@ def assert_reports_identical(url: str) -> None:
         assert new["run"] == {**old["run"], **{k: v for k, v in new["run"].items() if k not in old["run"]}}
         assert [c["label"] for c in new["cells"]] == [c["label"] for c in old["cells"]]
         for o, n in zip(old["cells"], new["cells"]):
-            assert {k: n[k] for k in o if k not in CHANGED_ON_PURPOSE} == \
-                   {k: v for k, v in o.items() if k not in CHANGED_ON_PURPOSE}, (run, o["label"])
+            assert {k: n[k] for k in o if k not in CHANGED_ON_PURPOSE} == {
+                k: v for k, v in o.items() if k not in CHANGED_ON_PURPOSE
+            }, (run, o["label"])
         result = invoke("report", "--db", url, "--run", str(run), "--format", "csv")
         assert result.exit_code == 0, result.output
         old_rows = list(csv.DictReader(io.StringIO((FIXTURES / f"results-0001.run{run}.csv").read_text())))
         new_rows = list(csv.DictReader(io.StringIO(result.stdout)))
         assert len(new_rows) == len(old_rows)
         for o, n in zip(old_rows, new_rows):
-            assert {k: n[k] for k in o if k not in CHANGED_ON_PURPOSE} == \
-                   {k: v for k, v in o.items() if k not in CHANGED_ON_PURPOSE}, (run, o["label"])
+            assert {k: n[k] for k in o if k not in CHANGED_ON_PURPOSE} == {
+                k: v for k, v in o.items() if k not in CHANGED_ON_PURPOSE
+            }, (run, o["label"])
 
 
 def test_old_database_is_refused_by_report_then_upgrades_and_reports_identically(old_db):
@@ -98,10 +100,18 @@ def normalized_schema(url: str) -> dict:
             out[t] = {
                 "columns": sorted((c["name"], str(c["type"]), c["nullable"]) for c in insp.get_columns(t)),
                 "unique": sorted(tuple(u["column_names"]) for u in insp.get_unique_constraints(t)),
-                "fks": sorted((tuple(f["constrained_columns"]), f["referred_table"], tuple(f["referred_columns"]),
-                               (f.get("options") or {}).get("ondelete")) for f in insp.get_foreign_keys(t)),
-                "indexes": sorted((i["name"], tuple(i["column_names"]), bool(i["unique"]))
-                                  for i in insp.get_indexes(t)),
+                "fks": sorted(
+                    (
+                        tuple(f["constrained_columns"]),
+                        f["referred_table"],
+                        tuple(f["referred_columns"]),
+                        (f.get("options") or {}).get("ondelete"),
+                    )
+                    for f in insp.get_foreign_keys(t)
+                ),
+                "indexes": sorted(
+                    (i["name"], tuple(i["column_names"]), bool(i["unique"])) for i in insp.get_indexes(t)
+                ),
                 "pk": insp.get_pk_constraint(t)["constrained_columns"],
             }
         return out
@@ -147,8 +157,7 @@ def test_0003_backfills_sweep_points_and_the_papers_conventions(old_db, tmp_path
     cell = con.execute("SELECT * FROM cells WHERE run_id = ? AND decoder = 'linear'", (run_id,)).fetchone()
     cols = [d[0] for d in con.execute("SELECT * FROM cells LIMIT 0").description]
     row = dict(zip(cols, cell), id=None, label="Lin (k=3)")
-    con.execute(f"INSERT INTO cells ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                [row[c] for c in cols])
+    con.execute(f"INSERT INTO cells ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", [row[c] for c in cols])
     con.execute("UPDATE runs SET suite_text = ? WHERE id = ?", (yaml.safe_dump(suite, sort_keys=False), run_id))
     con.commit()
     con.close()
@@ -236,9 +245,13 @@ def test_interim_database_without_alembic_version_upgrades(db_url):
         command.upgrade(schema._config(conn), "0001")
         conn.execute(text("DROP TABLE alembic_version"))
         stamp = "DATETIME" if conn.dialect.name == "sqlite" else "TIMESTAMP WITH TIME ZONE"  # as create_all made it
-        for table, cols in (("runs", f"owner_host VARCHAR(255)|owner_pid INTEGER|heartbeat_at {stamp}"),
-                            ("samples", "draft_forwards INTEGER|acceptance_incl_bonus FLOAT|"
-                                        "mean_path_length_all FLOAT|nvml_scope VARCHAR(20)")):
+        for table, cols in (
+            ("runs", f"owner_host VARCHAR(255)|owner_pid INTEGER|heartbeat_at {stamp}"),
+            (
+                "samples",
+                "draft_forwards INTEGER|acceptance_incl_bonus FLOAT|mean_path_length_all FLOAT|nvml_scope VARCHAR(20)",
+            ),
+        ):
             for col in cols.split("|"):
                 conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {col}"))
     engine.dispose()
@@ -282,16 +295,30 @@ def test_0006_downgrades_and_upgrades_again(db_url):
 
     with db.connect(db_url)() as s:
         run = db.Run(suite_name="s", suite_text="", suite_hash="h", status="done", environment={})
-        s.add(db.Cell(run=run, dataset="d", l_max=8, gen_length=4, decoder="ar", label="ar", decoder_version="1",
-                      decoder_distribution="dtbench", params={}, lossless_expected=True, target_model="m",
-                      status="done"))
+        s.add(
+            db.Cell(
+                run=run,
+                dataset="d",
+                l_max=8,
+                gen_length=4,
+                decoder="ar",
+                label="ar",
+                decoder_version="1",
+                decoder_distribution="dtbench",
+                params={},
+                lossless_expected=True,
+                target_model="m",
+                status="done",
+            )
+        )
         s.commit()
     engine = create_engine(db_url)
     try:
         # At head the constraint also holds batch_size (revision 0011, issue 29).
-        for rev, column, unique in (("0005", "prompt_cap", ("run_id", "dataset", "prompt_cap", "gen_length", "label")),
-                                    ("head", "l_max", ("run_id", "dataset", "l_max", "gen_length", "batch_size",
-                                                       "label"))):
+        for rev, column, unique in (
+            ("0005", "prompt_cap", ("run_id", "dataset", "prompt_cap", "gen_length", "label")),
+            ("head", "l_max", ("run_id", "dataset", "l_max", "gen_length", "batch_size", "label")),
+        ):
             with engine.begin() as conn:
                 getattr(command, "downgrade" if rev != "head" else "upgrade")(schema._config(conn), rev)
             insp = inspect(engine)
@@ -317,9 +344,20 @@ def test_0011_old_cells_report_as_batch_size_1_and_the_unique_key_holds_b(old_db
     sessions = db.connect(url)
     with sessions() as s:
         cell = s.scalars(select(db.Cell)).first()
-        fields = dict(run_id=cell.run_id, dataset=cell.dataset, l_max=cell.l_max, gen_length=cell.gen_length,
-                      decoder=cell.decoder, label=cell.label, decoder_version="1", decoder_distribution="d",
-                      params={}, lossless_expected=True, target_model="m", status="done")
+        fields = dict(
+            run_id=cell.run_id,
+            dataset=cell.dataset,
+            l_max=cell.l_max,
+            gen_length=cell.gen_length,
+            decoder=cell.decoder,
+            label=cell.label,
+            decoder_version="1",
+            decoder_distribution="d",
+            params={},
+            lossless_expected=True,
+            target_model="m",
+            status="done",
+        )
         s.add(db.Cell(batch_size=4, **fields))
         s.commit()
         s.add(db.Cell(batch_size=4, **fields))

@@ -6,13 +6,13 @@ import re
 
 import pandas as pd
 import pytest
+import reportdb
+from kit import invoke
 from rich.console import Console
 
-import reportdb
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports import output
-from dtbench.reports.output import FORMATS, RENDERERS, Document, Note, Report, emit, renderer, rendered
-from kit import invoke
+from dtbench.reports.output import FORMATS, RENDERERS, Document, Note, Report, emit, rendered, renderer
 
 
 def _report(**kw) -> Report:
@@ -43,9 +43,10 @@ def test_csv_guards_formulas_and_flattens_lists_and_dicts(capsys):
     assert csv.splitlines()[0] == "label,speedup,missing" and "'=cmd()" in csv
     data = pd.DataFrame([{"l_max": 128, "per_position": [0.5, 0.25], "params": {"k": 4}}])
     doc = Document([Report("x", "X", "", pd.DataFrame([{"a": "1"}]), data)], rows="cells")
-    assert rendered("csv", doc).splitlines() == ['prompt_cap,per_position,params', '128,0.5;0.25,"{""k"":4}"']
-    assert json.loads(rendered("json", doc))["cells"] == [{"prompt_cap": 128, "per_position": [0.5, 0.25],
-                                                            "params": {"k": 4}}]
+    assert rendered("csv", doc).splitlines() == ["prompt_cap,per_position,params", '128,0.5;0.25,"{""k"":4}"']
+    assert json.loads(rendered("json", doc))["cells"] == [
+        {"prompt_cap": 128, "per_position": [0.5, 0.25], "params": {"k": 4}}
+    ]
 
 
 def test_csv_of_several_reports_is_one_table_when_their_columns_agree():
@@ -63,8 +64,10 @@ def test_json_envelopes(capsys):
     assert list(doc) == ["a", "b"] and doc["a"]["notes"] == ["note one"]
     assert doc["a"]["rows"] == [{"label": "=cmd()", "speedup": 1.5, "missing": None}]
     emit("json", Document([_report(notes=[Note("styled", "red")])], meta={"run": 7}, rows="cells"))
-    assert json.loads(capsys.readouterr().out) == {"run": 7, "cells": [{"label": "=cmd()", "speedup": 1.5,
-                                                                         "missing": None}]}
+    assert json.loads(capsys.readouterr().out) == {
+        "run": 7,
+        "cells": [{"label": "=cmd()", "speedup": 1.5, "missing": None}],
+    }
     third = _report()
     third.data = pd.DataFrame([{"x": 1 / 3}])
     assert json.loads(rendered("json", Document([third], rows="r", precision=15)))["r"][0]["x"] == 0.333333333333333
@@ -110,8 +113,9 @@ def test_renderer_decorator_registers_and_unknown_formats_raise(monkeypatch):
 def keys_format(monkeypatch):
     """A format registered only here: it prints every report's key and the document's JSON envelope, so a report
     that bypassed the registry (its own per-format branch) cannot print it."""
-    monkeypatch.setitem(RENDERERS, "keys", lambda doc: " ".join(["keys:", *(r.key for r in doc.reports),
-                                                                 *sorted(doc.meta)]))
+    monkeypatch.setitem(
+        RENDERERS, "keys", lambda doc: " ".join(["keys:", *(r.key for r in doc.reports), *sorted(doc.meta)])
+    )
 
 
 @pytest.fixture()
@@ -138,9 +142,12 @@ def test_a_registered_format_reaches_every_report_and_the_cli(keys_format, two_r
 
 def test_html_format_of_every_report(two_runs):
     path, first, second = two_runs
-    for args, needle in {(): "wikitext-2 · L_max=128 · T=64", ("--compare",): "speedup vs AR",
-                         ("--compare", str(first), str(second)): f"run {first} → run {second}",
-                         ("--tables",): "Table 1"}.items():
+    for args, needle in {
+        (): "wikitext-2 · L_max=128 · T=64",
+        ("--compare",): "speedup vs AR",
+        ("--compare", str(first), str(second)): f"run {first} → run {second}",
+        ("--tables",): "Table 1",
+    }.items():
         res = invoke("report", "--db", path, "--format", "html", *args)
         assert res.exit_code == 0, res.output
         assert res.stdout.startswith("<!DOCTYPE html>") and needle in res.stdout, (args, res.stdout[:300])
@@ -178,5 +185,7 @@ def test_out_dir_writes_what_the_markdown_and_csv_formats_print(two_runs, tmp_pa
         made, _ = paper_tables(combined_summary(s, [first])[0], False)
     assert made and {t.key for t in made} == {p.stem for p in out.glob("*.csv")}
     for t in made:
-        assert (out / f"{t.key}.md").read_text() == rendered("markdown", [t]) and (out / f"{t.key}.md").read_text() in md
+        assert (out / f"{t.key}.md").read_text() == rendered("markdown", [t]) and (
+            out / f"{t.key}.md"
+        ).read_text() in md
         assert (out / f"{t.key}.csv").read_text() == rendered("csv", [t])

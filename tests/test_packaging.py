@@ -42,8 +42,20 @@ def test_wheel_installs_and_imports(tmp_path):
     for name in ("pyproject.toml", "README.md", "dtbench", "harness", "decoders", "reports", "cli"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     # the package layout is declared completely: setuptools has nothing to warn about (issue 18, first contact)
@@ -55,25 +67,40 @@ def test_wheel_installs_and_imports(tmp_path):
         assert not any(n.startswith(f"{sub}/") for n in names), f"{sub} installed as a top-level package"
     assert any(n.endswith("entry_points.txt") for n in names)
     # the torch-free core, the plugin API with its type marker (PEP 561), the tree package
-    assert {"dtbench/__init__.py", "dtbench/core.py", "dtbench/api.py", "dtbench/py.typed",
-            "dtbench/decoders/tree/__init__.py", "dtbench/decoders/tree/structure.py"} <= set(names)
+    assert {
+        "dtbench/__init__.py",
+        "dtbench/core.py",
+        "dtbench/api.py",
+        "dtbench/py.typed",
+        "dtbench/decoders/tree/__init__.py",
+        "dtbench/decoders/tree/structure.py",
+    } <= set(names)
     # The Alembic migrations ship as package data: without them no database can be created or upgraded.
-    migrations = {p.relative_to(ROOT).as_posix() for p in (ROOT / "harness" / "migrations").rglob("*")
-                  if p.is_file() and p.suffix in (".py", ".mako")}
+    migrations = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "harness" / "migrations").rglob("*")
+        if p.is_file() and p.suffix in (".py", ".mako")
+    }
     assert migrations >= {"harness/migrations/env.py", "harness/migrations/versions/0001_initial.py"}
     for rel in migrations:
         assert f"dtbench/{rel}" in names, f"{rel} missing from the wheel"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # A fresh interpreter that sees only the unpacked wheel (plus dependencies), not the source tree.
-    code = ("import sys; sys.path = [p for p in sys.path if p not in ('', '.', %r)]; sys.path.insert(0, %r);"
-            "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
-            "assert %r in r.__file__, r.__file__;"
-            # the installed migrations create a database at the newest revision
-            "from dtbench.harness import db, schema; assert %r in schema.MIGRATIONS.as_posix();"
-            "db.connect(%r); assert schema.ensure_current(%r)[0] == schema.head() == %r"
-            ) % (str(ROOT), str(site), str(site), str(site), str(tmp_path / "w.db"), f"sqlite:///{tmp_path / 'w.db'}",
-                 _head())
-    done = subprocess.run([sys.executable, "-I", "-c", code.replace("import sys;", "import sys, site; site.main();")],
-                          capture_output=True, text=True, cwd=tmp_path)
+    code = (
+        "import sys; sys.path = [p for p in sys.path if p not in ('', '.', {!r})]; sys.path.insert(0, {!r});"
+        "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
+        "assert {!r} in r.__file__, r.__file__;"
+        # the installed migrations create a database at the newest revision
+        "from dtbench.harness import db, schema; assert {!r} in schema.MIGRATIONS.as_posix();"
+        "db.connect({!r}); assert schema.ensure_current({!r})[0] == schema.head() == {!r}"
+    ).format(
+        str(ROOT), str(site), str(site), str(site), str(tmp_path / "w.db"), f"sqlite:///{tmp_path / 'w.db'}", _head()
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", code.replace("import sys;", "import sys, site; site.main();")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-2000:]

@@ -4,11 +4,11 @@ wherever a dependent runs, and `include:` merging with errors that name the righ
 from __future__ import annotations
 
 import pytest
+from kit import invoke, one_line_error
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import load_suite, parse_suite
-from kit import invoke, one_line_error
 
 SUITE = """
 name: grid
@@ -30,7 +30,9 @@ def test_restrictions_and_reference_spreading():
     plan = plan_suite(parse_suite(SUITE))
     labels = [c.label for c in plan.decoders]
     # References first: the implicit ar, and the implicit streaming_ar reference of S.
-    assert labels.index("ar") < labels.index("L") and labels.index("streaming_ar (sinks=4, window=32)") < labels.index("S")
+    assert labels.index("ar") < labels.index("L") and labels.index("streaming_ar (sinks=4, window=32)") < labels.index(
+        "S"
+    )
     by = {c.label: c for c in plan.decoders}
     # a point is (dataset, L_max, T, batch size B); the suite's batch_sizes default to [1]
     assert by["L-scaling"].points == {("pg19", 64, 16, 1), ("pg19", 64, 32, 1)}
@@ -49,12 +51,15 @@ def test_restrictions_and_reference_spreading():
     assert g.warmup and not groups[1].warmup
 
 
-@pytest.mark.parametrize("entry, needle", [
-    ("{name: linear, generation_lengths: [64]}", "generation_lengths [64] are not in the suite's"),
-    ("{name: linear, L_max: 999}", "L_max [999] is not an L_max of any dataset"),
-    ("{name: linear, datasets: [c4]}", "datasets names 'c4', which the suite does not have"),
-    ("{name: linear, batch_sizes: [4]}", "batch_sizes [4] are not in the suite's batch_sizes"),
-])
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        ("{name: linear, generation_lengths: [64]}", "generation_lengths [64] are not in the suite's"),
+        ("{name: linear, L_max: 999}", "L_max [999] is not an L_max of any dataset"),
+        ("{name: linear, datasets: [c4]}", "datasets names 'c4', which the suite does not have"),
+        ("{name: linear, batch_sizes: [4]}", "batch_sizes [4] are not in the suite's batch_sizes"),
+    ],
+)
 def test_restrictions_must_name_suite_values(tmp_path, entry, needle):
     text = SUITE.split("decoders:")[0] + f"decoders:\n  - {{name: ar}}\n  - {entry}\n"
     (tmp_path / "s.yaml").write_text(text)
@@ -72,7 +77,8 @@ def test_sweep_points_keep_every_other_field():
     # expand() copies the entry (model_copy): every field but label/params/sweep carries over, new fields included.
     text = SUITE.split("decoders:")[0] + (
         "decoders:\n  - {name: ar}\n  - {name: linear, label: Lin, sweep: {k: [2, 4]}, params: {k: 1}, optional: true,"
-        " datasets: [pg19], generation_lengths: [16], L_max: 64, sampling: greedy}\n")
+        " datasets: [pg19], generation_lengths: [16], L_max: 64, sampling: greedy}\n"
+    )
     entry = parse_suite(text).decoders[1]
     points = entry.expand()
     assert [p.params for p in points] == [{"k": 2}, {"k": 4}]
@@ -107,16 +113,24 @@ def test_include_merges_and_names_the_right_file(tmp_path):
 
 def test_cells_store_their_sweep_point(tmp_path, data_dir):
     """Reports read sweep membership from the database (cells.sweep_group / swept), never from re-parsed text."""
+    from kit import suite_dict, tiny_pair, write_suite
     from sqlalchemy import select
 
     from dtbench.harness import db
-    from kit import suite_dict, tiny_pair, write_suite
 
     pair = tiny_pair(tmp_path / "models")
     suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "label": "Lin", "sweep": {"k": [1, 2]}}])
     dbfile = tmp_path / "r.db"
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir),
-                    "--no-progress", "--no-report")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite),
+        "--db",
+        str(dbfile),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--no-report",
+    )
     assert result.exit_code == 0, result.output
     with db.connect(str(dbfile))() as s:
         cells = {c.label: (c.sweep_group, c.swept, c.params) for c in s.scalars(select(db.Cell))}
@@ -128,7 +142,9 @@ def test_cells_store_their_sweep_point(tmp_path, data_dir):
 def test_references_decode_the_way_their_dependents_do():
     """A greedy decoder is checked against a greedy AR, a sampled one paired with the AR sampled alike; a missing
     one is added with the dependent's sampling (and a label that says so)."""
-    text = SUITE.split("decoders:")[0] + """sampling: {temperature: 0.7}
+    text = (
+        SUITE.split("decoders:")[0]
+        + """sampling: {temperature: 0.7}
 decoders:
   - {name: ar, label: AR greedy, sampling: greedy}
   - {name: ar, label: AR hot}
@@ -136,6 +152,7 @@ decoders:
   - {name: linear, label: H, params: {k: 2}}
   - {name: linear, label: C, params: {k: 2}, sampling: {temperature: 1.0}}
 """
+    )
     by = {c.label: c for c in plan_suite(parse_suite(text)).decoders}
     assert by["G"].reference_label == "AR greedy" and by["H"].reference_label == "AR hot"
     added = by[by["C"].reference_label]

@@ -14,9 +14,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import VOCAB, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
-from models import VOCAB, model_zoo, run_decoder
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "examples" / "dtbench-prompt-lookup"
 
@@ -27,8 +27,17 @@ def plugin():
     if importlib.util.find_spec("pip") is None:
         pytest.skip("pip is not available in this environment, so the example plugin cannot be installed")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--force-reinstall", "-q",
-         str(PLUGIN_DIR)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--force-reinstall",
+            "-q",
+            str(PLUGIN_DIR),
+        ],
         check=True,
     )
     importlib.invalidate_caches()
@@ -108,6 +117,7 @@ def test_ngram_index(plugin, tokens, max_n, expected):
 
 # --- through the CLI: listed, run by `dtbench run`, and a broken plugin named without stopping the others ---
 
+
 def _invoke(*args):
     from click.testing import CliRunner
 
@@ -139,8 +149,10 @@ def test_cli_lists_plugin_and_names_a_broken_one(plugin, broken_plugin):
 
 def test_suite_naming_a_broken_plugin_fails_in_one_line(tmp_path, broken_plugin):
     suite = tmp_path / "s.yaml"
-    suite.write_text("name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 1}]\ngeneration_lengths: [4]\n"
-                     "decoders: [{name: ar}, {name: broken}]\n")
+    suite.write_text(
+        "name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 1}]\ngeneration_lengths: [4]\n"
+        "decoders: [{name: ar}, {name: broken}]\n"
+    )
     result = _invoke("validate", str(suite))
     assert result.exit_code == 2
     assert result.stderr.strip() == (  # the suite's file, line and entry come first (issue 8 item 7)
@@ -157,7 +169,9 @@ def test_dtbench_run_with_the_plugin(plugin, tmp_path, data_dir, broken_plugin):
     from dtbench.harness import db
 
     suite = {
-        "name": "plugin", "device": "cpu", "target": {"model": "smollm2-135m"},
+        "name": "plugin",
+        "device": "cpu",
+        "target": {"model": "smollm2-135m"},
         "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 48}],
         "generation_lengths": [12],
         "decoders": [{"name": "ar"}, {"name": "prompt_lookup", "params": {"ngram_size": 2, "num_draft_tokens": 4}}],
@@ -183,8 +197,12 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
 
     found = data.REGISTRY.scan()
     assert found.entries["jsonl-text"].distribution == "dtbench-prompt-lookup"
-    assert {n for n, e in found.entries.items() if e.distribution == "dtbench"} == {"wikitext-2", "pg19", "text-files",
-                                                                                     "spec-bench"}
+    assert {n for n, e in found.entries.items() if e.distribution == "dtbench"} == {
+        "wikitext-2",
+        "pg19",
+        "text-files",
+        "spec-bench",
+    }
     corpus = tmp_path / "answers.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"answer {i} " * 40}) for i in range(3)) + "\n")
     docs = data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus)))
@@ -192,8 +210,10 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
     assert docs[2][1].startswith("answer 2 ")
     corpus.write_text('{"txt": 1}\n')
     suite = tmp_path / "s.yaml"
-    suite.write_text(f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1}}]\n"
-                     "generation_lengths: [4]\ndecoders: [{name: ar}]\n")
+    suite.write_text(
+        f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1}}]\n"
+        "generation_lengths: [4]\ndecoders: [{name: ar}]\n"
+    )
     result = _invoke("validate", str(suite))
     assert result.exit_code == 2
     assert result.stderr.strip().endswith('answers.jsonl:1: not a JSON object with a "text" field')
@@ -214,21 +234,33 @@ def test_plugin_dataset_declares_its_own_params(plugin, tmp_path):
     docs = data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus), params={"text_field": "body"}))
     assert [x for _, x in docs] == [f"answer {i} " * 40 for i in range(2)]
     assert data.dataset(DatasetSpec(name="jsonl-text", path=str(corpus))).params.text_field == "text"
-    with pytest.raises(DtbenchError, match=r"^dataset 'jsonl-text': params.text_fild: unknown parameter "
-                                           r"\(parameters: text_field\)$"):
+    with pytest.raises(
+        DtbenchError,
+        match=r"^dataset 'jsonl-text': params.text_fild: unknown parameter "
+        r"\(parameters: text_field\)$",
+    ):
         data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus), params={"text_fild": "body"}))
-    with pytest.raises(DtbenchError, match=r"^dataset 'wikitext-2': params.text_field: unknown parameter "
-                                           r"\(parameters: none\)$"):
+    with pytest.raises(
+        DtbenchError,
+        match=r"^dataset 'wikitext-2': params.text_field: unknown parameter "
+        r"\(parameters: none\)$",
+    ):
         data.check_dataset(DatasetSpec(name="wikitext-2", params={"text_field": "body"}))
     with pytest.raises(DtbenchError, match=r'answers.jsonl:1: not a JSON object with a "missing" field'):
         data.load_documents(DatasetSpec(name="jsonl-text", path=str(corpus), params={"text_field": "missing"}))
     suite = tmp_path / "s.yaml"
-    for params, message in (("{text_field: ''}", "params.text_field: String should have at least 1 character"),
-                            ("{text_field: body, n: 1}", "params.n: unknown parameter")):
-        suite.write_text(f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1, "
-                         f"params: {params}}}]\ngeneration_lengths: [4]\ndecoders: [{{name: ar}}]\n")
+    for params, message in (
+        ("{text_field: ''}", "params.text_field: String should have at least 1 character"),
+        ("{text_field: body, n: 1}", "params.n: unknown parameter"),
+    ):
+        suite.write_text(
+            f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1, "
+            f"params: {params}}}]\ngeneration_lengths: [4]\ndecoders: [{{name: ar}}]\n"
+        )
         result = _invoke("validate", str(suite))
         assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.stderr
-    suite.write_text(f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1, "
-                     "params: {text_field: body}}]\ngeneration_lengths: [4]\ndecoders: [{name: ar}]\n")
+    suite.write_text(
+        f"name: s\ndatasets: [{{name: jsonl-text, path: {corpus}, prompts: 2, warmup: 1, "
+        "params: {text_field: body}}]\ngeneration_lengths: [4]\ndecoders: [{name: ar}]\n"
+    )
     assert _invoke("validate", str(suite)).exit_code == 0

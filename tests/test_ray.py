@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import fast_calibration_settings, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 from rich.console import Console
 from sqlalchemy import func, select
 
@@ -33,7 +34,6 @@ from dtbench.harness.executors import LocalExecutor
 from dtbench.harness.ray_executor import RayExecutor
 from dtbench.harness.runner import run_suite
 from dtbench.harness.suitefile import load_suite
-from kit import fast_calibration_settings, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'dtbench[ray]')")
 
@@ -102,8 +102,10 @@ def cluster(tmp_path_factory):
     info = site / "dtbench_raytest-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dtbench-raytest\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[dtbench.decoders]\nstall = dtbench_raytest:Stall\n"
-                                           "sleepy = dtbench_raytest:Sleepy\nsuicide = dtbench_raytest:Suicide\n")
+    (info / "entry_points.txt").write_text(
+        "[dtbench.decoders]\nstall = dtbench_raytest:Stall\n"
+        "sleepy = dtbench_raytest:Sleepy\nsuicide = dtbench_raytest:Suicide\n"
+    )
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *([old_path] if old_path else [])])
     sys.path.insert(0, str(site))
@@ -135,8 +137,15 @@ def run(tmp_path, suite: dict, executor, dbname: str, data_dir) -> tuple[int, st
     parsed, text = load_suite(path)
     dbfile = tmp_path / f"{dbname}.db"
     out = io.StringIO()
-    run_id = run_suite(parsed, text, db.connect(str(dbfile)), data_dir=str(data_dir), executor=executor,
-                       console=Console(file=out, width=200), progress=False)
+    run_id = run_suite(
+        parsed,
+        text,
+        db.connect(str(dbfile)),
+        data_dir=str(data_dir),
+        executor=executor,
+        console=Console(file=out, width=200),
+        progress=False,
+    )
     return run_id, " ".join(out.getvalue().split()), dbfile  # console lines unwrapped
 
 
@@ -151,12 +160,20 @@ def one_sample_each(dbfile, cells: int, prompts: int) -> None:
 
 
 def outputs(dbfile) -> dict:
-    return {(label, i): h for label, i, h in rows(dbfile, "select c.label, s.prompt_index, s.output_hash from samples s "
-                                                          "join cells c on c.id = s.cell_id")}
+    return {
+        (label, i): h
+        for label, i, h in rows(
+            dbfile, "select c.label, s.prompt_index, s.output_hash from samples s join cells c on c.id = s.cell_id"
+        )
+    }
 
 
-DECODERS = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}, {"name": "fixed_tree", "params": {"depth": 2}},
-            {"name": "dynatree"}]
+DECODERS = [
+    {"name": "ar"},
+    {"name": "linear", "params": {"k": 2}},
+    {"name": "fixed_tree", "params": {"depth": 2}},
+    {"name": "dynatree"},
+]
 
 
 def test_ray_matches_local(cluster, pair, tmp_path, data_dir):
@@ -164,8 +181,21 @@ def test_ray_matches_local(cluster, pair, tmp_path, data_dir):
     suite["datasets"][0]["prompts"] = 3
     _, _, local = run(tmp_path, suite, LocalExecutor(threads=1), "local", data_dir)
     path = write_suite(tmp_path, suite)
-    result = invoke("run", path, "--db", str(tmp_path / "ray.db"), "--data-dir", str(data_dir), "--no-progress",
-                    "--executor", "ray", "--workers", "2", "--threads-per-worker", "1")
+    result = invoke(
+        "run",
+        path,
+        "--db",
+        str(tmp_path / "ray.db"),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--executor",
+        "ray",
+        "--workers",
+        "2",
+        "--threads-per-worker",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     ray_db = tmp_path / "ray.db"
     cells = "select dataset, l_max, gen_length, label, decoder, status, lossless_expected from cells order by id"
@@ -182,8 +212,10 @@ def test_ray_matches_local(cluster, pair, tmp_path, data_dir):
 
     # A cell whose samples came from two device models is flagged in the report.
     with sqlite3.connect(ray_db) as con:
-        con.execute("update samples set device_name = 'NVIDIA H100' where id = (select min(s.id) from samples s "
-                    "join cells c on c.id = s.cell_id where c.label = 'linear')")
+        con.execute(
+            "update samples set device_name = 'NVIDIA H100' where id = (select min(s.id) from samples s "
+            "join cells c on c.id = s.cell_id where c.label = 'linear')"
+        )
     report = invoke("report", "--db", str(ray_db), "--format", "markdown")
     assert report.exit_code == 0, report.output
     assert "linear: its samples were measured on 2 different devices" in report.stdout
@@ -193,8 +225,11 @@ def test_ray_matches_local(cluster, pair, tmp_path, data_dir):
 
 def test_a_worker_killed_mid_group_is_retried_once(cluster, pair, tmp_path, data_dir):
     pid_file = tmp_path / "pid"
-    decoders = [{"name": "ar"}, {"name": "stall", "params": {"pid_file": str(pid_file)}},
-                {"name": "linear", "params": {"k": 2}}]
+    decoders = [
+        {"name": "ar"},
+        {"name": "stall", "params": {"pid_file": str(pid_file)}},
+        {"name": "linear", "params": {"k": 2}},
+    ]
     suite = suite_dict(*pair, decoders)
     killed: dict = {}
 
@@ -214,12 +249,19 @@ def test_a_worker_killed_mid_group_is_retried_once(cluster, pair, tmp_path, data
     assert f"pid {killed['pid']}" in console and "retrying the group on another worker" in console, console
     assert rows(dbfile, "select status from runs") == [("completed",)]
     assert rows(dbfile, "select label, status, error from cells order by id") == [
-        ("ar", "done", None), ("stall", "done", None), ("linear", "done", None)]
+        ("ar", "done", None),
+        ("stall", "done", None),
+        ("linear", "done", None),
+    ]
     one_sample_each(dbfile, 3, 2)  # nothing lost, nothing measured twice
     # The killed group's reference, committed before the kill, was kept and served the retry: not measured again.
     with db.connect(str(dbfile))() as s:
-        at = {(label, i): t.replace(tzinfo=None) for label, i, t in s.execute(
-            select(db.Cell.label, db.Sample.prompt_index, db.Sample.created_at).join(db.Cell))}
+        at = {
+            (label, i): t.replace(tzinfo=None)
+            for label, i, t in s.execute(
+                select(db.Cell.label, db.Sample.prompt_index, db.Sample.created_at).join(db.Cell)
+            )
+        }
     kill = killed["at"].replace(tzinfo=None)
     assert any(at[("ar", i)] < kill < at[("stall", i)] for i in range(2)), (at, kill)
     assert rows(dbfile, "select count(*) from samples where lossless = 0") == [(0,)]
@@ -233,10 +275,11 @@ def test_a_group_whose_worker_dies_twice_fails_its_remaining_samples(cluster, pa
     assert rows(dbfile, "select status from runs") == [("completed",)]
     cells = rows(dbfile, "select label, status, error from cells order by id")
     assert cells[0] == ("ar", "done", None)
-    for label, status, error in cells[1:]:  # the group's samples not stored yet fail their cells
+    for _label, status, error in cells[1:]:  # the group's samples not stored yet fail their cells
         assert status == "failed" and error.startswith("prompt 0: the worker died (twice): ActorDiedError"), cells
     assert rows(dbfile, "select c.label, count(*) from samples s join cells c on c.id = s.cell_id group by 1") == [
-        ("ar", 1)]
+        ("ar", 1)
+    ]
 
 
 def dtbench(*args) -> list[str]:
@@ -250,8 +293,12 @@ def test_driver_killed_then_resumed(cluster, pair, tmp_path, data_dir, resume_wi
     path = write_suite(tmp_path, suite)
     dbfile = tmp_path / "results.db"
     common = ["--db", dbfile, "--data-dir", data_dir, "--no-progress", "--no-report", "--threads-per-worker", "1"]
-    proc = subprocess.Popen(dtbench("run", path, *common, "--executor", "ray", "--address", cluster, "--workers", 2),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        dtbench("run", path, *common, "--executor", "ray", "--address", cluster, "--workers", 2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         n = 0
@@ -278,8 +325,9 @@ def test_driver_killed_then_resumed(cluster, pair, tmp_path, data_dir, resume_wi
     one_sample_each(dbfile, 2, 4)
     after = rows(dbfile, "select id, cell_id, prompt_index, output_hash, created_at from samples order by id")
     assert after[: len(before)] == before  # measured before the kill: kept, not re-measured
-    assert rows(dbfile, "select distinct lossless from samples s join cells c on c.id = s.cell_id "
-                        "where c.decoder = 'sleepy'") == [(1,)]
+    assert rows(
+        dbfile, "select distinct lossless from samples s join cells c on c.id = s.cell_id where c.decoder = 'sleepy'"
+    ) == [(1,)]
     with db.connect(str(dbfile))() as s:
         assert s.scalar(select(func.count()).select_from(db.Sample).where(db.Sample.worker_host.is_(None))) == 0
 
@@ -310,12 +358,28 @@ def test_calibrate_true_runs_on_a_worker(cluster, pair, tmp_path, data_dir, monk
     """`calibrate: true` under Ray: the first actor measures, the driver stores the same rows as the local executor
     with the worker's host and device, and `report --cost-model` prices every cell."""
     monkeypatch.setattr(cal, "Settings", Fast)
-    suite = calibrate_suite(pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}},
-                                   {"name": "fixed_tree", "params": {"depth": 2}}], calibrate=True)
+    suite = calibrate_suite(
+        pair,
+        [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}, {"name": "fixed_tree", "params": {"depth": 2}}],
+        calibrate=True,
+    )
     _, local_console, local = run(tmp_path, suite, LocalExecutor(threads=1), "cal-local", data_dir)
     ray_db = tmp_path / "cal-ray.db"  # through the command, progress bar on (live while the worker calibrates)
-    result = invoke("run", write_suite(tmp_path, suite), "--db", str(ray_db), "--data-dir", str(data_dir),
-                    "--no-report", "--executor", "ray", "--workers", "2", "--threads-per-worker", "1")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite),
+        "--db",
+        str(ray_db),
+        "--data-dir",
+        str(data_dir),
+        "--no-report",
+        "--executor",
+        "ray",
+        "--workers",
+        "2",
+        "--threads-per-worker",
+        "1",
+    )
     assert result.exit_code == 0, result.output
     run_id, console = 1, " ".join(result.output.split())
     assert rows(ray_db, "select status from runs") == [("completed",)]
@@ -343,8 +407,12 @@ def test_calibrate_true_runs_on_a_worker(cluster, pair, tmp_path, data_dir, monk
 
 def verify_sizes(dbfile, label: str) -> list[int]:
     """Tokens fed by each tree-masked target forward (root + drafted nodes) of a decoder's samples."""
-    fed = [json.loads(ss)["target_fed"] for (ss,) in rows(dbfile, "select s.step_stats from samples s join cells c "
-                                                                    f"on c.id = s.cell_id where c.label = '{label}'")]
+    fed = [
+        json.loads(ss)["target_fed"]
+        for (ss,) in rows(
+            dbfile, f"select s.step_stats from samples s join cells c on c.id = s.cell_id where c.label = '{label}'"
+        )
+    ]
     return [n for sample in fed for step in sample for n, _past, flags in step if flags & FED_MASK]
 
 
@@ -383,8 +451,8 @@ class _FakeHandle:
 
 
 def test_workers_with_different_devices_calibrate_on_the_first_with_a_warning():
-    from dtbench.harness.worker import WorkerInfo
     from dtbench.harness.ray_executor import _Actor
+    from dtbench.harness.worker import WorkerInfo
 
     def actor(host, name):
         return _Actor(_FakeHandle(), None, WorkerInfo(host, 11, "cuda:0", name, {}, {}, None, []))
@@ -397,4 +465,3 @@ def test_workers_with_different_devices_calibrate_on_the_first_with_a_warning():
     warning, calibrating = out.getvalue().strip().splitlines()
     assert "different devices" in warning and "curves come from NVIDIA A100 (node-a) only" in warning, warning
     assert calibrating.startswith("calibrating the cost model on Ray worker node-a"), calibrating
-

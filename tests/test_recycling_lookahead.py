@@ -8,6 +8,8 @@ import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import invoke, one_line_error, write_suite
+from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 from pydantic import ValidationError
 
 from dtbench.decoders import kv
@@ -15,20 +17,25 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.lookahead import Lookahead, LookaheadDrafter, LookaheadParams, NgramPool
 from dtbench.decoders.token_recycling import TokenRecycling, TokenRecyclingDrafter, TokenRecyclingParams
 from dtbench.decoders.tree import TokenTree, attention_mask_kind, tree_logits
-from kit import invoke, one_line_error, write_suite
-from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 random_prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20)
-repeating_prompts = st.builds(lambda unit, times: unit * times,
-                              st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=5), st.integers(2, 6))
+repeating_prompts = st.builds(
+    lambda unit, times: unit * times, st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=5), st.integers(2, 6)
+)
 PARAMS = {
-    "token_recycling": st.builds(dict, k=st.sampled_from([8, 10]),
-                                 cache_strategy=st.sampled_from(["compact", "rebuild"])),
-    "lookahead": st.builds(dict, window_size=st.integers(2, 6), ngram_size=st.integers(2, 5),
-                           guess_set_size=st.integers(1, 6), pool_from_prompt=st.booleans(),
-                           cache_strategy=st.sampled_from(["compact", "rebuild"])),
+    "token_recycling": st.builds(
+        dict, k=st.sampled_from([8, 10]), cache_strategy=st.sampled_from(["compact", "rebuild"])
+    ),
+    "lookahead": st.builds(
+        dict,
+        window_size=st.integers(2, 6),
+        ngram_size=st.integers(2, 5),
+        guess_set_size=st.integers(1, 6),
+        pool_from_prompt=st.booleans(),
+        cache_strategy=st.sampled_from(["compact", "rebuild"]),
+    ),
 }
 DECODERS = {"token_recycling": TokenRecycling, "lookahead": Lookahead}
 
@@ -42,22 +49,34 @@ def build(name, params, arch="llama", sharpness=SHARP):
 @pytest.mark.parametrize("name", list(DECODERS))
 @pytest.mark.parametrize("arch", ARCHS)
 @settings(max_examples=12, deadline=None)
-@given(data=st.data(), prompt=st.one_of(random_prompts, repeating_prompts), T=st.integers(1, 40),
-       sharpness=st.sampled_from([SHARP, 8.0]))
+@given(
+    data=st.data(),
+    prompt=st.one_of(random_prompts, repeating_prompts),
+    T=st.integers(1, 40),
+    sharpness=st.sampled_from([SHARP, 8.0]),
+)
 def test_greedy_equivalence(name, arch, data, prompt, T, sharpness):
     params = data.draw(PARAMS[name])
     target, dec = build(name, params, arch, sharpness)
     steps = decoder_steps(dec, prompt, T)
-    assert [t for s in steps for t in s.tokens][:T] == run_decoder(Autoregressive(target, None, ARParams()),
-                                                                    prompt, T)
-    n_max = len(dec.template_of(dec.params)) if name == "token_recycling" else (
-        params["guess_set_size"] * (params["ngram_size"] - 1))
+    assert [t for s in steps for t in s.tokens][:T] == run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+    n_max = (
+        len(dec.template_of(dec.params))
+        if name == "token_recycling"
+        else (params["guess_set_size"] * (params["ngram_size"] - 1))
+    )
     for s in steps[1:]:
         assert 0 <= s.accepted <= s.depth and s.drafted <= n_max and len(s.tokens) == s.accepted + 1
 
 
-@pytest.mark.parametrize("name, params", [("token_recycling", {}), ("lookahead", {}),
-                                          ("lookahead", {"window_size": 5, "ngram_size": 3, "guess_set_size": 5})])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("token_recycling", {}),
+        ("lookahead", {}),
+        ("lookahead", {"window_size": 5, "ngram_size": 3, "guess_set_size": 5}),
+    ],
+)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_proposals_are_made_accepted_and_rejected(name, params, arch):
     """On repeating and non-repeating contexts drafts are made, and some are accepted whole, some cut short."""
@@ -65,8 +84,9 @@ def test_proposals_are_made_accepted_and_rejected(name, params, arch):
     for prompt in ([5, 9, 14, 20] * 4, list(range(30, 50)), [7, 3, 61, 44, 12, 90, 33]):
         target, dec = build(name, params, arch)
         steps = decoder_steps(dec, prompt, 48)
-        assert [t for s in steps for t in s.tokens][:48] == run_decoder(Autoregressive(target, None, ARParams()),
-                                                                         prompt, 48)
+        assert [t for s in steps for t in s.tokens][:48] == run_decoder(
+            Autoregressive(target, None, ARParams()), prompt, 48
+        )
         for s in steps[1:]:
             drafted += s.drafted
             accepted += s.accepted
@@ -87,10 +107,10 @@ def test_recycling_refreshes_the_matrix_from_every_verified_node():
     drafter.adjacency[40] = torch.tensor([7, 8, 9], dtype=torch.int32)
     tree = TokenTree(5, 3, 4, "cpu")
     drafter.draft(tree, 5, 2)
-    assert tree.tokens[:tree.size].tolist() == [5, 40, 41, 7] and tree.parents[:tree.size].tolist() == [0, 0, 0, 1]
+    assert tree.tokens[: tree.size].tolist() == [5, 40, 41, 7] and tree.parents[: tree.size].tolist() == [0, 0, 0, 1]
     tree = TokenTree(5, 3, 4, "cpu")
     drafter.draft(tree, 5, 1)  # depth cap
-    assert tree.tokens[:tree.size].tolist() == [5, 40, 41]
+    assert tree.tokens[: tree.size].tolist() == [5, 40, 41]
     # token 5 fed at two nodes: its row comes from the later one (BFS order)
     tree = TokenTree(5, 3, 4, "cpu")
     drafter.draft(tree, 5, 2)
@@ -136,7 +156,7 @@ def test_side_branch_logits_equal_sequential_ones(arch, attn):
     drafter.pool.add(9, (50, 53, 54))
     tree = TokenTree(9, drafter.n_max, drafter.n_max + 1, "cpu")
     drafter.draft(tree, 9, 3)
-    assert tree.tokens[:tree.size].tolist() == [9, 50, 51, 53, 52, 54]
+    assert tree.tokens[: tree.size].tolist() == [9, 50, 51, 53, 52, 54]
     side = drafter.side_branch()
     cache, _ = kv.prefill(target, torch.tensor([prompt]))
     kind = attention_mask_kind(target)
@@ -144,11 +164,11 @@ def test_side_branch_logits_equal_sequential_ones(arch, attn):
         both = tree_logits(target, cache, tree, kind, side=side)
         cache2, _ = kv.prefill(target, torch.tensor([prompt]))
         alone = tree_logits(target, cache2, tree, kind)
-    assert torch.allclose(both[:tree.size], alone, atol=atol)
+    assert torch.allclose(both[: tree.size], alone, atol=atol)
     assert kv.cache_len(cache) == len(prompt) + tree.size + side.size
     col0 = [9, 20, 21, 22]
-    contexts = [col0[:j + 2] for j in range(3)]  # level 0: root and its own prefix
-    contexts += [col0[:i + 1] + [drafter.levels[m][i] for m in range(1, lv + 1)] for lv in (1, 2) for i in range(4)]
+    contexts = [col0[: j + 2] for j in range(3)]  # level 0: root and its own prefix
+    contexts += [col0[: i + 1] + [drafter.levels[m][i] for m in range(1, lv + 1)] for lv in (1, 2) for i in range(4)]
     for row, context in enumerate(contexts):
         with torch.no_grad():
             ref = target(input_ids=torch.tensor([prompt + context])).logits[0, -1]
@@ -174,8 +194,14 @@ def test_lookahead_window_fills_then_yields_ngrams():
 
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_sampling_is_refused_at_validation(tmp_path, name):
-    suite = {"name": "s", "seed": 0, "device": "cpu", "target": {"model": "smollm2-135m", "dtype": "float32"},
-             "datasets": [{"name": "wikitext-2", "prompts": 1, "warmup": 0, "L_max": 16}], "generation_lengths": [4],
-             "sampling": {"temperature": 0.7}, "decoders": [{"name": "ar"}, {"name": name}]}
-    one_line_error(invoke("validate", write_suite(tmp_path, yaml.safe_dump(suite))), name,
-                   "does not support sampling")
+    suite = {
+        "name": "s",
+        "seed": 0,
+        "device": "cpu",
+        "target": {"model": "smollm2-135m", "dtype": "float32"},
+        "datasets": [{"name": "wikitext-2", "prompts": 1, "warmup": 0, "L_max": 16}],
+        "generation_lengths": [4],
+        "sampling": {"temperature": 0.7},
+        "decoders": [{"name": "ar"}, {"name": name}],
+    }
+    one_line_error(invoke("validate", write_suite(tmp_path, yaml.safe_dump(suite))), name, "does not support sampling")

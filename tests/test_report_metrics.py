@@ -17,14 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import reportdb
 from click.testing import CliRunner
 
 from dtbench.cli.main import cli
 from dtbench.reports import compare, figures, html, paper, render
 from dtbench.reports.compare import compare_runs, speedup_table
 from dtbench.reports.summary import combined_summary, samples_frame, summarize
-
-import reportdb
 
 
 def invoke(*args):
@@ -91,7 +90,9 @@ def test_lossless_divergence_in_warmup_shows_in_every_format(tricky, fmt):
 def test_lossless_divergence_in_warmup_shows_in_paper_tables_and_html(tricky):
     _, sessions, rid = tricky
     t = tables_of(sessions, rid)
-    note = "Diverges is not lossless on wikitext-2: 5/6 samples (warmup included) match ar, first divergence at token 17"
+    note = (
+        "Diverges is not lossless on wikitext-2: 5/6 samples (warmup included) match ar, first divergence at token 17"
+    )
     assert note in t["table1_main"].notes
     doc = html_of(sessions, rid)
     assert "no 5/6 (first at 17)" in doc and note in doc
@@ -103,8 +104,13 @@ def test_lossless_divergence_in_warmup_shows_in_paper_tables_and_html(tricky):
 def test_partial_flag_only_for_failed_cells_with_samples(tricky):
     _, sessions, rid = tricky
     table = summary_of(sessions, rid)
-    assert table["partial"].to_dict() == {"AR": False, "Diverges": False, "Partial": True, "Warmup only": False,
-                                          "Broken": False}
+    assert table["partial"].to_dict() == {
+        "AR": False,
+        "Diverges": False,
+        "Partial": True,
+        "Warmup only": False,
+        "Broken": False,
+    }
     assert table.loc["Partial", "n"] == 2 and table.loc["Partial", "throughput_mean"] == pytest.approx(21.5)
 
 
@@ -113,8 +119,10 @@ def test_partial_cell_is_marked_in_the_terminal_markdown_csv_and_json(tricky):
     table = invoke("report", "--db", path).stdout
     partial_row = next(line for line in table.splitlines() if "Partial" in line and "│" in line)
     assert "(partial)" in partial_row and "FAILED (partial), yes 3/3" in partial_row
-    assert f"Partial is partial: it failed after 3 measured prompts (2 after warmup), its numbers come from those " \
-           f"prompts only: {reportdb.PARTIAL_ERROR}" in " ".join(table.split())
+    assert (
+        f"Partial is partial: it failed after 3 measured prompts (2 after warmup), its numbers come from those "
+        f"prompts only: {reportdb.PARTIAL_ERROR}" in " ".join(table.split())
+    )
     md = invoke("report", "--db", path, "--format", "markdown").stdout
     assert "| Partial | 21.5 ± 0.7 (partial) |" in md and "- Partial is partial: it failed after 3" in md
     csv_lines = invoke("report", "--db", path, "--format", "csv").stdout.splitlines()
@@ -132,8 +140,10 @@ def test_partial_cell_is_left_out_of_paper_tables_unless_asked(tricky):
     assert row["wikitext-2 Throughput (t/s)"] == "—" and row["wikitext-2 Speedup"] == "—"
     data = t["table1_main"].data.set_index("method").loc["Partial"]
     assert math.isnan(data["wikitext-2.throughput_mean"]) and bool(data["wikitext-2.partial"])
-    assert any(n.startswith("Partial failed on wikitext-2 after 2 prompts") and "left out (--include-partial" in n
-               for n in t["table1_main"].notes)
+    assert any(
+        n.startswith("Partial failed on wikitext-2 after 2 prompts") and "left out (--include-partial" in n
+        for n in t["table1_main"].notes
+    )
     assert t["table4_ablation"].display.set_index("Variant").loc["Partial", "Throughput (t/s)"] == "—"
 
     t = tables_of(sessions, rid, include_partial=True)
@@ -201,7 +211,9 @@ def test_warmup_only_cell_shows_dashes_and_a_note_not_warmup_numbers(tricky):
     path, sessions, rid = tricky
     row = summary_of(sessions, rid).loc["Warmup only"]
     assert bool(row["all_warmup"]) and row["n"] == 0 and row["warmup_n"] == 2
-    assert all(math.isnan(row[c]) for c in ("throughput_mean", "speedup", "ttft_ms_mean", "acceptance_rate", "peak_mib"))
+    assert all(
+        math.isnan(row[c]) for c in ("throughput_mean", "speedup", "ttft_ms_mean", "acceptance_rate", "peak_mib")
+    )
     f = render.formatted(row)
     assert (f["throughput"], f["speedup"], f["ttft_ms"], f["acceptance_rate"]) == ("—", "—", "—", "—")
     out = " ".join(invoke("report", "--db", path).stdout.split())
@@ -209,7 +221,10 @@ def test_warmup_only_cell_shows_dashes_and_a_note_not_warmup_numbers(tricky):
     assert "65.0" not in out  # the warmup mean
     t = tables_of(sessions, rid)
     assert t["table1_main"].display.set_index("Method").loc["Warmup only", "wikitext-2 Throughput (t/s)"] == "—"
-    assert "Warmup only on wikitext-2: all 2 measured prompts are warmup, no numbers after warmup" in t["table1_main"].notes
+    assert (
+        "Warmup only on wikitext-2: all 2 measured prompts are warmup, no numbers after warmup"
+        in t["table1_main"].notes
+    )
 
 
 # --- 18: hardware flags -------------------------------------------------------------------------------------------
@@ -238,15 +253,19 @@ def test_old_runs_without_hardware_show_nothing(tmp_path):
 
 
 def test_hardware_text_for_cuda_and_missing_flags():
-    env = {"hardware": {"cpu_flags": None, "torch_cpu_capability": "AVX2", "cuda_capability": "7.5", "cuda_bf16": False}}
+    env = {
+        "hardware": {"cpu_flags": None, "torch_cpu_capability": "AVX2", "cuda_capability": "7.5", "cuda_bf16": False}
+    }
     assert render.hardware_text(env) == "torch CPU kernels AVX2; CUDA compute capability 7.5, no native bf16"
     assert render.hardware_text({}) == "" and render.hardware_text(None) == ""
 
 
 def test_hardware_flag_change_makes_runs_not_comparable_only_when_both_recorded():
     with_hw = {**reportdb.ENV, "hardware": reportdb.HARDWARE}
-    no_bf16 = {**reportdb.ENV, "hardware": {**reportdb.HARDWARE,
-                                            "cpu_flags": {**reportdb.HARDWARE["cpu_flags"], "avx512_bf16": False}}}
+    no_bf16 = {
+        **reportdb.ENV,
+        "hardware": {**reportdb.HARDWARE, "cpu_flags": {**reportdb.HARDWARE["cpu_flags"], "avx512_bf16": False}},
+    }
     diff = compare.env_differences(with_hw, no_bf16)
     assert len(diff) == 1 and diff[0].startswith("hardware CPU avx2 avx512f avx512_bf16")
     assert compare.env_differences(reportdb.ENV, with_hw) == []  # an old run lacks the flags: no difference claimed
@@ -316,16 +335,17 @@ def test_run_to_run_compare_with_few_prompts_is_n_too_small(tmp_path):
             reportdb.add_samples(s, reportdb.add_cell(s, run, "Lin", "linear"), thr, warmup=1)
         s.commit()
         fb, fa = samples_frame(s, b.id), samples_frame(s, a.id)
-    table, failures = compare_runs(fb, fa, before_env=reportdb.ENV, after_env=reportdb.ENV,
-                                   gates=[compare.Gate.parse("throughput:-5%")])
+    table, failures = compare_runs(
+        fb, fa, before_env=reportdb.ENV, after_env=reportdb.ENV, gates=[compare.Gate.parse("throughput:-5%")]
+    )
     row = table.iloc[0]
     assert row["mark"] == "n too small" and math.isnan(row["p_value"]) and failures == []
     assert "3 before, 3 after" in row["note"]
 
 
 def test_min_prompts_is_documented():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert f"fewer than {compare.MIN_PROMPTS} prompts after warmup" in readme
+    docs = " ".join(p.read_text() for p in (Path(__file__).resolve().parents[1] / "docs").glob("*.md"))
+    assert f"fewer than {compare.MIN_PROMPTS} prompts after warmup" in " ".join(docs.split())
 
 
 def test_speedups_against_a_partial_ar_cell_are_left_out_too(tmp_path):
@@ -341,7 +361,9 @@ def test_speedups_against_a_partial_ar_cell_are_left_out_too(tmp_path):
     t = table1.display.set_index("Method")
     assert t.loc["Lin", "wikitext-2 Speedup"] == "—" and t.loc["Lin", "wikitext-2 Throughput (t/s)"] != "—"
     assert t.loc["AR", "wikitext-2 Throughput (t/s)"] == "—"
-    assert "Lin on wikitext-2: speedup left out, its AR baseline is partial (--include-partial shows it)" in table1.notes
+    assert (
+        "Lin on wikitext-2: speedup left out, its AR baseline is partial (--include-partial shows it)" in table1.notes
+    )
 
 
 def test_include_partial_reaches_the_paper_outputs_and_is_refused_elsewhere(tricky, capsys):
@@ -349,11 +371,24 @@ def test_include_partial_reaches_the_paper_outputs_and_is_refused_elsewhere(tric
     from dtbench.reports.command import report_command
 
     path, _, _ = tricky
-    kw = dict(runs=(), db_url=f"sqlite:///{path}", run_ids=[], fmt="json", compare=False, alpha=0.05,
-              only_changed=False, fail_if=[], out_dir=None, fig_dir=None, html_file=None)
+    kw = dict(
+        runs=(),
+        db_url=f"sqlite:///{path}",
+        run_ids=[],
+        fmt="json",
+        compare=False,
+        alpha=0.05,
+        only_changed=False,
+        fail_if=[],
+        out_dir=None,
+        fig_dir=None,
+        html_file=None,
+    )
     report_command(tables=True, include_partial=True, **kw)
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["table1_main"]["rows"]}
-    assert rows["Partial"]["wikitext-2.throughput_mean"] == pytest.approx(21.5) and rows["Partial"]["wikitext-2.partial"]
+    assert (
+        rows["Partial"]["wikitext-2.throughput_mean"] == pytest.approx(21.5) and rows["Partial"]["wikitext-2.partial"]
+    )
     report_command(tables=True, **kw)
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["table1_main"]["rows"]}
     assert rows["Partial"]["wikitext-2.throughput_mean"] is None

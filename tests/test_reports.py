@@ -12,13 +12,12 @@ import re
 
 import numpy as np
 import pytest
+import reportdb
 from click.testing import CliRunner
 
 from dtbench.cli.main import cli
 from dtbench.reports import compare, figures, paper
 from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize
-
-import reportdb
 
 
 def invoke(*args: str):
@@ -41,23 +40,34 @@ def small_db(tmp_path):
     """Run 1: AR, Linear Spec (K=8 wiki / K=5 pg19), DynaTree on both datasets; a wiki-only fixed tree."""
     path = tmp_path / "r.db"
     sessions = reportdb.connect(path)
-    decs = [{"name": "ar", "label": "AR"},
-            {"name": "linear", "label": "Linear Spec (K=8)", "params": {"k": 8}, "datasets": ["wikitext-2"]},
-            {"name": "linear", "label": "Linear Spec (K=5)", "params": {"k": 5}, "datasets": ["pg19"]},
-            {"name": "fixed_tree", "label": "Fixed Tree (D=5, B=2)", "datasets": ["wikitext-2"]},
-            {"name": "dynatree", "label": "DynaTree"}]
+    decs = [
+        {"name": "ar", "label": "AR"},
+        {"name": "linear", "label": "Linear Spec (K=8)", "params": {"k": 8}, "datasets": ["wikitext-2"]},
+        {"name": "linear", "label": "Linear Spec (K=5)", "params": {"k": 5}, "datasets": ["pg19"]},
+        {"name": "fixed_tree", "label": "Fixed Tree (D=5, B=2)", "datasets": ["wikitext-2"]},
+        {"name": "dynatree", "label": "DynaTree"},
+    ]
     with sessions() as s:
         run = reportdb.add_run(s, "small", text=reportdb.suite_text("small", decs, datasets=("wikitext-2", "pg19")))
         for ds, label, dec, thr, mib in [
-            ("wikitext-2", "AR", "ar", AR_WIKI, 1000), ("wikitext-2", "Linear Spec (K=8)", "linear", LIN_WIKI, 1100),
+            ("wikitext-2", "AR", "ar", AR_WIKI, 1000),
+            ("wikitext-2", "Linear Spec (K=8)", "linear", LIN_WIKI, 1100),
             ("wikitext-2", "Fixed Tree (D=5, B=2)", "fixed_tree", FT_WIKI, 1150),
             ("wikitext-2", "DynaTree", "dynatree", DT_WIKI, 1200),
-            ("pg19", "AR", "ar", AR_PG, 2000), ("pg19", "Linear Spec (K=5)", "linear", LIN_PG, 2100),
+            ("pg19", "AR", "ar", AR_PG, 2000),
+            ("pg19", "Linear Spec (K=5)", "linear", LIN_PG, 2100),
             ("pg19", "DynaTree", "dynatree", DT_PG, 2300),
         ]:
             cell = reportdb.add_cell(s, run, label, dec, dataset=ds)
-            reportdb.add_samples(s, cell, thr, warmup=1, rss_mib=mib, acceptance=None if dec == "ar" else 0.8,
-                                 path=None if dec == "ar" else 3.0)
+            reportdb.add_samples(
+                s,
+                cell,
+                thr,
+                warmup=1,
+                rss_mib=mib,
+                acceptance=None if dec == "ar" else 0.8,
+                path=None if dec == "ar" else 3.0,
+            )
         s.commit()
     return path, sessions
 
@@ -181,9 +191,17 @@ def test_table4_ablation_delta_vs_first_tree_variant(small_db):
 def test_main_setting_prefers_most_cells_then_largest():
     import pandas as pd
 
-    rows = [dict(dataset="w", l_max=c, gen_length=T, label=l, sweep=False)
-            for c, T, l in [(800, 1500, "a"), (800, 1500, "b"), (100, 1500, "a"), (100, 500, "a"), (100, 500, "b"),
-                            (800, 500, "c")]]
+    rows = [
+        dict(dataset="w", l_max=c, gen_length=T, label=label, sweep=False)
+        for c, T, label in [
+            (800, 1500, "a"),
+            (800, 1500, "b"),
+            (100, 1500, "a"),
+            (100, 500, "a"),
+            (100, 500, "b"),
+            (800, 500, "c"),
+        ]
+    ]
     setting = paper.main_setting(pd.DataFrame(rows))
     assert setting.T == 1500 and setting.l_maxes == {"w": 800}  # 3 cells at 1500 vs 3 at 500: tie -> larger T
     rows.append(dict(dataset="w", l_max=100, gen_length=500, label="z", sweep=False))
@@ -249,8 +267,13 @@ def paper_db(tmp_path_factory):
 def test_paper_like_runs_give_every_table_and_figure(paper_db, tmp_path):
     path, summary, ids = paper_db
     made, skipped = paper.paper_tables(summary)
-    assert [t.key for t in made] == ["table1_main", "table2_latency", "table3_efficiency", "table4_ablation",
-                                     "table5_memory"] and not skipped
+    assert [t.key for t in made] == [
+        "table1_main",
+        "table2_latency",
+        "table3_efficiency",
+        "table4_ablation",
+        "table5_memory",
+    ] and not skipped
     t4 = made[3].data
     assert list(t4["variant"][:3]) == ["Fixed Tree (D=5, B=2)", "+ Dynamic Breadth & Depth", "DynaTree"]
     res = invoke("report", "--db", path, *sum((["--run", i] for i in ids), []), "--figures", tmp_path / "figs")
@@ -270,7 +293,11 @@ def test_figures_without_data_are_skipped_with_a_note(small_db, tmp_path):
     notes = [line for line in res.stderr.splitlines() if line.startswith("note:")]
     assert {n.split()[2] for n in notes} == {"5", "6", "7", "8"}  # Figure N skipped: ...
     assert sorted(p.name for p in (tmp_path / "f").iterdir()) == [
-        "fig3_throughput_speedup.png", "fig3_throughput_speedup.svg", "fig4_ablation.png", "fig4_ablation.svg"]
+        "fig3_throughput_speedup.png",
+        "fig3_throughput_speedup.svg",
+        "fig4_ablation.png",
+        "fig4_ablation.svg",
+    ]
 
 
 def test_html_is_self_contained(paper_db, tmp_path):
@@ -296,7 +323,10 @@ def test_failed_cell_shows_dash_and_note_and_figures_still_draw(tmp_path):
     t, _ = tables_of(sessions)
     row = t["table1_main"].display.set_index("Method").loc["DynaTree"]
     assert row["wikitext-2 Throughput (t/s)"] == "—" and row["wikitext-2 Speedup"] == "—"
-    assert any("DynaTree failed on wikitext-2 after 0 prompts: RuntimeError: out of memory" in n for n in t["table1_main"].notes)
+    assert any(
+        "DynaTree failed on wikitext-2 after 0 prompts: RuntimeError: out of memory" in n
+        for n in t["table1_main"].notes
+    )
     res = invoke("report", "--db", path, "--figures", tmp_path / "figs", "--compare")
     assert res.exit_code == 0, res.output
     assert (tmp_path / "figs" / "fig4_ablation.png").exists() and "failed" in res.stdout

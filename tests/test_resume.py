@@ -90,12 +90,19 @@ def test_sigkill_mid_run_then_resume(tmp_path, data_dir):
     after = query(dbfile, "select id, cell_id, prompt_index, output_hash, created_at from samples order by id")
     assert after[: len(before)] == before  # measured before the kill: kept, not re-measured
     # Every speculative sample was checked against the AR output, reloaded from the database where needed.
-    assert query(dbfile, "select lossless from samples s join cells c on s.cell_id = c.id where c.decoder = 'linear'") == [(1,)] * PROMPTS
+    assert (
+        query(dbfile, "select lossless from samples s join cells c on s.cell_id = c.id where c.decoder = 'linear'")
+        == [(1,)] * PROMPTS
+    )
     assert query(dbfile, "select distinct status from cells") == [("done",)]
 
     # The report on this real run: paper tables and the figures it has data for.
-    rep = subprocess.run(dtbench("report", "--db", dbfile, "--tables", "--format", "markdown", "--figures", tmp_path / "figs"),
-                         capture_output=True, text=True, timeout=300)
+    rep = subprocess.run(
+        dtbench("report", "--db", dbfile, "--tables", "--format", "markdown", "--figures", tmp_path / "figs"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert rep.returncode == 0, rep.stderr
     assert "### Table 1 — Main results" in rep.stdout and "| Linear Spec (K=2) |" in rep.stdout
     assert (tmp_path / "figs" / "fig3_throughput_speedup.png").stat().st_size > 10_000

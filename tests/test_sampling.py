@@ -11,7 +11,7 @@ must fail the same test (a test of the test).
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -33,16 +33,26 @@ def tiny(seed: int, sharpness: float = 2.0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).to(torch.float64).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpness)
     return model
 
 
-@lru_cache(maxsize=None)
+@cache
 def models():
     import copy
 
@@ -62,7 +72,7 @@ def exact(settings: SamplingSettings) -> dict[tuple[int, ...], float]:
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=M):
         ids = torch.tensor([PROMPT + list(seq[:-1])])
-        probs = settings.probs(target(input_ids=ids).logits[0, len(PROMPT) - 1:])
+        probs = settings.probs(target(input_ids=ids).logits[0, len(PROMPT) - 1 :])
         out[seq] = float(torch.prod(torch.stack([probs[i, t] for i, t in enumerate(seq)])))
     return out
 
@@ -117,23 +127,31 @@ def test_ar_samples_the_target_distribution():
     assert p_value(Autoregressive(models()["self"], None, ARParams()), SETTINGS["topp0.8"]) > ALPHA
 
 
-@pytest.mark.parametrize("draft, setting", [
-    ("self", "t1"), ("perturbed", "t1"), ("unrelated", "t1"), ("perturbed", "t0.7-topk4"),
-    ("unrelated", "topp0.8"),
-])
+@pytest.mark.parametrize(
+    "draft, setting",
+    [
+        ("self", "t1"),
+        ("perturbed", "t1"),
+        ("unrelated", "t1"),
+        ("perturbed", "t0.7-topk4"),
+        ("unrelated", "topp0.8"),
+    ],
+)
 def test_linear_speculative_sampling_is_exact(draft, setting):
     assert p_value(linear(draft), SETTINGS[setting]) > ALPHA
 
 
 def test_streaming_spec_sampling_is_exact():
-    decoder = StreamingSpeculative(models()["self"], models()["perturbed"],
-                                   StreamingSpecParams(sinks=2, window=32, k=2))
+    decoder = StreamingSpeculative(
+        models()["self"], models()["perturbed"], StreamingSpecParams(sinks=2, window=32, k=2)
+    )
     assert p_value(decoder, SETTINGS["t1"]) > ALPHA
 
 
 def test_a_wrong_acceptance_rule_fails_the_test(monkeypatch):
     """Accepting a draft whenever q(x) >= p(x)... or simply always: the output follows the draft, and the test
     must catch it."""
+
     def accept_all(drafts, draft_probs, target_probs, generator):
         from dtbench.decoders.sampling import sample
 
@@ -154,20 +172,29 @@ def test_seeded_sampling_is_reproducible_and_greedy_untouched():
     assert run(5) == run(5)
     assert len({tuple(run(s)) for s in range(6)}) > 1
     greedy = [t for s in linear("perturbed").generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12]
-    ar = [t for s in Autoregressive(models()["self"], None, ARParams()).generate(torch.tensor([PROMPT]), 12)
-          for t in s.tokens]
+    ar = [
+        t
+        for s in Autoregressive(models()["self"], None, ARParams()).generate(torch.tensor([PROMPT]), 12)
+        for t in s.tokens
+    ]
     assert greedy == ar
 
 
 def test_processing_matches_transformers_warpers():
     from transformers.generation.logits_process import (
-        LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
     )
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for t, k, p in ((0.7, 10, 0.9), (1.3, 0, 0.5), (1.0, 3, 1.0)):
-        warpers = [TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []) + \
-                  ([TopPLogitsWarper(p)] if p < 1 else [])
+        warpers = (
+            [TemperatureLogitsWarper(t)]
+            + ([TopKLogitsWarper(k)] if k else [])
+            + ([TopPLogitsWarper(p)] if p < 1 else [])
+        )
         expected = torch.softmax(LogitsProcessorList(warpers)(None, logits.clone()), dim=-1)
         assert torch.allclose(SamplingSettings(t, k, p).probs(logits), expected, atol=1e-12)
 
@@ -175,23 +202,36 @@ def test_processing_matches_transformers_warpers():
 def test_suite_sampling_through_the_runner(tmp_path, data_dir):
     """`sampling:` in a suite: stored on each cell, same seed -> same outputs in two runs, report verdict
     'sampled', greedy override per decoder, and decoders without sampling refused before any model loads."""
+    from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
     from sqlalchemy import select
 
     from dtbench.harness import db
-    from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
     pair = tiny_pair(tmp_path / "models")
-    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}},
-                {"name": "linear", "label": "greedy", "params": {"k": 2}, "sampling": "greedy"}]
+    decoders = [
+        {"name": "ar"},
+        {"name": "linear", "params": {"k": 2}},
+        {"name": "linear", "label": "greedy", "params": {"k": 2}, "sampling": "greedy"},
+    ]
     suite = suite_dict(*pair, decoders, sampling={"temperature": 0.8, "top_k": 20})
     outputs = []
     for name in ("a.db", "b.db"):
-        result = invoke("run", write_suite(tmp_path, suite), "--db", str(tmp_path / name), "--data-dir",
-                        str(data_dir), "--no-progress")
+        result = invoke(
+            "run",
+            write_suite(tmp_path, suite),
+            "--db",
+            str(tmp_path / name),
+            "--data-dir",
+            str(data_dir),
+            "--no-progress",
+        )
         assert result.exit_code == 0, result.output
         with db.connect(str(tmp_path / name))() as s:
-            rows = s.execute(select(db.Cell.label, db.Cell.sampling, db.Sample.prompt_index, db.Sample.output_tokens,
-                                    db.Sample.lossless).join(db.Sample)).all()
+            rows = s.execute(
+                select(
+                    db.Cell.label, db.Cell.sampling, db.Sample.prompt_index, db.Sample.output_tokens, db.Sample.lossless
+                ).join(db.Sample)
+            ).all()
         outputs.append(sorted((r[0], r[2], tuple(r[3])) for r in rows))
         sampling = {r[0]: r[1] for r in rows}
         assert sampling["linear"] == {"temperature": 0.8, "top_k": 20, "top_p": 1.0, "seed": None}
@@ -200,10 +240,16 @@ def test_suite_sampling_through_the_runner(tmp_path, data_dir):
         assert all(r[4] is True for r in rows if r[0] == "greedy")
     assert outputs[0] == outputs[1]
     assert "sampled (exact by construction, distribution-tested)" in result.stdout
-    bad = suite_dict(*pair, [{"name": "hf_generate"}, {"name": "fixed_tree", "params": {"prune": "skip"}}],
-                     sampling={"temperature": 0.8})
-    one_line_error(invoke("validate", write_suite(tmp_path, bad, "bad.yaml")), "decoders.1",
-                   "decoder 'fixed_tree': prune: skip drops drafted children")
+    bad = suite_dict(
+        *pair,
+        [{"name": "hf_generate"}, {"name": "fixed_tree", "params": {"prune": "skip"}}],
+        sampling={"temperature": 0.8},
+    )
+    one_line_error(
+        invoke("validate", write_suite(tmp_path, bad, "bad.yaml")),
+        "decoders.1",
+        "decoder 'fixed_tree': prune: skip drops drafted children",
+    )
 
 
 @pytest.mark.parametrize("name", ["hf_generate", "hf_assisted"])
@@ -215,14 +261,18 @@ def test_transformers_decoders_sample_the_target_distribution(name):
     if name == "hf_generate":
         decoder = HFGenerate(models()["self"], None, HFGenerateParams())
     else:
-        decoder = HFAssisted(models()["self"], models()["perturbed"],
-                             HFAssistedParams(num_assistant_tokens=2, assistant_confidence_threshold=0.0))
+        decoder = HFAssisted(
+            models()["self"],
+            models()["perturbed"],
+            HFAssistedParams(num_assistant_tokens=2, assistant_confidence_threshold=0.0),
+        )
     assert p_value(decoder, SETTINGS["t0.7-topk4"]) > ALPHA
 
 
 def test_speedups_pair_cells_that_decode_the_same_way(tmp_path):
     """A sampled decoder's speedup is against the AR cell sampled with the same settings, not the greedy one."""
     import reportdb
+
     from dtbench.harness import db
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.summary import samples_frame, summarize
@@ -231,8 +281,12 @@ def test_speedups_pair_cells_that_decode_the_same_way(tmp_path):
     hot = {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "seed": None}
     with sessions() as s:
         run = reportdb.add_run(s)
-        for label, dec, sampling, thr in (("AR", "ar", None, 10.0), ("AR hot", "ar", hot, 8.0),
-                                          ("Lin", "linear", None, 15.0), ("Lin hot", "linear", hot, 10.0)):
+        for label, dec, sampling, thr in (
+            ("AR", "ar", None, 10.0),
+            ("AR hot", "ar", hot, 8.0),
+            ("Lin", "linear", None, 15.0),
+            ("Lin hot", "linear", hot, 10.0),
+        ):
             reportdb.add_samples(s, reportdb.add_cell(s, run, label, dec, sampling=sampling), [thr] * 6, warmup=1)
         s.commit()
         frame = samples_frame(s, run.id)
@@ -276,12 +330,20 @@ TREES = {
 }
 
 
-@pytest.mark.parametrize("tree, draft, setting", [
-    ("fixed-paper-B2", "self", "t1"), ("fixed-paper-B2", "perturbed", "t1"), ("fixed-paper-B2", "unrelated", "t1"),
-    ("fixed-pending-B3-budget4", "perturbed", "t0.7-topk4"), ("fixed-per-node-tau0.3", "unrelated", "topp0.8"),
-    ("fixed-rebuild", "perturbed", "t1"), ("dynatree", "perturbed", "t1"), ("dynatree", "unrelated", "t0.7-topk4"),
-    ("dynatree", "self", "topp0.8"),
-])
+@pytest.mark.parametrize(
+    "tree, draft, setting",
+    [
+        ("fixed-paper-B2", "self", "t1"),
+        ("fixed-paper-B2", "perturbed", "t1"),
+        ("fixed-paper-B2", "unrelated", "t1"),
+        ("fixed-pending-B3-budget4", "perturbed", "t0.7-topk4"),
+        ("fixed-per-node-tau0.3", "unrelated", "topp0.8"),
+        ("fixed-rebuild", "perturbed", "t1"),
+        ("dynatree", "perturbed", "t1"),
+        ("dynatree", "unrelated", "t0.7-topk4"),
+        ("dynatree", "self", "topp0.8"),
+    ],
+)
 def test_tree_speculative_sampling_is_exact(tree, draft, setting):
     decoder = TREES[tree](draft)
     assert p_value(decoder, SETTINGS[setting], TREE_LENGTH) > ALPHA
@@ -325,6 +387,7 @@ def test_a_wrong_tree_acceptance_rule_fails_the_test(monkeypatch, wrong, draft):
 
 def test_tree_sampling_is_reproducible_and_greedy_untouched():
     """Same seed -> same tokens; different seeds differ; greedy trees still equal greedy AR."""
+
     def run(seed):
         d = TREES["dynatree"]("perturbed")
         d.sampling, d.generator = SETTINGS["t1"], torch.Generator().manual_seed(seed)
@@ -332,8 +395,11 @@ def test_tree_sampling_is_reproducible_and_greedy_untouched():
 
     assert run(7) == run(7)
     assert len({tuple(run(s)) for s in range(6)}) > 1
-    ar = [t for s in Autoregressive(models()["self"], None, ARParams()).generate(torch.tensor([PROMPT]), 12)
-          for t in s.tokens]
+    ar = [
+        t
+        for s in Autoregressive(models()["self"], None, ARParams()).generate(torch.tensor([PROMPT]), 12)
+        for t in s.tokens
+    ]
     for name in TREES:
         assert [t for s in TREES[name]("perturbed").generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12] == ar
 

@@ -14,11 +14,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from kit import invoke, one_line_error, save_tiny_llama, tiny_pair, write_suite
 
 from dtbench.harness import chat, questions
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suite import DatasetSpec
-from kit import invoke, one_line_error, save_tiny_llama, tiny_pair, write_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,8 +41,9 @@ def test_shipped_file_counts(data_dir):
     assert len(found) == 480 and source["sha256"] == questions.SPEC_BENCH_SHA256
     counts = Counter(q.category for q in found)
     assert {c: counts[c] for c in questions.MT_BENCH} == {c: 10 for c in questions.MT_BENCH}
-    assert {c: counts[c] for c in ("translation", "summarization", "qa", "math_reasoning", "rag")} == \
-        {c: 80 for c in ("translation", "summarization", "qa", "math_reasoning", "rag")}
+    assert {c: counts[c] for c in ("translation", "summarization", "qa", "math_reasoning", "rag")} == {
+        c: 80 for c in ("translation", "summarization", "qa", "math_reasoning", "rag")
+    }
     assert all(len(q.turns) == 2 for q in found if q.category in questions.MT_BENCH)
     assert all(len(q.turns) == 1 for q in found if q.category not in questions.MT_BENCH)
     # the six groups by default, N questions and W warmup per group, MT-bench's two turns consecutive
@@ -51,8 +52,10 @@ def test_shipped_file_counts(data_dir):
     assert len(slots) == 3 * 2 + 5 * 3
     assert sum(s.warmup for s in slots) == 2 + 5  # the first question of each group, both turns for MT-bench
     mt = [s for s in slots if s.group == "mt_bench"]
-    assert [(s.question.question_id, s.turn) for s in mt[:2]] == [(mt[0].question.question_id, 1),
-                                                                    (mt[0].question.question_id, 2)]
+    assert [(s.question.question_id, s.turn) for s in mt[:2]] == [
+        (mt[0].question.question_id, 1),
+        (mt[0].question.question_id, 2),
+    ]
     other = questions.layout(DatasetSpec(name="spec-bench", data_dir=str(data_dir), prompts=3, warmup=1), seed=1)
     assert [s.question.question_id for s in other] != [s.question.question_id for s in slots]  # the seed chooses
 
@@ -61,12 +64,14 @@ def test_user_jsonl_with_other_categories(tmp_path):
     path = _jsonl(tmp_path / "q.jsonl", USER_QUESTIONS)
     slots = questions.layout(DatasetSpec(name="spec-bench", path=str(path), prompts=2, warmup=1), seed=0)
     assert [(s.group, s.turn) for s in slots] == [("poetry", 1), ("poetry", 2)] * 2 + [("code-review", 1)] * 2
-    picked = questions.layout(DatasetSpec(name="spec-bench", path=str(path), prompts=1, warmup=0,
-                                          categories=["code-review"]), seed=0)
+    picked = questions.layout(
+        DatasetSpec(name="spec-bench", path=str(path), prompts=1, warmup=0, categories=["code-review"]), seed=0
+    )
     assert [s.question.category for s in picked] == ["code-review"]
     with pytest.raises(DtbenchError, match="unknown category 'mt_bench'.*code-review, poetry"):
-        questions.layout(DatasetSpec(name="spec-bench", path=str(path), prompts=1, warmup=0,
-                                     categories=["mt_bench"]), seed=0)
+        questions.layout(
+            DatasetSpec(name="spec-bench", path=str(path), prompts=1, warmup=0, categories=["mt_bench"]), seed=0
+        )
     with pytest.raises(DtbenchError, match="'poetry' has 2 questions, 3 asked for"):
         questions.layout(DatasetSpec(name="spec-bench", path=str(path), prompts=3, warmup=0), seed=0)
     bad = tmp_path / "bad.jsonl"
@@ -126,21 +131,30 @@ def tokenizer():
 
 def test_template_rendering_equals_apply_chat_template(tokenizer, tmp_path):
     turns, answers = ["What is 2 + 2?", "And times 3?"], ["It is 4."]
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": turns[0]},
-            {"role": "assistant", "content": answers[0]}, {"role": "user", "content": turns[1]}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": answers[0]},
+        {"role": "user", "content": turns[1]},
+    ]
     template = chat.template_text("auto", tokenizer, "smollm2-135m")
     expected = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert chat.render(tokenizer, template, turns, answers, "Be brief.") == list(expected["input_ids"])
     assert tokenizer.decode(chat.render(tokenizer, template, turns[:1], [], None)).endswith(
-        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert chat.render(tokenizer, None, turns, answers, None) == tokenizer.encode(
-        "What is 2 + 2?\n\nIt is 4.\n\nAnd times 3?")
-    vicuna = chat.template_text(str(Path(__file__).parents[1] / "suites" / "templates" / "vicuna.jinja"),
-                                tokenizer, "x")
+        "What is 2 + 2?\n\nIt is 4.\n\nAnd times 3?"
+    )
+    vicuna = chat.template_text(
+        str(Path(__file__).parents[1] / "suites" / "templates" / "vicuna.jinja"), tokenizer, "x"
+    )
     text = tokenizer.decode(chat.render(tokenizer, vicuna, turns, answers, None))
-    assert text == ("A chat between a curious user and an artificial intelligence assistant. The assistant gives "
-                    "helpful, detailed, and polite answers to the user's questions. USER: What is 2 + 2? ASSISTANT: "
-                    "It is 4.</s> USER: And times 3? ASSISTANT:")  # FastChat's vicuna_v1.1
+    assert text == (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives "
+        "helpful, detailed, and polite answers to the user's questions. USER: What is 2 + 2? ASSISTANT: "
+        "It is 4.</s> USER: And times 3? ASSISTANT:"
+    )  # FastChat's vicuna_v1.1
     bare = type(tokenizer).from_pretrained(save_tiny_llama(tmp_path / "m", tokenizer))
     bare.chat_template = None
     with pytest.raises(DtbenchError, match="model 'tiny' has no chat template"):
@@ -155,12 +169,21 @@ def specbench_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("sb")
     target, draft = tiny_pair(root)
     qfile = _jsonl(root / "q.jsonl", USER_QUESTIONS)
-    suite = {"name": "sb", "seed": 0, "device": "cpu",
-             "target": {"model": str(target), "dtype": "float64"}, "draft": {"model": str(draft), "dtype": "float64"},
-             "datasets": [{"name": "spec-bench", "path": str(qfile), "prompts": 2, "warmup": 1, "L_max": 120}],
-             "generation_lengths": [8], "system_prompt": "Be brief.",
-             "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 3}},
-                          {"name": "fixed_tree", "params": {"depth": 3, "branching": 2}}]}
+    suite = {
+        "name": "sb",
+        "seed": 0,
+        "device": "cpu",
+        "target": {"model": str(target), "dtype": "float64"},
+        "draft": {"model": str(draft), "dtype": "float64"},
+        "datasets": [{"name": "spec-bench", "path": str(qfile), "prompts": 2, "warmup": 1, "L_max": 120}],
+        "generation_lengths": [8],
+        "system_prompt": "Be brief.",
+        "decoders": [
+            {"name": "ar"},
+            {"name": "linear", "params": {"k": 3}},
+            {"name": "fixed_tree", "params": {"depth": 3, "branching": 2}},
+        ],
+    }
     path = write_suite(root, suite)
     seen: list[tuple[str, int, tuple[int, ...]]] = []
     real = worker.measure
@@ -189,9 +212,13 @@ def test_turn_two_prompt_holds_the_references_answer(specbench_run):
     db, seen, target = specbench_run
     engine = create_engine(db)
     with engine.connect() as c:
-        rows = c.execute(text("select c.label, s.prompt_index, s.turn, s.task_group, s.category, s.question_id, "
-                              "s.output_tokens, s.prompt_tokens, s.warmup, s.new_tokens from samples s join cells c "
-                              "on c.id = s.cell_id order by s.prompt_index, c.id")).all()
+        rows = c.execute(
+            text(
+                "select c.label, s.prompt_index, s.turn, s.task_group, s.category, s.question_id, "
+                "s.output_tokens, s.prompt_tokens, s.warmup, s.new_tokens from samples s join cells c "
+                "on c.id = s.cell_id order by s.prompt_index, c.id"
+            )
+        ).all()
         env = json.loads(c.execute(text("select environment from runs")).scalar())
     assert env["chat"]["chat_template"] == "auto" and env["chat"]["system_prompt"] == "Be brief."
     assert len(env["chat"]["template_sha256"]) == 64
@@ -199,13 +226,18 @@ def test_turn_two_prompt_holds_the_references_answer(specbench_run):
     for r in rows:
         by_index.setdefault(r.prompt_index, []).append(r)
     assert [(rs[0].task_group, rs[0].turn, rs[0].warmup) for _, rs in sorted(by_index.items())] == [
-        ("poetry", 1, True), ("poetry", 2, True), ("poetry", 1, False), ("poetry", 2, False),
-        ("code-review", 1, True), ("code-review", 1, False)]
+        ("poetry", 1, True),
+        ("poetry", 2, True),
+        ("poetry", 1, False),
+        ("poetry", 2, False),
+        ("code-review", 1, True),
+        ("code-review", 1, False),
+    ]
     tok = models.load_tokenizer(ModelSpec(model=str(target)))
     prompts_by_order = [ids for _, _, ids in seen]  # measure calls in order: per prompt index, ar, linear, fixed_tree
     assert len(prompts_by_order) == 3 * len(by_index)
     for index, rs in sorted(by_index.items()):
-        given = prompts_by_order[3 * index: 3 * index + 3]
+        given = prompts_by_order[3 * index : 3 * index + 3]
         assert given[0] == given[1] == given[2]  # every decoder timed on the identical prompt
         assert all(r.prompt_tokens == len(given[0]) for r in rs)
         if rs[0].turn == 2:
@@ -248,8 +280,9 @@ def test_reports_by_task_and_spec_bench(specbench_run):
     flat = list(csv.DictReader(io.StringIO(invoke("report", "--db", db, "--spec-bench", "--format", "csv").output)))
     assert {r["label"] for r in flat} == set(rows) and flat[0]["prompt_cap"] == "120"
     for r in flat:  # the per-position curve as ;-joined shares, JSON's list (empty where nothing was accepted)
-        assert [float(p) for p in r["per_position"].split(";") if p] == pytest.approx(rows[r["label"]]["per_position"],
-                                                                                      rel=1e-5)
+        assert [float(p) for p in r["per_position"].split(";") if p] == pytest.approx(
+            rows[r["label"]]["per_position"], rel=1e-5
+        )
     one_line_error(invoke("report", "--db", db, "--spec-bench", "--compare"), "--spec-bench")
 
 
@@ -261,18 +294,36 @@ def test_leaderboard_arithmetic():
     from dtbench.reports.specbench import leaderboard
 
     def s(label, decoder, q, turn, tokens, secs, steps, drafted, accepted, group="mt_bench"):
-        return dict(dataset="spec-bench", l_max=64, gen_length=8, label=label, decoder=decoder, status="completed",
-                    prompt_index=0, warmup=False, new_tokens=tokens, total_s=secs, task_group=group, category="x",
-                    turn=turn, question_id=q, step_tokens=steps, drafted=drafted, accepted=accepted)
+        return dict(
+            dataset="spec-bench",
+            l_max=64,
+            gen_length=8,
+            label=label,
+            decoder=decoder,
+            status="completed",
+            prompt_index=0,
+            warmup=False,
+            new_tokens=tokens,
+            total_s=secs,
+            task_group=group,
+            category="x",
+            turn=turn,
+            question_id=q,
+            step_tokens=steps,
+            drafted=drafted,
+            accepted=accepted,
+        )
 
-    frame = pd.DataFrame([
-        s("ar", "ar", "1", 1, 4, 4.0, [1, 1, 1, 1], [0] * 4, [0] * 4), s("ar", "ar", "1", 2, 4, 4.0, [1] * 4, [0] * 4,
-                                                                           [0] * 4),
-        s("ar", "ar", "2", 1, 6, 2.0, [1] * 6, [0] * 6, [0] * 6, group="qa"),
-        s("lin", "linear", "1", 1, 4, 1.0, [1, 3], [0, 3], [0, 2]), s("lin", "linear", "1", 2, 4, 3.0, [1, 2, 1],
-                                                                      [0, 3, 3], [0, 1, 0]),
-        s("lin", "linear", "2", 1, 6, 1.0, [1, 4, 1], [0, 3, 3], [0, 3, 0], group="qa"),
-    ])
+    frame = pd.DataFrame(
+        [
+            s("ar", "ar", "1", 1, 4, 4.0, [1, 1, 1, 1], [0] * 4, [0] * 4),
+            s("ar", "ar", "1", 2, 4, 4.0, [1] * 4, [0] * 4, [0] * 4),
+            s("ar", "ar", "2", 1, 6, 2.0, [1] * 6, [0] * 6, [0] * 6, group="qa"),
+            s("lin", "linear", "1", 1, 4, 1.0, [1, 3], [0, 3], [0, 2]),
+            s("lin", "linear", "1", 2, 4, 3.0, [1, 2, 1], [0, 3, 3], [0, 1, 0]),
+            s("lin", "linear", "2", 1, 6, 1.0, [1, 4, 1], [0, 3, 3], [0, 3, 0], group="qa"),
+        ]
+    )
     board = leaderboard(frame).set_index("label")
     assert board.loc["lin", "mt_bench"] == pytest.approx((8 / 4.0) / (8 / 8.0))
     assert board.loc["lin", "qa"] == pytest.approx(6.0 / 3.0)
@@ -284,11 +335,14 @@ def test_leaderboard_arithmetic():
     assert board.loc["ar", "mat"] == 1.0
 
 
-@pytest.mark.parametrize("change, needle", [
-    ({"categories": ["nope"]}, "unknown category 'nope'"),
-    ({"bad_line": True}, "q.jsonl:2: `turns` must be a non-empty list"),
-    ({"no_template": True}, "has no chat template"),
-])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"categories": ["nope"]}, "unknown category 'nope'"),
+        ({"bad_line": True}, "q.jsonl:2: `turns` must be a non-empty list"),
+        ({"no_template": True}, "has no chat template"),
+    ],
+)
 def test_bad_input_is_one_line_at_validate(tmp_path, change, needle, tokenizer):
     target = save_tiny_llama(tmp_path / "m", tokenizer)
     if change.get("no_template"):
@@ -302,8 +356,14 @@ def test_bad_input_is_one_line_at_validate(tmp_path, change, needle, tokenizer):
     entry = {"name": "spec-bench", "path": str(qfile), "prompts": 1, "warmup": 0, "L_max": 64}
     if "categories" in change:
         entry["categories"] = change["categories"]
-    suite = {"name": "bad", "device": "cpu", "target": {"model": str(target), "dtype": "float64"},
-             "datasets": [entry], "generation_lengths": [4], "decoders": [{"name": "ar"}]}
+    suite = {
+        "name": "bad",
+        "device": "cpu",
+        "target": {"model": str(target), "dtype": "float64"},
+        "datasets": [entry],
+        "generation_lengths": [4],
+        "decoders": [{"name": "ar"}],
+    }
     one_line_error(invoke("validate", write_suite(tmp_path, suite)), needle)
 
 
@@ -313,8 +373,11 @@ def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokeniz
     from dtbench.harness.chat import ChatPrompts, Renderer, TurnNotReady, resolve
     from dtbench.harness.data import Prompt
 
-    prompts = ChatPrompts([Prompt(0, "q", (5, 6), "g", "c", 1, "7"), Prompt(1, "q2", (), "g", "c", 2, "7")],
-                          Renderer(tokenizer, None, None, 64), {0: ("a", "b"), 1: ("a", "b")})
+    prompts = ChatPrompts(
+        [Prompt(0, "q", (5, 6), "g", "c", 1, "7"), Prompt(1, "q2", (), "g", "c", 2, "7")],
+        Renderer(tokenizer, None, None, 64),
+        {0: ("a", "b"), 1: ("a", "b")},
+    )
     with pytest.raises(TurnNotReady, match="question 7 turn 2: the reference decoder's answer to turn 1"):
         resolve(prompts, 1, lambda index: None)
     ids = resolve(prompts, 1, lambda index: tokenizer.encode("fine"))
@@ -348,13 +411,26 @@ def test_validate_reads_question_files_from_data_dir(tmp_path, monkeypatch):
     target, draft = tiny_pair(tmp_path)
     (tmp_path / "data" / "spec-bench").mkdir(parents=True)
     _jsonl(tmp_path / "data" / "spec-bench" / "question.jsonl", USER_QUESTIONS)
-    suite = write_suite(tmp_path, {
-        "name": "v", "seed": 0, "device": "cpu", "target": {"model": str(target)}, "draft": {"model": str(draft)},
-        "datasets": [{"name": "spec-bench", "categories": ["poetry"], "prompts": 2, "warmup": 1, "L_max": 120}],
-        "generation_lengths": [8], "chat_template": "none", "decoders": [{"name": "ar"}]})
+    suite = write_suite(
+        tmp_path,
+        {
+            "name": "v",
+            "seed": 0,
+            "device": "cpu",
+            "target": {"model": str(target)},
+            "draft": {"model": str(draft)},
+            "datasets": [{"name": "spec-bench", "categories": ["poetry"], "prompts": 2, "warmup": 1, "L_max": 120}],
+            "generation_lengths": [8],
+            "chat_template": "none",
+            "decoders": [{"name": "ar"}],
+        },
+    )
     ok = invoke("validate", suite, "--data-dir", str(tmp_path / "data"))
     assert ok.exit_code == 0 and ": ok" in ok.stdout, ok.output
-    one_line_error(invoke("validate", suite, "--data-dir", str(tmp_path / "empty")), "question.jsonl not found",
-                   str(tmp_path / "empty"))
+    one_line_error(
+        invoke("validate", suite, "--data-dir", str(tmp_path / "empty")),
+        "question.jsonl not found",
+        str(tmp_path / "empty"),
+    )
     monkeypatch.setenv("DTBENCH_DATA_DIR", str(tmp_path / "data"))  # the option's environment variable
     assert invoke("validate", suite).exit_code == 0

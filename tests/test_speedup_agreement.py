@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import reportdb
+
 from dtbench.harness import db
 from dtbench.reports import costmodel, stats
 from dtbench.reports.compare import per_prompt, speedup_table
@@ -55,9 +55,17 @@ def sampled(tmp_path):
     with sessions() as s:
         run = reportdb.add_run(s, "sampling")
         for label, decoder, sampling, thr in CELLS:
-            cell = reportdb.add_cell(s, run, label, decoder, sampling=sampling, params={"k": 4} if decoder != "ar" else {})
-            reportdb.add_samples(s, cell, thr, warmup=1, acceptance=0.5 if decoder != "ar" else None,
-                                 path=2.0 if decoder != "ar" else None)
+            cell = reportdb.add_cell(
+                s, run, label, decoder, sampling=sampling, params={"k": 4} if decoder != "ar" else {}
+            )
+            reportdb.add_samples(
+                s,
+                cell,
+                thr,
+                warmup=1,
+                acceptance=0.5 if decoder != "ar" else None,
+                path=2.0 if decoder != "ar" else None,
+            )
         s.commit()
         rid = run.id
     return sessions, rid
@@ -91,18 +99,29 @@ def test_every_report_gives_the_same_speedup_for_the_same_cell(sampled):
         assert f"{want:.2f}×" in html, label
     # the old bug: T=0.7 linear divided by greedy AR (the group's first AR row) would be 12/10 = 1.2, not 12/8 = 1.5
     assert math.isclose(expected("Linear (T=0.7)"), 1.5) and not math.isclose(
-        float(summary.set_index("label").loc["Linear (T=0.7)", "speedup"]), 1.2)
+        float(summary.set_index("label").loc["Linear (T=0.7)", "speedup"]), 1.2
+    )
 
 
 def test_the_baseline_pairs_by_run_group_and_decoding():
     import pandas as pd
 
-    frame = pd.DataFrame({"dataset": ["d"] * 4, "l_max": [1] * 4, "gen_length": [8] * 4,
-                          "decoder": ["ar", "ar", "x", "x"], "sampling": [None, T07, None, T10],
-                          "throughput_mean": [10.0, 8.0, 20.0, 30.0]})
+    frame = pd.DataFrame(
+        {
+            "dataset": ["d"] * 4,
+            "l_max": [1] * 4,
+            "gen_length": [8] * 4,
+            "decoder": ["ar", "ar", "x", "x"],
+            "sampling": [None, T07, None, T10],
+            "throughput_mean": [10.0, 8.0, 20.0, 30.0],
+        }
+    )
     base = stats.baseline_values(frame, "throughput_mean")
     assert base.iloc[:3].tolist() == [10.0, 8.0, 10.0] and math.isnan(base.iloc[3])  # T=1.0 has no AR: no speedup
-    assert stats.show(float("nan"), ".2f") == stats.MISSING == stats.show(None, ".2f") and stats.show(1.5, ".2f", "×") == "1.50×"
+    assert (
+        stats.show(float("nan"), ".2f") == stats.MISSING == stats.show(None, ".2f")
+        and stats.show(1.5, ".2f", "×") == "1.50×"
+    )
 
 
 def test_compare_and_resume_check_the_same_environment_keys():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import VOCAB, model_zoo, run_decoder
 
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids
@@ -21,13 +22,12 @@ from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
 from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams, HFGenerate, HFGenerateParams
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.lookahead import Lookahead
-from dtbench.decoders.token_recycling import TokenRecycling
-from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpeculative, StreamingSpecParams
 from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.rest import Rest, RestParams
+from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpecParams, StreamingSpeculative
 from dtbench.decoders.suffix import SuffixDecoding, SuffixParams
+from dtbench.decoders.token_recycling import TokenRecycling
 from dtbench.harness.measure import measure
-from models import VOCAB, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,11 +41,16 @@ def decoders(target, draft):
         "ar": Autoregressive(target, None, Autoregressive.Params()),
         "linear": LinearSpeculative(target, draft, LinearParams(k=5)),
         "fixed_tree": FixedTree(target, draft, FixedTreeParams(depth=4, branching=2, tau=0.0)),
-        "fixed_tree_rebuild": FixedTree(target, draft, FixedTreeParams(depth=3, branching=2, tau=0.0,
-                                                                      cache_strategy="rebuild",
-                                                                      draft_strategy="per_node")),
-        "dynatree": DynaTree(target, draft, DynaTreeParams(tau=0.0, rho_stop=1e-9, rho_deep=1e-6, d0=2, d_max=6,
-                                                            tau_l=0.05, tau_h=0.2, n_max=24)),
+        "fixed_tree_rebuild": FixedTree(
+            target,
+            draft,
+            FixedTreeParams(depth=3, branching=2, tau=0.0, cache_strategy="rebuild", draft_strategy="per_node"),
+        ),
+        "dynatree": DynaTree(
+            target,
+            draft,
+            DynaTreeParams(tau=0.0, rho_stop=1e-9, rho_deep=1e-6, d0=2, d_max=6, tau_l=0.05, tau_h=0.2, n_max=24),
+        ),
         "streaming_ar": StreamingAR(target, None, StreamingParams(sinks=2, window=16)),
         "streaming_spec": StreamingSpeculative(target, draft, StreamingSpecParams(sinks=2, window=16, k=4)),
         "hf_generate": HFGenerate(target, None, HFGenerateParams()),
@@ -75,8 +80,17 @@ def _rest_store() -> str:
         target, _ = model_zoo()["self"]
         prompt = list(range(5, 15))
         rng = np.random.default_rng(0)
-        np.save(path, np.array([*prompt, *run_decoder(Autoregressive(target, None, Autoregressive.Params()), prompt, T),
-                                -1, *rng.integers(3, VOCAB, 400)]))
+        np.save(
+            path,
+            np.array(
+                [
+                    *prompt,
+                    *run_decoder(Autoregressive(target, None, Autoregressive.Params()), prompt, T),
+                    -1,
+                    *rng.integers(3, VOCAB, 400),
+                ]
+            ),
+        )
     return str(path)
 
 
@@ -100,8 +114,9 @@ def test_every_decoder_stops_at_eos(kind, prompt, j):
     expected = greedy_until_eos(full, prompt, eos)
     for name, dec in decoders(target, draft).items():
         if name.startswith("streaming"):  # streaming_ar is lossy past S + R: streaming_spec must equal it
-            expected_here = greedy_until_eos(run_decoder(StreamingAR(target, None, StreamingParams(sinks=2, window=16)),
-                                                         prompt, T), prompt, eos)
+            expected_here = greedy_until_eos(
+                run_decoder(StreamingAR(target, None, StreamingParams(sinks=2, window=16)), prompt, T), prompt, eos
+            )
         else:
             expected_here = expected
         dec.eos_token_id = eos
@@ -121,8 +136,10 @@ def test_a_draft_crosses_eos():
     full = run_decoder(Autoregressive(target, None, Autoregressive.Params()), prompt, T)
     eos = full[12]
     cut = full[: full.index(eos) + 1]
-    for dec in (LinearSpeculative(target, draft, LinearParams(k=8)),
-                FixedTree(target, draft, FixedTreeParams(depth=8, branching=2, tau=0.0))):
+    for dec in (
+        LinearSpeculative(target, draft, LinearParams(k=8)),
+        FixedTree(target, draft, FixedTreeParams(depth=8, branching=2, tau=0.0)),
+    ):
         uncut = list(dec.generate(torch.tensor([prompt]), T))
         dec.eos_token_id = eos
         steps = collect(dec, prompt)
@@ -136,10 +153,11 @@ def test_a_draft_crosses_eos():
 def test_medusa_tree_drafter_stops_at_eos(tmp_path):
     """The TreeDrafter path of speculate_tree (learned heads) cuts at EOS too; the Oracle plants the target's greedy
     continuation so paths of several tokens are accepted across EOS."""
+    from heads_kit import Oracle, write_medusa
+
     from dtbench.decoders.heads import load_medusa
     from dtbench.decoders.medusa import MC_SIM_7B_63, MedusaDrafter
     from dtbench.decoders.tree import speculate_tree
-    from heads_kit import Oracle, write_medusa
 
     target, _ = model_zoo()["self"]
     write_medusa(tmp_path / "head", hidden=target.config.hidden_size, vocab=VOCAB)
@@ -150,8 +168,9 @@ def test_medusa_tree_drafter_stops_at_eos(tmp_path):
         eos = full[j]
         oracle = Oracle(MedusaDrafter(heads, MC_SIM_7B_63, target.config.num_hidden_layers), full, plant=(4, 5, 3))
         with torch.inference_mode():
-            steps = list(speculate_tree(target, None, torch.tensor([prompt]), T, oracle, tree_root="pending",
-                                        eos_token_id=eos))
+            steps = list(
+                speculate_tree(target, None, torch.tensor([prompt]), T, oracle, tree_root="pending", eos_token_id=eos)
+            )
         assert [t for s in steps for t in s.tokens] == full[: full.index(eos) + 1]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import VOCAB, model_zoo, perturbed, run_decoder
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.llama import modeling_llama
@@ -18,12 +19,9 @@ from dtbench.decoders.streaming import (
     StreamingAR,
     StreamingKV,
     StreamingParams,
-    StreamingSpeculative,
     StreamingSpecParams,
+    StreamingSpeculative,
 )
-from models import VOCAB, model_zoo, perturbed, run_decoder
-
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,8 +34,16 @@ def tiny_neox(seed: int) -> GPTNeoXForCausalLM:
     """A 2-layer GPT-NeoX (Pythia architecture: partial rotary, 4 of 8 head dims), vocab 96, float64."""
     torch.manual_seed(seed)
     cfg = GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        rotary_pct=0.5, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        rotary_pct=0.5,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
     )
     cfg._attn_implementation = "sdpa"
     model = GPTNeoXForCausalLM(cfg).to(torch.float64).eval()

@@ -7,16 +7,16 @@ import resource
 import time
 
 import pytest
-
+from kit import invoke, one_line_error, save_tiny_llama, suite_dict, write_suite
 from sqlalchemy import func, select
 
 from dtbench.harness import db, models
 from dtbench.harness.suite import MAX_GRID
 from dtbench.harness.suitefile import MAX_NODES
-from kit import invoke, one_line_error, save_tiny_llama, suite_dict, write_suite
 
 BASE = {
-    "name": "v", "device": "cpu",
+    "name": "v",
+    "device": "cpu",
     "target": {"model": "smollm2-135m", "dtype": "float32"},
     "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
     "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
@@ -29,19 +29,26 @@ def validate(tmp_path, suite, name="suite.yaml"):
     return invoke("validate", write_suite(tmp_path, suite, name))
 
 
-@pytest.mark.parametrize("change, needles", [
-    ({"generation_lengths": [8, 8]}, ["generation_lengths", "lists a value twice"]),
-    ({"generation_lengths": [10**24]}, ["generation_lengths", "at most 1048576"]),
-    ({"datasets": [{"name": "wikitext-2", "L_max": 16}, {"name": "wikitext-2", "L_max": [32, 16]}]},
-     ["dataset 'wikitext-2' with L_max 16 is listed twice"]),
-    ({"datasets": [{"name": "wikitext-2", "L_max": [16, 16]}]}, ["L_max lists a value twice"]),
-    ({"datasets": [{"name": "wikitext-2", "prompts": True}]}, ["datasets.0.prompts", "booleans are not numbers"]),
-    ({"generation_lengths": [True]}, ["generation_lengths.0", "booleans are not numbers"]),
-    ({"decoders": [{"name": "ar", "sweep": {"k": []}}]}, ["sweep over 'k' has no values"]),
-    ({"decoders": [{"name": "linear", "sweep": {"k": list(range(1, 65)), "x": list(range(200))}}]},
-     ["sweep expands to 12800 decoders", f"limit of {MAX_GRID}"]),
-    ({"timeout_s": 0}, ["timeout_s must be a positive number"]),
-])
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        ({"generation_lengths": [8, 8]}, ["generation_lengths", "lists a value twice"]),
+        ({"generation_lengths": [10**24]}, ["generation_lengths", "at most 1048576"]),
+        (
+            {"datasets": [{"name": "wikitext-2", "L_max": 16}, {"name": "wikitext-2", "L_max": [32, 16]}]},
+            ["dataset 'wikitext-2' with L_max 16 is listed twice"],
+        ),
+        ({"datasets": [{"name": "wikitext-2", "L_max": [16, 16]}]}, ["L_max lists a value twice"]),
+        ({"datasets": [{"name": "wikitext-2", "prompts": True}]}, ["datasets.0.prompts", "booleans are not numbers"]),
+        ({"generation_lengths": [True]}, ["generation_lengths.0", "booleans are not numbers"]),
+        ({"decoders": [{"name": "ar", "sweep": {"k": []}}]}, ["sweep over 'k' has no values"]),
+        (
+            {"decoders": [{"name": "linear", "sweep": {"k": list(range(1, 65)), "x": list(range(200))}}]},
+            ["sweep expands to 12800 decoders", f"limit of {MAX_GRID}"],
+        ),
+        ({"timeout_s": 0}, ["timeout_s must be a positive number"]),
+    ],
+)
 def test_bad_suite_values(tmp_path, change, needles):
     one_line_error(validate(tmp_path, {**BASE, **change}), *needles)
 
@@ -80,8 +87,11 @@ def alias_bomb(levels: int) -> str:
     lines = ["name: bomb", "l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]"]
     for i in range(1, levels + 1):
         lines.append(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]")
-    lines += ["datasets: [{name: wikitext-2}]", "generation_lengths: [4]",
-              f"decoders: [{{name: ar, sweep: {{x: *l{levels}}}}}]"]
+    lines += [
+        "datasets: [{name: wikitext-2}]",
+        "generation_lengths: [4]",
+        f"decoders: [{{name: ar, sweep: {{x: *l{levels}}}}}]",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -106,8 +116,7 @@ def test_text_files_that_are_not_text(tmp_path):
     corpus.mkdir()
     (corpus / "good.txt").write_text("Some ordinary text. " * 50)
     (corpus / "zeros.txt").write_bytes(b"\0" * 4096)
-    suite = {**BASE, "datasets": [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 1,
-                                   "L_max": 16}]}
+    suite = {**BASE, "datasets": [{"name": "text-files", "path": str(corpus), "prompts": 2, "warmup": 1, "L_max": 16}]}
     one_line_error(validate(tmp_path, suite), "zeros.txt is not a text document")
     (corpus / "zeros.txt").unlink()
     (corpus / "image.txt").write_bytes(bytes(range(128, 256)) * 8)
@@ -124,13 +133,27 @@ def tokenizer():
 def test_embedding_must_cover_the_tokenizer(tmp_path, tokenizer, data_dir):
     small = save_tiny_llama(tmp_path / "small", tokenizer, vocab=1000)
     padded = save_tiny_llama(tmp_path / "padded", tokenizer, vocab=len(tokenizer) + 64)
-    result = invoke("run", write_suite(tmp_path, suite_dict(small, small, [{"name": "ar"}])), "--db",
-                    str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite_dict(small, small, [{"name": "ar"}])),
+        "--db",
+        str(tmp_path / "r.db"),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+    )
     one_line_error(result, "input embedding has 1000 rows, fewer than the tokenizer's 49152 tokens")
     with db.connect(str(tmp_path / "r.db"))() as s:  # the error came before any run was recorded
         assert s.scalar(select(func.count(db.Run.id))) == 0
-    result = invoke("run", write_suite(tmp_path, suite_dict(padded, padded, [{"name": "ar"}])), "--db",
-                    str(tmp_path / "p.db"), "--data-dir", str(data_dir), "--no-progress")
+    result = invoke(
+        "run",
+        write_suite(tmp_path, suite_dict(padded, padded, [{"name": "ar"}])),
+        "--db",
+        str(tmp_path / "p.db"),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -143,11 +166,17 @@ def test_context_limits(tmp_path, tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=16, n_layer=1, n_head=2, vocab_size=len(tokenizer))) \
-        .save_pretrained(gpt2)
+    GPT2LMHeadModel(
+        GPT2Config(n_positions=64, n_embd=16, n_layer=1, n_head=2, vocab_size=len(tokenizer))
+    ).save_pretrained(gpt2)
     tokenizer.save_pretrained(gpt2)
-    suite = {**BASE, "target": {"model": str(gpt2), "dtype": "float32"}, "draft": None,
-             "decoders": [{"name": "ar"}], "generation_lengths": [64]}
+    suite = {
+        **BASE,
+        "target": {"model": str(gpt2), "dtype": "float32"},
+        "draft": None,
+        "decoders": [{"name": "ar"}],
+        "generation_lengths": [64],
+    }
     one_line_error(validate(tmp_path, suite), "has 64 learned positions", "80 tokens do not fit")
 
 
@@ -166,23 +195,32 @@ def test_prompt_cap_is_the_deprecated_name_of_l_max(tmp_path):
     from dtbench.harness.suitefile import load_suite
 
     def entries(key):
-        return {"datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, key: [16, 32]}],
-                "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 2}, key: 16}]}
+        return {
+            "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, key: [16, 32]}],
+            "decoders": [{"name": "ar"}, {"name": "linear", "params": {"k": 2}, key: 16}],
+        }
 
     result = validate(tmp_path, {**BASE, **entries("prompt_cap")}, "old.yaml")
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
-    assert len(notes) == 1 and "old.yaml:" in notes[0] and "datasets.0: prompt_cap is the deprecated name of L_max" \
-        " (and 1 more entries); write L_max" in notes[0], result.stderr
+    assert (
+        len(notes) == 1
+        and "old.yaml:" in notes[0]
+        and "datasets.0: prompt_cap is the deprecated name of L_max (and 1 more entries); write L_max" in notes[0]
+    ), result.stderr
     write_suite(tmp_path, {**BASE, **entries("L_max")}, "new.yaml")
     (old, _), (new, _) = load_suite(tmp_path / "old.yaml"), load_suite(tmp_path / "new.yaml")
-    assert old.model_dump() == new.model_dump() and old.datasets[0].l_maxes == [16, 32] and old.decoders[1].l_maxes == [16]
-    assert [(ds.name, l_max, T, B, c.label) for ds, l_max, T, B, c in plan_suite(old).cells()] == \
-           [(ds.name, l_max, T, B, c.label) for ds, l_max, T, B, c in plan_suite(new).cells()]
+    assert (
+        old.model_dump() == new.model_dump() and old.datasets[0].l_maxes == [16, 32] and old.decoders[1].l_maxes == [16]
+    )
+    assert [(ds.name, l_max, T, B, c.label) for ds, l_max, T, B, c in plan_suite(old).cells()] == [
+        (ds.name, l_max, T, B, c.label) for ds, l_max, T, B, c in plan_suite(new).cells()
+    ]
     quiet = validate(tmp_path, {**BASE, **entries("L_max")}, "new.yaml")
     assert quiet.exit_code == 0 and "deprecated" not in quiet.output
     for i, key in ((0, "datasets"), (1, "decoders")):
         both = {**BASE, **entries("L_max")}
         both[key][i]["prompt_cap"] = 16
-        one_line_error(validate(tmp_path, both), f"{key}.{i}.L_max: given twice, as L_max and as prompt_cap",
-                       "keep L_max only")
+        one_line_error(
+            validate(tmp_path, both), f"{key}.{i}.L_max: given twice, as L_max and as prompt_cap", "keep L_max only"
+        )

@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.ngram import Ngram, NgramParams, longest_suffix_match
 from dtbench.decoders.rest import Datastore, Rest, RestParams, cut_to_choices, frequent_trie
 from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
-from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,18 +25,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def brute_match(tokens, min_n, max_n, occurrence):
     """The longest suffix (min_n..max_n tokens) occurring earlier, and the index after the chosen occurrence."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == tokens[-n:]]
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1 : e + 1] == tokens[-n:]]
         if ends:
             return n, (min(ends) if occurrence == "earliest" else max(ends)) + 1
     return 0, 0
 
 
 @settings(max_examples=200, deadline=None)
-@given(tokens=st.lists(st.integers(0, 3), max_size=40), min_n=st.integers(1, 4), extra=st.integers(0, 4),
-       occurrence=st.sampled_from(["earliest", "latest"]))
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=40),
+    min_n=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    occurrence=st.sampled_from(["earliest", "latest"]),
+)
 def test_kmp_search_finds_the_longest_earlier_suffix(tokens, min_n, extra, occurrence):
     assert longest_suffix_match(tokens, min_n, min_n + extra, occurrence) == brute_match(
-        tokens, min_n, min_n + extra, occurrence)
+        tokens, min_n, min_n + extra, occurrence
+    )
 
 
 @settings(max_examples=100, deadline=None)
@@ -45,7 +50,7 @@ def test_suffix_automaton_tracks_the_longest_repeated_suffix(tokens):
     sam = SuffixAutomaton()
     for i, t in enumerate(tokens):
         sam.append(t)
-        assert sam.repeated_suffix() == brute_match(tokens[:i + 1], 1, len(tokens), "earliest")
+        assert sam.repeated_suffix() == brute_match(tokens[: i + 1], 1, len(tokens), "earliest")
     assert len(sam.length) <= max(2 * len(tokens) - 1, len(tokens) + 1)  # the automaton's linear size bound
 
 
@@ -91,11 +96,12 @@ def test_datastore_finds_every_occurrence():
     for pattern in ([1], [2, 3], [0, 1, 2], [4, 4, 4, 4]):
         lo, hi = store.find(pattern)
         starts = sorted(int(store.sa[i]) for i in range(lo, hi))
-        assert starts == [i for i in range(len(flat)) if flat[i:i + len(pattern)] == pattern]
+        assert starts == [i for i in range(len(flat)) if flat[i : i + len(pattern)] == pattern]
     assert store.nbytes == store.tokens.nbytes + store.sa.nbytes > 0
 
 
 # ---------------------------------------------------------------------------------------------- greedy equivalence
+
 
 def _greedy(target, prompt, T):
     return run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
@@ -129,9 +135,13 @@ def build(name, params, arch, store_file, kind="perturbed"):
 
 
 CASES = [
-    ("ngram", {}), ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
-    ("suffix", {}), ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}), ("suffix", {"k": 5, "tokens": "store"}),
-    ("rest", {}), ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 1}),
+    ("ngram", {}),
+    ("ngram", {"k": 3, "min_n": 2, "max_n": 4, "occurrence": "latest"}),
+    ("suffix", {}),
+    ("suffix", {"k": 4, "min_match": 3, "fallback": "draft"}),
+    ("suffix", {"k": 5, "tokens": "store"}),
+    ("rest", {}),
+    ("rest", {"n_max": 8, "depth": 4, "max_suffix": 4, "min_suffix": 1}),
     ("rest", {"prune": "frequency", "n_max": 16}),
 ]
 prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=16)
@@ -180,8 +190,9 @@ def test_proposals_accepted_partly_accepted_and_rejected(store_file, arch, name,
                 seen.add("all" if s.accepted == s.depth else "part" if s.accepted else "none")
     assert seen == {"all", "part", "none"}
     state = decoder.state_stats()
-    assert all(isinstance(v, int) for v in state.values()) and any(k.endswith("_bytes") and v > 0
-                                                                  for k, v in state.items())
+    assert all(isinstance(v, int) for v in state.values()) and any(
+        k.endswith("_bytes") and v > 0 for k, v in state.items()
+    )
 
 
 def test_state_is_recorded(store_file):
@@ -224,8 +235,9 @@ def test_validate_refuses_bad_rest_params_and_sampling(tmp_path, store_file):
     pair = tiny_pair(tmp_path / "models")
     bad = suite_dict(*pair, [{"name": "rest", "params": {"corpus": {"name": "wikitext-3"}}}])
     one_line_error(invoke("validate", write_suite(tmp_path, bad, "a.yaml")), "corpus", "wikitext-3")
-    sampled = suite_dict(*pair, [{"name": "ngram"}, {"name": "rest", "params": {"tokens": store_file}}],
-                         sampling={"temperature": 0.8})
+    sampled = suite_dict(
+        *pair, [{"name": "ngram"}, {"name": "rest", "params": {"tokens": store_file}}], sampling={"temperature": 0.8}
+    )
     one_line_error(invoke("validate", write_suite(tmp_path, sampled, "b.yaml")), "decoders.1", "rest")
 
 
@@ -242,6 +254,7 @@ def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
+
 
 @pytest.mark.parametrize("decoder, setting", [("ngram", "t0.7-topk4"), ("suffix", "t1"), ("suffix-draft", "topp0.8")])
 def test_chain_methods_sample_the_target_distribution(decoder, setting):
@@ -260,6 +273,7 @@ def test_chain_methods_sample_the_target_distribution(decoder, setting):
 
 
 # ---------------------------------------------------------------------------------------------------- the peer
+
 
 @pytest.mark.parametrize("arch", ARCHS)
 @settings(max_examples=6, deadline=None)
@@ -291,8 +305,10 @@ def test_rest_corpus_skip_leaves_out_the_prompt_documents():
             return [ord(c) for c in text]
 
     rng = np.random.default_rng(0)
-    docs = [(f"d{i}", "".join(chr(97 + int(x)) for x in rng.integers(0, 26, int(n))))
-            for i, n in enumerate(rng.integers(5, 80, 30))]  # some shorter than a prompt's 16 tokens
+    docs = [
+        (f"d{i}", "".join(chr(97 + int(x)) for x in rng.integers(0, 26, int(n))))
+        for i, n in enumerate(rng.integers(5, 80, 30))
+    ]  # some shorter than a prompt's 16 tokens
     by_text = {text: title for title, text in docs}
     for seed in (0, 3):
         order = [docs[i][0] for i in seeded_order(len(docs), seed)]
@@ -301,4 +317,4 @@ def test_rest_corpus_skip_leaves_out_the_prompt_documents():
             for l_max in (8, 32):
                 used = {p.document for p in select_prompts(docs, Chars(), k, l_max, seed)}
                 assert len(used) == k and not used & set(kept)
-            assert kept == order[len(order) - len(kept):] and len(kept) <= len(docs) - k
+            assert kept == order[len(order) - len(kept) :] and len(kept) <= len(docs) - k

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import copy
 import itertools
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import ARCHS, FLAT, SHARP, VOCAB, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders import kv
 from dtbench.decoders import tree as T
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
-from models import ARCHS, FLAT, SHARP, VOCAB, hf_greedy, model_zoo, run_decoder
 
 ATTNS = ["sdpa", "eager"]
 KINDS = ["self", "perturbed", "unrelated"]
@@ -27,7 +27,7 @@ SHAPES = list(itertools.product(["paper", "pending"], ["leaf", "skip"]))  # (tre
 DECODERS = {"fixed_tree": FixedTree, "dynatree": DynaTree}
 
 
-@lru_cache(maxsize=None)
+@cache
 def ar_tokens(attn: str, prompt: tuple[int, ...], n: int, arch: str = "llama", sharpness: float = FLAT) -> list[int]:
     target = model_zoo(attn, arch, sharpness)["self"][0]
     out = run_decoder(Autoregressive(target, None, Autoregressive.Params()), list(prompt), n)
@@ -52,9 +52,12 @@ def check_steps(steps, n, params):
 
 
 def fixed_params(data, n_max_cap=48):
-    return dict(depth=data.draw(st.integers(1, 8), label="depth"), branching=data.draw(st.integers(1, 4), label="B"),
-                tau=data.draw(st.sampled_from([0.0, 1e-4, 1e-2, 0.05, 0.1]), label="tau"),
-                n_max=data.draw(st.integers(1, n_max_cap), label="n_max"))
+    return dict(
+        depth=data.draw(st.integers(1, 8), label="depth"),
+        branching=data.draw(st.integers(1, 4), label="B"),
+        tau=data.draw(st.sampled_from([0.0, 1e-4, 1e-2, 0.05, 0.1]), label="tau"),
+        n_max=data.draw(st.integers(1, n_max_cap), label="n_max"),
+    )
 
 
 def dynatree_params(data, n_max_cap=48):
@@ -65,12 +68,24 @@ def dynatree_params(data, n_max_cap=48):
     rs, rd = sorted(data.draw(st.lists(st.floats(-9, -1), min_size=2, max_size=2, unique=True), label="log_rho"))
     d_max = data.draw(st.integers(2, 8), label="d_max")
     return dict(
-        dynamic_breadth=data.draw(st.booleans()), dynamic_depth=data.draw(st.booleans()),
-        history_adaptation=data.draw(st.booleans()), b_min=b[0], b_mid=b[1], b_max=b[2],
-        branching=data.draw(st.integers(1, 3)), tau_l=tl, tau_h=th, d0=data.draw(st.integers(1, d_max - 1)),
-        d_max=d_max, rho_stop=10 ** rs, rho_deep=10 ** rd, tau=data.draw(st.sampled_from([0.0, 1e-7, 1e-4, 1e-2])),
-        n_max=data.draw(st.integers(1, n_max_cap)), window=data.draw(st.integers(1, 6)),
-        node_acceptance=data.draw(st.floats(0.05, 0.95)), eta_depth=data.draw(st.floats(0.1, 4.0)),
+        dynamic_breadth=data.draw(st.booleans()),
+        dynamic_depth=data.draw(st.booleans()),
+        history_adaptation=data.draw(st.booleans()),
+        b_min=b[0],
+        b_mid=b[1],
+        b_max=b[2],
+        branching=data.draw(st.integers(1, 3)),
+        tau_l=tl,
+        tau_h=th,
+        d0=data.draw(st.integers(1, d_max - 1)),
+        d_max=d_max,
+        rho_stop=10**rs,
+        rho_deep=10**rd,
+        tau=data.draw(st.sampled_from([0.0, 1e-7, 1e-4, 1e-2])),
+        n_max=data.draw(st.integers(1, n_max_cap)),
+        window=data.draw(st.integers(1, 6)),
+        node_acceptance=data.draw(st.floats(0.05, 0.95)),
+        eta_depth=data.draw(st.floats(0.1, 4.0)),
         eta_h=data.draw(st.floats(0.01, 1.0)),
     )
 
@@ -112,8 +127,13 @@ def test_tree_masked_forward_equals_sequential_decoding(data, attn):
 
     cache, _ = kv.prefill(target, torch.tensor([prompt]))
     mask = T.tree_attention_mask(tree.ancestors(), len(prompt), T.attention_mask_kind(target), target.dtype)
-    logits = kv.forward(target, tree.tokens[:n].unsqueeze(0), cache,
-                        position_ids=T.tree_position_ids(tree.depths[:n], len(prompt)), attention_mask=mask)
+    logits = kv.forward(
+        target,
+        tree.tokens[:n].unsqueeze(0),
+        cache,
+        position_ids=T.tree_position_ids(tree.depths[:n], len(prompt)),
+        attention_mask=mask,
+    )
 
     def path_to(u):
         p = [u]
@@ -180,7 +200,7 @@ def test_draft_session_matches_sequential_decoding(data, attn):
     committed = [tokens[v] for v in path[1:]] + [data.draw(st.integers(0, VOCAB - 1), label="bonus")]
     session.commit(root, path, committed)
     kept = len(path) - 1 - len(session.backlog)
-    assert session.backlog == committed[kept:-1] and all(u in expanded for u in path[1:kept + 1])
+    assert session.backlog == committed[kept:-1] and all(u in expanded for u in path[1 : kept + 1])
     ref_cache, _ = kv.prefill(model, torch.tensor([prompt + [root] + committed[:kept]]))
     for got, want in zip(session.cache.layers, ref_cache.layers):
         assert got.keys.shape == want.keys.shape
@@ -218,8 +238,9 @@ def test_lossless_every_strategy(arch, attn, kind, name, data):
     ref = ar_tokens(attn, tuple(prompt), n, arch, sharpness)
     cls = DECODERS[name]
     for (cache_strategy, draft_strategy), (tree_root, prune) in itertools.product(COMBOS, SHAPES):
-        params = cls.Params(**base, cache_strategy=cache_strategy, draft_strategy=draft_strategy,
-                            tree_root=tree_root, prune=prune)
+        params = cls.Params(
+            **base, cache_strategy=cache_strategy, draft_strategy=draft_strategy, tree_root=tree_root, prune=prune
+        )
         steps = all_steps(cls(target, draft, params), prompt, n)
         assert check_steps(steps, n, params) == ref, params
         if tree_guaranteed(params, n):
@@ -279,7 +300,8 @@ class ForwardLog:
 
     def __enter__(self):
         self.handle = self.model.register_forward_hook(
-            lambda m, args, kwargs, out: self.lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+            lambda m, args, kwargs, out: self.lengths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
         return self
 
     def __exit__(self, *exc):
@@ -294,8 +316,11 @@ def test_target_forwards_per_iteration(arch, kind, name):
     re-run of [root + accepted path]. Counted by hooking the target's forward, not by timing."""
     target, draft = model_zoo("sdpa", arch)[kind]
     prompt, n = [7, 1, 44, 90, 12, 5, 61, 33], 40
-    extra = dict(depth=5, branching=3, tau=0.0, n_max=60) if name == "fixed_tree" else dict(
-        tau_h=0.12, tau_l=0.06, rho_stop=1e-7, rho_deep=1e-5, tau=0.0, n_max=60)
+    extra = (
+        dict(depth=5, branching=3, tau=0.0, n_max=60)
+        if name == "fixed_tree"
+        else dict(tau_h=0.12, tau_l=0.06, rho_stop=1e-7, rho_deep=1e-5, tau=0.0, n_max=60)
+    )
     cls = DECODERS[name]
     draft_forwards = {}
     for cache_strategy, draft_strategy in COMBOS:
@@ -328,8 +353,10 @@ def test_self_draft_accepts_the_whole_top1_chain(attn):
     """With the target as its own draft, every iteration commits the deepest drafted level: a decoder that
     never accepted (or mis-indexed the tree) would still be lossless, but would fail this."""
     target, draft = model_zoo(attn)["self"]
-    for params in (FixedTreeParams(depth=4, branching=2, tau=0.0, n_max=40),
-                   FixedTreeParams(depth=6, branching=3, tau=0.0, n_max=20, draft_strategy="per_node")):
+    for params in (
+        FixedTreeParams(depth=4, branching=2, tau=0.0, n_max=40),
+        FixedTreeParams(depth=6, branching=3, tau=0.0, n_max=20, draft_strategy="per_node"),
+    ):
         steps = all_steps(FixedTree(target, draft, params), [9, 8, 7, 6], 50)
         assert all(s.accepted == s.depth for s in steps[1:])
         assert sum(s.accepted for s in steps) >= 35
@@ -353,8 +380,9 @@ def test_accepted_paths_use_side_branches(monkeypatch):
 
     monkeypatch.setattr(T, "select_path", spy)
     for cache_strategy, draft_strategy in COMBOS:
-        params = FixedTreeParams(depth=5, branching=3, tau=0.0, n_max=80, cache_strategy=cache_strategy,
-                                 draft_strategy=draft_strategy)
+        params = FixedTreeParams(
+            depth=5, branching=3, tau=0.0, n_max=80, cache_strategy=cache_strategy, draft_strategy=draft_strategy
+        )
         for prompt in ([1, 2, 3, 4, 5], [50, 60, 70, 80]):
             side.clear()
             assert run_decoder(FixedTree(target, draft, params), prompt, 60) == ar_tokens("sdpa", tuple(prompt), 60)
@@ -366,20 +394,35 @@ def test_dynatree_without_components_is_the_fixed_tree(kind):
     target, draft = model_zoo("sdpa")[kind]
     off = dict(dynamic_breadth=False, dynamic_depth=False, history_adaptation=False)
     for (d0, branching, tau, n_max), (tree_root, prune) in itertools.product(
-            ((3, 2, 0.0, 30), (5, 3, 1e-3, 64), (2, 1, 0.0, 5), (3, 3, 0.02, 40)), SHAPES):
+        ((3, 2, 0.0, 30), (5, 3, 1e-3, 64), (2, 1, 0.0, 5), (3, 3, 0.02, 40)), SHAPES
+    ):
         shape = dict(tree_root=tree_root, prune=prune)
-        dyn = DynaTree(target, draft, DynaTreeParams(**off, **shape, d0=d0, d_max=d0 + 1, branching=branching,
-                                                     tau=tau, n_max=n_max))
-        fixed = FixedTree(target, draft, FixedTreeParams(**shape, depth=d0, branching=branching, tau=tau,
-                                                         n_max=n_max))
+        dyn = DynaTree(
+            target,
+            draft,
+            DynaTreeParams(**off, **shape, d0=d0, d_max=d0 + 1, branching=branching, tau=tau, n_max=n_max),
+        )
+        fixed = FixedTree(target, draft, FixedTreeParams(**shape, depth=d0, branching=branching, tau=tau, n_max=n_max))
         prompt = [4, 40, 80, 20]
         assert all_steps(dyn, prompt, 45) == all_steps(fixed, prompt, 45)
 
 
 def test_history_adaptation_acts_and_resets_per_generate():
     target, draft = model_zoo("sdpa")["perturbed"]
-    base = dict(tau=0.0, rho_stop=1e-9, rho_deep=1e-6, tau_h=0.12, tau_l=0.06, n_max=64, d0=4, d_max=8,
-                node_acceptance=0.9, eta_depth=2.0, eta_h=0.5, window=3)
+    base = dict(
+        tau=0.0,
+        rho_stop=1e-9,
+        rho_deep=1e-6,
+        tau_h=0.12,
+        tau_l=0.06,
+        n_max=64,
+        d0=4,
+        d_max=8,
+        node_acceptance=0.9,
+        eta_depth=2.0,
+        eta_h=0.5,
+        window=3,
+    )
     adaptive = DynaTree(target, draft, DynaTreeParams(**base))
     static = DynaTree(target, draft, DynaTreeParams(**base, history_adaptation=False))
     prompt = [11, 22, 33, 44, 55]

@@ -66,8 +66,13 @@ def build_tree(parents, tokens, n_max=None) -> T.TokenTree:
     tree = T.TokenTree(tokens[0], n_max if n_max is not None else n, n, "cpu")
     depths = depths_of(parents)
     for i in range(1, n):
-        tree.add(torch.tensor([parents[i]]), torch.tensor([tokens[i]]), torch.tensor([-0.5]),
-                 torch.tensor([-0.5 * depths[i]]), depths[i])
+        tree.add(
+            torch.tensor([parents[i]]),
+            torch.tensor([tokens[i]]),
+            torch.tensor([-0.5]),
+            torch.tensor([-0.5 * depths[i]]),
+            depths[i],
+        )
     return tree
 
 
@@ -156,7 +161,7 @@ def test_token_tree_budget_is_enforced():
 @FAST
 @given(st.integers(1, 5), st.integers(0, 10), st.integers(1, 300))
 def test_tree_capacity(breadth, depth, n_max):
-    full = sum(breadth ** d for d in range(1, depth + 1))
+    full = sum(breadth**d for d in range(1, depth + 1))
     assert T.tree_capacity(breadth, depth, n_max) == min(full, n_max) + 1
 
 
@@ -183,8 +188,9 @@ def test_select_path_matches_brute_force(parents, vocab, data):
     tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
     pred = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
     tree = build_tree(parents, tokens)
-    path, committed = T.select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
-                                    torch.tensor(pred))
+    path, committed = T.select_path(
+        tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), torch.tensor(pred)
+    )
     assert (path, committed) == select_brute(parents, tokens, pred)
 
 
@@ -224,8 +230,12 @@ class FakeSession:
 
 def random_policy(data):
     if data.draw(st.booleans()):
-        return FixedPolicy(data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4)),
-                           data.draw(st.sampled_from([0.0, 1e-4, 1e-2, 0.1])), data.draw(st.integers(1, 80)))
+        return FixedPolicy(
+            data.draw(st.integers(1, 6)),
+            data.draw(st.integers(1, 4)),
+            data.draw(st.sampled_from([0.0, 1e-4, 1e-2, 0.1])),
+            data.draw(st.integers(1, 80)),
+        )
     return DynamicPolicy(random_dynatree_params(data))
 
 
@@ -235,11 +245,22 @@ def random_dynatree_params(data) -> DynaTreeParams:
     rs, rd = sorted(data.draw(st.lists(st.floats(1e-8, 0.9), min_size=2, max_size=2, unique=True)))
     d_max = data.draw(st.integers(2, 8))
     return DynaTreeParams(
-        dynamic_breadth=data.draw(st.booleans()), dynamic_depth=data.draw(st.booleans()),
-        history_adaptation=data.draw(st.booleans()), b_min=b[0], b_mid=b[1], b_max=b[2],
-        branching=data.draw(st.integers(1, 4)), tau_l=tl, tau_h=th, d0=data.draw(st.integers(1, d_max - 1)),
-        d_max=d_max, rho_stop=rs, rho_deep=rd, tau=data.draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.05])),
-        n_max=data.draw(st.integers(1, 80)), window=data.draw(st.integers(1, 5)),
+        dynamic_breadth=data.draw(st.booleans()),
+        dynamic_depth=data.draw(st.booleans()),
+        history_adaptation=data.draw(st.booleans()),
+        b_min=b[0],
+        b_mid=b[1],
+        b_max=b[2],
+        branching=data.draw(st.integers(1, 4)),
+        tau_l=tl,
+        tau_h=th,
+        d0=data.draw(st.integers(1, d_max - 1)),
+        d_max=d_max,
+        rho_stop=rs,
+        rho_deep=rd,
+        tau=data.draw(st.sampled_from([0.0, 1e-6, 1e-3, 0.05])),
+        n_max=data.draw(st.integers(1, 80)),
+        window=data.draw(st.integers(1, 5)),
     )
 
 
@@ -283,8 +304,9 @@ def test_drafted_tree_obeys_rules_and_strategies_agree(data):
         lp = torch.log_softmax(table[u.token, u.depth].float(), -1)
         top_lp, top_tok = lp.topk(min(policy.max_breadth, vocab))
         cum = torch.tensor([u.cum_logp], dtype=torch.float32)  # float32 as stored: the same arithmetic
-        could_expand = i == 0 or (u.depth < depth_cap and u.cum_logp >= policy.log_tau
-                                  and bool(policy.expandable(u.depth - r, cum)))
+        could_expand = i == 0 or (
+            u.depth < depth_cap and u.cum_logp >= policy.log_tau and bool(policy.expandable(u.depth - r, cum))
+        )
         kids = children[i]
         if not could_expand:
             assert kids == []  # a leaf: pruned (below tau), gated, or at the depth cap
@@ -336,6 +358,7 @@ def algorithm1(dist, *, tau, n_max, d0, d_max, rho_stop, rho_deep, breadth):
     Returns:
         [(token, parent index or -1 for u0, depth)] in insertion (BFS) order.
     """
+
     def lp(path):
         return torch.tensor(dist(tuple(path)), dtype=torch.float32).log()
 
@@ -410,8 +433,12 @@ def test_paper_tree_on_a_scripted_draft_by_hand(strategy):
     assert tree.tokens[0] == 99  # the pending token, internal node 0, never drafted or counted
     assert as_paper_nodes(tree) == [
         (0, -1, 0),
-        (1, 0, 1), (2, 0, 1),
-        (3, 1, 2), (2, 1, 2), (4, 2, 2), (0, 2, 2),
+        (1, 0, 1),
+        (2, 0, 1),
+        (3, 1, 2),
+        (2, 1, 2),
+        (4, 2, 2),
+        (0, 2, 2),
     ]
     assert tree.n_drafted == 7 and tree.max_depth == 3  # Step.depth: 3 drafted tokens on the longest path
     # prune=skip drops the three children below tau instead of verifying them
@@ -420,7 +447,12 @@ def test_paper_tree_on_a_scripted_draft_by_hand(strategy):
     # tree_root=pending: the pending token gets B=2 children, depth counts drafted tokens (D=2: two levels)
     pend = draft(policy, hand_dist, 5, strategy, tree_root="pending", prune="skip")
     assert [(u.token, u.parent, u.depth) for u in pend.nodes()[1:]] == [
-        (0, 0, 1), (1, 0, 1), (1, 1, 2), (2, 1, 2), (0, 2, 2)]
+        (0, 0, 1),
+        (1, 0, 1),
+        (1, 1, 2),
+        (2, 1, 2),
+        (0, 2, 2),
+    ]
     # the node budget N_max counts u0 and cuts the breadth-first order
     small = draft(FixedPolicy(2, 2, 0.1, 4), hand_dist, 5, strategy)
     assert as_paper_nodes(small) == [(0, -1, 0), (1, 0, 1), (2, 0, 1), (3, 1, 2)]
@@ -445,11 +477,17 @@ def test_paper_tree_equals_algorithm_1(data):
         policy = FixedPolicy(d, b, data.draw(st.sampled_from([0.0, 0.01, 0.1, 0.3])), data.draw(st.integers(1, 40)))
         rules = dict(d0=d, d_max=d, rho_stop=1e-30, rho_deep=1e-30, breadth=lambda c: b)
     else:
-        p = random_dynatree_params(data).model_copy(update=dict(history_adaptation=False, dynamic_depth=True,
-                                                                dynamic_breadth=True))
+        p = random_dynatree_params(data).model_copy(
+            update=dict(history_adaptation=False, dynamic_depth=True, dynamic_breadth=True)
+        )
         policy = DynamicPolicy(p)
-        rules = dict(d0=p.d0, d_max=p.d_max, rho_stop=p.rho_stop, rho_deep=p.rho_deep,
-                     breadth=lambda c: p.b_min if c >= p.tau_h else p.b_mid if c >= p.tau_l else p.b_max)
+        rules = dict(
+            d0=p.d0,
+            d_max=p.d_max,
+            rho_stop=p.rho_stop,
+            rho_deep=p.rho_deep,
+            breadth=lambda c: p.b_min if c >= p.tau_h else p.b_mid if c >= p.tau_l else p.b_max,
+        )
     want = algorithm1(dist, tau=policy.tau, n_max=policy.n_max, **rules)
     for strategy in ("per_level", "per_node"):
         assert as_paper_nodes(draft(policy, dist, vocab, strategy)) == want, strategy
@@ -461,9 +499,18 @@ def test_paper_tree_equals_algorithm_1(data):
 def test_params_validation():
     DynaTreeParams()
     FixedTreeParams()
-    bad = [dict(tau_l=0.9, tau_h=0.4), dict(b_min=3, b_mid=2), dict(b_mid=4, b_max=3), dict(d0=8, d_max=8),
-           dict(rho_stop=0.5, rho_deep=0.5), dict(tau=1.0), dict(n_max=0), dict(cache_strategy="x"),
-           dict(draft_strategy="x"), dict(unknown=1)]
+    bad = [
+        dict(tau_l=0.9, tau_h=0.4),
+        dict(b_min=3, b_mid=2),
+        dict(b_mid=4, b_max=3),
+        dict(d0=8, d_max=8),
+        dict(rho_stop=0.5, rho_deep=0.5),
+        dict(tau=1.0),
+        dict(n_max=0),
+        dict(cache_strategy="x"),
+        dict(draft_strategy="x"),
+        dict(unknown=1),
+    ]
     for kwargs in bad:
         with pytest.raises(ValidationError):
             DynaTreeParams(**kwargs)

@@ -64,12 +64,31 @@ from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
 from dtbench.decoders.sampling import verify_tree_sampled
 from dtbench.decoders.tree.draft import (  # noqa: F401
-    SKIP_WITH_SAMPLING, DraftSession, ExpansionPolicy, TreeDrafter, TreeSampling, check_draft_options,
+    SKIP_WITH_SAMPLING,
+    DraftSession,
+    ExpansionPolicy,
+    TreeDrafter,
+    TreeSampling,
+    check_draft_options,
     draft_tree,
 )
 from dtbench.decoders.tree.structure import (  # noqa: F401  (the toolkit's names, re-exported)
-    CacheStrategy, DraftStrategy, MaskKind, Prune, SideBranch, TokenTree, TreeNode, TreeRoot, ancestor_matrix,
-    attention_mask_kind, bfs_order, root_offset, select_path, tree_attention_mask, tree_capacity, tree_position_ids,
+    CacheStrategy,
+    DraftStrategy,
+    MaskKind,
+    Prune,
+    SideBranch,
+    TokenTree,
+    TreeNode,
+    TreeRoot,
+    ancestor_matrix,
+    attention_mask_kind,
+    bfs_order,
+    root_offset,
+    select_path,
+    tree_attention_mask,
+    tree_capacity,
+    tree_position_ids,
     with_side_branch,
 )
 
@@ -93,8 +112,14 @@ def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: Mask
     return torch.argmax(tree_logits(target, cache, tree, kind), dim=-1).to(tree.device)
 
 
-def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind,
-                hidden_layers: tuple[int, ...] | None = None, side: SideBranch | None = None):
+def tree_logits(
+    target: torch.nn.Module,
+    cache,
+    tree: TokenTree,
+    kind: MaskKind,
+    hidden_layers: tuple[int, ...] | None = None,
+    side: SideBranch | None = None,
+):
     """The target forward of :func:`tree_predictions`, returning its logits: (size, vocab) in the target's dtype,
     row u the target's logits of the token after the path to u. The cache grows by ``size`` positions.
     With ``hidden_layers`` (a :class:`TreeDrafter`'s), the pair (logits, features (size, F)) from the same forward
@@ -113,15 +138,31 @@ def tree_logits(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind,
         tokens = torch.cat([tokens, side.tokens.to(dev)])
         depths = torch.cat([depths, side.offsets.to(dev)])
     mask = tree_attention_mask(relation, prefix_len, kind, target.dtype)
-    return kv.forward(target, tokens.unsqueeze(0), cache, position_ids=tree_position_ids(depths, prefix_len),
-                      attention_mask=mask, hidden_layers=hidden_layers)
+    return kv.forward(
+        target,
+        tokens.unsqueeze(0),
+        cache,
+        position_ids=tree_position_ids(depths, prefix_len),
+        attention_mask=mask,
+        hidden_layers=hidden_layers,
+    )
 
 
-def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input_ids: torch.Tensor,
-                   max_new_tokens: int, policy: ExpansionPolicy | TreeDrafter, cache_strategy: CacheStrategy = "compact",
-                   draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
-                   prune: Prune = "leaf", sampling=None, generator: torch.Generator | None = None,
-                   eos_token_id: int | tuple[int, ...] | None = None) -> Iterator[Step]:
+def speculate_tree(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    policy: ExpansionPolicy | TreeDrafter,
+    cache_strategy: CacheStrategy = "compact",
+    draft_strategy: DraftStrategy = "per_level",
+    *,
+    tree_root: TreeRoot = "paper",
+    prune: Prune = "leaf",
+    sampling=None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[Step]:
     """Tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated), greedy or sampled.
 
     Invariant between iterations: the target cache holds every committed token except the newest
@@ -164,31 +205,70 @@ def speculate_tree(target: torch.nn.Module, draft: torch.nn.Module | None, input
         ValueError: unknown strategy, tree_root or prune mode, ``prune="skip"`` with sampling, or a model
             whose attention implementation cannot take a tree mask.
     """
-    for steps in speculate_tree_rows(target, draft, [input_ids], max_new_tokens, [policy], cache_strategy,
-                                     draft_strategy, tree_root=tree_root, prune=prune, sampling=sampling,
-                                     generator=generator, eos_token_id=eos_token_id):
+    for steps in speculate_tree_rows(
+        target,
+        draft,
+        [input_ids],
+        max_new_tokens,
+        [policy],
+        cache_strategy,
+        draft_strategy,
+        tree_root=tree_root,
+        prune=prune,
+        sampling=sampling,
+        generator=generator,
+        eos_token_id=eos_token_id,
+    ):
         yield steps[0]
 
 
-def speculate_tree_batch(target: torch.nn.Module, draft: torch.nn.Module, prompts: list[torch.Tensor],
-                         max_new_tokens: int, policies: list[ExpansionPolicy], cache_strategy: CacheStrategy = "compact",
-                         draft_strategy: DraftStrategy = "per_level", *, tree_root: TreeRoot = "paper",
-                         prune: Prune = "leaf", eos_token_id: int | tuple[int, ...] | None = None
-                         ) -> Iterator[dict[int, Step]]:
+def speculate_tree_batch(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    policies: list[ExpansionPolicy],
+    cache_strategy: CacheStrategy = "compact",
+    draft_strategy: DraftStrategy = "per_level",
+    *,
+    tree_root: TreeRoot = "paper",
+    prune: Prune = "leaf",
+    eos_token_id: int | tuple[int, ...] | None = None,
+) -> Iterator[dict[int, Step]]:
     """Greedy tree speculation of B prompts together (B = ``len(prompts)``): the one tree loop
     (:func:`speculate_tree_rows`) over a :class:`~dtbench.decoders.kv.RaggedBatch`, one expansion policy and one
     draft session per row; yields as :func:`speculate_tree_rows`."""
-    yield from speculate_tree_rows(target, draft, prompts, max_new_tokens, policies, cache_strategy, draft_strategy,
-                                   tree_root=tree_root, prune=prune, eos_token_id=eos_token_id, batched=True)
+    yield from speculate_tree_rows(
+        target,
+        draft,
+        prompts,
+        max_new_tokens,
+        policies,
+        cache_strategy,
+        draft_strategy,
+        tree_root=tree_root,
+        prune=prune,
+        eos_token_id=eos_token_id,
+        batched=True,
+    )
 
 
-def speculate_tree_rows(target: torch.nn.Module, draft: torch.nn.Module | None, prompts: list[torch.Tensor],
-                        max_new_tokens: int, policies: list[ExpansionPolicy | TreeDrafter],
-                        cache_strategy: CacheStrategy = "compact", draft_strategy: DraftStrategy = "per_level", *,
-                        tree_root: TreeRoot = "paper", prune: Prune = "leaf", sampling=None,
-                        generator: torch.Generator | None = None,
-                        eos_token_id: int | tuple[int, ...] | None = None, batched: bool = False
-                        ) -> Iterator[dict[int, Step]]:
+def speculate_tree_rows(
+    target: torch.nn.Module,
+    draft: torch.nn.Module | None,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
+    policies: list[ExpansionPolicy | TreeDrafter],
+    cache_strategy: CacheStrategy = "compact",
+    draft_strategy: DraftStrategy = "per_level",
+    *,
+    tree_root: TreeRoot = "paper",
+    prune: Prune = "leaf",
+    sampling=None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | tuple[int, ...] | None = None,
+    batched: bool = False,
+) -> Iterator[dict[int, Step]]:
     """The one tree loop (Algorithm 1, repeated) over B rows decoded together; see :func:`speculate_tree`.
 
     Each row drafts its own tree with its own policy and draft session (a drafter serves one row). ``batched=False``
@@ -244,21 +324,36 @@ def speculate_tree_rows(target: torch.nn.Module, draft: torch.nn.Module | None, 
         for r in active:
             policy = policies[r]
             depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced[r] - 1)
-            tree = TokenTree(pending[r], policy.n_max, tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
-                             target.device if drafter else sessions[r].device)
+            tree = TokenTree(
+                pending[r],
+                policy.n_max,
+                tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
+                target.device if drafter else sessions[r].device,
+            )
             drawn = None if sampling is None else TreeSampling(sampling, generator)
             if depth_cap >= 1:
                 if drafter is not None:
                     drafter.draft(tree, pending[r], depth_cap)
                 else:
-                    draft_tree(sessions[r], tree, pending[r], policy, depth_cap, draft_strategy, tree_root=tree_root,
-                               prune=prune, sampling=drawn)
+                    draft_tree(
+                        sessions[r],
+                        tree,
+                        pending[r],
+                        policy,
+                        depth_cap,
+                        draft_strategy,
+                        tree_root=tree_root,
+                        prune=prune,
+                        sampling=drawn,
+                    )
             trees[r] = tree
         chosen: dict[int, tuple[list[int], list[int]]] = {}
         if ragged is not None:
-            logits = ragged.forward([trees[r].tokens[:trees[r].size].tolist() for r in active],
-                                    [trees[r].ancestors() if trees[r].size > 1 else None for r in active],
-                                    [trees[r].depths[:trees[r].size] for r in active])
+            logits = ragged.forward(
+                [trees[r].tokens[: trees[r].size].tolist() for r in active],
+                [trees[r].ancestors() if trees[r].size > 1 else None for r in active],
+                [trees[r].depths[: trees[r].size] for r in active],
+            )
             for i, r in enumerate(active):
                 tree, n = trees[r], trees[r].size
                 pred = torch.argmax(logits[i, :n], dim=-1).to(tree.device)
@@ -279,18 +374,25 @@ def speculate_tree_rows(target: torch.nn.Module, draft: torch.nn.Module | None, 
                 logits, features = out if hidden is not None else (out, None)
                 drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
                 pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
-                path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
-                                              pred)
+                path, committed = select_path(
+                    tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
+                )
                 if hidden is not None:
                     drafter.feed_target(features[path], committed)
             elif sampling is None:
                 pred = tree_predictions(target, t_cache, tree, t_kind)
-                path, committed = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(),
-                                              pred)
+                path, committed = select_path(
+                    tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
+                )
             else:
                 logits = tree_logits(target, t_cache, tree, t_kind)
-                path, committed = verify_tree_sampled(tree.tokens[:n].tolist(), tree.parents[:n].tolist(),
-                                                      lambda u: sampling.probs(logits[u]), drawn.draft_probs, generator)
+                path, committed = verify_tree_sampled(
+                    tree.tokens[:n].tolist(),
+                    tree.parents[:n].tolist(),
+                    lambda u, rows=logits: sampling.probs(rows[u]),
+                    drawn.draft_probs,
+                    generator,
+                )
             if cache_strategy == "compact":
                 kv.keep_positions(t_cache, prefix_len, [prefix_len + u for u in path])
             else:
@@ -303,8 +405,9 @@ def speculate_tree_rows(target: torch.nn.Module, draft: torch.nn.Module | None, 
             tree = trees[r]
             if drafter is None:
                 sessions[r].commit(pending[r], path, committed)
-            step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1,
-                        depth=tree.max_depth)
+            step = Step(
+                tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1, depth=tree.max_depth
+            )
             policies[r].observe(step)
             pending[r] = committed[-1]
             produced[r] += len(committed)
@@ -349,21 +452,33 @@ class TreeParams(DecoderParams):
     """
 
     tree_root: TreeRoot = Field(
-        "paper", description="'paper': rooted at the draft's top-1 token u0, depth 0 (Algorithm 1 line 10); "
-        "'pending': the pending token expanded like any node")
+        "paper",
+        description="'paper': rooted at the draft's top-1 token u0, depth 0 (Algorithm 1 line 10); "
+        "'pending': the pending token expanded like any node",
+    )
     prune: Prune = Field(
-        "leaf", description="'leaf': a child with p < tau is a verified leaf (Algorithm 1 lines 14-16); "
-        "'skip': it is not created")
+        "leaf",
+        description="'leaf': a child with p < tau is a verified leaf (Algorithm 1 lines 14-16); "
+        "'skip': it is not created",
+    )
     cache_strategy: CacheStrategy = Field(
-        "compact", description="target cache update: 'compact' (keep path KV, 1 forward) or 'rebuild' (paper, 2)")
+        "compact", description="target cache update: 'compact' (keep path KV, 1 forward) or 'rebuild' (paper, 2)"
+    )
     draft_strategy: DraftStrategy = Field(
-        "per_level", description="'per_level' (one draft forward per depth) or 'per_node' (paper, one per node)")
+        "per_level", description="'per_level' (one draft forward per depth) or 'per_node' (paper, one per node)"
+    )
     tau: float = Field(0.1, ge=0.0, lt=1.0, description="pruning threshold on cumulative path probability p(u)")
     n_max: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
-        256, description="node budget N_max (drafted nodes per tree); 'auto': chosen by the runner from "
-        "the calibrated verify curve (harness/curves.py auto_budget; an extension, not the paper's)")
-    n_max_factor: float = Field(2.0, gt=1.0, le=1000.0, description="n_max: auto takes the largest n whose tree "
-                                "verify costs at most this many times one AR token")
+        256,
+        description="node budget N_max (drafted nodes per tree); 'auto': chosen by the runner from "
+        "the calibrated verify curve (harness/curves.py auto_budget; an extension, not the paper's)",
+    )
+    n_max_factor: float = Field(
+        2.0,
+        gt=1.0,
+        le=1000.0,
+        description="n_max: auto takes the largest n whose tree verify costs at most this many times one AR token",
+    )
 
 
 N_MAX_AUTO_CEILING = 256  # n_max: auto chooses at most this many drafted nodes (the paper's N_max)
@@ -406,18 +521,38 @@ class TreeDecoder(Decoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         """Run :func:`speculate_tree` with this decoder's policy and strategies (see there for the Steps)."""
         p = self.params
-        yield from speculate_tree(self.target, self.draft, input_ids, max_new_tokens, self.make_policy(),
-                                  p.cache_strategy, p.draft_strategy, tree_root=p.tree_root, prune=p.prune,
-                                  sampling=self.sampling, generator=self.generator, eos_token_id=self.eos_token_id)
+        yield from speculate_tree(
+            self.target,
+            self.draft,
+            input_ids,
+            max_new_tokens,
+            self.make_policy(),
+            p.cache_strategy,
+            p.draft_strategy,
+            tree_root=p.tree_root,
+            prune=p.prune,
+            sampling=self.sampling,
+            generator=self.generator,
+            eos_token_id=self.eos_token_id,
+        )
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
         """B prompts through :func:`speculate_tree_batch`: a fresh policy and draft session per row, every row's
         tree verified in one batched target forward."""
         p = self.params
-        yield from speculate_tree_batch(self.target, self.draft, prompts, max_new_tokens,
-                                        [self.make_policy() for _ in prompts], p.cache_strategy, p.draft_strategy,
-                                        tree_root=p.tree_root, prune=p.prune, eos_token_id=self.eos_token_id)
+        yield from speculate_tree_batch(
+            self.target,
+            self.draft,
+            prompts,
+            max_new_tokens,
+            [self.make_policy() for _ in prompts],
+            p.cache_strategy,
+            p.draft_strategy,
+            tree_root=p.tree_root,
+            prune=p.prune,
+            eos_token_id=self.eos_token_id,
+        )
 
     @classmethod
     def sampling_error(cls, params: DecoderParams) -> str | None:

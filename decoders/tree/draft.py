@@ -18,9 +18,15 @@ import torch
 from dtbench.decoders import kv
 from dtbench.decoders.base import Step
 from dtbench.decoders.sampling import SamplingSettings, sample_without_replacement
-
 from dtbench.decoders.tree.structure import (
-    DraftStrategy, Prune, SideBranch, TokenTree, TreeRoot, attention_mask_kind, root_offset, tree_attention_mask,
+    DraftStrategy,
+    Prune,
+    SideBranch,
+    TokenTree,
+    TreeRoot,
+    attention_mask_kind,
+    root_offset,
+    tree_attention_mask,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -28,8 +34,10 @@ from dtbench.decoders.tree.structure import (
 # ----------------------------------------------------------------------------------------------------------
 
 
-SKIP_WITH_SAMPLING = ("prune: skip drops drafted children by their sampled value, which would bias speculative "
-                      "sampling; use prune: leaf (the paper's, Algorithm 1) with sampling")
+SKIP_WITH_SAMPLING = (
+    "prune: skip drops drafted children by their sampled value, which would bias speculative "
+    "sampling; use prune: leaf (the paper's, Algorithm 1) with sampling"
+)
 
 
 class ExpansionPolicy(ABC):
@@ -163,8 +171,9 @@ class DraftSession:
         cols = torch.cat([self._fed_t, nodes_t])
         mask = tree_attention_mask(tree.anc[nodes_t][:, cols], self.prefix_len, self.kind, self.dtype)
         pos = torch.full((1, len(nodes)), self.prefix_len - 1 + depth, dtype=torch.long, device=self.device)
-        logits = kv.forward(self.model, tree.tokens[nodes_t].unsqueeze(0), self.cache, position_ids=pos,
-                            attention_mask=mask)
+        logits = kv.forward(
+            self.model, tree.tokens[nodes_t].unsqueeze(0), self.cache, position_ids=pos, attention_mask=mask
+        )
         self.forwards += 1
         self.fed.extend(nodes)
         self._fed_t = cols
@@ -189,13 +198,23 @@ class DraftSession:
                 break
             keep.append(pos[u])
         kv.keep_positions(self.cache, self.prefix_len, keep)
-        self.backlog = path_tokens[len(keep):]
+        self.backlog = path_tokens[len(keep) :]
         self.started = False
 
 
-def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits: torch.Tensor,
-            policy: ExpansionPolicy, depth_cap: int, *, offset: int, prune: Prune,
-            top1_only: bool = False, sampling: TreeSampling | None = None) -> list[int]:
+def _expand(
+    tree: TokenTree,
+    parents_t: torch.Tensor,
+    parent_depth: int,
+    logits: torch.Tensor,
+    policy: ExpansionPolicy,
+    depth_cap: int,
+    *,
+    offset: int,
+    prune: Prune,
+    top1_only: bool = False,
+    sampling: TreeSampling | None = None,
+) -> list[int]:
     """Add the children of the expanded nodes ``parents_t`` (all at ``parent_depth``) from their draft logits.
 
     Per parent: the B(u) = policy.breadth(c(u)) most probable tokens in parent order then probability order,
@@ -255,8 +274,9 @@ def _expand(tree: TokenTree, parents_t: torch.Tensor, parent_depth: int, logits:
     if not sel:
         return []
     sel_t = torch.tensor(sel, dtype=torch.long, device=lp.device)
-    new = tree.add(parents_t[sel_t // k], top_tok.flatten()[sel_t], top_lp.flatten()[sel_t],
-                   cum.flatten()[sel_t], depth)
+    new = tree.add(
+        parents_t[sel_t // k], top_tok.flatten()[sel_t], top_lp.flatten()[sel_t], cum.flatten()[sel_t], depth
+    )
     return [new[j] for j, i in enumerate(sel) if flat[i] & 2]
 
 
@@ -274,9 +294,18 @@ def check_draft_options(strategy: str, prune: str, sampled: bool) -> None:
         raise ValueError(SKIP_WITH_SAMPLING)
 
 
-def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: ExpansionPolicy, depth_cap: int,
-               strategy: DraftStrategy, *, tree_root: TreeRoot = "paper", prune: Prune = "leaf",
-               sampling: TreeSampling | None = None) -> None:
+def draft_tree(
+    session: DraftSession,
+    tree: TokenTree,
+    root: int,
+    policy: ExpansionPolicy,
+    depth_cap: int,
+    strategy: DraftStrategy,
+    *,
+    tree_root: TreeRoot = "paper",
+    prune: Prune = "leaf",
+    sampling: TreeSampling | None = None,
+) -> None:
     """Grow ``tree`` (holding only the pending token) with the draft model (Algorithm 1, DRAFTTREE).
 
     The pending token (p = 1) is always expanded; its draft logits (q_D after the prefix x_{1:t}) come from
@@ -305,22 +334,37 @@ def draft_tree(session: DraftSession, tree: TokenTree, root: int, policy: Expans
     offset = root_offset(tree_root)
     logits = session.start(root)
     root_t = torch.zeros(1, dtype=torch.long, device=tree.device)
-    frontier = _expand(tree, root_t, 0, logits, policy, depth_cap, offset=offset, prune=prune,
-                       top1_only=tree_root == "paper", sampling=sampling)
+    frontier = _expand(
+        tree,
+        root_t,
+        0,
+        logits,
+        policy,
+        depth_cap,
+        offset=offset,
+        prune=prune,
+        top1_only=tree_root == "paper",
+        sampling=sampling,
+    )
     if strategy == "per_level":
         depth = 1
         while frontier and tree.budget_left > 0:
             logits, nodes_t = session.feed(tree, frontier, depth)
-            frontier = _expand(tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune,
-                               sampling=sampling)
+            frontier = _expand(
+                tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune, sampling=sampling
+            )
             depth += 1
     else:
         queue = deque((u, 1) for u in frontier)
         while queue and tree.budget_left > 0:
             u, depth = queue.popleft()
             logits, nodes_t = session.feed(tree, [u], depth)
-            queue.extend((v, depth + 1) for v in _expand(tree, nodes_t, depth, logits, policy, depth_cap,
-                                                         offset=offset, prune=prune, sampling=sampling))
+            queue.extend(
+                (v, depth + 1)
+                for v in _expand(
+                    tree, nodes_t, depth, logits, policy, depth_cap, offset=offset, prune=prune, sampling=sampling
+                )
+            )
 
 
 class TreeDrafter(ABC):

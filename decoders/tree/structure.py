@@ -14,8 +14,6 @@ from typing import Literal
 
 import torch
 
-
-
 CacheStrategy = Literal["compact", "rebuild"]
 DraftStrategy = Literal["per_level", "per_node"]
 MaskKind = Literal["bool", "additive"]
@@ -38,6 +36,7 @@ def root_offset(tree_root: TreeRoot) -> int:
     if tree_root == "pending":
         return 0
     raise ValueError(f"unknown tree_root {tree_root!r}")
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Tree structure
@@ -121,8 +120,9 @@ class TokenTree:
         """How many more drafted nodes the budget N_max and the capacity allow."""
         return min(self.n_max - self.n_drafted, self.capacity - self.size)
 
-    def add(self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, cum_logp: torch.Tensor,
-            depth: int) -> range:
+    def add(
+        self, parents: torch.Tensor, tokens: torch.Tensor, logp: torch.Tensor, cum_logp: torch.Tensor, depth: int
+    ) -> range:
         """Append k children, all at the same ``depth``, in the given (BFS) order.
 
         Args:
@@ -259,8 +259,9 @@ def attention_mask_kind(model: torch.nn.Module) -> MaskKind:
     )
 
 
-def tree_attention_mask(ancestors: torch.Tensor, prefix_len: int, kind: MaskKind,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def tree_attention_mask(
+    ancestors: torch.Tensor, prefix_len: int, kind: MaskKind, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The tree attention mask A of paper 3.4, ready to pass as a 4D ``attention_mask``.
 
     Row i is a tree node fed in this forward; it attends to all ``prefix_len`` cached positions and, among
@@ -344,8 +345,9 @@ def tree_position_ids(depths: torch.Tensor, offset: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def select_path(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor,
-                pred: torch.Tensor) -> tuple[list[int], list[int]]:
+def select_path(
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, ancestors: torch.Tensor, pred: torch.Tensor
+) -> tuple[list[int], list[int]]:
     """Longest greedy-consistent root-to-node path plus the bonus token (paper 3.5).
 
     A drafted node u is consistent iff its token equals the target's greedy prediction at its parent,

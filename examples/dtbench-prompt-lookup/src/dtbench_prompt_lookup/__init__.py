@@ -134,8 +134,16 @@ class PromptLookup(Decoder):
             One Step per target forward (dtbench's chain loop: drafts never pass T).
         """
         p = self.params
-        yield from speculate_chain(KVTarget(self.target), NgramProposer(p.ngram_size), input_ids, max_new_tokens,
-                                   p.num_draft_tokens, self.sampling, self.generator, self.eos_token_id)
+        yield from speculate_chain(
+            KVTarget(self.target),
+            NgramProposer(p.ngram_size),
+            input_ids,
+            max_new_tokens,
+            p.num_draft_tokens,
+            self.sampling,
+            self.generator,
+            self.eos_token_id,
+        )
 
 
 class JsonlTextParams(DatasetParams):
@@ -177,10 +185,10 @@ class JsonlText(Dataset):
             try:
                 docs.append((f"{path.name}:{i}", str(json.loads(line)[field])))
             except (ValueError, KeyError, TypeError):
-                raise DtbenchError(f"jsonl-text: {path}:{i}: not a JSON object with a {json.dumps(field)} "
-                                   "field") from None
+                raise DtbenchError(
+                    f"jsonl-text: {path}:{i}: not a JSON object with a {json.dumps(field)} field"
+                ) from None
         return docs
 
     def check(self, spec):
         self.documents(spec, None)
-

@@ -1,0 +1,264 @@
+"""``dtbench report --engine``: servers and dtbench's own decoders on one load axis (issue 30).
+
+One table per (dataset, L_max, T): a row per cell and load level (the ``batch_size`` column: the batch size B of
+dtbench's decoders, the requests in flight of a ``server`` cell). Per row:
+
+- speedup over its reference at the same load, paired per prompt group (a group's throughput = its tokens / its wall
+  time, :func:`~dtbench.reports.stats.collapse_batches`) with a confidence interval
+  (:func:`~dtbench.reports.compare.paired_ratio_ci`): a server against its plain server (``cells.reference_label``),
+  dtbench's decoders against ``ar`` at the same B;
+- p50/p90/p99 of TTFT, ITL, TPOT and end-to-end latency over the cell's requests after warmup (server cells: the
+  client's per-request times; dtbench's decoders: per row, ITL = the gaps between committed steps);
+- acceptance length, labelled by how it is averaged: *per step* (tokens over verification steps, pooled over the
+  cell's requests: vLLM's ``1 + accepted / drafts``) and *per request* (the mean of each request's own), each with its
+  source (llama.cpp ``timings.draft_n_accepted``, SGLang ``spec_verify_ct``, vLLM ``/metrics`` counters, or dtbench's
+  own Steps), beside the client-side tokens per network read;
+- lossless against the reference and the rule that applied (tie-aware with top log-probabilities, or exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from sqlalchemy import select
+
+from dtbench.harness.db import Cell, Sample
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING
+from dtbench.reports.stats import collapse_batches, remainder_mask
+
+CAPTION = (
+    "load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
+    "at the same load (a server over its plain server, dtbench's decoders over ar), paired per prompt group, "
+    "CI a paired t-interval on log ratios; latencies p50/p90/p99 in ms after warmup; acceptance length per "
+    "step = tokens / verification steps pooled over the cell, per request = the mean of each request's own"
+)
+
+
+def _pct(values: list[float]) -> tuple[float, float, float]:
+    import numpy as np
+
+    if not values:
+        return math.nan, math.nan, math.nan
+    q = np.percentile(np.asarray(values, dtype=float), [50, 90, 99])
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame:
+    """The report's rows (one per cell), numbers in seconds, tokens and ratios (see the module docstring)."""
+    from dtbench.reports.compare import paired_ratio_ci
+
+    cells = session.scalars(select(Cell).where(Cell.run_id == run_id).order_by(Cell.id)).all()
+    samples = session.scalars(select(Sample).join(Cell, Sample.cell_id == Cell.id).where(Cell.run_id == run_id)).all()
+    by_cell: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_cell.setdefault(s.cell_id, []).append(s)
+    flat = pd.DataFrame(
+        [
+            {
+                "cell_id": s.cell_id,
+                "prompt_index": s.prompt_index,
+                "warmup": s.warmup,
+                "new_tokens": s.new_tokens,
+                "total_s": s.total_s,
+                "throughput": s.throughput,
+                "lossless": s.lossless,
+                "batch_group": s.batch_group,
+                "batch_rows": s.batch_rows,
+                "batch_total_s": s.batch_total_s,
+            }
+            for s in samples
+        ]
+    )
+    if flat.empty:
+        return pd.DataFrame()
+    flat["batch_size"] = flat["cell_id"].map({c.id: c.batch_size or 1 for c in cells})
+    flat = flat[~remainder_mask(flat)]
+    groups = collapse_batches(flat)
+    groups = groups[~groups["warmup"].astype(bool)]
+    thr = {cid: g.set_index("prompt_index")["throughput"] for cid, g in groups.groupby("cell_id")}
+    key_of = {c.id: (c.dataset, c.l_max, c.gen_length, c.batch_size or 1) for c in cells}
+    by_label = {(*key_of[c.id], c.label): c for c in cells}
+    rows = []
+    for c in cells:
+        key = key_of[c.id]
+        mine = [s for s in by_cell.get(c.id, []) if not s.warmup]
+        server = [((s.step_stats or {}).get("server") or {}) for s in mine]
+        is_server = any(server)
+        ref_label = c.reference_label if c.decoder == "server" else (None if c.decoder == BASELINE else BASELINE)
+        ref = by_label.get((*key, ref_label)) if ref_label else None
+        row = dict(
+            zip(GROUP, key),
+            label=c.label,
+            decoder=c.decoder,
+            family=c.family,
+            status=c.status,
+            reference=ref_label,
+            n=0,
+            throughput=math.nan,
+            speedup=math.nan,
+            ci_low=math.nan,
+            ci_high=math.nan,
+            ci_method="",
+        )
+        t = thr.get(c.id)
+        if t is not None and len(t):
+            row["throughput"] = float(t.mean())
+        if ref is not None and t is not None and ref.id in thr:
+            r = thr[ref.id]
+            common = t.index.intersection(r.index)
+            if len(common):
+                row["speedup"] = float(t.loc[common].mean() / r.loc[common].mean())
+                point, low, high, method = paired_ratio_ci((t.loc[common] / r.loc[common]).to_numpy(), confidence)
+                row.update(n=len(common), paired_speedup=point, ci_low=low, ci_high=high, ci_method=method)
+        ttft = [s.ttft_s for s in mine if s.ttft_s is not None]
+        tpot = [s.tpot_s for s in mine if s.tpot_s is not None]
+        e2e = [s.total_s for s in mine]
+        if is_server:
+            itl = [x for st in server for x in (st.get("itl_s") or [])]
+        else:
+            itl = [b - a for s in mine for a, b in zip(s.step_times_s or [], (s.step_times_s or [])[1:])]
+        for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot), ("e2e", e2e)):
+            p50, p90, p99 = _pct(values)
+            row.update({f"{name}_p50_s": p50, f"{name}_p90_s": p90, f"{name}_p99_s": p99})
+        row.update(_acceptance(mine, server, is_server))
+        verdicts = [s.lossless for s in by_cell.get(c.id, []) if s.lossless is not None]
+        row["lossless"] = MISSING if not verdicts else ("yes" if all(verdicts) else "no")
+        row["ties"] = sum(s.lossless_ties or 0 for s in by_cell.get(c.id, []))
+        rules = sorted({str(st["lossless_rule"]) for st in server if st.get("lossless_rule")})
+        row["lossless_rule"] = "; ".join(rules) if rules else ("tie_aware (dtbench's check)" if verdicts else "")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _acceptance(mine: list, server: list[dict], is_server: bool) -> dict:
+    """Acceptance length per step and per request, their source, and the client-side tokens per read."""
+    out = {
+        "accept_len_per_step": math.nan,
+        "accept_len_per_request": math.nan,
+        "accept_source": "",
+        "tokens_per_read": math.nan,
+    }
+    if not mine:
+        return out
+    if not is_server:  # dtbench's own Steps: per step = T / iterations pooled; per request = mean of each request's
+        tokens = sum(s.new_tokens for s in mine)
+        steps = sum(s.iterations for s in mine)
+        if any(s.drafted for s in mine):
+            out.update(
+                accept_len_per_step=tokens / steps if steps else math.nan,
+                accept_len_per_request=sum(s.new_tokens / s.iterations for s in mine) / len(mine),
+                accept_source="dtbench Steps (tokens / iterations)",
+            )
+        return out
+    reads = [n for st in server for n in (st.get("tokens_per_read") or [])]
+    out["tokens_per_read"] = sum(reads) / len(reads) if reads else math.nan
+    acc = [st.get("acceptance") or {} for st in server]
+    steps = [a for a in acc if a.get("steps")]
+    if steps:
+        tokens = sum(s.new_tokens for s, a in zip(mine, acc) if a.get("steps"))
+        out.update(
+            accept_len_per_step=tokens / sum(a["steps"] for a in steps),
+            accept_len_per_request=sum(a["acceptance_length"] for a in steps) / len(steps),
+            accept_source=steps[0]["source"] + (f" ({steps[0]['steps_rule']})" if steps[0].get("steps_rule") else ""),
+        )
+        return out
+    seen, drafts, accepted = set(), 0.0, 0.0  # vLLM: /metrics deltas per prompt group (each counted once)
+    for s, st in zip(mine, server):
+        g = st.get("group_metrics") or {}
+        key = s.batch_group if s.batch_group is not None else s.prompt_index
+        if g.get("drafts") and key not in seen:
+            seen.add(key)
+            drafts += g["drafts"]
+            accepted += g.get("accepted", 0.0)
+    if drafts:
+        out.update(
+            accept_len_per_step=1 + accepted / drafts,
+            accept_source="vLLM /metrics spec_decode counters (1 + accepted / drafts; per request: not reported)",
+        )
+    return out
+
+
+def _ms(v) -> str:
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.1f}"
+
+
+def _x(v, spec=".2f") -> str:
+    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def display(frame: pd.DataFrame) -> pd.DataFrame:
+    """The table's display strings."""
+    out = []
+    for _, r in frame.iterrows():
+        ci = f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]" if not math.isnan(r["ci_low"]) else (r["ci_method"] or MISSING)
+        out.append(
+            {
+                "Load": str(int(r["batch_size"])),
+                "Decoder": r["label"],
+                "Ref": r["reference"] or MISSING,
+                "n": str(int(r["n"])),
+                "t/s": _x(r["throughput"], ".1f"),
+                "Speedup": _x(r["speedup"]),
+                "CI": ci,
+                "TTFT p50/p99": f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",
+                "ITL p50/p99": f"{_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])}",
+                "TPOT p50/p90/p99": f"{_ms(r['tpot_p50_s'])}/{_ms(r['tpot_p90_s'])}/{_ms(r['tpot_p99_s'])}",
+                "E2E p50/p99": f"{_ms(r['e2e_p50_s'])}/{_ms(r['e2e_p99_s'])}",
+                "Acc/step": _x(r["accept_len_per_step"]),
+                "Acc/req": _x(r["accept_len_per_request"]),
+                "Tok/read": _x(r["tokens_per_read"]),
+                "Lossless": f"{r['lossless']}" + (f" ({int(r['ties'])} ties)" if r["ties"] else ""),
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def engine_report(sessions, run_id: int | None, fmt: str, confidence: float = 0.95) -> None:
+    """Print the run's load table (one per dataset/L_max/T) in ``fmt``, with the sources and rules as notes.
+
+    Raises:
+        DtbenchError: unknown run, or a run without samples.
+    """
+    from dtbench.harness.errors import DtbenchError
+    from dtbench.reports.output import Document, Report, emit
+    from dtbench.reports.summary import get_run
+
+    with sessions() as session:
+        run = get_run(session, run_id)
+        frame = engine_frame(session, run.id, confidence)
+    if frame.empty:
+        raise DtbenchError(f"run {run.id} has no samples")
+    reports = []
+    for i, (key, part) in enumerate(frame.groupby(GROUP[:3], sort=False)):
+        part = part.sort_values(["batch_size"], kind="stable")
+        notes = sorted(
+            {f"acceptance of {r['label']}: {r['accept_source']}" for _, r in part.iterrows() if r["accept_source"]}
+        )
+        notes += sorted(
+            {
+                f"lossless rule of {r['label']}: {r['lossless_rule']}"
+                for _, r in part.iterrows()
+                if r["lossless_rule"] and r["decoder"] == "server"
+            }
+        )
+        reports.append(
+            Report(
+                f"engine_{i}",
+                f"Load · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}",
+                CAPTION,
+                display(part),
+                part,
+                notes=notes,
+            )
+        )
+    emit(
+        fmt,
+        Document(
+            reports,
+            meta={"run": run.id, "confidence": confidence},
+            rows="rows",
+            data=frame,
+            title=f"Load · run {run.id}",
+        ),
+    )

@@ -1,0 +1,44 @@
+"""The documentation that is generated or promised: the suite reference is current, the README is short and its test
+command is what CI runs, every docs/ page the README links exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_suite_reference_is_current():
+    """docs/suite-reference.md is what the schema's field descriptions generate (a changed field, default or
+    description makes it stale: run `python -m dtbench.harness.suitedoc --write`)."""
+    from dtbench.harness.suitedoc import DOC, reference_markdown
+
+    assert DOC.read_text() == reference_markdown(), "stale: python -m dtbench.harness.suitedoc --write"
+
+
+def test_the_reference_check_can_fail(monkeypatch):
+    from dtbench.harness import suitedoc
+    from dtbench.harness.suite import Suite
+
+    before = suitedoc.reference_markdown()
+    monkeypatch.setattr(Suite.model_fields["seed"], "description", "changed")
+    assert suitedoc.reference_markdown() != before
+
+
+def test_readme_is_short_and_its_test_command_is_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = re.search(r"^make (\S+)$", ci, re.M).group(0)
+    assert f"\n{command}\n" in readme
+
+
+def test_every_local_link_of_the_readme_and_docs_exists():
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").glob("*.md")]
+    missing = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                missing.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert missing == []
