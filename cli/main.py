@@ -371,6 +371,21 @@ def run_exit_code(sessions, run_id: int) -> int:
     "source, tokens per read, lossless and its rule",
 )
 @click.option(
+    "--profile",
+    "profile",
+    is_flag=True,
+    help="acceptance profile of every drafting cell: per-position conditional and cumulative acceptance with "
+    "bootstrap CIs, the accepted-length histogram, mean acceptance length per step and per request (with and "
+    "without the bonus token); writes the profile JSON in NVIDIA specdec_bench's schema (--profile-json) and "
+    "exits 2 when the profile disagrees with the samples' counters",
+)
+@click.option(
+    "--profile-json",
+    "profile_json",
+    type=click.Path(dir_okay=False),
+    help="--profile: where to write the JSON (default: speculation_profile_run<ID>.json)",
+)
+@click.option(
     "--include-partial",
     is_flag=True,
     help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
@@ -393,6 +408,8 @@ def report(
     by,
     spec_bench,
     engine,
+    profile,
+    profile_json,
     include_partial,
 ) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
@@ -415,6 +432,9 @@ def report(
                                                 vLLM's acceptance rate, mean acceptance length, per-position curve
     dtbench report --engine [--run ID]          load table: speedup vs the reference at each load (batch size or
                                                 concurrency) with a CI, latency percentiles, acceptance by source
+    dtbench report --profile [--run ID]         acceptance profile per cell (position = depth along the accepted
+                                                path), CIs, histogram, per-step and per-request mean lengths, and
+                                                the specdec_bench profile JSON; a failed consistency check exits 2
     dtbench report --cost-model [--run ID]      predicted (calibrated forwards) vs measured time, efficiency,
                                                 predicted best K of chain decoders (--figures DIR adds the
                                                 verify-cost curve when the run has a calibration)
@@ -446,6 +466,8 @@ def report(
         by=by,
         spec_bench=spec_bench,
         engine=engine,
+        profile=profile,
+        profile_json=profile_json,
     )
 
 

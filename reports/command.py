@@ -50,6 +50,8 @@ def report_command(
     by: str | None = None,
     spec_bench: bool = False,
     engine: bool = False,
+    profile: bool = False,
+    profile_json: str | None = None,
 ) -> None:
     """Validate the option combination, then produce each requested output.
 
@@ -99,7 +101,16 @@ def report_command(
 
     if engine and (pair or compare or tables or files or cost_model or by or spec_bench or len(run_ids) > 1):
         raise DtbenchError("--engine is a report of its own; give it alone (with --run ID and --format)")
+    if profile_json and not profile:
+        raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
+    if profile and (pair or compare or tables or files or cost_model or by or spec_bench or engine or len(run_ids) > 1):
+        raise DtbenchError("--profile is a report of its own; give it alone (with --run ID, --format, --profile-json)")
     sessions = db.connect(db_url, create=False)
+    if profile:
+        from dtbench.reports.profile import profile_report
+
+        profile_report(sessions, run_ids[0] if run_ids else None, fmt, profile_json, 1 - alpha)
+        return
     if engine:
         from dtbench.reports.engine import engine_report
 

@@ -107,15 +107,13 @@ def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
 # --- chain decoders: acceptance per position, best K -------------------------------------------------------------
 
 
-def position_acceptance(accepted: list[int], drafted: list[int]) -> list[float]:
-    """p_j, j = 1..max drafted: P(draft j accepted | drafts 1..j-1 accepted), over the iterations that drafted j."""
-    kmax = max(drafted, default=0)
-    out = []
-    for j in range(1, kmax + 1):
-        tried = sum(1 for a, k in zip(accepted, drafted) if k >= j and a >= j - 1)
-        ok = sum(1 for a, k in zip(accepted, drafted) if k >= j and a >= j)
-        out.append(ok / tried if tried else (out[-1] if out else 0.0))
-    return out
+def position_acceptance(accepted: list[int], depth: list[int]) -> list[float]:
+    """p_j, j = 1..max drafted depth: P(draft j accepted | drafts 1..j-1 accepted, j drafted), per step lists
+    ``step_stats["accepted"]`` and ``["depth"]``: the acceptance profile's conditional acceptance, computed by the one
+    function :func:`dtbench.reports.profile.conditional_acceptance`."""
+    from dtbench.reports.profile import conditional_acceptance
+
+    return conditional_acceptance(accepted, depth)
 
 
 def expected_tokens(p: list[float], k: int) -> float:
@@ -242,8 +240,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         }
         if row["family"] == "chain":
             accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
-            drafted = [d for s in samples for d in (s.step_stats or {}).get("drafted", [])]
-            p = position_acceptance(accepted, drafted)
+            depth = [d for s in samples for d in (s.step_stats or {}).get("depth", [])]
+            p = position_acceptance(accepted, depth)
             if p:
                 speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
                 best = max(speed, key=speed.get)
@@ -514,7 +512,7 @@ def _b1_parameters(rows: pd.DataFrame) -> dict | None:
         fs = (stats or {}).get("forward_s") or {}
         draft_s += float(fs.get("draft") or 0.0)
     accepted = [a for st in basis["step_stats"] for a in (st or {}).get("accepted", [])]
-    per_it = [d for st in basis["step_stats"] for d in (st or {}).get("drafted", [])]
+    per_it = [d for st in basis["step_stats"] for d in (st or {}).get("depth", [])]
     return {
         "L": float(basis["new_tokens"].sum()) / iters,
         "n": 1.0 + drafted / iters,
