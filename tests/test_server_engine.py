@@ -39,13 +39,14 @@ ARGS = [
     "--ctx-size",
     "4096",
     "--threads",
-    "2",
+    "1",
     "--no-webui",
 ]
 PLAIN = {"engine": "llama.cpp", "launch": ["{llama_server}", *ARGS]}
 SPEC = {
     "engine": "llama.cpp",
     "speculative": True,
+    "tie_margin": 0.25,  # suites/engine-cpu.yaml says why (the plain server flips a 0.17 margin between runs)
     "reference": PLAIN,
     "launch": [
         "{llama_server}",
