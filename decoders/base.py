@@ -129,6 +129,13 @@ class Decoder(ABC, Generic[P]):
         self.params = params
 
     @classmethod
+    def lossless_with(cls, params: P) -> bool:
+        """Whether this decoder is lossless with ``params`` (stored as the cell's ``lossless_expected``): the
+        class's :attr:`lossless` by default; a decoder with an opt-in lossy mode (``medusa``'s typical acceptance)
+        overrides it."""
+        return cls.lossless
+
+    @classmethod
     def sampling_error(cls, params: P) -> str | None:
         """Why this decoder cannot sample with ``params`` (a one-line reason), or None if it can.
 

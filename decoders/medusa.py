@@ -4,7 +4,12 @@ Reference read: FasterDecoding/Medusa ``medusa/model/medusa_model.py`` (heads, l
 (``generate_medusa_buffers``: choices sorted by (length, path); ``generate_candidates``: TOPK = 10 tokens per head,
 the node for choice path (c_1, ..., c_d) is head d's rank-c_d token) and ``medusa/model/medusa_choices.py``
 (``mc_sim_7b_63``, the default tree for 7B models). Verification is greedy through the one tree loop
-(:func:`~dtbench.decoders.tree.speculate_tree`); Medusa's "typical acceptance" is lossy and not offered.
+(:func:`~dtbench.decoders.tree.speculate_tree`). Sampling only through Medusa's "typical acceptance"
+(``acceptance: typical``, issue 34 item 2), an opt-in mode that is LOSSY BY DESIGN: the cell's ``lossless_expected``
+is False and every report's Lossless column says "lossy by design"
+(:func:`~dtbench.decoders.sampling.verify_tree_typical`; ``evaluate_posterior(sampling="typical")`` and
+``get_typical_one_token`` in ``medusa/model/utils.py``). A suite that samples without asking for it by name is
+refused.
 
 Mapping onto dtbench's loop: the tree is rooted at the pending token x_{t+1} (the target's greedy token from the
 feature at position t, Medusa's "base model token"); head i's top-k at that same feature gives the nodes at depth
@@ -118,7 +123,14 @@ def static_tree(choices: list[list[int]]) -> tuple[list[tuple[int, ...]], list[i
 
 
 class MedusaDrafter(TreeDrafter):
-    """Drafts Medusa's static tree from the heads' top-k at the target's last feature (greedy)."""
+    """Drafts Medusa's static tree from the heads' top-k at the target's last feature (greedy).
+
+    Attributes:
+        typical: (posterior_threshold, posterior_alpha) when the tree loop verifies with Medusa's typical acceptance
+            (lossy by design); None: greedy verification.
+    """
+
+    typical: tuple[float, float] | None = None
 
     def __init__(self, heads: MedusaHeads, choices: list[list[int]], hidden_layer: int):
         """Args: heads: loaded heads; choices: rank paths (deeper than the heads are dropped); hidden_layer:
@@ -165,6 +177,10 @@ class MedusaParams(DecoderParams):
         choices: the static tree: a name from the reference's ``medusa_choices`` (``mc_sim_7b_63``, its 7B default)
             or an explicit list of rank paths.
         cache_strategy: the tree loop's target cache update (see :class:`~dtbench.decoders.tree.TreeParams`).
+        acceptance: ``greedy`` (lossless; the default) or ``typical`` (Medusa's typical acceptance under sampling,
+            lossy by design; only with a suite that samples).
+        posterior_threshold, posterior_alpha: typical acceptance's cutoff min(threshold, alpha * exp(-entropy));
+            the reference's defaults (``medusa_generate``: 0.09 and 0.3).
     """
 
     head: str = Field(..., min_length=1, description="Medusa head: local folder or hub id (medusa_lm_head.pt)")
@@ -172,20 +188,42 @@ class MedusaParams(DecoderParams):
         Literal["mc_sim_7b_63"] | Annotated[list[Annotated[list[Rank], Field(min_length=1)]], Field(min_length=1)]
     ) = Field("mc_sim_7b_63", description="static tree: 'mc_sim_7b_63' or a list of top-k rank paths")
     cache_strategy: CacheStrategy = Field("compact", description="'compact' (1 target forward) or 'rebuild'")
+    acceptance: Literal["greedy", "typical"] = Field(
+        "greedy", description="'greedy' (lossless) or 'typical' (Medusa's typical acceptance: LOSSY by design)"
+    )
+    posterior_threshold: Annotated[float, Field(gt=0, le=1)] = Field(0.09, description="typical: threshold")
+    posterior_alpha: Annotated[float, Field(gt=0, le=1)] = Field(0.3, description="typical: alpha")
 
 
 class Medusa(HeadDecoder):
-    """Medusa-1 decoding: static tree from learned heads, greedy verification in the one tree loop; lossless.
+    """Medusa-1 decoding: static tree from learned heads in the one tree loop; lossless greedy, or Medusa's typical
+    acceptance under sampling (opt-in, lossy by design).
 
     Capabilities (:class:`~dtbench.decoders.heads.HeadDecoder`): family ``tree``; verify sizes (0 chain tokens,
-    root + tree nodes masked); no sampling (typical acceptance is lossy, and Medusa-1's rejection sampling is not
-    implemented: a suite that samples is refused). The heads' forward is the decoder's draft forward.
+    root + tree nodes masked); sampling only with ``acceptance: typical`` (refused otherwise; lossy by design:
+    ``lossless_expected`` False, reported "lossy by design"). The heads' forward is the decoder's draft forward.
     """
 
     Params = MedusaParams
     version = "1"
+    supports_sampling = True  # only with acceptance: typical (sampling_error), lossy by design
     load_head = staticmethod(load_medusa)
     check_head = staticmethod(check_medusa)
+
+    @classmethod
+    def lossless_with(cls, params: MedusaParams) -> bool:
+        """False with ``acceptance: typical`` (lossy by design), else True."""
+        return params.acceptance != "typical"
+
+    @classmethod
+    def sampling_error(cls, params: MedusaParams) -> str | None:
+        """Sampling is refused unless the suite asks for Medusa's lossy typical acceptance by name."""
+        if params.acceptance != "typical":
+            return (
+                "medusa samples only with its typical acceptance, which is lossy by design; "
+                "ask for it with params: {acceptance: typical}"
+            )
+        return None
 
     @classmethod
     def choices_of(cls, params: MedusaParams) -> list[list[int]]:
@@ -199,7 +237,17 @@ class Medusa(HeadDecoder):
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
-        drafter = MedusaDrafter(self.draft, self.choices_of(self.params), self.target.config.num_hidden_layers)
+        """Run :func:`speculate_tree` with a :class:`MedusaDrafter`: greedy, or typical acceptance when sampling.
+
+        Raises:
+            ValueError: ``acceptance: typical`` without sampling (typical acceptance needs a temperature > 0).
+        """
+        p = self.params
+        if p.acceptance == "typical" and self.sampling is None:
+            raise ValueError("medusa acceptance: typical needs a suite that samples (sampling: {temperature: ...})")
+        drafter = MedusaDrafter(self.draft, self.choices_of(p), self.target.config.num_hidden_layers)
+        if p.acceptance == "typical":
+            drafter.typical = (p.posterior_threshold, p.posterior_alpha)
         yield from speculate_tree(
             self.target,
             None,
@@ -208,6 +256,8 @@ class Medusa(HeadDecoder):
             drafter,
             self.params.cache_strategy,
             tree_root="pending",
+            sampling=self.sampling,
+            generator=self.generator,
             eos_token_id=self.eos_token_id,
         )
 

@@ -29,6 +29,7 @@ prompt index), never from global RNG state, so a seeded run is identical run to 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,3 +214,59 @@ def verify_tree_sampled(
         path.append(c)
         committed.append(x)
         u = c
+
+
+def typical_threshold(probs: torch.Tensor, threshold: float, alpha: float) -> torch.Tensor:
+    """Medusa's typical-acceptance cutoff per row: min(threshold, alpha * exp(-H(p))), H the entropy in nats
+    (FasterDecoding/Medusa ``medusa/model/utils.py`` ``evaluate_posterior(sampling="typical")`` and
+    ``get_typical_one_token``, with their +1e-5 inside the log). probs: (..., vocab) -> (...)."""
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(dim=-1)
+    return torch.clamp(alpha * torch.exp(-entropy), max=threshold)
+
+
+def verify_tree_typical(
+    tokens: list[int],
+    parents: list[int],
+    logits: torch.Tensor,
+    temperature: float,
+    threshold: float,
+    alpha: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], list[int]]:
+    """Medusa's typical acceptance over a token tree: LOSSY BY DESIGN (the committed tokens do not follow the
+    target's distribution; Cai et al. 2024, section 2.3.1; FasterDecoding/Medusa ``evaluate_posterior`` with
+    ``sampling="typical"`` and ``get_typical_one_token``).
+
+    A drafted node x is acceptable when p_T(x | its parent's path) > min(threshold, alpha * exp(-H(p_T))), p_T the
+    target's softmax at ``temperature`` (no top-k/top-p, as the reference); the committed path is the deepest
+    root path of acceptable nodes (ties: the largest sum of log p_T, as the reference); the last token is drawn
+    from p_T at the path's end truncated to the tokens above the same cutoff.
+
+    Args:
+        tokens, parents: (n,) token ids and parent indices of a BFS-ordered tree, node 0 the root.
+        logits: (n, vocab) target logits, row u the logits after the path to u.
+        temperature: > 0; threshold, alpha: Medusa's ``posterior_threshold`` and ``posterior_alpha``.
+        generator: the sample's random generator.
+
+    Returns:
+        (path, committed) as :func:`verify_tree_sampled`.
+    """
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    cut = typical_threshold(probs, threshold, alpha)
+    n = len(tokens)
+    depth, score = [0] * n, [0.0] * n
+    ok = [True] + [False] * (n - 1)
+    for v in range(1, n):
+        u = parents[v]
+        p = float(probs[u, tokens[v]])
+        if ok[u] and p > float(cut[u]):
+            ok[v], depth[v], score[v] = True, depth[u] + 1, score[u] + math.log(p)
+    best = max(range(n), key=lambda v: (ok[v], depth[v], score[v], -v))
+    path = [best]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    path.reverse()
+    last = probs[best].clone()
+    last[last < cut[best]] = 0.0
+    committed = [tokens[v] for v in path[1:]] + [sample(last / last.sum(), generator)]
+    return path, committed

@@ -309,7 +309,7 @@ def _open_cells(
                 decoder_version=str(cp.version),
                 decoder_distribution=cp.distribution,
                 params=cp.params.model_dump(mode="json"),
-                lossless_expected=cp.cls.lossless,
+                lossless_expected=cp.cls.lossless_with(cp.params),
                 lossless_check=plan.suite.lossless_check,
                 sweep_group=cp.spec.sweep_group,
                 swept=cp.spec.swept or None,

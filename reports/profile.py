@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.stats import MIN_PROMPTS
+from dtbench.reports.stats import LOSSY, MIN_PROMPTS
 
 SCHEMA_VERSION = "1.0"  # specdec_bench's speculation_profile SCHEMA_VERSION at the commit read
 SPECDEC_BENCH_SOURCE = (
@@ -356,6 +356,7 @@ def specdec_json(profile: Profile) -> dict[str, Any]:
         "dtbench": {
             "label": cell.get("label"),
             "family": cell.get("family"),
+            "lossless": LOSSY if cell.get("lossy_by_design") else None,
             "requests": profile.requests,
             "drafting_steps": profile.steps,
             "confidence": profile.confidence,
@@ -418,6 +419,8 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
             "sampling": cell.sampling,
             "target_model": cell.target_model,
             "draft_model": cell.draft_model,
+            # a sampled cell of a decoder lossy with its params (medusa's typical acceptance): labelled in the JSON
+            "lossy_by_design": bool(cell.sampling) and not cell.lossless_expected,
         }
         profile = build_profile(requests, ident, confidence)
         if profile is None:
@@ -492,6 +495,7 @@ def profile_reports(profiles: list[Profile], run_id: int) -> list:
             f"acceptance profile · run {run_id} · {c['label']} ({c['decoder']}, {c.get('family') or 'external'}) · "
             f"{c['dataset']} · L_max={c['l_max']} · T={c['gen_length']} · B={c['batch_size']}"
             + (f" · sampling {json.dumps(sampling, sort_keys=True)}" if sampling else "")
+            + (f" · {LOSSY}" if c.get("lossy_by_design") else "")
         )
         caption = (
             f"{p.requests} requests after warmup, {p.steps} drafting steps; position = depth along the accepted "

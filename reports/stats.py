@@ -39,6 +39,8 @@ FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (wr
 
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
 SAMPLED = "sampled (exact by construction, distribution-tested)"
+# The Lossless verdict of a sampled cell whose decoder is lossy with its params (medusa's typical acceptance).
+LOSSY = "lossy by design"
 
 __all__ = [
     "BASELINE",
@@ -51,6 +53,7 @@ __all__ = [
     "MISSING",
     "N_TOO_SMALL",
     "SAMPLED",
+    "LOSSY",
     "baseline_values",
     "cell_lossless",
     "cell_throughput",
@@ -81,7 +84,7 @@ def cell_throughput(samples: Iterable) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False) -> str:
+def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False, lossy: bool = False) -> str:
     """A cell's lossless verdict over every measured sample, warmup included: ``yes`` (every compared sample
     passed), ``no`` (one did not), :data:`MISSING` (nothing compared), :data:`SAMPLED` (a lossless decoder that
     samples: checked as a distribution by the tests, never against one draw).
@@ -89,7 +92,11 @@ def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False) -> str
     Args:
         verdicts: the samples' ``lossless`` column (None: not compared).
         sampled: the cell samples and its decoder declares itself lossless.
+        lossy: the cell samples and its decoder declares itself lossy with its params: :data:`LOSSY`, never
+            ``yes`` (medusa's typical acceptance).
     """
+    if lossy:
+        return LOSSY
     if sampled:
         return SAMPLED
     compared = [bool(v) for v in verdicts if v is not None and not (isinstance(v, float) and math.isnan(v))]

@@ -189,7 +189,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         basis = collapse_batches(measured[~measured["warmup"].astype(bool) & ~remainder])
         compared = measured["lossless"].dropna()
         lossless = cell_lossless(
-            measured["lossless"], sampled=bool(first["sampling"]) and bool(first["lossless_expected"])
+            measured["lossless"],
+            sampled=bool(first["sampling"]) and bool(first["lossless_expected"]),
+            lossy=bool(first["sampling"]) and not bool(first["lossless_expected"]),
         )
         out.append(
             {

@@ -462,3 +462,92 @@ def test_eagle_sampling_drafts_real_trees_and_a_wrong_rule_fails(monkeypatch):
 
     monkeypatch.setattr(sampling, "accept", lambda p_x, q_x, generator, device: True)
     assert p_value(decoder, SamplingSettings(temperature=1.0), TREE_LENGTH) < ALPHA
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Medusa's typical acceptance (issue 34 item 2): opt-in, lossy by design
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_typical_acceptance_by_hand():
+    """Root 0 with children 1 (token 2) and 2 (token 3); node 1 has child 3 (token 4). Row 0 puts p = 0.5 on token
+    2 and 0.3 on token 3; row 1 puts 0.05 on token 4 (below the 0.09 cap and alpha * exp(-H)): the path is root ->
+    node 1, and the last token is drawn from row 1 truncated to the tokens above its cutoff."""
+    from dtbench.decoders.sampling import typical_threshold, verify_tree_typical
+
+    probs = torch.tensor(
+        [
+            [0.05, 0.05, 0.5, 0.3, 0.05, 0.05],
+            [0.02, 0.02, 0.02, 0.02, 0.05, 0.87],
+            [1 / 6] * 6,
+            [1 / 6] * 6,
+        ],
+        dtype=torch.float64,
+    )
+    cut = typical_threshold(probs, 0.09, 0.3)
+    assert float(cut[1]) == pytest.approx(
+        min(0.09, 0.3 * float(torch.exp((probs[1] * torch.log(probs[1] + 1e-5)).sum())))
+    )
+    draws = set()
+    for seed in range(30):
+        path, committed = verify_tree_typical(
+            [0, 2, 3, 4], [0, 0, 0, 1], torch.log(probs), 1.0, 0.09, 0.3, torch.Generator().manual_seed(seed)
+        )
+        assert path == [0, 1] and committed[0] == 2
+        draws.add(committed[1])
+    assert draws == {5}  # row 1: only token 5 (0.87) is above the cutoff
+
+
+def medusa_typical(**params):
+    import tempfile
+    from pathlib import Path
+
+    from heads_kit import write_medusa
+
+    from dtbench.decoders.medusa import Medusa, MedusaParams
+
+    hidden = models()["self"].config.hidden_size
+    folder = write_medusa(Path(tempfile.mkdtemp(prefix="medusa-")) / "head", hidden=hidden, vocab=VOCAB, heads=2)
+    choices = [[0], [1], [0, 0], [1, 0]]
+    return Medusa(models()["self"], None, MedusaParams(head=str(folder), choices=choices, **params))
+
+
+def test_medusa_typical_is_opt_in_and_lossy():
+    from dtbench.decoders.medusa import Medusa, MedusaParams
+
+    typical = MedusaParams(head="h", acceptance="typical")
+    assert Medusa.lossless_with(typical) is False and Medusa.lossless_with(MedusaParams(head="h")) is True
+    assert Medusa.sampling_error(MedusaParams(head="h")) is not None and Medusa.sampling_error(typical) is None
+    decoder = medusa_typical(acceptance="typical")
+    decoder.sampling, decoder.generator = SamplingSettings(temperature=0.7), torch.Generator().manual_seed(0)
+    steps = list(decoder.generate(torch.tensor([PROMPT]), 20))
+    assert sum(len(s.tokens) for s in steps) >= 20 and max(s.drafted for s in steps) == 4
+    decoder.sampling = None
+    with pytest.raises(ValueError, match="typical needs a suite that samples"):
+        list(decoder.generate(torch.tensor([PROMPT]), 5))
+
+
+def test_lossy_sampled_cell_never_reads_yes(tmp_path):
+    """A sampled cell whose decoder is lossy with its params reads "lossy by design" in every format."""
+    import json
+
+    from tests import reportdb
+    from tests.kit import invoke
+
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        cell = reportdb.add_cell(
+            session, run, "medusa (typical)", "medusa", sampling={"temperature": 0.7}, draft="medusa heads"
+        )
+        cell.lossless_expected = False
+        for sample in reportdb.add_samples(session, cell, [100.0] * 6, warmup=1):
+            sample.step_stats = {"accepted": [0, 2, 1], "depth": [0, 2, 2], "drafted": [0, 4, 4]}
+            sample.accepted, sample.mean_path_length = 3, 1.5
+        session.commit()
+    rows = json.loads(invoke("report", "--db", str(path), "--format", "json").stdout)["cells"]
+    assert [r["lossless"] for r in rows] == ["lossy by design"]
+    table = invoke("report", "--db", str(path), "--format", "markdown").stdout
+    assert "lossy by design" in table and "| yes" not in table
+    invoke("report", "--db", str(path), "--profile", "--profile-json", str(tmp_path / "p.json"))
+    assert json.loads((tmp_path / "p.json").read_text())["profiles"][0]["dtbench"]["lossless"] == "lossy by design"

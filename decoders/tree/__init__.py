@@ -62,7 +62,7 @@ from pydantic import Field
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
-from dtbench.decoders.sampling import verify_tree_sampled
+from dtbench.decoders.sampling import verify_tree_sampled, verify_tree_typical
 from dtbench.decoders.tree.draft import (  # noqa: F401
     SKIP_WITH_SAMPLING,
     DraftSession,
@@ -377,6 +377,15 @@ def speculate_tree_rows(
                     pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
                     path, committed = select_path(
                         tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
+                    )
+                elif (typical := getattr(drafter, "typical", None)) is not None:  # medusa's opt-in lossy mode
+                    path, committed = verify_tree_typical(
+                        tree.tokens[:n].tolist(),
+                        tree.parents[:n].tolist(),
+                        logits[:n],
+                        sampling.temperature,
+                        *typical,
+                        generator,
                     )
                 else:  # a drafter's tree is a function of the context: deterministic children (q one-hot)
                     path, committed = verify_tree_sampled(
