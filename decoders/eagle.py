@@ -25,8 +25,15 @@ EAGLE-2's dynamic tree (``topK_genrate``), as dtbench runs it:
 So a tree holds at most ``total_token`` tokens (root included) and ``depth + 1`` drafted levels.
 EAGLE-3 differs only in the head (three target layers, its own norm and draft vocabulary mapped by ``d2t``).
 
-Sampling (EAGLE's rule: recursive rejection over the tree's siblings with the head's distribution) is not
-implemented: the decoder is greedy only, and a suite that samples is refused with one line before any model loads.
+Sampling (issue 34 item 2): the tree is a function of the context (top-k by the head's scores, never drawn), so it
+is verified by recursive rejection over each node's children with q one-hot on each child in turn (accept x with
+probability p(x); on rejection p(x) = 0, renormalised; the bonus or residual token drawn from what is left), as
+SafeAILab/EAGLE's ``evaluate_posterior`` does with a logits processor (``eagle/model/utils.py`` at cb7e084:
+``qx = 1.0``, ``gtp[xi] = 0; gtp = gtp / gtp.sum()``): the committed tokens follow the target's processed
+distribution exactly (:func:`~dtbench.decoders.sampling.verify_tree_sampled`; the chi-square test of
+tests/test_sampling.py). The head drafts the same tree as under greedy decoding (its scores ignore the sampling
+settings, as the reference's ``topK_genrate`` does). Under sampling the budget record (``budget_stats``) still
+counts greedy-acceptance nodes; the cost model's best ``total_token`` is a greedy-decoding prediction.
 
 Checked against SafeAILab/EAGLE at cb7e084. Where dtbench differs (the committed tokens are the greedy target's
 either way; these change which nodes are drafted, or only edge cases): the head's log-probabilities and cumulative
@@ -241,14 +248,15 @@ class EagleParams(DecoderParams):
 
 
 class Eagle(HeadDecoder):
-    """EAGLE-2 decoding with an EAGLE-1/2 or EAGLE-3 head; greedy verification in the one tree loop; lossless.
+    """EAGLE-2 decoding with an EAGLE-1/2 or EAGLE-3 head in the one tree loop; lossless, greedy or sampled.
 
     Capabilities (:class:`~dtbench.decoders.heads.HeadDecoder`): family ``tree``; verify sizes (0 chain tokens,
-    ``total_token`` masked); greedy only. The head's forward is the decoder's draft forward.
+    ``total_token`` masked); sampling: exact (module docstring). The head's forward is the decoder's draft forward.
     """
 
     Params = EagleParams
     version = "1"
+    supports_sampling = True
     load_head = staticmethod(load_eagle)
     check_head = staticmethod(check_eagle)
 
@@ -276,6 +284,8 @@ class Eagle(HeadDecoder):
             drafter,
             p.cache_strategy,
             tree_root="pending",
+            sampling=self.sampling,
+            generator=self.generator,
             eos_token_id=self.eos_token_id,
         )
 

@@ -171,7 +171,12 @@ def verify_tree_sampled(
         target_probs: callable u -> (vocab,) float64, the target's processed distribution of the token after the
             path to u (computed lazily, only for nodes the walk reaches).
         draft_probs: node -> (vocab,) float64, the processed draft distribution its children were drawn from
-            (without replacement); every node with children has one.
+            (without replacement). A node with children and no entry has *deterministic* children (a tree that is a
+            function of the context, such as EAGLE-2's top-k tree): each child x in turn has q one-hot on x, so it
+            is accepted with probability p(x) and a rejection zeroes p(x) and renormalises. That is SafeAILab/EAGLE's
+            ``evaluate_posterior`` with a logits processor (``eagle/model/utils.py`` at cb7e084: ``qx = 1.0``,
+            ``gtp[xi] = 0; gtp = gtp / gtp.sum()``), exact for deterministic siblings (a sibling repeating a
+            rejected token has p(x) = 0 and is rejected).
         generator: the sample's random generator.
 
     Returns:
@@ -184,10 +189,18 @@ def verify_tree_sampled(
     u, path, committed = 0, [0], []
     while True:
         p = target_probs(u)
-        q = draft_probs[u].to(p.dtype).clone() if children[u] else None
+        given = draft_probs.get(u) if children[u] else None
+        q = given.to(p.dtype).clone() if given is not None else None
         for c in children[u]:
-            assert q is not None  # a node with children has its draft distribution
             x = tokens[c]
+            if q is None:  # deterministic children: q one-hot on x
+                if accept(p[x].item(), 1.0, generator, p.device):
+                    break
+                p = p.clone()
+                p[x] = 0.0
+                total = p.sum()
+                p = p / total if total > 0 else p
+                continue
             if accept(p[x].item(), q[x].item(), generator, p.device):
                 break
             p = residual(p, q)

@@ -341,7 +341,7 @@ def test_verify_sizes_are_declared(heads):
     assert max(s.drafted for s in steps) + 1 == 17  # the declared size is what one verification feeds
 
 
-@pytest.mark.parametrize("name", ["eagle", "medusa"])
+@pytest.mark.parametrize("name", ["medusa"])  # eagle samples (issue 34): tests/test_sampling.py
 def test_sampling_is_refused_in_one_line(tmp_path, name):
     (tmp_path / "s.yaml").write_text(f"""
 name: sampled-heads
@@ -354,6 +354,22 @@ decoders:
   - {{name: {name}, params: {{head: {tmp_path}}}}}
 """)
     one_line_error(invoke("validate", str(tmp_path / "s.yaml")), "does not support sampling")
+
+
+def test_eagle_sampling_is_not_refused(tmp_path):
+    folder = write_eagle(tmp_path / "head", hidden=576, vocab=49152, version=1)
+    (tmp_path / "s.yaml").write_text(f"""
+name: sampled-eagle
+device: cpu
+target: {{model: smollm2-135m}}
+datasets: [{{name: wikitext-2, prompts: 3, L_max: 64}}]
+generation_lengths: [8]
+sampling: {{temperature: 0.7}}
+decoders:
+  - {{name: eagle, params: {{head: {folder}}}}}
+""")
+    result = invoke("validate", str(tmp_path / "s.yaml"))
+    assert result.exit_code == 0 and "does not support sampling" not in result.output, result.output
 
 
 def test_calibration_covers_the_declared_verify_sizes():

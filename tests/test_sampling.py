@@ -29,7 +29,7 @@ VOCAB, M, RUNS, ALPHA = 6, 3, 1500, 1e-4
 PROMPT = [1, 4, 2, 5]
 
 
-def tiny(seed: int, sharpness: float = 2.0):
+def tiny(seed: int, sharpness: float = 2.0, layers: int = 1):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -37,7 +37,7 @@ def tiny(seed: int, sharpness: float = 2.0):
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
@@ -62,13 +62,14 @@ def models():
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
-    return {"self": target, "perturbed": perturbed, "unrelated": tiny(11, sharpness=4.0)}
+    # "deep": a 7-layer target, the fewest an EAGLE-3 head reads (layers 2, L//2, L-3)
+    return {"self": target, "perturbed": perturbed, "unrelated": tiny(11, sharpness=4.0), "deep": tiny(5, layers=7)}
 
 
 @torch.inference_mode()
-def exact(settings: SamplingSettings) -> dict[tuple[int, ...], float]:
+def exact(settings: SamplingSettings, target_name: str = "self") -> dict[tuple[int, ...], float]:
     """P(x1..xM | PROMPT) under the target's processed distribution, by enumeration."""
-    target = models()["self"]
+    target = models()[target_name]
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=M):
         ids = torch.tensor([PROMPT + list(seq[:-1])])
@@ -91,9 +92,9 @@ def empirical(decoder, settings: SamplingSettings, length: int = M) -> dict[tupl
     return counts
 
 
-def p_value(decoder, settings: SamplingSettings, length: int = M) -> float:
-    """Chi-square p-value of the decoder's empirical distribution against the exact one."""
-    probs = exact(settings)
+def p_value(decoder, settings: SamplingSettings, length: int = M, target_name: str = "self") -> float:
+    """Chi-square p-value of the decoder's empirical distribution against the exact one (of target ``target_name``)."""
+    probs = exact(settings, target_name)
     counts = empirical(decoder, settings, length)
     assert set(counts) <= {k for k, v in probs.items() if v > 0}, "a sequence the target cannot produce"
     observed, expected, rest_o, rest_e = [], [], 0, 0.0
@@ -414,3 +415,50 @@ def test_prune_skip_refuses_sampling():
     decoder.sampling, decoder.generator = SETTINGS["t1"], torch.Generator().manual_seed(0)
     with pytest.raises(ValueError, match="prune: skip"):
         list(decoder.generate(torch.tensor([PROMPT]), 4))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# EAGLE-2 / EAGLE-3 (issue 34 item 2): a head's top-k tree, verified with deterministic children (q one-hot)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@cache
+def eagle_head(version: int) -> str:
+    import tempfile
+    from pathlib import Path
+
+    from heads_kit import write_eagle
+
+    root = Path(tempfile.mkdtemp(prefix=f"eagle{version}-"))
+    hidden = models()[EAGLE_TARGET[version]].config.hidden_size
+    extra = {"draft_vocab": 5} if version == 3 else {}
+    return str(write_eagle(root / "head", hidden=hidden, vocab=VOCAB, version=version, seed=version, **extra))
+
+
+EAGLE_TARGET = {1: "self", 3: "deep"}  # EAGLE-3 heads read three target layers: the 7-layer target
+
+
+def eagle(version: int, **params):
+    from dtbench.decoders.eagle import Eagle, EagleParams
+
+    return Eagle(models()[EAGLE_TARGET[version]], None, EagleParams(head=eagle_head(version), **params))
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_speculative_sampling_is_exact(version, temperature):
+    decoder = eagle(version, top_k=3, depth=3, total_token=8)
+    assert p_value(decoder, SamplingSettings(temperature=temperature), TREE_LENGTH, EAGLE_TARGET[version]) > ALPHA
+
+
+def test_eagle_sampling_drafts_real_trees_and_a_wrong_rule_fails(monkeypatch):
+    """Not vacuous: the sampled EAGLE trees accept drafted tokens, and accepting every drafted child (a wrong rule)
+    fails the same test."""
+    decoder = eagle(1, top_k=3, depth=3, total_token=8)
+    decoder.sampling, decoder.generator = SamplingSettings(temperature=1.0), torch.Generator().manual_seed(0)
+    steps = list(decoder.generate(torch.tensor([PROMPT]), 30))
+    assert sum(s.accepted for s in steps) > 0 and max(s.drafted for s in steps) == 7
+    from dtbench.decoders import sampling
+
+    monkeypatch.setattr(sampling, "accept", lambda p_x, q_x, generator, device: True)
+    assert p_value(decoder, SamplingSettings(temperature=1.0), TREE_LENGTH) < ALPHA

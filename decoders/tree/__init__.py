@@ -178,7 +178,9 @@ def speculate_tree(
         input_ids: (1, prompt_len) int64 prompt.
         max_new_tokens: T >= 1.
         policy: a fresh expansion policy (its state is this call's state), or a fresh :class:`TreeDrafter`
-            (learned heads, training-free drafters: ``draft`` unused, may be None; greedy only; the tree is rooted at
+            (learned heads, training-free drafters: ``draft`` unused, may be None; under sampling its tree, a function
+            of the context, is verified with deterministic children (q one-hot per child, SafeAILab/EAGLE's rule in
+            :func:`~dtbench.decoders.sampling.verify_tree_sampled`); the tree is rooted at
             the pending token whatever ``tree_root`` says; the prefill and each verification forward also return
             the drafter's target features, which it receives through ``feed_target``; each verification forward
             also feeds its :meth:`~TreeDrafter.side_branch` and hands all its logits to ``feed_logits``).
@@ -290,8 +292,6 @@ def speculate_tree_rows(
         raise ValueError(f"unknown cache strategy {cache_strategy!r}")
     check_draft_options(draft_strategy, prune, sampling is not None)
     drafter = policies[0] if isinstance(policies[0], TreeDrafter) else None
-    if drafter is not None and sampling is not None:
-        raise ValueError("a tree drafter drafts greedily; sampling is not supported with it")
     if batched and (drafter is not None or sampling is not None):
         raise ValueError("batched tree decoding takes greedy expansion policies only (no tree drafter, no sampling)")
     if not batched and len(prompts) != 1:
@@ -373,10 +373,19 @@ def speculate_tree_rows(
                 out = tree_logits(target, t_cache, tree, t_kind, hidden, side)
                 logits, features = out if hidden is not None else (out, None)
                 drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
-                pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
-                path, committed = select_path(
-                    tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
-                )
+                if sampling is None:
+                    pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
+                    path, committed = select_path(
+                        tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
+                    )
+                else:  # a drafter's tree is a function of the context: deterministic children (q one-hot)
+                    path, committed = verify_tree_sampled(
+                        tree.tokens[:n].tolist(),
+                        tree.parents[:n].tolist(),
+                        lambda u, rows=logits: sampling.probs(rows[u]),
+                        {},
+                        generator,
+                    )
                 if hidden is not None:
                     drafter.feed_target(features[path], committed)
             elif sampling is None:
