@@ -202,6 +202,7 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
         "pg19",
         "text-files",
         "spec-bench",
+        "humaneval",
     }
     corpus = tmp_path / "answers.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"answer {i} " * 40}) for i in range(3)) + "\n")
