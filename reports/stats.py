@@ -149,7 +149,11 @@ def pairing_key(frame: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[tuple]
     with each other; ``extra`` is e.g. ``("prompt_index",)`` for per-prompt pairs."""
     cols = [*(["run_id"] if "run_id" in frame else []), *GROUP, *extra]
     sampling = frame["sampling"] if "sampling" in frame else pd.Series([None] * len(frame), index=frame.index)
-    return [(*vals, decoding(s)) for vals, s in zip(zip(*(frame[c] for c in cols)), sampling)] if cols else []
+
+    def column(c: str):  # a frame from before batch sizes (issue 29) has no batch_size column: every row is B = 1
+        return frame[c] if c in frame or c != "batch_size" else pd.Series([1] * len(frame), index=frame.index)
+
+    return [(*vals, decoding(s)) for vals, s in zip(zip(*(column(c) for c in cols)), sampling)] if cols else []
 
 
 def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (), missing=math.nan) -> pd.Series:
