@@ -42,8 +42,13 @@ NVML_OVER_ALLOCATOR = 4 * 2**30  # CUDA context (~0.3-1 GiB) + allocator cache s
 
 
 def lossless_builtins() -> set[str]:
-    """Every built-in decoder that promises losslessness."""
-    return {n for n, e in registry.discover().items() if e.distribution == "dtbench" and registry.get(n).lossless}
+    """Every built-in decoder that promises losslessness and decodes in this process (a ``requests`` decoder,
+    ``server``, is checked against its plain server by tests/test_server_engine.py)."""
+    return {
+        n
+        for n, e in registry.discover().items()
+        if e.distribution == "dtbench" and registry.get(n).lossless and not registry.get(n).requests
+    }
 
 
 # Every built-in lossless decoder with the small params test_measurement gives it (which must cover every built-in).

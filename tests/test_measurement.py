@@ -66,8 +66,15 @@ def build(name, params, kind="perturbed"):
 
 
 def test_every_builtin_decoder_is_covered():
-    builtin = {n for n, e in registry.discover().items() if e.distribution == "dtbench"}
+    """Every built-in decoder that decodes in this process; a ``requests`` decoder (``server``: measured through HTTP
+    requests to an engine) is covered by tests/test_server_engine.py against a real llama.cpp server."""
+    builtin = {
+        n for n, e in registry.discover().items() if e.distribution == "dtbench" and not registry.get(n).requests
+    }
     assert builtin == {name for name, _ in BUILTIN}
+    assert {n for n, e in registry.discover().items() if e.distribution == "dtbench" and registry.get(n).requests} == {
+        "server"
+    }
 
 
 @pytest.mark.parametrize("name, params", BUILTIN, ids=[f"{n}-{'-'.join(map(str, p.values()))}" for n, p in BUILTIN])
