@@ -77,7 +77,7 @@ def _nvml_bandwidth(device: torch.device) -> float | None:
         return None
 
 
-def model_bytes(model: torch.nn.Module | None) -> dict[str, int] | None:
+def model_bytes(model: Any) -> dict[str, int] | None:
     """The bytes a forward of ``model`` reads besides the KV cache, and the KV bytes per cached position.
 
     ``weights``: every parameter once (a tied input embedding counted once; an untied one left out, since a forward
