@@ -378,6 +378,13 @@ class Suite(_Frozen):
         "[eager, compiled]: every decoder both ways, a compiled cell labelled '<label> [compiled]'",
     )
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
+    isolation: Literal["auto", "process", "none"] = Field(
+        "auto",
+        description="where cells are measured: process (a child process that loads the models once; a native crash "
+        "such as a segfault fails only the cell it hit, the run goes on in a fresh child), none (in the run's own "
+        "process), auto (default: process on CUDA, none on CPU). The local executor's; Ray actors are processes "
+        "already",
+    )
     calibrate: bool = Field(
         False,
         description="measure the target's and draft's forward-latency curves before the first cell and store "

@@ -423,6 +423,7 @@ def run_group(
     servers=None,
     tokenizer=None,
     hardware: Hardware | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
@@ -435,6 +436,8 @@ def run_group(
         servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
             declare ``requests``: :func:`measure_served`, at every B).
         hardware: the worker's :class:`Hardware` (roofline inputs, compiled execution), or None.
+        announce: called with a decoder's label right before it is measured (crash isolation names the cell a
+            dying process was measuring, :mod:`dtbench.harness.isolation`).
     """
     outputs = dict(done)
     served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
@@ -444,6 +447,8 @@ def run_group(
             if cp.label in outputs or cp.label in skip:
                 continue
             ref = outputs.get(cp.reference_label) if cp.reference_label else None
+            if announce is not None:
+                announce(cp.label)
             if cp.cls.requests:
                 outcome = measure_served(
                     cp, prompt, group, _served_reference(cp, served, outputs, True), suite, servers, tokenizer, stop
@@ -465,6 +470,8 @@ def run_group(
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
+        if announce is not None:
+            announce(cp.label)
         if cp.cls.requests:
             outcome = measure_served(
                 cp, [prompt], group, _served_reference(cp, served, outputs, False), suite, servers, tokenizer, stop
@@ -623,7 +630,14 @@ class Worker:
             warnings=warnings,
         )
 
-    def run(self, key: WorkKey, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
+    def run(
+        self,
+        key: WorkKey,
+        prompt,
+        done: dict[str, Reference],
+        skip: set[str],
+        announce: Callable[[str], None] | None = None,
+    ) -> Iterator[Outcome]:
         """Measure one prompt group (see :func:`run_group`), yielding each outcome."""
         group = self.groups.get(key)
         if group is None:
@@ -641,6 +655,7 @@ class Worker:
             servers=self.servers,
             tokenizer=self.tokenizer,
             hardware=self.hardware,
+            announce=announce,
         )
 
     def close(self) -> None:
