@@ -336,11 +336,12 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     text; a question file parses and its categories exist; a chat template exists (``auto`` needs the target
     tokenizer's) and renders every prompt within its bounds; each decoder's own files pass its
     ``check_files(params)`` classmethod where it has one (a learned head's config.json and weights' header, REST's
-    tokens file); L_max + T fits each model's context (a warning past a rotary model's trained context).
+    tokens file); a server decoder that launches ``{llama_server}`` finds the binary (``make engine``); L_max + T
+    fits each model's context (a warning past a rotary model's trained context).
 
     Raises:
-        DtbenchError: a non-text document, a bad question file or category, a missing chat template, or L_max + T
-            beyond a model's learned position table.
+        DtbenchError: a non-text document, a bad question file or category, a missing chat template, no
+            llama-server for a ``{llama_server}`` launch, or L_max + T beyond a model's learned position table.
     """
     for ds in suite.datasets:
         try:
@@ -366,6 +367,16 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                     questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
                 except DtbenchError as exc:
                     raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    for p in plan.decoders:  # a launched llama.cpp server needs its binary (make engine; issue 41)
+        if p.cls.requests and getattr(p.params, "launch", None):
+            from dtbench.harness.serving import launches_llama_server, llama_server_binary
+
+            if launches_llama_server(p.params):  # type: ignore[arg-type]
+                try:
+                    llama_server_binary()
+                except DtbenchError as exc:
+                    where = f"{p.spec.where}: " if p.spec.where else ""
+                    raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
     for p in plan.decoders:  # a decoder's own files (a head's config and weights' header, a tokens file)
         check = getattr(p.cls, "check_files", None)
         if check is not None:
