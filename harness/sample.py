@@ -38,6 +38,7 @@ class SampleRecord:
         batch_group, batch_rows, batch_total_s: a row of a batched cell (B > 1, issue 29): its prompt group's first
             prompt index, the rows decoded together (< B: the remainder group) and the group's wall time in seconds
             (until its last row finished); None at B = 1.
+        repeat: the 0-based repeat of the prompt (suite key ``repeats``, issue 41); 0 without repeats.
     """
 
     prompt_index: int
@@ -92,6 +93,7 @@ class SampleRecord:
     batch_group: int | None = None
     batch_rows: int | None = None
     batch_total_s: float | None = None
+    repeat: int = 0
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> SampleRecord:
