@@ -220,7 +220,9 @@ def describe(row: Any) -> str:
     loads = [v for v in (_number(row.get("load_start")), _number(row.get("load_end"))) if v is not None]
     if cpus is None or not loads:
         return ""
-    shown = f"{loads[0]:.1f}" if len(loads) == 1 or abs(loads[0] - loads[1]) < 0.05 else f"{loads[0]:.1f}-{loads[1]:.1f}"
+    shown = (
+        f"{loads[0]:.1f}" if len(loads) == 1 or abs(loads[0] - loads[1]) < 0.05 else f"{loads[0]:.1f}-{loads[1]:.1f}"
+    )
     text = f"1-min load {shown}"
     others = _number(row.get("others_load_max"))
     if others is not None:
@@ -292,3 +294,40 @@ def wait_quiet(below: float, limit_s: float, say=None, poll_s: float = 5.0, load
         time.sleep(min(poll_s, left))
         load = read()
     return load
+
+
+def run_load(cells: list[Any]) -> dict[str, Any]:
+    """A run's load over its cells (mappings with :data:`COLUMNS`): the CPU count, the first start and last end
+    load, the largest others' load, the CPU seconds summed; all None when no cell recorded any."""
+    out: dict[str, Any] = dict.fromkeys(COLUMNS)
+    for cell in cells:
+        if _number(cell.get("cpu_count")) is None:
+            continue
+        part = {k: (_number(cell.get(k)) if k != "cpu_count" else int(cell.get(k))) for k in COLUMNS}
+        out = merge(out, part)
+    return out
+
+
+DIFFER_LOAD_PER_CPU = 0.25  # two runs' others' loads differ by more than a quarter of the CPUs
+DIFFER_SHARE = 0.10  # ... or their others' CPU shares by more than 10 points
+
+
+def loads_differ(before: dict[str, Any], after: dict[str, Any], names: tuple[str, str]) -> str | None:
+    """One line when two runs' loads (:func:`run_load`) differ: one busy and the other not (:func:`busy`), the
+    load from other processes apart by more than a quarter of the CPUs, or the others' CPU shares by more than 10
+    points; None when they do not, or either run has no load recorded (stored before migration 0013)."""
+    if _number(before.get("cpu_count")) is None or _number(after.get("cpu_count")) is None:
+        return None
+    cpus = max(int(before["cpu_count"]), int(after["cpu_count"]))
+    lb, la = _number(before.get("others_load_max")) or 0.0, _number(after.get("others_load_max")) or 0.0
+    sb, sa = others_share(before) or 0.0, others_share(after) or 0.0
+    if busy(before) == busy(after) and abs(lb - la) <= DIFFER_LOAD_PER_CPU * cpus and abs(sb - sa) <= DIFFER_SHARE:
+        return None
+
+    def side(name: str, row: dict[str, Any]) -> str:
+        return f"{name}: {describe(row)}" + (" (busy)" if busy(row) else "")
+
+    return (
+        f"the two runs' machine load differs ({side(names[0], before)}; {side(names[1], after)}): "
+        f"their timings may differ for that reason"
+    )

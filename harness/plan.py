@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 
@@ -54,6 +54,9 @@ class PromptGroup:
     W warmup prompts form warmup groups of at most B, the others groups of B; a last group of fewer than B prompts is
     the *remainder* (decoded as a smaller batch and marked, never dropped). ``prompt_index`` is the group's first
     prompt, the key every decoder's samples of the group are paired by.
+
+    With ``repeats: N`` each group after the warmup comes N times in a row (``repeat`` 0 .. N-1), each time with
+    every decoder in order: the repeats of one decoder are interleaved with the others', never back to back.
     """
 
     dataset: DatasetSpec
@@ -64,6 +67,7 @@ class PromptGroup:
     slot_warmup: bool | None = None  # question datasets: the slot's own flag (W per group)
     batch_size: int = 1  # the cells' B
     rows: tuple[int, ...] = ()  # the prompt indices decoded together (B > 1); () at B = 1: (prompt_index,)
+    repeat: int = 0  # which measurement of the group (suite key repeats: 0 .. N-1; warmup groups only 0)
 
     @property
     def prompt_indices(self) -> tuple[int, ...]:
@@ -112,7 +116,15 @@ class Plan:
         ]
 
     def groups(self) -> list[PromptGroup]:
-        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index (:class:`PromptGroup`)."""
+        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index, then repeat (the suite's
+        ``repeats`` times for a group after the warmup, once for a warmup group; :class:`PromptGroup`)."""
+        return [
+            replace(g, repeat=r) if r else g
+            for g in self._groups()
+            for r in range(1 if g.warmup else self.suite.repeats)
+        ]
+
+    def _groups(self) -> list[PromptGroup]:
         out = []
         for ds, l_max, T, B in self.points():
             decs = tuple(self.decoders_at(ds.key, l_max, T, B))
