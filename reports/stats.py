@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterable
 
 import pandas as pd
@@ -71,19 +72,36 @@ __all__ = [
 
 def cell_throughput(samples: Iterable) -> float:
     """A cell's throughput (tokens/s): the mean of its samples' throughput (T / total wall time, prefill included)
-    after warmup; NaN when no sample is left after warmup. The number every report, ``doctor`` and the cost model
+    after warmup, the repeats of a prompt (suite key ``repeats``) counted once as their median; NaN when no sample
+    is left after warmup. The number every report, ``doctor`` and the cost model
     show for a cell (its speedup: this over the baseline cell's).
 
     Args:
         samples: the cell's samples (ORM rows, mappings or frame rows with ``throughput`` and ``warmup``).
     """
-    values = [
-        float(v)
-        for s in samples
-        if not bool(column_of(s, "warmup"))
-        if (v := column_of(s, "throughput")) is not None and not (isinstance(v, float) and math.isnan(v))
-    ]
+    by_prompt: dict[object, list[float]] = {}
+    for i, s in enumerate(samples):
+        v = column_of(s, "throughput")
+        if bool(column_of(s, "warmup")) or v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        # repeats of a prompt (suite key repeats) count once, as their median (rows without a repeat are their own)
+        by_prompt.setdefault(_prompt_key(s, i), []).append(float(v))
+    values = [statistics.median(vs) for vs in by_prompt.values()]
     return sum(values) / len(values) if values else math.nan
+
+
+def _prompt_key(sample, i: int) -> object:
+    """The prompt a sample row measured, (cell, prompt index), so that its repeats are one prompt; a row that is one
+    prompt already (collapsed by :func:`collapse_repeats`: it has ``repeats``) or has no such columns is its own."""
+    try:
+        column_of(sample, "repeats")
+        return i  # collapsed already
+    except (KeyError, AttributeError):
+        pass
+    try:
+        return (column_of(sample, "cell_id"), column_of(sample, "prompt_index"))
+    except (KeyError, AttributeError):
+        return i
 
 
 def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False, lossy: bool = False) -> str:

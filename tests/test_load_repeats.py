@@ -205,3 +205,14 @@ def test_repeats_must_be_a_positive_count(tmp_path):
         path = write_suite(tmp_path, suite_dict(tmp_path, tmp_path, [{"name": "ar"}], repeats=bad))
         result = invoke("validate", path)
         assert result.exit_code == 2 and "repeats" in one_line_error(result), result.output
+
+
+def test_a_cells_throughput_counts_a_prompts_repeats_once_as_their_median():
+    from dtbench.reports.stats import cell_throughput
+
+    rows = [
+        {"cell_id": 1, "prompt_index": 0, "repeat": r, "warmup": False, "throughput": v}
+        for r, v in enumerate([10.0, 12.0, 30.0])
+    ] + [{"cell_id": 1, "prompt_index": 1, "repeat": 0, "warmup": False, "throughput": 20.0}]
+    assert cell_throughput(rows) == pytest.approx((12.0 + 20.0) / 2)
+    assert cell_throughput([{"warmup": False, "throughput": v} for v in (1.0, 3.0)]) == 2.0  # no prompt columns
