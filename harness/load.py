@@ -3,7 +3,7 @@
 The worker reads the machine (:func:`probe`) right before and right after each decoder's measurement of a prompt
 group (its samples and their lossless check); :func:`span` turns the two readings into plain data shipped with the
 outcome, and the runner folds the spans of a cell into its row (:func:`merge`, the ``cells`` columns of migration
-0013). Definitions:
+0014). Definitions:
 
 - ``load_start`` / ``load_end``: the 1-minute load average (``os.getloadavg()[0]``: runnable and uninterruptible
   threads, exponentially averaged over about a minute) right before the cell's first measured sample and right after
@@ -22,7 +22,7 @@ outcome, and the runner folds the spans of a cell into its row (:func:`merge`, t
 
 A cell is *busy* (:func:`busy`) when its load, less its own contribution, was above half the CPUs, or other
 processes took more than 10% of the CPU time: reports mark it with one line (:func:`note`). Cells written before
-0013 have no load columns: no note.
+0014 have no load columns: no note.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ DIFFER_SHARE = 0.10  # ... or their others' CPU shares by more than 10 points
 def loads_differ(before: dict[str, Any], after: dict[str, Any], names: tuple[str, str]) -> str | None:
     """One line when two runs' loads (:func:`run_load`) differ: one busy and the other not (:func:`busy`), the
     load from other processes apart by more than a quarter of the CPUs, or the others' CPU shares by more than 10
-    points; None when they do not, or either run has no load recorded (stored before migration 0013)."""
+    points; None when they do not, or either run has no load recorded (stored before migration 0014)."""
     if _number(before.get("cpu_count")) is None or _number(after.get("cpu_count")) is None:
         return None
     cpus = max(int(before["cpu_count"]), int(after["cpu_count"]))

@@ -15,18 +15,26 @@ from dtbench.reports.summary import lossless_failed
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
-COLUMNS = [("Decoder", "label"), *((m.header, m.name) for m in _SHOWN), ("Lossless", "lossless")]
+COLUMNS = [
+    ("Decoder", "label"),
+    ("Execution", "execution"),
+    *((m.header, m.name) for m in _SHOWN),
+    ("Lossless", "lossless"),
+]
 # With repeats (suite key repeats), after the throughput: its median and its coefficient of variation over repeats.
 REPEAT_COLUMNS = [("Median (t/s)", "throughput_median"), ("CV", "throughput_cv")]
 
 
 def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
-    """COLUMNS without the optional metrics (energy) that no row of ``group`` has a value for."""
+    """COLUMNS without the optional metrics (energy, roofline) that no row of ``group`` has a value for, and without
+    Execution where every row ran eager (the tables of runs before compiled execution are unchanged)."""
     empty = {
         m.name
         for m in _SHOWN
         if m.optional and not any(not _missing(v) for c in m.columns for v in (group[c] if c in group else []))
     }
+    if "execution" not in group or all(v in (None, "eager") or _missing(v) for v in group["execution"]):
+        empty.add("execution")
     return [(h, c) for h, c in COLUMNS if c not in empty]
 
 
@@ -184,6 +192,7 @@ def formatted(row: pd.Series) -> dict[str, str]:
     out = {
         "label": row["label"],
         "lossless": lossless,
+        "execution": execution_display(row),
         "throughput_median": fmt(row.get("throughput_median"), ".1f") + mark,
         "throughput_cv": fmt(row.get("throughput_cv"), ".1%"),
     }
@@ -195,6 +204,13 @@ def formatted(row: pd.Series) -> dict[str, str]:
             speedup_mark(row) if m is SPEEDUP and value != MISSING else mark if m is METRICS[0] else ""
         )
     return out
+
+
+def execution_display(row) -> str:
+    """The Execution column: ``eager``, or ``compiled`` with the cell's compile time (seconds, before its warmup)."""
+    mode = row.get("execution") or "eager"
+    compile_s = row.get("compile_s")
+    return mode if _missing(compile_s) or compile_s is None else f"{mode} (compile {compile_s:.1f} s)"
 
 
 def _title(key) -> str:
@@ -215,7 +231,8 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
         columns = shown_columns(group)
         repeats = int(group["repeats"].max()) if "repeats" in group and len(group) else 1
         if repeats > 1:  # the median and the coefficient of variation over repeats, after the mean throughput
-            columns[2:2] = REPEAT_COLUMNS
+            at = next(i for i, (_, c) in enumerate(columns) if c == METRICS[0].name) + 1
+            columns[at:at] = REPEAT_COLUMNS
         rows = [row for _, row in group.iterrows()]
         display = pd.DataFrame(
             [[formatted(row)[c] for _, c in columns] for row in rows], columns=[h for h, _ in columns]
@@ -249,7 +266,7 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
                 group[CELL_DATA],
                 notes=notes,
                 row_styles=styles,
-                left=frozenset({"Decoder", "Lossless"}),
+                left=frozenset({"Decoder", "Execution", "Lossless"}),
             )
         )
     return reports
@@ -300,6 +317,8 @@ MACHINE_COLUMNS = [
     "mixed_devices",
     "batch_size",
     "remainder_n",
+    "execution",
+    "compile_s",
     "repeats",
     "throughput_median",
     "throughput_cv",

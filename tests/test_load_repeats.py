@@ -65,7 +65,7 @@ def test_a_cells_load_keeps_its_start_and_sums_its_cpu_seconds():
           "capacity_cpu_s": 20.0}, True),  # load from others above half the cores
         ({"cpu_count": 2, "load_start": 1.0, "load_end": 1.0, "others_load_max": 0.5, "others_cpu_s": 3.0,
           "capacity_cpu_s": 20.0}, True),  # others took 15% of the CPU time
-        (dict.fromkeys(load.COLUMNS), False),  # a cell stored before 0013
+        (dict.fromkeys(load.COLUMNS), False),  # a cell stored before 0014
     ],
 )  # fmt: skip
 def test_the_busy_rule(row, busy):

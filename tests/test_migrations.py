@@ -365,7 +365,7 @@ def test_0011_old_cells_report_as_batch_size_1_and_the_unique_key_holds_b(old_db
             s.commit()
 
 
-def test_0013_old_samples_are_repeat_0_old_cells_have_no_load_and_the_unique_key_holds_the_repeat(old_db):
+def test_0014_old_samples_are_repeat_0_old_cells_have_no_load_and_the_unique_key_holds_the_repeat(old_db):
     """Issue 41: an upgraded database's samples are repeat 0 and its cells carry no load (no busy note in any
     report); a second repeat of a stored prompt may be added, the same repeat twice may not."""
     from sqlalchemy.exc import IntegrityError

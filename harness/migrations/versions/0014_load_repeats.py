@@ -11,16 +11,16 @@ samples: repeat (NOT NULL, default 0: the 0-based repeat of the prompt, suite ke
 before this revision is repeat 0); the unique constraint becomes (cell_id, prompt_index, repeat), named
 ``uq_samples_prompt_repeat``. No value changes, so an upgraded run reports the same numbers.
 
-Revision ID: 0013
-Revises: 0012
+Revision ID: 0014
+Revises: 0013
 Create Date: 2026-11-26
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013"
-down_revision = "0012"
+revision = "0014"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
