@@ -412,10 +412,10 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                 except DtbenchError as exc:
                     raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
     for p in plan.decoders:  # a launched llama.cpp server needs its binary (make engine; issue 41)
-        if p.cls.requests and getattr(p.params, "launch", None):
+        if p.cls.requests:
             from dtbench.harness.serving import launches_llama_server, llama_server_binary
 
-            if launches_llama_server(p.params):  # type: ignore[arg-type]
+            if launches_llama_server(p.params):
                 try:
                     llama_server_binary()
                 except DtbenchError as exc:

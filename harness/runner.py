@@ -122,7 +122,9 @@ def run_suite(
             check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
     quiet = None
     if quiet_below is not None:  # before anything loads: dtbench's own loading would raise the load it waits on
-        found = load.wait_quiet(quiet_below, quiet_limit_s, say=lambda line: console.print(f"note: {line}"))
+        found = load.wait_quiet(
+            quiet_below, quiet_limit_s, say=lambda line: console.print(f"note: {line}", markup=False, highlight=False)
+        )
         quiet = {"below": quiet_below, "load_1m": round(found, 3), "limit_s": quiet_limit_s}
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)

@@ -114,9 +114,9 @@ def llama_server_binary() -> str:
     raise ServerError(MAKE_ENGINE)
 
 
-def launches_llama_server(params: ServerParams) -> bool:
-    """Whether a server decoder's ``launch:`` command uses ``{llama_server}``."""
-    return any("{llama_server}" in arg for arg in params.launch or [])
+def launches_llama_server(params: object) -> bool:
+    """Whether a decoder's params hold a ``launch:`` command (the server decoder's) that uses ``{llama_server}``."""
+    return any("{llama_server}" in str(arg) for arg in getattr(params, "launch", None) or [])
 
 
 try:  # loaded here, not in the forked child (no import or loader lock taken between fork and exec)
