@@ -369,6 +369,15 @@ class Suite(_Frozen):
         "decoded as a smaller batch and marked); default [1]. `concurrency:` is the same axis under its serving "
         "name: a server decoder keeps that many requests in flight",
     )
+    repeats: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="measure each prompt (each prompt group at B > 1) this many times, interleaved: every decoder "
+        "on the prompt, then every decoder again (never one decoder's repeats back to back); warmup prompts once. "
+        "Reports give each cell's median throughput and its coefficient of variation over repeats, and speedup "
+        "intervals pair prompts on their median over repeats (docs/measurement.md); default 1",
+    )
     execution: list[Execution] = Field(
         default_factory=lambda: ["eager"],
         min_length=1,

@@ -71,9 +71,9 @@ def test_compiled_decoders_pass_the_tie_aware_check_at_reduced_precision(dtype):
     """At the precision people run (bf16 here; fp16 on the GPU node), compiled decoders are checked as every cell is:
     each emitted token is the target's greedy choice given the decoder's own prefix, numeric near ties allowed
     (harness/lossless.py), with zero errors; float32 token for token against eager ar."""
-    from dtbench.harness import lossless
-
     import copy
+
+    from dtbench.harness import lossless
 
     base, drafted = model_zoo()["perturbed"]  # shared by other tests: copied, never cast in place
     target, draft = copy.deepcopy(base).to(dtype), copy.deepcopy(drafted).to(dtype)
