@@ -236,4 +236,5 @@ class IsolatedWorker:
 
 
 def _first(key) -> int:
-    return int(key[-1]) if isinstance(key, tuple) and key else 0
+    """The (first) prompt index of a work key (:func:`~dtbench.harness.worker.work_key`)."""
+    return int(key[4]) if isinstance(key, tuple) and len(key) > 4 else 0
