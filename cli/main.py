@@ -394,6 +394,14 @@ def run_exit_code(sessions, run_id: int) -> int:
     "source, tokens per read, lossless and its rule",
 )
 @click.option(
+    "--goodput",
+    "goodput",
+    metavar="SLOS",
+    help="goodput against latency targets in ms, vLLM's names: e.g. ttft:200,tpot:50,e2el:5000; per cell the "
+    "share of requests (and of output tokens) after warmup meeting every target, with a Wilson CI, and good "
+    "requests per second",
+)
+@click.option(
     "--execution",
     "execution",
     is_flag=True,
@@ -441,6 +449,7 @@ def report(
     profile,
     profile_json,
     include_partial,
+    goodput,
     execution,
 ) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
@@ -500,6 +509,7 @@ def report(
         profile=profile,
         profile_json=profile_json,
         execution=execution,
+        goodput=goodput,
     )
 
 

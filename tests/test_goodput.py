@@ -1,0 +1,89 @@
+"""`dtbench report --goodput` (issue 39 item 3): the share of requests meeting every latency target, per cell."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+from sqlalchemy import select
+
+from dtbench.harness import db
+from dtbench.harness.errors import DtbenchError
+from dtbench.reports.goodput import goodput_frame, meets, parse_slos, wilson
+
+
+def test_targets_parse_in_milliseconds_and_bad_ones_are_one_line():
+    assert parse_slos("ttft:200, tpot:50,e2el:5000") == {"ttft": 0.2, "tpot": 0.05, "e2el": 5.0}
+    for bad, needle in [
+        ("ttft=200", "is not NAME:MS"),
+        ("itl:5", "is not NAME:MS"),
+        ("ttft:-1", "positive number of milliseconds"),
+        ("ttft:nan", "positive number of milliseconds"),
+        ("ttft:1,ttft:2", "given twice"),
+        (",", "at least one target"),
+    ]:
+        with pytest.raises(DtbenchError, match=needle):
+            parse_slos(bad)
+
+
+def test_a_request_counts_only_if_it_meets_every_target():
+    samples = pd.DataFrame(
+        {"ttft_s": [0.1, 0.1, 0.3, 0.1], "tpot_s": [0.01, 0.05, 0.01, None], "total_s": [1.0, 1.0, 1.0, 0.1]}
+    )
+    assert meets(samples, {"ttft": 0.2, "tpot": 0.02}).tolist() == [True, False, False, True]
+    assert meets(samples, {"e2el": 0.5}).tolist() == [False, False, False, True]
+    low, high = wilson(2, 4, 0.95)
+    assert low < 0.5 < high and 0 < low and high < 1
+
+
+def test_goodput_frame_by_hand():
+    frame = pd.DataFrame(
+        {
+            "cell_id": [1, 1, 1, 1],
+            "has_sample": True,
+            "warmup": [True, False, False, False],
+            "dataset": "d",
+            "l_max": 8,
+            "gen_length": 4,
+            "batch_size": 1,
+            "label": "ar",
+            "decoder": "ar",
+            "ttft_s": [9.0, 0.1, 0.1, 0.4],
+            "tpot_s": [0.01, 0.01, 0.03, 0.01],
+            "total_s": [9.0, 1.0, 2.0, 1.0],
+            "new_tokens": [4, 4, 8, 4],
+        }
+    )
+    row = goodput_frame(frame, {"ttft": 0.2, "tpot": 0.02}).iloc[0]
+    assert row["n"] == 3 and row["good"] == 1 and row["goodput"] == pytest.approx(1 / 3)  # the warmup left out
+    assert row["token_goodput"] == pytest.approx(4 / 16) and row["goodput_rps"] == pytest.approx(1 / 4.0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def test_goodput_of_a_run_with_batch_sizes(pair, tmp_path, data_dir):
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], batch_sizes=[1, 2])
+    suite["datasets"][0].update(prompts=5, warmup=1)
+    dbfile = tmp_path / "g.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    loose = json.loads(invoke("report", "--db", str(dbfile), "--goodput", "e2el:600000", "--format", "json").stdout)
+    assert loose["slo_ms"] == {"e2el": 600000.0}
+    assert {(c["label"], c["batch_size"]) for c in loose["cells"]} == {(d, b) for d in ("ar", "linear") for b in (1, 2)}
+    assert all(c["goodput"] == 1.0 and c["good"] == c["n"] == 4 for c in loose["cells"])  # every row of every batch
+    with db.connect(str(dbfile))() as s:  # a target between the fastest and the slowest request splits them
+        times = sorted(x.ttft_s for c in s.scalars(select(db.Cell)) if c.label == "ar" for x in c.samples)
+    cut = (times[1] + times[-1]) / 2 * 1e3
+    split = json.loads(invoke("report", "--db", str(dbfile), "--goodput", f"ttft:{cut}", "--format", "json").stdout)
+    assert any(0 < c["goodput"] < 1 or c["goodput"] == 0 for c in split["cells"])
+    table = invoke("report", "--db", str(dbfile), "--goodput", "ttft:1,tpot:1", "--format", "markdown")
+    assert table.exit_code == 0 and "Goodput · run 1" in table.stdout and "Good req/s" in table.stdout
+    one_line_error(invoke("report", "--db", str(dbfile), "--goodput", "ttft:x"), "positive number of milliseconds")
+    one_line_error(invoke("report", "--db", str(dbfile), "--goodput", "ttft:5", "--engine"), "a report of its own")
