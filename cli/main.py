@@ -394,6 +394,14 @@ def run_exit_code(sessions, run_id: int) -> int:
     "source, tokens per read, lossless and its rule",
 )
 @click.option(
+    "--schedule",
+    "schedule",
+    type=click.Choice(["vllm", "sglang", "trtllm"]),
+    help="the speculation schedule the cost model predicts from a calibrated run with batch sizes: per chain "
+    "decoder the best K per batch-size range (0 where speculation stops paying), in the engine's configuration terms "
+    "(vLLM num_speculative_tokens + disable_by_batch_size, TensorRT-LLM draft_len_schedule, SGLang steps per bucket)",
+)
+@click.option(
     "--goodput",
     "goodput",
     metavar="SLOS",
@@ -449,6 +457,7 @@ def report(
     profile,
     profile_json,
     include_partial,
+    schedule,
     goodput,
     execution,
 ) -> None:
@@ -510,6 +519,7 @@ def report(
         profile_json=profile_json,
         execution=execution,
         goodput=goodput,
+        schedule=schedule,
     )
 
 

@@ -54,6 +54,7 @@ def report_command(
     profile_json: str | None = None,
     execution: bool = False,
     goodput: str | None = None,
+    schedule: str | None = None,
 ) -> None:
     """Validate the option combination, then produce each requested output.
 
@@ -112,6 +113,13 @@ def report_command(
         raise DtbenchError("--execution is a report of its own; give it alone (with --run ID and --format)")
     if goodput is not None and (others or execution or len(run_ids) > 1):
         raise DtbenchError("--goodput is a report of its own; give it alone (with --run ID, --format, --alpha)")
+    if schedule is not None and (others or execution or goodput is not None or len(run_ids) > 1):
+        raise DtbenchError("--schedule is a report of its own; give it alone (with --run ID and --format)")
+    if schedule is not None:
+        from dtbench.reports.schedule import schedule_report
+
+        schedule_report(db.connect(db_url, create=False), run_ids[0] if run_ids else None, fmt, schedule)
+        return
     slos = None
     if goodput is not None:
         from dtbench.reports.goodput import parse_slos

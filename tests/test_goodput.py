@@ -87,3 +87,47 @@ def test_goodput_of_a_run_with_batch_sizes(pair, tmp_path, data_dir):
     assert table.exit_code == 0 and "Goodput · run 1" in table.stdout and "Good req/s" in table.stdout
     one_line_error(invoke("report", "--db", str(dbfile), "--goodput", "ttft:x"), "positive number of milliseconds")
     one_line_error(invoke("report", "--db", str(dbfile), "--goodput", "ttft:5", "--engine"), "a report of its own")
+
+
+# --- the schedule (issue 39 item 6) ---------------------------------------------------------------------------------
+
+
+def test_schedule_ranges_and_engine_terms():
+    from dtbench.reports.schedule import engine_config, ranges
+
+    rows = pd.DataFrame({"batch_size": [1, 2, 4, 8, 16], "best_k": [4, 4, 2, 0, 0]})
+    spans = ranges(rows)
+    assert spans == [(1, 2, 4), (4, 4, 2), (8, 16, 0)]
+    assert engine_config("trtllm", spans) == {"speculative_config": {"draft_len_schedule": {2: 4, 4: 2}}}
+    assert engine_config("vllm", spans) == {
+        "speculative_config": {"num_speculative_tokens": 4, "disable_by_batch_size": 8}
+    }
+    buckets = engine_config("sglang", spans)["per_batch_bucket"]
+    assert buckets[0] == {"batch_sizes": "1-2", "speculative_num_steps": 4, "speculative_num_draft_tokens": 5}
+    assert buckets[-1]["speculative_num_steps"] == 0
+
+
+def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_path, data_dir):
+    from kit import fast_calibration_settings
+
+    from dtbench.harness import calibrate as cal
+
+    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    decoders = [{"name": "ar"}, {"name": "linear", "label": "linear", "sweep": {"k": [1, 3]}}]
+    suite = suite_dict(*pair, decoders, batch_sizes=[1, 2], calibrate=True)
+    suite["datasets"][0].update(prompts=4, warmup=1)
+    dbfile = tmp_path / "s.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    out = invoke("report", "--db", str(dbfile), "--schedule", "trtllm", "--format", "json")
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["engine"] == "trtllm" and {r["batch_size"] for r in doc["rows"]} == {1, 2}
+    assert all(r["best_k"] >= 0 and r["predicted_speedup"] > 0 for r in doc["rows"])
+    assert any(r["measured_best_k"] in (0, 1, 3) for r in doc["rows"])  # two K measured at each B
+    assert all("draft_len_schedule" in c["speculative_config"] for c in doc["configs"].values())
+    text = invoke("report", "--db", str(dbfile), "--schedule", "vllm", "--format", "markdown")
+    assert text.exit_code == 0 and "disable_by_batch_size" in text.output
+    one_line_error(invoke("report", "--db", str(dbfile), "--schedule", "vllm", "--engine"), "a report of its own")
