@@ -44,7 +44,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     """
     from dtbench.harness.db import Cell
     from dtbench.reports.compare import speedup_table
-    from dtbench.reports.costmodel import _b1_parameters, best_k_at
+    from dtbench.reports.costmodel import _b1_parameters, best_k_at, price_proposers
     from dtbench.reports.stats import family_of
     from dtbench.reports.summary import samples_frame
 
@@ -61,8 +61,9 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
             continue
         measured.setdefault((c.dataset, c.l_max, c.gen_length, c.decoder, c.batch_size or 1), {})[k] = r["speedup"]
     rows = []
+    params_of: dict[tuple, dict] = {}
     for c in cells:
-        if (c.batch_size or 1) != 1 or c.sampling or family_of(c.family) != "chain" or c.status == "failed":
+        if (c.batch_size or 1) != 1 or c.sampling or family_of(c.family) not in ("ar", "chain") or c.status == "failed":
             continue
         samples = pd.DataFrame(
             [
@@ -71,13 +72,19 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
                     "iterations": s.iterations,
                     "drafted": s.drafted,
                     "new_tokens": s.new_tokens,
+                    "total_s": s.total_s,
                     "step_stats": s.step_stats,
                 }
                 for s in c.samples
             ]
         )
-        params = _b1_parameters(samples) if not samples.empty else None
-        if params is None or not params["p"]:
+        got = _b1_parameters(samples) if not samples.empty else None
+        if got is not None:
+            params_of[(c.dataset, c.l_max, c.gen_length, c.label)] = {**got, "family": family_of(c.family), "cell": c}
+    price_proposers(params_of)  # a proposer's own CPU time is draft cost at every B (issue 39 item 5)
+    for params in params_of.values():
+        c = params["cell"]
+        if params["family"] != "chain" or not params["p"]:
             continue
         past = c.l_max + c.gen_length // 2
         for b in sizes:
