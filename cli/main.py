@@ -34,6 +34,10 @@ class FormatChoice(click.Choice):
 
     @property
     def choices(self) -> tuple[str, ...]:
+        from dtbench.reports.output import load_format_plugins
+
+        for problem in load_format_plugins():  # third-party formats (entry points `dtbench.formats`), once
+            click.echo(f"warning: {problem}", err=True)
         return tuple(RENDERERS)
 
     @choices.setter
