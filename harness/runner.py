@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from dtbench.core import redact_credentials, redact_json
 from dtbench.harness import calibrate, chat, data, executors, models, questions, registry
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
@@ -308,7 +309,7 @@ def _open_cells(
                 label=cp.label,
                 decoder_version=str(cp.version),
                 decoder_distribution=cp.distribution,
-                params=cp.params.model_dump(mode="json"),
+                params=redact_json(cp.params.model_dump(mode="json")),  # URL credentials masked (issue 42)
                 lossless_expected=cp.cls.lossless_with(cp.params),
                 lossless_check=plan.suite.lossless_check,
                 sweep_group=cp.spec.sweep_group,
@@ -370,17 +371,21 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
 
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
-    """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat."""
+    """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat.
+
+    Every string stored (a sample's ``step_stats``, a cell's error) has its URL credentials masked
+    (:func:`dtbench.core.redact_json`): a server's ``base_url`` with a password is stored as ``user:***@``."""
 
     with sessions() as session:
         cell = session.get(Cell, cell_id)
         if outcome.row is not None:
             for row in outcome.rows or [outcome.row]:  # a batch's rows in one transaction
-                session.add(Sample(cell_id=cell_id, **SampleRecord.from_row({**row, **(extra or {})}).as_row()))
+                record = SampleRecord.from_row(redact_json({**row, **(extra or {})}))
+                session.add(Sample(cell_id=cell_id, **record.as_row()))
             if cell.status == "pending":
                 cell.status = "running"
         else:
-            cell.status, cell.error = "failed", (outcome.error or "")[:2000]
+            cell.status, cell.error = "failed", redact_credentials(outcome.error or "")[:2000]
         session.get(Run, run_id).heartbeat_at = utcnow()
         session.commit()
 
