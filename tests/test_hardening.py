@@ -16,6 +16,8 @@ import pytest
 import yaml
 from kit import invoke, one_line_error, write_suite
 
+from dtbench.harness.errors import DtbenchError
+
 TINY = {
     "name": "tiny",
     "seed": 0,
@@ -1480,3 +1482,157 @@ def test_a_plugins_names_are_escaped_in_the_decoders_table(tmp_path, monkeypatch
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout
     assert "\\x1b]0;pwn\\x07[red]x[/red]" in result.stdout.replace("\n", "").replace(" ", "")
+
+
+# === Issue 42: the server path's secrets, signals and untrusted numbers ============================================
+
+
+def _served(tmp_path, decoders: list[dict], **changes) -> str:
+    """A suite of server cells (the embedded tokenizer only: a server owns its model), 2 prompts, 1 warmup, T = 4."""
+    return write_suite(tmp_path, _suite(decoders=decoders, **changes))
+
+
+def _run_served(tmp_path, data_dir, suite: str):
+    return invoke("run", suite, "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress")
+
+
+def _cells(tmp_path) -> dict:
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        return {
+            label: (status, error) for label, status, error in con.execute("select label, status, error from cells")
+        }
+
+
+def _database_text(path) -> str:
+    import sqlite3
+
+    with sqlite3.connect(path) as con:
+        return "\n".join(con.iterdump())
+
+
+@pytest.fixture
+def fake_server():
+    """``fake_server(**options)``: a fake completions server (tests/fakeserver.py) in a thread; its base URL."""
+    import fakeserver
+
+    started = []
+
+    def start(**options):
+        server, url = fakeserver.serve(**options)
+        started.append(server)
+        return url
+
+    yield start
+    for server in started:
+        server.shutdown()
+
+
+# --- 42.1 credentials in a server URL: nowhere in output, database or reports -------------------------------------
+
+
+def test_server_credentials_are_never_shown_nor_stored(tmp_path, data_dir, fake_server):
+    from dtbench.harness.serving import free_port
+
+    live = fake_server().replace("http://", "http://admin:PASSWORD@")
+    dead = f"http://admin:PASSWORD@127.0.0.1:{free_port()}"
+    suite = _served(
+        tmp_path,
+        [
+            {"name": "server", "label": "live", "params": {"base_url": live}},
+            {"name": "server", "label": "dead", "params": {"base_url": dead, "request_timeout_s": 5}},
+        ],
+    )
+    result = _run_served(tmp_path, data_dir, suite)
+    assert result.exit_code == 4, result.output  # the dead server's cell failed, the live one is stored
+    cells = _cells(tmp_path)
+    assert cells["live"][0] == "done" and cells["dead"][0] == "failed"
+    assert "admin:***@127.0.0.1" in cells["dead"][1]
+    seen = [result.output, _database_text(tmp_path / "r.db")]
+    for fmt in ("table", "markdown", "csv", "json", "html"):
+        report = invoke("report", "--db", str(tmp_path / "r.db"), "--format", fmt, "--engine")
+        assert report.exit_code == 0, report.output
+        seen.append(report.output)
+        seen.append(invoke("report", "--db", str(tmp_path / "r.db"), "--format", fmt).output)
+    page = tmp_path / "r.html"
+    assert invoke("report", "--db", str(tmp_path / "r.db"), "--html", str(page)).exit_code == 0
+    seen.append(page.read_text())
+    everything = "\n".join(seen)
+    assert "PASSWORD" not in everything
+    assert '"base_url": "http://admin:***@127.0.0.1' in seen[1] or "admin:***@127.0.0.1" in seen[1]
+    bad = invoke("validate", _served(tmp_path, [{"name": "server", "params": {"base_url": "ftp://admin:PASSWORD@x"}}]))
+    line = one_line_error(bad, "admin:***@x")
+    assert "PASSWORD" not in bad.output and "PASSWORD" not in line
+
+
+def test_redaction_masks_every_form_of_userinfo():
+    from dtbench.core import clip, redact_credentials, redact_json
+
+    assert redact_credentials("http://admin:PASS@h:1/v1") == "http://admin:***@h:1/v1"
+    assert redact_credentials('{"u": "https://a:p@ss@h", "m": "x@y"}') == '{"u": "https://a:***@h", "m": "x@y"}'
+    assert redact_credentials("https://TOKEN@host/x") == "https://***@host/x"  # a lone user part is a token
+    assert redact_credentials("mail me at a@b.c") == "mail me at a@b.c"
+    assert redact_json({"k": ["http://u:p@h"], "n": 3}) == {"k": ["http://u:***@h"], "n": 3}
+    assert "SECRET" not in clip("error at http://u:" + "SECRET" * 200 + "@h", 50)  # masked before the cut
+
+
+# --- 42.3 token ids outside the vocabulary, 42.4 impossible counters: the cell fails in one line ---------------------
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"tokens": (5, 1000000002)}, "sent token id 1000000002 for prompt 0, outside the target's vocabulary"),
+        ({"tokens": (-5, 6)}, "sent token id -5 for prompt 0, outside the target's vocabulary"),
+        (
+            {"timings": '{"draft_n": 1, "draft_n_accepted": 1000}'},
+            "counters are impossible: draft_n_accepted 1000 with draft_n 1",
+        ),
+        ({"timings": '{"draft_n": 4, "draft_n_accepted": -3}'}, "draft_n_accepted is -3.0, not a count"),
+        ({"timings": '{"draft_n": NaN, "draft_n_accepted": 1}'}, "draft_n is nan, not a count"),
+        ({"timings": '{"draft_n": Infinity, "draft_n_accepted": 1}'}, "draft_n is inf, not a count"),
+    ],
+)
+def test_untrusted_server_numbers_fail_the_cell_naming_the_server(tmp_path, data_dir, fake_server, options, needle):
+    url = fake_server(**options)
+    result = _run_served(
+        tmp_path, data_dir, _served(tmp_path, [{"name": "server", "label": "liar", "params": {"base_url": url}}])
+    )
+    assert result.exit_code == 4 and "Traceback" not in result.output, result.output
+    status, error = _cells(tmp_path)["liar"]
+    assert status == "failed" and needle in error and error.startswith("server 'liar'"), error
+    assert f"at {url}" in error and "\n" not in error
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        assert con.execute("select count(*) from samples").fetchone() == (0,)  # nothing stored as output
+
+
+def test_vllm_metrics_that_are_no_counts_are_refused():
+    from dtbench.decoders.server import metrics_delta
+
+    with pytest.raises(DtbenchError, match="not a count"):
+        metrics_delta({"drafts": 10.0, "accepted": 5.0}, {"drafts": 4.0, "accepted": 6.0})  # a reset: negative
+    with pytest.raises(DtbenchError, match="impossible: 50 accepted of 10 draft tokens"):
+        metrics_delta({}, {"drafts": 5.0, "draft_tokens": 10.0, "accepted": 50.0})
+
+
+# --- 42.5 a divergence checked against a reference server that answers no JSON ------------------------------------
+
+
+def test_check_request_answered_without_json_names_the_reference_server(tmp_path, data_dir, fake_server):
+    plain = {"base_url": fake_server(tokens=(5, 9, 7), check="<html>no top log-probabilities here</html>")}
+    spec = {"base_url": fake_server(tokens=(5, 6, 7)), "speculative": True, "reference": plain}
+    suite = _served(
+        tmp_path,
+        [{"name": "server", "label": "plain", "params": plain}, {"name": "server", "label": "spec", "params": spec}],
+        lossless_check="tie_aware",
+    )
+    result = _run_served(tmp_path, data_dir, suite)
+    assert result.exit_code == 4 and "Traceback" not in result.output, result.output
+    status, error = _cells(tmp_path)["spec"]
+    assert status == "failed" and "JSONDecodeError" not in error
+    assert error.startswith("reference server 'plain' answered the check request"), error
+    assert "not JSON: <html>no top log-probabilities here</html>" in error and f"at {plain['base_url']}" in error
+    assert _cells(tmp_path)["plain"][0] == "done"
