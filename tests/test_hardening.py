@@ -1636,3 +1636,33 @@ def test_check_request_answered_without_json_names_the_reference_server(tmp_path
     assert error.startswith("reference server 'plain' answered the check request"), error
     assert "not JSON: <html>no top log-probabilities here</html>" in error and f"at {plain['base_url']}" in error
     assert _cells(tmp_path)["plain"][0] == "done"
+
+
+# --- 42.6 one speedup for a server cell: against its reference server ---------------------------------------------
+
+
+def test_a_server_speedup_is_against_its_plain_server_in_every_report(tmp_path):
+    import reportdb
+
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        reportdb.add_samples(session, reportdb.add_cell(session, run, "ar"), [1.0] * 6, warmup=1)
+        plain = reportdb.add_cell(session, run, "plain", "server", params={"base_url": "http://x:1"})
+        plain.reference_label = None
+        spec = reportdb.add_cell(session, run, "spec", "server", params={"base_url": "http://x:2"})
+        spec.reference_label = "plain"
+        reportdb.add_samples(session, plain, [100.0] * 6, warmup=1)
+        reportdb.add_samples(session, spec, [40.0] * 6, warmup=1)
+        session.commit()
+    result = invoke("report", "--db", str(path), "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = {r["label"]: r for r in json.loads(result.stdout)["cells"]}
+    assert rows["spec"]["speedup"] == pytest.approx(0.4)  # 40 / 100, never 40 / 1 against ar in this process
+    assert rows["plain"]["speedup"] is None  # a plain server against ar would be an engine-vs-harness comparison
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import samples_frame
+
+    with reportdb.connect(path)() as session:
+        table = speedup_table(samples_frame(session, run.id)).set_index("label")
+    assert table.loc["spec", "speedup"] == pytest.approx(0.4)
