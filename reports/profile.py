@@ -377,7 +377,8 @@ def load_schema() -> dict[str, Any]:
 
 
 def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[Profile], list[str]]:
-    """Every cell's profile in a run (cells in id order) and the labels of cells without drafting steps.
+    """Every cell's profile in a run (cells in id order) and the labels of cells without drafting steps, over the
+    samples the cell table uses: after warmup, remainder groups (fewer than B prompts) left out.
 
     Raises:
         DtbenchError: the run has no samples after warmup.
@@ -393,8 +394,10 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
         .order_by(Cell.id, Sample.prompt_index)
     ).all()
     cells: dict[int, tuple[Any, list[Request]]] = {}
-    for cell, sample in rows:
-        if sample.warmup:
+    from dtbench.reports.stats import is_remainder
+
+    for cell, sample in rows:  # after warmup, remainder groups left out as in the cell table (issue 42 item 7)
+        if sample.warmup or is_remainder(sample.batch_rows, cell.batch_size, sample.warmup):
             continue
         stats = sample.step_stats or {}
         request = Request(

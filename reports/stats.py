@@ -49,6 +49,7 @@ __all__ = [
     "BASELINE",
     "FAMILY_UNKNOWN",
     "collapse_batches",
+    "is_remainder",
     "remainder_mask",
     "GROUP",
     "KEY",
@@ -217,15 +218,23 @@ _ROW_MEANS = (
 )
 
 
+def is_remainder(batch_rows, batch_size, warmup) -> bool:
+    """Whether one sample belongs to a remainder group: a batched cell's group of fewer than B prompts after the
+    warmup (decoded as a smaller batch and marked, :class:`dtbench.harness.plan.PromptGroup`). The one rule every
+    report applies (the cell table through :func:`remainder_mask`, ``--profile`` per sample)."""
+    if is_missing(batch_rows) or bool(warmup) is True:
+        return False
+    size = 1 if is_missing(batch_size) else int(batch_size)
+    return int(batch_rows) < size
+
+
 def remainder_mask(samples: pd.DataFrame) -> pd.Series:
-    """Rows of a remainder group: a batched cell's group of fewer than B prompts after the warmup (decoded as a smaller
-    batch and marked, :class:`dtbench.harness.plan.PromptGroup`); all False without batch columns."""
+    """Rows of a remainder group (:func:`is_remainder`); all False without batch columns."""
     if "batch_rows" not in samples or "batch_size" not in samples:
         return pd.Series(False, index=samples.index)
-    rows = pd.to_numeric(samples["batch_rows"], errors="coerce")
-    size = pd.to_numeric(samples["batch_size"], errors="coerce").fillna(1)
-    warmup = samples["warmup"].fillna(False).astype(bool) if "warmup" in samples else False
-    return (rows.notna() & (rows < size) & ~warmup).astype(bool)
+    warmup = samples["warmup"].fillna(False) if "warmup" in samples else pd.Series(False, index=samples.index)
+    flags = [is_remainder(r, b, w) for r, b, w in zip(samples["batch_rows"], samples["batch_size"], warmup)]
+    return pd.Series(flags, index=samples.index, dtype=bool)
 
 
 def collapse_batches(samples: pd.DataFrame) -> pd.DataFrame:

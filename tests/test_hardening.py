@@ -1666,3 +1666,51 @@ def test_a_server_speedup_is_against_its_plain_server_in_every_report(tmp_path):
     with reportdb.connect(path)() as session:
         table = speedup_table(samples_frame(session, run.id)).set_index("label")
     assert table.loc["spec", "speedup"] == pytest.approx(0.4)
+
+
+# --- 42.7 a batch size larger than the measured prompts --------------------------------------------------------------
+
+
+def test_a_batch_size_above_the_measured_prompts_is_refused_at_validate(tmp_path):
+    suite = write_suite(
+        tmp_path, _suite(datasets=[{"name": "wikitext-2", "prompts": 3, "warmup": 1}], batch_sizes=[1, 4])
+    )
+    for command in ("validate", "run"):
+        result = invoke(command, suite, *(["--db", str(tmp_path / "r.db")] if command == "run" else []))
+        one_line_error(
+            result, "batch size 4 is larger than its 2 measured prompts (prompts 3 - warmup 1)", "at least 5"
+        )
+    assert not (tmp_path / "r.db").exists() or 'INSERT INTO "runs"' not in _database_text(tmp_path / "r.db")
+
+
+def _batched_run(path, remainder_accepted: list[int]):
+    """A linear cell at B = 2: one warmup row, a full group of two rows (1 accepted of 2 at each step) and a
+    remainder row (``remainder_accepted`` at depth 2)."""
+    import reportdb
+
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        cell = reportdb.add_cell(session, run, "linear", "linear")
+        cell.batch_size = 2
+        samples = reportdb.add_samples(session, cell, [100.0] * 4, warmup=1)
+        for i, sample in enumerate(samples):
+            accepted = remainder_accepted if i == 3 else [1, 1]
+            sample.step_stats = {"accepted": accepted, "depth": [2] * len(accepted), "drafted": [2] * len(accepted)}
+            sample.accepted = sum(accepted)
+            sample.mean_path_length = sum(accepted) / len(accepted)
+            sample.batch_group, sample.batch_rows = (0, 1) if i == 0 else ((1, 2) if i < 3 else (3, 1))
+        session.commit()
+        return run.id
+
+
+def test_the_profile_leaves_out_the_remainder_the_cell_table_leaves_out(tmp_path):
+    from dtbench.reports import profile
+
+    path = tmp_path / "r.db"
+    rid = _batched_run(path, [2, 2, 2])
+    import reportdb
+
+    with reportdb.connect(path)() as session:
+        (p,), _ = profile.run_profiles(session, rid)
+    assert (p.requests, p.steps) == (2, 4)  # the full group's two rows, not the remainder row
+    assert p.means["per_step_excl_bonus"] == pytest.approx(1.0)  # the remainder's 2.0 per step left out
