@@ -1714,3 +1714,44 @@ def test_the_profile_leaves_out_the_remainder_the_cell_table_leaves_out(tmp_path
         (p,), _ = profile.run_profiles(session, rid)
     assert (p.requests, p.steps) == (2, 4)  # the full group's two rows, not the remainder row
     assert p.means["per_step_excl_bonus"] == pytest.approx(1.0)  # the remainder's 2.0 per step left out
+
+
+# --- 42.8 tools/gpu-check.sh OUT where OUT is a file -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["file", "under_a_file"])
+def test_gpu_check_sh_out_that_is_a_file_is_one_line(tmp_path, what):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "taken"
+    target.write_text("someone's file\n")
+    out = target if what == "file" else target / "sub"
+    env = {"PATH": "/usr/bin:/bin", "GPUKIT": str(tmp_path / "empty"), "PYTHON": sys.executable}
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu-check.sh"
+    proc = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, env=env)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert str(out) in lines[0] and "mkdir" not in lines[0] and "tee" not in lines[0] and "see " not in lines[0]
+    assert target.read_text() == "someone's file\n"  # untouched
+
+
+# --- 42.11 report --profile writes nothing unless asked ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["json", "table"])
+def test_profile_report_writes_no_file_unless_asked(tmp_path, monkeypatch, fmt):
+    path = tmp_path / "r.db"
+    rid = _batched_run(path, [2, 2])
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    result = invoke("report", "--db", str(path), "--profile", "--format", fmt)
+    assert result.exit_code == 0, result.output
+    assert list(cwd.iterdir()) == [] and "wrote" not in result.stderr  # nothing written into the current folder
+    if fmt == "json":
+        assert json.loads(result.stdout)["run"] == rid
+    asked = tmp_path / "p.json"
+    result = invoke("report", "--db", str(path), "--profile", "--format", fmt, "--profile-json", str(asked))
+    assert result.exit_code == 0 and json.loads(asked.read_text())["run"] == rid and f"wrote {asked}" in result.stderr
