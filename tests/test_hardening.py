@@ -1755,3 +1755,57 @@ def test_profile_report_writes_no_file_unless_asked(tmp_path, monkeypatch, fmt):
     asked = tmp_path / "p.json"
     result = invoke("report", "--db", str(path), "--profile", "--format", fmt, "--profile-json", str(asked))
     assert result.exit_code == 0 and json.loads(asked.read_text())["run"] == rid and f"wrote {asked}" in result.stderr
+
+
+# --- 42.10 a plugin proposer returning more drafts than asked ------------------------------------------------------
+
+
+class _Greedy:
+    """The target's own greedy continuation as a plugin's proposer would compute it, ``extra`` drafts too many."""
+
+    def __init__(self, model, extra: int):
+        from dtbench.api import Proposer
+
+        class Over(Proposer):
+            def begin(self, prompt, pending):
+                self.text = [*prompt, pending]
+
+            def propose(self, max_tokens):
+                import torch
+
+                out, ids = [], list(self.text)
+                for _ in range(max_tokens + extra):
+                    token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                    out.append(token)
+                    ids.append(token)
+                return out
+
+            def accept(self, drafts, accepted, committed):
+                self.text.extend(committed)
+
+        self.make = Over
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
+    import torch
+    from models import tiny_llama
+
+    from dtbench import api
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0).eval()
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    proposers = _Greedy(model, extra=3)
+    with (
+        torch.inference_mode(),
+        pytest.raises(DtbenchError, match=r"proposer Over returned \d+ drafts when asked for at most \d+"),
+    ):
+        if batched:
+            list(api.speculate_chain_batch(model, [proposers.make(), proposers.make()], [prompt, prompt], 12, 4))
+        else:
+            list(api.speculate_chain(api.KVTarget(model), proposers.make(), prompt, 12, 4))
+    exact = _Greedy(model, extra=0)
+    with torch.inference_mode():
+        steps = list(api.speculate_chain_batch(model, [exact.make()], [prompt], 12, 4))
+    assert sum(len(s[0].tokens) for s in steps) == 12 and all(s[0].accepted <= 4 for s in steps)
