@@ -1809,3 +1809,30 @@ def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
     with torch.inference_mode():
         steps = list(api.speculate_chain_batch(model, [exact.make()], [prompt], 12, 4))
     assert sum(len(s[0].tokens) for s in steps) == 12 and all(s[0].accepted <= 4 for s in steps)
+
+
+# --- 42.9 two predicted speedups of one cell: each table says which question it answers -------------------------------
+
+
+def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monkeypatch):
+    from kit import fast_calibration_settings, suite_dict, tiny_pair
+
+    from dtbench.harness import calibrate as cal
+    from dtbench.reports import costmodel
+
+    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    suite = suite_dict(
+        *tiny_pair(tmp_path / "models"),
+        [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],
+        batch_sizes=[1, 2],
+        calibrate=True,
+    )
+    suite["datasets"][0].update(prompts=3, warmup=1)
+    result = _run_served(tmp_path, data_dir, write_suite(tmp_path, suite))
+    assert result.exit_code == 0, result.output
+    text = invoke("report", "--db", str(tmp_path / "r.db"), "--cost-model", "--format", "markdown").stdout
+    cells, batch = text.split("speedup vs batch size, measured and predicted")
+    assert costmodel.PRED_FORWARDS in cells and costmodel.PRED_STEADY not in cells
+    assert costmodel.PRED_STEADY in batch and costmodel.PRED_FORWARDS not in batch
+    assert "not the steady-state prediction of the batch table" in cells
+    assert "| Speedup pred. |" not in text  # no unlabelled prediction beside a different one
