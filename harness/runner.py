@@ -36,7 +36,12 @@ from dtbench.harness.worker import Outcome
 
 @contextmanager
 def _sigterm_as_interrupt():
-    """Treat SIGTERM like Ctrl-C so a terminated run is marked interrupted, not left 'running'."""
+    """Treat SIGTERM like Ctrl-C so a terminated run is marked interrupted, not left 'running'; and make SIGINT
+    Ctrl-C again (Python's ``default_int_handler``) for the run, also where the process was started with SIGINT
+    ignored (issue 42 item 2: a background job of a non-interactive shell inherits SIG_IGN, and a run then went on
+    through a hung server request until its timeout and ended 'completed'). With the default handler in place
+    ``asyncio.run`` (the server client, harness/serving.py) cancels the requests in flight at once. A run that must
+    survive a terminal's Ctrl-C is started with ``setsid`` or ``nohup``, not by relying on an ignored SIGINT."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt
@@ -46,10 +51,12 @@ def _sigterm_as_interrupt():
     except ValueError:  # not the main thread
         yield
         return
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 class RunInterrupted(DtbenchError):

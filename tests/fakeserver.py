@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,8 +37,9 @@ def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark:
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if mark:  # tells a test that a request is in flight
-                open(mark, "a").close()
+            if mark:  # tells a test that a request is in flight, and which process serves it
+                with open(mark, "a") as f:
+                    f.write(f"{os.getpid()}\n")
             if mode == "hang":
                 time.sleep(3600)
                 return

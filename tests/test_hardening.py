@@ -1836,3 +1836,66 @@ def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monk
     assert costmodel.PRED_STEADY in batch and costmodel.PRED_FORWARDS not in batch
     assert "not the steady-state prediction of the batch table" in cells
     assert "| Speedup pred. |" not in text  # no unlabelled prediction beside a different one
+
+
+# --- 42.2 SIGINT during a server request: interrupted, exit 130, soon, no server left --------------------------------
+
+
+def test_sigint_during_a_server_request_interrupts_the_run(tmp_path, data_dir):
+    """Started as a background job of a script is (SIGINT inherited as ignored, as a non-interactive shell starts
+    one): SIGINT still interrupts the run within seconds, and the launched server (hung on the request) is stopped."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    mark = tmp_path / "mark"
+    fake = Path(__file__).resolve().parent / "fakeserver.py"
+    launch = [sys.executable, str(fake), "--port", "{port}", "--mode", "hang", "--mark", str(mark)]
+    suite = _served(
+        tmp_path, [{"name": "server", "label": "hung", "params": {"launch": launch, "request_timeout_s": 120}}]
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtbench.cli.main",
+            "run",
+            suite,
+            "--db",
+            str(tmp_path / "r.db"),
+            "--data-dir",
+            str(data_dir),
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (mark.exists() and mark.read_text().strip()) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert proc.poll() is None and mark.exists(), proc.communicate()[1][-2000:]
+        server_pid = int(mark.read_text().split()[0])
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-2000:])
+    assert "interrupted" in err and "Traceback" not in err
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        assert con.execute("select status from runs").fetchall() == [("interrupted",)]
+        assert con.execute("select status from cells").fetchall() != [("done",)]
+    gone = not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert gone, "the launched server was left running"
