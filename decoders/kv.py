@@ -1,25 +1,243 @@
 """Model forward and KV-cache operations shared by every decoder (target and draft alike).
 
-The cache is a transformers ``DynamicCache``; its per-layer key/value tensors have shape
-(batch=1, kv_heads, seq_len, head_dim). Rolling back and compacting act on those tensors directly, so the
+Eager execution (the default): the cache is a transformers ``DynamicCache``; its per-layer key/value tensors have
+shape (batch=1, kv_heads, seq_len, head_dim). Rolling back and compacting act on those tensors directly, so the
 operations are the same for every decoder and every architecture with full attention (Llama, GPT-NeoX, ...).
+
+Compiled execution (suite key ``execution: compiled``, issue 37): inside :func:`compiled` every cache
+:func:`new_cache` makes is a :class:`StaticKV`, a preallocated transformers ``StaticCache`` whose logical length is a
+Python int: rolling back is moving that length, compaction an index copy of the accepted positions to the slots
+after the prefix, and every forward a 4D mask over the static length. Every forward after a cache's first (the
+prefill, which runs eager) is padded to a bucket size (:data:`BUCKETS`, after vLLM's CUDA-graph capture sizes) and
+runs the model's forward compiled by ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs, on CUDA; inductor on
+CPU), so the decoders' loops are unchanged and nothing recompiles once every bucket has been compiled
+(:meth:`Execution.precompile`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+# Forward sizes (new tokens per row) compiled execution pads to: powers of two as vLLM's default CUDA-graph capture
+# sizes are. A forward of more new tokens than the largest runs eager (a long prompt's prefill is never compiled).
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
-def new_cache() -> DynamicCache:
-    """An empty KV cache."""
-    return DynamicCache()
+
+def bucket(n: int) -> int | None:
+    """The smallest bucket holding ``n`` new tokens, or None when ``n`` exceeds the largest (runs eager)."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return None
 
 
-def cache_len(cache: DynamicCache) -> int:
+class Execution:
+    """Compiled execution for one worker: the compiled forwards and static caches, shared by every compiled cell.
+
+    One ``torch.compile`` of each model's forward (``dynamic=False``: one graph per bucket size, compiled once in
+    this process and reused by every later cell on the same model); on CUDA ``mode="reduce-overhead"`` (CUDA
+    graphs), on CPU inductor's default mode. Static caches are pooled per (model, slot, length): the k-th cache a
+    sample makes on a model reuses the k-th buffer of the previous sample (:meth:`begin_sample`), so a compiled
+    graph never sees a new cache object and CUDA graphs keep their static addresses.
+
+    Args:
+        max_len: positions of every static cache this execution makes (prompt cap + T + the largest padded
+            forward); :meth:`resize` changes it between cells.
+
+    Raises:
+        RuntimeError: from :meth:`compiled_forward` if this torch has no ``torch.compile``.
+    """
+
+    def __init__(self, max_len: int = 512):
+        self.max_len = max_len
+        self._forwards: dict[int, Any] = {}
+        self._pool: dict[tuple[int, int, int], Any] = {}
+        self._slot: dict[int, int] = {}
+
+    def resize(self, max_len: int) -> None:
+        """Static caches made from now on hold ``max_len`` positions (a cell with a longer prompt cap or T)."""
+        self.max_len = max_len
+
+    def begin_sample(self) -> None:
+        """A new generation starts: static caches are handed out from the first pooled slot again."""
+        self._slot.clear()
+
+    def compiled_forward(self, model: torch.nn.Module) -> Any:
+        """``model.forward`` under ``torch.compile`` (made once per model)."""
+        fn = self._forwards.get(id(model))
+        if fn is None:
+            mode = "reduce-overhead" if model.device.type == "cuda" else None
+            fn = torch.compile(type(model).forward.__get__(model), mode=mode, dynamic=False)
+            self._forwards[id(model)] = fn
+        return fn
+
+    def static_cache(self, model: torch.nn.Module) -> Any:
+        """The next pooled ``StaticCache`` of ``model`` for this sample (made on first use)."""
+        from transformers import StaticCache
+
+        slot = self._slot.get(id(model), 0)
+        self._slot[id(model)] = slot + 1
+        key = (id(model), slot, self.max_len)
+        cache = self._pool.get(key)
+        if cache is None:
+            cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+            self._pool[key] = cache
+        return cache
+
+    def precompile(self, models: list[torch.nn.Module], largest: int) -> tuple[float, int]:
+        """Compile every bucket up to ``largest`` new tokens for each model, outside any timed region.
+
+        Each bucket's graph is compiled and run twice on a scratch static cache of the current length (on CUDA the
+        second run records the CUDA graph), so the warmup and the measured samples reuse them.
+
+        Returns:
+            (seconds it took, graphs compiled: the number torch.compile reported, 0 when all were cached).
+        """
+        t0, graphs0 = time.perf_counter(), compiled_graphs()
+        sizes = [b for b in BUCKETS if b <= (bucket(largest) or BUCKETS[-1])]
+        with torch.inference_mode(), compiled(self):
+            for model in models:
+                self.begin_sample()
+                cache = new_cache()
+                forward(model, [0] * 4, cache)  # the prefill (eager) initialises the static buffers
+                for b in sizes:
+                    for _ in range(2):
+                        crop(cache, 4)
+                        forward(model, [0] * b, cache)
+                self.begin_sample()
+        if any(m.device.type == "cuda" for m in models):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, compiled_graphs() - graphs0
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's ``unique_graphs`` counter): a difference
+    over a measured sample is its recompiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+_EXECUTION: contextvars.ContextVar[Execution | None] = contextvars.ContextVar("dtbench_execution", default=None)
+
+
+@contextmanager
+def compiled(execution: Execution) -> Iterator[Execution]:
+    """Within this block every :func:`new_cache` is a :class:`StaticKV` of ``execution`` (compiled execution)."""
+    token = _EXECUTION.set(execution)
+    try:
+        yield execution
+    finally:
+        _EXECUTION.reset(token)
+
+
+class StaticKV:
+    """A KV cache for compiled execution: a preallocated ``StaticCache`` plus its logical length (a Python int).
+
+    Slots ``[0, length)`` hold the committed positions; slots past them are stale (rejected drafts, bucket padding)
+    and masked out of every later forward. It binds to a model at its first :func:`forward` (the prefill, eager).
+
+    Raises:
+        ValueError: a forward that would write past the static length (``Execution.max_len``).
+    """
+
+    def __init__(self, execution: Execution):
+        self.execution = execution
+        self.length = 0
+        self.cache: Any = None
+        self.model: torch.nn.Module | None = None
+
+    def get_seq_length(self) -> int:
+        """The logical length (positions held), as ``DynamicCache.get_seq_length``."""
+        return self.length
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        if self.model is None:
+            self.model = model
+            self.cache = self.execution.static_cache(model)
+        elif self.model is not model:
+            raise ValueError("a static KV cache serves one model")
+
+    def forward(
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        last_only: bool,
+    ) -> torch.Tensor:
+        """:func:`forward` on this cache: (1, n) new tokens at slots ``[length, length + n)``; logits (n, vocab)
+        (or (1, vocab) with ``last_only``). The first forward (the prefill) and forwards over the largest bucket run
+        eager at their own size; the others are padded to their bucket and run the compiled forward."""
+        self._bind(model)
+        ex, L, n = self.execution, self.length, int(ids.shape[-1])
+        nb = bucket(n) if L > 0 else None
+        width = nb or n
+        if L + width > ex.max_len:
+            raise ValueError(f"static KV cache of {ex.max_len} positions is full ({L} held, {width} more fed)")
+        dev = model.device
+        ids = ids.to(dev)
+        pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
+        slots = torch.arange(ex.max_len, device=dev)
+        allowed = (slots < L).expand(width, ex.max_len).clone()  # every query sees the committed prefix
+        if attention_mask is not None:
+            given = attention_mask[0, 0].to(dev)
+            allowed[:n, : L + n] = given if given.dtype == torch.bool else given == 0
+        else:
+            allowed[:n, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        if width > n:  # bucket padding: repeat the last token at the last position, attending to itself only
+            ids = torch.cat([ids, ids[:, -1:].expand(1, width - n)], dim=1)
+            pos = torch.cat([pos, pos[:, -1:].expand(1, width - n)], dim=1)
+            pad = torch.arange(n, width, device=dev)
+            allowed[pad, L + pad] = True
+        from dtbench.decoders.tree.structure import attention_mask_kind
+
+        if attention_mask_kind(model) == "bool":
+            mask = allowed[None, None]
+        else:
+            dtype = model.dtype
+            mask = torch.zeros((1, 1, width, ex.max_len), dtype=dtype, device=dev).masked_fill_(
+                ~allowed[None, None], torch.finfo(dtype).min
+            )
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(L)
+        kwargs: dict[str, Any] = {cache_keyword(model): self.cache}
+        if nb is None and last_only:
+            kwargs["logits_to_keep"] = 1
+        if nb is None:
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
+        else:
+            # Through the module's __call__ (its forward hooks, e.g. the runner's forward counter, still fire),
+            # with the instance's forward replaced by the compiled one for this call only.
+            model.forward = ex.compiled_forward(model)  # type: ignore[method-assign]
+            try:
+                out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
+            finally:
+                del model.forward
+        self.length = L + n
+        logits = out.logits[0]
+        if nb is None:
+            return logits
+        return logits[n - 1 : n] if last_only else logits[:n]
+
+
+def new_cache() -> DynamicCache | StaticKV:
+    """An empty KV cache: a ``DynamicCache``, or a :class:`StaticKV` inside :func:`compiled`."""
+    execution = _EXECUTION.get()
+    return DynamicCache() if execution is None else StaticKV(execution)
+
+
+def cache_len(cache: DynamicCache | StaticKV) -> int:
     """Number of positions held in the cache (tokens)."""
     return cache.get_seq_length()
 
@@ -55,6 +273,10 @@ def forward(
     """
     if not torch.is_tensor(token_ids):
         token_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+    if isinstance(cache, StaticKV):
+        if hidden_layers is not None:
+            raise ValueError("compiled execution does not return hidden states (learned drafting heads run eager)")
+        return cache.forward(model, token_ids, position_ids, attention_mask, last_only)
     kwargs = {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
@@ -95,6 +317,9 @@ def crop(cache: DynamicCache, length: int) -> None:
     current = cache_len(cache)
     if not 0 <= length <= current:
         raise ValueError(f"cannot crop a cache of {current} positions to {length}")
+    if isinstance(cache, StaticKV):  # a static cache rolls back by moving its length
+        cache.length = length
+        return
     if length == current:
         return
     for layer in cache.layers:
@@ -116,6 +341,15 @@ def keep_positions(cache: DynamicCache, prefix_len: int, indices: list[int]) -> 
         raise ValueError(f"keep indices {indices} out of range [{prefix_len}, {current})")
     if indices == list(range(prefix_len, prefix_len + len(indices))):
         crop(cache, prefix_len + len(indices))  # already contiguous: a crop is a view, no copy
+        return
+    if isinstance(cache, StaticKV):  # an index copy of the kept positions to the slots after the prefix
+        dev = cache.cache.layers[0].keys.device
+        src = torch.tensor(indices, device=dev)
+        dst = torch.arange(prefix_len, prefix_len + len(indices), device=dev)
+        for layer in cache.cache.layers:
+            layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+            layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+        cache.length = prefix_len + len(indices)
         return
     device = cache.layers[0].keys.device
     sel = torch.cat([torch.arange(prefix_len, device=device), torch.tensor(indices, device=device)])
