@@ -245,7 +245,7 @@ def cache_len(cache: DynamicCache | StaticKV) -> int:
 def forward(
     model: torch.nn.Module,
     token_ids: torch.Tensor | list[int],
-    cache: DynamicCache,
+    cache: DynamicCache | StaticKV,
     *,
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -308,7 +308,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return _cache_keyword_of(type(model))
 
 
-def crop(cache: DynamicCache, length: int) -> None:
+def crop(cache: DynamicCache | StaticKV, length: int) -> None:
     """Roll the cache back to its first ``length`` positions (paper section 3.5, step (i)).
 
     Raises:

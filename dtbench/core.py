@@ -39,7 +39,7 @@ _USERINFO = re.compile(
 )
 
 
-def _mask_userinfo(m: re.Match) -> str:
+def _mask_userinfo(m: re.Match[str]) -> str:
     if m.group("pw") is None:  # a lone user part is often a token (https://TOKEN@host): masked whole
         return f"{m.group('scheme')}***@" if m.group("user") else m.group(0)
     return f"{m.group('scheme')}{m.group('user')}:***@"
