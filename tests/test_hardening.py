@@ -1719,7 +1719,7 @@ def test_the_profile_leaves_out_the_remainder_the_cell_table_leaves_out(tmp_path
 # --- 42.8 tools/gpu-check.sh OUT where OUT is a file -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("what", ["file", "under_a_file"])
+@pytest.mark.parametrize("what", ["file", "under_a_file", "relative"])
 def test_gpu_check_sh_out_that_is_a_file_is_one_line(tmp_path, what):
     import subprocess
     import sys
@@ -1727,13 +1727,15 @@ def test_gpu_check_sh_out_that_is_a_file_is_one_line(tmp_path, what):
 
     target = tmp_path / "taken"
     target.write_text("someone's file\n")
-    out = target if what == "file" else target / "sub"
+    out = {"file": target, "under_a_file": target / "sub", "relative": Path("taken")}[what]  # relative: the caller's
     env = {"PATH": "/usr/bin:/bin", "GPUKIT": str(tmp_path / "empty"), "PYTHON": sys.executable}
     script = Path(__file__).resolve().parents[1] / "tools" / "gpu-check.sh"
-    proc = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, env=env)
+    proc = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert str(out) in lines[0] and "mkdir" not in lines[0] and "tee" not in lines[0] and "see " not in lines[0]
+    assert (
+        str(tmp_path / out) in lines[0] and "mkdir" not in lines[0] and "tee" not in lines[0] and "see " not in lines[0]
+    )
     assert target.read_text() == "someone's file\n"  # untouched
 
 

@@ -11,12 +11,14 @@
 # Environment: PYTHON (default python3, the node's), GPUKIT (default .gpukit), SITE (default /tmp/dtbench-site).
 # Exit code: the check's (0 passed, 1 a step failed, 2 bad arguments); 3 when the install fails.
 set -uo pipefail
+CALLER_DIR=$PWD  # a relative OUT is the caller's, not the checkout's (the script runs from the checkout's root)
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
   echo "usage: tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps lossless,timing,costmodel,overhead]" >&2
   exit 2
 fi
 OUT=$1; shift
+case "$OUT" in /*) ;; *) OUT="$CALLER_DIR/$OUT" ;; esac
 PYTHON=${PYTHON:-python3}
 GPUKIT=${GPUKIT:-.gpukit}
 SITE=${SITE:-/tmp/dtbench-site}
