@@ -29,6 +29,7 @@ class Autoregressive(Decoder[ARParams]):
     supports_sampling = True
     family = "ar"
     batching = True
+    compiles = True
 
     @classmethod
     def reference(cls, params: ARParams) -> tuple[str, dict[str, Any]] | None:

@@ -86,6 +86,11 @@ class Decoder(ABC, Generic[P]):
             cost model predicts its best K from the per-position acceptance); ``"tree"`` a drafted token tree
             verified with a tree mask (:func:`dtbench.decoders.tree.speculate_tree`; the paper's tree tables and
             ablation); ``"external"`` another library's loop (the default: nothing is assumed).
+        compiles: True if it runs in compiled execution (suite key ``execution: compiled``, issue 37): its forwards
+            go through :mod:`dtbench.decoders.kv` (``new_cache``/``forward``/``crop``/``keep_positions``), which
+            inside :func:`dtbench.decoders.kv.compiled` keep static caches and run bucketed ``torch.compile``d
+            forwards (``ar``, the one chain loop, the one tree loop with a draft model, ``hf_generate`` through
+            transformers' static cache). A suite asking a decoder without it for ``compiled`` is refused at validate.
         requests: True if it is measured through requests to a server (``server``, issue 30): the harness's
             bounded async client (:mod:`dtbench.harness.serving`) sends each prompt of a prompt group as one streamed
             request, the load level B being the requests in flight (the suite's ``concurrency:``), and times every
@@ -99,6 +104,7 @@ class Decoder(ABC, Generic[P]):
     version: ClassVar[str] = "1"
     supports_sampling: ClassVar[bool] = False
     batching: ClassVar[bool] = False
+    compiles: ClassVar[bool] = False
     requests: ClassVar[bool] = False
 
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
@@ -149,6 +155,14 @@ class Decoder(ABC, Generic[P]):
         """Why this decoder cannot decode batches with ``params`` (a one-line reason), or None if it can.
 
         Only asked when ``batching`` is True and the suite asks for B > 1 (the plan refuses such a cell at validate).
+        """
+        return None
+
+    @classmethod
+    def compile_error(cls, params: P) -> str | None:
+        """Why this decoder cannot run compiled with ``params`` (a one-line reason), or None if it can.
+
+        Only asked when ``compiles`` is True and the suite asks for ``execution: compiled``.
         """
         return None
 

@@ -295,6 +295,14 @@ class HFGenerate(_StreamedGenerate):
     supports_sampling = True  # generate(do_sample=True, temperature, top_k, top_p): the reference for ar's sampling
     family = "external"  # transformers' own decoding loop
     batching = True  # plain generate over a left-padded batch (prompt lookup: batch size 1 only, batching_error)
+    compiles = True  # transformers' static cache + its compiled decoding forward (the reference implementation)
+
+    @classmethod
+    def compile_error(cls, params: HFGenerateParams) -> str | None:
+        """transformers' prompt lookup decoding verifies candidates of varying length: it cannot run compiled."""
+        if params.prompt_lookup_num_tokens is not None:
+            return "transformers' prompt lookup decoding (prompt_lookup_num_tokens) cannot run compiled"
+        return None
 
     @classmethod
     def batching_error(cls, params: HFGenerateParams) -> str | None:
@@ -308,10 +316,29 @@ class HFGenerate(_StreamedGenerate):
 
     def _generate_kwargs(self, bridge: _Bridge) -> dict:
         if not self._lookup():
-            return {}
+            return self._compiled_kwargs()
         p = self.params
         extra = {} if p.max_matching_ngram_size is None else {"max_matching_ngram_size": p.max_matching_ngram_size}
         return {"prompt_lookup_num_tokens": p.prompt_lookup_num_tokens, **extra}
+
+    def _compiled_kwargs(self) -> dict:
+        """In compiled execution (:func:`dtbench.decoders.kv.compiled`): transformers' own recipe, a static cache
+        (the execution's pooled one, reset, so every prompt compiles to the same shapes) and ``compile_config``
+        (``torch.compile`` of the decoding forward; ``mode="reduce-overhead"`` on CUDA, inductor's default on CPU,
+        which transformers compiles only when asked: ``_compile_all_devices``). Eager: nothing."""
+        from dtbench.decoders import kv
+
+        execution = kv.current()
+        if execution is None:
+            return {}
+        from transformers import CompileConfig
+
+        cache = execution.static_cache(self.target)
+        cache.reset()
+        cuda = self.target.device.type == "cuda"
+        config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
+        config._compile_all_devices = True  # transformers' switch for compiling on devices other than CUDA
+        return {kv.cache_keyword(self.target): cache, "compile_config": config}
 
     def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
         if not self._lookup():

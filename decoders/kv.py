@@ -140,6 +140,11 @@ def compiled(execution: Execution) -> Iterator[Execution]:
         _EXECUTION.reset(token)
 
 
+def current() -> Execution | None:
+    """The compiled execution this code runs in (inside :func:`compiled`), or None (eager)."""
+    return _EXECUTION.get()
+
+
 class StaticKV:
     """A KV cache for compiled execution: a preallocated ``StaticCache`` plus its logical length (a Python int).
 

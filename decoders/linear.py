@@ -33,6 +33,7 @@ class LinearSpeculative(Decoder[LinearParams]):
     family = "chain"
     supports_sampling = True
     batching = True
+    compiles = True
 
     @classmethod
     def verify_sizes(cls, params: LinearParams) -> tuple[int, int]:

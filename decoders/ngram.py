@@ -150,6 +150,7 @@ class Ngram(Decoder[NgramParams]):
     lossless = True
     supports_sampling = True
     batching = True
+    compiles = True
     version = "1"
 
     @classmethod

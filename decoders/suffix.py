@@ -206,6 +206,7 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
 
     Params = SuffixParams
     family = "chain"
+    compiles = True
     needs_draft = True
     lossless = True
     supports_sampling = True

@@ -115,6 +115,11 @@ class Cell(Base):
     gen_length: Mapped[int] = mapped_column(Integer)
     # 0011: batch size B, prompts decoded together (suite key batch_sizes); 1 for every cell written before it
     batch_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    # 0013 (issue 37): eager | compiled (suite key execution); eager for every cell written before it. compile_s: the
+    # seconds its compile step took in its worker before the warmup (compiled cells; graphs torch.compile made then)
+    execution: Mapped[str] = mapped_column(String(20), default="eager", server_default="eager")
+    compile_s: Mapped[float | None] = mapped_column(Float)
+    compile_graphs: Mapped[int | None] = mapped_column(Integer)
     decoder: Mapped[str] = mapped_column(String(200))
     family: Mapped[str | None] = mapped_column(String(20))  # the decoder's declared family: ar|chain|tree|external
     label: Mapped[str] = mapped_column(String(300))
@@ -216,6 +221,8 @@ class Sample(Base):
     batch_group: Mapped[int | None] = mapped_column(Integer)
     batch_rows: Mapped[int | None] = mapped_column(Integer)
     batch_total_s: Mapped[float | None] = mapped_column(Float)
+    # 0013 (issue 37): memory-bandwidth-limit seconds of its forwards / total_s (harness/roofline.py); NULL: unknown
+    roofline: Mapped[float | None] = mapped_column(Float)
     cell: Mapped[Cell] = relationship(back_populates="samples")
 
 

@@ -247,6 +247,17 @@ METRICS: list[Metric] = [
         aliases=("memory", "peak_memory", "mem"),
         source="torch allocator peak on CUDA, process RSS peak on CPU",
     ),
+    # Issue 37 (harness/roofline.py): None for samples stored before it; optional so old runs' tables are unchanged.
+    Metric(
+        "roofline",
+        "roofline",
+        "Roofline",
+        "fraction",
+        percent=True,
+        higher_is_better=True,
+        optional=True,
+        source="memory-bandwidth-limit seconds of the sample's forwards (weights + attended KV) / total_s",
+    ),
     # Energy (harness/energy.py): None where no counter was readable or the sample was shorter than its update period.
     Metric(
         "energy_j",

@@ -43,6 +43,11 @@ class CellPlan:
     def label(self) -> str:
         return self.spec.display
 
+    @property
+    def execution(self) -> str:
+        """``eager`` or ``compiled`` (suite key ``execution``; stored as ``cells.execution``)."""
+        return self.spec.mode
+
 
 @dataclass(frozen=True)
 class PromptGroup:
@@ -272,6 +277,7 @@ def plan_suite(suite: Suite) -> Plan:
         p.reference_label = by_key[key].spec.display
     _spread_to_references(plans)
     _check_batching(suite, plans)
+    _check_execution(plans)
     return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
 
 
@@ -329,6 +335,32 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
                 f"{where}dataset '{clip(ds.name, 60)}' has multi-turn questions (later turns are "
                 f"prompted with earlier answers); batch sizes > 1 need single-turn questions (leave "
                 f"out mt_bench with `categories:`) or a raw-text dataset"
+            )
+
+
+def _check_execution(plans: list[CellPlan]) -> None:
+    """Compiled execution only for decoders that declare ``compiles`` (a capability), at batch size 1.
+
+    Raises:
+        DtbenchError: one line naming the decoder and what to change.
+    """
+    for p in plans:
+        if p.execution != "compiled":
+            continue
+        where = f"{p.spec.where}: " if p.spec.where else ""
+        name = clip(p.spec.display, 80)
+        if not p.cls.compiles:
+            raise DtbenchError(
+                f"{where}decoder '{name}' cannot run compiled (its class does not declare compiles); "
+                f"restrict it with `execution: [eager]`"
+            )
+        if why := p.cls.compile_error(p.params):
+            raise DtbenchError(f"{where}decoder '{name}': {why}; restrict it with `execution: [eager]`")
+        sizes = sorted({b for *_, b in p.points if b > 1})
+        if sizes:
+            raise DtbenchError(
+                f"{where}decoder '{name}': compiled execution runs at batch size 1 only (batched loops keep a "
+                f"ragged dynamic cache); restrict it with `batch_sizes: [1]` or `execution: [eager]`"
             )
 
 

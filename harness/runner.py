@@ -311,6 +311,7 @@ def _open_cells(
                 l_max=l_max,
                 gen_length=T,
                 batch_size=B,
+                execution=cp.execution,
                 decoder=cp.spec.name,
                 family=cp.cls.family,
                 label=cp.label,
@@ -391,6 +392,8 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
                 session.add(Sample(cell_id=cell_id, **record.as_row()))
             if cell.status == "pending":
                 cell.status = "running"
+            if outcome.compile_s is not None:  # a compiled cell's compile step, before its first sample
+                cell.compile_s, cell.compile_graphs = outcome.compile_s, outcome.compile_graphs
         else:
             cell.status, cell.error = "failed", redact_credentials(outcome.error or "")[:2000]
         session.get(Run, run_id).heartbeat_at = utcnow()

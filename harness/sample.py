@@ -38,6 +38,9 @@ class SampleRecord:
         batch_group, batch_rows, batch_total_s: a row of a batched cell (B > 1, issue 29): its prompt group's first
             prompt index, the rows decoded together (< B: the remainder group) and the group's wall time in seconds
             (until its last row finished); None at B = 1.
+        roofline: the sample's distance from the hardware limit (issue 37, :mod:`dtbench.harness.roofline`): the
+            seconds its forwards would take at the device's memory bandwidth (every weight and attended KV byte read
+            once per forward) over its measured total_s, a fraction; None where not measured.
     """
 
     prompt_index: int
@@ -92,6 +95,7 @@ class SampleRecord:
     batch_group: int | None = None
     batch_rows: int | None = None
     batch_total_s: float | None = None
+    roofline: float | None = None
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> SampleRecord:

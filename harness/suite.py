@@ -25,6 +25,20 @@ MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, 
 MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
 MAX_BATCH = 4096  # largest batch size B a suite may ask for
 
+Execution = Literal["eager", "compiled"]
+EXECUTIONS: tuple[str, ...] = ("eager", "compiled")
+COMPILED_SUFFIX = " [compiled]"  # a compiled cell's label: its decoder's label + this (eager labels are unchanged)
+
+
+def _executions(v):
+    """``execution:`` as a list (one mode, or the axis), each mode once."""
+    if v is None:
+        return v
+    v = [v] if isinstance(v, str) else v
+    if isinstance(v, list) and len(set(map(str, v))) != len(v):
+        raise ValueError(f"execution lists a mode twice: {clip(v)}")
+    return v
+
 
 def _one_load_axis(data):
     """``concurrency:`` is the load axis under its serving name: the requests in flight for a server decoder
@@ -246,8 +260,18 @@ class DecoderSpec(_HasLMax):
     sampling: SamplingSpec | Literal["greedy"] | None = Field(
         None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding"
     )
+    execution: list[Execution] | None = Field(
+        None,
+        description="run only in these execution modes (a subset of the suite's execution; eager or compiled)",
+    )
 
     _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
+    _execution: str = PrivateAttr("eager")  # the execution mode of this expanded entry (Suite.expanded_decoders)
+
+    @field_validator("execution", mode="before")
+    @classmethod
+    def _execution_list(cls, v):
+        return _executions(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -309,6 +333,21 @@ class DecoderSpec(_HasLMax):
     def display(self) -> str:
         return self.label or self.name
 
+    @property
+    def mode(self) -> str:
+        """The execution mode of this expanded entry: ``eager`` or ``compiled`` (issue 37)."""
+        return self._execution
+
+    def executed(self, mode: str) -> DecoderSpec:
+        """This entry in execution ``mode``: itself for eager, a copy labelled ``<label> [compiled]`` otherwise."""
+        if mode == "eager":
+            return self
+        spec = self.model_copy(update={"label": self.display + COMPILED_SUFFIX})
+        spec._group, spec._swept, spec._execution = self._group, dict(self._swept), mode
+        if self._group is not None:
+            spec._group = self._group + COMPILED_SUFFIX
+        return spec
+
 
 class Suite(_Frozen):
     """A whole benchmark: models x datasets x prompt caps (L_max) x generation lengths x decoders."""
@@ -329,6 +368,14 @@ class Suite(_Frozen):
         "the dataset together (grouped in order, the same groups for every decoder; a last group smaller than B is "
         "decoded as a smaller batch and marked); default [1]. `concurrency:` is the same axis under its serving "
         "name: a server decoder keeps that many requests in flight",
+    )
+    execution: list[Execution] = Field(
+        default_factory=lambda: ["eager"],
+        min_length=1,
+        description="how decoders' forwards run: eager (transformers as it is, the default) or compiled (a "
+        "preallocated static KV cache, forwards padded to bucket sizes and compiled by torch.compile: CUDA graphs on "
+        "CUDA, inductor on CPU; compile time is measured apart, before the warmup); a list makes it an axis, e.g. "
+        "[eager, compiled]: every decoder both ways, a compiled cell labelled '<label> [compiled]'",
     )
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
     calibrate: bool = Field(
@@ -366,6 +413,11 @@ class Suite(_Frozen):
     @classmethod
     def _concurrency(cls, data):
         return _one_load_axis(data)
+
+    @field_validator("execution", mode="before")
+    @classmethod
+    def _execution_list(cls, v):
+        return _executions(v)
 
     @field_validator("generation_lengths")
     @classmethod
@@ -413,6 +465,7 @@ class Suite(_Frozen):
             len(seen)
             * len(self.generation_lengths)
             * len(self.batch_sizes)
+            * len(self.execution)
             * sum(max(1, _product(len(v) for v in d.sweep.values())) for d in self.decoders)
         )
         if cells > MAX_GRID:
@@ -420,8 +473,27 @@ class Suite(_Frozen):
         return self
 
     def expanded_decoders(self) -> list[DecoderSpec]:
-        """Decoder entries after sweep expansion, with unique labels."""
-        out = [d for spec in self.decoders for d in spec.expand()]
+        """Decoder entries after sweep and execution expansion (every eager entry first, then the compiled ones),
+        with unique labels.
+
+        Raises:
+            DtbenchError: a label used twice, or a decoder's ``execution`` naming a mode the suite does not run.
+        """
+        for spec in self.decoders:
+            extra = sorted(set(spec.execution or []) - set(self.execution))
+            if extra:
+                where = f"{spec.where}: " if spec.where else ""
+                raise DtbenchError(
+                    f"{where}decoder '{clip(spec.display, 80)}': execution {extra} is not in the suite's "
+                    f"execution {self.execution}"
+                )
+        out = [
+            d.executed(mode)
+            for mode in self.execution
+            for spec in self.decoders
+            if spec.execution is None or mode in spec.execution
+            for d in spec.expand()
+        ]
         seen: dict[str, DecoderSpec] = {}
         for d in out:
             if d.display in seen:

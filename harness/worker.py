@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from dtbench.harness import calibrate, data, fingerprint, lossless, models
+from dtbench.decoders import kv
+from dtbench.harness import calibrate, data, fingerprint, lossless, models, roofline
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import SampleTimeout, device_name, environment, measure, measure_batch
+from dtbench.harness.measure import now as measure_now
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
 from dtbench.harness.sample import Reference, SampleRecord
@@ -79,6 +81,73 @@ class Outcome:
     error: str | None = None
     rows: list[dict[str, Any]] | None = None  # a batched group (B > 1): every row's samples row (``row`` the first)
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
+    compile_s: float | None = None  # compiled cells, first sample: seconds of the compile step before it (issue 37)
+    compile_graphs: int | None = None  # graphs torch.compile made in that step
+
+
+@dataclass
+class Hardware:
+    """A worker's per-run facts for issue 37: the roofline's inputs and the compiled execution of compiled cells.
+
+    Attributes:
+        bandwidth: the device's measured memory bandwidth, bytes/s (:func:`roofline.measure_bandwidth`), or None.
+        target_bytes, draft_bytes: :func:`roofline.model_bytes` of the loaded models (None: no such model).
+        execution: the :class:`~dtbench.decoders.kv.Execution` every compiled cell of this worker shares (its
+            compiled graphs and static caches), None when the plan has no compiled cell.
+        compiled: label -> (compile seconds, graphs) of the compiled cells whose compile step already ran here.
+    """
+
+    bandwidth: float | None = None
+    target_bytes: dict[str, int] | None = None
+    draft_bytes: dict[str, int] | None = None
+    execution: kv.Execution | None = None
+    compiled: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, plan: Plan, suite: Suite, target, draft, device) -> Hardware:
+        """Measure the bandwidth, size the models, and make the compiled execution when a cell needs one."""
+        compiled = [p for p in plan.decoders if p.execution == "compiled"]
+        execution = None
+        if compiled:
+            largest = max(max(p.cls.verify_sizes(p.params)) for p in compiled)
+            longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
+            width = 2 * (kv.bucket(largest) or largest)
+            execution = kv.Execution(-(-(longest + width) // 64) * 64)
+        return cls(
+            bandwidth=roofline.measure_bandwidth(device)["bytes_per_s"],
+            target_bytes=roofline.model_bytes(target.model),
+            draft_bytes=roofline.model_bytes(draft.model) if draft is not None else None,
+            execution=execution,
+        )
+
+    def compile_step(self, cp: CellPlan, decoder, prompt_ids, T: int, models_: list) -> tuple[float, int] | None:
+        """The compile step of a compiled cell, once per worker, before its first sample (the warmup's): every
+        bucket up to the cell's largest verification compiled for each model it uses
+        (:meth:`~dtbench.decoders.kv.Execution.precompile`), then the decoder run once on the prompt for up to 16
+        tokens (shapes only its own loop makes: transformers' compiled ``generate``), untimed and not stored.
+
+        Returns:
+            (seconds, graphs torch.compile made) the first time for ``cp``'s label, else None.
+        """
+        if self.execution is None or cp.label in self.compiled:
+            return None
+        t0, graphs0 = measure_now(), kv.compiled_graphs()
+        self.execution.precompile(models_, max(cp.cls.verify_sizes(cp.params)))
+        with kv.compiled(self.execution):
+            self.execution.begin_sample()
+            n = 0
+            for step in decoder.generate(torch.as_tensor([list(prompt_ids)], device=models_[0].device), min(T, 16)):
+                n += len(step.tokens)
+                if n >= min(T, 16):
+                    break
+        self.compiled[cp.label] = (measure_now() - t0, kv.compiled_graphs() - graphs0)
+        return self.compiled[cp.label]
+
+    def roofline_of(self, m, total_s: float, uses_draft: bool) -> float | None:
+        """The roofline fraction of one measurement (:func:`roofline.sample_fraction`)."""
+        return roofline.sample_fraction(
+            m.records, total_s, self.target_bytes, self.draft_bytes if uses_draft else None, self.bandwidth
+        )
 
 
 def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None = None):
@@ -106,6 +175,7 @@ def measure_one(
     compare: bool = True,
     stop_at_eos: bool = False,
     data_dir: str | None = None,
+    hardware: Hardware | None = None,
 ) -> Outcome:
     """Measure one decoder on one prompt; never raises for what the decoder does wrong.
 
@@ -122,6 +192,9 @@ def measure_one(
         data_dir: the run's data folder, where a corpus the decoder declares (:meth:`Decoder.corpus_of`) is read:
             its documents, held out from the suite's prompts with the suite's seed, are handed to the decoder
             (:meth:`Decoder.use_corpus`) before timing starts.
+        hardware: the worker's :class:`Hardware`: each sample's roofline fraction; for a compiled cell its compile
+            step (before its first sample, timed apart as ``compile_s``) and the compiled execution it runs in,
+            with the graphs torch.compile made during the sample stored as ``step_stats["compiled"]["recompiles"]``.
     """
     if cp.reference_label and ref is None:
         return Outcome(
@@ -134,8 +207,23 @@ def measure_one(
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
-        m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
+        compiled = None
+        ex = hardware.execution if hardware is not None and cp.execution == "compiled" else None
+        if ex is not None:
+            used = [target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
+            compiled = hardware.compile_step(cp, decoder, prompt.token_ids, T, used)  # type: ignore[union-attr]
+            graphs0 = kv.compiled_graphs()
+            with kv.compiled(ex):
+                ex.begin_sample()
+                m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
+            recompiles = kv.compiled_graphs() - graphs0
+        else:
+            m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
         row = sample_row(m, prompt, warmup, ref.tokens if ref and compare else None)
+        if hardware is not None:
+            row["roofline"] = hardware.roofline_of(m, row["total_s"], cp.cls.needs_draft)
+        if ex is not None:
+            row["step_stats"]["compiled"] = {"recompiles": recompiles}
         if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
             row.update(
                 lossless.sample_columns(
@@ -159,6 +247,8 @@ def measure_one(
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
         return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
+    if compiled is not None:
+        return Outcome(cp.label, row=row, cpu_s=m.cpu_s, compile_s=compiled[0], compile_graphs=compiled[1])
     return Outcome(cp.label, row=row, cpu_s=m.cpu_s)
 
 
@@ -173,6 +263,7 @@ def measure_group(
     suite: Suite,
     stop_at_eos: bool = False,
     data_dir: str | None = None,
+    hardware: Hardware | None = None,
 ) -> Outcome:
     """Measure one decoder on a prompt group at batch size B > 1 (its prompts decoded together); never raises for
     what the decoder does wrong (as :func:`measure_one`).
@@ -212,6 +303,8 @@ def measure_group(
             reference = ref.tokens[r] if ref else None
             row = sample_row(m, prompt, group.warmup, reference)
             row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
+            if hardware is not None:  # the batch's forwards (weights once each) over the row's own time
+                row["roofline"] = hardware.roofline_of(m, row["total_s"], cp.cls.needs_draft)
             if cp.cls.lossless:  # every emitted token of every row checked, outside the timed region
                 others = [p.token_ids for j, p in enumerate(prompts) if j != r]
                 row.update(
@@ -329,6 +422,7 @@ def run_group(
     data_dir: str | None = None,
     servers=None,
     tokenizer=None,
+    hardware: Hardware | None = None,
 ) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
@@ -340,6 +434,7 @@ def run_group(
         skip: labels of cells that already failed: not measured.
         servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
             declare ``requests``: :func:`measure_served`, at every B).
+        hardware: the worker's :class:`Hardware` (roofline inputs, compiled execution), or None.
     """
     outputs = dict(done)
     served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
@@ -356,7 +451,9 @@ def run_group(
                 if outcome.rows is not None:
                     served[cp.label] = outcome.rows
             else:
-                outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir)
+                outcome = measure_group(
+                    cp, prompt, group, ref, target, draft, device, suite, stop, data_dir, hardware
+                )
             if outcome.rows is not None:
                 outputs[cp.label] = Reference(
                     [r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"], outcome.cpu_s
@@ -380,7 +477,19 @@ def run_group(
             yield outcome
             continue
         outcome = measure_one(
-            cp, prompt, group.gen_length, group.warmup, ref, target, draft, device, suite, compare, stop, data_dir
+            cp,
+            prompt,
+            group.gen_length,
+            group.warmup,
+            ref,
+            target,
+            draft,
+            device,
+            suite,
+            compare,
+            stop,
+            data_dir,
+            hardware,
         )
         if outcome.row is not None:
             outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
@@ -499,7 +608,9 @@ class Worker:
                 except ValueError as exc:
                     raise DtbenchError(f"decoder '{p.label}': {exc}") from None
         self.groups = {work_key(g): g for g in self.plan.groups()}
+        self.hardware = Hardware.of(self.plan, suite, self.target, self.draft, self.device)
         env = environment(self.device)
+        env["memory_bandwidth_bytes_per_s"] = self.hardware.bandwidth  # the roofline's denominator (issue 37)
         env["target"], env["draft"] = model_info(self.target), model_info(self.draft)
         env["files"] = fingerprint.run_files(suite, self.plan, self.target, self.draft)  # sha256 / hub commits
         self.info = WorkerInfo(
@@ -531,6 +642,7 @@ class Worker:
             self.plan.data_dir,
             servers=self.servers,
             tokenizer=self.tokenizer,
+            hardware=self.hardware,
         )
 
     def close(self) -> None:

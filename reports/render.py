@@ -14,16 +14,24 @@ from dtbench.reports.summary import lossless_failed
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
-COLUMNS = [("Decoder", "label"), *((m.header, m.name) for m in _SHOWN), ("Lossless", "lossless")]
+COLUMNS = [
+    ("Decoder", "label"),
+    ("Execution", "execution"),
+    *((m.header, m.name) for m in _SHOWN),
+    ("Lossless", "lossless"),
+]
 
 
 def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
-    """COLUMNS without the optional metrics (energy) that no row of ``group`` has a value for."""
+    """COLUMNS without the optional metrics (energy, roofline) that no row of ``group`` has a value for, and without
+    Execution where every row ran eager (the tables of runs before compiled execution are unchanged)."""
     empty = {
         m.name
         for m in _SHOWN
         if m.optional and not any(not _missing(v) for c in m.columns for v in (group[c] if c in group else []))
     }
+    if "execution" not in group or all(v in (None, "eager") or _missing(v) for v in group["execution"]):
+        empty.add("execution")
     return [(h, c) for h, c in COLUMNS if c not in empty]
 
 
@@ -176,7 +184,7 @@ def formatted(row: pd.Series) -> dict[str, str]:
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "") + lossless_detail(row)
     if row["status"] == "failed":
         lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != MISSING else mark)
-    out = {"label": row["label"], "lossless": lossless}
+    out = {"label": row["label"], "lossless": lossless, "execution": execution_display(row)}
     for m in _SHOWN:
         value = m.format(row[f"{m.name}_mean"], row[f"{m.name}_std"]) if m.spread else m.format(row[m.name])
         if m is SPEEDUP and value != MISSING:
@@ -185,6 +193,13 @@ def formatted(row: pd.Series) -> dict[str, str]:
             speedup_mark(row) if m is SPEEDUP and value != MISSING else mark if m is METRICS[0] else ""
         )
     return out
+
+
+def execution_display(row) -> str:
+    """The Execution column: ``eager``, or ``compiled`` with the cell's compile time (seconds, before its warmup)."""
+    mode = row.get("execution") or "eager"
+    compile_s = row.get("compile_s")
+    return mode if _missing(compile_s) or compile_s is None else f"{mode} (compile {compile_s:.1f} s)"
 
 
 def _title(key) -> str:
@@ -233,7 +248,7 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
                 group[CELL_DATA],
                 notes=notes,
                 row_styles=styles,
-                left=frozenset({"Decoder", "Lossless"}),
+                left=frozenset({"Decoder", "Execution", "Lossless"}),
             )
         )
     return reports
@@ -284,6 +299,8 @@ MACHINE_COLUMNS = [
     "mixed_devices",
     "batch_size",
     "remainder_n",
+    "execution",
+    "compile_s",
 ]
 
 

@@ -47,6 +47,7 @@ LOSSY = "lossy by design"
 
 __all__ = [
     "BASELINE",
+    "execution_of",
     "FAMILY_UNKNOWN",
     "collapse_batches",
     "is_remainder",
@@ -148,16 +149,33 @@ def show(value, spec: str = "", suffix: str = "") -> str:
     return MISSING if is_missing(value) else format(value, spec) + suffix
 
 
+def execution_of(row) -> str:
+    """A cell's (or summary row's) execution mode: ``eager`` or ``compiled``; ``eager`` where it has none (stored
+    before compiled execution existed, issue 37)."""
+    value = row.get("execution") if hasattr(row, "get") else None
+    return value if isinstance(value, str) and value else "eager"
+
+
 def pairing_key(frame: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[tuple]:
-    """Per row: (run_id if the frame has one, dataset, L_max, T, *extra, decoding): rows with equal keys are compared
-    with each other; ``extra`` is e.g. ``("prompt_index",)`` for per-prompt pairs."""
+    """Per row: (run_id if the frame has one, dataset, L_max, T, B, *extra, execution, decoding): rows with equal keys
+    are compared with each other (a compiled cell with the compiled baseline, issue 37); ``extra`` is e.g.
+    ``("prompt_index",)`` for per-prompt pairs."""
     cols = [*(["run_id"] if "run_id" in frame else []), *GROUP, *extra]
     sampling = frame["sampling"] if "sampling" in frame else pd.Series([None] * len(frame), index=frame.index)
+    execution = (
+        frame["execution"].map(lambda v: v if isinstance(v, str) and v else "eager")
+        if "execution" in frame
+        else pd.Series(["eager"] * len(frame), index=frame.index)
+    )
 
     def column(c: str):  # a frame from before batch sizes (issue 29) has no batch_size column: every row is B = 1
         return frame[c] if c in frame or c != "batch_size" else pd.Series([1] * len(frame), index=frame.index)
 
-    return [(*vals, decoding(s)) for vals, s in zip(zip(*(column(c) for c in cols)), sampling)] if cols else []
+    return (
+        [(*vals, e, decoding(s)) for vals, e, s in zip(zip(*(column(c) for c in cols)), execution, sampling)]
+        if cols
+        else []
+    )
 
 
 def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (), missing=math.nan) -> pd.Series:

@@ -35,6 +35,7 @@ from dtbench.reports.stats import (
     cell_lossless,
     cell_throughput,
     collapse_batches,
+    execution_of,
     family_of,
     group_key,
     remainder_mask,
@@ -46,6 +47,8 @@ _CELL_COLS = [
     "l_max",
     "gen_length",
     "batch_size",
+    "execution",
+    "compile_s",
     "decoder",
     "family",
     "label",
@@ -89,6 +92,7 @@ def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
     for cell, sample in rows:
         rec = {"cell_id": cell.id, **{c: getattr(cell, c) for c in _CELL_COLS}}
         rec["batch_size"] = rec["batch_size"] or 1  # cells written before batch sizes: B = 1
+        rec["execution"] = rec["execution"] or "eager"  # cells written before compiled execution (0013): eager
         rec.update({c: (getattr(sample, c) if sample is not None else None) for c in _SAMPLE_COLS})
         rec["has_sample"] = sample is not None
         records.append(rec)
@@ -199,6 +203,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 **dict(zip(GROUP, group_key(first))),
                 "label": first["label"],
                 "decoder": first["decoder"],
+                "execution": execution_of(first),
+                "compile_s": None if pd.isna(first.get("compile_s")) else float(first["compile_s"]),
                 "family": family_of(first["family"]),
                 "params": first["params"],
                 "decoder_version": first["decoder_version"],

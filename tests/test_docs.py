@@ -30,8 +30,10 @@ def test_readme_is_short_and_its_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 150
     ci = (ROOT / ".ci" / "run").read_text()
-    command = re.search(r"^make (\S+)$", ci, re.M).group(0)
-    assert f"\n{command}\n" in readme
+    # the last make line is the test command (before it, `make engine` builds the llama.cpp server the real-server
+    # tests need: a CI prerequisite, issue 41, not part of a newcomer's first command)
+    command = re.findall(r"^make (\S+)$", ci, re.M)[-1]
+    assert command == "check" and "\nmake check\n" in readme
 
 
 def test_every_local_link_of_the_readme_and_docs_exists():

@@ -516,6 +516,7 @@ class TreeDecoder(Decoder):
     supports_sampling = True
     family = "tree"
     batching = True
+    compiles = True
     version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
 
     @classmethod

@@ -1,0 +1,197 @@
+"""Compiled execution (issue 37): static KV caches, bucketed torch.compile'd forwards, the `execution:` axis.
+
+The property tests check every compiled in-process decoder against eager `ar` token for token (float64 tiny models:
+no near ties), with a small example budget since every new bucket compiles a graph; the run test checks the whole
+path: cells per execution, compile_s stored apart, no recompile inside a measured sample, a roofline per sample.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
+from models import VOCAB, model_zoo, run_decoder
+from sqlalchemy import select
+from transformers import DynamicCache
+
+from dtbench.decoders import kv
+from dtbench.decoders.ar import ARParams, Autoregressive
+from dtbench.decoders.dynatree import DynaTree
+from dtbench.decoders.fixed_tree import FixedTree
+from dtbench.decoders.linear import LinearParams, LinearSpeculative
+from dtbench.decoders.ngram import Ngram, NgramParams
+from dtbench.harness import db, roofline
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXECUTION = kv.Execution(max_len=192)  # shared: graphs compiled by one test are reused by the next
+
+
+@pytest.fixture(scope="module")
+def compiled_zoo():
+    target, draft = model_zoo()["perturbed"]
+    EXECUTION.precompile([target, draft], 32)
+    return target, draft
+
+
+def in_compiled(decoder, prompt, T):
+    with kv.compiled(EXECUTION):
+        EXECUTION.begin_sample()
+        before = kv.compiled_graphs()
+        tokens = run_decoder(decoder, prompt, T)
+        return tokens, kv.compiled_graphs() - before
+
+
+DECODERS = [
+    (Autoregressive, ARParams()),
+    (LinearSpeculative, LinearParams(k=4)),
+    (Ngram, NgramParams(k=3)),
+    (DynaTree, DynaTree.Params(n_max=16)),
+    (FixedTree, FixedTree.Params(branching=2, depth=3)),
+]
+
+
+@pytest.mark.parametrize(("cls", "params"), DECODERS, ids=[c.__name__ for c, _ in DECODERS])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(3, VOCAB - 1), min_size=2, max_size=20), T=st.integers(1, 40))
+def test_compiled_decoders_equal_eager_ar(compiled_zoo, cls, params, prompt, T):
+    target, draft = compiled_zoo
+    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+    tokens, recompiles = in_compiled(cls(target, draft, params), prompt, T)
+    assert tokens == ar
+    assert recompiles == 0  # every bucket these decoders use was compiled before the sample
+
+
+def test_static_cache_rolls_back_by_length_and_compacts_by_index(compiled_zoo):
+    """The same cache operations on a static and on a dynamic cache give the same logits: crop, then a tree-masked
+    forward of siblings whose second is kept by index (compaction), then one more token."""
+    from dtbench.decoders.tree.structure import attention_mask_kind, tree_attention_mask
+
+    target, _ = compiled_zoo
+    prompt = list(range(5, 17))
+    P = len(prompt)
+    siblings = torch.tensor([[True, False, False], [False, True, False], [False, True, True]])  # 30 | 24 <- 31
+
+    def script(cache_of):
+        cache, _ = kv.prefill(target, torch.tensor([prompt]))
+        assert type(cache) is cache_of
+        kv.forward(target, [20, 21, 22], cache)
+        kv.crop(cache, P + 1)  # keep 20 only: a rollback
+        after = kv.forward(target, [23], cache)[-1]
+        mask = tree_attention_mask(siblings, P + 2, attention_mask_kind(target), target.dtype)
+        kv.forward(target, [30, 24, 31], cache, position_ids=torch.tensor([[P + 2, P + 2, P + 3]]), attention_mask=mask)
+        kv.keep_positions(cache, P + 2, [P + 3, P + 4])  # 24 then 31, moved to the slots after the prefix
+        assert kv.cache_len(cache) == P + 4
+        return after, kv.forward(target, [25], cache)[-1]
+
+    with torch.inference_mode(), kv.compiled(EXECUTION):
+        EXECUTION.begin_sample()
+        static = script(kv.StaticKV)
+    with torch.inference_mode():
+        dynamic = script(DynamicCache)
+    for a, b in zip(static, dynamic):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert not torch.allclose(static[0], static[1])
+
+
+def test_a_full_static_cache_is_a_clear_error(compiled_zoo):
+    target, _ = compiled_zoo
+    small = kv.Execution(max_len=16)
+    with torch.inference_mode(), kv.compiled(small), pytest.raises(ValueError, match="static KV cache of 16"):
+        kv.prefill(target, torch.tensor([list(range(3, 20))]))
+
+
+def test_roofline_counts_weights_and_attended_kv_once_per_forward():
+    model, _ = model_zoo()["self"]
+    sizes = roofline.model_bytes(model)
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert sizes["weights"] == params * 8  # float64, the untied input embedding left out
+    assert sizes["kv_per_position"] == 2 * 2 * 2 * 8 * 8  # K and V x 2 layers x 2 KV heads x head dim 8 x 8 bytes
+    limit = roofline.limit_seconds([[1, 10, 0], [4, 11, 0]], sizes, 1e9)
+    assert limit == pytest.approx((2 * sizes["weights"] + sizes["kv_per_position"] * (11 + 15)) / 1e9)
+    # one forward at 10 ms against a 1 ms byte limit, flat in n: launch-bound; at 1.2 ms: bandwidth-bound
+    assert roofline.forward_regime({1: 0.010, 64: 0.011}, {"weights": 10**6}, 1e9) == "launch-bound"
+    assert roofline.forward_regime({1: 0.0012, 64: 0.0013}, {"weights": 10**6}, 1e9) == "bandwidth-bound"
+    assert roofline.forward_regime({1: 0.010, 64: 0.030}, {"weights": 10**6}, 1e9) == "compute-bound"
+    assert roofline.forward_regime({1: 0.010, 64: 0.011}, None, None) == "flat"
+    assert roofline.forward_regime({64: 0.011}, None, None) is None
+
+
+def test_the_copy_benchmark_measures_a_bandwidth():
+    bw = roofline.measure_bandwidth(torch.device("cpu"), nbytes=16 * 2**20, repeats=2)
+    assert 1e8 < bw["bytes_per_s"] < 1e13 and bw["vendor_bytes_per_s"] is None
+
+
+# --- the execution axis through `dtbench run` ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def test_validate_refuses_what_cannot_run_compiled(pair, tmp_path, data_dir):
+    cases = [
+        ({"name": "hf_assisted"}, {}, "cannot run compiled (its class does not declare compiles)"),
+        ({"name": "hf_generate", "params": {"prompt_lookup_num_tokens": 3}}, {}, "prompt lookup decoding"),
+        ({"name": "linear"}, {"batch_sizes": [1, 2]}, "compiled execution runs at batch size 1 only"),
+        ({"name": "linear", "execution": ["fast"]}, {}, "execution"),
+        ({"name": "linear", "execution": ["compiled"]}, {"execution": "eager"}, "not in the suite's execution"),
+    ]
+    for decoder, extra, needle in cases:
+        suite = suite_dict(*pair, [{"name": "ar"}, decoder], **{"execution": ["eager", "compiled"], **extra})
+        result = invoke("validate", write_suite(tmp_path, suite), "--data-dir", str(data_dir))
+        one_line_error(result, needle)
+
+
+def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
+    decoders = [
+        {"name": "ar"},
+        {"name": "linear", "params": {"k": 3}},
+        {"name": "dynatree", "params": {"n_max": 8}},
+        {"name": "ngram"},
+        {"name": "hf_generate", "execution": ["compiled"]},
+        {"name": "hf_assisted", "execution": ["eager"]},
+    ]
+    suite = suite_dict(*pair, decoders, execution=["eager", "compiled"])
+    dbfile = tmp_path / "c.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    with db.connect(str(dbfile))() as s:
+        cells = {c.label: c for c in s.scalars(select(db.Cell))}
+        assert set(cells) == {
+            "ar",
+            "linear",
+            "dynatree",
+            "ngram",
+            "hf_assisted",
+            "ar [compiled]",
+            "linear [compiled]",
+            "dynatree [compiled]",
+            "ngram [compiled]",
+            "hf_generate [compiled]",
+        }
+        ar = {x.prompt_index: x.output_tokens for x in cells["ar"].samples}
+        for label, cell in cells.items():
+            compiled = label.endswith("[compiled]")
+            assert cell.execution == ("compiled" if compiled else "eager") and cell.status == "done", label
+            assert (cell.compile_s is not None and cell.compile_s > 0) == compiled, label
+            for x in cell.samples:
+                assert x.output_tokens == ar[x.prompt_index] and x.lossless is not False, label
+                assert x.roofline is not None and 0 < x.roofline < 1, label
+                if compiled:
+                    assert x.step_stats["compiled"]["recompiles"] == 0, label
+    report = json.loads(invoke("report", "--db", str(dbfile), "--format", "json").stdout)
+    rows = {c["label"]: c for c in report["cells"]}
+    assert rows["linear [compiled]"]["execution"] == "compiled" and rows["linear"]["execution"] == "eager"
+    assert rows["linear [compiled]"]["compile_s"] > 0 and rows["linear"]["roofline"] > 0
+    # speedups pair within one execution: compiled linear over compiled ar
+    assert rows["ar [compiled]"]["speedup"] == pytest.approx(1.0)
+    table = invoke("report", "--db", str(dbfile), "--format", "markdown").stdout
+    assert "Execution" in table and "compiled" in table and "Roofline" in table
