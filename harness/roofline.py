@@ -89,17 +89,18 @@ def model_bytes(model: torch.nn.Module | None) -> dict[str, int] | None:
     """
     if model is None:
         return None
+    hf: Any = model  # a transformers model: its embedding getters and config are not nn.Module's attributes
     seen: set[int] = set()
     weights = 0
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    out = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     skip = embed.weight if embed is not None and (out is None or out.weight is not embed.weight) else None
     for p in model.parameters():
         if id(p) in seen or p is skip:
             continue
         seen.add(id(p))
         weights += p.numel() * p.element_size()
-    cfg = model.config
+    cfg = hf.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = int(getattr(cfg, "num_attention_heads", 1))
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)

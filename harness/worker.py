@@ -451,9 +451,7 @@ def run_group(
                 if outcome.rows is not None:
                     served[cp.label] = outcome.rows
             else:
-                outcome = measure_group(
-                    cp, prompt, group, ref, target, draft, device, suite, stop, data_dir, hardware
-                )
+                outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir, hardware)
             if outcome.rows is not None:
                 outputs[cp.label] = Reference(
                     [r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"], outcome.cpu_s
