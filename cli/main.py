@@ -371,6 +371,13 @@ def run_exit_code(sessions, run_id: int) -> int:
     "source, tokens per read, lossless and its rule",
 )
 @click.option(
+    "--execution",
+    "execution",
+    is_flag=True,
+    help="compiled beside eager (suite key execution): per decoder that ran both ways, each throughput, "
+    "compiled/eager paired per prompt with a CI, the compile time, each roofline fraction and both lossless verdicts",
+)
+@click.option(
     "--profile",
     "profile",
     is_flag=True,
@@ -411,6 +418,7 @@ def report(
     profile,
     profile_json,
     include_partial,
+    execution,
 ) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
@@ -468,6 +476,7 @@ def report(
         engine=engine,
         profile=profile,
         profile_json=profile_json,
+        execution=execution,
     )
 
 

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 
 # Forward sizes (new tokens per row) compiled execution pads to: powers of two as vLLM's default CUDA-graph capture
 # sizes are. A forward of more new tokens than the largest runs eager (a long prompt's prefill is never compiled).
-BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bucket(n: int) -> int | None:
@@ -236,13 +236,16 @@ class StaticKV:
         return logits[n - 1 : n] if last_only else logits[:n]
 
 
-def new_cache() -> DynamicCache | StaticKV:
+KVCache = DynamicCache | StaticKV  # what new_cache makes: eager or compiled execution
+
+
+def new_cache() -> KVCache:
     """An empty KV cache: a ``DynamicCache``, or a :class:`StaticKV` inside :func:`compiled`."""
     execution = _EXECUTION.get()
     return DynamicCache() if execution is None else StaticKV(execution)
 
 
-def cache_len(cache: DynamicCache | StaticKV) -> int:
+def cache_len(cache: KVCache) -> int:
     """Number of positions held in the cache (tokens)."""
     return cache.get_seq_length()
 
@@ -250,7 +253,7 @@ def cache_len(cache: DynamicCache | StaticKV) -> int:
 def forward(
     model: torch.nn.Module,
     token_ids: torch.Tensor | list[int],
-    cache: DynamicCache | StaticKV,
+    cache: KVCache,
     *,
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
@@ -313,7 +316,7 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return _cache_keyword_of(type(model))
 
 
-def crop(cache: DynamicCache | StaticKV, length: int) -> None:
+def crop(cache: KVCache, length: int) -> None:
     """Roll the cache back to its first ``length`` positions (paper section 3.5, step (i)).
 
     Raises:
@@ -332,7 +335,7 @@ def crop(cache: DynamicCache | StaticKV, length: int) -> None:
         layer.values = layer.values[..., :length, :]
 
 
-def keep_positions(cache: DynamicCache, prefix_len: int, indices: list[int]) -> None:
+def keep_positions(cache: KVCache, prefix_len: int, indices: list[int]) -> None:
     """Keep the first ``prefix_len`` positions plus the positions ``indices`` (in that order), drop the rest.
 
     This is how an accepted tree path's key/value entries are kept without recomputing them (EAGLE-style

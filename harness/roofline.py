@@ -77,7 +77,7 @@ def _nvml_bandwidth(device: torch.device) -> float | None:
         return None
 
 
-def model_bytes(model: torch.nn.Module | None) -> dict[str, int] | None:
+def model_bytes(model: Any) -> dict[str, int] | None:
     """The bytes a forward of ``model`` reads besides the KV cache, and the KV bytes per cached position.
 
     ``weights``: every parameter once (a tied input embedding counted once; an untied one left out, since a forward
@@ -89,18 +89,17 @@ def model_bytes(model: torch.nn.Module | None) -> dict[str, int] | None:
     """
     if model is None:
         return None
-    hf: Any = model  # a transformers model: its embedding getters and config are not nn.Module's attributes
     seen: set[int] = set()
     weights = 0
-    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
-    out = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skip = embed.weight if embed is not None and (out is None or out.weight is not embed.weight) else None
     for p in model.parameters():
         if id(p) in seen or p is skip:
             continue
         seen.add(id(p))
         weights += p.numel() * p.element_size()
-    cfg = hf.config
+    cfg = model.config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     heads = int(getattr(cfg, "num_attention_heads", 1))
     kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)

@@ -52,6 +52,7 @@ def report_command(
     engine: bool = False,
     profile: bool = False,
     profile_json: str | None = None,
+    execution: bool = False,
 ) -> None:
     """Validate the option combination, then produce each requested output.
 
@@ -105,7 +106,15 @@ def report_command(
         raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
     if profile and (pair or compare or tables or files or cost_model or by or spec_bench or engine or len(run_ids) > 1):
         raise DtbenchError("--profile is a report of its own; give it alone (with --run ID, --format, --profile-json)")
+    others = pair or compare or tables or files or cost_model or by or spec_bench or engine or profile
+    if execution and (others or len(run_ids) > 1):
+        raise DtbenchError("--execution is a report of its own; give it alone (with --run ID and --format)")
     sessions = db.connect(db_url, create=False)
+    if execution:
+        from dtbench.reports.execution import execution_report
+
+        execution_report(sessions, run_ids[0] if run_ids else None, fmt, 1 - alpha)
+        return
     if profile:
         from dtbench.reports.profile import profile_report
 
@@ -285,6 +294,8 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
     every = summary  # the HTML report shows every cell, batch sizes > 1 included
     if "batch_size" in summary:  # the paper's tables and figures: its protocol, one prompt at a time (B = 1)
         summary = summary[summary["batch_size"] == 1].reset_index(drop=True)
+    if "execution" in summary:  # ... and eager transformers, as the paper measured (compiled: report --execution)
+        summary = summary[summary["execution"] != "compiled"].reset_index(drop=True)
     if tables:
         from dtbench.reports.paper import paper_tables
 

@@ -198,6 +198,8 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         cell, samples = c["cell"], c["samples"]
         if not samples or (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
             continue
+        if (cell.execution or "eager") == "compiled":  # calibration measures eager forwards: not this cell's price
+            continue
         priced = [price_sample(curves, s.step_stats or {}, uses_draft_model(cell)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
@@ -279,6 +281,41 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     return table
 
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def forward_regimes(curves, environment: dict) -> dict[str, str]:
+    """Per model role (target, draft) the regime of its calibrated causal forwards (issue 37,
+    :func:`dtbench.harness.roofline.forward_regime`): launch-bound, bandwidth-bound or compute-bound, from the cost
+    at n = 1 and at the largest calibrated n on the shortest calibrated cache, against the weights' bytes (the run's
+    parameter count x its dtype's size) over the run's measured memory bandwidth; {} where not calibrated."""
+    from dtbench.harness.roofline import forward_regime
+
+    bandwidth = environment.get("memory_bandwidth_bytes_per_s")
+    out = {}
+    for role in ("target", "draft"):
+        ns = sorted(int(n) for n in curves.points(role, "causal")[0]) if curves.has(role, "causal") else []
+        if 1 not in ns or len(ns) < 2:
+            continue
+        info = environment.get(role) or {}
+        element = DTYPE_BYTES.get(str(info.get("dtype")))
+        sizes = {"weights": int(info["params"]) * element} if info.get("params") and element else None
+        regime = forward_regime({n: curves.cost(role, n, None) for n in (1, ns[-1])}, sizes, bandwidth)
+        if regime is not None:
+            out[role] = regime
+    return out
+
+
+REGIME_MEANING = {
+    "launch-bound": "one forward costs several times reading its weights once and stays flat in the tokens fed: "
+    "kernel launches and Python dominate, so extra verified tokens look free; compiled execution shows the other view",
+    "bandwidth-bound": "near the time to read its weights once, flat in the tokens fed: extra verified tokens are "
+    "nearly free for the right reason",
+    "compute-bound": "cost grows with the tokens fed: every extra verified token costs",
+    "flat": "flat in the tokens fed (no bandwidth measured to tell launch- from bandwidth-bound)",
+}
+
+
 def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     """``dtbench report --cost-model [--run ID]``.
 
@@ -297,6 +334,8 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         table = cost_table(session, run, curves)
         batched, batch_notes = batch_table(session, run, curves)
         rid = run.id
+        environment = dict(run.environment or {})
+        compiled_cells = sorted({c.label for c in run.cells if (c.execution or "eager") == "compiled"})
     if table.empty and batched.empty:
         raise DtbenchError(f"run {rid} has no samples after warmup to price")
     source = (
@@ -376,9 +415,30 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
             for _, r in table.iterrows()
         ]
     )
+    regimes = forward_regimes(curves, environment)
+    regime_notes = [Note(f"{role} forwards: {regime} ({REGIME_MEANING[regime]})") for role, regime in regimes.items()]
+    if not table.empty and regimes:  # per decoder: the regimes of the models its forwards run on
+        table = table.assign(
+            forward_regime=[
+                "; ".join(
+                    f"{role} {regimes[role]}"
+                    for role in ("target", "draft")
+                    if role in regimes and (role == "target" or r["draft_s"] > 0)
+                )
+                or None
+                for _, r in table.iterrows()
+            ]
+        )
+        cols.append("forward_regime")
+    if compiled_cells:
+        regime_notes.append(
+            Note(
+                f"not priced (compiled execution; the calibration measures eager forwards): {', '.join(compiled_cells)}"
+            )
+        )
     # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
     # per-position acceptance as ';'-joined shares and the sampling settings as JSON text
-    reports = [] if table.empty else [Report("cost_model", title, caption, display, table[cols])]
+    reports = [] if table.empty else [Report("cost_model", title, caption, display, table[cols], notes=regime_notes)]
     if not batched.empty:
         shown = pd.DataFrame(
             [

@@ -76,6 +76,8 @@ def build_html(
     every = summary  # "Every cell" shows every batch size; the paper's tables and figures are its B = 1 protocol
     if "batch_size" in summary:
         summary = summary[summary["batch_size"] == 1].reset_index(drop=True)
+    if "execution" in summary:  # the paper's sections read eager cells (compiled ones: report --execution)
+        summary = summary[summary["execution"] != "compiled"].reset_index(drop=True)
     tables, skipped = paper_tables(summary, include_partial)
     out.append("<h2>Paper tables</h2>")
     out += [html_section(t) for t in tables]

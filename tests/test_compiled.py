@@ -194,4 +194,72 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
     # speedups pair within one execution: compiled linear over compiled ar
     assert rows["ar [compiled]"]["speedup"] == pytest.approx(1.0)
     table = invoke("report", "--db", str(dbfile), "--format", "markdown").stdout
-    assert "Execution" in table and "compiled" in table and "Roofline" in table
+    assert "Execution" in table and "compiled (compile" in table and "Roofline" in table
+    # compiled beside eager, per decoder that ran both ways (hf_generate and hf_assisted ran one way each)
+    paired = json.loads(invoke("report", "--db", str(dbfile), "--execution", "--format", "json").stdout)
+    by = {r["label"]: r for r in paired["rows"]}
+    assert set(by) == {"ar", "linear", "dynatree", "ngram"}
+    for r in by.values():
+        assert r["n"] == 1 and r["ratio"] == pytest.approx(r["compiled_throughput"] / r["eager_throughput"])
+        assert r["compile_s"] > 0 and r["eager_lossless"] == r["compiled_lossless"] == "yes"
+    shown = invoke("report", "--db", str(dbfile), "--execution", "--format", "markdown")
+    assert shown.exit_code == 0 and "Compiled/eager" in shown.stdout
+    assert "one execution only (no pair): hf_assisted, hf_generate [compiled]" in shown.output
+    one_line_error(invoke("report", "--db", str(dbfile), "--execution", "--compare"), "a report of its own")
+
+
+def test_an_eager_run_has_no_execution_report_and_its_table_no_execution_column(pair, tmp_path, data_dir):
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}])
+    dbfile = tmp_path / "e.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    table = invoke("report", "--db", str(dbfile), "--format", "markdown").stdout
+    assert "Execution" not in table and "Roofline" in table  # every cell has a roofline; none ran compiled
+    one_line_error(invoke("report", "--db", str(dbfile), "--execution"), "no compiled cell with an eager twin")
+
+
+def test_0013_an_old_database_reports_as_eager_with_no_roofline(tmp_path):
+    """Migration 0013: every cell written before it ran eager and has no compile time, every sample no roofline; its
+    table gains no Execution or Roofline column (the numbers are test_migrations' identical-report check)."""
+    import shutil
+    from pathlib import Path
+
+    from sqlalchemy import create_engine, text
+
+    old = Path(shutil.copy(Path(__file__).parent / "fixtures" / "results-0001.db", tmp_path / "old.db"))
+    assert invoke("db", "upgrade", "--db", str(old)).exit_code == 0
+    with create_engine(f"sqlite:///{old}").connect() as conn:
+        assert set(conn.execute(text("SELECT DISTINCT execution FROM cells")).scalars()) == {"eager"}
+        assert conn.execute(text("SELECT COUNT(*) FROM cells WHERE compile_s IS NOT NULL")).scalar() == 0
+        assert conn.execute(text("SELECT COUNT(*) FROM samples WHERE roofline IS NOT NULL")).scalar() == 0
+    table = invoke("report", "--db", str(old), "--run", "1", "--format", "markdown")
+    assert table.exit_code == 0 and "| Decoder |" in table.stdout
+    assert "Execution" not in table.stdout and "Roofline" not in table.stdout
+
+
+def test_the_cost_model_names_each_models_regime_and_leaves_compiled_cells_unpriced(
+    monkeypatch, pair, tmp_path, data_dir
+):
+    from kit import fast_calibration_settings
+
+    from dtbench.harness import calibrate as cal
+
+    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}, "execution": ["eager"]}]
+    suite = suite_dict(*pair, decoders, execution=["eager", "compiled"], calibrate=True)
+    dbfile = tmp_path / "cm.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    out = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "json")
+    assert out.exit_code == 0, out.output
+    cells = {c["label"]: c for c in json.loads(out.stdout)["cells"]}
+    assert set(cells) == {"ar", "linear"}  # "ar [compiled]" is not priced on eager curves
+    regimes = {"launch-bound", "bandwidth-bound", "compute-bound"}
+    assert cells["linear"]["forward_regime"].startswith("target ") and "draft " in cells["linear"]["forward_regime"]
+    assert cells["ar"]["forward_regime"].split(" ", 1)[1] in regimes and "draft" not in cells["ar"]["forward_regime"]
+    text = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "markdown").output
+    assert "target forwards: " in text and "not priced (compiled execution" in text and "ar [compiled]" in text
