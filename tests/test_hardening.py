@@ -1901,3 +1901,22 @@ def test_sigint_during_a_server_request_interrupts_the_run(tmp_path, data_dir):
         assert con.execute("select status from cells").fetchall() != [("done",)]
     gone = not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
     assert gone, "the launched server was left running"
+
+
+def test_a_cell_with_only_a_remainder_says_so_not_all_warmup(tmp_path):
+    """A run stored before the validate check: B = 4 with 1 warmup and 2 measured prompts (one remainder group)."""
+    import reportdb
+
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        cell = reportdb.add_cell(session, run, "ar")
+        cell.batch_size = 4
+        for i, sample in enumerate(reportdb.add_samples(session, cell, [10.0] * 3, warmup=1)):
+            sample.batch_group, sample.batch_rows = (0, 1) if i == 0 else (1, 2)
+            sample.batch_total_s = sample.total_s
+        session.commit()
+    result = invoke("report", "--db", str(path), "--format", "markdown")
+    assert result.exit_code == 0, result.output
+    assert "no full batch of B=4 after warmup (2 measured prompts" in result.output
+    assert "measured prompts are warmup" not in result.output
