@@ -22,6 +22,11 @@ c. **cost model** (:func:`step_costmodel`): the calibration of :mod:`dtbench.har
 d. **loop overhead** (:func:`step_overhead`): each decoder at the same shapes, random weights (a random draft accepts
    almost nothing, so every iteration commits about one token): wall time minus the time inside model forwards,
    per iteration, against the paper's own time per iteration (T / throughput / #Iter).
+e. **compiled** (:func:`step_compiled`, issue 37): the same shapes eager and compiled (static KV cache, bucketed
+   ``torch.compile``, CUDA graphs on CUDA; :mod:`dtbench.decoders.kv`): one target forward's time for n = 1, 9, 64
+   and 190 new tokens on a cache of L_max = 800 beside its memory-bandwidth limit (weights + attended KV over the
+   copy-benchmark bandwidth, :mod:`dtbench.harness.roofline`), ``ar``'s tokens/s and roofline fraction both ways,
+   and the loop overhead per iteration of ``linear`` and ``dynatree`` both ways; the compile time apart.
 
 Output: ``OUT/gpu-check.json`` (:data:`SCHEMA`, validated by ``tests/test_gpucheck.py``) and ``OUT/gpu-check.log``.
 Exit code 0 when every step passed, 1 when one failed (the JSON says which), 2 for bad arguments.
@@ -56,7 +61,7 @@ def _tests_dir() -> Path:
 
 
 SCHEMA = "dtbench.gpu-check/1"
-STEPS = ("lossless", "timing", "costmodel", "overhead")
+STEPS = ("lossless", "timing", "costmodel", "overhead", "compiled")
 
 # Pythia's GPT-NeoX configurations (EleutherAI/pythia-2.8b and pythia-70m config.json): the paper's target and draft.
 PYTHIA_2_8B = dict(
@@ -677,6 +682,136 @@ def step_overhead(
     return {"ok": all(r["ok"] for r in rows), "prompt_tokens": L, "T0": T0, "T": T, "rows": rows}
 
 
+# --- e. compiled beside eager (issue 37) ------------------------------------------------------------------------
+
+COMPILED_DECODERS = (("linear", {"k": 8}), ("dynatree", {}))
+
+
+def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dict:
+    """Eager vs compiled execution at the paper's shapes (module docstring, step e). Medians of :data:`REPEATS`.
+
+    Returns:
+        {"ok", "compile_s", "graphs", "bandwidth", "forwards": [{n, eager_s, compiled_s, limit_s, eager_roofline,
+        compiled_roofline}], "ar": {mode: {tokens_per_s, roofline}}, "overhead": [{decoder, mode,
+        overhead_s_per_iter, forward_s_per_iter, overhead_share}]}.
+    """
+    from contextlib import nullcontext
+
+    import torch
+
+    from dtbench.decoders import kv
+    from dtbench.harness import roofline
+    from dtbench.harness.measure import measure
+
+    vocab = target.config.vocab_size
+    L, T0, T = (24, 2, 16) if small else (800, 8, 64)
+    ns = (1, 9, 16) if small else (1, 9, 64, 190)
+    prompt = torch.randint(3, vocab, (L,), generator=torch.Generator().manual_seed(2)).tolist()
+    bandwidth = roofline.measure_bandwidth(device)
+    bw = bandwidth["bytes_per_s"]
+    sizes = roofline.model_bytes(target)
+    ex = kv.Execution(-(-(L + T0 + T + 2 * 256) // 64) * 64)
+    start, graphs0 = time.perf_counter(), kv.compiled_graphs()
+    ex.precompile([target], 0, sizes=ns)  # the forwards below and ar's; the decoders' other sizes compile in
+    ex.precompile([draft], 0, sizes=(1, 2))  # their untimed warmup run (a whole precompile would pass the budget)
+    compile_s, graphs = time.perf_counter() - start, kv.compiled_graphs() - graphs0
+    log(f"compiled: {graphs} graphs in {compile_s:.1f} s")
+
+    def mode(compiled: bool):
+        return kv.compiled(ex) if compiled else nullcontext()
+
+    def forward_s(compiled: bool, n: int) -> float:
+        ids = torch.tensor([prompt], device=device)
+        new = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        with torch.inference_mode(), mode(compiled):
+            ex.begin_sample()
+            cache, _ = kv.prefill(target, ids)
+            times = []
+            for _ in range(REPEATS + 1):  # the first warms this shape
+                kv.crop(cache, L)
+                _sync(device)
+                t = time.perf_counter()
+                kv.forward(target, new, cache)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+        return statistics.median(times[1:])
+
+    forwards = []
+    for n in ns:
+        eager, compiled = forward_s(False, n), forward_s(True, n)
+        limit = roofline.limit_seconds([[n, L, 0]], sizes, bw) if sizes and bw else None
+        forwards.append(
+            {
+                "n": n,
+                "eager_s": eager,
+                "compiled_s": compiled,
+                "limit_s": limit,
+                "eager_roofline": limit / eager if limit else None,
+                "compiled_roofline": limit / compiled if limit else None,
+            }
+        )
+    ar: dict[str, Any] = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            ex.begin_sample()
+            measure(build("ar", {}, target, None, workdir), prompt, T0, device)  # warmup
+            ex.begin_sample()
+            m = measure(build("ar", {}, target, None, workdir), prompt, T, device)
+        total = m.step_times[-1]
+        ar["compiled" if compiled else "eager"] = {
+            "tokens_per_s": T / total,
+            "roofline": roofline.sample_fraction(m.records, total, sizes, None, bw),
+        }
+    overhead = []
+    for name, params in COMPILED_DECODERS:
+        for compiled in (False, True):
+            row: dict[str, Any] = {"decoder": name, "params": params, "mode": "compiled" if compiled else "eager"}
+            try:
+                with mode(compiled):
+                    ex.begin_sample()  # warmup: compiles the shapes this decoder uses that were not compiled above
+                    measure(build(name, params, target, draft, workdir), prompt, T0 + T, device)
+                    runs = {}
+                    for length in (T0, T0 + T):
+                        totals = []
+                        for _ in range(REPEATS):
+                            ex.begin_sample()
+                            totals.append(
+                                _totals(measure(build(name, params, target, draft, workdir), prompt, length, device))
+                            )
+                        runs[length] = (
+                            statistics.median(t[0] for t in totals),
+                            statistics.median(t[1] for t in totals),
+                            totals[0][2],
+                        )
+                (w0, f0, i0), (w1, f1, i1) = runs[T0], runs[T0 + T]
+                iters = i1 - i0
+                loop = max(0.0, (w1 - w0) - (f1 - f0))
+                row.update(
+                    iterations=iters,
+                    overhead_s_per_iter=loop / iters if iters else None,
+                    forward_s_per_iter=(f1 - f0) / iters if iters else None,
+                    overhead_share=loop / max(w1 - w0, 1e-12),
+                    ok=iters > 0,
+                )
+            except Exception as exc:
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+            overhead.append(row)
+            log(
+                f"compiled {row['mode']} {name}: overhead {row.get('overhead_s_per_iter')} s/iter {row.get('error', '')}"
+            )
+    return {
+        "ok": all(r["ok"] for r in overhead),
+        "compile_s": compile_s,
+        "graphs": graphs,
+        "bandwidth": bandwidth,
+        "prompt_tokens": L,
+        "T": T,
+        "forwards": forwards,
+        "ar": ar,
+        "overhead": overhead,
+    }
+
+
 # --- the command -------------------------------------------------------------------------------------------------
 
 
@@ -747,6 +882,22 @@ def summary(result: dict) -> dict:
             r["decoder"]: (None if r.get("overhead_s_per_iter") is None else round(r["overhead_s_per_iter"] * 1e3, 3))
             for r in steps["overhead"]["rows"]
         }
+    if "compiled" in steps and "forwards" in steps["compiled"]:
+        c = steps["compiled"]
+        out["compiled"] = {
+            "compile_s": round(c["compile_s"], 1),
+            "forward_ms": {
+                str(f["n"]): [round(f["eager_s"] * 1e3, 3), round(f["compiled_s"] * 1e3, 3)] for f in c["forwards"]
+            },
+            "ar_tokens_per_s": {k: round(v["tokens_per_s"], 1) for k, v in c["ar"].items()},
+            "ar_roofline": {k: v["roofline"] for k, v in c["ar"].items()},
+            "overhead_ms_per_iter": {
+                f"{r['decoder']} {r['mode']}": None
+                if r.get("overhead_s_per_iter") is None
+                else round(r["overhead_s_per_iter"] * 1e3, 3)
+                for r in c["overhead"]
+            },
+        }
     return out
 
 
@@ -815,6 +966,8 @@ def run_child(step: str, device, small: bool, rows_file: Path, skip: frozenset, 
                 res = step_timing(device, target, log)
             elif step == "costmodel":
                 res = step_costmodel(device, target, draft, small, log)
+            elif step == "compiled":
+                res = step_compiled(device, target, draft, small, workdir, log)
             else:
                 res = step_overhead(device, target, draft, small, workdir, log, skip, lambda r: emit({"row": r}))
     except Exception as exc:  # the step failed in Python: recorded, the parent goes on

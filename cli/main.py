@@ -49,7 +49,8 @@ RUN_EXIT_CODES = f"""\b
 Exit codes:
   {EXIT_OK}    every cell ran and every lossless decoder passed the lossless check (numeric ties pass tie_aware)
   {EXIT_INTERNAL}    internal error, or the runner itself failed (the run is stored as failed; --resume continues)
-  {EXIT_BAD_INPUT}    bad input (suite, data, models, database); nothing was run
+  {EXIT_BAD_INPUT}    bad input (suite, data, models, database), or a machine not quiet in time
+       (--require-quiet); nothing was run
   {EXIT_DIVERGED}    a lossless decoder failed the check on some prompt (warmup included): under tie_aware an
        emitted token the target does not choose (an error, never a numeric tie), under exact any divergence
   {EXIT_CELL_FAILED}    a cell failed (a decoder raised, exited or timed out)
@@ -175,6 +176,23 @@ def cli() -> None:
     show_default=True,
     help="--executor ray: seconds to wait for the cluster at --address (or $RAY_ADDRESS) to answer",
 )
+@click.option(
+    "--require-quiet",
+    "require_quiet",
+    is_flag=False,
+    flag_value="auto",
+    default=None,
+    metavar="[=LOAD]",
+    help="before anything loads, wait for the machine's 1-minute load average to drop below LOAD (default: half "
+    "the CPUs), at most --quiet-timeout seconds; refuse (exit 2, nothing run) if it does not",
+)
+@click.option(
+    "--quiet-timeout",
+    type=Checked(Seconds, "SECONDS"),
+    default=120.0,
+    show_default=True,
+    help="--require-quiet: seconds to wait for a quiet machine",
+)
 def run(
     suite_path,
     db_url,
@@ -189,6 +207,8 @@ def run(
     workers,
     threads_per_worker,
     connect_timeout,
+    require_quiet,
+    quiet_timeout,
 ) -> None:
     """Run SUITE_PATH and store every sample; print the report when done.
 
@@ -198,10 +218,11 @@ def run(
     """
     from sqlalchemy import select
 
-    from dtbench.harness import db, engines
+    from dtbench.harness import db, engines, load
     from dtbench.harness.runner import make_executor, run_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
+    quiet_below = None if require_quiet is None else load.quiet_threshold(require_quiet)
     chosen = make_executor(
         executor,
         address=address,
@@ -233,6 +254,8 @@ def run(
         console=console,
         progress=not no_progress,
         executor=chosen,
+        quiet_below=quiet_below,
+        quiet_limit_s=float(quiet_timeout),
     )
     console.print(f"run {run_id} stored in {engines.display_url(engines.resolve_url(db_url))}", highlight=False)
     if not no_report:

@@ -93,8 +93,11 @@ class Execution:
             self._pool[key] = cache
         return cache
 
-    def precompile(self, models: list[torch.nn.Module], largest: int) -> tuple[float, int]:
-        """Compile every bucket up to ``largest`` new tokens for each model, outside any timed region.
+    def precompile(
+        self, models: list[torch.nn.Module], largest: int, sizes: tuple[int, ...] | None = None
+    ) -> tuple[float, int]:
+        """Compile every bucket up to ``largest`` new tokens (or the buckets of ``sizes`` only) for each model,
+        outside any timed region.
 
         Each bucket's graph is compiled and run twice on a scratch static cache of the current length (on CUDA the
         second run records the CUDA graph), so the warmup and the measured samples reuse them.
@@ -103,13 +106,17 @@ class Execution:
             (seconds it took, graphs compiled: the number torch.compile reported, 0 when all were cached).
         """
         t0, graphs0 = time.perf_counter(), compiled_graphs()
-        sizes = [b for b in BUCKETS if b <= (bucket(largest) or BUCKETS[-1])]
+        buckets = (
+            sorted({bucket(n) or BUCKETS[-1] for n in sizes})
+            if sizes is not None
+            else [b for b in BUCKETS if b <= (bucket(largest) or BUCKETS[-1])]
+        )
         with torch.inference_mode(), compiled(self):
             for model in models:
                 self.begin_sample()
                 cache = new_cache()
                 forward(model, [0] * 4, cache)  # the prefill (eager) initialises the static buffers
-                for b in sizes:
+                for b in buckets:
                     for _ in range(2):
                         crop(cache, 4)
                         forward(model, [0] * b, cache)

@@ -137,6 +137,18 @@ class Cell(Base):
     draft_model: Mapped[str | None] = mapped_column(String(500))
     status: Mapped[str] = mapped_column(String(20), default="pending")  # pending|running|done|failed
     error: Mapped[str | None] = mapped_column(Text)
+    # 0014, the machine's load while the cell was measured (harness/load.py; NULL before 0014): logical CPUs, the
+    # 1-minute load average before its first sample and after its last, the largest load less this process tree's
+    # own share, CPU seconds other processes took during its samples and the CPU seconds there were (wall x CPUs),
+    # the CPU frequency (MHz) at its start and end (NULL where unreadable)
+    cpu_count: Mapped[int | None] = mapped_column(Integer)
+    load_start: Mapped[float | None] = mapped_column(Float)
+    load_end: Mapped[float | None] = mapped_column(Float)
+    others_load_max: Mapped[float | None] = mapped_column(Float)
+    others_cpu_s: Mapped[float | None] = mapped_column(Float)
+    capacity_cpu_s: Mapped[float | None] = mapped_column(Float)
+    cpu_mhz_start: Mapped[float | None] = mapped_column(Float)
+    cpu_mhz_end: Mapped[float | None] = mapped_column(Float)
     run: Mapped[Run] = relationship(back_populates="cells")
     samples: Mapped[list[Sample]] = relationship(back_populates="cell", cascade="all, delete-orphan")
 
@@ -148,7 +160,7 @@ class Sample(Base):
     ``created_at`` (tests/test_db.py asserts it): a new column is a field there, a column here and a migration."""
 
     __tablename__ = "samples"
-    __table_args__ = (UniqueConstraint("cell_id", "prompt_index"),)
+    __table_args__ = (UniqueConstraint("cell_id", "prompt_index", "repeat", name="uq_samples_prompt_repeat"),)
     id: Mapped[int] = mapped_column(primary_key=True)
     cell_id: Mapped[int] = mapped_column(ForeignKey("cells.id", ondelete="CASCADE"), index=True)
     prompt_index: Mapped[int] = mapped_column(Integer)
@@ -221,6 +233,8 @@ class Sample(Base):
     batch_group: Mapped[int | None] = mapped_column(Integer)
     batch_rows: Mapped[int | None] = mapped_column(Integer)
     batch_total_s: Mapped[float | None] = mapped_column(Float)
+    # 0014: the 0-based repeat of this prompt (suite key repeats; 0 for every sample written before it)
+    repeat: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # 0013 (issue 37): memory-bandwidth-limit seconds of its forwards / total_s (harness/roofline.py); NULL: unknown
     roofline: Mapped[float | None] = mapped_column(Float)
     cell: Mapped[Cell] = relationship(back_populates="samples")

@@ -112,15 +112,23 @@ class LocalExecutor(Executor):
 
     def __init__(self, threads: int | None = None):
         self.threads = threads
-        self.worker: Worker | None = None
+        self.worker: Any = None  # a Worker, or an IsolatedWorker with the same methods (isolation: process)
+        self.isolation = "none"
 
     def prepare(self, suite: Suite) -> None:
         self.device = models.resolve_device(suite.device)
 
     def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
-        self.worker = Worker(
-            suite, str(self.device), plan=plan, tokenizer=tokenizer, threads=self.threads, status=console.status
-        )
+        from dtbench.harness.isolation import IsolatedWorker, isolation_of
+
+        self.isolation = isolation_of(suite, self.device.type)
+        if self.isolation == "process":  # issue 38: the models and every measurement in a child process
+            with console.status(f"starting the measuring process (isolation: process) on {self.device}"):
+                self.worker = IsolatedWorker(suite, str(self.device), plan, self.threads)
+        else:
+            self.worker = Worker(
+                suite, str(self.device), plan=plan, tokenizer=tokenizer, threads=self.threads, status=console.status
+            )
         return self.worker.info
 
     def calibrate(self, contexts, settings, console: Console) -> calibrate.Measured:
@@ -147,4 +155,7 @@ class LocalExecutor(Executor):
         self.worker = None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "threads": self.threads}
+        out: dict[str, Any] = {"name": self.name, "threads": self.threads, "isolation": self.isolation}
+        if self.isolation == "process" and self.worker is not None:
+            out["processes_started"] = self.worker.children
+        return out

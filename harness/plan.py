@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 
@@ -59,6 +59,9 @@ class PromptGroup:
     W warmup prompts form warmup groups of at most B, the others groups of B; a last group of fewer than B prompts is
     the *remainder* (decoded as a smaller batch and marked, never dropped). ``prompt_index`` is the group's first
     prompt, the key every decoder's samples of the group are paired by.
+
+    With ``repeats: N`` each group after the warmup comes N times in a row (``repeat`` 0 .. N-1), each time with
+    every decoder in order: the repeats of one decoder are interleaved with the others', never back to back.
     """
 
     dataset: DatasetSpec
@@ -69,6 +72,7 @@ class PromptGroup:
     slot_warmup: bool | None = None  # question datasets: the slot's own flag (W per group)
     batch_size: int = 1  # the cells' B
     rows: tuple[int, ...] = ()  # the prompt indices decoded together (B > 1); () at B = 1: (prompt_index,)
+    repeat: int = 0  # which measurement of the group (suite key repeats: 0 .. N-1; warmup groups only 0)
 
     @property
     def prompt_indices(self) -> tuple[int, ...]:
@@ -117,7 +121,15 @@ class Plan:
         ]
 
     def groups(self) -> list[PromptGroup]:
-        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index (:class:`PromptGroup`)."""
+        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index, then repeat (the suite's
+        ``repeats`` times for a group after the warmup, once for a warmup group; :class:`PromptGroup`)."""
+        return [
+            replace(g, repeat=r) if r else g
+            for g in self._groups()
+            for r in range(1 if g.warmup else self.suite.repeats)
+        ]
+
+    def _groups(self) -> list[PromptGroup]:
         out = []
         for ds, l_max, T, B in self.points():
             decs = tuple(self.decoders_at(ds.key, l_max, T, B))
@@ -379,11 +391,12 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     text; a question file parses and its categories exist; a chat template exists (``auto`` needs the target
     tokenizer's) and renders every prompt within its bounds; each decoder's own files pass its
     ``check_files(params)`` classmethod where it has one (a learned head's config.json and weights' header, REST's
-    tokens file); L_max + T fits each model's context (a warning past a rotary model's trained context).
+    tokens file); a server decoder that launches ``{llama_server}`` finds the binary (``make engine``); L_max + T
+    fits each model's context (a warning past a rotary model's trained context).
 
     Raises:
-        DtbenchError: a non-text document, a bad question file or category, a missing chat template, or L_max + T
-            beyond a model's learned position table.
+        DtbenchError: a non-text document, a bad question file or category, a missing chat template, no
+            llama-server for a ``{llama_server}`` launch, or L_max + T beyond a model's learned position table.
     """
     for ds in suite.datasets:
         try:
@@ -409,6 +422,16 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                     questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
                 except DtbenchError as exc:
                     raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
+    for p in plan.decoders:  # a launched llama.cpp server needs its binary (make engine; issue 41)
+        if p.cls.requests:
+            from dtbench.harness.serving import launches_llama_server, llama_server_binary
+
+            if launches_llama_server(p.params):
+                try:
+                    llama_server_binary()
+                except DtbenchError as exc:
+                    where = f"{p.spec.where}: " if p.spec.where else ""
+                    raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
     for p in plan.decoders:  # a decoder's own files (a head's config and weights' header, a tokens file)
         check = getattr(p.cls, "check_files", None)
         if check is not None:

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dtbench.core import redact_credentials, redact_json
-from dtbench.harness import calibrate, chat, data, executors, models, questions, registry
+from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
@@ -84,6 +84,8 @@ def run_suite(
     console: Console | None = None,
     progress: bool = True,
     executor=None,
+    quiet_below: float | None = None,
+    quiet_limit_s: float = 120.0,
 ) -> int:
     """Run a suite and store every sample; return the run id.
 
@@ -101,10 +103,13 @@ def run_suite(
         console: where progress goes (stderr by default).
         executor: who measures the prompt groups (:mod:`dtbench.harness.executors`); default a
             :class:`~dtbench.harness.executors.LocalExecutor` in this process. This function stays the only writer.
+        quiet_below, quiet_limit_s: ``--require-quiet``: after the suite validated and before anything loads, wait
+            up to ``quiet_limit_s`` seconds for the 1-minute load average to drop below ``quiet_below``
+            (:func:`dtbench.harness.load.wait_quiet`), else refuse; None: do not wait.
 
     Raises:
-        DtbenchError: bad suite/models/data (before the run row is written); RunInterrupted on Ctrl-C/SIGTERM;
-            RunFailed when the runner itself failed mid-run.
+        DtbenchError: bad suite/models/data, or a machine that did not become quiet (before the run row is
+            written); RunInterrupted on Ctrl-C/SIGTERM; RunFailed when the runner itself failed mid-run.
     """
     console = console or Console(stderr=True)
     executor = executor or executors.LocalExecutor()
@@ -123,6 +128,12 @@ def run_suite(
     if resume is not None:  # a live or wrong run is refused now, not after the models loaded
         with sessions() as session:
             check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
+    quiet = None
+    if quiet_below is not None:  # before anything loads: dtbench's own loading would raise the load it waits on
+        found = load.wait_quiet(
+            quiet_below, quiet_limit_s, say=lambda line: console.print(f"note: {line}", markup=False, highlight=False)
+        )
+        quiet = {"below": quiet_below, "load_1m": round(found, 3), "limit_s": quiet_limit_s}
     try:
         executor.prepare(suite)  # the device exists (local), Ray is reachable (ray)
 
@@ -149,6 +160,8 @@ def run_suite(
 
         env = dict(info.environment)
         env["executor"] = executor.describe()
+        if quiet is not None:
+            env["require_quiet"] = quiet  # the 1-minute load it waited for, and the one it found
         env["datasets"] = sources
         # whether generation stopped at EOS, per dataset entry (the suite's stop_at_eos, or the dataset's default)
         env["stop_at_eos"] = {ds.key: data.stops_at_eos(suite.stop_at_eos, ds) for ds in suite.datasets}
@@ -182,7 +195,7 @@ def run_suite(
                 if needs_calibration(plan, suite):
                     calibrate.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
                 task = bar.add_task("starting", total=plan.n_samples)
-                sink = _Sink(sessions, run_id, cells, prompts, bar, task, console)
+                sink = _Sink(sessions, run_id, cells, prompts, bar, task, console, suite.repeats)
                 executor.execute(plan.groups(), sink)
             status = "completed"
         except KeyboardInterrupt:
@@ -213,27 +226,31 @@ class _Sink:
     the same samples as under the local executor (which never measures a failed cell again).
     """
 
-    def __init__(self, sessions, run_id: int, cells, prompts, bar, task, console: Console):
+    def __init__(self, sessions, run_id: int, cells, prompts, bar, task, console: Console, repeats: int = 1):
         self.sessions, self.run_id, self.cells, self.prompts = sessions, run_id, cells, prompts
         self.bar, self.task, self.console = bar, task, console
+        self.repeats = repeats
         self.counted: dict[tuple, set[str]] = {}
         self.failed_cells: set[int] = set()
 
     def _where(self, group: PromptGroup) -> str:
+        repeats = self.repeats
+        again = f" · repeat {group.repeat + 1}/{repeats}" if repeats > 1 and not group.warmup else ""
         if group.batch_size > 1:
             rows = group.prompt_indices
             return (
                 f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} B={group.batch_size} · prompts "
-                f"{rows[0] + 1}-{rows[-1] + 1}/{group.dataset.prompts}"
+                f"{rows[0] + 1}-{rows[-1] + 1}/{group.dataset.prompts}{again}"
             )
         return (
             f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} · prompt "
-            f"{group.prompt_index + 1}/{group.dataset.prompts}"
+            f"{group.prompt_index + 1}/{group.dataset.prompts}{again}"
         )
 
     def _count(self, group: PromptGroup, labels, description: str) -> None:
         seen = self.counted.setdefault(
-            (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index), set()
+            (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index, group.repeat),
+            set(),
         )
         new = set(labels) - seen
         seen |= new
@@ -350,14 +367,20 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
             if group.batch_size > 1:  # a batch's rows are committed together: all stored or none
                 rows = session.scalars(
                     select(Sample)
-                    .where(Sample.cell_id == cell.id, Sample.prompt_index.in_(group.prompt_indices))
+                    .where(
+                        Sample.cell_id == cell.id,
+                        Sample.prompt_index.in_(group.prompt_indices),
+                        Sample.repeat == group.repeat,
+                    )
                     .order_by(Sample.prompt_index)
                 ).all()
                 if len(rows) == len(group.prompt_indices):
                     done[cp.label] = Reference([r.output_tokens for r in rows], rows[0].batch_total_s)
                 continue
             sample = session.scalar(
-                select(Sample).where(Sample.cell_id == cell.id, Sample.prompt_index == group.prompt_index)
+                select(Sample).where(
+                    Sample.cell_id == cell.id, Sample.prompt_index == group.prompt_index, Sample.repeat == group.repeat
+                )
             )
             if sample is not None:
                 done[cp.label] = Reference(sample.output_tokens, sample.total_s)
@@ -366,26 +389,33 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
 
 def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[int] | None:
     """The stored output tokens of the group's reference decoder (its first decoder without a reference: ``ar``)
-    for prompt ``index`` of the same (dataset, L_max, T), or None."""
+    for prompt ``index`` of the same (dataset, L_max, T), its first repeat, or None."""
     ref = next(cp for cp in group.decoders if not cp.reference_label)
     with sessions() as session:
         return session.scalar(
-            select(Sample.output_tokens).where(
+            select(Sample.output_tokens)
+            .where(
                 Sample.cell_id
                 == cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, ref.label)],
                 Sample.prompt_index == index,
             )
+            .order_by(Sample.repeat)
+            .limit(1)
         )
 
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
-    """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat.
+    """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat; fold
+    the machine's load during it into the cell's load columns (:func:`dtbench.harness.load.merge`).
 
     Every string stored (a sample's ``step_stats``, a cell's error) has its URL credentials masked
     (:func:`dtbench.core.redact_json`): a server's ``base_url`` with a password is stored as ``user:***@``."""
 
     with sessions() as session:
         cell = session.get(Cell, cell_id)
+        if outcome.load:
+            for key, value in load.merge({k: getattr(cell, k) for k in load.COLUMNS}, outcome.load).items():
+                setattr(cell, key, value)
         if outcome.row is not None:
             for row in outcome.rows or [outcome.row]:  # a batch's rows in one transaction
                 record = SampleRecord.from_row(redact_json({**row, **(extra or {})}))

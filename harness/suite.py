@@ -369,6 +369,15 @@ class Suite(_Frozen):
         "decoded as a smaller batch and marked); default [1]. `concurrency:` is the same axis under its serving "
         "name: a server decoder keeps that many requests in flight",
     )
+    repeats: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="measure each prompt (each prompt group at B > 1) this many times, interleaved: every decoder "
+        "on the prompt, then every decoder again (never one decoder's repeats back to back); warmup prompts once. "
+        "Reports give each cell's median throughput and its coefficient of variation over repeats, and speedup "
+        "intervals pair prompts on their median over repeats (docs/measurement.md); default 1",
+    )
     execution: list[Execution] = Field(
         default_factory=lambda: ["eager"],
         min_length=1,
@@ -378,6 +387,13 @@ class Suite(_Frozen):
         "[eager, compiled]: every decoder both ways, a compiled cell labelled '<label> [compiled]'",
     )
     sampling: SamplingSpec | None = Field(None, description="sample instead of greedy decoding (absent: greedy)")
+    isolation: Literal["auto", "process", "none"] = Field(
+        "auto",
+        description="where cells are measured: process (a child process that loads the models once; a native crash "
+        "such as a segfault fails only the cell it hit, the run goes on in a fresh child), none (in the run's own "
+        "process), auto (default: process on CUDA, none on CPU). The local executor's; Ray actors are processes "
+        "already",
+    )
     calibrate: bool = Field(
         False,
         description="measure the target's and draft's forward-latency curves before the first cell and store "

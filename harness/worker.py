@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 
 from dtbench.decoders import kv
-from dtbench.harness import calibrate, data, fingerprint, lossless, models, roofline
+from dtbench.harness import calibrate, data, fingerprint, load, lossless, models, roofline
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.measure import SampleTimeout, device_name, environment, measure, measure_batch
 from dtbench.harness.measure import now as measure_now
@@ -81,6 +81,7 @@ class Outcome:
     error: str | None = None
     rows: list[dict[str, Any]] | None = None  # a batched group (B > 1): every row's samples row (``row`` the first)
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
+    load: dict[str, Any] | None = None  # the machine's load during the measurement (harness/load.py: span)
     compile_s: float | None = None  # compiled cells, first sample: seconds of the compile step before it (issue 37)
     compile_graphs: int | None = None  # graphs torch.compile made in that step
 
@@ -423,6 +424,7 @@ def run_group(
     servers=None,
     tokenizer=None,
     hardware: Hardware | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> Iterator[Outcome]:
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
@@ -435,6 +437,8 @@ def run_group(
         servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
             declare ``requests``: :func:`measure_served`, at every B).
         hardware: the worker's :class:`Hardware` (roofline inputs, compiled execution), or None.
+        announce: called with a decoder's label right before it is measured (crash isolation names the cell a
+            dying process was measuring, :mod:`dtbench.harness.isolation`).
     """
     outputs = dict(done)
     served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
@@ -444,6 +448,9 @@ def run_group(
             if cp.label in outputs or cp.label in skip:
                 continue
             ref = outputs.get(cp.reference_label) if cp.reference_label else None
+            if announce is not None:
+                announce(cp.label)
+            start = load.probe()
             if cp.cls.requests:
                 outcome = measure_served(
                     cp, prompt, group, _served_reference(cp, served, outputs, True), suite, servers, tokenizer, stop
@@ -452,6 +459,7 @@ def run_group(
                     served[cp.label] = outcome.rows
             else:
                 outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir, hardware)
+            _finish(outcome, group, start)
             if outcome.rows is not None:
                 outputs[cp.label] = Reference(
                     [r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"], outcome.cpu_s
@@ -465,10 +473,14 @@ def run_group(
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
         ref_plan = by_label.get(cp.reference_label)
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
+        if announce is not None:
+            announce(cp.label)
+        start = load.probe()
         if cp.cls.requests:
             outcome = measure_served(
                 cp, [prompt], group, _served_reference(cp, served, outputs, False), suite, servers, tokenizer, stop
             )
+            _finish(outcome, group, start)
             if outcome.row is not None:
                 served[cp.label] = [outcome.row]
                 outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], None)
@@ -489,18 +501,27 @@ def run_group(
             data_dir,
             hardware,
         )
+        _finish(outcome, group, start)
         if outcome.row is not None:
             outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
         yield outcome
 
 
-WorkKey = tuple[str, int, int, int, int]  # (dataset, L_max, T, B, first prompt index)
+def _finish(outcome: Outcome, group: PromptGroup, start: load.Reading) -> None:
+    """Stamp an outcome with its group's repeat (every row) and the machine's load since ``start``."""
+    outcome.load = load.span(start, load.probe())
+    for row in [outcome.row, *(outcome.rows or [])]:
+        if row is not None:
+            row["repeat"] = group.repeat
+
+
+WorkKey = tuple[str, int, int, int, int, int]  # (dataset, L_max, T, B, first prompt index, repeat)
 
 
 def work_key(group: PromptGroup) -> WorkKey:
-    """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B) and the (first) prompt
-    index."""
-    return (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index)
+    """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B), the (first) prompt
+    index and the repeat."""
+    return (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index, group.repeat)
 
 
 @dataclass
@@ -623,7 +644,14 @@ class Worker:
             warnings=warnings,
         )
 
-    def run(self, key: WorkKey, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
+    def run(
+        self,
+        key: WorkKey,
+        prompt,
+        done: dict[str, Reference],
+        skip: set[str],
+        announce: Callable[[str], None] | None = None,
+    ) -> Iterator[Outcome]:
         """Measure one prompt group (see :func:`run_group`), yielding each outcome."""
         group = self.groups.get(key)
         if group is None:
@@ -641,6 +669,7 @@ class Worker:
             servers=self.servers,
             tokenizer=self.tokenizer,
             hardware=self.hardware,
+            announce=announce,
         )
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import click
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
-from dtbench.reports.output import Document, Report, emit, rendered
+from dtbench.reports.output import Document, Note, Report, emit, rendered
 
 
 def _note(msg: str) -> None:
@@ -231,8 +231,14 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
         "warmup (at B > 1: prompt groups, throughput over all rows); "
         f"per-prompt: geometric mean of the paired ratios; {SPEEDUP_CI_METHOD}"
     )
+    if "repeat" in frame and (frame["repeat"].fillna(0) > 0).any():
+        caption += "; with repeats each prompt's throughput is its median over them (pairs are prompts)"
     title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
-    report = Report("speedups", title, caption, render.speedup_display(table, 1 - alpha), table, row_styles=styles)
+    cells = frame.drop_duplicates("cell_id")  # a busy machine under any of the cells compared (AR's included)
+    notes = [Note(line, "yellow") for _, row in cells.iterrows() for line in render.load_note(row)]
+    report = Report(
+        "speedups", title, caption, render.speedup_display(table, 1 - alpha), table, notes=notes, row_styles=styles
+    )
     emit(fmt, Document([report], meta={"run": rid, "confidence": 1 - alpha}, rows="cells"))
 
 
@@ -243,6 +249,7 @@ def compare_pair(
     sessions, run_ids: list[int | None], *, fmt: str, alpha: float, only_changed: bool, gates
 ) -> list[str]:
     """Print the run-to-run comparison; return the gate failures (empty when none tripped)."""
+    from dtbench.harness import load
     from dtbench.reports import render
     from dtbench.reports.compare import UNCHANGED_MARKS, compare_runs
     from dtbench.reports.summary import get_run, samples_frame
@@ -266,12 +273,18 @@ def compare_pair(
         f"mean throughput after warmup (tokens/s); ratio = after / before; p: two-sided Mann-Whitney U on "
         f"per-prompt throughputs, better/worse when p < {alpha:g}"
     )
+    differ = load.loads_differ(
+        load.run_load(fb.drop_duplicates("cell_id").to_dict("records")),
+        load.run_load(fa.drop_duplicates("cell_id").to_dict("records")),
+        (f"run {ids[0]}", f"run {ids[1]}"),
+    )
     report = Report(
         "compare",
         title,
         caption,
         render.compare_display(table),
         table,
+        notes=[Note(differ, "yellow")] if differ else [],
         row_styles=[render.MARK_STYLES.get(m) for m in table["mark"]],
     )
     gate = {"gates": [g.text for g in gates], "failures": failures}

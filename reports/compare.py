@@ -33,7 +33,7 @@ from dtbench.reports.stats import (
     N_TOO_SMALL,
     baseline_values,
     cell_value,
-    collapse_batches,
+    per_prompt_rows,
     remainder_mask,
 )
 
@@ -57,10 +57,12 @@ def per_prompt(frame: pd.DataFrame) -> pd.DataFrame:
     throughput over its baseline's on the same prompt (:func:`~dtbench.reports.stats.baseline_values`: the AR cell
     of the same dataset, L_max, T and batch size that decodes the same way); NaN without one. At B > 1 a row is a
     prompt group (:func:`~dtbench.reports.stats.collapse_batches`: total throughput over its rows), so the pairs are
-    per group; remainder groups are left out.
+    per group; remainder groups are left out. With repeats a row is a prompt, the median over its repeats
+    (:func:`~dtbench.reports.stats.collapse_repeats`): speedups pair prompts, never repeats.
     """
     s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)]
-    s = collapse_batches(s[~remainder_mask(s)]).copy()  # B > 1: one row per prompt group, remainder left out
+    # B > 1: one row per prompt group, remainder left out; repeats: one row per prompt, the median over its repeats
+    s = per_prompt_rows(s[~remainder_mask(s)]).copy()
     if s.empty:
         return s.assign(**{m.name: [] for m in REGISTRY}, baseline_throughput=[], speedup=[])
     for m in REGISTRY:

@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from dtbench.harness.db import Cell, Sample
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING
-from dtbench.reports.stats import collapse_batches, remainder_mask
+from dtbench.reports.stats import per_prompt_rows, remainder_mask
 
 CAPTION = (
     "load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
@@ -66,6 +66,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
                 "batch_group": s.batch_group,
                 "batch_rows": s.batch_rows,
                 "batch_total_s": s.batch_total_s,
+                "repeat": s.repeat or 0,
             }
             for s in samples
         ]
@@ -74,7 +75,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         return pd.DataFrame()
     flat["batch_size"] = flat["cell_id"].map({c.id: c.batch_size or 1 for c in cells})
     flat = flat[~remainder_mask(flat)]
-    groups = collapse_batches(flat)
+    groups = per_prompt_rows(flat)  # a prompt group (B > 1) and a prompt's repeats: one row each
     groups = groups[~groups["warmup"].astype(bool)]
     thr = {cid: g.set_index("prompt_index")["throughput"] for cid, g in groups.groupby("cell_id")}
     key_of = {c.id: (c.dataset, c.l_max, c.gen_length, c.batch_size or 1) for c in cells}
@@ -168,7 +169,7 @@ def _acceptance(mine: list, server: list[dict], is_server: bool) -> dict:
     seen, drafts, accepted = set(), 0.0, 0.0  # vLLM: /metrics deltas per prompt group (each counted once)
     for s, st in zip(mine, server):
         g = st.get("group_metrics") or {}
-        key = s.batch_group if s.batch_group is not None else s.prompt_index
+        key = (s.batch_group if s.batch_group is not None else s.prompt_index, s.repeat or 0)
         if g.get("drafts") and key not in seen:
             seen.add(key)
             drafts += g["drafts"]

@@ -390,7 +390,9 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
     rows = session.execute(
         select(Cell, Sample)
         .join(Sample, Sample.cell_id == Cell.id)
-        .where(Cell.run_id == run_id)
+        # one request per prompt: its repeats (suite key repeats) decode the same tokens with the same seed, so a
+        # repeat would count the same acceptance twice and narrow the intervals
+        .where(Cell.run_id == run_id, Sample.repeat == 0)
         .order_by(Cell.id, Sample.prompt_index)
     ).all()
     cells: dict[int, tuple[Any, list[Request]]] = {}

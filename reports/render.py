@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from dtbench.harness import load
 from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report
@@ -20,6 +21,8 @@ COLUMNS = [
     *((m.header, m.name) for m in _SHOWN),
     ("Lossless", "lossless"),
 ]
+# With repeats (suite key repeats), after the throughput: its median and its coefficient of variation over repeats.
+REPEAT_COLUMNS = [("Median (t/s)", "throughput_median"), ("CV", "throughput_cv")]
 
 
 def shown_columns(group: pd.DataFrame) -> list[tuple[str, str]]:
@@ -84,8 +87,15 @@ def mixed_devices_note(row, where: str = "") -> list[str]:
 
 def cell_notes(row: pd.Series) -> list[str]:
     """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup, a
-    cell measured on different devices, numeric ties found by the lossless check, missing energy."""
-    return _state_notes(row) + mixed_devices_note(row) + lossless_notes(row) + energy_note(row)
+    cell measured on different devices, numeric ties found by the lossless check, missing energy, a busy machine."""
+    return _state_notes(row) + mixed_devices_note(row) + lossless_notes(row) + energy_note(row) + load_note(row)
+
+
+def load_note(row) -> list[str]:
+    """The note owed to a cell measured on a busy machine (:func:`dtbench.harness.load.note`: its load, the share of
+    CPU time other processes took), else []."""
+    text = load.note(row)
+    return [text] if text else []
 
 
 def energy_note(row) -> list[str]:
@@ -184,7 +194,13 @@ def formatted(row: pd.Series) -> dict[str, str]:
         lossless = f"{row['lossless']} {row['lossless_n']}" + (f" vs {ref}" if ref else "") + lossless_detail(row)
     if row["status"] == "failed":
         lossless = "FAILED" + (f"{mark}, {lossless}" if mark and lossless != MISSING else mark)
-    out = {"label": row["label"], "lossless": lossless, "execution": execution_display(row)}
+    out = {
+        "label": row["label"],
+        "lossless": lossless,
+        "execution": execution_display(row),
+        "throughput_median": fmt(row.get("throughput_median"), ".1f") + mark,
+        "throughput_cv": fmt(row.get("throughput_cv"), ".1%"),
+    }
     for m in _SHOWN:
         value = m.format(row[f"{m.name}_mean"], row[f"{m.name}_std"]) if m.spread else m.format(row[m.name])
         if m is SPEEDUP and value != MISSING:
@@ -218,6 +234,10 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
     reports = []
     for i, (key, group) in enumerate(summary.groupby(GROUP, sort=False)):
         columns = shown_columns(group)
+        repeats = int(group["repeats"].max()) if "repeats" in group and len(group) else 1
+        if repeats > 1:  # the median and the coefficient of variation over repeats, after the mean throughput
+            at = next(i for i, (_, c) in enumerate(columns) if c == METRICS[0].name) + 1
+            columns[at:at] = REPEAT_COLUMNS
         rows = [row for _, row in group.iterrows()]
         display = pd.DataFrame(
             [[formatted(row)[c] for _, c in columns] for row in rows], columns=[h for h, _ in columns]
@@ -236,8 +256,11 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
             else f"prompt groups of B={key[3]} (throughput: all rows; TTFT/TPOT/accept.: mean over rows)"
         )
         rem = int(group["remainder_n"].max()) if "remainder_n" in group and len(group) else 0
-        caption = f"mean ± std over {n} {unit} after warmup" + (
-            f"; remainder: {rem} prompts decoded as a smaller batch, left out" if rem else ""
+        each = f" (each the median of {repeats} repeats; CV: median over prompts of the CV over repeats)"
+        caption = (
+            f"mean ± std over {n} {unit} after warmup"
+            + (each if repeats > 1 else "")
+            + (f"; remainder: {rem} prompts decoded as a smaller batch, left out" if rem else "")
         )
         reports.append(
             Report(
@@ -301,6 +324,13 @@ MACHINE_COLUMNS = [
     "remainder_n",
     "execution",
     "compile_s",
+    "repeats",
+    "throughput_median",
+    "throughput_cv",
+    *load.COLUMNS,
+    "others_cpu_share",
+    "busy",
+    "load_note",
 ]
 
 

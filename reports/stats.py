@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterable
 
 import pandas as pd
@@ -51,6 +52,8 @@ __all__ = [
     "FAMILY_UNKNOWN",
     "collapse_batches",
     "is_remainder",
+    "collapse_repeats",
+    "per_prompt_rows",
     "remainder_mask",
     "GROUP",
     "KEY",
@@ -74,19 +77,36 @@ __all__ = [
 
 def cell_throughput(samples: Iterable) -> float:
     """A cell's throughput (tokens/s): the mean of its samples' throughput (T / total wall time, prefill included)
-    after warmup; NaN when no sample is left after warmup. The number every report, ``doctor`` and the cost model
+    after warmup, the repeats of a prompt (suite key ``repeats``) counted once as their median; NaN when no sample
+    is left after warmup. The number every report, ``doctor`` and the cost model
     show for a cell (its speedup: this over the baseline cell's).
 
     Args:
         samples: the cell's samples (ORM rows, mappings or frame rows with ``throughput`` and ``warmup``).
     """
-    values = [
-        float(v)
-        for s in samples
-        if not bool(column_of(s, "warmup"))
-        if (v := column_of(s, "throughput")) is not None and not (isinstance(v, float) and math.isnan(v))
-    ]
+    by_prompt: dict[object, list[float]] = {}
+    for i, s in enumerate(samples):
+        v = column_of(s, "throughput")
+        if bool(column_of(s, "warmup")) or v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        # repeats of a prompt (suite key repeats) count once, as their median (rows without a repeat are their own)
+        by_prompt.setdefault(_prompt_key(s, i), []).append(float(v))
+    values = [statistics.median(vs) for vs in by_prompt.values()]
     return sum(values) / len(values) if values else math.nan
+
+
+def _prompt_key(sample, i: int) -> object:
+    """The prompt a sample row measured, (cell, prompt index), so that its repeats are one prompt; a row that is one
+    prompt already (collapsed by :func:`collapse_repeats`: it has ``repeats``) or has no such columns is its own."""
+    try:
+        column_of(sample, "repeats")
+        return i  # collapsed already
+    except (KeyError, AttributeError):
+        pass
+    try:
+        return (column_of(sample, "cell_id"), column_of(sample, "prompt_index"))
+    except (KeyError, AttributeError):
+        return i
 
 
 def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False, lossy: bool = False) -> str:
@@ -267,7 +287,8 @@ def collapse_batches(samples: pd.DataFrame) -> pd.DataFrame:
         return samples
     batched = samples["batch_group"].notna()
     out = []
-    for _, grp in samples[batched].groupby(["cell_id", "batch_group"], sort=False):
+    by = ["cell_id", "batch_group", *(["repeat"] if "repeat" in samples else [])]  # a group is batched per repeat
+    for _, grp in samples[batched].groupby(by, sort=False):
         row = grp.iloc[0].copy()
         for c in _ROW_MEANS:
             if c in grp:
@@ -284,3 +305,58 @@ def collapse_batches(samples: pd.DataFrame) -> pd.DataFrame:
         out.append(row)
     groups = pd.DataFrame(out)
     return pd.concat([samples[~batched], groups]).sort_index(kind="stable")
+
+
+# Per-prompt columns a prompt's row takes the median of over its repeats (the others are the first repeat's).
+_REPEAT_MEDIANS = (
+    *_ROW_MEANS,
+    "new_tokens",
+    "total_s",
+    "throughput",
+    "batch_total_s",
+    "peak_rss_bytes",
+    "peak_allocated_bytes",
+    "peak_nvml_bytes",
+    "energy_j",
+    "lossless_check_s",
+)
+
+
+def repeated(samples: pd.DataFrame) -> bool:
+    """Whether a samples frame holds repeats (suite key ``repeats``: a ``repeat`` above 0)."""
+    return "repeat" in samples and bool((pd.to_numeric(samples["repeat"], errors="coerce").fillna(0) > 0).any())
+
+
+def collapse_repeats(samples: pd.DataFrame) -> pd.DataFrame:
+    """One row per (cell, prompt) for a frame with repeats (``repeats: N``, issue 41), after
+    :func:`collapse_batches`; a frame without repeats is returned as it is.
+
+    A prompt's row: every per-prompt metric (throughput, times, acceptance, memory, energy) the *median* over its
+    repeats, ``lossless`` True only if every repeat is, ``repeats`` the number of repeats and ``throughput_cv`` the
+    coefficient of variation of its throughput over them (sample standard deviation / mean, NaN with one repeat).
+    So a prompt counts once in every mean, standard deviation and paired speedup interval: repeats measure the
+    machine's noise on a prompt, not more prompts.
+    """
+    if not repeated(samples):
+        return samples
+    out = []
+    for _, grp in samples.groupby(["cell_id", "prompt_index"], sort=False):
+        row = grp.iloc[0].copy()
+        for c in _REPEAT_MEDIANS:
+            if c in grp:
+                values = pd.to_numeric(grp[c], errors="coerce")
+                row[c] = float(values.median()) if values.notna().any() else None
+        thr = pd.to_numeric(grp["throughput"], errors="coerce").dropna()
+        row["repeats"] = len(grp)
+        row["throughput_cv"] = float(thr.std(ddof=1) / thr.mean()) if len(thr) > 1 and thr.mean() else math.nan
+        if "lossless" in grp:
+            verdicts = grp["lossless"].dropna()
+            row["lossless"] = bool(verdicts.astype(bool).all()) if len(verdicts) else None
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def per_prompt_rows(samples: pd.DataFrame) -> pd.DataFrame:
+    """The rows every statistic counts: a batched prompt group as one row (:func:`collapse_batches`), a prompt's
+    repeats as one row (:func:`collapse_repeats`)."""
+    return collapse_repeats(collapse_batches(samples))

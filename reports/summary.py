@@ -23,9 +23,11 @@ import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from dtbench.harness import load
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.load import COLUMNS as LOAD_COLUMNS
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
 from dtbench.harness.sample import SCALAR_COLUMNS
 from dtbench.reports.stats import (
@@ -34,11 +36,12 @@ from dtbench.reports.stats import (
     baseline_values,
     cell_lossless,
     cell_throughput,
-    collapse_batches,
     execution_of,
     family_of,
     group_key,
+    per_prompt_rows,
     remainder_mask,
+    repeated,
 )
 
 _SAMPLE_COLS = list(SCALAR_COLUMNS)  # every sample column but the bulky per-iteration lists (harness/sample.py)
@@ -63,6 +66,7 @@ _CELL_COLS = [
     "error",
     "target_model",
     "draft_model",
+    *LOAD_COLUMNS,  # the machine's load during the cell (issue 41; None before migration 0014)
 ]
 
 
@@ -128,6 +132,25 @@ def _dtype(model: str | None) -> str | None:
     return found.group(1) if found else None
 
 
+def _repeats(samples: pd.DataFrame, basis: pd.DataFrame) -> dict:
+    """A cell's repeat numbers (suite key ``repeats``, issue 41): repeats (the most repeats of a prompt; 1 without),
+    throughput_median (tokens/s: the median over prompts of each prompt's median over its repeats) and
+    throughput_cv (the median over prompts of each prompt's coefficient of variation of throughput over its
+    repeats: the run-to-run noise of one prompt, not the spread between prompts; NaN without repeats)."""
+    if not repeated(samples) or basis.empty:
+        thr = pd.to_numeric(basis["throughput"], errors="coerce") if len(basis) else pd.Series(dtype=float)
+        return {
+            "repeats": 1,
+            "throughput_median": float(thr.median()) if len(thr) else float("nan"),
+            "throughput_cv": float("nan"),
+        }
+    return {
+        "repeats": int(basis["repeats"].max()),
+        "throughput_median": float(pd.to_numeric(basis["throughput"], errors="coerce").median()),
+        "throughput_cv": float(pd.to_numeric(basis["throughput_cv"], errors="coerce").median()),
+    }
+
+
 def lossless_counts(measured: pd.DataFrame, first: pd.Series) -> dict:
     """The lossless check's numbers of one cell (harness/lossless.py), over every measured sample, warmup included.
 
@@ -183,14 +206,19 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     diverging sample, warmup included), reference, status,
     error, partial (failed after some prompts were measured), all_warmup (samples, but all of them warmup),
     devices (the distinct ``samples.device_name`` of its samples) and mixed_devices (more than one: a heterogeneous
-    cluster measured it, so its numbers average different hardware and its speedups are not comparable).
+    cluster measured it, so its numbers average different hardware and its speedups are not comparable); repeats,
+    throughput_median and throughput_cv (:func:`_repeats`; with repeats every mean is over prompts, each the median
+    of its repeats); the machine's load (:data:`dtbench.harness.load.COLUMNS`, others_cpu_share and busy:
+    :func:`dtbench.harness.load.busy`, load_note: its one line; None and False for cells stored before it was
+    recorded).
     """
     out = []
     for cell_id, cell in frame.groupby("cell_id", sort=False):
         first = cell.iloc[0]
         measured = cell[cell["has_sample"]]
         remainder = remainder_mask(measured)
-        basis = collapse_batches(measured[~measured["warmup"].astype(bool) & ~remainder])
+        after_warmup = measured[~measured["warmup"].astype(bool) & ~remainder]
+        basis = per_prompt_rows(after_warmup)  # one row per prompt (group): its median over repeats
         compared = measured["lossless"].dropna()
         lossless = cell_lossless(
             measured["lossless"],
@@ -229,6 +257,11 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "energy_too_short": int((basis["energy_status"] == "too_short").sum())
                 if "energy_status" in basis
                 else 0,
+                **_repeats(after_warmup, basis),
+                **{c: first[c] for c in LOAD_COLUMNS},
+                "others_cpu_share": load.others_share(first),
+                "busy": load.busy(first),
+                "load_note": load.note(first),  # the busy machine's one line (CSV and JSON carry it too)
             }
         )
     table = pd.DataFrame(out)

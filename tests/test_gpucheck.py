@@ -235,6 +235,12 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path):
     jsonschema.validate(data, SCHEMA)
     assert data["ok"] and set(data["steps"]) == set(gpucheck.STEPS)
     assert len(data["summary"]["speedups"]) == len(gpucheck.PAPER)
+    compiled = data["steps"]["compiled"]  # issue 37: eager vs compiled at the small shapes, the compile time apart
+    assert compiled["graphs"] > 0 and compiled["compile_s"] > 0 and [f["n"] for f in compiled["forwards"]] == [1, 9, 16]
+    assert set(data["summary"]["compiled"]["ar_tokens_per_s"]) == {"eager", "compiled"}
+    assert {(r["decoder"], r["mode"]) for r in compiled["overhead"]} == {
+        (d, m) for d, _ in gpucheck.COMPILED_DECODERS for m in ("eager", "compiled")
+    }
     assert (out / "gpu-check.log").read_text().count("\n") > 5
     broken = {**data, "steps": {**data["steps"], "lossless": {"rows": []}}}
     with pytest.raises(jsonschema.ValidationError):

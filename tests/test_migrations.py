@@ -363,3 +363,32 @@ def test_0011_old_cells_report_as_batch_size_1_and_the_unique_key_holds_b(old_db
         s.add(db.Cell(batch_size=4, **fields))
         with pytest.raises(IntegrityError):
             s.commit()
+
+
+def test_0014_old_samples_are_repeat_0_old_cells_have_no_load_and_the_unique_key_holds_the_repeat(old_db):
+    """Issue 41: an upgraded database's samples are repeat 0 and its cells carry no load (no busy note in any
+    report); a second repeat of a stored prompt may be added, the same repeat twice may not."""
+    from sqlalchemy.exc import IntegrityError
+
+    from dtbench.harness import load
+
+    url = f"sqlite:///{old_db}"
+    assert invoke("db", "upgrade", "--db", str(old_db)).exit_code == 0
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert set(conn.execute(text("SELECT DISTINCT repeat FROM samples")).scalars()) == {0}
+        assert conn.execute(text("SELECT COUNT(*) FROM cells WHERE load_start IS NOT NULL")).scalar() == 0
+    engine.dispose()
+    for fmt in ("table", "markdown", "json"):
+        shown = invoke("report", "--db", str(old_db), "--run", "1", "--format", fmt)
+        assert shown.exit_code == 0 and "busy machine" not in shown.stdout and "Median" not in shown.stdout, fmt
+    sessions = db.connect(url)
+    with sessions() as s:
+        sample = s.scalars(select(db.Sample)).first()
+        assert load.note({c: getattr(sample.cell, c) for c in load.COLUMNS}) is None
+        columns = {c.name: getattr(sample, c.name) for c in db.Sample.__table__.columns if c.name not in ("id",)}
+        s.add(db.Sample(**{**columns, "repeat": 1}))
+        s.commit()
+        s.add(db.Sample(**{**columns, "repeat": 1}))
+        with pytest.raises(IntegrityError):
+            s.commit()

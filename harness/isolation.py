@@ -1,0 +1,240 @@
+"""Crash isolation (issue 38): a worker whose models and measurements live in a child process.
+
+A decoder that crashes natively (a segfault in a CUDA kernel, ``os.abort()`` in a plugin, an out-of-memory kill)
+takes its whole process down. With ``isolation: process`` (the default on CUDA) the local executor keeps one child
+process (``multiprocessing``'s *spawn* start method: no CUDA state is inherited) that loads the target and draft once
+and measures prompt groups exactly as the in-process :class:`~dtbench.harness.worker.Worker` does (it *is* one, in
+the child). The parent only forwards requests and outcomes. When the child dies, the cell it was measuring fails with
+the signal's name (``SIGSEGV``, ``SIGABRT``, ...) and the tail of the faulthandler trace the child wrote; a fresh
+child is started (its models loaded again) and the group goes on with its remaining decoders; results stored before
+are untouched and ``--resume`` does not redo done cells. The child ignores Ctrl-C (the parent stops it), and its
+stderr goes to the trace file, so a crash prints nothing on the terminal but the runner's own lines.
+
+Cost: one process start plus one model load per child (once per run unless a cell crashes) and a pipe round trip per
+decoder per group; docs/measurement.md gives the measured figure.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.plan import Plan
+from dtbench.harness.sample import Reference
+from dtbench.harness.suite import Suite
+from dtbench.harness.worker import Outcome, WorkerInfo
+
+TRACE_TAIL = 1500  # characters of the faulthandler trace stored in the failed cell's error
+
+
+def isolation_of(suite: Suite, device_type: str) -> str:
+    """The isolation a run uses: the suite's ``isolation``, or for ``auto`` ``process`` on CUDA, ``none`` on CPU."""
+    mode = getattr(suite, "isolation", "auto")
+    if mode == "auto":
+        return "process" if device_type == "cuda" else "none"
+    return mode
+
+
+def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads: int | None) -> None:
+    """The child process: a :class:`~dtbench.harness.worker.Worker` serving requests from ``conn``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
+    trace = open(trace_path, "w", buffering=1)  # noqa: SIM115  (open for the process's whole life)
+    os.dup2(trace.fileno(), 2)  # native crash messages and tracebacks go to the trace file, not the terminal
+    sys.stderr = trace
+    faulthandler.enable(file=trace, all_threads=True)
+    from dtbench.harness.worker import Worker
+
+    try:
+        worker = Worker(suite, device, plan=plan, threads=threads)
+    except BaseException as exc:  # noqa: BLE001  (reported to the parent as one line)
+        conn.send(("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, DtbenchError) else str(exc)))
+        return
+    conn.send(("info", worker.info))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        kind = message[0]
+        if kind == "close":
+            break
+        if kind == "run":
+            _, key, prompt, done, skip = message
+            for outcome in worker.run(key, prompt, done, skip, announce=lambda label: conn.send(("start", label))):
+                conn.send(("outcome", outcome))
+            conn.send(("end",))
+        elif kind == "calibrate":
+            conn.send(("calibrated", worker.calibrate(message[1], message[2], None)))
+        elif kind == "budgets":
+            worker.set_budgets(message[1])
+            conn.send(("ok",))
+    worker.close()
+
+
+def signal_name(exitcode: int | None) -> str:
+    """``SIGSEGV`` for an exit code of -11, ``exit code 3`` for 3, ``unknown`` for None."""
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class IsolatedWorker:
+    """A :class:`~dtbench.harness.worker.Worker` in a child process: the same ``info``, ``run``, ``calibrate``,
+    ``set_budgets`` and ``close``, with a native crash failing only the cell being measured (module docstring).
+
+    Args:
+        suite, device, plan, threads: what the child's Worker is made from (the plan pickled across).
+
+    Raises:
+        DtbenchError: the child could not load the models (its one-line error), or died while loading them.
+    """
+
+    def __init__(self, suite: Suite, device: str, plan: Plan, threads: int | None = None):
+        self.suite, self.device, self.plan, self.threads = suite, device, plan, threads
+        self.budgets: dict[str, int] | None = None
+        self.children = 0  # processes started (1 + crashes survived)
+        self._start()
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        fd, self.trace_path = tempfile.mkstemp(prefix="dtbench-child-", suffix=".trace")
+        os.close(fd)
+        self.proc = ctx.Process(
+            target=_child,
+            args=(child, self.trace_path, self.suite, self.device, self.plan, self.threads),
+            daemon=True,
+        )
+        self.proc.start()
+        child.close()
+        self.children += 1
+        kind, payload = self._receive()
+        if kind == "crashed":
+            raise DtbenchError(f"the measuring process died while loading the models ({payload})")
+        if kind == "error":
+            raise DtbenchError(payload)
+        self.info: WorkerInfo = payload
+        if self.budgets:
+            self._request(("budgets", self.budgets))
+
+    def _receive(self) -> tuple[str, Any]:
+        """The child's next message, or ("crashed", description) when it died."""
+        while True:
+            try:
+                if self.conn.poll(0.5):
+                    message = self.conn.recv()
+                    return message[0], (message[1] if len(message) > 1 else None)
+            except (EOFError, OSError):  # the pipe closed: the child is gone
+                break
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                break
+        self.proc.join(5)
+        return "crashed", self._crash_text()
+
+    def _crash_text(self) -> str:
+        text = Path(self.trace_path).read_text(errors="replace") if os.path.exists(self.trace_path) else ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        fatal = [line for line in lines if line.startswith("Fatal Python error")]
+        # the crashing thread's frames, innermost first (faulthandler's order), without the extension-module list
+        start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+        frames = [line for line in lines[start + 1 :] if line.startswith("File ")] if start is not None else []
+        tail = " | ".join([*fatal[-1:], *frames[:8]]) or " | ".join(lines[-6:])
+        where = f"; faulthandler: {clip(tail, TRACE_TAIL)}" if tail else ""
+        return f"the measuring process died of {signal_name(self.proc.exitcode)}{where}"
+
+    def _request(self, message: tuple) -> Any:
+        self.conn.send(message)
+        kind, payload = self._receive()
+        if kind == "crashed":
+            self._restart()
+            raise DtbenchError(payload)
+        return payload
+
+    def _restart(self) -> None:
+        self._stop()
+        self._start()
+
+    def run(self, key, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
+        """Measure one prompt group in the child, yielding each outcome; a crash fails the decoder being measured
+        (an :class:`~dtbench.harness.worker.Outcome` with the signal and trace) and the group goes on in a fresh
+        child with the remaining decoders."""
+        done, skip = dict(done), set(skip)
+        while True:
+            self.conn.send(("run", key, prompt, done, skip))
+            current = None
+            while True:
+                kind, payload = self._receive()
+                if kind == "start":
+                    current = payload
+                elif kind == "outcome":
+                    current = None
+                    if payload.row is not None:
+                        rows = payload.rows or [payload.row]
+                        tokens = [r["output_tokens"] for r in rows] if payload.rows else payload.row["output_tokens"]
+                        total = rows[0]["batch_total_s"] if payload.rows else payload.row["total_s"]
+                        done[payload.label] = Reference(tokens, total, payload.cpu_s)
+                    else:
+                        skip.add(payload.label)
+                    yield payload
+                elif kind == "end":
+                    return
+                else:  # crashed
+                    if current is None:  # between decoders: nothing of this group was lost but the process
+                        self._restart()
+                        break
+                    yield Outcome(current, error=f"prompt {_first(key)}: crashed: {payload}")
+                    skip.add(current)
+                    self._restart()
+                    break
+
+    def calibrate(self, contexts, settings, console=None):
+        """The cost model's curves measured in the child (plain data)."""
+        return self._request(("calibrate", contexts, settings))
+
+    def set_budgets(self, budgets: dict[str, int]) -> None:
+        """The resolved ``n_max: auto`` budgets, handed to this and every later child."""
+        self.budgets = dict(budgets)
+        self._request(("budgets", self.budgets))
+
+    def _stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                try:
+                    self.conn.send(("close",))
+                except (OSError, EOFError):
+                    pass
+                self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        finally:
+            self.conn.close()
+            try:
+                os.unlink(self.trace_path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop the child (its launched servers with it); never raises."""
+        try:
+            self._stop()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _first(key) -> int:
+    """The (first) prompt index of a work key (:func:`~dtbench.harness.worker.work_key`)."""
+    return int(key[4]) if isinstance(key, tuple) and len(key) > 4 else 0

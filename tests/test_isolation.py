@@ -1,0 +1,108 @@
+"""Crash isolation (issue 38 item 1): with `isolation: process` a native crash fails only the cell it hit.
+
+A plugin decoder that calls os.abort() (SIGABRT, as a segfault in a CUDA kernel would kill the process) between
+`ar` and `linear` in one suite: `ar` and `linear` are done, the plugin's cell failed naming the signal with the
+faulthandler's trace, nothing but the runner's lines on the terminal, a non-zero exit, and `dtbench report` works.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
+from sqlalchemy import select
+
+from dtbench.harness import db
+from dtbench.harness.isolation import isolation_of, signal_name
+from dtbench.harness.suite import Suite
+
+ABORTING = '''
+import os
+from dtbench.decoders.ar import Autoregressive
+
+
+class Aborting(Autoregressive):
+    """AR that aborts the process (SIGABRT) on every prompt after the first."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        marker = os.environ["DTBENCH_ABORT_MARK"]
+        if os.path.exists(marker):
+            os.abort()
+        open(marker, "w").close()
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def test_signal_names_and_the_default_isolation():
+    assert signal_name(-signal.SIGSEGV) == "SIGSEGV" and signal_name(-signal.SIGABRT) == "SIGABRT"
+    assert signal_name(3) == "exit code 3" and signal_name(None) == "unknown"
+    suite = Suite.model_validate(
+        {"name": "s", "datasets": [{"name": "wikitext-2"}], "generation_lengths": [4], "decoders": [{"name": "ar"}]}
+    )
+    assert isolation_of(suite, "cuda") == "process" and isolation_of(suite, "cpu") == "none"
+    forced = suite.model_copy(update={"isolation": "process"})
+    assert isolation_of(forced, "cpu") == "process"
+
+
+def test_an_aborting_plugin_fails_its_own_cell_and_the_run_goes_on(monkeypatch, pair, tmp_path, data_dir):
+    install_plugin(
+        monkeypatch, tmp_path / "site", "dtbench-aborting", {"aborting": "dtbench_aborting:Aborting"}, ABORTING
+    )
+    monkeypatch.setenv("DTBENCH_ABORT_MARK", str(tmp_path / "aborted-once"))
+    decoders = [{"name": "ar"}, {"name": "aborting"}, {"name": "linear", "params": {"k": 2}}]
+    suite = suite_dict(*pair, decoders, isolation="process")
+    suite["datasets"][0].update(prompts=3, warmup=1)
+    dbfile = tmp_path / "iso.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 4, result.output  # a cell failed
+    assert "Traceback (most recent call last)" not in result.output  # the child's stderr went to its trace file
+    assert "crashed: the measuring process died of SIGABRT" in result.output  # the failed cell's note says why
+    with db.connect(str(dbfile))() as s:
+        cells = {c.label: c for c in s.scalars(select(db.Cell))}
+        run = s.scalars(select(db.Run)).one()
+        assert run.status == "completed"
+        assert run.environment["executor"]["isolation"] == "process"
+        assert cells["ar"].status == "done" and len(cells["ar"].samples) == 3
+        assert cells["linear"].status == "done" and len(cells["linear"].samples) == 3
+        bad = cells["aborting"]
+        assert bad.status == "failed" and len(bad.samples) == 1  # the first prompt was measured before the crash
+        assert "crashed: the measuring process died of SIGABRT" in bad.error
+        assert "faulthandler:" in bad.error and "generate" in bad.error  # the trace names where it died
+        assert all(x.lossless for x in cells["linear"].samples)
+    shown = invoke("report", "--db", str(dbfile), "--format", "json")
+    assert shown.exit_code == 0, shown.output
+    labels = {c["label"]: c for c in json.loads(shown.stdout)["cells"]}
+    assert labels["aborting"]["status"] == "failed" and labels["linear"]["status"] == "done"
+
+
+def test_isolated_samples_equal_in_process_ones(pair, tmp_path, data_dir):
+    """The child measures exactly what the in-process worker measures: the same tokens, the same counters."""
+    decoders = [{"name": "ar"}, {"name": "dynatree", "params": {"n_max": 8}}]
+    out = {}
+    for mode in ("none", "process"):
+        suite = suite_dict(*pair, decoders, isolation=mode)
+        dbfile = tmp_path / f"{mode}.db"
+        result = invoke(
+            "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+        )
+        assert result.exit_code == 0, result.output
+        with db.connect(str(dbfile))() as s:
+            out[mode] = {
+                (c.label, x.prompt_index): (x.output_tokens, x.iterations, x.drafted, x.accepted, x.target_forwards)
+                for c in s.scalars(select(db.Cell))
+                for x in c.samples
+            }
+    assert out["process"] == out["none"] and len(out["none"]) == 4
