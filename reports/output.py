@@ -131,6 +131,38 @@ class Document:
 RENDERERS: dict[str, Callable[[Document], object]] = {}
 
 
+FORMATS_GROUP = "dtbench.formats"  # the entry-point group of third-party report formats (issue 40 item 4)
+_PLUGINS_LOADED: list[str] = []  # the plugin formats' problems, once loaded (an empty list: loaded, none failed)
+_LOADED = False
+
+
+def load_format_plugins() -> list[str]:
+    """Import every report format a package registers under the ``dtbench.formats`` entry-point group, once.
+
+    An entry point names a renderer function (``tsv = "my_pkg.formats:render_tsv"``: registered under the entry
+    point's name unless it registered itself with :func:`renderer`) or a module whose import registers its renderers.
+    A built-in format's name is never taken over.
+
+    Returns:
+        One line per plugin that could not be loaded (the caller warns with them); the others are registered.
+    """
+    global _LOADED
+    if _LOADED:
+        return list(_PLUGINS_LOADED)
+    _LOADED = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=FORMATS_GROUP):
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # a broken plugin is named, never the end of the report
+            _PLUGINS_LOADED.append(f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}")
+            continue
+        if callable(loaded) and ep.name not in RENDERERS:
+            RENDERERS[ep.name] = loaded
+    return list(_PLUGINS_LOADED)
+
+
 def renderer(name: str):
     """Register the renderer of output format ``name`` (a decorator); the CLI's ``--format`` choices are these."""
 
