@@ -426,14 +426,14 @@ def run_exit_code(sessions, run_id: int) -> int:
     is_flag=True,
     help="acceptance profile of every drafting cell: per-position conditional and cumulative acceptance with "
     "bootstrap CIs, the accepted-length histogram, mean acceptance length per step and per request (with and "
-    "without the bonus token); writes the profile JSON in NVIDIA specdec_bench's schema (--profile-json) and "
-    "exits 2 when the profile disagrees with the samples' counters",
+    "without the bonus token); writes the profile JSON in NVIDIA specdec_bench's schema only when "
+    "--profile-json names a file; exits 2 when the profile disagrees with the samples' counters",
 )
 @click.option(
     "--profile-json",
     "profile_json",
     type=click.Path(dir_okay=False),
-    help="--profile: where to write the JSON (default: speculation_profile_run<ID>.json)",
+    help="--profile: write the specdec_bench profile JSON to this file (nothing is written without it)",
 )
 @click.option(
     "--include-partial",

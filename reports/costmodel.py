@@ -348,7 +348,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
         "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
         "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T decoding the "
-        "same way; best config (forward costs only): K of chain decoders from the per-position acceptance, "
+        f"same way; {PRED_FORWARDS} = AR's predicted time / the cell's, each priced from every forward its samples "
+        "ran (prefill and the short last iterations included; calibrated draft costs): not the steady-state "
+        "prediction of the batch table; best config (forward costs only): K of chain decoders from the per-position acceptance, "
         "N_max of tree decoders (largest tree verified within 2x one AR token), total_token of a tree decoder that "
         "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
         "measured time)"
@@ -407,7 +409,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                 "Predicted t/s": show(r["predicted_throughput"], ".1f"),
                 "Speedup meas.": show(r["measured_speedup"], ".2f", "×")
                 + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""),
-                "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+                PRED_FORWARDS: show(r["predicted_speedup"], ".2f", "×"),
                 "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
             }
             for _, r in table.iterrows()
@@ -453,7 +455,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                         if not is_missing(r["ci_low"])
                         else (r["ci_method"] or MISSING)
                     ),
-                    "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+                    PRED_STEADY: show(r["predicted_speedup"], ".2f", "×"),
                 }
                 for _, r in batched.iterrows()
             ]
@@ -546,9 +548,17 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
 
 # --- batch sizes (issue 29): predicted speedup at B, the crossover B*, best K / node budget per B -------------------
 
+# Two predicted speedups answer two questions (issue 42 item 9), so each table names its own: the cell table's is
+# what the forwards a cell's samples ran cost (priced one by one, prefill included, calibrated draft costs); the batch
+# table's is the steady-state decode model S(B) from the B = 1 cell's means (no prefill, measured draft seconds), so
+# the same B = 1 cell shows two different numbers, each right for its question.
+PRED_FORWARDS = "Speedup pred. (its forwards)"
+PRED_STEADY = "Speedup pred. (steady state)"
+
 BATCH_CAPTION = (
     "speedup at batch size B vs ar at the same (dataset, L_max, T, B), measured per prompt group (95% CI: paired t on "
-    "the log ratios; 'n too small' below 5 groups) and predicted from the decoder's B = 1 cell and the calibrated "
+    "the log ratios; 'n too small' below 5 groups) and predicted (" + PRED_STEADY + ", not the cell table's "
+    "prediction from every forward run) from the decoder's B = 1 cell and the calibrated "
     "(B, new tokens) target curves: S(B) = L x c_B(1) / (c_B(n) + B x d), L = tokens per iteration per row, n = mean "
     "verification width per row (pending token + drafts), d = draft seconds per row and iteration (drafts run per "
     "row), the proposer's own CPU time included (its seconds outside forwards per iteration beyond ar's); greedy lossless rows decode the same tokens at any B, so L, n and d do not depend on B. B* = the first "

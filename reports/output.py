@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dtbench.core import redact_json
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text, markdown_cell, printable, to_csv
@@ -314,7 +315,7 @@ def _json(doc: Document) -> str:
                 for r in doc.reports
             },
         }
-    return json.dumps(body, indent=2, default=str)
+    return json.dumps(redact_json(body), indent=2, default=str)  # URL credentials masked, as on every other path
 
 
 # --- HTML --------------------------------------------------------------------------------------------------------
