@@ -568,7 +568,7 @@ BATCH_CAPTION = (
 )
 
 
-def _b1_parameters(rows: pd.DataFrame) -> dict | None:
+def b1_parameters(rows: pd.DataFrame) -> dict | None:
     """(L, n, d, per-position acceptance, drafted per iteration) of a B = 1 cell from its samples after warmup, and
     ``outside``: its seconds per iteration outside model forwards (the loop and the proposer's own CPU work; None
     where the samples' total or forward times are unknown)."""
@@ -606,7 +606,7 @@ def _b1_parameters(rows: pd.DataFrame) -> dict | None:
 def price_proposers(params: dict[tuple, dict]) -> None:
     """Price each decoder's own CPU work as draft cost (issue 39 item 5), in place.
 
-    ``params``: {(dataset, L_max, T, label): :func:`_b1_parameters` + ``family``}. A decoder's seconds per iteration
+    ``params``: {(dataset, L_max, T, label): :func:`b1_parameters` + ``family``}. A decoder's seconds per iteration
     outside model forwards beyond ``ar``'s of the same (dataset, L_max, T) are its proposer's own work (an n-gram
     lookup, a suffix automaton, a tree's bookkeeping), which a batch pays per row as it pays draft forwards: added to
     ``d`` (seconds per row and iteration) and, spread over the drafted tokens, to ``draft_tokens_s``; stored as
@@ -700,7 +700,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         )
         if frame_rows.empty:
             continue
-        got = _b1_parameters(frame_rows)
+        got = b1_parameters(frame_rows)
         if got is not None:
             by_label[(cell.dataset, cell.l_max, cell.gen_length, cell.label)] = {
                 **got,
