@@ -60,6 +60,7 @@ class Execution:
     def __init__(self, max_len: int = 512):
         self.max_len = max_len
         self._forwards: dict[int, Any] = {}
+        _allow_every_bucket()
         self._pool: dict[tuple[int, int, int], Any] = {}
         self._slot: dict[int, int] = {}
 
@@ -124,6 +125,25 @@ class Execution:
         if any(m.device.type == "cuda" for m in models):
             torch.cuda.synchronize()
         return time.perf_counter() - t0, compiled_graphs() - graphs0
+
+
+RECOMPILE_LIMIT = 512  # graphs per compiled function: every bucket of every model of a run (target and draft share one)
+
+
+def _allow_every_bucket() -> None:
+    """Raise dynamo's per-function graph limit (8 by default) so every bucket of every model compiles, and make
+    hitting it an error: past the limit dynamo would silently run the forward eager, and a "compiled" cell would
+    measure eager code (a cell of the embedded pair needs up to 9 buckets x 2 models of one class)."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+            setattr(dynamo, name, RECOMPILE_LIMIT)
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if getattr(dynamo, name, 4 * RECOMPILE_LIMIT) < 4 * RECOMPILE_LIMIT:
+            setattr(dynamo, name, 4 * RECOMPILE_LIMIT)
+    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
+        dynamo.fail_on_recompile_limit_hit = True
 
 
 def compiled_graphs() -> int:

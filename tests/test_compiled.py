@@ -291,3 +291,20 @@ def test_the_cost_model_names_each_models_regime_and_leaves_compiled_cells_unpri
     assert cells["ar"]["forward_regime"].split(" ", 1)[1] in regimes and "draft" not in cells["ar"]["forward_regime"]
     text = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "markdown").output
     assert "target forwards: " in text and "not priced (compiled execution" in text and "ar [compiled]" in text
+
+
+def test_more_buckets_than_dynamos_default_limit_all_compile():
+    """Two models of one class with every bucket up to 16 (2 x 5 graphs of one compiled function) pass dynamo's
+    default limit of 8 graphs per function: the execution raises the limit and every shape compiles (past the limit
+    dynamo would silently run eager, and a "compiled" cell would measure eager code; hitting it is now an error)."""
+    import torch._dynamo.config as dynamo
+
+    import copy
+
+    target, other = model_zoo()["unrelated"]
+    draft = copy.deepcopy(other).to(torch.float32)  # as the embedded pair: one class, two dtypes, so two graph sets
+    execution = kv.Execution(max_len=112)  # a static length no other test uses: every graph here is new
+    before = kv.compiled_graphs()
+    execution.precompile([target, draft], 16)
+    assert kv.compiled_graphs() - before == 2 * 5
+    assert dynamo.recompile_limit >= kv.RECOMPILE_LIMIT and dynamo.fail_on_recompile_limit_hit
