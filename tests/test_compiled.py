@@ -169,6 +169,7 @@ def test_validate_refuses_what_cannot_run_compiled(pair, tmp_path, data_dir):
     ]
     for decoder, extra, needle in cases:
         suite = suite_dict(*pair, [{"name": "ar"}, decoder], **{"execution": ["eager", "compiled"], **extra})
+        suite["datasets"][0].update(prompts=3, warmup=1)  # a full batch of B = 2 after warmup
         result = invoke("validate", write_suite(tmp_path, suite), "--data-dir", str(data_dir))
         one_line_error(result, needle)
 
