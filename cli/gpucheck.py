@@ -63,44 +63,14 @@ def _tests_dir() -> Path:
 SCHEMA = "dtbench.gpu-check/1"
 STEPS = ("lossless", "timing", "costmodel", "overhead", "compiled")
 
-# Pythia's GPT-NeoX configurations (EleutherAI/pythia-2.8b and pythia-70m config.json): the paper's target and draft.
-PYTHIA_2_8B = dict(
-    hidden_size=2560,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    intermediate_size=10240,
-    vocab_size=50304,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
-PYTHIA_70M = dict(
-    hidden_size=512,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    intermediate_size=2048,
-    vocab_size=50304,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
-# --small (the CPU dry run and the tests): the same architecture, a few MB.
-SMALL_TARGET = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=512,
-    vocab_size=512,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
-SMALL_DRAFT = dict(
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    intermediate_size=64,
-    vocab_size=512,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
+# Pythia's GPT-NeoX shapes (the paper's target and draft) and the --small pair: harness/models.py's table, which
+# `random:<shape>` models of a suite use too (issue 38 item 4).
+from dtbench.harness.models import RANDOM_SHAPES  # noqa: E402
+
+PYTHIA_2_8B = RANDOM_SHAPES["pythia-2.8b"]
+PYTHIA_70M = RANDOM_SHAPES["pythia-70m"]
+SMALL_TARGET = RANDOM_SHAPES["tiny"]  # --small (the CPU dry run and the tests): the same architecture, a few MB
+SMALL_DRAFT = RANDOM_SHAPES["tiny-draft"]
 
 
 @dataclass(frozen=True)
@@ -207,21 +177,11 @@ def _sync(device) -> None:
 
 
 def neox(shape: dict, dtype, device, seed: int):
-    """A GPT-NeoX causal LM of ``shape`` with seeded random weights, built directly on ``device`` in ``dtype``."""
-    import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    """A GPT-NeoX causal LM of ``shape`` with seeded random weights on ``device`` in ``dtype``
+    (:func:`dtbench.harness.models.random_neox`)."""
+    from dtbench.harness.models import random_neox
 
-    cfg = GPTNeoXConfig(**shape, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = GPTNeoXForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return random_neox(shape, dtype, device, seed)
 
 
 # --- a. lossless ---------------------------------------------------------------------------------------------------
