@@ -241,6 +241,13 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path):
     assert {(r["decoder"], r["mode"]) for r in compiled["overhead"]} == {
         (d, m) for d, _ in gpucheck.COMPILED_DECODERS for m in ("eager", "compiled")
     }
+    tests = data["steps"]["tests"]  # issue 38: the property suite's CPU parametrization, a few examples each
+    assert tests["selection"] == "cpu" and tests["failed"] == 0 and tests["passed"] >= 4
+    assert any("test_linear_equals_ar" in t for t in tests["hypothesis"]) and tests["examples_total"] > 0
+    smoke = data["steps"]["smoke"]  # issue 38: suites/gpu-smoke.yaml at tiny shapes through dtbench run
+    assert (
+        smoke["run_exit_code"] == 0 and {c["status"] for c in smoke["cells"]} == {"done"} and len(smoke["cells"]) == 6
+    )
     assert (out / "gpu-check.log").read_text().count("\n") > 5
     broken = {**data, "steps": {**data["steps"], "lossless": {"rows": []}}}
     with pytest.raises(jsonschema.ValidationError):
