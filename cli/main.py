@@ -34,6 +34,10 @@ class FormatChoice(click.Choice):
 
     @property
     def choices(self) -> tuple[str, ...]:
+        from dtbench.reports.output import load_format_plugins
+
+        for problem in load_format_plugins():  # third-party formats (entry points `dtbench.formats`), once
+            click.echo(f"warning: {problem}", err=True)
         return tuple(RENDERERS)
 
     @choices.setter
@@ -394,6 +398,22 @@ def run_exit_code(sessions, run_id: int) -> int:
     "source, tokens per read, lossless and its rule",
 )
 @click.option(
+    "--schedule",
+    "schedule",
+    type=click.Choice(["vllm", "sglang", "trtllm"]),
+    help="the speculation schedule the cost model predicts from a calibrated run with batch sizes: per chain "
+    "decoder the best K per batch-size range (0 where speculation stops paying), in the engine's configuration terms "
+    "(vLLM num_speculative_tokens + disable_by_batch_size, TensorRT-LLM draft_len_schedule, SGLang steps per bucket)",
+)
+@click.option(
+    "--goodput",
+    "goodput",
+    metavar="SLOS",
+    help="goodput against latency targets in ms, vLLM's names: e.g. ttft:200,tpot:50,e2el:5000; per cell the "
+    "share of requests (and of output tokens) after warmup meeting every target, with a Wilson CI, and good "
+    "requests per second",
+)
+@click.option(
     "--execution",
     "execution",
     is_flag=True,
@@ -406,14 +426,14 @@ def run_exit_code(sessions, run_id: int) -> int:
     is_flag=True,
     help="acceptance profile of every drafting cell: per-position conditional and cumulative acceptance with "
     "bootstrap CIs, the accepted-length histogram, mean acceptance length per step and per request (with and "
-    "without the bonus token); writes the profile JSON in NVIDIA specdec_bench's schema (--profile-json) and "
-    "exits 2 when the profile disagrees with the samples' counters",
+    "without the bonus token); writes the profile JSON in NVIDIA specdec_bench's schema only when "
+    "--profile-json names a file; exits 2 when the profile disagrees with the samples' counters",
 )
 @click.option(
     "--profile-json",
     "profile_json",
     type=click.Path(dir_okay=False),
-    help="--profile: where to write the JSON (default: speculation_profile_run<ID>.json)",
+    help="--profile: write the specdec_bench profile JSON to this file (nothing is written without it)",
 )
 @click.option(
     "--include-partial",
@@ -441,6 +461,8 @@ def report(
     profile,
     profile_json,
     include_partial,
+    schedule,
+    goodput,
     execution,
 ) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
@@ -500,6 +522,8 @@ def report(
         profile=profile,
         profile_json=profile_json,
         execution=execution,
+        goodput=goodput,
+        schedule=schedule,
     )
 
 

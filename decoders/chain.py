@@ -17,6 +17,7 @@ from typing import cast
 
 import torch
 
+from dtbench.core import DtbenchError
 from dtbench.decoders import kv
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids, greedy_token, next_token, verify_chain
 from dtbench.decoders.sampling import SamplingSettings, sample, verify_chain_sampled
@@ -206,6 +207,25 @@ class RaggedRows(RowsTarget):
         self.batch.retain(rows)
 
 
+def _proposed(proposer: Proposer, max_tokens: int) -> list[int]:
+    """``proposer.propose(max_tokens)`` as a list, held to its contract: at most ``max_tokens`` drafts.
+
+    Refused, not clipped (issue 42 item 10): a proposer that returns more than asked has a bug, and clipping would
+    hide it while its timing still pays for drafting the extra tokens; every chain loop (:func:`speculate_chain`,
+    :func:`speculate_chain_batch`, :func:`speculate_chain_rows`) calls the proposer only through here.
+
+    Raises:
+        DtbenchError: more drafts than ``max_tokens`` (the cell fails with this one line).
+    """
+    drafts = list(proposer.propose(max_tokens))
+    if len(drafts) > max_tokens:
+        raise DtbenchError(
+            f"proposer {type(proposer).__name__} returned {len(drafts)} drafts when asked for at most {max_tokens} "
+            "(Proposer.propose must return at most max_tokens)"
+        )
+    return drafts
+
+
 def speculate_chain(
     target: ChainTarget,
     proposer: Proposer,
@@ -302,7 +322,7 @@ def speculate_chain_rows(
         target.retain([i for i, r in enumerate(range(len(prompts))) if r in live])
     active = live
     while active:
-        drafts = [list(proposers[r].propose(min(k, max_new_tokens - produced[r] - 1))) for r in active]
+        drafts = [_proposed(proposers[r], min(k, max_new_tokens - produced[r] - 1)) for r in active]
         logits = target.verify([[pending[r], *d] for r, d in zip(active, drafts)])
         out, counts, stay = {}, [], []
         for i, (r, d, lg) in enumerate(zip(active, drafts, logits)):

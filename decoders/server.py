@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from dtbench.core import DtbenchError
+from dtbench.core import DtbenchError, redact_credentials
 from dtbench.decoders.base import Decoder, DecoderParams, Step
 
 ENGINES = ("llama.cpp", "vllm", "sglang", "openai")
@@ -117,7 +117,9 @@ class ServerParams(DecoderParams):
         if self.reference is not None and "reference" in self.reference:
             raise ValueError("reference: the plain server's params cannot name a reference of their own")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url[:80]!r}")
+            raise ValueError(
+                f"base_url must start with http:// or https://, got {redact_credentials(self.base_url)[:80]!r}"
+            )
         return self
 
 
@@ -311,7 +313,12 @@ def parse_metrics(text: str) -> dict[str, Any]:
 
 
 def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """``after - before`` of :func:`parse_metrics` snapshots (the counters of what ran in between)."""
+    """``after - before`` of :func:`parse_metrics` snapshots (the counters of what ran in between).
+
+    Raises:
+        DtbenchError: a difference that is no count (NaN, infinite, negative: a counter reset or a server's bad
+            number) or more accepted tokens than draft tokens (issue 42 item 4).
+    """
     out: dict[str, Any] = {}
     for key in VLLM_COUNTERS:
         if key in after:
@@ -319,7 +326,31 @@ def metrics_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     if "accepted_per_pos" in after:
         b = before.get("accepted_per_pos", [])
         out["accepted_per_pos"] = [a - (b[i] if i < len(b) else 0.0) for i, a in enumerate(after["accepted_per_pos"])]
+    for key, value in [
+        *((k, out[k]) for k in VLLM_COUNTERS if k in out),
+        *(("accepted_per_pos", v) for v in out.get("accepted_per_pos", [])),
+    ]:
+        _count({key: value}, key)
+    if out.get("accepted", 0) > out.get("draft_tokens", math.inf):
+        raise DtbenchError(
+            f"its /metrics counters are impossible: {out['accepted']:g} accepted of {out['draft_tokens']:g} draft tokens"
+        )
     return out
+
+
+def _count(counters: dict[str, float], key: str, default: int | None = None) -> int:
+    """A server-reported counter as a count: a finite, non-negative whole number (a server is not trusted: issue 42
+    item 4; NaN, infinity, negatives and fractions are refused).
+
+    Raises:
+        DtbenchError: the value is not such a count (the caller names the server and its log).
+    """
+    value = counters.get(key, default)
+    if value is None:
+        raise DtbenchError(f"its speculation counter {key.split(':', 1)[-1]} is missing")
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0 and float(value).is_integer()):
+        raise DtbenchError(f"its speculation counter {key.split(':', 1)[-1]} is {value!r}, not a count of tokens")
+    return int(value)
 
 
 def request_acceptance(counters: dict[str, float], new_tokens: int) -> dict[str, Any]:
@@ -333,10 +364,20 @@ def request_acceptance(counters: dict[str, float], new_tokens: int) -> dict[str,
     Returns:
         ``{"source", "drafted", "accepted", "steps", "acceptance_length", "steps_rule"}`` (values None where the
         source does not say), or {} when the response carried no speculation counters.
+
+    Raises:
+        DtbenchError: a counter that is no count (NaN, infinite, negative, fractional) or counters that contradict
+            each other or the tokens received (more accepted than drafted, more accepted than tokens less one, more
+            steps than tokens): the server's numbers are never stored as measured (issue 42 item 4).
     """
     if "llama.cpp:draft_n" in counters:
-        drafted = int(counters["llama.cpp:draft_n"])
-        accepted = int(counters.get("llama.cpp:draft_n_accepted", 0))
+        drafted = _count(counters, "llama.cpp:draft_n")
+        accepted = _count(counters, "llama.cpp:draft_n_accepted", 0)
+        if accepted > drafted or accepted >= max(new_tokens, 1):
+            raise DtbenchError(
+                f"its speculation counters are impossible: draft_n_accepted {accepted} with draft_n {drafted} for "
+                f"{new_tokens} tokens (accepted drafts cannot exceed the drafts, nor the tokens less one per step)"
+            )
         steps = max(new_tokens - accepted, 1)
         return {
             "source": "llama.cpp timings.draft_n/draft_n_accepted",
@@ -347,14 +388,21 @@ def request_acceptance(counters: dict[str, float], new_tokens: int) -> dict[str,
             "steps_rule": "derived: tokens - accepted (llama.cpp reports no step count)",
         }
     if "sglang:spec_verify_ct" in counters:
-        steps = int(counters["sglang:spec_verify_ct"])
-        tokens = int(counters.get("sglang:completion_tokens", new_tokens))
+        steps = _count(counters, "sglang:spec_verify_ct")
+        tokens = _count(counters, "sglang:completion_tokens", new_tokens)
         accepted = (
-            int(counters["sglang:spec_accept_token_num"])
+            _count(counters, "sglang:spec_accept_token_num")
             if "sglang:spec_accept_token_num" in counters
             else max(tokens - steps, 0)
         )
-        sg_drafted = int(counters["sglang:spec_draft_token_num"]) if "sglang:spec_draft_token_num" in counters else None
+        sg_drafted = (
+            _count(counters, "sglang:spec_draft_token_num") if "sglang:spec_draft_token_num" in counters else None
+        )
+        if steps > tokens or accepted > tokens or (sg_drafted is not None and accepted > sg_drafted):
+            raise DtbenchError(
+                f"its speculation counters are impossible: spec_verify_ct {steps}, accepted {accepted}, drafted "
+                f"{sg_drafted} for {tokens} tokens (a verification step commits at least one token)"
+            )
         return {
             "source": "sglang meta_info.spec_verify_ct",
             "drafted": sg_drafted,
@@ -402,7 +450,8 @@ class Server(Decoder):
 
 
 def describe(params: ServerParams) -> str:
-    """A short name of the server for one-line errors: its base URL or its launch command's program."""
+    """A short name of the server for one-line errors: its base URL (credentials masked) or its launch command's
+    program."""
     if params.base_url:
-        return params.base_url
+        return redact_credentials(params.base_url)
     return json.dumps(params.launch[0] if params.launch else "")

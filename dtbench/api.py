@@ -32,7 +32,14 @@ from dtbench.decoders.base import (
     next_token,
     verify_chain,
 )
-from dtbench.decoders.chain import ChainTarget, DraftModelProposer, KVTarget, Proposer, speculate_chain
+from dtbench.decoders.chain import (
+    ChainTarget,
+    DraftModelProposer,
+    KVTarget,
+    Proposer,
+    speculate_chain,
+    speculate_chain_batch,
+)
 from dtbench.decoders.tree import (
     CacheStrategy,
     ExpansionPolicy,
@@ -66,6 +73,7 @@ __all__ = [
     "Corpus",
     # the one chain loop
     "speculate_chain",
+    "speculate_chain_batch",  # B > 1 rows (a decoder declaring batching: generate_batch), one proposer per row
     "Proposer",
     "DraftModelProposer",
     "KVTarget",

@@ -10,6 +10,7 @@ The layers above: ``dtbench.decoders`` (torch), ``dtbench.harness``, ``dtbench.r
 from __future__ import annotations
 
 import os
+import re
 import stat
 import types
 import typing
@@ -30,9 +31,48 @@ class DtbenchError(Exception):
     """
 
 
+# scheme://user:password@ (or scheme://token@): the userinfo of a URL anywhere in a text. The password runs to the
+# last "@" before the end of the authority (users write unescaped "@" in passwords); quotes, brackets, whitespace,
+# "/", "?" and "#" end it, so a URL inside JSON or a sentence is masked without eating the text after it.
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/?#@:\"'<>\\]*)(?P<pw>:[^\s/?#\"'<>\\]*)?@"
+)
+
+
+def _mask_userinfo(m: re.Match[str]) -> str:
+    if m.group("pw") is None:  # a lone user part is often a token (https://TOKEN@host): masked whole
+        return f"{m.group('scheme')}***@" if m.group("user") else m.group(0)
+    return f"{m.group('scheme')}{m.group('user')}:***@"
+
+
+def redact_credentials(value: Any) -> str:
+    """``str(value)`` with the credentials of every URL in it masked: ``http://user:secret@host`` becomes
+    ``http://user:***@host`` (the form SQLAlchemy's ``hide_password`` shows a database URL in), and a user part
+    without a password (``https://TOKEN@host``, often a token) becomes ``***@``.
+
+    The one rule for secrets in URLs (issue 42 item 1): every message (:func:`clip`), every printed or rendered text
+    (``harness/safetext.printable``) and every value written to the database (:func:`redact_json`) goes through it.
+    The request itself still uses the URL as given (the server needs the credentials)."""
+    text = str(value)
+    return _USERINFO.sub(_mask_userinfo, text) if "@" in text else text
+
+
+def redact_json(value: Any) -> Any:
+    """A JSON-like value (dicts, lists, strings, numbers) with :func:`redact_credentials` applied to every string,
+    keys included; other values unchanged (a new container only where something changed is not promised)."""
+    if isinstance(value, str):
+        return redact_credentials(value)
+    if isinstance(value, dict):
+        return {redact_json(k) if isinstance(k, str) else k: redact_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_json(v) for v in value)
+    return value
+
+
 def clip(value: Any, limit: int = MAX_ECHO) -> str:
-    """``str(value)`` on one line, cut to ``limit`` characters with an ellipsis (a suite can hold huge values)."""
-    text = " ".join(str(value).split())
+    """``str(value)`` on one line, its URL credentials masked (:func:`redact_credentials`, before the cut, so no part
+    of a password survives it), cut to ``limit`` characters with an ellipsis (a suite can hold huge values)."""
+    text = " ".join(redact_credentials(value).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

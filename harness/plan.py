@@ -294,7 +294,9 @@ def plan_suite(suite: Suite) -> Plan:
 
 
 def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
-    """Batch sizes B > 1 only for decoders that declare ``batching`` (a capability), greedy, on raw-text datasets.
+    """Batch sizes B > 1 only for decoders that declare ``batching`` (a capability), greedy, on raw-text datasets
+    with at least B measured prompts (prompts - warmup; issue 42 item 7: a larger B measures only a remainder group,
+    which every report leaves out; question datasets count their questions only when loaded, and are not checked).
 
     Raises:
         DtbenchError: one line naming the decoder (or dataset) and what to change.
@@ -317,7 +319,16 @@ def _check_batching(suite: Suite, plans: list[CellPlan]) -> None:
                 f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
                 f"`sampling: greedy` on it or `batch_sizes: [1]`"
             )
-    for ds in suite.datasets:
+    for ds in suite.datasets:  # a batch size above the measured prompts has no full batch: nothing to report at B
+        used = sorted({b for p in plans for (key, *_, b) in p.points if key == ds.key and b > 1})
+        measured = ds.prompts - ds.warmup
+        if not data.is_chat(ds) and used and used[-1] > measured:
+            where = f"{ds.where}: " if ds.where else ""
+            raise DtbenchError(
+                f"{where}dataset '{clip(ds.name, 60)}': batch size {used[-1]} is larger than its {measured} measured "
+                f"prompts (prompts {ds.prompts} - warmup {ds.warmup}), so no full batch would be measured; raise "
+                f"prompts: to at least {ds.warmup + used[-1]} or drop the batch size"
+            )
         if data.is_chat(ds) and any(
             p.points
             & {

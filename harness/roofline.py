@@ -23,13 +23,15 @@ from typing import Any
 
 import torch
 
-COPY_BYTES = 256 * 2**20  # the copy benchmark's buffer: far above any CPU cache, a fraction of a GPU's memory
+COPY_BYTES = {"cuda": 512 * 2**20, "cpu": 128 * 2**20}  # the copy benchmark's buffer: above any cache, per device
+_MEASURED: dict[tuple[str, int], dict[str, Any]] = {}  # once per process and device (every worker of a run reuses it)
 LAUNCH_FACTOR = 3.0  # a flat forward this many times its byte limit is launch-bound, not bandwidth-bound
 FLAT_GROWTH = 1.5  # cost at the largest calibrated n below this multiple of the cost at n = 1: flat in n
 
 
-def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: int = 5) -> dict[str, Any]:
-    """The device's memory bandwidth, bytes/s, by a copy benchmark (best of ``repeats`` copies of ``nbytes``).
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> dict[str, Any]:
+    """The device's memory bandwidth, bytes/s, by a copy benchmark (best of ``repeats`` copies of ``nbytes``, default
+    :data:`COPY_BYTES` of the device's type); measured once per process and device at the default size.
 
     A copy reads and writes ``nbytes`` each, so the figure is ``2 * nbytes / seconds`` (what STREAM's copy kernel
     reports). On CUDA the device is synchronized around each copy and NVML's theoretical figure (memory clock x bus
@@ -38,7 +40,11 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: i
     Returns:
         {"bytes_per_s": measured, "vendor_bytes_per_s": NVML's figure or None, "method": a description}.
     """
-    n = nbytes // 4
+    key = (str(device), nbytes or 0)
+    if nbytes is None and key in _MEASURED:
+        return dict(_MEASURED[key])
+    size = nbytes or COPY_BYTES.get(device.type, COPY_BYTES["cpu"])
+    n = size // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     cuda = device.type == "cuda"
@@ -52,11 +58,14 @@ def measure_bandwidth(device: torch.device, nbytes: int = COPY_BYTES, repeats: i
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     del src, dst
-    return {
+    out = {
         "bytes_per_s": 2 * n * 4 / best if best > 0 else None,
         "vendor_bytes_per_s": _nvml_bandwidth(device) if cuda else None,
-        "method": f"copy of {nbytes // 2**20} MiB, best of {repeats}, read + write counted",
+        "method": f"copy of {size // 2**20} MiB, best of {repeats}, read + write counted",
     }
+    if nbytes is None:
+        _MEASURED[key] = dict(out)
+    return out
 
 
 def _nvml_bandwidth(device: torch.device) -> float | None:

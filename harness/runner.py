@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from dtbench.core import redact_credentials, redact_json
 from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
@@ -35,7 +36,12 @@ from dtbench.harness.worker import Outcome
 
 @contextmanager
 def _sigterm_as_interrupt():
-    """Treat SIGTERM like Ctrl-C so a terminated run is marked interrupted, not left 'running'."""
+    """Treat SIGTERM like Ctrl-C so a terminated run is marked interrupted, not left 'running'; and make SIGINT
+    Ctrl-C again (Python's ``default_int_handler``) for the run, also where the process was started with SIGINT
+    ignored (issue 42 item 2: a background job of a non-interactive shell inherits SIG_IGN, and a run then went on
+    through a hung server request until its timeout and ended 'completed'). With the default handler in place
+    ``asyncio.run`` (the server client, harness/serving.py) cancels the requests in flight at once. A run that must
+    survive a terminal's Ctrl-C is started with ``setsid`` or ``nohup``, not by relying on an ignored SIGINT."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt
@@ -45,10 +51,12 @@ def _sigterm_as_interrupt():
     except ValueError:  # not the main thread
         yield
         return
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 class RunInterrupted(DtbenchError):
@@ -326,7 +334,7 @@ def _open_cells(
                 label=cp.label,
                 decoder_version=str(cp.version),
                 decoder_distribution=cp.distribution,
-                params=cp.params.model_dump(mode="json"),
+                params=redact_json(cp.params.model_dump(mode="json")),  # URL credentials masked (issue 42)
                 lossless_expected=cp.cls.lossless_with(cp.params),
                 lossless_check=plan.suite.lossless_check,
                 sweep_group=cp.spec.sweep_group,
@@ -398,7 +406,10 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
 
 def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra: dict[str, Any] | None = None) -> None:
     """Store one outcome at once (the single writer): the sample, or the cell's failure; refresh the heartbeat; fold
-    the machine's load during it into the cell's load columns (:func:`dtbench.harness.load.merge`)."""
+    the machine's load during it into the cell's load columns (:func:`dtbench.harness.load.merge`).
+
+    Every string stored (a sample's ``step_stats``, a cell's error) has its URL credentials masked
+    (:func:`dtbench.core.redact_json`): a server's ``base_url`` with a password is stored as ``user:***@``."""
 
     with sessions() as session:
         cell = session.get(Cell, cell_id)
@@ -407,13 +418,14 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
                 setattr(cell, key, value)
         if outcome.row is not None:
             for row in outcome.rows or [outcome.row]:  # a batch's rows in one transaction
-                session.add(Sample(cell_id=cell_id, **SampleRecord.from_row({**row, **(extra or {})}).as_row()))
+                record = SampleRecord.from_row(redact_json({**row, **(extra or {})}))
+                session.add(Sample(cell_id=cell_id, **record.as_row()))
             if cell.status == "pending":
                 cell.status = "running"
             if outcome.compile_s is not None:  # a compiled cell's compile step, before its first sample
                 cell.compile_s, cell.compile_graphs = outcome.compile_s, outcome.compile_graphs
         else:
-            cell.status, cell.error = "failed", (outcome.error or "")[:2000]
+            cell.status, cell.error = "failed", redact_credentials(outcome.error or "")[:2000]
         session.get(Run, run_id).heartbeat_at = utcnow()
         session.commit()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import psutil
 
+from dtbench.core import redact_credentials
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Run, utcnow
 from dtbench.harness.errors import DtbenchError
@@ -122,7 +123,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
         run = Run(
             suite_name=suite.name,
             suite_path=suite_path,
-            suite_text=suite_text,
+            suite_text=redact_credentials(suite_text),  # a server URL's password is never stored (issue 42)
             suite_hash=suite_hash(suite_text),
             status="running",
             environment=env,

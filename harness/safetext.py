@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dtbench.core import redact_credentials
+
 if TYPE_CHECKING:  # pandas loads with the first CSV, not with every command that escapes a line of text
     import pandas as pd
 
@@ -44,8 +46,11 @@ def _escape(m: re.Match) -> str:
 
 
 def printable(text: Any) -> str:
-    """``str(text)`` with every control character written as an escape (``\\x1b``, ``\\x07``, ``\\n``-> ``\\x0a``)."""
-    return _CONTROL.sub(_escape, str(text))
+    """``str(text)`` with every control character written as an escape (``\\x1b``, ``\\x07``, ``\\n``-> ``\\x0a``)
+    and the credentials of any URL in it masked (``user:***@``, :func:`dtbench.core.redact_credentials`): every
+    renderer (terminal, Markdown, CSV, HTML) goes through here, so a database written before issue 42 never shows a
+    server's password either."""
+    return _CONTROL.sub(_escape, redact_credentials(text))
 
 
 def html_text(text: Any) -> str:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtbench.core import redact_credentials
 from dtbench.decoders.server import (
     Chunk,
     ServerParams,
@@ -528,7 +529,8 @@ def top_candidates(
     best first; with ``tokens`` > 1, the list of each generated position's candidates. None when none came back.
 
     Raises:
-        ServerError: an HTTP error status.
+        ServerError: an HTTP error status, or an answer that is not a JSON object (the caller names the server and
+            its log).
     """
     import httpx
 
@@ -537,7 +539,16 @@ def top_candidates(
     response = httpx.post(base_url + "/v1/completions", json=top_body(params, prompt, n, tokens), timeout=timeout)
     if response.status_code != 200:
         raise ServerError(f"answered the check request with HTTP {response.status_code}: {clip(response.text, 200)}")
-    chunk = parse_chunk(params.engine, response.json())
+    try:
+        answer = response.json()
+    except ValueError:  # e.g. a server that does not do non-streamed requests or top log-probabilities
+        raise ServerError(
+            f"answered the check request (top log-probabilities, not streamed) with a body that is not JSON: "
+            f"{clip(response.text, 120) or '(empty)'}"
+        ) from None
+    if not isinstance(answer, dict):
+        raise ServerError(f"answered the check request with JSON that is not an object: {clip(answer, 120)}")
+    chunk = parse_chunk(params.engine, answer)
     if tokens > 1:
         return chunk.top or None
     return chunk.top[0] if chunk.top else None
@@ -555,7 +566,11 @@ def _recover_ids(base_url: str, body: dict, rec: RequestRecord, label: str, wher
     import httpx
 
     response = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=600)
-    data = response.json() if response.status_code == 200 else {}
+    try:
+        data = response.json() if response.status_code == 200 else {}
+    except ValueError:  # not JSON: the ids cannot be told (below)
+        data = {}
+    data = data if isinstance(data, dict) else {}
     verbose = data.get("__verbose") or {}
     choices = data.get("choices") or [{}]
     if (
@@ -618,8 +633,10 @@ def measure_requests(
     Raises:
         ServerError: the server did not start, exited, answered with an error, or sent fewer than T tokens.
     """
-    base_url, server = pool.endpoint(label, params, cell, concurrency)
-    where = f"see its log {server.log_path}" if server else f"at {base_url}"
+    base_url, server = pool.endpoint(label, params, cell, concurrency)  # the URL as given: credentials are sent
+    shown_url = redact_credentials(base_url)  # ... and never shown nor stored (issue 42 item 1)
+    where = f"see its log {server.log_path}" if server else f"at {shown_url}"
+    vocab = len(tokenizer)
 
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -657,7 +674,10 @@ def measure_requests(
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
             _recover_ids(base_url, body, rec, label, where)
-    group_metrics = metrics_delta(before, after) if after else {}
+    try:
+        group_metrics = metrics_delta(before, after) if after else {}
+    except DtbenchError as exc:
+        raise ServerError(f"server '{label}': {exc}; {where}") from None
     rows = []
     for r, (prompt, rec) in enumerate(zip(prompts, records)):
         if not rec.reads or not rec.tokens:
@@ -668,16 +688,27 @@ def measure_requests(
                 f"{prompt.index} (finish_reason {rec.finish!r}); {where}"
             )
         tokens = rec.tokens[:gen_length]
+        if (bad := next((t for t in tokens if not 0 <= t < vocab), None)) is not None:
+            # the ids the target's tokenizer cannot decode are no output (REST and EAGLE refuse them the same way)
+            raise ServerError(
+                f"server '{label}' sent token id {bad} for prompt {prompt.index}, outside the target's vocabulary "
+                f"(0..{vocab - 1}): is it serving another model?; {where}"
+            )
         T = len(tokens)
         times = [t for t, _ in rec.reads]
         e2e, ttft = times[-1], times[0]
         itl = [b - a for a, b in zip(times, times[1:])]
-        spec = request_acceptance(rec.counters, T)
+        try:
+            spec = request_acceptance(rec.counters, T)
+        except DtbenchError as exc:
+            raise ServerError(f"server '{label}' for prompt {prompt.index}: {exc}; {where}") from None
         ref = references[r] if references else None
         top_at = None
         ref_label = reference[0] if reference is not None else ""
+        ref_where = ""
         if reference is not None and ref is not None:
-            ref_url, _ = pool.endpoint(reference[0], reference[1], cell, concurrency)
+            ref_url, ref_server = pool.endpoint(reference[0], reference[1], cell, concurrency)
+            ref_where = f"see its log {ref_server.log_path}" if ref_server else f"at {redact_credentials(ref_url)}"
             ids = list(prompt.token_ids)
 
             def top_at(i: int, ids=ids, ref=ref, ref_url=ref_url):
@@ -686,12 +717,12 @@ def measure_requests(
         try:
             check = check_output(tokens, ref, top_at, params, rule)
         except ServerError as exc:
-            raise ServerError(f"reference server '{ref_label}' {exc}") from None
+            raise ServerError(f"reference server '{ref_label}' {exc}; {ref_where}") from None
         drafted, accepted = spec.get("drafted") or 0, spec.get("accepted") or 0
         steps = spec.get("steps")
         server_stats = {
             "engine": params.engine,
-            "base_url": base_url,
+            "base_url": shown_url,
             "log": str(server.log_path) if server else None,
             "speculative": params.speculative,
             "concurrency": concurrency,

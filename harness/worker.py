@@ -99,6 +99,7 @@ class Hardware:
     """
 
     bandwidth: float | None = None
+    bandwidth_info: dict[str, Any] | None = None  # the copy benchmark's result (method; on CUDA NVML's figure too)
     target_bytes: dict[str, int] | None = None
     draft_bytes: dict[str, int] | None = None
     execution: kv.Execution | None = None
@@ -114,8 +115,10 @@ class Hardware:
             longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
             width = 2 * (kv.bucket(largest) or largest)
             execution = kv.Execution(-(-(longest + width) // 64) * 64)
+        measured = roofline.measure_bandwidth(device)
         return cls(
-            bandwidth=roofline.measure_bandwidth(device)["bytes_per_s"],
+            bandwidth=measured["bytes_per_s"],
+            bandwidth_info=measured,
             target_bytes=roofline.model_bytes(target.model),
             draft_bytes=roofline.model_bytes(draft.model) if draft is not None else None,
             execution=execution,
@@ -630,6 +633,7 @@ class Worker:
         self.hardware = Hardware.of(self.plan, suite, self.target, self.draft, self.device)
         env = environment(self.device)
         env["memory_bandwidth_bytes_per_s"] = self.hardware.bandwidth  # the roofline's denominator (issue 37)
+        env["memory_bandwidth"] = self.hardware.bandwidth_info  # how it was measured; NVML's figure on CUDA
         env["target"], env["draft"] = model_info(self.target), model_info(self.draft)
         env["files"] = fingerprint.run_files(suite, self.plan, self.target, self.draft)  # sha256 / hub commits
         self.info = WorkerInfo(

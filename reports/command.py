@@ -53,6 +53,8 @@ def report_command(
     profile: bool = False,
     profile_json: str | None = None,
     execution: bool = False,
+    goodput: str | None = None,
+    schedule: str | None = None,
 ) -> None:
     """Validate the option combination, then produce each requested output.
 
@@ -109,7 +111,26 @@ def report_command(
     others = pair or compare or tables or files or cost_model or by or spec_bench or engine or profile
     if execution and (others or len(run_ids) > 1):
         raise DtbenchError("--execution is a report of its own; give it alone (with --run ID and --format)")
+    if goodput is not None and (others or execution or len(run_ids) > 1):
+        raise DtbenchError("--goodput is a report of its own; give it alone (with --run ID, --format, --alpha)")
+    if schedule is not None and (others or execution or goodput is not None or len(run_ids) > 1):
+        raise DtbenchError("--schedule is a report of its own; give it alone (with --run ID and --format)")
+    if schedule is not None:
+        from dtbench.reports.schedule import schedule_report
+
+        schedule_report(db.connect(db_url, create=False), run_ids[0] if run_ids else None, fmt, schedule)
+        return
+    slos = None
+    if goodput is not None:
+        from dtbench.reports.goodput import parse_slos
+
+        slos = parse_slos(goodput)  # a bad target is one line before the database is opened
     sessions = db.connect(db_url, create=False)
+    if slos is not None:
+        from dtbench.reports.goodput import goodput_report
+
+        goodput_report(sessions, run_ids[0] if run_ids else None, fmt, slos, 1 - alpha)
+        return
     if execution:
         from dtbench.reports.execution import execution_report
 

@@ -348,7 +348,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "predicted = calibrated cost of every forward the samples ran (target + draft); efficiency = predicted "
         "/ measured time = in forwards (timed forwards / measured: the rest is the decoder's own overhead) x "
         "forward speed (predicted / timed forwards); speedups vs AR of the same dataset/L_max/T decoding the "
-        "same way; best config (forward costs only): K of chain decoders from the per-position acceptance, "
+        f"same way; {PRED_FORWARDS} = AR's predicted time / the cell's, each priced from every forward its samples "
+        "ran (prefill and the short last iterations included; calibrated draft costs): not the steady-state "
+        "prediction of the batch table; best config (forward costs only): K of chain decoders from the per-position acceptance, "
         "N_max of tree decoders (largest tree verified within 2x one AR token), total_token of a tree decoder that "
         "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
         "measured time)"
@@ -407,7 +409,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                 "Predicted t/s": show(r["predicted_throughput"], ".1f"),
                 "Speedup meas.": show(r["measured_speedup"], ".2f", "×")
                 + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""),
-                "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+                PRED_FORWARDS: show(r["predicted_speedup"], ".2f", "×"),
                 "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
             }
             for _, r in table.iterrows()
@@ -453,7 +455,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                         if not is_missing(r["ci_low"])
                         else (r["ci_method"] or MISSING)
                     ),
-                    "Speedup pred.": show(r["predicted_speedup"], ".2f", "×"),
+                    PRED_STEADY: show(r["predicted_speedup"], ".2f", "×"),
                 }
                 for _, r in batched.iterrows()
             ]
@@ -546,20 +548,30 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
 
 # --- batch sizes (issue 29): predicted speedup at B, the crossover B*, best K / node budget per B -------------------
 
+# Two predicted speedups answer two questions (issue 42 item 9), so each table names its own: the cell table's is
+# what the forwards a cell's samples ran cost (priced one by one, prefill included, calibrated draft costs); the batch
+# table's is the steady-state decode model S(B) from the B = 1 cell's means (no prefill, measured draft seconds), so
+# the same B = 1 cell shows two different numbers, each right for its question.
+PRED_FORWARDS = "Speedup pred. (its forwards)"
+PRED_STEADY = "Speedup pred. (steady state)"
+
 BATCH_CAPTION = (
     "speedup at batch size B vs ar at the same (dataset, L_max, T, B), measured per prompt group (95% CI: paired t on "
-    "the log ratios; 'n too small' below 5 groups) and predicted from the decoder's B = 1 cell and the calibrated "
+    "the log ratios; 'n too small' below 5 groups) and predicted (" + PRED_STEADY + ", not the cell table's "
+    "prediction from every forward run) from the decoder's B = 1 cell and the calibrated "
     "(B, new tokens) target curves: S(B) = L x c_B(1) / (c_B(n) + B x d), L = tokens per iteration per row, n = mean "
     "verification width per row (pending token + drafts), d = draft seconds per row and iteration (drafts run per "
-    "row); greedy lossless rows decode the same tokens at any B, so L, n and d do not depend on B. B* = the first "
+    "row), the proposer's own CPU time included (its seconds outside forwards per iteration beyond ar's); greedy lossless rows decode the same tokens at any B, so L, n and d do not depend on B. B* = the first "
     "batch size whose speedup is below 1 (measured: the point estimate; predicted: over the calibrated batch sizes). "
     "Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the largest tree verified within "
     "2x one ar step at B (tree)."
 )
 
 
-def _b1_parameters(rows: pd.DataFrame) -> dict | None:
-    """(L, n, d, per-position acceptance, drafted per iteration) of a B = 1 cell from its samples after warmup."""
+def b1_parameters(rows: pd.DataFrame) -> dict | None:
+    """(L, n, d, per-position acceptance, drafted per iteration) of a B = 1 cell from its samples after warmup, and
+    ``outside``: its seconds per iteration outside model forwards (the loop and the proposer's own CPU work; None
+    where the samples' total or forward times are unknown)."""
     basis = rows[~rows["warmup"].astype(bool)]
     if basis.empty:
         return None
@@ -573,13 +585,42 @@ def _b1_parameters(rows: pd.DataFrame) -> dict | None:
         draft_s += float(fs.get("draft") or 0.0)
     accepted = [a for st in basis["step_stats"] for a in (st or {}).get("accepted", [])]
     per_it = [d for st in basis["step_stats"] for d in (st or {}).get("depth", [])]
+    outside = None
+    if "total_s" in basis:
+        forward = 0.0
+        for stats in basis["step_stats"]:
+            fs = (stats or {}).get("forward_s") or {}
+            forward += float(fs.get("target") or 0.0) + float(fs.get("draft") or 0.0)
+        if forward > 0:
+            outside = max(0.0, float(basis["total_s"].sum()) - forward) / iters
     return {
+        "outside": outside,
         "L": float(basis["new_tokens"].sum()) / iters,
         "n": 1.0 + drafted / iters,
         "d": draft_s / iters,
         "p": position_acceptance(accepted, per_it),
         "draft_tokens_s": draft_s / drafted if drafted else 0.0,
     }
+
+
+def price_proposers(params: dict[tuple, dict]) -> None:
+    """Price each decoder's own CPU work as draft cost (issue 39 item 5), in place.
+
+    ``params``: {(dataset, L_max, T, label): :func:`b1_parameters` + ``family``}. A decoder's seconds per iteration
+    outside model forwards beyond ``ar``'s of the same (dataset, L_max, T) are its proposer's own work (an n-gram
+    lookup, a suffix automaton, a tree's bookkeeping), which a batch pays per row as it pays draft forwards: added to
+    ``d`` (seconds per row and iteration) and, spread over the drafted tokens, to ``draft_tokens_s``; stored as
+    ``proposer_s``. Nothing is added where either side's forward times are unknown.
+    """
+    base = {k[:3]: v["outside"] for k, v in params.items() if v.get("family") == "ar" and v.get("outside") is not None}
+    for key, v in params.items():
+        extra = 0.0
+        if v.get("family") != "ar" and v.get("outside") is not None and key[:3] in base:
+            extra = max(0.0, v["outside"] - base[key[:3]])
+        v["proposer_s"] = extra
+        v["d"] += extra
+        if v["n"] > 1:
+            v["draft_tokens_s"] += extra / (v["n"] - 1)
 
 
 def predicted_batch_speedup(curves, params: dict, batch: int, past: int, family: str) -> float:
@@ -651,6 +692,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
                     "iterations": s.iterations,
                     "drafted": s.drafted,
                     "new_tokens": s.new_tokens,
+                    "total_s": s.total_s,
                     "step_stats": s.step_stats,
                 }
                 for s in samples[cid]
@@ -658,12 +700,13 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         )
         if frame_rows.empty:
             continue
-        got = _b1_parameters(frame_rows)
+        got = b1_parameters(frame_rows)
         if got is not None:
             by_label[(cell.dataset, cell.l_max, cell.gen_length, cell.label)] = {
                 **got,
                 "family": family_of(cell.family),
             }
+    price_proposers(by_label)
     errors = []
     for _, r in speed.iterrows():
         key = (r["dataset"], int(r["l_max"]), int(r["gen_length"]), r["label"])

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dtbench.core import redact_json
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text, markdown_cell, printable, to_csv
@@ -128,6 +129,38 @@ class Document:
 
 #: format name -> renderer(document) returning the text for stdout, or (``table``) a callable(console) drawing it.
 RENDERERS: dict[str, Callable[[Document], object]] = {}
+
+
+FORMATS_GROUP = "dtbench.formats"  # the entry-point group of third-party report formats (issue 40 item 4)
+_PLUGINS_LOADED: list[str] = []  # the plugin formats' problems, once loaded (an empty list: loaded, none failed)
+_LOADED = False
+
+
+def load_format_plugins() -> list[str]:
+    """Import every report format a package registers under the ``dtbench.formats`` entry-point group, once.
+
+    An entry point names a renderer function (``tsv = "my_pkg.formats:render_tsv"``: registered under the entry
+    point's name unless it registered itself with :func:`renderer`) or a module whose import registers its renderers.
+    A built-in format's name is never taken over.
+
+    Returns:
+        One line per plugin that could not be loaded (the caller warns with them); the others are registered.
+    """
+    global _LOADED
+    if _LOADED:
+        return list(_PLUGINS_LOADED)
+    _LOADED = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=FORMATS_GROUP):
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # a broken plugin is named, never the end of the report
+            _PLUGINS_LOADED.append(f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}")
+            continue
+        if callable(loaded) and ep.name not in RENDERERS:
+            RENDERERS[ep.name] = loaded
+    return list(_PLUGINS_LOADED)
 
 
 def renderer(name: str):
@@ -282,7 +315,7 @@ def _json(doc: Document) -> str:
                 for r in doc.reports
             },
         }
-    return json.dumps(body, indent=2, default=str)
+    return json.dumps(redact_json(body), indent=2, default=str)  # URL credentials masked, as on every other path
 
 
 # --- HTML --------------------------------------------------------------------------------------------------------

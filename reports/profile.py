@@ -377,7 +377,8 @@ def load_schema() -> dict[str, Any]:
 
 
 def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[Profile], list[str]]:
-    """Every cell's profile in a run (cells in id order) and the labels of cells without drafting steps.
+    """Every cell's profile in a run (cells in id order) and the labels of cells without drafting steps, over the
+    samples the cell table uses: after warmup, remainder groups (fewer than B prompts) left out.
 
     Raises:
         DtbenchError: the run has no samples after warmup.
@@ -395,8 +396,10 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
         .order_by(Cell.id, Sample.prompt_index)
     ).all()
     cells: dict[int, tuple[Any, list[Request]]] = {}
-    for cell, sample in rows:
-        if sample.warmup:
+    from dtbench.reports.stats import is_remainder
+
+    for cell, sample in rows:  # after warmup, remainder groups left out as in the cell table (issue 42 item 7)
+        if sample.warmup or is_remainder(sample.batch_rows, cell.batch_size, sample.warmup):
             continue
         stats = sample.step_stats or {}
         request = Request(
@@ -525,8 +528,11 @@ def profile_reports(profiles: list[Profile], run_id: int) -> list:
 
 
 def profile_report(sessions, run_id: int | None, fmt: str, json_path: str | None, confidence: float) -> None:
-    """``dtbench report --profile``: print every cell's profile in ``fmt`` and write the specdec_bench JSON (one
-    object: ``run``, ``source``, ``profiles``) to ``json_path`` (default ``speculation_profile_run<ID>.json``).
+    """``dtbench report --profile``: print every cell's profile in ``fmt`` and, only when ``json_path`` is given
+    (``--profile-json FILE``), write the specdec_bench JSON (one object: ``run``, ``source``, ``profiles``) there.
+
+    Nothing is written unless asked (issue 42 item 11): a default file name in the current folder would overwrite
+    another database's run of the same id, and ``--format json`` already prints the profile on stdout.
 
     Raises:
         DtbenchError: an unknown run, a run without drafting cells, an unwritable path, or a failed consistency
@@ -548,13 +554,16 @@ def profile_report(sessions, run_id: int | None, fmt: str, json_path: str | None
     emit(fmt, doc)
     if none:
         click.echo(printable(f"note: no drafting steps, no profile: {', '.join(none)}"), err=True)
-    path = Path(json_path or f"speculation_profile_run{rid}.json")
-    payload = {"run": rid, "source": SPECDEC_BENCH_SOURCE, "profiles": [specdec_json(p) for p in profiles]}
-    try:
-        path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    except OSError as exc:
-        raise DtbenchError(f"cannot write the profile JSON to {path}: {exc.strerror or exc}") from None
-    click.echo(printable(f"wrote {path} ({len(profiles)} profiles, specdec_bench schema {SCHEMA_VERSION})"), err=True)
+    if json_path is not None:
+        path = Path(json_path)
+        payload = {"run": rid, "source": SPECDEC_BENCH_SOURCE, "profiles": [specdec_json(p) for p in profiles]}
+        try:
+            path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise DtbenchError(f"cannot write the profile JSON to {path}: {exc.strerror or exc}") from None
+        click.echo(
+            printable(f"wrote {path} ({len(profiles)} profiles, specdec_bench schema {SCHEMA_VERSION})"), err=True
+        )
     failed = [(p.cell["label"], ch) for p in profiles for ch in p.checks if not ch["passed"]]
     if failed:
         label, ch = failed[0]

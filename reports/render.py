@@ -138,6 +138,11 @@ def _state_notes(row: pd.Series) -> list[str]:
         ]
     if row["status"] == "failed":
         return [f"{label} failed: {error}"]
+    if bool(row.get("all_warmup", False)) and int(row.get("remainder_n", 0) or 0):
+        return [  # a batch size above the measured prompts (refused at validate since issue 42; older runs)
+            f"{label}: no full batch of B={int(row['batch_size'])} after warmup ({int(row['remainder_n'])} measured "
+            f"prompts, decoded as a smaller batch and left out), so it has no numbers at B={int(row['batch_size'])}"
+        ]
     if bool(row.get("all_warmup", False)):
         return [
             f"{label}: all {int(row['warmup_n'])} measured prompts are warmup, so it has no numbers after warmup "

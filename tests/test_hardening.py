@@ -16,6 +16,8 @@ import pytest
 import yaml
 from kit import invoke, one_line_error, write_suite
 
+from dtbench.harness.errors import DtbenchError
+
 TINY = {
     "name": "tiny",
     "seed": 0,
@@ -1480,3 +1482,441 @@ def test_a_plugins_names_are_escaped_in_the_decoders_table(tmp_path, monkeypatch
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout and "\x07" not in result.stdout
     assert "\\x1b]0;pwn\\x07[red]x[/red]" in result.stdout.replace("\n", "").replace(" ", "")
+
+
+# === Issue 42: the server path's secrets, signals and untrusted numbers ============================================
+
+
+def _served(tmp_path, decoders: list[dict], **changes) -> str:
+    """A suite of server cells (the embedded tokenizer only: a server owns its model), 2 prompts, 1 warmup, T = 4."""
+    return write_suite(tmp_path, _suite(decoders=decoders, **changes))
+
+
+def _run_served(tmp_path, data_dir, suite: str):
+    return invoke("run", suite, "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress")
+
+
+def _cells(tmp_path) -> dict:
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        return {
+            label: (status, error) for label, status, error in con.execute("select label, status, error from cells")
+        }
+
+
+def _database_text(path) -> str:
+    import sqlite3
+
+    with sqlite3.connect(path) as con:
+        return "\n".join(con.iterdump())
+
+
+@pytest.fixture
+def fake_server():
+    """``fake_server(**options)``: a fake completions server (tests/fakeserver.py) in a thread; its base URL."""
+    import fakeserver
+
+    started = []
+
+    def start(**options):
+        server, url = fakeserver.serve(**options)
+        started.append(server)
+        return url
+
+    yield start
+    for server in started:
+        server.shutdown()
+
+
+# --- 42.1 credentials in a server URL: nowhere in output, database or reports -------------------------------------
+
+
+def test_server_credentials_are_never_shown_nor_stored(tmp_path, data_dir, fake_server):
+    from dtbench.harness.serving import free_port
+
+    live = fake_server().replace("http://", "http://admin:PASSWORD@")
+    dead = f"http://admin:PASSWORD@127.0.0.1:{free_port()}"
+    suite = _served(
+        tmp_path,
+        [
+            {"name": "server", "label": "live", "params": {"base_url": live}},
+            {"name": "server", "label": "dead", "params": {"base_url": dead, "request_timeout_s": 5}},
+        ],
+    )
+    result = _run_served(tmp_path, data_dir, suite)
+    assert result.exit_code == 4, result.output  # the dead server's cell failed, the live one is stored
+    cells = _cells(tmp_path)
+    assert cells["live"][0] == "done" and cells["dead"][0] == "failed"
+    assert "admin:***@127.0.0.1" in cells["dead"][1]
+    seen = [result.output, _database_text(tmp_path / "r.db")]
+    for fmt in ("table", "markdown", "csv", "json", "html"):
+        report = invoke("report", "--db", str(tmp_path / "r.db"), "--format", fmt, "--engine")
+        assert report.exit_code == 0, report.output
+        seen.append(report.output)
+        seen.append(invoke("report", "--db", str(tmp_path / "r.db"), "--format", fmt).output)
+    page = tmp_path / "r.html"
+    assert invoke("report", "--db", str(tmp_path / "r.db"), "--html", str(page)).exit_code == 0
+    seen.append(page.read_text())
+    everything = "\n".join(seen)
+    assert "PASSWORD" not in everything
+    assert '"base_url": "http://admin:***@127.0.0.1' in seen[1] or "admin:***@127.0.0.1" in seen[1]
+    bad = invoke("validate", _served(tmp_path, [{"name": "server", "params": {"base_url": "ftp://admin:PASSWORD@x"}}]))
+    line = one_line_error(bad, "admin:***@x")
+    assert "PASSWORD" not in bad.output and "PASSWORD" not in line
+
+
+def test_redaction_masks_every_form_of_userinfo():
+    from dtbench.core import clip, redact_credentials, redact_json
+
+    assert redact_credentials("http://admin:PASS@h:1/v1") == "http://admin:***@h:1/v1"
+    assert redact_credentials('{"u": "https://a:p@ss@h", "m": "x@y"}') == '{"u": "https://a:***@h", "m": "x@y"}'
+    assert redact_credentials("https://TOKEN@host/x") == "https://***@host/x"  # a lone user part is a token
+    assert redact_credentials("mail me at a@b.c") == "mail me at a@b.c"
+    assert redact_json({"k": ["http://u:p@h"], "n": 3}) == {"k": ["http://u:***@h"], "n": 3}
+    assert "SECRET" not in clip("error at http://u:" + "SECRET" * 200 + "@h", 50)  # masked before the cut
+
+
+# --- 42.3 token ids outside the vocabulary, 42.4 impossible counters: the cell fails in one line ---------------------
+
+
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ({"tokens": (5, 1000000002)}, "sent token id 1000000002 for prompt 0, outside the target's vocabulary"),
+        ({"tokens": (-5, 6)}, "sent token id -5 for prompt 0, outside the target's vocabulary"),
+        (
+            {"timings": '{"draft_n": 1, "draft_n_accepted": 1000}'},
+            "counters are impossible: draft_n_accepted 1000 with draft_n 1",
+        ),
+        ({"timings": '{"draft_n": 4, "draft_n_accepted": -3}'}, "draft_n_accepted is -3.0, not a count"),
+        ({"timings": '{"draft_n": NaN, "draft_n_accepted": 1}'}, "draft_n is nan, not a count"),
+        ({"timings": '{"draft_n": Infinity, "draft_n_accepted": 1}'}, "draft_n is inf, not a count"),
+    ],
+)
+def test_untrusted_server_numbers_fail_the_cell_naming_the_server(tmp_path, data_dir, fake_server, options, needle):
+    url = fake_server(**options)
+    result = _run_served(
+        tmp_path, data_dir, _served(tmp_path, [{"name": "server", "label": "liar", "params": {"base_url": url}}])
+    )
+    assert result.exit_code == 4 and "Traceback" not in result.output, result.output
+    status, error = _cells(tmp_path)["liar"]
+    assert status == "failed" and needle in error and error.startswith("server 'liar'"), error
+    assert f"at {url}" in error and "\n" not in error
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        assert con.execute("select count(*) from samples").fetchone() == (0,)  # nothing stored as output
+
+
+def test_vllm_metrics_that_are_no_counts_are_refused():
+    from dtbench.decoders.server import metrics_delta
+
+    with pytest.raises(DtbenchError, match="not a count"):
+        metrics_delta({"drafts": 10.0, "accepted": 5.0}, {"drafts": 4.0, "accepted": 6.0})  # a reset: negative
+    with pytest.raises(DtbenchError, match="impossible: 50 accepted of 10 draft tokens"):
+        metrics_delta({}, {"drafts": 5.0, "draft_tokens": 10.0, "accepted": 50.0})
+
+
+# --- 42.5 a divergence checked against a reference server that answers no JSON ------------------------------------
+
+
+def test_check_request_answered_without_json_names_the_reference_server(tmp_path, data_dir, fake_server):
+    plain = {"base_url": fake_server(tokens=(5, 9, 7), check="<html>no top log-probabilities here</html>")}
+    spec = {"base_url": fake_server(tokens=(5, 6, 7)), "speculative": True, "reference": plain}
+    suite = _served(
+        tmp_path,
+        [{"name": "server", "label": "plain", "params": plain}, {"name": "server", "label": "spec", "params": spec}],
+        lossless_check="tie_aware",
+    )
+    result = _run_served(tmp_path, data_dir, suite)
+    assert result.exit_code == 4 and "Traceback" not in result.output, result.output
+    status, error = _cells(tmp_path)["spec"]
+    assert status == "failed" and "JSONDecodeError" not in error
+    assert error.startswith("reference server 'plain' answered the check request"), error
+    assert "not JSON: <html>no top log-probabilities here</html>" in error and f"at {plain['base_url']}" in error
+    assert _cells(tmp_path)["plain"][0] == "done"
+
+
+# --- 42.6 one speedup for a server cell: against its reference server ---------------------------------------------
+
+
+def test_a_server_speedup_is_against_its_plain_server_in_every_report(tmp_path):
+    import reportdb
+
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        reportdb.add_samples(session, reportdb.add_cell(session, run, "ar"), [1.0] * 6, warmup=1)
+        plain = reportdb.add_cell(session, run, "plain", "server", params={"base_url": "http://x:1"})
+        plain.reference_label = None
+        spec = reportdb.add_cell(session, run, "spec", "server", params={"base_url": "http://x:2"})
+        spec.reference_label = "plain"
+        reportdb.add_samples(session, plain, [100.0] * 6, warmup=1)
+        reportdb.add_samples(session, spec, [40.0] * 6, warmup=1)
+        session.commit()
+    result = invoke("report", "--db", str(path), "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = {r["label"]: r for r in json.loads(result.stdout)["cells"]}
+    assert rows["spec"]["speedup"] == pytest.approx(0.4)  # 40 / 100, never 40 / 1 against ar in this process
+    assert rows["plain"]["speedup"] is None  # a plain server against ar would be an engine-vs-harness comparison
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import samples_frame
+
+    with reportdb.connect(path)() as session:
+        table = speedup_table(samples_frame(session, run.id)).set_index("label")
+    assert table.loc["spec", "speedup"] == pytest.approx(0.4)
+
+
+# --- 42.7 a batch size larger than the measured prompts --------------------------------------------------------------
+
+
+def test_a_batch_size_above_the_measured_prompts_is_refused_at_validate(tmp_path):
+    suite = write_suite(
+        tmp_path, _suite(datasets=[{"name": "wikitext-2", "prompts": 3, "warmup": 1}], batch_sizes=[1, 4])
+    )
+    for command in ("validate", "run"):
+        result = invoke(command, suite, *(["--db", str(tmp_path / "r.db")] if command == "run" else []))
+        one_line_error(
+            result, "batch size 4 is larger than its 2 measured prompts (prompts 3 - warmup 1)", "at least 5"
+        )
+    assert not (tmp_path / "r.db").exists() or 'INSERT INTO "runs"' not in _database_text(tmp_path / "r.db")
+
+
+def _batched_run(path, remainder_accepted: list[int]):
+    """A linear cell at B = 2: one warmup row, a full group of two rows (1 accepted of 2 at each step) and a
+    remainder row (``remainder_accepted`` at depth 2)."""
+    import reportdb
+
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        cell = reportdb.add_cell(session, run, "linear", "linear")
+        cell.batch_size = 2
+        samples = reportdb.add_samples(session, cell, [100.0] * 4, warmup=1)
+        for i, sample in enumerate(samples):
+            accepted = remainder_accepted if i == 3 else [1, 1]
+            sample.step_stats = {"accepted": accepted, "depth": [2] * len(accepted), "drafted": [2] * len(accepted)}
+            sample.accepted = sum(accepted)
+            sample.mean_path_length = sum(accepted) / len(accepted)
+            sample.batch_group, sample.batch_rows = (0, 1) if i == 0 else ((1, 2) if i < 3 else (3, 1))
+        session.commit()
+        return run.id
+
+
+def test_the_profile_leaves_out_the_remainder_the_cell_table_leaves_out(tmp_path):
+    from dtbench.reports import profile
+
+    path = tmp_path / "r.db"
+    rid = _batched_run(path, [2, 2, 2])
+    import reportdb
+
+    with reportdb.connect(path)() as session:
+        (p,), _ = profile.run_profiles(session, rid)
+    assert (p.requests, p.steps) == (2, 4)  # the full group's two rows, not the remainder row
+    assert p.means["per_step_excl_bonus"] == pytest.approx(1.0)  # the remainder's 2.0 per step left out
+
+
+# --- 42.8 tools/gpu-check.sh OUT where OUT is a file -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["file", "under_a_file", "relative"])
+def test_gpu_check_sh_out_that_is_a_file_is_one_line(tmp_path, what):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tmp_path / "taken"
+    target.write_text("someone's file\n")
+    out = {"file": target, "under_a_file": target / "sub", "relative": Path("taken")}[what]  # relative: the caller's
+    env = {"PATH": "/usr/bin:/bin", "GPUKIT": str(tmp_path / "empty"), "PYTHON": sys.executable}
+    script = Path(__file__).resolve().parents[1] / "tools" / "gpu-check.sh"
+    proc = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert (
+        str(tmp_path / out) in lines[0] and "mkdir" not in lines[0] and "tee" not in lines[0] and "see " not in lines[0]
+    )
+    assert target.read_text() == "someone's file\n"  # untouched
+
+
+# --- 42.11 report --profile writes nothing unless asked ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["json", "table"])
+def test_profile_report_writes_no_file_unless_asked(tmp_path, monkeypatch, fmt):
+    path = tmp_path / "r.db"
+    rid = _batched_run(path, [2, 2])
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    result = invoke("report", "--db", str(path), "--profile", "--format", fmt)
+    assert result.exit_code == 0, result.output
+    assert list(cwd.iterdir()) == [] and "wrote" not in result.stderr  # nothing written into the current folder
+    if fmt == "json":
+        assert json.loads(result.stdout)["run"] == rid
+    asked = tmp_path / "p.json"
+    result = invoke("report", "--db", str(path), "--profile", "--format", fmt, "--profile-json", str(asked))
+    assert result.exit_code == 0 and json.loads(asked.read_text())["run"] == rid and f"wrote {asked}" in result.stderr
+
+
+# --- 42.10 a plugin proposer returning more drafts than asked ------------------------------------------------------
+
+
+class _Greedy:
+    """The target's own greedy continuation as a plugin's proposer would compute it, ``extra`` drafts too many."""
+
+    def __init__(self, model, extra: int):
+        from dtbench.api import Proposer
+
+        class Over(Proposer):
+            def begin(self, prompt, pending):
+                self.text = [*prompt, pending]
+
+            def propose(self, max_tokens):
+                import torch
+
+                out, ids = [], list(self.text)
+                for _ in range(max_tokens + extra):
+                    token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                    out.append(token)
+                    ids.append(token)
+                return out
+
+            def accept(self, drafts, accepted, committed):
+                self.text.extend(committed)
+
+        self.make = Over
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
+    import torch
+    from models import tiny_llama
+
+    from dtbench import api
+
+    torch.manual_seed(0)
+    model = tiny_llama(seed=0).eval()
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    proposers = _Greedy(model, extra=3)
+    with (
+        torch.inference_mode(),
+        pytest.raises(DtbenchError, match=r"proposer Over returned \d+ drafts when asked for at most \d+"),
+    ):
+        if batched:
+            list(api.speculate_chain_batch(model, [proposers.make(), proposers.make()], [prompt, prompt], 12, 4))
+        else:
+            list(api.speculate_chain(api.KVTarget(model), proposers.make(), prompt, 12, 4))
+    exact = _Greedy(model, extra=0)
+    with torch.inference_mode():
+        steps = list(api.speculate_chain_batch(model, [exact.make()], [prompt], 12, 4))
+    assert sum(len(s[0].tokens) for s in steps) == 12 and all(s[0].accepted <= 4 for s in steps)
+
+
+# --- 42.9 two predicted speedups of one cell: each table says which question it answers -------------------------------
+
+
+def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monkeypatch):
+    from kit import fast_calibration_settings, suite_dict, tiny_pair
+
+    from dtbench.harness import calibrate as cal
+    from dtbench.reports import costmodel
+
+    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    suite = suite_dict(
+        *tiny_pair(tmp_path / "models"),
+        [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],
+        batch_sizes=[1, 2],
+        calibrate=True,
+    )
+    suite["datasets"][0].update(prompts=3, warmup=1)
+    result = _run_served(tmp_path, data_dir, write_suite(tmp_path, suite))
+    assert result.exit_code == 0, result.output
+    text = invoke("report", "--db", str(tmp_path / "r.db"), "--cost-model", "--format", "markdown").stdout
+    cells, batch = text.split("speedup vs batch size, measured and predicted")
+    assert costmodel.PRED_FORWARDS in cells and costmodel.PRED_STEADY not in cells
+    assert costmodel.PRED_STEADY in batch and costmodel.PRED_FORWARDS not in batch
+    assert "not the steady-state prediction of the batch table" in cells
+    assert "| Speedup pred. |" not in text  # no unlabelled prediction beside a different one
+
+
+# --- 42.2 SIGINT during a server request: interrupted, exit 130, soon, no server left --------------------------------
+
+
+def test_sigint_during_a_server_request_interrupts_the_run(tmp_path, data_dir):
+    """Started as a background job of a script is (SIGINT inherited as ignored, as a non-interactive shell starts
+    one): SIGINT still interrupts the run within seconds, and the launched server (hung on the request) is stopped."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    mark = tmp_path / "mark"
+    fake = Path(__file__).resolve().parent / "fakeserver.py"
+    launch = [sys.executable, str(fake), "--port", "{port}", "--mode", "hang", "--mark", str(mark)]
+    suite = _served(
+        tmp_path, [{"name": "server", "label": "hung", "params": {"launch": launch, "request_timeout_s": 120}}]
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dtbench.cli.main",
+            "run",
+            suite,
+            "--db",
+            str(tmp_path / "r.db"),
+            "--data-dir",
+            str(data_dir),
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (mark.exists() and mark.read_text().strip()) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert proc.poll() is None and mark.exists(), proc.communicate()[1][-2000:]
+        server_pid = int(mark.read_text().split()[0])
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-2000:])
+    assert "interrupted" in err and "Traceback" not in err
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        assert con.execute("select status from runs").fetchall() == [("interrupted",)]
+        assert con.execute("select status from cells").fetchall() != [("done",)]
+    gone = not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert gone, "the launched server was left running"
+
+
+def test_a_cell_with_only_a_remainder_says_so_not_all_warmup(tmp_path):
+    """A run stored before the validate check: B = 4 with 1 warmup and 2 measured prompts (one remainder group)."""
+    import reportdb
+
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        cell = reportdb.add_cell(session, run, "ar")
+        cell.batch_size = 4
+        for i, sample in enumerate(reportdb.add_samples(session, cell, [10.0] * 3, warmup=1)):
+            sample.batch_group, sample.batch_rows = (0, 1) if i == 0 else (1, 2)
+            sample.batch_total_s = sample.total_s
+        session.commit()
+    result = invoke("report", "--db", str(path), "--format", "markdown")
+    assert result.exit_code == 0, result.output
+    assert "no full batch of B=4 after warmup (2 measured prompts" in result.output
+    assert "measured prompts are warmup" not in result.output

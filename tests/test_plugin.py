@@ -265,3 +265,24 @@ def test_plugin_dataset_declares_its_own_params(plugin, tmp_path):
         "params: {text_field: body}}]\ngeneration_lengths: [4]\ndecoders: [{name: ar}]\n"
     )
     assert _invoke("validate", str(suite)).exit_code == 0
+
+
+def test_a_plugin_report_format_reaches_report_format(plugin, tmp_path):
+    """Issue 40 item 4: the example plugin's `dtbench.formats` entry point (tsv) is a --format choice after
+    `pip install`, rendering the same Document the built-ins do; the built-ins are declared in the same group."""
+    import shutil
+
+    from kit import invoke
+
+    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="dtbench.formats")}
+    assert {"table", "markdown", "csv", "json", "html", "tsv"} <= set(eps)
+    assert eps["tsv"].dist is not None and eps["tsv"].dist.name == "dtbench-prompt-lookup"
+    old = Path(shutil.copy(Path(__file__).parent / "fixtures" / "results-0001.db", tmp_path / "r.db"))
+    assert invoke("db", "upgrade", "--db", str(old)).exit_code == 0
+    tsv = invoke("report", "--db", str(old), "--run", "1", "--format", "tsv")
+    csv = invoke("report", "--db", str(old), "--run", "1", "--format", "csv")
+    assert tsv.exit_code == 0, tsv.output
+    header = tsv.stdout.splitlines()[0].split("\t")
+    assert {"label", "throughput_mean", "speedup"} <= set(header)  # the same Document's rows, tab-separated
+    assert len(tsv.stdout.splitlines()) == len(csv.stdout.splitlines())
+    assert "tsv" in invoke("report", "--help").stdout

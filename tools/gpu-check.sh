@@ -11,16 +11,27 @@
 # Environment: PYTHON (default python3, the node's), GPUKIT (default .gpukit), SITE (default /tmp/dtbench-site).
 # Exit code: the check's (0 passed, 1 a step failed, 2 bad arguments); 3 when the install fails.
 set -uo pipefail
+CALLER_DIR=$PWD  # a relative OUT is the caller's, not the checkout's (the script runs from the checkout's root)
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
   echo "usage: tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps lossless,timing,costmodel,overhead]" >&2
   exit 2
 fi
 OUT=$1; shift
+case "$OUT" in /*) ;; *) OUT="$CALLER_DIR/$OUT" ;; esac
 PYTHON=${PYTHON:-python3}
 GPUKIT=${GPUKIT:-.gpukit}
 SITE=${SITE:-/tmp/dtbench-site}
-mkdir -p "$OUT"
+# OUT must be a folder this script can write: one line and exit 2 otherwise (never raw mkdir/tee errors, never a
+# pointer to a log that cannot exist)
+if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
+  echo "error: OUT $OUT exists and is not a folder: give a folder (new or existing) for gpu-check.json and its log" >&2
+  exit 2
+fi
+if ! mkdir -p "$OUT" 2>/dev/null || ! touch "$OUT/gpu-check.log" 2>/dev/null; then
+  echo "error: cannot create or write the folder OUT $OUT (check its parent and permissions)" >&2
+  exit 2
+fi
 LOG="$OUT/gpu-check.log"
 say() { echo "$*" | tee -a "$LOG"; }
 if ! ls "$GPUKIT"/*.whl >/dev/null 2>&1; then

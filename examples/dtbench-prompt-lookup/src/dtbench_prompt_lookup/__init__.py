@@ -24,6 +24,7 @@ from dtbench.api import (
     DatasetParams,
     Decoder,
     DecoderParams,
+    Document,
     DtbenchError,
     KVTarget,
     Proposer,
@@ -31,7 +32,15 @@ from dtbench.api import (
     speculate_chain,
 )
 
-__all__ = ["JsonlText", "JsonlTextParams", "NgramIndex", "NgramProposer", "PromptLookup", "PromptLookupParams"]
+__all__ = [
+    "JsonlText",
+    "JsonlTextParams",
+    "NgramIndex",
+    "NgramProposer",
+    "PromptLookup",
+    "PromptLookupParams",
+    "render_tsv",
+]
 __version__ = "0.1.0"
 
 
@@ -116,6 +125,7 @@ class PromptLookup(Decoder):
     supports_sampling = True  # deterministic drafts, verified by speculative sampling when the suite samples
     version = "1"
     family = "chain"  # dtbench's chain loop: calibrated, priced and given a best K like the built-in chains
+    compiles = True  # every forward goes through speculate_chain + KVTarget: it runs under `execution: compiled`
 
     @classmethod
     def verify_sizes(cls, params: PromptLookupParams) -> tuple[int, int]:
@@ -192,3 +202,12 @@ class JsonlText(Dataset):
 
     def check(self, spec):
         self.documents(spec, None)
+
+
+def render_tsv(doc: Document) -> str:
+    """A report format: every report's rows as tab-separated values (``dtbench report --format tsv``).
+
+    Registered by this distribution's entry point ``tsv = "dtbench_prompt_lookup:render_tsv"`` in the
+    ``dtbench.formats`` group; it receives the same :class:`~dtbench.api.Document` the built-in renderers do.
+    """
+    return doc.frame().to_csv(sep="\t", index=False)
