@@ -948,7 +948,7 @@ TEST_TIMEOUT_S = 300
 def parse_hypothesis_statistics(text: str) -> dict[str, dict[str, int]]:
     """{test id: {"passing", "failing", "invalid"}} summed over phases, from pytest's ``--hypothesis-show-statistics``
     output (hypothesis's "Hypothesis Statistics" section: a ``path::test[param]:`` line, then per phase
-    "- N passing examples, N failing examples, N invalid examples")."""
+    "- N passing, N failing, and N invalid test cases")."""
     out: dict[str, dict[str, int]] = {}
     current = None
     for line in text.splitlines():
@@ -956,7 +956,8 @@ def parse_hypothesis_statistics(text: str) -> dict[str, dict[str, int]]:
         if head:
             current = out.setdefault(head.group(1), {"passing": 0, "failing": 0, "invalid": 0})
             continue
-        counts = re.search(r"(\d+) passing examples?, (\d+) failing examples?, (\d+) invalid examples?", line)
+        # hypothesis 6.1xx: "N passing, N failing, and N invalid test cases" (older: "N passing examples, ...")
+        counts = re.search(r"(\d+) passing\b.*?(\d+) failing\b.*?(\d+) invalid", line)
         if counts and current is not None:
             for key, value in zip(("passing", "failing", "invalid"), counts.groups(), strict=True):
                 current[key] += int(value)
