@@ -38,6 +38,7 @@ import copy
 import json
 import math
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -61,46 +62,16 @@ def _tests_dir() -> Path:
 
 
 SCHEMA = "dtbench.gpu-check/1"
-STEPS = ("lossless", "timing", "costmodel", "overhead", "compiled")
+STEPS = ("lossless", "timing", "costmodel", "overhead", "compiled", "tests", "smoke")
 
-# Pythia's GPT-NeoX configurations (EleutherAI/pythia-2.8b and pythia-70m config.json): the paper's target and draft.
-PYTHIA_2_8B = dict(
-    hidden_size=2560,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    intermediate_size=10240,
-    vocab_size=50304,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
-PYTHIA_70M = dict(
-    hidden_size=512,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    intermediate_size=2048,
-    vocab_size=50304,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
-# --small (the CPU dry run and the tests): the same architecture, a few MB.
-SMALL_TARGET = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=512,
-    vocab_size=512,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
-SMALL_DRAFT = dict(
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    intermediate_size=64,
-    vocab_size=512,
-    rotary_pct=0.25,
-    max_position_embeddings=2048,
-)
+# Pythia's GPT-NeoX shapes (the paper's target and draft) and the --small pair: harness/models.py's table, which
+# `random:<shape>` models of a suite use too (issue 38 item 4).
+from dtbench.harness.models import RANDOM_SHAPES  # noqa: E402
+
+PYTHIA_2_8B = RANDOM_SHAPES["pythia-2.8b"]
+PYTHIA_70M = RANDOM_SHAPES["pythia-70m"]
+SMALL_TARGET = RANDOM_SHAPES["tiny"]  # --small (the CPU dry run and the tests): the same architecture, a few MB
+SMALL_DRAFT = RANDOM_SHAPES["tiny-draft"]
 
 
 @dataclass(frozen=True)
@@ -207,21 +178,11 @@ def _sync(device) -> None:
 
 
 def neox(shape: dict, dtype, device, seed: int):
-    """A GPT-NeoX causal LM of ``shape`` with seeded random weights, built directly on ``device`` in ``dtype``."""
-    import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    """A GPT-NeoX causal LM of ``shape`` with seeded random weights on ``device`` in ``dtype``
+    (:func:`dtbench.harness.models.random_neox`)."""
+    from dtbench.harness.models import random_neox
 
-    cfg = GPTNeoXConfig(**shape, use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = GPTNeoXForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
+    return random_neox(shape, dtype, device, seed)
 
 
 # --- a. lossless ---------------------------------------------------------------------------------------------------
@@ -977,6 +938,145 @@ def run_child(step: str, device, small: bool, rows_file: Path, skip: frozenset, 
     emit({"result": res, "models": models})
 
 
+# --- tests: the hypothesis property suite on this device (issue 38 item 3) -----------------------------------------
+
+TEST_MODULES = ("tests/test_equivalence.py",)  # the property tests parametrized over the device (models.DEVICES)
+TEST_EXAMPLES = 5  # hypothesis examples per property test (models.EXAMPLES_ENV): within the check's 8 minutes
+TEST_TIMEOUT_S = 300
+
+
+def parse_hypothesis_statistics(text: str) -> dict[str, dict[str, int]]:
+    """{test id: {"passing", "failing", "invalid"}} summed over phases, from pytest's ``--hypothesis-show-statistics``
+    output (hypothesis's "Hypothesis Statistics" section: a ``path::test[param]:`` line, then per phase
+    "- N passing, N failing, and N invalid test cases")."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^(\S+::\S+):\s*$", line)
+        if head:
+            current = out.setdefault(head.group(1), {"passing": 0, "failing": 0, "invalid": 0})
+            continue
+        # hypothesis 6.1xx: "N passing, N failing, and N invalid test cases" (older: "N passing examples, ...")
+        counts = re.search(r"(\d+) passing\b.*?(\d+) failing\b.*?(\d+) invalid", line)
+        if counts and current is not None:
+            for key, value in zip(("passing", "failing", "invalid"), counts.groups(), strict=True):
+                current[key] += int(value)
+    return out
+
+
+def parse_junit(path: Path) -> dict:
+    """passed/failed/skipped counts and each failure (test id, message with hypothesis's falsifying example) from a
+    pytest ``--junitxml`` file."""
+    import xml.etree.ElementTree as ET
+
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failures = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        if bad is not None:
+            counts["failed"] += 1
+            text = f"{bad.get('message', '')}\n{bad.text or ''}"
+            found = re.search(r"Falsifying example:.*?(?=\n\S|\Z)", text, re.S)
+            failures.append(
+                {"test": name, "falsifying_example": found.group(0) if found else None, "message": text[-1500:]}
+            )
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return {**counts, "failures": failures}
+
+
+def step_tests(device, out_dir: Path, log) -> dict:
+    """Run the property tests' ``device`` parametrization (``-k cuda`` on a GPU, ``-k cpu`` on a CPU) in a pytest
+    child (``-P``: the checkout's dtbench/ does not shadow the installed one) with :data:`TEST_EXAMPLES` examples per
+    test and a :data:`TEST_TIMEOUT_S` limit; counts from its JUnit XML, example counts from
+    ``--hypothesis-show-statistics``. Passes when something ran and nothing failed."""
+    import os
+    import subprocess
+
+    root = _tests_dir().parent
+    junit = out_dir / "tests.junit.xml"
+    junit.unlink(missing_ok=True)
+    selector = "cuda" if device.type == "cuda" else "cpu"
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_MODULES, "-k", selector]
+    cmd += [f"--junitxml={junit}", "--hypothesis-show-statistics"]
+    env = {**os.environ, "DTBENCH_HYPOTHESIS_EXAMPLES": str(TEST_EXAMPLES)}
+    try:
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"pytest ran past {TEST_TIMEOUT_S} s", "modules": list(TEST_MODULES)}
+    (out_dir / "tests.log").write_text(done.stdout + done.stderr, encoding="utf-8")
+    if not junit.exists():
+        return {
+            "ok": False,
+            "error": f"pytest exited {done.returncode}: {done.stdout[-500:]}",
+            "modules": list(TEST_MODULES),
+        }
+    res = parse_junit(junit)
+    stats = parse_hypothesis_statistics(done.stdout)
+    log(f"tests: {res['passed']} passed, {res['failed']} failed, {res['skipped']} skipped ({selector})")
+    return {
+        "ok": res["failed"] == 0 and res["passed"] > 0,
+        "modules": list(TEST_MODULES),
+        "selection": selector,
+        "examples_per_test": TEST_EXAMPLES,
+        **res,
+        "hypothesis": stats,
+        "examples_total": sum(v["passing"] + v["failing"] for v in stats.values()),
+    }
+
+
+# --- smoke: suites/gpu-smoke.yaml through `dtbench run` (issue 38 item 4) ------------------------------------------
+
+
+def step_smoke(device, small: bool, out_dir: Path, log) -> dict:
+    """``dtbench run`` of suites/gpu-smoke.yaml in a child process (the real Pythia shapes; ``--small`` or a CPU: the
+    tiny shapes, float32, T = 12) into OUT/smoke.db, then ``dtbench report --format json``: each cell's status and
+    lossless verdicts. Passes when every cell is done and no lossless decoder's sample failed its check."""
+    import subprocess
+
+    import yaml
+
+    suite = yaml.safe_load((_tests_dir().parent / "suites" / "gpu-smoke.yaml").read_text(encoding="utf-8"))
+    if small or device.type != "cuda":
+        suite.update(
+            device=device.type,
+            target={"model": "random:tiny:0", "dtype": "float32"},
+            draft={"model": "random:tiny-draft:1", "dtype": "float32"},
+            generation_lengths=[12],
+        )
+        suite["datasets"][0].update(prompts=2, L_max=24, params={"vocab": 512, "documents": 4, "length": 64})
+    path, dbfile = out_dir / "smoke.yaml", out_dir / "smoke.db"
+    path.write_text(yaml.safe_dump(suite), encoding="utf-8")
+    dbfile.unlink(missing_ok=True)
+    base = [sys.executable, "-P", "-m", "dtbench.cli.main"]
+    run = subprocess.run(
+        [*base, "run", str(path), "--db", str(dbfile), "--no-progress"], capture_output=True, text=True
+    )
+    (out_dir / "smoke.log").write_text(run.stdout + run.stderr, encoding="utf-8")
+    shown = subprocess.run([*base, "report", "--db", str(dbfile), "--format", "json"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        return {"ok": False, "error": f"dtbench run exited {run.returncode}: {(run.stdout + run.stderr)[-500:]}"}
+    cells = [
+        {k: c.get(k) for k in ("label", "status", "n", "lossless", "throughput_mean", "error")}
+        for c in json.loads(shown.stdout)["cells"]
+    ]
+    log(f"smoke: dtbench run exited {run.returncode}; " + ", ".join(f"{c['label']} {c['status']}" for c in cells))
+    return {
+        "ok": run.returncode == 0 and all(c["status"] == "done" for c in cells) and bool(cells),
+        "suite": suite["name"],
+        "target": suite["target"]["model"],
+        "draft": suite["draft"]["model"],
+        "run_exit_code": run.returncode,
+        "cells": cells,
+        "note": "smoke test: random tokens and random weights say nothing about acceptance or speedup",
+    }
+
+
 MAX_CRASHES = 8  # child processes a step may lose to crashes (a segfault in a decoder) before it gives up
 
 
@@ -1152,7 +1252,12 @@ def main(
     ]
     for step in chosen:
         t0 = time.perf_counter()
-        res, models = run_step(step, argv_base, device, small, out_dir, log)
+        if step == "tests":
+            res, models = step_tests(device, out_dir, log), None
+        elif step == "smoke":
+            res, models = step_smoke(device, small, out_dir, log), None
+        else:
+            res, models = run_step(step, argv_base, device, small, out_dir, log)
         if models:
             result["models"] = models
         res["seconds"] = time.perf_counter() - t0

@@ -169,6 +169,10 @@ NODE_PLATFORMS = [
     "manylinux1_x86_64",
 ]
 KIT_EXTRAS = ("energy",)  # Zeus: energy per token on the node (the check's step b)
+# Issue 38: the check's `tests` step runs the hypothesis property suite on the node with the pytest and hypothesis
+# the tests passed with here, so their wheels travel even though the node lists its own (their dependencies:
+# iniconfig, pluggy, sortedcontainers, attrs are the node's).
+KIT_CARRY = ("pytest", "hypothesis")
 # Never in the kit: amdsmi (Zeus's ROCm backend: its import raises where ROCm is missing, and Zeus guards it).
 KIT_EXCLUDE = {"amdsmi"}
 KIT_BUDGET_MIB = 48.0
@@ -278,10 +282,12 @@ def build_kit(
     env = marker_env(python_version)
     dest.mkdir(parents=True, exist_ok=True)
     chosen: dict[str, Path] = {}
-    queue = list(project_requirements(extras))
+    queue = list(project_requirements(extras)) + list(KIT_CARRY)
     target = platform_options(python_version, platforms)
     while queue:
-        req = _needed(queue.pop(0), env, node)
+        text = queue.pop(0)
+        carried = canonical(text) in KIT_CARRY  # brought although the node has it
+        req = _needed(text, env, {} if carried else node)
         if req is None:
             continue
         name = canonical(req.name)
@@ -369,9 +375,10 @@ def verify_kit(
         f"{n}: {len(ps)} wheels ({', '.join(p.name for p in ps)}); keep one" for n, ps in wheels.items() if len(ps) > 1
     ]
     sources = [("dtbench", r) for r in project_requirements(extras)]
+    sources += [("the tests step", name) for name in KIT_CARRY]
     sources += [(n, r) for n, ps in wheels.items() for r in wheel_requirements(ps[0])]
     for who, text in sources:
-        req = _needed(text, env, node)
+        req = _needed(text, env, {} if canonical(text) in KIT_CARRY else node)
         if req is None:
             continue
         name = canonical(req.name)

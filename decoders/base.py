@@ -95,6 +95,9 @@ class Decoder(ABC, Generic[P]):
             bounded async client (:mod:`dtbench.harness.serving`) sends each prompt of a prompt group as one streamed
             request, the load level B being the requests in flight (the suite's ``concurrency:``), and times every
             streamed chunk; :meth:`generate` is never called and no forward runs in dtbench's process.
+        own_process: device types ("cuda", "cpu") on which, under ``isolation: process``, the decoder is measured in
+            a child process of its own, where no other decoder ran (:mod:`dtbench.harness.isolation`; issue 38:
+            transformers' ``generate`` in a greenlet segfaulted on CUDA after another decoder ran in the process).
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams
@@ -106,6 +109,7 @@ class Decoder(ABC, Generic[P]):
     batching: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
     requests: ClassVar[bool] = False
+    own_process: ClassVar[tuple[str, ...]] = ()
 
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
     sampling: Any = None  # SamplingSettings | None

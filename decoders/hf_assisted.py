@@ -142,6 +142,16 @@ class _StreamedGenerate(Decoder):
     (:meth:`_around_call`, a context manager) to install and remove hooks.
     """
 
+    # Issue 38: on an H200 (docs/gpu-node.md) hf_assisted segfaulted in every row once another decoder had been
+    # measured in the same process; the faulthandler trace ended in this greenlet (:meth:`_work`). The cause is NOT
+    # established: alone in a process it matched ``ar``, and plain assisted generation in a greenlet switching at every
+    # ``put`` worked. Hypotheses not tested on a GPU: state that greenlet's stack slicing does not save (C++
+    # thread-locals holding pointers into the paused greenlet's stack, e.g. RAII guards entered by ``generate``'s
+    # ``torch.no_grad``/autocast while the consumer runs CUDA synchronisation and hooks), or CUDA/cuBLAS state left by
+    # the earlier decoder. Until one is verified, under ``isolation: process`` (the default on CUDA) the
+    # transformers decoders run in a measuring process of their own on CUDA, where nothing else ran before them.
+    own_process = ("cuda",)
+
     # 2: generate() runs in a greenlet of the measuring thread; version 1 ran it in a worker thread, whose forwards
     # took 20-30% longer on CPU (module docstring), so version 1 throughputs are not comparable.
     version = "2"

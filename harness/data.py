@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from dtbench.core import Corpus, CorpusSpec, StrictBools
 from dtbench.harness import hub
@@ -379,6 +379,47 @@ class TextFiles(Dataset):
 
     def check(self, spec):
         _text_files(spec, None)
+
+
+SMOKE_TEST = "smoke test: random tokens say nothing about acceptance"  # the note every report shows (reports/render)
+
+
+class RandomTokensParams(DatasetParams):
+    """The ``random-tokens`` dataset's keys.
+
+    Attributes:
+        vocab: ids are drawn uniformly from [1, vocab) (at most the model's vocabulary: Pythia's tokenizer has
+            50,277 tokens; ``random:tiny`` 512).
+        documents: how many documents (each yields prompts of up to L_max tokens).
+        length: tokens per document.
+        seed: the generator's seed (Python's ``random.Random``: the same documents on every machine).
+    """
+
+    vocab: int = Field(50277, ge=2, le=1_000_000, description="ids drawn from [1, vocab)")
+    documents: int = Field(64, ge=1, le=10_000, description="documents generated")
+    length: int = Field(2048, ge=16, le=100_000, description="tokens per document")
+    seed: int = Field(0, ge=0, lt=2**63, description="the generator's seed")
+
+
+class RandomTokens(Dataset):
+    """Seeded uniformly random token ids as documents (issue 38 item 4): a workload that needs no download and no
+    tokenizer, for the GPU smoke suite (suites/gpu-smoke.yaml) over ``random:<shape>`` models. Each document's text is
+    its ids separated by spaces, which a random model's :class:`~dtbench.harness.models.IdTokenizer` reads back; a
+    real tokenizer would re-tokenize the digits, so use it with ``random:`` models only. Every report labels its cells
+    a smoke test (:data:`SMOKE_TEST`): random tokens say nothing about acceptance."""
+
+    Params = RandomTokensParams
+
+    def documents(self, spec, data_dir):
+        p = self.params
+        assert isinstance(p, RandomTokensParams)
+        rng = random.Random(p.seed)
+        docs = [
+            (f"random-{i}", " ".join(str(rng.randrange(1, p.vocab)) for _ in range(p.length)))
+            for i in range(p.documents)
+        ]
+        source = {"source": "random", "smoke_test": True, **p.model_dump()}
+        return Documents(docs, skip=spec.skip, source=source, name=spec.name)
 
 
 REGISTRY = Registry("dtbench.datasets", "dataset", Dataset)

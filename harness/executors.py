@@ -114,6 +114,8 @@ class LocalExecutor(Executor):
         self.threads = threads
         self.worker: Any = None  # a Worker, or an IsolatedWorker with the same methods (isolation: process)
         self.isolation = "none"
+        self.own: dict[str, Any] = {}  # label -> the IsolatedWorker of a decoder measured in its own process
+        self.budgets: dict[str, int] | None = None
 
     def prepare(self, suite: Suite) -> None:
         self.device = models.resolve_device(suite.device)
@@ -123,6 +125,7 @@ class LocalExecutor(Executor):
 
         self.isolation = isolation_of(suite, self.device.type)
         if self.isolation == "process":  # issue 38: the models and every measurement in a child process
+            self.suite, self.plan = suite, plan
             with console.status(f"starting the measuring process (isolation: process) on {self.device}"):
                 self.worker = IsolatedWorker(suite, str(self.device), plan, self.threads)
         else:
@@ -135,27 +138,58 @@ class LocalExecutor(Executor):
         return self.worker.calibrate(contexts, settings, console)
 
     def set_budgets(self, budgets: dict[str, int]) -> None:
+        self.budgets = dict(budgets)
         self.worker.set_budgets(budgets)  # the driver's own plan, resolved already: a no-op kept for symmetry
+        for own in self.own.values():
+            own.set_budgets(budgets)
+
+    def _worker_for(self, key: str | None) -> Any:
+        """The shared worker (key None) or, started on first use, the own process of decoder ``key``."""
+        from dtbench.harness.isolation import IsolatedWorker
+
+        if key is None:
+            return self.worker
+        if key not in self.own:
+            own = IsolatedWorker(self.suite, str(self.device), self.plan, self.threads)
+            if self.budgets:
+                own.set_budgets(self.budgets)
+            self.own[key] = own
+        return self.own[key]
 
     def execute(self, groups: Iterable[PromptGroup], sink: Sink) -> None:
-        worker = self.worker
+        from dtbench.harness.isolation import own_process_segments, remember
+
         for group in groups:
             done, failed = sink.state(group)
             try:
                 prompt = sink.prompt(group)
             except (TurnNotReady, PromptFailed) as exc:  # a later turn that has no prompt: its cells fail
-                sink.fail(group, str(exc), worker.info)
+                sink.fail(group, str(exc), self.worker.info)
                 continue
-            for outcome in worker.run(work_key(group), prompt, done, failed):
-                sink.commit(group, outcome, worker.info)
+            if self.isolation != "process":
+                for outcome in self.worker.run(work_key(group), prompt, done, failed):
+                    sink.commit(group, outcome, self.worker.info)
+                continue
+            # issue 38: decoders whose own_process names this device run in a child of their own, in plan order
+            done, failed = dict(done), set(failed)
+            labels = {cp.label for cp in group.decoders}
+            for key, segment in own_process_segments(group.decoders, self.device.type):
+                worker = self._worker_for(key)
+                for outcome in worker.run(work_key(group), prompt, done, failed | (labels - segment)):
+                    sink.commit(group, outcome, worker.info)
+                    remember(outcome, done, failed)
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()  # launched servers stopped (issue 30)
-        self.worker = None
+        for worker in [self.worker, *self.own.values()]:
+            if worker is not None:
+                worker.close()  # launched servers stopped (issue 30)
+        self.worker, self.own = None, {}
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "threads": self.threads, "isolation": self.isolation}
         if self.isolation == "process" and self.worker is not None:
-            out["processes_started"] = self.worker.children
+            out["processes_started"] = self.worker.children + sum(w.children for w in self.own.values())
+            own = sorted({c.label for c in self.plan.decoders if self.device.type in getattr(c.cls, "own_process", ())})
+            if own:
+                out["own_process"] = own  # measured in a process of their own (issue 38; started on first use)
         return out

@@ -79,6 +79,32 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
     worker.close()
 
 
+def remember(outcome: Outcome, done: dict[str, Reference], skip: set[str]) -> None:
+    """Record a measured outcome in a group's ``done`` (its :class:`~dtbench.harness.sample.Reference`: tokens, total
+    seconds, CPU seconds; at B > 1 every row's tokens and the batch's seconds) or, failed, its label in ``skip``."""
+    if outcome.row is None:
+        skip.add(outcome.label)
+        return
+    rows = outcome.rows or [outcome.row]
+    tokens = [r["output_tokens"] for r in rows] if outcome.rows else outcome.row["output_tokens"]
+    total = rows[0]["batch_total_s"] if outcome.rows else outcome.row["total_s"]
+    done[outcome.label] = Reference(tokens, total, outcome.cpu_s)
+
+
+def own_process_segments(decoders, device_type: str) -> list[tuple[str | None, set[str]]]:
+    """A prompt group's decoders (plan order) cut into consecutive runs by the process that measures them: (None,
+    labels) for the shared measuring process, (label, {label}) for a decoder whose ``own_process`` names this device
+    type (it gets a child of its own, where no other decoder ran: issue 38, ``hf_assisted`` on CUDA)."""
+    out: list[tuple[str | None, set[str]]] = []
+    for cp in decoders:
+        key = cp.label if device_type in getattr(cp.cls, "own_process", ()) else None
+        if out and out[-1][0] is None and key is None:
+            out[-1][1].add(cp.label)
+        else:
+            out.append((key, {cp.label}))
+    return out
+
+
 def signal_name(exitcode: int | None) -> str:
     """``SIGSEGV`` for an exit code of -11, ``exit code 3`` for 3, ``unknown`` for None."""
     if exitcode is None:
@@ -181,13 +207,7 @@ class IsolatedWorker:
                     current = payload
                 elif kind == "outcome":
                     current = None
-                    if payload.row is not None:
-                        rows = payload.rows or [payload.row]
-                        tokens = [r["output_tokens"] for r in rows] if payload.rows else payload.row["output_tokens"]
-                        total = rows[0]["batch_total_s"] if payload.rows else payload.row["total_s"]
-                        done[payload.label] = Reference(tokens, total, payload.cpu_s)
-                    else:
-                        skip.add(payload.label)
+                    remember(payload, done, skip)
                     yield payload
                 elif kind == "end":
                     return

@@ -88,7 +88,26 @@ def mixed_devices_note(row, where: str = "") -> list[str]:
 def cell_notes(row: pd.Series) -> list[str]:
     """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup, a
     cell measured on different devices, numeric ties found by the lossless check, missing energy, a busy machine."""
-    return _state_notes(row) + mixed_devices_note(row) + lossless_notes(row) + energy_note(row) + load_note(row)
+    return (
+        smoke_note(row)
+        + _state_notes(row)
+        + mixed_devices_note(row)
+        + lossless_notes(row)
+        + energy_note(row)
+        + load_note(row)
+    )
+
+
+SMOKE_NOTE = "smoke test: random tokens and random weights say nothing about acceptance or speedup"
+
+
+def smoke_note(row) -> list[str]:
+    """The note owed to a cell of the GPU smoke suite (issue 38): prompts from the built-in ``random-tokens`` dataset
+    or a ``random:<shape>`` target (random weights), whose acceptance and speedups measure nothing real."""
+    target = str(row.get("target_model") or "")
+    if str(row.get("dataset") or "").startswith("random-tokens") or target.startswith("random:"):
+        return [SMOKE_NOTE]
+    return []
 
 
 def load_note(row) -> list[str]:

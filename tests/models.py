@@ -6,8 +6,10 @@ float64 keeps greedy argmaxes free of the near-ties that small random models pro
 from __future__ import annotations
 
 import copy
+import os
 from functools import cache
 
+import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -104,7 +106,7 @@ def model_zoo(
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate, EOS ignored: the ground truth for ``ar``."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
@@ -120,7 +122,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
 def decoder_steps(decoder, prompt: list[int], max_new_tokens: int) -> list:
     """A decoder's Steps until T tokens are committed (the runner stops iterating there too)."""
     steps, n = [], 0
-    for step in decoder.generate(torch.tensor([prompt]), max_new_tokens):
+    for step in decoder.generate(torch.tensor([prompt], device=decoder.target.device), max_new_tokens):
         steps.append(step)
         n += len(step.tokens)
         if n >= max_new_tokens:
@@ -131,8 +133,69 @@ def decoder_steps(decoder, prompt: list[int], max_new_tokens: int) -> list:
 def run_decoder(decoder, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Collect a decoder's committed tokens, truncated to T exactly as the runner does."""
     tokens: list[int] = []
-    for step in decoder.generate(torch.tensor([prompt]), max_new_tokens):
+    for step in decoder.generate(torch.tensor([prompt], device=decoder.target.device), max_new_tokens):
         tokens.extend(step.tokens)
         if len(tokens) >= max_new_tokens:
             break
     return tokens[:max_new_tokens]
+
+
+# --- the device axis of the property suite (issue 38 item 3) ---------------------------------------------------------
+
+EXAMPLES_ENV = "DTBENCH_HYPOTHESIS_EXAMPLES"  # caps every property test's max_examples (the GPU check's tests step)
+
+
+def examples(n: int) -> int:
+    """``n`` hypothesis examples, or fewer when ``$DTBENCH_HYPOTHESIS_EXAMPLES`` caps them (an explicit
+    ``@settings(max_examples=...)`` overrides any hypothesis profile, so the cap is applied here)."""
+    cap = os.environ.get(EXAMPLES_ENV)
+    return min(n, int(cap)) if cap and cap.isdigit() and int(cap) > 0 else n
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+# (device, dtype, rule): CPU float64 as always; on CUDA float32 token for token and float16 under the tie-aware rule
+# of harness/lossless.py. The CUDA entries are skipped without a GPU (CPU behaviour and runtime unchanged).
+DEVICES = [
+    pytest.param(("cpu", torch.float64, "exact"), id="cpu"),
+    pytest.param(
+        ("cuda", torch.float32, "exact"), id="cuda-float32", marks=pytest.mark.skipif(not _cuda(), reason="no CUDA")
+    ),
+    pytest.param(
+        ("cuda", torch.float16, "tie_aware"),
+        id="cuda-float16",
+        marks=pytest.mark.skipif(not _cuda(), reason="no CUDA"),
+    ),
+]
+
+
+@cache
+def device_zoo(
+    device: str, dtype: torch.dtype, attn: str = "sdpa", arch: str = "llama", sharpness: float = FLAT
+) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """:func:`model_zoo`'s seeded pairs on ``device`` in ``dtype`` (CPU float64: the very same objects)."""
+    zoo = model_zoo(attn, arch, sharpness)
+    if device == "cpu" and dtype == torch.float64:
+        return zoo
+    moved: dict[int, torch.nn.Module] = {}
+
+    def on(model: torch.nn.Module) -> torch.nn.Module:
+        if id(model) not in moved:
+            moved[id(model)] = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        return moved[id(model)]
+
+    return {kind: (on(t), on(d)) for kind, (t, d) in zoo.items()}
+
+
+def assert_lossless(target: torch.nn.Module, prompt: list[int], output: list[int], reference: list[int], rule: str):
+    """``exact``: ``output == reference``. ``tie_aware``: no error under harness/lossless.py's rule (every emitted
+    token the target's argmax up to the numeric noise of its two computation shapes)."""
+    if rule == "exact":
+        assert output == reference
+        return
+    from dtbench.harness.lossless import check_output
+
+    check = check_output(target, prompt, output, reference, target.device)
+    assert check.errors == 0, check

@@ -1,4 +1,7 @@
-"""Lossless property tests: `ar` equals transformers' greedy generate, `linear` equals `ar`, token for token."""
+"""Lossless property tests: `ar` equals transformers' greedy generate, `linear` equals `ar`, token for token.
+
+Parametrized over the device (issue 38 item 3, ``models.DEVICES``): CPU float64 as always; on CUDA (skipped without
+one) the same seeded pairs in float32 token for token and in float16 under the tie-aware rule."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import VOCAB, hf_greedy, model_zoo, run_decoder
+from models import DEVICES, VOCAB, assert_lossless, device_zoo, examples, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
@@ -17,23 +20,28 @@ prompts = st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=24)
 DRAFTS = ["self", "perturbed", "unrelated"]
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("on", DEVICES)
+@settings(max_examples=examples(25), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 40))
-def test_ar_equals_hf_generate(prompt, T):
-    target, _ = model_zoo()["self"]
-    assert run_decoder(Autoregressive(target, None, ARParams()), prompt, T) == hf_greedy(target, prompt, T)
+def test_ar_equals_hf_generate(on, prompt, T):
+    device, dtype, rule = on
+    target, _ = device_zoo(device, dtype)["self"]
+    out = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+    assert_lossless(target, prompt, out, hf_greedy(target, prompt, T), rule)
 
 
+@pytest.mark.parametrize("on", DEVICES)
 @pytest.mark.parametrize("kind", DRAFTS)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 48), k=st.integers(1, 8))
-def test_linear_equals_ar(kind, prompt, T, k):
-    target, draft = model_zoo()[kind]
+def test_linear_equals_ar(on, kind, prompt, T, k):
+    device, dtype, rule = on
+    target, draft = device_zoo(device, dtype)[kind]
     ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
     dec = LinearSpeculative(target, draft, LinearParams(k=k))
     steps = list(_steps(dec, prompt, T))
     tokens = [t for s in steps for t in s.tokens][:T]
-    assert tokens == ar
+    assert_lossless(target, prompt, tokens, ar, rule)
     for s in steps[1:]:
         assert 0 <= s.accepted <= s.drafted <= k
         assert len(s.tokens) == s.accepted + 1  # accepted drafts plus the bonus token
@@ -43,7 +51,7 @@ def test_linear_equals_ar(kind, prompt, T, k):
 
 def _steps(decoder, prompt, T):
     n = 0
-    for step in decoder.generate(torch.tensor([prompt]), T):
+    for step in decoder.generate(torch.tensor([prompt], device=decoder.target.device), T):
         yield step
         n += len(step.tokens)
         if n >= T:

@@ -40,7 +40,22 @@ def test_node_list_parses_and_holds_the_node_torch():
     assert "sqlalchemy" not in node and "pydantic" not in node  # what the kit must bring
 
 
+def test_the_kit_carries_pytest_and_hypothesis_although_the_node_has_them(tmp_path, monkeypatch):
+    """Issue 38: the tests step runs the property suite with the pytest and hypothesis the tests passed with here."""
+    assert offline.KIT_CARRY == ("pytest", "hypothesis")
+    monkeypatch.setattr(offline, "project_requirements", lambda extras=(): [])
+    node = {"pytest": "9.0.0", "hypothesis": "6.140.0", "iniconfig": None, "pluggy": None}
+    assert offline.verify_kit(tmp_path, "3.12", node) == [
+        "the tests step needs pytest: neither the node nor the kit has it",
+        "the tests step needs hypothesis: neither the node nor the kit has it",
+    ]
+    fake_wheel(tmp_path, "pytest", "9.0.2", ["iniconfig", "pluggy"])
+    fake_wheel(tmp_path, "hypothesis", "6.151.0", [])
+    assert offline.verify_kit(tmp_path, "3.12", node) == []
+
+
 def test_verify_kit_finds_missing_duplicate_and_mismatched_wheels(tmp_path, monkeypatch):
+    monkeypatch.setattr(offline, "KIT_CARRY", ())
     monkeypatch.setattr(offline, "project_requirements", lambda extras=(): ["sqlalchemy>=2.0", "rich>=13"])
     node = {"rich": None, "typing-extensions": None}
     fake_wheel(tmp_path, "sqlalchemy", "2.1.9", ["greenlet>=1; platform_machine == 'x86_64'", "typing-extensions"])
@@ -84,6 +99,7 @@ def test_build_kit_walks_requirements_and_skips_the_node_and_torch(tmp_path, mon
             (Path(cmd[cmd.index("--dest") + 1]) / src.name).write_bytes(src.read_bytes())
 
     monkeypatch.setattr(offline, "_run", fake_run)
+    monkeypatch.setattr(offline, "KIT_CARRY", ())  # the carried test wheels: the test above
     monkeypatch.setattr(offline, "project_requirements", lambda extras=(): ["zeus>=0.16,<0.17", "torch>=2.4", "numpy"])
     dest = tmp_path / "kit"
     chosen = offline.build_kit(dest, "3.12", ["manylinux_2_28_x86_64"], {"numpy": "2.5.2", "typing-extensions": None})
@@ -241,6 +257,13 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path):
     assert {(r["decoder"], r["mode"]) for r in compiled["overhead"]} == {
         (d, m) for d, _ in gpucheck.COMPILED_DECODERS for m in ("eager", "compiled")
     }
+    tests = data["steps"]["tests"]  # issue 38: the property suite's CPU parametrization, a few examples each
+    assert tests["selection"] == "cpu" and tests["failed"] == 0 and tests["passed"] >= 4
+    assert any("test_linear_equals_ar" in t for t in tests["hypothesis"]) and tests["examples_total"] > 0
+    smoke = data["steps"]["smoke"]  # issue 38: suites/gpu-smoke.yaml at tiny shapes through dtbench run
+    assert (
+        smoke["run_exit_code"] == 0 and {c["status"] for c in smoke["cells"]} == {"done"} and len(smoke["cells"]) == 6
+    )
     assert (out / "gpu-check.log").read_text().count("\n") > 5
     broken = {**data, "steps": {**data["steps"], "lossless": {"rows": []}}}
     with pytest.raises(jsonschema.ValidationError):
@@ -286,3 +309,35 @@ def test_every_builtin_lossless_decoder_is_checked():
         if e.distribution == "dtbench" and registry.get(n).lossless and not registry.get(n).requests
     }
     assert names == builtin  # `server` (a requests decoder) needs an engine: tests/test_server_engine.py
+
+
+def test_hypothesis_statistics_and_junit_are_parsed(tmp_path):
+    """The tests step's counts: hypothesis's statistics section (its 6.1xx wording) and a JUnit file with a failure
+    that carries a falsifying example."""
+    text = (
+        "============================ Hypothesis Statistics =============================\n"
+        "tests/test_equivalence.py::test_ar_equals_hf_generate[cuda-float32]:\n\n"
+        "  - during reuse phase (0.00 seconds):\n    - 1 passing, 0 failing, and 0 invalid test cases\n"
+        "  - during generate phase (0.16 seconds):\n    - Typical runtimes: ~ 70-89 ms\n"
+        "    - 4 passing, 1 failing, and 2 invalid test cases\n\n  - Stopped because settings.max_examples=5\n"
+    )
+    stats = gpucheck.parse_hypothesis_statistics(text)
+    assert stats == {
+        "tests/test_equivalence.py::test_ar_equals_hf_generate[cuda-float32]": {
+            "passing": 5,
+            "failing": 1,
+            "invalid": 2,
+        }
+    }
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_equivalence" name="test_a[cpu]"/>'
+        '<testcase classname="tests.test_equivalence" name="test_b[cuda-float16]"><failure message="assert 1 == 2">'
+        "Falsifying example: test_b(\n    on=('cuda', torch.float16, 'tie_aware'),\n    prompt=[3],\n)\nAssertionError"
+        '</failure></testcase><testcase classname="t" name="test_c"><skipped message="no CUDA"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    res = gpucheck.parse_junit(junit)
+    assert (res["passed"], res["failed"], res["skipped"]) == (1, 1, 1)
+    assert res["failures"][0]["test"] == "tests.test_equivalence::test_b[cuda-float16]"
+    assert "prompt=[3]" in res["failures"][0]["falsifying_example"]

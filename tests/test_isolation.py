@@ -106,3 +106,57 @@ def test_isolated_samples_equal_in_process_ones(pair, tmp_path, data_dir):
                 for x in c.samples
             }
     assert out["process"] == out["none"] and len(out["none"]) == 4
+
+
+ORDER = [  # the decoder order that crashed on the H200 (issue 38 item 2): other decoders, then hf_assisted
+    {"name": "ar"},
+    {"name": "linear", "params": {"k": 2}},
+    {"name": "dynatree", "params": {"n_max": 8}},
+    {"name": "hf_assisted", "params": {"num_assistant_tokens": 3}},
+]
+
+
+def _samples(dbfile) -> dict[str, list]:
+    with db.connect(str(dbfile))() as s:
+        return {
+            c.label: [(c.status, x.prompt_index, x.output_tokens, x.lossless) for x in c.samples]
+            for c in s.scalars(select(db.Cell))
+        }
+
+
+def test_hf_assisted_after_other_decoders_in_one_process_is_lossless(pair, tmp_path, data_dir):
+    """ar, linear, dynatree, then hf_assisted in ONE process (isolation: none): hf_assisted's rows equal ar's. On the
+    H200 this order segfaulted; on a CPU it must run and stay lossless (the CUDA crash itself is not reproducible
+    here)."""
+    dbfile = tmp_path / "order.db"
+    suite = suite_dict(*pair, ORDER, isolation="none")
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    got = _samples(dbfile)
+    assert len(got["hf_assisted"]) == 2 and all(x[0] == "done" and x[3] is True for x in got["hf_assisted"])
+    assert [x[2] for x in got["hf_assisted"]] == [x[2] for x in got["ar"]]
+
+
+def test_own_process_decoders_run_in_a_child_of_their_own(monkeypatch, pair, tmp_path, data_dir):
+    """Under isolation: process, a decoder whose ``own_process`` names the device is measured in a separate child
+    (forced on the CPU here; on CUDA it is hf_assisted's and hf_generate's default), with the same samples as in
+    one process and ar's tokens as its reference."""
+    from dtbench.decoders.hf_assisted import HFAssisted, HFGenerate
+
+    assert HFAssisted.own_process == ("cuda",) and HFGenerate.own_process == ("cuda",)
+    monkeypatch.setattr(HFAssisted, "own_process", ("cpu",))  # the parent decides; the children just measure
+    dbfile = tmp_path / "own.db"
+    suite = suite_dict(*pair, ORDER, isolation="process")
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    with db.connect(str(dbfile))() as s:
+        executor = s.scalars(select(db.Run)).one().environment["executor"]
+    assert executor["isolation"] == "process" and executor["own_process"] == ["hf_assisted"]
+    got = _samples(dbfile)
+    assert all(x[0] == "done" and x[3] is True for x in got["hf_assisted"]) and len(got["hf_assisted"]) == 2
+    assert [x[2] for x in got["hf_assisted"]] == [x[2] for x in got["ar"]]
+    assert len(got["linear"]) == len(got["dynatree"]) == 2

@@ -203,6 +203,7 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
         "text-files",
         "spec-bench",
         "humaneval",
+        "random-tokens",
     }
     corpus = tmp_path / "answers.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"answer {i} " * 40}) for i in range(3)) + "\n")
