@@ -404,17 +404,80 @@ async def _metrics(client, base_url: str, params: ServerParams) -> dict:
     return parse_metrics(response.text)
 
 
-def arrival_delays(n: int, rate: float | None, seed: int) -> list[float]:
-    """Send offsets (s) of ``n`` requests: all 0 without a rate, else seeded Poisson arrivals (exponential gaps of
-    mean 1/rate, the first request at 0), as ``vllm bench serve``'s ``get_request`` draws them."""
+def arrival_delays(n: int, rate: float | None, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send offsets (s) of ``n`` requests from the cell's start: all 0 without a rate, else seeded arrivals whose
+    gaps are gamma-distributed with shape ``burstiness`` and mean 1/``rate`` (scale 1 / (rate * burstiness)), the
+    first request at 0, as ``vllm bench serve``'s ``get_request`` draws them (vLLM benchmarks/benchmark_serving.py:
+    burstiness 1 is a Poisson process, below 1 burstier, above 1 more regular; the gaps' coefficient of variation is
+    1 / sqrt(burstiness)). At burstiness 1 the gaps are drawn by ``random.expovariate`` (the same offsets as before
+    issue 39 for the same seed)."""
     if rate is None:
         return [0.0] * n
     rng = random.Random(seed)
     out, t = [], 0.0
     for _ in range(n):
         out.append(t)
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if burstiness == 1.0 else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return out
+
+
+def load_profile(spans: list[tuple[float, float]], concurrency: int, rate: float | None) -> dict[str, Any]:
+    """How a cell's requests filled the concurrency (issue 39 item 1): ramp-up, steady part, drain.
+
+    Args:
+        spans: per request (send, last token) in seconds from the cell's start; concurrency: the cap C;
+        rate: the arrival rate (None: every request is ready at the start).
+
+    The *steady* window starts when the requests in flight first reach their cap min(C, N) (with a ``rate``: at the
+    first request's completion, when arrivals and completions both run) and ends at the first completion
+    after the last send (from then on fewer requests are in flight and none is left to start); before it is the
+    *ramp-up*, after it the *drain*. Returns (seconds): ``wall_s`` (first send to last token), ``ramp_s``,
+    ``steady_s``, ``drain_s``, ``steady_window_s`` ([start, end] or None when empty), ``mean_in_flight`` (the
+    time-weighted mean of requests in flight over the wall time), ``mean_in_flight_steady`` (over the steady window),
+    ``steady_tokens_rule`` and per request ``steady`` (finished inside the steady window, its ends included).
+    """
+    if not spans:
+        return {"wall_s": 0.0, "mean_in_flight": 0.0, "steady": [], "steady_window_s": None}
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], -e[1]))
+    start, end = events[0][0], max(b for _, b in spans)
+    cap = min(concurrency, len(spans))
+    level, t_prev, area, t_full = 0, start, 0.0, None
+    for t, d in events:
+        area += level * (t - t_prev)
+        level, t_prev = level + d, t
+        if t_full is None and level >= cap:
+            t_full = t
+    first_done = min(b for _, b in spans)
+    last_send = max(a for a, _ in spans)
+    lo = first_done if rate is not None else t_full
+    hi = min((b for _, b in spans if b > last_send), default=end)
+    window = [lo, hi] if lo is not None and hi > lo else None
+    steady_area = 0.0
+    if window is not None:
+        for a, b in spans:
+            steady_area += max(0.0, min(b, hi) - max(a, lo))
+    wall = end - start
+    return {
+        "wall_s": wall,
+        "ramp_s": (lo - start) if window is not None else wall,
+        "steady_s": (hi - lo) if window is not None else 0.0,
+        "drain_s": (end - hi) if window is not None else 0.0,
+        "steady_window_s": window,
+        "mean_in_flight": area / wall if wall > 0 else float(len(spans)),
+        "mean_in_flight_steady": steady_area / (hi - lo) if window is not None else None,
+        "steady": [window is not None and lo <= b <= hi for _, b in spans],
+    }
+
+
+def steady_throughput(reads: list[tuple[float, list[tuple[float, int]]]], window: list[float] | None) -> float | None:
+    """Tokens per second that arrived inside the steady window (``load_profile``'s ``steady_window_s``), over all of
+    a cell's requests: ``reads`` per request (send offset, [(seconds from the send, tokens the read brought)]).
+    None without a window."""
+    if not window or window[1] <= window[0]:
+        return None
+    lo, hi = window
+    tokens = sum(n for sent, rs in reads for t, n in rs if lo < sent + t <= hi)
+    return tokens / (hi - lo)
 
 
 def check_output(
@@ -596,6 +659,22 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
 
 
+def blocks_of(n: int, concurrency: int) -> list[tuple[int, ...]]:
+    """Per row of a unit of ``n`` requests, the rows of its *block*: rows in order in blocks of C (the last possibly
+    smaller). A block is the pairing key of a server cell's speedup (``batch_group``: its first prompt's index), the
+    same prompts as a prompt group of dtbench's own decoders at B = C, though its requests overlap other blocks'."""
+    out = []
+    for i in range(0, n, concurrency):
+        block = tuple(range(i, min(i + concurrency, n)))
+        out.extend([block] * len(block))
+    return out
+
+
+def block_wall(records: list[RequestRecord], block: tuple[int, ...]) -> float:
+    """A block's wall time (s): its first send to its last token (its requests ran among others' at steady load)."""
+    return max(records[i].done_s for i in block) - min(records[i].sent_s for i in block)
+
+
 def measure_requests(
     label: str,
     params: ServerParams,
@@ -654,7 +733,9 @@ def measure_requests(
         else:
             prompt_checks.append("token ids sent")
             bodies.append(request_body(params, ids, gen_length, stop_at_eos))
-    delays = arrival_delays(len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index))
+    delays = arrival_delays(
+        len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index), params.burstiness
+    )
     try:
         records, wall, before, after = asyncio.run(_group(base_url, bodies, params, delays, concurrency, tokenize))
     except DtbenchError as exc:  # an HTTP error status, an error event, an event that is not JSON
@@ -678,6 +759,15 @@ def measure_requests(
         group_metrics = metrics_delta(before, after) if after else {}
     except DtbenchError as exc:
         raise ServerError(f"server '{label}': {exc}; {where}") from None
+    profile = load_profile([(rec.sent_s, rec.done_s) for rec in records], concurrency, params.request_rate)
+    cell_load = {
+        k: v for k, v in profile.items() if k != "steady"
+    }  # the same for every row of the unit: its load profile
+    cell_load["steady_throughput"] = steady_throughput(
+        [(rec.sent_s, rec.reads) for rec in records], profile["steady_window_s"]
+    )
+    cell_load["throughput"] = sum(min(len(rec.tokens), gen_length) for rec in records) / wall if wall > 0 else None
+    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [None] * len(prompts)
     rows = []
     for r, (prompt, rec) in enumerate(zip(prompts, records)):
         if not rec.reads or not rec.tokens:
@@ -727,6 +817,10 @@ def measure_requests(
             "speculative": params.speculative,
             "concurrency": concurrency,
             "request_rate": params.request_rate,
+            "burstiness": params.burstiness,
+            "load_kind": "steady",
+            "steady": profile["steady"][r],
+            "cell_load": cell_load,
             "sent_s": rec.sent_s,
             "e2e_s": e2e,
             "ttft_s": ttft,
@@ -772,9 +866,9 @@ def measure_requests(
                 step_times_s=times,
                 output_hash=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
                 output_tokens=tokens,
-                batch_group=batch_group,
-                batch_rows=len(prompts) if batch_group is not None else None,
-                batch_total_s=wall if batch_group is not None else None,
+                batch_group=prompts[blocks[r][0]].index if blocks[r] else None,
+                batch_rows=len(blocks[r]) if blocks[r] else None,
+                batch_total_s=block_wall(records, blocks[r]) if blocks[r] else None,
                 **check,
             )
         )

@@ -357,7 +357,7 @@ def measure_served(
         return Outcome(
             cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {group.prompt_index}"
         )
-    batched = group.batch_size > 1
+    batched = group.batch_size > 1  # rows paired per block of C prompts (serving.blocks_of); at C = 1 per prompt
     try:
         rows = serving.measure_requests(
             cp.label,
@@ -383,7 +383,7 @@ def measure_served(
     except (Exception, SystemExit) as exc:
         message = str(exc) if isinstance(exc, DtbenchError) else f"{type(exc).__name__}: {exc}"
         return Outcome(cp.label, error=clip(message, 1500))
-    return Outcome(cp.label, row=rows[0], rows=rows if batched else None)
+    return Outcome(cp.label, row=rows[0], rows=rows if group.multi else None)
 
 
 def _served_reference(
@@ -446,7 +446,7 @@ def run_group(
     outputs = dict(done)
     served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
-    if group.batch_size > 1:
+    if group.multi:
         for cp in group.decoders:
             if cp.label in outputs or cp.label in skip:
                 continue
