@@ -518,13 +518,23 @@ def _finish(outcome: Outcome, group: PromptGroup, start: load.Reading) -> None:
             row["repeat"] = group.repeat
 
 
-WorkKey = tuple[str, int, int, int, int, int]  # (dataset, L_max, T, B, first prompt index, repeat)
+WorkKey = tuple[str, int, int, int, int, int, bool]  # (dataset, L_max, T, B, first prompt index, repeat, served)
 
 
 def work_key(group: PromptGroup) -> WorkKey:
     """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B), the (first) prompt
-    index and the repeat."""
-    return (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index, group.repeat)
+    index, the repeat, and whether it is a server cell's whole-cell unit (:func:`~dtbench.harness.plan.cell_units`:
+    it starts at the same prompt as a group of dtbench's own decoders at the same point)."""
+    served = bool(group.decoders) and all(cp.cls.requests for cp in group.decoders)
+    return (
+        group.dataset.key,
+        group.l_max,
+        group.gen_length,
+        group.batch_size,
+        group.prompt_index,
+        group.repeat,
+        served,
+    )
 
 
 @dataclass
