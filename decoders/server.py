@@ -438,7 +438,7 @@ class Server(Decoder):
     lossless = True  # at T = 0 a speculating server's output must equal its plain server's, request by request
     batching = True  # load levels above 1: requests in flight at once
     requests = True
-    version = "1"
+    version = "2"  # 2: steady concurrency over the cell's prompts, arrivals over the dataset (issue 39)
 
     @classmethod
     def reference(cls, params: ServerParams) -> tuple[str, dict[str, Any]] | None:

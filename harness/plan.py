@@ -5,7 +5,8 @@ and B values.
 Reference decoders (``ar``, and any decoder's declared reference) are added where a dependent runs and ordered
 first, so every sample is compared as soon as it is measured. The unit of work is a :class:`PromptGroup`: one
 (dataset, L_max, T, B) and B prompts decoded together (one prompt at B = 1) with the reference and every other
-decoder, in order, on one device — the runner,
+decoder, in order, on one device — except a server cell (a decoder declaring ``requests``), whose unit is all its
+warmup prompts, then all its measured prompts, kept C in flight (:func:`cell_units`, issue 39) — the runner,
 ``validate``, the progress bar and any executor all read this one plan.
 """
 

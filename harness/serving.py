@@ -10,9 +10,13 @@ dtbench's own loops.
   after 10 s) when the run moves past its cell, and all of them when the worker closes (end of run, Ctrl-C, SIGTERM,
   failure). A fixed ``port`` that is taken, a server that exits before it is healthy or during a cell, an HTTP error:
   one line naming the server and its log (:class:`ServerError`); the cell fails and nothing of it is stored as done.
-- :func:`measure_requests`: one prompt group of one cell: the group's B prompts sent as streamed ``/v1/completions``
-  requests by one ``httpx.AsyncClient`` with at most B in flight (the load level is the concurrency), all at once or
-  at seeded Poisson arrivals (``request_rate``). Every network read of a response is timestamped
+- :func:`measure_requests`: one unit of one cell (its warmup prompts, or all its measured prompts:
+  :func:`~dtbench.harness.plan.cell_units`) sent as streamed ``/v1/completions`` requests by one
+  ``httpx.AsyncClient`` through a semaphore of C (the load level is the concurrency): C in flight all the time, a new
+  request starting when one finishes (steady concurrency, issue 39; vLLM ``bench serve --max-concurrency``, GuideLLM's
+  ``concurrent`` profile), every request ready at the start or arriving at seeded gamma-distributed gaps
+  (``request_rate``, ``burstiness``: :func:`arrival_delays`). :func:`load_profile` tells its ramp-up, steady part and
+  drain apart. Every network read of a response is timestamped
   (``time.perf_counter``) when it arrives: a request's TTFT is its first token's arrival minus its send time, its
   inter-token latencies (ITL) the gaps between reads that brought tokens, its TPOT (E2E - TTFT) / (T - 1), its
   end-to-end latency (E2E) the last token's arrival minus its send time. The client-side tokens per read (the
@@ -433,40 +437,47 @@ def load_profile(spans: list[tuple[float, float]], concurrency: int, rate: float
     after the last send (from then on fewer requests are in flight and none is left to start); before it is the
     *ramp-up*, after it the *drain*. Returns (seconds): ``wall_s`` (first send to last token), ``ramp_s``,
     ``steady_s``, ``drain_s``, ``steady_window_s`` ([start, end] or None when empty), ``mean_in_flight`` (the
-    time-weighted mean of requests in flight over the wall time), ``mean_in_flight_steady`` (over the steady window),
-    ``steady_tokens_rule`` and per request ``steady`` (finished inside the steady window, its ends included).
+    time-weighted mean of requests in flight over the wall time), ``mean_in_flight_steady`` (over the steady window,
+    None without one) and per request ``steady`` (finished inside the steady window, its ends included). Without a
+    window (the cap never reached, or no request finished after the last send) the whole wall time is ramp-up.
     """
-    if not spans:
-        return {"wall_s": 0.0, "mean_in_flight": 0.0, "steady": [], "steady_window_s": None}
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], -e[1]))
-    start, end = events[0][0], max(b for _, b in spans)
+    start = events[0][0] if events else 0.0
+    end = max((b for _, b in spans), default=start)
     cap = min(concurrency, len(spans))
-    level, t_prev, area, t_full = 0, start, 0.0, None
+    level, t_prev, area = 0, start, 0.0
+    t_full: float | None = None
     for t, d in events:
         area += level * (t - t_prev)
         level, t_prev = level + d, t
         if t_full is None and level >= cap:
             t_full = t
-    first_done = min(b for _, b in spans)
-    last_send = max(a for a, _ in spans)
-    lo = first_done if rate is not None else t_full
+    last_send = max((a for a, _ in spans), default=start)
+    lo = min((b for _, b in spans), default=None) if rate is not None else t_full
     hi = min((b for _, b in spans if b > last_send), default=end)
-    window = [lo, hi] if lo is not None and hi > lo else None
-    steady_area = 0.0
-    if window is not None:
-        for a, b in spans:
-            steady_area += max(0.0, min(b, hi) - max(a, lo))
     wall = end - start
-    return {
+    out: dict[str, Any] = {
         "wall_s": wall,
-        "ramp_s": (lo - start) if window is not None else wall,
-        "steady_s": (hi - lo) if window is not None else 0.0,
-        "drain_s": (end - hi) if window is not None else 0.0,
-        "steady_window_s": window,
+        "ramp_s": wall,
+        "steady_s": 0.0,
+        "drain_s": 0.0,
+        "steady_window_s": None,
         "mean_in_flight": area / wall if wall > 0 else float(len(spans)),
-        "mean_in_flight_steady": steady_area / (hi - lo) if window is not None else None,
-        "steady": [window is not None and lo <= b <= hi for _, b in spans],
+        "mean_in_flight_steady": None,
+        "steady": [False] * len(spans),
     }
+    if lo is None or hi <= lo:
+        return out
+    steady_area = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+    out.update(
+        ramp_s=lo - start,
+        steady_s=hi - lo,
+        drain_s=end - hi,
+        steady_window_s=[lo, hi],
+        mean_in_flight_steady=steady_area / (hi - lo),
+        steady=[lo <= b <= hi for _, b in spans],
+    )
+    return out
 
 
 def steady_throughput(reads: list[tuple[float, list[tuple[float, int]]]], window: list[float] | None) -> float | None:
@@ -693,18 +704,21 @@ def measure_requests(
     tokenizer,
     batch_group: int | None,
 ) -> list[dict[str, Any]]:
-    """Measure one prompt group of a server cell: one streamed request per prompt, at most ``concurrency`` in flight.
+    """Measure one unit of a server cell: one streamed request per prompt, ``concurrency`` kept in flight (a new
+    request starts when one finishes, or at its arrival time when later), and the unit's load profile
+    (:func:`load_profile`, stored with every row as ``step_stats.server.cell_load``).
 
     Args:
         label: the cell's label (errors and logs name it); params: the server's params.
-        prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
-        warmup: the group's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
-        pool: the worker's :class:`ServerPool`; seed: the Poisson arrivals' seed.
+        prompts: the unit's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
+        warmup: the unit's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
+        pool: the worker's :class:`ServerPool`; seed: the arrivals' seed (with the unit's first prompt index).
         references: per row the reference server's output tokens (None: this cell is a reference itself).
         reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
             server of this cell's load level is running: the pool stops servers only when the load level moves on).
         rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
-        batch_group: the group's first prompt index when B > 1 (stored with every row), else None.
+        batch_group: not None when C > 1: every row is stored with its block of C prompts (:func:`blocks_of`: the
+            pairing key ``batch_group``, ``batch_rows``, ``batch_total_s``); None: rows unpaired by block (C = 1).
 
     Returns:
         one ``samples`` row (a plain dict of :class:`~dtbench.harness.sample.SampleRecord` columns) per prompt.
@@ -767,7 +781,7 @@ def measure_requests(
         [(rec.sent_s, rec.reads) for rec in records], profile["steady_window_s"]
     )
     cell_load["throughput"] = sum(min(len(rec.tokens), gen_length) for rec in records) / wall if wall > 0 else None
-    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [None] * len(prompts)
+    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
     rows = []
     for r, (prompt, rec) in enumerate(zip(prompts, records)):
         if not rec.reads or not rec.tokens:

@@ -147,6 +147,29 @@ STEADY = "concurrency (steady)"
 GROUPS = "concurrency (groups of C)"
 
 
+def unit_loads(server: list[dict]) -> list[dict]:
+    """The distinct load profiles (``cell_load``, :func:`dtbench.harness.serving.load_profile`) among a cell's
+    requests' ``step_stats.server``: one per unit of work (a cell's measured prompts, per repeat); [] for a server
+    cell measured before issue 39 and for dtbench's own decoders."""
+    units = {json.dumps(st["cell_load"], sort_keys=True): st["cell_load"] for st in server if st.get("cell_load")}
+    return list(units.values())
+
+
+def steady_walls(session, run_id: int) -> dict[int, float]:
+    """Per steady server cell of a run (issue 39 item 1), its measured wall time in seconds: the sum of its units'
+    first send to last token (its blocks of C overlap, so the sum of their walls is no wall time)."""
+    rows = session.execute(
+        select(Sample.cell_id, Sample.step_stats)
+        .join(Cell, Sample.cell_id == Cell.id)
+        .where(Cell.run_id == run_id, Cell.decoder == "server", Sample.warmup.is_(False))
+    ).all()
+    by_cell: dict[int, list[dict]] = {}
+    for cell_id, stats in rows:
+        by_cell.setdefault(cell_id, []).append((stats or {}).get("server") or {})
+    walls = {cid: sum(u["wall_s"] for u in unit_loads(server)) for cid, server in by_cell.items()}
+    return {cid: wall for cid, wall in walls.items() if wall > 0}
+
+
 def load_kind(batch_size: int, server: list[dict], is_server: bool) -> dict:
     """How a cell's load was applied (issue 39 item 1), and its steady part where it has one.
 
@@ -166,10 +189,9 @@ def load_kind(batch_size: int, server: list[dict], is_server: bool) -> dict:
         "steady_s": math.nan,
         "drain_s": math.nan,
     }
-    units = {json.dumps(st["cell_load"], sort_keys=True): st["cell_load"] for st in server if st.get("cell_load")}
-    if not is_server or not units:
+    loads = unit_loads(server)
+    if not is_server or not loads:
         return out
-    loads = list(units.values())
     wall = sum(u["wall_s"] for u in loads)
     steady = sum(u["steady_s"] for u in loads)
     tokens = sum((u.get("throughput") or 0.0) * u["wall_s"] for u in loads)

@@ -81,6 +81,10 @@ def test_a_server_cell_keeps_its_concurrency_in_flight_over_the_dataset(tmp_path
     report = invoke("report", "--db", str(tmp_path / "r.db"), "--engine")
     assert report.exit_code == 0, report.output
     assert "concurrency (steady)" in report.output and "Steady t/s" in report.output
+    good = invoke("report", "--db", str(tmp_path / "r.db"), "--goodput", "e2el:100000", "--format", "json")
+    assert good.exit_code == 0, good.output
+    rps = json.loads(good.output)["cells"][0]["goodput_rps"]
+    assert rps == pytest.approx(24 / cell["wall_s"])  # over the cell's wall time, not the overlapping blocks' sum
 
 
 def test_seeded_arrivals_have_the_right_mean_and_variation():
