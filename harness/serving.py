@@ -835,6 +835,7 @@ def measure_requests(
             "load_kind": "steady",
             "steady": profile["steady"][r],
             "cell_load": cell_load,
+            "arrival_s": delays[r],
             "sent_s": rec.sent_s,
             "e2e_s": e2e,
             "ttft_s": ttft,
