@@ -117,6 +117,9 @@ def test_a_list_of_rates_is_a_sweep_with_one_cell_per_rate(tmp_path, data_dir, f
     assert "spec (request_rate=50.0)" in labels and "spec (request_rate=200.0)" in labels
     rates = {r[0]: json.loads(r[5])["server"]["request_rate"] for r in rows}
     assert rates["spec (request_rate=50.0)"] == 50.0 and rates["spec (request_rate=200.0)"] == 200.0
+    for label in labels:  # arrivals over the whole cell: one stream of offsets, not one per block of C
+        arrivals = [json.loads(r[5])["server"]["arrival_s"] for r in rows if r[0] == label and not r[3]]
+        assert len(arrivals) == 5 and arrivals[0] == 0.0 and all(b > a for a, b in zip(arrivals, arrivals[1:]))
     refs = [label for label in labels if not label.startswith("spec")]
     assert sorted(rates[label] for label in refs) == [50.0, 200.0]  # each rate's plain server at that rate
     bad = invoke(
@@ -130,3 +133,15 @@ def test_a_list_of_rates_is_a_sweep_with_one_cell_per_rate(tmp_path, data_dir, f
         ),
     )
     assert bad.exit_code == 2 and "needs a request_rate" in bad.output and "Traceback" not in bad.output
+
+
+def test_load_kinds_are_named_apart_and_an_old_server_cell_reports_as_before():
+    from dtbench.reports.engine import GROUPS, STATIC, STEADY, load_kind
+
+    assert load_kind(4, [], False)["load_kind"] == STATIC
+    old = load_kind(4, [{"concurrency": 4, "group_wall_s": 1.0}], True)  # a server cell measured before issue 39
+    assert old["load_kind"] == GROUPS and old["steady_throughput"] != old["steady_throughput"]  # NaN: not measured
+    unit = {"wall_s": 2.0, "ramp_s": 0.0, "steady_s": 1.5, "drain_s": 0.5, "mean_in_flight": 3.5}
+    new = load_kind(4, [{"cell_load": {**unit, "throughput": 40.0, "steady_throughput": 50.0}}] * 3, True)
+    assert new["load_kind"] == STEADY and new["cell_throughput"] == 40.0 and new["steady_throughput"] == 50.0
+    assert new["mean_in_flight"] == 3.5 and new["drain_s"] == 0.5  # one unit, however many requests carry it
