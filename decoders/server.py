@@ -90,8 +90,16 @@ class ServerParams(DecoderParams):
         None,
         gt=0,
         le=1e6,
-        description="requests per second of seeded Poisson arrivals (the suite's seed); absent: "
-        "every request of the group starts at once, up to the concurrency",
+        description="requests per second arriving over the cell's whole dataset (seeded by the suite's seed; "
+        "the concurrency caps the requests in flight); a list is a sweep axis, one cell per rate; absent: every "
+        "request is ready at once and the concurrency is kept in flight",
+    )
+    burstiness: float = Field(
+        1.0,
+        gt=0,
+        le=1e3,
+        description="the shape of the gamma-distributed gaps between arrivals (vLLM's --burstiness): 1 a Poisson "
+        "process, below 1 burstier, above 1 more regular; needs request_rate",
     )
     top_logprobs: int = Field(
         2,
@@ -114,6 +122,8 @@ class ServerParams(DecoderParams):
     def _one_source(self):
         if (self.base_url is None) == (self.launch is None):
             raise ValueError("give exactly one of base_url (a running server) and launch (a command to start one)")
+        if self.burstiness != 1.0 and self.request_rate is None:
+            raise ValueError("burstiness shapes the gaps between arrivals: it needs a request_rate")
         if self.reference is not None and "reference" in self.reference:
             raise ValueError("reference: the plain server's params cannot name a reference of their own")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
@@ -428,12 +438,20 @@ class Server(Decoder):
     lossless = True  # at T = 0 a speculating server's output must equal its plain server's, request by request
     batching = True  # load levels above 1: requests in flight at once
     requests = True
-    version = "1"
+    version = "2"  # 2: steady concurrency over the cell's prompts, arrivals over the dataset (issue 39)
 
     @classmethod
     def reference(cls, params: ServerParams) -> tuple[str, dict[str, Any]] | None:
-        """The plain server of ``params.reference`` (same engine, no speculation); None: a reference itself."""
-        return ("server", dict(params.reference)) if params.reference is not None else None
+        """The plain server of ``params.reference`` (same engine, no speculation), under the same load: it takes this
+        server's ``request_rate`` and ``burstiness`` where it sets none of its own (a rate sweep pairs each rate's
+        cell with its plain server at that rate); None: a reference itself."""
+        if params.reference is None:
+            return None
+        ref = dict(params.reference)
+        for key in ("request_rate", "burstiness"):
+            if key not in ref and key in params.model_fields_set:
+                ref[key] = getattr(params, key)
+        return "server", ref
 
     @classmethod
     def verify_sizes(cls, params: ServerParams) -> tuple[int, int]:

@@ -5,7 +5,8 @@ and B values.
 Reference decoders (``ar``, and any decoder's declared reference) are added where a dependent runs and ordered
 first, so every sample is compared as soon as it is measured. The unit of work is a :class:`PromptGroup`: one
 (dataset, L_max, T, B) and B prompts decoded together (one prompt at B = 1) with the reference and every other
-decoder, in order, on one device — the runner,
+decoder, in order, on one device — except a server cell (a decoder declaring ``requests``), whose unit is all its
+warmup prompts, then all its measured prompts, kept C in flight (:func:`cell_units`, issue 39) — the runner,
 ``validate``, the progress bar and any executor all read this one plan.
 """
 
@@ -80,6 +81,12 @@ class PromptGroup:
         return self.rows or (self.prompt_index,)
 
     @property
+    def multi(self) -> bool:
+        """Whether the group decodes a list of prompts (B > 1, or a server cell's whole-cell unit at concurrency 1),
+        each row its own sample, stored together."""
+        return self.batch_size > 1 or bool(self.rows)
+
+    @property
     def remainder(self) -> bool:
         """A group of fewer than B prompts after the warmup (the dataset's last, decoded as a smaller batch)."""
         return len(self.prompt_indices) < self.batch_size and not self.warmup
@@ -136,6 +143,16 @@ class Plan:
             if not decs:
                 continue
             slots = data.sample_slots(ds, self.suite.seed, self.data_dir)
+            served = tuple(c for c in decs if c.cls.requests)
+            if served and (B > 1 or slots is None):  # steady concurrency over the whole cell (issue 39 item 1)
+                decs = tuple(c for c in decs if not c.cls.requests)
+                flags = [s.warmup for s in slots] if slots is not None else None
+                out.extend(
+                    PromptGroup(ds, l_max, T, rows[0], served, None if flags is None else flags[rows[0]], B, rows)
+                    for rows in cell_units(ds.prompts, ds.warmup, flags)
+                )
+                if not decs:
+                    continue
             if B > 1 and slots is not None:  # single-turn questions (the plan refuses later turns at B > 1)
                 out.extend(
                     PromptGroup(ds, l_max, T, rows[0], decs, slots[rows[0]].warmup, batch_size=B, rows=rows)
@@ -168,6 +185,20 @@ def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, 
     warm = [tuple(range(i, min(i + batch_size, warmup))) for i in range(0, warmup, batch_size)]
     rest = [tuple(range(i, min(i + batch_size, prompts))) for i in range(warmup, prompts, batch_size)]
     return warm + rest
+
+
+def cell_units(prompts: int, warmup: int, slot_warmup: list[bool] | None = None) -> list[tuple[int, ...]]:
+    """The work units of a server cell (a decoder declaring ``requests``) at any concurrency C (issue 39 item 1): its
+    warmup prompts as one unit and its measured prompts as another, each sent as one stream of requests that keeps C
+    in flight (a new request starts when one finishes; :func:`dtbench.harness.serving.measure_requests`), not as
+    groups of C that each wait for their slowest request. ``slot_warmup``: a question dataset's per-slot warmup
+    flags (single-turn questions), else the first ``warmup`` of ``prompts`` are the warmup.
+    """
+    if slot_warmup is not None:
+        units = [tuple(i for i, w in enumerate(slot_warmup) if w), tuple(i for i, w in enumerate(slot_warmup) if not w)]
+    else:
+        units = [tuple(range(min(warmup, prompts))), tuple(range(warmup, prompts))]
+    return [u for u in units if u]
 
 
 def slot_groups(warmup: list[bool], batch_size: int) -> list[tuple[int, ...]]:

@@ -236,7 +236,7 @@ class _Sink:
     def _where(self, group: PromptGroup) -> str:
         repeats = self.repeats
         again = f" · repeat {group.repeat + 1}/{repeats}" if repeats > 1 and not group.warmup else ""
-        if group.batch_size > 1:
+        if group.multi:
             rows = group.prompt_indices
             return (
                 f"{group.dataset.key} L_max={group.l_max} T={group.gen_length} B={group.batch_size} · prompts "
@@ -260,7 +260,7 @@ class _Sink:
         return self.cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, label)]
 
     def prompt(self, group: PromptGroup):
-        if group.batch_size > 1:  # raw-text prompts only (the plan refuses question datasets at B > 1)
+        if group.multi:  # raw-text prompts only (the plan refuses question datasets at B > 1)
             return [self.prompts[(group.dataset.key, group.l_max)][i] for i in group.prompt_indices]
         # A later turn of a question is rendered now, from the reference's stored answers to the earlier turns.
         return chat.resolve(
@@ -364,7 +364,7 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
             if cell.status == "failed":
                 failed.add(cp.label)
                 continue
-            if group.batch_size > 1:  # a batch's rows are committed together: all stored or none
+            if group.multi:  # a batch's rows are committed together: all stored or none
                 rows = session.scalars(
                     select(Sample)
                     .where(

@@ -10,9 +10,13 @@ dtbench's own loops.
   after 10 s) when the run moves past its cell, and all of them when the worker closes (end of run, Ctrl-C, SIGTERM,
   failure). A fixed ``port`` that is taken, a server that exits before it is healthy or during a cell, an HTTP error:
   one line naming the server and its log (:class:`ServerError`); the cell fails and nothing of it is stored as done.
-- :func:`measure_requests`: one prompt group of one cell: the group's B prompts sent as streamed ``/v1/completions``
-  requests by one ``httpx.AsyncClient`` with at most B in flight (the load level is the concurrency), all at once or
-  at seeded Poisson arrivals (``request_rate``). Every network read of a response is timestamped
+- :func:`measure_requests`: one unit of one cell (its warmup prompts, or all its measured prompts:
+  :func:`~dtbench.harness.plan.cell_units`) sent as streamed ``/v1/completions`` requests by one
+  ``httpx.AsyncClient`` through a semaphore of C (the load level is the concurrency): C in flight all the time, a new
+  request starting when one finishes (steady concurrency, issue 39; vLLM ``bench serve --max-concurrency``, GuideLLM's
+  ``concurrent`` profile), every request ready at the start or arriving at seeded gamma-distributed gaps
+  (``request_rate``, ``burstiness``: :func:`arrival_delays`). :func:`load_profile` tells its ramp-up, steady part and
+  drain apart. Every network read of a response is timestamped
   (``time.perf_counter``) when it arrives: a request's TTFT is its first token's arrival minus its send time, its
   inter-token latencies (ITL) the gaps between reads that brought tokens, its TPOT (E2E - TTFT) / (T - 1), its
   end-to-end latency (E2E) the last token's arrival minus its send time. The client-side tokens per read (the
@@ -404,17 +408,87 @@ async def _metrics(client, base_url: str, params: ServerParams) -> dict:
     return parse_metrics(response.text)
 
 
-def arrival_delays(n: int, rate: float | None, seed: int) -> list[float]:
-    """Send offsets (s) of ``n`` requests: all 0 without a rate, else seeded Poisson arrivals (exponential gaps of
-    mean 1/rate, the first request at 0), as ``vllm bench serve``'s ``get_request`` draws them."""
+def arrival_delays(n: int, rate: float | None, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send offsets (s) of ``n`` requests from the cell's start: all 0 without a rate, else seeded arrivals whose
+    gaps are gamma-distributed with shape ``burstiness`` and mean 1/``rate`` (scale 1 / (rate * burstiness)), the
+    first request at 0, as ``vllm bench serve``'s ``get_request`` draws them (vLLM benchmarks/benchmark_serving.py:
+    burstiness 1 is a Poisson process, below 1 burstier, above 1 more regular; the gaps' coefficient of variation is
+    1 / sqrt(burstiness)). At burstiness 1 the gaps are drawn by ``random.expovariate`` (the same offsets as before
+    issue 39 for the same seed)."""
     if rate is None:
         return [0.0] * n
     rng = random.Random(seed)
     out, t = [], 0.0
     for _ in range(n):
         out.append(t)
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if burstiness == 1.0 else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return out
+
+
+def load_profile(spans: list[tuple[float, float]], concurrency: int, rate: float | None) -> dict[str, Any]:
+    """How a cell's requests filled the concurrency (issue 39 item 1): ramp-up, steady part, drain.
+
+    Args:
+        spans: per request (send, last token) in seconds from the cell's start; concurrency: the cap C;
+        rate: the arrival rate (None: every request is ready at the start).
+
+    The *steady* window starts when the requests in flight first reach their cap min(C, N) (with a ``rate``: at the
+    first request's completion, when arrivals and completions both run) and ends at the first completion
+    after the last send (from then on fewer requests are in flight and none is left to start); before it is the
+    *ramp-up*, after it the *drain*. Returns (seconds): ``wall_s`` (first send to last token), ``ramp_s``,
+    ``steady_s``, ``drain_s``, ``steady_window_s`` ([start, end] or None when empty), ``mean_in_flight`` (the
+    time-weighted mean of requests in flight over the wall time), ``mean_in_flight_steady`` (over the steady window,
+    None without one) and per request ``steady`` (finished inside the steady window, its ends included). Without a
+    window (the cap never reached, or no request finished after the last send) the whole wall time is ramp-up.
+    """
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], -e[1]))
+    start = events[0][0] if events else 0.0
+    end = max((b for _, b in spans), default=start)
+    cap = min(concurrency, len(spans))
+    level, t_prev, area = 0, start, 0.0
+    t_full: float | None = None
+    for t, d in events:
+        area += level * (t - t_prev)
+        level, t_prev = level + d, t
+        if t_full is None and level >= cap:
+            t_full = t
+    last_send = max((a for a, _ in spans), default=start)
+    lo = min((b for _, b in spans), default=None) if rate is not None else t_full
+    hi = min((b for _, b in spans if b > last_send), default=end)
+    wall = end - start
+    out: dict[str, Any] = {
+        "wall_s": wall,
+        "ramp_s": wall,
+        "steady_s": 0.0,
+        "drain_s": 0.0,
+        "steady_window_s": None,
+        "mean_in_flight": area / wall if wall > 0 else float(len(spans)),
+        "mean_in_flight_steady": None,
+        "steady": [False] * len(spans),
+    }
+    if lo is None or hi <= lo:
+        return out
+    steady_area = sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in spans)
+    out.update(
+        ramp_s=lo - start,
+        steady_s=hi - lo,
+        drain_s=end - hi,
+        steady_window_s=[lo, hi],
+        mean_in_flight_steady=steady_area / (hi - lo),
+        steady=[lo <= b <= hi for _, b in spans],
+    )
+    return out
+
+
+def steady_throughput(reads: list[tuple[float, list[tuple[float, int]]]], window: list[float] | None) -> float | None:
+    """Tokens per second that arrived inside the steady window (``load_profile``'s ``steady_window_s``), over all of
+    a cell's requests: ``reads`` per request (send offset, [(seconds from the send, tokens the read brought)]).
+    None without a window."""
+    if not window or window[1] <= window[0]:
+        return None
+    lo, hi = window
+    tokens = sum(n for sent, rs in reads for t, n in rs if lo < sent + t <= hi)
+    return tokens / (hi - lo)
 
 
 def check_output(
@@ -596,6 +670,22 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
 
 
+def blocks_of(n: int, concurrency: int) -> list[tuple[int, ...]]:
+    """Per row of a unit of ``n`` requests, the rows of its *block*: rows in order in blocks of C (the last possibly
+    smaller). A block is the pairing key of a server cell's speedup (``batch_group``: its first prompt's index), the
+    same prompts as a prompt group of dtbench's own decoders at B = C, though its requests overlap other blocks'."""
+    out = []
+    for i in range(0, n, concurrency):
+        block = tuple(range(i, min(i + concurrency, n)))
+        out.extend([block] * len(block))
+    return out
+
+
+def block_wall(records: list[RequestRecord], block: tuple[int, ...]) -> float:
+    """A block's wall time (s): its first send to its last token (its requests ran among others' at steady load)."""
+    return max(records[i].done_s for i in block) - min(records[i].sent_s for i in block)
+
+
 def measure_requests(
     label: str,
     params: ServerParams,
@@ -614,18 +704,21 @@ def measure_requests(
     tokenizer,
     batch_group: int | None,
 ) -> list[dict[str, Any]]:
-    """Measure one prompt group of a server cell: one streamed request per prompt, at most ``concurrency`` in flight.
+    """Measure one unit of a server cell: one streamed request per prompt, ``concurrency`` kept in flight (a new
+    request starts when one finishes, or at its arrival time when later), and the unit's load profile
+    (:func:`load_profile`, stored with every row as ``step_stats.server.cell_load``).
 
     Args:
         label: the cell's label (errors and logs name it); params: the server's params.
-        prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
-        warmup: the group's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
-        pool: the worker's :class:`ServerPool`; seed: the Poisson arrivals' seed.
+        prompts: the unit's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
+        warmup: the unit's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
+        pool: the worker's :class:`ServerPool`; seed: the arrivals' seed (with the unit's first prompt index).
         references: per row the reference server's output tokens (None: this cell is a reference itself).
         reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
             server of this cell's load level is running: the pool stops servers only when the load level moves on).
         rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
-        batch_group: the group's first prompt index when B > 1 (stored with every row), else None.
+        batch_group: not None when C > 1: every row is stored with its block of C prompts (:func:`blocks_of`: the
+            pairing key ``batch_group``, ``batch_rows``, ``batch_total_s``); None: rows unpaired by block (C = 1).
 
     Returns:
         one ``samples`` row (a plain dict of :class:`~dtbench.harness.sample.SampleRecord` columns) per prompt.
@@ -654,7 +747,9 @@ def measure_requests(
         else:
             prompt_checks.append("token ids sent")
             bodies.append(request_body(params, ids, gen_length, stop_at_eos))
-    delays = arrival_delays(len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index))
+    delays = arrival_delays(
+        len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index), params.burstiness
+    )
     try:
         records, wall, before, after = asyncio.run(_group(base_url, bodies, params, delays, concurrency, tokenize))
     except DtbenchError as exc:  # an HTTP error status, an error event, an event that is not JSON
@@ -678,6 +773,15 @@ def measure_requests(
         group_metrics = metrics_delta(before, after) if after else {}
     except DtbenchError as exc:
         raise ServerError(f"server '{label}': {exc}; {where}") from None
+    profile = load_profile([(rec.sent_s, rec.done_s) for rec in records], concurrency, params.request_rate)
+    cell_load = {
+        k: v for k, v in profile.items() if k != "steady"
+    }  # the same for every row of the unit: its load profile
+    cell_load["steady_throughput"] = steady_throughput(
+        [(rec.sent_s, rec.reads) for rec in records], profile["steady_window_s"]
+    )
+    cell_load["throughput"] = sum(min(len(rec.tokens), gen_length) for rec in records) / wall if wall > 0 else None
+    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
     rows = []
     for r, (prompt, rec) in enumerate(zip(prompts, records)):
         if not rec.reads or not rec.tokens:
@@ -727,6 +831,11 @@ def measure_requests(
             "speculative": params.speculative,
             "concurrency": concurrency,
             "request_rate": params.request_rate,
+            "burstiness": params.burstiness,
+            "load_kind": "steady",
+            "steady": profile["steady"][r],
+            "cell_load": cell_load,
+            "arrival_s": delays[r],
             "sent_s": rec.sent_s,
             "e2e_s": e2e,
             "ttft_s": ttft,
@@ -772,9 +881,9 @@ def measure_requests(
                 step_times_s=times,
                 output_hash=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
                 output_tokens=tokens,
-                batch_group=batch_group,
-                batch_rows=len(prompts) if batch_group is not None else None,
-                batch_total_s=wall if batch_group is not None else None,
+                batch_group=prompts[blocks[r][0]].index if blocks[r] else None,
+                batch_rows=len(blocks[r]) if blocks[r] else None,
+                batch_total_s=block_wall(records, blocks[r]) if blocks[r] else None,
                 **check,
             )
         )

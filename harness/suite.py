@@ -22,6 +22,7 @@ from dtbench.harness.safetext import control_character
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
+SWEPT_BY_LIST = ("request_rate",)  # decoder params whose list of values is a sweep axis (server: issue 39 item 2)
 MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
 MAX_BATCH = 4096  # largest batch size B a suite may ask for
 
@@ -277,6 +278,23 @@ class DecoderSpec(_HasLMax):
     @classmethod
     def _concurrency(cls, data):
         return _one_load_axis(data)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_axes(cls, data):
+        """A list of values of a :data:`SWEPT_BY_LIST` param (``request_rate: [1, 2, 4]``) is a sweep axis (issue
+        39 item 2): moved into ``sweep``, one cell per value, labelled ``label (request_rate=R)``."""
+        if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+            return data
+        params, sweep = dict(data["params"]), data.get("sweep")
+        for key in SWEPT_BY_LIST:
+            if isinstance(params.get(key), list):
+                if isinstance(sweep, dict) and key in sweep:
+                    raise ValueError(f"{key} is both a list in params and a sweep: give it once")
+                sweep = {**(sweep if isinstance(sweep, dict) else {}), key: params.pop(key)}
+        if sweep is not data.get("sweep"):
+            data = {**data, "params": params, "sweep": sweep}
+        return data
 
     _swept: dict[str, Any] = PrivateAttr(default_factory=dict)  # its point of the sweep grid
 

@@ -357,7 +357,7 @@ def measure_served(
         return Outcome(
             cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {group.prompt_index}"
         )
-    batched = group.batch_size > 1
+    batched = group.batch_size > 1  # rows paired per block of C prompts (serving.blocks_of); at C = 1 per prompt
     try:
         rows = serving.measure_requests(
             cp.label,
@@ -383,7 +383,7 @@ def measure_served(
     except (Exception, SystemExit) as exc:
         message = str(exc) if isinstance(exc, DtbenchError) else f"{type(exc).__name__}: {exc}"
         return Outcome(cp.label, error=clip(message, 1500))
-    return Outcome(cp.label, row=rows[0], rows=rows if batched else None)
+    return Outcome(cp.label, row=rows[0], rows=rows if group.multi else None)
 
 
 def _served_reference(
@@ -446,7 +446,7 @@ def run_group(
     outputs = dict(done)
     served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
-    if group.batch_size > 1:
+    if group.multi:
         for cp in group.decoders:
             if cp.label in outputs or cp.label in skip:
                 continue
@@ -518,13 +518,23 @@ def _finish(outcome: Outcome, group: PromptGroup, start: load.Reading) -> None:
             row["repeat"] = group.repeat
 
 
-WorkKey = tuple[str, int, int, int, int, int]  # (dataset, L_max, T, B, first prompt index, repeat)
+WorkKey = tuple[str, int, int, int, int, int, bool]  # (dataset, L_max, T, B, first prompt index, repeat, served)
 
 
 def work_key(group: PromptGroup) -> WorkKey:
     """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B), the (first) prompt
-    index and the repeat."""
-    return (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index, group.repeat)
+    index, the repeat, and whether it is a server cell's whole-cell unit (:func:`~dtbench.harness.plan.cell_units`:
+    it starts at the same prompt as a group of dtbench's own decoders at the same point)."""
+    served = bool(group.decoders) and all(cp.cls.requests for cp in group.decoders)
+    return (
+        group.dataset.key,
+        group.l_max,
+        group.gen_length,
+        group.batch_size,
+        group.prompt_index,
+        group.repeat,
+        served,
+    )
 
 
 @dataclass

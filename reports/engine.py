@@ -18,6 +18,7 @@ dtbench's decoders, the requests in flight of a ``server`` cell). Per row:
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -31,7 +32,13 @@ CAPTION = (
     "load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
     "at the same load (a server over its plain server, dtbench's decoders over ar), paired per prompt group, "
     "CI a paired t-interval on log ratios; latencies p50/p90/p99 in ms after warmup; acceptance length per "
-    "step = tokens / verification steps pooled over the cell, per request = the mean of each request's own"
+    "step = tokens / verification steps pooled over the cell, per request = the mean of each request's own; kind: "
+    "B (static batch) = lock-step batches of B prompts, concurrency (steady) = C requests kept in flight over the "
+    "cell's measured prompts (a server's speedup pairs blocks of C prompts, each block's tokens over its first send "
+    "to last token); cell t/s = the cell's tokens over its wall time, steady t/s = the tokens that arrived from the "
+    "moment C requests were first in flight (with arrivals: the first completion) to the first completion after the "
+    "last send, over that window; in flight = time-weighted mean of requests in flight; ramp/steady/drain = the "
+    "seconds before, in and after that window"
 )
 
 
@@ -123,6 +130,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
             p50, p90, p99 = _pct(values)
             row.update({f"{name}_p50_s": p50, f"{name}_p90_s": p90, f"{name}_p99_s": p99})
         row.update(_acceptance(mine, server, is_server))
+        row.update(load_kind(c.batch_size or 1, server, is_server))
         verdicts = [s.lossless for s in by_cell.get(c.id, []) if s.lossless is not None]
         row["lossless"] = MISSING if not verdicts else ("yes" if all(verdicts) else "no")
         row["ties"] = sum(s.lossless_ties or 0 for s in by_cell.get(c.id, []))
@@ -132,6 +140,72 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         row["lossless_rule"] = "; ".join(rules) if rules else (own if verdicts else "")
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+STATIC = "B (static batch)"
+STEADY = "concurrency (steady)"
+GROUPS = "concurrency (groups of C)"
+
+
+def unit_loads(server: list[dict]) -> list[dict]:
+    """The distinct load profiles (``cell_load``, :func:`dtbench.harness.serving.load_profile`) among a cell's
+    requests' ``step_stats.server``: one per unit of work (a cell's measured prompts, per repeat); [] for a server
+    cell measured before issue 39 and for dtbench's own decoders."""
+    units = {json.dumps(st["cell_load"], sort_keys=True): st["cell_load"] for st in server if st.get("cell_load")}
+    return list(units.values())
+
+
+def steady_walls(session, run_id: int) -> dict[int, float]:
+    """Per steady server cell of a run (issue 39 item 1), its measured wall time in seconds: the sum of its units'
+    first send to last token (its blocks of C overlap, so the sum of their walls is no wall time)."""
+    rows = session.execute(
+        select(Sample.cell_id, Sample.step_stats)
+        .join(Cell, Sample.cell_id == Cell.id)
+        .where(Cell.run_id == run_id, Cell.decoder == "server", Sample.warmup.is_(False))
+    ).all()
+    by_cell: dict[int, list[dict]] = {}
+    for cell_id, stats in rows:
+        by_cell.setdefault(cell_id, []).append((stats or {}).get("server") or {})
+    walls = {cid: sum(u["wall_s"] for u in unit_loads(server)) for cid, server in by_cell.items()}
+    return {cid: wall for cid, wall in walls.items() if wall > 0}
+
+
+def load_kind(batch_size: int, server: list[dict], is_server: bool) -> dict:
+    """How a cell's load was applied (issue 39 item 1), and its steady part where it has one.
+
+    ``load_kind``: dtbench's own decoders decode lock-step static batches of B (:data:`STATIC`); a server cell
+    measured since issue 39 keeps C requests in flight over its measured prompts (:data:`STEADY`); one measured before
+    sent groups of C and waited for each (:data:`GROUPS`). For a steady cell (``step_stats.server.cell_load``,
+    :func:`dtbench.harness.serving.load_profile`): ``cell_throughput`` its tokens over its wall time (tokens/s),
+    ``steady_throughput`` the tokens that arrived in its steady window over that window, ``mean_in_flight`` the
+    time-weighted mean of requests in flight over the cell, and ``ramp_s``/``steady_s``/``drain_s`` (s), summed over
+    its repeats' units (one unit per repeat; NaN where absent)."""
+    out = {
+        "load_kind": STATIC if not is_server else GROUPS,
+        "cell_throughput": math.nan,
+        "steady_throughput": math.nan,
+        "mean_in_flight": math.nan,
+        "ramp_s": math.nan,
+        "steady_s": math.nan,
+        "drain_s": math.nan,
+    }
+    loads = unit_loads(server)
+    if not is_server or not loads:
+        return out
+    wall = sum(u["wall_s"] for u in loads)
+    steady = sum(u["steady_s"] for u in loads)
+    tokens = sum((u.get("throughput") or 0.0) * u["wall_s"] for u in loads)
+    steady_tokens = sum((u.get("steady_throughput") or 0.0) * u["steady_s"] for u in loads)
+    out.update(
+        load_kind=STEADY,
+        cell_throughput=tokens / wall if wall > 0 else math.nan,
+        steady_throughput=steady_tokens / steady if steady > 0 else math.nan,
+        mean_in_flight=sum(u["mean_in_flight"] * u["wall_s"] for u in loads) / wall if wall > 0 else math.nan,
+        ramp_s=sum(u["ramp_s"] for u in loads),
+        steady_s=steady,
+        drain_s=sum(u["drain_s"] for u in loads),
+    )
+    return out
 
 
 def _acceptance(mine: list, server: list[dict], is_server: bool) -> dict:
@@ -201,7 +275,14 @@ def display(frame: pd.DataFrame) -> pd.DataFrame:
                 "Decoder": r["label"],
                 "Ref": r["reference"] if isinstance(r["reference"], str) else MISSING,
                 "n": str(int(r["n"])),
+                "Kind": r["load_kind"],
                 "t/s": _x(r["throughput"], ".1f"),
+                "Cell t/s": _x(r["cell_throughput"], ".1f"),
+                "Steady t/s": _x(r["steady_throughput"], ".1f"),
+                "In flight": _x(r["mean_in_flight"], ".1f"),
+                "Ramp/steady/drain s": MISSING
+                if math.isnan(r["steady_s"])
+                else f"{r['ramp_s']:.2f}/{r['steady_s']:.2f}/{r['drain_s']:.2f}",
                 "Speedup": _x(r["speedup"]),
                 "CI": ci,
                 "TTFT p50/p99": f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",

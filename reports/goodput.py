@@ -11,7 +11,8 @@ B > 1 each row of each batch, with its own TTFT, TPOT and latency as the runner 
   exact enough at the 5-50 requests a cell has, unlike the normal approximation near 0 or 1);
 - ``token_goodput``: the share of output tokens that belong to such requests;
 - ``goodput_rps``: good requests per second of the cell's wall time (at B = 1 the sum of its samples' times; at
-  B > 1 or a server's concurrency, the sum of its prompt groups' wall times), vLLM's "request goodput".
+  B > 1, the sum of its prompt groups' wall times; a steady server cell, issue 39 item 1, its measured prompts' first
+  send to last token), vLLM's "request goodput".
 """
 
 from __future__ import annotations
@@ -76,12 +77,16 @@ def meets(samples: pd.DataFrame, slos: dict[str, float]) -> pd.Series:
     return ok
 
 
-def goodput_frame(frame: pd.DataFrame, slos: dict[str, float], confidence: float = 0.95) -> pd.DataFrame:
+def goodput_frame(
+    frame: pd.DataFrame, slos: dict[str, float], confidence: float = 0.95, walls: dict[int, float] | None = None
+) -> pd.DataFrame:
     """One row per cell with samples after warmup: n requests, good, goodput and its CI, token_goodput, goodput_rps.
 
     Args:
         frame: :func:`~dtbench.reports.summary.samples_frame` of one run.
         slos: :func:`parse_slos`'s targets (seconds).
+        walls: per cell id, its wall time (s) where it is not a sum of its samples' or groups' times: a steady
+            server cell's (:func:`~dtbench.reports.engine.steady_walls`).
     """
     s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)]
     rows = []
@@ -91,7 +96,9 @@ def goodput_frame(frame: pd.DataFrame, slos: dict[str, float], confidence: float
         n, good = len(cell), int(ok.sum())
         low, high = wilson(good, n, confidence)
         tokens = pd.to_numeric(cell["new_tokens"], errors="coerce").fillna(0)
-        if "batch_total_s" in cell and cell["batch_total_s"].notna().any():  # groups (B > 1, a server's load)
+        if walls and cell_id in walls:  # a steady server cell: its units' wall times (its blocks overlap)
+            wall = walls[cell_id]
+        elif "batch_total_s" in cell and cell["batch_total_s"].notna().any():  # groups (B > 1, a server's load)
             keys = [*(["repeat"] if "repeat" in cell else []), "batch_group"]
             wall = float(cell.dropna(subset=["batch_total_s"]).groupby(keys)["batch_total_s"].first().sum())
             wall += float(cell.loc[cell["batch_total_s"].isna(), "total_s"].sum())
@@ -146,13 +153,15 @@ def goodput_report(sessions, run_id: int | None, fmt: str, slos: dict[str, float
     Raises:
         DtbenchError: unknown run, or no samples after warmup.
     """
+    from dtbench.reports.engine import steady_walls
     from dtbench.reports.output import Document, Report, emit
     from dtbench.reports.summary import get_run, samples_frame
 
     with sessions() as session:
         run = get_run(session, run_id)
         frame = samples_frame(session, run.id)
-    rows = goodput_frame(frame, slos, confidence)
+        walls = steady_walls(session, run.id)
+    rows = goodput_frame(frame, slos, confidence, walls)
     if rows.empty:
         raise DtbenchError(f"run {run.id} has no samples after warmup")
     targets = ", ".join(f"{name} <= {limit * 1e3:g} ms" for name, limit in slos.items())

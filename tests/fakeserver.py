@@ -7,7 +7,9 @@ It answers ``GET /health`` with 200 and ``POST /v1/completions`` by its *mode*, 
   nothing;
 - ``stream``: streams ``max_tokens`` token ids (``--tokens`` cycled), then a final event with ``--timings`` (JSON,
   written as given: NaN and Infinity included); a non-streamed request (the check request) gets ``--check``
-  verbatim (default: a valid JSON answer with top candidates).
+  verbatim (default: a valid JSON answer with top candidates). With ``durations`` (seconds, cycled over the
+  streamed requests in the order they arrive) each stream's events are spread over that long (issue 39: requests
+  that take 1x or 4x as long).
 
 Run in a thread (:func:`serve`) or as a process (``python tests/fakeserver.py --port N --mode M``: ``launch:``).
 """
@@ -15,6 +17,7 @@ Run in a thread (:func:`serve`) or as a process (``python tests/fakeserver.py --
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import threading
@@ -22,7 +25,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
-def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark: str | None = None):
+def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark: str | None = None, durations=None):
+    arrived = itertools.count()
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -68,6 +73,22 @@ def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark:
             ]
             final = '{"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "timings": ' + timings + "}"
             payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + f"data: {final}\n\ndata: [DONE]\n\n"
+            if durations:  # one event per token, spread over this request's duration
+                pause = durations[next(arrived) % len(durations)] / max(1, len(events))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                parts = [f"data: {json.dumps(e)}\n\n" for e in events] + [f"data: {final}\n\ndata: [DONE]\n\n"]
+                for i, part in enumerate(parts):
+                    if i < len(events):
+                        time.sleep(pause)
+                    raw = part.encode()
+                    self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                return
             data = payload.encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -85,10 +106,14 @@ def serve(
     check: str | None = None,
     port: int = 0,
     mark: str | None = None,
+    durations=None,
 ):
     """Start the fake server in a daemon thread; returns (server, base URL). ``server.shutdown()`` stops it.
-    ``mark``: a file created when a completion request arrives."""
-    server = ThreadingHTTPServer(("127.0.0.1", port), handler(mode, list(tokens), timings, check, mark))
+    ``mark``: a file created when a completion request arrives; ``durations``: seconds per streamed request, cycled
+    in arrival order."""
+    server = ThreadingHTTPServer(
+        ("127.0.0.1", port), handler(mode, list(tokens), timings, check, mark, list(durations or []))
+    )
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
