@@ -298,9 +298,9 @@ def test_more_buckets_than_dynamos_default_limit_all_compile():
     """Two models of one class with every bucket up to 16 (2 x 5 graphs of one compiled function) pass dynamo's
     default limit of 8 graphs per function: the execution raises the limit and every shape compiles (past the limit
     dynamo would silently run eager, and a "compiled" cell would measure eager code; hitting it is now an error)."""
-    import torch._dynamo.config as dynamo
-
     import copy
+
+    import torch._dynamo.config as dynamo
 
     target, other = model_zoo()["unrelated"]
     draft = copy.deepcopy(other).to(torch.float32)  # as the embedded pair: one class, two dtypes, so two graph sets
