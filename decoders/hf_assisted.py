@@ -39,6 +39,7 @@ scikit-learn it stays fixed. Results are only comparable between environments th
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Iterator
@@ -182,6 +183,7 @@ class _StreamedGenerate(Decoder):
         bridge = _Bridge()
         eos = eos_ids(self.eos_token_id)
         call = greenlet(lambda: self._work(bridge, input_ids, max_new_tokens))
+        call.gr_context = contextvars.copy_context()  # a greenlet starts with an empty context: hand it this one
         try:
             message = call.switch()
             while not call.dead:
@@ -219,6 +221,7 @@ class _StreamedGenerate(Decoder):
             ids[r, width - n :], mask[r, width - n :] = p[0], 1
         bridge = _Bridge()
         call = greenlet(lambda: self._work(bridge, ids, max_new_tokens, mask))
+        call.gr_context = contextvars.copy_context()  # (compiled execution lives in a context variable)
         try:
             message = call.switch()
             while not call.dead:
@@ -343,7 +346,7 @@ class HFGenerate(_StreamedGenerate):
             return {}
         from transformers import CompileConfig
 
-        cache = execution.static_cache(self.target)
+        cache = execution.static_cache(self.target, owner="transformers")
         cache.reset()
         cuda = self.target.device.type == "cuda"
         config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")

@@ -61,8 +61,8 @@ class Execution:
         self.max_len = max_len
         self._forwards: dict[int, Any] = {}
         _allow_every_bucket()
-        self._pool: dict[tuple[int, int, int], Any] = {}
-        self._slot: dict[int, int] = {}
+        self._pool: dict[tuple[int, int, int, str], Any] = {}
+        self._slot: dict[tuple[int, str], int] = {}
 
     def resize(self, max_len: int) -> None:
         """Static caches made from now on hold ``max_len`` positions (a cell with a longer prompt cap or T)."""
@@ -81,13 +81,17 @@ class Execution:
             self._forwards[id(model)] = fn
         return fn
 
-    def static_cache(self, model: torch.nn.Module) -> Any:
-        """The next pooled ``StaticCache`` of ``model`` for this sample (made on first use)."""
+    def static_cache(self, model: torch.nn.Module, owner: str = "") -> Any:
+        """The next pooled ``StaticCache`` of ``model`` for this sample (made on first use).
+
+        ``owner`` keeps a separate pool: transformers' ``generate`` runs under ``no_grad``, and a cache whose buffers
+        were made under dtbench's loops' ``inference_mode`` cannot be written outside it.
+        """
         from transformers import StaticCache
 
-        slot = self._slot.get(id(model), 0)
-        self._slot[id(model)] = slot + 1
-        key = (id(model), slot, self.max_len)
+        slot = self._slot.get((id(model), owner), 0)
+        self._slot[(id(model), owner)] = slot + 1
+        key = (id(model), slot, self.max_len, owner)
         cache = self._pool.get(key)
         if cache is None:
             cache = StaticCache(config=model.config, max_cache_len=self.max_len)
