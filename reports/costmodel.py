@@ -568,6 +568,23 @@ BATCH_CAPTION = (
 )
 
 
+def b1_frame(samples) -> pd.DataFrame:
+    """The columns :func:`b1_parameters` reads, one row per stored sample (ORM ``Sample`` objects)."""
+    return pd.DataFrame(
+        [
+            {
+                "warmup": s.warmup,
+                "iterations": s.iterations,
+                "drafted": s.drafted,
+                "new_tokens": s.new_tokens,
+                "total_s": s.total_s,
+                "step_stats": s.step_stats,
+            }
+            for s in samples
+        ]
+    )
+
+
 def b1_parameters(rows: pd.DataFrame) -> dict | None:
     """(L, n, d, per-position acceptance, drafted per iteration) of a B = 1 cell from its samples after warmup, and
     ``outside``: its seconds per iteration outside model forwards (the loop and the proposer's own CPU work; None
@@ -685,19 +702,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
     for cid, cell in full.items():
         if (cell.batch_size or 1) != 1 or cell.sampling:
             continue
-        frame_rows = pd.DataFrame(
-            [
-                {
-                    "warmup": s.warmup,
-                    "iterations": s.iterations,
-                    "drafted": s.drafted,
-                    "new_tokens": s.new_tokens,
-                    "total_s": s.total_s,
-                    "step_stats": s.step_stats,
-                }
-                for s in samples[cid]
-            ]
-        )
+        frame_rows = b1_frame(samples[cid])
         if frame_rows.empty:
             continue
         got = b1_parameters(frame_rows)

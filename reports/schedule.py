@@ -44,7 +44,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     """
     from dtbench.harness.db import Cell
     from dtbench.reports.compare import speedup_table
-    from dtbench.reports.costmodel import b1_parameters, best_k_at, price_proposers
+    from dtbench.reports.costmodel import b1_frame, b1_parameters, best_k_at, price_proposers
     from dtbench.reports.stats import family_of
     from dtbench.reports.summary import samples_frame
 
@@ -65,19 +65,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     for c in cells:
         if (c.batch_size or 1) != 1 or c.sampling or family_of(c.family) not in ("ar", "chain") or c.status == "failed":
             continue
-        samples = pd.DataFrame(
-            [
-                {
-                    "warmup": s.warmup,
-                    "iterations": s.iterations,
-                    "drafted": s.drafted,
-                    "new_tokens": s.new_tokens,
-                    "total_s": s.total_s,
-                    "step_stats": s.step_stats,
-                }
-                for s in c.samples
-            ]
-        )
+        samples = b1_frame(c.samples)
         got = b1_parameters(samples) if not samples.empty else None
         if got is not None:
             params_of[(c.dataset, c.l_max, c.gen_length, c.label)] = {**got, "family": family_of(c.family), "cell": c}
