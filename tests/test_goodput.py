@@ -7,9 +7,7 @@ import json
 import pandas as pd
 import pytest
 from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
-from sqlalchemy import select
 
-from dtbench.harness import db
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.goodput import goodput_frame, meets, parse_slos, wilson
 
@@ -78,11 +76,8 @@ def test_goodput_of_a_run_with_batch_sizes(pair, tmp_path, data_dir):
     assert loose["slo_ms"] == {"e2el": 600000.0}
     assert {(c["label"], c["batch_size"]) for c in loose["cells"]} == {(d, b) for d in ("ar", "linear") for b in (1, 2)}
     assert all(c["goodput"] == 1.0 and c["good"] == c["n"] == 4 for c in loose["cells"])  # every row of every batch
-    with db.connect(str(dbfile))() as s:  # a target between the fastest and the slowest request splits them
-        times = sorted(x.ttft_s for c in s.scalars(select(db.Cell)) if c.label == "ar" for x in c.samples)
-    cut = (times[1] + times[-1]) / 2 * 1e3
-    split = json.loads(invoke("report", "--db", str(dbfile), "--goodput", f"ttft:{cut}", "--format", "json").stdout)
-    assert any(0 < c["goodput"] < 1 or c["goodput"] == 0 for c in split["cells"])
+    strict = json.loads(invoke("report", "--db", str(dbfile), "--goodput", "ttft:0.001", "--format", "json").stdout)
+    assert all(c["goodput"] == 0 and c["good"] == 0 and c["token_goodput"] == 0 for c in strict["cells"])
     table = invoke("report", "--db", str(dbfile), "--goodput", "ttft:1,tpot:1", "--format", "markdown")
     assert table.exit_code == 0 and "Goodput · run 1" in table.stdout and "Good req/s" in table.stdout
     one_line_error(invoke("report", "--db", str(dbfile), "--goodput", "ttft:x"), "positive number of milliseconds")
