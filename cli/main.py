@@ -36,7 +36,7 @@ class FormatChoice(click.Choice):
     def choices(self) -> tuple[str, ...]:
         from dtbench.reports.output import load_format_plugins
 
-        for problem in load_format_plugins():  # third-party formats (entry points `dtbench.formats`), once
+        for problem in load_format_plugins():  # third-party formats (entry points `dtbench.formats`), each warned once
             click.echo(f"warning: {problem}", err=True)
         return tuple(RENDERERS)
 

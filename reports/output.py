@@ -132,35 +132,39 @@ RENDERERS: dict[str, Callable[[Document], object]] = {}
 
 
 FORMATS_GROUP = "dtbench.formats"  # the entry-point group of third-party report formats (issue 40 item 4)
-_PLUGINS_LOADED: list[str] = []  # the plugin formats' problems, once loaded (an empty list: loaded, none failed)
-_LOADED = False
+_PLUGINS_SEEN: dict[tuple[str, str], str | None] = {}  # (name, value) -> the entry point's problem, or None: loaded
 
 
 def load_format_plugins() -> list[str]:
-    """Import every report format a package registers under the ``dtbench.formats`` entry-point group, once.
+    """Import every report format a package registers under the ``dtbench.formats`` entry-point group.
 
     An entry point names a renderer function (``tsv = "my_pkg.formats:render_tsv"``: registered under the entry
     point's name unless it registered itself with :func:`renderer`) or a module whose import registers its renderers.
-    A built-in format's name is never taken over.
+    A built-in format's name is never taken over. The group is scanned on every call (a scan reads the installed
+    distributions' metadata, no import) and each entry point is imported once, so a plugin installed after the first
+    call (``pip install`` in a running session) is a choice at the next.
 
     Returns:
-        One line per plugin that could not be loaded (the caller warns with them); the others are registered.
+        One line per plugin that could not be loaded, first seen in this call (the caller warns with them once); the
+        others are registered.
     """
-    global _LOADED
-    if _LOADED:
-        return list(_PLUGINS_LOADED)
-    _LOADED = True
     from importlib.metadata import entry_points
 
+    problems = []
     for ep in entry_points(group=FORMATS_GROUP):
+        key = (ep.name, ep.value)
+        if key in _PLUGINS_SEEN:
+            continue
         try:
             loaded = ep.load()
         except Exception as exc:  # a broken plugin is named, never the end of the report
-            _PLUGINS_LOADED.append(f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}")
+            _PLUGINS_SEEN[key] = f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}"
+            problems.append(_PLUGINS_SEEN[key])
             continue
+        _PLUGINS_SEEN[key] = None
         if callable(loaded) and ep.name not in RENDERERS:
             RENDERERS[ep.name] = loaded
-    return list(_PLUGINS_LOADED)
+    return problems
 
 
 def renderer(name: str):
