@@ -131,7 +131,7 @@ class Measured:
     host: str
     pid: int
     device: str  # str(torch.device) on the worker: cpu, cuda:0
-    device_name: str  # measure.device_name on the worker
+    device_name: str  # machine.device_name on the worker
 
     @property
     def where(self) -> dict:
@@ -428,13 +428,13 @@ def store(
 ) -> str:
     """Write ``points`` as one calibration batch; return the batch id.
 
-    ``device_name``: the measuring worker's (default: :func:`~dtbench.harness.measure.device_name` of ``device``
+    ``device_name``: the measuring worker's (default: :func:`~dtbench.harness.machine.device_name` of ``device``
     in this process)."""
-    from dtbench.harness import measure
+    from dtbench.harness import machine
     from dtbench.harness.db import Calibration
 
     batch = uuid.uuid4().hex
-    dev_name = device_name if device_name is not None else measure.device_name(device)
+    dev_name = device_name if device_name is not None else machine.device_name(device)
     with sessions() as session:
         for p in points:
             session.add(

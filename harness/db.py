@@ -261,7 +261,7 @@ class Calibration(Base):
     model: Mapped[str] = mapped_column(String(500))
     dtype: Mapped[str] = mapped_column(String(20))
     device: Mapped[str] = mapped_column(String(50))  # str(torch.device): cpu, cuda:0
-    device_name: Mapped[str] = mapped_column(String(300))  # measure.device_name (CPU model and threads, GPU model)
+    device_name: Mapped[str] = mapped_column(String(300))  # machine.device_name (CPU model and threads, GPU model)
     prompt_len: Mapped[int] = mapped_column(Integer)  # the suite's prompt length (L_max) this curve is for
     cache_len: Mapped[int] = mapped_column(Integer)  # KV positions before the forward (0: a prefill)
     n: Mapped[int] = mapped_column(Integer)  # new tokens fed in the forward

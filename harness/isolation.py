@@ -81,14 +81,11 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
 
 def remember(outcome: Outcome, done: dict[str, Reference], skip: set[str]) -> None:
     """Record a measured outcome in a group's ``done`` (its :class:`~dtbench.harness.sample.Reference`: tokens, total
-    seconds, CPU seconds; at B > 1 every row's tokens and the batch's seconds) or, failed, its label in ``skip``."""
-    if outcome.row is None:
+    seconds, CPU seconds; every row's tokens, at B > 1 the batch's seconds) or, failed, its label in ``skip``."""
+    if outcome.rows is None:
         skip.add(outcome.label)
         return
-    rows = outcome.rows or [outcome.row]
-    tokens = [r["output_tokens"] for r in rows] if outcome.rows else outcome.row["output_tokens"]
-    total = rows[0]["batch_total_s"] if outcome.rows else outcome.row["total_s"]
-    done[outcome.label] = Reference(tokens, total, outcome.cpu_s)
+    done[outcome.label] = outcome.reference()
 
 
 def own_process_segments(decoders, device_type: str) -> list[tuple[str | None, set[str]]]:

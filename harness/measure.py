@@ -2,7 +2,8 @@
 
 - Clock: ``time.perf_counter`` after synchronizing the device (CUDA work is asynchronous; a step's tokens are
   only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them).
-- :func:`measure`: one decoder on one prompt, a timestamp per Step, forward passes counted by hooks
+- :func:`measure_rows`: the one timing loop, one decoder on B prompts (B = 1 a batch of one; :func:`measure` and
+  :func:`measure_batch` are its two shapes), a timestamp per iteration, forward passes counted by hooks
   (:class:`ForwardCounter`), peak memory (:mod:`dtbench.harness.memory`), energy (:mod:`dtbench.harness.energy`),
   a per-sample time limit.
 - Environment: :func:`environment` records versions and hardware with every run; :func:`hardware_flags` what
@@ -11,17 +12,12 @@
 
 from __future__ import annotations
 
-import platform
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
 from dtbench.harness.energy import EnergyReading, EnergyTracker
@@ -31,113 +27,9 @@ if TYPE_CHECKING:
     from dtbench.decoders.base import Decoder, Step
 
 
-def device_name(device: torch.device) -> str:
-    """A human-readable name of the device (GPU model, or CPU model and core count)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{cpu_model()} ({psutil.cpu_count(logical=True)} threads, torch {torch.get_num_threads()} threads)"
-
-
-def cpu_model() -> str:
-    """The CPU model string from /proc/cpuinfo, or the platform's processor name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-
-    return platform.processor() or "unknown CPU"
-
-
-# /proc/cpuinfo flags that decide how fast a dtype runs on CPU: AVX2/AVX-512 vector width, native bf16 and fp16
-# arithmetic (AVX-512 BF16/FP16) and Intel AMX tiles (oneDNN's bf16 matmuls). Without avx512_bf16/amx_bf16 a
-# bfloat16 model is converted on the fly and can be slower than float32 (docs/architecture.md, "The embedded default").
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-
-
-_CPUINFO = Path("/proc/cpuinfo")
-
-
-def _cpuinfo_flags() -> set[str] | None:
-    """The CPU's feature flags (the first ``flags`` line of /proc/cpuinfo), or None where unreadable."""
-    try:
-        for line in _CPUINFO.read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
-
-
-def hardware_flags(device: torch.device) -> dict[str, Any]:
-    """The hardware features that decide dtype speed, for the run's environment record (``environment["hardware"]``).
-
-    Returns:
-        ``cpu_flags``: ``{flag: bool}`` for each of :data:`CPU_FLAGS` from ``/proc/cpuinfo`` (None where that file
-        is unreadable, e.g. not Linux); ``torch_cpu_capability``: the SIMD level torch's CPU kernels dispatch to
-        (``torch.backends.cpu.get_cpu_capability()``: "DEFAULT", "AVX2", "AVX512", ...; None if unavailable); on
-        CUDA also ``cuda_capability`` ("9.0": ``torch.cuda.get_device_capability``) and ``cuda_bf16`` (compute
-        capability >= 8.0, i.e. native bfloat16 tensor cores; older GPUs only emulate it). Never raises.
-    """
-    flags = _cpuinfo_flags()
-    out: dict[str, Any] = {"cpu_flags": None if flags is None else {f: f in flags for f in CPU_FLAGS}}
-    try:
-        out["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    except Exception:
-        out["torch_cpu_capability"] = None
-    if device.type == "cuda":
-        try:
-            major, minor = torch.cuda.get_device_capability(device)
-            out["cuda_capability"], out["cuda_bf16"] = f"{major}.{minor}", major >= 8
-        except Exception:
-            out["cuda_capability"], out["cuda_bf16"] = None, None
-    return out
-
-
 def now() -> float:
     """Seconds from a monotonic high-resolution clock."""
     return time.perf_counter()
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and hardware of this run, stored with it so results stay interpretable."""
-
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    env = {
-        "dtbench": version("dtbench"),
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(device),
-        "device_name": device_name(device),
-        "cpu": cpu_model(),
-        "hardware": hardware_flags(device),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda if device.type == "cuda" else None,
-        "git_sha": _git_sha(),
-    }
-    return env
-
-
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # --- The measurement loop: one decoder on one prompt, timed per Step, forwards counted, time-limited -----------
@@ -417,7 +309,7 @@ def measure(
     timeout_s: float | None = None,
     cpu_timeout_s: float | None = None,
 ) -> Measurement:
-    """Run ``decoder`` on one prompt, timing each yielded Step after synchronizing the device.
+    """Run ``decoder`` on one prompt (``generate``), a batch of one through :func:`measure_rows`.
 
     The clock starts right before ``generate`` is called (prefill included) and reads after each Step; the
     committed tokens are truncated to exactly ``gen_length`` (T) and iteration stops once T are committed, or, when
@@ -439,64 +331,7 @@ def measure(
         SampleTimeout: the sample ran past ``timeout_s``.
         Exception: whatever the decoder raises (the runner fails the cell).
     """
-    import operator
-
-    from dtbench.decoders.base import Step, cut_at_eos, eos_ids
-    from dtbench.harness.errors import DtbenchError
-
-    eos = eos_ids(getattr(decoder, "eos_token_id", None))
-    ended = False
-    input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    tokens: list[int] = []
-    steps: list[Step] = []
-    records: list[StepRecord] = []
-    synchronize(device)
-    counter = ForwardCounter(decoder.target, decoder.draft)
-    cpu0 = time.process_time()
-    with _Deadline(timeout_s, cpu_timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
-        last = counter.snapshot()
-        start = now()
-        gen = decoder.generate(input_ids, gen_length)
-        try:
-            for step in gen:
-                synchronize(device)
-                t = now() - start
-                snap = counter.snapshot()
-                if not step.tokens:
-                    raise DtbenchError(f"decoder yielded a step with no tokens at iteration {len(steps)}")
-                try:
-                    ids = [operator.index(x) for x in step.tokens]
-                except TypeError:
-                    raise DtbenchError(
-                        f"decoder yielded a token that is not an integer id at iteration "
-                        f"{len(steps)}: {step.tokens[:8]!r}"
-                    ) from None
-                records.append(counter.record(t, last, snap))
-                last = snap
-                step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
-                step, ended = cut_at_eos(step, eos) if eos else (step, False)
-                steps.append(step)
-                tokens.extend(step.tokens)
-                if ended or len(tokens) >= gen_length:
-                    break
-        finally:
-            close = getattr(gen, "close", None)  # a generator (the contract's usual generate) is closed
-            if close is not None:
-                close()
-    if len(tokens) < gen_length and not ended:
-        raise DtbenchError(f"decoder stopped after {len(tokens)} of {gen_length} tokens")
-    synchronize(device)
-    stats = getattr(decoder, "state_stats", None)
-    return Measurement(
-        tokens=tokens[:gen_length],
-        steps=steps,
-        records=records,
-        memory=mem.peak,
-        forward_s=counter.forward_seconds(),
-        state=stats() if stats else None,
-        energy=energy.reading,
-        cpu_s=time.process_time() - cpu0,
-    )
+    return measure_rows(decoder, [prompt_ids], gen_length, device, timeout_s=timeout_s, cpu_timeout_s=cpu_timeout_s)[0]
 
 
 def measure_batch(
@@ -508,26 +343,61 @@ def measure_batch(
     timeout_s: float | None = None,
     cpu_timeout_s: float | None = None,
 ) -> list[Measurement]:
-    """Run ``decoder`` on B prompts decoded together (:meth:`~dtbench.decoders.base.Decoder.generate_batch`),
-    timing each iteration after synchronizing the device; one :class:`Measurement` per row.
+    """Run ``decoder`` on B prompts decoded together (``generate_batch``): :func:`measure_rows` with ``batched``."""
+    return measure_rows(
+        decoder, prompts, gen_length, device, timeout_s=timeout_s, cpu_timeout_s=cpu_timeout_s, batched=True
+    )
 
-    The clock starts right before ``generate_batch`` is called (the batched prefill included) and reads after each
-    yielded {row: Step} dict: a row's step times are the times of the iterations it committed in (its TTFT the
-    prefill's, its total the time its last token was committed), so every row's TTFT and TPOT are its own while the
-    batch's wall time is the last row's total. Each row keeps its first T tokens, cut after its first EOS when the
-    decoder stops at EOS. The forwards counted by the hooks are the batch's (one forward serves every active row);
-    each row's records carry the forwards of the iterations it took part in. Memory, energy, forward seconds and
-    CPU time are the batch's, the same in every row.
+
+def _one_row(gen: Iterator[Step]) -> Iterator[dict[int, Step]]:
+    """``generate``'s Steps as the rows dicts of a batch of one; closing it closes ``gen``."""
+    try:
+        for step in gen:
+            yield {0: step}
+    finally:
+        close = getattr(gen, "close", None)
+        if close is not None:
+            close()
+
+
+def measure_rows(
+    decoder: Decoder[Any],
+    prompts: Sequence[Sequence[int]],
+    gen_length: int,
+    device: torch.device,
+    *,
+    timeout_s: float | None = None,
+    cpu_timeout_s: float | None = None,
+    batched: bool | None = None,
+) -> list[Measurement]:
+    """The timing loop (the only one; issue 40): run ``decoder`` on B prompts, timing each iteration after
+    synchronizing the device; one :class:`Measurement` per row. B = 1 is a batch of one.
+
+    ``batched`` (default: B > 1) calls :meth:`~dtbench.decoders.base.Decoder.generate_batch` with the B prompts
+    (a decoder whose class declares ``batching``); otherwise ``generate`` on the one prompt, its Steps read as row 0.
+    The clock starts right before the call (the prefill included) and reads after each yielded {row: Step} dict: a
+    row's step times are the times of the iterations it committed in (its TTFT the prefill's, its total the time its
+    last token was committed), so every row's TTFT and TPOT are its own while the batch's wall time is the last row's
+    total. Each row keeps its first T tokens, cut after its first EOS when the decoder's ``eos_token_id`` is set
+    (:func:`~dtbench.decoders.base.cut_at_eos`, so a third-party loop that runs past EOS is cut too). Forwards are
+    counted by hooks (:class:`ForwardCounter`): one forward serves every active row, and each row's records carry the
+    forwards of the iterations it took part in. Memory, energy, forward seconds and CPU time are the batch's, the
+    same in every row.
 
     Args:
-        decoder: a decoder whose class declares ``batching``.
+        decoder: a :class:`dtbench.decoders.base.Decoder` bound to its models.
         prompts: per row the prompt token ids (ragged lengths, each >= 1).
-        gen_length, device, timeout_s, cpu_timeout_s: as :func:`measure`.
+        gen_length: T, new tokens per row.
+        device: where the models live (CUDA is synchronized before each clock read).
+        timeout_s: time limit of the whole batch in seconds (None: none).
+        cpu_timeout_s: limit on this process's CPU seconds during the batch (None: none).
+        batched: call ``generate_batch`` (default: when B > 1).
 
     Raises:
         DtbenchError: a step for a row that does not exist, an empty step, a token that is not an integer id, or a
             row that stopped before T (and before an EOS, when stopping at EOS).
         SampleTimeout: the batch ran past ``timeout_s`` (or ``cpu_timeout_s``).
+        Exception: whatever the decoder raises (the runner fails the cell).
     """
     import operator
 
@@ -536,19 +406,26 @@ def measure_batch(
 
     eos = eos_ids(getattr(decoder, "eos_token_id", None))
     b = len(prompts)
+    batched = b > 1 if batched is None else batched
     inputs = [torch.tensor([list(p)], dtype=torch.long, device=device) for p in prompts]
     tokens: list[list[int]] = [[] for _ in range(b)]
     steps: list[list[Step]] = [[] for _ in range(b)]
     records: list[list[StepRecord]] = [[] for _ in range(b)]
     done = [False] * b
     ended = [False] * b
+
+    def where(r: int) -> str:  # a row named in errors only in a batch
+        return f" for row {r}" if batched else ""
+
     synchronize(device)
     counter = ForwardCounter(decoder.target, decoder.draft)
     cpu0 = time.process_time()
     with _Deadline(timeout_s, cpu_timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
         last = counter.snapshot()
         start = now()
-        gen = decoder.generate_batch(inputs, gen_length)
+        gen = (
+            decoder.generate_batch(inputs, gen_length) if batched else _one_row(decoder.generate(inputs[0], gen_length))
+        )
         try:
             for it, out in enumerate(gen):
                 synchronize(device)
@@ -562,15 +439,15 @@ def measure_batch(
                     if done[r]:
                         continue
                     if not step.tokens:
-                        raise DtbenchError(f"decoder yielded a step with no tokens for row {r} at iteration {it}")
+                        raise DtbenchError(f"decoder yielded a step with no tokens{where(r)} at iteration {it}")
                     try:
                         ids = [operator.index(x) for x in step.tokens]
                     except TypeError:
                         raise DtbenchError(
-                            f"decoder yielded a token that is not an integer id for row {r} at "
+                            f"decoder yielded a token that is not an integer id{where(r)} at "
                             f"iteration {it}: {step.tokens[:8]!r}"
                         ) from None
-                    step = Step(tuple(ids), step.drafted, step.accepted, step.depth)
+                    step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
                     step, ended[r] = cut_at_eos(step, eos) if eos else (step, False)
                     steps[r].append(step)
                     records[r].append(record)
@@ -584,7 +461,7 @@ def measure_batch(
                 close()
     short = [r for r in range(b) if not done[r]]
     if short:
-        raise DtbenchError(f"decoder stopped row {short[0]} after {len(tokens[short[0]])} of {gen_length} tokens")
+        raise DtbenchError(f"decoder stopped{where(short[0])} after {len(tokens[short[0]])} of {gen_length} tokens")
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
     state = stats() if stats else None

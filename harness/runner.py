@@ -277,8 +277,8 @@ class _Sink:
     def commit(self, group: PromptGroup, outcome: Outcome, worker) -> None:
         cell_id = self._cell(group, outcome.label)
         if cell_id not in self.failed_cells:
-            commit_outcome(self.sessions, self.run_id, cell_id, outcome, worker.extra if outcome.row else None)
-            if outcome.row is None:
+            commit_outcome(self.sessions, self.run_id, cell_id, outcome, worker.extra if outcome.rows else None)
+            if outcome.rows is None:
                 self.failed_cells.add(cell_id)
         self._count(group, [outcome.label], f"{self._where(group)} · {outcome.label} done")
 
@@ -383,7 +383,7 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
                 )
             )
             if sample is not None:
-                done[cp.label] = Reference(sample.output_tokens, sample.total_s)
+                done[cp.label] = Reference([sample.output_tokens], sample.total_s)
     return done, failed
 
 
@@ -416,8 +416,8 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
         if outcome.load:
             for key, value in load.merge({k: getattr(cell, k) for k in load.COLUMNS}, outcome.load).items():
                 setattr(cell, key, value)
-        if outcome.row is not None:
-            for row in outcome.rows or [outcome.row]:  # a batch's rows in one transaction
+        if outcome.rows is not None:
+            for row in outcome.rows:  # a batch's rows in one transaction
                 record = SampleRecord.from_row(redact_json({**row, **(extra or {})}))
                 session.add(Sample(cell_id=cell_id, **record.as_row()))
             if cell.status == "pending":

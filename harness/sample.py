@@ -126,14 +126,14 @@ SCALAR_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c not in BULKY)
 
 
 class Reference(NamedTuple):
-    """The reference decoder's output on one prompt, what a dependent decoder's sample is compared with.
+    """The reference decoder's output on one prompt group, what a dependent decoder's samples are compared with.
 
     Attributes:
-        tokens: its output token ids.
-        total_s: its wall time (s), the yardstick of ``timeout_s: auto``.
+        tokens: its output token ids, one list per row (one row at B = 1).
+        total_s: its wall time (s; the batch's at B > 1), the yardstick of ``timeout_s: auto``.
         cpu_s: its CPU seconds when measured in this process; None when read back from the database (a resumed run).
     """
 
-    tokens: list[int]
+    tokens: list[list[int]]
     total_s: float
     cpu_s: float | None = None

@@ -2,8 +2,9 @@
 
 A :class:`Worker` loads the target and draft once and measures whole prompt groups (a reference and every decoder
 that depends on it, in plan order, on one device): :func:`run_group` yields one :class:`Outcome` per decoder as soon
-as it is measured, :func:`measure_one` times one decoder on one prompt (:func:`dtbench.harness.measure.measure`)
-and never raises for a decoder's fault. It runs in the driver's process (the local executor) or inside a Ray actor
+as it is measured, :func:`measure_cell` times one decoder on one prompt group, B = 1 a group of one (the one timing loop,
+:func:`dtbench.harness.measure.measure_rows`), and never raises for a decoder's fault; :func:`measure_served` measures
+a server cell through requests. It runs in the driver's process (the local executor) or inside a Ray actor
 (:mod:`dtbench.harness.ray_executor`); it never touches the database: the driver
 (:mod:`dtbench.harness.runner`) commits what it yields.
 """
@@ -24,7 +25,8 @@ from rich.console import Console
 from dtbench.decoders import kv
 from dtbench.harness import calibrate, data, fingerprint, load, lossless, models, roofline
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.measure import SampleTimeout, device_name, environment, measure, measure_batch
+from dtbench.harness.machine import device_name, environment
+from dtbench.harness.measure import SampleTimeout, measure_rows
 from dtbench.harness.measure import now as measure_now
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
@@ -71,19 +73,27 @@ def cpu_timeout(
 
 @dataclass
 class Outcome:
-    """The result of one (cell, prompt): a samples row, or the error that fails the cell.
+    """The result of one decoder on one prompt group: its samples rows (one per row; one at B = 1), or the error
+    that fails the cell.
 
-    ``row`` is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
+    Each row is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
     """
 
     label: str
-    row: dict[str, Any] | None = None
+    rows: list[dict[str, Any]] | None = None
     error: str | None = None
-    rows: list[dict[str, Any]] | None = None  # a batched group (B > 1): every row's samples row (``row`` the first)
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
     load: dict[str, Any] | None = None  # the machine's load during the measurement (harness/load.py: span)
     compile_s: float | None = None  # compiled cells, first sample: seconds of the compile step before it (issue 37)
     compile_graphs: int | None = None  # graphs torch.compile made in that step
+
+    def reference(self) -> Reference:
+        """What a dependent decoder compares with: every row's output tokens, and the group's wall time (the batch's
+        ``batch_total_s`` where the rows were decoded or paired together, else the one row's ``total_s``)."""
+        assert self.rows is not None
+        first = self.rows[0]
+        total = first["batch_total_s"] if first.get("batch_total_s") is not None else first["total_s"]
+        return Reference([r["output_tokens"] for r in self.rows], total, self.cpu_s)
 
 
 @dataclass
@@ -166,11 +176,10 @@ def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None
     return decoder
 
 
-def measure_one(
+def measure_cell(
     cp: CellPlan,
-    prompt,
-    T: int,
-    warmup: bool,
+    prompts: list,
+    group: PromptGroup,
     ref: Reference | None,
     target,
     draft,
@@ -181,143 +190,85 @@ def measure_one(
     data_dir: str | None = None,
     hardware: Hardware | None = None,
 ) -> Outcome:
-    """Measure one decoder on one prompt; never raises for what the decoder does wrong.
+    """Measure one decoder on a prompt group, its B prompts decoded together (B = 1: one prompt, ``generate``;
+    B > 1: ``generate_batch``) through the one timing loop (:func:`~dtbench.harness.measure.measure_rows`); never
+    raises for what the decoder does wrong.
 
     Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
     running past the time limit — comes back as an :class:`Outcome` with the error; only Ctrl-C propagates.
+    Every row becomes its own samples row (its own tokens, TTFT, TPOT, acceptance, output check); at B > 1 plus
+    the group's ``batch_group`` (first prompt index), ``batch_rows`` and ``batch_total_s`` (the batch's wall time).
+    The output check is per row: the reference's row (the reference decoder at the same B) for
+    ``first_divergence``, and the tie-aware teacher-forced check of every emitted token of each row
+    (:func:`lossless.sample_columns`, batch 1, the other rows as companions at B > 1).
 
     Args:
-        cp: the decoder's plan entry; prompt: a :class:`~dtbench.harness.prompt.Prompt`; T: tokens to generate.
-        ref: the reference decoder's (tokens, total seconds) on this prompt, or None for a reference itself.
+        cp: the decoder's plan entry; prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row
+            order (one at B = 1); group: the unit of work (T, warmup, B).
+        ref: the reference decoder's :class:`Reference` on this group (tokens: one list per row; total_s: the
+            batch's wall time), or None for a reference itself.
         compare: check the output token for token against the reference's (False when either samples: a sampled
-            output is checked as a distribution, by the tests, never against one draw).
+            output is checked as a distribution, by the tests, never against one draw; sampling is B = 1 only).
         stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
         data_dir: the run's data folder, where a corpus the decoder declares (:meth:`Decoder.corpus_of`) is read:
             its documents, held out from the suite's prompts with the suite's seed, are handed to the decoder
             (:meth:`Decoder.use_corpus`) before timing starts.
-        hardware: the worker's :class:`Hardware`: each sample's roofline fraction; for a compiled cell its compile
-            step (before its first sample, timed apart as ``compile_s``) and the compiled execution it runs in,
-            with the graphs torch.compile made during the sample stored as ``step_stats["compiled"]["recompiles"]``.
+        hardware: the worker's :class:`Hardware`: each sample's roofline fraction (the batch's forwards, weights once
+            each, over the row's own time); for a compiled cell (B = 1) its compile step (before its first sample,
+            timed apart as ``compile_s``) and the compiled execution it runs in, with the graphs torch.compile made
+            during the sample stored as ``step_stats["compiled"]["recompiles"]``.
     """
+    batched = group.batch_size > 1
+    where = (
+        f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
+        if batched
+        else f"prompt {prompts[0].index}"
+    )
     if cp.reference_label and ref is None:
-        return Outcome(
-            cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {prompt.index}"
-        )
+        what = f"the prompt group {group.prompt_index}" if batched else f"prompt {prompts[0].index}"
+        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for {what}")
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
+    T = group.gen_length
+    ids = [p.token_ids for p in prompts]
+    compiled = None
     try:
         decoder = make_decoder(cp, target, draft, suite, data_dir)
-        if cp.sampling is not None:
-            decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompt.index, device)
+        if cp.sampling is not None:  # greedy only at B > 1 (plan._check_batching)
+            decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompts[0].index, device)
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
-        compiled = None
         ex = hardware.execution if hardware is not None and cp.execution == "compiled" else None
-        if ex is not None:
+        if ex is not None:  # B = 1 only (plan refuses compiled batches)
             used = [target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
-            compiled = hardware.compile_step(cp, decoder, prompt.token_ids, T, used)  # type: ignore[union-attr]
+            compiled = hardware.compile_step(cp, decoder, ids[0], T, used)  # type: ignore[union-attr]
             graphs0 = kv.compiled_graphs()
             with kv.compiled(ex):
                 ex.begin_sample()
-                m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
+                ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
             recompiles = kv.compiled_graphs() - graphs0
         else:
-            m = measure(decoder, prompt.token_ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
-        row = sample_row(m, prompt, warmup, ref.tokens if ref and compare else None)
-        if hardware is not None:
-            row["roofline"] = hardware.roofline_of(m, row["total_s"], cp.cls.needs_draft)
-        if ex is not None:
-            row["step_stats"]["compiled"] = {"recompiles": recompiles}
-        if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
-            row.update(
-                lossless.sample_columns(
-                    target.model,
-                    prompt.token_ids,
-                    row,
-                    ref.tokens if ref and compare else None,
-                    device,
-                    suite.lossless_check,
-                )
-            )
-        row = SampleRecord.from_row(row).as_row()  # exactly the sample's columns (harness/sample.py)
-        json.dumps(row)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
-    except KeyboardInterrupt:
-        raise
-    except SampleTimeout:
-        cpu = (
-            f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
-        )
-        return Outcome(cp.label, error=f"prompt {prompt.index}: timed out after{cpu}")
-    except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
-        kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
-        return Outcome(cp.label, error=f"prompt {prompt.index}: {kind}: {clip(exc, 1500)}")
-    if compiled is not None:
-        return Outcome(cp.label, row=row, cpu_s=m.cpu_s, compile_s=compiled[0], compile_graphs=compiled[1])
-    return Outcome(cp.label, row=row, cpu_s=m.cpu_s)
-
-
-def measure_group(
-    cp: CellPlan,
-    prompts: list,
-    group: PromptGroup,
-    ref: tuple | None,
-    target,
-    draft,
-    device,
-    suite: Suite,
-    stop_at_eos: bool = False,
-    data_dir: str | None = None,
-    hardware: Hardware | None = None,
-) -> Outcome:
-    """Measure one decoder on a prompt group at batch size B > 1 (its prompts decoded together); never raises for
-    what the decoder does wrong (as :func:`measure_one`).
-
-    Every row becomes its own samples row (its own tokens, TTFT, TPOT, acceptance, output check) plus the group's
-    ``batch_group`` (first prompt index), ``batch_rows`` and ``batch_total_s`` (the batch's wall time). The output
-    check is per row: the reference's row (the reference decoder at the same B) for ``first_divergence``, and the
-    tie-aware teacher-forced check of every emitted token of each row (:func:`lossless.sample_columns`, batch 1).
-
-    Args:
-        prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
-        ref: the reference decoder's :class:`Reference` on this group (tokens: one list per row; total_s: the
-            batch's wall time), or None.
-    """
-    if cp.reference_label and ref is None:
-        return Outcome(
-            cp.label,
-            error=f"reference decoder '{cp.reference_label}' has no output for the prompt group {group.prompt_index}",
-        )
-    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
-    where = f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
-    try:
-        decoder = make_decoder(cp, target, draft, suite, data_dir)
-        if stop_at_eos:
-            decoder.eos_token_id = models.eos_token_id(target.model)
-        ms = measure_batch(
-            decoder,
-            [p.token_ids for p in prompts],
-            group.gen_length,
-            device,
-            timeout_s=timeout,
-            cpu_timeout_s=cpu_limit,
-        )
+            ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
         wall = max(m.step_times[-1] for m in ms)
         rows = []
         for r, (m, prompt) in enumerate(zip(ms, prompts)):
-            reference = ref.tokens[r] if ref else None
+            reference = ref.tokens[r] if ref and compare else None
             row = sample_row(m, prompt, group.warmup, reference)
-            row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
-            if hardware is not None:  # the batch's forwards (weights once each) over the row's own time
+            if batched:
+                row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
+            if hardware is not None:
                 row["roofline"] = hardware.roofline_of(m, row["total_s"], cp.cls.needs_draft)
-            if cp.cls.lossless:  # every emitted token of every row checked, outside the timed region
-                others = [p.token_ids for j, p in enumerate(prompts) if j != r]
+            if ex is not None:
+                row["step_stats"]["compiled"] = {"recompiles": recompiles}
+            if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
+                others = [p for j, p in enumerate(ids) if j != r] if batched else None
                 row.update(
                     lossless.sample_columns(
                         target.model, prompt.token_ids, row, reference, device, suite.lossless_check, companions=others
                     )
                 )
-            rows.append(SampleRecord.from_row(row).as_row())
-        json.dumps(rows)
+            rows.append(SampleRecord.from_row(row).as_row())  # exactly the sample's columns (harness/sample.py)
+        json.dumps(rows)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
@@ -325,10 +276,13 @@ def measure_group(
             f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
         )
         return Outcome(cp.label, error=f"{where}: timed out after{cpu}")
-    except (Exception, SystemExit) as exc:
+    except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
         return Outcome(cp.label, error=f"{where}: {kind}: {clip(exc, 1500)}")
-    return Outcome(cp.label, row=rows[0], rows=rows, cpu_s=ms[0].cpu_s)
+    outcome = Outcome(cp.label, rows=rows, cpu_s=ms[0].cpu_s)
+    if compiled is not None:
+        outcome.compile_s, outcome.compile_graphs = compiled
+    return outcome
 
 
 def measure_served(
@@ -343,7 +297,7 @@ def measure_served(
 ) -> Outcome:
     """Measure a server cell (a decoder declaring ``requests``, issue 30) on one prompt group through requests
     (:func:`dtbench.harness.serving.measure_requests`); never raises for what the server does wrong (as
-    :func:`measure_one`): a server that does not start, exits, or answers with an error fails its cell with one line
+    :func:`measure_cell`): a server that does not start, exits, or answers with an error fails its cell with one line
     naming the server and its log.
 
     Args:
@@ -383,12 +337,10 @@ def measure_served(
     except (Exception, SystemExit) as exc:
         message = str(exc) if isinstance(exc, DtbenchError) else f"{type(exc).__name__}: {exc}"
         return Outcome(cp.label, error=clip(message, 1500))
-    return Outcome(cp.label, row=rows[0], rows=rows if group.multi else None)
+    return Outcome(cp.label, rows=rows)
 
 
-def _served_reference(
-    cp: CellPlan, served: dict[str, list[dict]], outputs: dict[str, Reference], batched: bool
-) -> list[dict] | None:
+def _served_reference(cp: CellPlan, served: dict[str, list[dict]], outputs: dict[str, Reference]) -> list[dict] | None:
     """The reference server's rows on this group: measured now, or read back from the database on a resumed run;
     None without a reference."""
     if not cp.reference_label:
@@ -398,7 +350,7 @@ def _served_reference(
     ref = outputs.get(cp.reference_label)
     if ref is None:
         return None
-    return [{"output_tokens": t} for t in (ref.tokens if batched else [ref.tokens])]
+    return [{"output_tokens": t} for t in ref.tokens]
 
 
 def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
@@ -432,10 +384,10 @@ def run_group(
     """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
 
     Args:
-        group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt` (at B > 1 the list of its
-            rows' prompts, decoded together by :func:`measure_group`).
-        done: (tokens, total seconds) of decoders already stored for this prompt (a resumed run): not re-measured,
-            but available as references (at B > 1: (per-row tokens, batch seconds, None) of the group).
+        group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt` (when ``group.multi``, the
+            list of its rows' prompts, decoded together by :func:`measure_cell`).
+        done: :class:`Reference` (per-row tokens, the group's seconds) of decoders already stored for this group (a
+            resumed run): not re-measured, but available as references.
         skip: labels of cells that already failed: not measured.
         servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
             declare ``requests``: :func:`measure_served`, at every B).
@@ -446,29 +398,7 @@ def run_group(
     outputs = dict(done)
     served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
-    if group.multi:
-        for cp in group.decoders:
-            if cp.label in outputs or cp.label in skip:
-                continue
-            ref = outputs.get(cp.reference_label) if cp.reference_label else None
-            if announce is not None:
-                announce(cp.label)
-            start = load.probe()
-            if cp.cls.requests:
-                outcome = measure_served(
-                    cp, prompt, group, _served_reference(cp, served, outputs, True), suite, servers, tokenizer, stop
-                )
-                if outcome.rows is not None:
-                    served[cp.label] = outcome.rows
-            else:
-                outcome = measure_group(cp, prompt, group, ref, target, draft, device, suite, stop, data_dir, hardware)
-            _finish(outcome, group, start)
-            if outcome.rows is not None:
-                outputs[cp.label] = Reference(
-                    [r["output_tokens"] for r in outcome.rows], outcome.rows[0]["batch_total_s"], outcome.cpu_s
-                )
-            yield outcome
-        return
+    prompts = prompt if group.multi else [prompt]
     by_label = {cp.label: cp for cp in group.decoders}
     for cp in group.decoders:
         if cp.label in outputs or cp.label in skip:
@@ -481,41 +411,25 @@ def run_group(
         start = load.probe()
         if cp.cls.requests:
             outcome = measure_served(
-                cp, [prompt], group, _served_reference(cp, served, outputs, False), suite, servers, tokenizer, stop
+                cp, prompts, group, _served_reference(cp, served, outputs), suite, servers, tokenizer, stop
             )
-            _finish(outcome, group, start)
-            if outcome.row is not None:
-                served[cp.label] = [outcome.row]
-                outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], None)
-            yield outcome
-            continue
-        outcome = measure_one(
-            cp,
-            prompt,
-            group.gen_length,
-            group.warmup,
-            ref,
-            target,
-            draft,
-            device,
-            suite,
-            compare,
-            stop,
-            data_dir,
-            hardware,
-        )
+            if outcome.rows is not None:
+                served[cp.label] = outcome.rows
+        else:
+            outcome = measure_cell(
+                cp, prompts, group, ref, target, draft, device, suite, compare, stop, data_dir, hardware
+            )
         _finish(outcome, group, start)
-        if outcome.row is not None:
-            outputs[cp.label] = Reference(outcome.row["output_tokens"], outcome.row["total_s"], outcome.cpu_s)
+        if outcome.rows is not None:
+            outputs[cp.label] = outcome.reference()
         yield outcome
 
 
 def _finish(outcome: Outcome, group: PromptGroup, start: load.Reading) -> None:
     """Stamp an outcome with its group's repeat (every row) and the machine's load since ``start``."""
     outcome.load = load.span(start, load.probe())
-    for row in [outcome.row, *(outcome.rows or [])]:
-        if row is not None:
-            row["repeat"] = group.repeat
+    for row in outcome.rows or []:
+        row["repeat"] = group.repeat
 
 
 WorkKey = tuple[str, int, int, int, int, int, bool]  # (dataset, L_max, T, B, first prompt index, repeat, served)
@@ -541,7 +455,7 @@ def work_key(group: PromptGroup) -> WorkKey:
 class WorkerInfo:
     """Who measures: a worker's host, process, device and the models it loaded (plain data, sent between processes).
 
-    ``environment`` is :func:`~dtbench.harness.measure.environment` of the worker's device plus ``target``/``draft``
+    ``environment`` is :func:`~dtbench.harness.machine.environment` of the worker's device plus ``target``/``draft``
     descriptions: the first worker's becomes the run's (``runs.environment``). ``decoders`` lists the (label,
     version) of the worker's own plan, which must equal the driver's.
     """

@@ -312,7 +312,7 @@ def _differences(b: pd.Series, a: pd.Series, env_reasons: list[str]) -> list[str
 def env_differences(before_env: dict, after_env: dict) -> list[str]:
     """The environment keys two measurements must share (:data:`dtbench.harness.runs.MUST_MATCH`, the list
     ``--resume-run`` checks too) on which two runs' environments differ, as ``"torch 2.5.0 → 2.6.0"``, and the hardware flags
-    (``environment["hardware"]``, :func:`~dtbench.harness.measure.hardware_flags`) when both runs recorded them:
+    (``environment["hardware"]``, :func:`~dtbench.harness.machine.hardware_flags`) when both runs recorded them:
     the same CPU model with and without AVX-512 BF16 (a VM hiding it) gives opposite bf16 results."""
     before_env, after_env = before_env or {}, after_env or {}
     out = [f"{k} {before_env.get(k)} → {after_env.get(k)}" for k in MUST_MATCH if before_env.get(k) != after_env.get(k)]

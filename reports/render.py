@@ -461,7 +461,7 @@ def compare_display(table: pd.DataFrame) -> pd.DataFrame:
 
 def hardware_text(env: dict | None) -> str:
     """The dtype-relevant hardware flags of a run (``environment["hardware"]``, written by
-    :func:`~dtbench.harness.measure.hardware_flags`) as one line; "" for runs recorded without them.
+    :func:`~dtbench.harness.machine.hardware_flags`) as one line; "" for runs recorded without them.
 
     Example: ``CPU avx2 avx512f avx512_bf16 (no avx512_fp16 amx_bf16 amx_tile); torch CPU kernels AVX512;
     CUDA compute capability 9.0, native bf16``.

@@ -24,7 +24,7 @@ ENV = {
     "device_name": "test cpu",
     "git_sha": "abc",
 }
-# environment["hardware"] as harness.measure.hardware_flags writes it (runs recorded before it existed lack it).
+# environment["hardware"] as harness.machine.hardware_flags writes it (runs recorded before it existed lack it).
 HARDWARE = {
     "cpu_flags": {
         "avx2": True,

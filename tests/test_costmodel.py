@@ -24,7 +24,7 @@ from models import VOCAB, model_zoo
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
 from dtbench.harness import curves as curves_mod
-from dtbench.harness import measure, registry
+from dtbench.harness import machine, measure, registry
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
 from dtbench.harness.plan import plan_suite
@@ -351,7 +351,7 @@ def test_calibration_round_trips_through_the_database(tmp_path):
             s,
             env={
                 "device": "cpu",
-                "device_name": measure.device_name(torch.device("cpu")),
+                "device_name": machine.device_name(torch.device("cpu")),
                 "target": {"model": "smollm2-135m", "dtype": "float32"},
                 "draft": None,
             },

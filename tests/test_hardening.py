@@ -688,13 +688,13 @@ def test_auto_timeout_uses_the_reference_cpu_time():
 
 
 def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
-    """run_group passes the reference's CPU seconds to measure_one, which sets the CPU limit from them."""
+    """run_group passes the reference's CPU seconds to measure_cell, which sets the CPU limit from them."""
     from dtbench.harness import worker as runner
 
     seen = []
     monkeypatch.setattr(
         runner,
-        "measure",
+        "measure_rows",
         lambda *a, timeout_s=None, cpu_timeout_s=None, **k: (
             seen.append((timeout_s, cpu_timeout_s)) or (_ for _ in ()).throw(RuntimeError("stop"))
         ),
@@ -713,7 +713,8 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     target = SimpleNamespace(model=None)
     from dtbench.harness.sample import Reference
 
-    runner.measure_one(cp, prompt, 4, False, Reference([5] * 4, 4.2, 8.0), target, None, None, suite)
+    group = SimpleNamespace(batch_size=1, gen_length=4, warmup=False, prompt_index=0, prompt_indices=(0,))
+    runner.measure_cell(cp, [prompt], group, Reference([[5] * 4], 4.2, 8.0), target, None, None, suite)
     assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]
 
 

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from dtbench.harness import measure, memory
+from dtbench.harness import machine, memory
 
 MIB = 2**20
 CUDA0 = torch.device("cuda", 0)
@@ -169,9 +169,9 @@ def test_hardware_flags_from_cpuinfo(monkeypatch, tmp_path, fake_cuda):
         "processor\t: 0\nmodel name\t: AMD EPYC 9654\n"
         "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n\nprocessor\t: 1\nflags\t\t: fpu\n"
     )
-    monkeypatch.setattr(measure, "_CPUINFO", info)
+    monkeypatch.setattr(machine, "_CPUINFO", info)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    hw = measure.hardware_flags(torch.device("cpu"))
+    hw = machine.hardware_flags(torch.device("cpu"))
     assert hw == {
         "cpu_flags": {
             "avx2": True,
@@ -183,22 +183,22 @@ def test_hardware_flags_from_cpuinfo(monkeypatch, tmp_path, fake_cuda):
         },
         "torch_cpu_capability": "AVX512",
     }
-    assert measure.hardware_flags(CUDA0)["cuda_capability"] == "9.0" and measure.hardware_flags(CUDA0)["cuda_bf16"]
+    assert machine.hardware_flags(CUDA0)["cuda_capability"] == "9.0" and machine.hardware_flags(CUDA0)["cuda_bf16"]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
-    assert measure.hardware_flags(CUDA0)["cuda_bf16"] is False
+    assert machine.hardware_flags(CUDA0)["cuda_bf16"] is False
 
 
 def test_hardware_flags_without_cpuinfo_or_cuda(monkeypatch, tmp_path):
-    monkeypatch.setattr(measure, "_CPUINFO", tmp_path / "missing")
+    monkeypatch.setattr(machine, "_CPUINFO", tmp_path / "missing")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (_ for _ in ()).throw(RuntimeError("no GPU")))
-    hw = measure.hardware_flags(torch.device("cpu"))
+    hw = machine.hardware_flags(torch.device("cpu"))
     assert hw["cpu_flags"] is None and "cuda_capability" not in hw
-    hw = measure.hardware_flags(CUDA0)
+    hw = machine.hardware_flags(CUDA0)
     assert hw["cuda_capability"] is None and hw["cuda_bf16"] is None
 
 
 def test_hardware_flags_on_this_machine_is_json_ready():
     import json
 
-    hw = measure.hardware_flags(torch.device("cpu"))
+    hw = machine.hardware_flags(torch.device("cpu"))
     assert json.loads(json.dumps(hw)) == hw and set(hw) == {"cpu_flags", "torch_cpu_capability"}
