@@ -11,8 +11,16 @@ runner stores, the columns the reports read back (:data:`COLUMNS`). Definitions 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
+
+# How a per-prompt column aggregates (field metadata ``aggregate``), declared once beside the column:
+# ``row``: each row's own value; a batched prompt group's row averages it over the group's rows, and a prompt's row
+# takes its median over repeats. ``whole``: the group's or the prompt's whole (T, wall time, throughput, memory,
+# energy), recomputed for a batched group and the median over repeats. Unmarked columns are identities, lists, text
+# and verdicts, never averaged. Read with :func:`aggregated` (reports/stats.py: collapse_batches, collapse_repeats).
+ROW = {"aggregate": "row"}
+WHOLE = {"aggregate": "whole"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,37 +55,37 @@ class SampleRecord:
     prompt_index: int
     document: str
     warmup: bool
-    prompt_tokens: int
-    new_tokens: int
-    total_s: float
-    ttft_s: float
-    throughput: float
-    iterations: int
-    tokens_per_iteration: float
-    drafted: int
-    accepted: int
-    draft_depth: int
+    prompt_tokens: int = field(metadata=ROW)
+    new_tokens: int = field(metadata=WHOLE)
+    total_s: float = field(metadata=WHOLE)
+    ttft_s: float = field(metadata=ROW)
+    throughput: float = field(metadata=WHOLE)
+    iterations: int = field(metadata=ROW)
+    tokens_per_iteration: float = field(metadata=ROW)
+    drafted: int = field(metadata=ROW)
+    accepted: int = field(metadata=ROW)
+    draft_depth: int = field(metadata=ROW)
     step_tokens: list[int]
     step_stats: dict[str, Any]
     step_times_s: list[float]
     output_hash: str
     output_tokens: list[int]
-    tpot_s: float | None = None
-    acceptance_rate: float | None = None
-    acceptance_incl_bonus: float | None = None
-    mean_path_length: float | None = None
-    mean_path_length_all: float | None = None
-    target_forwards: int | None = None
-    draft_forwards: int | None = None
+    tpot_s: float | None = field(default=None, metadata=ROW)
+    acceptance_rate: float | None = field(default=None, metadata=ROW)
+    acceptance_incl_bonus: float | None = field(default=None, metadata=ROW)
+    mean_path_length: float | None = field(default=None, metadata=ROW)
+    mean_path_length_all: float | None = field(default=None, metadata=ROW)
+    target_forwards: int | None = field(default=None, metadata=ROW)
+    draft_forwards: int | None = field(default=None, metadata=ROW)
     task_group: str | None = None
     category: str | None = None
     turn: int | None = None
     question_id: str | None = None
-    peak_rss_bytes: int | None = None
-    peak_allocated_bytes: int | None = None
-    peak_nvml_bytes: int | None = None
+    peak_rss_bytes: int | None = field(default=None, metadata=WHOLE)
+    peak_allocated_bytes: int | None = field(default=None, metadata=WHOLE)
+    peak_nvml_bytes: int | None = field(default=None, metadata=WHOLE)
     nvml_scope: str | None = None
-    energy_j: float | None = None
+    energy_j: float | None = field(default=None, metadata=WHOLE)
     energy_status: str | None = None
     energy_source: str | None = None
     lossless: bool | None = None
@@ -89,13 +97,13 @@ class SampleRecord:
     lossless_error_margin: float | None = None
     lossless_tie_margin: float | None = None
     lossless_noise: float | None = None
-    lossless_check_s: float | None = None
+    lossless_check_s: float | None = field(default=None, metadata=WHOLE)
     lossless_diagnoses: list[dict[str, Any]] | None = None
     worker_host: str | None = None
     device_name: str | None = None
     batch_group: int | None = None
     batch_rows: int | None = None
-    batch_total_s: float | None = None
+    batch_total_s: float | None = field(default=None, metadata=WHOLE)
     repeat: int = 0
     roofline: float | None = None
 
@@ -120,6 +128,14 @@ class SampleRecord:
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(SampleRecord))
+
+
+def aggregated(*kinds: str) -> tuple[str, ...]:
+    """The sample columns whose ``aggregate`` metadata is one of ``kinds`` (``"row"``, ``"whole"``), in column
+    order."""
+    return tuple(f.name for f in fields(SampleRecord) if f.metadata.get("aggregate") in kinds)
+
+
 # Columns a per-cell report never reads back: per-iteration lists and the output itself (large JSON).
 BULKY = frozenset({"step_tokens", "step_stats", "step_times_s", "output_tokens", "lossless_diagnoses", "document"})
 SCALAR_COLUMNS: tuple[str, ...] = tuple(c for c in COLUMNS if c not in BULKY)
@@ -135,5 +151,5 @@ class Reference(NamedTuple):
     """
 
     tokens: list[list[int]]
-    total_s: float
+    total_s: float = field(metadata=WHOLE)
     cpu_s: float | None = None

@@ -8,7 +8,10 @@ written-file lists and gate verdicts to stderr.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -29,6 +32,96 @@ def _run_token(token: str) -> int | None:
         return int(token)
     except ValueError:
         raise DtbenchError(f"run id must be an integer or 'latest', not {token!r}") from None
+
+
+@dataclass
+class OwnRequest:
+    """What a report of its own is produced from: the database's session factory, the run (None: the latest), the
+    output format, its option's value (parsed), ``--profile-json`` and the confidence level (1 - ``--alpha``)."""
+
+    sessions: Any
+    run_id: int | None
+    fmt: str
+    value: Any
+    profile_json: str | None = None
+    confidence: float = 0.95
+
+
+@dataclass(frozen=True)
+class OwnReport:
+    """A report of its own: one run, given alone (the report kinds' one table; issue 40 item 4).
+
+    Attributes:
+        option: ``report_command``'s keyword; flag: the command-line flag; takes: what it combines with (the
+            error's parenthesis); produce: renders it from an :class:`OwnRequest`; parse: turns the option's value
+            into the request's ``value`` before the database is opened (raising DtbenchError), or None.
+    """
+
+    option: str
+    flag: str
+    takes: str
+    produce: Callable[[OwnRequest], None]
+    parse: Callable[[Any], Any] | None = None
+
+
+def _schedule(r: OwnRequest) -> None:
+    from dtbench.reports.schedule import schedule_report
+
+    schedule_report(r.sessions, r.run_id, r.fmt, r.value)
+
+
+def _slos(text: str) -> Any:
+    from dtbench.reports.goodput import parse_slos
+
+    return parse_slos(text)
+
+
+def _goodput(r: OwnRequest) -> None:
+    from dtbench.reports.goodput import goodput_report
+
+    goodput_report(r.sessions, r.run_id, r.fmt, r.value, r.confidence)
+
+
+def _execution(r: OwnRequest) -> None:
+    from dtbench.reports.execution import execution_report
+
+    execution_report(r.sessions, r.run_id, r.fmt, r.confidence)
+
+
+def _profile(r: OwnRequest) -> None:
+    from dtbench.reports.profile import profile_report
+
+    profile_report(r.sessions, r.run_id, r.fmt, r.profile_json, r.confidence)
+
+
+def _engine(r: OwnRequest) -> None:
+    from dtbench.reports.engine import engine_report
+
+    engine_report(r.sessions, r.run_id, r.fmt, r.confidence)
+
+
+def _spec_bench(r: OwnRequest) -> None:
+    from dtbench.reports.specbench import spec_bench_report
+
+    spec_bench_report(r.sessions, r.run_id, r.fmt)
+
+
+def _cost_model(r: OwnRequest) -> None:
+    from dtbench.reports.costmodel import cost_report
+
+    cost_report(r.sessions, r.run_id, r.fmt)
+
+
+RUN_AND_FORMAT = "--run ID and --format"
+OWN_REPORTS: tuple[OwnReport, ...] = (
+    OwnReport("schedule", "--schedule", RUN_AND_FORMAT, _schedule),
+    OwnReport("goodput", "--goodput", "--run ID, --format, --alpha", _goodput, _slos),
+    OwnReport("execution", "--execution", RUN_AND_FORMAT, _execution),
+    OwnReport("profile", "--profile", "--run ID, --format, --profile-json", _profile),
+    OwnReport("engine", "--engine", RUN_AND_FORMAT, _engine),
+    OwnReport("spec_bench", "--spec-bench", RUN_AND_FORMAT, _spec_bench),
+    OwnReport("cost_model", "--cost-model", RUN_AND_FORMAT, _cost_model),
+)
 
 
 def report_command(
@@ -89,73 +182,36 @@ def report_command(
             "show partial cells, marked partial)"
         )
 
-    if cost_model and (pair or compare or tables or files):
-        raise DtbenchError("--cost-model is a report of its own; give it alone (with --run ID and --format)")
-    if cost_model and len(run_ids) > 1:
-        raise DtbenchError("--cost-model reports one run; give one --run")
-
     for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
         if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
             raise DtbenchError(f"no run {rid} in the database")
-    if (by or spec_bench) and (pair or compare or tables or files or cost_model or len(run_ids) > 1):
-        raise DtbenchError("--by and --spec-bench report one run; give them alone (with --run ID and --format)")
-    if by and spec_bench:
-        raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
-
-    if engine and (pair or compare or tables or files or cost_model or by or spec_bench or len(run_ids) > 1):
-        raise DtbenchError("--engine is a report of its own; give it alone (with --run ID and --format)")
     if profile_json and not profile:
         raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
-    if profile and (pair or compare or tables or files or cost_model or by or spec_bench or engine or len(run_ids) > 1):
-        raise DtbenchError("--profile is a report of its own; give it alone (with --run ID, --format, --profile-json)")
-    others = pair or compare or tables or files or cost_model or by or spec_bench or engine or profile
-    if execution and (others or len(run_ids) > 1):
-        raise DtbenchError("--execution is a report of its own; give it alone (with --run ID and --format)")
-    if goodput is not None and (others or execution or len(run_ids) > 1):
-        raise DtbenchError("--goodput is a report of its own; give it alone (with --run ID, --format, --alpha)")
-    if schedule is not None and (others or execution or goodput is not None or len(run_ids) > 1):
-        raise DtbenchError("--schedule is a report of its own; give it alone (with --run ID and --format)")
-    if schedule is not None:
-        from dtbench.reports.schedule import schedule_report
-
-        schedule_report(db.connect(db_url, create=False), run_ids[0] if run_ids else None, fmt, schedule)
+    given = {
+        "cost_model": cost_model,
+        "spec_bench": spec_bench,
+        "engine": engine,
+        "profile": profile,
+        "execution": execution,
+        "goodput": goodput,
+        "schedule": schedule,
+    }
+    chosen = [kind for kind in OWN_REPORTS if given[kind.option] not in (None, False)]
+    if by and spec_bench:
+        raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
+    if chosen and (len(chosen) > 1 or pair or compare or tables or files or by or len(run_ids) > 1):
+        raise DtbenchError(f"{chosen[0].flag} is a report of its own; give it alone (with {chosen[0].takes})")
+    if by and (pair or compare or tables or files or len(run_ids) > 1):
+        raise DtbenchError("--by breaks one run's cell report down; give it alone (with --run ID and --format)")
+    if chosen:
+        kind = chosen[0]
+        value = given[kind.option]
+        arg = kind.parse(value) if kind.parse else value  # a bad argument is one line before the database is opened
+        request = OwnRequest(db.connect(db_url, create=False), run_ids[0] if run_ids else None, fmt, arg)
+        request.profile_json, request.confidence = profile_json, 1 - alpha
+        kind.produce(request)
         return
-    slos = None
-    if goodput is not None:
-        from dtbench.reports.goodput import parse_slos
-
-        slos = parse_slos(goodput)  # a bad target is one line before the database is opened
     sessions = db.connect(db_url, create=False)
-    if slos is not None:
-        from dtbench.reports.goodput import goodput_report
-
-        goodput_report(sessions, run_ids[0] if run_ids else None, fmt, slos, 1 - alpha)
-        return
-    if execution:
-        from dtbench.reports.execution import execution_report
-
-        execution_report(sessions, run_ids[0] if run_ids else None, fmt, 1 - alpha)
-        return
-    if profile:
-        from dtbench.reports.profile import profile_report
-
-        profile_report(sessions, run_ids[0] if run_ids else None, fmt, profile_json, 1 - alpha)
-        return
-    if engine:
-        from dtbench.reports.engine import engine_report
-
-        engine_report(sessions, run_ids[0] if run_ids else None, fmt, 1 - alpha)
-        return
-    if spec_bench:
-        from dtbench.reports.specbench import spec_bench_report
-
-        spec_bench_report(sessions, run_ids[0] if run_ids else None, fmt)
-        return
-    if cost_model:
-        from dtbench.reports.costmodel import cost_report
-
-        cost_report(sessions, run_ids[0] if run_ids else None, fmt)
-        return
     if pair:
         failures = compare_pair(
             sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import pandas as pd
 
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING, column_of, group_key
+from dtbench.harness.sample import aggregated
 
 KEY = [*GROUP, "label"]
 
@@ -237,23 +238,9 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
     return pd.Series(values, index=frame.index, dtype=float if numeric else object)
 
 
-# Per-row columns a prompt group's row averages over its rows (the others are the batch's, or summed).
-_ROW_MEANS = (
-    "prompt_tokens",
-    "ttft_s",
-    "tpot_s",
-    "iterations",
-    "tokens_per_iteration",
-    "drafted",
-    "accepted",
-    "draft_depth",
-    "acceptance_rate",
-    "acceptance_incl_bonus",
-    "mean_path_length",
-    "mean_path_length_all",
-    "target_forwards",
-    "draft_forwards",
-)
+# Per-row columns a prompt group's row averages over its rows (the others are the batch's, or summed); declared with
+# each column (harness/sample.py, ``aggregate`` metadata).
+_ROW_MEANS = aggregated("row")
 
 
 def is_remainder(batch_rows, batch_size, warmup) -> bool:
@@ -308,18 +295,7 @@ def collapse_batches(samples: pd.DataFrame) -> pd.DataFrame:
 
 
 # Per-prompt columns a prompt's row takes the median of over its repeats (the others are the first repeat's).
-_REPEAT_MEDIANS = (
-    *_ROW_MEANS,
-    "new_tokens",
-    "total_s",
-    "throughput",
-    "batch_total_s",
-    "peak_rss_bytes",
-    "peak_allocated_bytes",
-    "peak_nvml_bytes",
-    "energy_j",
-    "lossless_check_s",
-)
+_REPEAT_MEDIANS = aggregated("row", "whole")
 
 
 def repeated(samples: pd.DataFrame) -> bool:
