@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from dtbench.reports.output import Report
-from dtbench.reports.render import fmt, fmt_pm, lossless_notes, mixed_devices_note, speedup_mark
+from dtbench.reports.render import cell_notes, fmt, fmt_pm, speedup_mark
 from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import base_label, without_partial
 
@@ -128,50 +128,8 @@ def methods(summary: pd.DataFrame, setting: Setting) -> tuple[list[Method], list
     full = [m for m in out if all(d in m.cells for d in datasets)]
     for m in full:
         for ds, c in m.cells.items():
-            notes += paper_cell_notes(c, ds)
+            notes += cell_notes(c, f" on {ds}")
     return full, notes
-
-
-def paper_cell_notes(c: pd.Series, ds: str) -> list[str]:
-    """Notes a paper table owes its reader about one cell: a failure (partial or not), only warmup samples, a
-    divergence from the reference in any sample (warmup included) of a decoder meant to be lossless, samples measured
-    on different devices."""
-    notes = []
-    error = str(c["error"] or "")[:160]
-    if c["status"] == "failed":
-        note = f"{c['label']} failed on {ds} after {int(c['n'])} prompts: {error}"
-        if bool(c.get("partial", False)):
-            note += (
-                "; its partial numbers are left out (--include-partial shows them)"
-                if bool(c.get("partial_hidden", False))
-                else "; the numbers shown are partial, from those prompts"
-            )
-        notes.append(note)
-    elif bool(c.get("all_warmup", False)):
-        notes.append(
-            f"{c['label']} on {ds}: all {int(c['warmup_n'])} measured prompts are warmup, no numbers after warmup"
-        )
-    elif bool(c.get("partial_hidden", False)):
-        notes.append(f"{c['label']} on {ds}: speedup left out, its AR baseline is partial (--include-partial shows it)")
-    notes += mixed_devices_note(c, f" on {ds}")
-    if c.get("lossless") == "no" and bool(c.get("lossless_expected", True)):
-        if c.get("lossless_rule") == "tie_aware" and not _isnan(c.get("lossless_first_error")):
-            margin = c.get("lossless_error_margin")
-            notes.append(
-                f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) pass the "
-                f"tie-aware check; {int(c['lossless_error_samples'])} emitted a token the target does not "
-                f"choose (first at token {int(c['lossless_first_error'])}"
-                + ("" if _isnan(margin) else f", margin {margin:.3g} logits")
-                + ")"
-            )
-        else:
-            first = f", first divergence at token {c['divergences'][0]}" if len(c.get("divergences") or []) else ""
-            notes.append(
-                f"{c['label']} is not lossless on {ds}: {c['lossless_n']} samples (warmup included) match "
-                f"{c.get('reference') or 'AR'}{first}"
-            )
-    notes += lossless_notes(c, f" on {ds}")
-    return notes
 
 
 def _display_name(name: str, cells: dict[str, pd.Series]) -> str:
@@ -409,7 +367,7 @@ def table4(dataset: str, rows: pd.DataFrame, setting: Setting) -> PaperTable:
         "Δ = relative throughput change vs the first tree variant.",
         pd.DataFrame(disp),
         pd.DataFrame(data),
-        [n for _, c in rows.iterrows() for n in paper_cell_notes(c, dataset)],
+        [n for _, c in rows.iterrows() for n in cell_notes(c, f" on {dataset}")],
     )
 
 

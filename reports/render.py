@@ -7,6 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from dtbench.harness import load
+from dtbench.harness.errors import clip
 from dtbench.harness.metrics import METRICS, SPEEDUP
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report
@@ -85,15 +86,18 @@ def mixed_devices_note(row, where: str = "") -> list[str]:
     ]
 
 
-def cell_notes(row: pd.Series) -> list[str]:
-    """One-line notes a reader needs beside a summary row: a failure, a partial cell, a cell with only warmup, a
-    cell measured on different devices, numeric ties found by the lossless check, missing energy, a busy machine."""
+def cell_notes(row: pd.Series, where: str = "") -> list[str]:
+    """One-line notes a reader needs beside a cell, the one set every table and paper table uses: a smoke cell, a
+    failure, a partial cell, a cell with only warmup, a speedup left out for a partial baseline, a decoder meant to
+    be lossless that is not, a cell measured on different devices, numeric ties found by the lossless check, missing
+    energy, a busy machine. ``where`` follows the label where a table spans datasets (`` on wikitext-2``)."""
     return (
         smoke_note(row)
-        + _state_notes(row)
-        + mixed_devices_note(row)
-        + lossless_notes(row)
-        + energy_note(row)
+        + _state_notes(row, where)
+        + verdict_notes(row, where)
+        + mixed_devices_note(row, where)
+        + lossless_notes(row, where)
+        + energy_note(row, where)
         + load_note(row)
     )
 
@@ -117,38 +121,70 @@ def load_note(row) -> list[str]:
     return [text] if text else []
 
 
-def energy_note(row) -> list[str]:
+def energy_note(row, where: str = "") -> list[str]:
     """The note owed to a cell whose samples were too short for the energy counter (their energy is missing)."""
     short = int(row.get("energy_too_short", 0) or 0)
     if not short:
         return []
     return [
-        f"{row['label']}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
+        f"{row['label']}{where}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
         f"update period"
     ]
 
 
-def _state_notes(row: pd.Series) -> list[str]:
-    label, error = row["label"], row["error"] or "unknown error"
+def _state_notes(row: pd.Series, where: str = "") -> list[str]:
+    label, error = row["label"], clip(row["error"] or "unknown error", 300)
+    n, warmup_n = int(row.get("n", 0) or 0), int(row.get("warmup_n", 0) or 0)
     if bool(row.get("partial", False)):
-        measured = int(row["n"]) + int(row["warmup_n"])
+        shown = (
+            "its numbers are left out (--include-partial shows them)"
+            if bool(row.get("partial_hidden", False))
+            else "its numbers come from those prompts only"
+        )
         return [
-            f"{label} is partial: it failed after {measured} measured prompts ({int(row['n'])} after warmup), "
-            f"its numbers come from those prompts only: {error}"
+            f"{label} is partial{where}: it failed after {n + warmup_n} measured prompts ({n} after warmup), "
+            f"{shown}: {error}"
         ]
     if row["status"] == "failed":
-        return [f"{label} failed: {error}"]
+        after = f" after {n + warmup_n} measured prompts" if n + warmup_n else ""
+        return [f"{label} failed{where}{after}: {error}"]
     if bool(row.get("all_warmup", False)) and int(row.get("remainder_n", 0) or 0):
         return [  # a batch size above the measured prompts (refused at validate since issue 42; older runs)
-            f"{label}: no full batch of B={int(row['batch_size'])} after warmup ({int(row['remainder_n'])} measured "
-            f"prompts, decoded as a smaller batch and left out), so it has no numbers at B={int(row['batch_size'])}"
+            f"{label}{where}: no full batch of B={int(row['batch_size'])} after warmup ({int(row['remainder_n'])} "
+            f"measured prompts, decoded as a smaller batch and left out), so it has no numbers at "
+            f"B={int(row['batch_size'])}"
         ]
     if bool(row.get("all_warmup", False)):
         return [
-            f"{label}: all {int(row['warmup_n'])} measured prompts are warmup, so it has no numbers after warmup "
+            f"{label}{where}: all {warmup_n} measured prompts are warmup, so it has no numbers after warmup "
             "(the suite's prompts must exceed its warmup)"
         ]
+    if bool(row.get("partial_hidden", False)):  # a paper table's cell whose AR baseline is partial
+        return [f"{label}{where}: speedup left out, its AR baseline is partial (--include-partial shows it)"]
     return []
+
+
+def verdict_notes(row, where: str = "") -> list[str]:
+    """The note owed to a decoder meant to be lossless whose output check failed: under the tie-aware rule how many
+    samples emitted a token the target does not choose (first at which token, its margin), under the exact rule how
+    many samples match the reference and where the first diverged."""
+    if row.get("lossless") != "no" or not bool(row.get("lossless_expected", True)):
+        return []
+    label = row["label"]
+    if row.get("lossless_rule") == "tie_aware" and not _missing(row.get("lossless_first_error")):
+        margin = row.get("lossless_error_margin")
+        return [
+            f"{label} is not lossless{where}: {row['lossless_n']} samples (warmup included) pass the tie-aware "
+            f"check; {int(row['lossless_error_samples'])} emitted a token the target does not choose (first at "
+            f"token {int(row['lossless_first_error'])}"
+            + ("" if _missing(margin) else f", margin {margin:.3g} logits")
+            + ")"
+        ]
+    first = f", first divergence at token {row['divergences'][0]}" if len(row.get("divergences") or []) else ""
+    return [
+        f"{label} is not lossless{where}: {row['lossless_n']} samples (warmup included) match "
+        f"{row.get('reference') or 'AR'}{first}"
+    ]
 
 
 def _plural(n: int, word: str) -> str:

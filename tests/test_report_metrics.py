@@ -141,7 +141,8 @@ def test_partial_cell_is_left_out_of_paper_tables_unless_asked(tricky):
     data = t["table1_main"].data.set_index("method").loc["Partial"]
     assert math.isnan(data["wikitext-2.throughput_mean"]) and bool(data["wikitext-2.partial"])
     assert any(
-        n.startswith("Partial failed on wikitext-2 after 2 prompts") and "left out (--include-partial" in n
+        n.startswith("Partial is partial on wikitext-2: it failed after 3 measured prompts (2 after warmup)")
+        and "left out (--include-partial" in n
         for n in t["table1_main"].notes
     )
     assert t["table4_ablation"].display.set_index("Variant").loc["Partial", "Throughput (t/s)"] == "—"
@@ -151,7 +152,7 @@ def test_partial_cell_is_left_out_of_paper_tables_unless_asked(tricky):
     assert "Partial (partial: wikitext-2)" in disp.index
     assert disp.loc["Partial (partial: wikitext-2)", "wikitext-2 Throughput (t/s)"] == "21.5 ± 0.7"
     assert t["table1_main"].data.set_index("method").loc["Partial", "wikitext-2.throughput_mean"] == pytest.approx(21.5)
-    assert any("the numbers shown are partial" in n for n in t["table1_main"].notes)
+    assert any("its numbers come from those prompts only" in n for n in t["table1_main"].notes)
 
 
 def _bar_heights(fig, ax_index=0):
@@ -222,8 +223,8 @@ def test_warmup_only_cell_shows_dashes_and_a_note_not_warmup_numbers(tricky):
     t = tables_of(sessions, rid)
     assert t["table1_main"].display.set_index("Method").loc["Warmup only", "wikitext-2 Throughput (t/s)"] == "—"
     assert (
-        "Warmup only on wikitext-2: all 2 measured prompts are warmup, no numbers after warmup"
-        in t["table1_main"].notes
+        "Warmup only on wikitext-2: all 2 measured prompts are warmup, so it has no numbers after warmup "
+        "(the suite's prompts must exceed its warmup)" in t["table1_main"].notes
     )
 
 
