@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,15 +62,41 @@ def group_key(cell: Any) -> tuple[str, int, int, int]:
         b = column_of(cell, "batch_size")
     except (KeyError, AttributeError):
         b = None
-    b = 1 if b is None or (isinstance(b, float) and math.isnan(b)) else int(b)
+    b = 1 if is_missing(b) else int(b)
     return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")), b)
+
+
+def is_missing(value: Any) -> bool:
+    """None, NaN (float, numpy or pandas NA) or an empty string: the one test every report applies to a value."""
+    if value is None or (isinstance(value, str) and not value):
+        return True
+    import pandas as pd
+
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):  # lists, dicts
+        return False
+
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50/p90/p99 of ``values`` (numpy's linear interpolation; the one percentile helper of servers' latencies and
+    their reports); every one None when ``values`` is empty."""
+    import numpy as np
+
+    if not len(values):
+        return {f"p{q}": None for q in PERCENTILES}
+    qs = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
+    return {f"p{q}": float(v) for q, v in zip(PERCENTILES, qs)}
 
 
 def peak_memory_bytes(row: Mapping[str, Any]) -> float | None:
     """The peak memory a reader compares (bytes): torch allocator peak on CUDA, else the process RSS peak (CPU)."""
     for col in ("peak_allocated_bytes", "peak_rss_bytes"):
         v = row.get(col)
-        if v is not None and not (isinstance(v, float) and math.isnan(v)):
+        if v is not None and not is_missing(v):
             return float(v)
     return None
 
@@ -136,9 +162,9 @@ class Metric:
         def one(v: float) -> str:
             return format(v, ".1%") if self.percent else format(v, self.spec)
 
-        if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        if mean is None or is_missing(mean):
             return MISSING
-        if std is None or (isinstance(std, float) and math.isnan(std)):
+        if std is None or is_missing(std):
             return one(mean)
         return f"{one(mean)} ± {one(std)}"
 

@@ -33,6 +33,7 @@ from dtbench.reports.stats import (
     N_TOO_SMALL,
     baseline_values,
     cell_value,
+    is_missing,
     per_prompt_rows,
     remainder_mask,
 )
@@ -290,7 +291,7 @@ def _partial_cells(frame: pd.DataFrame) -> set[int]:
 
 
 def _norm(v):
-    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+    return None if is_missing(v) else v
 
 
 def _differences(b: pd.Series, a: pd.Series, env_reasons: list[str]) -> list[str]:

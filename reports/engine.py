@@ -25,8 +25,8 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.db import Cell, Sample
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING
-from dtbench.reports.stats import per_prompt_rows, remainder_mask
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING, percentiles
+from dtbench.reports.stats import is_missing, per_prompt_rows, remainder_mask, show
 
 CAPTION = (
     "load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
@@ -43,12 +43,9 @@ CAPTION = (
 
 
 def _pct(values: list[float]) -> tuple[float, float, float]:
-    import numpy as np
-
-    if not values:
-        return math.nan, math.nan, math.nan
-    q = np.percentile(np.asarray(values, dtype=float), [50, 90, 99])
-    return float(q[0]), float(q[1]), float(q[2])
+    """(p50, p90, p99) of ``values`` (:func:`~dtbench.harness.metrics.percentiles`), NaN when empty."""
+    p = {k: math.nan if v is None else v for k, v in percentiles(values).items()}
+    return p["p50"], p["p90"], p["p99"]
 
 
 def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame:
@@ -257,11 +254,7 @@ def _acceptance(mine: list, server: list[dict], is_server: bool) -> dict:
 
 
 def _ms(v) -> str:
-    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.1f}"
-
-
-def _x(v, spec=".2f") -> str:
-    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+    return MISSING if is_missing(v) else f"{v * 1e3:.1f}"
 
 
 def display(frame: pd.DataFrame) -> pd.DataFrame:
@@ -276,22 +269,22 @@ def display(frame: pd.DataFrame) -> pd.DataFrame:
                 "Ref": r["reference"] if isinstance(r["reference"], str) else MISSING,
                 "n": str(int(r["n"])),
                 "Kind": r["load_kind"],
-                "t/s": _x(r["throughput"], ".1f"),
-                "Cell t/s": _x(r["cell_throughput"], ".1f"),
-                "Steady t/s": _x(r["steady_throughput"], ".1f"),
-                "In flight": _x(r["mean_in_flight"], ".1f"),
+                "t/s": show(r["throughput"], ".1f"),
+                "Cell t/s": show(r["cell_throughput"], ".1f"),
+                "Steady t/s": show(r["steady_throughput"], ".1f"),
+                "In flight": show(r["mean_in_flight"], ".1f"),
                 "Ramp/steady/drain s": MISSING
                 if math.isnan(r["steady_s"])
                 else f"{r['ramp_s']:.2f}/{r['steady_s']:.2f}/{r['drain_s']:.2f}",
-                "Speedup": _x(r["speedup"]),
+                "Speedup": show(r["speedup"], ".2f"),
                 "CI": ci,
                 "TTFT p50/p99": f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",
                 "ITL p50/p99": f"{_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])}",
                 "TPOT p50/p90/p99": f"{_ms(r['tpot_p50_s'])}/{_ms(r['tpot_p90_s'])}/{_ms(r['tpot_p99_s'])}",
                 "E2E p50/p99": f"{_ms(r['e2e_p50_s'])}/{_ms(r['e2e_p99_s'])}",
-                "Acc/step": _x(r["accept_len_per_step"]),
-                "Acc/req": _x(r["accept_len_per_request"]),
-                "Tok/read": _x(r["tokens_per_read"]),
+                "Acc/step": show(r["accept_len_per_step"], ".2f"),
+                "Acc/req": show(r["accept_len_per_request"], ".2f"),
+                "Tok/read": show(r["tokens_per_read"], ".2f"),
                 "Lossless": f"{r['lossless']}" + (f" ({int(r['ties'])} ties)" if r["ties"] else ""),
             }
         )

@@ -15,8 +15,9 @@ import math
 
 import pandas as pd
 
-from dtbench.harness.metrics import GROUP, MISSING
+from dtbench.harness.metrics import GROUP
 from dtbench.harness.suite import COMPILED_SUFFIX
+from dtbench.reports.stats import show
 
 CAPTION = (
     "compiled/eager: geometric mean of per-prompt throughput ratios (same prompt, after warmup), CI a paired "
@@ -76,10 +77,6 @@ def execution_frame(frame: pd.DataFrame, summary: pd.DataFrame, confidence: floa
     return pd.DataFrame(rows)
 
 
-def _x(v, spec: str) -> str:
-    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
 def display(rows: pd.DataFrame) -> pd.DataFrame:
     """The table's display strings."""
     out = []
@@ -89,13 +86,13 @@ def display(rows: pd.DataFrame) -> pd.DataFrame:
             {
                 "Decoder": r["label"],
                 "n": str(int(r["n"])),
-                "Eager (t/s)": _x(r["eager_throughput"], ".1f"),
-                "Compiled (t/s)": _x(r["compiled_throughput"], ".1f"),
-                "Compiled/eager": _x(r["ratio"], ".2f") + ("×" if not math.isnan(r["ratio"]) else ""),
+                "Eager (t/s)": show(r["eager_throughput"], ".1f"),
+                "Compiled (t/s)": show(r["compiled_throughput"], ".1f"),
+                "Compiled/eager": show(r["ratio"], ".2f") + ("×" if not math.isnan(r["ratio"]) else ""),
                 "CI": ci,
-                "Compile (s)": _x(r["compile_s"], ".1f"),
-                "Roofline eager": _x(r["eager_roofline"], ".1%"),
-                "Roofline compiled": _x(r["compiled_roofline"], ".1%"),
+                "Compile (s)": show(r["compile_s"], ".1f"),
+                "Roofline eager": show(r["eager_roofline"], ".1%"),
+                "Roofline compiled": show(r["compiled_roofline"], ".1%"),
                 "Lossless": f"{r['eager_lossless']} / {r['compiled_lossless']}",
             }
         )

@@ -23,6 +23,7 @@ import pandas as pd
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import GROUP, MISSING
+from dtbench.reports.stats import show
 
 SLO_NAMES = {"ttft": "ttft_s", "tpot": "tpot_s", "e2el": "total_s"}  # vLLM's names -> the samples' columns (s)
 
@@ -123,10 +124,6 @@ def goodput_frame(
     return pd.DataFrame(rows)
 
 
-def _pct(v) -> str:
-    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.0%}"
-
-
 def display(rows: pd.DataFrame, confidence: float) -> pd.DataFrame:
     """Display strings of :func:`goodput_frame` rows."""
     ci = f"{confidence:.0%} CI"
@@ -137,9 +134,9 @@ def display(rows: pd.DataFrame, confidence: float) -> pd.DataFrame:
                 "Load": str(int(r["batch_size"])),
                 "n": str(int(r["n"])),
                 "Good": str(int(r["good"])),
-                "Goodput": _pct(r["goodput"]),
+                "Goodput": show(r["goodput"], ".0%"),
                 ci: MISSING if math.isnan(r["ci_low"]) else f"[{r['ci_low']:.0%}, {r['ci_high']:.0%}]",
-                "Tokens": _pct(r["token_goodput"]),
+                "Tokens": show(r["token_goodput"], ".0%"),
                 "Good req/s": MISSING if math.isnan(r["goodput_rps"]) else f"{r['goodput_rps']:.3f}",
             }
             for _, r in rows.iterrows()

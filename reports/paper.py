@@ -30,7 +30,7 @@ import pandas as pd
 
 from dtbench.reports.output import Report
 from dtbench.reports.render import cell_notes, fmt, fmt_pm, speedup_mark
-from dtbench.reports.stats import BASELINE
+from dtbench.reports.stats import BASELINE, is_missing
 from dtbench.reports.summary import base_label, without_partial
 
 
@@ -154,13 +154,9 @@ def ablation(summary: pd.DataFrame, setting: Setting) -> tuple[str | None, pd.Da
 # --- formatting ---------------------------------------------------------------------------------------------
 
 
-def _isnan(v) -> bool:
-    return v is None or (isinstance(v, float) and math.isnan(v))
-
-
 def tps_spec(v) -> str:
     """Format spec for a throughput (tokens/s): one decimal from 10 t/s up (the paper's), two below (CPU runs)."""
-    return ".1f" if _isnan(v) or abs(v) >= 10 else ".2f"
+    return ".1f" if is_missing(v) or abs(v) >= 10 else ".2f"
 
 
 def _protocol(rows: list[pd.Series]) -> str:
@@ -229,11 +225,11 @@ def method_table(spec: MethodTableSpec, ms: list[Method], setting: Setting, note
 
 def _acceptance_pct(c: pd.Series) -> str:
     bonus = c.get("acceptance_incl_bonus", float("nan"))
-    return fmt(bonus * 100 if not _isnan(bonus) else None, ".1f", "%")
+    return fmt(bonus * 100 if not is_missing(bonus) else None, ".1f", "%")
 
 
 def _avg_peak(m: Method) -> float:
-    vals = [c["peak_mib"] for c in m.cells.values() if not _isnan(c["peak_mib"])]
+    vals = [c["peak_mib"] for c in m.cells.values() if not is_missing(c["peak_mib"])]
     return sum(vals) / len(vals) if vals else math.nan
 
 
@@ -242,7 +238,7 @@ def _memory_totals(m: Method, ms: list[Method]) -> tuple[dict, dict]:
     ar = next((x for x in ms if x.is_ar), None)
     ar_avg = _avg_peak(ar) if ar else math.nan
     a = _avg_peak(m)
-    rel = 100 * (a - ar_avg) / ar_avg if not (_isnan(a) or _isnan(ar_avg) or ar_avg == 0) else math.nan
+    rel = 100 * (a - ar_avg) / ar_avg if not (is_missing(a) or is_missing(ar_avg) or ar_avg == 0) else math.nan
     return (
         {"Average (MiB)": fmt(a, ".1f"), "Rel. change": fmt(rel, "+.2f", "%")},
         {"average_mib": a, "rel_change_pct": rel},

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.stats import LOSSY, MIN_PROMPTS
+from dtbench.reports.stats import LOSSY, MIN_PROMPTS, is_missing
 
 SCHEMA_VERSION = "1.0"  # specdec_bench's speculation_profile SCHEMA_VERSION at the commit read
 SPECDEC_BENCH_SOURCE = (
@@ -172,7 +172,7 @@ def _bootstrap(num: np.ndarray, den: np.ndarray, confidence: float, seed: int) -
 
 
 def _num(x: float) -> float | None:
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+    return None if is_missing(x) else float(x)
 
 
 def build_profile(

@@ -31,6 +31,7 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.questions import GROUPS
 from dtbench.reports.render import NOT_LOSSLESS_MARK
+from dtbench.reports.stats import show
 
 BY_COLUMNS = {"group": "task_group", "category": "category"}
 GROUP_TITLES = {
@@ -269,23 +270,15 @@ def display(board: pd.DataFrame) -> pd.DataFrame:
         }
     )
     for g in groups:
-        out[GROUP_TITLES.get(g, g)] = [_x(v) for v in board[g]]
-    out["#MAT"] = [_f(v, ".2f") for v in board["mat"]]
-    out["Overall"] = [_x(v) for v in board["overall"]]
-    out["Accept. rate (vLLM)"] = [_f(v * 100, ".1f", "%") for v in board["acceptance_rate"]]
-    out["Mean acc. len (vLLM)"] = [_f(v, ".2f") for v in board["mean_acceptance_length"]]
+        out[GROUP_TITLES.get(g, g)] = [show(v, ".2f", "x") for v in board[g]]
+    out["#MAT"] = [show(v, ".2f") for v in board["mat"]]
+    out["Overall"] = [show(v, ".2f", "x") for v in board["overall"]]
+    out["Accept. rate (vLLM)"] = [show(v * 100, ".1f", "%") for v in board["acceptance_rate"]]
+    out["Mean acc. len (vLLM)"] = [show(v, ".2f") for v in board["mean_acceptance_length"]]
     width = min(POSITIONS, max((len(p) for p in board["per_position"]), default=0))
     for i in range(width):
-        out[f"pos {i}"] = [_f(p[i] * 100, ".0f", "%") if i < len(p) else MISSING for p in board["per_position"]]
+        out[f"pos {i}"] = [show(p[i] * 100, ".0f", "%") if i < len(p) else MISSING for p in board["per_position"]]
     return out
-
-
-def _x(v) -> str:
-    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}x"
-
-
-def _f(v, spec: str, suffix: str = "") -> str:
-    return MISSING if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{suffix}"
 
 
 CAPTION = (

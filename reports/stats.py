@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import pandas as pd
 
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING, column_of, group_key
+from dtbench.harness.metrics import is_missing as is_missing  # defined with the metrics, re-exported for reports
 from dtbench.harness.sample import aggregated
 
 KEY = [*GROUP, "label"]
@@ -88,7 +89,7 @@ def cell_throughput(samples: Iterable) -> float:
     by_prompt: dict[object, list[float]] = {}
     for i, s in enumerate(samples):
         v = column_of(s, "throughput")
-        if bool(column_of(s, "warmup")) or v is None or (isinstance(v, float) and math.isnan(v)):
+        if bool(column_of(s, "warmup")) or is_missing(v):
             continue
         # repeats of a prompt (suite key repeats) count once, as their median (rows without a repeat are their own)
         by_prompt.setdefault(_prompt_key(s, i), []).append(float(v))
@@ -125,7 +126,7 @@ def cell_lossless(verdicts: Iterable[bool | None], sampled: bool = False, lossy:
         return LOSSY
     if sampled:
         return SAMPLED
-    compared = [bool(v) for v in verdicts if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    compared = [bool(v) for v in verdicts if not is_missing(v)]
     if not compared:
         return MISSING
     return "yes" if all(compared) else "no"
@@ -153,16 +154,6 @@ def cell_value(rows: pd.DataFrame, metric: str) -> float:
 def family_of(stored) -> str:
     """A cell's decoder family (``cells.family``), :data:`FAMILY_UNKNOWN` when none is recorded."""
     return stored if isinstance(stored, str) and stored else FAMILY_UNKNOWN
-
-
-def is_missing(value) -> bool:
-    """None, NaN (float or pandas NA) or an empty string."""
-    if value is None or (isinstance(value, str) and not value):
-        return True
-    try:
-        return bool(pd.isna(value))
-    except (TypeError, ValueError):  # lists, dicts
-        return False
 
 
 def show(value, spec: str = "", suffix: str = "") -> str:

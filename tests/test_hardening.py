@@ -1362,7 +1362,7 @@ def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp
     from dtbench.harness import worker
 
     path = _npy(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
-    monkeypatch.setattr(worker, "measure", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    monkeypatch.setattr(worker, "measure_rows", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
     one_line_error(
         invoke(
             "run",

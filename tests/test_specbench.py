@@ -186,14 +186,14 @@ def specbench_run(tmp_path_factory):
     }
     path = write_suite(root, suite)
     seen: list[tuple[str, int, tuple[int, ...]]] = []
-    real = worker.measure
+    real = worker.measure_rows
 
-    def spy(decoder, prompt_ids, *a, **kw):
-        seen.append((type(decoder).__name__, len(seen), tuple(prompt_ids)))
-        return real(decoder, prompt_ids, *a, **kw)
+    def spy(decoder, prompts, *a, **kw):  # B = 1: one prompt per call
+        seen.append((type(decoder).__name__, len(seen), tuple(prompts[0])))
+        return real(decoder, prompts, *a, **kw)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(worker, "measure", spy)
+    mp.setattr(worker, "measure_rows", spy)
     db = f"sqlite:///{root / 'r.db'}"
     try:
         result = invoke("run", path, "--db", db, "--no-progress", "--no-report")
