@@ -89,7 +89,7 @@ def _execution(r: OwnRequest) -> None:
 
 
 def _profile(r: OwnRequest) -> None:
-    from dtbench.reports.profile import profile_report
+    from dtbench.reports.profile_report import profile_report
 
     profile_report(r.sessions, r.run_id, r.fmt, r.profile_json, r.confidence)
 

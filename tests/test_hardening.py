@@ -1705,7 +1705,7 @@ def _batched_run(path, remainder_accepted: list[int]):
 
 
 def test_the_profile_leaves_out_the_remainder_the_cell_table_leaves_out(tmp_path):
-    from dtbench.reports import profile
+    from dtbench.reports import profile_report as profile
 
     path = tmp_path / "r.db"
     rid = _batched_run(path, [2, 2, 2])

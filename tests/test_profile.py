@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from dtbench.reports import costmodel, profile
+from dtbench.reports import costmodel, profile, profile_report
 from tests import reportdb
 from tests.kit import invoke
 
@@ -56,7 +56,7 @@ def fixed_run(tmp_path):
 
 def _profiles(path, rid):
     with reportdb.connect(path)() as session:
-        return profile.run_profiles(session, rid)
+        return profile_report.run_profiles(session, rid)
 
 
 def test_chain_profile_matches_hand_computed(fixed_run):

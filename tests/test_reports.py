@@ -323,10 +323,7 @@ def test_failed_cell_shows_dash_and_note_and_figures_still_draw(tmp_path):
     t, _ = tables_of(sessions)
     row = t["table1_main"].display.set_index("Method").loc["DynaTree"]
     assert row["wikitext-2 Throughput (t/s)"] == "—" and row["wikitext-2 Speedup"] == "—"
-    assert any(
-        "DynaTree failed on wikitext-2: RuntimeError: out of memory" in n
-        for n in t["table1_main"].notes
-    )
+    assert any("DynaTree failed on wikitext-2: RuntimeError: out of memory" in n for n in t["table1_main"].notes)
     res = invoke("report", "--db", path, "--figures", tmp_path / "figs", "--compare")
     assert res.exit_code == 0, res.output
     assert (tmp_path / "figs" / "fig4_ablation.png").exists() and "failed" in res.stdout
