@@ -1,5 +1,5 @@
-"""Issue 40 item 3: serving engines are adapters looked up by name (built-ins and a plugin's, one class and one entry
-point), never branched on."""
+"""Issue 40 items 2 and 3: serving engines are adapters looked up by name (built-ins and a plugin's, one class and one
+entry point), never branched on; a server's request becomes a row through the one row builder; one tie rule."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from kit import invoke, one_line_error, write_suite
 
 from dtbench.decoders.engines import engine_for, engine_names, load_engine_plugins, schedule_engines
 from dtbench.decoders.server import ServerParams, parse_chunk, request_body
+from dtbench.harness.metrics import Served, sample_row
+from dtbench.harness.prompt import Prompt
 
 MY_ENGINE = """
 from dtbench.api import OpenAICompatible
@@ -100,3 +102,39 @@ def test_an_unknown_engine_is_one_line_at_validation(tmp_path):
         "decoders": [{"name": "server", "params": {"base_url": "http://127.0.0.1:1", "engine": "vlm"}}],
     }
     one_line_error(invoke("validate", write_suite(tmp_path, suite)), "params.engine", "unknown engine 'vlm'")
+
+
+def test_a_served_request_is_a_row_of_the_one_row_builder():
+    served = Served(
+        tokens=[5, 6, 7, 8],
+        step_times=[0.1, 0.2, 0.5],
+        step_tokens=[2, 1, 1],
+        drafted=6,
+        accepted=3,
+        steps=2,
+        stats={"server": {"engine": "llama.cpp"}},
+    )
+    row = sample_row(served, Prompt(3, "doc", (1, 2, 3)), False, [5, 6, 9, 8])
+    assert row["iterations"] == 3 and row["tokens_per_iteration"] == pytest.approx(4 / 3)  # iterations: reads
+    assert row["total_s"] == 0.5 and row["ttft_s"] == 0.1 and row["tpot_s"] == pytest.approx(0.4 / 3)
+    assert row["throughput"] == pytest.approx(8.0) and row["step_tokens"] == [2, 1, 1]
+    assert (row["drafted"], row["accepted"], row["draft_depth"]) == (6, 3, 6) and row["acceptance_rate"] == 0.5
+    assert row["mean_path_length"] == 1.5 and row["acceptance_incl_bonus"] is None and row["target_forwards"] is None
+    assert row["first_divergence"] == 2 and row["lossless"] is False and row["step_stats"] == served.stats
+    assert "peak_rss_bytes" not in row and "energy_j" not in row  # a server's memory and energy are not dtbench's
+
+
+def test_one_tie_rule_decides_both_lossless_checks(monkeypatch):
+    import torch
+
+    from dtbench.harness import lossless
+    from dtbench.harness.serving import check_request
+
+    params = ServerParams(base_url="http://127.0.0.1:1", tie_margin=0.01)
+    shapes = ([(7, -0.1), (9, -2.0)], [(7, -0.1), (9, -2.0)])  # 9 is 1.9 below 7: an error under the rule
+    inc = torch.tensor([0.0, 3.0, 1.0], dtype=torch.float64)  # token 2 is 2.0 below the top: an error
+    assert check_request([5, 9], [5, 7], lambda i: shapes, params, "tie_aware")["lossless_errors"] == 1
+    assert lossless.classify(2, inc, inc.clone())[0] == "error"
+    monkeypatch.setattr(lossless, "tie_or_error", lambda *a, **k: "tie")  # change the one rule: both checks follow
+    assert check_request([5, 9], [5, 7], lambda i: shapes, params, "tie_aware")["lossless_ties"] == 1
+    assert lossless.classify(2, inc, inc.clone())[0] == "tie"
