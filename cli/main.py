@@ -45,6 +45,24 @@ class FormatChoice(click.Choice):
         pass
 
 
+class ScheduleChoice(click.Choice):
+    """``--schedule``: the registered engines that state a speculation schedule
+    (:func:`dtbench.decoders.engines.schedule_engines`), read when the option is parsed or its help shown."""
+
+    def __init__(self) -> None:
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from dtbench.decoders.engines import schedule_engines
+
+        return schedule_engines()
+
+    @choices.setter
+    def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the registry is the one source
+        pass
+
+
 # Exit codes of `dtbench run` (docs/measurement.md "Exit codes"); a report still prints before a non-zero exit.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_DIVERGED, EXIT_CELL_FAILED, EXIT_DIVERGED_AND_FAILED = 3, 4, 5
@@ -400,7 +418,7 @@ def run_exit_code(sessions, run_id: int) -> int:
 @click.option(
     "--schedule",
     "schedule",
-    type=click.Choice(["vllm", "sglang", "trtllm"]),
+    type=ScheduleChoice(),
     help="the speculation schedule the cost model predicts from a calibrated run with batch sizes: per chain "
     "decoder the best K per batch-size range (0 where speculation stops paying), in the engine's configuration terms "
     "(vLLM num_speculative_tokens + disable_by_batch_size, TensorRT-LLM draft_len_schedule, SGLang steps per bucket)",

@@ -15,6 +15,10 @@ Datasets (entry-point group ``dtbench.datasets``): subclass :class:`Dataset` (it
 
 Report formats: :func:`renderer` registers a function from a :class:`Document` (reports, each a :class:`Report`) to
 text under a ``--format`` name.
+
+Serving engines (entry-point group ``dtbench.engines``): the ``server`` decoder reads a server through the adapter
+its ``engine:`` names; subclass :class:`OpenAICompatible` (or implement :class:`Engine`) and fill its hooks: request
+fields, an event's own fields into a :class:`Chunk`, the speculation counters, a metrics endpoint, a schedule.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from dtbench.decoders.chain import (
     speculate_chain,
     speculate_chain_batch,
 )
+from dtbench.decoders.engines import Chunk, Engine, OpenAICompatible
 from dtbench.decoders.tree import (
     CacheStrategy,
     ExpansionPolicy,
@@ -96,4 +101,8 @@ __all__ = [
     "renderer",
     "Document",
     "Report",
+    # serving engines (the server decoder's adapters)
+    "Engine",
+    "OpenAICompatible",
+    "Chunk",
 ]

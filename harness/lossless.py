@@ -165,9 +165,26 @@ def classify(
     picks = (int(inc.argmax()) == emitted) + sum(int(sh.argmax()) == emitted for sh in shapes)
     if picks == 1 + len(shapes):
         return "ok", margin, noise
-    if picks >= 1 or margin <= noise:
-        return "tie", margin, noise
-    return "error", margin, noise
+    return tie_or_error(margin, noise, picked=picks >= 1), margin, noise
+
+
+def tie_or_error(margin: float | None, noise: float, *, tolerance: float | None = None, picked: bool = False) -> str:
+    """The one tie rule at a flagged position (a token that is not the target's, or the reference's, choice): of
+    this module's check (:func:`classify`, and the positions past :data:`DIAGNOSE_LIMIT`) and of a server's output
+    check (:func:`dtbench.harness.serving.check.check_request`, top log-probabilities instead of logits).
+
+    Args:
+        margin: how far the emitted token lies below the compared one (logits, or log-probabilities; >= 0), None
+            when unknown (it is not among a server's top candidates).
+        noise: the largest disagreement measured between two computation shapes of the same position (>= 0).
+        tolerance: a floor of the allowed margin (a server's ``tie_margin``); None: the noise alone.
+        picked: some computation shape picks the emitted token.
+
+    Returns:
+        ``tie`` when ``picked`` or ``margin <= max(tolerance, noise)``, else ``error`` (an unknown margin is an error).
+    """
+    limit = noise if tolerance is None else max(tolerance, noise)
+    return "tie" if picked or (margin is not None and margin <= limit) else "error"
 
 
 def batched_shape(model: torch.nn.Module, prefix: list[int], companions: list[list[int]]) -> torch.Tensor:
@@ -274,7 +291,7 @@ def check_output(
             e = int(output[i])
             if n >= DIAGNOSE_LIMIT:
                 noise = check.max_noise or 0.0
-                check.add(Diagnosis(i, e, "tie" if tf_margin[i] <= noise else "error", tf_margin[i], noise))
+                check.add(Diagnosis(i, e, tie_or_error(tf_margin[i], noise), tf_margin[i], noise))
                 continue
             inc, full = two_shapes(model, list(prompt) + list(output[:i]), device)
             extra = [batched_shape(model, list(prompt) + list(output[:i]), companions)] if companions else []

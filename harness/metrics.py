@@ -1,5 +1,6 @@
-"""Every metric, in one place: its per-sample derivation from Steps (:func:`sample_row`) and, in :data:`METRICS`,
-its name, unit, header, number format, per-cell aggregation, better direction and ``--fail-if`` aliases.
+"""Every metric, in one place: its per-sample derivation from Steps or from a server's request (:func:`sample_row`,
+the one row builder) and, in :data:`METRICS`, its name, unit, header, number format, per-cell aggregation, better
+direction and ``--fail-if`` aliases.
 
 Reports (summary, tables, CSV/JSON, run-to-run comparison and gates) iterate over :data:`METRICS`; adding a
 metric is one :class:`Metric` entry (plus its samples column, with a migration, and its line in :func:`sample_row`).
@@ -8,7 +9,8 @@ Definitions (docs/measurement.md):
 
 - throughput = T / total wall time (tokens/s, prefill included); TTFT = time to the first committed token;
   TPOT = (total - TTFT) / (T - 1), seconds.
-- iterations = target verifications (the prefill is the first); tokens per iteration L = T / iterations.
+- iterations = target verifications (the prefill is the first); tokens per iteration L = T / iterations. A server's
+  request (:class:`Served`): its network reads that brought tokens, and its counters are the server's own totals.
 - acceptance_rate = committed drafted tokens / drafted depth, summed over iterations (accepted / K for linear
   speculation; for trees the committed path length before the bonus over the drafted tree's depth); at most 1.
 - acceptance_incl_bonus = committed tokens *including* the bonus token / drafted depth, summed over the
@@ -368,21 +370,33 @@ def _clip100(text: str | None) -> str | None:
     return None if text is None else text[:100]
 
 
-def sample_row(m: Measurement, prompt: Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
-    """The samples-table columns of one measurement (definitions in this module's docstring).
+@dataclass(frozen=True)
+class Served:
+    """What the client saw of one request to a server (:mod:`dtbench.harness.serving`), timed by the harness's clock:
+    the observation :func:`sample_row` takes beside a :class:`~dtbench.harness.measure.Measurement`.
 
-    Args:
-        m: a :class:`dtbench.harness.measure.Measurement`.
-        prompt: the :class:`dtbench.harness.prompt.Prompt` it decoded.
-        warmup: whether the prompt is one of the first W.
-        reference: the reference decoder's tokens on this prompt, or None (the sample is a reference itself).
-
-    Raises:
-        TypeError: if a Step's counters are not integers (the runner fails the cell with it).
+    Attributes:
+        tokens: the first T output token ids.
+        step_times: seconds from the send to each network read that brought tokens (the first: TTFT; the last: the
+            end-to-end latency); its iterations are those reads.
+        step_tokens: the tokens each of those reads brought (client-side).
+        drafted, accepted: drafted and accepted tokens the server reported for the request (0 when it reported none).
+        steps: its target verification steps, reported or derived by its engine adapter; None when not reported.
+        stats: the request's ``step_stats`` (``{"server": {...}}``: engine, load, latencies, counters, the check's
+            rule).
     """
-    T = len(m.tokens)
-    times = m.step_times
-    total, ttft = times[-1], times[0]
+
+    tokens: list[int]
+    step_times: list[float]
+    step_tokens: list[int]
+    drafted: int
+    accepted: int
+    steps: int | None
+    stats: dict[str, Any]
+
+
+def _counted(m: Measurement) -> dict[str, Any]:
+    """The counter, memory and energy columns of a measurement: from its Steps and the runner's hooks."""
     iterations = len(m.steps)
     drafted = [_int(s.drafted, "drafted") for s in m.steps]
     accepted = [_int(s.accepted, "accepted") for s in m.steps]
@@ -393,23 +407,8 @@ def sample_row(m: Measurement, prompt: Prompt, warmup: bool, reference: list[int
     target_fw = [r.target_forwards for r in m.records]
     draft_fw = [r.draft_forwards for r in m.records]
     draft_counted = all(d is not None for d in draft_fw)
-    div = first_divergence(m.tokens, reference) if reference is not None else None
     return dict(
-        prompt_index=prompt.index,
-        document=prompt.document[:500],
-        task_group=_clip100(getattr(prompt, "task_group", None)),
-        category=_clip100(getattr(prompt, "category", None)),
-        turn=getattr(prompt, "turn", None),
-        question_id=_clip100(getattr(prompt, "question_id", None)),
-        warmup=warmup,
-        prompt_tokens=len(prompt.token_ids),
-        new_tokens=T,
-        total_s=total,
-        ttft_s=ttft,
-        tpot_s=(total - ttft) / (T - 1) if T > 1 else None,
-        throughput=T / total if total > 0 else float("inf"),
         iterations=iterations,
-        tokens_per_iteration=T / iterations,
         drafted=sum(drafted),
         accepted=sum(accepted),
         draft_depth=depth_sum,
@@ -436,12 +435,70 @@ def sample_row(m: Measurement, prompt: Prompt, warmup: bool, reference: list[int
             # the decoder's state after the sample (Decoder.state_stats: adjacency matrix, n-gram pool bytes...)
             "state": getattr(m, "state", None),
         },
-        step_times_s=times,
         peak_rss_bytes=m.memory.rss_bytes,
         peak_allocated_bytes=m.memory.allocated_bytes,
         peak_nvml_bytes=m.memory.nvml_bytes,
         nvml_scope=getattr(m.memory, "nvml_scope", None),
         **energy_columns(getattr(m, "energy", None)),
+    )
+
+
+def _reported(m: Served) -> dict[str, Any]:
+    """The counter columns of a served request: the server's reported totals (no per-step counters, no forwards
+    counted by dtbench, no memory or energy of its own). A chain server drafts one token per drafted position, so
+    its draft depth is its drafted tokens; ``mean_path_length`` = accepted / verification steps."""
+    return dict(
+        iterations=len(m.step_tokens),
+        drafted=m.drafted,
+        accepted=m.accepted,
+        draft_depth=m.drafted,
+        acceptance_rate=m.accepted / m.drafted if m.drafted else None,
+        acceptance_incl_bonus=None,
+        mean_path_length=m.accepted / m.steps if m.steps else None,
+        mean_path_length_all=None,
+        target_forwards=None,
+        draft_forwards=None,
+        step_tokens=m.step_tokens,
+        step_stats=m.stats,
+    )
+
+
+def sample_row(m: Measurement | Served, prompt: Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
+    """The samples-table columns of one measurement, or of one request to a server (definitions in this module's
+    docstring): the one row builder of every decoder.
+
+    Args:
+        m: a :class:`dtbench.harness.measure.Measurement` (Steps timed by the runner), or a :class:`Served` request
+            (network reads timed by the server client).
+        prompt: the :class:`dtbench.harness.prompt.Prompt` it decoded.
+        warmup: whether the prompt is one of the first W.
+        reference: the reference decoder's tokens on this prompt, or None (the sample is a reference itself).
+
+    Raises:
+        TypeError: if a Step's counters are not integers (the runner fails the cell with it).
+    """
+    T = len(m.tokens)
+    times = m.step_times
+    total, ttft = times[-1], times[0]
+    counted = _reported(m) if isinstance(m, Served) else _counted(m)
+    div = first_divergence(m.tokens, reference) if reference is not None else None
+    return dict(
+        prompt_index=prompt.index,
+        document=prompt.document[:500],
+        task_group=_clip100(getattr(prompt, "task_group", None)),
+        category=_clip100(getattr(prompt, "category", None)),
+        turn=getattr(prompt, "turn", None),
+        question_id=_clip100(getattr(prompt, "question_id", None)),
+        warmup=warmup,
+        prompt_tokens=len(prompt.token_ids),
+        new_tokens=T,
+        total_s=total,
+        ttft_s=ttft,
+        tpot_s=(total - ttft) / (T - 1) if T > 1 else None,
+        throughput=T / total if total > 0 else float("inf"),
+        tokens_per_iteration=T / counted["iterations"],
+        **counted,
+        step_times_s=times,
         output_hash=hashlib.sha256(json.dumps(m.tokens).encode()).hexdigest(),
         output_tokens=m.tokens,
         lossless=(div is None) if reference is not None else None,

@@ -453,16 +453,21 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
                     questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
                 except DtbenchError as exc:
                     raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
-    for p in plan.decoders:  # a launched llama.cpp server needs its binary (make engine; issue 41)
+    for p in plan.decoders:  # a server's engine adapter, and a launched llama.cpp server's binary (make engine)
         if p.cls.requests:
+            from dtbench.decoders.engines import engine_for
             from dtbench.harness.serving import launches_llama_server, llama_server_binary
 
-            if launches_llama_server(p.params):
-                try:
+            where = f"{p.spec.where}: " if p.spec.where else ""
+            try:
+                engine = getattr(p.params, "engine", None)
+                if not isinstance(engine, str):  # the serving path reads every requests decoder through its engine
+                    raise DtbenchError("a decoder measured through requests names its server's engine (params.engine)")
+                engine_for(engine)
+                if launches_llama_server(p.params):
                     llama_server_binary()
-                except DtbenchError as exc:
-                    where = f"{p.spec.where}: " if p.spec.where else ""
-                    raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
+            except DtbenchError as exc:
+                raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
     for p in plan.decoders:  # a decoder's own files (a head's config and weights' header, a tokens file)
         check = getattr(p.cls, "check_files", None)
         if check is not None:

@@ -40,7 +40,7 @@ def _sigterm_as_interrupt():
     Ctrl-C again (Python's ``default_int_handler``) for the run, also where the process was started with SIGINT
     ignored (issue 42 item 2: a background job of a non-interactive shell inherits SIG_IGN, and a run then went on
     through a hung server request until its timeout and ended 'completed'). With the default handler in place
-    ``asyncio.run`` (the server client, harness/serving.py) cancels the requests in flight at once. A run that must
+    ``asyncio.run`` (the server client, harness/serving/client.py) cancels the requests in flight at once. A run that must
     survive a terminal's Ctrl-C is started with ``setsid`` or ``nohup``, not by relying on an ignored SIGINT."""
 
     def handler(signum, frame):

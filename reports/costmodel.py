@@ -790,25 +790,30 @@ def batch_figure_of(session, run):
     if frame.empty or not (frame["batch_size"] > 1).any():
         return None
     measured = speedup_table(frame)
-    measured = _servers_against_their_reference(session, run, measured)
+    measured = _servers_against_their_reference(session, run, measured, frame)
     curves = load_curves(session, run)
     predicted = batch_table(session, run, curves)[0] if curves is not None else None
     return speedup_vs_batch(measured, predicted)
 
 
-def _servers_against_their_reference(session, run, measured):
-    """``measured`` with server cells (issue 30) paired with their own plain server at the same concurrency (the
-    load table's speedups, :func:`dtbench.reports.engine.engine_frame`) instead of with ar; plain servers left out."""
+def _servers_against_their_reference(session, run, measured, frame):
+    """``measured`` with server cells (issue 30: measured through requests, :func:`dtbench.reports.engine.served`;
+    ``frame``: the run's samples frame) paired with their own plain server at the same concurrency (the load table's
+    speedups, :func:`dtbench.reports.engine.engine_frame`) instead of with ar; plain servers left out."""
     import pandas as pd
 
-    from dtbench.reports.engine import engine_frame
+    from dtbench.reports.engine import engine_frame, served
 
-    if measured.empty or not (measured["decoder"] == "server").any():
+    if measured.empty:
+        return measured
+    servers_labels = set(frame.loc[[served(p) for p in frame["params"]], "label"])
+    is_server = measured["label"].isin(servers_labels)
+    if not is_server.any():
         return measured
     eng = engine_frame(session, run.id)
-    servers = eng[(eng["decoder"] == "server") & eng["reference"].notna()].copy()
+    servers = eng[eng["label"].isin(servers_labels) & eng["reference"].notna()].copy()
     servers["label"] = servers["label"] + " (vs " + servers["reference"] + ")"
-    keep = measured[measured["decoder"] != "server"]
+    keep = measured[~is_server]
     cols = ["dataset", "l_max", "gen_length", "batch_size", "label", "speedup", "ci_low", "ci_high"]
     return pd.concat([keep, servers[cols]], ignore_index=True)
 

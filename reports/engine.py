@@ -42,6 +42,19 @@ CAPTION = (
 )
 
 
+# The rule of dtbench's own decoders' lossless verdicts (a server's is the one its samples recorded).
+OWN_RULE = "tie_aware or exact: the suite's lossless_check (dtbench's check)"
+
+
+def served(params: object) -> bool:
+    """Whether a cell was measured through requests to a server (a decoder with the ``requests`` capability, issue
+    30), read from its stored params: they name the server's engine adapter (``engine``,
+    :mod:`dtbench.decoders.engines`), which the harness reads every such decoder through and checks before a run
+    (:func:`dtbench.harness.plan.preflight`). Such a cell is compared with its own reference server
+    (``cells.reference_label``), never with ``ar``: that would compare an engine with dtbench's loop."""
+    return isinstance(params, dict) and isinstance(params.get("engine"), str)
+
+
 def _pct(values: list[float]) -> tuple[float, float, float]:
     """(p50, p90, p99) of ``values`` (:func:`~dtbench.harness.metrics.percentiles`), NaN when empty."""
     p = {k: math.nan if v is None else v for k, v in percentiles(values).items()}
@@ -90,7 +103,8 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         mine = [s for s in by_cell.get(c.id, []) if not s.warmup]
         server = [((s.step_stats or {}).get("server") or {}) for s in mine]
         is_server = any(server)
-        ref_label = c.reference_label if c.decoder == "server" else (None if c.decoder == BASELINE else BASELINE)
+        through_requests = served(c.params)
+        ref_label = c.reference_label if through_requests else (None if c.decoder == BASELINE else BASELINE)
         ref = by_label.get((*key, ref_label)) if ref_label else None
         row = dict(
             zip(GROUP, key),
@@ -133,7 +147,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         row["ties"] = sum(s.lossless_ties or 0 for s in by_cell.get(c.id, []))
         every = [((s.step_stats or {}).get("server") or {}) for s in by_cell.get(c.id, [])]  # warmup included
         rules = sorted({str(st["lossless_rule"]) for st in every if st.get("lossless_rule")})
-        own = "" if c.decoder == "server" else "tie_aware or exact: the suite's lossless_check (dtbench's check)"
+        own = "" if through_requests else OWN_RULE
         row["lossless_rule"] = "; ".join(rules) if rules else (own if verdicts else "")
         rows.append(row)
     return pd.DataFrame(rows)
@@ -155,10 +169,10 @@ def unit_loads(server: list[dict]) -> list[dict]:
 def steady_walls(session, run_id: int) -> dict[int, float]:
     """Per steady server cell of a run (issue 39 item 1), its measured wall time in seconds: the sum of its units'
     first send to last token (its blocks of C overlap, so the sum of their walls is no wall time)."""
+    cells = session.execute(select(Cell.id, Cell.params).where(Cell.run_id == run_id)).all()
+    ids = [cell_id for cell_id, params in cells if served(params)]
     rows = session.execute(
-        select(Sample.cell_id, Sample.step_stats)
-        .join(Cell, Sample.cell_id == Cell.id)
-        .where(Cell.run_id == run_id, Cell.decoder == "server", Sample.warmup.is_(False))
+        select(Sample.cell_id, Sample.step_stats).where(Sample.cell_id.in_(ids), Sample.warmup.is_(False))
     ).all()
     by_cell: dict[int, list[dict]] = {}
     for cell_id, stats in rows:
@@ -316,7 +330,7 @@ def engine_report(sessions, run_id: int | None, fmt: str, confidence: float = 0.
             {
                 f"lossless rule of {r['label']}: {r['lossless_rule']}"
                 for _, r in part.iterrows()
-                if r["lossless_rule"] and r["decoder"] == "server"
+                if r["lossless_rule"] and r["lossless_rule"] != OWN_RULE  # the rule its server's samples recorded
             }
         )
         reports.append(

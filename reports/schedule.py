@@ -11,13 +11,17 @@ best K is predicted slower than ``ar`` (speculation stops paying). Consecutive b
 range. Where the run measured several K of one method at a B (a K sweep with ``batch_sizes``), the measured best K
 is shown beside the prediction.
 
-The engines' terms:
+The engines' terms are their adapters' (:meth:`dtbench.decoders.engines.Engine.schedule`; the engines that state
+one: :func:`~dtbench.decoders.engines.schedule_engines`):
 
 - ``trtllm``: ``draft_len_schedule`` {largest B of each range: K}, the ranges after the last K > 0 left out (0 above).
 - ``vllm``: vLLM takes one ``num_speculative_tokens``: the K of the first range, and ``disable_by_batch_size``: the
   first batch size predicted not to pay (None when every calibrated B pays).
 - ``sglang``: SGLang takes one ``--speculative-num-steps`` per server; the per-bucket values are given for a launcher
   that picks the server by load, with ``--speculative-num-draft-tokens`` = steps + 1 (chain drafting, top-k 1).
+
+Engine knowledge is code, not data: this report reads the adapters (the second documented exception to "reports read
+the database only", beside the tuning line's decoder defaults; tests/test_import_graph.py).
 """
 
 from __future__ import annotations
@@ -28,9 +32,8 @@ import math
 import pandas as pd
 from sqlalchemy import select
 
+from dtbench.decoders.engines import engine_for, schedule_engines
 from dtbench.harness.errors import DtbenchError
-
-ENGINES = ("vllm", "sglang", "trtllm")
 
 
 def schedule_rows(session, run, curves) -> pd.DataFrame:
@@ -112,20 +115,16 @@ def ranges(rows: pd.DataFrame) -> list[tuple[int, int, int]]:
 
 
 def engine_config(engine: str, spans: list[tuple[int, int, int]]) -> dict:
-    """The schedule in ``engine``'s configuration terms (module docstring)."""
-    if engine == "trtllm":
-        last = max((i for i, (_, _, k) in enumerate(spans) if k > 0), default=-1)
-        return {"speculative_config": {"draft_len_schedule": {hi: k for lo, hi, k in spans[: last + 1]}}}
-    if engine == "vllm":
-        stop = next((lo for lo, _, k in spans if k == 0), None)
-        first = spans[0][2] if spans else 0
-        return {"speculative_config": {"num_speculative_tokens": first, "disable_by_batch_size": stop}}
-    return {
-        "per_batch_bucket": [
-            {"batch_sizes": f"{lo}-{hi}", "speculative_num_steps": k, "speculative_num_draft_tokens": k + 1 if k else 0}
-            for lo, hi, k in spans
-        ]
-    }
+    """The schedule in ``engine``'s configuration terms (module docstring): its adapter's
+    :meth:`~dtbench.decoders.engines.Engine.schedule` of ``spans`` ((first B, last B, K) ranges, :func:`ranges`).
+
+    Raises:
+        DtbenchError: an unknown engine, or one that states no schedule.
+    """
+    config = engine_for(engine).schedule(spans)
+    if config is None:
+        raise DtbenchError(f"--schedule: engine {engine!r} states no speculation schedule")
+    return config
 
 
 def schedule_report(sessions, run_id: int | None, fmt: str, engine: str) -> None:
@@ -139,8 +138,8 @@ def schedule_report(sessions, run_id: int | None, fmt: str, engine: str) -> None
     from dtbench.reports.output import Document, Note, Report, emit
     from dtbench.reports.summary import get_run
 
-    if engine not in ENGINES:
-        raise DtbenchError(f"--schedule: unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if engine not in (engines := schedule_engines()):
+        raise DtbenchError(f"--schedule: unknown engine {engine!r} (choose from {', '.join(engines)})")
     with sessions() as session:
         run = get_run(session, run_id)
         curves = load_curves(session, run)

@@ -167,8 +167,9 @@ def test_the_core_imports_no_other_dtbench_module():
 
 
 def test_reports_read_the_database_not_the_registry_or_calibration():
-    """Reports read the database; the one documented exception: the tuning line's decoder defaults (reports/tuning.py
-    default_params) name installed decoders' params."""
+    """Reports read the database; the documented exceptions: the tuning line's decoder defaults (reports/tuning.py
+    default_params) name installed decoders' params, and the schedule report states a schedule in an engine's terms,
+    which its adapter knows (reports/schedule.py, dtbench.decoders.engines; issue 40)."""
     edges, _ = imports(modules())
     bad = sorted(
         f"{m} -> {t}"
@@ -185,7 +186,26 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
         )
         or t.startswith("dtbench.decoders")
     )
-    assert bad == ["dtbench.reports.tuning -> dtbench.harness.registry"]
+    assert bad == [
+        "dtbench.reports.schedule -> dtbench.decoders.engines",
+        "dtbench.reports.tuning -> dtbench.harness.registry",
+    ]
+
+
+def test_serving_is_a_package_by_its_seams():
+    """harness/serving (issue 40): the servers' processes and the traffic model import no other part of it; the output
+    check only the processes' error; the client the rest. Engines are adapters in the decoder layer
+    (dtbench.decoders.engines), which imports nothing of the server decoder (its params are a protocol there)."""
+    edges, _ = imports(modules())
+    serving = "dtbench.harness.serving"
+    inside = {
+        m: sorted(t for t in ts if t.startswith(serving + ".")) for m, ts in edges.items() if m.startswith(serving)
+    }
+    assert inside[f"{serving}.process"] == [] and inside[f"{serving}.traffic"] == []
+    assert inside[f"{serving}.check"] == [f"{serving}.process"]
+    assert inside[f"{serving}.client"] == [f"{serving}.check", f"{serving}.process", f"{serving}.traffic"]
+    engines = [t for m, ts in edges.items() if m.startswith("dtbench.decoders.engines") for t in ts]
+    assert "dtbench.decoders.server" not in engines and not any(t.startswith("dtbench.harness") for t in engines)
 
 
 def test_the_example_plugin_imports_only_the_public_api():

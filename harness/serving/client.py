@@ -1,0 +1,443 @@
+"""One unit of a server cell through the bounded async client (issue 30, issue 39): the requests, the clock, the rows.
+
+:func:`measure_requests` sends a unit (its warmup prompts, or all its measured prompts:
+:func:`~dtbench.harness.plan.cell_units`) as streamed ``/v1/completions`` requests by one ``httpx.AsyncClient``
+through a semaphore of C (the load level is the concurrency): C in flight all the time, a new request starting when
+one finishes (steady concurrency, issue 39; vLLM ``bench serve --max-concurrency``, GuideLLM's ``concurrent``
+profile), every request ready at the start or arriving at seeded gaps (:mod:`~dtbench.harness.serving.traffic`).
+Every network read of a response is timestamped (``time.perf_counter``) when it arrives: a request's TTFT is its first
+token's arrival minus its send time, its inter-token latencies (ITL) the gaps between reads that brought tokens, its
+end-to-end latency (E2E) the last token's arrival minus its send time. The engine adapter of ``params.engine``
+(:mod:`dtbench.decoders.engines`) writes each request and reads each event and the server's counters; each request
+becomes a :class:`~dtbench.harness.metrics.Served` observation, and its row is
+:func:`~dtbench.harness.metrics.sample_row`'s, as every decoder's (TPOT, throughput, the output's identity), with the
+server's record (``step_stats.server``), its block of C prompts and the output check
+(:mod:`~dtbench.harness.serving.check`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtbench.core import redact_credentials
+from dtbench.decoders.engines import Engine, engine_for
+from dtbench.decoders.server import ServerParams
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.metrics import Served, sample_row
+from dtbench.harness.serving.check import Shapes, candidate_shapes, check_request
+from dtbench.harness.serving.process import ServerError, ServerPool
+from dtbench.harness.serving.traffic import arrival_delays, blocks_of, load_profile, steady_throughput
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request: send offset, reads with the tokens each brought, counters, top-2."""
+
+    row: int
+    sent_s: float = 0.0  # seconds from the group's start to the send
+    reads: list[tuple[float, int]] = field(default_factory=list)  # (seconds from the send, tokens it brought)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    top: list[list[tuple[Any, float]]] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+    finish: str | None = None
+    done_s: float = 0.0  # seconds from the group's start to the last read
+    decoded: int = 0  # the server's own count of decoded tokens at its last event (llama.cpp), 0 if not sent
+    recovered: bool = False  # token ids taken from a non-streamed repeat (see _recover_ids)
+
+
+def sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """Complete server-sent events of ``buffer`` as JSON objects, and the incomplete rest.
+
+    Raises:
+        ServerError: an event whose data is not JSON.
+    """
+    out = []
+    buffer = buffer.replace(b"\r\n", b"\n")
+    *complete, rest = buffer.split(b"\n\n")
+    for block in complete:
+        data = b"\n".join(line[5:].lstrip() for line in block.split(b"\n") if line.startswith(b"data:"))
+        if not data or data.strip() == b"[DONE]":
+            continue
+        try:
+            out.append(json.loads(data))
+        except json.JSONDecodeError:
+            raise ServerError(
+                f"the server sent an event that is not JSON: {clip(data.decode(errors='replace'), 200)}"
+            ) from None
+    return out, rest
+
+
+async def _one(
+    client: Any,
+    url: str,
+    body: dict,
+    params: ServerParams,
+    engine: Engine,
+    record: RequestRecord,
+    delay: float,
+    t0: float,
+    gate: asyncio.Semaphore,
+    tokenize: Callable[[str], list[int]],
+) -> None:
+    await asyncio.sleep(delay)
+    async with gate:
+        sent = time.perf_counter()
+        record.sent_s = sent - t0
+        async with client.stream("POST", url, json=body, timeout=params.request_timeout_s) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise ServerError(f"answered HTTP {response.status_code}: {clip(text, 300)}")
+            buffer = b""
+            decoded = 0
+            async for raw in response.aiter_bytes():
+                now = time.perf_counter()
+                events, buffer = sse_events(buffer + raw)
+                brought = 0
+                for event in events:
+                    chunk = engine.parse_event(event)
+                    if chunk.decoded is not None:  # llama.cpp holds back a token that ends inside a UTF-8
+                        brought += chunk.decoded - decoded  # character and sends the next event with one id only:
+                        decoded = chunk.decoded  # its decoded count says how many tokens the read brought
+                        record.tokens.extend(chunk.tokens or [])
+                    elif chunk.tokens is not None:
+                        record.tokens.extend(chunk.tokens)
+                        brought += len(chunk.tokens)
+                    elif chunk.text:
+                        brought += 1  # a text-only engine: one chunk, token count unknown until re-tokenized
+                    final = chunk.counters.get("usage:completion_tokens")
+                    if decoded and final is not None and final > decoded:  # the last tokens ended inside a UTF-8
+                        brought += int(final) - decoded  # character: they arrive with the final event
+                        decoded = int(final)
+                    record.text += chunk.text
+                    record.top.extend(chunk.top)
+                    record.counters.update(chunk.counters)
+                    record.finish = chunk.finish or record.finish
+                if brought:
+                    record.reads.append((now - sent, brought))
+            if params.prompt_format == "text" or not record.tokens and record.text:
+                record.tokens = tokenize(record.text)
+        record.done_s = time.perf_counter() - t0
+        record.decoded = decoded
+
+
+async def _group(
+    base_url: str,
+    bodies: list[dict[str, Any]],
+    params: ServerParams,
+    delays: list[float],
+    concurrency: int,
+    tokenize: Callable[[str], list[int]],
+    engine: Engine,
+) -> tuple[list[RequestRecord], float, dict[str, Any], dict[str, Any]]:
+    import httpx
+
+    url = base_url + "/v1/completions"
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=params.request_timeout_s) as client:
+        before = await _metrics(client, base_url, engine)
+        gate = asyncio.Semaphore(concurrency)
+        records = [RequestRecord(row=i) for i in range(len(bodies))]
+        t0 = time.perf_counter()
+        tasks = [
+            asyncio.create_task(_one(client, url, b, params, engine, r, d, t0, gate, tokenize))
+            for b, r, d in zip(bodies, records, delays)
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        wall = time.perf_counter() - t0
+        after = await _metrics(client, base_url, engine)
+    return records, wall, before, after
+
+
+async def _metrics(client: Any, base_url: str, engine: Engine) -> dict[str, Any]:
+    """The engine's counters endpoint (:attr:`~dtbench.decoders.engines.Engine.metrics_path`, vLLM's ``/metrics``),
+    parsed; {} for an engine that reports per response, or an answer other than 200."""
+    if engine.metrics_path is None:
+        return {}
+    response = await client.get(base_url + engine.metrics_path, timeout=30.0)
+    if response.status_code != 200:
+        return {}
+    return engine.parse_metrics(response.text)
+
+
+def _recover_ids(
+    base_url: str, body: dict[str, Any], rec: RequestRecord, engine: Engine, label: str, where: str
+) -> None:
+    """The token ids of a stream that held tokens back (llama.cpp: a UTF-8 character split over several byte tokens,
+    the event that completes it carries one id): the same request once more, not streamed and not timed, whose answer
+    lists every id (read by the engine adapter); taken only if it has as many tokens and its text begins with the
+    streamed text (a character cut at the end is never streamed).
+
+    Raises:
+        ServerError: the repeat's text differs from the streamed text (the ids cannot be told).
+    """
+    import httpx
+
+    response = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=600)
+    try:
+        data = response.json() if response.status_code == 200 else {}
+    except ValueError:  # not JSON: the ids cannot be told (below)
+        data = {}
+    answer = engine.parse_event(data) if isinstance(data, dict) and data and "error" not in data else None
+    if answer is not None and answer.tokens and len(answer.tokens) == rec.decoded and answer.text.startswith(rec.text):
+        rec.tokens, rec.recovered = list(answer.tokens), True
+        return
+    raise ServerError(
+        f"server '{label}' streamed {len(rec.tokens)} token ids for {rec.decoded} tokens and a repeat "
+        f"did not reproduce its text; {where}"
+    )
+
+
+def block_wall(records: list[RequestRecord], block: tuple[int, ...]) -> float:
+    """A block's wall time (s): its first send to its last token (its requests ran among others' at steady load)."""
+    return max(records[i].done_s for i in block) - min(records[i].sent_s for i in block)
+
+
+def _send(
+    label: str,
+    params: ServerParams,
+    engine: Engine,
+    base_url: str,
+    server: Any,
+    where: str,
+    bodies: list[dict[str, Any]],
+    delays: list[float],
+    concurrency: int,
+    tokenize: Callable[[str], list[int]],
+) -> tuple[list[RequestRecord], float, dict[str, Any]]:
+    """The unit's requests through the client: (records, wall seconds, the engine's counters over the unit).
+
+    Raises:
+        ServerError: an HTTP error status, an error event, an event that is not JSON, a dropped connection or a
+            timeout, a server that exited; impossible counters.
+    """
+    try:
+        records, wall, before, after = asyncio.run(
+            _group(base_url, bodies, params, delays, concurrency, tokenize, engine)
+        )
+    except DtbenchError as exc:  # an HTTP error status, an error event, an event that is not JSON
+        raise ServerError(f"server '{label}': {exc}; {where}") from None
+    except (OSError, Exception) as exc:  # httpx errors, a dropped connection, a timeout
+        code = None
+        if server is not None:  # a closed connection can come before the dying process can be reaped
+            try:
+                code = server.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                code = None
+        if server is not None and code is not None:
+            raise ServerError(
+                f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}"
+            ) from None
+        raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
+    for rec, body in zip(records, bodies):
+        if rec.decoded and len(rec.tokens) < rec.decoded:
+            _recover_ids(base_url, body, rec, engine, label, where)
+    try:
+        group_metrics = engine.metrics_delta(before, after) if after else {}
+    except DtbenchError as exc:
+        raise ServerError(f"server '{label}': {exc}; {where}") from None
+    return records, wall, group_metrics
+
+
+def _unit_load(
+    records: list[RequestRecord], wall: float, concurrency: int, rate: float | None, gen_length: int
+) -> tuple[dict[str, Any], list[bool]]:
+    """The unit's load profile (:func:`~dtbench.harness.serving.traffic.load_profile`, the same for every row of the
+    unit, with its steady and whole throughput in tokens/s) and per request whether it finished in the steady window."""
+    profile = load_profile([(rec.sent_s, rec.done_s) for rec in records], concurrency, rate)
+    cell_load = {k: v for k, v in profile.items() if k != "steady"}
+    cell_load["steady_throughput"] = steady_throughput(
+        [(rec.sent_s, rec.reads) for rec in records], profile["steady_window_s"]
+    )
+    cell_load["throughput"] = sum(min(len(rec.tokens), gen_length) for rec in records) / wall if wall > 0 else None
+    return cell_load, profile["steady"]
+
+
+def measure_requests(
+    label: str,
+    params: ServerParams,
+    prompts: list[Any],
+    warmup: bool,
+    gen_length: int,
+    concurrency: int,
+    cell: tuple[Any, ...],
+    pool: ServerPool,
+    *,
+    seed: int,
+    stop_at_eos: bool,
+    references: list[list[int]] | None,
+    reference: tuple[str, ServerParams] | None,
+    rule: str,
+    tokenizer: Any,
+    batch_group: int | None,
+) -> list[dict[str, Any]]:
+    """Measure one unit of a server cell: one streamed request per prompt, ``concurrency`` kept in flight (a new
+    request starts when one finishes, or at its arrival time when later), and the unit's load profile
+    (:func:`~dtbench.harness.serving.traffic.load_profile`, stored with every row as ``step_stats.server.cell_load``).
+
+    Args:
+        label: the cell's label (errors and logs name it); params: the server's params.
+        prompts: the unit's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
+        warmup: the unit's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
+        pool: the worker's :class:`~dtbench.harness.serving.process.ServerPool`; seed: the arrivals' seed (with the
+            unit's first prompt index).
+        references: per row the reference server's output tokens (None: this cell is a reference itself).
+        reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
+            server of this cell's load level is running: the pool stops servers only when the load level moves on).
+        rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
+        batch_group: not None when C > 1: every row is stored with its block of C prompts
+            (:func:`~dtbench.harness.serving.traffic.blocks_of`: the pairing key ``batch_group``, ``batch_rows``,
+            ``batch_total_s``); None: rows unpaired by block (C = 1).
+
+    Returns:
+        one ``samples`` row (a plain dict of :class:`~dtbench.harness.sample.SampleRecord` columns) per prompt.
+
+    Raises:
+        ServerError: the server did not start, exited, answered with an error, or sent fewer than T tokens.
+        DtbenchError: ``params.engine`` is not a registered engine.
+    """
+    engine = engine_for(params.engine)
+    base_url, server = pool.endpoint(label, params, cell, concurrency)  # the URL as given: credentials are sent
+    shown_url = redact_credentials(base_url)  # ... and never shown nor stored (issue 42 item 1)
+    where = f"see its log {server.log_path}" if server else f"at {shown_url}"
+    vocab = len(tokenizer)
+
+    def tokenize(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    bodies, prompt_checks = [], []
+    for p in prompts:
+        ids = list(p.token_ids)
+        if params.prompt_format == "text":
+            text = tokenizer.decode(ids)
+            again = tokenize(text)
+            prompt_checks.append(
+                "equal" if again == ids else f"differs ({len(again)} tokens re-tokenized vs {len(ids)})"
+            )
+            bodies.append(engine.request_body(params, text, gen_length, stop_at_eos))
+        else:
+            prompt_checks.append("token ids sent")
+            bodies.append(engine.request_body(params, ids, gen_length, stop_at_eos))
+    delays = arrival_delays(
+        len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index), params.burstiness
+    )
+    records, wall, group_metrics = _send(
+        label, params, engine, base_url, server, where, bodies, delays, concurrency, tokenize
+    )
+    cell_load, steady = _unit_load(records, wall, concurrency, params.request_rate, gen_length)
+    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
+    rows = []
+    for r, (prompt, rec) in enumerate(zip(prompts, records)):
+        if not rec.reads or not rec.tokens:
+            raise ServerError(f"server '{label}' sent no token for prompt {prompt.index}; {where}")
+        if len(rec.tokens) < gen_length and not (stop_at_eos and rec.finish == "stop"):
+            raise ServerError(
+                f"server '{label}' sent {len(rec.tokens)} of {gen_length} tokens for prompt "
+                f"{prompt.index} (finish_reason {rec.finish!r}); {where}"
+            )
+        tokens = rec.tokens[:gen_length]
+        if (bad := next((t for t in tokens if not 0 <= t < vocab), None)) is not None:
+            # the ids the target's tokenizer cannot decode are no output (REST and EAGLE refuse them the same way)
+            raise ServerError(
+                f"server '{label}' sent token id {bad} for prompt {prompt.index}, outside the target's vocabulary "
+                f"(0..{vocab - 1}): is it serving another model?; {where}"
+            )
+        times = [t for t, _ in rec.reads]
+        try:
+            spec = engine.acceptance(rec.counters, len(tokens))
+        except DtbenchError as exc:
+            raise ServerError(f"server '{label}' for prompt {prompt.index}: {exc}; {where}") from None
+        ref = references[r] if references else None
+        check = _check(tokens, ref, prompt, params, reference, pool, cell, concurrency, rule)
+        server_stats = {
+            "engine": params.engine,
+            "base_url": shown_url,
+            "log": str(server.log_path) if server else None,
+            "speculative": params.speculative,
+            "concurrency": concurrency,
+            "request_rate": params.request_rate,
+            "burstiness": params.burstiness,
+            "load_kind": "steady",
+            "steady": steady[r],
+            "cell_load": cell_load,
+            "arrival_s": delays[r],
+            "sent_s": rec.sent_s,
+            "e2e_s": times[-1],
+            "ttft_s": times[0],
+            "itl_s": [b - a for a, b in zip(times, times[1:])],
+            "finish_reason": rec.finish,
+            "prompt": prompt_checks[r],
+            "counters": rec.counters,
+            "acceptance": spec,
+            "group_metrics": group_metrics or None,
+            "group_wall_s": wall,
+            "tokens_per_read": [n for _, n in rec.reads],
+            "ids_recovered": rec.recovered,
+            "lossless_rule": check.pop("lossless_rule"),
+        }
+        served = Served(
+            tokens=tokens,
+            step_times=times,
+            step_tokens=[n for _, n in rec.reads],
+            drafted=spec.get("drafted") or 0,
+            accepted=spec.get("accepted") or 0,
+            steps=spec.get("steps"),
+            stats={"server": server_stats},
+        )
+        row = sample_row(served, prompt, warmup, ref)
+        row.update(
+            batch_group=prompts[blocks[r][0]].index if blocks[r] else None,
+            batch_rows=len(blocks[r]) if blocks[r] else None,
+            batch_total_s=block_wall(records, blocks[r]) if blocks[r] else None,
+            **check,
+        )
+        rows.append(row)
+    if server is not None and (code := server.exited()) is not None:
+        raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}")
+    return rows
+
+
+def _check(
+    tokens: list[int],
+    ref: list[int] | None,
+    prompt: Any,
+    params: ServerParams,
+    reference: tuple[str, ServerParams] | None,
+    pool: ServerPool,
+    cell: tuple[Any, ...],
+    concurrency: int,
+    rule: str,
+) -> dict[str, Any]:
+    """The output check of one request (:func:`~dtbench.harness.serving.check.check_request`), asking the reference
+    server of this load level for its candidates at a divergence.
+
+    Raises:
+        ServerError: the reference server failed a check request (one line naming it and its log).
+    """
+    top_at: Callable[[int], Shapes] | None = None
+    ref_label = reference[0] if reference is not None else ""
+    ref_where = ""
+    if reference is not None and ref is not None:
+        ref_url, ref_server = pool.endpoint(reference[0], reference[1], cell, concurrency)
+        ref_where = f"see its log {ref_server.log_path}" if ref_server else f"at {redact_credentials(ref_url)}"
+        ids, ref_params, ref_tokens, n = list(prompt.token_ids), reference[1], ref, max(params.top_logprobs, 5)
+
+        def shapes_at(i: int) -> Shapes:
+            return candidate_shapes(ref_url, ref_params, ids, ref_tokens, i, n)
+
+        top_at = shapes_at
+    try:
+        return check_request(tokens, ref, top_at, params, rule)
+    except ServerError as exc:
+        raise ServerError(f"reference server '{ref_label}' {exc}; {ref_where}") from None
