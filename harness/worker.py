@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from rich.console import Console
@@ -30,6 +30,9 @@ from dtbench.harness.metrics import sample_row
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
+
+if TYPE_CHECKING:
+    from dtbench.decoders.server import ServerParams
 
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
 
@@ -260,7 +263,7 @@ def measure_group(
     cp: CellPlan,
     prompts: list,
     group: PromptGroup,
-    ref: tuple | None,
+    ref: Reference | None,
     target,
     draft,
     device,
@@ -303,8 +306,9 @@ def measure_group(
         )
         wall = max(m.step_times[-1] for m in ms)
         rows = []
+        ref_rows = cast("list[list[int]] | None", ref.tokens if ref else None)  # a batch's reference: a list per row
         for r, (m, prompt) in enumerate(zip(ms, prompts)):
-            reference = ref.tokens[r] if ref else None
+            reference = ref_rows[r] if ref_rows is not None else None
             row = sample_row(m, prompt, group.warmup, reference)
             row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
             if hardware is not None:  # the batch's forwards (weights once each) over the row's own time
@@ -361,7 +365,7 @@ def measure_served(
     try:
         rows = serving.measure_requests(
             cp.label,
-            cp.params,
+            cast("ServerParams", cp.params),  # a decoder declaring ``requests`` takes a server's params
             prompts,
             group.warmup,
             group.gen_length,
@@ -371,7 +375,10 @@ def measure_served(
             seed=suite.seed,
             stop_at_eos=stop_at_eos,
             references=[r["output_tokens"] for r in ref_rows] if ref_rows else None,
-            reference=next(((c.label, c.params) for c in group.decoders if c.label == cp.reference_label), None),
+            reference=next(
+                ((c.label, cast("ServerParams", c.params)) for c in group.decoders if c.label == cp.reference_label),
+                None,
+            ),
             rule=suite.lossless_check,
             tokenizer=tokenizer,
             batch_group=group.prompt_index if batched else None,
@@ -474,7 +481,7 @@ def run_group(
         if cp.label in outputs or cp.label in skip:
             continue
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
-        ref_plan = by_label.get(cp.reference_label)
+        ref_plan = by_label.get(cp.reference_label) if cp.reference_label is not None else None
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
         if announce is not None:
             announce(cp.label)
@@ -564,6 +571,18 @@ class WorkerInfo:
     @property
     def where(self) -> str:
         return f"{self.host} (pid {self.pid}, {self.device_name})"
+
+
+@overload
+def model_info(loaded: models.LoadedModel) -> dict[str, Any]: ...
+
+
+@overload
+def model_info(loaded: None) -> None: ...
+
+
+@overload
+def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None: ...
 
 
 def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None:
