@@ -42,11 +42,11 @@ import json
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypedDict, cast
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, PreTrainedModel
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaMLP,
@@ -57,6 +57,9 @@ from transformers.models.llama.modeling_llama import (
 from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder
 from dtbench.decoders.tree.structure import MaskKind, attention_mask_kind, tree_attention_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # ----------------------------------------------------------------------------------------------------------
 # Files
@@ -182,7 +185,7 @@ def _check_shapes(head: str, layout: nn.Module, shapes: dict[str, tuple[int, ...
 
 def _target_sizes(target: nn.Module) -> tuple[int, int]:
     """(hidden size, vocabulary size) of the target's LM head."""
-    vocab, hidden = cast(PreTrainedModel, target).get_output_embeddings().weight.shape
+    vocab, hidden = cast("PreTrainedModel", target).get_output_embeddings().weight.shape
     return int(hidden), int(vocab)
 
 
@@ -467,8 +470,8 @@ class EagleHead(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self._target: tuple[nn.Module, nn.Module] | tuple[None, None] = (
             (
-                cast(PreTrainedModel, target).get_input_embeddings(),
-                cast(PreTrainedModel, target).get_output_embeddings(),
+                cast("PreTrainedModel", target).get_input_embeddings(),
+                cast("PreTrainedModel", target).get_output_embeddings(),
             )
             if target is not None
             else (None, None)

@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Literal, cast
 import torch
 from greenlet import getcurrent, greenlet
 from pydantic import Field
-from transformers import GenerationConfig, PreTrainedModel, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
 
 if TYPE_CHECKING:
-    from transformers import GenerationMixin
+    from transformers import GenerationMixin, PreTrainedModel
 
     class GenerativeModel(PreTrainedModel, GenerationMixin):
         """What the decoders' target and draft are: a transformers causal LM (a ``PreTrainedModel`` with
