@@ -263,7 +263,7 @@ def run_summary(url: str) -> dict[str, Any]:
             samples = list(cell.samples)
             throughput = cell_throughput(samples)
             epj = [
-                s.energy_j / s.new_tokens for s in samples if getattr(s, "energy_j", None) is not None and s.new_tokens
+                e / s.new_tokens for s in samples if (e := getattr(s, "energy_j", None)) is not None and s.new_tokens
             ]
             cells.append(
                 {

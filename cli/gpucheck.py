@@ -4,11 +4,12 @@
 --out OUT``; ``make gpu-check-dry`` runs the same on this CPU with ``--device cpu --small``. Every model is built on
 the device from a fixed seed (no download, no embedded GGUF):
 
-a. **lossless** (:func:`step_lossless`): every built-in lossless decoder (the parameter list of
-   ``tests/test_measurement.py``'s ``BUILTIN``, which a test keeps complete) against ``ar`` on tiny Llama and
-   GPT-NeoX pairs (``tests/models.py``: target and a perturbed copy as the draft, sharp output layer). float32: the
-   exact rule (token for token). float16 (bfloat16 on a CPU): the tie-aware rule of :mod:`dtbench.harness.lossless`
-   (every emitted token is the target's argmax given the decoder's own prefix, up to the measured numeric noise).
+a. **lossless** (:func:`step_lossless`): every built-in lossless decoder (the parameter list
+   :data:`dtbench.harness.testkit.BUILTIN`, which ``tests/test_measurement.py`` keeps complete) against ``ar`` on tiny
+   Llama and GPT-NeoX pairs (:mod:`dtbench.harness.testkit`: target and a perturbed copy as the draft, sharp output
+   layer). float32: the exact rule (token for token). float16 (bfloat16 on a CPU): the tie-aware rule of
+   :mod:`dtbench.harness.lossless` (every emitted token is the target's argmax given the decoder's own prefix, up to
+   the measured numeric noise).
 b. **timing** (:func:`step_timing`): CUDA-event forward times (:class:`~dtbench.harness.measure.ForwardCounter`)
    against the wall clock around synchronized forwards of the Pythia-2.8B-shaped target; NVML's per-process peak
    against the allocator's peak (:class:`~dtbench.harness.memory.MemoryTracker`); energy per token of ``ar`` through
@@ -53,8 +54,9 @@ import click
 
 
 def _tests_dir() -> Path:
-    """The repository's tests/ (the test kit the check reuses): beside this file in a checkout, else under the
-    working directory (tools/gpu-check.sh runs from the checkout with dtbench installed elsewhere)."""
+    """The repository's tests/ (the property tests the ``tests`` step runs; ``suites/`` beside it for ``smoke``):
+    beside this file in a checkout, else under the working directory (tools/gpu-check.sh runs from the checkout with
+    dtbench installed elsewhere)."""
     for root in (Path(__file__).resolve().parents[1], Path.cwd()):
         if (root / "tests" / "models.py").is_file():
             return root / "tests"
@@ -164,13 +166,6 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-def _tests_on_path() -> None:
-    """The check reuses the test kit (tiny models, random heads, the decoder list): the repository travels with it."""
-    tests = str(_tests_dir())
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-
-
 def _sync(device) -> None:
     from dtbench.harness.memory import synchronize
 
@@ -204,12 +199,10 @@ ONLY: set[str] | None = None  # --decoders: restrict steps a and d to these name
 
 
 def lossless_decoders() -> list[tuple[str, dict]]:
-    """(name, params) of every built-in lossless decoder, as ``tests/test_measurement.py`` covers them (``--decoders``
-    restricts them)."""
-    _tests_on_path()
-    from test_measurement import BUILTIN
-
+    """(name, params) of every built-in lossless decoder, as ``tests/test_measurement.py`` covers them
+    (:data:`dtbench.harness.testkit.BUILTIN`; ``--decoders`` restricts them)."""
     from dtbench.harness import registry
+    from dtbench.harness.testkit import BUILTIN
 
     return [(n, p) for n, p in BUILTIN if registry.get(n).lossless and (ONLY is None or n in ONLY)]
 
@@ -217,12 +210,10 @@ def lossless_decoders() -> list[tuple[str, dict]]:
 def build(name: str, params: dict, target, draft, workdir: Path):
     """``name``'s decoder on ``target``/``draft`` with ``params``; placeholder heads and datastores are written to
     ``workdir`` sized for the target (random weights in the published formats)."""
-    _tests_on_path()
     import numpy as np
-    from heads_kit import write_eagle, write_medusa
-    from test_measurement import HEAD, STORE
 
     from dtbench.harness import registry
+    from dtbench.harness.testkit import HEAD, STORE, write_eagle, write_medusa
 
     cls = registry.get(name)
     if params.get("head") == HEAD:
@@ -244,12 +235,10 @@ def step_lossless(device, small: bool, workdir: Path, log, skip: frozenset = fro
     decoder): tokens, first divergence from ``ar``, the check's ties/errors/largest tie margin/noise, ok."""
     import torch
 
-    _tests_on_path()
-    from models import SHARP, perturbed, tiny_model
-
     from dtbench.harness.lossless import check_output
     from dtbench.harness.measure import measure
     from dtbench.harness.metrics import first_divergence
+    from dtbench.harness.testkit import SHARP, perturbed, tiny_model
 
     T = 16 if small else 48
     prompt = list(range(3, 20))
@@ -330,6 +319,7 @@ def step_timing(device, target, log) -> dict:
                     _sync(device)
                     wall = time.perf_counter() - start
                 ev = counter.forward_seconds()["target"]
+                assert ev is not None  # the counter counts the target
                 events.append(
                     {
                         "n": n,
@@ -473,7 +463,7 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
                     seen.add((c.role, c.kind, c.cache_len))
                     curves_spec.append(c)
         curves_spec += [Curve("target", "prefill", 0, l_max, (l_max,)), Curve("draft", "prefill", 0, l_max, (l_max,))]
-    rows = []
+    rows: list[dict[str, Any]] = []
     began = time.perf_counter()
     for c in curves_spec:
         model = target if c.role == "target" else draft
@@ -514,7 +504,8 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
             if row.k is not None:
                 p.update(k=row.k, predicted=predict(curves, row))
                 p["predicted_speedup"] = p["predicted"]["speedup"]
-            else:
+            else:  # a tree row of PAPER: depth, branching and tau given
+                assert row.depth is not None and row.branching is not None and row.tau is not None
                 lo, hi = tree_node_bounds(row.depth, row.branching, row.tau)
                 grid = {n: predict(curves, row, n)["speedup"] for n in range(lo, hi + 1)}
                 implied = min(grid, key=lambda n: abs(grid[n] - row.speedup))
@@ -551,7 +542,7 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
 
 # --- d. loop overhead -----------------------------------------------------------------------------------------------
 
-OVERHEAD_DECODERS = (
+OVERHEAD_DECODERS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ar", {}),
     ("linear", {"k": 8}),
     ("fixed_tree", {"depth": 8, "branching": 3, "tau": 0.1}),
@@ -645,7 +636,7 @@ def step_overhead(
 
 # --- e. compiled beside eager (issue 37) ------------------------------------------------------------------------
 
-COMPILED_DECODERS = (("linear", {"k": 8}), ("dynatree", {}))
+COMPILED_DECODERS: tuple[tuple[str, dict[str, Any]], ...] = (("linear", {"k": 8}), ("dynatree", {}))
 
 
 def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dict:
@@ -790,7 +781,7 @@ def environment(device) -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    env = {
+    env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -1218,6 +1209,7 @@ def main(
         log_file.flush()
 
     if child:
+        assert rows_file is not None  # run_step passes --rows-file with every --child
         run_child(child, device, small, rows_file, frozenset(filter(None, skip_ids.split(","))), log)
         return
     result: dict[str, Any] = {

@@ -155,7 +155,7 @@ class Decoder(ABC, Generic[P]):
         return None
 
     @classmethod
-    def batching_error(cls, params: DecoderParams) -> str | None:
+    def batching_error(cls, params: P) -> str | None:
         """Why this decoder cannot decode batches with ``params`` (a one-line reason), or None if it can.
 
         Only asked when ``batching`` is True and the suite asks for B > 1 (the plan refuses such a cell at validate).

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import cast
 
 import torch
 
@@ -87,11 +86,11 @@ class KVTarget(ChainTarget):
 
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.cache, logits = kv.prefill(self.model, input_ids)
-        return cast(torch.Tensor, logits)
+        return logits
 
     def verify(self, tokens: list[int]) -> torch.Tensor:
         self._prefix = kv.cache_len(self.cache)
-        return cast(torch.Tensor, kv.forward(self.model, tokens, self.cache))  # no hidden_layers: logits only
+        return kv.forward(self.model, tokens, self.cache)  # no hidden_layers: logits only
 
     def keep(self, n: int) -> None:
         kv.crop(self.cache, self._prefix + n)

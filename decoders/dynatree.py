@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import overload
 
 import torch
 from pydantic import AliasChoices, Field, model_validator
 
 from dtbench.decoders.base import Step
-from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams
+from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams, resolved_n_max
 
 
 def breadth_rule(
@@ -108,6 +109,16 @@ class HistoryController:
         self.eta_h = eta_h
         self.eta_l = eta_l
         self.d_max = d_max
+
+    @overload
+    def update(
+        self, accepted: int, drafted: int, d0: float, tau_h: float, tau_l: None = None
+    ) -> tuple[float, float]: ...
+
+    @overload
+    def update(
+        self, accepted: int, drafted: int, d0: float, tau_h: float, tau_l: float
+    ) -> tuple[float, float, float]: ...
 
     def update(
         self, accepted: int, drafted: int, d0: float, tau_h: float, tau_l: float | None = None
@@ -219,7 +230,7 @@ class DynamicPolicy(ExpansionPolicy):
         self.tau_h = params.tau_h
         self.tau_l = params.tau_l
         self.tau = params.tau
-        self.n_max = params.n_max
+        self.n_max = resolved_n_max(params)
         self.max_breadth = params.b_max if params.dynamic_breadth else params.branching
         self.history = HistoryController(
             params.window,
@@ -256,7 +267,7 @@ class DynamicPolicy(ExpansionPolicy):
             )
 
 
-class DynaTree(TreeDecoder):
+class DynaTree(TreeDecoder[DynaTreeParams]):
     """DynaTree tree speculative decoder (paper section 3); lossless for greedy decoding."""
 
     Params = DynaTreeParams

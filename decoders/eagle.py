@@ -45,7 +45,7 @@ leaves tie order open); the tree's depth is capped by the tokens left to generat
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 import torch
 from pydantic import Field
@@ -98,6 +98,7 @@ class EagleDrafter(TreeDrafter):
         the path; greedy verification of that smaller tree accepts exactly that prefix (the target's predictions
         along the path do not change). One host sync per verification.
         """
+        assert self._drafted is not None, "called after a draft only (feed_target)"
         tree, rank = self._drafted
         self._drafted = None
         self.drafting_iterations += 1
@@ -275,7 +276,8 @@ class Eagle(HeadDecoder):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         """Run :func:`speculate_tree` with an :class:`EagleDrafter` (see there for the Steps)."""
         p = self.params
-        drafter = self._drafter = EagleDrafter(self.draft, p.top_k, p.depth, p.total_token)
+        head = cast(EagleHead, self.draft)  # HeadDecoder.__init__: load_eagle's module
+        drafter = self._drafter = EagleDrafter(head, p.top_k, p.depth, p.total_token)
         yield from speculate_tree(
             self.target,
             None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams
+from dtbench.decoders.tree import ExpansionPolicy, TreeDecoder, TreeParams, resolved_n_max
 
 
 class FixedTreeParams(TreeParams):
@@ -63,7 +63,7 @@ class FixedPolicy(ExpansionPolicy):
         return torch.full(cum_logp.shape, depth < self.depth, dtype=torch.bool, device=cum_logp.device)
 
 
-class FixedTree(TreeDecoder):
+class FixedTree(TreeDecoder[FixedTreeParams]):
     """Static tree speculative decoder (depth D, branching B, pruning tau, budget N_max); lossless."""
 
     Params = FixedTreeParams
@@ -75,4 +75,4 @@ class FixedTree(TreeDecoder):
 
     def make_policy(self) -> FixedPolicy:
         p = self.params
-        return FixedPolicy(p.depth, p.branching, p.tau, p.n_max)
+        return FixedPolicy(p.depth, p.branching, p.tau, resolved_n_max(p))

@@ -42,7 +42,7 @@ import json
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypedDict, cast
 
 import torch
 from torch import nn
@@ -54,8 +54,12 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder
-from dtbench.decoders.tree.structure import attention_mask_kind, tree_attention_mask
+from dtbench.decoders.tree.structure import MaskKind, attention_mask_kind, tree_attention_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # ----------------------------------------------------------------------------------------------------------
 # Files
@@ -181,7 +185,7 @@ def _check_shapes(head: str, layout: nn.Module, shapes: dict[str, tuple[int, ...
 
 def _target_sizes(target: nn.Module) -> tuple[int, int]:
     """(hidden size, vocabulary size) of the target's LM head."""
-    vocab, hidden = target.get_output_embeddings().weight.shape
+    vocab, hidden = cast("PreTrainedModel", target).get_output_embeddings().weight.shape
     return int(hidden), int(vocab)
 
 
@@ -201,6 +205,18 @@ def _cached(target: nn.Module, key: tuple, build):
     return per_target[key]
 
 
+class HeadLoader(Protocol):
+    """``(head, target) -> nn.Module``: a published format's loader (:func:`load_medusa`, :func:`load_eagle`)."""
+
+    def __call__(self, head: str, target: nn.Module, /) -> nn.Module: ...
+
+
+class HeadChecker(Protocol):
+    """``(head) -> None``: a published format's file check (:func:`check_medusa`, :func:`check_eagle`)."""
+
+    def __call__(self, head: str, /) -> None: ...
+
+
 class HeadDecoder(Decoder):
     """Base of the decoders that draft with a learned head on the target's features (``medusa``, ``eagle``).
 
@@ -218,8 +234,8 @@ class HeadDecoder(Decoder):
     needs_draft = False
     lossless = True
     supports_sampling = False
-    load_head: ClassVar[Callable[[str, nn.Module], nn.Module]]
-    check_head: ClassVar[Callable[[str], None]]
+    load_head: ClassVar[HeadLoader]
+    check_head: ClassVar[HeadChecker]
 
     def __init__(self, target, draft, params):
         """Load the head named by ``params.head`` for ``target``.
@@ -365,7 +381,7 @@ def load_medusa(head: str, target: nn.Module) -> MedusaHeads:
             module.heads.load_state_dict(sd, strict=True)
         except RuntimeError as exc:
             raise ValueError(f"head {head}: {str(exc).splitlines()[0]}") from None
-        return module.to(dtype=target.dtype, device=target.device).eval()
+        return module.to(dtype=kv.dtype_of(target), device=kv.device_of(target)).eval()
 
     return _cached(target, ("medusa", str(head)), build)
 
@@ -387,15 +403,16 @@ class EagleLayer(nn.Module):
         self.eagle3 = eagle3
         self.self_attn = LlamaAttention(config, layer_idx=0)
         if eagle3:
-            h, heads, kv, hd = (
+            h, heads, kv_heads, hd = (
                 config.hidden_size,
                 config.num_attention_heads,
                 config.num_key_value_heads,
                 self.self_attn.head_dim,
             )
+            assert kv_heads is not None  # LlamaConfig's __post_init__ sets it (num_attention_heads by default)
             self.self_attn.q_proj = nn.Linear(2 * h, heads * hd, bias=False)
-            self.self_attn.k_proj = nn.Linear(2 * h, kv * hd, bias=False)
-            self.self_attn.v_proj = nn.Linear(2 * h, kv * hd, bias=False)
+            self.self_attn.k_proj = nn.Linear(2 * h, kv_heads * hd, bias=False)
+            self.self_attn.v_proj = nn.Linear(2 * h, kv_heads * hd, bias=False)
             self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
             self.input_layernorm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
@@ -419,15 +436,26 @@ class EagleHead(nn.Module):
         kind: the 4D mask format of its attention implementation (the target's).
     """
 
+    d2t: torch.Tensor  # EAGLE-3's buffers (registered in __init__)
+    t2d: torch.Tensor
+
     def __init__(
-        self, config: LlamaConfig, version: int, target: nn.Module, *, fc_in: int, fc_bias: bool, own_embedding: bool
+        self,
+        config: LlamaConfig,
+        version: int,
+        target: nn.Module | None,
+        *,
+        fc_in: int,
+        fc_bias: bool,
+        own_embedding: bool,
     ):
         super().__init__()
         self.version = version
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(fc_in, h, bias=fc_bias)
-        L = target.config.num_hidden_layers if target is not None else 0
+        L = kv.config_of(target).num_hidden_layers if target is not None else 0
+        self.hidden_layers: tuple[int, ...]
         if version == 3:
             self.midlayer = EagleLayer(config, eagle3=True)
             self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -440,8 +468,11 @@ class EagleHead(nn.Module):
             self.hidden_layers = (L,)
         if own_embedding:
             self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self._target = (
-            (target.get_input_embeddings(), target.get_output_embeddings())  # not submodules
+        self._target: tuple[nn.Module, nn.Module] | tuple[None, None] = (
+            (
+                cast("PreTrainedModel", target).get_input_embeddings(),
+                cast("PreTrainedModel", target).get_output_embeddings(),
+            )
             if target is not None
             else (None, None)
         )
@@ -450,10 +481,17 @@ class EagleHead(nn.Module):
 
     @property
     def layer(self) -> EagleLayer:
-        return self.midlayer if self.version == 3 else self.layers[0]
+        return self.midlayer if self.version == 3 else cast(EagleLayer, self.layers[0])
+
+    def _bound(self) -> tuple[nn.Module, nn.Module, MaskKind]:
+        """The target's embedding, LM head and mask format: a head built with ``target=None`` is a layout only
+        (a checkpoint's shapes checked on the meta device) and never runs."""
+        embedding, lm_head = self._target
+        assert embedding is not None and lm_head is not None and self.kind is not None, "a layout-only head never runs"
+        return embedding, lm_head, self.kind
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if hasattr(self, "embed_tokens") else self._target[0]
+        table = self.embed_tokens if hasattr(self, "embed_tokens") else self._bound()[0]
         return table(ids)
 
     def forward(
@@ -488,10 +526,10 @@ class EagleHead(nn.Module):
         else:
             features = self.fc(torch.cat((emb, features), dim=-1))
         prefix = past_key_values.get_seq_length() + input_ids.shape[-1] - ancestors.shape[-1]
-        mask = tree_attention_mask(ancestors, prefix, self.kind, features.dtype)
+        mask = tree_attention_mask(ancestors, prefix, self._bound()[2], features.dtype)
         pe = self.rotary(features, position_ids)
         hidden = self.layer(emb, features, pe, mask, past_key_values)
-        logits = self.lm_head(self.norm(hidden)) if self.version == 3 else self._target[1](hidden)
+        logits = self.lm_head(self.norm(hidden)) if self.version == 3 else self._bound()[1](hidden)
         return hidden, torch.log_softmax(logits[0].float(), dim=-1)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
@@ -558,9 +596,17 @@ def _eagle_config(head: str, cfg: dict) -> LlamaConfig:
         ) from None
 
 
+class EagleShape(TypedDict):
+    """:class:`EagleHead`'s keyword arguments read from a checkpoint's tensors."""
+
+    fc_in: int
+    fc_bias: bool
+    own_embedding: bool
+
+
 def _eagle_layout(
     head: str, cfg: dict, shapes: dict[str, tuple[int, ...]], read: Callable[[str], torch.Tensor]
-) -> tuple[LlamaConfig, int, dict]:
+) -> tuple[LlamaConfig, int, EagleShape]:
     """(LlamaConfig, version, EagleHead keyword arguments) of an EAGLE head, config.json and every weight's shape
     checked against the layout they make (built on the meta device: nothing allocated), and EAGLE-3's ``d2t``
     checked to map every draft id into ``vocab_size``.
@@ -580,7 +626,11 @@ def _eagle_layout(
     fc = shapes["fc.weight"]
     if len(fc) != 2 or 0 in fc:
         raise ValueError(f"head {head}: fc.weight has shape {list(fc)}, not a matrix")
-    kwargs = {"fc_in": int(fc[1]), "fc_bias": "fc.bias" in shapes, "own_embedding": "embed_tokens.weight" in shapes}
+    kwargs: EagleShape = {
+        "fc_in": int(fc[1]),
+        "fc_bias": "fc.bias" in shapes,
+        "own_embedding": "embed_tokens.weight" in shapes,
+    }
     with torch.device("meta"):
         layout = EagleHead(config, version, None, **kwargs)
     expected = {k for k in layout.state_dict() if not k.startswith("rotary.")}
@@ -665,10 +715,10 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
         fc_in = (3 if version == 3 else 2) * (t_hidden if version == 3 else int(config.hidden_size))
         _fits("fc input size", kwargs["fc_in"], fc_in, head)
         if version == 3:
-            if target.config.num_hidden_layers < 7:
+            if kv.config_of(target).num_hidden_layers < 7:
                 raise ValueError(
                     f"head {head}: EAGLE-3 reads target layers 2, L//2 and L-3, which need L >= 7 "
-                    f"layers; the target has {target.config.num_hidden_layers}"
+                    f"layers; the target has {kv.config_of(target).num_hidden_layers}"
                 )
             _fits(
                 "lm_head vocabulary (draft_vocab_size)",
@@ -689,8 +739,10 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
             module.load_state_dict(sd, strict=False)
         except RuntimeError as exc:  # a tensor shaped unlike its config.json says
             raise ValueError(f"head {head}: {' '.join(str(exc).split())[:300]}") from None
-        module = module.to(dtype=target.dtype, device=target.device).eval()
-        module.rotary = LlamaRotaryEmbedding(config).to(target.device)  # inv_freq stays float32, as the reference
+        module = module.to(dtype=kv.dtype_of(target), device=kv.device_of(target)).eval()
+        module.rotary = LlamaRotaryEmbedding(config).to(
+            kv.device_of(target)
+        )  # inv_freq stays float32, as the reference
         return module
 
     return _cached(target, ("eagle", str(head)), build)

@@ -44,7 +44,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 from greenlet import getcurrent, greenlet
@@ -53,6 +53,14 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedModel
+
+    class GenerativeModel(PreTrainedModel, GenerationMixin):
+        """What the decoders' target and draft are: a transformers causal LM (a ``PreTrainedModel`` with
+        ``generate``), for the type checker only."""
+
 
 _ASSISTANT_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
@@ -109,7 +117,8 @@ class _StopFlag(StoppingCriteria):
         self.event = event
 
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        stop = torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        return cast(torch.BoolTensor, stop)  # transformers' signature names the legacy BoolTensor type
 
 
 class _Bridge(BaseStreamer):
@@ -199,7 +208,7 @@ class _StreamedGenerate(Decoder):
                 call.switch()
 
     def _batch_pad(self) -> int:
-        target = self.target
+        target = cast("GenerativeModel", self.target)
         pad = target.generation_config.pad_token_id
         if pad is None:
             pad = getattr(target.config, "pad_token_id", None)
@@ -239,7 +248,7 @@ class _StreamedGenerate(Decoder):
     ) -> None:
         """The greenlet's body: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
         at EOS) with the subclass's settings."""
-        target = self.target
+        target = cast("GenerativeModel", self.target)
         pad = target.generation_config.pad_token_id
         if pad is None:
             pad = getattr(target.config, "pad_token_id", None)
@@ -350,7 +359,8 @@ class HFGenerate(_StreamedGenerate):
         cache.reset()
         cuda = self.target.device.type == "cuda"
         config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
-        config._compile_all_devices = True  # transformers' switch for compiling on devices other than CUDA
+        # transformers' switch for compiling on devices other than CUDA (declared "= None", so typed as None)
+        config._compile_all_devices = True  # type: ignore[assignment]
         return {kv.cache_keyword(self.target): cache, "compile_config": config}
 
     def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
@@ -359,7 +369,8 @@ class HFGenerate(_StreamedGenerate):
         return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
 
     def _around_call(self, bridge: _Bridge):
-        return _counting_candidates(self.target, bridge) if self._lookup() else super()._around_call(bridge)
+        target = cast("GenerativeModel", self.target)
+        return _counting_candidates(target, bridge) if self._lookup() else super()._around_call(bridge)
 
 
 class HFAssisted(_StreamedGenerate):
@@ -408,7 +419,8 @@ class HFAssisted(_StreamedGenerate):
     @contextmanager
     def _around_call(self, bridge: _Bridge):
         """Count candidates per iteration and give the draft a clean generation config, both undone afterwards."""
-        target, draft = self.target, self.draft
+        target = cast("GenerativeModel", self.target)
+        draft = cast("GenerativeModel", self.draft)  # never None: needs_draft (Decoder.__init__ refuses None)
         saved_config = draft.generation_config
         pad = target.generation_config.pad_token_id
         pad = pad if pad is not None else getattr(target.config, "pad_token_id", None) or 0
@@ -452,7 +464,7 @@ def _quiet_assistant_call():
 
 
 @contextmanager
-def _counting_candidates(target: torch.nn.Module, bridge: _Bridge):
+def _counting_candidates(target: GenerativeModel, bridge: _Bridge):
     """For the call: wrap the candidate generator's ``get_candidates`` so ``bridge.drafted`` holds each iteration's
     candidate count (assisted generation and prompt lookup alike); the wrapper is removed afterwards."""
     original = type(target)._get_candidate_generator
@@ -470,7 +482,7 @@ def _counting_candidates(target: torch.nn.Module, bridge: _Bridge):
         return generator
 
     try:
-        target._get_candidate_generator = get_candidate_generator  # instance attribute shadows the method
+        target.__dict__["_get_candidate_generator"] = get_candidate_generator  # instance attribute shadows the method
         yield
     finally:
         target.__dict__.pop("_get_candidate_generator", None)

@@ -22,14 +22,50 @@ import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast, overload
 
 import torch
 from transformers import DynamicCache
 
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedConfig
+
 # Forward sizes (new tokens per row) compiled execution pads to: powers of two as vLLM's default CUDA-graph capture
 # sizes are. A forward of more new tokens than the largest runs eager (a long prompt's prefill is never compiled).
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """``model.device``: the device of a transformers model (``nn.Module``'s stubs type unknown attributes as
+    ``Tensor | Module``)."""
+    return cast(torch.device, model.device)
+
+
+def dtype_of(model: torch.nn.Module) -> torch.dtype:
+    """``model.dtype``: the parameters' dtype of a transformers model."""
+    return cast(torch.dtype, model.dtype)
+
+
+def config_of(model: torch.nn.Module) -> PreTrainedConfig:
+    """``model.config``: a transformers model's configuration."""
+    return cast("PreTrainedConfig", model.config)
+
+
+class KVLayer(Protocol):
+    """One attention layer of a transformers cache once it has been fed (``DynamicLayer``, ``StaticLayer``): keys
+    and values of shape (batch, kv_heads, slots, head_dim)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def layers(cache: Cache) -> list[KVLayer]:
+    """``cache.layers``, typed as full-attention layers holding tensors.
+
+    transformers types them as a union with linear-attention and dummy layers (no ``keys``), and ``keys``/``values``
+    as None before the first update; the caches dtbench edits belong to full-attention models and have been fed.
+    """
+    return cast("list[KVLayer]", cache.layers)
 
 
 def bucket(n: int) -> int | None:
@@ -94,7 +130,7 @@ class Execution:
         key = (id(model), slot, self.max_len, owner)
         cache = self._pool.get(key)
         if cache is None:
-            cache = StaticCache(config=model.config, max_cache_len=self.max_len)
+            cache = StaticCache(config=config_of(model), max_cache_len=self.max_len)
             self._pool[key] = cache
         return cache
 
@@ -220,7 +256,7 @@ class StaticKV:
         width = nb or n
         if L + width > ex.max_len:
             raise ValueError(f"static KV cache of {ex.max_len} positions is full ({L} held, {width} more fed)")
-        dev = model.device
+        dev = device_of(model)
         ids = ids.to(dev)
         pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
         slots = torch.arange(ex.max_len, device=dev)
@@ -240,7 +276,7 @@ class StaticKV:
         if attention_mask_kind(model) == "bool":
             mask = allowed[None, None]
         else:
-            dtype = model.dtype
+            dtype = dtype_of(model)
             mask = torch.zeros((1, 1, width, ex.max_len), dtype=dtype, device=dev).masked_fill_(
                 ~allowed[None, None], torch.finfo(dtype).min
             )
@@ -255,7 +291,7 @@ class StaticKV:
         else:
             # Through the module's __call__ (its forward hooks, e.g. the runner's forward counter, still fire),
             # with the instance's forward replaced by the compiled one for this call only.
-            model.forward = ex.compiled_forward(model)  # type: ignore[method-assign]
+            model.forward = ex.compiled_forward(model)
             try:
                 out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
             finally:
@@ -279,6 +315,45 @@ def new_cache() -> KVCache:
 def cache_len(cache: KVCache) -> int:
     """Number of positions held in the cache (tokens)."""
     return cache.get_seq_length()
+
+
+@overload
+def forward(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor | list[int],
+    cache: KVCache,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    last_only: bool = False,
+    hidden_layers: None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def forward(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor | list[int],
+    cache: KVCache,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    last_only: bool = False,
+    hidden_layers: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def forward(
+    model: torch.nn.Module,
+    token_ids: torch.Tensor | list[int],
+    cache: KVCache,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    last_only: bool = False,
+    hidden_layers: tuple[int, ...] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def forward(
@@ -311,12 +386,12 @@ def forward(
         the pair (logits, features (n, len(hidden_layers) * hidden_size) in the model's dtype).
     """
     if not torch.is_tensor(token_ids):
-        token_ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+        token_ids = torch.tensor([token_ids], dtype=torch.long, device=device_of(model))
     if isinstance(cache, StaticKV):
         if hidden_layers is not None:
             raise ValueError("compiled execution does not return hidden states (learned drafting heads run eager)")
         return cache.forward(model, token_ids, position_ids, attention_mask, last_only)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if attention_mask is not None:
@@ -334,7 +409,7 @@ def forward(
 @functools.cache
 def _cache_keyword_of(cls: type) -> str:
     try:
-        params = inspect.signature(cls.forward).parameters
+        params = inspect.signature(cast(type[torch.nn.Module], cls).forward).parameters
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
@@ -344,7 +419,8 @@ def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword a model's ``forward`` takes its KV cache under: ``cache`` (transformers >= 5.2x models, where
     ``past_key_values`` is a deprecated alias that warns on every call) or ``past_key_values`` (older releases,
     remote-code and third-party modules)."""
-    return _cache_keyword_of(type(model))
+    cls: type = type(model)  # as builtins.type: mypy does not see type[Module] as Hashable (the cache's key)
+    return _cache_keyword_of(cls)
 
 
 def crop(cache: KVCache, length: int) -> None:
@@ -361,7 +437,7 @@ def crop(cache: KVCache, length: int) -> None:
         return
     if length == current:
         return
-    for layer in cache.layers:
+    for layer in layers(cache):
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]
 
@@ -382,22 +458,24 @@ def keep_positions(cache: KVCache, prefix_len: int, indices: list[int]) -> None:
         crop(cache, prefix_len + len(indices))  # already contiguous: a crop is a view, no copy
         return
     if isinstance(cache, StaticKV):  # an index copy of the kept positions to the slots after the prefix
-        dev = cache.cache.layers[0].keys.device
+        static = layers(cache.cache)
+        dev = static[0].keys.device
         src = torch.tensor(indices, device=dev)
         dst = torch.arange(prefix_len, prefix_len + len(indices), device=dev)
-        for layer in cache.cache.layers:
+        for layer in static:
             layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
             layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
         cache.length = prefix_len + len(indices)
         return
-    device = cache.layers[0].keys.device
+    dynamic = layers(cache)
+    device = dynamic[0].keys.device
     sel = torch.cat([torch.arange(prefix_len, device=device), torch.tensor(indices, device=device)])
-    for layer in cache.layers:
+    for layer in dynamic:
         layer.keys = layer.keys.index_select(-2, sel)
         layer.values = layer.values.index_select(-2, sel)
 
 
-def prefill(model: torch.nn.Module, input_ids: torch.Tensor):
+def prefill(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[KVCache, torch.Tensor]:
     """Run the prompt through ``model`` into a fresh cache.
 
     Args:
@@ -411,7 +489,9 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor):
     return cache, logits[-1]
 
 
-def prefill_features(model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: tuple[int, ...]):
+def prefill_features(
+    model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: tuple[int, ...]
+) -> tuple[KVCache, torch.Tensor, torch.Tensor]:
     """:func:`prefill` that also returns the prompt's features (see :func:`forward`'s ``hidden_layers``).
 
     Returns:
@@ -454,6 +534,12 @@ class RaggedBatch:
         self._width = 0  # cache width before the last forward (where its new tokens start)
         self._fed: list[int] = []  # new tokens per row in the last forward
 
+    def _dynamic(self) -> DynamicCache:
+        """The batch's cache, always a ``DynamicCache``: compiled execution (:class:`StaticKV`) runs at batch size 1
+        only (the plan rejects batched compiled cells)."""
+        assert isinstance(self.cache, DynamicCache), "a ragged batch runs eager"
+        return self.cache
+
     @property
     def rows(self) -> int:
         """Rows currently in the batch."""
@@ -489,7 +575,7 @@ class RaggedBatch:
             Logits (rows, N or len(keep_logits), vocab) in the model's dtype, N the longest row's n_r; entries past a
             row's n_r are padding.
         """
-        dev = self.model.device
+        dev = device_of(self.model)
         b, width = len(tokens), cache_len(self.cache)
         n = max(len(t) for t in tokens)
         lengths = torch.tensor(self.lengths)
@@ -516,9 +602,9 @@ class RaggedBatch:
         if self.kind == "bool":
             mask = allowed
         else:
-            dtype = self.model.dtype
+            dtype = dtype_of(self.model)
             mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
-        kwargs = {}
+        kwargs: dict[str, Any] = {}
         if keep_logits is not None:
             kwargs["logits_to_keep"] = torch.tensor(keep_logits, dtype=torch.long, device=dev)
         out = self.model(
@@ -548,10 +634,11 @@ class RaggedBatch:
                     dst_s.append(self.lengths[r] + i)
             self.lengths[r] += len(idx)
         if src_b:
-            dev = self.cache.layers[0].keys.device
+            rows = layers(self._dynamic())
+            dev = rows[0].keys.device
             b_i = torch.tensor(src_b, device=dev)
             s_i, d_i = torch.tensor(src_s, device=dev), torch.tensor(dst_s, device=dev)
-            for layer in self.cache.layers:
+            for layer in rows:
                 layer.keys[b_i, :, d_i] = layer.keys[b_i, :, s_i]
                 layer.values[b_i, :, d_i] = layer.values[b_i, :, s_i]
         crop(self.cache, max(self.lengths, default=0))
@@ -564,9 +651,10 @@ class RaggedBatch:
         if not rows:
             self.cache = new_cache()
             return
-        dev = self.cache.layers[0].keys.device
+        batch = layers(self._dynamic())
+        dev = batch[0].keys.device
         sel = torch.tensor(rows, device=dev)
-        for layer in self.cache.layers:
+        for layer in batch:
             layer.keys = layer.keys.index_select(0, sel)
             layer.values = layer.values.index_select(0, sel)
         crop(self.cache, max(self.lengths))

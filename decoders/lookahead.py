@@ -146,6 +146,7 @@ class LookaheadDrafter(TreeDrafter):
         w = self.w
         if self.pool_from_prompt:
             self.history.append(int(tree.tokens[0]))
+        assert side_logits is not None  # side_branch always feeds the window
         if len(self.levels) == 1:  # the last level is level 0: its rows are the root's and level 0's
             new = [int(torch.argmax(logits[0]))] + torch.argmax(side_logits[: w - 1], dim=-1).tolist()
         else:

@@ -18,11 +18,12 @@ i + 1. The feature comes from the verify forward that committed x_{t+1} (no extr
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 import torch
 from pydantic import Field
 
+from dtbench.decoders import kv
 from dtbench.decoders.base import DecoderParams, Step
 from dtbench.decoders.heads import HeadDecoder, MedusaHeads, check_medusa, load_medusa
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
@@ -150,10 +151,11 @@ class MedusaDrafter(TreeDrafter):
 
     def draft(self, tree: TokenTree, root: int, depth_cap: int) -> None:
         """Add every choice no deeper than ``depth_cap``: node (c_1..c_d) = head d's rank-c_d token."""
+        assert self.feature is not None, "the tree loop feeds the target's features before every draft"
         logits = self.heads(inputs_embeds=self.feature.unsqueeze(0))[:, 0]  # (heads, vocab)
         logp, tokens = torch.log_softmax(logits.float(), dim=-1).topk(self.top_k, dim=-1)
         logp, tokens = logp.to(tree.device), tokens.to(tree.device)
-        node_of = {}
+        node_of: dict[int, int] = {}  # index into self.paths -> its node in the tree
         for d in range(1, depth_cap + 1):
             level = [i for i, c in enumerate(self.paths) if len(c) == d]
             level = level[: tree.budget_left]
@@ -245,7 +247,8 @@ class Medusa(HeadDecoder):
         p = self.params
         if p.acceptance == "typical" and self.sampling is None:
             raise ValueError("medusa acceptance: typical needs a suite that samples (sampling: {temperature: ...})")
-        drafter = MedusaDrafter(self.draft, self.choices_of(p), self.target.config.num_hidden_layers)
+        heads = cast(MedusaHeads, self.draft)  # HeadDecoder.__init__: load_medusa's module
+        drafter = MedusaDrafter(heads, self.choices_of(p), kv.config_of(self.target).num_hidden_layers)
         if p.acceptance == "typical":
             drafter.typical = (p.posterior_threshold, p.posterior_alpha)
         yield from speculate_tree(

@@ -137,6 +137,7 @@ class StreamingSpeculative(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         S, R = self.params.sinks, self.params.window
+        assert self.draft is not None  # needs_draft: Decoder.__init__ refuses a missing draft model
         yield from speculate_chain(
             StreamingTarget(self.target, S, R),
             StreamingDraftProposer(self.draft, S, R),

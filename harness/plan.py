@@ -137,7 +137,7 @@ class Plan:
         ]
 
     def _groups(self) -> list[PromptGroup]:
-        out = []
+        out: list[PromptGroup] = []
         for ds, l_max, T, B in self.points():
             decs = tuple(self.decoders_at(ds.key, l_max, T, B))
             if not decs:
@@ -499,7 +499,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
 
 
-def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int]]:
+def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int, int]]:
     """The (dataset, L_max, T, B) a suite entry runs at, after its ``datasets``/``L_max``/``generation_lengths``/
     ``batch_sizes``.
 

@@ -102,7 +102,8 @@ class RayWorker:
     def __init__(
         self, suite: Suite, device: str, threads: int | None, cwd: str | None, budgets: dict[str, int] | None = None
     ):
-        self.worker, self.error = None, None
+        self.worker: Worker | None = None
+        self.error: str | None = None
         try:
             self.worker = Worker(suite, device, threads=threads, cwd=cwd)
             if budgets:
@@ -118,20 +119,26 @@ class RayWorker:
             return f"worker on {socket.gethostname()} (pid {os.getpid()}): {self.error}"
         return self.worker.info
 
+    def _loaded(self) -> Worker:
+        """The worker: the driver calls the methods below only on an actor whose :meth:`ready` gave its info."""
+        assert self.worker is not None, self.error
+        return self.worker
+
     def run(self, key: WorkKey, prompt, done, skip) -> Iterator[Outcome]:
         """A streaming generator: each outcome travels to the driver as soon as it is measured."""
-        yield from self.worker.run(key, prompt, done, skip)
+        yield from self._loaded().run(key, prompt, done, skip)
 
     def calibrate(self, contexts: dict[int, list[int]], settings: dict) -> calibrate.Measured | str:
         """The cost model's curves measured in this actor (plain data), or the one-line error that stopped it.
         ``settings``: the driver's :class:`~dtbench.harness.calibrate.Settings` as a dict."""
         try:
-            return self.worker.calibrate(contexts, calibrate.Settings(**settings))
+            return self._loaded().calibrate(contexts, calibrate.Settings(**settings))
         except Exception as exc:
-            return f"calibrating on Ray worker {self.worker.info.where} failed: {type(exc).__name__}: {clip(exc, 1000)}"
+            where = self._loaded().info.where
+            return f"calibrating on Ray worker {where} failed: {type(exc).__name__}: {clip(exc, 1000)}"
 
     def set_budgets(self, budgets: dict[str, int]) -> None:
-        self.worker.set_budgets(budgets)
+        self._loaded().set_budgets(budgets)
 
 
 @dataclass
@@ -139,6 +146,12 @@ class _Actor:
     handle: Any
     ready_ref: Any
     info: WorkerInfo | None = None
+
+    @property
+    def loaded(self) -> WorkerInfo:
+        """Its :attr:`info`, set once it has loaded its models (every actor the executor hands work to)."""
+        assert self.info is not None, "a Ray worker still loading"
+        return self.info
 
 
 class RayExecutor(Executor):
@@ -164,8 +177,8 @@ class RayExecutor(Executor):
     ):
         self.address, self.n_workers, self.threads = address, workers, threads_per_worker or 1
         self.connect_timeout_s = connect_timeout_s
-        self.ray = None
-        self._remote = None
+        self.ray: Any = None  # the ray module (imported in prepare())
+        self._remote: Any = None  # RayWorker as a Ray actor class
         self.started_ray = False
         self.actors: list[_Actor] = []
         self.device = "cpu"
@@ -222,6 +235,7 @@ class RayExecutor(Executor):
         return _Actor(handle, handle.ready.remote())
 
     def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
+        assert self.n_workers is not None, "prepare() sets the number of workers"
         ray = self.ray
         self.suite, self.plan = suite, plan
         self.actors = [self._spawn(suite) for _ in range(self.n_workers)]
@@ -245,7 +259,7 @@ class RayExecutor(Executor):
                 spinner.update(
                     f"starting {self.n_workers} Ray worker(s) on {self.device}: {self.n_workers - len(pending)} ready"
                 )
-        infos = [a.info for a in self.actors]
+        infos = [a.loaded for a in self.actors]
         names = sorted({i.device_name for i in infos})
         if len(names) > 1:
             console.print(
@@ -260,19 +274,19 @@ class RayExecutor(Executor):
         from ray.exceptions import RayActorError
 
         actor = self.actors[0]
-        names = sorted({a.info.device_name for a in self.actors})
+        names = sorted({a.loaded.device_name for a in self.actors})
         if len(names) > 1:
             console.print(
                 f"[yellow]warning: the Ray workers have different devices; the cost model's curves come "
-                f"from {actor.info.device_name} ({actor.info.host}) only[/yellow]",
+                f"from {actor.loaded.device_name} ({actor.loaded.host}) only[/yellow]",
                 highlight=False,
             )
         # a line, not a spinner: the run's progress bar is already live
-        console.print(f"calibrating the cost model on Ray worker {actor.info.where}", highlight=False)
+        console.print(f"calibrating the cost model on Ray worker {actor.loaded.where}", highlight=False)
         try:
             measured = self.ray.get(actor.handle.calibrate.remote(contexts, dataclasses.asdict(settings)))
         except RayActorError as exc:
-            raise DtbenchError(f"Ray worker {actor.info.where} died while calibrating: {_one_line(exc)}") from None
+            raise DtbenchError(f"Ray worker {actor.loaded.where} died while calibrating: {_one_line(exc)}") from None
         if isinstance(measured, str):
             raise DtbenchError(measured)
         return measured
@@ -355,7 +369,7 @@ class RayExecutor(Executor):
                     del running[ref]
                     self._lost(actor, group, exc, queue, attempts, starting, sink)
                     continue
-                sink.commit(group, outcome, actor.info)
+                sink.commit(group, outcome, actor.loaded)
 
     def _lost(self, actor: _Actor, group: PromptGroup, exc: Exception, queue, attempts, starting, sink) -> None:
         """A worker died mid-group: retry the group once (first in the queue), else fail its remaining samples;
@@ -364,7 +378,7 @@ class RayExecutor(Executor):
         key = work_key(group)
         attempts[key] = attempts.get(key, 0) + 1
         what = (
-            f"Ray worker {actor.info.where} died while measuring {group.dataset.key} L_max={group.l_max} "
+            f"Ray worker {actor.loaded.where} died while measuring {group.dataset.key} L_max={group.l_max} "
             f"T={group.gen_length} prompt {group.prompt_index}: {_one_line(exc)}"
         )
         if attempts[key] < MAX_ATTEMPTS:

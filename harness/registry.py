@@ -16,12 +16,14 @@ import os
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 from pydantic import BaseModel, ValidationError
 
 from dtbench.decoders.base import FAMILIES, Decoder, DecoderParams
 from dtbench.harness.errors import DtbenchError, error_location
+
+T = TypeVar("T")  # the base class a registry's plugins subclass (its ``base``; abstract, so not typed type[T])
 
 DECODER_GROUP = "dtbench.decoders"  # the entry-point group decoders register under
 BUILTIN_DISTRIBUTION = "dtbench"
@@ -36,13 +38,13 @@ class DecoderEntry:
     version: str
     entry_point: Any  # importlib.metadata.EntryPoint (or anything with .load())
 
-    def load(self) -> type:
+    def load(self) -> type[Decoder]:
         """Import the registered object.
 
         Raises:
             DtbenchError: naming the distribution, if the import fails or the object has the wrong base class.
         """
-        return _load(self, Decoder, "decoder")
+        return cast("type[Decoder]", _load(self, Decoder, "decoder"))  # checked to subclass Decoder
 
 
 @cache
@@ -94,7 +96,7 @@ def _both(entries: list[DecoderEntry]) -> str:
     return " and ".join(f"{e.distribution} {e.version}" for e in entries)
 
 
-class Registry:
+class Registry(Generic[T]):
     """Lazy entry-point registry of one kind of plugin (decoders, datasets).
 
     Args:
@@ -131,7 +133,7 @@ class Registry:
                 found.entries[name] = entries[0]
         return found
 
-    def get(self, name: str, found: Discovery | None = None) -> type:
+    def get(self, name: str, found: Discovery | None = None) -> type[T]:
         """The class registered as ``name``.
 
         Raises:
@@ -147,10 +149,10 @@ class Registry:
             close = difflib.get_close_matches(name, found.entries, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             raise DtbenchError(f"unknown {self.kind} '{name}'{hint} (registered: {', '.join(sorted(found.entries))})")
-        return _load(found.entries[name], self.base, self.kind)
+        return cast("type[T]", _load(found.entries[name], self.base, self.kind))  # a subclass of self.base
 
 
-DECODERS = Registry(DECODER_GROUP, "decoder", Decoder)
+DECODERS: Registry[Decoder] = Registry(DECODER_GROUP, "decoder", Decoder)
 
 
 def scan() -> Discovery:

@@ -85,8 +85,9 @@ def owner_alive(run: Run) -> str | None:
 MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
 
 
-def check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) -> None:
-    """Refuse to resume a missing or completed run, one of another suite, or one whose owner is alive.
+def check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) -> Run:
+    """Refuse to resume a missing or completed run, one of another suite, or one whose owner is alive; return the
+    run (then not None).
 
     ``--force`` takes over a run whose owner cannot be checked from here (another host, heartbeat under 5 minutes
     old); a live owner on this host is never taken over: two processes would write the same samples (the second
@@ -111,6 +112,7 @@ def check_resumable(run: Run | None, resume: int, suite_text: str, force: bool) 
         )
     if alive and not force:
         raise DtbenchError(f"run {resume} is still being written: {alive}; wait for it, or take it over with --force")
+    return run
 
 
 def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[str, Any]) -> Run:
@@ -132,8 +134,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
         session.add(run)
         session.flush()
         return run
-    run = session.get(Run, resume) if valid_id(resume) else None
-    check_resumable(run, resume, suite_text, force)
+    run = check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
     # Samples of one run must come from one environment, or its comparisons mean nothing.
     changed = [k for k in MUST_MATCH if run.environment.get(k) != env.get(k)]
     if changed:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import html
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from dtbench.core import redact_credentials
 
@@ -87,6 +87,14 @@ def csv_frame(frame: pd.DataFrame) -> pd.DataFrame:
             out[col] = out[col].map(csv_cell)
     out.columns = [csv_cell(c) if isinstance(c, str) else c for c in out.columns]
     return out
+
+
+@overload
+def to_csv(frame: pd.DataFrame, path: None = None) -> str: ...
+
+
+@overload
+def to_csv(frame: pd.DataFrame, path: str | Path) -> None: ...
 
 
 def to_csv(frame: pd.DataFrame, path: str | Path | None = None) -> str | None:

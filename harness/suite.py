@@ -70,13 +70,16 @@ def _no_control(value: str) -> str:
     return value
 
 
-def _name(max_length: int):
-    """A name or label: 1..max_length characters (the database column's width), no control characters (an ESC
-    sequence would restyle a terminal, a newline split a Markdown row)."""
-    return Annotated[str, Field(min_length=1, max_length=max_length), AfterValidator(_no_control)]
+def _eager() -> list[Execution]:
+    """The suite's default ``execution``: eager only."""
+    return ["eager"]
 
 
-Name, Label, ModelName = _name(200), _name(300), _name(500)
+# A name or label: 1..max_length characters (the database column's width), no control characters (an ESC sequence
+# would restyle a terminal, a newline split a Markdown row). Written out: mypy takes only static type aliases.
+Name = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_control)]
+Label = Annotated[str, Field(min_length=1, max_length=300), AfterValidator(_no_control)]
+ModelName = Annotated[str, Field(min_length=1, max_length=500), AfterValidator(_no_control)]
 
 
 class _Frozen(StrictBools):
@@ -397,7 +400,7 @@ class Suite(_Frozen):
         "intervals pair prompts on their median over repeats (docs/measurement.md); default 1",
     )
     execution: list[Execution] = Field(
-        default_factory=lambda: ["eager"],
+        default_factory=_eager,
         min_length=1,
         description="how decoders' forwards run: eager (transformers as it is, the default) or compiled (a "
         "preallocated static KV cache, forwards padded to bucket sizes and compiled by torch.compile: CUDA graphs on "
@@ -484,7 +487,7 @@ class Suite(_Frozen):
         return v
 
     @model_validator(mode="after")
-    def _unique_dataset_caps(self):
+    def _unique_dataset_caps(self) -> Suite:
         seen: set[tuple[str, int]] = set()
         for i, ds in enumerate(self.datasets):
             for l_max in ds.l_maxes:

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from rich.console import Console
@@ -32,6 +32,9 @@ from dtbench.harness.metrics import sample_row
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup, plan_suite
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
+
+if TYPE_CHECKING:
+    from dtbench.decoders.server import ServerParams
 
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
 
@@ -315,7 +318,7 @@ def measure_served(
     try:
         rows = serving.measure_requests(
             cp.label,
-            cp.params,
+            cast("ServerParams", cp.params),  # a decoder declaring ``requests`` takes a server's params
             prompts,
             group.warmup,
             group.gen_length,
@@ -325,7 +328,10 @@ def measure_served(
             seed=suite.seed,
             stop_at_eos=stop_at_eos,
             references=[r["output_tokens"] for r in ref_rows] if ref_rows else None,
-            reference=next(((c.label, c.params) for c in group.decoders if c.label == cp.reference_label), None),
+            reference=next(
+                ((c.label, cast("ServerParams", c.params)) for c in group.decoders if c.label == cp.reference_label),
+                None,
+            ),
             rule=suite.lossless_check,
             tokenizer=tokenizer,
             batch_group=group.prompt_index if batched else None,
@@ -404,7 +410,7 @@ def run_group(
         if cp.label in outputs or cp.label in skip:
             continue
         ref = outputs.get(cp.reference_label) if cp.reference_label else None
-        ref_plan = by_label.get(cp.reference_label)
+        ref_plan = by_label.get(cp.reference_label) if cp.reference_label is not None else None
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
         if announce is not None:
             announce(cp.label)
@@ -478,6 +484,18 @@ class WorkerInfo:
     @property
     def where(self) -> str:
         return f"{self.host} (pid {self.pid}, {self.device_name})"
+
+
+@overload
+def model_info(loaded: models.LoadedModel) -> dict[str, Any]: ...
+
+
+@overload
+def model_info(loaded: None) -> None: ...
+
+
+@overload
+def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None: ...
 
 
 def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None:

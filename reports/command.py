@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import click
 
@@ -435,10 +435,10 @@ def write_tables(made, out_dir: str | Path) -> None:
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for t in made:
-            (out / f"{t.key}.md").write_text(rendered("markdown", [t]), encoding="utf-8")
-            (out / f"{t.key}.csv").write_text(rendered("csv", [t]), encoding="utf-8")
-        (out / "tables.md").write_text(rendered("markdown", made), encoding="utf-8")
+        for t in made:  # the markdown and csv renderers (built-ins, never taken over) return text
+            (out / f"{t.key}.md").write_text(cast(str, rendered("markdown", [t])), encoding="utf-8")
+            (out / f"{t.key}.csv").write_text(cast(str, rendered("csv", [t])), encoding="utf-8")
+        (out / "tables.md").write_text(cast(str, rendered("markdown", made)), encoding="utf-8")
     except OSError as exc:
         raise DtbenchError(f"cannot write tables to {out}: {exc.strerror or exc}") from None
     _note(f"wrote {len(made)} tables to {out}: " + ", ".join(f"{t.key}.md/.csv" for t in made) + ", tables.md")

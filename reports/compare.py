@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -332,7 +333,7 @@ def compare_runs(
     before_env: dict,
     after_env: dict,
     alpha: float = 0.05,
-    gates: list[Gate] = (),
+    gates: Sequence[Gate] = (),
 ) -> tuple[pd.DataFrame, list[str]]:
     """Match two runs' cells by (dataset, L_max, T, label) and mark each change.
 

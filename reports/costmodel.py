@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from sqlalchemy import select
@@ -85,7 +86,7 @@ def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
     forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out).
     ``draft_model=False``: the sample's draft forwards are not the suite's draft model's (a learned head's, a
     decoder without ``needs_draft``), so the draft curve does not price them: unpriced, flagged."""
-    out = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
+    out: dict[str, Any] = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
     for role in ("target", "draft"):
         got = step_forwards(stats, role)
         if got is None:
@@ -137,7 +138,7 @@ def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
 # --- tree decoders that record their node budget: best total_token ------------------------------------------------
 
 
-def budget_speedups(curves, states: list[dict], head_s: float, past: int) -> dict[int, float]:
+def budget_speedups(curves, states: list[dict | None], head_s: float, past: int) -> dict[int, float]:
     """S(N) for verification sizes N = 2 .. the run's (root included) of a tree decoder whose samples record, per
     accepted token, the drafted-node budget its tree needed (``eagle``: ``accepted_tokens_needing_{m}_nodes`` and
     ``drafting_iterations`` in ``step_stats["state"]``). E(N) = 1 + (accepted tokens needing at most N - 1 nodes)
@@ -205,7 +206,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]
         in_forward = (
-            sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed) / len(timed)
+            sum((t.get("target") or 0.0) + (t.get("draft") or 0.0) for t in timed if t) / len(timed)
             if all(timed)
             else math.nan
         )
@@ -246,7 +247,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             p = position_acceptance(accepted, depth)
             if p:
                 speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
-                best = max(speed, key=speed.get)
+                best = max(speed, key=lambda k: speed[k])
                 row.update(
                     predicted_best_k=best,
                     predicted_best_speedup=speed[best],
@@ -259,7 +260,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
             speed = budget_speedups(curves, states, head / iters if iters else 0.0, cell.l_max + cell.gen_length // 2)
             if speed:
-                best = max(speed, key=speed.get)
+                best = max(speed, key=lambda k: speed[k])
                 row.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
         if row["predicted_best_total_token"] is None and row["family"] == "tree" and "target" in curves.roles():
             row["predicted_best_n_max"] = auto_budget(curves, cell.l_max + cell.gen_length // 2, DEFAULT_FACTOR)
@@ -331,6 +332,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         curves = load_curves(session, run)
         if curves is None:
             raise DtbenchError(NO_CALIBRATION.format(run=run.id))
+        assert curves.batch is not None  # a stored calibration's curves carry its batch id
         table = cost_table(session, run, curves)
         batched, batch_notes = batch_table(session, run, curves)
         rid = run.id
@@ -697,7 +699,8 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
     speed = speed[speed["verdict"] != "failed"]
     full = {c.id: c for c in session.scalars(select(Cell).where(Cell.run_id == run.id))}
     samples = {cid: [s for s in full[cid].samples] for cid in full}
-    rows, notes = [], []
+    rows: list[dict] = []
+    notes: list[str] = []
     by_label: dict[tuple, dict] = {}
     for cid, cell in full.items():
         if (cell.batch_size or 1) != 1 or cell.sampling:
@@ -758,9 +761,9 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             predicted = "no B = 1 cell to predict from"
         else:
             grid = [1, *sizes]
-            pred = {b: predicted_batch_speedup(curves, params, b, past, params["family"]) for b in grid}
-            first = next((b for b in grid if pred[b] < 1), None)
-            predicted = f"B*={first} ({pred[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
+            pred_at = {b: predicted_batch_speedup(curves, params, b, past, params["family"]) for b in grid}
+            first = next((b for b in grid if pred_at[b] < 1), None)
+            predicted = f"B*={first} ({pred_at[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
             if params["family"] == "chain" and params["p"]:
                 ks = {b: best_k_at(curves, params["p"], params["draft_tokens_s"], b, past) for b in grid}
                 predicted += "; best K per B: " + ", ".join(f"B={b}: K={k[0]}" for b, k in ks.items() if k)

@@ -28,6 +28,7 @@ import io
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -44,7 +45,8 @@ from dtbench.reports.summary import lossless_failed
 DYNAMIC_TREE_PARAMS = ("tau_h", "tau_l", "b_min", "b_max", "d0", "d_max")
 STATIC_TREE_PARAMS = ("depth", "branching", "tau")
 
-PALETTE = colormaps["tab10"].colors
+# tab10 is a ListedColormap whose colors are ten RGB triples (matplotlib's stubs: a Colormap, colors an ArrayLike)
+PALETTE: tuple[tuple[float, float, float], ...] = cast(Any, colormaps["tab10"]).colors
 PARTIAL_HATCH = "///"  # bars of partial cells (shown only with include_partial)
 
 
@@ -331,7 +333,7 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     tau = pd.DataFrame(
         {"h": _param(cells, "tau_h"), "l": _param(cells, "tau_l"), "thr": cells["throughput_mean"].astype(float)}
     ).dropna()
-    panels = []
+    panels: list[str | tuple[str, str]] = []  # "tau", or a pair of params
     if len(set(zip(tau["h"], tau["l"]))) >= 2:
         panels.append("tau")
     for keys in (("b_min", "b_max"), ("d0", "d_max")):
@@ -345,7 +347,7 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     names = {"tau": "thresholds", ("b_min", "b_max"): "breadth", ("d0", "d_max"): "depth"}
     for i, (ax, panel) in enumerate(zip(axes, panels)):
         tag = f"({'abc'[i]}) {names[panel]}"
-        if panel == "tau":
+        if isinstance(panel, str):  # "tau"
             sc = ax.scatter(tau["h"], tau["l"], c=tau["thr"], cmap="viridis", s=70, edgecolors="black", linewidths=0.5)
             fig.colorbar(sc, ax=ax, label="throughput (tokens/s)")
             ax.set_xlabel("τ_h (high-confidence threshold)")

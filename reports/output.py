@@ -79,7 +79,7 @@ class Report:
     caption: str
     display: pd.DataFrame
     data: pd.DataFrame
-    notes: list[str] = field(default_factory=list)
+    notes: Sequence[str] = field(default_factory=list)
     row_styles: list[str | None] | None = None
     left: frozenset[str] | None = None
 
@@ -150,7 +150,7 @@ def load_format_plugins() -> list[str]:
     """
     from importlib.metadata import entry_points
 
-    problems = []
+    problems: list[str] = []
     for ep in entry_points(group=FORMATS_GROUP):
         key = (ep.name, ep.value)
         if key in _PLUGINS_SEEN:
@@ -158,8 +158,9 @@ def load_format_plugins() -> list[str]:
         try:
             loaded = ep.load()
         except Exception as exc:  # a broken plugin is named, never the end of the report
-            _PLUGINS_SEEN[key] = f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}"
-            problems.append(_PLUGINS_SEEN[key])
+            problem = f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}"
+            _PLUGINS_SEEN[key] = problem
+            problems.append(problem)
             continue
         _PLUGINS_SEEN[key] = None
         if callable(loaded) and ep.name not in RENDERERS:

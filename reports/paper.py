@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
@@ -206,7 +207,8 @@ def method_table(spec: MethodTableSpec, ms: list[Method], setting: Setting, note
     dataset; the data frame keeps the numbers (``method``, ``<dataset>.partial``, ``<dataset>.<field>``...)."""
     disp, data = [], []
     for m in ms:
-        d, n = {"Method": _display_name(m.name, m.cells)}, {"method": m.name}
+        d: dict[str, str] = {"Method": _display_name(m.name, m.cells)}
+        n: dict[str, Any] = {"method": m.name}
         for ds, c in m.cells.items():
             n[f"{ds}.partial"] = bool(c.get("partial", False))
             d.update({f"{ds} {col.header}": col.text(c) for col in spec.columns})

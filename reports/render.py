@@ -4,11 +4,13 @@ run-to-run comparisons, cell notes and the run header. What they become in each 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
 from dtbench.harness import load
 from dtbench.harness.errors import clip
-from dtbench.harness.metrics import METRICS, SPEEDUP
+from dtbench.harness.metrics import METRICS, SPEEDUP, Metric
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report
 from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, SAMPLED, is_missing, show
@@ -16,10 +18,18 @@ from dtbench.reports.summary import lossless_failed
 
 # The per-cell table: the decoder, throughput, speedup, every metric with a header, then the lossless verdict.
 _SHOWN = [METRICS[0], SPEEDUP, *(m for m in METRICS[1:] if m.header)]
+
+
+def _header(metric: Metric) -> str:
+    """The column header of a shown metric (every metric in :data:`_SHOWN` has one)."""
+    assert metric.header is not None, metric.name
+    return metric.header
+
+
 COLUMNS = [
     ("Decoder", "label"),
     ("Execution", "execution"),
-    *((m.header, m.name) for m in _SHOWN),
+    *((_header(m), m.name) for m in _SHOWN),
     ("Lossless", "lossless"),
 ]
 # With repeats (suite key repeats), after the throughput: its median and its coefficient of variation over repeats.
@@ -518,7 +528,8 @@ def hardware_text(env: dict | None) -> str:
     if hw.get("torch_cpu_capability"):
         parts.append(f"torch CPU kernels {hw['torch_cpu_capability']}")
     if hw.get("cuda_capability"):
-        bf16 = {True: ", native bf16", False: ", no native bf16"}.get(hw.get("cuda_bf16"), "")
+        bf16_labels: dict[Any, str] = {True: ", native bf16", False: ", no native bf16"}  # None or absent: ""
+        bf16 = bf16_labels.get(hw.get("cuda_bf16"), "")
         parts.append(f"CUDA compute capability {hw['cuda_capability']}{bf16}")
     return "; ".join(parts)
 

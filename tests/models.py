@@ -1,4 +1,5 @@
-"""Seeded random-weight causal LMs for exact equivalence tests (no download).
+"""Seeded random-weight causal LMs for exact equivalence tests (no download): pairs of the test kit's tiny models
+(:mod:`dtbench.harness.testkit`), the device axis of the property suite and helpers that run decoders.
 
 float64 keeps greedy argmaxes free of the near-ties that small random models produce in float32.
 """
@@ -11,83 +12,8 @@ from functools import cache
 
 import pytest
 import torch
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-VOCAB = 96
-ARCHS = ("llama", "neox")
-FLAT, SHARP = 8.0, 32.0
-"""Output-weight scales. FLAT: mean top-1 probability about 0.07 (every node is uncertain; the property tests
-scale DynaTree's thresholds down to it). SHARP: mean top-1 probability about 0.4-0.5, spread over (0.1, 1),
-so the paper's default thresholds (tau=0.1, rho_stop=0.2, tau_l=0.4, tau_h=0.9) all act and real trees get
-drafted with default params."""
-
-
-def tiny_llama(seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> LlamaForCausalLM:
-    """A 2-layer Llama with vocab 96, hidden 32, float64, eval mode, seeded weights, lm_head scaled by
-    ``sharpness``."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = attn
-    return _sharpened(LlamaForCausalLM(cfg), sharpness)
-
-
-def tiny_neox(seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> GPTNeoXForCausalLM:
-    """A 2-layer GPT-NeoX (the Pythia architecture: partial rotary embeddings on 25% of each head, parallel
-    attention + MLP residual, untied output layer) with vocab 96, hidden 32, float64, eval mode, seeded weights,
-    output layer scaled by ``sharpness``."""
-    torch.manual_seed(seed)
-    cfg = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        rotary_pct=0.25,
-        use_parallel_residual=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    cfg._attn_implementation = attn
-    return _sharpened(GPTNeoXForCausalLM(cfg), sharpness)
-
-
-def _sharpened(model: torch.nn.Module, sharpness: float) -> torch.nn.Module:
-    # Larger output weights sharpen the next-token distribution, so drafts are sometimes accepted.
-    model = model.to(torch.float64).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(sharpness)
-    return model
-
-
-def tiny_model(arch: str, seed: int, *, attn: str = "sdpa", sharpness: float = FLAT) -> torch.nn.Module:
-    """``tiny_llama`` or ``tiny_neox`` by name (``ARCHS``)."""
-    make = {"llama": tiny_llama, "neox": tiny_neox}[arch]
-    return make(seed, attn=attn, sharpness=sharpness)
-
-
-def perturbed(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
-    """A copy of ``model`` with Gaussian noise of std ``scale`` added to every weight (partial acceptance)."""
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
-    return other
+from dtbench.harness.testkit import FLAT, perturbed, tiny_model
 
 
 @cache

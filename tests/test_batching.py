@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
-from models import SHARP, VOCAB, model_zoo
+from models import model_zoo
 from sqlalchemy import select
 
 from dtbench.decoders import kv
@@ -33,6 +33,7 @@ from dtbench.harness import db, measure
 from dtbench.harness import models as harness_models
 from dtbench.harness.plan import batch_groups, plan_suite
 from dtbench.harness.suitefile import parse_suite
+from dtbench.harness.testkit import SHARP, VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

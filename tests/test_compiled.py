@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
-from models import VOCAB, model_zoo, run_decoder
+from models import model_zoo, run_decoder
 from sqlalchemy import select
 from transformers import DynamicCache
 
@@ -25,6 +25,7 @@ from dtbench.decoders.fixed_tree import FixedTree
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.harness import db, roofline
+from dtbench.harness.testkit import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -19,7 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import fast_calibration_settings
-from models import VOCAB, model_zoo
+from models import model_zoo
 
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
@@ -29,6 +29,7 @@ from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
+from dtbench.harness.testkit import VOCAB
 from dtbench.reports import costmodel
 
 pytestmark = pytest.mark.usefixtures("one_thread")

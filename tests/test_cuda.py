@@ -21,13 +21,13 @@ import time
 
 import pytest
 import torch
-from test_measurement import BUILTIN, HEAD
 
 from dtbench.harness import models, registry
 from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.suite import ModelSpec
+from dtbench.harness.testkit import BUILTIN, HEAD
 
 pytestmark = [
     pytest.mark.cuda,
@@ -72,7 +72,7 @@ def prompt(embedded, data_dir):
 def build(name: str, params: dict, target, draft, tmp_path):
     cls = registry.get(name)
     if params.get("head") == HEAD:  # a random head in the published format, sized for the target
-        from heads_kit import write_eagle, write_medusa
+        from dtbench.harness.testkit import write_eagle, write_medusa
 
         cfg = target.config
         write = write_medusa if name == "medusa" else write_eagle

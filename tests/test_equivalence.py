@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import DEVICES, VOCAB, assert_lossless, device_zoo, examples, hf_greedy, model_zoo, run_decoder
+from models import DEVICES, assert_lossless, device_zoo, examples, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
+from dtbench.harness.testkit import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

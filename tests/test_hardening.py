@@ -1054,7 +1054,7 @@ def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
 def _head(tmp_path, kind: str, config: dict | None = None, tensors=None) -> str:
     """A tiny head folder (heads_kit's published layouts, hidden 32, vocabulary 96), config.json updated with
     ``config`` (a non-dict replaces it), the weights changed by ``tensors``."""
-    from heads_kit import write_eagle, write_medusa
+    from dtbench.harness.testkit import write_eagle, write_medusa
 
     folder = tmp_path / kind
     if kind == "medusa":
@@ -1792,9 +1792,9 @@ class _Greedy:
 @pytest.mark.parametrize("batched", [False, True])
 def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
     import torch
-    from models import tiny_llama
 
     from dtbench import api
+    from dtbench.harness.testkit import tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama(seed=0).eval()

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from heads_kit import Oracle, deep_llama, write_eagle, write_medusa
+from heads_kit import Oracle, deep_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error
-from models import SHARP, VOCAB, run_decoder, tiny_llama, tiny_neox
+from models import run_decoder
 
 from dtbench.decoders import kv
 from dtbench.decoders.ar import Autoregressive
@@ -21,6 +21,7 @@ from dtbench.decoders.heads import load_eagle, load_medusa
 from dtbench.decoders.medusa import MC_SIM_7B_63, Medusa, MedusaDrafter, MedusaParams, static_tree
 from dtbench.decoders.tree import speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
+from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama, tiny_neox, write_eagle, write_medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = list(range(3, 20))

@@ -11,10 +11,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import VOCAB, hf_greedy, model_zoo, run_decoder
+from models import hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams
+from dtbench.harness.testkit import VOCAB
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
 DRAFTS = ["self", "perturbed", "unrelated"]

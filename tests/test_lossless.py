@@ -16,12 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
-from models import SHARP, VOCAB, tiny_llama
 from sqlalchemy import select
 
 from dtbench.decoders import kv
 from dtbench.harness import db, lossless, measure
 from dtbench.harness import models as harness_models
+from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

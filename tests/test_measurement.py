@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from heads_kit import write_eagle, write_medusa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models import model_zoo
@@ -21,33 +20,11 @@ from dtbench.harness import registry
 from dtbench.harness.measure import ForwardCounter, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.prompt import Prompt
+from dtbench.harness.testkit import BUILTIN, HEAD, STORE, write_eagle, write_medusa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
 PROMPT = list(range(3, 20))
-
-HEAD = "<head written by build()>"
-STORE = "<rest tokens file written by build()>"
-BUILTIN = [
-    ("ar", {}),
-    ("linear", {"k": 3}),
-    ("fixed_tree", {"depth": 3, "branching": 2}),
-    ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
-    ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
-    ("dynatree", {}),
-    ("hf_assisted", {}),
-    ("hf_generate", {}),
-    ("streaming_ar", {"sinks": 4, "window": 64}),
-    ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}),
-    ("medusa", {"head": HEAD}),
-    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}),
-    ("token_recycling", {}),
-    ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
-    ("ngram", {"k": 4}),
-    ("suffix", {"k": 3, "min_match": 1}),
-    ("suffix", {"k": 3, "fallback": "draft"}),
-    ("rest", {"tokens": STORE}),
-]
 
 
 def build(name, params, kind="perturbed"):

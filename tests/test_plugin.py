@@ -14,9 +14,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import VOCAB, model_zoo, run_decoder
+from models import model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
+from dtbench.harness.testkit import VOCAB
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "examples" / "dtbench-prompt-lookup"
 

@@ -9,7 +9,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error, write_suite
-from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
+from models import decoder_steps, model_zoo, run_decoder
 from pydantic import ValidationError
 
 from dtbench.decoders import kv
@@ -17,6 +17,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.lookahead import Lookahead, LookaheadDrafter, LookaheadParams, NgramPool
 from dtbench.decoders.token_recycling import TokenRecycling, TokenRecyclingDrafter, TokenRecyclingParams
 from dtbench.decoders.tree import TokenTree, attention_mask_kind, tree_logits
+from dtbench.harness.testkit import ARCHS, SHARP, VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

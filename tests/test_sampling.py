@@ -427,7 +427,7 @@ def eagle_head(version: int) -> str:
     import tempfile
     from pathlib import Path
 
-    from heads_kit import write_eagle
+    from dtbench.harness.testkit import write_eagle
 
     root = Path(tempfile.mkdtemp(prefix=f"eagle{version}-"))
     hidden = models()[EAGLE_TARGET[version]].config.hidden_size
@@ -502,9 +502,8 @@ def medusa_typical(**params):
     import tempfile
     from pathlib import Path
 
-    from heads_kit import write_medusa
-
     from dtbench.decoders.medusa import Medusa, MedusaParams
+    from dtbench.harness.testkit import write_medusa
 
     hidden = models()["self"].config.hidden_size
     folder = write_medusa(Path(tempfile.mkdtemp(prefix="medusa-")) / "head", hidden=hidden, vocab=VOCAB, heads=2)

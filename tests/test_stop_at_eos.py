@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import VOCAB, model_zoo, run_decoder
+from models import model_zoo, run_decoder
 
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids
@@ -28,6 +28,7 @@ from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSp
 from dtbench.decoders.suffix import SuffixDecoding, SuffixParams
 from dtbench.decoders.token_recycling import TokenRecycling
 from dtbench.harness.measure import measure
+from dtbench.harness.testkit import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,11 +154,12 @@ def test_a_draft_crosses_eos():
 def test_medusa_tree_drafter_stops_at_eos(tmp_path):
     """The TreeDrafter path of speculate_tree (learned heads) cuts at EOS too; the Oracle plants the target's greedy
     continuation so paths of several tokens are accepted across EOS."""
-    from heads_kit import Oracle, write_medusa
+    from heads_kit import Oracle
 
     from dtbench.decoders.heads import load_medusa
     from dtbench.decoders.medusa import MC_SIM_7B_63, MedusaDrafter
     from dtbench.decoders.tree import speculate_tree
+    from dtbench.harness.testkit import write_medusa
 
     target, _ = model_zoo()["self"]
     write_medusa(tmp_path / "head", hidden=target.config.hidden_size, vocab=VOCAB)

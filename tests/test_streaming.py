@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import VOCAB, model_zoo, perturbed, run_decoder
+from models import model_zoo, run_decoder
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.llama import modeling_llama
@@ -22,6 +22,7 @@ from dtbench.decoders.streaming import (
     StreamingSpecParams,
     StreamingSpeculative,
 )
+from dtbench.harness.testkit import VOCAB, perturbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

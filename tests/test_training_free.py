@@ -12,12 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import ARCHS, SHARP, VOCAB, decoder_steps, model_zoo, run_decoder
+from models import decoder_steps, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.ngram import Ngram, NgramParams, longest_suffix_match
 from dtbench.decoders.rest import Datastore, Rest, RestParams, cut_to_choices, frequent_trie
 from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
+from dtbench.harness.testkit import ARCHS, SHARP, VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

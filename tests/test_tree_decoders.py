@@ -12,13 +12,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import ARCHS, FLAT, SHARP, VOCAB, hf_greedy, model_zoo, run_decoder
+from models import hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders import kv
 from dtbench.decoders import tree as T
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
+from dtbench.harness.testkit import ARCHS, FLAT, SHARP, VOCAB
 
 ATTNS = ["sdpa", "eager"]
 KINDS = ["self", "perturbed", "unrelated"]

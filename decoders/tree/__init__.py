@@ -54,15 +54,15 @@ verification; masks, position ids, the ancestor matrix and path selection are te
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterator
-from typing import Annotated, ClassVar, Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Annotated, ClassVar, Literal, TypeVar, overload
 
 import torch
 from pydantic import Field
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
-from dtbench.decoders.sampling import verify_tree_sampled, verify_tree_typical
+from dtbench.decoders.sampling import SamplingSettings, verify_tree_sampled, verify_tree_typical
 from dtbench.decoders.tree.draft import (  # noqa: F401
     SKIP_WITH_SAMPLING,
     DraftSession,
@@ -97,7 +97,7 @@ from dtbench.decoders.tree.structure import (  # noqa: F401  (the toolkit's name
 # ----------------------------------------------------------------------------------------------------------
 
 
-def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: MaskKind) -> torch.Tensor:
+def tree_predictions(target: torch.nn.Module, cache: kv.KVCache, tree: TokenTree, kind: MaskKind) -> torch.Tensor:
     """One target forward over [root, drafted nodes] with the tree mask (Algorithm 1 line 4), greedy.
 
     Args:
@@ -112,14 +112,36 @@ def tree_predictions(target: torch.nn.Module, cache, tree: TokenTree, kind: Mask
     return torch.argmax(tree_logits(target, cache, tree, kind), dim=-1).to(tree.device)
 
 
+@overload
 def tree_logits(
     target: torch.nn.Module,
-    cache,
+    cache: kv.KVCache,
+    tree: TokenTree,
+    kind: MaskKind,
+    hidden_layers: None = None,
+    side: SideBranch | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def tree_logits(
+    target: torch.nn.Module,
+    cache: kv.KVCache,
     tree: TokenTree,
     kind: MaskKind,
     hidden_layers: tuple[int, ...] | None = None,
     side: SideBranch | None = None,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def tree_logits(
+    target: torch.nn.Module,
+    cache: kv.KVCache,
+    tree: TokenTree,
+    kind: MaskKind,
+    hidden_layers: tuple[int, ...] | None = None,
+    side: SideBranch | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The target forward of :func:`tree_predictions`, returning its logits: (size, vocab) in the target's dtype,
     row u the target's logits of the token after the path to u. The cache grows by ``size`` positions.
     With ``hidden_layers`` (a :class:`TreeDrafter`'s), the pair (logits, features (size, F)) from the same forward
@@ -128,7 +150,7 @@ def tree_logits(
     positions, after the tree's."""
     n = tree.size
     prefix_len = kv.cache_len(cache)
-    dev = target.device
+    dev = kv.device_of(target)
     tokens = tree.tokens[:n].to(dev)
     if side is None and n == 1:  # root only: a plain causal step
         return kv.forward(target, tokens.unsqueeze(0), cache, hidden_layers=hidden_layers)
@@ -137,7 +159,7 @@ def tree_logits(
         relation = with_side_branch(relation, side)
         tokens = torch.cat([tokens, side.tokens.to(dev)])
         depths = torch.cat([depths, side.offsets.to(dev)])
-    mask = tree_attention_mask(relation, prefix_len, kind, target.dtype)
+    mask = tree_attention_mask(relation, prefix_len, kind, kv.dtype_of(target))
     return kv.forward(
         target,
         tokens.unsqueeze(0),
@@ -146,6 +168,11 @@ def tree_logits(
         attention_mask=mask,
         hidden_layers=hidden_layers,
     )
+
+
+def _row_probs(sampling: SamplingSettings, rows: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """``u -> sampling.probs(rows[u])``: the target's processed distribution after the path to node u."""
+    return lambda u: sampling.probs(rows[u])
 
 
 def speculate_tree(
@@ -260,13 +287,13 @@ def speculate_tree_rows(
     draft: torch.nn.Module | None,
     prompts: list[torch.Tensor],
     max_new_tokens: int,
-    policies: list[ExpansionPolicy | TreeDrafter],
+    policies: Sequence[ExpansionPolicy | TreeDrafter],
     cache_strategy: CacheStrategy = "compact",
     draft_strategy: DraftStrategy = "per_level",
     *,
     tree_root: TreeRoot = "paper",
     prune: Prune = "leaf",
-    sampling=None,
+    sampling: SamplingSettings | None = None,
     generator: torch.Generator | None = None,
     eos_token_id: int | tuple[int, ...] | None = None,
     batched: bool = False,
@@ -300,7 +327,10 @@ def speculate_tree_rows(
     t_kind = attention_mask_kind(target)
     hidden = drafter.hidden_layers if drafter is not None and drafter.hidden_layers else None
     rows = range(len(prompts))
-    sessions = [DraftSession(draft, p[0].tolist()) for p in prompts] if drafter is None else [None]
+    sessions: list[DraftSession] = []  # one per row when expansion policies draft with the draft model
+    if drafter is None:
+        assert draft is not None, "expansion policies draft with a draft model (the tree decoders need one)"
+        sessions = [DraftSession(draft, p[0].tolist()) for p in prompts]
     ragged = kv.RaggedBatch(target) if batched else None
     if ragged is not None:
         first = ragged.prefill([p[0].tolist() for p in prompts])
@@ -311,7 +341,7 @@ def speculate_tree_rows(
         t_cache, logits, features = kv.prefill_features(target, prompts[0], hidden)
         first = [logits]
     pending = [next_token(logits.reshape(-1), sampling, generator) for logits in first]
-    if hidden is not None:
+    if drafter is not None and hidden is not None:
         drafter.feed_target(features, prompts[0][0, 1:].tolist() + [pending[0]])
     yield {r: Step(tokens=(pending[r],)) for r in rows}
     eos = eos_ids(eos_token_id)
@@ -328,13 +358,14 @@ def speculate_tree_rows(
                 pending[r],
                 policy.n_max,
                 tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
-                target.device if drafter else sessions[r].device,
+                kv.device_of(target) if drafter else sessions[r].device,
             )
             drawn = None if sampling is None else TreeSampling(sampling, generator)
             if depth_cap >= 1:
                 if drafter is not None:
                     drafter.draft(tree, pending[r], depth_cap)
                 else:
+                    assert isinstance(policy, ExpansionPolicy), "rows without a tree drafter have expansion policies"
                     draft_tree(
                         sessions[r],
                         tree,
@@ -370,8 +401,10 @@ def speculate_tree_rows(
             n = tree.size
             if drafter is not None:
                 side = drafter.side_branch()
-                out = tree_logits(target, t_cache, tree, t_kind, hidden, side)
-                logits, features = out if hidden is not None else (out, None)
+                verified = tree_logits(target, t_cache, tree, t_kind, hidden, side)
+                logits, tree_features = (
+                    verified if isinstance(verified, tuple) else (verified, None)
+                )  # a pair with hidden layers
                 drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
                 if sampling is None:
                     pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
@@ -379,24 +412,26 @@ def speculate_tree_rows(
                         tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
                     )
                 elif (typical := getattr(drafter, "typical", None)) is not None:  # medusa's opt-in lossy mode
+                    threshold, alpha = typical
                     path, committed = verify_tree_typical(
                         tree.tokens[:n].tolist(),
                         tree.parents[:n].tolist(),
                         logits[:n],
                         sampling.temperature,
-                        *typical,
+                        threshold,
+                        alpha,
                         generator,
                     )
                 else:  # a drafter's tree is a function of the context: deterministic children (q one-hot)
                     path, committed = verify_tree_sampled(
                         tree.tokens[:n].tolist(),
                         tree.parents[:n].tolist(),
-                        lambda u, rows=logits: sampling.probs(rows[u]),
+                        _row_probs(sampling, logits),
                         {},
                         generator,
                     )
-                if hidden is not None:
-                    drafter.feed_target(features[path], committed)
+                if tree_features is not None:
+                    drafter.feed_target(tree_features[path], committed)
             elif sampling is None:
                 pred = tree_predictions(target, t_cache, tree, t_kind)
                 path, committed = select_path(
@@ -404,10 +439,11 @@ def speculate_tree_rows(
                 )
             else:
                 logits = tree_logits(target, t_cache, tree, t_kind)
+                assert drawn is not None  # sampling: a TreeSampling per tree
                 path, committed = verify_tree_sampled(
                     tree.tokens[:n].tolist(),
                     tree.parents[:n].tolist(),
-                    lambda u, rows=logits: sampling.probs(rows[u]),
+                    _row_probs(sampling, logits),
                     drawn.draft_probs,
                     generator,
                 )
@@ -501,8 +537,17 @@ class TreeParams(DecoderParams):
 
 N_MAX_AUTO_CEILING = 256  # n_max: auto chooses at most this many drafted nodes (the paper's N_max)
 
+TP = TypeVar("TP", bound=TreeParams)  # a tree decoder's params model
 
-class TreeDecoder(Decoder):
+
+def resolved_n_max(params: TreeParams) -> int:
+    """``params.n_max`` as an int: ``"auto"`` is replaced by the calibrated budget before any cell decodes (the
+    runner, :func:`dtbench.harness.curves.auto_budget`), so an expansion policy never sees it."""
+    assert params.n_max != "auto", "n_max: auto is resolved before the first cell"
+    return params.n_max
+
+
+class TreeDecoder(Decoder[TP]):
     """Base of the tree speculative decoders: subclasses only build their :class:`ExpansionPolicy`.
 
     Lossless for greedy decoding (paper 3.6): the committed tokens equal the target's greedy tokens. Lossless
@@ -521,11 +566,11 @@ class TreeDecoder(Decoder):
 
     @classmethod
     @abstractmethod
-    def tree_bounds(cls, params: TreeParams) -> tuple[int, int]:
+    def tree_bounds(cls, params: TP) -> tuple[int, int]:
         """(largest breadth B, largest depth D) a tree of this configuration can have (params only)."""
 
     @classmethod
-    def verify_sizes(cls, params: TreeParams) -> tuple[int, int]:
+    def verify_sizes(cls, params: TP) -> tuple[int, int]:
         """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree.structure.tree_capacity` allows for
         :meth:`tree_bounds` and N_max (``n_max: auto`` searches up to :data:`N_MAX_AUTO_CEILING`)."""
         breadth, depth = cls.tree_bounds(params)
@@ -560,6 +605,7 @@ class TreeDecoder(Decoder):
         """B prompts through :func:`speculate_tree_batch`: a fresh policy and draft session per row, every row's
         tree verified in one batched target forward."""
         p = self.params
+        assert self.draft is not None  # needs_draft: Decoder.__init__ refuses a missing draft model
         yield from speculate_tree_batch(
             self.target,
             self.draft,

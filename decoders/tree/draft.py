@@ -139,8 +139,8 @@ class DraftSession:
         self.cache = kv.new_cache()
         self.backlog: list[int] = list(prompt)
         self.kind = attention_mask_kind(model)
-        self.dtype = model.dtype
-        self.device = model.device
+        self.dtype = kv.dtype_of(model)
+        self.device = kv.device_of(model)
         self.prefix_len = 0
         self.fed: list[int] = []
         self._fed_t = torch.empty(0, dtype=torch.long, device=self.device)
