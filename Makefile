@@ -56,8 +56,12 @@ demo: setup
 report: setup
 	$(VENV)/bin/dtbench report --db $(DB)
 
+# The tests run on every core (pytest-xdist, a test file per worker: module fixtures stay in one process); most of
+# them drive tiny models from Python, one core each, so two workers on two cores take about half the time.
+# `make test PYTEST_JOBS=0` runs them in one process.
+PYTEST_JOBS ?= auto
 test: setup-dev
-	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q
+	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile)
 
 # The lint and type gate (pyproject's [tool.ruff] and [tool.mypy]; CONTRIBUTING.md): ruff, then mypy through
 # tools/typecheck.py (the checkout's folders linked as the installed dtbench/ package).
