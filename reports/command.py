@@ -403,7 +403,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.costmodel import write_figure
 
         paths += write_figure(sessions, run_ids, fig_dir)  # the verify-cost curve, when a run has a calibration
-        from dtbench.reports.costmodel import batch_figures
+        from dtbench.reports.costmodel_batch import batch_figures
         from dtbench.reports.figures import save_figures
 
         batch_figs, batch_notes = batch_figures(sessions, run_ids)  # speedup vs batch size (issue 29)
@@ -417,7 +417,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         from dtbench.reports.html import build_html, write_html
 
         cis = {rid: speedup_table(f, confidence=1 - alpha) for rid, f in frames.items() if not f.empty}
-        from dtbench.reports.costmodel import batch_figures
+        from dtbench.reports.costmodel_batch import batch_figures
 
         extra, extra_notes = batch_figures(sessions, [r.id for r in runs])
         for note in extra_notes:

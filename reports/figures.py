@@ -535,7 +535,7 @@ def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = No
         measured: :func:`~dtbench.reports.compare.speedup_table` rows (dataset, l_max, gen_length, batch_size, label,
             speedup, ci_low, ci_high): the measured speedup (solid, markers) and its 95% paired CI (a band where the
             CI exists; ``n too small`` leaves a gap).
-        predicted: :func:`~dtbench.reports.costmodel.batch_table` rows (label, batch_size, predicted_speedup), or
+        predicted: :func:`~dtbench.reports.costmodel_batch.batch_table` rows (label, batch_size, predicted_speedup), or
             None: the cost model's prediction (dashed).
 
     Returns:

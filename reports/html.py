@@ -61,7 +61,7 @@ def build_html(
         confidence: the level those intervals were computed at (for the column heading).
         include_partial: show partial cells' numbers in the paper tables and figures (always in "Every cell").
         extra_figures: more figures (stem -> matplotlib Figure) shown after the paper's, e.g. the speedup-vs-batch
-            figure (:func:`~dtbench.reports.costmodel.batch_figures`).
+            figure (:func:`~dtbench.reports.costmodel_batch.batch_figures`).
     """
     e = html_text
     ids = ", ".join(str(r.id) for r in runs)

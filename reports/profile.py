@@ -92,7 +92,7 @@ def position_counts(accepted: Sequence[int], depth: Sequence[int], positions: in
 def conditional_acceptance(accepted: Sequence[int], depth: Sequence[int]) -> list[float]:
     """p_j, j = 1..max depth: P(draft j accepted | drafts 1..j-1 accepted and position j drafted) over the steps
     at risk at j (module docstring). The one per-position acceptance of dtbench: the profile's conditional and the
-    cost model's p_j (:func:`dtbench.reports.costmodel.expected_tokens`). A position no step was at risk at carries
+    cost model's p_j (:func:`dtbench.reports.pricing.expected_tokens`). A position no step was at risk at carries
     the previous position's rate (0.0 at position 1), what the cost model's extrapolation needs; the profile shows
     it as missing with its at-risk count 0.
 

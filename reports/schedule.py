@@ -5,8 +5,8 @@ Engines choose how much to speculate per batch size by hand or by a measured swe
 ``speculative_config.disable_by_batch_size``, TensorRT-LLM's ``speculative_config.draft_len_schedule``, as merged in
 NVIDIA/TensorRT-LLM PR #10860: ``{4: 4, 8: 2, 32: 1}`` = K 4 up to B 4, 2 up to 8, 1 up to 32, none above). dtbench's
 cost model predicts it: for every greedy chain cell of a calibrated run at B = 1 (its per-position acceptance and
-draft seconds per token, :func:`~dtbench.reports.costmodel.b1_parameters`) and every calibrated batch size B, the
-chain length K that maximises the predicted speedup (:func:`~dtbench.reports.costmodel.best_k_at`); 0 where even the
+draft seconds per token, :func:`~dtbench.reports.costmodel_batch.b1_parameters`) and every calibrated batch size B, the
+chain length K that maximises the predicted speedup (:func:`~dtbench.reports.costmodel_batch.best_k_at`); 0 where even the
 best K is predicted slower than ``ar`` (speculation stops paying). Consecutive batch sizes with the same K form one
 range. Where the run measured several K of one method at a B (a K sweep with ``batch_sizes``), the measured best K
 is shown beside the prediction.
@@ -47,7 +47,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     """
     from dtbench.harness.db import Cell
     from dtbench.reports.compare import speedup_table
-    from dtbench.reports.costmodel import b1_frame, b1_parameters, best_k_at, price_proposers
+    from dtbench.reports.costmodel_batch import b1_frame, b1_parameters, best_k_at, price_proposers
     from dtbench.reports.stats import family_of
     from dtbench.reports.summary import samples_frame
 

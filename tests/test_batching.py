@@ -490,7 +490,7 @@ def synthetic_curves():
 
 
 def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
-    from dtbench.reports.costmodel import best_k_at, budget_at, predicted_batch_speedup
+    from dtbench.reports.costmodel_batch import best_k_at, budget_at, predicted_batch_speedup
 
     curves = synthetic_curves()
     assert curves.batch_sizes() == [2, 4, 8, 16]

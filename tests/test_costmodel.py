@@ -30,7 +30,7 @@ from dtbench.harness.models import LoadedModel
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import VOCAB
-from dtbench.reports import costmodel
+from dtbench.reports import costmodel, pricing
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -243,7 +243,7 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
     finally:
         clock.detach()
     row = sample_row(m, type("P", (), {"index": 0, "document": "", "token_ids": prompt})(), False, None)
-    priced = costmodel.price_sample(curves, json.loads(json.dumps(row["step_stats"])))
+    priced = pricing.price_sample(curves, json.loads(json.dumps(row["step_stats"])))
     assert not priced["approx"]
     assert priced["predicted_s"] == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
     # the runner's forward timer sees exactly the clock's movement: all of it happens inside forwards
@@ -283,7 +283,7 @@ def test_price_of_random_step_sequences_is_the_sum_of_forward_costs(table, steps
             mine = [[n, past, flags] for r, n, past, flags in forwards if r == role]
             stats[f"{role}_fed"].append(mine)
             expected[role] += sum(cost(role, n, past, flags) for n, past, flags in mine)
-    priced = costmodel.price_sample(curves, stats)
+    priced = pricing.price_sample(curves, stats)
     assert priced["target_s"] == pytest.approx(expected["target"], rel=1e-9, abs=1e-12)
     assert priced["draft_s"] == pytest.approx(expected["draft"], rel=1e-9, abs=1e-12)
 
@@ -298,7 +298,7 @@ def test_old_samples_without_per_forward_records_are_priced_approximately():
     )
     suite, plan = tiny_suite("linear", {"k": 3}, 16, 8)
     curves = grid_curves(cost, suite, plan)
-    priced = costmodel.price_sample(
+    priced = pricing.price_sample(
         curves, {"target_forwards": [1, 1], "target_tokens": [4, 4], "draft_forwards": None, "draft_tokens": None}
     )
     assert priced["approx"] and priced["draft_s"] == 0
@@ -310,10 +310,10 @@ def test_old_samples_without_per_forward_records_are_priced_approximately():
 
 def test_position_acceptance_counts_only_drafted_positions():
     # K=3 drafted in 4 iterations: accepted 3, 1, 0, 2; a final truncated iteration drafted 1 and accepted it.
-    p = costmodel.position_acceptance([3, 1, 0, 2, 1], [3, 3, 3, 3, 1])
+    p = pricing.position_acceptance([3, 1, 0, 2, 1], [3, 3, 3, 3, 1])
     assert p == pytest.approx([4 / 5, 2 / 3, 1 / 2])
-    assert costmodel.expected_tokens(p, 0) == 1
-    assert costmodel.expected_tokens(p, 2) == pytest.approx(1 + 0.8 + 0.8 * 2 / 3)
+    assert pricing.expected_tokens(p, 0) == 1
+    assert pricing.expected_tokens(p, 2) == pytest.approx(1 + 0.8 + 0.8 * 2 / 3)
 
 
 def test_best_k_from_costs():
@@ -325,9 +325,9 @@ def test_best_k_from_costs():
             for n in range(1, 17):
                 pts.append(cal.Point(role, "m", "f", 100, 100, n, mask, last, 0.1 if role == "target" else 0.01, 0, 1))
     curves = curves_mod.Curves(pts)
-    speed = costmodel.chain_speedups(curves, [0.9] * 10, 100)
+    speed = pricing.chain_speedups(curves, [0.9] * 10, 100)
     for k, s in speed.items():
-        assert s == pytest.approx(0.1 * costmodel.expected_tokens([0.9] * 10, k) / (k * 0.01 + 0.1))
+        assert s == pytest.approx(0.1 * pricing.expected_tokens([0.9] * 10, k) / (k * 0.01 + 0.1))
     best = max(speed, key=speed.get)
     assert 1 < best <= 10
 

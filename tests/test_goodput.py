@@ -131,7 +131,7 @@ def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_
 
 def test_a_proposers_own_cpu_time_is_priced_as_draft_cost():
     """Issue 39 item 5: seconds outside forwards per iteration beyond ar's are the proposer's, paid per row."""
-    from dtbench.reports.costmodel import price_proposers
+    from dtbench.reports.costmodel_batch import price_proposers
 
     g = ("d", 128, 64)
     params = {

@@ -1821,7 +1821,7 @@ def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monk
     from kit import fast_calibration_settings, suite_dict, tiny_pair
 
     from dtbench.harness import calibrate as cal
-    from dtbench.reports import costmodel
+    from dtbench.reports import costmodel_batch
 
     monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
     suite = suite_dict(
@@ -1835,8 +1835,8 @@ def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monk
     assert result.exit_code == 0, result.output
     text = invoke("report", "--db", str(tmp_path / "r.db"), "--cost-model", "--format", "markdown").stdout
     cells, batch = text.split("speedup vs batch size, measured and predicted")
-    assert costmodel.PRED_FORWARDS in cells and costmodel.PRED_STEADY not in cells
-    assert costmodel.PRED_STEADY in batch and costmodel.PRED_FORWARDS not in batch
+    assert costmodel_batch.PRED_FORWARDS in cells and costmodel_batch.PRED_STEADY not in cells
+    assert costmodel_batch.PRED_STEADY in batch and costmodel_batch.PRED_FORWARDS not in batch
     assert "not the steady-state prediction of the batch table" in cells
     assert "| Speedup pred. |" not in text  # no unlabelled prediction beside a different one
 

@@ -419,7 +419,8 @@ def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve
     from dtbench.harness.measure import measure
     from dtbench.harness.metrics import sample_row
     from dtbench.harness.prompt import Prompt
-    from dtbench.reports.costmodel import price_sample, uses_draft_model
+    from dtbench.reports.costmodel import uses_draft_model
+    from dtbench.reports.pricing import price_sample
 
     class Flat:  # every forward of either role costs 1 s
         def roles(self):
@@ -482,7 +483,7 @@ def test_the_recorded_node_budget_predicts_the_acceptance_of_smaller_trees(heads
     """eagle records, per accepted token, how many best-scored drafted nodes its tree needed. Rerun with exactly
     the budget the run needed, the same oracle accepts the same tokens in every iteration; every accepted token is
     accounted for once; the cost model turns the record into a speedup per total_token."""
-    from dtbench.reports.costmodel import budget_speedups
+    from dtbench.reports.pricing import budget_speedups
 
     target = TARGETS[1]
     head = load_eagle(str(heads[1]), target)

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from dtbench.reports import costmodel, profile, profile_report
+from dtbench.reports import pricing, profile, profile_report
 from tests import reportdb
 from tests.kit import invoke
 
@@ -82,7 +82,7 @@ def test_chain_profile_matches_hand_computed(fixed_run):
     # the cost model's p_j is the same conditional (one function), pooled over the cell's steps
     accepted = [a for acc, _ in CHAIN for a in acc]
     depth = [d for _, dep in CHAIN for d in dep]
-    assert costmodel.position_acceptance(accepted, depth) == pytest.approx([9 / 12, 5 / 8, 4 / 5])
+    assert pricing.position_acceptance(accepted, depth) == pytest.approx([9 / 12, 5 / 8, 4 / 5])
     js = profile.specdec_json(p)
     assert js["conditional_accept_rates"] == pytest.approx([0.75, 5 / 9, 4 / 5], abs=1e-6)  # specdec's convention
     assert js["acceptance_length_histogram"] == {"1": 3, "2": 4, "3": 1, "4": 4}
@@ -110,7 +110,7 @@ def test_tree_profile_matches_hand_computed(fixed_run):
     # the cost model's extrapolation carries position 4's rate to the untried position 5
     accepted = [a for acc, _ in TREE for a in acc]
     depth = [d for _, dep in TREE for d in dep]
-    assert costmodel.position_acceptance(accepted, depth) == pytest.approx([6 / 8, 4 / 5, 2 / 3, 1 / 2, 1 / 2])
+    assert pricing.position_acceptance(accepted, depth) == pytest.approx([6 / 8, 4 / 5, 2 / 3, 1 / 2, 1 / 2])
     js = profile.specdec_json(p)
     assert (js["verification_method"], js["accept_length_model"]) == ("tree", "measured_per_k")
 

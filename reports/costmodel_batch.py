@@ -1,0 +1,308 @@
+"""Batch sizes in the cost model (issue 29): the speedup predicted at B, the crossover B*, the best K and node budget per B, and the speedup-vs-batch figure."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+from sqlalchemy import select
+
+from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK
+from dtbench.reports.pricing import expected_tokens, position_acceptance
+from dtbench.reports.stats import (
+    N_TOO_SMALL,
+    family_of,
+)
+
+# --- batch sizes (issue 29): predicted speedup at B, the crossover B*, best K / node budget per B -------------------
+
+# Two predicted speedups answer two questions (issue 42 item 9), so each table names its own: the cell table's is
+# what the forwards a cell's samples ran cost (priced one by one, prefill included, calibrated draft costs); the batch
+# table's is the steady-state decode model S(B) from the B = 1 cell's means (no prefill, measured draft seconds), so
+# the same B = 1 cell shows two different numbers, each right for its question.
+PRED_FORWARDS = "Speedup pred. (its forwards)"
+PRED_STEADY = "Speedup pred. (steady state)"
+
+BATCH_CAPTION = (
+    "speedup at batch size B vs ar at the same (dataset, L_max, T, B), measured per prompt group (95% CI: paired t on "
+    "the log ratios; 'n too small' below 5 groups) and predicted (" + PRED_STEADY + ", not the cell table's "
+    "prediction from every forward run) from the decoder's B = 1 cell and the calibrated "
+    "(B, new tokens) target curves: S(B) = L x c_B(1) / (c_B(n) + B x d), L = tokens per iteration per row, n = mean "
+    "verification width per row (pending token + drafts), d = draft seconds per row and iteration (drafts run per "
+    "row), the proposer's own CPU time included (its seconds outside forwards per iteration beyond ar's); greedy lossless rows decode the same tokens at any B, so L, n and d do not depend on B. B* = the first "
+    "batch size whose speedup is below 1 (measured: the point estimate; predicted: over the calibrated batch sizes). "
+    "Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the largest tree verified within "
+    "2x one ar step at B (tree)."
+)
+
+
+def b1_frame(samples) -> pd.DataFrame:
+    """The columns :func:`b1_parameters` reads, one row per stored sample (ORM ``Sample`` objects)."""
+    return pd.DataFrame(
+        [
+            {
+                "warmup": s.warmup,
+                "iterations": s.iterations,
+                "drafted": s.drafted,
+                "new_tokens": s.new_tokens,
+                "total_s": s.total_s,
+                "step_stats": s.step_stats,
+            }
+            for s in samples
+        ]
+    )
+
+
+def b1_parameters(rows: pd.DataFrame) -> dict | None:
+    """(L, n, d, per-position acceptance, drafted per iteration) of a B = 1 cell from its samples after warmup, and
+    ``outside``: its seconds per iteration outside model forwards (the loop and the proposer's own CPU work; None
+    where the samples' total or forward times are unknown)."""
+    basis = rows[~rows["warmup"].astype(bool)]
+    if basis.empty:
+        return None
+    iters = float(basis["iterations"].sum())
+    if iters <= 0:
+        return None
+    drafted = float(basis["drafted"].sum())
+    draft_s = 0.0
+    for stats in basis["step_stats"]:
+        fs = (stats or {}).get("forward_s") or {}
+        draft_s += float(fs.get("draft") or 0.0)
+    accepted = [a for st in basis["step_stats"] for a in (st or {}).get("accepted", [])]
+    per_it = [d for st in basis["step_stats"] for d in (st or {}).get("depth", [])]
+    outside = None
+    if "total_s" in basis:
+        forward = 0.0
+        for stats in basis["step_stats"]:
+            fs = (stats or {}).get("forward_s") or {}
+            forward += float(fs.get("target") or 0.0) + float(fs.get("draft") or 0.0)
+        if forward > 0:
+            outside = max(0.0, float(basis["total_s"].sum()) - forward) / iters
+    return {
+        "outside": outside,
+        "L": float(basis["new_tokens"].sum()) / iters,
+        "n": 1.0 + drafted / iters,
+        "d": draft_s / iters,
+        "p": position_acceptance(accepted, per_it),
+        "draft_tokens_s": draft_s / drafted if drafted else 0.0,
+    }
+
+
+def price_proposers(params: dict[tuple, dict]) -> None:
+    """Price each decoder's own CPU work as draft cost (issue 39 item 5), in place.
+
+    ``params``: {(dataset, L_max, T, label): :func:`b1_parameters` + ``family``}. A decoder's seconds per iteration
+    outside model forwards beyond ``ar``'s of the same (dataset, L_max, T) are its proposer's own work (an n-gram
+    lookup, a suffix automaton, a tree's bookkeeping), which a batch pays per row as it pays draft forwards: added to
+    ``d`` (seconds per row and iteration) and, spread over the drafted tokens, to ``draft_tokens_s``; stored as
+    ``proposer_s``. Nothing is added where either side's forward times are unknown.
+    """
+    base = {k[:3]: v["outside"] for k, v in params.items() if v.get("family") == "ar" and v.get("outside") is not None}
+    for key, v in params.items():
+        extra = 0.0
+        if v.get("family") != "ar" and v.get("outside") is not None and key[:3] in base:
+            extra = max(0.0, v["outside"] - base[key[:3]])
+        v["proposer_s"] = extra
+        v["d"] += extra
+        if v["n"] > 1:
+            v["draft_tokens_s"] += extra / (v["n"] - 1)
+
+
+def predicted_batch_speedup(curves, params: dict, batch: int, past: int, family: str) -> float:
+    """S(B) of :data:`BATCH_CAPTION` for one decoder's B = 1 parameters (``L``, ``n``, ``d``) at batch size B."""
+    flags = FED_MASK if family == "tree" else 0
+    ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
+    verify = (
+        curves.batched_cost(params["n"], past, batch) if batch > 1 else curves.cost("target", params["n"], past, flags)
+    )
+    return params["L"] * ar / (verify + batch * params["d"])
+
+
+def best_k_at(
+    curves, p: list[float], draft_token_s: float, batch: int, past: int, k_max: int = 16
+) -> tuple[int, float] | None:
+    """The chain length K maximising E(K) x c_B(1) / (c_B(K + 1) + B x K x draft seconds per token) at batch size
+    B (the per-position acceptance ``p`` of B = 1, extended with its last value up to ``k_max``); None without p."""
+    if not p:
+        return None
+    p = list(p) + [p[-1]] * max(0, k_max - len(p))
+    ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
+    best = None
+    for k in range(1, k_max + 1):
+        verify = curves.batched_cost(k + 1, past, batch) if batch > 1 else curves.cost("target", k + 1, past, 0)
+        s = expected_tokens(p, k) * ar / (verify + batch * k * draft_token_s)
+        if best is None or s > best[1]:
+            best = (k, s)
+    return best
+
+
+def budget_at(curves, batch: int, past: int, factor: float = DEFAULT_FACTOR, ceiling: int = 256) -> int:
+    """The largest node budget n (drafted nodes) whose verification at batch size B (root + n per row) costs at most
+    ``factor`` x one ar step at B (``n_max: auto``'s rule at B)."""
+    ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
+    best = 1
+    for n in range(1, ceiling + 1):
+        c = curves.batched_cost(n + 1, past, batch) if batch > 1 else curves.cost("target", n + 1, past, FED_MASK)
+        if c <= factor * ar:
+            best = n
+    return best
+
+
+def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
+    """Per greedy cell of a run with batch sizes: measured speedup at its B with the paired CI, predicted speedup
+    (:func:`predicted_batch_speedup` from the same decoder's B = 1 cell), and per decoder the measured and predicted
+    crossover B* and the predicted best K / N_max per B (notes). Empty when the run has no batched curve or no B > 1.
+    """
+    from dtbench.harness.db import Cell
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import samples_frame
+
+    sizes = curves.batch_sizes()
+    frame = samples_frame(session, run.id)
+    if not sizes or frame.empty or not (frame["batch_size"] > 1).any():
+        return pd.DataFrame(), []
+    speed = speedup_table(frame)
+    speed = speed[speed["verdict"] != "failed"]
+    full = {c.id: c for c in session.scalars(select(Cell).where(Cell.run_id == run.id))}
+    samples = {cid: [s for s in full[cid].samples] for cid in full}
+    rows: list[dict] = []
+    notes: list[str] = []
+    by_label: dict[tuple, dict] = {}
+    for cid, cell in full.items():
+        if (cell.batch_size or 1) != 1 or cell.sampling:
+            continue
+        frame_rows = b1_frame(samples[cid])
+        if frame_rows.empty:
+            continue
+        got = b1_parameters(frame_rows)
+        if got is not None:
+            by_label[(cell.dataset, cell.l_max, cell.gen_length, cell.label)] = {
+                **got,
+                "family": family_of(cell.family),
+            }
+    price_proposers(by_label)
+    errors = []
+    for _, r in speed.iterrows():
+        key = (r["dataset"], int(r["l_max"]), int(r["gen_length"]), r["label"])
+        params = by_label.get(key)
+        past = int(r["l_max"]) + int(r["gen_length"]) // 2
+        b = int(r["batch_size"])
+        pred = predicted_batch_speedup(curves, params, b, past, params["family"]) if params else math.nan
+        if not math.isnan(pred) and not math.isnan(r["speedup"]):
+            errors.append(abs(pred - r["speedup"]) / r["speedup"])
+        rows.append(
+            {
+                "dataset": r["dataset"],
+                "l_max": int(r["l_max"]),
+                "gen_length": int(r["gen_length"]),
+                "label": r["label"],
+                "batch_size": b,
+                "n": int(r["n"]),
+                "measured_speedup": r["speedup"],
+                "ci_low": r["ci_low"],
+                "ci_high": r["ci_high"],
+                "ci_method": r["ci_method"],
+                "predicted_speedup": pred,
+            }
+        )
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table, notes
+    for (ds, l_max, T, label), part in table.groupby(["dataset", "l_max", "gen_length", "label"], sort=False):
+        part = part.sort_values("batch_size")
+        below = part[part["measured_speedup"] < 1]
+        if below.empty:
+            measured = f"none up to B={int(part['batch_size'].max())}"
+        else:
+            at = below.iloc[0]
+            ci = (
+                f"95% CI [{at['ci_low']:.2f}, {at['ci_high']:.2f}]"
+                if not math.isnan(at["ci_low"])
+                else f"CI: {at['ci_method'] or N_TOO_SMALL}"
+            )
+            measured = f"B*={int(at['batch_size'])} ({at['measured_speedup']:.2f}×, {ci})"
+        params = by_label.get((ds, l_max, T, label))
+        past = l_max + T // 2
+        if params is None:
+            predicted = "no B = 1 cell to predict from"
+        else:
+            grid = [1, *sizes]
+            pred_at = {b: predicted_batch_speedup(curves, params, b, past, params["family"]) for b in grid}
+            first = next((b for b in grid if pred_at[b] < 1), None)
+            predicted = f"B*={first} ({pred_at[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
+            if params["family"] == "chain" and params["p"]:
+                ks = {b: best_k_at(curves, params["p"], params["draft_tokens_s"], b, past) for b in grid}
+                predicted += "; best K per B: " + ", ".join(f"B={b}: K={k[0]}" for b, k in ks.items() if k)
+            if params["family"] == "tree":
+                predicted += "; N_max per B (verify <= 2x ar step): " + ", ".join(
+                    f"B={b}: {budget_at(curves, b, past)}" for b in grid
+                )
+        notes.append(f"{label} ({ds}, L_max={l_max}, T={T}): measured {measured}; predicted {predicted}")
+    if errors:
+        notes.append(
+            f"mean absolute error of predicted vs measured speedup: {100 * sum(errors) / len(errors):.1f}% "
+            f"over {len(errors)} cells"
+        )
+    return table, notes
+
+
+def batch_figure_of(session, run):
+    """The speedup-vs-batch-size figure of a run (:func:`~dtbench.reports.figures.speedup_vs_batch`): measured with
+    CIs, and predicted when the run has a calibration with batched curves; None when no cell is at B > 1, else the
+    Figure or a one-line reason it was skipped."""
+    from dtbench.harness.curves import load_curves
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.figures import speedup_vs_batch
+    from dtbench.reports.summary import samples_frame
+
+    frame = samples_frame(session, run.id)
+    if frame.empty or not (frame["batch_size"] > 1).any():
+        return None
+    measured = speedup_table(frame)
+    measured = _servers_against_their_reference(session, run, measured, frame)
+    curves = load_curves(session, run)
+    predicted = batch_table(session, run, curves)[0] if curves is not None else None
+    return speedup_vs_batch(measured, predicted)
+
+
+def _servers_against_their_reference(session, run, measured, frame):
+    """``measured`` with server cells (issue 30: measured through requests, :func:`dtbench.reports.engine.served`;
+    ``frame``: the run's samples frame) paired with their own plain server at the same concurrency (the load table's
+    speedups, :func:`dtbench.reports.engine.engine_frame`) instead of with ar; plain servers left out."""
+    import pandas as pd
+
+    from dtbench.reports.engine import engine_frame, served
+
+    if measured.empty:
+        return measured
+    servers_labels = set(frame.loc[[served(p) for p in frame["params"]], "label"])
+    is_server = measured["label"].isin(servers_labels)
+    if not is_server.any():
+        return measured
+    eng = engine_frame(session, run.id)
+    servers = eng[eng["label"].isin(servers_labels) & eng["reference"].notna()].copy()
+    servers["label"] = servers["label"] + " (vs " + servers["reference"] + ")"
+    keep = measured[~is_server]
+    cols = ["dataset", "l_max", "gen_length", "batch_size", "label", "speedup", "ci_low", "ci_high"]
+    return pd.concat([keep, servers[cols]], ignore_index=True)
+
+
+def batch_figures(sessions, run_ids: list[int | None]) -> tuple[dict, list[str]]:
+    """{stem: Figure} of :func:`batch_figure_of` for the given runs (stem ``speedup_vs_batch``, ``_run<id>`` added
+    when several runs have one), and the notes of the skipped ones."""
+    from dtbench.reports.figures import BATCH_FIG_STEM
+    from dtbench.reports.summary import get_run
+
+    figs, notes = {}, []
+    with sessions() as session:
+        made = []
+        for rid in run_ids or [None]:
+            run = get_run(session, rid)
+            fig = batch_figure_of(session, run)
+            if isinstance(fig, str):
+                notes.append(f"run {run.id}: {fig}")
+            elif fig is not None:
+                made.append((run.id, fig))
+    for rid, fig in made:
+        figs[BATCH_FIG_STEM if len(made) == 1 else f"{BATCH_FIG_STEM}_run{rid}"] = fig
+    return figs, notes
