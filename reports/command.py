@@ -404,7 +404,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
 
         paths += write_figure(sessions, run_ids, fig_dir)  # the verify-cost curve, when a run has a calibration
         from dtbench.reports.costmodel_batch import batch_figures
-        from dtbench.reports.figures import save_figures
+        from dtbench.reports.plotting import save_figures
 
         batch_figs, batch_notes = batch_figures(sessions, run_ids)  # speedup vs batch size (issue 29)
         paths += save_figures(batch_figs, fig_dir)

@@ -422,7 +422,7 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
     """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
     from dtbench.harness.curves import load_curves
     from dtbench.harness.db import Cell, Sample
-    from dtbench.reports.figures import save_figures
+    from dtbench.reports.plotting import save_figures
     from dtbench.reports.summary import get_run
 
     with sessions() as session:

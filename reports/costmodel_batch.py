@@ -247,12 +247,12 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
 
 
 def batch_figure_of(session, run):
-    """The speedup-vs-batch-size figure of a run (:func:`~dtbench.reports.figures.speedup_vs_batch`): measured with
+    """The speedup-vs-batch-size figure of a run (:func:`~dtbench.reports.plotting.speedup_vs_batch`): measured with
     CIs, and predicted when the run has a calibration with batched curves; None when no cell is at B > 1, else the
     Figure or a one-line reason it was skipped."""
     from dtbench.harness.curves import load_curves
     from dtbench.reports.compare import speedup_table
-    from dtbench.reports.figures import speedup_vs_batch
+    from dtbench.reports.plotting import speedup_vs_batch
     from dtbench.reports.summary import samples_frame
 
     frame = samples_frame(session, run.id)
@@ -290,7 +290,7 @@ def _servers_against_their_reference(session, run, measured, frame):
 def batch_figures(sessions, run_ids: list[int | None]) -> tuple[dict, list[str]]:
     """{stem: Figure} of :func:`batch_figure_of` for the given runs (stem ``speedup_vs_batch``, ``_run<id>`` added
     when several runs have one), and the notes of the skipped ones."""
-    from dtbench.reports.figures import BATCH_FIG_STEM
+    from dtbench.reports.plotting import BATCH_FIG_STEM
     from dtbench.reports.summary import get_run
 
     figs, notes = {}, []

@@ -24,11 +24,9 @@ Partial cells (failed after some prompts were measured) are left out of every fi
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -36,66 +34,23 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from dtbench.harness.errors import DtbenchError
-from dtbench.reports.paper import Setting, ablation, main_setting, methods, non_sweep, prepare, tps_spec
+from dtbench.reports.paper import Setting, ablation, main_setting, methods, non_sweep, prepare
+from dtbench.reports.plotting import (
+    PALETTE,
+    PARTIAL_HATCH,
+    as_number,
+    bar_labels,
+    save_figures,
+    style_axes,
+    unity_line,
+    wrap_label,
+)
 from dtbench.reports.stats import BASELINE
 from dtbench.reports.summary import lossless_failed
 
 # The params a figure's axes need (the paper's names for them: DynaTree's thresholds and bounds, the fixed tree's D/B/tau).
 DYNAMIC_TREE_PARAMS = ("tau_h", "tau_l", "b_min", "b_max", "d0", "d_max")
 STATIC_TREE_PARAMS = ("depth", "branching", "tau")
-
-# tab10 is a ListedColormap whose colors are ten RGB triples (matplotlib's stubs: a Colormap, colors an ArrayLike)
-PALETTE: tuple[tuple[float, float, float], ...] = cast(Any, colormaps["tab10"]).colors
-PARTIAL_HATCH = "///"  # bars of partial cells (shown only with include_partial)
-
-
-def _style(ax, ylabel: str, title: str) -> None:
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-
-
-def _wrap(label: str, width: int = 16) -> str:
-    words, lines, cur = label.split(), [], ""
-    for w in words:
-        if cur and len(cur) + 1 + len(w) > width:
-            lines.append(cur)
-            cur = w
-        else:
-            cur = f"{cur} {w}".strip()
-    return "\n".join(lines + [cur])
-
-
-def _num(v) -> float:
-    return math.nan if v is None else float(v)
-
-
-def _labels(values, spec: str | None = None) -> list[str]:
-    """Bar labels; empty for a missing value (a failed cell), never "nan". No spec: throughput precision."""
-    out = []
-    for v in values:
-        if v is None or math.isnan(float(v)):
-            out.append("")
-        else:
-            out.append((spec or "{:" + tps_spec(float(v)) + "}").format(float(v)))
-    return out
-
-
-def _unity(ax, values) -> None:
-    """A dashed line at speedup 1 when it falls near the data; far from it, it would flatten the curves."""
-    vals = np.asarray([float(v) for v in values], dtype=float)
-    vals = vals[np.isfinite(vals)]
-    if not len(vals):
-        return
-    lo, hi = vals.min(), vals.max()
-    pad = max(0.5 * (hi - lo), 0.1 * hi)
-    if lo - pad <= 1.0 <= hi + pad:
-        ax.axhline(1.0, color="gray", ls="--", lw=1)
-
 
 # --- Figure 3 -----------------------------------------------------------------------------------------------
 
@@ -112,9 +67,9 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     width = 0.8 / len(datasets)
     for j, ds in enumerate(datasets):
         off = x - 0.4 + width * (j + 0.5)
-        thr = [_num(m.cells[ds]["throughput_mean"]) for m in ms]
-        std = [_num(m.cells[ds]["throughput_std"]) for m in ms]
-        spd = [_num(m.cells[ds]["speedup"]) for m in ms]
+        thr = [as_number(m.cells[ds]["throughput_mean"]) for m in ms]
+        std = [as_number(m.cells[ds]["throughput_std"]) for m in ms]
+        spd = [as_number(m.cells[ds]["speedup"]) for m in ms]
         lbl = f"{ds} (L_max={setting.l_maxes[ds]})"
         hatch = [PARTIAL_HATCH if bool(m.cells[ds].get("partial", False)) else None for m in ms]
         mark = ["\npartial" if h else "" for h in hatch]
@@ -123,20 +78,20 @@ def figure3(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         )
         axes[0].bar_label(
             bars,
-            labels=[t + m if t else t for t, m in zip(_labels(thr), mark)],
+            labels=[t + m if t else t for t, m in zip(bar_labels(thr), mark)],
             fontsize=7,
             label_type="center",
             color="white",
         )
         bars = axes[1].bar(off, spd, width, label=lbl, color=PALETTE[j], hatch=hatch)
         axes[1].bar_label(
-            bars, labels=[t + m if t else t for t, m in zip(_labels(spd, "{:.2f}×"), mark)], fontsize=7, padding=2
+            bars, labels=[t + m if t else t for t, m in zip(bar_labels(spd, "{:.2f}×"), mark)], fontsize=7, padding=2
         )
     axes[1].axhline(1.0, color="gray", ls="--", lw=1)
     for ax in axes:
-        ax.set_xticks(x, [_wrap(m.name) for m in ms], fontsize=8)
-    _style(axes[0], "throughput (tokens/s)", "(a) throughput, mean ± std over prompts")
-    _style(axes[1], "speedup vs AR (×)", "(b) speedup")
+        ax.set_xticks(x, [wrap_label(m.name) for m in ms], fontsize=8)
+    style_axes(axes[0], "throughput (tokens/s)", "(a) throughput, mean ± std over prompts")
+    style_axes(axes[1], "speedup vs AR (×)", "(b) speedup")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Figure 3 — throughput and speedup across datasets (T={setting.T})", fontsize=11)
     return fig
@@ -150,7 +105,7 @@ def figure4(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     ds, rows = ablation(summary, setting)
     if ds is None:
         return "Figure 4 skipped: fewer than two non-sweep tree variants at the main setting"
-    labels = [_wrap(lbl, 18) for lbl in rows["label"]]
+    labels = [wrap_label(lbl, 18) for lbl in rows["label"]]
     x = np.arange(len(rows))
     fig = Figure(figsize=(max(10, 1.5 * len(rows) * 2), 4.4), layout="constrained")
     left, right = fig.subplots(1, 2)
@@ -165,21 +120,21 @@ def figure4(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         label="throughput",
         hatch=hatch,
     )
-    left.bar_label(bars, labels=_labels(rows["throughput_mean"]), fontsize=7, label_type="center", color="white")
+    left.bar_label(bars, labels=bar_labels(rows["throughput_mean"]), fontsize=7, label_type="center", color="white")
     twin = left.twinx()
     twin.plot(x, rows["iterations"].astype(float), "o-", color=PALETTE[3], label="#Iter.")
     twin.set_ylabel("#Iter. (verifications)", color=PALETTE[3])
     bars = right.bar(x, rows["tokens_per_iteration"].astype(float), 0.6, color=PALETTE[2], label="L̄", hatch=hatch)
     right.bar_label(
-        bars, labels=_labels(rows["tokens_per_iteration"], "{:.2f}"), fontsize=7, label_type="center", color="white"
+        bars, labels=bar_labels(rows["tokens_per_iteration"], "{:.2f}"), fontsize=7, label_type="center", color="white"
     )
     twin2 = right.twinx()
     twin2.plot(x, 100 * rows["acceptance_rate"].astype(float), "s-", color=PALETTE[1], label="acceptance")
     twin2.set_ylabel("acceptance (%)", color=PALETTE[1])
     for ax in (left, right):
         ax.set_xticks(x, labels, fontsize=8)
-    _style(left, "throughput (tokens/s)", "throughput (bars) and #Iter. (line)")
-    _style(right, "tokens per iteration L̄", "L̄ (bars) and acceptance (line)")
+    style_axes(left, "throughput (tokens/s)", "throughput (bars) and #Iter. (line)")
+    style_axes(right, "tokens per iteration L̄", "L̄ (bars) and acceptance (line)")
     fig.suptitle(f"Figure 4 — ablation progression ({ds}, L_max={setting.l_maxes[ds]}, T={setting.T})", fontsize=11)
     return fig
 
@@ -219,7 +174,7 @@ def figure5(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         ],
     ):
         _lines(ax, cells, "gen_length", metric, scale)
-        _style(ax, ylabel, title)
+        style_axes(ax, ylabel, title)
         ax.set_xlabel("generation length T (tokens)")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Figure 5 — sequence length scaling ({best[0]}, L_max={best[1]})", fontsize=11)
@@ -241,9 +196,9 @@ def figure8(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     a, b = fig.subplots(1, 2)
     _lines(a, cells, "l_max", "throughput_mean")
     _lines(b, cells, "l_max", "speedup")
-    _unity(b, cells["speedup"])
-    _style(a, "throughput (tokens/s)", "(a) throughput")
-    _style(b, "speedup vs AR at the same L_max (×)", "(b) speedup")
+    unity_line(b, cells["speedup"])
+    style_axes(a, "throughput (tokens/s)", "(a) throughput")
+    style_axes(b, "speedup vs AR at the same L_max (×)", "(b) speedup")
     for ax in (a, b):
         ax.set_xlabel("maximum prompt length L_max (tokens)")
     a.legend(fontsize=8)
@@ -357,7 +312,7 @@ def figure6(summary: pd.DataFrame, setting: Setting) -> Figure | str:
             xl = "(B_min, B_max)" if panel[0] == "b_min" else "(D_0, D_max)"
             _mean_std_panel(ax, cells, panel, xl)
             _baselines(ax, summary, setting, ds, l_max)
-            _style(ax, "throughput (tokens/s)", f"{tag}: mean ± std over configurations")
+            style_axes(ax, "throughput (tokens/s)", f"{tag}: mean ± std over configurations")
             ax.legend(fontsize=7, loc="best")
     fig.suptitle(
         f"Figure 6 — DynaTree parameter sensitivity ({ds}, L_max={l_max}, T={setting.T}, {len(cells)} configurations)",
@@ -400,7 +355,7 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
         g = g.sort_values("D")
         a.plot(g["D"], g[metric], "o-", color=PALETTE[i % 10], label=f"B={B:g}")
     a.set_xlabel("depth D")
-    _style(a, ylabel, f"(a) vs depth, τ={best['tau']:g}")
+    style_axes(a, ylabel, f"(a) vs depth, τ={best['tau']:g}")
     a.legend(fontsize=8)
     at_b = grid[grid["B"] == best["B"]]
     for i, (D, g) in enumerate(at_b.groupby("D")):
@@ -412,11 +367,11 @@ def figure7(summary: pd.DataFrame, setting: Setting) -> Figure | str:
     b.xaxis.set_minor_formatter(NullFormatter())
     b.set_xticks(sorted(at_b["tau"].unique()), [f"{t:g}" for t in sorted(at_b["tau"].unique())])
     b.set_xlabel("pruning threshold τ (log scale)")
-    _style(b, ylabel, f"(b) vs τ, B={best['B']:g}")
+    style_axes(b, ylabel, f"(b) vs τ, B={best['B']:g}")
     b.legend(fontsize=8, ncol=2)
     if metric == "speedup":
-        _unity(a, at_tau[metric])
-        _unity(b, at_b[metric])
+        unity_line(a, at_tau[metric])
+        unity_line(b, at_b[metric])
     heat = at_tau.pivot_table(index="D", columns="B", values=metric)
     im = c.imshow(heat.to_numpy(dtype=float), cmap="viridis", aspect="auto", origin="lower")
     c.set_xticks(range(len(heat.columns)), [f"{v:g}" for v in heat.columns])
@@ -482,13 +437,6 @@ def build_figures(summary: pd.DataFrame, include_partial: bool = False) -> tuple
     return figs, notes
 
 
-def to_bytes(fig: Figure, fmt: str, dpi: int = 150) -> bytes:
-    """The figure encoded as ``png`` or ``svg``."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format=fmt, dpi=dpi)
-    return buf.getvalue()
-
-
 def write_figures(
     summary: pd.DataFrame, outdir: str | Path, include_partial: bool = False
 ) -> tuple[list[Path], list[str]]:
@@ -503,98 +451,3 @@ def write_figures(
     """
     figs, notes = build_figures(summary, include_partial)
     return save_figures(figs, outdir), notes
-
-
-def save_figures(figs: dict, outdir: str | Path) -> list[Path]:
-    """Write each figure (stem -> matplotlib Figure) to ``outdir`` as ``<stem>.png`` and ``<stem>.svg``.
-
-    Raises:
-        DtbenchError: if the folder cannot be created or written.
-    """
-    outdir = Path(outdir)
-    paths = []
-    try:
-        outdir.mkdir(parents=True, exist_ok=True)
-        for stem, fig in figs.items():
-            for fmt in ("png", "svg"):
-                path = outdir / f"{stem}.{fmt}"
-                path.write_bytes(to_bytes(fig, fmt))
-                paths.append(path)
-    except OSError as exc:
-        raise DtbenchError(f"cannot write figures to {outdir}: {exc.strerror or exc}") from None
-    return paths
-
-
-BATCH_FIG_STEM = "speedup_vs_batch"
-
-
-def speedup_vs_batch(measured: pd.DataFrame, predicted: pd.DataFrame | None = None) -> Figure | str:
-    """Figure (issue 29): speedup vs batch size B per decoder, against ar at the same (dataset, L_max, T, B).
-
-    Args:
-        measured: :func:`~dtbench.reports.compare.speedup_table` rows (dataset, l_max, gen_length, batch_size, label,
-            speedup, ci_low, ci_high): the measured speedup (solid, markers) and its 95% paired CI (a band where the
-            CI exists; ``n too small`` leaves a gap).
-        predicted: :func:`~dtbench.reports.costmodel_batch.batch_table` rows (label, batch_size, predicted_speedup), or
-            None: the cost model's prediction (dashed).
-
-    Returns:
-        the Figure (log2 x axis; the line speedup = 1; B*, the first B with measured speedup below 1, marked with
-        a vertical tick), or a one-line reason when no decoder has two batch sizes.
-    """
-    rows = measured[measured["speedup"].notna()] if not measured.empty else measured
-    groups = [
-        (k, g.sort_values("batch_size"))
-        for k, g in rows.groupby(["dataset", "l_max", "gen_length", "label"], sort=False)
-        if g["batch_size"].nunique() > 1
-    ]
-    if not groups:
-        return "speedup-vs-batch figure skipped: no decoder was measured at two or more batch sizes"
-    points = {(k[0], k[1], k[2]) for k, _ in groups}
-    fig = Figure(figsize=(7.5, 4.6))
-    ax = fig.add_subplot(1, 1, 1)
-    cmap = colormaps["tab10"]
-    for i, ((ds, l_max, T, label), g) in enumerate(groups):
-        color = cmap(i % 10)
-        name = label if len(points) == 1 else f"{label} ({ds}, L_max={l_max}, T={T})"
-        x = g["batch_size"].to_numpy(dtype=float)
-        ax.plot(x, g["speedup"], marker="o", color=color, label=name)
-        lo, hi = g["ci_low"].to_numpy(dtype=float), g["ci_high"].to_numpy(dtype=float)
-        ok = np.isfinite(lo) & np.isfinite(hi)
-        if ok.any():
-            ax.fill_between(x, np.where(ok, lo, np.nan), np.where(ok, hi, np.nan), color=color, alpha=0.15, linewidth=0)
-        below = g[g["speedup"] < 1]
-        if not below.empty:
-            b_star = float(below["batch_size"].iloc[0])
-            ax.plot(
-                [b_star], [float(below["speedup"].iloc[0])], marker="v", markersize=11, color=color, linestyle="none"
-            )
-            ax.annotate(
-                f"B*={int(b_star)}",
-                (b_star, float(below["speedup"].iloc[0])),
-                textcoords="offset points",
-                xytext=(4, -14),
-                fontsize=7,
-                color=color,
-            )
-        if predicted is not None and not predicted.empty:
-            p = predicted[
-                (predicted["dataset"] == ds)
-                & (predicted["l_max"] == l_max)
-                & (predicted["gen_length"] == T)
-                & (predicted["label"] == label)
-            ].sort_values("batch_size")
-            p = p[p["predicted_speedup"].notna()]
-            if len(p):
-                ax.plot(p["batch_size"], p["predicted_speedup"], linestyle="--", color=color, alpha=0.9)
-    ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle=":")
-    ax.set_xscale("log", base=2)
-    sizes = sorted({int(b) for _, g in groups for b in g["batch_size"]})
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([str(b) for b in sizes])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("load: batch size B (prompts decoded together) or a server's requests in flight")
-    _style(ax, "speedup vs ar at the same B (×)", "Speedup vs batch size (bands: 95% CI; dashed: cost model; ▼: B*)")
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    return fig

@@ -15,9 +15,10 @@ from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text
 from dtbench.reports import render
 from dtbench.reports.compare import SPEEDUP_CI_METHOD
-from dtbench.reports.figures import build_figures, to_bytes
+from dtbench.reports.figures import build_figures
 from dtbench.reports.output import Report, html_note, html_page, html_section, html_table
 from dtbench.reports.paper import paper_tables
+from dtbench.reports.plotting import to_bytes
 
 
 def _meta(runs) -> pd.DataFrame:

@@ -514,7 +514,7 @@ def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
 def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
     import pandas as pd
 
-    from dtbench.reports.figures import speedup_vs_batch
+    from dtbench.reports.plotting import speedup_vs_batch
 
     measured = pd.DataFrame(
         [
