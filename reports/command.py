@@ -292,6 +292,7 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     place of the CI and the verdict below :data:`~dtbench.reports.compare.MIN_PROMPTS` paired prompts."""
     from dtbench.reports import render
     from dtbench.reports.compare import SPEEDUP_CI_METHOD, speedup_table
+    from dtbench.reports.notes import load_note
     from dtbench.reports.summary import get_run, samples_frame
 
     with sessions() as session:
@@ -312,9 +313,9 @@ def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
         caption += "; with repeats each prompt's throughput is its median over them (pairs are prompts)"
     title, styles = f"run {rid}: speedup vs AR", [render.verdict_style(v) for v in table["verdict"]]
     cells = frame.drop_duplicates("cell_id")  # a busy machine under any of the cells compared (AR's included)
-    notes = [Note(line, "yellow") for _, row in cells.iterrows() for line in render.load_note(row)]
+    busy = [Note(line, "yellow") for _, row in cells.iterrows() for line in load_note(row)]
     report = Report(
-        "speedups", title, caption, render.speedup_display(table, 1 - alpha), table, notes=notes, row_styles=styles
+        "speedups", title, caption, render.speedup_display(table, 1 - alpha), table, notes=busy, row_styles=styles
     )
     emit(fmt, Document([report], meta={"run": rid, "confidence": 1 - alpha}, rows="cells"))
 

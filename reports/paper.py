@@ -29,8 +29,9 @@ from typing import Any
 
 import pandas as pd
 
+from dtbench.reports.notes import cell_notes
 from dtbench.reports.output import Report
-from dtbench.reports.render import cell_notes, fmt, fmt_pm, speedup_mark
+from dtbench.reports.render import fmt, fmt_pm, speedup_mark
 from dtbench.reports.stats import BASELINE, is_missing
 from dtbench.reports.summary import base_label, without_partial
 

@@ -1252,7 +1252,7 @@ def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
 def test_exact_rule_note_agrees_with_its_verdict():
     """'yes 2/2 (1 tie)' under the exact rule: the tie did not change the output, so the note must not say that the
     exact rule counts ties as divergences."""
-    from dtbench.reports.render import lossless_notes
+    from dtbench.reports.notes import lossless_notes
 
     row = {
         "label": "linear",
