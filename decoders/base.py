@@ -88,7 +88,7 @@ class Decoder(ABC, Generic[P]):
             ablation); ``"external"`` another library's loop (the default: nothing is assumed).
         compiles: True if it runs in compiled execution (suite key ``execution: compiled``, issue 37): its forwards
             go through :mod:`dtbench.decoders.kv` (``new_cache``/``forward``/``crop``/``keep_positions``), which
-            inside :func:`dtbench.decoders.kv.compiled` keep static caches and run bucketed ``torch.compile``d
+            inside :func:`dtbench.decoders.static_kv.compiled` keep static caches and run bucketed ``torch.compile``d
             forwards (``ar``, the one chain loop, the one tree loop with a draft model, ``hf_generate`` through
             transformers' static cache). A suite asking a decoder without it for ``compiled`` is refused at validate.
         requests: True if it is measured through requests to a server (``server``, issue 30): the harness's

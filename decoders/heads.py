@@ -54,7 +54,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from dtbench.decoders import kv
+from dtbench.decoders import modelinfo
 from dtbench.decoders.base import Decoder
 from dtbench.decoders.tree.structure import MaskKind, attention_mask_kind, tree_attention_mask
 
@@ -381,7 +381,7 @@ def load_medusa(head: str, target: nn.Module) -> MedusaHeads:
             module.heads.load_state_dict(sd, strict=True)
         except RuntimeError as exc:
             raise ValueError(f"head {head}: {str(exc).splitlines()[0]}") from None
-        return module.to(dtype=kv.dtype_of(target), device=kv.device_of(target)).eval()
+        return module.to(dtype=modelinfo.dtype_of(target), device=modelinfo.device_of(target)).eval()
 
     return _cached(target, ("medusa", str(head)), build)
 
@@ -454,7 +454,7 @@ class EagleHead(nn.Module):
         self.config = config
         h = config.hidden_size
         self.fc = nn.Linear(fc_in, h, bias=fc_bias)
-        L = kv.config_of(target).num_hidden_layers if target is not None else 0
+        L = modelinfo.config_of(target).num_hidden_layers if target is not None else 0
         self.hidden_layers: tuple[int, ...]
         if version == 3:
             self.midlayer = EagleLayer(config, eagle3=True)
@@ -715,10 +715,10 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
         fc_in = (3 if version == 3 else 2) * (t_hidden if version == 3 else int(config.hidden_size))
         _fits("fc input size", kwargs["fc_in"], fc_in, head)
         if version == 3:
-            if kv.config_of(target).num_hidden_layers < 7:
+            if modelinfo.config_of(target).num_hidden_layers < 7:
                 raise ValueError(
                     f"head {head}: EAGLE-3 reads target layers 2, L//2 and L-3, which need L >= 7 "
-                    f"layers; the target has {kv.config_of(target).num_hidden_layers}"
+                    f"layers; the target has {modelinfo.config_of(target).num_hidden_layers}"
                 )
             _fits(
                 "lm_head vocabulary (draft_vocab_size)",
@@ -739,9 +739,9 @@ def load_eagle(head: str, target: nn.Module) -> EagleHead:
             module.load_state_dict(sd, strict=False)
         except RuntimeError as exc:  # a tensor shaped unlike its config.json says
             raise ValueError(f"head {head}: {' '.join(str(exc).split())[:300]}") from None
-        module = module.to(dtype=kv.dtype_of(target), device=kv.device_of(target)).eval()
+        module = module.to(dtype=modelinfo.dtype_of(target), device=modelinfo.device_of(target)).eval()
         module.rotary = LlamaRotaryEmbedding(config).to(
-            kv.device_of(target)
+            modelinfo.device_of(target)
         )  # inv_freq stays float32, as the reference
         return module
 

@@ -344,13 +344,13 @@ class HFGenerate(_StreamedGenerate):
         return {"prompt_lookup_num_tokens": p.prompt_lookup_num_tokens, **extra}
 
     def _compiled_kwargs(self) -> dict:
-        """In compiled execution (:func:`dtbench.decoders.kv.compiled`): transformers' own recipe, a static cache
+        """In compiled execution (:func:`dtbench.decoders.static_kv.compiled`): transformers' own recipe, a static cache
         (the execution's pooled one, reset, so every prompt compiles to the same shapes) and ``compile_config``
         (``torch.compile`` of the decoding forward; ``mode="reduce-overhead"`` on CUDA, inductor's default on CPU,
         which transformers compiles only when asked: ``_compile_all_devices``). Eager: nothing."""
-        from dtbench.decoders import kv
+        from dtbench.decoders import modelinfo, static_kv
 
-        execution = kv.current()
+        execution = static_kv.current()
         if execution is None:
             return {}
         from transformers import CompileConfig
@@ -361,7 +361,7 @@ class HFGenerate(_StreamedGenerate):
         config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
         # transformers' switch for compiling on devices other than CUDA (declared "= None", so typed as None)
         config._compile_all_devices = True  # type: ignore[assignment]
-        return {kv.cache_keyword(self.target): cache, "compile_config": config}
+        return {modelinfo.cache_keyword(self.target): cache, "compile_config": config}
 
     def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
         if not self._lookup():

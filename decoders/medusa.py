@@ -23,7 +23,7 @@ from typing import Annotated, Literal, cast
 import torch
 from pydantic import Field
 
-from dtbench.decoders import kv
+from dtbench.decoders import modelinfo
 from dtbench.decoders.base import DecoderParams, Step
 from dtbench.decoders.heads import HeadDecoder, MedusaHeads, check_medusa, load_medusa
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
@@ -248,7 +248,7 @@ class Medusa(HeadDecoder):
         if p.acceptance == "typical" and self.sampling is None:
             raise ValueError("medusa acceptance: typical needs a suite that samples (sampling: {temperature: ...})")
         heads = cast(MedusaHeads, self.draft)  # HeadDecoder.__init__: load_medusa's module
-        drafter = MedusaDrafter(heads, self.choices_of(p), kv.config_of(self.target).num_hidden_layers)
+        drafter = MedusaDrafter(heads, self.choices_of(p), modelinfo.config_of(self.target).num_hidden_layers)
         if p.acceptance == "typical":
             drafter.typical = (p.posterior_threshold, p.posterior_alpha)
         yield from speculate_tree(

@@ -74,7 +74,7 @@ from typing import cast
 import torch
 from transformers import DynamicCache
 
-from dtbench.decoders import kv
+from dtbench.decoders import kv, modelinfo
 
 SUPPORTED_MODEL_TYPES = ("llama", "gpt_neox")
 """``config.model_type`` values whose attention caches rotate_half-RoPE keys of shape (1, kv_heads, seq, head_dim)."""
@@ -246,7 +246,7 @@ class StreamingKV:
 
     def _positions(self, start: int, n: int) -> torch.Tensor:
         """Position ids, shape (1, n) int64 on the model's device: ``start .. start + n - 1``."""
-        return torch.arange(start, start + n, dtype=torch.long, device=kv.device_of(self.model))[None, :]
+        return torch.arange(start, start + n, dtype=torch.long, device=modelinfo.device_of(self.model))[None, :]
 
     def _plain(self, token_ids: list[int], last_only: bool) -> torch.Tensor:
         """Append tokens with plain causal attention over the whole cache, at positions base + physical index."""
@@ -276,10 +276,12 @@ class StreamingKV:
         copies = S * n_copies
         if copies:
             sink_keys, sink_values = self._sinks()
-            shifts = (torch.arange(first, h0 + m, device=kv.device_of(self.model)) + self.base).repeat_interleave(S)
+            shifts = (
+                torch.arange(first, h0 + m, device=modelinfo.device_of(self.model)) + self.base
+            ).repeat_interleave(S)
             k_copies = self.rope.rotate(sink_keys.repeat(1, 1, 1, n_copies, 1), shifts)
             v_copies = sink_values.repeat(1, 1, 1, n_copies, 1)
-            for i, layer in enumerate(kv.layers(self.cache)):
+            for i, layer in enumerate(modelinfo.layers(self.cache)):
                 layer.keys = torch.cat((layer.keys, k_copies[i]), dim=-2)
                 layer.values = torch.cat((layer.values, v_copies[i]), dim=-2)
         mask = self._mask(w, m, h0, first)
@@ -289,7 +291,7 @@ class StreamingKV:
         )
         if copies:  # move the m new entries down over the copies: O(m), the window is not touched
             lo = S + w
-            for layer in kv.layers(self.cache):
+            for layer in modelinfo.layers(self.cache):
                 for name in ("keys", "values"):
                     t = getattr(layer, name)
                     t[..., lo : lo + m, :] = t[..., lo + copies :, :].clone()
@@ -305,7 +307,7 @@ class StreamingKV:
         out by shift, ``first`` first); window entries h .. w-1; new tokens 0 .. k.
         """
         S = self.sinks
-        device = kv.device_of(self.model)
+        device = modelinfo.device_of(self.model)
         h = torch.arange(h0, h0 + m, device=device)[:, None]
         allowed = torch.cat(
             (
@@ -318,7 +320,7 @@ class StreamingKV:
         )[None, None]
         if self.rope.mask_is_bool:
             return allowed
-        dtype = kv.dtype_of(self.model)
+        dtype = modelinfo.dtype_of(self.model)
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     # -- cache edits ------------------------------------------------------------------------------------------
@@ -330,8 +332,8 @@ class StreamingKV:
         if self._sink_keys is None and self.sinks and self.n >= self.sinks:
             assert self.base == 0
             S = self.sinks
-            self._sink_keys = torch.stack([layer.keys[..., :S, :] for layer in kv.layers(self.cache)])
-            self._sink_values = torch.stack([layer.values[..., :S, :] for layer in kv.layers(self.cache)])
+            self._sink_keys = torch.stack([layer.keys[..., :S, :] for layer in modelinfo.layers(self.cache)])
+            self._sink_values = torch.stack([layer.values[..., :S, :] for layer in modelinfo.layers(self.cache)])
 
     def _sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pristine sink keys and values; captured (:meth:`_capture_sinks`) once the sequence holds S > 0
@@ -353,7 +355,7 @@ class StreamingKV:
         S = self.held_sinks
         new_base = self.base + e
         if new_base >= self.sinks + self.window:
-            for i, layer in enumerate(kv.layers(self.cache)):
+            for i, layer in enumerate(modelinfo.layers(self.cache)):
                 kept = self.rope.rotate(layer.keys[..., S + e :, :], -new_base)
                 if S:
                     sink_keys, sink_values = self._sinks()
@@ -366,10 +368,10 @@ class StreamingKV:
         if S:
             pristine_keys, sink_values = self._sinks()
             sink_keys = self.rope.rotate(pristine_keys, new_base)
-            for i, layer in enumerate(kv.layers(self.cache)):
+            for i, layer in enumerate(modelinfo.layers(self.cache)):
                 layer.keys[..., e : e + S, :] = sink_keys[i]
                 layer.values[..., e : e + S, :] = sink_values[i]
-        for layer in kv.layers(self.cache):
+        for layer in modelinfo.layers(self.cache):
             layer.keys = layer.keys[..., e:, :]
             layer.values = layer.values[..., e:, :]
         self.base = new_base

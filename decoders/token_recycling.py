@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast
 import torch
 from pydantic import Field, model_validator
 
-from dtbench.decoders import kv
+from dtbench.decoders import modelinfo
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.decoders.medusa import static_tree
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
@@ -249,7 +249,7 @@ class TokenRecycling(Decoder):
         """Run :func:`~dtbench.decoders.tree.speculate_tree` with a fresh :class:`TokenRecyclingDrafter`."""
         vocab = cast("PreTrainedModel", self.target).get_output_embeddings().weight.shape[0]
         self.drafter = TokenRecyclingDrafter(
-            vocab, self.params.k, self.template_of(self.params), kv.device_of(self.target)
+            vocab, self.params.k, self.template_of(self.params), modelinfo.device_of(self.target)
         )
         yield from speculate_tree(
             self.target,

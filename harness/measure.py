@@ -51,7 +51,7 @@ from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined on
 
 def cache_argument(kwargs: dict[str, Any]) -> Any:
     """The KV cache a forward was called with: ``cache`` (transformers 5.2x's keyword, see
-    :func:`dtbench.decoders.kv.cache_keyword`) or ``past_key_values`` (older models); None if neither."""
+    :func:`dtbench.decoders.modelinfo.cache_keyword`) or ``past_key_values`` (older models); None if neither."""
     return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import torch
 from rich.console import Console
 
-from dtbench.decoders import kv
+from dtbench.decoders import static_kv
 from dtbench.harness import calibrate, data, fingerprint, load, lossless, models, roofline
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.machine import device_name, environment
@@ -106,7 +106,7 @@ class Hardware:
     Attributes:
         bandwidth: the device's measured memory bandwidth, bytes/s (:func:`roofline.measure_bandwidth`), or None.
         target_bytes, draft_bytes: :func:`roofline.model_bytes` of the loaded models (None: no such model).
-        execution: the :class:`~dtbench.decoders.kv.Execution` every compiled cell of this worker shares (its
+        execution: the :class:`~dtbench.decoders.static_kv.Execution` every compiled cell of this worker shares (its
             compiled graphs and static caches), None when the plan has no compiled cell.
         compiled: label -> (compile seconds, graphs) of the compiled cells whose compile step already ran here.
     """
@@ -115,7 +115,7 @@ class Hardware:
     bandwidth_info: dict[str, Any] | None = None  # the copy benchmark's result (method; on CUDA NVML's figure too)
     target_bytes: dict[str, int] | None = None
     draft_bytes: dict[str, int] | None = None
-    execution: kv.Execution | None = None
+    execution: static_kv.Execution | None = None
     compiled: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     @classmethod
@@ -126,8 +126,8 @@ class Hardware:
         if compiled:
             largest = max(max(p.cls.verify_sizes(p.params)) for p in compiled)
             longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
-            width = 2 * (kv.bucket(largest) or largest)
-            execution = kv.Execution(-(-(longest + width) // 64) * 64)
+            width = 2 * (static_kv.bucket(largest) or largest)
+            execution = static_kv.Execution(-(-(longest + width) // 64) * 64)
         measured = roofline.measure_bandwidth(device)
         return cls(
             bandwidth=measured["bytes_per_s"],
@@ -140,7 +140,7 @@ class Hardware:
     def compile_step(self, cp: CellPlan, decoder, prompt_ids, T: int, models_: list) -> tuple[float, int] | None:
         """The compile step of a compiled cell, once per worker, before its first sample (the warmup's): every
         bucket up to the cell's largest verification compiled for each model it uses
-        (:meth:`~dtbench.decoders.kv.Execution.precompile`), then the decoder run once on the prompt for up to 16
+        (:meth:`~dtbench.decoders.static_kv.Execution.precompile`), then the decoder run once on the prompt for up to 16
         tokens (shapes only its own loop makes: transformers' compiled ``generate``), untimed and not stored.
 
         Returns:
@@ -148,16 +148,16 @@ class Hardware:
         """
         if self.execution is None or cp.label in self.compiled:
             return None
-        t0, graphs0 = measure_now(), kv.compiled_graphs()
+        t0, graphs0 = measure_now(), static_kv.compiled_graphs()
         self.execution.precompile(models_, max(cp.cls.verify_sizes(cp.params)))
-        with kv.compiled(self.execution):
+        with static_kv.compiled(self.execution):
             self.execution.begin_sample()
             n = 0
             for step in decoder.generate(torch.as_tensor([list(prompt_ids)], device=models_[0].device), min(T, 16)):
                 n += len(step.tokens)
                 if n >= min(T, 16):
                     break
-        self.compiled[cp.label] = (measure_now() - t0, kv.compiled_graphs() - graphs0)
+        self.compiled[cp.label] = (measure_now() - t0, static_kv.compiled_graphs() - graphs0)
         return self.compiled[cp.label]
 
     def roofline_of(self, m, total_s: float, uses_draft: bool) -> float | None:
@@ -245,11 +245,11 @@ def measure_cell(
         if ex is not None:  # B = 1 only (plan refuses compiled batches)
             used = [target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
             compiled = hardware.compile_step(cp, decoder, ids[0], T, used)  # type: ignore[union-attr]
-            graphs0 = kv.compiled_graphs()
-            with kv.compiled(ex):
+            graphs0 = static_kv.compiled_graphs()
+            with static_kv.compiled(ex):
                 ex.begin_sample()
                 ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
-            recompiles = kv.compiled_graphs() - graphs0
+            recompiles = static_kv.compiled_graphs() - graphs0
         else:
             ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
         wall = max(m.step_times[-1] for m in ms)

@@ -18,7 +18,7 @@ from models import model_zoo, run_decoder
 from sqlalchemy import select
 from transformers import DynamicCache
 
-from dtbench.decoders import kv
+from dtbench.decoders import kv, static_kv
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.dynatree import DynaTree
 from dtbench.decoders.fixed_tree import FixedTree
@@ -29,7 +29,7 @@ from dtbench.harness.testkit import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-EXECUTION = kv.Execution(max_len=192)  # shared: graphs compiled by one test are reused by the next
+EXECUTION = static_kv.Execution(max_len=192)  # shared: graphs compiled by one test are reused by the next
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,11 @@ def compiled_zoo():
 
 
 def in_compiled(decoder, prompt, T):
-    with kv.compiled(EXECUTION):
+    with static_kv.compiled(EXECUTION):
         EXECUTION.begin_sample()
-        before = kv.compiled_graphs()
+        before = static_kv.compiled_graphs()
         tokens = run_decoder(decoder, prompt, T)
-        return tokens, kv.compiled_graphs() - before
+        return tokens, static_kv.compiled_graphs() - before
 
 
 DECODERS = [
@@ -78,12 +78,12 @@ def test_compiled_decoders_pass_the_tie_aware_check_at_reduced_precision(dtype):
 
     base, drafted = model_zoo()["perturbed"]  # shared by other tests: copied, never cast in place
     target, draft = copy.deepcopy(base).to(dtype), copy.deepcopy(drafted).to(dtype)
-    execution = kv.Execution(max_len=160)
+    execution = static_kv.Execution(max_len=160)
     execution.precompile([target, draft], 32)
     prompt = list(range(7, 31))
     ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, 40)
     for cls, params in DECODERS:
-        with kv.compiled(execution):
+        with static_kv.compiled(execution):
             execution.begin_sample()
             tokens = run_decoder(cls(target, draft, params), prompt, 40)
         check = lossless.check_output(target, prompt, tokens, ar, torch.device("cpu"))
@@ -114,9 +114,9 @@ def test_static_cache_rolls_back_by_length_and_compacts_by_index(compiled_zoo):
         assert kv.cache_len(cache) == P + 4
         return after, kv.forward(target, [25], cache)[-1]
 
-    with torch.inference_mode(), kv.compiled(EXECUTION):
+    with torch.inference_mode(), static_kv.compiled(EXECUTION):
         EXECUTION.begin_sample()
-        static = script(kv.StaticKV)
+        static = script(static_kv.StaticKV)
     with torch.inference_mode():
         dynamic = script(DynamicCache)
     for a, b in zip(static, dynamic):
@@ -126,8 +126,8 @@ def test_static_cache_rolls_back_by_length_and_compacts_by_index(compiled_zoo):
 
 def test_a_full_static_cache_is_a_clear_error(compiled_zoo):
     target, _ = compiled_zoo
-    small = kv.Execution(max_len=16)
-    with torch.inference_mode(), kv.compiled(small), pytest.raises(ValueError, match="static KV cache of 16"):
+    small = static_kv.Execution(max_len=16)
+    with torch.inference_mode(), static_kv.compiled(small), pytest.raises(ValueError, match="static KV cache of 16"):
         kv.prefill(target, torch.tensor([list(range(3, 20))]))
 
 
@@ -308,8 +308,8 @@ def test_more_buckets_than_dynamos_default_limit_all_compile():
 
     target, other = model_zoo()["unrelated"]
     draft = copy.deepcopy(other).to(torch.float32)  # as the embedded pair: one class, two dtypes, so two graph sets
-    execution = kv.Execution(max_len=112)  # a static length no other test uses: every graph here is new
-    before = kv.compiled_graphs()
+    execution = static_kv.Execution(max_len=112)  # a static length no other test uses: every graph here is new
+    before = static_kv.compiled_graphs()
     execution.precompile([target, draft], 16)
-    assert kv.compiled_graphs() - before == 2 * 5
-    assert dynamo.recompile_limit >= kv.RECOMPILE_LIMIT and dynamo.fail_on_recompile_limit_hit
+    assert static_kv.compiled_graphs() - before == 2 * 5
+    assert dynamo.recompile_limit >= static_kv.RECOMPILE_LIMIT and dynamo.fail_on_recompile_limit_hit

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from dtbench.decoders import kv
+from dtbench.decoders import kv, modelinfo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,13 +40,13 @@ def test_forwards_pass_the_cache_under_the_models_own_keyword():
         cache, logits = kv.prefill(model, torch.tensor([[3, 4, 5, 6]]))
         step = kv.forward(model, [int(logits.argmax())], cache)
     assert step.shape == (1, 64) and cache.get_seq_length() == 5
-    assert kv.cache_keyword(model) in ("cache", "past_key_values")
+    assert modelinfo.cache_keyword(model) in ("cache", "past_key_values")
 
     class Old(torch.nn.Module):  # a module with the old keyword keeps getting it
         def forward(self, input_ids=None, past_key_values=None, use_cache=None):
             return None
 
-    assert kv.cache_keyword(Old()) == "past_key_values"
+    assert modelinfo.cache_keyword(Old()) == "past_key_values"
 
 
 def test_assisted_generation_prints_no_transformers_deprecation():

@@ -60,7 +60,7 @@ from typing import Annotated, ClassVar, Literal, TypeVar, overload
 import torch
 from pydantic import Field
 
-from dtbench.decoders import kv
+from dtbench.decoders import kv, modelinfo
 from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids, next_token
 from dtbench.decoders.sampling import SamplingSettings, verify_tree_sampled, verify_tree_typical
 from dtbench.decoders.tree.draft import (  # noqa: F401
@@ -150,7 +150,7 @@ def tree_logits(
     positions, after the tree's."""
     n = tree.size
     prefix_len = kv.cache_len(cache)
-    dev = kv.device_of(target)
+    dev = modelinfo.device_of(target)
     tokens = tree.tokens[:n].to(dev)
     if side is None and n == 1:  # root only: a plain causal step
         return kv.forward(target, tokens.unsqueeze(0), cache, hidden_layers=hidden_layers)
@@ -159,7 +159,7 @@ def tree_logits(
         relation = with_side_branch(relation, side)
         tokens = torch.cat([tokens, side.tokens.to(dev)])
         depths = torch.cat([depths, side.offsets.to(dev)])
-    mask = tree_attention_mask(relation, prefix_len, kind, kv.dtype_of(target))
+    mask = tree_attention_mask(relation, prefix_len, kind, modelinfo.dtype_of(target))
     return kv.forward(
         target,
         tokens.unsqueeze(0),
@@ -358,7 +358,7 @@ def speculate_tree_rows(
                 pending[r],
                 policy.n_max,
                 tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
-                kv.device_of(target) if drafter else sessions[r].device,
+                modelinfo.device_of(target) if drafter else sessions[r].device,
             )
             drawn = None if sampling is None else TreeSampling(sampling, generator)
             if depth_cap >= 1:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dtbench.decoders import kv
+from dtbench.decoders import kv, modelinfo
 from dtbench.decoders.base import Step
 from dtbench.decoders.sampling import SamplingSettings, sample_without_replacement
 from dtbench.decoders.tree.structure import (
@@ -139,8 +139,8 @@ class DraftSession:
         self.cache = kv.new_cache()
         self.backlog: list[int] = list(prompt)
         self.kind = attention_mask_kind(model)
-        self.dtype = kv.dtype_of(model)
-        self.device = kv.device_of(model)
+        self.dtype = modelinfo.dtype_of(model)
+        self.device = modelinfo.device_of(model)
         self.prefix_len = 0
         self.fed: list[int] = []
         self._fed_t = torch.empty(0, dtype=torch.long, device=self.device)

@@ -1,0 +1,267 @@
+"""Compiled execution (suite key ``execution: compiled``, issue 37): inside :func:`compiled` every cache
+:func:`new_cache` makes is a :class:`StaticKV`, a preallocated transformers ``StaticCache`` whose logical length is a
+Python int: rolling back is moving that length, compaction an index copy of the accepted positions to the slots
+after the prefix, and every forward a 4D mask over the static length. Every forward after a cache's first (the
+prefill, which runs eager) is padded to a bucket size (:data:`BUCKETS`, after vLLM's CUDA-graph capture sizes) and
+runs the model's forward compiled by ``torch.compile`` (``mode="reduce-overhead"``, CUDA graphs, on CUDA; inductor on
+CPU), so the decoders' loops are unchanged and nothing recompiles once every bucket has been compiled
+(:meth:`Execution.precompile`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    pass
+
+from dtbench.decoders.modelinfo import cache_keyword, config_of, device_of, dtype_of
+
+# Forward sizes (new tokens per row) compiled execution pads to: powers of two as vLLM's default CUDA-graph capture
+# sizes are. A forward of more new tokens than the largest runs eager (a long prompt's prefill is never compiled).
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket(n: int) -> int | None:
+    """The smallest bucket holding ``n`` new tokens, or None when ``n`` exceeds the largest (runs eager)."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return None
+
+
+class Execution:
+    """Compiled execution for one worker: the compiled forwards and static caches, shared by every compiled cell.
+
+    One ``torch.compile`` of each model's forward (``dynamic=False``: one graph per bucket size, compiled once in
+    this process and reused by every later cell on the same model); on CUDA ``mode="reduce-overhead"`` (CUDA
+    graphs), on CPU inductor's default mode. Static caches are pooled per (model, slot, length): the k-th cache a
+    sample makes on a model reuses the k-th buffer of the previous sample (:meth:`begin_sample`), so a compiled
+    graph never sees a new cache object and CUDA graphs keep their static addresses.
+
+    Args:
+        max_len: positions of every static cache this execution makes (prompt cap + T + the largest padded
+            forward); :meth:`resize` changes it between cells.
+
+    Raises:
+        RuntimeError: from :meth:`compiled_forward` if this torch has no ``torch.compile``.
+    """
+
+    def __init__(self, max_len: int = 512):
+        self.max_len = max_len
+        self._forwards: dict[int, Any] = {}
+        _allow_every_bucket()
+        self._pool: dict[tuple[int, int, int, str], Any] = {}
+        self._slot: dict[tuple[int, str], int] = {}
+
+    def resize(self, max_len: int) -> None:
+        """Static caches made from now on hold ``max_len`` positions (a cell with a longer prompt cap or T)."""
+        self.max_len = max_len
+
+    def begin_sample(self) -> None:
+        """A new generation starts: static caches are handed out from the first pooled slot again."""
+        self._slot.clear()
+
+    def compiled_forward(self, model: torch.nn.Module) -> Any:
+        """``model.forward`` under ``torch.compile`` (made once per model)."""
+        fn = self._forwards.get(id(model))
+        if fn is None:
+            mode = "reduce-overhead" if model.device.type == "cuda" else None
+            fn = torch.compile(type(model).forward.__get__(model), mode=mode, dynamic=False)
+            self._forwards[id(model)] = fn
+        return fn
+
+    def static_cache(self, model: torch.nn.Module, owner: str = "") -> Any:
+        """The next pooled ``StaticCache`` of ``model`` for this sample (made on first use).
+
+        ``owner`` keeps a separate pool: transformers' ``generate`` runs under ``no_grad``, and a cache whose buffers
+        were made under dtbench's loops' ``inference_mode`` cannot be written outside it.
+        """
+        from transformers import StaticCache
+
+        slot = self._slot.get((id(model), owner), 0)
+        self._slot[(id(model), owner)] = slot + 1
+        key = (id(model), slot, self.max_len, owner)
+        cache = self._pool.get(key)
+        if cache is None:
+            cache = StaticCache(config=config_of(model), max_cache_len=self.max_len)
+            self._pool[key] = cache
+        return cache
+
+    def precompile(
+        self, models: list[torch.nn.Module], largest: int, sizes: tuple[int, ...] | None = None
+    ) -> tuple[float, int]:
+        """Compile every bucket up to ``largest`` new tokens (or the buckets of ``sizes`` only) for each model,
+        outside any timed region.
+
+        Each bucket's graph is compiled and run twice on a scratch static cache of the current length (on CUDA the
+        second run records the CUDA graph), so the warmup and the measured samples reuse them.
+
+        Returns:
+            (seconds it took, graphs compiled: the number torch.compile reported, 0 when all were cached).
+        """
+        t0, graphs0 = time.perf_counter(), compiled_graphs()
+        buckets = (
+            sorted({bucket(n) or BUCKETS[-1] for n in sizes})
+            if sizes is not None
+            else [b for b in BUCKETS if b <= (bucket(largest) or BUCKETS[-1])]
+        )
+        with torch.inference_mode(), compiled(self):
+            for model in models:
+                self.begin_sample()
+                cache = StaticKV(self)
+
+                def tokens(n: int, model: torch.nn.Module = model) -> torch.Tensor:
+                    return torch.zeros((1, n), dtype=torch.long, device=device_of(model))
+
+                cache.forward(model, tokens(4), None, None, False)  # the prefill (eager) initialises the buffers
+                for b in buckets:
+                    for _ in range(2):
+                        cache.length = 4  # rolled back (kv.crop of a static cache)
+                        cache.forward(model, tokens(b), None, None, False)
+                self.begin_sample()
+        if any(m.device.type == "cuda" for m in models):
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, compiled_graphs() - graphs0
+
+
+RECOMPILE_LIMIT = 512  # graphs per compiled function: every bucket of every model of a run (target and draft share one)
+
+
+def _allow_every_bucket() -> None:
+    """Raise dynamo's per-function graph limit (8 by default) so every bucket of every model compiles, and make
+    hitting it an error: past the limit dynamo would silently run the forward eager, and a "compiled" cell would
+    measure eager code (a cell of the embedded pair needs up to 9 buckets x 2 models of one class)."""
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(dynamo, name, RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+            setattr(dynamo, name, RECOMPILE_LIMIT)
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if getattr(dynamo, name, 4 * RECOMPILE_LIMIT) < 4 * RECOMPILE_LIMIT:
+            setattr(dynamo, name, 4 * RECOMPILE_LIMIT)
+    if hasattr(dynamo, "fail_on_recompile_limit_hit"):
+        dynamo.fail_on_recompile_limit_hit = True
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's ``unique_graphs`` counter): a difference
+    over a measured sample is its recompiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+_EXECUTION: contextvars.ContextVar[Execution | None] = contextvars.ContextVar("dtbench_execution", default=None)
+
+
+@contextmanager
+def compiled(execution: Execution) -> Iterator[Execution]:
+    """Within this block every :func:`new_cache` is a :class:`StaticKV` of ``execution`` (compiled execution)."""
+    token = _EXECUTION.set(execution)
+    try:
+        yield execution
+    finally:
+        _EXECUTION.reset(token)
+
+
+def current() -> Execution | None:
+    """The compiled execution this code runs in (inside :func:`compiled`), or None (eager)."""
+    return _EXECUTION.get()
+
+
+class StaticKV:
+    """A KV cache for compiled execution: a preallocated ``StaticCache`` plus its logical length (a Python int).
+
+    Slots ``[0, length)`` hold the committed positions; slots past them are stale (rejected drafts, bucket padding)
+    and masked out of every later forward. It binds to a model at its first :func:`forward` (the prefill, eager).
+
+    Raises:
+        ValueError: a forward that would write past the static length (``Execution.max_len``).
+    """
+
+    def __init__(self, execution: Execution):
+        self.execution = execution
+        self.length = 0
+        self.cache: Any = None
+        self.model: torch.nn.Module | None = None
+
+    def get_seq_length(self) -> int:
+        """The logical length (positions held), as ``DynamicCache.get_seq_length``."""
+        return self.length
+
+    def _bind(self, model: torch.nn.Module) -> None:
+        if self.model is None:
+            self.model = model
+            self.cache = self.execution.static_cache(model)
+        elif self.model is not model:
+            raise ValueError("a static KV cache serves one model")
+
+    def forward(
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        last_only: bool,
+    ) -> torch.Tensor:
+        """:func:`forward` on this cache: (1, n) new tokens at slots ``[length, length + n)``; logits (n, vocab)
+        (or (1, vocab) with ``last_only``). The first forward (the prefill) and forwards over the largest bucket run
+        eager at their own size; the others are padded to their bucket and run the compiled forward."""
+        self._bind(model)
+        ex, L, n = self.execution, self.length, int(ids.shape[-1])
+        nb = bucket(n) if L > 0 else None
+        width = nb or n
+        if L + width > ex.max_len:
+            raise ValueError(f"static KV cache of {ex.max_len} positions is full ({L} held, {width} more fed)")
+        dev = device_of(model)
+        ids = ids.to(dev)
+        pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
+        slots = torch.arange(ex.max_len, device=dev)
+        allowed = (slots < L).expand(width, ex.max_len).clone()  # every query sees the committed prefix
+        if attention_mask is not None:
+            given = attention_mask[0, 0].to(dev)
+            allowed[:n, : L + n] = given if given.dtype == torch.bool else given == 0
+        else:
+            allowed[:n, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        if width > n:  # bucket padding: repeat the last token at the last position, attending to itself only
+            ids = torch.cat([ids, ids[:, -1:].expand(1, width - n)], dim=1)
+            pos = torch.cat([pos, pos[:, -1:].expand(1, width - n)], dim=1)
+            pad = torch.arange(n, width, device=dev)
+            allowed[pad, L + pad] = True
+        from dtbench.decoders.tree.structure import attention_mask_kind
+
+        if attention_mask_kind(model) == "bool":
+            mask = allowed[None, None]
+        else:
+            dtype = dtype_of(model)
+            mask = torch.zeros((1, 1, width, ex.max_len), dtype=dtype, device=dev).masked_fill_(
+                ~allowed[None, None], torch.finfo(dtype).min
+            )
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(L)
+        kwargs: dict[str, Any] = {cache_keyword(model): self.cache}
+        if nb is None and last_only:
+            kwargs["logits_to_keep"] = 1
+        if nb is None:
+            out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
+        else:
+            # Through the module's __call__ (its forward hooks, e.g. the runner's forward counter, still fire),
+            # with the instance's forward replaced by the compiled one for this call only.
+            model.forward = ex.compiled_forward(model)
+            try:
+                out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
+            finally:
+                del model.forward
+        self.length = L + n
+        logits = out.logits[0]
+        if nb is None:
+            return logits
+        return logits[n - 1 : n] if last_only else logits[:n]
