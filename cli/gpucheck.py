@@ -935,7 +935,16 @@ def run_child(step: str, device, small: bool, rows_file: Path, skip: frozenset, 
 
 # --- tests: the hypothesis property suite on this device (issue 38 item 3) -----------------------------------------
 
-TEST_MODULES = ("tests/test_equivalence.py",)  # the property tests parametrized over the device (models.DEVICES)
+# the property tests parametrized over the device (models.DEVICES): equivalence, batched (B > 1), heads, training-free,
+# compiled execution
+TEST_MODULES = (
+    "tests/test_equivalence.py",
+    "tests/test_batching.py",
+    "tests/test_heads.py",
+    "tests/test_training_free.py",
+    "tests/test_recycling_lookahead.py",
+    "tests/test_compiled.py",
+)
 TEST_EXAMPLES = 5  # hypothesis examples per property test (models.EXAMPLES_ENV): within the check's 8 minutes
 TEST_TIMEOUT_S = 300
 

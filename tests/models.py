@@ -98,30 +98,38 @@ DEVICES = [
 
 
 @cache
+def on_device(model: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` on ``device`` in ``dtype``: ``model`` itself for CPU float64, else a copy made once per model (a
+    model is cached by identity, so pairs sharing a model share its copy)."""
+    if device == "cpu" and dtype == torch.float64:
+        return model
+    return copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+
+
+@cache
 def device_zoo(
     device: str, dtype: torch.dtype, attn: str = "sdpa", arch: str = "llama", sharpness: float = FLAT
 ) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
     """:func:`model_zoo`'s seeded pairs on ``device`` in ``dtype`` (CPU float64: the very same objects)."""
     zoo = model_zoo(attn, arch, sharpness)
-    if device == "cpu" and dtype == torch.float64:
-        return zoo
-    moved: dict[int, torch.nn.Module] = {}
-
-    def on(model: torch.nn.Module) -> torch.nn.Module:
-        if id(model) not in moved:
-            moved[id(model)] = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
-        return moved[id(model)]
-
-    return {kind: (on(t), on(d)) for kind, (t, d) in zoo.items()}
+    return {kind: (on_device(t, device, dtype), on_device(d, device, dtype)) for kind, (t, d) in zoo.items()}
 
 
-def assert_lossless(target: torch.nn.Module, prompt: list[int], output: list[int], reference: list[int], rule: str):
+def assert_lossless(
+    target: torch.nn.Module,
+    prompt: list[int],
+    output: list[int],
+    reference: list[int],
+    rule: str,
+    companions: list[list[int]] | None = None,
+):
     """``exact``: ``output == reference``. ``tie_aware``: no error under harness/lossless.py's rule (every emitted
-    token the target's argmax up to the numeric noise of its two computation shapes)."""
+    token the target's argmax up to the numeric noise of its two computation shapes; a row decoded at B > 1 passes
+    the other rows' prompts as ``companions``, so the batched shape is a third computation the rule counts)."""
     if rule == "exact":
         assert output == reference
         return
     from dtbench.harness.lossless import check_output
 
-    check = check_output(target, prompt, output, reference, target.device)
+    check = check_output(target, prompt, output, reference, target.device, companions=companions)
     assert check.errors == 0, check

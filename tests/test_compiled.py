@@ -1,20 +1,24 @@
 """Compiled execution (issue 37): static KV caches, bucketed torch.compile'd forwards, the `execution:` axis.
 
 The property tests check every compiled in-process decoder against eager `ar` token for token (float64 tiny models:
-no near ties), with a small example budget since every new bucket compiles a graph; the run test checks the whole
-path: cells per execution, compile_s stored apart, no recompile inside a measured sample, a roofline per sample.
+no near ties), with a small example budget since every new bucket compiles a graph; they are parametrized over the
+device (issue 38 item 3, ``models.DEVICES``): on CUDA (skipped without one; compiled with ``mode="reduce-overhead"``,
+CUDA graphs) the same seeded pair in float32 token for token and in float16 under the tie-aware rule. The run test
+checks the whole path: cells per execution, compile_s stored apart, no recompile inside a measured sample, a roofline
+per sample.
 """
 
 from __future__ import annotations
 
 import json
+from functools import cache
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
-from models import model_zoo, run_decoder
+from models import DEVICES, assert_lossless, device_zoo, examples, model_zoo, run_decoder
 from sqlalchemy import select
 from transformers import DynamicCache
 
@@ -32,11 +36,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 EXECUTION = static_kv.Execution(max_len=192)  # shared: graphs compiled by one test are reused by the next
 
 
-@pytest.fixture(scope="module")
-def compiled_zoo():
-    target, draft = model_zoo()["perturbed"]
+@cache
+def compiled_pair(device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The perturbed pair on ``device`` in ``dtype`` with every bucket up to 32 compiled (once per process)."""
+    target, draft = device_zoo(device, dtype)["perturbed"]
     EXECUTION.precompile([target, draft], 32)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def compiled_zoo():
+    return compiled_pair("cpu", torch.float64)
 
 
 def in_compiled(decoder, prompt, T):
@@ -56,14 +66,16 @@ DECODERS = [
 ]
 
 
+@pytest.mark.parametrize("on", DEVICES)
 @pytest.mark.parametrize(("cls", "params"), DECODERS, ids=[c.__name__ for c, _ in DECODERS])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(6), deadline=None)
 @given(prompt=st.lists(st.integers(3, VOCAB - 1), min_size=2, max_size=20), T=st.integers(1, 40))
-def test_compiled_decoders_equal_eager_ar(compiled_zoo, cls, params, prompt, T):
-    target, draft = compiled_zoo
+def test_compiled_decoders_equal_eager_ar(on, cls, params, prompt, T):
+    device, dtype, rule = on
+    target, draft = compiled_pair(device, dtype)
     ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
     tokens, recompiles = in_compiled(cls(target, draft, params), prompt, T)
-    assert tokens == ar
+    assert_lossless(target, prompt, tokens, ar, rule)
     assert recompiles == 0  # every bucket these decoders use was compiled before the sample
 
 

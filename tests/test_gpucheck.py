@@ -4,6 +4,7 @@ step of cli/gpucheck.py at small shapes, and the JSON's schema (tools/gpu-check.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -238,10 +239,12 @@ def test_overhead_step_is_differential(tmp_path, small_pair, monkeypatch):
     assert all(r["iterations"] > 0 and r["overhead_s_per_iter"] >= 0 for r in res["rows"])
 
 
-def test_whole_check_writes_json_matching_the_schema(tmp_path):
-    """The command end to end (small shapes, two decoders), then the schema; the schema rejects a broken file."""
+def test_whole_check_writes_json_matching_the_schema(tmp_path, monkeypatch):
+    """The command end to end (small shapes, two decoders, the tests step on test_equivalence only: the whole list is
+    `make gpu-check-dry`'s), then the schema; the schema rejects a broken file."""
     from click.testing import CliRunner
 
+    monkeypatch.setattr(gpucheck, "TEST_MODULES", ("tests/test_equivalence.py",))
     out = tmp_path / "out"
     result = CliRunner().invoke(
         gpucheck.main, ["--out", str(out), "--device", "cpu", "--small", "--decoders", "ar,linear"]
@@ -341,3 +344,14 @@ def test_hypothesis_statistics_and_junit_are_parsed(tmp_path):
     assert (res["passed"], res["failed"], res["skipped"]) == (1, 1, 1)
     assert res["failures"][0]["test"] == "tests.test_equivalence::test_b[cuda-float16]"
     assert "prompt=[3]" in res["failures"][0]["falsifying_example"]
+
+
+def test_the_tests_step_runs_every_device_parametrized_module():
+    """Every test module parametrized over the device (``models.DEVICES``) is in the tests step's list, and only
+    those: a module parametrized later is run on the node without editing the check by hand being forgotten."""
+    parametrized = {
+        f"tests/{p.name}"
+        for p in sorted((REPO / "tests").glob("test_*.py"))
+        if re.search(r'^@pytest\.mark\.parametrize\("on", DEVICES\)', p.read_text(encoding="utf-8"), re.M)
+    }
+    assert set(gpucheck.TEST_MODULES) == parametrized

@@ -1,6 +1,8 @@
 """Learned drafting heads (issue 23): Medusa-1 and EAGLE-1/2/3 loaded from files in their published formats, the
-EAGLE-2 dynamic tree checked against sequential head forwards, greedy equivalence with AR (hypothesis), an oracle
-that makes random heads accept, and the one-line errors (sizes that do not fit, sampling)."""
+EAGLE-2 dynamic tree checked against sequential head forwards, greedy equivalence with AR (hypothesis, parametrized
+over the device as ``models.DEVICES``: on CUDA, skipped without one, float32 token for token and float16 under the
+tie-aware rule), an oracle that makes random heads accept, and the one-line errors (sizes that do not fit,
+sampling)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from heads_kit import Oracle, deep_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error
-from models import run_decoder
+from models import DEVICES, assert_lossless, examples, on_device, run_decoder
 
 from dtbench.decoders import kv
 from dtbench.decoders.ar import Autoregressive
@@ -26,7 +28,7 @@ from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama, tiny_neox, write_e
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = list(range(3, 20))
 HIDDEN = 32
-SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SLOW = settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _target(version: int):
@@ -34,6 +36,7 @@ def _target(version: int):
 
 
 TARGETS = {1: _target(1), 3: _target(3)}
+NEOX = tiny_neox(0, sharpness=SHARP)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +245,7 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
 # --- greedy equivalence ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("on", DEVICES)
 @SLOW
 @given(
     version=st.sampled_from([1, 3, "3full"]),
@@ -252,12 +256,14 @@ def test_every_drafted_node_has_the_log_prob_of_a_sequential_head_pass(heads, ve
     strategy=st.sampled_from(["compact", "rebuild"]),
     prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12),
 )
-def test_eagle_equals_ar(heads, version, T, top_k, depth, total, strategy, prompt):
-    target = TARGETS[3 if version == "3full" else version]
+def test_eagle_equals_ar(heads, on, version, T, top_k, depth, total, strategy, prompt):
+    device, dtype, rule = on
+    target = on_device(TARGETS[3 if version == "3full" else version], device, dtype)
     params = EagleParams(head=str(heads[version]), top_k=top_k, depth=depth, total_token=total, cache_strategy=strategy)
-    assert run_decoder(Eagle(target, None, params), prompt, T) == _ar(target, prompt, T)
+    assert_lossless(target, prompt, run_decoder(Eagle(target, None, params), prompt, T), _ar(target, prompt, T), rule)
 
 
+@pytest.mark.parametrize("on", DEVICES)
 @SLOW
 @given(
     arch=st.sampled_from(["llama", "neox"]),
@@ -267,12 +273,13 @@ def test_eagle_equals_ar(heads, version, T, top_k, depth, total, strategy, promp
     small=st.booleans(),
     prompt=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12),
 )
-def test_medusa_equals_ar(tmp_path_factory, arch, T, n_heads, strategy, small, prompt):
-    target = TARGETS[1] if arch == "llama" else tiny_neox(0, sharpness=SHARP)
+def test_medusa_equals_ar(tmp_path_factory, on, arch, T, n_heads, strategy, small, prompt):
+    device, dtype, rule = on
+    target = on_device(TARGETS[1] if arch == "llama" else NEOX, device, dtype)
     folder = write_medusa(tmp_path_factory.mktemp("m"), hidden=HIDDEN, vocab=VOCAB, heads=n_heads)
     choices = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]] if small else "mc_sim_7b_63"
     params = MedusaParams(head=str(folder), choices=choices, cache_strategy=strategy)
-    assert run_decoder(Medusa(target, None, params), prompt, T) == _ar(target, prompt, T)
+    assert_lossless(target, prompt, run_decoder(Medusa(target, None, params), prompt, T), _ar(target, prompt, T), rule)
 
 
 def test_medusa_static_tree_is_the_reference_mc_sim_7b_63():
