@@ -52,7 +52,8 @@ from pydantic import Field
 
 from dtbench.decoders import kv
 from dtbench.decoders.base import DecoderParams, Step
-from dtbench.decoders.heads import EagleHead, HeadDecoder, check_eagle, load_eagle
+from dtbench.decoders.eagle_head import EagleHead, check_eagle, load_eagle
+from dtbench.decoders.heads import HeadDecoder
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 
@@ -61,7 +62,7 @@ class EagleDrafter(TreeDrafter):
     """EAGLE-2's dynamic draft tree (``topK_genrate``) from an EAGLE-1/2 or EAGLE-3 head with its own KV cache.
 
     Attributes:
-        head: the loaded :class:`~dtbench.decoders.heads.EagleHead` (its forward is the decoder's draft forward).
+        head: the loaded :class:`~dtbench.decoders.eagle_head.EagleHead` (its forward is the decoder's draft forward).
         top_k, depth, total_token: EAGLE-2's parameters (see :class:`EagleParams`).
         cache: the head's ``DynamicCache``, holding the committed pairs between drafts.
         needing, drafting_iterations: the node-budget record of :meth:`budget_stats` (accepted tokens by the

@@ -25,7 +25,8 @@ from pydantic import Field
 
 from dtbench.decoders import modelinfo
 from dtbench.decoders.base import DecoderParams, Step
-from dtbench.decoders.heads import HeadDecoder, MedusaHeads, check_medusa, load_medusa
+from dtbench.decoders.heads import HeadDecoder
+from dtbench.decoders.medusa_head import MedusaHeads, check_medusa, load_medusa
 from dtbench.decoders.tree import TreeDrafter, speculate_tree
 from dtbench.decoders.tree.structure import CacheStrategy, TokenTree
 

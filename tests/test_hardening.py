@@ -1147,7 +1147,7 @@ def test_a_fetched_head_is_checked_before_it_is_allocated(tmp_path, monkeypatch,
     import torch
     from heads_kit import deep_llama
 
-    from dtbench.decoders import heads
+    from dtbench.decoders import eagle_head as heads
 
     kind, config, tensors, needle = HEAD_CASES[case]
     folder = _head(tmp_path, kind, config, tensors)

@@ -19,8 +19,9 @@ from models import DEVICES, assert_lossless, examples, on_device, run_decoder
 from dtbench.decoders import kv
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.eagle import Eagle, EagleDrafter, EagleParams
-from dtbench.decoders.heads import load_eagle, load_medusa
+from dtbench.decoders.eagle_head import load_eagle
 from dtbench.decoders.medusa import MC_SIM_7B_63, Medusa, MedusaDrafter, MedusaParams, static_tree
+from dtbench.decoders.medusa_head import load_medusa
 from dtbench.decoders.tree import speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
 from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama, tiny_neox, write_eagle, write_medusa

@@ -156,8 +156,8 @@ def test_medusa_tree_drafter_stops_at_eos(tmp_path):
     continuation so paths of several tokens are accepted across EOS."""
     from heads_kit import Oracle
 
-    from dtbench.decoders.heads import load_medusa
     from dtbench.decoders.medusa import MC_SIM_7B_63, MedusaDrafter
+    from dtbench.decoders.medusa_head import load_medusa
     from dtbench.decoders.tree import speculate_tree
     from dtbench.harness.testkit import write_medusa
 
