@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 
 from dtbench.decoders.base import Decoder, DecoderParams
-from dtbench.harness import data, models, registry
+from dtbench.harness import data, models, registry, selection
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.safetext import printable
 from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
@@ -258,7 +258,7 @@ def plan_suite(suite: Suite) -> Plan:
         corpus = cls.corpus_of(params)
         if corpus is not None:
             try:
-                data.check_corpus(corpus, suite.datasets)
+                selection.check_corpus(corpus, suite.datasets)
             except DtbenchError as exc:
                 raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
         if sampling is not None and (why := cls.sampling_error(params)):
@@ -439,7 +439,7 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
         corpus = p.cls.corpus_of(p.params)
         if corpus is not None:
             try:
-                data.check_corpus(corpus, suite.datasets, files=True)
+                selection.check_corpus(corpus, suite.datasets, files=True)
             except DtbenchError as exc:
                 where = f"{p.spec.where}: " if p.spec.where else ""
                 raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None

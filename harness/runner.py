@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dtbench.core import redact_credentials, redact_json
-from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry
+from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry, selection
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
@@ -153,7 +153,7 @@ def run_suite(
                     prompts[(ds.key, l_max)] = questions.prompts(ds, l_max, tokenizer, suite, data_dir)
                 continue
             for l_max in ds.l_maxes:
-                prompts[(ds.key, l_max)] = data.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
+                prompts[(ds.key, l_max)] = selection.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
         for warning in info.warnings:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)

@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 
 from dtbench.decoders import kv
-from dtbench.harness import calibrate, data, fingerprint, load, lossless, models, roofline
+from dtbench.harness import calibrate, data, fingerprint, load, lossless, models, roofline, selection
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.machine import device_name, environment
 from dtbench.harness.measure import SampleTimeout, measure_rows
@@ -175,7 +175,7 @@ def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None
     corpus = cp.cls.corpus_of(cp.params)
     if corpus is not None:
         tokenizer = getattr(target.model.config, "name_or_path", "") or ""
-        decoder.use_corpus(data.corpus_documents(corpus, tokenizer, suite.seed, data_dir))
+        decoder.use_corpus(selection.corpus_documents(corpus, tokenizer, suite.seed, data_dir))
     return decoder
 
 

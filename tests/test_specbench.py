@@ -371,7 +371,7 @@ def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokeniz
     """When the reference's turn-1 sample is missing (its cell failed), the turn-2 group's cells fail with a one-line
     reason and the run goes on; chat.resolve itself says which answer is missing."""
     from dtbench.harness.chat import ChatPrompts, Renderer, TurnNotReady, resolve
-    from dtbench.harness.data import Prompt
+    from dtbench.harness.prompt import Prompt
 
     prompts = ChatPrompts(
         [Prompt(0, "q", (5, 6), "g", "c", 1, "7"), Prompt(1, "q2", (), "g", "c", 2, "7")],
