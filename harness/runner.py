@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from dtbench.core import redact_credentials, redact_json
 from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry, selection
 from dtbench.harness.bounds import valid_id
+from dtbench.harness.cells import Outcome
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import group_key
@@ -31,7 +32,6 @@ from dtbench.harness.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Outcome
 
 
 @contextmanager

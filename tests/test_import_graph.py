@@ -182,6 +182,7 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
             "dtbench.harness.calibrate",
             "dtbench.harness.plan",
             "dtbench.harness.worker",
+            "dtbench.harness.cells",
             "dtbench.harness.models",
         )
         or t.startswith("dtbench.decoders")
