@@ -26,7 +26,8 @@ from dtbench.harness.cells import Outcome
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import group_key
-from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
+from dtbench.harness.plan import Plan, PromptGroup, plan_suite
+from dtbench.harness.preflight import preflight
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.safetext import printable

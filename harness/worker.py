@@ -34,7 +34,7 @@ WorkKey = tuple[str, int, int, int, int, int, bool]  # (dataset, L_max, T, B, fi
 
 def work_key(group: PromptGroup) -> WorkKey:
     """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B), the (first) prompt
-    index, the repeat, and whether it is a server cell's whole-cell unit (:func:`~dtbench.harness.plan.cell_units`:
+    index, the repeat, and whether it is a server cell's whole-cell unit (:func:`~dtbench.harness.grouping.cell_units`:
     it starts at the same prompt as a group of dtbench's own decoders at the same point)."""
     served = bool(group.decoders) and all(cp.cls.requests for cp in group.decoders)
     return (

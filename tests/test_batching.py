@@ -31,7 +31,8 @@ from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.suffix import SuffixDecoding
 from dtbench.harness import db, measure
 from dtbench.harness import models as harness_models
-from dtbench.harness.plan import batch_groups, plan_suite
+from dtbench.harness.grouping import batch_groups
+from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import SHARP, VOCAB
 
