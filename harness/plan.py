@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, registry, selection
+from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.grouping import batch_groups, cell_units, slot_groups
-from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
+from dtbench.harness.suite import DatasetSpec, Suite
 
 
 @dataclass
