@@ -283,9 +283,9 @@ class RandomTokensParams(DatasetParams):
 class RandomTokens(Dataset):
     """Seeded uniformly random token ids as documents (issue 38 item 4): a workload that needs no download and no
     tokenizer, for the GPU smoke suite (suites/gpu-smoke.yaml) over ``random:<shape>`` models. Each document's text is
-    its ids separated by spaces, which a random model's :class:`~dtbench.harness.models.IdTokenizer` reads back; a
-    real tokenizer would re-tokenize the digits, so use it with ``random:`` models only. Every report labels its cells
-    a smoke test (:data:`SMOKE_TEST`): random tokens say nothing about acceptance."""
+    its ids separated by spaces, which a random model's :class:`~dtbench.harness.random_models.IdTokenizer` reads
+    back; a real tokenizer would re-tokenize the digits, so use it with ``random:`` models only. Every report labels
+    its cells a smoke test (:data:`SMOKE_TEST`): random tokens say nothing about acceptance."""
 
     Params = RandomTokensParams
 
