@@ -8,7 +8,8 @@ import click
 from rich.console import Console
 
 from dtbench.harness.bounds import CalibrationSeconds, Checked
-from dtbench.harness.calibrate import Settings, calibrate, contexts_of, store
+from dtbench.harness.calibrate import Settings, calibrate
+from dtbench.harness.calibrate_run import contexts_of, store
 from dtbench.harness.curves import Curves
 from dtbench.harness.errors import DtbenchError
 

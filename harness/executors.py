@@ -14,7 +14,7 @@ hands back each :class:`~dtbench.harness.cells.Outcome` as soon as it is measure
   group whose worker dies twice fails its not-yet-stored samples' cells with the error. Samples already committed
   are never measured again: the driver reads what is stored (``Sink.state``) before every dispatch.
 
-Calibration (``calibrate: true``, ``n_max: auto``; :func:`dtbench.harness.calibrate.before_cells`) measures where the
+Calibration (``calibrate: true``, ``n_max: auto``; :func:`dtbench.harness.calibrate_run.before_cells`) measures where the
 cells are measured: the local worker, or the first Ray actor (one calibration per run: a GPU cluster's workers have
 the same kind of device; if their device names differ, a one-line warning says whose curves they are). The worker
 returns the points as plain data (:class:`~dtbench.harness.calibrate.Measured`); the driver stores them, resolves

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dtbench.core import redact_credentials, redact_json
-from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry, selection
+from dtbench.harness import calibrate_run, chat, data, executors, load, models, questions, registry, selection
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.cells import Outcome
 from dtbench.harness.db import Cell, Run, Sample, utcnow
@@ -70,7 +70,7 @@ class RunFailed(DtbenchError):
 
 def needs_calibration(plan: Plan, suite: Suite) -> bool:
     """Whether the run calibrates before its first cell (``calibrate: true``, or a tree decoder with n_max: auto)."""
-    return bool(suite.calibrate or calibrate.auto_cells(plan))
+    return bool(suite.calibrate or calibrate_run.auto_cells(plan))
 
 
 def run_suite(
@@ -194,7 +194,7 @@ def run_suite(
                 # calibrate: true / n_max: auto (issue 12): measured on the executor's (first) worker, stored with
                 # the run by this process, auto budgets resolved in the plan and handed to every worker.
                 if needs_calibration(plan, suite):
-                    calibrate.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
+                    calibrate_run.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
                 task = bar.add_task("starting", total=plan.n_samples)
                 sink = _Sink(sessions, run_id, cells, prompts, bar, task, console, suite.repeats)
                 executor.execute(plan.groups(), sink)

@@ -21,7 +21,7 @@ from typing import Any, overload
 import torch
 from rich.console import Console
 
-from dtbench.harness import calibrate, fingerprint, models
+from dtbench.harness import calibrate, calibrate_run, fingerprint, models
 from dtbench.harness.cells import Hardware, Outcome, run_group
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.machine import device_name, environment
@@ -221,4 +221,4 @@ class Worker:
 
     def set_budgets(self, budgets: dict[str, int]) -> None:
         """Use the driver's resolved ``n_max: auto`` budgets ({label: n_max}) in this worker's plan."""
-        calibrate.apply_budgets(self.plan, budgets)
+        calibrate_run.apply_budgets(self.plan, budgets)

@@ -539,9 +539,9 @@ def test_a_calibrated_run_reports_speedup_vs_b_with_prediction_and_figure(monkey
     (measured with CI, predicted), B* lines and the mean absolute error; --figures writes the figure."""
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     suite = suite_dict(
         *pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], batch_sizes=[1, 2], calibrate=True
     )

@@ -1820,10 +1820,10 @@ def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
 def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monkeypatch):
     from kit import fast_calibration_settings, suite_dict, tiny_pair
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
     from dtbench.reports import costmodel
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     suite = suite_dict(
         *tiny_pair(tmp_path / "models"),
         [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],
