@@ -16,7 +16,7 @@ import time
 import torch
 
 from dtbench.decoders.ar import ARParams, Autoregressive
-from dtbench.harness import data, models
+from dtbench.harness import data, models, selection
 from dtbench.harness.measure import measure
 from dtbench.harness.suite import DatasetSpec, ModelSpec
 
@@ -49,7 +49,7 @@ def main() -> None:
     tok = models.load_tokenizer(spec)
     model = models.load_model(spec, torch.device("cpu")).model
     ds = DatasetSpec(name="wikitext-2", prompts=args.prompts, warmup=0, L_max=args.l_max)
-    prompts = data.select_prompts(data.load_documents(ds, args.data_dir), tok, args.prompts, args.l_max, 0)
+    prompts = selection.select_prompts(data.load_documents(ds, args.data_dir), tok, args.prompts, args.l_max, 0)
     ar = Autoregressive(model, None, ARParams())
     hf_generate(model, list(prompts[0].token_ids), 4)  # warm both paths once
     measure(ar, prompts[0].token_ids, 4, torch.device("cpu"))

@@ -8,7 +8,8 @@ import click
 from rich.console import Console
 
 from dtbench.harness.bounds import CalibrationSeconds, Checked
-from dtbench.harness.calibrate import Settings, calibrate, contexts_of, store
+from dtbench.harness.calibrate import Settings, calibrate
+from dtbench.harness.calibrate_run import contexts_of, store
 from dtbench.harness.curves import Curves
 from dtbench.harness.errors import DtbenchError
 
@@ -63,7 +64,7 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`, on the
     worker that measures the cells (this process with --executor local, the first Ray worker with --executor ray).
     """
-    from dtbench.harness import data, db, engines, models
+    from dtbench.harness import data, db, engines, models, selection
     from dtbench.harness.plan import plan_suite
     from dtbench.harness.suitefile import load_suite, suite_hash
 
@@ -79,7 +80,7 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     for ds in suite.datasets:
         docs = data.load_documents(ds, data_dir)
         for l_max in ds.l_maxes:
-            prompts[(ds.key, l_max)] = data.select_prompts(docs, tokenizer, 1, l_max, suite.seed)
+            prompts[(ds.key, l_max)] = selection.select_prompts(docs, tokenizer, 1, l_max, suite.seed)
     with console.status(f"loading target {suite.target.model} ({suite.target.dtype}) on {device}"):
         target = models.load_model(suite.target, device)
     draft = None

@@ -68,7 +68,7 @@ STEPS = ("lossless", "timing", "costmodel", "overhead", "compiled", "tests", "sm
 
 # Pythia's GPT-NeoX shapes (the paper's target and draft) and the --small pair: harness/models.py's table, which
 # `random:<shape>` models of a suite use too (issue 38 item 4).
-from dtbench.harness.models import RANDOM_SHAPES  # noqa: E402
+from dtbench.harness.random_models import RANDOM_SHAPES  # noqa: E402
 
 PYTHIA_2_8B = RANDOM_SHAPES["pythia-2.8b"]
 PYTHIA_70M = RANDOM_SHAPES["pythia-70m"]
@@ -174,8 +174,8 @@ def _sync(device) -> None:
 
 def neox(shape: dict, dtype, device, seed: int):
     """A GPT-NeoX causal LM of ``shape`` with seeded random weights on ``device`` in ``dtype``
-    (:func:`dtbench.harness.models.random_neox`)."""
-    from dtbench.harness.models import random_neox
+    (:func:`dtbench.harness.random_models.random_neox`)."""
+    from dtbench.harness.random_models import random_neox
 
     return random_neox(shape, dtype, device, seed)
 

@@ -566,7 +566,8 @@ report.help = (report.help or "").replace("{gate_metrics}", _gate_metrics())
 def validate(suite_path, data_dir) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
     from dtbench.harness import registry
-    from dtbench.harness.plan import plan_suite, preflight
+    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.preflight import preflight
     from dtbench.harness.suitefile import load_suite
 
     suite, _ = load_suite(suite_path)

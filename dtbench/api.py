@@ -54,7 +54,8 @@ from dtbench.decoders.tree import (
     TreeParams,
     speculate_tree,
 )
-from dtbench.harness.data import Dataset, DatasetParams, Documents, HubSource
+from dtbench.harness.data import Dataset, DatasetParams, Documents
+from dtbench.harness.sources import HubSource
 from dtbench.harness.suite import DatasetSpec
 from dtbench.reports.output import Document, Report, renderer
 

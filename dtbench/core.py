@@ -171,7 +171,7 @@ class CorpusSpec(StrictBools):
 
     The decoder only *declares* it: the harness loads the documents, tokenizes them with the decoder's tokenizer and
     hands them over (:meth:`dtbench.decoders.base.Decoder.use_corpus`), left out by the one prompt-selection rule
-    (:func:`dtbench.harness.data.held_out_documents`) with the suite's seed: the first ``skip`` usable documents of
+    (:func:`dtbench.harness.selection.held_out_documents`) with the suite's seed: the first ``skip`` usable documents of
     the seeded order (and every document before them) are never in the corpus, which are exactly the documents the
     suite's prompts of that dataset come from when ``prompts <= skip``. The plan refuses a corpus whose ``skip`` is
     smaller than the prompts of a suite entry of the same dataset (so no prompt's own text is ever retrieved).

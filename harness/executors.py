@@ -5,7 +5,7 @@ the run and cell rows, refreshes the heartbeat (:mod:`dtbench.harness.runs`), sh
 outcome through :func:`~dtbench.harness.runner.commit_outcome` — one writer, so SQLite works as well as PostgreSQL. An
 :class:`Executor` owns the workers: each loads the target and draft once (:class:`~dtbench.harness.worker.Worker`),
 receives whole prompt groups (a reference and every decoder that depends on it, in plan order, on one device) and
-hands back each :class:`~dtbench.harness.worker.Outcome` as soon as it is measured.
+hands back each :class:`~dtbench.harness.cells.Outcome` as soon as it is measured.
 
 - :class:`LocalExecutor`: one worker inside the driver's process (``--executor local``, the default).
 - :class:`~dtbench.harness.ray_executor.RayExecutor`: Ray actors (``--executor ray``): one per GPU (``num_gpus=1``)
@@ -14,7 +14,7 @@ hands back each :class:`~dtbench.harness.worker.Outcome` as soon as it is measur
   group whose worker dies twice fails its not-yet-stored samples' cells with the error. Samples already committed
   are never measured again: the driver reads what is stored (``Sink.state``) before every dispatch.
 
-Calibration (``calibrate: true``, ``n_max: auto``; :func:`dtbench.harness.calibrate.before_cells`) measures where the
+Calibration (``calibrate: true``, ``n_max: auto``; :func:`dtbench.harness.calibrate_run.before_cells`) measures where the
 cells are measured: the local worker, or the first Ray actor (one calibration per run: a GPU cluster's workers have
 the same kind of device; if their device names differ, a one-line warning says whose curves they are). The worker
 returns the points as plain data (:class:`~dtbench.harness.calibrate.Measured`); the driver stores them, resolves
@@ -37,12 +37,13 @@ from typing import Any, Protocol
 from rich.console import Console
 
 from dtbench.harness import calibrate, models
+from dtbench.harness.cells import Outcome
 from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Outcome, Worker, WorkerInfo, work_key
+from dtbench.harness.worker import Worker, WorkerInfo, work_key
 
 EXECUTORS = ("local", "ray")
 

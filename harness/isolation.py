@@ -26,11 +26,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.plan import Plan
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Outcome, WorkerInfo
+from dtbench.harness.worker import WorkerInfo
 
 TRACE_TAIL = 1500  # characters of the faulthandler trace stored in the failed cell's error
 
@@ -192,7 +193,7 @@ class IsolatedWorker:
 
     def run(self, key, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
         """Measure one prompt group in the child, yielding each outcome; a crash fails the decoder being measured
-        (an :class:`~dtbench.harness.worker.Outcome` with the signal and trace) and the group goes on in a fresh
+        (an :class:`~dtbench.harness.cells.Outcome` with the signal and trace) and the group goes on in a fresh
         child with the remaining decoders."""
         done, skip = dict(done), set(skip)
         while True:

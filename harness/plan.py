@@ -16,13 +16,12 @@ import inspect
 import json
 from dataclasses import dataclass, field, replace
 
-from rich.console import Console
-
 from dtbench.decoders.base import Decoder, DecoderParams
-from dtbench.harness import data, models, registry
+from dtbench.harness import data, registry, selection
+from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.safetext import printable
-from dtbench.harness.suite import DatasetSpec, DecoderSpec, SamplingSpec, Suite
+from dtbench.harness.grouping import batch_groups, cell_units, slot_groups
+from dtbench.harness.suite import DatasetSpec, Suite
 
 
 @dataclass
@@ -176,42 +175,6 @@ class Plan:
         return sum(len(g.decoders) * len(g.prompt_indices) for g in self.groups())
 
 
-def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, ...]]:
-    """The prompt groups of a dataset at batch size B: prompt indices in order, the W warmup prompts in groups of at
-    most B, then the other prompts in groups of B, the last one possibly smaller (the remainder).
-
-    Every decoder at the same (dataset, L_max, T, B) gets exactly these groups, so speedups pair group by group.
-    """
-    warm = [tuple(range(i, min(i + batch_size, warmup))) for i in range(0, warmup, batch_size)]
-    rest = [tuple(range(i, min(i + batch_size, prompts))) for i in range(warmup, prompts, batch_size)]
-    return warm + rest
-
-
-def cell_units(prompts: int, warmup: int, slot_warmup: list[bool] | None = None) -> list[tuple[int, ...]]:
-    """The work units of a server cell (a decoder declaring ``requests``) at any concurrency C (issue 39 item 1): its
-    warmup prompts as one unit and its measured prompts as another, each sent as one stream of requests that keeps C
-    in flight (a new request starts when one finishes; :func:`dtbench.harness.serving.measure_requests`), not as
-    groups of C that each wait for their slowest request. ``slot_warmup``: a question dataset's per-slot warmup
-    flags (single-turn questions), else the first ``warmup`` of ``prompts`` are the warmup.
-    """
-    if slot_warmup is not None:
-        units = [tuple(i for i, w in enumerate(slot_warmup) if w), tuple(i for i, w in enumerate(slot_warmup) if not w)]
-    else:
-        units = [tuple(range(min(warmup, prompts))), tuple(range(warmup, prompts))]
-    return [u for u in units if u]
-
-
-def slot_groups(warmup: list[bool], batch_size: int) -> list[tuple[int, ...]]:
-    """The prompt groups of a question dataset at batch size B (single-turn questions): its warmup slots in order in
-    groups of at most B, then its other slots in order in groups of B (the last possibly smaller: the remainder), so
-    the W warmup questions of each task group never split the measured ones into small groups."""
-    warm = [i for i, w in enumerate(warmup) if w]
-    rest = [i for i, w in enumerate(warmup) if not w]
-    return [tuple(warm[i : i + batch_size]) for i in range(0, len(warm), batch_size)] + [
-        tuple(rest[i : i + batch_size]) for i in range(0, len(rest), batch_size)
-    ]
-
-
 def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:
     """Identity of a decoder configuration: name, params, and how it decodes (greedy or its sampling settings)."""
     decoding = sampling.model_dump(mode="json") if sampling is not None else None
@@ -258,7 +221,7 @@ def plan_suite(suite: Suite) -> Plan:
         corpus = cls.corpus_of(params)
         if corpus is not None:
             try:
-                data.check_corpus(corpus, suite.datasets)
+                selection.check_corpus(corpus, suite.datasets)
             except DtbenchError as exc:
                 raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
         if sampling is not None and (why := cls.sampling_error(params)):
@@ -415,88 +378,6 @@ def _single_turn(ds: DatasetSpec) -> bool:
     from dtbench.harness.questions import GROUPS
 
     return not any(c == "mt_bench" or c in GROUPS["mt_bench"] for c in ds.categories)
-
-
-def preflight(suite: Suite, plan: Plan, console: Console) -> None:
-    """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
-    text; a question file parses and its categories exist; a chat template exists (``auto`` needs the target
-    tokenizer's) and renders every prompt within its bounds; each decoder's own files pass its
-    ``check_files(params)`` classmethod where it has one (a learned head's config.json and weights' header, REST's
-    tokens file); a server decoder that launches ``{llama_server}`` finds the binary (``make engine``); L_max + T
-    fits each model's context (a warning past a rotary model's trained context).
-
-    Raises:
-        DtbenchError: a non-text document, a bad question file or category, a missing chat template, no
-            llama-server for a ``{llama_server}`` launch, or L_max + T beyond a model's learned position table.
-    """
-    for ds in suite.datasets:
-        try:
-            data.check_dataset(ds, files=True)
-            data.sample_slots(ds, suite.seed, plan.data_dir)  # question datasets: the file parses, categories exist
-        except DtbenchError as exc:
-            raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
-    for p in plan.decoders:  # a declared corpus's files (a text-files corpus is read here)
-        corpus = p.cls.corpus_of(p.params)
-        if corpus is not None:
-            try:
-                data.check_corpus(corpus, suite.datasets, files=True)
-            except DtbenchError as exc:
-                where = f"{p.spec.where}: " if p.spec.where else ""
-                raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
-    if any(data.is_chat(ds) for ds in suite.datasets) and (suite.chat_template or "auto") != "none":
-        from dtbench.harness import questions
-
-        tokenizer = models.load_tokenizer(suite.target)  # auto without a template: one line, now
-        for ds in suite.datasets:  # every prompt rendered under the template's bounds (chat.render)
-            if data.sample_slots(ds, suite.seed, plan.data_dir) is not None:
-                try:
-                    questions.check_prompts(ds, tokenizer, suite, plan.data_dir)
-                except DtbenchError as exc:
-                    raise DtbenchError(f"{ds.where}: {exc}" if ds.where else str(exc)) from None
-    for p in plan.decoders:  # a server's engine adapter, and a launched llama.cpp server's binary (make engine)
-        if p.cls.requests:
-            from dtbench.decoders.engines import engine_for
-            from dtbench.harness.serving import launches_llama_server, llama_server_binary
-
-            where = f"{p.spec.where}: " if p.spec.where else ""
-            try:
-                engine = getattr(p.params, "engine", None)
-                if not isinstance(engine, str):  # the serving path reads every requests decoder through its engine
-                    raise DtbenchError("a decoder measured through requests names its server's engine (params.engine)")
-                engine_for(engine)
-                if launches_llama_server(p.params):
-                    llama_server_binary()
-            except DtbenchError as exc:
-                raise DtbenchError(f"{where}decoder '{clip(p.label, 80)}': {exc}") from None
-    for p in plan.decoders:  # a decoder's own files (a head's config and weights' header, a tokens file)
-        check = getattr(p.cls, "check_files", None)
-        if check is not None:
-            try:
-                check(p.params)
-            except (ValueError, DtbenchError) as exc:
-                raise DtbenchError(f"decoder '{p.label}': {exc}") from None
-    longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
-    specs = [suite.target]
-    if suite.draft is not None and any(p.cls.needs_draft for p in plan.decoders):
-        specs.append(suite.draft)
-    for spec in specs:
-        role = "target" if spec is suite.target else "draft"
-        try:
-            files = models.require_remote_code_opt_in(spec)
-        except DtbenchError as exc:
-            raise DtbenchError(f"{role}: {exc}") from None
-        if files:
-            console.print(
-                f"warning: {role} '{printable(spec.model)}' sets trust_remote_code: true; loading it runs "
-                f"{printable(', '.join(files))}",
-                style="yellow",
-                markup=False,
-                highlight=False,
-                soft_wrap=True,
-            )
-        warning = models.check_context(spec, longest)
-        if warning:
-            console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
 
 
 def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int, int]]:

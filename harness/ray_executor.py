@@ -16,12 +16,13 @@ from typing import Any
 from rich.console import Console
 
 from dtbench.harness import calibrate
+from dtbench.harness.cells import Outcome
 from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Outcome, Worker, WorkerInfo, WorkKey, work_key
+from dtbench.harness.worker import Worker, WorkerInfo, WorkKey, work_key
 
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"
 MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remaining samples fail their cells

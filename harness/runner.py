@@ -20,18 +20,19 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dtbench.core import redact_credentials, redact_json
-from dtbench.harness import calibrate, chat, data, executors, load, models, questions, registry
+from dtbench.harness import calibrate_run, chat, data, executors, load, models, questions, registry, selection
 from dtbench.harness.bounds import valid_id
+from dtbench.harness.cells import Outcome
 from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import group_key
-from dtbench.harness.plan import Plan, PromptGroup, plan_suite, preflight
+from dtbench.harness.plan import Plan, PromptGroup, plan_suite
+from dtbench.harness.preflight import preflight
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Outcome
 
 
 @contextmanager
@@ -69,7 +70,7 @@ class RunFailed(DtbenchError):
 
 def needs_calibration(plan: Plan, suite: Suite) -> bool:
     """Whether the run calibrates before its first cell (``calibrate: true``, or a tree decoder with n_max: auto)."""
-    return bool(suite.calibrate or calibrate.auto_cells(plan))
+    return bool(suite.calibrate or calibrate_run.auto_cells(plan))
 
 
 def run_suite(
@@ -153,7 +154,7 @@ def run_suite(
                     prompts[(ds.key, l_max)] = questions.prompts(ds, l_max, tokenizer, suite, data_dir)
                 continue
             for l_max in ds.l_maxes:
-                prompts[(ds.key, l_max)] = data.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
+                prompts[(ds.key, l_max)] = selection.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
         info = executor.start(suite, plan, tokenizer, console)
         for warning in info.warnings:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
@@ -193,7 +194,7 @@ def run_suite(
                 # calibrate: true / n_max: auto (issue 12): measured on the executor's (first) worker, stored with
                 # the run by this process, auto budgets resolved in the plan and handed to every worker.
                 if needs_calibration(plan, suite):
-                    calibrate.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
+                    calibrate_run.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
                 task = bar.add_task("starting", total=plan.n_samples)
                 sink = _Sink(sessions, run_id, cells, prompts, bar, task, console, suite.repeats)
                 executor.execute(plan.groups(), sink)

@@ -4,70 +4,36 @@ A suite declares the target and draft models, the datasets (N prompts, W warmup,
 generation lengths T and the decoders with their params. ``prompt_cap`` is the deprecated old name of ``L_max``
 (suites written before it, and the suite text stored with their runs, still validate); an entry setting both is an
 error. Reading YAML files (``include:``, line numbers in errors, the note on old key names) is
-:mod:`dtbench.harness.suitefile`'s.
+:mod:`dtbench.harness.suitefile`'s. This module holds the suite itself, its models and its datasets; the decoder
+entries are :mod:`dtbench.harness.decoderspec`'s, the parts every entry shares :mod:`dtbench.harness.suitebase`'s.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from dtbench.core import StrictBools
 from dtbench.harness.bounds import MAX_SECONDS, Seconds, Seed
+from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.safetext import control_character
+from dtbench.harness.suitebase import (
+    L_MAX,
+    MAX_GRID,
+    Execution,
+    Frozen,
+    HasLMax,
+    ModelName,
+    Name,
+    executions,
+    no_control,
+    one_load_axis,
+)
 
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
-SWEPT_BY_LIST = ("request_rate",)  # decoder params whose list of values is a sweep axis (server: issue 39 item 2)
-MAX_GRID = 10_000  # cells a suite (or one sweep) may expand to
 MAX_BATCH = 4096  # largest batch size B a suite may ask for
-
-Execution = Literal["eager", "compiled"]
-EXECUTIONS: tuple[str, ...] = ("eager", "compiled")
-COMPILED_SUFFIX = " [compiled]"  # a compiled cell's label: its decoder's label + this (eager labels are unchanged)
-
-
-def _executions(v):
-    """``execution:`` as a list (one mode, or the axis), each mode once."""
-    if v is None:
-        return v
-    v = [v] if isinstance(v, str) else v
-    if isinstance(v, list) and len(set(map(str, v))) != len(v):
-        raise ValueError(f"execution lists a mode twice: {clip(v)}")
-    return v
-
-
-def _one_load_axis(data):
-    """``concurrency:`` is the load axis under its serving name: the requests in flight for a server decoder
-    (``server``), the batch size B for dtbench's own decoders; stored as ``batch_sizes`` (the cells' ``batch_size``
-    column, the reports' load column). Given both, they must be one list."""
-    if isinstance(data, dict) and "concurrency" in data:
-        data = dict(data)
-        levels = data.pop("concurrency")
-        if "batch_sizes" in data and data["batch_sizes"] != levels:
-            raise ValueError(
-                "batch_sizes and concurrency are one axis (the load level: the batch size of dtbench's "
-                "decoders, the requests in flight of a server); give it once"
-            )
-        data["batch_sizes"] = levels
-    return data
-
-
-L_MAX = "L_max"  # the suite key of the prompt cap (datasets, and per-decoder restrictions)
-OLD_L_MAX = "prompt_cap"  # its deprecated old name, still accepted
-
-
-def _no_control(value: str) -> str:
-    bad = control_character(value)
-    if bad is not None:
-        raise ValueError(
-            f"holds a control character ({bad}); names and labels reach terminals, Markdown and CSV, so they may not"
-        )
-    return value
 
 
 def _eager() -> list[Execution]:
@@ -75,50 +41,7 @@ def _eager() -> list[Execution]:
     return ["eager"]
 
 
-# A name or label: 1..max_length characters (the database column's width), no control characters (an ESC sequence
-# would restyle a terminal, a newline split a Markdown row). Written out: mypy takes only static type aliases.
-Name = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_control)]
-Label = Annotated[str, Field(min_length=1, max_length=300), AfterValidator(_no_control)]
-ModelName = Annotated[str, Field(min_length=1, max_length=500), AfterValidator(_no_control)]
-
-
-class _Frozen(StrictBools):
-    # strict: a suite's values are taken as written ("8" is not 8, '42' is not a seed); ints still fill floats.
-    # allow_inf_nan=False: no NaN or infinity in any float of a suite (harness/bounds.py says why).
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-
-class _Located(_Frozen):
-    """A suite entry that knows where it was written (``file:line: key.i``), for one-line errors."""
-
-    _where: str = PrivateAttr("")
-
-    @property
-    def where(self) -> str:
-        """``file:line: key.i`` of the suite entry (empty if not parsed from a file)."""
-        return self._where
-
-    def locate(self, where: str) -> None:
-        """Record where the entry was written (the suite loader calls it after validation)."""
-        self._where = where
-
-
-class _HasLMax(_Located):
-    """A suite entry with an ``L_max:`` key, also accepted under its deprecated old name ``prompt_cap:``."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _old_name(cls, data):
-        if isinstance(data, dict) and OLD_L_MAX in data:
-            if L_MAX in data:
-                raise ValueError(
-                    f"{L_MAX}: given twice, as {L_MAX} and as {OLD_L_MAX} (its deprecated old name); keep {L_MAX} only"
-                )
-            data = {(L_MAX if k == OLD_L_MAX else k): v for k, v in data.items()}
-        return data
-
-
-class ModelSpec(_Frozen):
+class ModelSpec(Frozen):
     """A model: the embedded default ``smollm2-135m``, a hub id or a local directory; its dtype and attention."""
 
     model: ModelName = Field(
@@ -134,22 +57,7 @@ class ModelSpec(_Frozen):
     )
 
 
-class SamplingSpec(_Frozen):
-    """Sampling instead of greedy decoding (transformers' order: temperature, then top-k, then top-p).
-
-    Every sample draws from its own generator seeded by ``seed`` (default: the suite's ``seed``) and the prompt
-    index, so a seeded run is identical run to run.
-    """
-
-    temperature: float = Field(1.0, gt=0, le=100, description="logits are divided by it")
-    top_k: int = Field(0, ge=0, description="keep the k most likely tokens (0: all)")
-    top_p: float = Field(1.0, gt=0, le=1, description="keep the smallest set reaching this probability (1: all)")
-    seed: Seed | None = Field(
-        None, description="base seed of the per-sample generators (default: the suite's seed; 0 <= seed < 2^63)"
-    )
-
-
-class DatasetSpec(_HasLMax):
+class DatasetSpec(HasLMax):
     """A dataset cell axis: N prompts (the first W are warmup), capped at L_max tokens each."""
 
     name: Name = Field(description="a registered dataset: wikitext-2, pg19, text-files, spec-bench or a plugin's")
@@ -177,7 +85,7 @@ class DatasetSpec(_HasLMax):
         "emozilla/pg19)",
     )
     revision: str | None = Field(None, description="hub revision to pin (branch, tag or commit sha)")
-    categories: list[Annotated[str, Field(min_length=1, max_length=100), AfterValidator(_no_control)]] | None = Field(
+    categories: list[Annotated[str, Field(min_length=1, max_length=100), AfterValidator(no_control)]] | None = Field(
         None,
         min_length=1,
         description="question datasets (spec-bench): Spec-Bench groups (mt_bench, translation, "
@@ -234,143 +142,7 @@ class DatasetSpec(_HasLMax):
         return self.l_max if isinstance(self.l_max, list) else [self.l_max]
 
 
-class DecoderSpec(_HasLMax):
-    """A decoder to run: registered name, display label, params (validated by the decoder's own model).
-
-    ``sweep`` maps param names to lists of values; the cartesian product expands into one decoder per point.
-    ``datasets`` restricts it to some datasets (the paper uses K=8 on WikiText-2 and K=5 on PG-19),
-    ``generation_lengths`` and ``L_max`` to some of the suite's T and L_max.
-    """
-
-    name: Name = Field(description="a registered decoder (dtbench decoders lists them)")
-    label: Label | None = Field(None, description="its name in reports (default: made from name and params)")
-    params: dict[str, Any] = Field(default_factory=dict, description="the decoder's own keys (below)")
-    sweep: dict[str, list[Any]] = Field(
-        default_factory=dict, description="param -> values: one cell per point of the grid"
-    )
-    datasets: list[Name] | None = Field(None, description="run only on these datasets (default: all)")
-    generation_lengths: list[int] | None = Field(
-        None, description="run only at these T (a subset of the suite's generation_lengths)"
-    )
-    l_max: int | list[int] | None = Field(
-        None, alias=L_MAX, description="run only at these L_max (a subset of the datasets' L_max)"
-    )
-    batch_sizes: list[int] | None = Field(
-        None,
-        description="run only at these batch sizes B (a subset of the suite's batch_sizes; `concurrency:` is "
-        "the same key under its serving name)",
-    )
-    optional: bool = Field(False, description="skip (with a note) when no such decoder is installed, e.g. a plugin")
-    sampling: SamplingSpec | Literal["greedy"] | None = Field(
-        None, description="this decoder's sampling settings (default: the suite's); greedy forces greedy decoding"
-    )
-    execution: list[Execution] | None = Field(
-        None,
-        description="run only in these execution modes (a subset of the suite's execution; eager or compiled)",
-    )
-
-    _group: str | None = PrivateAttr(None)  # the sweep entry's label this decoder was expanded from
-    _execution: str = PrivateAttr("eager")  # the execution mode of this expanded entry (Suite.expanded_decoders)
-
-    @field_validator("execution", mode="before")
-    @classmethod
-    def _execution_list(cls, v):
-        return _executions(v)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _concurrency(cls, data):
-        return _one_load_axis(data)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _list_axes(cls, data):
-        """A list of values of a :data:`SWEPT_BY_LIST` param (``request_rate: [1, 2, 4]``) is a sweep axis (issue
-        39 item 2): moved into ``sweep``, one cell per value, labelled ``label (request_rate=R)``."""
-        if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
-            return data
-        params, sweep = dict(data["params"]), data.get("sweep")
-        for key in SWEPT_BY_LIST:
-            if isinstance(params.get(key), list):
-                if isinstance(sweep, dict) and key in sweep:
-                    raise ValueError(f"{key} is both a list in params and a sweep: give it once")
-                sweep = {**(sweep if isinstance(sweep, dict) else {}), key: params.pop(key)}
-        if sweep is not data.get("sweep"):
-            data = {**data, "params": params, "sweep": sweep}
-        return data
-
-    _swept: dict[str, Any] = PrivateAttr(default_factory=dict)  # its point of the sweep grid
-
-    @field_validator("sweep")
-    @classmethod
-    def _sweep_bounded(cls, v):
-        size = 1
-        for key, values in v.items():
-            for text in (key, *(x for x in values if isinstance(x, str))):  # both become part of the labels
-                _no_control(text)
-            if not values:
-                raise ValueError(f"sweep over '{clip(key, 60)}' has no values (a sweep needs at least one point)")
-            size *= len(values)
-        if size > MAX_GRID:
-            raise ValueError(f"sweep expands to {size} decoders, more than the limit of {MAX_GRID}")
-        return v
-
-    def expand(self) -> list[DecoderSpec]:
-        """The decoders this entry stands for: itself, or one per point of its sweep grid.
-
-        Each point is a ``model_copy`` of this entry (every field carried over, new ones included) with the point's
-        values merged into ``params``, a label naming the point and no ``sweep`` of its own.
-        """
-        if not self.sweep:
-            return [self]
-        keys = list(self.sweep)
-        out = []
-        for values in itertools.product(*(self.sweep[k] for k in keys)):
-            point = dict(zip(keys, values))
-            suffix = ", ".join(f"{k}={v}" for k, v in point.items())
-            spec = self.model_copy(
-                update={"label": f"{self.display} ({suffix})", "params": {**self.params, **point}, "sweep": {}}
-            )
-            spec._group, spec._swept = self.display, point
-            out.append(spec)
-        return out
-
-    @property
-    def sweep_group(self) -> str | None:
-        """Label of the sweep entry this decoder is one point of (None when it was not swept)."""
-        return self._group
-
-    @property
-    def swept(self) -> dict[str, Any]:
-        """This decoder's point of its sweep grid ({} when it was not swept)."""
-        return dict(self._swept)
-
-    @property
-    def l_maxes(self) -> list[int] | None:
-        """The L_max values it is restricted to (None: every dataset's)."""
-        return None if self.l_max is None else (self.l_max if isinstance(self.l_max, list) else [self.l_max])
-
-    @property
-    def display(self) -> str:
-        return self.label or self.name
-
-    @property
-    def mode(self) -> str:
-        """The execution mode of this expanded entry: ``eager`` or ``compiled`` (issue 37)."""
-        return self._execution
-
-    def executed(self, mode: str) -> DecoderSpec:
-        """This entry in execution ``mode``: itself for eager, a copy labelled ``<label> [compiled]`` otherwise."""
-        if mode == "eager":
-            return self
-        spec = self.model_copy(update={"label": self.display + COMPILED_SUFFIX})
-        spec._group, spec._swept, spec._execution = self._group, dict(self._swept), mode
-        if self._group is not None:
-            spec._group = self._group + COMPILED_SUFFIX
-        return spec
-
-
-class Suite(_Frozen):
+class Suite(Frozen):
     """A whole benchmark: models x datasets x prompt caps (L_max) x generation lengths x decoders."""
 
     name: Name = Field(description="the suite's name (stored with the run)")
@@ -449,12 +221,12 @@ class Suite(_Frozen):
     @model_validator(mode="before")
     @classmethod
     def _concurrency(cls, data):
-        return _one_load_axis(data)
+        return one_load_axis(data)
 
     @field_validator("execution", mode="before")
     @classmethod
     def _execution_list(cls, v):
-        return _executions(v)
+        return executions(v)
 
     @field_validator("generation_lengths")
     @classmethod

@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from dtbench.harness.suite import DatasetSpec, DecoderSpec, ModelSpec, SamplingSpec, Suite
+from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
+from dtbench.harness.suite import DatasetSpec, ModelSpec, Suite
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "suite-reference.md"
 SECTIONS: list[tuple[str, type[BaseModel]]] = [

@@ -20,7 +20,8 @@ from dtbench.core import redact_credentials
 from dtbench.harness.bounds import MAX_SUITE_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip, error_location
 from dtbench.harness.safetext import printable
-from dtbench.harness.suite import L_MAX, OLD_L_MAX, Suite
+from dtbench.harness.suite import Suite
+from dtbench.harness.suitebase import L_MAX, OLD_L_MAX
 
 MAX_NODES = 100_000  # YAML values after alias expansion: a suite is a page of text, not a billion laughs
 MAX_DEPTH = 64  # nesting levels of a suite's YAML (a real one has about 5)

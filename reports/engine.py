@@ -50,7 +50,7 @@ def served(params: object) -> bool:
     """Whether a cell was measured through requests to a server (a decoder with the ``requests`` capability, issue
     30), read from its stored params: they name the server's engine adapter (``engine``,
     :mod:`dtbench.decoders.engines`), which the harness reads every such decoder through and checks before a run
-    (:func:`dtbench.harness.plan.preflight`). Such a cell is compared with its own reference server
+    (:func:`dtbench.harness.preflight.preflight`). Such a cell is compared with its own reference server
     (``cells.reference_label``), never with ``ar``: that would compare an engine with dtbench's loop."""
     return isinstance(params, dict) and isinstance(params.get("engine"), str)
 

@@ -15,8 +15,8 @@ import math
 
 import pandas as pd
 
+from dtbench.harness.decoderspec import COMPILED_SUFFIX
 from dtbench.harness.metrics import GROUP
-from dtbench.harness.suite import COMPILED_SUFFIX
 from dtbench.reports.stats import show
 
 CAPTION = (

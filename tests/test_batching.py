@@ -33,7 +33,8 @@ from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.suffix import SuffixDecoding
 from dtbench.harness import db, measure
 from dtbench.harness import models as harness_models
-from dtbench.harness.plan import batch_groups, plan_suite
+from dtbench.harness.grouping import batch_groups
+from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import SHARP, VOCAB
 
@@ -561,9 +562,9 @@ def test_a_calibrated_run_reports_speedup_vs_b_with_prediction_and_figure(monkey
     (measured with CI, predicted), B* lines and the mean absolute error; --figures writes the figure."""
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     suite = suite_dict(
         *pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], batch_sizes=[1, 2], calibrate=True
     )

@@ -14,7 +14,7 @@ from kit import fast_calibration_settings, install_plugin, invoke, one_line_erro
 
 from dtbench.decoders.base import FAMILIES, Decoder
 from dtbench.harness import calibrate as cal
-from dtbench.harness import registry
+from dtbench.harness import calibrate_run, registry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,7 +146,7 @@ def test_plugins_calibrated_priced_and_tabled_by_family(plugins, tmp_path, data_
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
     from dtbench.harness import db
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     target, draft = tiny_pair(tmp_path)
     suite = suite_dict(
         target,

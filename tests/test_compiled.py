@@ -289,9 +289,9 @@ def test_the_cost_model_names_each_models_regime_and_leaves_compiled_cells_unpri
 ):
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}, "execution": ["eager"]}]
     suite = suite_dict(*pair, decoders, execution=["eager", "compiled"], calibrate=True)
     dbfile = tmp_path / "cm.db"

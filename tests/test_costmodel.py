@@ -23,8 +23,8 @@ from models import model_zoo
 
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
+from dtbench.harness import calibrate_run, machine, measure, registry
 from dtbench.harness import curves as curves_mod
-from dtbench.harness import machine, measure, registry
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
 from dtbench.harness.plan import plan_suite
@@ -367,7 +367,9 @@ def test_calibration_round_trips_through_the_database(tmp_path):
         )
         s.commit()
         rid, oid = run.id, other.id
-    batch = cal.store(sessions, points, run_id=None, suite_name="q", suite_hash="h" * 64, device=torch.device("cpu"))
+    batch = calibrate_run.store(
+        sessions, points, run_id=None, suite_name="q", suite_hash="h" * 64, device=torch.device("cpu")
+    )
     with sessions() as s:
         rows = s.query(db.Calibration).order_by(db.Calibration.id).all()
         assert [
@@ -408,7 +410,7 @@ def test_calibration_round_trips_through_the_database(tmp_path):
         assert curves.cost("target", 8, 160, 0) == pytest.approx(0.008 + 160e-5)  # between cache lengths
         assert curves.cost("target", 100, 0, 0) == pytest.approx(0.1)  # a prefill, along the last segment
         assert curves_mod.load_curves(s, s.get(db.Run, oid)) is None  # another machine
-    linked = cal.store(
+    linked = calibrate_run.store(
         sessions, points[:4], run_id=oid, suite_name="q", suite_hash="h" * 64, device=torch.device("cpu")
     )
     with sessions() as s:
@@ -460,8 +462,8 @@ def test_auto_budget_takes_the_largest_n_within_the_factor():
     pts = [cal.Point("target", "m", "f", 64, 64, n, True, False, c, 0, 1) for n, c in costs.items()]
     pts += [cal.Point("target", "m", "f", 64, 64, 1, False, False, 0.010, 0, 1)]
     curves = curves_mod.Curves(pts)
-    assert cal.auto_budget(curves, 64, 2.0) == 8  # verify of 9 tokens (root + 8) = 19 ms <= 20 ms
-    assert cal.auto_budget(curves, 64, 1.05) == 1  # nothing within: at least one node
+    assert curves_mod.auto_budget(curves, 64, 2.0) == 8  # verify of 9 tokens (root + 8) = 19 ms <= 20 ms
+    assert curves_mod.auto_budget(curves, 64, 1.05) == 1  # nothing within: at least one node
 
 
 def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
@@ -472,7 +474,7 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
     from dtbench.harness import db
 
-    monkeypatch.setattr(cal, "Settings", Fast)
+    monkeypatch.setattr(calibrate_run, "Settings", Fast)
     target, draft = tiny_pair(tmp_path)
     suite = suite_dict(
         target,

@@ -1,4 +1,4 @@
-"""harness/data.py: the hub's parquet path (offline, on parquet files written here), provenance, held-out
+"""harness/data.py, sources.py and selection.py: the hub's parquet path (offline, on parquet files written here), provenance, held-out
 selection (``skip``), and that the tuning suite's prompts share no document with any benchmark suite's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dtbench.harness import data
+from dtbench.harness import data, selection, sources
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suite import DatasetSpec
 from dtbench.harness.suitefile import load_suite
@@ -22,7 +22,7 @@ def offline_hub(monkeypatch, tmp_path):
     """No network, no local data folder, the datasets cache in tmp: only the hub code path is left."""
     import datasets
 
-    monkeypatch.delenv(data.DATA_DIR_ENV, raising=False)
+    monkeypatch.delenv(sources.DATA_DIR_ENV, raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
@@ -129,14 +129,16 @@ def test_skip_leaves_out_the_documents_of_smaller_selections():
     tok = WordTokenizer()
     for seed in range(20):
         for k in (1, 3, 6):
-            held = data.select_prompts(data.Documents(docs, skip=k), tok, 5, 32, seed)
+            held = selection.select_prompts(data.Documents(docs, skip=k), tok, 5, 32, seed)
             assert len(held) == 5
             for n in range(1, k + 1):
-                bench = data.select_prompts(docs, tok, n, 32, seed)
+                bench = selection.select_prompts(docs, tok, n, 32, seed)
                 assert not {p.document for p in bench} & {p.document for p in held}, (seed, k, n)
-    assert data.select_prompts(docs, tok, 4, 32, 0, skip=0) == data.select_prompts(data.Documents(docs), tok, 4, 32, 0)
+    assert selection.select_prompts(docs, tok, 4, 32, 0, skip=0) == selection.select_prompts(
+        data.Documents(docs), tok, 4, 32, 0
+    )
     with pytest.raises(DtbenchError, match="after skipping 40 documents"):
-        data.select_prompts(docs, tok, 1, 32, 0, skip=40)
+        selection.select_prompts(docs, tok, 1, 32, 0, skip=40)
 
 
 @pytest.mark.slow
@@ -158,14 +160,14 @@ def test_tuning_prompts_come_from_other_documents_than_every_benchmark(data_dir)
                 held = {
                     p.document
                     for l_max in t_ds.l_maxes
-                    for p in data.select_prompts(
+                    for p in selection.select_prompts(
                         data.load_documents(t_ds, str(data_dir)), tokenizer, t_ds.prompts, l_max, tuning.seed
                     )
                 }
                 used = {
                     p.document
                     for l_max in b_ds.l_maxes
-                    for p in data.select_prompts(
+                    for p in selection.select_prompts(
                         data.load_documents(b_ds, str(data_dir)), tokenizer, b_ds.prompts, l_max, bench.seed
                     )
                 }

@@ -105,9 +105,9 @@ def test_schedule_ranges_and_engine_terms():
 def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_path, data_dir):
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     decoders = [{"name": "ar"}, {"name": "linear", "label": "linear", "sweep": {"k": [1, 3]}}]
     suite = suite_dict(*pair, decoders, batch_sizes=[1, 2], calibrate=True)
     suite["datasets"][0].update(prompts=4, warmup=1)

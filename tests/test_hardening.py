@@ -679,7 +679,7 @@ def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
 
 
 def test_auto_timeout_uses_the_reference_cpu_time():
-    from dtbench.harness import worker as runner
+    from dtbench.harness import cells as runner
 
     assert runner.cpu_timeout("auto", 4.2, 8.0) == (runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)
     assert runner.cpu_timeout("auto", 300.0, 2.0) == (3000.0, 60.0)
@@ -689,7 +689,7 @@ def test_auto_timeout_uses_the_reference_cpu_time():
 
 def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     """run_group passes the reference's CPU seconds to measure_cell, which sets the CPU limit from them."""
-    from dtbench.harness import worker as runner
+    from dtbench.harness import cells as runner
 
     seen = []
     monkeypatch.setattr(
@@ -1359,10 +1359,10 @@ def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp
     used to crash generation with IndexError, exit 4)."""
     import numpy as np
 
-    from dtbench.harness import worker
+    from dtbench.harness import cells
 
     path = _npy(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
-    monkeypatch.setattr(worker, "measure_rows", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    monkeypatch.setattr(cells, "measure_rows", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
     one_line_error(
         invoke(
             "run",
@@ -1820,10 +1820,10 @@ def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
 def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monkeypatch):
     from kit import fast_calibration_settings, suite_dict, tiny_pair
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
     from dtbench.reports import costmodel_batch
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     suite = suite_dict(
         *tiny_pair(tmp_path / "models"),
         [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}],

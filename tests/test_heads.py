@@ -527,9 +527,9 @@ def test_a_calibrated_run_prices_eagle_and_predicts_its_best_total_token(tmp_pat
     from kit import fast_calibration_settings, suite_dict, tiny_pair, write_suite
 
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness import calibrate_run
 
-    monkeypatch.setattr(cal, "Settings", fast_calibration_settings())
+    monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     target, draft = tiny_pair(tmp_path)
     cfg = json.loads((target / "config.json").read_text())
     head = write_eagle(tmp_path / "head", hidden=cfg["hidden_size"], vocab=cfg["vocab_size"])

@@ -180,8 +180,10 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
         in (
             "dtbench.harness.registry",
             "dtbench.harness.calibrate",
+            "dtbench.harness.calibrate_run",
             "dtbench.harness.plan",
             "dtbench.harness.worker",
+            "dtbench.harness.cells",
             "dtbench.harness.models",
         )
         or t.startswith("dtbench.decoders")

@@ -28,7 +28,7 @@ from rich.console import Console
 from sqlalchemy import func, select
 
 from dtbench.harness import calibrate as cal
-from dtbench.harness import db
+from dtbench.harness import calibrate_run, db
 from dtbench.harness.curves import FED_MASK
 from dtbench.harness.executors import LocalExecutor
 from dtbench.harness.ray_executor import RayExecutor
@@ -357,7 +357,7 @@ def calibrate_suite(pair, decoders: list, **extra) -> dict:
 def test_calibrate_true_runs_on_a_worker(cluster, pair, tmp_path, data_dir, monkeypatch):
     """`calibrate: true` under Ray: the first actor measures, the driver stores the same rows as the local executor
     with the worker's host and device, and `report --cost-model` prices every cell."""
-    monkeypatch.setattr(cal, "Settings", Fast)
+    monkeypatch.setattr(calibrate_run, "Settings", Fast)
     suite = calibrate_suite(
         pair,
         [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}, {"name": "fixed_tree", "params": {"depth": 2}}],
@@ -420,8 +420,10 @@ def test_auto_budget_resolved_by_the_driver_reaches_the_workers(cluster, pair, t
     """`n_max: auto` under Ray: calibrated on an actor, resolved by the driver (here pinned to 3), recorded in the
     cell's params and used by every actor's decoder (no tree verification beyond root + 3 nodes); outputs equal the
     local executor's."""
-    monkeypatch.setattr(cal, "Settings", Fast)
-    monkeypatch.setattr(cal, "auto_budget", lambda curves, cache_len, factor: 3)  # the driver's choice, not timing
+    monkeypatch.setattr(calibrate_run, "Settings", Fast)
+    monkeypatch.setattr(
+        calibrate_run, "auto_budget", lambda curves, cache_len, factor: 3
+    )  # the driver's choice, not timing
     suite = calibrate_suite(pair, [{"name": "ar"}, {"name": "dynatree", "params": {"n_max": "auto"}}])
     _, _, local = run(tmp_path, suite, LocalExecutor(threads=1), "auto-local", data_dir)
     _, console, ray_db = run(tmp_path, suite, RayExecutor(workers=2, threads_per_worker=1), "auto-ray", data_dir)

@@ -214,7 +214,8 @@ def test_plan_pairs_speculative_server_with_its_plain_server():
 
 
 def test_single_turn_questions_batch_and_multi_turn_are_refused():
-    from dtbench.harness.plan import plan_suite, slot_groups
+    from dtbench.harness.grouping import slot_groups
+    from dtbench.harness.plan import plan_suite
     from dtbench.harness.suite import Suite
 
     base = {"name": "s", "generation_lengths": [8], "concurrency": [1, 2], "decoders": [{"name": "ar"}]}

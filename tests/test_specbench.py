@@ -164,7 +164,7 @@ def test_template_rendering_equals_apply_chat_template(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def specbench_run(tmp_path_factory):
     """A run of a two-turn question suite on the tiny pair, with every prompt each decoder was given recorded."""
-    import dtbench.harness.worker as worker
+    import dtbench.harness.cells as cells
 
     root = tmp_path_factory.mktemp("sb")
     target, draft = tiny_pair(root)
@@ -186,14 +186,14 @@ def specbench_run(tmp_path_factory):
     }
     path = write_suite(root, suite)
     seen: list[tuple[str, int, tuple[int, ...]]] = []
-    real = worker.measure_rows
+    real = cells.measure_rows
 
     def spy(decoder, prompts, *a, **kw):  # B = 1: one prompt per call
         seen.append((type(decoder).__name__, len(seen), tuple(prompts[0])))
         return real(decoder, prompts, *a, **kw)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(worker, "measure_rows", spy)
+    mp.setattr(cells, "measure_rows", spy)
     db = f"sqlite:///{root / 'r.db'}"
     try:
         result = invoke("run", path, "--db", db, "--no-progress", "--no-report")
@@ -371,7 +371,7 @@ def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokeniz
     """When the reference's turn-1 sample is missing (its cell failed), the turn-2 group's cells fail with a one-line
     reason and the run goes on; chat.resolve itself says which answer is missing."""
     from dtbench.harness.chat import ChatPrompts, Renderer, TurnNotReady, resolve
-    from dtbench.harness.data import Prompt
+    from dtbench.harness.prompt import Prompt
 
     prompts = ChatPrompts(
         [Prompt(0, "q", (5, 6), "g", "c", 1, "7"), Prompt(1, "q2", (), "g", "c", 2, "7")],

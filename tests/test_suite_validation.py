@@ -11,7 +11,7 @@ from kit import invoke, one_line_error, save_tiny_llama, suite_dict, write_suite
 from sqlalchemy import func, select
 
 from dtbench.harness import db, models
-from dtbench.harness.suite import MAX_GRID
+from dtbench.harness.suitebase import MAX_GRID
 from dtbench.harness.suitefile import MAX_NODES
 
 BASE = {

@@ -312,7 +312,7 @@ def test_ngram_emits_what_transformers_prompt_lookup_emits(on, arch, prompt, rep
 def test_rest_corpus_skip_leaves_out_the_prompt_documents():
     """`corpus: {skip: K}` with the suite's seed holds none of the documents K prompts of that seed come from, at an
     L_max below 16 too, and every document after the K-th usable one of the seeded order."""
-    from dtbench.harness.data import held_out_documents, seeded_order, select_prompts
+    from dtbench.harness.selection import held_out_documents, seeded_order, select_prompts
 
     class Chars:
         def encode(self, text):

@@ -1,7 +1,7 @@
 """One unit of a server cell through the bounded async client (issue 30, issue 39): the requests, the clock, the rows.
 
 :func:`measure_requests` sends a unit (its warmup prompts, or all its measured prompts:
-:func:`~dtbench.harness.plan.cell_units`) as streamed ``/v1/completions`` requests by one ``httpx.AsyncClient``
+:func:`~dtbench.harness.grouping.cell_units`) as streamed ``/v1/completions`` requests by one ``httpx.AsyncClient``
 through a semaphore of C (the load level is the concurrency): C in flight all the time, a new request starting when
 one finishes (steady concurrency, issue 39; vLLM ``bench serve --max-concurrency``, GuideLLM's ``concurrent``
 profile), every request ready at the start or arriving at seeded gaps (:mod:`~dtbench.harness.serving.traffic`).
