@@ -34,9 +34,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from dtbench.harness.values import is_missing
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -66,32 +68,6 @@ def group_key(cell: Any) -> tuple[str, int, int, int]:
         b = None
     b = 1 if is_missing(b) else int(b)
     return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")), b)
-
-
-def is_missing(value: Any) -> bool:
-    """None, NaN (float, numpy or pandas NA) or an empty string: the one test every report applies to a value."""
-    if value is None or (isinstance(value, str) and not value):
-        return True
-    import pandas as pd
-
-    try:
-        return bool(pd.isna(value))
-    except (TypeError, ValueError):  # lists, dicts
-        return False
-
-
-PERCENTILES = (50, 90, 99)
-
-
-def percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    """p50/p90/p99 of ``values`` (numpy's linear interpolation; the one percentile helper of servers' latencies and
-    their reports); every one None when ``values`` is empty."""
-    import numpy as np
-
-    if not len(values):
-        return {f"p{q}": None for q in PERCENTILES}
-    qs = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
-    return {f"p{q}": float(v) for q, v in zip(PERCENTILES, qs)}
 
 
 def peak_memory_bytes(row: Mapping[str, Any]) -> float | None:

@@ -25,7 +25,8 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.db import Cell, Sample
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING, percentiles
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING
+from dtbench.harness.values import percentiles
 from dtbench.reports.stats import is_missing, per_prompt_rows, remainder_mask, show
 
 CAPTION = (
@@ -56,7 +57,7 @@ def served(params: object) -> bool:
 
 
 def _pct(values: list[float]) -> tuple[float, float, float]:
-    """(p50, p90, p99) of ``values`` (:func:`~dtbench.harness.metrics.percentiles`), NaN when empty."""
+    """(p50, p90, p99) of ``values`` (:func:`~dtbench.harness.values.percentiles`), NaN when empty."""
     p = {k: math.nan if v is None else v for k, v in percentiles(values).items()}
     return p["p50"], p["p90"], p["p99"]
 
