@@ -242,10 +242,10 @@ def measure_cell(
             graphs0 = static_kv.compiled_graphs()
             with static_kv.compiled(ex):
                 ex.begin_sample()
-                ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
+                ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit, batched=batched)
             recompiles = static_kv.compiled_graphs() - graphs0
         else:
-            ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit)
+            ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit, batched=batched)
         wall = max(m.step_times[-1] for m in ms)
         rows = []
         for r, (m, prompt) in enumerate(zip(ms, prompts)):
