@@ -58,8 +58,9 @@ report: setup
 
 # The tests run on every core (pytest-xdist, a test file per worker: module fixtures stay in one process); most of
 # them drive tiny models from Python, one core each, so two workers on two cores take about half the time.
-# `make test PYTEST_JOBS=0` runs them in one process.
-PYTEST_JOBS ?= auto
+# Two workers by default (each loads torch and the models: a worker per core on a large machine would multiply the
+# memory); `make test PYTEST_JOBS=auto` uses every core, `PYTEST_JOBS=0` one process.
+PYTEST_JOBS ?= 2
 test: setup-dev
 	DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile)
 
