@@ -292,12 +292,35 @@ def run(
                 EXIT_DIVERGED: "a lossless decoder diverged (an error, not a numeric tie)",
                 EXIT_CELL_FAILED: "a cell failed",
                 EXIT_DIVERGED_AND_FAILED: "a lossless decoder diverged and a cell failed",
-            }[code]
+            }[code],
+            highlight=False,
         )
+        for line in failed_cells(sessions, run_id):
+            console.print(f"  {printable(line)}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(code)
 
 
 run.help = inspect.cleandoc(run.help or "") + "\n\n" + RUN_EXIT_CODES
+
+
+def failed_cells(sessions, run_id: int, limit: int = 10) -> list[str]:
+    """One line per failed cell of the run (``label B=.. T=.. dataset: error``, the error's first line clipped), at
+    most ``limit`` and a count of the rest: what the exit code's "a cell failed" means, on stderr beside it."""
+    from sqlalchemy import select
+
+    from dtbench.harness import db
+
+    with sessions() as s:
+        cells = s.scalars(
+            select(db.Cell).where(db.Cell.run_id == run_id, db.Cell.status == "failed").order_by(db.Cell.id)
+        ).all()
+        lines = [
+            f"{c.label} B={c.batch_size} T={c.gen_length} {c.dataset}: {clip(((c.error or '').strip().splitlines() or ['no error recorded'])[0], 400)}"
+            for c in cells[:limit]
+        ]
+    if len(cells) > limit:
+        lines.append(f"... and {len(cells) - limit} more failed cells (dtbench report --db ... shows them)")
+    return lines
 
 
 def run_exit_code(sessions, run_id: int) -> int:

@@ -140,6 +140,9 @@ def test_bad_step_contents_and_sys_exit_fail_only_their_cells(plugins, pair, tmp
     assert cells["linear"] == ("done", None, 2)  # the run went on after them
     assert run_row(dbfile) == ("completed", None)
     assert "a cell failed" in result.stderr
+    failed = [line.strip() for line in result.stderr.splitlines() if line.startswith("  ")]  # each failed cell, why
+    assert [line.split(" ")[0] for line in failed] == ["float_tokens", "bad_counter", "exits"], result.stderr
+    assert "SystemExit" in failed[2] and "B=1 T=" in failed[2]
 
 
 def test_database_failure_leaves_run_failed_and_resumable(pair, tmp_path, data_dir, monkeypatch):

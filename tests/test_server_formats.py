@@ -227,3 +227,80 @@ def test_single_turn_questions_batch_and_multi_turn_are_refused():
     with pytest.raises(DtbenchError, match="multi-turn"):
         plan_suite(bad)
     assert slot_groups([True, False, False, True, False, False], 2) == [(0, 3), (1, 2), (4, 5)]
+
+
+class _Answer:
+    def __init__(self, tokens):
+        self.status_code = 200
+        self._data = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "__verbose": {"tokens": tokens}}
+
+    def json(self):
+        return self._data
+
+
+def _held_back_record():
+    """A stream of 6 tokens whose ids at positions 1 and 4-5 were held back (llama.cpp: UTF-8 characters split
+    over byte tokens): ids 10, _, 12, 13, _, _ streamed with the text "kmn" (the toy tokenizer below)."""
+    from dtbench.harness.serving.client import RequestRecord
+
+    return RequestRecord(row=0, tokens=[10, 12, 13], text="kmn", decoded=6, gaps=[(1, 2), (4, 6)])
+
+
+def _detok(ids):  # a toy tokenizer: id i is the character chr(97 + i), ids from 20 up are held-back bytes (no text)
+    return "".join(chr(97 + i) for i in ids if i < 20)
+
+
+def test_held_back_ids_from_a_repeat(monkeypatch):
+    """A repeat that agrees with every streamed id fills the held-back ones (``recovered`` "repeat")."""
+    import httpx
+
+    from dtbench.decoders.engines import engine_for
+    from dtbench.harness.serving.client import _recover_ids
+
+    sent = []
+    monkeypatch.setattr(
+        httpx, "post", lambda url, json, timeout: sent.append(json) or _Answer([10, 21, 12, 13, 22, 23])
+    )
+    rec = _held_back_record()
+    _recover_ids("http://x", {"prompt": [1, 2], "max_tokens": 6}, rec, engine_for("llama.cpp"), "s", "log", _detok)
+    assert (rec.tokens, rec.recovered) == ([10, 21, 12, 13, 22, 23], "repeat")
+    assert [b["stream"] for b in sent] == [False]
+
+
+def test_held_back_ids_from_the_streamed_prefix_when_the_repeat_diverges(monkeypatch):
+    """At concurrency > 1 the repeat (run alone) can take another path than the batched stream: it is refused (an id
+    at a streamed position differs), and each gap is filled by a greedy request continuing the streamed output."""
+    import httpx
+
+    from dtbench.decoders.engines import engine_for
+    from dtbench.harness.serving.client import _recover_ids
+
+    sent = []
+
+    def post(url, json, timeout):
+        sent.append(json)
+        if json["prompt"] == [1, 2]:  # the repeat: another path after position 2
+            return _Answer([10, 21, 12, 14, 22, 23])
+        return _Answer({3: [21], 6: [22, 23]}[len(json["prompt"])])
+
+    monkeypatch.setattr(httpx, "post", post)
+    rec = _held_back_record()
+    _recover_ids("http://x", {"prompt": [1, 2], "max_tokens": 6}, rec, engine_for("llama.cpp"), "s", "log", _detok)
+    assert (rec.tokens, rec.recovered) == ([10, 21, 12, 13, 22, 23], "prefix")
+    assert [(b["prompt"], b["max_tokens"]) for b in sent[1:]] == [([1, 2, 10], 1), ([1, 2, 10, 21, 12, 13], 2)]
+
+
+def test_held_back_ids_that_nothing_reproduces_fail_in_one_line(monkeypatch):
+    import httpx
+
+    from dtbench.decoders.engines import engine_for
+    from dtbench.harness.serving import ServerError
+    from dtbench.harness.serving.client import _recover_ids
+
+    monkeypatch.setattr(
+        httpx, "post", lambda url, json, timeout: _Answer([10, 1, 12, 14, 22, 23][: json["max_tokens"]])
+    )
+    rec = _held_back_record()
+    with pytest.raises(ServerError, match="streamed 3 token ids for 6 tokens and neither a repeat nor requests"):
+        _recover_ids("http://x", {"prompt": [1, 2], "max_tokens": 6}, rec, engine_for("llama.cpp"), "s", "log", _detok)
+    assert rec.recovered is None and rec.tokens == [10, 12, 13]

@@ -49,7 +49,8 @@ class RequestRecord:
     finish: str | None = None
     done_s: float = 0.0  # seconds from the group's start to the last read
     decoded: int = 0  # the server's own count of decoded tokens at its last event (llama.cpp), 0 if not sent
-    recovered: bool = False  # token ids taken from a non-streamed repeat (see _recover_ids)
+    gaps: list[tuple[int, int]] = field(default_factory=list)  # output positions [start, end) streamed without ids
+    recovered: str | None = None  # how the held-back ids were found: "repeat" or "prefix" (see _recover_ids)
 
 
 def sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
@@ -104,7 +105,10 @@ async def _one(
                     chunk = engine.parse_event(event)
                     if chunk.decoded is not None:  # llama.cpp holds back a token that ends inside a UTF-8
                         brought += chunk.decoded - decoded  # character and sends the next event with one id only:
-                        decoded = chunk.decoded  # its decoded count says how many tokens the read brought
+                        held = chunk.decoded - decoded - len(chunk.tokens or [])  # its decoded count says how
+                        if held > 0:  # many tokens the read brought; the ids it left out come before its own
+                            record.gaps.append((decoded, decoded + held))
+                        decoded = chunk.decoded
                         record.tokens.extend(chunk.tokens or [])
                     elif chunk.tokens is not None:
                         record.tokens.extend(chunk.tokens)
@@ -113,7 +117,8 @@ async def _one(
                         brought += 1  # a text-only engine: one chunk, token count unknown until re-tokenized
                     final = chunk.counters.get("usage:completion_tokens")
                     if decoded and final is not None and final > decoded:  # the last tokens ended inside a UTF-8
-                        brought += int(final) - decoded  # character: they arrive with the final event
+                        brought += int(final) - decoded  # character: they arrive with the final event, no ids
+                        record.gaps.append((decoded, int(final)))
                         decoded = int(final)
                     record.text += chunk.text
                     record.top.extend(chunk.top)
@@ -172,30 +177,70 @@ async def _metrics(client: Any, base_url: str, engine: Engine) -> dict[str, Any]
 
 
 def _recover_ids(
-    base_url: str, body: dict[str, Any], rec: RequestRecord, engine: Engine, label: str, where: str
+    base_url: str,
+    body: dict[str, Any],
+    rec: RequestRecord,
+    engine: Engine,
+    label: str,
+    where: str,
+    detokenize: Callable[[list[int]], str],
 ) -> None:
     """The token ids of a stream that held tokens back (llama.cpp: a UTF-8 character split over several byte tokens,
-    the event that completes it carries one id): the same request once more, not streamed and not timed, whose answer
-    lists every id (read by the engine adapter); taken only if it has as many tokens and its text begins with the
-    streamed text (a character cut at the end is never streamed).
+    the event that completes it carries one id, ``rec.gaps`` the positions left out), from requests that are not
+    streamed and not timed, whose answers list every id (read by the engine adapter):
+
+    1. *repeat*: the same request once more; taken if it has as many tokens, the ids the stream sent at the same
+       positions and a text that begins with the streamed text (a character cut at the end is never streamed);
+    2. *prefix* (when the repeat took another path: at concurrency > 1 the stream ran batched beside other requests,
+       the repeat alone, and batch shapes round differently): each gap filled by a greedy request continuing from
+       the prompt and the output before it, the filled output taken if its text (``detokenize``, the target's
+       tokenizer) begins with the streamed text.
 
     Raises:
-        ServerError: the repeat's text differs from the streamed text (the ids cannot be told).
+        ServerError: neither reproduced the streamed output (the ids cannot be told).
     """
     import httpx
 
-    response = httpx.post(base_url + "/v1/completions", json={**body, "stream": False}, timeout=600)
-    try:
-        data = response.json() if response.status_code == 200 else {}
-    except ValueError:  # not JSON: the ids cannot be told (below)
-        data = {}
-    answer = engine.parse_event(data) if isinstance(data, dict) and data and "error" not in data else None
-    if answer is not None and answer.tokens and len(answer.tokens) == rec.decoded and answer.text.startswith(rec.text):
-        rec.tokens, rec.recovered = list(answer.tokens), True
+    def ask(extra: dict[str, Any]) -> list[int] | None:
+        response = httpx.post(base_url + "/v1/completions", json={**body, **extra, "stream": False}, timeout=600)
+        try:
+            data = response.json() if response.status_code == 200 else {}
+        except ValueError:  # not JSON: the ids cannot be told (below)
+            data = {}
+        answer = engine.parse_event(data) if isinstance(data, dict) and data and "error" not in data else None
+        return list(answer.tokens) if answer is not None and answer.tokens else None
+
+    held = {i for a, b in rec.gaps for i in range(a, b)}
+    known = iter(rec.tokens)
+    streamed: list[int | None] = [None if i in held else next(known, None) for i in range(rec.decoded)]
+
+    def agrees(ids: list[int] | None) -> bool:
+        return (
+            ids is not None
+            and len(ids) == rec.decoded
+            and all(s is None or s == t for s, t in zip(streamed, ids))
+            and detokenize(ids).startswith(rec.text)
+        )
+
+    ids = ask({})
+    if agrees(ids):
+        rec.tokens, rec.recovered = list(ids or []), "repeat"
         return
+    prompt = body.get("prompt")
+    if rec.gaps and isinstance(prompt, list) and len(held) + len(rec.tokens) == rec.decoded:
+        filled = list(streamed)
+        for a, b in rec.gaps:
+            part = ask({"prompt": [*prompt, *filled[:a]], "max_tokens": b - a})
+            if part is None or len(part) != b - a:
+                break
+            filled[a:b] = part
+        else:
+            if agrees(full := [int(t) for t in filled if t is not None]) and len(full) == rec.decoded:
+                rec.tokens, rec.recovered = full, "prefix"
+                return
     raise ServerError(
-        f"server '{label}' streamed {len(rec.tokens)} token ids for {rec.decoded} tokens and a repeat "
-        f"did not reproduce its text; {where}"
+        f"server '{label}' streamed {len(rec.tokens)} token ids for {rec.decoded} tokens and neither a repeat nor "
+        f"requests continuing the streamed output reproduced its text; {where}"
     )
 
 
@@ -215,6 +260,7 @@ def _send(
     delays: list[float],
     concurrency: int,
     tokenize: Callable[[str], list[int]],
+    detokenize: Callable[[list[int]], str],
 ) -> tuple[list[RequestRecord], float, dict[str, Any]]:
     """The unit's requests through the client: (records, wall seconds, the engine's counters over the unit).
 
@@ -242,7 +288,7 @@ def _send(
         raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
-            _recover_ids(base_url, body, rec, engine, label, where)
+            _recover_ids(base_url, body, rec, engine, label, where, detokenize)
     try:
         group_metrics = engine.metrics_delta(before, after) if after else {}
     except DtbenchError as exc:
@@ -316,6 +362,9 @@ def measure_requests(
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def detokenize(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids, clean_up_tokenization_spaces=False))
+
     bodies, prompt_checks = [], []
     for p in prompts:
         ids = list(p.token_ids)
@@ -333,7 +382,7 @@ def measure_requests(
         len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index), params.burstiness
     )
     records, wall, group_metrics = _send(
-        label, params, engine, base_url, server, where, bodies, delays, concurrency, tokenize
+        label, params, engine, base_url, server, where, bodies, delays, concurrency, tokenize, detokenize
     )
     cell_load, steady = _unit_load(records, wall, concurrency, params.request_rate, gen_length)
     blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
