@@ -64,8 +64,9 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`, on the
     worker that measures the cells (this process with --executor local, the first Ray worker with --executor ray).
     """
-    from dtbench.harness import data, db, engines, models, selection
+    from dtbench.harness import data, models, selection
     from dtbench.harness.plan import plan_suite
+    from dtbench.harness.store import db, engines
     from dtbench.harness.suitefile import load_suite, suite_hash
 
     if max_time < min_time:

@@ -28,7 +28,7 @@ def db_group() -> None:
 @click.option("--db", "db_url", help=DB_HELP)
 def upgrade(db_url) -> None:
     """Create the database at the newest schema revision, or upgrade it (safe while other processes start)."""
-    from dtbench.harness import engines, schema
+    from dtbench.harness.store import engines, schema
 
     url = engines.resolve_url(db_url)
     engines.writer_engine(url).dispose()  # a malformed URL or a missing driver: one line before anything else
@@ -46,7 +46,7 @@ def upgrade(db_url) -> None:
 @click.option("--db", "db_url", help=DB_HELP)
 def current(db_url) -> None:
     """Show the database's schema revision and whether it is this dtbench's (read only; exit 2 if not usable)."""
-    from dtbench.harness import engines, schema
+    from dtbench.harness.store import engines, schema
 
     url = engines.resolve_url(db_url)
     engine = engines.reader_engine(url)

@@ -250,7 +250,7 @@ def run_summary(url: str) -> dict[str, Any]:
 
     from sqlalchemy import select
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
     from dtbench.reports.stats import cell_lossless, cell_throughput
 
     sessions = db.connect(url, create=False)

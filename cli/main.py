@@ -240,8 +240,9 @@ def run(
     """
     from sqlalchemy import select
 
-    from dtbench.harness import db, engines, load
+    from dtbench.harness import load
     from dtbench.harness.runner import make_executor, run_suite
+    from dtbench.harness.store import db, engines
     from dtbench.harness.suitefile import load_suite, suite_hash
 
     quiet_below = None if require_quiet is None else load.quiet_threshold(require_quiet)
@@ -308,7 +309,7 @@ def failed_cells(sessions, run_id: int, limit: int = 10) -> list[str]:
     most ``limit`` and a count of the rest: what the exit code's "a cell failed" means, on stderr beside it."""
     from sqlalchemy import select
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     with sessions() as s:
         cells = s.scalars(
@@ -329,7 +330,7 @@ def run_exit_code(sessions, run_id: int) -> int:
     cell failed, EXIT_DIVERGED_AND_FAILED for both, else EXIT_OK."""
     from sqlalchemy import exists, select
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     with sessions() as s:
         failed = s.scalar(select(exists().where(db.Cell.run_id == run_id, db.Cell.status == "failed")))

@@ -24,7 +24,7 @@ of all repeats is within ``rel_tol`` of the median of the first half (stable), o
 are built before the clock starts: what is timed is the model forward alone, so decoder overhead (mask building,
 cache copies, host syncs) shows up in the cost model's efficiency, not in its prediction.
 
-Storage (table ``calibrations``, :class:`dtbench.harness.db.Calibration`): one row per point, all rows of one
+Storage (table ``calibrations``, :class:`dtbench.harness.store.db.Calibration`): one row per point, all rows of one
 calibration sharing ``batch``. A suite's calibration has ``run_id`` = its run; a standalone calibration has
 ``run_id`` NULL and no ``runs`` row (a runs row without cells would become "the latest run" of ``dtbench report``);
 the cost model matches it to a run by target/draft model, dtype, device and device name.

@@ -32,7 +32,7 @@ def store(
     ``device_name``: the measuring worker's (default: :func:`~dtbench.harness.machine.device_name` of ``device``
     in this process)."""
     from dtbench.harness import machine
-    from dtbench.harness.db import Calibration
+    from dtbench.harness.store.db import Calibration
 
     batch = uuid.uuid4().hex
     if device_name is None:
@@ -108,7 +108,7 @@ def before_cells(
     hand them to the executor's workers."""
     from sqlalchemy import select
 
-    from dtbench.harness.db import Calibration, Run
+    from dtbench.harness.store.db import Calibration, Run
     from dtbench.harness.suitefile import suite_hash
 
     if not (suite.calibrate or auto_cells(plan)):

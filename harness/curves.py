@@ -173,7 +173,7 @@ def load_curves(session, run) -> Curves | None:
     the same target (model, dtype), device and device name (and draft, where both have one); None without any."""
     from sqlalchemy import select
 
-    from dtbench.harness.db import Calibration
+    from dtbench.harness.store.db import Calibration
 
     rows = session.scalars(
         select(Calibration).where(Calibration.run_id == run.id).order_by(Calibration.id.desc())

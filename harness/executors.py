@@ -1,11 +1,12 @@
 """Executors: where a run's prompt groups are measured (issue 11), and its cost model calibrated (issue 12).
 
 The driver (:func:`dtbench.harness.runner.run_suite`) owns the run: it plans the suite, tokenizes the prompts, writes
-the run and cell rows, refreshes the heartbeat (:mod:`dtbench.harness.runs`), shows the progress bar and commits every
-outcome through :func:`~dtbench.harness.runner.commit_outcome` — one writer, so SQLite works as well as PostgreSQL. An
-:class:`Executor` owns the workers: each loads the target and draft once (:class:`~dtbench.harness.worker.Worker`),
-receives whole prompt groups (a reference and every decoder that depends on it, in plan order, on one device) and
-hands back each :class:`~dtbench.harness.cells.Outcome` as soon as it is measured.
+the run and cell rows, refreshes the heartbeat (:mod:`dtbench.harness.store.runs`), shows the progress bar and commits
+every outcome through :func:`~dtbench.harness.runner.commit_outcome` — one writer, so SQLite works as well as
+PostgreSQL. An :class:`Executor` owns the workers: each loads the target and draft once
+(:class:`~dtbench.harness.worker.Worker`), receives whole prompt groups (a reference and every decoder that depends on
+it, in plan order, on one device) and hands back each :class:`~dtbench.harness.cells.Outcome` as soon as it is
+measured.
 
 - :class:`LocalExecutor`: one worker inside the driver's process (``--executor local``, the default).
 - :class:`~dtbench.harness.ray_executor.RayExecutor`: Ray actors (``--executor ray``): one per GPU (``num_gpus=1``)

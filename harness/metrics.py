@@ -60,8 +60,8 @@ def column_of(record: Any, name: str) -> Any:
 
 def group_key(cell: Any) -> tuple[str, int, int, int]:
     """A cell's group, (dataset, L_max, T, batch size B) (:data:`GROUP`): the cells a speedup, a paper table or a
-    cost-model row compares. ``cell``: an ORM :class:`~dtbench.harness.db.Cell`, a mapping or a summary row; a cell
-    stored before batch sizes existed (no or a NULL ``batch_size``) is B = 1."""
+    cost-model row compares. ``cell``: an ORM :class:`~dtbench.harness.store.db.Cell`, a mapping or a summary row; a
+    cell stored before batch sizes existed (no or a NULL ``batch_size``) is B = 1."""
     try:
         b = column_of(cell, "batch_size")
     except (KeyError, AttributeError):

@@ -2,7 +2,7 @@
 
 The plan (:mod:`dtbench.harness.plan`) says what runs in which order; an executor (:mod:`dtbench.harness.executors`)
 hands prompt groups to workers (:mod:`dtbench.harness.worker`: the models, measuring one group); the run rows'
-ownership, heartbeat and resume checks are :mod:`dtbench.harness.runs`. This module drives them: :func:`run_suite`
+ownership, heartbeat and resume checks are :mod:`dtbench.harness.store.runs`. This module drives them: :func:`run_suite`
 (load what the plan needs, open the run and its cells, calibrate if asked, execute, close the run with a true
 status) and :func:`commit_outcome` (the single writer: each sample is committed at once, so a killed run loses at
 most the sample in flight and ``--resume`` continues where it stopped).
@@ -23,15 +23,15 @@ from dtbench.core import redact_credentials, redact_json
 from dtbench.harness import calibrate_run, chat, data, executors, load, models, questions, registry, selection
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.cells import Outcome
-from dtbench.harness.db import Cell, Run, Sample, utcnow
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import group_key
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
 from dtbench.harness.preflight import preflight
 from dtbench.harness.prompt import Prompt
-from dtbench.harness.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference, SampleRecord
+from dtbench.harness.store.db import Cell, Run, Sample, utcnow
+from dtbench.harness.store.runs import Heartbeat, check_resumable, open_run
 from dtbench.harness.suite import Suite
 
 

@@ -3,7 +3,7 @@ sample is compared with.
 
 :class:`SampleRecord` is what a worker produces for one (cell, prompt) and the ``samples`` table stores (the table's
 columns are these fields plus its bookkeeping ``id``, ``cell_id`` and ``created_at``; tests/test_db.py asserts they
-are equal, so a new column is a field here, a column in :class:`dtbench.harness.db.Sample` and a migration). Every
+are equal, so a new column is a field here, a column in :class:`dtbench.harness.store.db.Sample` and a migration). Every
 other shape is derived from it: the plain dict shipped between processes (:meth:`SampleRecord.as_row`), the row the
 runner stores, the columns the reports read back (:data:`COLUMNS`). Definitions of the metrics:
 :mod:`dtbench.harness.metrics` (:func:`~dtbench.harness.metrics.sample_row` fills the measurement's part).

@@ -158,7 +158,7 @@ def report_command(
         DtbenchError: a bad combination of options, an unknown run, an empty run, an unwritable path.
         click.exceptions.Exit: with code 1 when a ``--fail-if`` gate trips.
     """
-    from dtbench.harness import db
+    from dtbench.harness.store import db
     from dtbench.reports.compare import Gate
 
     pair = len(runs) == 2

@@ -26,7 +26,7 @@ from scipy import stats
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import ALIASES, GATEABLE, Metric
 from dtbench.harness.metrics import METRICS as REGISTRY
-from dtbench.harness.runs import MUST_MATCH
+from dtbench.harness.store.runs import MUST_MATCH
 from dtbench.reports.stats import (
     GROUP,
     KEY,
@@ -312,7 +312,7 @@ def _differences(b: pd.Series, a: pd.Series, env_reasons: list[str]) -> list[str
 
 
 def env_differences(before_env: dict, after_env: dict) -> list[str]:
-    """The environment keys two measurements must share (:data:`dtbench.harness.runs.MUST_MATCH`, the list
+    """The environment keys two measurements must share (:data:`dtbench.harness.store.runs.MUST_MATCH`, the list
     ``--resume-run`` checks too) on which two runs' environments differ, as ``"torch 2.5.0 → 2.6.0"``, and the hardware flags
     (``environment["hardware"]``, :func:`~dtbench.harness.machine.hardware_flags`) when both runs recorded them:
     the same CPU model with and without AVX-512 BF16 (a VM hiding it) gives opposite bf16 results."""

@@ -76,7 +76,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     predicted share of target and draft forwards, for chain-family cells the predicted best K and for tree-family
     cells the predicted best N_max (module docstring)."""
     from dtbench.harness.curves import auto_budget
-    from dtbench.harness.db import Cell, Sample
+    from dtbench.harness.store.db import Cell, Sample
 
     rows = session.execute(
         select(Cell, Sample)
@@ -421,7 +421,7 @@ def verify_figure(curves, sizes: dict[str, float]):
 def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> list[Path]:
     """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
     from dtbench.harness.curves import load_curves
-    from dtbench.harness.db import Cell, Sample
+    from dtbench.harness.store.db import Cell, Sample
     from dtbench.reports.plotting import save_figures
     from dtbench.reports.summary import get_run
 

@@ -153,7 +153,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
     (:func:`predicted_batch_speedup` from the same decoder's B = 1 cell), and per decoder the measured and predicted
     crossover B* and the predicted best K / N_max per B (notes). Empty when the run has no batched curve or no B > 1.
     """
-    from dtbench.harness.db import Cell
+    from dtbench.harness.store.db import Cell
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.summary import samples_frame
 

@@ -24,8 +24,8 @@ import math
 import pandas as pd
 from sqlalchemy import select
 
-from dtbench.harness.db import Cell, Sample
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING
+from dtbench.harness.store.db import Cell, Sample
 from dtbench.harness.values import percentiles
 from dtbench.reports.stats import is_missing, per_prompt_rows, remainder_mask, show
 

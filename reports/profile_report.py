@@ -31,7 +31,7 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
     """
     from sqlalchemy import select
 
-    from dtbench.harness.db import Cell, Sample
+    from dtbench.harness.store.db import Cell, Sample
 
     rows = session.execute(
         select(Cell, Sample)

@@ -45,7 +45,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
         Columns dataset, l_max, gen_length, label, decoder, batch_size, best_k, predicted_speedup, measured_best_k,
         measured_speedup.
     """
-    from dtbench.harness.db import Cell
+    from dtbench.harness.store.db import Cell
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.costmodel_batch import b1_frame, b1_parameters, best_k_at, price_proposers
     from dtbench.reports.stats import family_of

@@ -26,10 +26,10 @@ import math
 import pandas as pd
 from sqlalchemy import select
 
-from dtbench.harness.db import Cell, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.questions import GROUPS
+from dtbench.harness.store.db import Cell, Sample
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 from dtbench.reports.stats import show
 

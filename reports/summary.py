@@ -25,11 +25,11 @@ from sqlalchemy.orm import Session
 
 from dtbench.harness import load
 from dtbench.harness.bounds import valid_id
-from dtbench.harness.db import Cell, Run, Sample
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.load import COLUMNS as LOAD_COLUMNS
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
 from dtbench.harness.sample import SCALAR_COLUMNS
+from dtbench.harness.store.db import Cell, Run, Sample
 from dtbench.reports.stats import (
     GROUP,
     KEY,

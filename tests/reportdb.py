@@ -12,9 +12,10 @@ from typing import Any
 
 import yaml
 
-from dtbench.harness import db, registry
-from dtbench.harness.db import Cell, Run, Sample
+from dtbench.harness import registry
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store import db
+from dtbench.harness.store.db import Cell, Run, Sample
 
 ENV = {
     "dtbench": "0.1.0",

@@ -31,10 +31,11 @@ from dtbench.decoders.hf_assisted import HFGenerate
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.suffix import SuffixDecoding
-from dtbench.harness import db, measure
+from dtbench.harness import measure
 from dtbench.harness import models as harness_models
 from dtbench.harness.grouping import batch_groups
 from dtbench.harness.plan import plan_suite
+from dtbench.harness.store import db
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import SHARP, VOCAB
 

@@ -144,7 +144,7 @@ def test_a_family_outside_the_four_is_a_one_line_error(plugins, tmp_path):
 
 def test_plugins_calibrated_priced_and_tabled_by_family(plugins, tmp_path, data_dir, monkeypatch):
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     target, draft = tiny_pair(tmp_path)

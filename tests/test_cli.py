@@ -9,7 +9,8 @@ import yaml
 from kit import invoke, one_line_error, write_suite
 from sqlalchemy import func, select
 
-from dtbench.harness import db, registry
+from dtbench.harness import registry
+from dtbench.harness.store import db
 
 TINY = {
     "name": "tiny",

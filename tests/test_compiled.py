@@ -28,7 +28,8 @@ from dtbench.decoders.dynatree import DynaTree
 from dtbench.decoders.fixed_tree import FixedTree
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.ngram import Ngram, NgramParams
-from dtbench.harness import db, roofline
+from dtbench.harness import roofline
+from dtbench.harness.store import db
 from dtbench.harness.testkit import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -338,7 +338,7 @@ def test_best_k_from_costs():
 def test_calibration_round_trips_through_the_database(tmp_path):
     from reportdb import add_run
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     sessions = db.connect(f"sqlite:///{tmp_path / 'r.db'}")
     points = [
@@ -425,7 +425,7 @@ def test_cost_model_without_calibration_is_a_one_line_error(tmp_path):
     from kit import invoke
     from reportdb import add_cell, add_run, add_samples
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     path = tmp_path / "r.db"
     sessions = db.connect(f"sqlite:///{path}")
@@ -472,7 +472,7 @@ def test_run_with_calibrate_and_auto_budget(tmp_path, data_dir, monkeypatch):
     from kit import invoke, suite_dict, tiny_pair, write_suite
 
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     monkeypatch.setattr(calibrate_run, "Settings", Fast)
     target, draft = tiny_pair(tmp_path)

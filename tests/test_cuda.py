@@ -144,9 +144,9 @@ def test_ray_executor_one_worker_per_gpu(tmp_path, data_dir):
     from rich.console import Console
     from sqlalchemy import select
 
-    from dtbench.harness import db
     from dtbench.harness.executors import RayExecutor
     from dtbench.harness.runner import run_suite
+    from dtbench.harness.store import db
     from dtbench.harness.suitefile import load_suite
 
     suite = suite_dict(*tiny_pair(tmp_path), [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], device="cuda")

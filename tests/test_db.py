@@ -14,10 +14,10 @@ from sqlalchemy.exc import IntegrityError
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
-from dtbench.harness import db
 from dtbench.harness.measure import measure
 from dtbench.harness.metrics import first_divergence, sample_row
 from dtbench.harness.prompt import Prompt
+from dtbench.harness.store import db
 
 
 @pytest.fixture()
@@ -202,8 +202,8 @@ def test_the_sample_record_is_the_samples_table():
     agree on nullability (a field with a default of None is a nullable column)."""
     import dataclasses
 
-    from dtbench.harness.db import Sample
     from dtbench.harness.sample import COLUMNS, SampleRecord
+    from dtbench.harness.store.db import Sample
 
     table = {c.name: c for c in Sample.__table__.columns}
     assert set(table) - {"id", "cell_id", "created_at"} == set(COLUMNS)

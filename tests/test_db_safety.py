@@ -24,8 +24,8 @@ from kit import invoke, one_line_error
 from sqlalchemy import create_engine, func, inspect, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from dtbench.harness import db
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store import db
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results-0001.db"
 
@@ -33,7 +33,7 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results-0001.db"
 # as a writer and store one run with `samples` samples, committing each.
 CHILD = textwrap.dedent("""
     import os, sys, time
-    from dtbench.harness import db
+    from dtbench.harness.store import db
     url, gate, samples = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
     while time.time() < gate:
         pass
@@ -87,7 +87,7 @@ def test_processes_creating_a_new_database_at_once_all_succeed(db_url):
     failed = [err.strip().splitlines()[-1] for rc, err in results if rc != 0]
     assert not failed, failed
     assert count(db_url, "runs") == 6 and count(db_url, "samples") == 6
-    from dtbench.harness import schema
+    from dtbench.harness.store import schema
 
     engine = create_engine(db_url)
     try:

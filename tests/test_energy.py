@@ -15,12 +15,13 @@ from models import model_zoo
 from rich.console import Console
 from sqlalchemy import select
 
-from dtbench.harness import db, energy
+from dtbench.harness import energy
 from dtbench.harness.energy import COUNTER_RESET, MEASURED, TOO_SHORT, UNAVAILABLE, Counter, EnergyTracker, Meter
 from dtbench.harness.measure import measure
 from dtbench.harness.metrics import BY_NAME, sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runner import run_suite
+from dtbench.harness.store import db
 from dtbench.harness.suitefile import load_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")

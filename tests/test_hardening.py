@@ -137,7 +137,8 @@ def test_every_load_passes_trust_remote_code_false(monkeypatch):
 def test_run_prints_no_password(tmp_path, monkeypatch):
     """`run` ends with 'run N stored in URL': the URL's password is masked. (The database and the run are stubbed:
     no PostgreSQL server is needed to see what is printed.)"""
-    from dtbench.harness import db, runner
+    from dtbench.harness import runner
+    from dtbench.harness.store import db
 
     real_connect = db.connect
     urls = []
@@ -178,7 +179,7 @@ def test_control_characters_in_names_are_refused(tmp_path, where):
 def _hostile_db(tmp_path) -> str:
     import reportdb
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     path = tmp_path / "hostile.db"
     sessions = db.connect(str(path))
@@ -428,7 +429,7 @@ def test_huge_run_ids_are_no_such_run(tmp_path, args):
 
 
 def test_huge_resume_run_id(tmp_path, data_dir):
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     dbfile = tmp_path / "r.db"
     db.connect(str(dbfile))
@@ -469,7 +470,7 @@ def _as_non_root(monkeypatch):
 def _stored_db(folder) -> str:
     import reportdb
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     folder.mkdir(exist_ok=True)
     path = folder / "results.db"
@@ -602,7 +603,8 @@ def test_resuming_a_live_run_is_refused_before_models_load(tmp_path, monkeypatch
 
     from sqlalchemy import select
 
-    from dtbench.harness import db, models
+    from dtbench.harness import models
+    from dtbench.harness.store import db
     from dtbench.harness.suitefile import load_suite, suite_hash
 
     path = write_suite(tmp_path, TINY)

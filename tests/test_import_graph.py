@@ -12,14 +12,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("harness", "decoders", "reports", "cli")  # folder -> dtbench.<folder> (pyproject's package-dir)
 CORE = ("core", "api")  # dtbench/<name>.py -> dtbench.<name>
+MIGRATIONS = Path("harness", "store", "migrations")  # Alembic loads env.py and versions/ by path: data, not modules
 
 
 def modules() -> dict[str, Path]:
-    """dtbench module name -> source file (Alembic's migration scripts are data files, not modules)."""
+    """dtbench module name -> source file (Alembic's migration scripts are data files, not modules; the migrations'
+    baseline module is one)."""
     out = {}
     for pkg in PACKAGES:
         for f in sorted((ROOT / pkg).rglob("*.py")):
-            if "migrations" in f.relative_to(ROOT).parts:
+            rel = f.relative_to(ROOT)
+            if rel == MIGRATIONS / "env.py" or MIGRATIONS / "versions" in rel.parents:
                 continue
             parts = [pkg, *f.relative_to(ROOT / pkg).with_suffix("").parts]
             if parts[-1] == "__init__":
@@ -208,6 +211,39 @@ def test_serving_is_a_package_by_its_seams():
     assert inside[f"{serving}.client"] == [f"{serving}.check", f"{serving}.process", f"{serving}.traffic"]
     engines = [t for m, ts in edges.items() if m.startswith("dtbench.decoders.engines") for t in ts]
     assert "dtbench.decoders.server" not in engines and not any(t.startswith("dtbench.harness") for t in engines)
+
+
+def test_store_is_a_package_by_its_seams():
+    """harness/store (issue 40 item 3): the results database, apart from the serving engines. Database URLs and
+    engines import no other part of it; the schema versions only those and the migrations' frozen baseline; the ORM
+    models both; run rows the models. It stands on the harness's leaf modules, never on the serving package, the
+    decoders (whose engines are serving engines), reports or the CLI; serving writes no rows itself."""
+    mods = modules()
+    edges, _ = imports(mods)
+    store = "dtbench.harness.store"
+    assert "dtbench.harness.engines" not in mods and "dtbench.harness.db" not in mods  # one name, one meaning
+    assert {m for m in mods if m.startswith(store + ".")} == {
+        f"{store}.db",
+        f"{store}.engines",
+        f"{store}.migrations.baseline",
+        f"{store}.runs",
+        f"{store}.schema",
+    }
+    inside = {m: sorted(t for t in ts if t.startswith(store + ".")) for m, ts in edges.items() if m.startswith(store)}
+    assert inside[f"{store}.engines"] == [] and inside[f"{store}.migrations.baseline"] == []
+    assert inside[f"{store}.schema"] == [f"{store}.engines", f"{store}.migrations.baseline"]
+    assert inside[f"{store}.db"] == [f"{store}.engines", f"{store}.schema"]
+    assert inside[f"{store}.runs"] == [f"{store}.db"]
+    outside = sorted({t for m, ts in edges.items() if m.startswith(store) for t in ts if not t.startswith(store)})
+    assert outside == [
+        "dtbench.core",
+        "dtbench.harness.bounds",
+        "dtbench.harness.errors",
+        "dtbench.harness.safetext",
+        "dtbench.harness.suitefile",
+    ]
+    serving = "dtbench.harness.serving"
+    assert not [f"{m} -> {t}" for m, ts in edges.items() if m.startswith(serving) for t in ts if t.startswith(store)]
 
 
 def test_the_example_plugin_imports_only_the_public_api():

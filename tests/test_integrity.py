@@ -16,7 +16,8 @@ import pytest
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 from sqlalchemy import func, select
 
-from dtbench.harness import cells, db, registry, runs
+from dtbench.harness import cells, registry
+from dtbench.harness.store import db, runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

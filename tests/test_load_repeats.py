@@ -17,8 +17,9 @@ import pytest
 from kit import invoke, suite_dict, tiny_pair, write_suite
 from sqlalchemy import select
 
-from dtbench.harness import db, load
+from dtbench.harness import load
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store import db
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

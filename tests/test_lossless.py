@@ -19,8 +19,9 @@ from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
 from sqlalchemy import select
 
 from dtbench.decoders import kv
-from dtbench.harness import db, lossless, measure
+from dtbench.harness import lossless, measure
 from dtbench.harness import models as harness_models
+from dtbench.harness.store import db
 from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

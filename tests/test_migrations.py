@@ -12,8 +12,8 @@ import pytest
 from kit import invoke, one_line_error
 from sqlalchemy import MetaData, create_engine, inspect, select, text
 
-from dtbench.harness import db, engines, schema
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store import db, engines, schema
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 OLD_DB = FIXTURES / "results-0001.db"

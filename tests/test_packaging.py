@@ -29,7 +29,7 @@ def test_editable_install_maps_the_folders(tmp_path):
 
 
 def _head() -> str:
-    from dtbench.harness import schema
+    from dtbench.harness.store import schema
 
     return schema.head()
 
@@ -78,10 +78,14 @@ def test_wheel_installs_and_imports(tmp_path):
     # The Alembic migrations ship as package data: without them no database can be created or upgraded.
     migrations = {
         p.relative_to(ROOT).as_posix()
-        for p in (ROOT / "harness" / "migrations").rglob("*")
+        for p in (ROOT / "harness" / "store" / "migrations").rglob("*")
         if p.is_file() and p.suffix in (".py", ".mako")
     }
-    assert migrations >= {"harness/migrations/env.py", "harness/migrations/versions/0001_initial.py"}
+    assert migrations >= {
+        "harness/store/migrations/env.py",
+        "harness/store/migrations/baseline.py",
+        "harness/store/migrations/versions/0001_initial.py",
+    }
     for rel in migrations:
         assert f"dtbench/{rel}" in names, f"{rel} missing from the wheel"
     site = tmp_path / "site"
@@ -92,7 +96,7 @@ def test_wheel_installs_and_imports(tmp_path):
         "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
         "assert {!r} in r.__file__, r.__file__;"
         # the installed migrations create a database at the newest revision
-        "from dtbench.harness import db, schema; assert {!r} in schema.MIGRATIONS.as_posix();"
+        "from dtbench.harness.store import db, schema; assert {!r} in schema.MIGRATIONS.as_posix();"
         "db.connect({!r}); assert schema.ensure_current({!r})[0] == schema.head() == {!r}"
     ).format(
         str(ROOT), str(site), str(site), str(site), str(tmp_path / "w.db"), f"sqlite:///{tmp_path / 'w.db'}", _head()

@@ -116,7 +116,7 @@ def test_cells_store_their_sweep_point(tmp_path, data_dir):
     from kit import suite_dict, tiny_pair, write_suite
     from sqlalchemy import select
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     pair = tiny_pair(tmp_path / "models")
     suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "label": "Lin", "sweep": {"k": [1, 2]}}])

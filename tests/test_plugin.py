@@ -167,7 +167,7 @@ def test_dtbench_run_with_the_plugin(plugin, tmp_path, data_dir, broken_plugin):
     import yaml
     from sqlalchemy import select
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     suite = {
         "name": "plugin",

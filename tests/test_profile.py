@@ -147,7 +147,7 @@ def test_cli_prints_and_writes_schema_valid_json(fixed_run, tmp_path):
 def test_planted_inconsistency_fails_loudly(fixed_run, tmp_path):
     path, _ = fixed_run
     with reportdb.connect(path)() as session:
-        from dtbench.harness.db import Cell, Sample
+        from dtbench.harness.store.db import Cell, Sample
 
         cell = session.query(Cell).filter_by(label="dynatree").one()
         sample = session.query(Sample).filter_by(cell_id=cell.id, warmup=False).first()

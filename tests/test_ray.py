@@ -28,11 +28,12 @@ from rich.console import Console
 from sqlalchemy import func, select
 
 from dtbench.harness import calibrate as cal
-from dtbench.harness import calibrate_run, db
+from dtbench.harness import calibrate_run
 from dtbench.harness.curves import FED_MASK
 from dtbench.harness.executors import LocalExecutor
 from dtbench.harness.ray_executor import RayExecutor
 from dtbench.harness.runner import run_suite
+from dtbench.harness.store import db
 from dtbench.harness.suitefile import load_suite
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'dtbench[ray]')")

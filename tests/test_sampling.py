@@ -206,7 +206,7 @@ def test_suite_sampling_through_the_runner(tmp_path, data_dir):
     from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
     from sqlalchemy import select
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
 
     pair = tiny_pair(tmp_path / "models")
     decoders = [
@@ -274,7 +274,7 @@ def test_speedups_pair_cells_that_decode_the_same_way(tmp_path):
     """A sampled decoder's speedup is against the AR cell sampled with the same settings, not the greedy one."""
     import reportdb
 
-    from dtbench.harness import db
+    from dtbench.harness.store import db
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.summary import samples_frame, summarize
 

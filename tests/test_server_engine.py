@@ -145,8 +145,8 @@ def test_plain_vs_speculative_end_to_end(tmp_path, data_dir, no_leftovers):
     assert out.returncode == 0, out.stderr[-3000:]
     from sqlalchemy import select
 
-    from dtbench.harness import db as dbm
-    from dtbench.harness.db import Cell, Sample
+    from dtbench.harness.store import db as dbm
+    from dtbench.harness.store.db import Cell, Sample
 
     sessions = dbm.connect(f"sqlite:///{db}", create=False)
     with sessions() as s:
@@ -228,8 +228,8 @@ def test_server_that_does_not_start(tmp_path, data_dir, no_leftovers):
     out = _run(["run", str(suite), "--db", f"sqlite:///{db}", "--data-dir", str(data_dir)], tmp_path, data_dir)
     from sqlalchemy import select
 
-    from dtbench.harness import db as dbm
-    from dtbench.harness.db import Cell, Sample
+    from dtbench.harness.store import db as dbm
+    from dtbench.harness.store.db import Cell, Sample
 
     with dbm.connect(f"sqlite:///{db}", create=False)() as s:
         cell = s.scalars(select(Cell)).one()
@@ -332,8 +332,8 @@ def test_ctrl_c_during_a_cell(tmp_path, data_dir, no_leftovers):
     assert proc.returncode != 0 and "interrupted" in err and "Traceback" not in err
     from sqlalchemy import select
 
-    from dtbench.harness import db as dbm
-    from dtbench.harness.db import Cell, Run
+    from dtbench.harness.store import db as dbm
+    from dtbench.harness.store.db import Cell, Run
 
     with dbm.connect(f"sqlite:///{db}", create=False)() as s:
         assert s.scalars(select(Run)).one().status == "interrupted"

@@ -11,8 +11,9 @@ import yaml
 from kit import invoke
 from sqlalchemy import select
 
-from dtbench.harness import db, models
+from dtbench.harness import models
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store import db
 from dtbench.harness.suite import ModelSpec
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "gpu-smoke.yaml"

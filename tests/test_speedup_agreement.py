@@ -10,7 +10,7 @@ import math
 import pytest
 import reportdb
 
-from dtbench.harness import db
+from dtbench.harness.store import db
 from dtbench.reports import costmodel, stats
 from dtbench.reports.compare import per_prompt, speedup_table
 from dtbench.reports.html import build_html
@@ -125,7 +125,7 @@ def test_the_baseline_pairs_by_run_group_and_decoding():
 
 
 def test_compare_and_resume_check_the_same_environment_keys():
-    from dtbench.harness.runs import MUST_MATCH
+    from dtbench.harness.store.runs import MUST_MATCH
     from dtbench.reports.compare import env_differences
 
     base = dict(reportdb.ENV, target={"model": "t"}, draft=None)

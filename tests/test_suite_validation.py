@@ -10,7 +10,8 @@ import pytest
 from kit import invoke, one_line_error, save_tiny_llama, suite_dict, write_suite
 from sqlalchemy import func, select
 
-from dtbench.harness import db, models
+from dtbench.harness import models
+from dtbench.harness.store import db
 from dtbench.harness.suitebase import MAX_GRID
 from dtbench.harness.suitefile import MAX_NODES
 

@@ -7,7 +7,7 @@ from reportdb import add_cell, add_run, add_samples
 
 from dtbench.cli.main import cli
 from dtbench.decoders.dynatree import DynaTreeParams
-from dtbench.harness import db
+from dtbench.harness.store import db
 from dtbench.reports.summary import samples_frame, summarize
 from dtbench.reports.tuning import best_setting, tuning_line
 

@@ -1,6 +1,6 @@
 """The schema of dtbench before migrations existed (what ``Base.metadata.create_all`` made at commit 02deb54).
 
-Databases written then have no ``alembic_version`` table; :mod:`dtbench.harness.schema` recognises them by their
+Databases written then have no ``alembic_version`` table; :mod:`dtbench.harness.store.schema` recognises them by their
 tables and columns and stamps them with this revision before upgrading.
 
 Revision ID: 0001

@@ -30,7 +30,7 @@ FLOATS = ("load_start", "load_end", "others_load_max", "others_cpu_s", "capacity
           "cpu_mhz_end")
 
 
-def _old_unique(bind) -> str | None:
+def _old_unique(bind: sa.Connection) -> str | None:
     for uq in sa.inspect(bind).get_unique_constraints("samples"):
         if set(uq["column_names"]) == {"cell_id", "prompt_index"}:
             return uq["name"]

@@ -12,6 +12,8 @@ Revises: 0007
 Create Date: 2026-11-25
 """
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -20,7 +22,7 @@ down_revision = "0007"
 branch_labels = None
 depends_on = None
 
-SAMPLE_COLUMNS = [
+SAMPLE_COLUMNS: list[tuple[str, sa.types.TypeEngine[Any]]] = [
     ("lossless_checked", sa.Integer()), ("lossless_ties", sa.Integer()), ("lossless_errors", sa.Integer()),
     ("lossless_first_error", sa.Integer()), ("lossless_error_margin", sa.Float()), ("lossless_tie_margin", sa.Float()),
     ("lossless_noise", sa.Float()), ("lossless_check_s", sa.Float()), ("lossless_diagnoses", sa.JSON()),

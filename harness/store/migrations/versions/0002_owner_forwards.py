@@ -13,6 +13,8 @@ Revises: 0001
 Create Date: 2026-11-22
 """
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -24,7 +26,7 @@ depends_on = None
 BYTES = ("peak_rss_bytes", "peak_allocated_bytes", "peak_nvml_bytes")
 
 
-NEW_COLUMNS = {
+NEW_COLUMNS: dict[str, list[sa.Column[Any]]] = {
     "runs": [
         sa.Column("owner_host", sa.String(length=255), nullable=True),
         sa.Column("owner_pid", sa.Integer(), nullable=True),

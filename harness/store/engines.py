@@ -1,8 +1,8 @@
 """Database URLs and engines: resolving ``--db`` / ``$DTBENCH_DB``, showing a URL (password masked), a writer
 engine (SQLite: WAL, busy timeout, foreign keys) and a reader engine that cannot change the database.
 
-Used by :mod:`dtbench.harness.db` (``connect``) and :mod:`dtbench.harness.schema` (migrations under a lock); it
-imports neither.
+Used by :mod:`dtbench.harness.store.db` (``connect``) and :mod:`dtbench.harness.store.schema` (migrations under a
+lock); it imports neither.
 """
 
 from __future__ import annotations

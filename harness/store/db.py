@@ -7,7 +7,8 @@ Times are seconds, memory bytes, throughput tokens/s. Timestamps are stored in U
 datetimes on every backend (SQLite keeps no offset; PostgreSQL's ``timestamptz`` is converted), so reports are
 the same whichever database holds the run.
 
-URLs and engines (writer, read-only reader) are :mod:`dtbench.harness.engines`. The schema is versioned by Alembic (``harness/migrations``, driven by :mod:`dtbench.harness.schema`): a writer
+URLs and engines (writer, read-only reader) are :mod:`dtbench.harness.store.engines`. The schema is versioned by
+Alembic (``harness/store/migrations``, driven by :mod:`dtbench.harness.store.schema`): a writer
 (``connect(url)``, ``dtbench run``) creates or upgrades the schema under a cross-process lock; a reader
 (``connect(url, create=False)``, ``dtbench report``) opens the database read-only and refuses one that is not at
 this code's revision. PostgreSQL works through ``postgresql+psycopg://...`` (``pip install dtbench[postgres]``).
@@ -36,9 +37,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship, sessionmaker
 
-from dtbench.harness import schema
-from dtbench.harness.engines import check_writable, reader_engine, resolve_url, writer_engine
 from dtbench.harness.safetext import printable
+from dtbench.harness.store import schema
+from dtbench.harness.store.engines import check_writable, reader_engine, resolve_url, writer_engine
 
 
 def utcnow() -> datetime:

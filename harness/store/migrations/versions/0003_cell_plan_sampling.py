@@ -16,6 +16,7 @@ Create Date: 2026-11-22
 
 import itertools
 import json
+from typing import Any
 
 import sqlalchemy as sa
 import yaml
@@ -27,13 +28,13 @@ branch_labels = None
 depends_on = None
 
 
-def _sweep_points(suite_text: str) -> dict[str, tuple[str, dict]]:
+def _sweep_points(suite_text: str) -> dict[str, tuple[str | None, dict[str, Any]]]:
     """label -> (sweep entry label, point) for every sweep point a stored suite expanded to; {} if unreadable."""
     try:
         data = yaml.safe_load(suite_text or "")
     except yaml.YAMLError:
         return {}
-    out: dict[str, tuple[str, dict]] = {}
+    out: dict[str, tuple[str | None, dict[str, Any]]] = {}
     for entry in (data or {}).get("decoders") or [] if isinstance(data, dict) else []:
         if not isinstance(entry, dict) or not isinstance(entry.get("sweep"), dict) or not entry["sweep"]:
             continue
@@ -45,7 +46,7 @@ def _sweep_points(suite_text: str) -> dict[str, tuple[str, dict]]:
     return out
 
 
-def _loads(value):
+def _loads(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 

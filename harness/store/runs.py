@@ -18,8 +18,8 @@ import psutil
 
 from dtbench.core import redact_credentials
 from dtbench.harness.bounds import valid_id
-from dtbench.harness.db import Run, utcnow
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store.db import Run, utcnow
 from dtbench.harness.suitefile import suite_hash
 
 HEARTBEAT_S = 30.0  # a running run refreshes runs.heartbeat_at this often (and at every committed sample)

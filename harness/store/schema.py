@@ -1,4 +1,4 @@
-"""Schema versions of the results database: Alembic migrations (``harness/migrations``), run by dtbench itself.
+"""Schema versions of the results database: Alembic migrations (``harness/store/migrations``), run by dtbench itself.
 
 * :func:`ensure_current` (writers: ``dtbench run``, ``dtbench db upgrade``) creates a new database at the newest
   revision or upgrades an older one, holding a cross-process lock while it looks and changes: on SQLite an
@@ -26,85 +26,13 @@ from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from dtbench.harness.engines import display_url, driver_hint, one_line, sqlite_path, writer_engine
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.store.engines import display_url, driver_hint, one_line, sqlite_path, writer_engine
+from dtbench.harness.store.migrations.baseline import BASELINE_COLUMNS, BASELINE_REVISION, INTERIM_COLUMNS
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "alembic_version"
 TABLES = ("runs", "cells", "samples")
-BASELINE_REVISION = "0001"
-# The columns of revision 0001 (= harness/db.py before migrations): how an unversioned database is recognised.
-BASELINE_COLUMNS = {
-    "runs": {
-        "id",
-        "suite_name",
-        "suite_path",
-        "suite_text",
-        "suite_hash",
-        "status",
-        "started_at",
-        "finished_at",
-        "environment",
-        "error",
-    },
-    "cells": {
-        "id",
-        "run_id",
-        "dataset",
-        "prompt_cap",
-        "gen_length",
-        "decoder",
-        "label",
-        "decoder_version",
-        "decoder_distribution",
-        "params",
-        "lossless_expected",
-        "reference_label",
-        "target_model",
-        "draft_model",
-        "status",
-        "error",
-    },
-    "samples": {
-        "id",
-        "cell_id",
-        "prompt_index",
-        "document",
-        "warmup",
-        "prompt_tokens",
-        "new_tokens",
-        "total_s",
-        "ttft_s",
-        "tpot_s",
-        "throughput",
-        "iterations",
-        "tokens_per_iteration",
-        "drafted",
-        "accepted",
-        "draft_depth",
-        "acceptance_rate",
-        "mean_path_length",
-        "target_forwards",
-        "step_tokens",
-        "step_stats",
-        "step_times_s",
-        "peak_rss_bytes",
-        "peak_allocated_bytes",
-        "peak_nvml_bytes",
-        "output_hash",
-        "output_tokens",
-        "lossless",
-        "first_divergence",
-        "created_at",
-    },
-}
-# Columns that dtbench between commit 3c3e168 and the migrations added with create_all, without alembic_version:
-# such a database is stamped 0001 as well, and revision 0002 adds only what it lacks.
-INTERIM_COLUMNS = {
-    "runs": {"owner_host", "owner_pid", "heartbeat_at"},
-    "cells": set(),
-    "samples": {"draft_forwards", "acceptance_incl_bonus", "mean_path_length_all", "nvml_scope"},
-}
 PG_LOCK_KEY = 0x64_74_62_65_6E_63_68  # "dtbench": the advisory lock every dtbench process takes to change a schema
 SQLITE_LOCK_TIMEOUT_MS = 30_000
 

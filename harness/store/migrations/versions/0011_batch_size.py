@@ -24,7 +24,7 @@ OLD = {"run_id", "dataset", "l_max", "gen_length", "label"}
 CONVENTION = {"uq": "uq_%(table_name)s_%(column_0_name)s_%(column_1_name)s"}
 
 
-def _old_unique(bind) -> str | None:
+def _old_unique(bind: sa.Connection) -> str | None:
     for uq in sa.inspect(bind).get_unique_constraints("cells"):
         if set(uq["column_names"]) in (OLD, {*OLD - {"l_max"}, "prompt_cap"}):
             return uq["name"]
