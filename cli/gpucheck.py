@@ -237,8 +237,8 @@ def step_lossless(device, small: bool, workdir: Path, log, skip: frozenset = fro
 
     from dtbench.harness.lossless import check_output
     from dtbench.harness.measure import measure
-    from dtbench.harness.metrics import first_divergence
     from dtbench.harness.testkit import SHARP, perturbed, tiny_model
+    from dtbench.harness.values import first_divergence
 
     T = 16 if small else 48
     prompt = list(range(3, 20))

@@ -53,6 +53,18 @@ class EnergyReading:
     window_s: float | None = None
 
 
+def sample_columns(reading: EnergyReading | None) -> dict[str, Any]:
+    """The samples columns of a sample's reading (``energy_j`` joules, ``energy_status``, ``energy_source``; all None
+    without a reading)."""
+    if reading is None:
+        return {"energy_j": None, "energy_status": None, "energy_source": None}
+    return {
+        "energy_j": reading.energy_j,
+        "energy_status": reading.status,
+        "energy_source": (reading.source or "")[:200] or None,
+    }
+
+
 @dataclass
 class Counter:
     """One cumulative energy counter of a window's :class:`zeus.monitor.energy.Measurement` (joules).

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from dtbench.decoders import kv
-from dtbench.harness.metrics import first_divergence
+from dtbench.harness.values import first_divergence
 
 RULES = ("exact", "tie_aware")
 DEFAULT_RULE = "tie_aware"

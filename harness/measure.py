@@ -299,6 +299,13 @@ class Measurement:
     def step_times(self) -> list[float]:
         return [r.time_s for r in self.records]
 
+    def counted(self) -> dict[str, Any]:
+        """The counter, memory and energy columns (:func:`~dtbench.harness.metrics.measured_columns`): what makes
+        a Measurement a :class:`~dtbench.harness.metrics.Observation`."""
+        from dtbench.harness.metrics import measured_columns
+
+        return measured_columns(self)
+
 
 def measure(
     decoder: Decoder[Any],

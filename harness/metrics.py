@@ -10,7 +10,7 @@ Definitions (docs/measurement.md):
 - throughput = T / total wall time (tokens/s, prefill included); TTFT = time to the first committed token;
   TPOT = (total - TTFT) / (T - 1), seconds.
 - iterations = target verifications (the prefill is the first); tokens per iteration L = T / iterations. A server's
-  request (:class:`Served`): its network reads that brought tokens, and its counters are the server's own totals.
+  request (:class:`~Served`): its network reads that brought tokens, and its counters are the server's own totals.
 - acceptance_rate = committed drafted tokens / drafted depth, summed over iterations (accepted / K for linear
   speculation; for trees the committed path length before the bonus over the drafted tree's depth); at most 1.
 - acceptance_incl_bonus = committed tokens *including* the bonus token / drafted depth, summed over the
@@ -34,16 +34,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from dtbench.harness.values import is_missing
+from dtbench.harness.values import first_divergence, is_missing
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from dtbench.harness.measure import Measurement
     from dtbench.harness.prompt import Prompt
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
@@ -298,7 +297,9 @@ METRICS: list[Metric] = [
     ),
 ]
 BY_NAME = {m.name: m for m in METRICS}
+PATH_LENGTH = BY_NAME["mean_path_length"]  # ℓ over the iterations that drafted: ``report --profile`` checks it
 # Derived per cell against the baseline, not read from one sample: the speedup (throughput / AR throughput).
+
 SPEEDUP = Metric(
     "speedup",
     "speedup",
@@ -310,25 +311,6 @@ SPEEDUP = Metric(
 )
 GATEABLE = {m.name: m for m in [METRICS[0], SPEEDUP, *METRICS[1:]] if m.higher_is_better is not None}
 ALIASES = {alias: m.name for m in GATEABLE.values() for alias in m.aliases}
-
-
-def energy_columns(reading: Any) -> dict[str, Any]:
-    """The samples columns of an :class:`~dtbench.harness.energy.EnergyReading` (joules; status; source)."""
-    if reading is None:
-        return {"energy_j": None, "energy_status": None, "energy_source": None}
-    return {
-        "energy_j": reading.energy_j,
-        "energy_status": reading.status,
-        "energy_source": (reading.source or "")[:200] or None,
-    }
-
-
-def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
-    """Index of the first position where ``tokens`` and ``reference`` differ (a length mismatch counts), or None."""
-    for i, (a, b) in enumerate(zip(tokens, reference)):
-        if a != b:
-            return i
-    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
 
 
 def _int(value: Any, what: str) -> int:
@@ -346,6 +328,34 @@ def _clip100(text: str | None) -> str | None:
     return None if text is None else text[:100]
 
 
+class Observation(Protocol):
+    """What :func:`sample_row` takes: the first T output ``tokens`` of one decoder on one prompt and ``step_times``,
+    seconds from the start (the call, or the send) to each observation that brought tokens. A
+    :class:`~dtbench.harness.measure.Measurement` (Steps timed by :func:`~dtbench.harness.measure.measure_rows`) and
+    a :class:`Served` request (network reads timed by the server client) differ in their counters (:meth:`counted`)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def step_times(self) -> list[float]: ...
+
+    def counted(self) -> dict[str, Any]:
+        """The counter, memory and energy columns of the sample (``iterations`` >= 1, ``step_tokens``, ...)."""
+        ...
+
+
+class Stepped(Observation, Protocol):
+    """A :class:`~dtbench.harness.measure.Measurement` as :func:`measured_columns` reads it (this module imports no
+    ``measure``): its Steps, one StepRecord each, and its MemoryPeak."""
+
+    @property
+    def steps(self) -> Sequence[Any]: ...
+    @property
+    def records(self) -> Sequence[Any]: ...
+    @property
+    def memory(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Served:
     """What the client saw of one request to a server (:mod:`dtbench.harness.serving`), timed by the harness's clock:
@@ -358,8 +368,7 @@ class Served:
         step_tokens: the tokens each of those reads brought (client-side).
         drafted, accepted: drafted and accepted tokens the server reported for the request (0 when it reported none).
         steps: its target verification steps, reported or derived by its engine adapter; None when not reported.
-        stats: the request's ``step_stats`` (``{"server": {...}}``: engine, load, latencies, counters, the check's
-            rule).
+        stats: its ``step_stats`` (``{"server": {...}}``: engine, load, latencies, counters, the check's rule).
     """
 
     tokens: list[int]
@@ -370,9 +379,15 @@ class Served:
     steps: int | None
     stats: dict[str, Any]
 
+    def counted(self) -> dict[str, Any]:
+        """The server's reported totals as counter columns (:func:`reported_columns`)."""
+        return reported_columns(self)
 
-def _counted(m: Measurement) -> dict[str, Any]:
+
+def measured_columns(m: Stepped) -> dict[str, Any]:
     """The counter, memory and energy columns of a measurement: from its Steps and the runner's hooks."""
+    from dtbench.harness.energy import sample_columns
+
     iterations = len(m.steps)
     drafted = [_int(s.drafted, "drafted") for s in m.steps]
     accepted = [_int(s.accepted, "accepted") for s in m.steps]
@@ -415,11 +430,11 @@ def _counted(m: Measurement) -> dict[str, Any]:
         peak_allocated_bytes=m.memory.allocated_bytes,
         peak_nvml_bytes=m.memory.nvml_bytes,
         nvml_scope=getattr(m.memory, "nvml_scope", None),
-        **energy_columns(getattr(m, "energy", None)),
+        **sample_columns(getattr(m, "energy", None)),
     )
 
 
-def _reported(m: Served) -> dict[str, Any]:
+def reported_columns(m: Served) -> dict[str, Any]:
     """The counter columns of a served request: the server's reported totals (no per-step counters, no forwards
     counted by dtbench, no memory or energy of its own). A chain server drafts one token per drafted position, so
     its draft depth is its drafted tokens; ``mean_path_length`` = accepted / verification steps."""
@@ -439,13 +454,13 @@ def _reported(m: Served) -> dict[str, Any]:
     )
 
 
-def sample_row(m: Measurement | Served, prompt: Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
+def sample_row(m: Observation, prompt: Prompt, warmup: bool, reference: list[int] | None) -> dict[str, Any]:
     """The samples-table columns of one measurement, or of one request to a server (definitions in this module's
     docstring): the one row builder of every decoder.
 
     Args:
-        m: a :class:`dtbench.harness.measure.Measurement` (Steps timed by the runner), or a :class:`Served` request
-            (network reads timed by the server client).
+        m: the :class:`Observation`: a :class:`dtbench.harness.measure.Measurement` (Steps timed by the runner), or
+            a :class:`~Served` request (network reads timed by the server client).
         prompt: the :class:`dtbench.harness.prompt.Prompt` it decoded.
         warmup: whether the prompt is one of the first W.
         reference: the reference decoder's tokens on this prompt, or None (the sample is a reference itself).
@@ -456,7 +471,7 @@ def sample_row(m: Measurement | Served, prompt: Prompt, warmup: bool, reference:
     T = len(m.tokens)
     times = m.step_times
     total, ttft = times[-1], times[0]
-    counted = _reported(m) if isinstance(m, Served) else _counted(m)
+    counted = m.counted()
     div = first_divergence(m.tokens, reference) if reference is not None else None
     return dict(
         prompt_index=prompt.index,

@@ -1,13 +1,11 @@
-"""Missing values and percentiles: the one test every report applies to a value (:func:`is_missing`) and the one
-percentile helper (:func:`percentiles`; servers' latencies and their reports)."""
+"""Missing values, percentiles and divergences: the one test every report applies to a value (:func:`is_missing`),
+the one percentile helper (:func:`percentiles`; servers' latencies and their reports) and where two outputs first
+differ (:func:`first_divergence`; the lossless checks of decoders and servers)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 
 def is_missing(value: Any) -> bool:
@@ -34,3 +32,11 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
         return {f"p{q}": None for q in PERCENTILES}
     qs = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
     return {f"p{q}": float(v) for q, v in zip(PERCENTILES, qs)}
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    """Index of the first position where ``tokens`` and ``reference`` differ (a length mismatch counts), or None."""
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))

@@ -8,6 +8,7 @@ import pandas as pd
 from sqlalchemy import select
 
 from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK
+from dtbench.harness.metrics import group_key
 from dtbench.reports.pricing import expected_tokens, position_acceptance
 from dtbench.reports.stats import (
     N_TOO_SMALL,
@@ -176,14 +177,14 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             continue
         got = b1_parameters(frame_rows)
         if got is not None:
-            by_label[(cell.dataset, cell.l_max, cell.gen_length, cell.label)] = {
+            by_label[(*group_key(cell)[:3], cell.label)] = {
                 **got,
                 "family": family_of(cell.family),
             }
     price_proposers(by_label)
     errors = []
     for _, r in speed.iterrows():
-        key = (r["dataset"], int(r["l_max"]), int(r["gen_length"]), r["label"])
+        key = (*group_key(r)[:3], r["label"])
         params = by_label.get(key)
         past = int(r["l_max"]) + int(r["gen_length"]) // 2
         b = int(r["batch_size"])
@@ -271,7 +272,8 @@ def _servers_against_their_reference(session, run, measured, frame):
     speedups, :func:`dtbench.reports.engine.engine_frame`) instead of with ar; plain servers left out."""
     import pandas as pd
 
-    from dtbench.reports.engine import engine_frame, served
+    from dtbench.reports.engine import engine_frame
+    from dtbench.reports.stats import served
 
     if measured.empty:
         return measured

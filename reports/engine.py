@@ -24,10 +24,10 @@ import math
 import pandas as pd
 from sqlalchemy import select
 
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING, group_key
 from dtbench.harness.store.db import Cell, Sample
 from dtbench.harness.values import percentiles
-from dtbench.reports.stats import is_missing, per_prompt_rows, remainder_mask, show
+from dtbench.reports.stats import is_missing, per_prompt_rows, remainder_mask, served, show
 
 CAPTION = (
     "load: batch size B for dtbench's decoders, requests in flight for a server; speedup: over the reference "
@@ -45,15 +45,6 @@ CAPTION = (
 
 # The rule of dtbench's own decoders' lossless verdicts (a server's is the one its samples recorded).
 OWN_RULE = "tie_aware or exact: the suite's lossless_check (dtbench's check)"
-
-
-def served(params: object) -> bool:
-    """Whether a cell was measured through requests to a server (a decoder with the ``requests`` capability, issue
-    30), read from its stored params: they name the server's engine adapter (``engine``,
-    :mod:`dtbench.decoders.engines`), which the harness reads every such decoder through and checks before a run
-    (:func:`dtbench.harness.preflight.preflight`). Such a cell is compared with its own reference server
-    (``cells.reference_label``), never with ``ar``: that would compare an engine with dtbench's loop."""
-    return isinstance(params, dict) and isinstance(params.get("engine"), str)
 
 
 def _pct(values: list[float]) -> tuple[float, float, float]:
@@ -96,7 +87,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
     groups = per_prompt_rows(flat)  # a prompt group (B > 1) and a prompt's repeats: one row each
     groups = groups[~groups["warmup"].astype(bool)]
     thr = {cid: g.set_index("prompt_index")["throughput"] for cid, g in groups.groupby("cell_id")}
-    key_of = {c.id: (c.dataset, c.l_max, c.gen_length, c.batch_size or 1) for c in cells}
+    key_of = {c.id: group_key(c) for c in cells}
     by_label = {(*key_of[c.id], c.label): c for c in cells}
     rows = []
     for c in cells:

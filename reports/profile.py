@@ -27,8 +27,8 @@ The JSON written by ``dtbench report --profile`` is one profile per cell in the 
 and ``tests/test_speculation_profile.py``, read at commit 095124e9d582ea52b3aeb636efc281919f3aa4db, schema_version
 "1.0"), with dtbench's additions under the ``dtbench`` key; ``reports/speculation_profile.schema.json`` is its JSON
 schema. Its consistency check (:func:`consistency`) is specdec_bench's (mean = 1 + sum of marginals, tolerance
-0.02) plus two against the samples' own counters (``accepted``, ``mean_path_length``, written by the measurement
-when the sample was stored): a profile that disagrees with them fails ``dtbench report --profile`` with one line.
+0.02) plus two against the samples' own counters (``accepted`` and the path length,
+:data:`~dtbench.harness.metrics.PATH_LENGTH`, written by the measurement when the sample was stored): a profile that disagrees with them fails ``dtbench report --profile`` with one line.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from dtbench.harness.metrics import PATH_LENGTH
 from dtbench.reports.stats import LOSSY, MIN_PROMPTS, is_missing
 
 SCHEMA_VERSION = "1.0"  # specdec_bench's speculation_profile SCHEMA_VERSION at the commit read
@@ -113,14 +114,14 @@ class Request:
     Attributes:
         accepted, depth: ``step_stats["accepted"]`` and ``["depth"]`` (ints per step).
         accepted_total: the samples column ``accepted`` (sum over steps, stored by the measurement).
-        mean_path_length: the samples column ``mean_path_length`` (mean accepted over drafting steps; None when
-            nothing was drafted).
+        path_length: the samples' path-length column (:data:`~dtbench.harness.metrics.PATH_LENGTH`: mean accepted
+            over drafting steps; None when nothing was drafted).
     """
 
     accepted: list[int]
     depth: list[int]
     accepted_total: int | None = None
-    mean_path_length: float | None = None
+    path_length: float | None = None
 
 
 @dataclass
@@ -253,7 +254,8 @@ def consistency(profile: Profile, requests: Sequence[Request]) -> list[dict[str,
 
     - ``mean_consistency`` (specdec_bench's): per-step mean length incl. bonus = 1 + sum of the cumulative rates;
     - ``accepted_total``: per-step mean excl. bonus = the samples' ``accepted`` column summed / drafting steps;
-    - ``mean_path_length``: per-request mean excl. bonus = the mean of the samples' ``mean_path_length`` column.
+    - the path length's (named as :data:`~dtbench.harness.metrics.PATH_LENGTH`): per-request mean excl. bonus = the
+      mean of the samples' path-length column.
 
     A counter that was not stored (None) skips its check. Returns the checks (dicts with ``passed``).
     """
@@ -276,14 +278,14 @@ def consistency(profile: Profile, requests: Sequence[Request]) -> list[dict[str,
                 "accepted tokens per drafting step vs the samples' accepted column / drafting steps",
             )
         )
-    paths = [r.mean_path_length for r in requests]
+    paths = [r.path_length for r in requests]
     if all(p is not None and not math.isnan(p) for p in paths):
         checks.append(
             _check(
-                "mean_path_length",
+                PATH_LENGTH.name,
                 profile.means["per_request_excl_bonus"],
                 float(np.mean([float(p) for p in paths if p is not None])),
-                "mean acceptance length per request (excl. bonus) vs the samples' mean_path_length column",
+                f"mean acceptance length per request (excl. bonus) vs the samples' {PATH_LENGTH.name} column",
             )
         )
     return checks

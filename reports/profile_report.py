@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.metrics import PATH_LENGTH
 from dtbench.reports.profile import (
     BOOTSTRAP_RESAMPLES,
     SCHEMA_VERSION,
@@ -52,7 +53,7 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
             [int(a) for a in stats.get("accepted") or []],
             [int(d) for d in stats.get("depth") or []],
             sample.accepted,
-            sample.mean_path_length,
+            getattr(sample, str(PATH_LENGTH.column)),
         )
         cells.setdefault(cell.id, (cell, []))[1].append(request)
     if not cells:

@@ -34,6 +34,7 @@ from sqlalchemy import select
 
 from dtbench.decoders.engines import engine_for, schedule_engines
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.metrics import group_key
 
 
 def schedule_rows(session, run, curves) -> pd.DataFrame:
@@ -53,16 +54,16 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
 
     sizes = sorted({1, *curves.batch_sizes()})
     cells = list(session.scalars(select(Cell).where(Cell.run_id == run.id)))
-    measured: dict[tuple, dict[int, float]] = {}  # (dataset, l_max, T, decoder, B) -> {K: speedup}
+    measured: dict[tuple, dict[int, float]] = {}  # (dataset, l_max, T, B, decoder) -> {K: speedup}
     frame = samples_frame(session, run.id)
     speed = speedup_table(frame) if not frame.empty else pd.DataFrame()
-    by_label = {(c.dataset, c.l_max, c.gen_length, c.batch_size or 1, c.label): c for c in cells}
+    by_label = {(*group_key(c), c.label): c for c in cells}
     for _, r in speed.iterrows():
-        c = by_label.get((r["dataset"], int(r["l_max"]), int(r["gen_length"]), int(r["batch_size"]), r["label"]))
+        c = by_label.get((*group_key(r), r["label"]))
         k = (c.params or {}).get("k") if c is not None else None
         if c is None or family_of(c.family) != "chain" or not isinstance(k, int) or math.isnan(r["speedup"]):
             continue
-        measured.setdefault((c.dataset, c.l_max, c.gen_length, c.decoder, c.batch_size or 1), {})[k] = r["speedup"]
+        measured.setdefault((*group_key(c), c.decoder), {})[k] = r["speedup"]
     rows = []
     params_of: dict[tuple, dict] = {}
     for c in cells:
@@ -71,7 +72,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
         samples = b1_frame(c.samples)
         got = b1_parameters(samples) if not samples.empty else None
         if got is not None:
-            params_of[(c.dataset, c.l_max, c.gen_length, c.label)] = {**got, "family": family_of(c.family), "cell": c}
+            params_of[(*group_key(c)[:3], c.label)] = {**got, "family": family_of(c.family), "cell": c}
     price_proposers(params_of)  # a proposer's own CPU time is draft cost at every B (issue 39 item 5)
     for params in params_of.values():
         c = params["cell"]
@@ -83,7 +84,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
             if best is None:
                 continue
             k, s = best
-            seen = measured.get((c.dataset, c.l_max, c.gen_length, c.decoder, b), {})
+            seen = measured.get((*group_key(c)[:3], b, c.decoder), {})
             top = max(seen, key=lambda x: seen[x]) if len(seen) > 1 else None
             rows.append(
                 {

@@ -38,9 +38,6 @@ KEY = [*GROUP, "label"]
 MIN_PROMPTS = 5
 N_TOO_SMALL = "n too small"
 
-# The decoder measured through requests (decoders/server.py): its speedups are against its reference server.
-SERVER = "server"
-
 FAMILY_UNKNOWN = "external"  # a cell whose decoder's family is not recorded (written before it was, not installed)
 
 # The Lossless verdict of a sampled cell: its outputs are random, its exactness is a property of the distribution.
@@ -190,12 +187,22 @@ def pairing_key(frame: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[tuple]
     )
 
 
+def served(params: object) -> bool:
+    """Whether a cell was measured through requests to a server (a decoder with the ``requests`` capability, issue
+    30), read from its stored params: they name the server's engine adapter (``engine``,
+    :mod:`dtbench.decoders.engines`), which the harness reads every such decoder through and checks before a run
+    (:func:`dtbench.harness.preflight.preflight`). Such a cell is compared with its own reference server
+    (``cells.reference_label``), never with ``ar``: that would compare an engine with dtbench's loop."""
+    return isinstance(params, dict) and isinstance(params.get("engine"), str)
+
+
 def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (), missing=math.nan) -> pd.Series:
     """For every row of ``frame``, ``column`` of its baseline row: the first row whose decoder is :data:`BASELINE`
     with the same :func:`pairing_key` (same run, dataset, L_max, T and ``extra`` columns, same decoding: greedy
     with greedy, a sampling setting with the same setting). NaN where there is none.
 
-    A :data:`SERVER` cell is paired with its reference server (the row of its ``reference_label``, or the summary's
+    A cell measured through requests to a server (:func:`served`, read from its stored ``params``) is paired with
+    its reference server (the row of its ``reference_label``, or the summary's
     ``reference``, with the same key), never with ``ar`` in this process: a server against dtbench's own loop is an
     engine-vs-harness comparison, not a speedup of speculation (issue 42 item 6), so a plain server (no reference)
     has no baseline here; ``report --engine`` shows the same pairing.
@@ -219,11 +226,10 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
         by_label.setdefault((key, label), value)
     ref_column = next((c for c in ("reference_label", "reference") if c in frame), None)
     refs = frame[ref_column] if ref_column else pd.Series([None] * len(frame), index=frame.index)
+    through = frame["params"].map(served) if "params" in frame else pd.Series(False, index=frame.index)
     values = [
-        (by_label.get((k, ref), missing) if isinstance(ref, str) and ref else missing)
-        if decoder == SERVER
-        else base.get(k, missing)
-        for k, decoder, ref in zip(keys, frame["decoder"], refs)
+        (by_label.get((k, ref), missing) if isinstance(ref, str) and ref else missing) if via else base.get(k, missing)
+        for k, via, ref in zip(keys, through, refs)
     ]
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     return pd.Series(values, index=frame.index, dtype=float if numeric else object)

@@ -15,8 +15,8 @@ from typing import Any
 from dtbench.decoders.engines import engine_for
 from dtbench.decoders.server import ServerParams
 from dtbench.harness.errors import clip
-from dtbench.harness.metrics import first_divergence
 from dtbench.harness.serving.process import ServerError
+from dtbench.harness.values import first_divergence
 
 Shapes = tuple[list[tuple[Any, float]] | None, list[tuple[Any, float]] | None]  # (decode, prefill) candidates
 
