@@ -1,6 +1,7 @@
 """Old code vs new code, side by side: the same suite run by two dtbench installs in turn (A B A B ...), then every
 stored sample compared (same output tokens and the same non-timing columns) and each cell's throughput compared
-(the ratio new / old of the per-round medians, and its median over rounds).
+(the ratio new / old of the per-round medians, and its median over rounds; and the median over every round and
+prompt of the same prompt's ratio, *paired*). Rounds alternate the order (old, new; new, old; ...).
 
     python bench/old_vs_new.py --old /path/to/old/.venv/bin/dtbench --new .venv/bin/dtbench \\
         --suite bench/one-path.yaml --data-dir ../shared/data --rounds 3 --out /tmp/old-vs-new
@@ -82,7 +83,7 @@ def main() -> int:
     walls: dict[str, list[float]] = {"old": [], "new": []}
     dbs: dict[str, list[Path]] = {"old": [], "new": []}
     for r in range(args.rounds):
-        for side in ("old", "new"):
+        for side in ("old", "new") if r % 2 == 0 else ("new", "old"):  # A B B A ...: a drift cancels out
             db = out / f"{side}-{r}.db"
             dbs[side].append(db)
             if args.reuse:
@@ -93,6 +94,7 @@ def main() -> int:
             print(f"round {r} {side}: {walls[side][-1]:.1f} s (load {os.getloadavg()[0]:.2f})", flush=True)
     differ = 0
     ratios: dict[tuple, list[float]] = {}
+    paired: dict[tuple, list[float]] = {}  # per prompt and round: new / old throughput of the same prompt
     for r in range(args.rounds):
         old, new = samples(dbs["old"][r]), samples(dbs["new"][r])
         if set(old) != set(new):
@@ -107,15 +109,23 @@ def main() -> int:
                 print(f"round {r} {key}: differs in {bad[:6]}")
         for label_b in {(k[0], k[1]) for k in old}:
             ratios.setdefault(label_b, []).append(_median(new, label_b) / _median(old, label_b))
+        for key in sorted(set(old) & set(new)):
+            if not old[key]["warmup"] and old[key]["throughput"]:
+                paired.setdefault((key[0], key[1]), []).append(new[key]["throughput"] / old[key]["throughput"])
     print(
         f"\nload at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}; wall old {statistics.median(walls['old']):.1f} s, "
         f"new {statistics.median(walls['new']):.1f} s (medians of {args.rounds})"
     )
-    print(f"{'cell':<28} {'B':>2}  new/old throughput per round            median")
+    print(f"{'cell':<28} {'B':>2}  new/old throughput per round            median  paired (n)")
     for (label, b), rs in sorted(ratios.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        print(f"{label:<28} {b:>2}  {' '.join(f'{x:.3f}' for x in rs):<40} {statistics.median(rs):.3f}")
+        pr = paired.get((label, b), [])
+        both = f"{statistics.median(pr):.3f} ({len(pr)})" if pr else "-"
+        print(f"{label:<28} {b:>2}  {' '.join(f'{x:.3f}' for x in rs):<40} {statistics.median(rs):.3f}   {both}")
     summary = {f"{label} B={b}": statistics.median(rs) for (label, b), rs in ratios.items()}
-    (out / "summary.json").write_text(json.dumps({"load0": load0, "ratios": summary, "differ": differ}, indent=1))
+    pairs = {f"{label} B={b}": statistics.median(rs) for (label, b), rs in paired.items()}
+    (out / "summary.json").write_text(
+        json.dumps({"load0": load0, "ratios": summary, "paired": pairs, "differ": differ}, indent=1)
+    )
     print(f"\n{'every sample identical (tokens and non-timing columns)' if not differ else f'{differ} differences'}")
     return 1 if differ else 0
 
