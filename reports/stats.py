@@ -190,10 +190,13 @@ def pairing_key(frame: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[tuple]
 def served(params: object) -> bool:
     """Whether a cell was measured through requests to a server (a decoder with the ``requests`` capability, issue
     30), read from its stored params: they name the server's engine adapter (``engine``,
-    :mod:`dtbench.decoders.engines`), which the harness reads every such decoder through and checks before a run
-    (:func:`dtbench.harness.preflight.preflight`). Such a cell is compared with its own reference server
-    (``cells.reference_label``), never with ``ar``: that would compare an engine with dtbench's loop."""
-    return isinstance(params, dict) and isinstance(params.get("engine"), str)
+    :mod:`dtbench.decoders.engines`) or where the server runs (``base_url``, ``launch``), which the harness reads
+    every such decoder through. Such a cell is compared with its own reference server (``cells.reference_label``),
+    never with ``ar``: that would compare an engine with dtbench's loop."""
+    return isinstance(params, dict) and any(isinstance(params.get(k), (str, list)) for k in SERVER_PARAMS)
+
+
+SERVER_PARAMS = ("engine", "base_url", "launch")  # the params that declare a server (decoders/server.py)
 
 
 def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (), missing=math.nan) -> pd.Series:

@@ -5,6 +5,8 @@ It answers ``GET /health`` with 200 and ``POST /v1/completions`` by its *mode*, 
 
 - ``hang``: never answers a completion (a server stuck on a request); ``stall``: sends a stream's headers, then
   nothing;
+- ``drop``: closes the first streamed request's connection without a response (as llama-server did on a loaded
+  machine), then as ``stream``;
 - ``stream``: streams ``max_tokens`` token ids (``--tokens`` cycled), then a final event with ``--timings`` (JSON,
   written as given: NaN and Infinity included); a non-streamed request (the check request) gets ``--check``
   verbatim (default: a valid JSON answer with top candidates). With ``durations`` (seconds, cycled over the
@@ -27,6 +29,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark: str | None = None, durations=None):
     arrived = itertools.count()
+    dropped = itertools.count()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -54,6 +57,9 @@ def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark:
                 self.end_headers()
                 self.wfile.flush()
                 time.sleep(3600)
+                return
+            if mode == "drop" and body.get("stream") and next(dropped) == 0:
+                self.close_connection = True  # no status line: the client sees the connection closed
                 return
             if not body.get("stream"):
                 text = check or json.dumps(

@@ -145,3 +145,60 @@ def test_load_kinds_are_named_apart_and_an_old_server_cell_reports_as_before():
     new = load_kind(4, [{"cell_load": {**unit, "throughput": 40.0, "steady_throughput": 50.0}}] * 3, True)
     assert new["load_kind"] == STEADY and new["cell_throughput"] == 40.0 and new["steady_throughput"] == 50.0
     assert new["mean_in_flight"] == 3.5 and new["drain_s"] == 0.5  # one unit, however many requests carry it
+
+
+def test_a_request_the_server_closed_before_any_response_is_sent_once_more(tmp_path, data_dir, fake_server):
+    """llama-server on a loaded machine closed a connection without a status line (its log: no task started, CI
+    of stop 44): the request is sent once more, its clock restarted, and ``resent`` says so; the run completes."""
+    url = fake_server(mode="drop")
+    suite = write_suite(
+        tmp_path,
+        {
+            **SUITE,
+            "datasets": [{**SUITE["datasets"][0], "prompts": 3}],
+            "decoders": [{"name": "server", "params": {"base_url": url}}],
+        },
+    )
+    result = invoke("run", suite, "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress")
+    assert result.exit_code == 0, result.output
+    resent = [json.loads(r[5])["server"]["resent"] for r in _rows(tmp_path / "r.db")]
+    assert resent == [1, 0, 0]  # the first request (the warmup prompt's) was dropped once
+
+
+def test_a_server_that_keeps_closing_before_any_response_fails_its_cell(monkeypatch):
+    import asyncio
+
+    import fakeserver
+    import httpx
+
+    from dtbench.decoders.engines import engine_for
+    from dtbench.decoders.server import ServerParams
+    from dtbench.harness.serving import ServerError
+    from dtbench.harness.serving import client as served
+
+    monkeypatch.setattr(served, "RESENDS", 0)
+    server, url = fakeserver.serve(mode="drop")
+    try:
+
+        async def one():
+            async with httpx.AsyncClient() as c:
+                rec = served.RequestRecord(row=0)
+                body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+                params = ServerParams(base_url=url)
+                await served._one(
+                    c,
+                    url + "/v1/completions",
+                    body,
+                    params,
+                    engine_for("llama.cpp"),
+                    rec,
+                    0.0,
+                    0.0,
+                    asyncio.Semaphore(1),
+                    lambda t: [],
+                )
+
+        with pytest.raises(ServerError, match="closed the connection without a response to each of 1 sends"):
+            asyncio.run(one())
+    finally:
+        server.shutdown()

@@ -51,6 +51,7 @@ class RequestRecord:
     decoded: int = 0  # the server's own count of decoded tokens at its last event (llama.cpp), 0 if not sent
     gaps: list[tuple[int, int]] = field(default_factory=list)  # output positions [start, end) streamed without ids
     recovered: str | None = None  # how the held-back ids were found: "repeat" or "prefix" (see _recover_ids)
+    resent: int = 0  # sends the server closed before any response (see _one): the request was sent again
 
 
 def sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
@@ -89,9 +90,55 @@ async def _one(
 ) -> None:
     await asyncio.sleep(delay)
     async with gate:
-        sent = time.perf_counter()
-        record.sent_s = sent - t0
+        while True:
+            sent = time.perf_counter()
+            record.sent_s = sent - t0
+            try:
+                await _read_stream(client, url, body, params, engine, record, sent)
+                break
+            except _ClosedBeforeResponse:
+                # The server closed the connection before any response (a request it never started: its log shows no
+                # task; seen from llama-server on a loaded machine): sent once more, the clock restarted, counted.
+                if record.resent >= RESENDS:
+                    raise ServerError(
+                        f"closed the connection without a response to each of {record.resent + 1} sends"
+                    ) from None
+                record.resent += 1
+                await asyncio.sleep(0.2)
+        if params.prompt_format == "text" or not record.tokens and record.text:
+            record.tokens = tokenize(record.text)
+        record.done_s = time.perf_counter() - t0
+
+
+RESENDS = 1  # how often a request the server closed before any response is sent again
+
+
+class _ClosedBeforeResponse(Exception):
+    """The server closed the connection before sending a status line (``httpx.RemoteProtocolError`` then)."""
+
+
+async def _read_stream(
+    client: Any,
+    url: str,
+    body: dict,
+    params: ServerParams,
+    engine: Engine,
+    record: RequestRecord,
+    sent: float,
+) -> None:
+    """One send of a streamed request and its events into ``record`` (token ids, gaps, text, counters, reads timed
+    from ``sent``).
+
+    Raises:
+        _ClosedBeforeResponse: the connection closed before a status line (nothing of the request was read).
+        ServerError: an HTTP error status or an event that is not JSON.
+    """
+    import httpx
+
+    answered = False
+    try:
         async with client.stream("POST", url, json=body, timeout=params.request_timeout_s) as response:
+            answered = True
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 raise ServerError(f"answered HTTP {response.status_code}: {clip(text, 300)}")
@@ -126,10 +173,11 @@ async def _one(
                     record.finish = chunk.finish or record.finish
                 if brought:
                     record.reads.append((now - sent, brought))
-            if params.prompt_format == "text" or not record.tokens and record.text:
-                record.tokens = tokenize(record.text)
-        record.done_s = time.perf_counter() - t0
-        record.decoded = decoded
+            record.decoded = decoded
+    except httpx.RemoteProtocolError as exc:
+        if not answered and "without sending a response" in str(exc):
+            raise _ClosedBeforeResponse() from None
+        raise
 
 
 async def _group(
@@ -433,6 +481,7 @@ def measure_requests(
             "group_wall_s": wall,
             "tokens_per_read": [n for _, n in rec.reads],
             "ids_recovered": rec.recovered,
+            "resent": rec.resent,
             "lossless_rule": check.pop("lossless_rule"),
         }
         served = Served(
