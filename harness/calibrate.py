@@ -13,7 +13,8 @@ run) measures, for the suite's target and draft on its device and with the forwa
 - ``prefill``: the prompt (``cache_len = 0``, last position's logits only);
 - ``batched`` (suites with batch sizes B > 1, issue 29): the target's verification of B rows together, n new tokens per
   row, through :class:`~dtbench.decoders.kv.RaggedBatch` (per-row 4D masks) — the (B, new tokens) grid the batch
-  cost model prices a cell at B with (stored with ``rows`` = B).
+  cost model prices a cell at B with (stored with ``rows`` = B); its points are measured interleaved, in
+  :data:`PASSES` passes of random order (:func:`measure_batched`), not curve by curve.
 
 ``n`` runs over a grid (every n up to 16, then 24, 32, 48, 64, 96, ... up to the largest tree or chain the suite's
 decoders can build); ``cache_len`` over the suite's prompt lengths L_max and L_max + max(T) (the cache grows while
@@ -64,6 +65,7 @@ LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 307
 THIN = (1, 2, 3, 4, 6, 8, 12, 16)  # the grid of the kinds only small forwards use (drafting, rebuild re-runs)
 KINDS = {"causal": (False, False), "tree": (True, False), "last": (False, True)}  # kind -> (tree_mask, last_only)
 BATCHED = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # n of the batched curves (B > 1), up to the largest verify
+PASSES = 3  # visits of every batched point, each pass in its own random order (measure_batched)
 
 
 def n_grid(n_max: int) -> list[int]:
@@ -309,32 +311,62 @@ def _measure_curve(
 
 
 def measure_batched(
-    model, curve: Curve, context: list[int], device, settings: Settings, clock: Callable[[], float]
-) -> list[tuple[int, float, float, int]]:
-    """(n, median s, IQR s, repeats) of ONE batched verification forward per n: ``curve.rows`` rows, each holding
-    ``curve.cache_len`` cached positions, n new causal tokens per row, through :class:`~dtbench.decoders.kv.RaggedBatch`
-    (the batched loops' forward, its per-row mask and position ids built inside the timed call, as the loops do);
-    the rows' new entries dropped after each (untimed)."""
+    model,
+    curves: list[Curve],
+    contexts: dict[int, list[int]],
+    device,
+    settings: Settings,
+    clock: Callable[[], float],
+    seed: int = 0,
+) -> dict[Curve, list[tuple[int, float, float, int]]]:
+    """Per batched curve, (n, median s, IQR s, repeats) of ONE batched verification forward per n: ``curve.rows``
+    rows, each holding ``curve.cache_len`` cached positions, n new causal tokens per row, through
+    :class:`~dtbench.decoders.kv.RaggedBatch` (the batched loops' forward, its per-row mask and position ids built
+    inside the timed call, as the loops do); the rows' new entries dropped after each (untimed).
+
+    Interleaved (issue 39 item 5): every (B, cache length, n) point is visited in :data:`PASSES` passes, each pass
+    in its own seeded random order, each visit one warmup forward (the shape changed since the last visit) and then
+    timed forwards for about ``max_time_s / PASSES`` (at least one, at most ``min_repeats``); a point's median is over
+    all its visits. Measured one curve after another, a slow minute of the machine lands on one batch size's whole
+    curve and skews every speedup predicted at that B (up to 25% on a shared 2-core host); spread over passes in
+    random order, it lands on scattered points of every curve.
+    """
+    import random
+
     import torch
 
     from dtbench.decoders import kv
+    from dtbench.harness.memory import synchronize
 
-    out = []
+    order = random.Random(seed)
+    times: dict[tuple[Curve, int], list[float]] = {(c, n): [] for c in curves for n in c.ns}
+    budget = settings.max_time_s / PASSES
     with torch.inference_mode():
-        batch = kv.RaggedBatch(model)
-        batch.prefill([_tokens(context, curve.cache_len)] * curve.rows)
-        for n in curve.ns:
-            rows = [_tokens(context, n)] * curve.rows
-
-            def run_once(rows=rows):
-                batch.forward(rows)
-
-            def reset():
-                batch.keep([[] for _ in range(curve.rows)])
-
-            med, iqr, reps = time_point(run_once, reset, device, settings, clock)
-            out.append((n, med, iqr, reps))
-    return out
+        batches = {}
+        for c in curves:
+            batches[c] = kv.RaggedBatch(model)
+            batches[c].prefill([_tokens(contexts.get(c.prompt_len, []), c.cache_len)] * c.rows)
+        for _ in range(PASSES):
+            visits = list(times)
+            order.shuffle(visits)
+            for c, n in visits:
+                batch, rows = batches[c], [_tokens(contexts.get(c.prompt_len, []), n)] * c.rows
+                for _ in range(settings.warmup):
+                    batch.forward(rows)
+                    batch.keep([[] for _ in range(c.rows)])
+                begin, visit = clock(), 0
+                while visit < max(1, settings.min_repeats) and (visit == 0 or clock() - begin < budget):
+                    synchronize(device)
+                    t0 = clock()
+                    batch.forward(rows)
+                    synchronize(device)
+                    times[(c, n)].append(clock() - t0)
+                    batch.keep([[] for _ in range(c.rows)])
+                    visit += 1
+    return {
+        c: [(n, statistics.median(times[(c, n)]), _iqr(times[(c, n)]), len(times[(c, n)])) for n in c.ns]
+        for c in curves
+    }
 
 
 def calibrate(
@@ -364,6 +396,8 @@ def calibrate(
     loaded = {"target": target, "draft": draft}
     points: list[Point] = []
     curves = curves_for(plan, suite, draft is not None, settings.grown_cache)
+    batched = [c for c in curves if c.kind == "batched"]
+    curves = [c for c in curves if c.kind != "batched"]
     for i, curve in enumerate(curves):
         lm = loaded[curve.role]
         if curve.tree_mask:
@@ -380,27 +414,42 @@ def calibrate(
                 f"(n = {curve.ns[0]}..{curve.ns[-1]}, curve {i + 1}/{len(curves)})",
                 highlight=False,
             )
-        measure_fn = measure_batched if curve.kind == "batched" else measure_curve
-        for n, med, iqr, reps in measure_fn(
+        for n, med, iqr, reps in measure_curve(
             lm.model, curve, contexts.get(curve.prompt_len, []), device, settings, clock
         ):
-            points.append(
-                Point(
-                    curve.role,
-                    lm.name,
-                    lm.dtype,
-                    curve.prompt_len,
-                    curve.cache_len,
-                    n,
-                    curve.tree_mask,
-                    curve.last_only,
-                    med,
-                    iqr,
-                    reps,
-                    curve.rows,
-                )
+            points.append(_point(curve, lm, n, med, iqr, reps))
+    if batched:
+        if console is not None:
+            sizes = ", ".join(str(b) for b in sorted({c.rows for c in batched}))
+            console.print(
+                f"calibrating target batched verification at B = {sizes} ({len(batched)} curves, "
+                f"{sum(len(c.ns) for c in batched)} points, {PASSES} interleaved passes)",
+                highlight=False,
             )
+        measured = measure_batched(
+            target.model, batched, contexts, device, settings, clock, seed=getattr(suite, "seed", 0) or 0
+        )
+        for curve in batched:
+            points += [_point(curve, target, *m) for m in measured[curve]]
     return points
+
+
+def _point(curve: Curve, lm, n: int, med: float, iqr: float, reps: int) -> Point:
+    """A measured point of ``curve`` on the loaded model ``lm``."""
+    return Point(
+        curve.role,
+        lm.name,
+        lm.dtype,
+        curve.prompt_len,
+        curve.cache_len,
+        n,
+        curve.tree_mask,
+        curve.last_only,
+        med,
+        iqr,
+        reps,
+        curve.rows,
+    )
 
 
 def measure_on(worker, contexts: dict[int, list[int]], settings: Settings, console: Console | None = None) -> Measured:

@@ -11,6 +11,7 @@ from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK
 from dtbench.harness.metrics import group_key
 from dtbench.reports.pricing import expected_tokens, position_acceptance
 from dtbench.reports.stats import (
+    FAMILY_UNKNOWN,
     N_TOO_SMALL,
     family_of,
 )
@@ -28,9 +29,12 @@ BATCH_CAPTION = (
     "speedup at batch size B vs ar at the same (dataset, L_max, T, B), measured per prompt group (95% CI: paired t on "
     "the log ratios; 'n too small' below 5 groups) and predicted (" + PRED_STEADY + ", not the cell table's "
     "prediction from every forward run) from the decoder's B = 1 cell and the calibrated "
-    "(B, new tokens) target curves: S(B) = L x c_B(1) / (c_B(n) + B x d), L = tokens per iteration per row, n = mean "
-    "verification width per row (pending token + drafts), d = draft seconds per row and iteration (drafts run per "
-    "row), the proposer's own CPU time included (its seconds outside forwards per iteration beyond ar's); greedy lossless rows decode the same tokens at any B, so L, n and d do not depend on B. B* = the first "
+    "(B, new tokens) target curves: S(B) = L x c_B(1) / (E[c_B(w_max)] + B x d), L = tokens per iteration per row, w_max = the widest "
+    "row's verification width (pending token + drafts): a batch pads every row to it, so its cost is taken over the "
+    "distribution of the largest of B widths drawn from the B = 1 cell's per-iteration widths, d = draft seconds per "
+    "row and iteration (drafts run per row), the proposer's own CPU time included (its seconds outside forwards per "
+    "iteration beyond ar's); greedy lossless rows decode the same tokens at any B, so L, the widths and d do not "
+    "depend on B; external loops (hf_generate, servers) are not predicted. B* = the first "
     "batch size whose speedup is below 1 (measured: the point estimate; predicted: over the calibrated batch sizes). "
     "Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the largest tree verified within "
     "2x one ar step at B (tree)."
@@ -70,6 +74,7 @@ def b1_parameters(rows: pd.DataFrame) -> dict | None:
         fs = (stats or {}).get("forward_s") or {}
         draft_s += float(fs.get("draft") or 0.0)
     accepted = [a for st in basis["step_stats"] for a in (st or {}).get("accepted", [])]
+    widths = [1 + int(d) for st in basis["step_stats"] for d in ((st or {}).get("drafted") or [])[1:]]
     per_it = [d for st in basis["step_stats"] for d in (st or {}).get("depth", [])]
     outside = None
     if "total_s" in basis:
@@ -86,7 +91,32 @@ def b1_parameters(rows: pd.DataFrame) -> dict | None:
         "d": draft_s / iters,
         "p": position_acceptance(accepted, per_it),
         "draft_tokens_s": draft_s / drafted if drafted else 0.0,
+        "widths": width_distribution(widths),
     }
+
+
+def width_distribution(widths: list[int]) -> dict[int, float]:
+    """{verification width w: share of decode iterations} from per-iteration widths (pending token + drafts, the
+    prefill left out); empty without any."""
+    if not widths:
+        return {}
+    counts = pd.Series(widths).value_counts(normalize=True).sort_index()
+    return {int(w): float(share) for w, share in counts.items()}
+
+
+def widest_of(widths: dict[int, float], batch: int) -> dict[int, float]:
+    """{w: P(the widest of ``batch`` rows verifies w tokens)} for rows drawing their widths independently from
+    ``widths`` (:func:`width_distribution`): P(max <= w) = F(w)^B. A batch pads every row to its widest
+    (:meth:`~dtbench.decoders.kv.RaggedBatch.forward`), so this, not the mean width, is what a batched verification
+    feeds per row: a copy method that drafts 10 tokens in one iteration of five feeds 11 per row at B = 16 in nearly
+    every iteration."""
+    out, below, cdf = {}, 0.0, 0.0
+    for w in sorted(widths):
+        cdf += widths[w]
+        at = min(1.0, cdf) ** batch
+        out[w] = at - below
+        below = at
+    return out
 
 
 def price_proposers(params: dict[tuple, dict]) -> None:
@@ -109,14 +139,30 @@ def price_proposers(params: dict[tuple, dict]) -> None:
             v["draft_tokens_s"] += extra / (v["n"] - 1)
 
 
+NOT_PRICED = (
+    "its own decoding loop (family external): the model prices drafts and verification forwards per iteration, which "
+    "such a loop does not expose, and its batching is its own forward path, not the calibrated one"
+)
+
+
+def priced(params: dict | None) -> bool:
+    """Whether the steady-state model predicts a decoder at B > 1: it has B = 1 parameters and is not an external
+    loop (:data:`NOT_PRICED`; transformers' generate, a server)."""
+    return params is not None and params.get("family") != FAMILY_UNKNOWN
+
+
 def predicted_batch_speedup(curves, params: dict, batch: int, past: int, family: str) -> float:
-    """S(B) of :data:`BATCH_CAPTION` for one decoder's B = 1 parameters (``L``, ``n``, ``d``) at batch size B."""
+    """S(B) of :data:`BATCH_CAPTION` for one decoder's B = 1 parameters (``L``, ``n``, ``d``, ``widths``) at batch
+    size B: the verification priced at the widest row's width (:func:`widest_of`, its expected cost over the width
+    distribution) where the B = 1 cell recorded per-iteration widths, else at the mean width ``n``."""
     flags = FED_MASK if family == "tree" else 0
-    ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
-    verify = (
-        curves.batched_cost(params["n"], past, batch) if batch > 1 else curves.cost("target", params["n"], past, flags)
-    )
-    return params["L"] * ar / (verify + batch * params["d"])
+
+    def cost(n: float) -> float:
+        return curves.batched_cost(n, past, batch) if batch > 1 else curves.cost("target", n, past, flags)
+
+    widths = params.get("widths")
+    verify = sum(p * cost(w) for w, p in widest_of(widths, batch).items()) if widths else cost(params["n"])
+    return params["L"] * cost(1) / (verify + batch * params["d"])
 
 
 def best_k_at(
@@ -188,7 +234,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         params = by_label.get(key)
         past = int(r["l_max"]) + int(r["gen_length"]) // 2
         b = int(r["batch_size"])
-        pred = predicted_batch_speedup(curves, params, b, past, params["family"]) if params else math.nan
+        pred = predicted_batch_speedup(curves, params, b, past, params["family"]) if priced(params) else math.nan
         if not math.isnan(pred) and not math.isnan(r["speedup"]):
             errors.append(abs(pred - r["speedup"]) / r["speedup"])
         rows.append(
@@ -226,6 +272,8 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         past = l_max + T // 2
         if params is None:
             predicted = "no B = 1 cell to predict from"
+        elif not priced(params):
+            predicted = "none (" + NOT_PRICED + ")"
         else:
             grid = [1, *sizes]
             pred_at = {b: predicted_batch_speedup(curves, params, b, past, params["family"]) for b in grid}

@@ -43,8 +43,9 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     the run measured several K of that method (same decoder, the label's K swept).
 
     Returns:
-        Columns dataset, l_max, gen_length, label, decoder, batch_size, best_k, predicted_speedup, measured_best_k,
-        measured_speedup.
+        Columns dataset, l_max, gen_length, label, decoder, batch_size, best_k (0 where the best K is predicted not to
+        pay), predicted_speedup, top_k (the K of the highest predicted speedup, paying or not), measured_best_k,
+        measured_top_k (the same two of the measured sweep; None without one), measured_speedup.
     """
     from dtbench.harness.store.db import Cell
     from dtbench.reports.compare import speedup_table
@@ -96,7 +97,9 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
                     "batch_size": b,
                     "best_k": k if s >= 1 else 0,
                     "predicted_speedup": s,
+                    "top_k": k,
                     "measured_best_k": (top if seen[top] >= 1 else 0) if top is not None else None,
+                    "measured_top_k": top,
                     "measured_speedup": seen[top] if top is not None else None,
                 }
             )
@@ -156,7 +159,8 @@ def schedule_report(sessions, run_id: int | None, fmt: str, engine: str) -> None
     caption = (
         "best K per batch size B predicted by the cost model from the B = 1 cell's per-position acceptance and the "
         "calibrated (B, new tokens) curves; K 0: speculation predicted not to pay at that B; measured best K: where "
-        "the run measured several K of the method at B"
+        "the run measured several K of the method at B; top K: the K of the highest speedup, paying or not (where "
+        "no K pays, both best K are 0 and the top K still says whether the model ranks the K as measured)"
         + ("" if batched else "; this calibration has no batched curves (B = 1 only): add batch_sizes to the suite")
     )
     reports, configs = [], {}
@@ -171,6 +175,8 @@ def schedule_report(sessions, run_id: int | None, fmt: str, engine: str) -> None
                     "Best K (pred.)": str(int(r["best_k"])),
                     "Speedup (pred.)": f"{r['predicted_speedup']:.2f}×",
                     "Best K (meas.)": "—" if r["measured_best_k"] is None else str(int(r["measured_best_k"])),
+                    "Top K pred./meas.": f"{int(r['top_k'])}/"
+                    + ("—" if r["measured_top_k"] is None else str(int(r["measured_top_k"]))),
                     "Speedup (meas.)": "—" if r["measured_speedup"] is None else f"{r['measured_speedup']:.2f}×",
                 }
                 for _, r in part.sort_values("batch_size").iterrows()

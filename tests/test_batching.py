@@ -536,6 +536,74 @@ def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
     assert budget_at(curves, 16, 64, ceiling=64) < budget_at(curves, 1, 64, ceiling=64)
 
 
+def test_a_batch_pays_for_its_widest_row():
+    """Issue 39 item 5: ragged drafts are padded to the widest row, so a copy method that drafts 10 tokens in one
+    iteration of five verifies 11 per row at B = 16 in nearly every iteration; the mean width (3) undercounts it."""
+    from dtbench.reports.costmodel_batch import predicted_batch_speedup, widest_of, width_distribution
+
+    widths = width_distribution([1, 1, 1, 1, 11])
+    assert widths == {1: 0.8, 11: pytest.approx(0.2)}
+    assert widest_of(widths, 1) == pytest.approx(widths)
+    at16 = widest_of(widths, 16)
+    assert at16[1] == pytest.approx(0.8**16) and at16[11] == pytest.approx(1 - 0.8**16)
+    assert sum(widest_of({1: 0.5, 3: 0.25, 9: 0.25}, 4).values()) == pytest.approx(1.0)
+    curves = synthetic_curves()
+    mean = {"L": 1.2, "n": 3.0, "d": 0.0, "family": "chain"}
+    padded = {**mean, "widths": widths}
+    # B = 16: c_16(11) = 22 ms in 97% of iterations vs c_16(3) = 6 ms at the mean width
+    assert predicted_batch_speedup(curves, padded, 16, 64, "chain") < 0.5 * predicted_batch_speedup(
+        curves, mean, 16, 64, "chain"
+    )
+    expected = 1.2 * 2e-3 / (0.8**16 * 2e-3 + (1 - 0.8**16) * 22e-3)
+    assert predicted_batch_speedup(curves, padded, 16, 64, "chain") == pytest.approx(expected)
+
+
+def test_an_external_loop_gets_no_batch_prediction():
+    """hf_generate and servers run their own loop: the steady-state model has nothing to price them with."""
+    from dtbench.reports.costmodel_batch import priced
+
+    assert priced({"family": "chain"}) and priced({"family": "tree"}) and priced({"family": "ar"})
+    assert not priced({"family": "external"}) and not priced(None)
+
+
+def test_batched_calibration_visits_every_point_in_interleaved_passes(monkeypatch):
+    """Issue 39 item 5: batched points are timed in PASSES passes of random order, not curve after curve, so a slow
+    spell of the machine does not skew one batch size's whole curve."""
+    from dtbench.decoders import kv
+    from dtbench.harness import calibrate
+
+    fed: list[tuple[int, int]] = []
+
+    class Batch:
+        def __init__(self, model):
+            self.rows = 0
+
+        def prefill(self, prompts):
+            self.rows = len(prompts)
+
+        def forward(self, rows):
+            fed.append((len(rows), len(rows[0])))
+
+        def keep(self, kept):
+            assert len(kept) == self.rows
+
+    monkeypatch.setattr(kv, "RaggedBatch", Batch)
+    ticks = iter(range(10**6))
+    curves = [calibrate.Curve("target", "batched", 8, 8, (1, 2, 3), rows=b) for b in (2, 4)]
+    settings = calibrate.Settings(min_repeats=2, max_time_s=30.0, warmup=1)
+    out = calibrate.measure_batched(
+        None, curves, {8: list(range(8))}, torch.device("cpu"), settings, lambda: float(next(ticks))
+    )
+    assert {c: [m[0] for m in out[c]] for c in curves} == {c: [1, 2, 3] for c in curves}
+    assert all(m[3] == calibrate.PASSES * 2 for c in curves for m in out[c])  # 2 timed forwards per visit
+    visits = [fed[i] for i in range(0, len(fed), 3)]  # each visit: 1 warmup + 2 timed forwards of one point
+    assert len(visits) == calibrate.PASSES * 6 and sorted(set(visits)) == sorted(
+        (b, n) for b in (2, 4) for n in (1, 2, 3)
+    )
+    first_pass = [b for b, _ in visits[:6]]
+    assert first_pass != sorted(first_pass) and first_pass != sorted(first_pass, reverse=True)  # the curves mixed
+
+
 def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
     import pandas as pd
 
