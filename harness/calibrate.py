@@ -179,6 +179,8 @@ def curves_for(plan, suite, uses_draft: bool, grown_cache: bool = True) -> list[
         for b in sorted(b for b in getattr(suite, "batch_sizes", [1]) if b > 1):
             for cache_len in sorted({l_max, l_max + T // 2}):
                 out.append(Curve("target", "batched", cache_len, l_max, tuple(sorted(set(ns))), rows=b))
+            # the prefill of B prompts in one forward (cache_len 0): what a cell at B pays before its first token
+            out.append(Curve("target", "batched", 0, l_max, (l_max,), rows=b))
     return out
 
 
@@ -322,7 +324,8 @@ def measure_batched(
     """Per batched curve, (n, median s, IQR s, repeats) of ONE batched verification forward per n: ``curve.rows``
     rows, each holding ``curve.cache_len`` cached positions, n new causal tokens per row, through
     :class:`~dtbench.decoders.kv.RaggedBatch` (the batched loops' forward, its per-row mask and position ids built
-    inside the timed call, as the loops do); the rows' new entries dropped after each (untimed).
+    inside the timed call, as the loops do); the rows' new entries dropped after each (untimed). A curve with
+    ``cache_len`` 0 times the prefill of ``rows`` prompts of n tokens into a fresh batch.
 
     Interleaved (issue 39 item 5): every (B, cache length, n) point is visited in :data:`PASSES` passes, each pass
     in its own seeded random order, each visit one warmup forward (the shape changed since the last visit) and then
@@ -345,23 +348,35 @@ def measure_batched(
         batches = {}
         for c in curves:
             batches[c] = kv.RaggedBatch(model)
-            batches[c].prefill([_tokens(contexts.get(c.prompt_len, []), c.cache_len)] * c.rows)
+            if c.cache_len:
+                batches[c].prefill([_tokens(contexts.get(c.prompt_len, []), c.cache_len)] * c.rows)
         for _ in range(PASSES):
             visits = list(times)
             order.shuffle(visits)
             for c, n in visits:
                 batch, rows = batches[c], [_tokens(contexts.get(c.prompt_len, []), n)] * c.rows
+
+                def once(c=c, batch=batch, rows=rows) -> None:
+                    if c.cache_len:  # a verification on the rows' cache, its new entries dropped (untimed)
+                        batch.forward(rows)
+                    else:  # a prefill of B prompts into a fresh batch
+                        kv.RaggedBatch(model).prefill(rows)
+
+                def drop(c=c, batch=batch) -> None:
+                    if c.cache_len:
+                        batch.keep([[] for _ in range(c.rows)])
+
                 for _ in range(settings.warmup):
-                    batch.forward(rows)
-                    batch.keep([[] for _ in range(c.rows)])
+                    once()
+                    drop()
                 begin, visit = clock(), 0
                 while visit < max(1, settings.min_repeats) and (visit == 0 or clock() - begin < budget):
                     synchronize(device)
                     t0 = clock()
-                    batch.forward(rows)
+                    once()
                     synchronize(device)
                     times[(c, n)].append(clock() - t0)
-                    batch.keep([[] for _ in range(c.rows)])
+                    drop()
                     visit += 1
     return {
         c: [(n, statistics.median(times[(c, n)]), _iqr(times[(c, n)]), len(times[(c, n)])) for n in c.ns]

@@ -42,7 +42,7 @@ class Curves:
         for r in self.rows:
             b = int(getattr(r, "rows", None) or 1)
             kind = (
-                f"batched:{b}"
+                (f"prefill:{b}" if r.cache_len == 0 else f"batched:{b}")
                 if b > 1
                 else "prefill"
                 if r.cache_len == 0
@@ -135,6 +135,30 @@ class Curves:
             return max(y1, y0 + (y1 - y0) * (rows - lo) / (hi - lo))
         y0, y1 = at(lo), at(hi)
         return y0 + (y1 - y0) * (rows - lo) / (hi - lo)
+
+    def batched_prefill(self, n: int, rows: int, role: str = "target") -> float | None:
+        """Seconds of one prefill forward of ``rows`` prompts of ``n`` tokens each (right-padded, one forward:
+        :meth:`~dtbench.decoders.kv.RaggedBatch.prefill`); B = 1 is the plain prefill curve; between calibrated
+        batch sizes linear in B (beyond the largest: along the last two). None where the calibration has no batched
+        prefill (made before issue 39 measured it) or no prefill at all."""
+        if rows <= 1:
+            return self.cost(role, n, 0) if self.has(role, "prefill") else None
+        sizes = sorted(int(k.split(":")[1]) for r, k in self._table if r == role and k.startswith("prefill:"))
+        if not sizes or not self.has(role, "prefill"):
+            return None
+
+        def at(b: int) -> float:
+            return self.cost(role, n, 0) if b == 1 else self._interp(*self._table[(role, f"prefill:{b}")][0], n)
+
+        grid = [1, *sizes]
+        lo = max((b for b in grid if b <= rows), default=1)
+        hi = min((b for b in grid if b > rows), default=None)
+        if lo == rows:
+            return at(rows)
+        if hi is None:
+            lo, hi = grid[-2], grid[-1]
+        y0, y1 = at(lo), at(hi)
+        return max(0.0, y0 + (y1 - y0) * (rows - lo) / (hi - lo))
 
     def _per_cache(self, per: dict[int, Curve], n: float, past: int | None) -> float:
         lens = sorted(per)

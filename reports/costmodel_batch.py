@@ -20,21 +20,24 @@ from dtbench.reports.stats import (
 
 # Two predicted speedups answer two questions (issue 42 item 9), so each table names its own: the cell table's is
 # what the forwards a cell's samples ran cost (priced one by one, prefill included, calibrated draft costs); the batch
-# table's is the steady-state decode model S(B) from the B = 1 cell's means (no prefill, measured draft seconds), so
-# the same B = 1 cell shows two different numbers, each right for its question.
+# table's is the batch model S(B) from the B = 1 cell's means and widths (the prefill of B prompts where calibrated,
+# measured draft seconds), so the same B = 1 cell shows two different numbers, each right for its question.
 PRED_FORWARDS = "Speedup pred. (its forwards)"
-PRED_STEADY = "Speedup pred. (steady state)"
+PRED_STEADY = "Speedup pred. (batch model)"
 
 BATCH_CAPTION = (
     "speedup at batch size B vs ar at the same (dataset, L_max, T, B), measured per prompt group (95% CI: paired t on "
     "the log ratios; 'n too small' below 5 groups) and predicted (" + PRED_STEADY + ", not the cell table's "
-    "prediction from every forward run) from the decoder's B = 1 cell and the calibrated "
-    "(B, new tokens) target curves: S(B) = L x c_B(1) / (E[c_B(w_max)] + B x d), L = tokens per iteration per row, w_max = the widest "
-    "row's verification width (pending token + drafts): a batch pads every row to it, so its cost is taken over the "
-    "distribution of the largest of B widths drawn from the B = 1 cell's per-iteration widths, d = draft seconds per "
-    "row and iteration (drafts run per row), the proposer's own CPU time included (its seconds outside forwards per "
-    "iteration beyond ar's); greedy lossless rows decode the same tokens at any B, so L, the widths and d do not "
-    "depend on B; external loops (hf_generate, servers) are not predicted. B* = the first "
+    "prediction from every forward run) from the decoder's B = 1 cell and the calibrated (B, new tokens) target "
+    "curves: S(B) = [P_B + (T - 1) x c_B(1)] / [P_B + B x P_draft + (T - 1) / L x (E[c_B(w_max)] + B x d)], P_B = the "
+    "calibrated prefill of B prompts (ar and the decoder both pay it; P_draft = one draft prefill per row), L = tokens "
+    "per decode iteration per row, w_max = the widest row's verification width (pending token + drafts): a batch "
+    "pads every row to it, so its cost is taken over the distribution of the largest of B widths drawn from the "
+    "B = 1 cell's per-iteration widths, d = draft seconds per row and decode iteration (drafts run per row), the "
+    "proposer's own CPU time included (its seconds outside forwards per iteration beyond ar's); greedy lossless rows "
+    "decode the same tokens at any B, so L, the widths and d do not depend on B; a calibration without the batched "
+    "prefill (before issue 39) gives the steady state L x c_B(1) / (E[c_B(w_max)] + B x d); external loops "
+    "(hf_generate, servers) are not predicted. B* = the first "
     "batch size whose speedup is below 1 (measured: the point estimate; predicted: over the calibrated batch sizes). "
     "Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the largest tree verified within "
     "2x one ar step at B (tree)."
@@ -61,7 +64,9 @@ def b1_frame(samples) -> pd.DataFrame:
 def b1_parameters(rows: pd.DataFrame) -> dict | None:
     """(L, n, d, per-position acceptance, drafted per iteration) of a B = 1 cell from its samples after warmup, and
     ``outside``: its seconds per iteration outside model forwards (the loop and the proposer's own CPU work; None
-    where the samples' total or forward times are unknown)."""
+    where the samples' total or forward times are unknown); ``L_dec``: tokens per decode iteration (the prefill's
+    iteration left out), ``widths``: :func:`width_distribution`, ``iters`` / ``samples`` / ``has_draft`` for
+    :func:`predicted_batch_speedup`'s whole-cell form."""
     basis = rows[~rows["warmup"].astype(bool)]
     if basis.empty:
         return None
@@ -84,8 +89,14 @@ def b1_parameters(rows: pd.DataFrame) -> dict | None:
             forward += float(fs.get("target") or 0.0) + float(fs.get("draft") or 0.0)
         if forward > 0:
             outside = max(0.0, float(basis["total_s"].sum()) - forward) / iters
+    samples = float(len(basis))
+    decode = iters - samples  # every sample's first iteration is its prefill (one token)
     return {
         "outside": outside,
+        "iters": iters,
+        "samples": samples,
+        "has_draft": draft_s > 0,
+        "L_dec": (float(basis["new_tokens"].sum()) - samples) / decode if decode > 0 else 1.0,
         "L": float(basis["new_tokens"].sum()) / iters,
         "n": 1.0 + drafted / iters,
         "d": draft_s / iters,
@@ -151,10 +162,21 @@ def priced(params: dict | None) -> bool:
     return params is not None and params.get("family") != FAMILY_UNKNOWN
 
 
-def predicted_batch_speedup(curves, params: dict, batch: int, past: int, family: str) -> float:
-    """S(B) of :data:`BATCH_CAPTION` for one decoder's B = 1 parameters (``L``, ``n``, ``d``, ``widths``) at batch
-    size B: the verification priced at the widest row's width (:func:`widest_of`, its expected cost over the width
-    distribution) where the B = 1 cell recorded per-iteration widths, else at the mean width ``n``."""
+def predicted_batch_speedup(
+    curves, params: dict, batch: int, past: int, family: str, gen_length: int | None = None, l_max: int | None = None
+) -> float:
+    """S(B) of :data:`BATCH_CAPTION` for one decoder's B = 1 parameters (:func:`b1_parameters`) at batch size B.
+
+    The verification is priced at the widest row's width (:func:`widest_of`, its expected cost over the width
+    distribution) where the B = 1 cell recorded per-iteration widths, else at the mean width ``n``. With
+    ``gen_length`` T and ``l_max`` given and a calibration that measured the prefill of B prompts
+    (:meth:`~dtbench.harness.curves.Curves.batched_prefill`), the whole cell: ar pays P_B + (T - 1) x c_B(1), the
+    decoder P_B + B x P_draft + (T - 1) / L_dec x (E[c_B(w_max)] + B x d_dec), with P_B the target's prefill of B
+    prompts, P_draft one draft prefill per row (drafts run per row; 0 without a draft model) and d_dec the draft
+    seconds per decode iteration without it, because measured speedups are whole-cell ratios and at B = 16 the
+    prefill is a quarter of ar's time on the embedded pair. Otherwise the steady state L x c_B(1) / (E[c_B(w_max)] +
+    B x d) (no prefill).
+    """
     flags = FED_MASK if family == "tree" else 0
 
     def cost(n: float) -> float:
@@ -162,7 +184,18 @@ def predicted_batch_speedup(curves, params: dict, batch: int, past: int, family:
 
     widths = params.get("widths")
     verify = sum(p * cost(w) for w, p in widest_of(widths, batch).items()) if widths else cost(params["n"])
-    return params["L"] * cost(1) / (verify + batch * params["d"])
+    prefill = curves.batched_prefill(l_max, batch) if gen_length and l_max and "iters" in params else None
+    if prefill is None:
+        return params["L"] * cost(1) / (verify + batch * params["d"])
+    iters, samples = params["iters"], params["samples"]
+    draft_prefill = 0.0
+    if params.get("has_draft") and "draft" in curves.roles():
+        draft_prefill = curves.cost("draft", l_max, 0)
+    decode = max(iters - samples, 1.0)
+    d_dec = max(0.0, params["d"] * iters - samples * draft_prefill) / decode
+    ar = prefill + (gen_length - 1) * cost(1)
+    spec = prefill + batch * draft_prefill + (gen_length - 1) / params["L_dec"] * (verify + batch * d_dec)
+    return ar / spec
 
 
 def best_k_at(
@@ -234,7 +267,11 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         params = by_label.get(key)
         past = int(r["l_max"]) + int(r["gen_length"]) // 2
         b = int(r["batch_size"])
-        pred = predicted_batch_speedup(curves, params, b, past, params["family"]) if priced(params) else math.nan
+        pred = (
+            predicted_batch_speedup(curves, params, b, past, params["family"], int(r["gen_length"]), int(r["l_max"]))
+            if priced(params)
+            else math.nan
+        )
         if not math.isnan(pred) and not math.isnan(r["speedup"]):
             errors.append(abs(pred - r["speedup"]) / r["speedup"])
         rows.append(
@@ -276,7 +313,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             predicted = "none (" + NOT_PRICED + ")"
         else:
             grid = [1, *sizes]
-            pred_at = {b: predicted_batch_speedup(curves, params, b, past, params["family"]) for b in grid}
+            pred_at = {b: predicted_batch_speedup(curves, params, b, past, params["family"], T, l_max) for b in grid}
             first = next((b for b in grid if pred_at[b] < 1), None)
             predicted = f"B*={first} ({pred_at[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
             if params["family"] == "chain" and params["p"]:

@@ -558,6 +558,34 @@ def test_a_batch_pays_for_its_widest_row():
     assert predicted_batch_speedup(curves, padded, 16, 64, "chain") == pytest.approx(expected)
 
 
+def test_the_whole_cell_prediction_pays_the_prefill_of_b_prompts():
+    """Measured speedups are whole-cell ratios: with the prefill of B prompts calibrated, ar and the decoder both pay
+    it (and a draft model one draft prefill per row), so a slow decoder's speedup is pulled toward 1."""
+    from dtbench.harness.curves import Curves
+    from dtbench.reports.costmodel_batch import predicted_batch_speedup
+
+    rows = list(synthetic_curves().rows)
+    rows += [_Row("target", 16, 4e-3, cache_len=0)] + [
+        _Row("target", 16, 4e-3 * b, rows=b, cache_len=0) for b in (2, 4)
+    ]
+    rows += [_Row("draft", 16, 1e-3, cache_len=0)]
+    curves = Curves(rows)
+    assert curves.batched_prefill(16, 1) == pytest.approx(4e-3)
+    assert curves.batched_prefill(16, 3) == pytest.approx(12e-3)  # linear in B between calibrated sizes
+    assert Curves(synthetic_curves().rows).batched_prefill(16, 4) is None  # a calibration from before issue 39
+    ar = {"L": 1.0, "L_dec": 1.0, "n": 1.0, "d": 0.0, "iters": 32.0, "samples": 1.0, "widths": {1: 1.0}}
+    assert all(predicted_batch_speedup(curves, ar, b, 64, "ar", 32, 16) == pytest.approx(1.0) for b in (1, 2, 4))
+    # 4 drafts per decode iteration at 0.1 ms each (draft_s 0.4 ms x 8 iterations + one 1 ms draft prefill)
+    chain = {"L": 4.0, "L_dec": 31 / 7, "n": 5.0, "d": (7 * 4e-4 + 1e-3) / 8, "iters": 8.0, "samples": 1.0}
+    chain.update(widths={5: 1.0}, has_draft=True)
+    at4 = predicted_batch_speedup(curves, chain, 4, 64, "chain", 32, 16)
+    ar_time = 16e-3 + 31 * curves.batched_cost(1, 64, 4)
+    spec_time = 16e-3 + 4 * 1e-3 + 7 * (curves.batched_cost(5, 64, 4) + 4 * 4e-4)
+    assert at4 == pytest.approx(ar_time / spec_time)
+    steady = predicted_batch_speedup(curves, chain, 4, 64, "chain")
+    assert abs(at4 - 1) < abs(steady - 1)  # the shared prefill pulls the ratio toward 1
+
+
 def test_an_external_loop_gets_no_batch_prediction():
     """hf_generate and servers run their own loop: the steady-state model has nothing to price them with."""
     from dtbench.reports.costmodel_batch import priced
