@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 from sqlalchemy import select
@@ -20,27 +21,25 @@ from dtbench.reports.stats import (
 
 # Two predicted speedups answer two questions (issue 42 item 9), so each table names its own: the cell table's is
 # what the forwards a cell's samples ran cost (priced one by one, prefill included, calibrated draft costs); the batch
-# table's is the batch model S(B) from the B = 1 cell's means and widths (the prefill of B prompts where calibrated,
-# measured draft seconds), so the same B = 1 cell shows two different numbers, each right for its question.
+# table's is the batch model (the B = 1 rows replayed in groups of B on the calibrated curves, measured draft
+# seconds), so the same B = 1 cell shows two different numbers, each right for its question.
 PRED_FORWARDS = "Speedup pred. (its forwards)"
 PRED_STEADY = "Speedup pred. (batch model)"
 
 BATCH_CAPTION = (
     "speedup at batch size B vs ar at the same (dataset, L_max, T, B), measured per prompt group (95% CI: paired t on "
     "the log ratios; 'n too small' below 5 groups) and predicted (" + PRED_STEADY + ", not the cell table's "
-    "prediction from every forward run) from the decoder's B = 1 cell and the calibrated (B, new tokens) target "
-    "curves: S(B) = [P_B + (T - 1) x c_B(1)] / [P_B + B x P_draft + (T - 1) / L x (E[c_B(w_max)] + B x d)], P_B = the "
-    "calibrated prefill of B prompts (ar and the decoder both pay it; P_draft = one draft prefill per row), L = tokens "
-    "per decode iteration per row, w_max = the widest row's verification width (pending token + drafts): a batch "
-    "pads every row to it, so its cost is taken over the distribution of the largest of B widths drawn from the "
-    "B = 1 cell's per-iteration widths, d = draft seconds per row and decode iteration (drafts run per row), the "
-    "proposer's own CPU time included (its seconds outside forwards per iteration beyond ar's); greedy lossless rows "
-    "decode the same tokens at any B, so L, the widths and d do not depend on B; a calibration without the batched "
-    "prefill (before issue 39) gives the steady state L x c_B(1) / (E[c_B(w_max)] + B x d); external loops "
-    "(hf_generate, servers) are not predicted. B* = the first "
-    "batch size whose speedup is below 1 (measured: the point estimate; predicted: over the calibrated batch sizes). "
-    "Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the largest tree verified within "
-    "2x one ar step at B (tree)."
+    "prediction from every forward run) by replaying the decoder's B = 1 rows in the run's prompt groups on the "
+    "calibrated (B, new tokens) target curves: greedy lossless rows commit the same tokens in the same iterations at "
+    "any B, so a group costs the prefill of its B prompts (where calibrated; a draft model adds one draft prefill per "
+    "row), then per iteration one verification at the widest active row's width (a batch pads every row to it) over "
+    "the rows still decoding, plus every active row's draft seconds and its proposer's CPU time beyond ar's (drafts "
+    "run per row); ar's group: the same prefill and T - 1 one-token steps; the prediction is the ratio of mean group "
+    "throughputs, the measured speedup's definition. Samples stored without per-step drafts fall back to S(B) = L x "
+    "c_B(1) / (E[c_B(w_max)] + B x d) from the cell's means; external loops (hf_generate, servers) are not "
+    "predicted. B* = the first batch size whose speedup is below 1 (measured: the point estimate; predicted: over "
+    "the calibrated batch sizes). Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the "
+    "largest tree verified within 2x one ar step at B (tree)."
 )
 
 
@@ -49,6 +48,7 @@ def b1_frame(samples) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
+                "prompt_index": s.prompt_index,
                 "warmup": s.warmup,
                 "iterations": s.iterations,
                 "drafted": s.drafted,
@@ -185,7 +185,7 @@ def predicted_batch_speedup(
     widths = params.get("widths")
     verify = sum(p * cost(w) for w, p in widest_of(widths, batch).items()) if widths else cost(params["n"])
     prefill = curves.batched_prefill(l_max, batch) if gen_length and l_max and "iters" in params else None
-    if prefill is None:
+    if prefill is None or gen_length is None or l_max is None:
         return params["L"] * cost(1) / (verify + batch * params["d"])
     iters, samples = params["iters"], params["samples"]
     draft_prefill = 0.0
@@ -196,6 +196,104 @@ def predicted_batch_speedup(
     ar = prefill + (gen_length - 1) * cost(1)
     spec = prefill + batch * draft_prefill + (gen_length - 1) / params["L_dec"] * (verify + batch * d_dec)
     return ar / spec
+
+
+@dataclass(frozen=True)
+class RowTrace:
+    """One prompt's B = 1 decode, as a batch replays it (:func:`replay_speedup`): greedy lossless rows commit the same
+    tokens in the same iterations at any B (each row has its own proposer or draft session), so a row's widths and
+    commits at B are its B = 1 sample's.
+
+    Attributes:
+        widths: per decode iteration the verification width (pending token + drafts), the prefill left out.
+        committed: per decode iteration the tokens committed (accepted drafts + the bonus token).
+        seconds: the row's own seconds per decode iteration outside the target: draft forwards (without the draft's
+            prefill) plus its proposer's CPU time beyond ar's.
+        tokens: new tokens of the sample.
+        draft_prefill: seconds of the row's draft prefill (0 without a draft model).
+    """
+
+    widths: tuple[int, ...]
+    committed: tuple[int, ...]
+    seconds: float
+    tokens: int
+    draft_prefill: float
+
+
+def row_traces(rows: pd.DataFrame, curves, l_max: int, ar_outside: float | None) -> list[RowTrace] | None:
+    """The :class:`RowTrace` of every sample after warmup of a B = 1 cell (``rows``: :func:`b1_frame`), in prompt
+    order; None where a sample recorded no per-step drafts (stored before they were) or its iterations disagree.
+
+    ``ar_outside``: ar's seconds per iteration outside forwards at B = 1 (the loop's own; beyond it a proposer's CPU
+    time is priced per row), None where unknown (nothing added). The draft prefill is priced from the calibration's
+    draft prefill curve at ``l_max`` tokens."""
+    basis = rows[~rows["warmup"].astype(bool)].sort_values("prompt_index")
+    out = []
+    for _, r in basis.iterrows():
+        st = r["step_stats"] or {}
+        drafted, accepted = st.get("drafted"), st.get("accepted")
+        if not drafted or not accepted or len(drafted) != len(accepted) or len(drafted) < 1:
+            return None
+        fs = st.get("forward_s") or {}
+        draft_s = float(fs.get("draft") or 0.0)
+        draft_prefill = curves.cost("draft", l_max, 0) if draft_s > 0 and "draft" in curves.roles() else 0.0
+        decode = max(1, len(drafted) - 1)
+        extra = 0.0
+        if ar_outside is not None and fs.get("target") is not None and not pd.isna(r["total_s"]):
+            outside = float(r["total_s"]) - float(fs.get("target") or 0.0) - draft_s
+            extra = max(0.0, outside / len(drafted) - ar_outside)
+        out.append(
+            RowTrace(
+                widths=tuple(1 + int(d) for d in drafted[1:]),
+                committed=tuple(1 + int(a) for a in accepted[1:]),
+                seconds=max(0.0, draft_s - draft_prefill) / decode + extra,
+                tokens=int(r["new_tokens"]),
+                draft_prefill=draft_prefill,
+            )
+        )
+    return out or None
+
+
+def _verify_cost(curves, n: int, past: int, rows: int, family: str) -> float:
+    """One target verification forward of ``rows`` rows of n tokens (B = 1: the causal curve, or the tree-masked
+    one for a tree decoder; B > 1: the batched curves)."""
+    if rows > 1:
+        return curves.batched_cost(n, past, rows)
+    return curves.cost("target", n, past, FED_MASK if family == "tree" else 0)
+
+
+def replay_group(curves, group: list[RowTrace], l_max: int, family: str) -> float:
+    """Predicted seconds of one prompt group decoded together: the prefill of its B prompts (where calibrated, plus
+    each row's draft prefill), then per iteration one verification at the widest active row's width (a batch pads
+    every row to it) over the rows still decoding (a row that is done leaves the batch), plus every active row's own
+    seconds (drafts run per row), the cache at ``l_max`` + the longest row's commits."""
+    prefill = curves.batched_prefill(l_max, len(group))
+    seconds = (prefill + sum(r.draft_prefill for r in group)) if prefill is not None else 0.0
+    done = [1] * len(group)  # tokens committed so far (the prefill's token)
+    for j in range(max(len(r.widths) for r in group)):
+        active = [i for i, r in enumerate(group) if j < len(r.widths)]
+        width = max(group[i].widths[j] for i in active)
+        seconds += _verify_cost(curves, width, l_max + max(done), len(active), family)
+        for i in active:
+            seconds += group[i].seconds
+            done[i] += group[i].committed[j]
+    return seconds
+
+
+def replay_speedup(curves, traces: list[RowTrace], batch: int, l_max: int, gen_length: int, family: str) -> float:
+    """Predicted speedup at batch size B by replaying the B = 1 rows (:class:`RowTrace`) in the run's prompt groups
+    (consecutive prompts, B per group, a remainder left out as the measured side leaves it out): per group its tokens
+    over :func:`replay_group`'s seconds, against ar's group (the same prefill, then T - 1 one-token steps of all B
+    rows); the ratio of the mean group throughputs, the measured speedup's definition (Table 1's). NaN without a whole
+    group."""
+    groups = [traces[i : i + batch] for i in range(0, len(traces) - batch + 1, batch)]
+    if not groups:
+        return math.nan
+    ar_rows = RowTrace((1,) * (gen_length - 1), (1,) * (gen_length - 1), 0.0, gen_length, 0.0)
+    ar_seconds = replay_group(curves, [ar_rows] * batch, l_max, "ar")
+    mine = [sum(r.tokens for r in g) / replay_group(curves, g, l_max, family) for g in groups]
+    ar = [sum(r.tokens for r in g) / ar_seconds for g in groups]
+    return (sum(mine) / len(mine)) / (sum(ar) / len(ar))
 
 
 def best_k_at(
@@ -259,19 +357,27 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             by_label[(*group_key(cell)[:3], cell.label)] = {
                 **got,
                 "family": family_of(cell.family),
+                "frame": frame_rows,
             }
+    ar_outside = {k[:3]: v["outside"] for k, v in by_label.items() if v["family"] == "ar"}
+    for key, v in by_label.items():
+        v["traces"] = row_traces(v.pop("frame"), curves, key[1], ar_outside.get(key[:3]))
     price_proposers(by_label)
+
+    def predict(params: dict | None, b: int, l_max: int, T: int) -> float:
+        if not priced(params):
+            return math.nan
+        assert params is not None
+        if params["traces"]:
+            return replay_speedup(curves, params["traces"], b, l_max, T, params["family"])
+        return predicted_batch_speedup(curves, params, b, l_max + T // 2, params["family"], T, l_max)
+
     errors = []
     for _, r in speed.iterrows():
         key = (*group_key(r)[:3], r["label"])
         params = by_label.get(key)
-        past = int(r["l_max"]) + int(r["gen_length"]) // 2
         b = int(r["batch_size"])
-        pred = (
-            predicted_batch_speedup(curves, params, b, past, params["family"], int(r["gen_length"]), int(r["l_max"]))
-            if priced(params)
-            else math.nan
-        )
+        pred = predict(params, b, int(r["l_max"]), int(r["gen_length"]))
         if not math.isnan(pred) and not math.isnan(r["speedup"]):
             errors.append(abs(pred - r["speedup"]) / r["speedup"])
         rows.append(
@@ -313,7 +419,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             predicted = "none (" + NOT_PRICED + ")"
         else:
             grid = [1, *sizes]
-            pred_at = {b: predicted_batch_speedup(curves, params, b, past, params["family"], T, l_max) for b in grid}
+            pred_at = {b: predict(params, b, l_max, T) for b in grid}
             first = next((b for b in grid if pred_at[b] < 1), None)
             predicted = f"B*={first} ({pred_at[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
             if params["family"] == "chain" and params["p"]:

@@ -13,6 +13,7 @@ decoder that corrupts one row is an error in that row).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -584,6 +585,28 @@ def test_the_whole_cell_prediction_pays_the_prefill_of_b_prompts():
     assert at4 == pytest.approx(ar_time / spec_time)
     steady = predicted_batch_speedup(curves, chain, 4, 64, "chain")
     assert abs(at4 - 1) < abs(steady - 1)  # the shared prefill pulls the ratio toward 1
+
+
+def test_a_batch_replays_its_rows_b1_iterations():
+    """Issue 39 item 5: a group at B replays its rows' B = 1 iterations (greedy lossless rows commit the same tokens
+    in the same iterations at any B): each iteration verifies the widest active row's width over the rows still
+    decoding, every active row pays its own draft seconds, and the speedup is the ratio of mean group throughputs."""
+    from dtbench.reports.costmodel_batch import RowTrace, replay_group, replay_speedup
+
+    curves = synthetic_curves()  # c_B(n) = 1 ms x max(1, B x n / 8); no prefill calibrated: none is priced
+    fast = RowTrace(widths=(5, 5), committed=(5, 2), seconds=1e-4, tokens=8, draft_prefill=0.0)
+    slow = RowTrace(widths=(1,) * 7, committed=(1,) * 7, seconds=0.0, tokens=8, draft_prefill=0.0)
+    # two iterations at B = 2, width 5 (fast pads slow): 1.25 ms + 0.1 ms each; then slow alone for 5: 1 ms each
+    assert replay_group(curves, [fast, slow], 16, "chain") == pytest.approx(2 * (1.25e-3 + 1e-4) + 5 * 1e-3)
+    assert replay_group(curves, [fast], 16, "chain") == pytest.approx(2 * 1.1e-3)
+    ar = RowTrace(widths=(1,) * 7, committed=(1,) * 7, seconds=0.0, tokens=8, draft_prefill=0.0)
+    assert replay_speedup(curves, [ar] * 4, 2, 16, 8, "ar") == pytest.approx(1.0)
+    # B = 1: the mean of the prompts' throughputs over ar's (fast: 8 tokens in 2.2 ms, slow as ar: 7 ms)
+    assert replay_speedup(curves, [fast, slow], 1, 16, 8, "chain") == pytest.approx(
+        (8 / 2.2e-3 + 8 / 7e-3) / 2 / (8 / 7e-3)
+    )
+    assert replay_speedup(curves, [fast, slow], 2, 16, 8, "chain") == pytest.approx(7e-3 / 7.7e-3)  # one group
+    assert math.isnan(replay_speedup(curves, [fast], 2, 16, 8, "chain"))  # no whole group
 
 
 def test_an_external_loop_gets_no_batch_prediction():
