@@ -591,7 +591,7 @@ def test_a_batch_replays_its_rows_b1_iterations():
     """Issue 39 item 5: a group at B replays its rows' B = 1 iterations (greedy lossless rows commit the same tokens
     in the same iterations at any B): each iteration verifies the widest active row's width over the rows still
     decoding, every active row pays its own draft seconds, and the speedup is the ratio of mean group throughputs."""
-    from dtbench.reports.costmodel_batch import RowTrace, replay_group, replay_speedup
+    from dtbench.reports.batch_replay import RowTrace, replay_group, replay_speedup
 
     curves = synthetic_curves()  # c_B(n) = 1 ms x max(1, B x n / 8); no prefill calibrated: none is priced
     fast = RowTrace(widths=(5, 5), committed=(5, 2), seconds=1e-4, tokens=8, draft_prefill=0.0)

@@ -199,7 +199,7 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
 
 def test_serving_is_a_package_by_its_seams():
     """harness/serving (issue 40): the servers' processes and the traffic model import no other part of it; the output
-    check only the processes' error; the client the rest. Engines are adapters in the decoder layer
+    check and the request record only the processes' error; the client the rest. Engines are adapters in the decoder layer
     (dtbench.decoders.engines), which imports nothing of the server decoder (its params are a protocol there)."""
     edges, _ = imports(modules())
     serving = "dtbench.harness.serving"
@@ -208,7 +208,13 @@ def test_serving_is_a_package_by_its_seams():
     }
     assert inside[f"{serving}.process"] == [] and inside[f"{serving}.traffic"] == []
     assert inside[f"{serving}.check"] == [f"{serving}.process"]
-    assert inside[f"{serving}.client"] == [f"{serving}.check", f"{serving}.process", f"{serving}.traffic"]
+    assert inside[f"{serving}.record"] == [f"{serving}.process"]
+    assert inside[f"{serving}.client"] == [
+        f"{serving}.check",
+        f"{serving}.process",
+        f"{serving}.record",
+        f"{serving}.traffic",
+    ]
     engines = [t for m, ts in edges.items() if m.startswith("dtbench.decoders.engines") for t in ts]
     assert "dtbench.decoders.server" not in engines and not any(t.startswith("dtbench.harness") for t in engines)
 

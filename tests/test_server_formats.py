@@ -255,7 +255,7 @@ def test_held_back_ids_from_a_repeat(monkeypatch):
     import httpx
 
     from dtbench.decoders.engines import engine_for
-    from dtbench.harness.serving.client import _recover_ids
+    from dtbench.harness.serving.record import recover_ids as _recover_ids
 
     sent = []
     monkeypatch.setattr(
@@ -273,7 +273,7 @@ def test_held_back_ids_from_the_streamed_prefix_when_the_repeat_diverges(monkeyp
     import httpx
 
     from dtbench.decoders.engines import engine_for
-    from dtbench.harness.serving.client import _recover_ids
+    from dtbench.harness.serving.record import recover_ids as _recover_ids
 
     sent = []
 
@@ -295,7 +295,7 @@ def test_held_back_ids_that_nothing_reproduces_fail_in_one_line(monkeypatch):
 
     from dtbench.decoders.engines import engine_for
     from dtbench.harness.serving import ServerError
-    from dtbench.harness.serving.client import _recover_ids
+    from dtbench.harness.serving.record import recover_ids as _recover_ids
 
     monkeypatch.setattr(
         httpx, "post", lambda url, json, timeout: _Answer([10, 1, 12, 14, 22, 23][: json["max_tokens"]])

@@ -9,6 +9,8 @@ The package by its seams (issue 40 item 3):
 - :mod:`~dtbench.harness.serving.client`: one unit of a cell through the bounded async client
   (:func:`measure_requests`): the requests, the clock, each request's observation handed to
   :func:`~dtbench.harness.metrics.sample_row`, the one row builder.
+- :mod:`~dtbench.harness.serving.record`: what the client saw of a request (:class:`RequestRecord`) and the
+  recovery of token ids a stream held back (:func:`~dtbench.harness.serving.record.recover_ids`).
 - :mod:`~dtbench.harness.serving.traffic`: arrival processes (:func:`arrival_delays`), the load profile
   (:func:`load_profile`) and the blocks of C prompts a speedup pairs (:func:`blocks_of`).
 - :mod:`~dtbench.harness.serving.check`: the output check against the reference server (:func:`check_request`), with
