@@ -304,3 +304,91 @@ def test_held_back_ids_that_nothing_reproduces_fail_in_one_line(monkeypatch):
     with pytest.raises(ServerError, match="streamed 3 token ids for 6 tokens and neither a repeat nor requests"):
         _recover_ids("http://x", {"prompt": [1, 2], "max_tokens": 6}, rec, engine_for("llama.cpp"), "s", "log", _detok)
     assert rec.recovered is None and rec.tokens == [10, 12, 13]
+
+
+def _katakana_stream(tokenizer):
+    """llama.cpp's events for " アア" in the embedded model's tokenizer: " " (one id), then each "ア" as two tokens
+    (a 2-byte token held back, its last byte's event carrying one id), and the final event."""
+    space, head, tail = tokenizer(" ア", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode([head]) != "ア" and tokenizer.decode([head, tail]) == "ア"  # head ends inside "ア"
+
+    def event(text, ids, decoded, finish=None):
+        verbose = {"tokens": ids, "tokens_predicted": decoded}
+        return {"choices": [{"text": text, "index": 0, "finish_reason": finish}], "__verbose": verbose}
+
+    final = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "usage": {"completion_tokens": 5}}
+    events = [event(" ", [space], 1), event("ア", [tail], 3), event("ア", [tail], 5), final]
+    return events, [space, head, tail, head, tail]
+
+
+def test_a_stream_records_each_gap_with_the_text_of_the_event_that_ended_it():
+    """_read_stream against a served llama.cpp-shaped stream (httpx's MockTransport): gaps and their events."""
+    import asyncio
+
+    import httpx
+
+    from dtbench.decoders.engines import engine_for
+    from dtbench.harness.models import load_tokenizer
+    from dtbench.harness.serving.client import RequestRecord, _read_stream
+    from dtbench.harness.suite import ModelSpec
+
+    tokenizer = load_tokenizer(ModelSpec())
+    events, ids = _katakana_stream(tokenizer)
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    rec = RequestRecord(row=0)
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport) as client:
+            params = ServerParams(engine="llama.cpp", base_url="http://x")
+            await _read_stream(client, "http://x/v1/completions", {}, params, engine_for("llama.cpp"), rec, 0.0)
+
+    asyncio.run(go())
+    assert rec.decoded == 5 and rec.tokens == [ids[0], ids[2], ids[4]] and rec.text == " アア"
+    assert rec.gaps == [(1, 2), (3, 4)] and rec.gap_events == [("ア", [ids[2]]), ("ア", [ids[4]])]
+
+
+def test_held_back_ids_from_the_streamed_text_when_repeat_and_prefix_diverge(monkeypatch):
+    """A near tie at concurrency > 1: the repeat and the greedy gap requests (run alone) answer other ids, but each
+    gap's bytes (its event's text less the event's own id) are one token of the vocabulary in one way only: the
+    ids are taken from the text ("text"), no gap request is sent; without the vocabulary the gap requests decide, and
+    their ids do not reproduce the text: the one-line error."""
+    import httpx
+
+    from dtbench.decoders.engines import engine_for
+    from dtbench.harness.models import load_tokenizer
+    from dtbench.harness.serving import ServerError
+    from dtbench.harness.serving.client import RequestRecord
+    from dtbench.harness.serving.record import TokenBytes, recover_ids
+    from dtbench.harness.suite import ModelSpec
+
+    tokenizer = load_tokenizer(ModelSpec())
+    events, ids = _katakana_stream(tokenizer)
+    sent = []
+    monkeypatch.setattr(
+        httpx, "post", lambda url, json, timeout: sent.append(json) or _Answer([7] * json["max_tokens"])
+    )
+
+    def detok(t):
+        return str(tokenizer.decode(t, clean_up_tokenization_spaces=False))
+
+    def record(gaps):
+        evs = [("ア", [ids[2]]), ("ア", [ids[4]])]
+        return RequestRecord(row=0, tokens=[ids[0], ids[2], ids[4]], text=" アア", decoded=5, gaps=gaps, gap_events=evs)
+
+    rec = record([(1, 2), (3, 4)])
+    recover_ids(
+        "http://x",
+        {"prompt": [1, 2], "max_tokens": 5},
+        rec,
+        engine_for("llama.cpp"),
+        "s",
+        "log",
+        detok,
+        TokenBytes(tokenizer),
+    )
+    assert (rec.tokens, rec.recovered) == (ids, "text")
+    assert len(sent) == 1  # the repeat only
+    rec = record([(1, 2), (3, 4)])
+    with pytest.raises(ServerError, match="neither a repeat nor requests"):  # without the vocabulary: the requests
+        recover_ids("http://x", {"prompt": [1, 2], "max_tokens": 5}, rec, engine_for("llama.cpp"), "s", "log", detok)

@@ -31,7 +31,7 @@ from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import Served, sample_row
 from dtbench.harness.serving.check import Shapes, candidate_shapes, check_request
 from dtbench.harness.serving.process import ServerError, ServerPool
-from dtbench.harness.serving.record import RequestRecord, recover_ids
+from dtbench.harness.serving.record import RequestRecord, TokenBytes, recover_ids, token_bytes_of
 from dtbench.harness.serving.traffic import arrival_delays, blocks_of, load_profile, steady_throughput
 
 
@@ -136,6 +136,7 @@ async def _read_stream(
                         held = chunk.decoded - decoded - len(chunk.tokens or [])  # its decoded count says how
                         if held > 0:  # many tokens the read brought; the ids it left out come before its own
                             record.gaps.append((decoded, decoded + held))
+                            record.gap_events.append((chunk.text, list(chunk.tokens or [])))
                         decoded = chunk.decoded
                         record.tokens.extend(chunk.tokens or [])
                     elif chunk.tokens is not None:
@@ -147,6 +148,7 @@ async def _read_stream(
                     if decoded and final is not None and final > decoded:  # the last tokens ended inside a UTF-8
                         brought += int(final) - decoded  # character: they arrive with the final event, no ids
                         record.gaps.append((decoded, int(final)))
+                        record.gap_events.append(None)
                         decoded = int(final)
                     record.text += chunk.text
                     record.top.extend(chunk.top)
@@ -222,6 +224,7 @@ def _send(
     concurrency: int,
     tokenize: Callable[[str], list[int]],
     detokenize: Callable[[list[int]], str],
+    token_bytes: TokenBytes | None = None,
 ) -> tuple[list[RequestRecord], float, dict[str, Any]]:
     """The unit's requests through the client: (records, wall seconds, the engine's counters over the unit).
 
@@ -249,7 +252,7 @@ def _send(
         raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
-            recover_ids(base_url, body, rec, engine, label, where, detokenize)
+            recover_ids(base_url, body, rec, engine, label, where, detokenize, token_bytes)
     try:
         group_metrics = engine.metrics_delta(before, after) if after else {}
     except DtbenchError as exc:
@@ -343,7 +346,18 @@ def measure_requests(
         len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index), params.burstiness
     )
     records, wall, group_metrics = _send(
-        label, params, engine, base_url, server, where, bodies, delays, concurrency, tokenize, detokenize
+        label,
+        params,
+        engine,
+        base_url,
+        server,
+        where,
+        bodies,
+        delays,
+        concurrency,
+        tokenize,
+        detokenize,
+        token_bytes_of(tokenizer),
     )
     cell_load, steady = _unit_load(records, wall, concurrency, params.request_rate, gen_length)
     blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
