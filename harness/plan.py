@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from dtbench.decoders.base import Decoder, DecoderParams
@@ -61,7 +62,9 @@ class PromptGroup:
     prompt, the key every decoder's samples of the group are paired by.
 
     With ``repeats: N`` each group after the warmup comes N times in a row (``repeat`` 0 .. N-1), each time with
-    every decoder in order: the repeats of one decoder are interleaved with the others', never back to back.
+    every decoder in order: the repeats of one decoder are interleaved with the others', never back to back. With
+    ``min_groups: M`` a point of fewer than M measured groups repeats each of them ceil(M / groups) times
+    (:meth:`Plan.repeats_at`); ``repeats`` is that count for this group (1 for a warmup group).
     """
 
     dataset: DatasetSpec
@@ -73,6 +76,7 @@ class PromptGroup:
     batch_size: int = 1  # the cells' B
     rows: tuple[int, ...] = ()  # the prompt indices decoded together (B > 1); () at B = 1: (prompt_index,)
     repeat: int = 0  # which measurement of the group (suite key repeats: 0 .. N-1; warmup groups only 0)
+    repeats: int = 1  # how many times the group is measured (Plan.repeats_at; warmup groups once)
 
     @property
     def prompt_indices(self) -> tuple[int, ...]:
@@ -127,13 +131,21 @@ class Plan:
         ]
 
     def groups(self) -> list[PromptGroup]:
-        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index, then repeat (the suite's
-        ``repeats`` times for a group after the warmup, once for a warmup group; :class:`PromptGroup`)."""
-        return [
-            replace(g, repeat=r) if r else g
-            for g in self._groups()
-            for r in range(1 if g.warmup else self.suite.repeats)
-        ]
+        """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index, then repeat
+        (:meth:`repeats_at` times for a group after the warmup, once for a warmup group; :class:`PromptGroup`)."""
+        groups = self._groups()
+        measured = Counter(_point_of(g) for g in groups if not g.warmup and not g.remainder)
+        out = []
+        for g in groups:
+            n = 1 if g.warmup else self.repeats_at(measured[_point_of(g)])
+            out.extend(replace(g, repeat=r, repeats=n) if r or n > 1 else g for r in range(n))
+        return out
+
+    def repeats_at(self, groups: int) -> int:
+        """How many times each measured group of a point with ``groups`` measured prompt groups (remainder left out)
+        is decoded: the suite's ``repeats``, raised to ceil(``min_groups`` / groups) where ``min_groups`` is set."""
+        want = self.suite.min_groups
+        return max(self.suite.repeats, -(-want // max(groups, 1)) if want else 1)
 
     def _groups(self) -> list[PromptGroup]:
         out: list[PromptGroup] = []
@@ -173,6 +185,11 @@ class Plan:
     @property
     def n_samples(self) -> int:
         return sum(len(g.decoders) * len(g.prompt_indices) for g in self.groups())
+
+
+def _point_of(group: PromptGroup) -> tuple:
+    """The (dataset, L_max, T, B) point a group measures and its decoders (a server's whole-cell units apart)."""
+    return group.dataset.key, group.l_max, group.gen_length, group.batch_size, tuple(c.label for c in group.decoders)
 
 
 def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:

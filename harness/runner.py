@@ -235,7 +235,7 @@ class _Sink:
         self.failed_cells: set[int] = set()
 
     def _where(self, group: PromptGroup) -> str:
-        repeats = self.repeats
+        repeats = max(self.repeats, group.repeats)
         again = f" · repeat {group.repeat + 1}/{repeats}" if repeats > 1 and not group.warmup else ""
         if group.multi:
             rows = group.prompt_indices

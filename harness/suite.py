@@ -171,6 +171,16 @@ class Suite(Frozen):
         "Reports give each cell's median throughput and its coefficient of variation over repeats, and speedup "
         "intervals pair prompts on their median over repeats (docs/measurement.md); default 1",
     )
+    min_groups: int | None = Field(
+        None,
+        ge=1,
+        le=100,
+        description="measure each (dataset, L_max, T, B) point at least this many times: where it has fewer measured "
+        "prompt groups (large B: 16 prompts are 1 group at B = 16), every group is repeated ceil(min_groups / "
+        "groups) times (at least `repeats`), interleaved like `repeats`, so a cell of one group is a median of "
+        "several measurements rather than one; reports take each group's median over its repeats "
+        "(docs/measurement.md); default none",
+    )
     execution: list[Execution] = Field(
         default_factory=_eager,
         min_length=1,

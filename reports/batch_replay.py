@@ -36,12 +36,15 @@ class RowTrace:
 
 def row_traces(rows: pd.DataFrame, curves, l_max: int, ar_outside: float | None) -> list[RowTrace] | None:
     """The :class:`RowTrace` of every sample after warmup of a B = 1 cell (``rows``: :func:`b1_frame`), in prompt
-    order; None where a sample recorded no per-step drafts (stored before they were) or its iterations disagree.
+    order (a prompt's first repeat only); None where a sample recorded no per-step drafts (stored before they were) or its iterations disagree.
 
     ``ar_outside``: ar's seconds per iteration outside forwards at B = 1 (the loop's own; beyond it a proposer's CPU
     time is priced per row), None where unknown (nothing added). The draft prefill is priced from the calibration's
     draft prefill curve at ``l_max`` tokens."""
-    basis = rows[~rows["warmup"].astype(bool)].sort_values("prompt_index")
+    basis = rows[~rows["warmup"].astype(bool)]
+    if "repeat" in basis:  # repeats of a prompt (suite keys repeats, min_groups) decode the same steps: one trace
+        basis = basis.sort_values(["prompt_index", "repeat"]).drop_duplicates("prompt_index")
+    basis = basis.sort_values("prompt_index")
     out = []
     for _, r in basis.iterrows():
         st = r["step_stats"] or {}

@@ -49,6 +49,7 @@ def b1_frame(samples) -> pd.DataFrame:
         [
             {
                 "prompt_index": s.prompt_index,
+                "repeat": s.repeat or 0,
                 "warmup": s.warmup,
                 "iterations": s.iterations,
                 "drafted": s.drafted,

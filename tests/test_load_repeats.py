@@ -14,6 +14,7 @@ import os
 import time
 
 import pytest
+import yaml
 from kit import invoke, suite_dict, tiny_pair, write_suite
 from sqlalchemy import select
 
@@ -217,3 +218,35 @@ def test_a_cells_throughput_counts_a_prompts_repeats_once_as_their_median():
     ] + [{"cell_id": 1, "prompt_index": 1, "repeat": 0, "warmup": False, "throughput": 20.0}]
     assert cell_throughput(rows) == pytest.approx((12.0 + 20.0) / 2)
     assert cell_throughput([{"warmup": False, "throughput": v} for v in (1.0, 3.0)]) == 2.0  # no prompt columns
+
+
+def test_min_groups_repeats_the_groups_of_points_with_few(tmp_path):
+    """min_groups: 4 over 9 prompts (1 warmup): B = 1 has 8 groups (measured once), B = 4 two (twice each), B = 8 one
+    (4 times), each repeat of a group with every decoder, back to back per group; warmup groups once; the larger of
+    ``repeats`` and the raised count wins."""
+    from collections import Counter
+
+    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.suitefile import parse_suite
+
+    def groups(**extra):
+        suite = suite_dict(tmp_path, tmp_path, [{"name": "ar"}], batch_sizes=[1, 4, 8], **extra)
+        suite["datasets"][0]["prompts"] = 9
+        return plan_suite(parse_suite(yaml.safe_dump(suite))).groups()
+
+    got = groups(min_groups=4)
+    counts = Counter((g.batch_size, g.prompt_index, g.warmup) for g in got)
+    assert {k: v for k, v in counts.items() if k[2]} == {(1, 0, True): 1, (4, 0, True): 1, (8, 0, True): 1}
+    assert {k[:2]: v for k, v in counts.items() if not k[2]} == {
+        **{(1, i): 1 for i in range(1, 9)},
+        (4, 1): 2,
+        (4, 5): 2,
+        (8, 1): 4,
+    }
+    at8 = [g for g in got if g.batch_size == 8 and not g.warmup]
+    assert [g.repeat for g in at8] == [0, 1, 2, 3] and {g.repeats for g in at8} == {4}
+    assert [(g.prompt_index, g.repeat) for g in got if g.batch_size == 4 and not g.warmup] == [
+        (1, 0), (1, 1), (5, 0), (5, 1)
+    ]  # fmt: skip
+    assert Counter(g.batch_size for g in groups(min_groups=4, repeats=3) if not g.warmup) == {1: 24, 4: 6, 8: 4}
+    assert all(g.repeats == 1 for g in groups())  # not set: every group once
