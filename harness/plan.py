@@ -135,7 +135,7 @@ class Plan:
         (:meth:`repeats_at` times for a group after the warmup, once for a warmup group; :class:`PromptGroup`)."""
         groups = self._groups()
         measured = Counter(_point_of(g) for g in groups if not g.warmup and not g.remainder)
-        out = []
+        out: list[PromptGroup] = []
         for g in groups:
             n = 1 if g.warmup else self.repeats_at(measured[_point_of(g)])
             out.extend(replace(g, repeat=r, repeats=n) if r or n > 1 else g for r in range(n))
