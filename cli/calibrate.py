@@ -34,28 +34,36 @@ from dtbench.harness.errors import DtbenchError
     type=Checked(CalibrationSeconds, "SECONDS"),
     default=Settings.min_time_s,
     show_default=True,
-    help="seconds each point is timed at least",
+    help="seconds each point is timed at least (over all its passes)",
 )
 @click.option(
     "--max-time",
     type=Checked(CalibrationSeconds, "SECONDS"),
     default=Settings.max_time_s,
     show_default=True,
-    help="seconds after which a point stops even if its median is not yet stable",
+    help="seconds after which a point's timing stops (over all its passes)",
 )
 @click.option(
     "--min-repeats",
     type=click.IntRange(1),
     default=Settings.min_repeats,
     show_default=True,
-    help="forwards each point is timed at least",
+    help="forwards each point is timed at least (over all its passes)",
+)
+@click.option(
+    "--passes",
+    type=click.IntRange(1, 20),
+    default=Settings.passes,
+    show_default=True,
+    help="interleaved passes over every point, each in its own seeded random order (a point's median is over all "
+    "its visits, so a slow spell of the machine lands on scattered points, not on one curve)",
 )
 @click.option(
     "--prompt-cache-only",
     is_flag=True,
     help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)",
 )
-def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, prompt_cache_only) -> None:
+def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, passes, prompt_cache_only) -> None:
     """Measure SUITE_PATH's target and draft forward-latency curves and store them (standalone, run_id NULL).
 
     One forward over n new tokens on a KV cache of the suite's prompt length (and prompt length + T), for
@@ -89,7 +97,11 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
         with console.status(f"loading draft {suite.draft.model} ({suite.draft.dtype})"):
             draft = models.load_model(suite.draft, device)
     settings = Settings(
-        min_repeats=min_repeats, min_time_s=min_time, max_time_s=max_time, grown_cache=not prompt_cache_only
+        min_repeats=min_repeats,
+        min_time_s=min_time,
+        max_time_s=max_time,
+        passes=passes,
+        grown_cache=not prompt_cache_only,
     )
     points = calibrate(plan, suite, target, draft, device, contexts_of(prompts), settings=settings, console=console)
     batch = store(sessions, points, run_id=None, suite_name=suite.name, suite_hash=suite_hash(text), device=device)

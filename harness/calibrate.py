@@ -13,17 +13,18 @@ run) measures, for the suite's target and draft on its device and with the forwa
 - ``prefill``: the prompt (``cache_len = 0``, last position's logits only);
 - ``batched`` (suites with batch sizes B > 1, issue 29): the target's verification of B rows together, n new tokens per
   row, through :class:`~dtbench.decoders.kv.RaggedBatch` (per-row 4D masks) — the (B, new tokens) grid the batch
-  cost model prices a cell at B with (stored with ``rows`` = B); its points are measured interleaved, in
-  :data:`PASSES` passes of random order (:func:`measure_batched`), not curve by curve.
+  cost model prices a cell at B with (stored with ``rows`` = B).
 
 ``n`` runs over a grid (every n up to 16, then 24, 32, 48, 64, 96, ... up to the largest tree or chain the suite's
 decoders can build); ``cache_len`` over the suite's prompt lengths L_max and L_max + max(T) (the cache grows while
-decoding; the cost model interpolates between the two). Each point is timed device-synchronized, after warmup
-forwards, repeated until at least ``min_repeats`` forwards AND ``min_time_s`` seconds have passed and the median
-of all repeats is within ``rel_tol`` of the median of the first half (stable), or ``max_time_s`` passed
-(optimum-benchmark's min-count-and-min-duration rule plus a stability check). The mask, position ids and tokens
-are built before the clock starts: what is timed is the model forward alone, so decoder overhead (mask building,
-cache copies, host syncs) shows up in the cost model's efficiency, not in its prediction.
+decoding; the cost model interpolates between the two). Every point is timed device-synchronized and interleaved
+with all the others (:func:`measure_interleaved`): ``Settings.passes`` passes (3), each over every point in its own
+seeded random order; a point gets a warmup forward at its first visit, and each visit its share of at least
+``min_repeats`` timed forwards and ``min_time_s`` seconds (at most ``max_time_s``); its median is over all its
+visits, so a slow spell of a shared machine lands on scattered points of every curve, not on one curve's. The mask,
+position ids and tokens are built before the clock starts: what is timed is the model forward alone, so decoder
+overhead (mask building, cache copies, host syncs) shows up in the cost model's efficiency, not in its prediction.
+(The GPU check's quick curves are timed point after point until stable: :func:`measure_curve`.)
 
 Storage (table ``calibrations``, :class:`dtbench.harness.store.db.Calibration`): one row per point, all rows of one
 calibration sharing ``batch``. A suite's calibration has ``run_id`` = its run; a standalone calibration has
@@ -51,7 +52,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -65,7 +66,6 @@ LARGE = (24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 307
 THIN = (1, 2, 3, 4, 6, 8, 12, 16)  # the grid of the kinds only small forwards use (drafting, rebuild re-runs)
 KINDS = {"causal": (False, False), "tree": (True, False), "last": (False, True)}  # kind -> (tree_mask, last_only)
 BATCHED = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # n of the batched curves (B > 1), up to the largest verify
-PASSES = 3  # visits of every batched point, each pass in its own random order (measure_batched)
 
 
 def n_grid(n_max: int) -> list[int]:
@@ -76,13 +76,16 @@ def n_grid(n_max: int) -> list[int]:
 
 @dataclass
 class Settings:
-    """When one point's timing stops (see the module docstring)."""
+    """When one point's timing stops (see the module docstring): over all its visits (``passes``), at least
+    ``min_repeats`` forwards and ``min_time_s`` seconds, at most ``max_time_s`` (point by point, :func:`time_point`:
+    also stopped once the median is stable within ``rel_tol``)."""
 
     min_repeats: int = 5
     min_time_s: float = 0.1
     max_time_s: float = 1.0
     rel_tol: float = 0.05
     warmup: int = 1
+    passes: int = 3  # interleaved passes over every point (measure_interleaved)
     grown_cache: bool = True  # also calibrate on L_max + max(T) cached positions (else L_max only)
 
 
@@ -197,8 +200,8 @@ def _iqr(xs: list[float]) -> float:
 
 
 def time_point(
-    run_once: Callable[[], None],
-    reset: Callable[[], None],
+    run_once: Callable[[], object],
+    reset: Callable[[], object],
     device: torch.device,
     settings: Settings,
     clock: Callable[[], float],
@@ -257,7 +260,8 @@ def measure_curve(
     settings: Settings,
     clock: Callable[[], float],
 ) -> list[tuple[int, float, float, int]]:
-    """(n, median s, IQR s, repeats) of each n of ``curve`` with ``model``.
+    """(n, median s, IQR s, repeats) of each n of ``curve`` with ``model``, point after point (:func:`time_point`;
+    the GPU check's quick curves; a suite's calibration interleaves its points: :func:`measure_interleaved`).
 
     Raises:
         ValueError: a tree curve for a model whose attention implementation cannot take a tree mask.
@@ -265,118 +269,119 @@ def measure_curve(
     import torch
 
     with torch.inference_mode():
-        return _measure_curve(model, curve, context, device, settings, clock)
+        point = _forwards(model, curve, context, {})
+        return [(n, *time_point(*point(n), device, settings, clock)) for n in curve.ns]
 
 
-def _measure_curve(
-    model, curve: Curve, context: list[int], device, settings: Settings, clock: Callable[[], float]
-) -> list[tuple[int, float, float, int]]:
+Forward = tuple[Callable[[], object], Callable[[], object]]  # (one timed forward, its untimed reset)
+
+
+def _forwards(model, curve: Curve, context: list[int], caches: dict) -> Callable[[int], Forward]:
+    """For ``curve``: n -> (one forward of n new tokens, the reset that drops what it added), on a cache (or a batch
+    of ``curve.rows`` rows) holding ``curve.cache_len`` positions of ``context``, built once and kept in ``caches``
+    (keyed by model, prompt and cache length, rows: the curves of one cache share it, every reset crops back to it); a
+    curve with ``cache_len`` 0 times the prefill into a fresh cache (batch).
+
+    Batched curves go through :class:`~dtbench.decoders.kv.RaggedBatch` (the batched loops' forward: per-row mask and
+    position ids built inside the timed call, as the loops do); the others through :func:`dtbench.decoders.kv.forward`
+    with the curve's mask, position ids and last-only flag, built here, before the clock starts."""
     import torch
 
     from dtbench.decoders import kv
 
-    out = []
-    cache = None
-    if curve.cache_len:
-        cache = kv.new_cache()
-        kv.forward(model, _tokens(context, curve.cache_len), cache, last_only=True)
-    for n in curve.ns:
+    key = (id(model), curve.prompt_len, curve.cache_len, curve.rows, curve.kind == "batched")
+    if curve.kind == "batched":
+        if curve.cache_len and key not in caches:
+            caches[key] = kv.RaggedBatch(model)
+            caches[key].prefill([_tokens(context, curve.cache_len)] * curve.rows)
+        batch = caches.get(key)
+
+        def batched(n: int) -> Forward:
+            rows = [_tokens(context, n)] * curve.rows
+            if batch is None:  # a prefill of B prompts into a fresh batch
+                return (lambda: kv.RaggedBatch(model).prefill(rows)), (lambda: None)
+            return (lambda: batch.forward(rows)), (lambda: batch.keep([[] for _ in range(curve.rows)]))
+
+        return batched
+    if curve.cache_len and key not in caches:
+        caches[key] = kv.new_cache()
+        kv.forward(model, _tokens(context, curve.cache_len), caches[key], last_only=True)
+    cache = caches.get(key)
+
+    def single(n: int) -> Forward:
         toks = torch.tensor([_tokens(context, n)], dtype=torch.long, device=model.device)
-        kwargs = {"last_only": curve.last_only}
+        kwargs: dict[str, Any] = {"last_only": curve.last_only}
         if curve.tree_mask:
             kwargs["position_ids"], kwargs["attention_mask"] = _tree_inputs(model, n, curve.cache_len)
-        run_once: Callable[[], None]
-        reset: Callable[[], None]
-        if curve.cache_len:
+        if cache is not None:
+            return (lambda: kv.forward(model, toks, cache, **kwargs)), (lambda: kv.crop(cache, curve.cache_len))
+        box = {"cache": kv.new_cache()}
 
-            def run_cached(toks=toks, kwargs=kwargs):
-                kv.forward(model, toks, cache, **kwargs)
+        def fresh() -> None:
+            box["cache"] = kv.new_cache()
 
-            def crop_back():
-                kv.crop(cache, curve.cache_len)
+        return (lambda: kv.forward(model, toks, box["cache"], **kwargs)), fresh
 
-            run_once, reset = run_cached, crop_back
-        else:
-            box: dict[str, kv.KVCache] = {}
-
-            def run_fresh(toks=toks, kwargs=kwargs, box=box):
-                kv.forward(model, toks, box["cache"], **kwargs)
-
-            def fresh_cache(box=box):
-                box["cache"] = kv.new_cache()
-
-            run_once, reset = run_fresh, fresh_cache
-            reset()
-        med, iqr, reps = time_point(run_once, reset, device, settings, clock)
-        out.append((n, med, iqr, reps))
-    return out
+    return single
 
 
-def measure_batched(
-    model,
+def measure_interleaved(
+    models: dict[str, Any],
     curves: list[Curve],
     contexts: dict[int, list[int]],
     device,
     settings: Settings,
     clock: Callable[[], float],
     seed: int = 0,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[Curve, list[tuple[int, float, float, int]]]:
-    """Per batched curve, (n, median s, IQR s, repeats) of ONE batched verification forward per n: ``curve.rows``
-    rows, each holding ``curve.cache_len`` cached positions, n new causal tokens per row, through
-    :class:`~dtbench.decoders.kv.RaggedBatch` (the batched loops' forward, its per-row mask and position ids built
-    inside the timed call, as the loops do); the rows' new entries dropped after each (untimed). A curve with
-    ``cache_len`` 0 times the prefill of ``rows`` prompts of n tokens into a fresh batch.
+    """Per curve, (n, median s, IQR s, repeats) of ONE forward per n (:func:`_forwards`: ``models[curve.role]``'s
+    forward of the curve's kind on its cache, or B rows of it for a batched curve).
 
-    Interleaved (issue 39 item 5): every (B, cache length, n) point is visited in :data:`PASSES` passes, each pass
-    in its own seeded random order, each visit one warmup forward (the shape changed since the last visit) and then
-    timed forwards for about ``max_time_s / PASSES`` (at least one, at most ``min_repeats``); a point's median is over
-    all its visits. Measured one curve after another, a slow minute of the machine lands on one batch size's whole
-    curve and skews every speedup predicted at that B (up to 25% on a shared 2-core host); spread over passes in
-    random order, it lands on scattered points of every curve.
+    Interleaved (issue 39 item 5): every (curve, n) point is visited in ``settings.passes`` passes, each pass in its
+    own seeded random order; its first visit starts with ``settings.warmup`` untimed forwards, and each visit times
+    its share of the point: at least ceil(``min_repeats`` / passes) forwards and ``min_time_s`` / passes seconds,
+    stopped after ``max_time_s`` / passes seconds (at least one forward); a point's median is over all its visits.
+    Measured one curve after another, a slow spell of the machine lands on one curve's points and skews every
+    prediction that reads them (on a shared 2-core host a B = 1 one-token forward calibrated at 40 ms on 64 cached
+    positions and 33 ms on 96 in one run); spread over passes in random order, it lands on scattered points of every
+    curve. ``progress(pass)`` is called before each pass.
     """
     import random
 
     import torch
 
-    from dtbench.decoders import kv
     from dtbench.harness.memory import synchronize
 
     order = random.Random(seed)
     times: dict[tuple[Curve, int], list[float]] = {(c, n): [] for c in curves for n in c.ns}
-    budget = settings.max_time_s / PASSES
+    passes = max(1, settings.passes)
+    per_visit, least, budget = (
+        -(-settings.min_repeats // passes),
+        settings.min_time_s / passes,
+        settings.max_time_s / passes,
+    )
     with torch.inference_mode():
-        batches = {}
-        for c in curves:
-            batches[c] = kv.RaggedBatch(model)
-            if c.cache_len:
-                batches[c].prefill([_tokens(contexts.get(c.prompt_len, []), c.cache_len)] * c.rows)
-        for _ in range(PASSES):
+        caches: dict = {}
+        forwards = {c: _forwards(models[c.role], c, contexts.get(c.prompt_len, []), caches) for c in curves}
+        for p in range(passes):
+            if progress is not None:
+                progress(p)
             visits = list(times)
             order.shuffle(visits)
             for c, n in visits:
-                batch, rows = batches[c], [_tokens(contexts.get(c.prompt_len, []), n)] * c.rows
-
-                def once(c=c, batch=batch, rows=rows) -> None:
-                    if c.cache_len:  # a verification on the rows' cache, its new entries dropped (untimed)
-                        batch.forward(rows)
-                    else:  # a prefill of B prompts into a fresh batch
-                        kv.RaggedBatch(model).prefill(rows)
-
-                def drop(c=c, batch=batch) -> None:
-                    if c.cache_len:
-                        batch.keep([[] for _ in range(c.rows)])
-
-                for _ in range(settings.warmup):
+                once, reset = forwards[c](n)
+                for _ in range(settings.warmup if p == 0 else 0):  # a point's first visit only
                     once()
-                    drop()
+                    reset()
                 begin, visit = clock(), 0
-                while visit < max(1, settings.min_repeats) and (visit == 0 or clock() - begin < budget):
+                while visit == 0 or (visit < per_visit or clock() - begin < least) and clock() - begin < budget:
                     synchronize(device)
                     t0 = clock()
                     once()
                     synchronize(device)
                     times[(c, n)].append(clock() - t0)
-                    drop()
+                    reset()
                     visit += 1
     return {
         c: [(n, statistics.median(times[(c, n)]), _iqr(times[(c, n)]), len(times[(c, n)])) for n in c.ns]
@@ -409,44 +414,33 @@ def calibrate(
     settings = settings or Settings()
     clock = clock or (lambda: measure.now())
     loaded = {"target": target, "draft": draft}
-    points: list[Point] = []
-    curves = curves_for(plan, suite, draft is not None, settings.grown_cache)
-    batched = [c for c in curves if c.kind == "batched"]
-    curves = [c for c in curves if c.kind != "batched"]
-    for i, curve in enumerate(curves):
-        lm = loaded[curve.role]
-        if curve.tree_mask:
+    curves = []
+    for curve in curves_for(plan, suite, draft is not None, settings.grown_cache):
+        if curve.tree_mask and curve.kind != "batched":
             from dtbench.decoders.tree import attention_mask_kind
 
             try:
-                attention_mask_kind(lm.model)
+                attention_mask_kind(loaded[curve.role].model)
             except ValueError:
                 continue  # this attention implementation runs no tree forwards: nothing to price
+        curves.append(curve)
+    passes = max(1, settings.passes)
+
+    def progress(p: int) -> None:
         if console is not None:
-            rows = f" x {curve.rows} rows" if curve.rows > 1 else ""
+            sizes = sorted({c.rows for c in curves if c.kind == "batched"})
+            batched = f", batched verification at B = {', '.join(map(str, sizes))}" if sizes else ""
             console.print(
-                f"calibrating {curve.role} {curve.kind} on {curve.cache_len} cached tokens{rows} "
-                f"(n = {curve.ns[0]}..{curve.ns[-1]}, curve {i + 1}/{len(curves)})",
+                f"calibrating {len(curves)} curves{batched} ({sum(len(c.ns) for c in curves)} points): "
+                f"interleaved pass {p + 1}/{passes}",
                 highlight=False,
             )
-        for n, med, iqr, reps in measure_curve(
-            lm.model, curve, contexts.get(curve.prompt_len, []), device, settings, clock
-        ):
-            points.append(_point(curve, lm, n, med, iqr, reps))
-    if batched:
-        if console is not None:
-            sizes = ", ".join(str(b) for b in sorted({c.rows for c in batched}))
-            console.print(
-                f"calibrating target batched verification at B = {sizes} ({len(batched)} curves, "
-                f"{sum(len(c.ns) for c in batched)} points, {PASSES} interleaved passes)",
-                highlight=False,
-            )
-        measured = measure_batched(
-            target.model, batched, contexts, device, settings, clock, seed=getattr(suite, "seed", 0) or 0
-        )
-        for curve in batched:
-            points += [_point(curve, target, *m) for m in measured[curve]]
-    return points
+
+    models = {role: lm.model for role, lm in loaded.items() if lm is not None}
+    measured = measure_interleaved(
+        models, curves, contexts, device, settings, clock, seed=getattr(suite, "seed", 0) or 0, progress=progress
+    )
+    return [_point(curve, loaded[curve.role], *m) for curve in curves for m in measured[curve]]
 
 
 def _point(curve: Curve, lm, n: int, med: float, iqr: float, reps: int) -> Point:

@@ -112,7 +112,7 @@ def one_line_error(result, *needles: str, code: int = 2) -> str:
 
 
 def fast_calibration_settings():
-    """A ``calibrate.Settings`` subclass timing one forward per point (a class, so code reading
+    """A ``calibrate.Settings`` subclass timing one forward per point in one pass (a class, so code reading
     ``calibrate.Settings.min_time_s`` still works when tests patch it in), for runs' calibrations in tests."""
     from dataclasses import dataclass
 
@@ -123,5 +123,6 @@ def fast_calibration_settings():
         min_repeats: int = 1
         min_time_s: float = 0.0
         warmup: int = 0
+        passes: int = 1
 
     return Fast

@@ -617,13 +617,14 @@ def test_an_external_loop_gets_no_batch_prediction():
     assert not priced({"family": "external"}) and not priced(None)
 
 
-def test_batched_calibration_visits_every_point_in_interleaved_passes(monkeypatch):
-    """Issue 39 item 5: batched points are timed in PASSES passes of random order, not curve after curve, so a slow
-    spell of the machine does not skew one batch size's whole curve."""
+def test_calibration_visits_every_point_in_interleaved_passes(monkeypatch):
+    """Issue 39 item 5: every point (batched and B = 1 curves alike) is timed in ``passes`` passes of random order,
+    not curve after curve, so a slow spell of the machine does not skew one curve; a point's repeats are over all its
+    visits; the B = 1 curves of one cache share it (cropped back after each forward)."""
     from dtbench.decoders import kv
     from dtbench.harness import calibrate
 
-    fed: list[tuple[int, int]] = []
+    fed: list[tuple[str, int, int]] = []  # (kind, rows, new tokens) of every forward, warmups included
 
     class Batch:
         def __init__(self, model):
@@ -633,26 +634,46 @@ def test_batched_calibration_visits_every_point_in_interleaved_passes(monkeypatc
             self.rows = len(prompts)
 
         def forward(self, rows):
-            fed.append((len(rows), len(rows[0])))
+            fed.append(("batched", len(rows), len(rows[0])))
 
         def keep(self, kept):
             assert len(kept) == self.rows
 
+    caches: list[object] = []
     monkeypatch.setattr(kv, "RaggedBatch", Batch)
+    monkeypatch.setattr(kv, "new_cache", lambda: caches.append(object()) or caches[-1])
+    monkeypatch.setattr(kv, "crop", lambda cache, n: None)
+
+    def forward(model, toks, cache, last_only=False, **kw):
+        n = len(toks) if isinstance(toks, list) else int(toks.shape[-1])
+        fed.append(("last" if last_only else "causal", 1, n))
+
+    monkeypatch.setattr(kv, "forward", forward)
+    model = type("M", (), {"device": torch.device("cpu")})()
     ticks = iter(range(10**6))
-    curves = [calibrate.Curve("target", "batched", 8, 8, (1, 2, 3), rows=b) for b in (2, 4)]
-    settings = calibrate.Settings(min_repeats=2, max_time_s=30.0, warmup=1)
-    out = calibrate.measure_batched(
-        None, curves, {8: list(range(8))}, torch.device("cpu"), settings, lambda: float(next(ticks))
+    batched = [calibrate.Curve("target", "batched", 8, 8, (1, 2, 3), rows=b) for b in (2, 4)]
+    single = [calibrate.Curve("target", k, 8, 8, (1, 2, 3)) for k in ("causal", "last")]
+    curves = batched + single
+    settings = calibrate.Settings(min_repeats=6, max_time_s=30.0, warmup=1, passes=3)  # 2 forwards a visit
+    out = calibrate.measure_interleaved(
+        {"target": model}, curves, {8: list(range(8))}, torch.device("cpu"), settings, lambda: float(next(ticks))
     )
     assert {c: [m[0] for m in out[c]] for c in curves} == {c: [1, 2, 3] for c in curves}
-    assert all(m[3] == calibrate.PASSES * 2 for c in curves for m in out[c])  # 2 timed forwards per visit
-    visits = [fed[i] for i in range(0, len(fed), 3)]  # each visit: 1 warmup + 2 timed forwards of one point
-    assert len(visits) == calibrate.PASSES * 6 and sorted(set(visits)) == sorted(
-        (b, n) for b in (2, 4) for n in (1, 2, 3)
+    assert all(m[3] == 3 * 2 for c in curves for m in out[c])  # 2 timed forwards per visit, 3 visits
+    assert len(caches) == 1  # the causal and last curves on 8 cached positions share one cache (built untimed)
+    timed = fed[1:]  # after the one cache's fill
+    first, later = timed[: 12 * 3], timed[12 * 3 :]  # first visits: 1 warmup + 2 timed forwards; later ones 2 timed
+    visits = [first[i] for i in range(0, len(first), 3)] + [later[i] for i in range(0, len(later), 2)]
+    assert all(first[i] == first[i + 1] == first[i + 2] for i in range(0, len(first), 3))
+    assert all(later[i] == later[i + 1] for i in range(0, len(later), 2))
+    points = sorted(
+        {("batched", b, n) for b in (2, 4) for n in (1, 2, 3)}
+        | {(k, 1, n) for k in ("causal", "last") for n in (1, 2, 3)}
     )
-    first_pass = [b for b, _ in visits[:6]]
+    assert len(visits) == 3 * 12 and sorted(set(visits)) == points
+    first_pass = [v[:2] for v in visits[:12]]
     assert first_pass != sorted(first_pass) and first_pass != sorted(first_pass, reverse=True)  # the curves mixed
+    assert sorted(visits[:12]) == points  # each pass visits every point once
 
 
 def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
