@@ -396,7 +396,7 @@ def test_calibrate_true_runs_on_a_worker(cluster, pair, tmp_path, data_dir, monk
     assert where["device_name"] == env_device  # the first worker's: the run's environment
     assert rows(ray_db, "select distinct device_name from calibrations") == [(where["device_name"],)]
     assert f"(pid {where['pid']}, " in console and "calibration stored" in console, console
-    assert "calibrating target" in local_console  # the local executor prints each curve; Ray one spinner
+    assert "curves" in local_console and "interleaved pass 1/1" in local_console  # local: each pass; Ray: a spinner
     one_sample_each(ray_db, 3, 2)
     report = invoke("report", "--db", str(ray_db), "--cost-model", "--format", "json")
     assert report.exit_code == 0, report.output
