@@ -192,7 +192,7 @@ def _crash_if_asked(name: str) -> None:
     if os.environ.get(CRASH_ENV) == name:
         import ctypes
 
-        ctypes.string_at(0)  # a real SIGSEGV in native code, as a crashing CUDA/greenlet path gives
+        ctypes.string_at(0)  # a real SIGSEGV in native code, as a crashing CUDA path gives
 
 
 ONLY: set[str] | None = None  # --decoders: restrict steps a and d to these names (None: all)

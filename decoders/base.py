@@ -10,6 +10,7 @@ verification; the runner, never the decoder, timestamps those steps (docs/archit
 
 from __future__ import annotations
 
+import time
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -39,6 +40,13 @@ class Step:
             AR), so ``accepted <= depth``. For a tree rooted as the paper roots it (``tree_root: paper``, the
             draft's top-1 token u0 at depth 0) this is the deepest node's paper depth + 1; for a
             ``tree_root: pending`` tree it is the deepest node's depth.
+        at: the commit time of a *push-based* decoder's iteration, seconds on :func:`commit_clock`'s clock (read
+            after synchronizing the device, at the moment the iteration's tokens were known), or None (the usual
+            pull-based decoder: the runner reads the clock when the Step is yielded). A decoder whose loop is a
+            blocking call it does not own (transformers' ``generate`` with a streamer, issue 47) records each
+            iteration's ``at`` in the call and yields the Steps afterwards; the one timing loop
+            (:func:`dtbench.harness.measure.measure_rows`) takes the time and the forwards counted up to it from
+            ``at`` exactly as it would have at a yield.
 
     Forward passes are not part of a Step: the runner counts the target's and the draft's with hooks.
     """
@@ -47,6 +55,22 @@ class Step:
     drafted: int = 0
     accepted: int = 0
     depth: int = 0
+    at: float | None = None
+
+
+def clock() -> float:
+    """The one clock every timing in dtbench reads: ``time.perf_counter``, seconds. The runner's loop and forward
+    timer (:func:`dtbench.harness.forwards.now`) and push-based decoders (:func:`commit_clock`) all call it, so a
+    test that replaces it (a fake machine) replaces it everywhere at once."""
+    return time.perf_counter()
+
+
+def commit_clock(device: torch.device) -> float:
+    """:func:`clock` read after synchronizing ``device`` (CUDA work is asynchronous; a no-op on CPU): what a
+    push-based decoder stamps a :class:`Step`'s ``at`` with."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return clock()
 
 
 class DecoderParams(StrictBools):
@@ -96,8 +120,9 @@ class Decoder(ABC, Generic[P]):
             request, the load level B being the requests in flight (the suite's ``concurrency:``), and times every
             streamed chunk; :meth:`generate` is never called and no forward runs in dtbench's process.
         own_process: device types ("cuda", "cpu") on which, under ``isolation: process``, the decoder is measured in
-            a child process of its own, where no other decoder ran (:mod:`dtbench.harness.isolation`; issue 38:
-            transformers' ``generate`` in a greenlet segfaulted on CUDA after another decoder ran in the process).
+            a child process of its own, where no other decoder ran (:mod:`dtbench.harness.isolation`; issue 38). No
+            built-in sets it since issue 47 (transformers' ``generate``, the decoder it was for, no longer runs in a
+            greenlet); it stays for third-party decoders that need a fresh process.
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams

@@ -2,20 +2,21 @@
 Generation"; Table 1).
 
 ``target.generate(input_ids, assistant_model=draft, do_sample=False, ...)`` runs the whole loop inside one
-blocking call. To let the runner time every iteration like any other decoder, the call runs in a *greenlet* (a
-coroutine with its own stack, in the caller's OS thread) and a streamer hands each target verification's committed
-tokens to the consumer: in transformers 5.x ``GenerationMixin._assisted_decoding`` calls ``streamer.put(valid_tokens)``
-exactly once per target forward (after selecting the matching candidates plus the bonus token), and once beforehand
-with the prompt, which is skipped. ``put`` switches back to the consumer, which yields the Step; asking for the next
-Step switches into the call again. So the runner's device synchronisation and timestamp for a Step happen while the
-call is paused, and the time of iteration i is exactly the time between Step i-1 being handed over and Step i
-arriving.
+blocking call, and dtbench runs it as a user calls it: in the measuring thread, to completion. A streamer
+(:class:`_Commits`) records each target verification as it happens: in transformers 5.x
+``GenerationMixin._assisted_decoding`` calls ``streamer.put(valid_tokens)`` exactly once per target forward (after
+selecting the matching candidates plus the bonus token), and once beforehand with the prompt, which is skipped.
+``put`` reads the runner's clock after synchronizing the device (:func:`~dtbench.decoders.base.commit_clock`) and
+keeps (time, tokens, drafted); when the call returns, one Step per verification is yielded carrying that commit time
+(``Step.at``). The one timing loop (:func:`dtbench.harness.measure.measure_rows`) takes a Step's time and the forwards
+counted up to it from ``at``, so iteration i's time is exactly the time between verification i-1's tokens and
+verification i's, as for every pull-based decoder (issue 47: a push-based decoder measured by the same loop).
 
-Why not a worker thread (decoder version 1): on the embedded CPU pair every forward run from a second OS
-thread took 20-30% longer than the same forward from the measuring thread (a second OpenMP thread team: draft step
-37.9 -> 48.6 ms, target over 2 tokens 98.5 -> 115.7 ms, medians, same process, 2 threads), so the thread bridge
-charged transformers' decoders a cost no user of ``generate`` pays. The greenlet keeps every forward in the
-measuring thread.
+History: version 1 ran ``generate`` in a worker thread, whose forwards on the embedded CPU pair took 20-30% longer
+(a second OpenMP thread team: draft step 37.9 -> 48.6 ms); version 2 ran it in a greenlet of the measuring thread,
+switching C stacks at every ``put``, which segfaulted on CUDA (an H200: after another decoder, and alone after one
+prompt, in ``update_candidate_strategy``; issues 38 and 47). Version 3 has neither: every forward runs in the
+measuring thread, on its own stack, with nothing interleaved.
 
 The number of drafted tokens per iteration (``candidate_length`` in transformers) is read by wrapping the
 candidate generator's ``get_candidates`` for the duration of the call (through the private
@@ -39,20 +40,17 @@ scikit-learn it stays fixed. Results are only comparable between environments th
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal, cast
 
 import torch
-from greenlet import getcurrent, greenlet
 from pydantic import Field
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from dtbench.decoders.base import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
+from dtbench.decoders.base import Decoder, DecoderParams, Step, commit_clock, cut_at_eos, eos_ids
 
 if TYPE_CHECKING:
     from transformers import GenerationMixin, PreTrainedModel
@@ -110,66 +108,50 @@ class HFAssistedParams(DecoderParams):
     )
 
 
-class _StopFlag(StoppingCriteria):
-    """Stops generate() at the end of the current iteration once ``event`` is set (the consumer went away)."""
+class _Commits(BaseStreamer):
+    """Streamer of the ``generate`` call: records each verification's (commit time, committed ids, drafted).
 
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        stop = torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-        return cast(torch.BoolTensor, stop)  # transformers' signature names the legacy BoolTensor type
-
-
-class _Bridge(BaseStreamer):
-    """Streamer of the ``generate`` call: each verification's (committed ids, drafted) goes to the consumer.
-
-    ``put`` runs inside the call's greenlet and switches to its parent (the consumer, in :meth:`_StreamedGenerate.
-    generate`) with ("step", int64 CPU tensor of committed ids, drafted); once ``stop`` is set it no longer hands
-    anything over, and the call ends at the end of the current iteration (:class:`_StopFlag`).
+    ``put`` is called by transformers in the measuring thread right after a verification's tokens are selected; it
+    reads :func:`~dtbench.decoders.base.commit_clock` (the runner's clock after synchronizing ``device``) and keeps
+    ``(seconds, int64 CPU tensor of committed ids, drafted)`` in :attr:`commits`. The first ``put`` (the prompt) is
+    skipped. ``drafted`` is set by the candidate-generator wrapper (:func:`_counting_candidates`) before each ``put``.
     """
 
-    def __init__(self):
-        self.stop = threading.Event()
+    def __init__(self, device: torch.device):
+        self.device = device
         self.drafted = 0
+        self.commits: list[tuple[float, torch.Tensor, int]] = []
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:  # the first put is the prompt
             self._prompt_seen = True
             return
-        if not self.stop.is_set():
-            getcurrent().parent.switch(("step", value, self.drafted))
+        at = commit_clock(self.device)
+        self.commits.append((at, value.detach().to("cpu", copy=True), self.drafted))
 
     def end(self) -> None:
         pass
 
 
 class _StreamedGenerate(Decoder):
-    """A transformers ``generate`` call run in a greenlet, one Step per streamer ``put`` (see module doc).
+    """A transformers ``generate`` call run to completion in the measuring thread, one Step per streamer ``put``,
+    each carrying its commit time (``Step.at``; see module doc).
 
     Subclasses give the call's extra keyword arguments (:meth:`_generate_kwargs`) and may wrap the call
     (:meth:`_around_call`, a context manager) to install and remove hooks.
     """
 
-    # Issue 38: on an H200 (docs/gpu-node.md) hf_assisted segfaulted in every row once another decoder had been
-    # measured in the same process; the faulthandler trace ended in this greenlet (:meth:`_work`). The cause is NOT
-    # established: alone in a process it matched ``ar``, and plain assisted generation in a greenlet switching at every
-    # ``put`` worked. Hypotheses not tested on a GPU: state that greenlet's stack slicing does not save (C++
-    # thread-locals holding pointers into the paused greenlet's stack, e.g. RAII guards entered by ``generate``'s
-    # ``torch.no_grad``/autocast while the consumer runs CUDA synchronisation and hooks), or CUDA/cuBLAS state left by
-    # the earlier decoder. Until one is verified, under ``isolation: process`` (the default on CUDA) the
-    # transformers decoders run in a measuring process of their own on CUDA, where nothing else ran before them.
-    own_process = ("cuda",)
+    # 3: generate() runs in the measuring thread to completion, Steps stamped by the streamer (issue 47); version 2
+    # ran it in a greenlet switching at every put (it segfaulted on CUDA), version 1 in a worker thread (20-30% slower
+    # forwards on CPU). Version 3 times an iteration from one verification's tokens to the next, without the runner's
+    # own bookkeeping between two Steps that versions 1-2 charged to the next iteration.
+    version = "3"
 
-    # 2: generate() runs in a greenlet of the measuring thread; version 1 ran it in a worker thread, whose forwards
-    # took 20-30% longer on CPU (module docstring), so version 1 throughputs are not comparable.
-    version = "2"
-
-    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+    def _generate_kwargs(self, bridge: _Commits) -> dict:
         return {}
 
-    def _around_call(self, bridge: _Bridge):
+    def _around_call(self, bridge: _Commits):
         from contextlib import nullcontext
 
         return nullcontext()
@@ -178,34 +160,31 @@ class _StreamedGenerate(Decoder):
         return Step(tokens=tokens)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
-        """Run ``target.generate`` in a greenlet of this thread and yield one Step per streamer put.
+        """Run ``target.generate`` in this thread to completion, then yield one Step per streamer put, each with its
+        commit time (``Step.at``).
 
         Args:
             input_ids: prompt ids, shape (1, prompt_len), int64, on the target's device.
             max_new_tokens: T; exactly T tokens are generated (EOS ignored), or with ``eos_token_id`` set, T at
                 most: generate() stops at EOS itself and a verification that accepted tokens past EOS is cut
-                after it (:func:`~dtbench.decoders.base.cut_at_eos`), which ends the call.
+                after it (:func:`~dtbench.decoders.base.cut_at_eos`), which ends the Steps.
 
         Raises:
-            Whatever ``generate`` raised (it propagates out of the greenlet into this generator).
+            Whatever ``generate`` raised.
         """
-        bridge = _Bridge()
+        bridge = _Commits(input_ids.device)
+        self._work(bridge, input_ids, max_new_tokens)
         eos = eos_ids(self.eos_token_id)
-        call = greenlet(lambda: self._work(bridge, input_ids, max_new_tokens))
-        call.gr_context = contextvars.copy_context()  # a greenlet starts with an empty context: hand it this one
-        try:
-            message = call.switch()
-            while not call.dead:
-                _, payload, drafted = message
-                step, ended = cut_at_eos(self._step(tuple(payload.view(-1).tolist()), drafted), eos)
-                yield step
-                if ended:
-                    return
-                message = call.switch()
-        finally:
-            bridge.stop.set()
-            while not call.dead:  # a call paused in put() finishes its iteration and returns
-                call.switch()
+        for at, payload, drafted in bridge.commits:
+            step, ended = cut_at_eos(self._stamped(tuple(payload.view(-1).tolist()), drafted, at), eos)
+            yield step
+            if ended:
+                return
+
+    def _stamped(self, tokens: tuple[int, ...], drafted: int, at: float) -> Step:
+        """:meth:`_step` with its commit time."""
+        step = self._step(tokens, drafted)
+        return Step(step.tokens, step.drafted, step.accepted, step.depth, at)
 
     def _batch_pad(self) -> int:
         target = cast("GenerativeModel", self.target)
@@ -228,25 +207,16 @@ class _StreamedGenerate(Decoder):
         for r, p in enumerate(prompts):
             n = p.shape[-1]
             ids[r, width - n :], mask[r, width - n :] = p[0], 1
-        bridge = _Bridge()
-        call = greenlet(lambda: self._work(bridge, ids, max_new_tokens, mask))
-        call.gr_context = contextvars.copy_context()  # (compiled execution lives in a context variable)
-        try:
-            message = call.switch()
-            while not call.dead:
-                _, payload, drafted = message
-                rows = payload.view(b, -1)
-                yield {r: self._step(tuple(rows[r].tolist()), drafted) for r in range(b)}
-                message = call.switch()
-        finally:
-            bridge.stop.set()
-            while not call.dead:
-                call.switch()
+        bridge = _Commits(dev)
+        self._work(bridge, ids, max_new_tokens, mask)
+        for at, payload, drafted in bridge.commits:
+            rows = payload.view(b, -1)
+            yield {r: self._stamped(tuple(rows[r].tolist()), drafted, at) for r in range(b)}
 
     def _work(
-        self, bridge: _Bridge, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None
+        self, bridge: _Commits, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None
     ) -> None:
-        """The greenlet's body: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
+        """The call: generate() of exactly T tokens (EOS ignored; with ``eos_token_id``, up to T, stopping
         at EOS) with the subclass's settings."""
         target = cast("GenerativeModel", self.target)
         pad = target.generation_config.pad_token_id
@@ -276,7 +246,6 @@ class _StreamedGenerate(Decoder):
                 eos_token_id=stop,
                 pad_token_id=pad,
                 streamer=bridge,
-                stopping_criteria=StoppingCriteriaList([_StopFlag(bridge.stop)]),
                 **settings,
                 **self._generate_kwargs(bridge),
             )
@@ -336,7 +305,7 @@ class HFGenerate(_StreamedGenerate):
     def _lookup(self) -> bool:
         return self.params.prompt_lookup_num_tokens is not None
 
-    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+    def _generate_kwargs(self, bridge: _Commits) -> dict:
         if not self._lookup():
             return self._compiled_kwargs()
         p = self.params
@@ -368,7 +337,7 @@ class HFGenerate(_StreamedGenerate):
             return Step(tokens=tokens)
         return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
 
-    def _around_call(self, bridge: _Bridge):
+    def _around_call(self, bridge: _Commits):
         target = cast("GenerativeModel", self.target)
         return _counting_candidates(target, bridge) if self._lookup() else super()._around_call(bridge)
 
@@ -413,11 +382,11 @@ class HFAssisted(_StreamedGenerate):
     def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
         return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
 
-    def _generate_kwargs(self, bridge: _Bridge) -> dict:
+    def _generate_kwargs(self, bridge: _Commits) -> dict:
         return {"assistant_model": self.draft}
 
     @contextmanager
-    def _around_call(self, bridge: _Bridge):
+    def _around_call(self, bridge: _Commits):
         """Count candidates per iteration and give the draft a clean generation config, both undone afterwards."""
         target = cast("GenerativeModel", self.target)
         draft = cast("GenerativeModel", self.draft)  # never None: needs_draft (Decoder.__init__ refuses None)
@@ -464,7 +433,7 @@ def _quiet_assistant_call():
 
 
 @contextmanager
-def _counting_candidates(target: GenerativeModel, bridge: _Bridge):
+def _counting_candidates(target: GenerativeModel, bridge: _Commits):
     """For the call: wrap the candidate generator's ``get_candidates`` so ``bridge.drafted`` holds each iteration's
     candidate count (assisted generation and prompt lookup alike); the wrapper is removed afterwards."""
     original = type(target)._get_candidate_generator

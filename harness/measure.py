@@ -1,35 +1,46 @@
 """The measurement loop and what it records: the runner owns the clock, decoders never time themselves.
 
 - Clock: ``time.perf_counter`` after synchronizing the device (CUDA work is asynchronous; a step's tokens are
-  only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them).
-- :func:`measure_rows`: the one timing loop, one decoder on B prompts (B = 1 a batch of one; :func:`measure` and
-  :func:`measure_batch` are its two shapes), a timestamp per iteration, forward passes counted by hooks
-  (:class:`ForwardCounter`), peak memory (:mod:`dtbench.harness.memory`), energy (:mod:`dtbench.harness.energy`),
-  a per-sample time limit.
-- Environment: :func:`environment` records versions and hardware with every run; :func:`hardware_flags` what
-  decides dtype speed (CPU AVX-512/AMX flags, CUDA compute capability).
+  only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them). A
+  push-based decoder (a blocking call such as transformers' ``generate``, issue 47) stamps each Step with the same
+  clock at the moment its tokens were known (``Step.at``, :func:`dtbench.decoders.base.commit_clock`), and the loop
+  takes the time and the forwards counted up to it from there (:meth:`ForwardCounter.snapshot_at`).
+- :func:`measure_rows`: the one timing loop, one decoder on B prompts (B = 1 a batch of one; :func:`measure` its
+  B = 1 shape), a timestamp per iteration, forward passes counted and timed by hooks (:class:`ForwardCounter`, the
+  one forward timer, :mod:`dtbench.harness.forwards`), peak memory (:mod:`dtbench.harness.memory`), energy
+  (:mod:`dtbench.harness.energy`), a per-sample time limit.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dtbench.harness.energy import EnergyReading, EnergyTracker
+from dtbench.harness.forwards import FED_LAST, FED_MASK, ForwardCounter, StepRecord, cache_argument, now
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
 
 if TYPE_CHECKING:
     from dtbench.decoders.base import Decoder, Step
 
-
-def now() -> float:
-    """Seconds from a monotonic high-resolution clock."""
-    return time.perf_counter()
+# Re-exported: the forward timer's names as the measurement loop's callers have always imported them.
+__all__ = [
+    "FED_LAST",
+    "FED_MASK",
+    "ForwardCounter",
+    "Measurement",
+    "SampleTimeout",
+    "StepRecord",
+    "cache_argument",
+    "measure",
+    "measure_rows",
+    "now",
+]
 
 
 # --- The measurement loop: one decoder on one prompt, timed per Step, forwards counted, time-limited -----------
@@ -40,161 +51,6 @@ class SampleTimeout(BaseException):
 
     A BaseException, so a plugin's broad ``except Exception`` cannot swallow it.
     """
-
-
-from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined once, torch-free, with the pricing)
-
-# Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
-# drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
-# drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind.
-
-
-def cache_argument(kwargs: dict[str, Any]) -> Any:
-    """The KV cache a forward was called with: ``cache`` (transformers 5.2x's keyword, see
-    :func:`dtbench.decoders.modelinfo.cache_keyword`) or ``past_key_values`` (older models); None if neither."""
-    return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
-
-
-def _past_len(cache: Any) -> int | None:
-    """KV positions a forward's cache held before it ran (None where unknown)."""
-    if cache is None:
-        return 0
-    try:
-        return int(cache.get_seq_length())
-    except Exception:
-        return None
-
-
-def _flags(kwargs: dict[str, Any]) -> int:
-    mask = kwargs.get("attention_mask")
-    flags = FED_MASK if torch.is_tensor(mask) and mask.dim() == 4 else 0
-    keep = kwargs.get("logits_to_keep")
-    if isinstance(keep, int) and not isinstance(keep, bool) and keep == 1:
-        flags |= FED_LAST
-    return flags
-
-
-Snapshot = tuple[int, int | None, int, int | None]  # ForwardCounter.snapshot: forwards and tokens so far
-
-
-class ForwardCounter:
-    """Counts forward passes and the tokens they fed, for the target and the draft, with forward pre-hooks, and
-    times them with pre/post hooks.
-
-    The runner installs it around each sample, so the counts are observed, never declared by the decoder
-    (a ``generate`` inside transformers' assisted generation is counted the same way). Only the top-level
-    module's calls are counted: one call = one forward pass over ``input_ids.shape[-1]`` new tokens.
-
-    Timing (issue 12, where a sample's time goes): on CPU, :func:`now` around each forward (CPU
-    kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per forward recorded on the current stream
-    (no host sync inside the loop; :meth:`forward_seconds` reads them after the sample's final synchronize).
-
-    Args:
-        target, draft: the models (``draft`` may be None). If the draft *is* the target object, every pass is
-            counted as the target's and the draft counts stay None.
-    """
-
-    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None):
-        self.models = {"target": target}
-        if draft is not None and draft is not target:
-            self.models["draft"] = draft
-        self.forwards = {k: 0 for k in ("target", "draft")}
-        self.tokens = {k: 0 for k in ("target", "draft")}
-        # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
-        self.fed: dict[str, list[tuple[int, int | None, int]]] = {k: [] for k in ("target", "draft")}
-        self._handles: list[Any] = []
-        self._seconds = {k: 0.0 for k in ("target", "draft")}
-        self._open: dict[str, Any] = {}
-        self._events: dict[str, list[tuple[Any, Any]]] = {k: [] for k in ("target", "draft")}
-        self._cuda = {k: getattr(m, "device", torch.device("cpu")).type == "cuda" for k, m in self.models.items()}
-
-    def _hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
-        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            if ids is None:  # called with inputs_embeds
-                ids = kwargs.get("inputs_embeds")
-                n = int(ids.shape[-2]) if ids is not None and ids.dim() >= 2 else 0
-            else:
-                n = int(ids.shape[-1])
-            self.forwards[role] += 1
-            self.tokens[role] += n
-            self.fed[role].append((n, _past_len(cache_argument(kwargs)), _flags(kwargs)))
-            if self._cuda[role]:
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                self._open[role] = start
-            else:
-                self._open[role] = now()
-
-        return pre_hook
-
-    def _post_hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        def post_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            start = self._open.pop(role, None)
-            if start is None:
-                return
-            if self._cuda[role]:
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record()
-                self._events[role].append((start, end))
-            else:
-                self._seconds[role] += now() - start
-
-        return post_hook
-
-    def forward_seconds(self) -> dict[str, float | None]:
-        """Seconds spent inside each model's forward passes so far: ``{"target": s, "draft": s or None}`` (draft
-        None when it is not counted). On CUDA call it after synchronizing the device."""
-        out: dict[str, float | None] = {}
-        for role in ("target", "draft"):
-            if role not in self.models:
-                out[role] = None
-                continue
-            out[role] = self._seconds[role] + sum(a.elapsed_time(b) for a, b in self._events[role]) / 1000.0
-        return out
-
-    def __enter__(self) -> ForwardCounter:
-        for role, model in self.models.items():
-            self._handles.append(model.register_forward_pre_hook(self._hook(role), with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._post_hook(role), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def fed_between(self, role: str, start: int, end: int) -> list[list[int | None]] | None:
-        """The per-forward entries ``[n, past, flags]`` of ``role``'s forwards ``start..end-1`` (None for an
-        uncounted draft)."""
-        if role not in self.models:
-            return None
-        return [list(e) for e in self.fed[role][start:end]]
-
-    def snapshot(self) -> Snapshot:
-        """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
-        has_draft = "draft" in self.models
-        return (
-            self.forwards["target"],
-            self.forwards["draft"] if has_draft else None,
-            self.tokens["target"],
-            self.tokens["draft"] if has_draft else None,
-        )
-
-    def record(self, t: float, last: Snapshot, snap: Snapshot) -> StepRecord:
-        """The :class:`StepRecord` of one step ending at ``t`` seconds: the forwards and tokens counted between the
-        snapshots ``last`` and ``snap`` (:meth:`snapshot`), the draft's None where it is not counted."""
-        draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
-        draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
-        return StepRecord(
-            t,
-            snap[0] - last[0],
-            draft_fw,
-            snap[2] - last[2],
-            draft_tok,
-            self.fed_between("target", last[0], snap[0]) or [],
-            None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]),
-        )
 
 
 class _Deadline:
@@ -254,21 +110,6 @@ class _Deadline:
             if self.fired:  # not delivered yet (we left on our own): withdraw it
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
         self._stop.set()
-
-
-@dataclass
-class StepRecord:
-    """The runner's observation of one Step: seconds from the start, forwards and tokens fed since the last."""
-
-    time_s: float
-    target_forwards: int
-    draft_forwards: int | None
-    target_tokens: int
-    draft_tokens: int | None
-    # Per forward of this step, in call order: (tokens fed n, KV positions before it, FED_* flags); the draft's
-    # None where its forwards are not counted. Default empty: records made before they existed.
-    target_fed: list[list[int | None]] = field(default_factory=list)
-    draft_fed: list[list[int | None]] | None = None
 
 
 @dataclass
@@ -341,21 +182,6 @@ def measure(
     return measure_rows(decoder, [prompt_ids], gen_length, device, timeout_s=timeout_s, cpu_timeout_s=cpu_timeout_s)[0]
 
 
-def measure_batch(
-    decoder: Decoder[Any],
-    prompts: Sequence[Sequence[int]],
-    gen_length: int,
-    device: torch.device,
-    *,
-    timeout_s: float | None = None,
-    cpu_timeout_s: float | None = None,
-) -> list[Measurement]:
-    """Run ``decoder`` on B prompts decoded together (``generate_batch``): :func:`measure_rows` with ``batched``."""
-    return measure_rows(
-        decoder, prompts, gen_length, device, timeout_s=timeout_s, cpu_timeout_s=cpu_timeout_s, batched=True
-    )
-
-
 def _one_row(gen: Iterator[Step]) -> Iterator[dict[int, Step]]:
     """``generate``'s Steps as the rows dicts of a batch of one; closing it closes ``gen``."""
     try:
@@ -365,6 +191,25 @@ def _one_row(gen: Iterator[Step]) -> Iterator[dict[int, Step]]:
         close = getattr(gen, "close", None)
         if close is not None:
             close()
+
+
+def _commit_time(out: dict[int, Step], it: int, previous: float) -> float | None:
+    """The commit time (``Step.at``) of one yielded iteration, None when its Steps carry none (pull-based).
+
+    Raises:
+        DtbenchError: its rows' Steps disagree on ``at``, or ``at`` is earlier than the previous iteration's.
+    """
+    from dtbench.harness.errors import DtbenchError
+
+    stamps = {getattr(step, "at", None) for step in out.values()}
+    if stamps == {None} or not stamps:
+        return None
+    if len(stamps) > 1:
+        raise DtbenchError(f"decoder yielded rows with different commit times (Step.at) at iteration {it}")
+    (at,) = stamps
+    if not isinstance(at, float) or at < previous:
+        raise DtbenchError(f"decoder yielded a commit time (Step.at) at iteration {it} before the previous one")
+    return at
 
 
 def measure_rows(
@@ -430,15 +275,22 @@ def measure_rows(
     with _Deadline(timeout_s, cpu_timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
         last = counter.snapshot()
         start = now()
+        stamped = start  # the previous iteration's commit time (Step.at must not go back)
         gen = (
             decoder.generate_batch(inputs, gen_length) if batched else _one_row(decoder.generate(inputs[0], gen_length))
         )
         try:
             for it, out in enumerate(gen):
-                synchronize(device)
-                t = now() - start
-                snap = counter.snapshot()
-                record = counter.record(t, last, snap)
+                at = _commit_time(out, it, stamped)
+                if at is None:  # pull-based: the iteration ended when its Step was yielded
+                    synchronize(device)
+                    at, snap = now(), counter.snapshot()
+                else:  # push-based (Step.at): the time and the forwards counted up to it
+                    snap = counter.snapshot_at(at)
+                if not start <= at <= now():
+                    raise DtbenchError(f"decoder stamped iteration {it} at a time outside its sample (Step.at)")
+                stamped = at
+                record = counter.record(at - start, last, snap)
                 last = snap
                 for r, step in out.items():
                     if not (isinstance(r, int) and 0 <= r < b):

@@ -230,8 +230,8 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
                 assert x.roofline is not None and 0 < x.roofline < 1, label
                 if compiled:
                     assert x.step_stats["compiled"]["recompiles"] == 0, label
-        # transformers' own compiled decoding really compiled (its generate runs in a greenlet, which must see the
-        # compiled execution's context: without it, it ran eager on a dynamic cache)
+        # transformers' own compiled decoding really compiled (its generate must see the compiled execution's
+        # context: without it, it ran eager on a dynamic cache)
         assert cells["hf_generate [compiled]"].compile_graphs > 0
     report = json.loads(invoke("report", "--db", str(dbfile), "--format", "json").stdout)
     rows = {c["label"]: c for c in report["cells"]}

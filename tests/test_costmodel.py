@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from kit import fast_calibration_settings
 from models import model_zoo
 
+from dtbench.decoders import base as decoder_base
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
-from dtbench.harness import calibrate_run, machine, measure, registry
+from dtbench.harness import calibrate_run, forwards, machine, measure, registry
 from dtbench.harness import curves as curves_mod
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
@@ -82,11 +83,8 @@ class FakeClock:
 
         def pre_hook(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            pending.append(
-                self.cost(
-                    role, int(ids.shape[-1]), measure._past_len(measure.cache_argument(kwargs)), measure._flags(kwargs)
-                )
-            )
+            past = forwards.past_length(forwards.cache_argument(kwargs))
+            pending.append(self.cost(role, int(ids.shape[-1]), past, forwards.fed_flags(kwargs)))
 
         def post_hook(module, args, kwargs, output):
             self.t += pending.pop()
@@ -238,7 +236,7 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
     clock.attach(draft, "draft")
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(measure, "now", clock.now)
+            mp.setattr(decoder_base, "clock", clock.now)  # the one clock: the loop, the forward timer, Step.at
             m = measure.measure(decoder, prompt, T, torch.device("cpu"))
     finally:
         clock.detach()
@@ -278,9 +276,9 @@ def test_price_of_random_step_sequences_is_the_sum_of_forward_costs(table, steps
     curves = grid_curves(cost, suite, plan)
     stats = {"target_fed": [], "draft_fed": []}
     expected = {"target": 0.0, "draft": 0.0}
-    for forwards in steps:
+    for step_forwards in steps:
         for role in ("target", "draft"):
-            mine = [[n, past, flags] for r, n, past, flags in forwards if r == role]
+            mine = [[n, past, flags] for r, n, past, flags in step_forwards if r == role]
             stats[f"{role}_fed"].append(mine)
             expected[role] += sum(cost(role, n, past, flags) for n, past, flags in mine)
     priced = pricing.price_sample(curves, stats)

@@ -1,4 +1,6 @@
-"""Lossless property tests: `ar` equals transformers' greedy generate, `linear` equals `ar`, token for token.
+"""Lossless property tests: `ar` equals transformers' greedy generate, `linear` equals `ar`, token for token; and
+(issue 47) transformers' `hf_assisted` and `hf_generate` equal `ar`, `streaming_spec` equals `streaming_ar`, and
+`streaming_ar` with nothing evicted equals `ar`.
 
 Parametrized over the device (issue 38 item 3, ``models.DEVICES``): CPU float64 as always; on CUDA (skipped without
 one) the same seeded pairs in float32 token for token and in float16 under the tie-aware rule."""
@@ -12,7 +14,9 @@ from hypothesis import strategies as st
 from models import DEVICES, assert_lossless, device_zoo, examples, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
+from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams, HFGenerate, HFGenerateParams
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
+from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpecParams, StreamingSpeculative
 from dtbench.harness.testkit import VOCAB
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -81,3 +85,75 @@ def test_linear_equals_ar_on_smollm2(smollm2, data_dir, k):
     ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, 32)
     assert run_decoder(LinearSpeculative(target, draft, LinearParams(k=k)), prompt, 32) == ar
     assert ar == hf_greedy(target, prompt, 32)
+
+
+# --- the decoders a GPU user meets first (issue 47): transformers' pair and the StreamingLLM pair, on every device ---
+
+
+@pytest.mark.parametrize("on", DEVICES)
+@pytest.mark.parametrize("kind", DRAFTS)
+@settings(max_examples=examples(10), deadline=None)
+@given(prompt=prompts, T=st.integers(1, 40), n=st.integers(1, 8), threshold=st.sampled_from([0.0, 0.4]))
+def test_hf_assisted_equals_ar(on, kind, prompt, T, n, threshold):
+    device, dtype, rule = on
+    target, draft = device_zoo(device, dtype)[kind]
+    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+    params = HFAssistedParams(num_assistant_tokens=n, assistant_confidence_threshold=threshold)
+    assert_lossless(target, prompt, run_decoder(HFAssisted(target, draft, params), prompt, T), ar, rule)
+
+
+@pytest.mark.parametrize("on", DEVICES)
+@settings(max_examples=examples(10), deadline=None)
+@given(prompt=prompts, T=st.integers(1, 40))
+def test_hf_generate_equals_ar(on, prompt, T):
+    device, dtype, rule = on
+    target, _ = device_zoo(device, dtype)["self"]
+    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+    assert_lossless(target, prompt, run_decoder(HFGenerate(target, None, HFGenerateParams()), prompt, T), ar, rule)
+
+
+@pytest.mark.parametrize("on", DEVICES)
+@settings(max_examples=examples(10), deadline=None)
+@given(prompt=prompts, T=st.integers(1, 40), sinks=st.integers(0, 4))
+def test_streaming_ar_with_a_window_wider_than_the_text_equals_ar(on, prompt, T, sinks):
+    """Nothing evicted (S + R >= prompt + T): the StreamingLLM cache is the full cache, so streaming_ar is ar."""
+    device, dtype, rule = on
+    target, _ = device_zoo(device, dtype)["self"]
+    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
+    params = StreamingParams(sinks=sinks, window=len(prompt) + T)
+    assert_lossless(target, prompt, run_decoder(StreamingAR(target, None, params), prompt, T), ar, rule)
+
+
+@pytest.mark.parametrize("on", DEVICES)
+@pytest.mark.parametrize("kind", DRAFTS)
+@settings(max_examples=examples(10), deadline=None)
+@given(prompt=prompts, T=st.integers(1, 40), k=st.integers(1, 6), sinks=st.integers(0, 3), window=st.integers(4, 24))
+def test_streaming_spec_equals_streaming_ar(on, kind, prompt, T, k, sinks, window):
+    """streaming_spec equals its reference, streaming_ar with the same S and R. Under the exact rule with evicting
+    windows; under the tie-aware rule (fp16) with a window wider than the text, because that rule recomputes the
+    target's full-attention argmax, which an evicting window does not compute."""
+    device, dtype, rule = on
+    target, draft = device_zoo(device, dtype)[kind]
+    if rule != "exact":
+        window = len(prompt) + T
+    ref = run_decoder(StreamingAR(target, None, StreamingParams(sinks=sinks, window=window)), prompt, T)
+    spec = StreamingSpeculative(target, draft, StreamingSpecParams(sinks=sinks, window=window, k=k))
+    assert_lossless(target, prompt, run_decoder(spec, prompt, T), ref, rule)
+
+
+@pytest.mark.parametrize("on", DEVICES)
+def test_hf_assisted_after_another_decoder_and_after_a_first_prompt(on):
+    """The two orders in which hf_assisted crashed on CUDA when generate ran in a greenlet (issues 38, 47): after
+    another decoder in the same process, and on its second prompt. Both through the measurement loop, as a cell runs."""
+    from dtbench.harness.measure import measure
+
+    device, dtype, rule = on
+    target, draft = device_zoo(device, dtype)["perturbed"]
+    dev = torch.device(device)
+    first, second = list(range(3, 20)), [7, 9, 11, 13, 5, 3]
+    measure(LinearSpeculative(target, draft, LinearParams(k=4)), first, 24, dev)  # another decoder first
+    for prompt in (first, second):  # then a first prompt and a second one
+        m = measure(HFAssisted(target, draft, HFAssistedParams(num_assistant_tokens=4)), prompt, 24, dev)
+        ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, 24)
+        assert_lossless(target, prompt, m.tokens, ar, rule)
+        assert [r.target_forwards for r in m.records] == [1] * len(m.steps)

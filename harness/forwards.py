@@ -1,0 +1,225 @@
+"""The one forward timer: :class:`ForwardCounter` counts and times every forward pass of the target and the draft
+with module hooks (the measurement loop, :mod:`dtbench.harness.measure`, installs it around each sample), and
+:func:`now` is the clock every timing in dtbench reads (``time.perf_counter``; the same clock a push-based decoder
+stamps ``Step.at`` with, :func:`dtbench.decoders.base.commit_clock`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dtbench.decoders import base
+from dtbench.harness.curves import FED_LAST, FED_MASK  # defined once, torch-free, with the pricing
+
+__all__ = [
+    "FED_LAST",
+    "FED_MASK",
+    "ForwardCounter",
+    "Snapshot",
+    "StepRecord",
+    "cache_argument",
+    "fed_flags",
+    "now",
+    "past_length",
+]
+
+
+def now() -> float:
+    """Seconds from the one monotonic high-resolution clock (:func:`dtbench.decoders.base.clock`)."""
+    return base.clock()
+
+
+# Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
+# drafting, StreamingLLM); FED_LAST = logits for the last position only (``logits_to_keep=1``: prefills, chain
+# drafting). The cost model (``reports/costmodel.py``) prices each forward on the calibration curve of its kind.
+
+
+def cache_argument(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a forward was called with: ``cache`` (transformers 5.2x's keyword, see
+    :func:`dtbench.decoders.modelinfo.cache_keyword`) or ``past_key_values`` (older models); None if neither."""
+    return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+
+
+def past_length(cache: Any) -> int | None:
+    """KV positions a forward's cache held before it ran (None where unknown)."""
+    if cache is None:
+        return 0
+    try:
+        return int(cache.get_seq_length())
+    except Exception:
+        return None
+
+
+def fed_flags(kwargs: dict[str, Any]) -> int:
+    mask = kwargs.get("attention_mask")
+    flags = FED_MASK if torch.is_tensor(mask) and mask.dim() == 4 else 0
+    keep = kwargs.get("logits_to_keep")
+    if isinstance(keep, int) and not isinstance(keep, bool) and keep == 1:
+        flags |= FED_LAST
+    return flags
+
+
+Snapshot = tuple[int, int | None, int, int | None]  # ForwardCounter.snapshot: forwards and tokens so far
+
+
+class ForwardCounter:
+    """Counts forward passes and the tokens they fed, for the target and the draft, with forward pre-hooks, and
+    times them with pre/post hooks.
+
+    The runner installs it around each sample, so the counts are observed, never declared by the decoder
+    (a ``generate`` inside transformers' assisted generation is counted the same way). Only the top-level
+    module's calls are counted: one call = one forward pass over ``input_ids.shape[-1]`` new tokens.
+
+    Timing (issue 12, where a sample's time goes): on CPU, :func:`now` around each forward (CPU
+    kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per forward recorded on the current stream
+    (no host sync inside the loop; :meth:`forward_seconds` reads them after the sample's final synchronize).
+
+    Args:
+        target, draft: the models (``draft`` may be None). If the draft *is* the target object, every pass is
+            counted as the target's and the draft counts stay None.
+    """
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None):
+        self.models = {"target": target}
+        if draft is not None and draft is not target:
+            self.models["draft"] = draft
+        self.forwards = {k: 0 for k in ("target", "draft")}
+        self.tokens = {k: 0 for k in ("target", "draft")}
+        # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
+        self.fed: dict[str, list[tuple[int, int | None, int]]] = {k: [] for k in ("target", "draft")}
+        self._handles: list[Any] = []
+        # Per forward, in call order: the host clock (:func:`now`) when it was called, and the tokens fed up to and
+        # including it: what :meth:`snapshot_at` bisects for a push-based Step's commit time (Step.at).
+        self._called: dict[str, list[float]] = {k: [] for k in ("target", "draft")}
+        self._cum_tokens: dict[str, list[int]] = {k: [] for k in ("target", "draft")}
+        self._seconds = {k: 0.0 for k in ("target", "draft")}
+        self._open: dict[str, Any] = {}
+        self._events: dict[str, list[tuple[Any, Any]]] = {k: [] for k in ("target", "draft")}
+        self._cuda = {k: getattr(m, "device", torch.device("cpu")).type == "cuda" for k, m in self.models.items()}
+
+    def _hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:  # called with inputs_embeds
+                ids = kwargs.get("inputs_embeds")
+                n = int(ids.shape[-2]) if ids is not None and ids.dim() >= 2 else 0
+            else:
+                n = int(ids.shape[-1])
+            self.forwards[role] += 1
+            self.tokens[role] += n
+            self.fed[role].append((n, past_length(cache_argument(kwargs)), fed_flags(kwargs)))
+            called = now()
+            self._called[role].append(called)
+            self._cum_tokens[role].append(self.tokens[role])
+            if self._cuda[role]:
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record()
+                self._open[role] = start
+            else:
+                self._open[role] = called
+
+        return pre_hook
+
+    def _post_hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def post_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            start = self._open.pop(role, None)
+            if start is None:
+                return
+            if self._cuda[role]:
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end.record()
+                self._events[role].append((start, end))
+            else:
+                self._seconds[role] += now() - start
+
+        return post_hook
+
+    def forward_seconds(self) -> dict[str, float | None]:
+        """Seconds spent inside each model's forward passes so far: ``{"target": s, "draft": s or None}`` (draft
+        None when it is not counted). On CUDA call it after synchronizing the device."""
+        out: dict[str, float | None] = {}
+        for role in ("target", "draft"):
+            if role not in self.models:
+                out[role] = None
+                continue
+            out[role] = self._seconds[role] + sum(a.elapsed_time(b) for a, b in self._events[role]) / 1000.0
+        return out
+
+    def __enter__(self) -> ForwardCounter:
+        for role, model in self.models.items():
+            self._handles.append(model.register_forward_pre_hook(self._hook(role), with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._post_hook(role), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def fed_between(self, role: str, start: int, end: int) -> list[list[int | None]] | None:
+        """The per-forward entries ``[n, past, flags]`` of ``role``'s forwards ``start..end-1`` (None for an
+        uncounted draft)."""
+        if role not in self.models:
+            return None
+        return [list(e) for e in self.fed[role][start:end]]
+
+    def snapshot(self) -> Snapshot:
+        """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
+        has_draft = "draft" in self.models
+        return (
+            self.forwards["target"],
+            self.forwards["draft"] if has_draft else None,
+            self.tokens["target"],
+            self.tokens["draft"] if has_draft else None,
+        )
+
+    def snapshot_at(self, at: float) -> Snapshot:
+        """:meth:`snapshot` as it was at host time ``at`` (seconds on :func:`now`'s clock): the forwards called
+        before ``at`` and the tokens they fed. A push-based decoder stamps a Step's ``at`` after its iteration's
+        forwards returned and before the next iteration's began, so this attributes every forward to the iteration
+        it ran in, exactly as :meth:`snapshot` at a yield does."""
+        import bisect
+
+        def upto(role: str) -> tuple[int, int]:
+            k = bisect.bisect_right(self._called[role], at)
+            return k, self._cum_tokens[role][k - 1] if k else 0
+
+        target_fw, target_tok = upto("target")
+        if "draft" not in self.models:
+            return target_fw, None, target_tok, None
+        draft_fw, draft_tok = upto("draft")
+        return target_fw, draft_fw, target_tok, draft_tok
+
+    def record(self, t: float, last: Snapshot, snap: Snapshot) -> StepRecord:
+        """The :class:`StepRecord` of one step ending at ``t`` seconds: the forwards and tokens counted between the
+        snapshots ``last`` and ``snap`` (:meth:`snapshot`), the draft's None where it is not counted."""
+        draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
+        draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
+        return StepRecord(
+            t,
+            snap[0] - last[0],
+            draft_fw,
+            snap[2] - last[2],
+            draft_tok,
+            self.fed_between("target", last[0], snap[0]) or [],
+            None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]),
+        )
+
+
+@dataclass
+class StepRecord:
+    """The runner's observation of one Step: seconds from the start, forwards and tokens fed since the last."""
+
+    time_s: float
+    target_forwards: int
+    draft_forwards: int | None
+    target_tokens: int
+    draft_tokens: int | None
+    # Per forward of this step, in call order: (tokens fed n, KV positions before it, FED_* flags); the draft's
+    # None where its forwards are not counted. Default empty: records made before they existed.
+    target_fed: list[list[int | None]] = field(default_factory=list)
+    draft_fed: list[list[int | None]] | None = None
