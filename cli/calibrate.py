@@ -63,7 +63,17 @@ from dtbench.harness.errors import DtbenchError
     is_flag=True,
     help="calibrate on L_max cached positions only (default: also on L_max + T, interpolated between)",
 )
-def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repeats, passes, prompt_cache_only) -> None:
+@click.option(
+    "--export",
+    "export_path",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="also write the curves as a portable curves file (JSON: device, versions, model shapes) for "
+    "`dtbench report --predict-on FILE` on a run made elsewhere",
+)
+def calibrate_command(
+    suite_path, db_url, data_dir, min_time, max_time, min_repeats, passes, prompt_cache_only, export_path
+) -> None:
     """Measure SUITE_PATH's target and draft forward-latency curves and store them (standalone, run_id NULL).
 
     One forward over n new tokens on a KV cache of the suite's prompt length (and prompt length + T), for
@@ -109,6 +119,20 @@ def calibrate_command(suite_path, db_url, data_dir, min_time, max_time, min_repe
     console.print(f"stored {len(points)} calibration points (batch {batch}) in {where}", highlight=False)
     for line in summary_lines(Curves(points)):
         click.echo(line)
+    if export_path:
+        from dtbench.harness import curves_file, machine
+        from dtbench.harness.worker import model_info
+
+        env = machine.environment(device)
+        doc = curves_file.document(
+            points,
+            device=str(device),
+            device_name=machine.device_name(device),
+            models={"target": model_info(target), "draft": model_info(draft)},
+            versions={k: str(env[k]) for k in ("torch", "transformers", "dtbench")},
+            source=f"dtbench calibrate {suite.name} (batch {batch[:8]})",
+        )
+        console.print(f"wrote {curves_file.write(export_path, doc)} (no loop overhead: a calibration runs no loop)")
 
 
 def summary_lines(curves: Curves) -> Iterable[str]:

@@ -887,6 +887,8 @@ def build_models(device, small: bool):
     """(target, draft, description): GPT-NeoX at Pythia-2.8B/70M shapes (fp16 on CUDA, fp32 on a CPU) or small."""
     import torch
 
+    from dtbench.harness.curves_file import model_shape
+
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     shapes = (SMALL_TARGET, SMALL_DRAFT) if small else (PYTHIA_2_8B, PYTHIA_70M)
     target, draft = neox(shapes[0], dtype, device, seed=0), neox(shapes[1], dtype, device, seed=1)
@@ -896,6 +898,8 @@ def build_models(device, small: bool):
         "dtype": str(dtype).removeprefix("torch."),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "draft_parameters": sum(p.numel() for p in draft.parameters()),
+        "target_shape": model_shape(target.config),  # what a curves file's prediction must match (issue 48)
+        "draft_shape": model_shape(draft.config),
     }
     return target, draft, desc
 
@@ -1046,6 +1050,7 @@ def step_smoke(device, small: bool, out_dir: Path, log) -> dict:
     import yaml
 
     suite = yaml.safe_load((_tests_dir().parent / "suites" / "gpu-smoke.yaml").read_text(encoding="utf-8"))
+    suite["calibrate"] = True  # the run's own curves: its cells predicted from them (issue 48, predict_smoke)
     if small or device.type != "cuda":
         suite.update(
             device=device.type,
@@ -1070,7 +1075,12 @@ def step_smoke(device, small: bool, out_dir: Path, log) -> dict:
         for c in json.loads(shown.stdout)["cells"]
     ]
     log(f"smoke: dtbench run exited {run.returncode}; " + ", ".join(f"{c['label']} {c['status']}" for c in cells))
+    prediction = predict_smoke(base, dbfile, out_dir)
+    log(
+        f"smoke predicted from its own curves: speedup MAE {prediction.get('speedup_mae')} {prediction.get('error', '')}"
+    )
     return {
+        "prediction": prediction,
         "ok": run.returncode == 0 and all(c["status"] == "done" for c in cells) and bool(cells),
         "suite": suite["name"],
         "target": suite["target"]["model"],
@@ -1078,6 +1088,84 @@ def step_smoke(device, small: bool, out_dir: Path, log) -> dict:
         "run_exit_code": run.returncode,
         "cells": cells,
         "note": "smoke test: random tokens and random weights say nothing about acceptance or speedup",
+    }
+
+
+def write_paper_curves(result: dict, out_dir: Path, log) -> None:
+    """OUT/curves-paper.json (issue 48): the ``costmodel`` step's curves at the paper's shapes and caps, with the
+    ``overhead`` step's loop overhead per iteration per decoder (eager), as a portable curves file for ``dtbench
+    report --predict-on`` on a run of the real Pythia pair made elsewhere. Written when the costmodel step has
+    points; its path goes into ``result["curves_files"]``."""
+    from dtbench.harness import curves_file
+
+    steps, models = result["steps"], result.get("models") or {}
+    points = (steps.get("costmodel") or {}).get("points")
+    if not points or not models.get("target_shape"):
+        return
+    overhead = {
+        r["decoder"]: r["overhead_s_per_iter"]
+        for r in (steps.get("overhead") or {}).get("rows", [])
+        if r.get("overhead_s_per_iter") is not None
+    }
+    if overhead:
+        overhead["*"] = statistics.median(overhead.values())
+    env = result["environment"]
+    doc = curves_file.document(
+        points,
+        device=str(env.get("device")),
+        device_name=str(env.get("device_name")),
+        models={
+            role: {
+                "model": f"random:{role}",
+                "dtype": models.get("dtype"),
+                "params": models.get(f"{role}_parameters"),
+                "shape": models.get(f"{role}_shape"),
+            }
+            for role in ("target", "draft")
+        },
+        overhead_s=overhead,
+        versions={k: str(env[k]) for k in ("torch", "transformers", "dtbench") if env.get(k)},
+        source=f"gpu-check costmodel step on {env.get('device_name')}",
+    )
+    written = curves_file.write(out_dir / "curves-paper.json", doc)
+    result.setdefault("curves_files", {})["paper"] = str(written)
+    log(f"wrote {written} (the paper's shapes; overhead per iteration for {len(overhead)} decoders)")
+
+
+def predict_smoke(base: list[str], dbfile: Path, out_dir: Path) -> dict:
+    """Validation of the timing half (issue 48 item 3a): the smoke run's own calibration exported as a curves file
+    (OUT/curves.json) and the smoke cells predicted from it with ``dtbench report --predict-on``, beside the
+    measured speedups; the mean absolute speedup error over the non-AR cells."""
+    import subprocess
+
+    curves = out_dir / "curves.json"
+    exported = subprocess.run(
+        [*base, "report", "--db", str(dbfile), "--export-curves", str(curves)], capture_output=True, text=True
+    )
+    if exported.returncode != 0:
+        return {"ok": False, "error": (exported.stdout + exported.stderr)[-300:]}
+    shown = subprocess.run(
+        [*base, "report", "--db", str(dbfile), "--predict-on", str(curves), "--format", "json"],
+        capture_output=True,
+        text=True,
+    )
+    if shown.returncode != 0:
+        return {"ok": False, "curves": str(curves), "error": (shown.stdout + shown.stderr)[-300:]}
+    cells = [
+        {k: c.get(k) for k in ("label", "predicted_speedup", "measured_speedup", "predicted_throughput")}
+        | {"measured_throughput": c.get("measured_throughput")}
+        for c in json.loads(shown.stdout)["cells"]
+    ]
+    errors = [
+        abs(c["predicted_speedup"] - c["measured_speedup"])
+        for c in cells
+        if c["measured_speedup"] and abs(c["measured_speedup"] - 1.0) > 1e-12
+    ]
+    return {
+        "ok": bool(cells),
+        "curves": str(curves),
+        "cells": cells,
+        "speedup_mae": statistics.fmean(errors) if errors else None,
     }
 
 
@@ -1269,6 +1357,7 @@ def main(
         result["steps"][step] = res
         write()
         log(f"{step}: {'ok' if res['ok'] else 'FAILED'} in {res['seconds']:.1f} s")
+    write_paper_curves(result, out_dir, log)
     write()
     log(f"wrote {path}: {'ok' if result['ok'] else 'FAILED'} in {result['wall_s']:.1f} s")
     log(json.dumps(result["summary"], default=str))

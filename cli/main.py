@@ -478,6 +478,23 @@ def run_exit_code(sessions, run_id: int) -> int:
     help="--profile: write the specdec_bench profile JSON to this file (nothing is written without it)",
 )
 @click.option(
+    "--predict-on",
+    "predict_on",
+    type=click.Path(dir_okay=False),
+    metavar="CURVES",
+    help="price the run's acceptance traces on another device: each sample's forwards on the curves file's "
+    "calibrated costs plus that device's loop overhead per iteration; predicted throughput and speedup per cell "
+    "beside the measured ones (--figures DIR draws both); model shapes must match",
+)
+@click.option(
+    "--export-curves",
+    "export_curves",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="write the run's calibration and its measured loop overhead per iteration as a portable curves file "
+    "(JSON, for --predict-on elsewhere)",
+)
+@click.option(
     "--include-partial",
     is_flag=True,
     help="--tables/--out/--figures/--html: show the numbers of partial cells (failed after some prompts), "
@@ -506,6 +523,8 @@ def report(
     schedule,
     goodput,
     execution,
+    predict_on,
+    export_curves,
 ) -> None:
     """Report a run from the results database (tables and data to stdout, notes to stderr).
 
@@ -533,6 +552,9 @@ def report(
     dtbench report --cost-model [--run ID]      predicted (calibrated forwards) vs measured time, efficiency,
                                                 predicted best K of chain decoders (--figures DIR adds the
                                                 verify-cost curve when the run has a calibration)
+    dtbench report --export-curves FILE         the run's calibration + loop overhead as a portable curves file
+    dtbench report --predict-on CURVES          the run's cells priced on another device's curves: predicted
+      [--run ID] [--figures DIR]                throughput and speedup there beside the measured ones here
 
     \b
     BEFORE and AFTER are run ids or 'latest'. --tables, --figures and --html accept several --run to combine
@@ -566,6 +588,8 @@ def report(
         execution=execution,
         goodput=goodput,
         schedule=schedule,
+        predict_on=predict_on,
+        export_curves=export_curves,
     )
 
 

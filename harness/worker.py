@@ -92,8 +92,12 @@ def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None: ...
 def model_info(loaded: models.LoadedModel | None) -> dict[str, Any] | None:
     if loaded is None:
         return None
+    from dtbench.harness.curves_file import model_shape
+
     remote = {"trust_remote_code": True} if loaded.trust_remote_code else {}  # the opt-in is recorded with the run
-    return {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params, **remote}
+    config = getattr(loaded.model, "config", None)
+    shape = {"shape": model_shape(config)} if config is not None else {}  # what prices its forwards (issue 48)
+    return {"model": loaded.name, "dtype": loaded.dtype, "params": loaded.params, **shape, **remote}
 
 
 class Worker:

@@ -45,6 +45,7 @@ class OwnRequest:
     value: Any
     profile_json: str | None = None
     confidence: float = 0.95
+    fig_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,21 @@ def _cost_model(r: OwnRequest) -> None:
     cost_report(r.sessions, r.run_id, r.fmt)
 
 
+def _predict_on(r: OwnRequest) -> None:
+    from dtbench.reports.predict import predict_report, write_figure
+
+    predict_report(r.sessions, r.run_id, r.fmt, r.value)
+    if r.fig_dir:
+        for path in write_figure(r.sessions, r.run_id, r.value, r.fig_dir):
+            _note(f"wrote {path}")
+
+
+def _export_curves(r: OwnRequest) -> None:
+    from dtbench.reports.predict import export_curves
+
+    _note(f"wrote {export_curves(r.sessions, r.run_id, r.value)}")
+
+
 RUN_AND_FORMAT = "--run ID and --format"
 OWN_REPORTS: tuple[OwnReport, ...] = (
     OwnReport("schedule", "--schedule", RUN_AND_FORMAT, _schedule),
@@ -121,6 +137,8 @@ OWN_REPORTS: tuple[OwnReport, ...] = (
     OwnReport("engine", "--engine", RUN_AND_FORMAT, _engine),
     OwnReport("spec_bench", "--spec-bench", RUN_AND_FORMAT, _spec_bench),
     OwnReport("cost_model", "--cost-model", RUN_AND_FORMAT, _cost_model),
+    OwnReport("predict_on", "--predict-on", "--run ID, --format, --figures DIR", _predict_on),
+    OwnReport("export_curves", "--export-curves", "--run ID", _export_curves),
 )
 
 
@@ -148,6 +166,8 @@ def report_command(
     execution: bool = False,
     goodput: str | None = None,
     schedule: str | None = None,
+    predict_on: str | None = None,
+    export_curves: str | None = None,
 ) -> None:
     """Validate the option combination, then produce each requested output.
 
@@ -195,11 +215,14 @@ def report_command(
         "execution": execution,
         "goodput": goodput,
         "schedule": schedule,
+        "predict_on": predict_on,
+        "export_curves": export_curves,
     }
     chosen = [kind for kind in OWN_REPORTS if given[kind.option] not in (None, False)]
     if by and spec_bench:
         raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
-    if chosen and (len(chosen) > 1 or pair or compare or tables or files or by or len(run_ids) > 1):
+    own_files = bool(out_dir or html_file or (fig_dir and not predict_on))  # --predict-on draws its own figure
+    if chosen and (len(chosen) > 1 or pair or compare or tables or own_files or by or len(run_ids) > 1):
         raise DtbenchError(f"{chosen[0].flag} is a report of its own; give it alone (with {chosen[0].takes})")
     if by and (pair or compare or tables or files or len(run_ids) > 1):
         raise DtbenchError("--by breaks one run's cell report down; give it alone (with --run ID and --format)")
@@ -208,7 +231,7 @@ def report_command(
         value = given[kind.option]
         arg = kind.parse(value) if kind.parse else value  # a bad argument is one line before the database is opened
         request = OwnRequest(db.connect(db_url, create=False), run_ids[0] if run_ids else None, fmt, arg)
-        request.profile_json, request.confidence = profile_json, 1 - alpha
+        request.profile_json, request.confidence, request.fig_dir = profile_json, 1 - alpha, fig_dir
         kind.produce(request)
         return
     sessions = db.connect(db_url, create=False)
