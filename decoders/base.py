@@ -332,6 +332,59 @@ def next_token(logits: torch.Tensor, sampling: SamplingSettings | None, generato
     return sample(sampling.probs(logits), generator)
 
 
+def first_tokens(
+    prompts: list[torch.Tensor],
+    first: list[torch.Tensor],
+    sampling: SamplingSettings | None,
+    generator: torch.Generator | None,
+) -> tuple[list[list[int]], list[int]]:
+    """(each row's prompt ids, each row's first token) after the prefill: the first iteration's host values.
+
+    Args:
+        prompts: per row the prompt ids, shape (1, prompt_len_r), int64, on the device.
+        first: per row the prefill's last-position logits, shape (vocab,) (or (1, vocab)).
+        sampling, generator: None for greedy decoding; else the first tokens are drawn as :func:`next_token` draws.
+
+    Greedy: ONE device-to-host read for both (the prompts' ids and the rows' argmaxes concatenated; issue 46, at
+    most one read per iteration, the prefill's included). Sampling: the prompts read, each first token drawn.
+    """
+    if sampling is not None:
+        return [p[0].tolist() for p in prompts], [next_token(lg, sampling, generator) for lg in first]
+    lengths = [int(p.shape[-1]) for p in prompts]
+    heads = [torch.argmax(lg.reshape(-1), dim=-1).view(1).to(prompts[0].dtype) for lg in first]
+    packed = torch.cat([*(p[0] for p in prompts), *heads]).tolist()
+    texts, at = [], 0
+    for n in lengths:
+        texts.append(packed[at : at + n])
+        at += n
+    return texts, packed[at:]
+
+
+def verify_chain_read(drafts: list[int] | torch.Tensor, logits: torch.Tensor) -> tuple[int, tuple[int, ...], list[int]]:
+    """:func:`verify_chain` over drafts that may still be on the device, with ONE device-to-host read.
+
+    Args:
+        drafts: K drafted token ids: a list, or a 1-D int64 tensor on the logits' device (device-resident drafts,
+            issue 46: a chain's K draft tokens are never read one by one).
+        logits: target logits over [pending, *drafts], shape (K + 1, vocab).
+
+    Returns:
+        (accepted, committed, drafts as a list): :func:`verify_chain`'s pair and the drafts read back, all from one
+        read of the target's K + 1 greedy tokens and the K drafts.
+    """
+    predicted = torch.argmax(logits, dim=-1)
+    if torch.is_tensor(drafts):
+        k = int(drafts.shape[0])
+        packed = torch.cat([predicted, drafts.to(predicted.dtype)]).tolist()  # the iteration's one read
+        pred, host = packed[: k + 1], packed[k + 1 :]
+    else:
+        pred, host = predicted.tolist(), list(drafts)
+    accepted = 0
+    while accepted < len(host) and host[accepted] == pred[accepted]:
+        accepted += 1
+    return accepted, (*host[:accepted], pred[accepted]), host
+
+
 def verify_chain(drafts: list[int], logits: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     """Greedy verification of a draft chain (Leviathan et al. 2023, greedy case; paper section 4.3).
 
@@ -343,8 +396,5 @@ def verify_chain(drafts: list[int], logits: torch.Tensor) -> tuple[int, tuple[in
         (accepted, committed): the length of the longest draft prefix equal to the target's greedy tokens, and
         the committed tokens = that prefix plus the target's bonus token (1 <= len(committed) <= K + 1).
     """
-    predicted = torch.argmax(logits, dim=-1).tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
-        accepted += 1
-    return accepted, (*drafts[:accepted], predicted[accepted])
+    accepted, committed, _ = verify_chain_read(drafts, logits)
+    return accepted, committed

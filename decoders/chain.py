@@ -13,12 +13,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import torch
 
 from dtbench.core import DtbenchError
 from dtbench.decoders import kv
-from dtbench.decoders.base import Step, cut_at_eos, eos_ids, greedy_token, next_token, verify_chain
+from dtbench.decoders.base import (
+    Step,
+    cut_at_eos,
+    eos_ids,
+    first_tokens,
+    greedy_token,
+    verify_chain_read,
+)
 from dtbench.decoders.sampling import SamplingSettings, sample, verify_chain_sampled
 
 
@@ -41,10 +49,13 @@ class Proposer(ABC):
         """Called once after the prefill: the prompt's token ids and the first committed (pending) token."""
 
     @abstractmethod
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> list[int] | torch.Tensor:
         """Up to ``max_tokens`` draft token ids continuing the committed text (fewer, or none, is allowed).
 
-        ``max_tokens`` is already capped so that the drafts plus the bonus token never pass T (it may be 0).
+        A list of ints, or (device-resident drafts, issue 46) a 1-D int64 tensor on the target's device, which the
+        loop verifies without reading it first: the iteration's one device-to-host read then returns the drafts with
+        the target's verdict (:func:`~dtbench.decoders.base.verify_chain_read`), and :meth:`accept` gets them as a
+        list. ``max_tokens`` is already capped so that the drafts plus the bonus token never pass T (it may be 0).
         """
 
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
@@ -67,9 +78,9 @@ class ChainTarget(ABC):
         """Feed the prompt, shape (1, prompt_len) int64; return the last position's logits, shape (vocab,)."""
 
     @abstractmethod
-    def verify(self, tokens: list[int]) -> torch.Tensor:
-        """Feed ``[pending, *drafts]`` in one forward; logits of shape (len(tokens), vocab), row i predicting the
-        token after input i."""
+    def verify(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """Feed ``[pending, *drafts]`` in one forward (a list, or a (1, n) int64 tensor on the device when the
+        drafts are device-resident); logits of shape (n, vocab), row i predicting the token after input i."""
 
     @abstractmethod
     def keep(self, n: int) -> None:
@@ -88,7 +99,7 @@ class KVTarget(ChainTarget):
         self.cache, logits = kv.prefill(self.model, input_ids)
         return logits
 
-    def verify(self, tokens: list[int]) -> torch.Tensor:
+    def verify(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         self._prefix = kv.cache_len(self.cache)
         return kv.forward(self.model, tokens, self.cache)  # no hidden_layers: logits only
 
@@ -102,7 +113,13 @@ class DraftModelProposer(Proposer):
     Invariant between iterations: the draft cache holds every committed token except ``backlog`` (the pending
     token, and the last draft when all drafts were accepted, since it was never fed); rejected drafts sit at the
     cache's tail, so a crop rolls them back. One draft forward per drafted token, the first feeding the backlog.
+
+    Greedy drafts stay on the device (``resident``, issue 46): each draft forward's argmax is fed to the next one as
+    a tensor and :meth:`propose` returns the chain as one tensor, so K drafts cost no device-to-host read; a subclass
+    whose :meth:`forward` needs host token ids sets ``resident = False``.
     """
+
+    resident: ClassVar[bool] = True
 
     def __init__(self, draft: torch.nn.Module):
         self.draft = draft
@@ -112,8 +129,9 @@ class DraftModelProposer(Proposer):
         self.backlog = [*prompt, pending]
         self.context = len(prompt)  # committed tokens before the pending one
 
-    def forward(self, feed: list[int], exact: bool) -> torch.Tensor:
-        """Feed tokens to the draft; logits of the last one, shape (vocab,). ``exact``: committed tokens."""
+    def forward(self, feed: list[int] | torch.Tensor, exact: bool) -> torch.Tensor:
+        """Feed tokens to the draft (a list, or a (1, n) int64 tensor on its device); logits of the last one, shape
+        (vocab,). ``exact``: committed tokens."""
         return kv.forward(self.draft, feed, self.cache, last_only=True)[-1]
 
     def rollback(self, length: int) -> None:
@@ -123,7 +141,9 @@ class DraftModelProposer(Proposer):
     def cached(self) -> int:
         return kv.cache_len(self.cache)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> list[int] | torch.Tensor:
+        if self.sampling is None and self.resident:
+            return self._propose_resident(max_tokens)
         drafts: list[int] = []
         self.draft_probs = [] if self.sampling is not None else None
         feed, exact = self.backlog, True
@@ -137,6 +157,18 @@ class DraftModelProposer(Proposer):
                 drafts.append(sample(q, self.generator))
             feed, exact = [drafts[-1]], False
         return drafts
+
+    def _propose_resident(self, max_tokens: int) -> list[int] | torch.Tensor:
+        """Greedy drafts without a read: each argmax, shape (1, 1) int64 on the device, is the next forward's input;
+        the chain is returned as one (K,) tensor (``[]`` for K = 0)."""
+        self.draft_probs = None
+        chain: list[torch.Tensor] = []
+        feed: list[int] | torch.Tensor = self.backlog
+        for _ in range(max_tokens):
+            logits = self.forward(feed, len(chain) == 0)
+            feed = torch.argmax(logits, dim=-1).view(1, 1)
+            chain.append(feed)
+        return torch.cat(chain, dim=1).view(-1) if chain else []
 
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
         self.rollback(min(self.cached(), self.context + 1 + accepted))
@@ -159,7 +191,7 @@ class RowsTarget(ABC):
         """Feed each row's prompt, shape (1, prompt_len) int64; each row's last-position logits, (vocab,)."""
 
     @abstractmethod
-    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
+    def verify(self, rows: list[list[int] | torch.Tensor]) -> list[torch.Tensor]:
         """Feed each active row its ``[pending, *drafts]`` (one forward); per row logits (len(tokens), vocab)."""
 
     @abstractmethod
@@ -168,6 +200,32 @@ class RowsTarget(ABC):
 
     def retain(self, rows: list[int]) -> None:
         """Only these rows (indices into the active rows) stay in the batch: finished rows stop costing work."""
+
+
+def _read_all(drafts: list[list[int] | torch.Tensor]) -> list[list[int] | torch.Tensor]:
+    """The rows' drafts as host lists, the device-resident ones read together in one read."""
+    resident = [d for d in drafts if torch.is_tensor(d)]
+    if not resident:
+        return drafts
+    flat = torch.cat([d.view(-1) for d in resident]).tolist()
+    out: list[list[int] | torch.Tensor] = []
+    at = 0
+    for d in drafts:
+        if torch.is_tensor(d):
+            n = int(d.shape[0])
+            out.append(flat[at : at + n])
+            at += n
+        else:
+            out.append(d)
+    return out
+
+
+def _verify_input(pending: int, drafts: list[int] | torch.Tensor) -> list[int] | torch.Tensor:
+    """``[pending, *drafts]``: a list, or with device-resident drafts a (1, K + 1) tensor on their device (the
+    pending id copied to the device, not read from it)."""
+    if torch.is_tensor(drafts):
+        return torch.cat([drafts.new_tensor([pending]), drafts]).view(1, -1)
+    return [pending, *drafts]
 
 
 class OneRow(RowsTarget):
@@ -179,7 +237,7 @@ class OneRow(RowsTarget):
     def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [self.target.prefill(prompts[0])]
 
-    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
+    def verify(self, rows: list[list[int] | torch.Tensor]) -> list[torch.Tensor]:
         return [self.target.verify(rows[0])]
 
     def keep(self, counts: list[int]) -> None:
@@ -195,9 +253,10 @@ class RaggedRows(RowsTarget):
     def prefill(self, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.batch.prefill([p[0].tolist() for p in prompts])
 
-    def verify(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        logits = self.batch.forward(rows)
-        return [logits[r, : len(t)] for r, t in enumerate(rows)]
+    def verify(self, rows: list[list[int] | torch.Tensor]) -> list[torch.Tensor]:
+        ids = [r if isinstance(r, list) else r.view(-1).tolist() for r in rows]  # the loop reads them first (_read_all)
+        logits = self.batch.forward(ids)
+        return [logits[r, : len(t)] for r, t in enumerate(ids)]
 
     def keep(self, counts: list[int]) -> None:
         self.batch.keep([list(range(c)) for c in counts])
@@ -206,7 +265,7 @@ class RaggedRows(RowsTarget):
         self.batch.retain(rows)
 
 
-def _proposed(proposer: Proposer, max_tokens: int) -> list[int]:
+def _proposed(proposer: Proposer, max_tokens: int) -> list[int] | torch.Tensor:
     """``proposer.propose(max_tokens)`` as a list, held to its contract: at most ``max_tokens`` drafts.
 
     Refused, not clipped (issue 42 item 10): a proposer that returns more than asked has a bug, and clipping would
@@ -216,10 +275,12 @@ def _proposed(proposer: Proposer, max_tokens: int) -> list[int]:
     Raises:
         DtbenchError: more drafts than ``max_tokens`` (the cell fails with this one line).
     """
-    drafts = list(proposer.propose(max_tokens))
-    if len(drafts) > max_tokens:
+    proposed = proposer.propose(max_tokens)
+    drafts = proposed.view(-1) if torch.is_tensor(proposed) else list(proposed)
+    count = int(drafts.shape[0]) if torch.is_tensor(drafts) else len(drafts)  # a tensor's length: no read
+    if count > max_tokens:
         raise DtbenchError(
-            f"proposer {type(proposer).__name__} returned {len(drafts)} drafts when asked for at most {max_tokens} "
+            f"proposer {type(proposer).__name__} returned {count} drafts when asked for at most {max_tokens} "
             "(Proposer.propose must return at most max_tokens)"
         )
     return drafts
@@ -310,11 +371,11 @@ def speculate_chain_rows(
         proposer.sampling, proposer.generator = sampling, generator  # type: ignore[assignment]
     eos = eos_ids(eos_token_id)
     first = target.prefill(prompts)
-    pending = [next_token(logits, sampling, generator) for logits in first]
+    texts, pending = first_tokens(prompts, first, sampling, generator)
     yield {r: Step(tokens=(t,)) for r, t in enumerate(pending)}
     active = [r for r, t in enumerate(pending) if t not in eos]
     for r in active:
-        proposers[r].begin(prompts[r][0].tolist(), pending[r])
+        proposers[r].begin(texts[r], pending[r])
     produced = [1] * len(prompts)
     live = [r for r in active if produced[r] < max_new_tokens]
     if len(live) < len(prompts):
@@ -322,12 +383,15 @@ def speculate_chain_rows(
     active = live
     while active:
         drafts = [_proposed(proposers[r], min(k, max_new_tokens - produced[r] - 1)) for r in active]
-        logits = target.verify([[pending[r], *d] for r, d in zip(active, drafts)])
+        if not isinstance(target, OneRow):  # a ragged batch takes host ids: every row's drafts in one read
+            drafts = _read_all(drafts)
+        logits = target.verify([_verify_input(pending[r], d) for r, d in zip(active, drafts)])
         out, counts, stay = {}, [], []
         for i, (r, d, lg) in enumerate(zip(active, drafts, logits)):
             if sampling is None:
-                accepted, committed = verify_chain(d, lg)
+                accepted, committed, d = verify_chain_read(d, lg)  # the iteration's one read (B = 1)
             else:
+                d = d.tolist() if torch.is_tensor(d) else d  # sampled drafts: read (their probabilities are host-side)
                 accepted, committed = verify_chain_sampled(
                     d, proposers[r].draft_probs if d else None, sampling.probs(lg), generator
                 )

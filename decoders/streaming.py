@@ -163,9 +163,10 @@ class StreamingTarget(ChainTarget):
         self.state.enforce_budget()
         return logits[-1]
 
-    def verify(self, tokens: list[int]) -> torch.Tensor:
+    def verify(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
         self._before = self.state.n  # committed tokens before the pending one
-        return self.state.forward(tokens, tentative=True)[0]
+        ids = tokens if isinstance(tokens, list) else tokens.view(-1).tolist()  # StreamingKV takes host ids
+        return self.state.forward(ids, tentative=True)[0]
 
     def keep(self, n: int) -> None:
         self.state.crop(self._before + n)
@@ -176,6 +177,8 @@ class StreamingDraftProposer(DraftModelProposer):
     """:class:`~dtbench.decoders.chain.DraftModelProposer` over a draft :class:`StreamingKV`: committed tokens
     (the backlog) are fed exactly; tentative drafts are not evicted within a round, so a crop rolls them back."""
 
+    resident = False  # StreamingKV feeds host token ids (its eviction policy tracks them)
+
     def __init__(self, draft: torch.nn.Module, sinks: int, window: int):
         super().__init__(draft)
         self.sinks, self.window = sinks, window
@@ -184,7 +187,8 @@ class StreamingDraftProposer(DraftModelProposer):
         super().begin(prompt, pending)
         self.state = StreamingKV(self.draft, self.sinks, self.window)
 
-    def forward(self, feed: list[int], exact: bool) -> torch.Tensor:
+    def forward(self, feed: list[int] | torch.Tensor, exact: bool) -> torch.Tensor:
+        assert isinstance(feed, list), "resident = False: the chain loop feeds host ids"
         return self.state.forward(feed, exact=exact, last_only=True)[0][-1]
 
     def rollback(self, length: int) -> None:

@@ -135,7 +135,7 @@ class SuffixProposer(Proposer):
             self.fallback.sampling, self.fallback.generator = self.sampling, self.generator
             self.fallback.begin(prompt, pending)
 
-    def propose(self, max_tokens: int) -> list[int]:
+    def propose(self, max_tokens: int) -> list[int] | torch.Tensor:
         self.draft_probs, self._from_fallback = None, False
         if max_tokens <= 0:
             return []
@@ -155,9 +155,9 @@ class SuffixProposer(Proposer):
             return []
         self.counts["fallback"] += 1
         self._from_fallback = True
-        drafts = self.fallback.propose(max_tokens)
+        chain = self.fallback.propose(max_tokens)  # a draft model's chain: device-resident (issue 46)
         self.draft_probs = self.fallback.draft_probs
-        return drafts
+        return chain
 
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
         self.sam.extend(committed)

@@ -11,7 +11,7 @@ from typing import overload
 import torch
 
 from dtbench.decoders import kv, modelinfo
-from dtbench.decoders.base import Step, cut_at_eos, eos_ids, next_token
+from dtbench.decoders.base import Step, cut_at_eos, eos_ids, first_tokens, next_token
 from dtbench.decoders.sampling import SamplingSettings, verify_tree_sampled, verify_tree_typical
 from dtbench.decoders.tree.draft import (
     DraftSession,
@@ -269,22 +269,23 @@ def speculate_tree_rows(
     t_kind = attention_mask_kind(target)
     hidden = drafter.hidden_layers if drafter is not None and drafter.hidden_layers else None
     rows = range(len(prompts))
+    ragged = kv.RaggedBatch(target) if batched else None
+    if ragged is not None:
+        texts = [p[0].tolist() for p in prompts]  # a ragged prefill takes host ids: the prompts' one read
+        first = ragged.prefill(texts)
+        pending = [next_token(logits.reshape(-1), sampling, generator) for logits in first]
+    else:
+        if hidden is None:
+            t_cache, logits = kv.prefill(target, prompts[0])
+        else:
+            t_cache, logits, features = kv.prefill_features(target, prompts[0], hidden)
+        texts, pending = first_tokens(prompts, [logits.reshape(-1)], sampling, generator)  # one read (issue 46)
     sessions: list[DraftSession] = []  # one per row when expansion policies draft with the draft model
     if drafter is None:
         assert draft is not None, "expansion policies draft with a draft model (the tree decoders need one)"
-        sessions = [DraftSession(draft, p[0].tolist()) for p in prompts]
-    ragged = kv.RaggedBatch(target) if batched else None
-    if ragged is not None:
-        first = ragged.prefill([p[0].tolist() for p in prompts])
-    elif hidden is None:
-        t_cache, logits = kv.prefill(target, prompts[0])
-        first = [logits]
-    else:
-        t_cache, logits, features = kv.prefill_features(target, prompts[0], hidden)
-        first = [logits]
-    pending = [next_token(logits.reshape(-1), sampling, generator) for logits in first]
+        sessions = [DraftSession(draft, text) for text in texts]
     if drafter is not None and hidden is not None:
-        drafter.feed_target(features, prompts[0][0, 1:].tolist() + [pending[0]])
+        drafter.feed_target(features, texts[0][1:] + [pending[0]])
     yield {r: Step(tokens=(pending[r],)) for r in rows}
     eos = eos_ids(eos_token_id)
     produced = [1] * len(prompts)
