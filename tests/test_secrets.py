@@ -1,0 +1,115 @@
+"""Issue 50: secrets in server URLs and API keys (items 1-3), Markdown link injection (item 4).
+
+Each test is written against what the issue reported: a password holding a quote, a space or ``<`` shown in the
+terminal, the stored suite text, the cells and every report format; a reference server's password in the cells'
+labels; no safe place for an API key; a label that became a live Markdown link.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from kit import invoke, write_suite
+
+TINY = {
+    "name": "tiny",
+    "seed": 0,
+    "device": "cpu",
+    "target": {"model": "smollm2-135m", "dtype": "float32"},
+    "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 16}],
+    "generation_lengths": [4],
+}
+
+
+@pytest.fixture
+def fake_server():
+    """``fake_server(**options)``: a fake completions server (tests/fakeserver.py) in a thread; (URL, server)."""
+    import fakeserver
+
+    started = []
+
+    def start(**options):
+        server, url = fakeserver.serve(**options)
+        started.append(server)
+        return url, server
+
+    yield start
+    for server in started:
+        server.shutdown()
+
+
+def _run(tmp_path, data_dir, suite: str):
+    return invoke("run", suite, "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress")
+
+
+def _database_text(path) -> str:
+    with sqlite3.connect(path) as con:
+        return "\n".join(con.iterdump())
+
+
+def _reports(db) -> list[str]:
+    """Every report format's output, the load view's too, and the HTML page."""
+    seen = []
+    for fmt in ("table", "markdown", "csv", "json", "html"):
+        for extra in ((), ("--engine",)):
+            report = invoke("report", "--db", str(db), "--format", fmt, *extra)
+            assert report.exit_code == 0, report.output
+            seen.append(report.output)
+    page = db.parent / "r.html"
+    assert invoke("report", "--db", str(db), "--html", str(page)).exit_code == 0
+    seen.append(page.read_text())
+    return seen
+
+
+# --- 50.1 a password holding a quote, a space or "<": masked everywhere, by parsing the URL -------------------------
+
+PASSWORDS = {  # label -> (password, how the suite's YAML writes the URL: {url} is the server's host:port)
+    "squote": ("SECRET1'x", '"http://admin:SECRET1\'x@{url}"'),
+    "dquote": ('SECRET2"x', "'http://admin:SECRET2\"x@{url}'"),
+    "space": ("SECRET3 x", '"http://admin:SECRET3 x@{url}"'),
+    "angle": ("SECRET4<x", "http://admin:SECRET4<x@{url}"),
+    "escaped": ('SECRET5"y', '"http://admin:SECRET5\\"y@{url}"'),  # YAML's own escape: the text never holds it
+}
+
+
+def test_passwords_with_quotes_spaces_and_brackets_are_masked_everywhere(tmp_path, data_dir, fake_server):
+    url, _ = fake_server()
+    host = url.removeprefix("http://")
+    lines = [f"{k}: {json.dumps(v)}" for k, v in TINY.items()] + ["decoders:"]
+    for label, (_, written) in PASSWORDS.items():
+        lines += ["  - name: server", f"    label: {label}", f"    params: {{base_url: {written.format(url=host)}}}"]
+    suite = write_suite(tmp_path, "\n".join(lines) + "\n")
+    result = _run(tmp_path, data_dir, suite)
+    assert result.exit_code == 0, result.output
+    seen = [result.output, _database_text(tmp_path / "r.db"), *_reports(tmp_path / "r.db")]
+    everything = "\n".join(seen)
+    for password, _ in PASSWORDS.values():
+        for part in {password, password.split()[0], password.replace('"', "%22").replace(" ", "%20")}:
+            assert part not in everything, part
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        (text,) = con.execute("select suite_text from runs").fetchone()
+        params = [json.loads(p)["base_url"] for (p,) in con.execute("select params from cells")]
+    assert text.count("admin:***@") == len(PASSWORDS), text
+    assert sorted(params) == [f"http://admin:***@{host}"] * len(PASSWORDS)
+
+
+def test_redaction_parses_urls_in_free_text_and_structures():
+    from dtbench.core import redact_credentials, redact_json, redact_yaml
+
+    assert redact_credentials("http://admin:SECRET1'x@h:1/v1") == "http://admin:***@h:1/v1"
+    assert redact_credentials('at http://admin:S"x y<z@h:1 failed') == "at http://admin:***@h:1 failed"
+    assert redact_credentials('{"u": "https://a:p@ss@h", "m": "x@y"}') == '{"u": "https://a:***@h", "m": "x@y"}'
+    assert redact_credentials("{'u': 'http://a:it\\'s@h'}") == "{'u': 'http://a:***@h'}"
+    assert redact_credentials("a http://b http://c:p@d/x") == "a http://b http://c:***@d/x"
+    assert (
+        redact_credentials("http://h/v1?model=m&api_key=K1&X-Amz-Signature=K2&accessToken=K3#f")
+        == "http://h/v1?model=m&api_key=***&X-Amz-Signature=***&accessToken=***#f"
+    )
+    assert redact_credentials('"http://h/?token=K", "max_tokens": 4') == '"http://h/?token=***", "max_tokens": 4'
+    assert redact_credentials("http://h/cb?next=http://u:p@x/y") == "http://h/cb?next=http://u:***@x/y"
+    assert redact_json({"u": ["http://a:p q@h"], "n": 3}) == {"u": ["http://a:***@h"], "n": 3}
+    folded = 'u: "http://a:SEC\n  RET@h"\nv: [1]\n'  # a double-quoted scalar folded over two lines
+    assert "SEC" not in redact_yaml(folded) and "RET" not in redact_yaml(folded)
+    assert redact_yaml(folded).endswith("\nv: [1]\n")
