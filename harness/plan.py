@@ -17,6 +17,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from dtbench.core import redact_credentials
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, registry, selection
 from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
@@ -270,7 +271,8 @@ def plan_suite(suite: Suite) -> Plan:
         rsampling = p.sampling if rcls.supports_sampling else None
         key = _params_key(name, rparams, rsampling)
         if key not in by_key:
-            label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
+            # the reference's params name it, credentials masked like its stored params (issue 50 item 2)
+            label = name if not raw else f"{name} ({redact_credentials(', '.join(f'{k}={v}' for k, v in raw.items()))})"
             if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
                 label += (
                     " (greedy)"

@@ -113,3 +113,24 @@ def test_redaction_parses_urls_in_free_text_and_structures():
     folded = 'u: "http://a:SEC\n  RET@h"\nv: [1]\n'  # a double-quoted scalar folded over two lines
     assert "SEC" not in redact_yaml(folded) and "RET" not in redact_yaml(folded)
     assert redact_yaml(folded).endswith("\nv: [1]\n")
+
+
+# --- 50.2 a reference server's label: built from its params, masked like them ---------------------------------------
+
+
+def test_a_reference_servers_label_holds_no_password(tmp_path, data_dir, fake_server):
+    plain, _ = fake_server()
+    spec, _ = fake_server()
+    ref = {"base_url": plain.replace("http://", "http://admin:SECRET7@")}
+    sweep = {"base_url": [spec.replace("http://", "http://admin:SECRET8@")]}
+    decoders = [{"name": "server", "label": "spec", "params": {"speculative": True, "reference": ref}, "sweep": sweep}]
+    result = _run(tmp_path, data_dir, write_suite(tmp_path, {**TINY, "decoders": decoders}))
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        labels = con.execute("select label, reference_label from cells order by id").fetchall()
+    host, spec_host = plain.removeprefix("http://"), spec.removeprefix("http://")
+    assert labels == [
+        (f"server (base_url=http://admin:***@{host})", None),
+        (f"spec (base_url=http://admin:***@{spec_host})", f"server (base_url=http://admin:***@{host})"),
+    ]
+    assert "SECRET" not in result.output + _database_text(tmp_path / "r.db")
