@@ -265,7 +265,11 @@ def plan_suite(suite: Suite) -> Plan:
         if ref is None:
             continue
         name, raw = ref
-        rparams = registry.validate_params(name, raw)
+        try:
+            rparams = registry.validate_params(name, raw)
+        except DtbenchError as exc:  # the reference's own params: say whose reference they are
+            where = f"{p.spec.where}: " if p.spec.where else ""
+            raise DtbenchError(f"{where}reference of decoder '{clip(p.spec.display, 80)}': {exc}") from None
         rcls = registry.get(name)
         # The reference decodes the way its dependent does (greedy, or the same sampling settings).
         rsampling = p.sampling if rcls.supports_sampling else None

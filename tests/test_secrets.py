@@ -11,7 +11,7 @@ import json
 import sqlite3
 
 import pytest
-from kit import invoke, write_suite
+from kit import invoke, one_line_error, write_suite
 
 TINY = {
     "name": "tiny",
@@ -134,3 +134,56 @@ def test_a_reference_servers_label_holds_no_password(tmp_path, data_dir, fake_se
         (f"spec (base_url=http://admin:***@{spec_host})", f"server (base_url=http://admin:***@{host})"),
     ]
     assert "SECRET" not in result.output + _database_text(tmp_path / "r.db")
+
+
+# --- 50.3 an API key: read from the environment at request time, sent as a bearer token, never stored ---------------
+
+
+def test_an_api_key_is_read_from_the_environment_and_never_stored(tmp_path, data_dir, fake_server, monkeypatch):
+    plain, plain_server = fake_server(tokens=(5, 9, 7))
+    spec, spec_server = fake_server(tokens=(5, 6, 7))
+    monkeypatch.setenv("DTB_PLAIN_KEY", "sk-PLAINKEY")
+    monkeypatch.setenv("DTB_SPEC_KEY", "sk-SPECKEY")
+    ref = {"base_url": plain, "api_key_env": "DTB_PLAIN_KEY"}
+    params = {"base_url": spec, "api_key_env": "DTB_SPEC_KEY", "speculative": True, "reference": ref}
+    suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "label": "spec", "params": params}]})
+    result = _run(tmp_path, data_dir, suite)
+    assert result.exit_code == 3, result.output  # diverged: the check request asked the plain server too
+    # every request, the check request to the reference included, carried its own server's key
+    assert set(plain_server.authorizations) == {"Bearer sk-PLAINKEY"}, plain_server.authorizations
+    assert set(spec_server.authorizations) == {"Bearer sk-SPECKEY"} and len(plain_server.authorizations) > 2
+    everything = "\n".join([result.output, _database_text(tmp_path / "r.db"), *_reports(tmp_path / "r.db")])
+    assert "PLAINKEY" not in everything and "SPECKEY" not in everything
+    with sqlite3.connect(tmp_path / "r.db") as con:
+        stored = [json.loads(p) for (p,) in con.execute("select params from cells order by id")]
+    assert stored[1]["api_key_env"] == "DTB_SPEC_KEY" and stored[1]["reference"]["api_key_env"] == "DTB_PLAIN_KEY"
+    monkeypatch.delenv("DTB_PLAIN_KEY")
+    for command in ("validate", "run"):
+        args = ("--db", str(tmp_path / "r2.db"), "--data-dir", str(data_dir)) if command == "run" else ()
+        one_line_error(
+            invoke(command, suite, *args),
+            "reference of decoder 'spec'",
+            "params.api_key_env: the environment variable DTB_PLAIN_KEY is not set",
+        )
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"extra_body": {"api_key": "sk-LITERAL"}}, "params.extra_body.api_key: a literal credential"),
+        ({"extra_body": {"headers": {"X-Auth-Token": "sk-LITERAL"}}}, "params.extra_body.headers.X-Auth-Token: a"),
+        ({"base_url": "http://127.0.0.1:8000/?key=sk-LITERAL"}, "params.base_url: query parameter 'key': a literal"),
+    ],
+)
+def test_a_literal_key_is_refused_pointing_to_api_key_env(tmp_path, data_dir, params, needle):
+    params = {"base_url": "http://127.0.0.1:8000", **params}
+    suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": params}]})
+    for command in ("validate", "run"):
+        args = ("--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir)) if command == "run" else ()
+        line = one_line_error(invoke(command, suite, *args), needle, "name the variable with api_key_env")
+        assert "LITERAL" not in line
+    ok = {"base_url": "http://127.0.0.1:8000", "extra_body": {"max_tokens": 3, "return_tokens_as_token_ids": True}}
+    assert (
+        invoke("validate", write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": ok}]})).exit_code
+        == 0
+    )
