@@ -8,6 +8,7 @@ labels; no safe place for an API key; a label that became a live Markdown link.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 
 import pytest
@@ -187,3 +188,30 @@ def test_a_literal_key_is_refused_pointing_to_api_key_env(tmp_path, data_dir, pa
         invoke("validate", write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": ok}]})).exit_code
         == 0
     )
+
+
+# --- 50.4 a label is text in Markdown, never a link -----------------------------------------------------------------
+
+
+def test_a_markdown_label_never_becomes_a_link(tmp_path):
+    import reportdb
+
+    label = "[c](javascript:alert(1))"
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        reportdb.add_samples(session, reportdb.add_cell(session, run, "ar"), [1.0] * 4, warmup=1)
+        reportdb.add_samples(session, reportdb.add_cell(session, run, label, "linear"), [2.0] * 4, warmup=1)
+        session.commit()
+    for extra in ((), ("--compare",)):
+        result = invoke("report", "--db", str(path), "--format", "markdown", *extra)
+        assert result.exit_code == 0, result.output
+        assert re.search(r"(?<!\\)\]\(", result.stdout) is None, result.stdout  # no "](" that links
+        assert "\\[c\\](javascript:alert(1))" in result.stdout, result.stdout
+
+
+def test_markdown_cells_escape_link_code_and_cell_syntax():
+    from dtbench.harness.safetext import markdown_cell
+
+    assert markdown_cell("[x](u) `c` a|b \\[y\\]") == "\\[x\\](u) \\`c\\` a\\|b \\\\\\[y\\\\\\]"
+    assert markdown_cell("<img src=x>\nL_max") == "&lt;img src=x&gt;<br>L_max"
