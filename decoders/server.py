@@ -163,6 +163,8 @@ class ServerParams(DecoderParams):
             raise ValueError(
                 f"base_url must start with http:// or https://, got {redact_credentials(self.base_url)[:80]!r}"
             )
+        if self.base_url is not None:
+            _valid_port(self.base_url)
         if (where := literal_credential(self.base_url, self.extra_body)) is not None:
             raise ValueError(
                 f"{where}: a literal credential, which a run would store; put the key in an environment variable "
@@ -171,6 +173,17 @@ class ServerParams(DecoderParams):
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(_unset(self.api_key_env))
         return self
+
+
+def _valid_port(base_url: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(base_url).port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"base_url: {redact_credentials(base_url)[:80]!r} has no valid port (a port is 1 to 65535)")
 
 
 def _unset(name: str) -> str:

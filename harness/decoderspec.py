@@ -21,6 +21,7 @@ from dtbench.harness.suitebase import (
     HasLMax,
     Label,
     Name,
+    equal_values,
     executions,
     no_control,
     one_load_axis,
@@ -121,6 +122,11 @@ class DecoderSpec(HasLMax):
                 no_control(text)
             if not values:
                 raise ValueError(f"sweep over '{clip(key, 60)}' has no values (a sweep needs at least one point)")
+            if (twice := equal_values(values)) is not None:
+                raise ValueError(
+                    f"sweep over '{clip(key, 60)}' lists one value twice ({clip(twice[0], 40)} and "
+                    f"{clip(twice[1], 40)}): they would be two identical cells"
+                )
             size *= len(values)
         if size > MAX_GRID:
             raise ValueError(f"sweep expands to {size} decoders, more than the limit of {MAX_GRID}")

@@ -215,3 +215,59 @@ def test_markdown_cells_escape_link_code_and_cell_syntax():
 
     assert markdown_cell("[x](u) `c` a|b \\[y\\]") == "\\[x\\](u) \\`c\\` a\\|b \\\\\\[y\\\\\\]"
     assert markdown_cell("<img src=x>\nL_max") == "&lt;img src=x&gt;<br>L_max"
+
+
+# --- 50.5 low items: one line for what a user got wrong -------------------------------------------------------------
+
+
+def test_an_invalid_port_is_refused_at_validate_and_exception_groups_are_unwrapped(tmp_path):
+    from dtbench.harness.errors import error_line
+
+    params = {"base_url": "http://admin:SECRET9@127.0.0.1:99999"}
+    suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": params}]})
+    line = one_line_error(invoke("validate", suite), "params.base_url: 'http://admin:***@127.0.0.1:99999' has no valid")
+    assert "SECRET9" not in line
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [ValueError("Invalid port: '99999'")])
+    assert error_line(ExceptionGroup("outer", [group])) == "ValueError: Invalid port: '99999'"
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_compile_cache_variable_naming_a_file_is_one_line(tmp_path, data_dir, monkeypatch, under):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(blocker / "sub" if under else blocker))
+    suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "ar"}]})
+    for command in ("validate", "run"):
+        args = ("--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir)) if command == "run" else ()
+        one_line_error(invoke(command, suite, *args), "TORCHINDUCTOR_CACHE_DIR names", "not a folder")
+
+
+def test_every_report_option_a_suite_documents_exists():
+    from pathlib import Path
+
+    from dtbench.cli.main import cli
+
+    options = {o for p in cli.commands["report"].params for o in p.opts}
+    documented = set()
+    for path in (Path(__file__).parents[1] / "suites").glob("*.yaml"):
+        for line in path.read_text().splitlines():
+            if "dtbench report" in line:
+                documented |= set(re.findall(r"(--[a-z][a-z-]*)", line.split("dtbench report", 1)[1].split("#")[0]))
+    assert "--execution" in documented and documented <= options, documented - options
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"concurrency": [0]}, "concurrency: levels (requests in flight) must be between 1 and 4096, got 0"),
+        ({"concurrency": [2, 2]}, "concurrency: lists a value twice"),
+        ({"params": {"request_rate": [2, 2.0]}}, "sweep over 'request_rate' lists one value twice (2 and 2.0)"),
+        ({"sweep": {"top_logprobs": [2, 3, 2]}}, "sweep over 'top_logprobs' lists one value twice (2 and 2)"),
+    ],
+)
+def test_list_axes_name_themselves_and_refuse_equal_values(tmp_path, changes, needle):
+    server = {"name": "server", "params": {"base_url": "http://127.0.0.1:8000", **changes.pop("params", {})}}
+    suite = {**TINY, "decoders": [{**server, **{k: v for k, v in changes.items() if k == "sweep"}}]}
+    suite.update({k: v for k, v in changes.items() if k != "sweep"})
+    line = one_line_error(invoke("validate", write_suite(tmp_path, suite)), needle)
+    assert "batch_sizes" not in line

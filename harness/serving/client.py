@@ -27,7 +27,7 @@ from typing import Any
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
 from dtbench.decoders.server import ServerParams, auth_headers
-from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.errors import DtbenchError, clip, error_line
 from dtbench.harness.metrics import Served, sample_row
 from dtbench.harness.serving.check import Shapes, candidate_shapes, check_request
 from dtbench.harness.serving.process import ServerError, ServerPool
@@ -250,7 +250,7 @@ def _send(
             raise ServerError(
                 f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}"
             ) from None
-        raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
+        raise ServerError(f"server '{label}': {error_line(exc, 300)}; {where}") from None
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
             recover_ids(base_url, body, rec, engine, label, where, detokenize, token_bytes, auth_headers(params))
