@@ -271,3 +271,16 @@ def test_list_axes_name_themselves_and_refuse_equal_values(tmp_path, changes, ne
     suite.update({k: v for k, v in changes.items() if k != "sweep"})
     line = one_line_error(invoke("validate", write_suite(tmp_path, suite)), needle)
     assert "batch_sizes" not in line
+
+
+def test_a_divergence_found_by_the_exact_rule_is_noted_by_that_rule(tmp_path, data_dir, fake_server):
+    no_top = json.dumps({"choices": [{"text": "x", "index": 0}]})  # a check answer without top candidates
+    plain, _ = fake_server(tokens=(5, 9, 7), check=no_top)  # so the exact rule applies
+    spec, _ = fake_server(tokens=(5, 6, 7))
+    params = {"base_url": spec, "speculative": True, "reference": {"base_url": plain}}
+    suite = {**TINY, "lossless_check": "tie_aware", "decoders": [{"name": "server", "label": "spec", "params": params}]}
+    assert _run(tmp_path, data_dir, write_suite(tmp_path, suite)).exit_code == 3
+    report = invoke("report", "--db", str(tmp_path / "r.db"), "--format", "markdown").stdout
+    note = next(line for line in report.splitlines() if line.startswith("- spec is not lossless"))
+    assert "tie-aware" not in note and "emitted a token the target does not choose" not in note, note
+    assert "samples (warmup included) match" in note and "first divergence at token 1" in note, note
