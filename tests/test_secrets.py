@@ -284,3 +284,15 @@ def test_a_divergence_found_by_the_exact_rule_is_noted_by_that_rule(tmp_path, da
     note = next(line for line in report.splitlines() if line.startswith("- spec is not lossless"))
     assert "tie-aware" not in note and "emitted a token the target does not choose" not in note, note
     assert "samples (warmup included) match" in note and "first divergence at token 1" in note, note
+
+
+def test_a_vllm_schedule_where_no_k_pays_is_no_speculative_config():
+    from dtbench.reports.schedule import engine_config
+
+    config = engine_config("vllm", [(1, 16, 0)])
+    assert config["speculative_config"] is None and "num_speculative_tokens" not in json.dumps(config)
+    assert config["do_not_speculate"].startswith("serve without --speculative-config")
+    assert engine_config("vllm", [(1, 4, 3), (8, 16, 0)])["speculative_config"] == {
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 8,
+    }
