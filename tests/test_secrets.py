@@ -296,3 +296,19 @@ def test_a_vllm_schedule_where_no_k_pays_is_no_speculative_config():
         "num_speculative_tokens": 3,
         "disable_by_batch_size": 8,
     }
+
+
+def test_the_execution_report_notes_a_decoder_only_where_it_ran(tmp_path):
+    import reportdb
+
+    path = tmp_path / "r.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        for label, T, execution in [("ar", 64, "eager"), ("ar [compiled]", 64, "compiled"), ("linear", 32, "eager")]:
+            cell = reportdb.add_cell(session, run, label, label.split()[0], T=T)
+            cell.execution = execution
+            reportdb.add_samples(session, cell, [10.0, 11.0, 12.0, 13.0], warmup=1)
+        session.commit()
+    shown = invoke("report", "--db", str(path), "--execution", "--format", "markdown").stdout
+    notes = [line for line in shown.splitlines() if line.startswith("- ")]
+    assert notes == ["- one execution only (no pair) at wikitext-2 · L_max=128 · T=32: linear"], shown
