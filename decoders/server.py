@@ -20,13 +20,14 @@ over requests of each request's own ratio.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from dtbench.core import DtbenchError, redact_credentials
+from dtbench.core import DtbenchError, clip, redact_credentials, secret_name
 from dtbench.decoders.base import Decoder, DecoderParams, Step
 from dtbench.decoders.engines import Chunk, engine_for
 from dtbench.decoders.engines.openai import OpenAI
@@ -41,7 +42,9 @@ __all__ = [
     "Chunk",
     "Server",
     "ServerParams",
+    "auth_headers",
     "describe",
+    "literal_credential",
     "metrics_delta",
     "parse_chunk",
     "parse_metrics",
@@ -127,7 +130,17 @@ class ServerParams(DecoderParams):
         "reference's response is at most this is a numeric tie (the engine's noise: batch shapes and quantized "
         "kernels round differently); larger is an error",
     )
-    extra_body: dict[str, Any] = Field(default_factory=dict, description="more request fields, sent as given")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict,
+        description="more request fields, sent as given (no credentials: a literal key is refused, use api_key_env)",
+    )
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        max_length=200,
+        description="the environment variable holding the server's API key, read at request time and sent as "
+        "`Authorization: Bearer <key>` (the key itself is never stored: only this name is)",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -150,7 +163,78 @@ class ServerParams(DecoderParams):
             raise ValueError(
                 f"base_url must start with http:// or https://, got {redact_credentials(self.base_url)[:80]!r}"
             )
+        if self.base_url is not None:
+            _valid_port(self.base_url)
+        if (where := literal_credential(self.base_url, self.extra_body)) is not None:
+            raise ValueError(
+                f"{where}: a literal credential, which a run would store; put the key in an environment variable "
+                "and name the variable with api_key_env"
+            )
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            raise ValueError(_unset(self.api_key_env))
         return self
+
+
+def _valid_port(base_url: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        port = urlsplit(base_url).port
+    except ValueError:
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"base_url: {redact_credentials(base_url)[:80]!r} has no valid port (a port is 1 to 65535)")
+
+
+def _unset(name: str) -> str:
+    return f"api_key_env: the environment variable {name} is not set (it holds the server's API key)"
+
+
+def literal_credential(base_url: str | None, extra_body: dict[str, Any]) -> str | None:
+    """Where a server's params hold a literal credential, or None: a query parameter of ``base_url`` or a field of
+    ``extra_body`` (at any depth) whose name looks like a key (:func:`dtbench.core.secret_name`: ``api_key``,
+    ``token``, ``password``, ...) with a non-empty text value (``extra_body.api_key``, ``base_url: query parameter
+    'key'``). The key belongs in an environment variable named by ``api_key_env`` (issue 50 item 3)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    if base_url:
+        try:
+            query = urlsplit(base_url).query
+        except ValueError:
+            query = ""
+        for name, _value in parse_qsl(query, keep_blank_values=False):
+            if secret_name(name):
+                return f"base_url: query parameter {clip(name, 40)!r}"
+    stack: list[tuple[str, Any]] = [("extra_body", extra_body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{clip(k, 40)}", v) for k, v in value.items() if isinstance(k, str))
+            found = [f"{path}.{clip(k, 40)}" for k, v in value.items() if _literal(k, v)]
+            if found:
+                return found[0]
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in enumerate(value))
+    return None
+
+
+def _literal(name: Any, value: Any) -> bool:
+    return isinstance(name, str) and secret_name(name) and isinstance(value, str) and bool(value.strip())
+
+
+def auth_headers(params: ServerParams) -> dict[str, str]:
+    """The request headers that carry the server's API key: ``{"Authorization": "Bearer <key>"}`` with the key read
+    now from the environment variable ``params.api_key_env``; {} without one. The key is never stored or shown.
+
+    Raises:
+        DtbenchError: the variable is not set (or empty).
+    """
+    if params.api_key_env is None:
+        return {}
+    key = os.environ.get(params.api_key_env)
+    if not key:
+        raise DtbenchError(_unset(params.api_key_env))
+    return {"Authorization": f"Bearer {key}"}
 
 
 def request_body(params: ServerParams, prompt: list[int] | str, max_tokens: int, stop_at_eos: bool) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Union
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,30 +32,177 @@ class DtbenchError(Exception):
     """
 
 
-# scheme://user:password@ (or scheme://token@): the userinfo of a URL anywhere in a text. The password runs to the
-# last "@" before the end of the authority (users write unescaped "@" in passwords); quotes, brackets, whitespace,
-# "/", "?" and "#" end it, so a URL inside JSON or a sentence is masked without eating the text after it.
-_USERINFO = re.compile(
-    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^\s/?#@:\"'<>\\]*)(?P<pw>:[^\s/?#\"'<>\\]*)?@"
+# --- secrets in URLs: masked by parsing the URL, not by a pattern of allowed characters (issues 42 and 50) ---------
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_AUTHORITY_END = re.compile(r"[/?#\r\n]")  # what ends a URL's authority (urllib's netloc rule; a line ends a URL)
+_PATH_END = re.compile(r"[?#\s]")  # what ends a path in free text (a URL holds no raw whitespace)
+_QUERY_END = re.compile(r"[#\s]")
+_CLOSING_QUOTE = re.compile(r"[\"'](?=\s*(?:[,:;)\]}]|$))")
+_CLOSERS = "\"'`,;)]}>"  # closing punctuation after a URL in free text: kept, never part of a masked value
+_NAME_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+SECRET_WORDS = frozenset(
+    {
+        "key",
+        "apikey",
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "pwd",
+        "passphrase",
+        "auth",
+        "authorization",
+        "bearer",
+        "signature",
+        "sig",
+        "credential",
+        "credentials",
+        "jwt",
+        "session",
+        "sessionid",
+    }
 )
+_SECRET_ENDINGS = ("key", "token", "secret", "password", "passwd", "signature", "credential")
+MASK = "***"
 
 
-def _mask_userinfo(m: re.Match[str]) -> str:
-    if m.group("pw") is None:  # a lone user part is often a token (https://TOKEN@host): masked whole
-        return f"{m.group('scheme')}***@" if m.group("user") else m.group(0)
-    return f"{m.group('scheme')}{m.group('user')}:***@"
+def secret_name(name: str) -> bool:
+    """Whether a query parameter or request field named ``name`` looks like it holds a credential: one of its words
+    (split at ``_``, ``-``, ``.``, digits and camelCase) is a credential word (``key``, ``token``, ``secret``,
+    ``password``, ``auth``, ``signature``, ``sig``, ``credential``, ...: ``api_key``, ``X-Amz-Signature``,
+    ``accessToken``), or its letters end in one (``apikey``, ``accesstoken``); ``max_tokens`` is no credential."""
+    words = {w.lower() for w in _NAME_WORDS.findall(name)}
+    letters = "".join(c for c in name.lower() if c.isalnum())
+    return bool(words & SECRET_WORDS) or letters.endswith(_SECRET_ENDINGS)
+
+
+def _mask_userinfo(userinfo: str) -> str:
+    if not userinfo:
+        return userinfo
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:{MASK}" if colon else MASK  # a lone user part is often a token (https://TOKEN@host): masked whole
+
+
+def _mask_query(query: str) -> str:
+    """A query string (without ``?``) with every value of a credential-like parameter masked; closing punctuation
+    after the last value (a quote or bracket of the text around the URL) is kept."""
+    stripped = query.rstrip(_CLOSERS)
+    query, tail = stripped, query[len(stripped) :]
+    parts = []
+    for part in query.split("&"):
+        name, eq, value = part.partition("=")
+        if eq and value and secret_name(unquote(name)):
+            part = f"{name}={MASK}"
+        elif "://" in value:  # a URL in a parameter (a redirect): its own credentials
+            part = f"{name}={redact_credentials(value)}"
+        parts.append(part)
+    return "&".join(parts) + tail
+
+
+def _authority_end(text: str, start: int, whole: bool) -> int:
+    """Where the authority starting at ``start`` ends: at ``/``, ``?``, ``#`` or a line break (urllib's rule), and in
+    free text (``whole`` False) also where another URL starts or at a quote closing a string (a quote followed by
+    ``,`` ``:`` ``;`` ``)`` ``]`` ``}`` or the end of the text: the text around a URL in JSON or a repr)."""
+    end = _AUTHORITY_END.search(text, start)
+    stop = end.start() if end else len(text)
+    if whole:
+        return stop
+    if (other := _SCHEME.search(text, start)) is not None and other.start() < stop:
+        stop = other.start()
+    if (quote := _CLOSING_QUOTE.search(text, start, stop)) is not None and text.rfind("@", start, stop) > quote.start():
+        stop = quote.start()
+    return stop
+
+
+def _mask_at(text: str, start: int, whole: bool) -> tuple[str, int]:
+    """The URL whose authority starts at ``start`` (just after ``scheme://``) masked: (its masked text, where the
+    scan goes on). The userinfo runs to the *last* ``@`` before the authority ends (:func:`_authority_end`), so
+    quotes, spaces, ``<`` and ``@`` in a password are masked with it; a query (up to ``#`` or whitespace) has its
+    credential-like parameters masked."""
+    stop = _authority_end(text, start, whole)
+    at = text.rfind("@", start, stop)
+    out = _mask_userinfo(text[start:at]) + text[at:stop] if at >= 0 else text[start:stop]
+    path_end = _PATH_END.search(text, stop)
+    query = path_end.start() if path_end else len(text)
+    if query == len(text) or text[query] != "?":
+        return out, stop  # the scan goes on over the path (a URL inside it is found there)
+    q_end = _QUERY_END.search(text, query + 1)
+    q_stop = q_end.start() if q_end else len(text)
+    path = redact_credentials(text[stop:query])
+    return out + path + "?" + _mask_query(text[query + 1 : q_stop]), q_stop
 
 
 def redact_credentials(value: Any) -> str:
-    """``str(value)`` with the credentials of every URL in it masked: ``http://user:secret@host`` becomes
-    ``http://user:***@host`` (the form SQLAlchemy's ``hide_password`` shows a database URL in), and a user part
-    without a password (``https://TOKEN@host``, often a token) becomes ``***@``.
+    """``str(value)`` with the credentials of every URL in it masked: the password of ``http://user:secret@host``
+    (``http://user:***@host``, the form SQLAlchemy's ``hide_password`` shows a database URL in), a user part without
+    a password (``https://TOKEN@host``: ``***@``), and the value of every query parameter whose name looks like a
+    credential (:func:`secret_name`: ``?api_key=***``).
+
+    Each URL is read the way urllib splits one: its userinfo runs to the last ``@`` of its authority, which ends at
+    ``/``, ``?``, ``#`` or a line break; quotes, spaces and brackets do not end it, so a password holding them is
+    masked whole (issue 50; in free text, what follows a URL without a path up to the next ``@`` of its line is
+    masked with it: too much, never too little).
 
     The one rule for secrets in URLs (issue 42 item 1): every message (:func:`clip`), every printed or rendered text
-    (``harness/safetext.printable``) and every value written to the database (:func:`redact_json`) goes through it.
-    The request itself still uses the URL as given (the server needs the credentials)."""
+    (``harness/safetext.printable``) and every value written to the database (:func:`redact_json`, and a suite's
+    text: :func:`redact_yaml`) goes through it. The request itself still uses the URL as given."""
     text = str(value)
-    return _USERINFO.sub(_mask_userinfo, text) if "@" in text else text
+    if "://" not in text:
+        return text
+    whole = _SCHEME.match(text) is not None and "\n" not in text  # the text is one URL: urllib's rule alone
+    out, pos = [], 0
+    while (m := _SCHEME.search(text, pos)) is not None:
+        masked, end = _mask_at(text, m.end(), whole and m.start() == 0)
+        out.append(text[pos : m.end()] + masked)
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def redact_yaml(text: str) -> str:
+    """A YAML document (a suite's text) with every URL credential masked: :func:`redact_credentials` over the text,
+    then each scalar whose *parsed* value still holds a credential (a password or key split by YAML's escapes,
+    quoting or line folding) rewritten in place as a double-quoted scalar of its masked value; the rest of the text
+    is kept byte for byte. Text that is no YAML gets :func:`redact_credentials` only."""
+    import json
+
+    import yaml
+
+    text = redact_credentials(text)
+    if "://" not in text:
+        return text
+    try:
+        roots = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except (yaml.YAMLError, RecursionError):
+        return text
+    edits = []
+    for node in _scalars(roots):
+        masked = redact_credentials(node.value)
+        if masked != node.value:
+            edits.append((node.start_mark.index, node.end_mark.index, json.dumps(masked)))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    return text
+
+
+def _scalars(roots: list[Any]) -> list[Any]:
+    """Every scalar node under ``roots`` (a YAML node graph), each once (an alias is its anchor's node)."""
+    import yaml
+
+    out, seen, stack = [], set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            out.append(node)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(x for pair in node.value for x in pair)
+    return out
 
 
 def redact_json(value: Any) -> Any:

@@ -19,7 +19,7 @@ import torch
 
 from dtbench.decoders import static_kv
 from dtbench.harness import data, load, lossless, models, roofline, selection
-from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.errors import clip, error_line
 from dtbench.harness.measure import SampleTimeout, measure_rows
 from dtbench.harness.measure import now as measure_now
 from dtbench.harness.metrics import sample_row
@@ -274,8 +274,9 @@ def measure_cell(
         )
         return Outcome(cp.label, error=f"{where}: timed out after{cpu}")
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
-        kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
-        return Outcome(cp.label, error=f"{where}: {kind}: {clip(exc, 1500)}")
+        if isinstance(exc, SystemExit):
+            return Outcome(cp.label, error=f"{where}: SystemExit (the decoder called sys.exit): {clip(exc, 1500)}")
+        return Outcome(cp.label, error=f"{where}: {error_line(exc)}")
     outcome = Outcome(cp.label, rows=rows, cpu_s=ms[0].cpu_s)
     if compiled is not None:
         outcome.compile_s, outcome.compile_graphs = compiled
@@ -335,8 +336,7 @@ def measure_served(
     except KeyboardInterrupt:
         raise
     except (Exception, SystemExit) as exc:
-        message = str(exc) if isinstance(exc, DtbenchError) else f"{type(exc).__name__}: {exc}"
-        return Outcome(cp.label, error=clip(message, 1500))
+        return Outcome(cp.label, error=error_line(exc))  # an exception group: its first real error (issue 50)
     return Outcome(cp.label, rows=rows)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from dtbench.core import redact_credentials
 from dtbench.harness.bounds import Seed
 from dtbench.harness.errors import clip
 from dtbench.harness.suitebase import (
@@ -20,6 +21,7 @@ from dtbench.harness.suitebase import (
     HasLMax,
     Label,
     Name,
+    equal_values,
     executions,
     no_control,
     one_load_axis,
@@ -120,6 +122,11 @@ class DecoderSpec(HasLMax):
                 no_control(text)
             if not values:
                 raise ValueError(f"sweep over '{clip(key, 60)}' has no values (a sweep needs at least one point)")
+            if (twice := equal_values(values)) is not None:
+                raise ValueError(
+                    f"sweep over '{clip(key, 60)}' lists one value twice ({clip(twice[0], 40)} and "
+                    f"{clip(twice[1], 40)}): they would be two identical cells"
+                )
             size *= len(values)
         if size > MAX_GRID:
             raise ValueError(f"sweep expands to {size} decoders, more than the limit of {MAX_GRID}")
@@ -137,7 +144,7 @@ class DecoderSpec(HasLMax):
         out = []
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values))
-            suffix = ", ".join(f"{k}={v}" for k, v in point.items())
+            suffix = redact_credentials(", ".join(f"{k}={v}" for k, v in point.items()))  # a swept base_url (issue 50)
             spec = self.model_copy(
                 update={"label": f"{self.display} ({suffix})", "params": {**self.params, **point}, "sweep": {}}
             )

@@ -17,6 +17,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from dtbench.core import redact_credentials
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, registry, selection
 from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
@@ -264,13 +265,18 @@ def plan_suite(suite: Suite) -> Plan:
         if ref is None:
             continue
         name, raw = ref
-        rparams = registry.validate_params(name, raw)
+        try:
+            rparams = registry.validate_params(name, raw)
+        except DtbenchError as exc:  # the reference's own params: say whose reference they are
+            where = f"{p.spec.where}: " if p.spec.where else ""
+            raise DtbenchError(f"{where}reference of decoder '{clip(p.spec.display, 80)}': {exc}") from None
         rcls = registry.get(name)
         # The reference decodes the way its dependent does (greedy, or the same sampling settings).
         rsampling = p.sampling if rcls.supports_sampling else None
         key = _params_key(name, rparams, rsampling)
         if key not in by_key:
-            label = name if not raw else f"{name} ({', '.join(f'{k}={v}' for k, v in raw.items())})"
+            # the reference's params name it, credentials masked like its stored params (issue 50 item 2)
+            label = name if not raw else f"{name} ({redact_credentials(', '.join(f'{k}={v}' for k, v in raw.items()))})"
             if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
                 label += (
                     " (greedy)"

@@ -12,6 +12,31 @@ from dtbench.harness.plan import Plan
 from dtbench.harness.safetext import printable
 from dtbench.harness.suite import Suite
 
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "HF_HUB_CACHE", "XDG_CACHE_HOME")
+
+
+def check_cache_folders() -> None:
+    """Each cache folder an environment variable names (torch's compile caches, Hugging Face's) is a folder or can
+    become one: set to a file (or a path under one), loading a model fails with a bare ``File exists`` (issue 50).
+
+    Raises:
+        DtbenchError: one line naming the variable and the file.
+    """
+    import os
+    from pathlib import Path
+
+    for name in CACHE_VARIABLES:
+        value = os.environ.get(name)
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            what = "a file" if existing == path else f"under the file {clip(printable(str(existing)), 200)}"
+            raise DtbenchError(
+                f"{name} names {clip(printable(value), 200)}, {what}, not a folder: point {name} at a folder or unset it"
+            )
+
 
 def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     """Checks that read files but no model weights, shared by ``validate`` and ``run``: a ``text-files`` corpus is
@@ -22,9 +47,10 @@ def preflight(suite: Suite, plan: Plan, console: Console) -> None:
     fits each model's context (a warning past a rotary model's trained context).
 
     Raises:
-        DtbenchError: a non-text document, a bad question file or category, a missing chat template, no
+        DtbenchError: a cache folder variable naming a file (:func:`check_cache_folders`), a non-text document, a bad question file or category, a missing chat template, no
             llama-server for a ``{llama_server}`` launch, or L_max + T beyond a model's learned position table.
     """
+    check_cache_folders()
     for ds in suite.datasets:
         try:
             data.check_dataset(ds, files=True)

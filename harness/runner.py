@@ -321,7 +321,7 @@ def _open_cells(
     ids = {}
     for ds, l_max, T, B, cp in plan.cells():
         key = (ds.key, l_max, T, B, cp.label)
-        cell = existing.get(key)
+        cell = existing.get((*key[:4], redact_credentials(cp.label)))  # stored masked (issue 50 item 2)
         if cell is None:
             cell = Cell(
                 run=run,
@@ -332,16 +332,16 @@ def _open_cells(
                 execution=cp.execution,
                 decoder=cp.spec.name,
                 family=cp.cls.family,
-                label=cp.label,
+                label=redact_credentials(cp.label),  # labels name params: masked like them (issue 50)
                 decoder_version=str(cp.version),
                 decoder_distribution=cp.distribution,
                 params=redact_json(cp.params.model_dump(mode="json")),  # URL credentials masked (issue 42)
                 lossless_expected=cp.cls.lossless_with(cp.params),
                 lossless_check=plan.suite.lossless_check,
-                sweep_group=cp.spec.sweep_group,
-                swept=cp.spec.swept or None,
+                sweep_group=redact_credentials(cp.spec.sweep_group) if cp.spec.sweep_group else None,
+                swept=redact_json(cp.spec.swept) or None,
                 sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
-                reference_label=cp.reference_label,
+                reference_label=redact_credentials(cp.reference_label) if cp.reference_label else None,
                 target_model=f"{target['model']} ({target['dtype']})",
                 draft_model=f"{draft['model']} ({draft['dtype']})" if (draft and cp.cls.needs_draft) else None,
             )

@@ -8,8 +8,9 @@ check, or a decoder's error text, can still hold them, so every renderer also es
   CVE-2021-42574) shown as ``\\x1b``-style escapes, so ESC ``[31m`` or ESC ``]0;title`` BEL cannot restyle the
   terminal or retitle its window;
 * :func:`markdown_cell`: :func:`printable`, HTML's ``&``, ``<`` and ``>`` as entities (Markdown viewers render
-  raw HTML, so a label ``<script>`` or ``<img onerror=...>`` would run there), a line break as ``<br>`` and ``|``
-  escaped, so a cell stays one cell of one row;
+  raw HTML, so a label ``<script>`` or ``<img onerror=...>`` would run there), a line break as ``<br>`` and Markdown's
+  link, code and cell syntax (``[ ] | ` \\``) backslash-escaped, so a cell stays one cell of one row and a label
+  ``[c](javascript:...)`` never becomes a link;
 * :func:`html_text`: :func:`printable`, then :func:`html.escape` (a NUL or ESC never reaches an HTML page raw);
 * :func:`csv_cell` / :func:`to_csv`: OWASP's rule against CSV (formula) injection
   (https://owasp.org/www-community/attacks/CSV_Injection): a text cell starting with ``=``, ``+``, ``-``, ``@``, a
@@ -59,11 +60,18 @@ def html_text(text: Any) -> str:
     return html.escape(printable(text))
 
 
+# what makes links (every form needs "[" "]" or "<"; "(" alone links nothing, so "(0.9-1.4)" stays as written),
+# code spans and cells, and the escape character itself
+_MARKDOWN_SPECIAL = re.compile(r"([\\`\[\]|])")
+
+
 def markdown_cell(text: Any) -> str:
-    """One Markdown table cell: HTML escaped (``<`` as ``&lt;``: Markdown viewers render raw HTML), line breaks as
-    ``<br>``, other control characters escaped, ``|`` as ``\\|``."""
+    """One Markdown table cell (or title, caption, note): HTML escaped (``<`` as ``&lt;``: Markdown viewers render
+    raw HTML), line breaks as ``<br>``, other control characters escaped, and the characters that make links, code
+    spans and table cells (``\\ ` [ ] |``) backslash-escaped, so a label ``[c](javascript:alert(1))`` is shown as
+    text, never as a live link, and a cell stays one cell (issue 50 item 4; CommonMark's backslash escapes)."""
     lines = re.split(r"\r\n|\r|\n", "" if text is None else str(text))
-    return "<br>".join(html.escape(printable(line), quote=False) for line in lines).replace("|", "\\|")
+    return "<br>".join(_MARKDOWN_SPECIAL.sub(r"\\\1", html.escape(printable(line), quote=False)) for line in lines)
 
 
 def csv_cell(value: Any) -> Any:

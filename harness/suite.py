@@ -20,6 +20,7 @@ from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.suitebase import (
     L_MAX,
     MAX_GRID,
+    MAX_LOAD,
     Execution,
     Frozen,
     HasLMax,
@@ -33,7 +34,7 @@ from dtbench.harness.suitebase import (
 Dtype = Literal["float32", "float16", "bfloat16", "float64"]
 
 MAX_TOKENS = 1 << 20  # upper bound of T and L_max: beyond any model's context, and far below int overflow
-MAX_BATCH = 4096  # largest batch size B a suite may ask for
+MAX_BATCH = MAX_LOAD  # largest batch size B a suite may ask for
 
 
 def _eager() -> list[Execution]:

@@ -6,7 +6,8 @@ name and label field types (no control characters), the execution modes and the 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -30,6 +31,26 @@ def executions(v):
     return v
 
 
+MAX_LOAD = 4096  # the largest load level: batch size B or requests in flight
+
+
+def equal_values(values: list[Any]) -> tuple[Any, Any] | None:
+    """The first two values of a list axis that are one value, or None: numbers compared as numbers (``2`` and
+    ``2.0``: two identical cells, issue 50 item 5g), booleans as booleans, anything else by its JSON text."""
+    seen: dict[Any, Any] = {}
+    for v in values:
+        if isinstance(v, bool):
+            key: Any = ("bool", v)
+        elif isinstance(v, (int, float)):
+            key = ("number", float(v))
+        else:
+            key = ("json", json.dumps(v, sort_keys=True, default=str))
+        if key in seen:
+            return seen[key], v
+        seen[key] = v
+    return None
+
+
 def one_load_axis(data):
     """``concurrency:`` is the load axis under its serving name: the requests in flight for a server decoder
     (``server``), the batch size B for dtbench's own decoders; stored as ``batch_sizes`` (the cells' ``batch_size``
@@ -37,6 +58,16 @@ def one_load_axis(data):
     if isinstance(data, dict) and "concurrency" in data:
         data = dict(data)
         levels = data.pop("concurrency")
+        if isinstance(levels, list):  # its own name in its errors, not batch_sizes' (issue 50 item 5h)
+            bad = [
+                x for x in levels if isinstance(x, (int, float)) and not isinstance(x, bool) and not 1 <= x <= MAX_LOAD
+            ]
+            if bad:
+                raise ValueError(
+                    f"concurrency: levels (requests in flight) must be between 1 and {MAX_LOAD}, got {clip(bad[0])}"
+                )
+            if len({x for x in levels if isinstance(x, (int, float))}) != len(levels):
+                raise ValueError(f"concurrency: lists a value twice: {clip(levels)}")
         if "batch_sizes" in data and data["batch_sizes"] != levels:
             raise ValueError(
                 "batch_sizes and concurrency are one axis (the load level: the batch size of dtbench's "

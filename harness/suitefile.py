@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from dtbench.core import redact_credentials
+from dtbench.core import redact_yaml
 from dtbench.harness.bounds import MAX_SUITE_BYTES, read_regular_file
 from dtbench.harness.errors import DtbenchError, clip, error_location
 from dtbench.harness.safetext import printable
@@ -238,7 +238,7 @@ def load_suite(path: str | Path) -> tuple[Suite, str]:
 
 def suite_hash(text: str) -> str:
     """sha256 (hex) of the suite text as stored with each run: its URL credentials masked
-    (:func:`dtbench.core.redact_credentials`; the run stores that text, and a hash of the unmasked text would let
+    (:func:`dtbench.core.redact_yaml`; the run stores that text, and a hash of the unmasked text would let
     anyone holding the database test password guesses against it). A suite without credentials hashes as before;
     a resumed run may use another password for the same server."""
-    return hashlib.sha256(redact_credentials(text).encode()).hexdigest()
+    return hashlib.sha256(redact_yaml(text).encode()).hexdigest()

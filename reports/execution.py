@@ -26,6 +26,26 @@ CAPTION = (
 )
 
 
+def _point(key: tuple) -> str:
+    return f"{key[0]} · L_max={key[1]} · T={key[2]}" + (f" · B={key[3]}" if key[3] != 1 else "")
+
+
+def unpaired(summary: pd.DataFrame, rows: pd.DataFrame) -> dict[tuple, list[str]]:
+    """Per point (dataset, L_max, T, B) of the summary, the labels that ran there in one execution only (no row of
+    :func:`execution_frame` pairs them at that point), sorted; points without one left out. A decoder is noted at the
+    points it ran at, never under a T it did not run at (issue 50 item 5f)."""
+    out = {}
+    for key, group in summary.groupby(GROUP, sort=False):
+        here = rows
+        for col, value in zip(GROUP, key):
+            here = here[here[col] == value] if len(here) else here
+        paired = set(here["label"]) | {f"{label}{COMPILED_SUFFIX}" for label in here["label"]} if len(here) else set()
+        labels = sorted(set(group["label"]) - paired)
+        if labels:
+            out[key] = labels
+    return out
+
+
 def execution_frame(frame: pd.DataFrame, summary: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """The report's rows: one per compiled cell with an eager twin in the same group.
 
@@ -118,15 +138,21 @@ def execution_report(sessions, run_id: int | None, fmt: str, confidence: float =
         raise DtbenchError(
             f"run {run.id} has no compiled cell with an eager twin (run a suite with `execution: [eager, compiled]`)"
         )
-    paired = set(rows["label"]) | {f"{label}{COMPILED_SUFFIX}" for label in rows["label"]}
-    alone = sorted(set(summary["label"]) - paired)
+    alone = unpaired(summary, rows)
+    parts = list(rows.groupby(GROUP, sort=False))
+    shown = {key for key, _ in parts}
+    elsewhere = [  # points where nothing ran both ways: noted under the first table, each naming its point
+        f"one execution only (no pair) at {_point(key)}: {', '.join(labels)}"
+        for key, labels in alone.items()
+        if key not in shown
+    ]
     reports = []
-    for i, (key, part) in enumerate(rows.groupby(GROUP, sort=False)):
-        title = f"Execution · run {run.id} · {key[0]} · L_max={key[1]} · T={key[2]}" + (
-            f" · B={key[3]}" if key[3] != 1 else ""
+    for i, (key, part) in enumerate(parts):
+        title = f"Execution · run {run.id} · {_point(key)}"
+        notes = [f"one execution only (no pair): {', '.join(alone[key])}"] if key in alone else []
+        reports.append(
+            Report(f"execution_{i}", title, CAPTION, display(part), part, notes=notes + (elsewhere if i == 0 else []))
         )
-        notes = [f"one execution only (no pair): {', '.join(alone)}"] if alone and i == 0 else []
-        reports.append(Report(f"execution_{i}", title, CAPTION, display(part), part, notes=notes))
     emit(
         fmt,
         Document(

@@ -99,8 +99,19 @@ def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
         rec["execution"] = rec["execution"] or "eager"  # cells written before compiled execution (0013): eager
         rec.update({c: (getattr(sample, c) if sample is not None else None) for c in _SAMPLE_COLS})
         rec["has_sample"] = sample is not None
+        rec["rule_applied"] = _rule_applied(sample)
         records.append(rec)
-    return pd.DataFrame.from_records(records, columns=["cell_id", *_CELL_COLS, *_SAMPLE_COLS, "has_sample"])
+    return pd.DataFrame.from_records(
+        records, columns=["cell_id", *_CELL_COLS, *_SAMPLE_COLS, "has_sample", "rule_applied"]
+    )
+
+
+def _rule_applied(sample: Sample | None) -> str | None:
+    """The lossless rule a server sample's check applied (``step_stats.server.lossless_rule``: ``exact`` where the
+    reference server gave no top candidates, whatever the suite asked), or None."""
+    server = ((sample.step_stats if sample is not None else None) or {}).get("server")
+    rule = server.get("lossless_rule") if isinstance(server, dict) else None
+    return str(rule) if rule else None
 
 
 peak_memory = peak_memory_bytes  # the peak memory a reader compares (bytes); defined with the metrics
@@ -186,6 +197,9 @@ def lossless_counts(measured: pd.DataFrame, first: pd.Series) -> dict:
     if len(margins):
         out["lossless_max_tie_margin"] = float(margins.max())
     erring = checked[checked["lossless_first_error"].notna()]
+    applied = erring["rule_applied"].dropna() if "rule_applied" in erring else pd.Series(dtype=object)
+    if len(applied) and all(str(r).startswith("exact") for r in applied):  # the rule its errors were found by
+        out["lossless_rule"] = "exact"
     if len(erring):
         at = erring.loc[pd.to_numeric(erring["lossless_first_error"]).idxmin()]
         out["lossless_first_error"] = int(at["lossless_first_error"])

@@ -38,12 +38,14 @@ def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark:
             pass
 
         def do_GET(self):
+            self.server.authorizations.append(self.headers.get("Authorization"))
             self.send_response(200)
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"ok")
 
         def do_POST(self):
+            self.server.authorizations.append(self.headers.get("Authorization"))
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if mark:  # tells a test that a request is in flight, and which process serves it
                 with open(mark, "a") as f:
@@ -116,11 +118,12 @@ def serve(
 ):
     """Start the fake server in a daemon thread; returns (server, base URL). ``server.shutdown()`` stops it.
     ``mark``: a file created when a completion request arrives; ``durations``: seconds per streamed request, cycled
-    in arrival order."""
+    in arrival order; ``server.authorizations``: each request's Authorization header, in arrival order."""
     server = ThreadingHTTPServer(
         ("127.0.0.1", port), handler(mode, list(tokens), timings, check, mark, list(durations or []))
     )
     server.daemon_threads = True
+    server.authorizations = []  # each request's Authorization header (None: none sent)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 

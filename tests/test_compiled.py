@@ -250,7 +250,7 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
         assert r["compile_s"] > 0 and r["eager_lossless"] == r["compiled_lossless"] == "yes"
     shown = invoke("report", "--db", str(dbfile), "--execution", "--format", "markdown")
     assert shown.exit_code == 0 and "Compiled/eager" in shown.stdout
-    assert "one execution only (no pair): hf_assisted, hf_generate [compiled]" in shown.output
+    assert "one execution only (no pair): hf_assisted, hf_generate \\[compiled\\]" in shown.output  # Markdown-escaped
     one_line_error(invoke("report", "--db", str(dbfile), "--execution", "--compare"), "a report of its own")
 
 

@@ -125,7 +125,8 @@ def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_
     assert all(r["measured_best_k"] in (None, 0, 1, 3) for r in doc["rows"])
     assert all("draft_len_schedule" in c["speculative_config"] for c in doc["configs"].values())
     text = invoke("report", "--db", str(dbfile), "--schedule", "vllm", "--format", "markdown")
-    assert text.exit_code == 0 and "disable_by_batch_size" in text.output
+    assert text.exit_code == 0 and ("disable_by_batch_size" in text.output or "do_not_speculate" in text.output)
+    assert "num_speculative_tokens: 0" not in text.output and '"num_speculative_tokens": 0' not in text.output
     one_line_error(invoke("report", "--db", str(dbfile), "--schedule", "vllm", "--engine"), "a report of its own")
 
 

@@ -914,7 +914,7 @@ def test_markdown_report_escapes_html(tmp_path, extra):
 def test_markdown_cell_and_html_text():
     from dtbench.harness.safetext import html_text, markdown_cell
 
-    assert markdown_cell("a<b>&\n|c\x1b") == "a&lt;b&gt;&amp;<br>\\|c\\x1b"
+    assert markdown_cell("a<b>&\n|c\x1b") == "a&lt;b&gt;&amp;<br>\\|c\\\\x1b"  # the escape's \\ escaped (issue 50)
     assert html_text("<th>\x00\x1b]0;t\x07") == "&lt;th&gt;\\x00\\x1b]0;t\\x07"
 
 

@@ -114,7 +114,15 @@ class Vllm(OpenAICompatible):
 
     def schedule(self, spans: list[Span]) -> dict[str, Any] | None:
         """vLLM takes one ``num_speculative_tokens`` (the K of the first range) and ``disable_by_batch_size``: the
-        first batch size predicted not to pay (None when every calibrated B pays)."""
+        first batch size predicted not to pay (None when every calibrated B pays). Where no K pays at the first range
+        (K 0 there: vLLM cannot speculate above a batch size only), the schedule is not to speculate, in vLLM's terms:
+        no ``speculative_config`` (``num_speculative_tokens: 0`` is no setting vLLM takes; issue 50 item 5e)."""
         stop = next((lo for lo, _, k in spans if k == 0), None)
         first = spans[0][2] if spans else 0
+        if first == 0:
+            return {
+                "speculative_config": None,
+                "do_not_speculate": "serve without --speculative-config: no K is predicted to pay at the smallest "
+                "batch size",
+            }
         return {"speculative_config": {"num_speculative_tokens": first, "disable_by_batch_size": stop}}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dtbench.decoders.engines import engine_for
-from dtbench.decoders.server import ServerParams
+from dtbench.decoders.server import ServerParams, auth_headers
 from dtbench.harness.errors import clip
 from dtbench.harness.serving.process import ServerError
 from dtbench.harness.values import first_divergence
@@ -152,7 +152,10 @@ def top_candidates(
 
     engine = engine_for(params.engine)
     response = httpx.post(
-        base_url + "/v1/completions", json=engine.top_body(params, prompt, n, tokens), timeout=timeout
+        base_url + "/v1/completions",
+        json=engine.top_body(params, prompt, n, tokens),
+        timeout=timeout,
+        headers=auth_headers(params),
     )
     if response.status_code != 200:
         raise ServerError(f"answered the check request with HTTP {response.status_code}: {clip(response.text, 200)}")

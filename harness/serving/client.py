@@ -26,8 +26,8 @@ from typing import Any
 
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
-from dtbench.decoders.server import ServerParams
-from dtbench.harness.errors import DtbenchError, clip
+from dtbench.decoders.server import ServerParams, auth_headers
+from dtbench.harness.errors import DtbenchError, clip, error_line
 from dtbench.harness.metrics import Served, sample_row
 from dtbench.harness.serving.check import Shapes, candidate_shapes, check_request
 from dtbench.harness.serving.process import ServerError, ServerPool
@@ -176,7 +176,8 @@ async def _group(
 
     url = base_url + "/v1/completions"
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=params.request_timeout_s) as client:
+    headers = auth_headers(params)  # the API key, read from its environment variable now (issue 50 item 3)
+    async with httpx.AsyncClient(limits=limits, timeout=params.request_timeout_s, headers=headers) as client:
         before = await _metrics(client, base_url, engine)
         gate = asyncio.Semaphore(concurrency)
         records = [RequestRecord(row=i) for i in range(len(bodies))]
@@ -249,10 +250,10 @@ def _send(
             raise ServerError(
                 f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}"
             ) from None
-        raise ServerError(f"server '{label}': {type(exc).__name__}: {clip(exc, 300)}; {where}") from None
+        raise ServerError(f"server '{label}': {error_line(exc, 300)}; {where}") from None
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
-            recover_ids(base_url, body, rec, engine, label, where, detokenize, token_bytes)
+            recover_ids(base_url, body, rec, engine, label, where, detokenize, token_bytes, auth_headers(params))
     try:
         group_metrics = engine.metrics_delta(before, after) if after else {}
     except DtbenchError as exc:

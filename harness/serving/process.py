@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtbench.decoders.server import ServerParams
+from dtbench.decoders.server import ServerParams, auth_headers
 from dtbench.harness.errors import DtbenchError, clip
 
 HOST = "127.0.0.1"
@@ -221,6 +221,7 @@ class ServerPool:
         base_url = f"http://{HOST}:{port}"
         server = Launched(label, argv, base_url, log_path, proc, tuple(cell))
         deadline = time.monotonic() + params.startup_timeout_s
+        headers = auth_headers(params)
         try:
             while True:
                 if (code := proc.poll()) is not None:
@@ -228,7 +229,7 @@ class ServerPool:
                         f"server '{label}' exited with code {code} before it was ready; see its log {log_path}"
                     )
                 try:
-                    if httpx.get(base_url + params.health_path, timeout=2.0).status_code == 200:
+                    if httpx.get(base_url + params.health_path, timeout=2.0, headers=headers).status_code == 200:
                         return server
                 except httpx.HTTPError:
                     pass

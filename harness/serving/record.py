@@ -123,6 +123,7 @@ def recover_ids(
     where: str,
     detokenize: Callable[[list[int]], str],
     token_bytes: TokenBytes | None = None,
+    headers: dict[str, str] | None = None,
 ) -> None:
     """The token ids of a stream that held tokens back (llama.cpp: a UTF-8 character split over several byte tokens,
     the event that completes it carries one id, ``rec.gaps`` the positions left out), from the streamed text and from
@@ -144,7 +145,9 @@ def recover_ids(
     import httpx
 
     def ask(extra: dict[str, Any]) -> list[int] | None:
-        response = httpx.post(base_url + "/v1/completions", json={**body, **extra, "stream": False}, timeout=600)
+        response = httpx.post(
+            base_url + "/v1/completions", json={**body, **extra, "stream": False}, timeout=600, headers=headers
+        )
         try:
             data = response.json() if response.status_code == 200 else {}
         except ValueError:  # not JSON: the ids cannot be told (below)

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from dtbench.core import redact_credentials
+from dtbench.core import redact_yaml
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store.db import Run, utcnow
@@ -125,7 +125,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
         run = Run(
             suite_name=suite.name,
             suite_path=suite_path,
-            suite_text=redact_credentials(suite_text),  # a server URL's password is never stored (issue 42)
+            suite_text=redact_yaml(suite_text),  # a server URL's password is never stored (issues 42, 50)
             suite_hash=suite_hash(suite_text),
             status="running",
             environment=env,
