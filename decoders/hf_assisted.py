@@ -41,7 +41,6 @@ scikit-learn it stays fixed. Results are only comparable between environments th
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Literal, cast
@@ -345,7 +344,7 @@ class HFGenerate(_StreamedGenerate):
         if self._lookup():
             return _counting_candidates(target, bridge)
         if static_kv.current() is not None:
-            return _hooks_outside_compiled(target)
+            return static_kv.hooks_outside_compiled(target)
         return super()._around_call(bridge)
 
 
@@ -437,45 +436,6 @@ def _quiet_assistant_call():
         yield
     finally:
         log.removeFilter(quiet)
-
-
-# target -> (compile options, its compiled forward): one compiled forward per model and options, reused by every call
-COMPILED_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@contextmanager
-def _hooks_outside_compiled(target: GenerativeModel):
-    """For the call (compiled execution, issue 46 item 3): transformers' decoding forward compiled as transformers
-    compiles it (``get_compiled_call(compile_config)``: the same options, decoding steps only, the prefill eager),
-    except that the compiled region is the model's ``forward`` and not its ``__call__``. The module's forward hooks,
-    dtbench's forward counter and timer among them, then run eagerly around the compiled forward instead of being
-    traced into it (where ``Tensor.item()`` and ``time.perf_counter`` broke the graph at every decoding step: the
-    reference implementation slowed by the harness measuring it). The shadowing attribute is removed afterwards."""
-    import torch
-
-    def get_compiled_call(compile_config):
-        options = compile_config.to_dict()
-        key = tuple(sorted((k, repr(v)) for k, v in options.items()))
-        cached = COMPILED_FORWARDS.get(target)
-        if cached is None or cached[0] != key:
-            cached = (key, torch.compile(type(target).forward.__get__(target), **options))
-            COMPILED_FORWARDS[target] = cached
-        compiled_forward = cached[1]
-
-        def call(*args, **kwargs):
-            target.__dict__["forward"] = compiled_forward  # instance attribute shadows the method for this call
-            try:
-                return target(*args, **kwargs)  # Module.__call__: hooks eager, forward compiled
-            finally:
-                target.__dict__.pop("forward", None)
-
-        return call
-
-    target.__dict__["get_compiled_call"] = get_compiled_call
-    try:
-        yield
-    finally:
-        target.__dict__.pop("get_compiled_call", None)
 
 
 @contextmanager

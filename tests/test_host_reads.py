@@ -136,6 +136,6 @@ def test_no_graph_break_in_any_compiled_region(name, params):
     assert len(m.tokens) == 24 and m.records[-1].target_forwards >= 1
     assert dict(dynamo_utils.counters["graph_break"]) == {}
     if name == "hf_generate":  # transformers' decoding steps ran through the compiled forward (hooks outside it)
-        from dtbench.decoders.hf_assisted import COMPILED_FORWARDS
+        from dtbench.decoders.static_kv import COMPILED_FORWARDS
 
         assert decoder.target in COMPILED_FORWARDS
