@@ -15,6 +15,7 @@ from functools import cache
 
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
@@ -225,8 +226,12 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
             compiled = label.endswith("[compiled]")
             assert cell.execution == ("compiled" if compiled else "eager") and cell.status == "done", label
             assert (cell.compile_s is not None and cell.compile_s > 0) == compiled, label
+            # every compiled cell, ar included, is checked against eager ar (issue 46 item 6)
+            assert cell.reference_label == (None if label == "ar" else "ar"), label
             for x in cell.samples:
                 assert x.output_tokens == ar[x.prompt_index] and x.lossless is not False, label
+                if label != "ar":
+                    assert x.lossless is True, label
                 assert x.roofline is not None and 0 < x.roofline < 1, label
                 if compiled:
                     assert x.step_stats["compiled"]["recompiles"] == 0, label
@@ -308,7 +313,7 @@ def test_the_cost_model_names_each_models_regime_and_leaves_compiled_cells_unpri
     assert cells["linear"]["forward_regime"].startswith("target ") and "draft " in cells["linear"]["forward_regime"]
     assert cells["ar"]["forward_regime"].split(" ", 1)[1] in regimes and "draft" not in cells["ar"]["forward_regime"]
     text = invoke("report", "--db", str(dbfile), "--cost-model", "--format", "markdown").output
-    assert "target forwards: " in text and "not priced (compiled execution" in text and "ar [compiled]" in text
+    assert "target forwards: " in text and "not priced (compiled execution" in text and r"ar \[compiled\]" in text
 
 
 def test_more_buckets_than_dynamos_default_limit_all_compile():
@@ -326,3 +331,20 @@ def test_more_buckets_than_dynamos_default_limit_all_compile():
     execution.precompile([target, draft], 16)
     assert static_kv.compiled_graphs() - before == 2 * 5
     assert dynamo.recompile_limit >= static_kv.RECOMPILE_LIMIT and dynamo.fail_on_recompile_limit_hit
+
+
+@pytest.mark.parametrize("executions", [["compiled"], ["eager", "compiled"]])
+def test_compiled_ar_has_the_eager_ar_as_its_reference(pair, tmp_path, executions):
+    """Compiled ar is checked against eager ar (issue 46 item 6): a compiled-only suite gets an implicit eager ar,
+    and every compiled decoder's reference is the eager one."""
+    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.suitefile import parse_suite
+
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}], execution=executions)
+    plan = plan_suite(parse_suite(yaml.safe_dump(suite)))
+    by_label = {p.label: p for p in plan.decoders}
+    assert by_label["ar"].execution == "eager" and by_label["ar"].reference_label is None
+    assert by_label["ar"].implicit == (executions == ["compiled"])
+    assert by_label["ar [compiled]"].reference_label == "ar"
+    assert by_label["linear [compiled]"].reference_label == "ar"
+    assert [p.label for p in plan.decoders].index("ar") < [p.label for p in plan.decoders].index("ar [compiled]")
