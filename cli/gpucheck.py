@@ -52,6 +52,8 @@ from typing import Any
 
 import click
 
+from dtbench.cli import gpu_budget
+
 
 def _tests_dir() -> Path:
     """The repository's tests/ (the property tests the ``tests`` step runs; ``suites/`` beside it for ``smoke``):
@@ -1266,6 +1268,17 @@ def run_step(step: str, argv_base: list[str], device, small: bool, out_dir: Path
     default=None,
     help="Comma-separated decoder names: restrict steps lossless and overhead to them (default: every built-in).",
 )
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Seconds the whole check may take (a lease: 540). Steps then run most valuable first (tests, compiled, "
+    "smoke, lossless, costmodel, overhead, timing); a step whose planned seconds do not fit is skipped and listed.",
+)
+@click.option(
+    "--spent", type=click.FloatRange(min=0), default=0.0, help="Seconds of the budget already used (the install)."
+)
+@click.option("--plan", "plan_only", is_flag=True, help="Print the GPU plan against the budget (default 540 s); exit.")
 @click.option("--child", default=None, hidden=True)
 @click.option("--rows-file", type=click.Path(path_type=Path), default=None, hidden=True)
 @click.option("--skip-ids", default="", hidden=True)
@@ -1275,6 +1288,9 @@ def main(
     small: bool,
     steps: str,
     decoders: str | None,
+    budget: float | None,
+    spent: float,
+    plan_only: bool,
     child: str | None,
     rows_file: Path | None,
     skip_ids: str,
@@ -1292,6 +1308,10 @@ def main(
             if bad
             else "--steps: name at least one step"
         )
+    if plan_only:
+        for line in gpu_budget.plan_lines("cuda", budget or gpu_budget.LEASE_BUDGET_S, spent):
+            click.echo(line)
+        return
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
     if device_name not in ("cuda", "cpu"):
@@ -1327,7 +1347,7 @@ def main(
     def write() -> None:
         result["wall_s"] = time.perf_counter() - began
         result["finished"] = _now()
-        result["ok"] = all(result["steps"].get(s, {}).get("ok", False) for s in chosen)
+        result["ok"] = all(result["steps"].get(s, {}).get("ok", False) for s in chosen if s not in skipped)
         result["summary"] = summary(result)
         path.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
 
@@ -1343,7 +1363,17 @@ def main(
         *(["--small"] if small else []),
         *(["--decoders", decoders] if decoders else []),
     ]
-    for step in chosen:
+    order, skipped = gpu_budget.plan_steps(chosen, device.type, budget, spent)
+    result["budget_s"], result["skipped_steps"] = budget, skipped
+    if budget is not None:
+        for line in gpu_budget.plan_lines(device.type, budget, spent):
+            log(line)
+    for step in order:
+        why = gpu_budget.still_fits(step, device.type, budget, spent + time.perf_counter() - began)
+        if why is not None:
+            skipped[step] = why
+            log(f"{step}: skipped ({why})")
+            continue
         t0 = time.perf_counter()
         if step == "tests":
             res, models = step_tests(device, out_dir, log), None

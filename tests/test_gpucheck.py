@@ -355,3 +355,28 @@ def test_the_tests_step_runs_every_device_parametrized_module():
         if re.search(r'^@pytest\.mark\.parametrize\("on", DEVICES\)', p.read_text(encoding="utf-8"), re.M)
     }
     assert set(gpucheck.TEST_MODULES) == parametrized
+
+
+def test_a_budget_runs_the_most_valuable_steps_that_fit_and_lists_the_rest(tmp_path):
+    """--budget (issue 46 item 7): steps in value order, a step whose planned seconds do not fit is skipped and
+    listed with why; the check's verdict is over the steps it ran; --plan prints the lease's plan and exits."""
+    from click.testing import CliRunner
+
+    from dtbench.cli import gpu_budget
+
+    run, skipped = gpu_budget.plan_steps(["timing", "lossless", "tests"], "cpu", 320.0)
+    assert run == ["tests", "lossless"] and set(skipped) == {"timing"}  # tests 298 + lossless 13 fit; timing 10 not
+    assert gpu_budget.plan_steps(["timing", "lossless"], "cpu", None) == (["timing", "lossless"], {})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        gpucheck.main,
+        ["--out", str(out), "--device", "cpu", "--small", "--steps", "timing,lossless", "--decoders", "ar"]
+        + ["--budget", "20", "--spent", "5"],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "gpu-check.json").read_text())
+    jsonschema.validate(data, SCHEMA)
+    assert set(data["steps"]) == {"lossless"} and data["ok"] and data["budget_s"] == 20
+    assert data["skipped_steps"] == {"timing": "planned 10 s, 2 s of the 20 s budget left"}
+    plan = CliRunner().invoke(gpucheck.main, ["--out", str(out), "--plan"])
+    assert plan.exit_code == 0 and "against a 9.0-minute budget" in plan.output and "compiled" in plan.output

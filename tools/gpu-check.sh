@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The offline GPU check (issue 31), one command on a borrowed GPU node:
 #
-#     tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps ...]
+#     tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps ...] [--budget SECONDS]
+#
+# On a lease: `tools/gpu-check.sh OUT --budget 540` (9 minutes, the install included: the steps run most valuable
+# first and a step that does not fit is skipped and listed in gpu-check.json; cli/gpu_budget.py).
 #
 # 1. installs the kit (.gpukit/, made by `make gpu-kit`) and dtbench itself into a folder of their own with
 #    pip --no-index --no-deps, ON TOP of the node's Python and its torch: nothing of the node is replaced (the torch
@@ -14,7 +17,7 @@ set -uo pipefail
 CALLER_DIR=$PWD  # a relative OUT is the caller's, not the checkout's (the script runs from the checkout's root)
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-  echo "usage: tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps lossless,timing,costmodel,overhead]" >&2
+  echo "usage: tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps lossless,timing,...] [--budget SECONDS]" >&2
   exit 2
 fi
 OUT=$1; shift
@@ -55,4 +58,4 @@ if [ "$torch_after" != "$torch_before" ]; then
 fi
 say "installed $(ls "$GPUKIT"/*.whl | wc -l) wheels and dtbench into $SITE in $(( $(date +%s) - t0 )) s"
 # -P: the checkout's own dtbench/ folder (dtbench.core, dtbench.api) must not shadow the installed package
-PYTHONUNBUFFERED=1 "$PYTHON" -P -m dtbench.cli.gpucheck --out "$OUT" "$@"
+PYTHONUNBUFFERED=1 "$PYTHON" -P -m dtbench.cli.gpucheck --out "$OUT" --spent "$(( $(date +%s) - t0 ))" "$@"
