@@ -207,7 +207,9 @@ def _commit_time(out: dict[int, Step], it: int, previous: float) -> float | None
     if len(stamps) > 1:
         raise DtbenchError(f"decoder yielded rows with different commit times (Step.at) at iteration {it}")
     (at,) = stamps
-    if not isinstance(at, float) or at < previous:
+    if not isinstance(at, float):
+        raise DtbenchError(f"decoder yielded a commit time (Step.at) that is not a clock reading at iteration {it}")
+    if at < previous and it > 0:
         raise DtbenchError(f"decoder yielded a commit time (Step.at) at iteration {it} before the previous one")
     return at
 
