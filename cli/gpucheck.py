@@ -571,6 +571,20 @@ def _totals(m) -> tuple[float, float, int]:
     return m.step_times[-1], (fwd.get("target") or 0.0) + (fwd.get("draft") or 0.0), len(m.steps)
 
 
+def _reads(decoder, prompt: list[int], T: int, device) -> dict[str, Any]:
+    """Device-to-host reads and (on CUDA) the synchronizations CUDA reports, per iteration after the prefill's
+    (issue 46 item 1, :func:`dtbench.harness.host_reads.reads_per_iteration`): the most in one iteration and the
+    median."""
+    from dtbench.harness.host_reads import reads_per_iteration
+
+    counts = reads_per_iteration(decoder, prompt, T, device)
+    out: dict[str, Any] = {}
+    for key, per in counts.items():
+        later = per[1:] or per
+        out[f"{key}_per_iter_max"], out[f"{key}_per_iter_median"] = max(later), statistics.median(later)
+    return out
+
+
 def step_overhead(
     device, target, draft, small: bool, workdir: Path, log, skip: frozenset = frozenset(), emit=None
 ) -> dict:
@@ -627,6 +641,7 @@ def step_overhead(
                 if name in paper_iter_s:
                     row["paper_s_per_iter"] = paper_iter_s[name]
                     row["overhead_share_of_paper_iter"] = (loop / iters) / paper_iter_s[name]
+            row.update(_reads(build(name, params, target, draft, workdir), prompt, T0 + 8, device))
             row["ok"] = iters > 0
         except Exception as exc:
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc()[-800:])
@@ -838,6 +853,10 @@ def summary(result: dict) -> dict:
     if "overhead" in steps and "rows" in steps["overhead"]:
         out["overhead_ms_per_iter"] = {
             r["decoder"]: (None if r.get("overhead_s_per_iter") is None else round(r["overhead_s_per_iter"] * 1e3, 3))
+            for r in steps["overhead"]["rows"]
+        }
+        out["host_reads_per_iter_max"] = {  # issue 46 item 1: at most 1 is the target
+            r["decoder"]: (r.get("host_reads_per_iter_max"), r.get("cuda_syncs_per_iter_max"))
             for r in steps["overhead"]["rows"]
         }
     if "compiled" in steps and "forwards" in steps["compiled"]:

@@ -15,64 +15,38 @@ own forwards included.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import cache
 
 import pytest
 import torch
 from models import model_zoo
-from torch.overrides import TorchFunctionMode
 
 from dtbench.decoders import static_kv
-from dtbench.harness import registry
+from dtbench.harness import host_reads, registry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-READS = frozenset(
-    {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__", "nonzero", "__array__"}
-)
 PROMPT = list(range(3, 30))
 T = 40
 EXECUTION = static_kv.Execution(max_len=128)
 
 
-class HostReads(TorchFunctionMode):
-    """Counts calls of the Tensor methods that copy device data to the host (:data:`READS`) while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def reads_per_iteration(decoder, compiled: bool) -> tuple[list[int], list]:
-    """(reads during each iteration, the Steps): iteration i is the work between Step i-1 and Step i."""
-    per, steps = [], []
-    with static_kv.compiled(EXECUTION) if compiled else _nothing():
+    """(host reads during each iteration, the Steps), through the harness's counter (harness/host_reads.py)."""
+    counts = host_reads.reads_per_iteration(decoder, PROMPT, T, torch.device("cpu"), EXECUTION if compiled else None)
+    steps = []
+    gen = decoder.generate(torch.tensor([PROMPT]), T)  # the Steps again (deterministic), for their fields
+    with static_kv.compiled(EXECUTION) if compiled else nullcontext():
         if compiled:
             EXECUTION.begin_sample()
-        gen = decoder.generate(torch.tensor([PROMPT]), T)
-        with HostReads() as reads:
-            last = 0
-            for step in gen:
-                per.append(reads.count - last)
-                last = reads.count
-                steps.append(step)
-                if sum(len(s.tokens) for s in steps) >= T:
-                    break
-        gen.close()
-    return per, steps
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        for step in gen:
+            steps.append(step)
+            if sum(len(s.tokens) for s in steps) >= T:
+                break
+    gen.close()
+    assert counts["cuda_syncs"] == [0] * len(steps)  # off CUDA nothing is reported
+    return counts["host_reads"], steps
 
 
 @cache
