@@ -105,15 +105,17 @@ def _report(*args: str) -> dict:
 
 
 def test_acceptance_here_timing_there_predicts_what_there_measures(machines, tmp_path, data_dir):
-    """Run "here" on machine A (acceptance traces); curves exported from a calibrated run on machine B; the prediction
-    of the first run on B equals, to 1e-6, what a run of the same suite measured on B (same prompts, same greedy
-    tokens, so the same forwards), per cell in time, throughput and speedup."""
+    """Two stored runs and a curves file from a third: a run "here" on machine A (acceptance traces), curves exported
+    from a calibrated run on machine B, and a run "there" on B. The prediction of the first run on the curves equals,
+    to 1e-6 (the stated error: the fake machines are exact), what the run on B measured (same prompts, same greedy
+    tokens, so the same forwards), per cell in throughput and speedup."""
     machines("A")
     _run(tmp_path, data_dir, machines, "here.db", calibrate=False)
     machines("B")
-    _run(tmp_path, data_dir, machines, "there.db", calibrate=True)
+    _run(tmp_path, data_dir, machines, "calibrated.db", calibrate=True)  # the third run: only its curves are used
+    _run(tmp_path, data_dir, machines, "there.db", calibrate=False)
     curves = tmp_path / "b.json"
-    result = invoke("report", "--db", str(tmp_path / "there.db"), "--export-curves", str(curves))
+    result = invoke("report", "--db", str(tmp_path / "calibrated.db"), "--export-curves", str(curves))
     assert result.exit_code == 0, result.output
     pc = curves_file.read(curves)
     assert pc.models["target"]["shape"]["hidden_size"] == 16 and pc.execution == "eager"
