@@ -5,7 +5,8 @@ hyperparameters as a pydantic model (``Params``), whether it needs a draft model
 (its greedy output equals the target's greedy output), and its capabilities: its ``family`` (how reports and the
 cost model treat it), the ``verify_sizes`` a configuration can use (what calibration measures) and its
 ``reference`` (what its output is compared with). The harness and the reports read these, never decoder names. It generates by yielding one :class:`Step` per target
-verification; the runner, never the decoder, timestamps those steps (docs/architecture.md, "Decoder contract").
+verification; the runner, never the decoder, timestamps those steps (docs/architecture.md, "Decoder contract"); a
+push-based decoder stamps them with the runner's own clock (``Step.at``, :func:`commit_clock`).
 """
 
 from __future__ import annotations
