@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtbench.harness.deadline import Deadline as _Deadline  # the per-sample time limit (harness/deadline.py)
+from dtbench.harness.deadline import SampleTimeout as SampleTimeout  # re-exported: raised by measure_rows
 from dtbench.harness.energy import EnergyReading, EnergyTracker
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
 
@@ -33,13 +34,6 @@ def now() -> float:
 
 
 # --- The measurement loop: one decoder on one prompt, timed per Step, forwards counted, time-limited -----------
-
-
-class SampleTimeout(BaseException):
-    """Raised inside a decoder that ran past the per-sample time limit.
-
-    A BaseException, so a plugin's broad ``except Exception`` cannot swallow it.
-    """
 
 
 from dtbench.harness.curves import FED_LAST, FED_MASK  # noqa: E402  (defined once, torch-free, with the pricing)
@@ -195,65 +189,6 @@ class ForwardCounter:
             self.fed_between("target", last[0], snap[0]) or [],
             None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]),
         )
-
-
-class _Deadline:
-    """Raises :class:`SampleTimeout` in the measuring thread once ``seconds`` of wall time, or ``cpu_seconds`` of
-    this process's CPU time, have passed (None: no such limit).
-
-    A watchdog thread raises the exception asynchronously in the measuring thread (``PyThreadState_SetAsyncExc``),
-    so a decoder stuck in pure Python between two yields is stopped too, in any thread; a single long native call
-    (one huge matmul) is interrupted when it returns. The CPU-time limit is the load-independent one: on a machine
-    shared with other work the process gets less CPU per wall second, so wall time stretches with the load and CPU
-    time does not (a busy decoder still burns CPU and is stopped by it; a blocked one by the wall limit).
-    """
-
-    POLL_S = 0.25
-
-    def __init__(self, seconds: float | None, cpu_seconds: float | None = None):
-        self.seconds, self.cpu_seconds = seconds, cpu_seconds
-        self.fired = False
-        self._lock = threading.Lock()
-        self._armed = False
-        self._timer: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._tid = threading.get_ident()
-
-    def _fire(self) -> None:
-        import ctypes
-
-        with self._lock:
-            if self._armed:
-                self.fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), ctypes.py_object(SampleTimeout))
-
-    def _watch(self, wall0: float, cpu0: float) -> None:
-        while not self._stop.wait(self.POLL_S):
-            if (self.seconds is not None and time.monotonic() - wall0 >= self.seconds) or (
-                self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds
-            ):
-                self._fire()
-                return
-
-    def __enter__(self) -> _Deadline:
-        if self.seconds is not None or self.cpu_seconds is not None:
-            self._armed = True
-            self._timer = threading.Thread(
-                target=self._watch, args=(time.monotonic(), time.process_time()), daemon=True, name="dtbench-deadline"
-            )
-            self._timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._timer is None:
-            return
-        import ctypes
-
-        with self._lock:
-            self._armed = False
-            if self.fired:  # not delivered yet (we left on our own): withdraw it
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
-        self._stop.set()
 
 
 @dataclass

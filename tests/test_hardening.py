@@ -1923,3 +1923,65 @@ def test_a_cell_with_only_a_remainder_says_so_not_all_warmup(tmp_path):
     assert result.exit_code == 0, result.output
     assert "no full batch of B=4 after warmup (2 measured prompts" in result.output
     assert "measured prompts are warmup" not in result.output
+
+
+# --- issue 50: nothing runs that nobody asked for (round 5) ------------------------------------------------------
+
+SPINNING = '''
+import os
+import time
+from dtbench.decoders.ar import Autoregressive
+
+
+class Spinning(Autoregressive):
+    """AR whose generate spins in pure Python for DTBENCH_SPIN_S seconds before decoding (a hang, bounded so that
+    the code before the fix ends too)."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        end = time.monotonic() + float(os.environ["DTBENCH_SPIN_S"])
+        while time.monotonic() < end:
+            pass
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kit import tiny_pair
+
+    return tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def test_a_compiled_cells_compile_step_runs_under_its_deadline(tiny, tmp_path, data_dir, monkeypatch):
+    """Issue 50 item A(a): the compile step calls the decoder's generate; a plugin that hangs there is stopped at
+    the cell's timeout_s (before the fix it ran on for the whole 150 s spin, past the deadline)."""
+    import time
+
+    from kit import install_plugin, suite_dict
+    from sqlalchemy import select
+
+    from dtbench.harness.store import db
+
+    install_plugin(
+        monkeypatch, tmp_path / "site", "dtbench-spinning", {"spinning": "dtbench_spinning:Spinning"}, SPINNING
+    )
+    monkeypatch.setenv("DTBENCH_SPIN_S", "150")
+    decoders = [{"name": "ar"}, {"name": "spinning", "execution": ["compiled"]}]
+    suite = suite_dict(*tiny, decoders, execution=["eager", "compiled"], timeout_s=5, isolation="none")
+    suite["datasets"][0].update(prompts=1, warmup=0)
+    dbfile = tmp_path / "spin.db"
+    t0 = time.monotonic()
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    took = time.monotonic() - t0
+    assert result.exit_code == 4, result.output  # a cell failed, the run ended
+    assert took < 120, took
+    with db.connect(str(dbfile))() as s:
+        cell = s.scalars(select(db.Cell).where(db.Cell.label == "spinning [compiled]")).one()
+        assert cell.status == "failed" and "timed out after 5 s (in the compile step)" in cell.error, cell.error
+    assert "timed out after 5 s (in the compile step)" in result.output
