@@ -1,7 +1,7 @@
 """Crash isolation (issue 38): a worker whose models and measurements live in a child process.
 
 A decoder that crashes natively (a segfault in a CUDA kernel, ``os.abort()`` in a plugin, an out-of-memory kill)
-takes its whole process down. With ``isolation: process`` (the default on CUDA) the local executor keeps one child
+takes its whole process down. With ``isolation: process`` (the default on every device since issue 50) the local executor keeps one child
 process (``multiprocessing``'s *spawn* start method: no CUDA state is inherited) that loads the target and draft once
 and measures prompt groups exactly as the in-process :class:`~dtbench.harness.worker.Worker` does (it *is* one, in
 the child). The parent only forwards requests and outcomes. When the child dies, the cell it was measuring fails with
@@ -42,11 +42,11 @@ KILL_GRACE_S = 10.0  # the parent kills a child this long (or a tenth of the lim
 
 
 def isolation_of(suite: Suite, device_type: str) -> str:
-    """The isolation a run uses: the suite's ``isolation``, or for ``auto`` ``process`` on CUDA, ``none`` on CPU."""
+    """The isolation a run uses: the suite's ``isolation``; ``auto`` is ``process`` on every device (issue 50: a
+    native crash on the CPU lost the run's state too); ``none`` measures in the driver's process (debugging).
+    ``device_type`` is kept for callers; it no longer changes the answer."""
     mode = getattr(suite, "isolation", "auto")
-    if mode == "auto":
-        return "process" if device_type == "cuda" else "none"
-    return mode
+    return "process" if mode == "auto" else mode
 
 
 def kill_grace(seconds: float) -> float:
@@ -255,10 +255,10 @@ class IsolatedWorker:
         self._stop()
         self._start()
 
-    def run(self, key, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
+    def run(self, key, prompt, done: dict[str, Reference], skip: set[str], announce=None) -> Iterator[Outcome]:
         """Measure one prompt group in the child, yielding each outcome; a crash fails the decoder being measured
         (an :class:`~dtbench.harness.cells.Outcome` with the signal and trace) and the group goes on in a fresh
-        child with the remaining decoders."""
+        child with the remaining decoders. ``announce(label)``: called as the child starts each decoder."""
         done, skip = dict(done), set(skip)
         while True:
             self.conn.send(("run", key, prompt, done, skip))
@@ -267,6 +267,8 @@ class IsolatedWorker:
                 kind, payload = self._receive()
                 if kind == "start":
                     current = payload
+                    if announce is not None:
+                        announce(payload)
                 elif kind == "outcome":
                     current = None
                     remember(payload, done, skip)

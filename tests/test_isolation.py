@@ -50,7 +50,8 @@ def test_signal_names_and_the_default_isolation():
     suite = Suite.model_validate(
         {"name": "s", "datasets": [{"name": "wikitext-2"}], "generation_lengths": [4], "decoders": [{"name": "ar"}]}
     )
-    assert isolation_of(suite, "cuda") == "process" and isolation_of(suite, "cpu") == "none"
+    assert isolation_of(suite, "cuda") == "process" and isolation_of(suite, "cpu") == "process"  # issue 50 item B
+    assert isolation_of(suite.model_copy(update={"isolation": "none"}), "cpu") == "none"
     forced = suite.model_copy(update={"isolation": "process"})
     assert isolation_of(forced, "cpu") == "process"
 
