@@ -171,8 +171,8 @@ class LocalExecutor(Executor):
             except (TurnNotReady, PromptFailed) as exc:  # a later turn that has no prompt: its cells fail
                 sink.fail(group, str(exc), self.worker.info)
                 continue
-            announce = lambda label, group=group: sink.started(group, label)  # noqa: E731
-            if self.isolation != "process":
+            if self.isolation != "process":  # a native crash kills this process: record which cell it measures
+                announce = lambda label, group=group: sink.started(group, label)  # noqa: E731
                 for outcome in self.worker.run(work_key(group), prompt, done, failed, announce=announce):
                     sink.commit(group, outcome, self.worker.info)
                 continue
@@ -181,7 +181,7 @@ class LocalExecutor(Executor):
             labels = {cp.label for cp in group.decoders}
             for key, segment in own_process_segments(group.decoders, self.device.type):
                 worker = self._worker_for(key)
-                for outcome in worker.run(work_key(group), prompt, done, failed | (labels - segment), announce):
+                for outcome in worker.run(work_key(group), prompt, done, failed | (labels - segment)):
                     sink.commit(group, outcome, worker.info)
                     remember(outcome, done, failed)
 

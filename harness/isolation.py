@@ -71,6 +71,7 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
     os.setpgid(0, 0)  # its own process group, which the parent kills with it (issue 50)
     proctree.become_subreaper()  # what a decoder starts stays a descendant (proctree)
+    proctree.die_with_parent()  # a killed run (SIGKILL) takes its measuring child with it
     trace = open(trace_path, "a", buffering=1)  # noqa: SIM115  (open for the process's whole life)
     os.dup2(trace.fileno(), 1)  # a decoder's prints go to the log, not the terminal (issue 50 item D)
     os.dup2(trace.fileno(), 2)  # native crash messages and tracebacks go to the log too
@@ -204,7 +205,7 @@ class IsolatedWorker:
                 break
             if self._deadline is not None and time.monotonic() > self._deadline[1]:
                 limit, self._deadline = self._deadline[0], None
-                proctree.kill_tree(self.proc.pid)
+                proctree.kill_tree(self.proc.pid or 0)
                 self.proc.join(5)
                 return "killed", (
                     f"timed out after {limit:g} s and did not stop (blocked outside Python): its measuring process "
@@ -302,7 +303,7 @@ class IsolatedWorker:
                 except (OSError, EOFError):
                     pass
                 self.proc.join(10)
-            if self.proc.is_alive():
+            if self.proc.is_alive() and self.proc.pid is not None:
                 proctree.kill_tree(self.proc.pid)
                 self.proc.join(5)
             if self.proc.pid is not None:

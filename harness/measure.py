@@ -406,7 +406,8 @@ def measure_rows(
         raise DtbenchError(f"decoder stopped{where(short[0])} after {len(tokens[short[0]])} of {gen_length} tokens")
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
-    state = stats() if stats else None
+    with _Deadline(timeout_s, cpu_timeout_s):  # the decoder's code, under the sample's limit too (issue 50)
+        state = stats() if stats else None
     forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
     return [
         Measurement(

@@ -21,6 +21,7 @@ import sys
 import psutil
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 
 
 def become_subreaper() -> bool:
@@ -32,6 +33,16 @@ def become_subreaper() -> bool:
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except OSError:
         return False
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when the thread that started it dies (Linux ``PR_SET_PDEATHSIG``): a measuring child
+    in a process group of its own no longer gets the terminal's signals, and must not outlive a killed run."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except OSError:
+            pass
 
 
 def _spared(proc: psutil.Process) -> bool:
@@ -70,7 +81,10 @@ def sweep(keep: set[int] = frozenset()) -> list[int]:  # type: ignore[assignment
 
 def kill_tree(pid: int) -> None:
     """Kill process ``pid`` (SIGKILL), its process group when it leads one, and every descendant found now (those
-    in a session of their own included); never raises."""
+    in a session of their own included); never raises. A pid below 1 (never started) is ignored: ``kill(0)`` would
+    signal this process's own group."""
+    if pid < 1:
+        return
     found = descendants(pid)
     try:
         leads = os.getpgid(pid) == pid
@@ -86,5 +100,7 @@ def kill_tree(pid: int) -> None:
 
 def kill_group(pgid: int) -> None:
     """SIGKILL whatever is left in process group ``pgid`` (a child's group after it exited); never raises."""
+    if pgid < 1 or pgid == os.getpgid(0):  # never this process's own group
+        return
     with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)

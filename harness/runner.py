@@ -131,12 +131,12 @@ def run_suite(
     preflight(suite, plan, console)
     if resume is not None:  # a live or wrong run is refused now, not after the models loaded
         with sessions() as session:
-            found = session.get(Run, resume) if valid_id(resume) else None
-            crashed = mark_crashed(found) if found is not None else None
+            resumed = session.get(Run, resume) if valid_id(resume) else None
+            crashed = mark_crashed(resumed) if resumed is not None else None
             if crashed:  # its process died without closing it (issue 50): its in-flight cell failed
                 session.commit()
                 console.print(f"note: {printable(crashed)}", style="yellow", markup=False, highlight=False)
-            check_resumable(found, resume, suite_text, force)
+            check_resumable(resumed, resume, suite_text, force)
     quiet = None
     if quiet_below is not None:  # before anything loads: dtbench's own loading would raise the load it waits on
         found = load.wait_quiet(
@@ -310,7 +310,8 @@ class _Sink:
 
 
 def _close_run(sessions, run_id: int, status: str, error: str | None, console: Console) -> None:
-    """Record the run's final status; cells not failed become done (completed run) or pending (to resume)."""
+    """Record the run's final status; cells not failed become done (completed run), or, to resume, interrupted
+    (holding samples) or pending (none yet)."""
     try:
         with sessions() as session:
             run = session.get(Run, run_id)
