@@ -2020,7 +2020,7 @@ def test_a_run_that_died_is_marked_crashed_and_resume_skip_failed_goes_past_it(t
     from dtbench.harness.store import db
 
     site = tmp_path / "site"
-    install_plugin(monkeypatch, site, "dtbench-aborting", {"aborting": "dtbench_aborting:Aborting"}, ABORTING)
+    install_plugin(monkeypatch, site, "dtbench-crashing", {"aborting": "dtbench_crashing:Aborting"}, ABORTING)
     decoders = [{"name": "ar"}, {"name": "aborting"}, {"name": "linear", "params": {"k": 2}}]
     suite = suite_dict(*tiny, decoders, isolation="none")
     suite["datasets"][0].update(prompts=2, warmup=1)
