@@ -280,12 +280,7 @@ def measure_cell(
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
-        cpu = (
-            f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)"
-            if cpu_limit and not phase
-            else f" {timeout:g} s"
-        )
-        return Outcome(cp.label, error=f"{where}: timed out after{cpu}{phase}")
+        return Outcome(cp.label, error=_timed_out(where, timeout, cpu_limit, phase))
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         kind = "SystemExit (the decoder called sys.exit)" if isinstance(exc, SystemExit) else type(exc).__name__
         return Outcome(cp.label, error=f"{where}: {kind}: {clip(exc, 1500)}")
@@ -293,6 +288,14 @@ def measure_cell(
     if compiled is not None:
         outcome.compile_s, outcome.compile_graphs = compiled
     return outcome
+
+
+def _timed_out(where: str, timeout: float | None, cpu_limit: float | None, phase: str) -> str:
+    """The error of a cell whose decoder ran past its limit (``phase``: where, outside the sample: the CPU limit
+    only applies to samples)."""
+    if cpu_limit and not phase:
+        return f"{where}: timed out after ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)"
+    return f"{where}: timed out after {timeout:g} s{phase}"
 
 
 def measure_served(

@@ -130,13 +130,7 @@ def run_suite(
         console.print(f"warning: {printable(line)}", style="yellow", markup=False, highlight=False)
     preflight(suite, plan, console)
     if resume is not None:  # a live or wrong run is refused now, not after the models loaded
-        with sessions() as session:
-            resumed = session.get(Run, resume) if valid_id(resume) else None
-            crashed = mark_crashed(resumed) if resumed is not None else None
-            if crashed:  # its process died without closing it (issue 50): its in-flight cell failed
-                session.commit()
-                console.print(f"note: {printable(crashed)}", style="yellow", markup=False, highlight=False)
-            check_resumable(resumed, resume, suite_text, force)
+        _check_resume(sessions, resume, suite_text, force, console)
     quiet = None
     if quiet_below is not None:  # before anything loads: dtbench's own loading would raise the load it waits on
         found = load.wait_quiet(
@@ -224,6 +218,22 @@ def run_suite(
             f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})"
         )
     return run_id
+
+
+def _check_resume(sessions, resume: int, suite_text: str, force: bool, console: Console) -> None:
+    """Refuse a run that cannot be resumed (:func:`~dtbench.harness.store.runs.check_resumable`), after recording
+    one whose process died without closing it as crashed, its in-flight cell failed (issue 50, with a note).
+
+    Raises:
+        DtbenchError: one line saying why the run cannot be resumed.
+    """
+    with sessions() as session:
+        resumed = session.get(Run, resume) if valid_id(resume) else None
+        crashed = mark_crashed(resumed) if resumed is not None else None
+        if crashed:
+            session.commit()
+            console.print(f"note: {printable(crashed)}", style="yellow", markup=False, highlight=False)
+        check_resumable(resumed, resume, suite_text, force)
 
 
 class _Sink:
