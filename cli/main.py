@@ -158,6 +158,12 @@ def cli() -> None:
     help="resume even if the run's owner still looks alive (same host: its pid runs; another host: a "
     "heartbeat in the last 5 minutes)",
 )
+@click.option(
+    "--skip-failed",
+    is_flag=True,
+    help="with --resume/--resume-run: leave the run's failed cells failed (one that crashed the run, too) instead "
+    "of retrying them",
+)
 @click.option("--no-progress", is_flag=True, help="no progress bar")
 @click.option("--no-report", is_flag=True, help="do not print the report at the end")
 @click.option(
@@ -222,6 +228,7 @@ def run(
     resume_latest,
     resume,
     force,
+    skip_failed,
     no_progress,
     no_report,
     executor,
@@ -245,6 +252,8 @@ def run(
     from dtbench.harness.store import db, engines
     from dtbench.harness.suitefile import load_suite, suite_hash
 
+    if skip_failed and not (resume_latest or resume is not None):
+        raise DtbenchError("--skip-failed needs --resume or --resume-run (a new run has no failed cells)")
     quiet_below = None if require_quiet is None else load.quiet_threshold(require_quiet)
     chosen = make_executor(
         executor,
@@ -279,6 +288,7 @@ def run(
         executor=chosen,
         quiet_below=quiet_below,
         quiet_limit_s=float(quiet_timeout),
+        skip_failed=skip_failed,
     )
     console.print(f"run {run_id} stored in {engines.display_url(engines.resolve_url(db_url))}", highlight=False)
     if not no_report:

@@ -19,6 +19,7 @@ import torch
 
 from dtbench.decoders import static_kv
 from dtbench.harness import data, load, lossless, models, roofline, selection
+from dtbench.harness.deadline import Deadline
 from dtbench.harness.errors import clip, error_line
 from dtbench.harness.measure import SampleTimeout, measure_rows
 from dtbench.harness.measure import now as measure_now
@@ -131,20 +132,26 @@ class Hardware:
             execution=execution,
         )
 
-    def compile_step(self, cp: CellPlan, decoder, prompt_ids, T: int, models_: list) -> tuple[float, int] | None:
+    def compile_step(
+        self, cp: CellPlan, decoder, prompt_ids, T: int, models_: list, timeout_s: float | None = None
+    ) -> tuple[float, int] | None:
         """The compile step of a compiled cell, once per worker, before its first sample (the warmup's): every
         bucket up to the cell's largest verification compiled for each model it uses
         (:meth:`~dtbench.decoders.static_kv.Execution.precompile`), then the decoder run once on the prompt for up to 16
-        tokens (shapes only its own loop makes: transformers' compiled ``generate``), untimed and not stored.
+        tokens (shapes only its own loop makes: transformers' compiled ``generate``), untimed and not stored. That run
+        is the decoder's code, so it runs under the cell's wall-time limit ``timeout_s`` (seconds; None: none).
 
         Returns:
             (seconds, graphs torch.compile made) the first time for ``cp``'s label, else None.
+
+        Raises:
+            SampleTimeout: the decoder's run took longer than ``timeout_s``.
         """
         if self.execution is None or cp.label in self.compiled:
             return None
         t0, graphs0 = measure_now(), static_kv.compiled_graphs()
         self.execution.precompile(models_, max(cp.cls.verify_sizes(cp.params)))
-        with static_kv.compiled(self.execution):
+        with static_kv.compiled(self.execution), Deadline(timeout_s):
             self.execution.begin_sample()
             n = 0
             for step in decoder.generate(torch.as_tensor([list(prompt_ids)], device=models_[0].device), min(T, 16)):
@@ -228,9 +235,11 @@ def measure_cell(
     timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
     T = group.gen_length
     ids = [p.token_ids for p in prompts]
-    compiled = None
+    compiled, phase = None, " (making the decoder)"
     try:
-        decoder = make_decoder(cp, target, draft, suite, data_dir)
+        with Deadline(timeout):  # the decoder's own code (its constructor, use_corpus) under the cell's limit too
+            decoder = make_decoder(cp, target, draft, suite, data_dir)
+        phase = ""
         if cp.sampling is not None:  # greedy only at B > 1 (plan._check_batching)
             decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompts[0].index, device)
         if stop_at_eos:
@@ -238,7 +247,9 @@ def measure_cell(
         ex = hardware.execution if hardware is not None and cp.execution == "compiled" else None
         if ex is not None:  # B = 1 only (plan refuses compiled batches)
             used = [target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
-            compiled = hardware.compile_step(cp, decoder, ids[0], T, used)  # type: ignore[union-attr]
+            phase = " (in the compile step)"
+            compiled = hardware.compile_step(cp, decoder, ids[0], T, used, timeout)  # type: ignore[union-attr]
+            phase = ""
             graphs0 = static_kv.compiled_graphs()
             with static_kv.compiled(ex):
                 ex.begin_sample()
@@ -269,10 +280,7 @@ def measure_cell(
     except KeyboardInterrupt:
         raise
     except SampleTimeout:
-        cpu = (
-            f" ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)" if cpu_limit else f" {timeout:g} s"
-        )
-        return Outcome(cp.label, error=f"{where}: timed out after{cpu}")
+        return Outcome(cp.label, error=_timed_out(where, timeout, cpu_limit, phase))
     except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
         if isinstance(exc, SystemExit):
             return Outcome(cp.label, error=f"{where}: SystemExit (the decoder called sys.exit): {clip(exc, 1500)}")
@@ -281,6 +289,14 @@ def measure_cell(
     if compiled is not None:
         outcome.compile_s, outcome.compile_graphs = compiled
     return outcome
+
+
+def _timed_out(where: str, timeout: float | None, cpu_limit: float | None, phase: str) -> str:
+    """The error of a cell whose decoder ran past its limit (``phase``: where, outside the sample: the CPU limit
+    only applies to samples)."""
+    if cpu_limit and not phase:
+        return f"{where}: timed out after ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)"
+    return f"{where}: timed out after {timeout:g} s{phase}"
 
 
 def measure_served(

@@ -66,6 +66,9 @@ class Sink(Protocol):
     def note(self, text: str) -> None:
         """A line for the user (stderr)."""
 
+    def started(self, group: PromptGroup, label: str) -> None:
+        """Decoder ``label`` starts on ``group`` now (recorded, so a run whose process dies names its cell)."""
+
 
 class Executor:
     """Hands a plan's prompt groups to workers; see the module docstring for the protocol."""
@@ -168,8 +171,9 @@ class LocalExecutor(Executor):
             except (TurnNotReady, PromptFailed) as exc:  # a later turn that has no prompt: its cells fail
                 sink.fail(group, str(exc), self.worker.info)
                 continue
-            if self.isolation != "process":
-                for outcome in self.worker.run(work_key(group), prompt, done, failed):
+            if self.isolation != "process":  # a native crash kills this process: record which cell it measures
+                announce = lambda label, group=group: sink.started(group, label)  # noqa: E731
+                for outcome in self.worker.run(work_key(group), prompt, done, failed, announce=announce):
                     sink.commit(group, outcome, self.worker.info)
                 continue
             # issue 38: decoders whose own_process names this device run in a child of their own, in plan order

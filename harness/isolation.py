@@ -1,7 +1,7 @@
 """Crash isolation (issue 38): a worker whose models and measurements live in a child process.
 
 A decoder that crashes natively (a segfault in a CUDA kernel, ``os.abort()`` in a plugin, an out-of-memory kill)
-takes its whole process down. With ``isolation: process`` (the default on CUDA) the local executor keeps one child
+takes its whole process down. With ``isolation: process`` (the default on every device since issue 50) the local executor keeps one child
 process (``multiprocessing``'s *spawn* start method: no CUDA state is inherited) that loads the target and draft once
 and measures prompt groups exactly as the in-process :class:`~dtbench.harness.worker.Worker` does (it *is* one, in
 the child). The parent only forwards requests and outcomes. When the child dies, the cell it was measuring fails with
@@ -22,35 +22,62 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from dtbench.harness import deadline, proctree
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.plan import Plan
+from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
 from dtbench.harness.worker import WorkerInfo
 
 TRACE_TAIL = 1500  # characters of the faulthandler trace stored in the failed cell's error
+OUTPUT_TAIL = 300  # characters of the child's output (its log's last lines) shown with a crash or a kill
+LOG_CAP_BYTES = 64 << 20  # the child's log is emptied at the end of a cell once it holds more than this
+KILL_GRACE_S = 10.0  # the parent kills a child this long (or a tenth of the limit, if longer) past a deadline
 
 
 def isolation_of(suite: Suite, device_type: str) -> str:
-    """The isolation a run uses: the suite's ``isolation``, or for ``auto`` ``process`` on CUDA, ``none`` on CPU."""
+    """The isolation a run uses: the suite's ``isolation``; ``auto`` is ``process`` on every device (issue 50: a
+    native crash on the CPU lost the run's state too); ``none`` measures in the driver's process (debugging).
+    ``device_type`` is kept for callers; it no longer changes the answer."""
     mode = getattr(suite, "isolation", "auto")
-    if mode == "auto":
-        return "process" if device_type == "cuda" else "none"
-    return mode
+    return "process" if mode == "auto" else mode
+
+
+def kill_grace(seconds: float) -> float:
+    """Seconds the parent waits past a child's deadline of ``seconds`` before it kills the child."""
+    return max(KILL_GRACE_S, 0.1 * seconds)
+
+
+def _after_cell(worker, trace_path: str) -> None:
+    """In the child when a cell ends: kill the processes its decoder left (launched servers spared), and empty an
+    oversized log."""
+    proctree.sweep({server.proc.pid for server in worker.servers.servers.values()})
+    try:
+        if os.path.getsize(trace_path) > LOG_CAP_BYTES:
+            os.truncate(trace_path, 0)  # the log is opened for appending: later output starts at 0
+            print(f"[dtbench: log emptied at {LOG_CAP_BYTES} bytes]", file=sys.stderr)
+    except OSError:
+        pass
 
 
 def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads: int | None) -> None:
     """The child process: a :class:`~dtbench.harness.worker.Worker` serving requests from ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
-    trace = open(trace_path, "w", buffering=1)  # noqa: SIM115  (open for the process's whole life)
-    os.dup2(trace.fileno(), 2)  # native crash messages and tracebacks go to the trace file, not the terminal
-    sys.stderr = trace
+    os.setpgid(0, 0)  # its own process group, which the parent kills with it (issue 50)
+    proctree.become_subreaper()  # what a decoder starts stays a descendant (proctree)
+    proctree.die_with_parent()  # a killed run (SIGKILL) takes its measuring child with it
+    trace = open(trace_path, "a", buffering=1)  # noqa: SIM115  (open for the process's whole life)
+    os.dup2(trace.fileno(), 1)  # a decoder's prints go to the log, not the terminal (issue 50 item D)
+    os.dup2(trace.fileno(), 2)  # native crash messages and tracebacks go to the log too
+    sys.stdout = sys.stderr = trace
     faulthandler.enable(file=trace, all_threads=True)
+    deadline.observe(lambda seconds: conn.send(("deadline", seconds)))  # the parent kills past it
     from dtbench.harness.worker import Worker
 
     try:
@@ -70,6 +97,7 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
         if kind == "run":
             _, key, prompt, done, skip = message
             for outcome in worker.run(key, prompt, done, skip, announce=lambda label: conn.send(("start", label))):
+                _after_cell(worker, trace_path)
                 conn.send(("outcome", outcome))
             conn.send(("end",))
         elif kind == "calibrate":
@@ -78,6 +106,7 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
             worker.set_budgets(message[1])
             conn.send(("ok",))
     worker.close()
+    proctree.sweep()
 
 
 def remember(outcome: Outcome, done: dict[str, Reference], skip: set[str]) -> None:
@@ -130,18 +159,21 @@ class IsolatedWorker:
         self.suite, self.device, self.plan, self.threads = suite, device, plan, threads
         self.budgets: dict[str, int] | None = None
         self.children = 0  # processes started (1 + crashes survived)
+        self.kept: list[str] = []  # logs of children that crashed or were killed (kept for the user)
+        self._deadline: tuple[float, float] | None = None  # the child's current (limit s, kill at monotonic s)
         self._start()
 
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        fd, self.trace_path = tempfile.mkstemp(prefix="dtbench-child-", suffix=".trace")
+        fd, self.trace_path = tempfile.mkstemp(prefix="dtbench-child-", suffix=".log")
         os.close(fd)
         self.proc = ctx.Process(
             target=_child,
             args=(child, self.trace_path, self.suite, self.device, self.plan, self.threads),
             daemon=True,
         )
+        self._deadline = None
         self.proc.start()
         child.close()
         self.children += 1
@@ -155,34 +187,67 @@ class IsolatedWorker:
             self._request(("budgets", self.budgets))
 
     def _receive(self) -> tuple[str, Any]:
-        """The child's next message, or ("crashed", description) when it died."""
+        """The child's next message; ("crashed", description) when it died; ("killed", description) when it ran
+        :func:`kill_grace` past a deadline it announced (blocked in native code: the async exception of
+        :class:`~dtbench.harness.deadline.Deadline` cannot stop it) and was killed with its process group."""
         while True:
             try:
                 if self.conn.poll(0.5):
                     message = self.conn.recv()
+                    if message[0] == "deadline":
+                        limit = message[1]
+                        self._deadline = (
+                            None if limit is None else (limit, time.monotonic() + limit + kill_grace(limit))
+                        )
+                        continue
                     return message[0], (message[1] if len(message) > 1 else None)
             except (EOFError, OSError):  # the pipe closed: the child is gone
                 break
+            if self._deadline is not None and time.monotonic() > self._deadline[1]:
+                limit, self._deadline = self._deadline[0], None
+                proctree.kill_tree(self.proc.pid or 0)
+                self.proc.join(5)
+                return "killed", (
+                    f"timed out after {limit:g} s and did not stop (blocked outside Python): its measuring process "
+                    f"and process group were killed{self._output_tail()}"
+                )
             if not self.proc.is_alive() and not self.conn.poll(0):
                 break
         self.proc.join(5)
         return "crashed", self._crash_text()
 
+    def _log_tail(self, size: int = 65536) -> str:
+        try:
+            with open(self.trace_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.trace_path) - size))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def _output_tail(self) -> str:
+        """``; output: ...`` with the last lines the child printed (escaped, clipped) and where its log is kept."""
+        self.kept.append(self.trace_path)
+        lines = [line.strip() for line in self._log_tail(4096).splitlines() if line.strip()]
+        tail = printable(" | ".join(lines[-3:]))[-OUTPUT_TAIL:]
+        return (f"; output: ...{tail}" if tail else "") + f"; log {self.trace_path}"
+
     def _crash_text(self) -> str:
-        text = Path(self.trace_path).read_text(errors="replace") if os.path.exists(self.trace_path) else ""
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        lines = [line.strip() for line in self._log_tail().splitlines() if line.strip()]
         fatal = [line for line in lines if line.startswith("Fatal Python error")]
         # the crashing thread's frames, innermost first (faulthandler's order), without the extension-module list
         start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
         frames = [line for line in lines[start + 1 :] if line.startswith("File ")] if start is not None else []
         tail = " | ".join([*fatal[-1:], *frames[:8]]) or " | ".join(lines[-6:])
-        where = f"; faulthandler: {clip(tail, TRACE_TAIL)}" if tail else ""
+        where = f"; faulthandler: {clip(printable(tail), TRACE_TAIL)}" if fatal or frames else self._output_tail()
+        if fatal or frames:
+            self.kept.append(self.trace_path)
+            where += f"; log {self.trace_path}"
         return f"the measuring process died of {signal_name(self.proc.exitcode)}{where}"
 
     def _request(self, message: tuple) -> Any:
         self.conn.send(message)
         kind, payload = self._receive()
-        if kind == "crashed":
+        if kind in ("crashed", "killed"):
             self._restart()
             raise DtbenchError(payload)
         return payload
@@ -191,10 +256,10 @@ class IsolatedWorker:
         self._stop()
         self._start()
 
-    def run(self, key, prompt, done: dict[str, Reference], skip: set[str]) -> Iterator[Outcome]:
+    def run(self, key, prompt, done: dict[str, Reference], skip: set[str], announce=None) -> Iterator[Outcome]:
         """Measure one prompt group in the child, yielding each outcome; a crash fails the decoder being measured
         (an :class:`~dtbench.harness.cells.Outcome` with the signal and trace) and the group goes on in a fresh
-        child with the remaining decoders."""
+        child with the remaining decoders. ``announce(label)``: called as the child starts each decoder."""
         done, skip = dict(done), set(skip)
         while True:
             self.conn.send(("run", key, prompt, done, skip))
@@ -203,17 +268,20 @@ class IsolatedWorker:
                 kind, payload = self._receive()
                 if kind == "start":
                     current = payload
+                    if announce is not None:
+                        announce(payload)
                 elif kind == "outcome":
                     current = None
                     remember(payload, done, skip)
                     yield payload
                 elif kind == "end":
                     return
-                else:  # crashed
+                else:  # crashed, or killed past its deadline
                     if current is None:  # between decoders: nothing of this group was lost but the process
                         self._restart()
                         break
-                    yield Outcome(current, error=f"prompt {_first(key)}: crashed: {payload}")
+                    why = "crashed: " if kind == "crashed" else ""
+                    yield Outcome(current, error=f"prompt {_first(key)}: {why}{payload}")
                     skip.add(current)
                     self._restart()
                     break
@@ -235,15 +303,18 @@ class IsolatedWorker:
                 except (OSError, EOFError):
                     pass
                 self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
+            if self.proc.is_alive() and self.proc.pid is not None:
+                proctree.kill_tree(self.proc.pid)
                 self.proc.join(5)
+            if self.proc.pid is not None:
+                proctree.kill_group(self.proc.pid)  # whatever the decoder left in the child's group
         finally:
             self.conn.close()
-            try:
-                os.unlink(self.trace_path)
-            except OSError:
-                pass
+            if self.trace_path not in self.kept:
+                try:
+                    os.unlink(self.trace_path)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         """Stop the child (its launched servers with it); never raises."""

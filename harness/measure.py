@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtbench.harness.deadline import Deadline as _Deadline  # the per-sample time limit (harness/deadline.py)
+from dtbench.harness.deadline import SampleTimeout as SampleTimeout  # re-exported: raised by measure_rows
 from dtbench.harness.energy import EnergyReading, EnergyTracker
 from dtbench.harness.forwards import FED_LAST, FED_MASK, ForwardCounter, StepRecord, cache_argument, now
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
@@ -44,72 +45,6 @@ __all__ = [
 
 
 # --- The measurement loop: one decoder on one prompt, timed per Step, forwards counted, time-limited -----------
-
-
-class SampleTimeout(BaseException):
-    """Raised inside a decoder that ran past the per-sample time limit.
-
-    A BaseException, so a plugin's broad ``except Exception`` cannot swallow it.
-    """
-
-
-class _Deadline:
-    """Raises :class:`SampleTimeout` in the measuring thread once ``seconds`` of wall time, or ``cpu_seconds`` of
-    this process's CPU time, have passed (None: no such limit).
-
-    A watchdog thread raises the exception asynchronously in the measuring thread (``PyThreadState_SetAsyncExc``),
-    so a decoder stuck in pure Python between two yields is stopped too, in any thread; a single long native call
-    (one huge matmul) is interrupted when it returns. The CPU-time limit is the load-independent one: on a machine
-    shared with other work the process gets less CPU per wall second, so wall time stretches with the load and CPU
-    time does not (a busy decoder still burns CPU and is stopped by it; a blocked one by the wall limit).
-    """
-
-    POLL_S = 0.25
-
-    def __init__(self, seconds: float | None, cpu_seconds: float | None = None):
-        self.seconds, self.cpu_seconds = seconds, cpu_seconds
-        self.fired = False
-        self._lock = threading.Lock()
-        self._armed = False
-        self._timer: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._tid = threading.get_ident()
-
-    def _fire(self) -> None:
-        import ctypes
-
-        with self._lock:
-            if self._armed:
-                self.fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), ctypes.py_object(SampleTimeout))
-
-    def _watch(self, wall0: float, cpu0: float) -> None:
-        while not self._stop.wait(self.POLL_S):
-            if (self.seconds is not None and time.monotonic() - wall0 >= self.seconds) or (
-                self.cpu_seconds is not None and time.process_time() - cpu0 >= self.cpu_seconds
-            ):
-                self._fire()
-                return
-
-    def __enter__(self) -> _Deadline:
-        if self.seconds is not None or self.cpu_seconds is not None:
-            self._armed = True
-            self._timer = threading.Thread(
-                target=self._watch, args=(time.monotonic(), time.process_time()), daemon=True, name="dtbench-deadline"
-            )
-            self._timer.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._timer is None:
-            return
-        import ctypes
-
-        with self._lock:
-            self._armed = False
-            if self.fired:  # not delivered yet (we left on our own): withdraw it
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
-        self._stop.set()
 
 
 @dataclass
@@ -325,7 +260,8 @@ def measure_rows(
         raise DtbenchError(f"decoder stopped{where(short[0])} after {len(tokens[short[0]])} of {gen_length} tokens")
     synchronize(device)
     stats = getattr(decoder, "state_stats", None)
-    state = stats() if stats else None
+    with _Deadline(timeout_s, cpu_timeout_s):  # the decoder's code, under the sample's limit too (issue 50)
+        state = stats() if stats else None
     forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
     return [
         Measurement(

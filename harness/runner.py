@@ -31,7 +31,7 @@ from dtbench.harness.prompt import Prompt
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.store.db import Cell, Run, Sample, utcnow
-from dtbench.harness.store.runs import Heartbeat, check_resumable, open_run
+from dtbench.harness.store.runs import Heartbeat, check_resumable, mark_crashed, open_run
 from dtbench.harness.suite import Suite
 
 
@@ -87,6 +87,7 @@ def run_suite(
     executor=None,
     quiet_below: float | None = None,
     quiet_limit_s: float = 120.0,
+    skip_failed: bool = False,
 ) -> int:
     """Run a suite and store every sample; return the run id.
 
@@ -107,6 +108,8 @@ def run_suite(
         quiet_below, quiet_limit_s: ``--require-quiet``: after the suite validated and before anything loads, wait
             up to ``quiet_limit_s`` seconds for the 1-minute load average to drop below ``quiet_below``
             (:func:`dtbench.harness.load.wait_quiet`), else refuse; None: do not wait.
+        skip_failed: a resumed run leaves its failed cells failed (a cell that crashes every time is gone past)
+            instead of retrying them.
 
     Raises:
         DtbenchError: bad suite/models/data, or a machine that did not become quiet (before the run row is
@@ -127,8 +130,7 @@ def run_suite(
         console.print(f"warning: {printable(line)}", style="yellow", markup=False, highlight=False)
     preflight(suite, plan, console)
     if resume is not None:  # a live or wrong run is refused now, not after the models loaded
-        with sessions() as session:
-            check_resumable(session.get(Run, resume) if valid_id(resume) else None, resume, suite_text, force)
+        _check_resume(sessions, resume, suite_text, force, console)
     quiet = None
     if quiet_below is not None:  # before anything loads: dtbench's own loading would raise the load it waits on
         found = load.wait_quiet(
@@ -171,7 +173,7 @@ def run_suite(
         with sessions() as session:
             run = open_run(session, suite, suite_text, suite_path, resume, force, env)
             run_id = run.id
-            cells = _open_cells(session, run, plan, info.target, info.draft)
+            cells = _open_cells(session, run, plan, info.target, info.draft, retry_failed=not skip_failed)
             session.commit()
 
         status, error = "failed", None
@@ -216,6 +218,22 @@ def run_suite(
             f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})"
         )
     return run_id
+
+
+def _check_resume(sessions, resume: int, suite_text: str, force: bool, console: Console) -> None:
+    """Refuse a run that cannot be resumed (:func:`~dtbench.harness.store.runs.check_resumable`), after recording
+    one whose process died without closing it as crashed, its in-flight cell failed (issue 50, with a note).
+
+    Raises:
+        DtbenchError: one line saying why the run cannot be resumed.
+    """
+    with sessions() as session:
+        resumed = session.get(Run, resume) if valid_id(resume) else None
+        crashed = mark_crashed(resumed) if resumed is not None else None
+        if crashed:
+            session.commit()
+            console.print(f"note: {printable(crashed)}", style="yellow", markup=False, highlight=False)
+        check_resumable(resumed, resume, suite_text, force)
 
 
 class _Sink:
@@ -293,17 +311,30 @@ class _Sink:
     def note(self, text: str) -> None:
         self.console.print(text, style="yellow", markup=False, highlight=False)
 
+    def started(self, group: PromptGroup, label: str) -> None:
+        """Record the cell being measured now (``runs.measuring_cell_id``): if this process dies, the next
+        ``--resume`` or ``report`` fails that cell (:func:`~dtbench.harness.store.runs.mark_crashed`)."""
+        with self.sessions() as session:
+            session.get(Run, self.run_id).measuring_cell_id = self._cell(group, label)
+            session.commit()
+
 
 def _close_run(sessions, run_id: int, status: str, error: str | None, console: Console) -> None:
-    """Record the run's final status; cells not failed become done (completed run) or pending (to resume)."""
+    """Record the run's final status; cells not failed become done (completed run), or, to resume, interrupted
+    (holding samples) or pending (none yet)."""
     try:
         with sessions() as session:
             run = session.get(Run, run_id)
             run.status, run.error = status, error
             run.finished_at = utcnow()
+            run.measuring_cell_id = None
             for cell in run.cells:
-                if cell.status != "failed":
-                    cell.status = "done" if status == "completed" else "pending"
+                if cell.status == "failed":
+                    continue
+                if status == "completed":
+                    cell.status = "done"
+                else:  # cells holding samples are interrupted, the others not started (issue 50 item D)
+                    cell.status = "interrupted" if cell.status in ("running", "interrupted") else "pending"
             session.commit()
     except Exception as exc:  # the database itself is failing: the run stays 'running' with a stale heartbeat
         console.print(
@@ -315,7 +346,7 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
 
 
 def _open_cells(
-    session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None
+    session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None, retry_failed: bool = True
 ) -> dict[tuple[str, int, int, int, str], int]:
     existing = {(*group_key(c), c.label): c for c in run.cells}
     ids = {}
@@ -346,8 +377,10 @@ def _open_cells(
                 draft_model=f"{draft['model']} ({draft['dtype']})" if (draft and cp.cls.needs_draft) else None,
             )
             session.add(cell)
-        elif cell.status == "failed":
-            cell.status, cell.error = "pending", None  # a resumed run retries failed cells
+        elif cell.status == "failed" and retry_failed:
+            cell.status, cell.error = "pending", None  # a resumed run retries failed cells (not with --skip-failed)
+        elif cell.status == "interrupted":
+            cell.status = "running"  # it holds samples
         session.flush()
         ids[key] = cell.id
     return ids
@@ -424,10 +457,13 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
             if cell.status == "pending":
                 cell.status = "running"
             if outcome.compile_s is not None:  # a compiled cell's compile step, before its first sample
-                cell.compile_s, cell.compile_graphs = outcome.compile_s, outcome.compile_graphs
+                if cell.compile_s is None:  # the first one stays (a resumed run compiles again: issue 50 item D)
+                    cell.compile_s, cell.compile_graphs = outcome.compile_s, outcome.compile_graphs
+                cell.compile_runs = [*(cell.compile_runs or []), [outcome.compile_s, outcome.compile_graphs]]
         else:
             cell.status, cell.error = "failed", redact_credentials(outcome.error or "")[:2000]
-        session.get(Run, run_id).heartbeat_at = utcnow()
+        run = session.get(Run, run_id)
+        run.heartbeat_at, run.measuring_cell_id = utcnow(), None
         session.commit()
 
 

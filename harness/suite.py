@@ -195,8 +195,8 @@ class Suite(Frozen):
         "auto",
         description="where cells are measured: process (a child process that loads the models once; a native crash "
         "such as a segfault fails only the cell it hit, the run goes on in a fresh child), none (in the run's own "
-        "process), auto (default: process on CUDA, none on CPU). The local executor's; Ray actors are processes "
-        "already",
+        "process: for debugging; a decoder's child processes and a hang in native code are not contained), auto "
+        "(default: process on every device). The local executor's; Ray actors are processes already",
     )
     calibrate: bool = Field(
         False,

@@ -285,12 +285,13 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
     from dtbench.reports import render
     from dtbench.reports.summary import get_run, samples_frame, summarize
 
-    with sessions() as session:
+    with sessions() as session, session.no_autoflush:
         run = get_run(session, run_id)
+        crashed = _settle(session, run)
         meta = {
             "id": run.id,
             "suite": run.suite_name,
-            "status": run.status,
+            "status": "crashed" if crashed else run.status,
             "started_at": str(run.started_at),
             "finished_at": str(run.finished_at),
             "environment": run.environment or {},
@@ -305,6 +306,20 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
     emit(fmt, render.cell_document(summary, meta))
+
+
+def _settle(session, run) -> bool:
+    """Show a run whose process died while it was ``running`` as ``crashed`` (issue 50:
+    :func:`~dtbench.harness.store.runs.mark_crashed`, its in-flight cell failed), with a note; True when it is one.
+    Reports open the database read-only, so this changes the session's objects only (the caller reads the run under
+    ``no_autoflush`` and never commits); the next ``dtbench run --resume`` stores it."""
+    from dtbench.harness.store.runs import mark_crashed
+
+    note = mark_crashed(run)
+    if note is None:
+        return False
+    _note(f"note: {note} (stored by the next `dtbench run --resume`)")
+    return True
 
 
 # --- within a run --------------------------------------------------------------------------------------------

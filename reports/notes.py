@@ -83,6 +83,11 @@ def _state_notes(row: pd.Series, where: str = "") -> list[str]:
     if row["status"] == "failed":
         after = f" after {n + warmup_n} measured prompts" if n + warmup_n else ""
         return [f"{label} failed{where}{after}: {error}"]
+    if row["status"] == "interrupted":  # issue 50 item D: the run stopped while this cell was under way
+        return [
+            f"{label}{where} was interrupted after {n + warmup_n} measured prompts ({n} after warmup): its numbers "
+            "come from those prompts only (--resume continues it)"
+        ]
     if bool(row.get("all_warmup", False)) and int(row.get("remainder_n", 0) or 0):
         return [  # a batch size above the measured prompts (refused at validate since issue 42; older runs)
             f"{label}{where}: no full batch of B={int(row['batch_size'])} after warmup ({int(row['remainder_n'])} "

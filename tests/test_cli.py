@@ -204,7 +204,12 @@ def _with_fake_decoder(monkeypatch, name, exc_type):
 @pytest.mark.slow
 def test_failing_decoder_fails_its_cell_only(tmp_path, data_dir, monkeypatch):
     _with_fake_decoder(monkeypatch, "boom", RuntimeError)
-    suite = {**TINY, "decoders": [{"name": "ar"}, {"name": "boom"}, {"name": "linear", "params": {"k": 2}}]}
+    # isolation: none: the fake decoder is this process's monkeypatched registry, which no child process sees
+    suite = {
+        **TINY,
+        "isolation": "none",
+        "decoders": [{"name": "ar"}, {"name": "boom"}, {"name": "linear", "params": {"k": 2}}],
+    }
     dbfile = tmp_path / "r.db"
     result = invoke(
         "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
@@ -221,7 +226,8 @@ def test_failing_decoder_fails_its_cell_only(tmp_path, data_dir, monkeypatch):
 @pytest.mark.slow
 def test_interrupt_keeps_samples_and_resume_completes(tmp_path, data_dir, monkeypatch):
     _with_fake_decoder(monkeypatch, "stopper", KeyboardInterrupt)
-    suite = {**TINY, "decoders": [{"name": "ar"}, {"name": "stopper"}]}
+    # isolation: none: a monkeypatched registry's decoder, and its KeyboardInterrupt is this process's Ctrl-C
+    suite = {**TINY, "isolation": "none", "decoders": [{"name": "ar"}, {"name": "stopper"}]}
     path = write_suite(tmp_path, suite)
     dbfile = tmp_path / "r.db"
     result = invoke("run", path, "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress")

@@ -1923,3 +1923,255 @@ def test_a_cell_with_only_a_remainder_says_so_not_all_warmup(tmp_path):
     assert result.exit_code == 0, result.output
     assert "no full batch of B=4 after warmup (2 measured prompts" in result.output
     assert "measured prompts are warmup" not in result.output
+
+
+# --- issue 50: nothing runs that nobody asked for (round 5) ------------------------------------------------------
+
+SPINNING = '''
+import os
+import time
+from dtbench.decoders.ar import Autoregressive
+
+
+class Spinning(Autoregressive):
+    """AR whose generate spins in pure Python for DTBENCH_SPIN_S seconds before decoding (a hang, bounded so that
+    the code before the fix ends too)."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        end = time.monotonic() + float(os.environ["DTBENCH_SPIN_S"])
+        while time.monotonic() < end:
+            pass
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from kit import tiny_pair
+
+    return tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+def test_a_compiled_cells_compile_step_runs_under_its_deadline(tiny, tmp_path, data_dir, monkeypatch):
+    """Issue 50 item A(a): the compile step calls the decoder's generate; a plugin that hangs there is stopped at
+    the cell's timeout_s (before the fix it ran on for the whole 150 s spin, past the deadline)."""
+    import time
+
+    from kit import install_plugin, suite_dict
+    from sqlalchemy import select
+
+    from dtbench.harness.store import db
+
+    install_plugin(
+        monkeypatch, tmp_path / "site", "dtbench-spinning", {"spinning": "dtbench_spinning:Spinning"}, SPINNING
+    )
+    monkeypatch.setenv("DTBENCH_SPIN_S", "150")
+    decoders = [{"name": "ar"}, {"name": "spinning", "execution": ["compiled"]}]
+    suite = suite_dict(*tiny, decoders, execution=["eager", "compiled"], timeout_s=5, isolation="none")
+    suite["datasets"][0].update(prompts=1, warmup=0)
+    dbfile = tmp_path / "spin.db"
+    t0 = time.monotonic()
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    took = time.monotonic() - t0
+    assert result.exit_code == 4, result.output  # a cell failed, the run ended
+    assert took < 120, took
+    with db.connect(str(dbfile))() as s:
+        cell = s.scalars(select(db.Cell).where(db.Cell.label == "spinning [compiled]")).one()
+        assert cell.status == "failed" and "timed out after 5 s (in the compile step)" in cell.error, cell.error
+    assert "timed out after 5 s (in the compile step)" in result.output
+
+
+ABORTING = '''
+from dtbench.decoders.ar import Autoregressive
+
+
+class Aborting(Autoregressive):
+    """AR that aborts its process (SIGABRT) on every prompt."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        import os
+
+        os.abort()
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+def test_a_run_that_died_is_marked_crashed_and_resume_skip_failed_goes_past_it(tiny, tmp_path, data_dir, monkeypatch):
+    """Issue 50 item B: a decoder that aborts the process under isolation: none (a `dtbench run` of its own, exit
+    134) left the run `running` forever; now `report` marks it crashed (its owner pid is gone) with the cell it
+    was measuring failed, and `--resume --skip-failed` completes the run without measuring that cell again."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kit import install_plugin, suite_dict
+    from sqlalchemy import select
+
+    from dtbench.harness.store import db
+
+    site = tmp_path / "site"
+    install_plugin(monkeypatch, site, "dtbench-crashing", {"aborting": "dtbench_crashing:Aborting"}, ABORTING)
+    decoders = [{"name": "ar"}, {"name": "aborting"}, {"name": "linear", "params": {"k": 2}}]
+    suite = suite_dict(*tiny, decoders, isolation="none")
+    suite["datasets"][0].update(prompts=2, warmup=1)
+    path, dbfile = write_suite(tmp_path, suite), tmp_path / "crash.db"
+    args = ["run", path, "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    dtbench = str(Path(sys.executable).with_name("dtbench"))
+    died = subprocess.run([dtbench, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert died.returncode in (-6, 134), died.stderr[-2000:]  # SIGABRT: nothing recorded by the process itself
+    with db.connect(str(dbfile))() as s:
+        assert s.scalars(select(db.Run)).one().status == "running"
+    shown = invoke("report", "--db", str(dbfile))
+    assert shown.exit_code == 0, shown.output
+    assert "was still marked running, but the run's process (pid" in shown.stderr, shown.stderr
+    assert " · crashed · " in shown.stdout, shown.stdout
+    assert "aborting failed: crashed: the run's process died while measuring this cell" in shown.output
+    with db.connect(str(dbfile))() as s:  # reports read the database only: the next resume stores it
+        assert s.scalars(select(db.Run)).one().status == "running"
+    resumed = invoke(*args, "--resume", "--skip-failed")
+    assert resumed.exit_code == 4, resumed.output  # completed, with the crashing cell failed
+    assert "was still marked running, but the run's process (pid" in resumed.stderr
+    with db.connect(str(dbfile))() as s:
+        run = s.scalars(select(db.Run)).one()
+        cells = {c.label: c for c in run.cells}
+        assert run.status == "completed" and run.measuring_cell_id is None
+        assert cells["aborting"].status == "failed" and cells["aborting"].error.startswith("crashed: the run's")
+        assert len(cells["ar"].samples) == len(cells["linear"].samples) == 2
+    one_line_error(invoke(*args, "--skip-failed"), "--skip-failed needs --resume")
+
+
+INTERRUPTING = '''
+import os
+from dtbench.decoders.ar import Autoregressive
+
+
+class Interrupting(Autoregressive):
+    """AR that raises KeyboardInterrupt (as Ctrl-C would) on prompt DTBENCH_INTERRUPT_AT's length of input."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        calls = int(os.environ.get("DTBENCH_CALLS", "0")) + 1
+        os.environ["DTBENCH_CALLS"] = str(calls)
+        if calls == int(os.environ["DTBENCH_INTERRUPT_AT"]):
+            raise KeyboardInterrupt
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+def test_an_interrupted_run_marks_cells_with_samples_interrupted_and_keeps_every_compile(
+    tiny, tmp_path, data_dir, monkeypatch
+):
+    """Issue 50 item D: cells of an interrupted run that hold samples are `interrupted` (they were left `pending`),
+    with a note in the report; a resumed run's compile step no longer overwrites the first one's compile_s (every
+    one is kept in compile_runs)."""
+    from kit import install_plugin, suite_dict
+    from sqlalchemy import select
+
+    from dtbench.harness.cells import Outcome
+    from dtbench.harness.runner import commit_outcome
+    from dtbench.harness.store import db
+
+    site = tmp_path / "site"
+    install_plugin(
+        monkeypatch, site, "dtbench-interrupting", {"stops": "dtbench_interrupting:Interrupting"}, INTERRUPTING
+    )
+    monkeypatch.setenv("DTBENCH_INTERRUPT_AT", "2")
+    monkeypatch.setenv("DTBENCH_CALLS", "0")
+    decoders = [{"name": "ar"}, {"name": "stops"}, {"name": "linear", "params": {"k": 2}}]
+    suite = suite_dict(*tiny, decoders)
+    suite["datasets"][0].update(prompts=3, warmup=1)
+    path, dbfile = write_suite(tmp_path, suite), tmp_path / "int.db"
+    args = ["run", path, "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"]
+    stopped = invoke(*args)
+    assert stopped.exit_code == 130, stopped.output
+    with db.connect(str(dbfile))() as s:
+        cells = {c.label: c for c in s.scalars(select(db.Cell))}
+        assert {k: (c.status, len(c.samples)) for k, c in cells.items()} == {
+            "ar": ("interrupted", 2),
+            "stops": ("interrupted", 1),
+            "linear": ("interrupted", 1),
+        }
+        ar_id, run_id = cells["ar"].id, cells["ar"].run_id
+    shown = invoke("report", "--db", str(dbfile))
+    assert "stops was interrupted after 1 measured prompts (0 after warmup)" in shown.stderr + shown.stdout
+    sessions = db.connect(str(dbfile))
+    for seconds, graphs in ((1.5, 3), (2.5, 4)):  # the first run's compile step, then a resumed run's
+        commit_outcome(sessions, run_id, ar_id, Outcome("ar", rows=[], compile_s=seconds, compile_graphs=graphs))
+    with sessions() as s:
+        cell = s.get(db.Cell, ar_id)
+        assert (cell.compile_s, cell.compile_graphs, cell.compile_runs) == (1.5, 3, [[1.5, 3], [2.5, 4]])
+    monkeypatch.setenv("DTBENCH_INTERRUPT_AT", "0")
+    resumed = invoke(*args, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    with sessions() as s:
+        assert {c.status for c in s.scalars(select(db.Cell))} == {"done"}
+
+
+SHOUTING = '''
+import os
+import sys
+from dtbench.decoders.ar import Autoregressive
+
+
+class Shouting(Autoregressive):
+    """AR that prints 10^6 lines with terminal escape codes, then aborts its process."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        sys.stdout.write("\\x1b[31mshouting\\x1b]0;title\\x07 line\\n" * 1_000_000)
+        sys.stdout.flush()
+        os.abort()
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+def test_an_isolated_childs_output_goes_to_its_log_not_the_terminal(tiny, tmp_path, data_dir, monkeypatch):
+    """Issue 50 item D: 10^6 printed lines with escape codes from a decoder measured in the child went straight to
+    the terminal; now they go to the child's log, kept when the child crashes and named in the cell's error."""
+    import re as _re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kit import install_plugin, suite_dict
+    from sqlalchemy import select
+
+    from dtbench.harness.store import db
+
+    site = tmp_path / "site"
+    install_plugin(monkeypatch, site, "dtbench-shouting", {"shouting": "dtbench_shouting:Shouting"}, SHOUTING)
+    suite = suite_dict(*tiny, [{"name": "ar"}, {"name": "shouting"}], isolation="process")
+    suite["datasets"][0].update(prompts=1, warmup=0)
+    dbfile = tmp_path / "shout.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    dtbench = str(Path(sys.executable).with_name("dtbench"))
+    args = ["run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"]
+    result = subprocess.run([dtbench, *args], env=env, capture_output=True, text=True, timeout=300)
+    terminal = result.stdout + result.stderr  # what a user's terminal shows
+    assert result.returncode == 4, terminal[-3000:]
+    assert "shouting\x1b" not in terminal and len(terminal) < 20_000, len(terminal)
+    with db.connect(str(dbfile))() as s:
+        error = s.scalars(select(db.Cell).where(db.Cell.label == "shouting")).one().error
+    assert "died of SIGABRT" in error and "\x1b" not in error, error
+    log = _re.search(r"; log (\S+\.log)", error)
+    assert log is not None, error
+    with open(log.group(1), "rb") as f:
+        assert f.read(64).startswith(b"\x1b[31mshouting")
+    os.unlink(log.group(1))

@@ -50,7 +50,8 @@ def test_signal_names_and_the_default_isolation():
     suite = Suite.model_validate(
         {"name": "s", "datasets": [{"name": "wikitext-2"}], "generation_lengths": [4], "decoders": [{"name": "ar"}]}
     )
-    assert isolation_of(suite, "cuda") == "process" and isolation_of(suite, "cpu") == "none"
+    assert isolation_of(suite, "cuda") == "process" and isolation_of(suite, "cpu") == "process"  # issue 50 item B
+    assert isolation_of(suite.model_copy(update={"isolation": "none"}), "cpu") == "none"
     forced = suite.model_copy(update={"isolation": "process"})
     assert isolation_of(forced, "cpu") == "process"
 
@@ -160,3 +161,114 @@ def test_own_process_decoders_run_in_a_child_of_their_own(monkeypatch, pair, tmp
     assert all(x[0] == "done" and x[3] is True for x in got["hf_assisted"]) and len(got["hf_assisted"]) == 2
     assert [x[2] for x in got["hf_assisted"]] == [x[2] for x in got["ar"]]
     assert len(got["linear"]) == len(got["dynatree"]) == 2
+
+
+# --- issue 50: a decoder's code never outlives its deadline or its cell ------------------------------------------
+
+SLEEPING = '''
+import os
+import time
+from dtbench.decoders.ar import Autoregressive
+
+
+class Sleeping(Autoregressive):
+    """AR blocked in one native call (time.sleep) for DTBENCH_SLEEP_S seconds: the async exception of the deadline
+    cannot interrupt it."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        time.sleep(float(os.environ["DTBENCH_SLEEP_S"]))
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+def test_a_decoder_blocked_in_native_code_is_killed_at_its_deadline(monkeypatch, pair, tmp_path, data_dir):
+    """Issue 50 item A(b): under isolation: process the parent kills the child (and its process group) once the
+    cell's timeout_s and a grace margin have passed, fails the cell in one line and goes on with the next decoder
+    (before the fix the run waited the whole 150 s sleep)."""
+    import time
+
+    install_plugin(
+        monkeypatch, tmp_path / "site", "dtbench-sleeping", {"sleeping": "dtbench_sleeping:Sleeping"}, SLEEPING
+    )
+    monkeypatch.setenv("DTBENCH_SLEEP_S", "150")
+    decoders = [{"name": "ar"}, {"name": "sleeping"}, {"name": "linear", "params": {"k": 2}}]
+    suite = suite_dict(*pair, decoders, isolation="process", timeout_s=5)
+    suite["datasets"][0].update(prompts=1, warmup=0)
+    dbfile = tmp_path / "sleep.db"
+    t0 = time.monotonic()
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    took = time.monotonic() - t0
+    assert result.exit_code == 4, result.output
+    assert took < 90, took
+    assert "timed out after 5 s and did not stop (blocked outside Python)" in result.output
+    with db.connect(str(dbfile))() as s:
+        cells = {c.label: c for c in s.scalars(select(db.Cell))}
+        assert cells["sleeping"].status == "failed" and "process group were killed" in cells["sleeping"].error
+        assert cells["linear"].status == "done" and len(cells["linear"].samples) == 1
+
+
+SPAWNING = '''
+import os
+import subprocess
+from dtbench.decoders.ar import Autoregressive
+
+
+class Spawning(Autoregressive):
+    """AR that leaves processes behind: a child, a child in a session of its own, and an orphan (double fork)."""
+
+    @classmethod
+    def reference(cls, params):
+        return ("ar", {})
+
+    def generate(self, input_ids, max_new_tokens):
+        tag = os.environ["DTBENCH_SPAWN_TAG"]
+        subprocess.Popen(["sleep", tag + "1"])
+        subprocess.Popen(["sleep", tag + "2"], start_new_session=True)
+        subprocess.Popen(["sh", "-c", "sleep " + tag + "3 &"], start_new_session=True).wait()
+        yield from super().generate(input_ids, max_new_tokens)
+'''
+
+
+def _sleepers(tag: str) -> list:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if len(cmd) == 2 and cmd[0] == "sleep" and cmd[1].startswith(tag) and p.info["status"] != "zombie":
+            out.append(p)
+    return out
+
+
+def test_a_decoders_child_processes_end_with_its_cell(monkeypatch, pair, tmp_path, data_dir):
+    """Issue 50 item C: children a decoder starts (plain, start_new_session, double-forked) do not outlive its
+    cell under isolation: process (before the fix all three were still alive after the run)."""
+    import os
+
+    import psutil
+
+    tag = f"1000.{os.getpid()}"
+    install_plugin(
+        monkeypatch, tmp_path / "site", "dtbench-spawning", {"spawning": "dtbench_spawning:Spawning"}, SPAWNING
+    )
+    monkeypatch.setenv("DTBENCH_SPAWN_TAG", tag)
+    suite = suite_dict(*pair, [{"name": "ar"}, {"name": "spawning"}], isolation="process")
+    suite["datasets"][0].update(prompts=1, warmup=0)
+    dbfile = tmp_path / "spawn.db"
+    try:
+        result = invoke(
+            "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+        )
+        assert result.exit_code == 0, result.output
+        left = _sleepers(tag)
+        assert left == [], [p.cmdline() for p in left]
+    finally:
+        for p in _sleepers(tag):
+            p.kill()
+        psutil.wait_procs(_sleepers(tag), timeout=5)

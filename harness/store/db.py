@@ -87,7 +87,7 @@ class Run(Base):
     suite_path: Mapped[str | None] = mapped_column(String(1000))
     suite_text: Mapped[str] = mapped_column(Text)
     suite_hash: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(20), default="running")  # running|completed|interrupted|failed
+    status: Mapped[str] = mapped_column(String(20), default="running")  # running|completed|interrupted|failed|crashed
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     environment: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
@@ -97,6 +97,9 @@ class Run(Base):
     owner_host: Mapped[str | None] = mapped_column(String(255))
     owner_pid: Mapped[int | None] = mapped_column(Integer)
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Revision 0015 (issue 50): the cell being measured right now (None between cells); a run whose process died
+    # with it set gets that cell failed when it is found crashed (harness/store/runs.py: mark_crashed)
+    measuring_cell_id: Mapped[int | None] = mapped_column(Integer)
     cells: Mapped[list[Cell]] = relationship(back_populates="run", cascade="all, delete-orphan")
 
 
@@ -121,6 +124,9 @@ class Cell(Base):
     execution: Mapped[str] = mapped_column(String(20), default="eager", server_default="eager")
     compile_s: Mapped[float | None] = mapped_column(Float)
     compile_graphs: Mapped[int | None] = mapped_column(Integer)
+    # 0015 (issue 50): every compile step of the cell as [seconds, graphs] (a resumed run compiles again in its own
+    # process; compile_s/compile_graphs keep the first), None before 0015
+    compile_runs: Mapped[list[list[float]] | None] = mapped_column(JSON)
     decoder: Mapped[str] = mapped_column(String(200))
     family: Mapped[str | None] = mapped_column(String(20))  # the decoder's declared family: ar|chain|tree|external
     label: Mapped[str] = mapped_column(String(300))
@@ -136,7 +142,9 @@ class Cell(Base):
     reference_label: Mapped[str | None] = mapped_column(String(300))
     target_model: Mapped[str] = mapped_column(String(500))
     draft_model: Mapped[str | None] = mapped_column(String(500))
-    status: Mapped[str] = mapped_column(String(20), default="pending")  # pending|running|done|failed
+    status: Mapped[str] = mapped_column(
+        String(20), default="pending"
+    )  # pending|running|done|failed|interrupted (holds samples, run stopped)
     error: Mapped[str | None] = mapped_column(Text)
     # 0014, the machine's load while the cell was measured (harness/load.py; NULL before 0014): logical CPUs, the
     # 1-minute load average before its first sample and after its last, the largest load less this process tree's

@@ -80,6 +80,39 @@ def owner_alive(run: Run) -> str | None:
     return None
 
 
+CRASHED_CELL = (
+    "crashed: the run's process died while measuring this cell (killed, or a native crash); "
+    "--resume retries it, --resume --skip-failed goes past it"
+)
+
+
+def mark_crashed(run: Run) -> str | None:
+    """Record ``run`` as ``crashed`` when it is still ``running`` but its owner is gone (:func:`owner_alive`: on
+    this host its pid no longer runs, or runs a process started after the last heartbeat; on another host no
+    heartbeat for STALE_S seconds); return a one-line note saying so, or None (nothing changed; the caller commits).
+
+    A process that dies without closing its run (``os.abort()`` in a decoder under ``isolation: none``, the OOM
+    killer, SIGKILL) cannot record it itself, so the next ``run --resume`` or ``report`` does. The pid is the test
+    on this host because it is exact and immediate (a heartbeat is only refreshed every HEARTBEAT_S seconds, so its
+    age cannot tell a dead run from a live one for that long); the process's start time guards against a reused
+    pid, and the heartbeat remains the test for an owner on another host. The cell being measured
+    (``measuring_cell_id``) becomes ``failed`` (:data:`CRASHED_CELL`), cells holding samples ``interrupted``.
+    """
+    if run.status != "running" or owner_alive(run) is not None:
+        return None
+    run.status = "crashed"
+    run.finished_at = run.heartbeat_at or run.finished_at
+    who = f"pid {run.owner_pid} on {run.owner_host}" if run.owner_pid is not None else "unknown"
+    run.error = f"the run's process ({who}) ended without closing the run (killed, or a native crash)"
+    for cell in run.cells:
+        if cell.id == run.measuring_cell_id and cell.status != "failed":
+            cell.status, cell.error = "failed", CRASHED_CELL
+        elif cell.status == "running":  # holds samples
+            cell.status = "interrupted"
+    run.measuring_cell_id = None
+    return f"run {run.id} was still marked running, but {run.error}: recorded as crashed"
+
+
 # The environment keys two measurements must share to be compared: a resumed run's samples and the run it
 # continues (all of them), two runs compared by ``dtbench report --compare`` (they are flagged when they differ).
 MUST_MATCH = ("dtbench", "torch", "transformers", "device", "device_name", "target", "draft")
