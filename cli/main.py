@@ -663,7 +663,7 @@ def list_decoders() -> None:
     problems.extend(found.warnings("decoder"))
     for name, entry in sorted(registry.discover().items()):
         try:
-            cls = entry.load()
+            cls = registry.DECODERS.load(entry)
         except DtbenchError as exc:
             problems.append(str(exc))
             table.add_row(
