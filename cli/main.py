@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dtbench.cli.db import db_group
+from dtbench.cli.plugins import ExecutorChoice, plugins_command
 from dtbench.harness.bounds import Checked, OpenProbability, Seconds
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import MISSING
@@ -168,7 +169,7 @@ def cli() -> None:
 @click.option("--no-report", is_flag=True, help="do not print the report at the end")
 @click.option(
     "--executor",
-    type=click.Choice(["local", "ray"]),
+    type=ExecutorChoice(),
     default="local",
     show_default=True,
     help="local: this process measures every prompt group; ray: Ray actors do (one per GPU, or --workers "
@@ -673,7 +674,7 @@ def list_decoders() -> None:
     problems.extend(found.warnings("decoder"))
     for name, entry in sorted(registry.discover().items()):
         try:
-            cls = entry.load()
+            cls = registry.DECODERS.load(entry)
         except DtbenchError as exc:
             problems.append(str(exc))
             table.add_row(
@@ -698,6 +699,7 @@ def list_decoders() -> None:
 
 
 cli.add_command(db_group)  # dtbench db upgrade|current (cli/db.py)
+cli.add_command(plugins_command)  # dtbench plugins (cli/plugins.py)
 from dtbench.cli.calibrate import calibrate_command  # noqa: E402
 
 cli.add_command(calibrate_command)

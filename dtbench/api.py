@@ -13,8 +13,9 @@ loop of your own. A decoder that retrieves from a corpus declares it (:class:`Co
 Datasets (entry-point group ``dtbench.datasets``): subclass :class:`Dataset` (its own suite keys a
 :class:`DatasetParams`) and return (title, text) documents; prompt selection and the prompt cap are dtbench's.
 
-Report formats: :func:`renderer` registers a function from a :class:`Document` (reports, each a :class:`Report`) to
-text under a ``--format`` name.
+Report formats (entry-point group ``dtbench.formats``): a function from a :class:`Document` (reports, each a
+:class:`Report`) to text, registered under a ``--format`` name by its entry point (:func:`renderer` registers one in
+the running process only, never under a built-in name).
 
 Serving engines (entry-point group ``dtbench.engines``): the ``server`` decoder reads a server through the adapter
 its ``engine:`` names; subclass :class:`OpenAICompatible` (or implement :class:`Engine`) and fill its hooks: request

@@ -44,7 +44,7 @@ from pydantic import ConfigDict, Field
 
 from dtbench.core import StrictBools
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.registry import Registry, validate_model
+from dtbench.harness.registry import validate_model
 from dtbench.harness.sources import (
     HubSource,
     hub_rows,
@@ -56,6 +56,7 @@ from dtbench.harness.sources import (
     strip_gutenberg,
 )
 from dtbench.harness.suite import DatasetSpec
+from dtbench.registry import Registry, subclass_of
 
 
 class DatasetParams(StrictBools):
@@ -301,7 +302,7 @@ class RandomTokens(Dataset):
         return Documents(docs, skip=spec.skip, source=source, name=spec.name)
 
 
-REGISTRY: Registry[Dataset] = Registry("dtbench.datasets", "dataset", Dataset)
+REGISTRY: Registry[type[Dataset]] = Registry("dtbench.datasets", "dataset", subclass_of(Dataset))
 
 
 def dataset(spec: DatasetSpec) -> Dataset:

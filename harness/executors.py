@@ -45,8 +45,7 @@ from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
 from dtbench.harness.worker import Worker, WorkerInfo, work_key
-
-EXECUTORS = ("local", "ray")
+from dtbench.registry import Registry, subclass_of
 
 
 class Sink(Protocol):
@@ -74,6 +73,25 @@ class Executor:
     """Hands a plan's prompt groups to workers; see the module docstring for the protocol."""
 
     name = "executor"
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        address: str | None = None,
+        workers: int | None = None,
+        threads_per_worker: int | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> Executor:
+        """The executor ``dtbench run --executor NAME`` builds from its options (default: no options accepted).
+
+        Raises:
+            DtbenchError: an option this executor does not take.
+        """
+        given = [o for o, v in (("--address", address), ("--workers", workers)) if v is not None]
+        if given:
+            raise DtbenchError(f"{' and '.join(given)} are not options of the {cls.name} executor")
+        return cls()
 
     def prepare(self, suite: Suite) -> None:
         """Cheap checks before anything is loaded (the device exists; Ray is installed and reachable)."""
@@ -114,6 +132,24 @@ class LocalExecutor(Executor):
     """
 
     name = "local"
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        address: str | None = None,
+        workers: int | None = None,
+        threads_per_worker: int | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> Executor:
+        """One worker in this process, with ``threads_per_worker`` torch threads.
+
+        Raises:
+            DtbenchError: ``--address`` or ``--workers`` other than 1 (Ray's options).
+        """
+        if address is not None or (workers is not None and workers != 1):
+            raise DtbenchError("--address and --workers need --executor ray (the local executor is one worker)")
+        return cls(threads=threads_per_worker)
 
     def __init__(self, threads: int | None = None):
         self.threads = threads
@@ -199,3 +235,8 @@ class LocalExecutor(Executor):
             if own:
                 out["own_process"] = own  # measured in a process of their own (issue 38; started on first use)
         return out
+
+
+# Executors (issue 49 item 3): `dtbench run --executor NAME` looks NAME up in the entry-point group
+# `dtbench.executors` (built-ins `local` and `ray` declared in pyproject.toml) through the one registry.
+REGISTRY: Registry[type[Executor]] = Registry("dtbench.executors", "executor", subclass_of(Executor))

@@ -169,6 +169,24 @@ class RayExecutor(Executor):
 
     name = "ray"
 
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        address: str | None = None,
+        workers: int | None = None,
+        threads_per_worker: int | None = None,
+        connect_timeout_s: float | None = None,
+    ) -> Executor:
+        """Ray actors joining ``address`` (see the class); Ray is imported here, so a missing Ray is one line.
+
+        Raises:
+            DtbenchError: Ray not installed.
+        """
+        import_ray()
+        timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
+        return cls(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
+
     def __init__(
         self,
         address: str | None = None,

@@ -475,19 +475,14 @@ def make_executor(
     threads_per_worker: int | None = None,
     connect_timeout_s: float | None = None,
 ) -> executors.Executor:
-    """The executor named by ``dtbench run --executor``.
+    """The executor named by ``dtbench run --executor``: the class registered under that name in the entry-point
+    group ``dtbench.executors``, built by its :meth:`~dtbench.harness.executors.Executor.from_options`.
 
     Raises:
-        DtbenchError: Ray options given to the local executor, or Ray not installed.
+        DtbenchError: an unknown, ambiguous or broken executor, Ray options given to the local executor, or Ray not
+            installed.
     """
-    if name == "local":
-        if address is not None or (workers is not None and workers != 1):
-            raise DtbenchError("--address and --workers need --executor ray (the local executor is one worker)")
-        return executors.LocalExecutor(threads=threads_per_worker)
-    if name == "ray":
-        from dtbench.harness.ray_executor import RayExecutor, import_ray
-
-        import_ray()
-        timeout = {} if connect_timeout_s is None else {"connect_timeout_s": connect_timeout_s}
-        return RayExecutor(address=address, workers=workers, threads_per_worker=threads_per_worker, **timeout)
-    raise DtbenchError(f"unknown executor '{name}' (choose {' or '.join(executors.EXECUTORS)})")
+    cls = executors.REGISTRY.get(name)  # the entry-point group dtbench.executors (local, ray, a plugin's)
+    return cls.from_options(
+        address=address, workers=workers, threads_per_worker=threads_per_worker, connect_timeout_s=connect_timeout_s
+    )

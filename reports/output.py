@@ -3,8 +3,9 @@
 A :class:`Report` carries a title, caption, notes, a display frame (strings, what people read) and a data frame
 (numbers, what CSV/JSON export). A :class:`Document` is what one command prints: its reports, the line above them
 (the run header) and the envelope of its machine-readable form (JSON keys such as ``run``, the key of its rows).
-The ``--format`` renderers (``table``, ``markdown``, ``csv``, ``json``, ``html``) are registered once, in
-:data:`RENDERERS` (:func:`renderer`), and :data:`FORMATS` (the CLI's ``--format`` choices) is that registry's keys.
+The ``--format`` renderers (``table``, ``markdown``, ``csv``, ``json``, ``html``) are entry points of the group
+``dtbench.formats`` in pyproject.toml, like a plugin's, read by the one registry (:data:`FORMAT_REGISTRY`) into
+:data:`RENDERERS` (the CLI's ``--format`` choices); ``FORMATS`` is the built-in ones' names.
 Every report, the run's cell table included, is printed by :func:`emit`; ``--out DIR`` and ``--html FILE`` write
 what the same renderers return.
 
@@ -12,9 +13,9 @@ Every path escapes through :mod:`dtbench.harness.safetext`: markdown via ``markd
 ``printable`` (:func:`plain`), CSV via ``to_csv`` (formula-injection guard), HTML via ``html_text`` (control
 characters made visible, then :func:`html.escape`).
 
-Adding a format: one function here decorated with ``@renderer("name")``, taking a :class:`Document` and returning
-its text (``table`` returns a callable drawing on a rich Console). The CLI's choices, ``--help`` and every report
-pick it up.
+Adding a format: one function taking a :class:`Document` and returning its text (``table`` returns a callable
+drawing on a rich Console) and one entry point in ``dtbench.formats``. The CLI's choices, ``--help`` and every
+report pick it up.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dtbench.core import redact_json
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text, markdown_cell, printable, to_csv
+from dtbench.registry import Registry, a_callable
 
 if TYPE_CHECKING:  # pandas and rich load when a report is rendered, not when the CLI starts
     import pandas as pd
@@ -127,55 +129,67 @@ class Document:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-#: format name -> renderer(document) returning the text for stdout, or (``table``) a callable(console) drawing it.
-RENDERERS: dict[str, Callable[[Document], object]] = {}
+Renderer = Callable[["Document"], object]  # a Document -> text for stdout, or (``table``) a callable(console)
 
+FORMATS_GROUP = "dtbench.formats"  # the entry-point group of report formats, built-in and third-party (issue 40 item 4)
+FORMAT_REGISTRY: Registry[Renderer] = Registry(
+    FORMATS_GROUP, "report format", a_callable("a renderer function (Document -> text)")
+)
 
-FORMATS_GROUP = "dtbench.formats"  # the entry-point group of third-party report formats (issue 40 item 4)
-_PLUGINS_SEEN: dict[tuple[str, str], str | None] = {}  # (name, value) -> the entry point's problem, or None: loaded
+#: format name -> renderer: the registry's formats once loaded (:func:`load_format_plugins`; built-ins first, sorted),
+#: plus any registered in-process with :func:`renderer`.
+RENDERERS: dict[str, Renderer] = {}
+_WARNED: set[str] = set()  # problem lines already returned by load_format_plugins (each is warned once)
 
 
 def load_format_plugins() -> list[str]:
-    """Import every report format a package registers under the ``dtbench.formats`` entry-point group.
+    """Load every report format registered under the ``dtbench.formats`` entry-point group into :data:`RENDERERS`.
 
-    An entry point names a renderer function (``tsv = "my_pkg.formats:render_tsv"``: registered under the entry
-    point's name unless it registered itself with :func:`renderer`) or a module whose import registers its renderers.
-    A built-in format's name is never taken over. The group is scanned on every call (a scan reads the installed
-    distributions' metadata, no import) and each entry point is imported once, so a plugin installed after the first
-    call (``pip install`` in a running session) is a choice at the next.
+    An entry point names a renderer function (``tsv = "my_pkg.formats:render_tsv"``), registered under the entry
+    point's name by the one :class:`~dtbench.registry.Registry` policy: dtbench's own formats are entry points too, a
+    built-in name is never taken over (a plugin claiming one is refused), two distributions claiming one name make it
+    ambiguous, ``DTBENCH_DISABLE_PLUGINS=1`` keeps the built-ins. The group is scanned on every call (metadata only),
+    each entry point imported once, so a plugin installed in a running session is a choice at the next call.
 
     Returns:
-        One line per plugin that could not be loaded, first seen in this call (the caller warns with them once); the
-        others are registered.
+        One line per unusable registration (refused, ambiguous, or failed to load), each returned once per process
+        (the caller warns with them); the others are registered.
     """
-    from importlib.metadata import entry_points
-
-    problems: list[str] = []
-    for ep in entry_points(group=FORMATS_GROUP):
-        key = (ep.name, ep.value)
-        if key in _PLUGINS_SEEN:
-            continue
-        try:
-            loaded = ep.load()
-        except Exception as exc:  # a broken plugin is named, never the end of the report
-            problem = f"report format '{ep.name}' ({ep.value}) cannot be loaded: {type(exc).__name__}"
-            _PLUGINS_SEEN[key] = problem
-            problems.append(problem)
-            continue
-        _PLUGINS_SEEN[key] = None
-        if callable(loaded) and ep.name not in RENDERERS:
-            RENDERERS[ep.name] = loaded
-    return problems
+    loaded, problems = FORMAT_REGISTRY.load_all()
+    RENDERERS.update(loaded)
+    new = [p for p in problems if p not in _WARNED]
+    _WARNED.update(new)
+    return new
 
 
-def renderer(name: str):
-    """Register the renderer of output format ``name`` (a decorator); the CLI's ``--format`` choices are these."""
+def builtin_formats() -> tuple[str, ...]:
+    """dtbench's own formats, sorted by name (``csv``, ``html``, ``json``, ``markdown``, ``table``)."""
+    return tuple(name for name, entry in FORMAT_REGISTRY.scan().entries.items() if entry.builtin)
 
-    def register(fn):
+
+def renderer(name: str) -> Callable[[Renderer], Renderer]:
+    """Register the renderer of output format ``name`` in this process (a decorator); the CLI's ``--format``
+    choices are :data:`RENDERERS`. A package registers its formats with entry points instead (docs/plugins.md).
+
+    Raises:
+        DtbenchError: ``name`` is a built-in format's (never taken over).
+    """
+
+    def register(fn: Renderer) -> Renderer:
+        if name in builtin_formats():
+            raise DtbenchError(f"report format '{name}' is a built-in name of dtbench and cannot be registered again")
         RENDERERS[name] = fn
         return fn
 
     return register
+
+
+def __getattr__(name: str) -> object:
+    """``FORMATS``: the built-in formats' names (read from the registry when asked, not at import)."""
+    if name == "FORMATS":
+        load_format_plugins()
+        return builtin_formats()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- frames of display strings ---------------------------------------------------------------------------------
@@ -271,8 +285,7 @@ def flat(frame: pd.DataFrame) -> pd.DataFrame:
 # --- the registered formats ------------------------------------------------------------------------------------
 
 
-@renderer("table")
-def _table(doc: Document) -> Callable[[Console], None]:
+def render_table(doc: Document) -> Callable[[Console], None]:
     """The terminal: the header, then each report as a rich table with its notes below it in their styles."""
 
     def draw(out: Console) -> None:
@@ -291,20 +304,17 @@ def printable_lines(text: str) -> str:
     return "\n".join(printable(line) for line in text.split("\n"))
 
 
-@renderer("markdown")
-def _markdown(doc: Document) -> str:
+def render_markdown(doc: Document) -> str:
     head = "".join(f"{markdown_cell(line)}\n\n" for line in doc.header.split("\n")) if doc.header else ""
     return head + "\n".join(markdown_frame(r) for r in doc.reports)
 
 
-@renderer("csv")
-def _csv(doc: Document) -> str:
+def render_csv(doc: Document) -> str:
     """The document's rows as one CSV table (:meth:`Document.frame`, :func:`flat`)."""
     return to_csv(flat(exported(doc.frame())))
 
 
-@renderer("json")
-def _json(doc: Document) -> str:
+def render_json(doc: Document) -> str:
     if doc.rows is not None:
         body = {**doc.meta, doc.rows: records(doc.frame(), doc.precision)}
     else:
@@ -405,15 +415,11 @@ def html_page(title: str, body: Sequence[str], intro: str = "") -> str:
     )
 
 
-@renderer("html")
-def _html(doc: Document) -> str:
+def render_html(doc: Document) -> str:
     """One self-contained HTML page: the header, then every report (``dtbench report --format html > run.html``)."""
     header = [f"<p class='caption'>{html_text(line)}</p>" for line in doc.header.split("\n") if line]
     title = doc.title or (doc.reports[0].title if doc.reports else "dtbench report")
     return html_page(f"dtbench — {title}", [*header, *(html_section(r) for r in doc.reports)])
-
-
-FORMATS = tuple(RENDERERS)
 
 
 # --- writing --------------------------------------------------------------------------------------------------
@@ -430,9 +436,11 @@ def rendered(fmt: str, doc: Document | Sequence[Report]) -> object:
     """What the renderer of ``fmt`` returns for ``doc`` (a Document, or a list of reports with no envelope).
 
     Raises:
-        KeyError: an unregistered format (the CLI's choices are :data:`FORMATS`).
+        KeyError: an unregistered format (the CLI's choices are :data:`RENDERERS`' keys).
         DtbenchError: the reports make no one table for ``csv`` (:meth:`Document.frame`).
     """
+    if fmt not in RENDERERS:
+        load_format_plugins()  # the registry's formats, loaded at the first use
     return RENDERERS[fmt](doc if isinstance(doc, Document) else Document(list(doc)))
 
 

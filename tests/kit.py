@@ -87,10 +87,16 @@ def invoke(*args: str):
 
 
 def install_plugin(
-    monkeypatch, root: Path, dist: str, entry_points: dict[str, str], source: str, module: str | None = None
+    monkeypatch,
+    root: Path,
+    dist: str,
+    entry_points: dict[str, str],
+    source: str,
+    module: str | None = None,
+    group: str = "dtbench.decoders",
 ) -> None:
     """Install a one-module distribution ``dist`` into ``root`` (a dist-info with METADATA and entry_points.txt,
-    registering ``entry_points`` under ``dtbench.decoders``) and put ``root`` on sys.path for this test."""
+    registering ``entry_points`` under the entry-point ``group``) and put ``root`` on sys.path for this test."""
     module = module or dist.replace("-", "_")
     root.mkdir(parents=True, exist_ok=True)
     (root / f"{module}.py").write_text(textwrap.dedent(source))
@@ -98,7 +104,7 @@ def install_plugin(
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
     lines = "\n".join(f"{name} = {target}" for name, target in entry_points.items())
-    (info / "entry_points.txt").write_text(f"[dtbench.decoders]\n{lines}\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{lines}\n")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.delitem(sys.modules, module, raising=False)
     importlib.invalidate_caches()

@@ -3,13 +3,10 @@ entry point), never branched on; a server's request becomes a row through the on
 
 from __future__ import annotations
 
-import importlib
-import sys
-import textwrap
 from importlib.metadata import entry_points
 
 import pytest
-from kit import invoke, one_line_error, write_suite
+from kit import install_plugin, invoke, one_line_error, write_suite
 
 from dtbench.decoders.engines import engine_for, engine_names, load_engine_plugins, schedule_engines
 from dtbench.decoders.server import ServerParams, parse_chunk, request_body
@@ -46,25 +43,15 @@ class MyEngine(OpenAICompatible):
 
 def _install(monkeypatch, root, dist: str, names: dict[str, str], source: str) -> None:
     """A one-module distribution registering ``names`` under the ``dtbench.engines`` entry-point group."""
-    module = dist.replace("-", "_")
-    root.mkdir(parents=True, exist_ok=True)
-    (root / f"{module}.py").write_text(textwrap.dedent(source))
-    info = root / f"{module}-0.1.dist-info"
-    info.mkdir(exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
-    lines = "\n".join(f"{name} = {target}" for name, target in names.items())
-    (info / "entry_points.txt").write_text(f"[dtbench.engines]\n{lines}\n")
-    monkeypatch.syspath_prepend(str(root))
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    importlib.invalidate_caches()
+    install_plugin(monkeypatch, root, dist, names, source, group="dtbench.engines")
 
 
 def test_the_builtin_engines_are_registered_as_a_plugins_would_be():
-    builtin = ("llama.cpp", "vllm", "sglang", "openai", "trtllm")
+    builtin = ("llama.cpp", "openai", "sglang", "trtllm", "vllm")  # pyproject's entry points, sorted by name
     assert engine_names()[:5] == builtin
     declared = {ep.name for ep in entry_points(group="dtbench.engines") if ep.dist and ep.dist.name == "dtbench"}
     assert declared == set(builtin)  # pyproject.toml declares each under dtbench.engines
-    assert schedule_engines() == ("vllm", "sglang", "trtllm")  # the --schedule choices: adapters that state one
+    assert schedule_engines() == ("sglang", "trtllm", "vllm")  # the --schedule choices: adapters that state one
     assert [n for n in builtin if engine_for(n).metrics_path] == ["vllm"]  # who has a counters endpoint: an attribute
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("harness", "decoders", "reports", "cli")  # folder -> dtbench.<folder> (pyproject's package-dir)
-CORE = ("core", "api")  # dtbench/<name>.py -> dtbench.<name>
+CORE = ("core", "registry", "api")  # dtbench/<name>.py -> dtbench.<name>
 MIGRATIONS = Path("harness", "store", "migrations")  # Alembic loads env.py and versions/ by path: data, not modules
 
 

@@ -24,7 +24,8 @@ def _report(**kw) -> Report:
 def test_formats_are_the_registered_renderers_and_the_cli_choices():
     from dtbench.cli.main import report
 
-    assert FORMATS == ("table", "markdown", "csv", "json", "html") and FORMATS == tuple(RENDERERS)[: len(FORMATS)]
+    # the built-ins are pyproject's entry points, sorted by name (the installer's order is not theirs)
+    assert FORMATS == ("csv", "html", "json", "markdown", "table") and FORMATS == tuple(RENDERERS)[: len(FORMATS)]
     (fmt,) = [p for p in report.params if p.name == "fmt"]
     # the built-ins first, then any format an installed plugin registers (`dtbench.formats`; test_plugin installs tsv)
     assert tuple(fmt.type.choices)[: len(FORMATS)] == FORMATS and set(fmt.type.choices) == set(RENDERERS)
@@ -97,6 +98,8 @@ def test_html_is_escaped_self_contained_and_styles_rows():
 
 def test_renderer_decorator_registers_and_unknown_formats_raise(monkeypatch):
     monkeypatch.setattr(output, "RENDERERS", dict(RENDERERS))
+    with pytest.raises(DtbenchError, match="report format 'csv' is a built-in name of dtbench"):
+        renderer("csv")(lambda doc: "")  # a built-in is never taken over, in-process either
 
     @renderer("upper")
     def _upper(doc):

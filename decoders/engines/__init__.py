@@ -5,36 +5,28 @@ write a request, read a streamed answer and the server's speculation counters (:
 on an engine's name: an adapter's attributes (:attr:`Engine.metrics_path`, :attr:`Engine.schedules`) say what it
 has.
 
-Built-ins (:data:`BUILTIN`, declared in dtbench's own ``pyproject.toml`` under the entry-point group
-:data:`ENGINES_GROUP` like a plugin's): ``llama.cpp``, ``vllm``, ``sglang``, ``openai`` (any other OpenAI-compatible
-server) and ``trtllm``. A package adds an engine with one class (an :class:`OpenAICompatible` subclass, or any class
-with :class:`Engine`'s members and a constructor without arguments) and one entry point::
+Built-ins (declared only in dtbench's own ``pyproject.toml`` under the entry-point group :data:`ENGINES_GROUP`,
+like a plugin's): ``llama.cpp``, ``vllm``, ``sglang``, ``openai`` (any other OpenAI-compatible server) and ``trtllm``.
+A package adds an engine with one class (an :class:`OpenAICompatible` subclass, or any class with :class:`Engine`'s
+members and a constructor without arguments) and one entry point::
 
     [project.entry-points."dtbench.engines"]
     my-engine = "my_pkg.engine:MyEngine"
 
-The group is scanned on every lookup of a name that is not built in (a scan reads installed distributions' metadata,
-no import) and each entry point is imported once, so an engine installed during a session is found at its next
-lookup. A built-in name is never taken over; ``DTBENCH_DISABLE_PLUGINS=1`` keeps the built-ins only.
+The group is read by the one :class:`~dtbench.registry.Registry` (:data:`REGISTRY`) and its policy: scanned on every
+lookup (metadata only, no import), each entry imported once, a built-in name never taken over, two distributions
+claiming one name ambiguous, ``DTBENCH_DISABLE_PLUGINS=1`` keeping the built-ins only.
 """
 
 from __future__ import annotations
 
-import difflib
-import os
-from importlib.metadata import EntryPoint, entry_points
-
-from dtbench.core import DtbenchError, clip
+from dtbench.core import DtbenchError
 from dtbench.decoders.engines.base import Candidates, Chunk, Engine, OpenAICompatible, Span, candidate_id, count
-from dtbench.decoders.engines.llama_cpp import LlamaCpp
-from dtbench.decoders.engines.openai import OpenAI
-from dtbench.decoders.engines.sglang import Sglang
-from dtbench.decoders.engines.trtllm import TensorRTLLM
-from dtbench.decoders.engines.vllm import Vllm
+from dtbench.registry import Expect, Registry
 
 __all__ = [
-    "BUILTIN",
     "ENGINES_GROUP",
+    "REGISTRY",
     "Candidates",
     "Chunk",
     "Engine",
@@ -49,67 +41,38 @@ __all__ = [
 ]
 
 ENGINES_GROUP = "dtbench.engines"
-BUILTIN: dict[str, type[OpenAICompatible]] = {
-    "llama.cpp": LlamaCpp,
-    "vllm": Vllm,
-    "sglang": Sglang,
-    "openai": OpenAI,
-    "trtllm": TensorRTLLM,
-}
-BUILTIN_DISTRIBUTION = "dtbench"
 
-_LOADED: dict[str, Engine] = {name: cls() for name, cls in BUILTIN.items()}  # name -> adapter (stateless)
-_SEEN: dict[tuple[str, str, str], str | None] = {}  # (name, value, distribution) -> its problem, None when loaded
-_AMBIGUOUS: dict[str, list[str]] = {}  # a name two distributions register -> their names (unusable)
+
+def _is_adapter_class(obj: object) -> bool:
+    """A class whose instances are :class:`Engine` adapters (checked on an instance: a Protocol with attributes
+    cannot be checked with issubclass)."""
+    if not isinstance(obj, type):
+        return False
+    try:
+        return isinstance(obj(), Engine)
+    except Exception:  # a constructor that needs arguments or fails is no adapter class
+        return False
+
+
+REGISTRY: Registry[type[Engine]] = Registry(
+    ENGINES_GROUP, "engine", Expect(_is_adapter_class, "an engine adapter class (dtbench.decoders.engines.Engine)")
+)
+_ADAPTERS: dict[type[Engine], Engine] = {}  # class -> its one (stateless) adapter
 
 
 def load_engine_plugins() -> list[str]:
-    """Import every engine adapter a package registers under :data:`ENGINES_GROUP` (see the module docstring).
+    """Load every registered engine (see the module docstring).
 
     Returns:
-        One line per registration first found unusable in this call (it failed to import, is no :class:`Engine`,
-        claims a built-in name, or shares its name with another distribution's); the others are registered.
+        One line per unusable registration: refused (a built-in name), ambiguous, or broken (it failed to import
+        or is no :class:`Engine` class); the others are usable through :func:`engine_for`.
     """
-    if os.environ.get("DTBENCH_DISABLE_PLUGINS", "") not in ("", "0"):
-        return []
-    problems: list[str] = []
-    for ep in entry_points(group=ENGINES_GROUP):
-        dist = ep.dist.name if ep.dist is not None else "?"
-        key = (ep.name, ep.value, dist)
-        if key in _SEEN or (ep.name in BUILTIN and dist == BUILTIN_DISTRIBUTION):
-            continue
-        problem = _register(ep.name, ep, dist)
-        _SEEN[key] = problem
-        if problem:
-            problems.append(problem)
-    return problems
-
-
-def _register(name: str, ep: EntryPoint, dist: str) -> str | None:
-    """Load one entry point and register its adapter under ``name``; the problem's line, or None."""
-    what = f"engine '{clip(name, 80)}' from distribution {dist}"
-    if name in BUILTIN:
-        return f"{what} refused: '{name}' is a built-in engine of dtbench"
-    owners = [d for (n, _, d), problem in _SEEN.items() if n == name and problem is None and d != dist]
-    if owners:
-        _AMBIGUOUS[name] = sorted({*owners, dist})
-        _LOADED.pop(name, None)
-        return f"{what}: '{name}' is also registered by {', '.join(owners)}; uninstall one to use it"
-    try:
-        cls = ep.load()
-        adapter = cls() if isinstance(cls, type) else None
-    except Exception as exc:  # a broken plugin is named, never the end of the run
-        return f"{what} cannot be loaded: {type(exc).__name__}: {clip(exc, 200)}"
-    if not isinstance(adapter, Engine):
-        return f"{what} is {clip(repr(cls), 80)}, not an engine adapter (dtbench.decoders.engines.Engine)"
-    _LOADED[name] = adapter
-    return None
+    return REGISTRY.load_all()[1]
 
 
 def engine_names() -> tuple[str, ...]:
-    """The registered engines' names: the built-ins in their order, then the plugins' (sorted)."""
-    load_engine_plugins()
-    return (*BUILTIN, *sorted(n for n in _LOADED if n not in BUILTIN))
+    """The registered engines' names: the built-ins, then the plugins', each sorted by name."""
+    return REGISTRY.names()
 
 
 def engine_for(name: str) -> Engine:
@@ -119,25 +82,20 @@ def engine_for(name: str) -> Engine:
         DtbenchError: an unknown name (one line, with the closest registered names), a name two distributions
             register, or a plugin that could not be loaded (its problem).
     """
-    if name in BUILTIN:
-        return _LOADED[name]
-    load_engine_plugins()
-    if name in _LOADED:
-        return _LOADED[name]
-    if name in _AMBIGUOUS:
-        raise DtbenchError(
-            f"engine '{name}' is registered by {' and '.join(_AMBIGUOUS[name])}; uninstall one to use it"
-        )
-    failed = next((p for (n, _, _), p in _SEEN.items() if n == name and p), None)
-    if failed:
-        raise DtbenchError(failed)
-    names = engine_names()
-    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    raise DtbenchError(f"unknown engine {clip(name, 80)!r}{hint} (registered: {', '.join(names)})")
+    cls = REGISTRY.get(name)
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = cls()
+    return _ADAPTERS[cls]
 
 
 def schedule_engines() -> tuple[str, ...]:
     """The registered engines that state a speculation schedule (:attr:`Engine.schedules`), in
-    :func:`engine_names` order."""
-    return tuple(n for n in engine_names() if _LOADED[n].schedules)
+    :func:`engine_names` order (an engine that fails to load is left out)."""
+    out = []
+    for name in engine_names():
+        try:
+            if engine_for(name).schedules:
+                out.append(name)
+        except DtbenchError:
+            continue
+    return tuple(out)

@@ -1,0 +1,221 @@
+"""The one plugin registry (issue 49 item 3): every kind of plugin is found through an entry-point group by one
+:class:`Registry` class, with one policy. Torch-free, so every layer may use it (decoders, datasets, report formats,
+serving engines, executors).
+
+The policy:
+
+- Built-ins are declared only as entry points in dtbench's own ``pyproject.toml``, exactly as a plugin's are; an
+  entry of the distribution ``dtbench`` is built in.
+- Scanning a group reads installed distributions' metadata and imports nothing; an entry is imported at its first
+  :meth:`Registry.get` (and once: the loaded object is kept).
+- A third-party registration of a built-in name is *refused* (never used; reported with its distribution). Two
+  third-party distributions claiming one name make it *ambiguous*: using it is a one-line error naming both.
+- ``DTBENCH_DISABLE_PLUGINS=1`` keeps the built-ins only, in every registry.
+- The loaded object is type-checked at :meth:`Registry.get` (a subclass, an instance or a callable of what the
+  registry expects: its :class:`Expect`); a plugin that fails to import, or loads the wrong thing, is a one-line
+  :class:`~dtbench.core.DtbenchError` naming its distribution.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Generic, TypeVar, cast
+
+from dtbench.core import DtbenchError, clip
+
+T = TypeVar("T")  # what a registry's get returns: a class (type[Decoder]) or a function (a renderer)
+
+BUILTIN_DISTRIBUTION = "dtbench"
+DISABLE_ENV = "DTBENCH_DISABLE_PLUGINS"
+
+
+def plugins_disabled() -> bool:
+    """Whether ``DTBENCH_DISABLE_PLUGINS`` is set (to anything but "" or "0"): only built-ins are registered."""
+    return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registration: its name, the distribution that registered it and its entry point.
+
+    Attributes:
+        entry_point: an :class:`importlib.metadata.EntryPoint`, or anything with ``.load()`` (tests' fakes).
+    """
+
+    name: str
+    distribution: str
+    version: str
+    entry_point: Any
+
+    @property
+    def builtin(self) -> bool:
+        """Whether dtbench itself registered it."""
+        return self.distribution == BUILTIN_DISTRIBUTION
+
+    @property
+    def label(self) -> str:
+        """``distribution version``, as messages name it."""
+        return f"{self.distribution} {self.version}"
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a registry's entries must load to: ``accepts(obj)`` is the check, ``what`` its words in an error.
+
+    Use :func:`subclass_of`, :func:`instance_of` or :func:`a_callable` to build one.
+    """
+
+    accepts: Callable[[object], bool]
+    what: str
+
+
+def subclass_of(base: type) -> Expect:
+    """Entries load to a subclass of ``base`` (decoders, datasets, engines, executors)."""
+    return Expect(lambda obj: isinstance(obj, type) and issubclass(obj, base), f"a subclass of {base.__name__}")
+
+
+def instance_of(base: type) -> Expect:
+    """Entries load to an instance of ``base``."""
+    return Expect(lambda obj: isinstance(obj, base), f"an instance of {base.__name__}")
+
+
+def a_callable(what: str) -> Expect:
+    """Entries load to a callable that is not a class (report formats' renderer functions); ``what`` names it."""
+    return Expect(lambda obj: callable(obj) and not isinstance(obj, type), what)
+
+
+@dataclass
+class Discovery:
+    """What one scan of an entry-point group found.
+
+    Attributes:
+        entries: usable registrations by name (built-ins first, then plugins', each sorted by name).
+        refused: third-party registrations of a built-in name (never used).
+        ambiguous: names claimed by two or more third-party distributions (unusable until one is uninstalled).
+    """
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    refused: list[Entry] = field(default_factory=list)
+    ambiguous: dict[str, list[Entry]] = field(default_factory=dict)
+
+    def warnings(self, kind: str) -> list[str]:
+        """One line per refused or ambiguous registration."""
+        out = [refused_line(kind, e) for e in self.refused]
+        out += [ambiguous_line(kind, name, es) for name, es in self.ambiguous.items()]
+        return out
+
+
+def refused_line(kind: str, entry: Entry) -> str:
+    """The one line reporting a third-party registration of a built-in name."""
+    return (
+        f"{kind} '{clip(entry.name, 80)}' from distribution {entry.label} refused: '{clip(entry.name, 80)}' is a "
+        f"built-in name of dtbench"
+    )
+
+
+def ambiguous_line(kind: str, name: str, entries: list[Entry]) -> str:
+    """The one line reporting a name several third-party distributions register."""
+    return f"{kind} '{clip(name, 80)}' is registered by {_both(entries)}; uninstall one of them to use it"
+
+
+def _both(entries: list[Entry]) -> str:
+    return " and ".join(e.label for e in entries)
+
+
+class Registry(Generic[T]):
+    """Lazy entry-point registry of one kind of plugin (see the module docstring for the policy).
+
+    Args:
+        group: the entry-point group, e.g. ``dtbench.decoders``.
+        kind: the word used in messages ("decoder", "dataset", "report format", "engine", "executor").
+        expect: what every registered object must load to (:func:`subclass_of`, :func:`a_callable`, ...).
+    """
+
+    def __init__(self, group: str, kind: str, expect: Expect):
+        self.group, self.kind, self.expect = group, kind, expect
+        self._loaded: dict[Entry, T] = {}
+
+    def __repr__(self) -> str:
+        return f"Registry({self.group!r})"
+
+    def scan(self) -> Discovery:
+        """Read the entry-point group (nothing imported). ``DTBENCH_DISABLE_PLUGINS=1`` keeps built-ins only."""
+        only_builtin = plugins_disabled()
+        builtin: dict[str, Entry] = {}
+        third: dict[str, list[Entry]] = {}
+        for ep in entry_points(group=self.group):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else "?"
+            entry = Entry(ep.name, dist, version, ep)
+            if entry.builtin:
+                builtin.setdefault(ep.name, entry)
+            elif not only_builtin:
+                same = third.setdefault(ep.name, [])
+                if all(e.distribution != dist for e in same):  # one distribution seen twice (two paths) is one
+                    same.append(entry)
+        found = Discovery(entries={name: builtin[name] for name in sorted(builtin)})  # not the installer's order
+        for name in sorted(third):
+            entries = third[name]
+            if name in builtin:
+                found.refused.extend(entries)
+            elif len(entries) > 1:
+                found.ambiguous[name] = sorted(entries, key=lambda e: e.distribution)
+            else:
+                found.entries[name] = entries[0]
+        return found
+
+    def names(self, found: Discovery | None = None) -> tuple[str, ...]:
+        """The usable names: built-ins first, then plugins', each sorted by name."""
+        return tuple((found or self.scan()).entries)
+
+    def load(self, entry: Entry) -> T:
+        """Import one registration and check what it loads to (kept after the first success).
+
+        Raises:
+            DtbenchError: naming the distribution, if the import fails or the object is not what the registry
+                expects.
+        """
+        if entry in self._loaded:
+            return self._loaded[entry]
+        what = f"{self.kind} '{clip(entry.name, 80)}' from distribution {entry.label}"
+        try:
+            obj = entry.entry_point.load()
+        except (Exception, SystemExit) as exc:  # any import-time failure of a plugin is the plugin's, reported by name
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise DtbenchError(f"{what} failed to load: {type(exc).__name__}: {clip(first, 200)}") from None
+        if not self.expect.accepts(obj):
+            raise DtbenchError(f"{what} is {clip(repr(obj), 80)}, not {self.expect.what}")
+        self._loaded[entry] = cast("T", obj)  # checked by self.expect
+        return self._loaded[entry]
+
+    def get(self, name: str, found: Discovery | None = None) -> T:
+        """The object registered as ``name``, loaded and type-checked.
+
+        Raises:
+            DtbenchError: for an unknown name (with the closest registered names), an ambiguous name (naming both
+                distributions) or a broken plugin.
+        """
+        found = found or self.scan()
+        if name in found.ambiguous:
+            raise DtbenchError(ambiguous_line(self.kind, name, found.ambiguous[name]))
+        if name not in found.entries:
+            close = difflib.get_close_matches(name, found.entries, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise DtbenchError(f"unknown {self.kind} '{clip(name, 80)}'{hint} (registered: {', '.join(found.entries)})")
+        return self.load(found.entries[name])
+
+    def load_all(self, found: Discovery | None = None) -> tuple[dict[str, T], list[str]]:
+        """Every usable entry loaded: (object by name, one line per problem: refused, ambiguous or broken)."""
+        found = found or self.scan()
+        loaded: dict[str, T] = {}
+        problems = found.warnings(self.kind)
+        for name, entry in found.entries.items():
+            try:
+                loaded[name] = self.load(entry)
+            except DtbenchError as exc:
+                problems.append(str(exc))
+        return loaded, problems
