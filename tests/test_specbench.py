@@ -178,6 +178,7 @@ def specbench_run(tmp_path_factory):
         "datasets": [{"name": "spec-bench", "path": str(qfile), "prompts": 2, "warmup": 1, "L_max": 120}],
         "generation_lengths": [8],
         "system_prompt": "Be brief.",
+        "isolation": "none",  # the spy below patches this process: measure here, not in a child
         "decoders": [
             {"name": "ar"},
             {"name": "linear", "params": {"k": 3}},
