@@ -64,6 +64,15 @@ SPEC = {
 }
 
 
+def _launched_by(server: psutil.Process, pid: int) -> bool:
+    """Whether ``server`` descends from process ``pid``: the run itself, or (``isolation: process``, the default)
+    its measuring child, which launches the servers of its cells."""
+    try:
+        return server.is_running() and any(p.pid == pid for p in server.parents())
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _servers() -> list[psutil.Process]:
     """llama-server processes running now (ours: the binary of the engine extra)."""
     binary = os.path.realpath(llama_server_binary())
@@ -323,7 +332,7 @@ def test_ctrl_c_during_a_cell(tmp_path, data_dir, no_leftovers):
         text=True,
     )
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not any(p.ppid() == proc.pid for p in _servers() if p.is_running()):
+    while time.monotonic() < deadline and not any(_launched_by(p, proc.pid) for p in _servers()):
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
     time.sleep(2.0)  # the server is up and the first request streams
