@@ -240,6 +240,13 @@ class Decoder(ABC, Generic[P]):
         return 1, 0
 
     @classmethod
+    def cache_headroom(cls, params: P) -> int:
+        """Positions a KV cache (target's or draft's) can hold beyond the committed tokens during one iteration, in
+        tokens: what a compiled execution's static caches must leave free (:class:`~dtbench.decoders.static_kv.
+        Execution`). Default: the largest of :meth:`verify_sizes`. Called without models (params only)."""
+        return max(cls.verify_sizes(params))
+
+    @classmethod
     def reference(cls, params: P) -> tuple[str, dict[str, Any]] | None:
         """The (decoder name, params) whose output this decoder's output is compared against, from the params alone
         (the plan asks before any model loads).

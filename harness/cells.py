@@ -119,7 +119,7 @@ class Hardware:
         compiled = [p for p in plan.decoders if p.execution == "compiled"]
         execution = None
         if compiled:
-            largest = max(max(p.cls.verify_sizes(p.params)) for p in compiled)
+            largest = max(p.cls.cache_headroom(p.params) for p in compiled)
             longest = max(l_max for ds in suite.datasets for l_max in ds.l_maxes) + max(suite.generation_lengths)
             width = 2 * (static_kv.bucket(largest) or largest)
             execution = static_kv.Execution(-(-(longest + width) // 64) * 64)

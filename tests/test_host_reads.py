@@ -8,9 +8,12 @@ own forwards included.
 - ``ar``, ``linear`` (device-resident drafts: the chain's K draft tokens are fed forward as tensors, never read one
   by one), ``ngram`` and ``suffix``: at most ONE read per iteration, the prefill's iteration included (the prompt's
   ids and the first token come back in one read), eager and compiled.
-- ``fixed_tree``, ``dynatree``: not there yet. The tree loop reads each drafted level's breadth and pruning
-  decisions (which nodes join the tree: the next level's shapes depend on them) and once more to select the path,
-  so an iteration reads at most 1 + its drafted levels; the test holds that bound so it cannot grow unnoticed.
+- ``fixed_tree``, ``dynatree`` with ``resident: full`` (decoders/tree/resident.py: drafting decided on the device
+  over static padded levels, the capacity-padded tree verified): at most ONE read per iteration, eager and
+  compiled; ``resident: draft`` at most two (the tree's size before verification, the path after).
+- The same with ``resident: off`` (the default: the host decides each level, exact shapes): the loop reads each
+  drafted level's decisions and once more to select the path, at most 1 + its drafted levels; the test holds that
+  bound so it cannot grow unnoticed.
 """
 
 from __future__ import annotations
@@ -78,22 +81,45 @@ def test_at_most_one_host_read_per_iteration(name, params, compiled):
         assert [s.drafted for s in steps[1:4]] == [4, 4, 4]
 
 
-TREES = [("fixed_tree", {"depth": 3, "branching": 2}), ("dynatree", {"n_max": 16})]
+TREES = [
+    ("fixed_tree", {"depth": 3, "branching": 2, "tau": 0.0}),
+    ("dynatree", {"n_max": 16, "tau": 0.0, "d0": 3, "d_max": 4, "rho_stop": 1e-4, "rho_deep": 1e-3}),
+]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize(("name", "params"), TREES, ids=[n for n, _ in TREES])
-def test_tree_loops_read_once_per_drafted_level_and_once_to_select(name, params, compiled):
+def test_resident_tree_loops_read_once_per_iteration(name, params, compiled):
+    full, steps = reads_per_iteration(build(name, {**params, "resident": "full"}, compiled), compiled)
+    assert len(steps) > 3 and max(full) <= 1, full
+    assert any(s.depth >= 2 for s in steps)  # trees of several drafted levels, each decided without a read
+    draft, _ = reads_per_iteration(build(name, {**params, "resident": "draft"}, compiled), compiled)
+    assert max(draft) <= 2, draft
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(("name", "params"), TREES, ids=[n for n, _ in TREES])
+def test_host_tree_loops_read_once_per_drafted_level_and_once_to_select(name, params, compiled):
     per, steps = reads_per_iteration(build(name, params, compiled), compiled)
     assert per[0] <= 1  # the prefill: prompt and first token in one read
     for reads, step in zip(per[1:], steps[1:], strict=True):
         assert reads <= 1 + max(step.depth, 1), (per, [s.depth for s in steps])
+    assert max(per) > 2  # the bound is reached: this is what resident drafting removes
 
 
-COMPILED = [("ar", {}), ("linear", {"k": 4}), ("dynatree", {"n_max": 16}), ("ngram", {"k": 3}), ("hf_generate", {})]
+COMPILED = [
+    ("ar", {}),
+    ("linear", {"k": 4}),
+    ("dynatree", {"n_max": 16}),
+    ("dynatree", {"n_max": 16, "tau": 0.0, "d_max": 4, "d0": 3, "resident": "full"}),
+    ("ngram", {"k": 3}),
+    ("hf_generate", {}),
+]
 
 
-@pytest.mark.parametrize(("name", "params"), COMPILED, ids=[n for n, _ in COMPILED])
+@pytest.mark.parametrize(
+    ("name", "params"), COMPILED, ids=[n + ("-resident" if "resident" in p else "") for n, p in COMPILED]
+)
 def test_no_graph_break_in_any_compiled_region(name, params):
     """Measured as a cell measures (the runner's forward counter and timer installed by ``measure``), no compiled
     region breaks its graph: the harness's hooks run outside it (issue 46 item 3; transformers' compiled decoding

@@ -58,7 +58,7 @@ from collections.abc import Iterator
 from typing import Annotated, ClassVar, Literal, TypeVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
 from dtbench.decoders.tree.draft import (  # noqa: F401
@@ -77,6 +77,7 @@ from dtbench.decoders.tree.loop import (  # noqa: F401  (the loop's names, re-ex
     tree_logits,
     tree_predictions,
 )
+from dtbench.decoders.tree.resident import Resident, draft_tree_resident, level_slots  # noqa: F401
 from dtbench.decoders.tree.structure import (  # noqa: F401  (the toolkit's names, re-exported)
     CacheStrategy,
     DraftStrategy,
@@ -93,6 +94,7 @@ from dtbench.decoders.tree.structure import (  # noqa: F401  (the toolkit's name
     select_path,
     tree_attention_mask,
     tree_capacity,
+    tree_node_bound,
     tree_position_ids,
     with_side_branch,
 )
@@ -160,6 +162,19 @@ class TreeParams(DecoderParams):
         le=1000.0,
         description="n_max: auto takes the largest n whose tree verify costs at most this many times one AR token",
     )
+    resident: Resident = Field(
+        "off",
+        description="where drafting decides (same tree, same tokens; decoders/tree/resident.py): 'off': on the host, "
+        "one device-to-host read per drafted level; 'draft': on the device, every level padded to its static "
+        "bound and run, the tree's size read before verification (2 reads per iteration); 'full': the "
+        "capacity-padded tree verified too (1 read per iteration)",
+    )
+
+    @model_validator(mode="after")
+    def _resident_per_level(self) -> TreeParams:
+        if self.resident != "off" and self.draft_strategy != "per_level":
+            raise ValueError(f"resident: {self.resident} drafts per_level (draft_strategy: {self.draft_strategy})")
+        return self
 
 
 N_MAX_AUTO_CEILING = 256  # n_max: auto chooses at most this many drafted nodes (the paper's N_max)
@@ -198,11 +213,29 @@ class TreeDecoder(Decoder[TP]):
 
     @classmethod
     def verify_sizes(cls, params: TP) -> tuple[int, int]:
-        """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree.structure.tree_capacity` allows for
-        :meth:`tree_bounds` and N_max (``n_max: auto`` searches up to :data:`N_MAX_AUTO_CEILING`)."""
+        """(1, root + nodes): the largest tree :func:`~dtbench.decoders.tree.structure.tree_node_bound` allows for
+        :meth:`tree_bounds`, the tree root and N_max (``n_max: auto`` searches up to :data:`N_MAX_AUTO_CEILING`)."""
+        first, breadth, depth_cap, n_max = cls._bounds(params)
+        return 1, tree_node_bound(first, breadth, depth_cap, n_max)
+
+    @classmethod
+    def cache_headroom(cls, params: TP) -> int:
+        """Positions a cache takes beyond the committed tokens: the verified tree, or with resident drafting the
+        draft cache's padded levels (:func:`~dtbench.decoders.tree.resident.level_slots`) if more."""
+        masked = cls.verify_sizes(params)[1]
+        if getattr(params, "resident", "off") == "off":
+            return masked
+        first, breadth, depth_cap, n_max = cls._bounds(params)
+        return max(masked, sum(level_slots(first, breadth, depth_cap, n_max)))
+
+    @classmethod
+    def _bounds(cls, params: TP) -> tuple[int, int, int, int]:
+        """(nodes at depth 1, largest breadth, depth cap in drafted tokens, N_max) of a configuration."""
         breadth, depth = cls.tree_bounds(params)
+        breadth = max(breadth, 1)
         n_max = N_MAX_AUTO_CEILING if params.n_max == "auto" else int(params.n_max)
-        return 1, tree_capacity(max(breadth, 1), max(depth, 1), n_max)
+        offset = root_offset(params.tree_root)
+        return (1 if params.tree_root == "paper" else breadth), breadth, max(depth, 1) + offset, n_max
 
     @abstractmethod
     def make_policy(self) -> ExpansionPolicy:
@@ -225,6 +258,7 @@ class TreeDecoder(Decoder[TP]):
             sampling=self.sampling,
             generator=self.generator,
             eos_token_id=self.eos_token_id,
+            resident=p.resident,
         )
 
     @torch.inference_mode()
@@ -248,5 +282,17 @@ class TreeDecoder(Decoder[TP]):
 
     @classmethod
     def sampling_error(cls, params: DecoderParams) -> str | None:
-        """``prune: skip`` cannot sample losslessly (it drops children by their drawn value)."""
-        return SKIP_WITH_SAMPLING if getattr(params, "prune", None) == "skip" else None
+        """``prune: skip`` cannot sample losslessly (it drops children by their drawn value); resident drafting is
+        greedy."""
+        if getattr(params, "prune", None) == "skip":
+            return SKIP_WITH_SAMPLING
+        if getattr(params, "resident", "off") != "off":
+            return "resident drafting is greedy; use resident: off to sample"
+        return None
+
+    @classmethod
+    def batching_error(cls, params: DecoderParams) -> str | None:
+        """Resident drafting decodes one row at a time (B = 1)."""
+        if getattr(params, "resident", "off") != "off":
+            return "resident drafting decodes one row at a time; use resident: off at B > 1"
+        return None

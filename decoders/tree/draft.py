@@ -144,6 +144,7 @@ class DraftSession:
         self.prefix_len = 0
         self.fed: list[int] = []
         self._fed_t = torch.empty(0, dtype=torch.long, device=self.device)
+        self._fed_ok: torch.Tensor | None = None  # validity of the fed slots (resident drafting only)
         self.started = False
         self.forwards = 0
 
@@ -155,6 +156,7 @@ class DraftSession:
         self.prefix_len = kv.cache_len(self.cache)
         self.fed = []
         self._fed_t = torch.empty(0, dtype=torch.long, device=self.device)
+        self._fed_ok = None
         self.started = True
         return logits
 
@@ -179,24 +181,54 @@ class DraftSession:
         self._fed_t = cols
         return logits, nodes_t
 
-    def commit(self, root: int, path: list[int], committed: list[int]) -> None:
+    def feed_slots(self, tree: TokenTree, nodes: torch.Tensor, valid: torch.Tensor, depth: int) -> torch.Tensor:
+        """One draft forward over a resident level's static slots (:mod:`~dtbench.decoders.tree.resident`).
+
+        Like :meth:`feed`, with padding: a slot whose ``valid`` is False feeds the root's token, attends to the
+        prefix only, and no slot attends to it, so the valid slots' logits are those of the real frontier.
+        ``fed`` is not kept on the host: the draft-cache position of each node comes back with the iteration's
+        read and :meth:`commit` takes it.
+
+        Args:
+            nodes: (S,) int64 node indices (padding: 0); valid: (S,) bool; depth: the level's internal depth.
+
+        Returns:
+            (S, vocab) draft logits in the draft's dtype.
+        """
+        cols = torch.cat([self._fed_t, nodes])
+        ok = valid if self._fed_ok is None else torch.cat([self._fed_ok, valid])
+        mask = tree_attention_mask(tree.anc[nodes][:, cols] & ok, self.prefix_len, self.kind, self.dtype)
+        pos = torch.full((1, nodes.numel()), self.prefix_len - 1 + depth, dtype=torch.long, device=self.device)
+        logits = kv.forward(
+            self.model, tree.tokens[nodes].unsqueeze(0), self.cache, position_ids=pos, attention_mask=mask
+        )
+        self.forwards += 1
+        self._fed_t, self._fed_ok = cols, ok
+        return logits
+
+    def commit(self, root: int, path: list[int], committed: list[int], positions: list[int] | None = None) -> None:
         """Keep only the committed path in the draft cache (``kv.keep_positions``), backlog the rest.
 
         Args:
             root: this iteration's root token.
             path: committed node indices, root first (from :func:`select_path`).
             committed: committed tokens (path tokens without the root, then the bonus token).
+            positions: resident drafting's cache offsets after the prefix of the path's fed nodes (root excluded,
+                up to the first node never fed); None: found from :attr:`fed`.
         """
         path_tokens = committed[:-1]
         if not self.started:
             self.backlog += [root, *path_tokens]
             return
-        pos = {u: self.prefix_len + j for j, u in enumerate(self.fed)}
-        keep: list[int] = []
-        for u in path[1:]:
-            if u not in pos:  # expanded nodes are ancestor-closed: the rest of the path was never fed
-                break
-            keep.append(pos[u])
+        if positions is not None:
+            keep = [self.prefix_len + j for j in positions]
+        else:
+            pos = {u: self.prefix_len + j for j, u in enumerate(self.fed)}
+            keep = []
+            for u in path[1:]:
+                if u not in pos:  # expanded nodes are ancestor-closed: the rest of the path was never fed
+                    break
+                keep.append(pos[u])
         kv.keep_positions(self.cache, self.prefix_len, keep)
         self.backlog = path_tokens[len(keep) :]
         self.started = False

@@ -5,14 +5,13 @@ greedy, sampled (SpecInfer's multi-draft rule) or typical acceptance. Every tree
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import overload
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from dtbench.decoders import kv, modelinfo
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids, first_tokens, next_token
-from dtbench.decoders.sampling import SamplingSettings, verify_tree_sampled, verify_tree_typical
+from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.tree.draft import (
     DraftSession,
     ExpansionPolicy,
@@ -21,100 +20,25 @@ from dtbench.decoders.tree.draft import (
     check_draft_options,
     draft_tree,
 )
+from dtbench.decoders.tree.resident import Resident, ResidentDraft, check_resident, draft_tree_resident
 from dtbench.decoders.tree.structure import (
     CacheStrategy,
     DraftStrategy,
-    MaskKind,
     Prune,
-    SideBranch,
     TokenTree,
     TreeRoot,
     attention_mask_kind,
     root_offset,
-    select_path,
-    tree_attention_mask,
     tree_capacity,
-    tree_position_ids,
-    with_side_branch,
+    tree_node_bound,
 )
-
-
-def tree_predictions(target: torch.nn.Module, cache: kv.KVCache, tree: TokenTree, kind: MaskKind) -> torch.Tensor:
-    """One target forward over [root, drafted nodes] with the tree mask (Algorithm 1 line 4), greedy.
-
-    Args:
-        target: the target causal LM; ``cache`` holds the committed prefix without the root.
-        tree: the drafted tree.
-        kind: the target's mask format (:func:`attention_mask_kind`).
-
-    Returns:
-        (size,) int64 greedy predictions: entry u is argmax p_T(. | prefix, path to u); entry 0 is the
-        paper's y_hat_{t+1} (argmax of the prefix logits s_last). The cache grows by ``size`` positions.
-    """
-    return torch.argmax(tree_logits(target, cache, tree, kind), dim=-1).to(tree.device)
-
-
-@overload
-def tree_logits(
-    target: torch.nn.Module,
-    cache: kv.KVCache,
-    tree: TokenTree,
-    kind: MaskKind,
-    hidden_layers: None = None,
-    side: SideBranch | None = None,
-) -> torch.Tensor: ...
-
-
-@overload
-def tree_logits(
-    target: torch.nn.Module,
-    cache: kv.KVCache,
-    tree: TokenTree,
-    kind: MaskKind,
-    hidden_layers: tuple[int, ...] | None = None,
-    side: SideBranch | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def tree_logits(
-    target: torch.nn.Module,
-    cache: kv.KVCache,
-    tree: TokenTree,
-    kind: MaskKind,
-    hidden_layers: tuple[int, ...] | None = None,
-    side: SideBranch | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The target forward of :func:`tree_predictions`, returning its logits: (size, vocab) in the target's dtype,
-    row u the target's logits of the token after the path to u. The cache grows by ``size`` positions.
-    With ``hidden_layers`` (a :class:`TreeDrafter`'s), the pair (logits, features (size, F)) from the same forward
-    (:func:`kv.forward`). With a ``side`` branch (m tokens, :class:`SideBranch`), its tokens are fed after the tree
-    in the same forward (:func:`with_side_branch`): logits and features get m more rows and the cache m more
-    positions, after the tree's."""
-    n = tree.size
-    prefix_len = kv.cache_len(cache)
-    dev = modelinfo.device_of(target)
-    tokens = tree.tokens[:n].to(dev)
-    if side is None and n == 1:  # root only: a plain causal step
-        return kv.forward(target, tokens.unsqueeze(0), cache, hidden_layers=hidden_layers)
-    relation, depths = tree.ancestors().to(dev), tree.depths[:n].to(dev)
-    if side is not None:
-        relation = with_side_branch(relation, side)
-        tokens = torch.cat([tokens, side.tokens.to(dev)])
-        depths = torch.cat([depths, side.offsets.to(dev)])
-    mask = tree_attention_mask(relation, prefix_len, kind, modelinfo.dtype_of(target))
-    return kv.forward(
-        target,
-        tokens.unsqueeze(0),
-        cache,
-        position_ids=tree_position_ids(depths, prefix_len),
-        attention_mask=mask,
-        hidden_layers=hidden_layers,
-    )
-
-
-def _row_probs(sampling: SamplingSettings, rows: torch.Tensor) -> Callable[[int], torch.Tensor]:
-    """``u -> sampling.probs(rows[u])``: the target's processed distribution after the path to node u."""
-    return lambda u: sampling.probs(rows[u])
+from dtbench.decoders.tree.verify import (  # noqa: F401  (tree_logits, tree_predictions: re-exported)
+    tree_logits,
+    tree_predictions,
+    update_target_cache,
+    verify_batched,
+    verify_row,
+)
 
 
 def speculate_tree(
@@ -131,6 +55,7 @@ def speculate_tree(
     sampling=None,
     generator: torch.Generator | None = None,
     eos_token_id: int | tuple[int, ...] | None = None,
+    resident: Resident = "off",
 ) -> Iterator[Step]:
     """Tree speculative decoding: the loop every tree decoder runs (Algorithm 1, repeated), greedy or sampled.
 
@@ -162,6 +87,7 @@ def speculate_tree(
             from the processed draft distribution (:class:`TreeSampling`) and the tree is verified by recursive
             rejection sampling (:func:`~dtbench.decoders.sampling.verify_tree_sampled`) instead of
             :func:`select_path`; the committed tokens then follow the target's processed distribution exactly.
+        resident: "off", "draft" or "full": where drafting decides (:mod:`~dtbench.decoders.tree.resident`).
         eos_token_id: the decoder's ``eos_token_id``: when set, generation ends with the first EOS committed, even
             inside the accepted path (:func:`~dtbench.decoders.base.cut_at_eos`); None: EOS is ignored.
 
@@ -189,6 +115,7 @@ def speculate_tree(
         sampling=sampling,
         generator=generator,
         eos_token_id=eos_token_id,
+        resident=resident,
     ):
         yield steps[0]
 
@@ -239,6 +166,7 @@ def speculate_tree_rows(
     generator: torch.Generator | None = None,
     eos_token_id: int | tuple[int, ...] | None = None,
     batched: bool = False,
+    resident: Resident = "off",
 ) -> Iterator[dict[int, Step]]:
     """The one tree loop (Algorithm 1, repeated) over B rows decoded together; see :func:`speculate_tree`.
 
@@ -250,41 +178,29 @@ def speculate_tree_rows(
     path (``compact``: its KV entries; ``rebuild``: a second batched forward over each row's [root, path]), and a row
     that reached T or committed an EOS leaves the batch, costing no further verification.
 
+    ``resident`` (:mod:`~dtbench.decoders.tree.resident`): where drafting decides; same trees and tokens in every mode.
+
     Yields:
         Per iteration a dict {row index: Step} of the rows that committed in it (the first: every row's prefill
         token); a row's Steps are those :func:`speculate_tree` yields for that row alone.
 
     Raises:
-        ValueError: as :func:`speculate_tree`; ``batched`` with a :class:`TreeDrafter` or with sampling.
+        ValueError: as :func:`speculate_tree`; ``batched`` with a :class:`TreeDrafter` or with sampling; ``resident``
+            other than "off" with a drafter, sampling, several rows, ``per_node`` drafting or an unknown mode.
     """
-    if cache_strategy not in ("compact", "rebuild"):
-        raise ValueError(f"unknown cache strategy {cache_strategy!r}")
-    check_draft_options(draft_strategy, prune, sampling is not None)
     drafter = policies[0] if isinstance(policies[0], TreeDrafter) else None
-    if batched and (drafter is not None or sampling is not None):
-        raise ValueError("batched tree decoding takes greedy expansion policies only (no tree drafter, no sampling)")
-    if not batched and len(prompts) != 1:
-        raise ValueError("several rows need batched=True")
+    _check_options(cache_strategy, draft_strategy, prune, drafter, sampling, batched, len(prompts), resident)
     offset = 0 if drafter else root_offset(tree_root)
     t_kind = attention_mask_kind(target)
     hidden = drafter.hidden_layers if drafter is not None and drafter.hidden_layers else None
     rows = range(len(prompts))
     ragged = kv.RaggedBatch(target) if batched else None
-    if ragged is not None:
-        texts = [p[0].tolist() for p in prompts]  # a ragged prefill takes host ids: the prompts' one read
-        first = ragged.prefill(texts)
-        pending = [next_token(logits.reshape(-1), sampling, generator) for logits in first]
-    else:
-        if hidden is None:
-            t_cache, logits = kv.prefill(target, prompts[0])
-        else:
-            t_cache, logits, features = kv.prefill_features(target, prompts[0], hidden)
-        texts, pending = first_tokens(prompts, [logits.reshape(-1)], sampling, generator)  # one read (issue 46)
+    t_cache, texts, pending, features = _prefill(target, prompts, ragged, hidden, sampling, generator)
     sessions: list[DraftSession] = []  # one per row when expansion policies draft with the draft model
     if drafter is None:
         assert draft is not None, "expansion policies draft with a draft model (the tree decoders need one)"
         sessions = [DraftSession(draft, text) for text in texts]
-    if drafter is not None and hidden is not None:
+    if drafter is not None and features is not None:
         drafter.feed_target(features, texts[0][1:] + [pending[0]])
     yield {r: Step(tokens=(pending[r],)) for r in rows}
     eos = eos_ids(eos_token_id)
@@ -293,122 +209,41 @@ def speculate_tree_rows(
     if ragged is not None:
         ragged.retain(active)
     while active:
-        trees, drawn = {}, None
+        trees, drafts, drawn = {}, {}, None
         for r in active:
-            policy = policies[r]
-            depth_cap = min(policy.depth_limit + offset, max_new_tokens - produced[r] - 1)
-            tree = TokenTree(
-                pending[r],
-                policy.n_max,
-                tree_capacity(policy.max_breadth, depth_cap, policy.n_max),
-                modelinfo.device_of(target) if drafter else sessions[r].device,
-            )
+            depth_cap = min(policies[r].depth_limit + offset, max_new_tokens - produced[r] - 1)
             drawn = None if sampling is None else TreeSampling(sampling, generator)
-            if depth_cap >= 1:
-                if drafter is not None:
-                    drafter.draft(tree, pending[r], depth_cap)
-                else:
-                    assert isinstance(policy, ExpansionPolicy), "rows without a tree drafter have expansion policies"
-                    draft_tree(
-                        sessions[r],
-                        tree,
-                        pending[r],
-                        policy,
-                        depth_cap,
-                        draft_strategy,
-                        tree_root=tree_root,
-                        prune=prune,
-                        sampling=drawn,
-                    )
-            trees[r] = tree
-        chosen: dict[int, tuple[list[int], list[int]]] = {}
-        if ragged is not None:
-            logits = ragged.forward(
-                [trees[r].tokens[: trees[r].size].tolist() for r in active],
-                [trees[r].ancestors() if trees[r].size > 1 else None for r in active],
-                [trees[r].depths[: trees[r].size] for r in active],
+            trees[r], drafts[r] = _draft_row(
+                policies[r],
+                pending[r],
+                depth_cap,
+                sessions[r] if sessions else None,
+                modelinfo.device_of(target),
+                draft_strategy,
+                tree_root,
+                prune,
+                drawn,
+                resident,
             )
-            for i, r in enumerate(active):
-                tree, n = trees[r], trees[r].size
-                pred = torch.argmax(logits[i, :n], dim=-1).to(tree.device)
-                chosen[r] = select_path(tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred)
-            if cache_strategy == "compact":
-                ragged.keep([chosen[r][0] for r in active])
-            else:
-                ragged.keep([[] for _ in active])
-                ragged.forward([[pending[r], *chosen[r][1][:-1]] for r in active])
-                ragged.keep([list(range(len(chosen[r][1]))) for r in active])
+        positions: dict[int, list[int] | None] = dict.fromkeys(active)
+        if ragged is not None:
+            chosen = verify_batched(ragged, trees, active, pending, cache_strategy)
         else:
-            r, tree = active[0], trees[active[0]]
+            r = active[0]
+            assert t_cache is not None  # a single row keeps a plain cache
             prefix_len = kv.cache_len(t_cache)
-            n = tree.size
-            if drafter is not None:
-                side = drafter.side_branch()
-                verified = tree_logits(target, t_cache, tree, t_kind, hidden, side)
-                logits, tree_features = (
-                    verified if isinstance(verified, tuple) else (verified, None)
-                )  # a pair with hidden layers
-                drafter.feed_logits(tree, logits[:n], None if side is None else logits[n:])
-                if sampling is None:
-                    pred = torch.argmax(logits[:n], dim=-1).to(tree.device)
-                    path, committed = select_path(
-                        tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
-                    )
-                elif (typical := getattr(drafter, "typical", None)) is not None:  # medusa's opt-in lossy mode
-                    threshold, alpha = typical
-                    path, committed = verify_tree_typical(
-                        tree.tokens[:n].tolist(),
-                        tree.parents[:n].tolist(),
-                        logits[:n],
-                        sampling.temperature,
-                        threshold,
-                        alpha,
-                        generator,
-                    )
-                else:  # a drafter's tree is a function of the context: deterministic children (q one-hot)
-                    path, committed = verify_tree_sampled(
-                        tree.tokens[:n].tolist(),
-                        tree.parents[:n].tolist(),
-                        _row_probs(sampling, logits),
-                        {},
-                        generator,
-                    )
-                if tree_features is not None:
-                    drafter.feed_target(tree_features[path], committed)
-            elif sampling is None:
-                pred = tree_predictions(target, t_cache, tree, t_kind)
-                path, committed = select_path(
-                    tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.ancestors(), pred
-                )
-            else:
-                logits = tree_logits(target, t_cache, tree, t_kind)
-                assert drawn is not None  # sampling: a TreeSampling per tree
-                path, committed = verify_tree_sampled(
-                    tree.tokens[:n].tolist(),
-                    tree.parents[:n].tolist(),
-                    _row_probs(sampling, logits),
-                    drawn.draft_probs,
-                    generator,
-                )
-            if cache_strategy == "compact":
-                kv.keep_positions(t_cache, prefix_len, [prefix_len + u for u in path])
-            else:
-                kv.crop(t_cache, prefix_len)
-                kv.forward(target, [pending[r], *committed[:-1]], t_cache, last_only=True)
-            chosen[r] = (path, committed)
+            path, committed, positions[r] = verify_row(
+                target, t_cache, trees[r], t_kind, drafts[r], resident, drafter, hidden, sampling, drawn, generator
+            )
+            chosen = {r: (path, committed)}
+            update_target_cache(target, t_cache, prefix_len, pending[r], *chosen[r], cache_strategy)
         out, stay = {}, []
         for i, r in enumerate(active):
-            path, committed = chosen[r]
-            tree = trees[r]
             if drafter is None:
-                sessions[r].commit(pending[r], path, committed)
-            step = Step(
-                tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1, depth=tree.max_depth
-            )
-            policies[r].observe(step)
-            pending[r] = committed[-1]
-            produced[r] += len(committed)
-            out[r], ended = cut_at_eos(step, eos)
+                sessions[r].commit(pending[r], *chosen[r], positions[r])
+            out[r], ended = _commit(policies[r], trees[r], chosen[r][1], eos)
+            pending[r] = chosen[r][1][-1]
+            produced[r] += len(chosen[r][1])
             if not ended and produced[r] < max_new_tokens:
                 stay.append(i)
         yield out
@@ -416,3 +251,95 @@ def speculate_tree_rows(
             if ragged is not None:
                 ragged.retain(stay)
             active = [active[i] for i in stay]
+
+
+def _prefill(
+    target: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    ragged: kv.RaggedBatch | None,
+    hidden: tuple[int, ...] | None,
+    sampling: SamplingSettings | None,
+    generator: torch.Generator | None,
+) -> tuple[kv.KVCache | None, list[list[int]], list[int], torch.Tensor | None]:
+    """Prefill every row (Algorithm 1's first target forward): (the target cache of a single row or None for a ragged
+    batch, the prompts as host ids, each row's first token, a drafter's prefill features or None), in one read."""
+    if ragged is not None:
+        texts = [p[0].tolist() for p in prompts]  # a ragged prefill takes host ids: the prompts' one read
+        first = ragged.prefill(texts)
+        return None, texts, [next_token(logits.reshape(-1), sampling, generator) for logits in first], None
+    features = None
+    if hidden is None:
+        cache, logits = kv.prefill(target, prompts[0])
+    else:
+        cache, logits, features = kv.prefill_features(target, prompts[0], hidden)
+    texts, pending = first_tokens(prompts, [logits.reshape(-1)], sampling, generator)  # one read (issue 46)
+    return cache, texts, pending, features
+
+
+def _commit(
+    policy: ExpansionPolicy | TreeDrafter, tree: TokenTree, committed: list[int], eos: frozenset[int]
+) -> tuple[Step, bool]:
+    """One row's Step for its committed tokens (Algorithm 1 line 6), fed back to its policy (line 7, ADJUST), cut
+    after an EOS: (the Step, whether the row ended at an EOS)."""
+    step = Step(tokens=tuple(committed), drafted=tree.n_drafted, accepted=len(committed) - 1, depth=tree.max_depth)
+    policy.observe(step)
+    return cut_at_eos(step, eos)
+
+
+def _check_options(
+    cache_strategy: str,
+    draft_strategy: str,
+    prune: str,
+    drafter: TreeDrafter | None,
+    sampling: SamplingSettings | None,
+    batched: bool,
+    rows: int,
+    resident: str,
+) -> None:
+    """Validate :func:`speculate_tree_rows`'s options before any forward runs (its Raises)."""
+    if cache_strategy not in ("compact", "rebuild"):
+        raise ValueError(f"unknown cache strategy {cache_strategy!r}")
+    check_draft_options(draft_strategy, prune, sampling is not None)
+    if batched and (drafter is not None or sampling is not None):
+        raise ValueError("batched tree decoding takes greedy expansion policies only (no tree drafter, no sampling)")
+    if not batched and rows != 1:
+        raise ValueError("several rows need batched=True")
+    check_resident(resident, drafter is not None, sampling is not None, batched, draft_strategy)
+
+
+def _draft_row(
+    policy: ExpansionPolicy | TreeDrafter,
+    pending: int,
+    depth_cap: int,
+    session: DraftSession | None,
+    device: torch.device,
+    draft_strategy: DraftStrategy,
+    tree_root: TreeRoot,
+    prune: Prune,
+    drawn: TreeSampling | None,
+    resident: Resident,
+) -> tuple[TokenTree, ResidentDraft | None]:
+    """Draft one row's tree below its pending token (Algorithm 1 line 3): by its :class:`TreeDrafter`, or by the
+    draft model under its expansion policy (:func:`draft_tree`, or :func:`draft_tree_resident` when ``resident``);
+    a ``depth_cap`` below 1 leaves the root alone. Returns (the tree, the resident draft or None)."""
+    if resident == "off":
+        capacity = tree_capacity(policy.max_breadth, depth_cap, policy.n_max)
+    else:  # the exact bound: ``full`` verifies every slot
+        first = 1 if tree_root == "paper" else policy.max_breadth
+        capacity = tree_node_bound(first, policy.max_breadth, depth_cap, policy.n_max)
+    tree = TokenTree(
+        pending, policy.n_max, capacity, device if session is None else session.device, spare=int(resident != "off")
+    )
+    if depth_cap < 1:
+        return tree, None
+    if session is None:
+        assert isinstance(policy, TreeDrafter), "a row without a draft session has a tree drafter"
+        policy.draft(tree, pending, depth_cap)
+        return tree, None
+    assert isinstance(policy, ExpansionPolicy), "rows without a tree drafter have expansion policies"
+    if resident != "off":
+        return tree, draft_tree_resident(session, tree, pending, policy, depth_cap, tree_root=tree_root, prune=prune)
+    draft_tree(
+        session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune, sampling=drawn
+    )
+    return tree, None

@@ -82,7 +82,7 @@ class TokenTree:
         n_max: node budget N_max on drafted nodes (size - 1 <= n_max).
     """
 
-    def __init__(self, root_token: int, n_max: int, capacity: int, device: torch.device | str):
+    def __init__(self, root_token: int, n_max: int, capacity: int, device: torch.device | str, spare: int = 0):
         """Create a tree holding only the root.
 
         Args:
@@ -90,6 +90,8 @@ class TokenTree:
             n_max: budget of drafted nodes (paper N_max).
             capacity: preallocated number of node slots including the root (>= 1); more than n_max + 1 is
                 never used.
+            spare: slots allocated after the capacity that never hold a node (resident drafting writes the
+                children that do not join there, :mod:`~dtbench.decoders.tree.resident`).
 
         Raises:
             ValueError: if capacity < 1 or n_max < 0.
@@ -99,7 +101,7 @@ class TokenTree:
         self.capacity = min(capacity, n_max + 1)
         self.n_max = n_max
         self.device = torch.device(device)
-        c = self.capacity
+        c = self.capacity + spare
         self.tokens = torch.full((c,), int(root_token), dtype=torch.long, device=self.device)
         self.parents = torch.zeros(c, dtype=torch.long, device=self.device)
         self.depths = torch.zeros(c, dtype=torch.long, device=self.device)
@@ -174,6 +176,19 @@ def tree_capacity(max_breadth: int, depth_cap: int, n_max: int) -> int:
         total += width
         if total >= n_max:
             return n_max + 1
+    return total + 1
+
+
+def tree_node_bound(first: int, max_breadth: int, depth_cap: int, n_max: int) -> int:
+    """The most nodes (root included) a drafted tree can hold, exactly: at most ``first`` nodes at depth 1 (1: a
+    paper-rooted tree's u0; else the root's largest breadth), ``max_breadth`` times more at each further depth up to
+    ``depth_cap``, and never more than N_max drafted: 1 + min(N_max, sum_{d=1..depth_cap} first x B^(d-1))."""
+    total, width = 0, first
+    for _ in range(max(depth_cap, 0)):
+        total += width
+        if total >= n_max:
+            return n_max + 1
+        width *= max_breadth
     return total + 1
 
 
