@@ -204,7 +204,7 @@ def prefill_features(
 
 
 class RaggedBatch:
-    """B sequences decoded together in one target: one right-padded ``DynamicCache`` with a length per row.
+    """B sequences decoded together in one target: one right-padded cache with a length per row.
 
     Row r's committed positions are cache slots ``[0, lengths[r])``; the slots after them, up to the cache's width
     (the longest row), are padding that no query attends to. A forward feeds each row its own new tokens (ragged:
@@ -213,6 +213,12 @@ class RaggedBatch:
     tokens: causal for a chain, the tree mask of paper 3.4 for a tree). :meth:`keep` then moves each row's accepted
     entries right after its prefix and crops the padding, so every row keeps exactly its own accepted prefix (ragged
     acceptance, never cut to the shortest row); :meth:`retain` drops finished rows, which then cost no verification.
+
+    Eager execution keeps a ``DynamicCache``. Compiled execution (issue 46 item 6) keeps a batch-B
+    :class:`~dtbench.decoders.static_kv.StaticKV`: every forward after the prefill is padded to a bucket and runs the
+    compiled graph of that (B, bucket), and a finished row stays in the batch as a padding row (it feeds one token that
+    attends to itself, and its logits are dropped), so the batch keeps the shape its graphs were compiled for — as
+    CUDA-graph engines pad a batch to a captured size (vLLM's ``cudagraph_capture_sizes``).
 
     The design follows the padded-batch verification of batched speculative decoding (BASS, Qian et al. 2024,
     "ragged" per-row lengths by masks and position ids) on transformers' 4D-mask path, the same path the one-row tree
@@ -234,12 +240,8 @@ class RaggedBatch:
         self.lengths: list[int] = []
         self._width = 0  # cache width before the last forward (where its new tokens start)
         self._fed: list[int] = []  # new tokens per row in the last forward
-
-    def _dynamic(self) -> DynamicCache:
-        """The batch's cache, always a ``DynamicCache``: compiled execution (:class:`StaticKV`) runs at batch size 1
-        only (the plan rejects batched compiled cells)."""
-        assert isinstance(self.cache, DynamicCache), "a ragged batch runs eager"
-        return self.cache
+        self._rows: list[int] = []  # compiled: the physical row of each row in the batch (finished rows stay)
+        self._all: list[int] = []  # compiled: every physical row's length
 
     @property
     def rows(self) -> int:
@@ -249,6 +251,11 @@ class RaggedBatch:
     def prefill(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Feed every row's prompt in one forward (right-padded); each row's last-position logits, (vocab,) each."""
         self.lengths = [0] * len(prompts)
+        if isinstance(self.cache, StaticKV):
+            from dtbench.decoders.static_kv import batch_owner
+
+            self.cache.owner = batch_owner(len(prompts))
+            self._rows, self._all = list(range(len(prompts))), [0] * len(prompts)
         last = sorted({len(p) - 1 for p in prompts})
         logits = self.forward(prompts, keep_logits=last)
         self.keep([list(range(len(p))) for p in prompts])
@@ -277,29 +284,32 @@ class RaggedBatch:
             row's n_r are padding.
         """
         dev = device_of(self.model)
-        b, width = len(tokens), cache_len(self.cache)
-        n = max(len(t) for t in tokens)
-        lengths = torch.tensor(self.lengths)
-        aligned = ancestors is None and depths is None and all(len(t) == n for t in tokens)
-        if aligned:  # every row a chain of n tokens (batched AR, equal drafts): one tensor op per input, no row loop
-            ids = torch.tensor(tokens, dtype=torch.long)
-            pos = lengths.unsqueeze(1) + torch.arange(n)
-            new = torch.ones(n, n, dtype=torch.bool).tril_().expand(b, n, n)
+        static = isinstance(self.cache, StaticKV)
+        width = cache_len(self.cache)
+        if static:  # every physical row: a finished one feeds its last position again, attending to itself
+            where = dict(zip(self._rows, range(len(tokens)), strict=True))
+            lengths_l = self._all
+            tokens = [tokens[where[p]] if p in where else [0] for p in range(len(self._all))]
+            every = range(len(self._all))
+            ancestors = None if ancestors is None else [ancestors[where[p]] if p in where else None for p in every]
+            depths = None if depths is None else [depths[where[p]] if p in where else None for p in every]
         else:
-            ids = torch.zeros((b, n), dtype=torch.long)
-            pos = torch.zeros((b, n), dtype=torch.long)
-            new = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)  # padding queries attend to themselves only
-        for r, row in enumerate([] if aligned else tokens):
-            m = len(row)
-            ids[r, :m] = torch.as_tensor(row, dtype=torch.long)
-            ids[r, m:] = ids[r, m - 1]
-            d = depths[r] if depths is not None and depths[r] is not None else None
-            pos[r, :m] = self.lengths[r] + (d.cpu() if d is not None else torch.arange(m))
-            pos[r, m:] = self.lengths[r]
-            a = ancestors[r] if ancestors is not None and ancestors[r] is not None else None
-            new[r, :m, :m] = a.cpu() if a is not None else torch.ones(m, m, dtype=torch.bool).tril_()
-        prefix = torch.arange(width) < lengths.unsqueeze(1)  # (b, width)
-        allowed = torch.cat([prefix.unsqueeze(1).expand(b, n, width), new], dim=2).unsqueeze(1).to(dev)
+            lengths_l = self.lengths
+        ids, pos, allowed = _ragged_inputs(tokens, ancestors, depths, lengths_l, width)
+        if static:
+            assert isinstance(self.cache, StaticKV)
+            logits = self.cache.forward_rows(self.model, ids.to(dev), pos.to(dev), allowed.to(dev), keep_logits)
+            logits = logits if len(where) == len(self._all) else logits[torch.tensor(self._rows, device=dev)]
+        else:
+            logits = self._forward_dynamic(ids, pos, allowed, keep_logits)
+        self._width, self._fed = width, [len(t) for t in tokens]
+        return logits
+
+    def _forward_dynamic(
+        self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, keep_logits: list[int] | None
+    ) -> torch.Tensor:
+        dev = device_of(self.model)
+        allowed = allowed.unsqueeze(1).to(dev)
         if self.kind == "bool":
             mask = allowed
         else:
@@ -316,7 +326,6 @@ class RaggedBatch:
             **{cache_keyword(self.model): self.cache},
             **kwargs,
         )
-        self._width, self._fed = width, [len(t) for t in tokens]
         return out.logits
 
     def keep(self, kept: list[list[int]]) -> None:
@@ -326,36 +335,77 @@ class RaggedBatch:
         Only the kept entries move (an in-place copy to lower slots); the cache is then cropped to the longest row.
         """
         width = self._width
+        static = isinstance(self.cache, StaticKV)
         src_b, src_s, dst_s = [], [], []
         for r, idx in enumerate(kept):
+            b = self._rows[r] if static else r
             for i, u in enumerate(idx):
                 if width + u != self.lengths[r] + i:
-                    src_b.append(r)
+                    src_b.append(b)
                     src_s.append(width + u)
                     dst_s.append(self.lengths[r] + i)
             self.lengths[r] += len(idx)
+            if static:
+                self._all[b] = self.lengths[r]
         if src_b:
-            rows = layers(self._dynamic())
+            rows = layers(self.cache.cache if isinstance(self.cache, StaticKV) else self.cache)
             dev = rows[0].keys.device
             b_i = torch.tensor(src_b, device=dev)
             s_i, d_i = torch.tensor(src_s, device=dev), torch.tensor(dst_s, device=dev)
             for layer in rows:
                 layer.keys[b_i, :, d_i] = layer.keys[b_i, :, s_i]
                 layer.values[b_i, :, d_i] = layer.values[b_i, :, s_i]
-        crop(self.cache, max(self.lengths, default=0))
+        crop(self.cache, max(self._all if static else self.lengths, default=0))
 
     def retain(self, rows: list[int]) -> None:
-        """Keep only these rows (indices into the current rows, in order): finished rows leave the batch."""
+        """Keep only these rows (indices into the current rows, in order): finished rows leave the batch (compiled:
+        they stay in the static batch as padding rows, their slots untouched)."""
         if rows == list(range(self.rows)):
             return
         self.lengths = [self.lengths[r] for r in rows]
+        if isinstance(self.cache, StaticKV):
+            self._rows = [self._rows[r] for r in rows]
+            return
         if not rows:
             self.cache = new_cache()
             return
-        batch = layers(self._dynamic())
+        batch = layers(self.cache)
         dev = batch[0].keys.device
         sel = torch.tensor(rows, device=dev)
         for layer in batch:
             layer.keys = layer.keys.index_select(0, sel)
             layer.values = layer.values.index_select(0, sel)
         crop(self.cache, max(self.lengths))
+
+
+def _ragged_inputs(
+    tokens: list[list[int]],
+    ancestors: list[torch.Tensor | None] | None,
+    depths: list[torch.Tensor | None] | None,
+    lengths: list[int],
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`RaggedBatch.forward`'s host-built inputs: ids and position ids (b, N) int64 and the attention
+    relation (b, N, width + N) bool (each row's prefix, then its new tokens' relation; padding attends to itself)."""
+    b, n = len(tokens), max(len(t) for t in tokens)
+    length_t = torch.tensor(lengths)
+    aligned = ancestors is None and depths is None and all(len(t) == n for t in tokens)
+    if aligned:  # every row a chain of n tokens (batched AR, equal drafts): one tensor op per input, no row loop
+        ids = torch.tensor(tokens, dtype=torch.long)
+        pos = length_t.unsqueeze(1) + torch.arange(n)
+        new = torch.ones(n, n, dtype=torch.bool).tril_().expand(b, n, n)
+    else:
+        ids = torch.zeros((b, n), dtype=torch.long)
+        pos = torch.zeros((b, n), dtype=torch.long)
+        new = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)  # padding queries attend to themselves only
+    for r, row in enumerate([] if aligned else tokens):
+        m = len(row)
+        ids[r, :m] = torch.as_tensor(row, dtype=torch.long)
+        ids[r, m:] = ids[r, m - 1]
+        d = depths[r] if depths is not None and depths[r] is not None else None
+        pos[r, :m] = lengths[r] + (d.cpu() if d is not None else torch.arange(m))
+        pos[r, m:] = lengths[r]
+        a = ancestors[r] if ancestors is not None and ancestors[r] is not None else None
+        new[r, :m, :m] = a.cpu() if a is not None else torch.ones(m, m, dtype=torch.bool).tril_()
+    prefix = torch.arange(width) < length_t.unsqueeze(1)  # (b, width)
+    return ids, pos, torch.cat([prefix.unsqueeze(1).expand(b, n, width), new], dim=2)

@@ -96,10 +96,10 @@ class Execution:
         return cache
 
     def precompile(
-        self, models: list[torch.nn.Module], largest: int, sizes: tuple[int, ...] | None = None
+        self, models: list[torch.nn.Module], largest: int, sizes: tuple[int, ...] | None = None, batch: int = 1
     ) -> tuple[float, int]:
         """Compile every bucket up to ``largest`` new tokens (or the buckets of ``sizes`` only) for each model,
-        outside any timed region.
+        outside any timed region, at batch size ``batch`` (a batched cell's rows share one batch-B static cache).
 
         Each bucket's graph is compiled and run twice on a scratch static cache of the current length (on CUDA the
         second run records the CUDA graph), so the warmup and the measured samples reuse them.
@@ -116,20 +116,31 @@ class Execution:
         with torch.inference_mode(), compiled(self):
             for model in models:
                 self.begin_sample()
-                cache = StaticKV(self)
+                cache = StaticKV(self, batch_owner(batch))
+                dev = device_of(model)
 
-                def tokens(n: int, model: torch.nn.Module = model) -> torch.Tensor:
-                    return torch.zeros((1, n), dtype=torch.long, device=device_of(model))
+                def causal(n: int, cache: StaticKV = cache, dev: torch.device = dev) -> tuple[torch.Tensor, ...]:
+                    L = cache.length
+                    allowed = torch.ones(batch, n, L + n, dtype=torch.bool, device=dev)
+                    allowed[:, :, L:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+                    pos = torch.arange(L, L + n, device=dev).expand(batch, n)
+                    return torch.zeros((batch, n), dtype=torch.long, device=dev), pos, allowed
 
-                cache.forward(model, tokens(4), None, None, False)  # the prefill (eager) initialises the buffers
+                cache.forward_rows(model, *causal(4))  # the prefill (eager) initialises the buffers
                 for b in buckets:
                     for _ in range(2):
                         cache.length = 4  # rolled back (kv.crop of a static cache)
-                        cache.forward(model, tokens(b), None, None, False)
+                        cache.forward_rows(model, *causal(b))
                 self.begin_sample()
         if any(m.device.type == "cuda" for m in models):
             torch.cuda.synchronize()
         return time.perf_counter() - t0, compiled_graphs() - graphs0
+
+
+def batch_owner(batch: int) -> str:
+    """The static-cache pool of a batch of ``batch`` rows (B = 1: the loops' own caches, ``""``): a pooled cache's
+    batch size is fixed by its first forward, so each batch size draws its own."""
+    return "" if batch == 1 else f"batch-{batch}"
 
 
 RECOMPILE_LIMIT = 512  # graphs per compiled function: every bucket of every model of a run (target and draft share one)
@@ -187,11 +198,12 @@ class StaticKV:
         ValueError: a forward that would write past the static length (``Execution.max_len``).
     """
 
-    def __init__(self, execution: Execution):
+    def __init__(self, execution: Execution, owner: str = ""):
         self.execution = execution
         self.length = 0
         self.cache: Any = None
         self.model: torch.nn.Module | None = None
+        self.owner = owner  # the pool it draws from (:meth:`Execution.static_cache`): a batch of B rows its own
 
     def get_seq_length(self) -> int:
         """The logical length (positions held), as ``DynamicCache.get_seq_length``."""
@@ -200,7 +212,7 @@ class StaticKV:
     def _bind(self, model: torch.nn.Module) -> None:
         if self.model is None:
             self.model = model
-            self.cache = self.execution.static_cache(model)
+            self.cache = self.execution.static_cache(model, self.owner)
         elif self.model is not model:
             raise ValueError("a static KV cache serves one model")
 
@@ -215,42 +227,71 @@ class StaticKV:
         """:func:`forward` on this cache: (1, n) new tokens at slots ``[length, length + n)``; logits (n, vocab)
         (or (1, vocab) with ``last_only``). The first forward (the prefill) and forwards over the largest bucket run
         eager at their own size; the others are padded to their bucket and run the compiled forward."""
+        L, n = self.length, int(ids.shape[-1])
+        dev = device_of(model)
+        pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
+        if attention_mask is not None:
+            given = attention_mask[0, 0].to(dev)
+            allowed = given if given.dtype == torch.bool else given == 0
+        else:
+            allowed = torch.ones(n, L + n, dtype=torch.bool, device=dev)
+            allowed[:, L:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        return self.forward_rows(model, ids.to(dev), pos, allowed.unsqueeze(0), [n - 1] if last_only else None)[0]
+
+    def forward_rows(
+        self,
+        model: torch.nn.Module,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        allowed: torch.Tensor,
+        keep: list[int] | None = None,
+    ) -> torch.Tensor:
+        """One forward of B rows' new tokens at slots ``[length, length + n)`` of this (batch-B) cache.
+
+        Args:
+            ids, position_ids: (B, n) int64 on the model's device.
+            allowed: (B, n, length + n) bool: which slots each new token attends to (its row's prefix and relation).
+            keep: new-token indices whose logits are returned (all: None).
+
+        Returns:
+            Logits (B, n or len(keep), vocab). The first forward (the prefill) and forwards over the largest bucket
+            run eager at their own size; the others are padded to their bucket (the pad tokens repeat each row's
+            last token at its last position and attend to the prefix and themselves) and run the compiled forward.
+
+        Raises:
+            ValueError: the forward would write past the static length.
+        """
         self._bind(model)
-        ex, L, n = self.execution, self.length, int(ids.shape[-1])
+        ex, L = self.execution, self.length
+        b, n = int(ids.shape[0]), int(ids.shape[-1])
         nb = bucket(n) if L > 0 else None
         width = nb or n
         if L + width > ex.max_len:
             raise ValueError(f"static KV cache of {ex.max_len} positions is full ({L} held, {width} more fed)")
         dev = device_of(model)
-        ids = ids.to(dev)
-        pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
-        slots = torch.arange(ex.max_len, device=dev)
-        allowed = (slots < L).expand(width, ex.max_len).clone()  # every query sees the committed prefix
-        if attention_mask is not None:
-            given = attention_mask[0, 0].to(dev)
-            allowed[:n, : L + n] = given if given.dtype == torch.bool else given == 0
-        else:
-            allowed[:n, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        full = (torch.arange(ex.max_len, device=dev) < L).expand(b, width, ex.max_len).clone()
+        full[:, :n, : L + n] = allowed
+        pos = position_ids
         if width > n:  # bucket padding: repeat the last token at the last position, attending to itself only
-            ids = torch.cat([ids, ids[:, -1:].expand(1, width - n)], dim=1)
-            pos = torch.cat([pos, pos[:, -1:].expand(1, width - n)], dim=1)
+            ids = torch.cat([ids, ids[:, -1:].expand(b, width - n)], dim=1)
+            pos = torch.cat([pos, pos[:, -1:].expand(b, width - n)], dim=1)
             pad = torch.arange(n, width, device=dev)
-            allowed[pad, L + pad] = True
+            full[:, pad, L + pad] = True
         from dtbench.decoders.tree.structure import attention_mask_kind
 
         if attention_mask_kind(model) == "bool":
-            mask = allowed[None, None]
+            mask = full.unsqueeze(1)
         else:
             dtype = dtype_of(model)
-            mask = torch.zeros((1, 1, width, ex.max_len), dtype=dtype, device=dev).masked_fill_(
-                ~allowed[None, None], torch.finfo(dtype).min
+            mask = torch.zeros((b, 1, width, ex.max_len), dtype=dtype, device=dev).masked_fill_(
+                ~full.unsqueeze(1), torch.finfo(dtype).min
             )
         for layer in self.cache.layers:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(L)
         kwargs: dict[str, Any] = {cache_keyword(model): self.cache}
-        if nb is None and last_only:
-            kwargs["logits_to_keep"] = 1
+        if nb is None and keep is not None:
+            kwargs["logits_to_keep"] = 1 if keep == [n - 1] else torch.tensor(keep, dtype=torch.long, device=dev)
         if nb is None:
             out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
         else:
@@ -262,10 +303,9 @@ class StaticKV:
             finally:
                 del model.forward
         self.length = L + n
-        logits = out.logits[0]
         if nb is None:
-            return logits
-        return logits[n - 1 : n] if last_only else logits[:n]
+            return out.logits
+        return out.logits[:, keep] if keep is not None else out.logits[:, :n]
 
 
 # target -> (compile options, its compiled forward): one compiled forward per model and options, reused by every call

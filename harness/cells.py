@@ -133,7 +133,7 @@ class Hardware:
         )
 
     def compile_step(
-        self, cp: CellPlan, decoder, prompt_ids, T: int, models_: list, timeout_s: float | None = None
+        self, cp: CellPlan, decoder, rows: list, T: int, models_: list, timeout_s: float | None = None
     ) -> tuple[float, int] | None:
         """The compile step of a compiled cell, once per worker, before its first sample (the warmup's): every
         bucket up to the cell's largest verification compiled for each model it uses
@@ -142,24 +142,33 @@ class Hardware:
         is the decoder's code, so it runs under the cell's wall-time limit ``timeout_s`` (seconds; None: none).
 
         Returns:
-            (seconds, graphs torch.compile made) the first time for ``cp``'s label, else None.
+            (seconds, graphs torch.compile made) the first time for ``cp``'s label at this batch size, else None.
 
         Raises:
             SampleTimeout: the decoder's run took longer than ``timeout_s``.
         """
-        if self.execution is None or cp.label in self.compiled:
+        key = cp.label if len(rows) == 1 else f"{cp.label} B={len(rows)}"
+        if self.execution is None or key in self.compiled:
             return None
         t0, graphs0 = measure_now(), static_kv.compiled_graphs()
-        self.execution.precompile(models_, max(cp.cls.verify_sizes(cp.params)))
+        largest = max(cp.cls.verify_sizes(cp.params))
+        self.execution.precompile(models_[:1], largest, batch=len(rows))  # the target verifies the batch together
+        if len(models_) > 1:
+            self.execution.precompile(models_[1:], largest)  # a draft model drafts each row with its own cache
         with static_kv.compiled(self.execution), Deadline(timeout_s):
             self.execution.begin_sample()
-            n = 0
-            for step in decoder.generate(torch.as_tensor([list(prompt_ids)], device=models_[0].device), min(T, 16)):
-                n += len(step.tokens)
-                if n >= min(T, 16):
-                    break
-        self.compiled[cp.label] = (measure_now() - t0, static_kv.compiled_graphs() - graphs0)
-        return self.compiled[cp.label]
+            device = models_[0].device
+            if len(rows) > 1:  # a batch compiles its (B, bucket) graphs: the decoder's batched loop, as measured
+                for _ in decoder.generate_batch([torch.as_tensor([list(r)], device=device) for r in rows], min(T, 16)):
+                    pass
+            else:
+                n = 0
+                for step in decoder.generate(torch.as_tensor([list(rows[0])], device=device), min(T, 16)):
+                    n += len(step.tokens)
+                    if n >= min(T, 16):
+                        break
+        self.compiled[key] = (measure_now() - t0, static_kv.compiled_graphs() - graphs0)
+        return self.compiled[key]
 
     def roofline_of(self, m, total_s: float, uses_draft: bool) -> float | None:
         """The roofline fraction of one measurement (:func:`roofline.sample_fraction`)."""
@@ -245,10 +254,10 @@ def measure_cell(
         if stop_at_eos:
             decoder.eos_token_id = models.eos_token_id(target.model)
         ex = hardware.execution if hardware is not None and cp.execution == "compiled" else None
-        if ex is not None:  # B = 1 only (plan refuses compiled batches)
+        if ex is not None:  # at every batch size (a batch of B rows: its own (B, bucket) graphs)
             used = [target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
             phase = " (in the compile step)"
-            compiled = hardware.compile_step(cp, decoder, ids[0], T, used, timeout)  # type: ignore[union-attr]
+            compiled = hardware.compile_step(cp, decoder, ids, T, used, timeout)  # type: ignore[union-attr]
             phase = ""
             graphs0 = static_kv.compiled_graphs()
             with static_kv.compiled(ex):

@@ -178,7 +178,6 @@ def test_validate_refuses_what_cannot_run_compiled(pair, tmp_path, data_dir):
     cases = [
         ({"name": "hf_assisted"}, {}, "cannot run compiled (its class does not declare compiles)"),
         ({"name": "hf_generate", "params": {"prompt_lookup_num_tokens": 3}}, {}, "prompt lookup decoding"),
-        ({"name": "linear"}, {"batch_sizes": [1, 2]}, "compiled execution runs at batch size 1 only"),
         ({"name": "linear", "execution": ["fast"]}, {}, "execution"),
         ({"name": "linear", "execution": ["compiled"]}, {"execution": "eager"}, "not in the suite's execution"),
     ]
@@ -257,6 +256,41 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
     assert shown.exit_code == 0 and "Compiled/eager" in shown.stdout
     assert "one execution only (no pair): hf_assisted, hf_generate \\[compiled\\]" in shown.output  # Markdown-escaped
     one_line_error(invoke("report", "--db", str(dbfile), "--execution", "--compare"), "a report of its own")
+
+
+def test_compiled_batches_at_every_batch_size(pair, tmp_path, data_dir):
+    """Compiled execution at B = 1 and B = 4 (issue 46 item 6): ar, linear, dynatree and ngram both ways at both
+    sizes, every cell lossless against eager ar at its batch size, no recompile after the compile step (each batch
+    size has its own step: its (B, bucket) graphs), and the batch columns stored for the compiled batches too."""
+    decoders = [
+        {"name": "ar"},
+        {"name": "linear", "params": {"k": 3}},
+        {"name": "dynatree", "params": {"n_max": 8}},
+        {"name": "ngram"},
+    ]
+    suite = suite_dict(*pair, decoders, execution=["eager", "compiled"], batch_sizes=[1, 4])
+    suite["datasets"][0].update(prompts=5, warmup=1)  # one full batch of B = 4 after warmup
+    dbfile = tmp_path / "b.db"
+    result = invoke(
+        "run", write_suite(tmp_path, suite), "--db", str(dbfile), "--data-dir", str(data_dir), "--no-progress"
+    )
+    assert result.exit_code == 0, result.output
+    with db.connect(str(dbfile))() as s:
+        cells = {c.label: c for c in s.scalars(select(db.Cell))}
+        assert {c.execution for c in cells.values()} == {"eager", "compiled"}
+        ar = {(x.prompt_index, x.batch_rows or 1): x.output_tokens for x in cells["ar"].samples}
+        batches = set()
+        for label, cell in cells.items():
+            assert cell.status == "done", label
+            assert cell.reference_label == (None if label == "ar" else "ar"), label
+            for x in cell.samples:
+                batches.add((label, x.batch_rows or 1))
+                assert x.output_tokens == ar[(x.prompt_index, x.batch_rows or 1)] and x.lossless is not False, label
+                if label.endswith("[compiled]"):
+                    assert x.step_stats["compiled"]["recompiles"] == 0, (label, x.batch_rows)
+    for name in ("ar", "linear", "dynatree", "ngram"):
+        for label in (name, f"{name} [compiled]"):
+            assert {(label, 1), (label, 4)} <= batches, label
 
 
 def test_an_eager_run_has_no_execution_report_and_its_table_no_execution_column(pair, tmp_path, data_dir):

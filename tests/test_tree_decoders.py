@@ -19,7 +19,7 @@ from dtbench.decoders import tree as T
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
-from dtbench.decoders.tree import loop
+from dtbench.decoders.tree import verify as loop  # select_path is looked up where the tree verification calls it
 from dtbench.harness.testkit import ARCHS, FLAT, SHARP, VOCAB
 
 ATTNS = ["sdpa", "eager"]
@@ -380,7 +380,7 @@ def test_accepted_paths_use_side_branches(monkeypatch):
         side.append(any(first_child[par[u]] != u for u in path[1:]))
         return path, committed
 
-    monkeypatch.setattr(loop, "select_path", spy)  # where the tree loop looks it up
+    monkeypatch.setattr(loop, "select_path", spy)  # where the tree verification looks it up
     for cache_strategy, draft_strategy in COMBOS:
         params = FixedTreeParams(
             depth=5, branching=3, tau=0.0, n_max=80, cache_strategy=cache_strategy, draft_strategy=draft_strategy
