@@ -1,4 +1,4 @@
-"""``dtbench report``: the command's logic (the click declaration and its help live in ``cli/main.py``).
+"""``dtbench report``: the command's logic (its options and help are declared once, in ``cli/report.py``, and arrive here as keywords).
 
 Modes, combinable where it makes sense: the per-cell report (default), ``--compare`` within a run (speedup CIs),
 ``--compare BEFORE AFTER`` between runs (marks, gate), ``--tables`` / ``--out`` (paper Tables 1-5),
@@ -8,10 +8,8 @@ written-file lists and gate verdicts to stderr.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import click
 
@@ -19,6 +17,7 @@ from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report, emit, rendered
+from dtbench.reports.own import OWN_REPORTS, OwnRequest
 
 
 def _note(msg: str) -> None:
@@ -34,112 +33,46 @@ def _run_token(token: str) -> int | None:
         raise DtbenchError(f"run id must be an integer or 'latest', not {token!r}") from None
 
 
-@dataclass
-class OwnRequest:
-    """What a report of its own is produced from: the database's session factory, the run (None: the latest), the
-    output format, its option's value (parsed), ``--profile-json`` and the confidence level (1 - ``--alpha``)."""
+def _check_modes(
+    runs,
+    run_ids: list[int],
+    fmt: str,
+    compare,
+    only_changed,
+    fail_if,
+    tables,
+    out_dir,
+    fig_dir,
+    html_file,
+    include_partial,
+) -> None:
+    """Refuse a combination of the comparison, paper-output and run options that makes no report.
 
-    sessions: Any
-    run_id: int | None
-    fmt: str
-    value: Any
-    profile_json: str | None = None
-    confidence: float = 0.95
-    fig_dir: str | None = None
-
-
-@dataclass(frozen=True)
-class OwnReport:
-    """A report of its own: one run, given alone (the report kinds' one table; issue 40 item 4).
-
-    Attributes:
-        option: ``report_command``'s keyword; flag: the command-line flag; takes: what it combines with (the
-            error's parenthesis); produce: renders it from an :class:`OwnRequest`; parse: turns the option's value
-            into the request's ``value`` before the database is opened (raising DtbenchError), or None.
+    Raises:
+        DtbenchError: the combination, or a run id no database can hold, in one line.
     """
-
-    option: str
-    flag: str
-    takes: str
-    produce: Callable[[OwnRequest], None]
-    parse: Callable[[Any], Any] | None = None
-
-
-def _schedule(r: OwnRequest) -> None:
-    from dtbench.reports.schedule import schedule_report
-
-    schedule_report(r.sessions, r.run_id, r.fmt, r.value)
-
-
-def _slos(text: str) -> Any:
-    from dtbench.reports.goodput import parse_slos
-
-    return parse_slos(text)
-
-
-def _goodput(r: OwnRequest) -> None:
-    from dtbench.reports.goodput import goodput_report
-
-    goodput_report(r.sessions, r.run_id, r.fmt, r.value, r.confidence)
-
-
-def _execution(r: OwnRequest) -> None:
-    from dtbench.reports.execution import execution_report
-
-    execution_report(r.sessions, r.run_id, r.fmt, r.confidence)
-
-
-def _profile(r: OwnRequest) -> None:
-    from dtbench.reports.profile_report import profile_report
-
-    profile_report(r.sessions, r.run_id, r.fmt, r.profile_json, r.confidence)
-
-
-def _engine(r: OwnRequest) -> None:
-    from dtbench.reports.engine import engine_report
-
-    engine_report(r.sessions, r.run_id, r.fmt, r.confidence)
-
-
-def _spec_bench(r: OwnRequest) -> None:
-    from dtbench.reports.specbench import spec_bench_report
-
-    spec_bench_report(r.sessions, r.run_id, r.fmt)
-
-
-def _cost_model(r: OwnRequest) -> None:
-    from dtbench.reports.costmodel import cost_report
-
-    cost_report(r.sessions, r.run_id, r.fmt)
-
-
-def _predict_on(r: OwnRequest) -> None:
-    from dtbench.reports.predict import predict_report, write_figure
-
-    predict_report(r.sessions, r.run_id, r.fmt, r.value)
-    if r.fig_dir:
-        for path in write_figure(r.sessions, r.run_id, r.value, r.fig_dir):
-            _note(f"wrote {path}")
-
-
-def _export_curves(r: OwnRequest) -> None:
-    from dtbench.reports.predict import export_curves
-
-    _note(f"wrote {export_curves(r.sessions, r.run_id, r.value)}")
-
-
-RUN_AND_FORMAT = "--run ID and --format"
-OWN_REPORTS: tuple[OwnReport, ...] = (
-    OwnReport("schedule", "--schedule", RUN_AND_FORMAT, _schedule),
-    OwnReport("goodput", "--goodput", "--run ID, --format, --alpha", _goodput, _slos),
-    OwnReport("execution", "--execution", RUN_AND_FORMAT, _execution),
-    OwnReport("profile", "--profile", "--run ID, --format, --profile-json", _profile),
-    OwnReport("engine", "--engine", RUN_AND_FORMAT, _engine),
-    OwnReport("spec_bench", "--spec-bench", RUN_AND_FORMAT, _spec_bench),
-    OwnReport("cost_model", "--cost-model", RUN_AND_FORMAT, _cost_model),
-    OwnReport("predict_on", "--predict-on", "--run ID, --format, --figures DIR", _predict_on),
-    OwnReport("export_curves", "--export-curves", "--run ID", _export_curves),
-)
+    pair = len(runs) == 2
+    if runs and not compare:
+        raise DtbenchError("run ids as arguments are for --compare BEFORE AFTER; use --run ID to pick a run")
+    if runs and not pair:
+        raise DtbenchError(f"--compare takes two run ids (BEFORE AFTER) or none, got {len(runs)}")
+    if pair and (run_ids or tables or out_dir or fig_dir or html_file):
+        raise DtbenchError("--compare BEFORE AFTER cannot be combined with --run, --tables, --out, --figures or --html")
+    if (fail_if or only_changed) and not pair:
+        raise DtbenchError("--fail-if and --only-changed need a run-to-run comparison: --compare BEFORE AFTER")
+    files = bool(out_dir or fig_dir or html_file)
+    if len(run_ids) > 1 and (compare or not (tables or files)):
+        raise DtbenchError("several --run combine only for --tables, --figures and --html; give one --run here")
+    if tables and not out_dir and fmt == "csv":
+        raise DtbenchError("--tables prints table, markdown, json or html; for CSV files use --out DIR")
+    if include_partial and not (tables or files):
+        raise DtbenchError(
+            "--include-partial is for --tables, --out, --figures and --html (the other reports always "
+            "show partial cells, marked partial)"
+        )
+    for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
+        if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
+            raise DtbenchError(f"no run {rid} in the database")
 
 
 def report_command(
@@ -181,30 +114,13 @@ def report_command(
     from dtbench.harness.store import db
     from dtbench.reports.compare import Gate
 
+    run_ids, fail_if = list(run_ids), list(fail_if)  # click gives tuples
     pair = len(runs) == 2
-    if runs and not compare:
-        raise DtbenchError("run ids as arguments are for --compare BEFORE AFTER; use --run ID to pick a run")
-    if runs and not pair:
-        raise DtbenchError(f"--compare takes two run ids (BEFORE AFTER) or none, got {len(runs)}")
-    if pair and (run_ids or tables or out_dir or fig_dir or html_file):
-        raise DtbenchError("--compare BEFORE AFTER cannot be combined with --run, --tables, --out, --figures or --html")
-    if (fail_if or only_changed) and not pair:
-        raise DtbenchError("--fail-if and --only-changed need a run-to-run comparison: --compare BEFORE AFTER")
+    _check_modes(
+        runs, run_ids, fmt, compare, only_changed, fail_if, tables, out_dir, fig_dir, html_file, include_partial
+    )
     gates = [Gate.parse(g) for g in fail_if]
     files = bool(out_dir or fig_dir or html_file)
-    if len(run_ids) > 1 and (compare or not (tables or files)):
-        raise DtbenchError("several --run combine only for --tables, --figures and --html; give one --run here")
-    if tables and not out_dir and fmt == "csv":
-        raise DtbenchError("--tables prints table, markdown, json or html; for CSV files use --out DIR")
-    if include_partial and not (tables or files):
-        raise DtbenchError(
-            "--include-partial is for --tables, --out, --figures and --html (the other reports always "
-            "show partial cells, marked partial)"
-        )
-
-    for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
-        if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
-            raise DtbenchError(f"no run {rid} in the database")
     if profile_json and not profile:
         raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
     given = {
@@ -236,15 +152,7 @@ def report_command(
         return
     sessions = db.connect(db_url, create=False)
     if pair:
-        failures = compare_pair(
-            sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates
-        )
-        if failures:
-            for line in failures:
-                _note(f"gate tripped: {line}")
-            raise click.exceptions.Exit(1)
-        if gates:
-            _note(f"gate passed: {', '.join(g.text for g in gates)}")
+        _compare_and_gate(sessions, runs, fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates)
         return
     if compare:
         speedups(sessions, run_ids[0] if run_ids else None, fmt=fmt, alpha=alpha)
@@ -265,6 +173,23 @@ def report_command(
         from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
 
         print_tuning_line(sessions, run_ids[0] if run_ids else None, _note)
+
+
+def _compare_and_gate(sessions, runs, *, fmt: str, alpha: float, only_changed: bool, gates) -> None:
+    """``--compare BEFORE AFTER``: the comparison (:func:`compare_pair`), then the gate's verdict on stderr.
+
+    Raises:
+        click.exceptions.Exit: with code 1 when a gate tripped.
+    """
+    failures = compare_pair(
+        sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates
+    )
+    if failures:
+        for line in failures:
+            _note(f"gate tripped: {line}")
+        raise click.exceptions.Exit(1)
+    if gates:
+        _note(f"gate passed: {', '.join(g.text for g in gates)}")
 
 
 # --- every cell of a run ---------------------------------------------------------------------------------------
