@@ -54,7 +54,7 @@ from dtbench.gpucheck.common import (
     neox,
 )
 from dtbench.gpucheck.compiled import COMPILED_DECODERS, step_compiled
-from dtbench.gpucheck.costmodel import _level_sizes, predict, step_costmodel, tree_node_bounds
+from dtbench.gpucheck.costmodel import level_sizes, predict, step_costmodel, tree_node_bounds
 from dtbench.gpucheck.lossless import step_lossless
 from dtbench.gpucheck.overhead import OVERHEAD_DECODERS, step_overhead
 from dtbench.gpucheck.proptests import TEST_MODULES, parse_hypothesis_statistics, parse_junit, step_tests
@@ -72,7 +72,7 @@ __all__ = [
     "STEPS",
     "TEST_MODULES",
     "PaperRow",
-    "_level_sizes",
+    "level_sizes",
     "lossless_decoders",
     "main",
     "neox",

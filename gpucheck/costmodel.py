@@ -18,7 +18,7 @@ def tree_node_bounds(depth: int, branching: int, tau: float) -> tuple[int, int]:
     return depth, most
 
 
-def _level_sizes(n: int, depth: int) -> list[int]:
+def level_sizes(n: int, depth: int) -> list[int]:
     """n drafted nodes spread over ``depth`` levels as evenly as possible (the draft's per-level forwards)."""
     return [n // depth + (1 if i < n % depth else 0) for i in range(depth) if n // depth + (i < n % depth)]
 
@@ -43,7 +43,7 @@ def predict(curves, row: PaperRow, nodes: int | None = None) -> dict:
         verify = curves.cost("target", row.k + 1, past)
     else:
         assert nodes is not None and row.depth is not None
-        draft = sum(curves.cost("draft", s, past, FED_MASK) for s in _level_sizes(nodes, row.depth))
+        draft = sum(curves.cost("draft", s, past, FED_MASK) for s in level_sizes(nodes, row.depth))
         verify = curves.cost("target", 1 + nodes, past, FED_MASK)
     method = prefill + row.iterations * (draft + verify)
     return {

@@ -19,14 +19,14 @@ def step_timing(device, target, log) -> dict:
     import torch
 
     from dtbench.harness.energy import MEASURED
-    from dtbench.harness.forwards import ForwardTimer, now
+    from dtbench.harness.forwards import ForwardTimer
     from dtbench.harness.measure import ForwardCounter, measure
     from dtbench.harness.memory import MemoryTracker
 
     out: dict[str, Any] = {}
     vocab = target.config.vocab_size
     events = []
-    wall_clock = ForwardTimer(device, now)  # the host clock around a synchronized forward, against the events
+    wall_clock = ForwardTimer.host(device)  # the host clock around a synchronized forward, against the events
     with torch.inference_mode():
         for n in (1, 64, 512):
             ids = torch.randint(3, vocab, (1, n), device=device, generator=None)

@@ -49,8 +49,8 @@ class ForwardTimer:
 
     Args:
         device: the device the timed forwards run on (a ``torch.device`` or its name).
-        clock: a host clock in seconds to time with instead of CUDA events (tests pass a fake one; the GPU check's
-            wall-clock comparison passes :func:`now` and synchronizes itself).
+        clock: a host clock in seconds to time with instead of CUDA events (tests pass a fake one; :meth:`host`
+            passes :func:`now`).
     """
 
     def __init__(self, device: torch.device | str, clock: Callable[[], float] | None = None):
@@ -59,6 +59,12 @@ class ForwardTimer:
         self._clock = clock
         self._laps: list[Any] = []  # CPU: seconds; CUDA: (start, end) event pairs not yet resolved
         self.source = "cuda events" if self.cuda else "host clock"
+
+    @classmethod
+    def host(cls, device: torch.device | str) -> ForwardTimer:
+        """A timer on the host clock (:func:`now`) even on CUDA: the wall clock around a forward the caller
+        synchronizes itself (the GPU check compares it with the CUDA events)."""
+        return cls(device, now)
 
     def read(self) -> float:
         """The host clock in seconds (budgets and the like around whole loops, never a single forward's time)."""

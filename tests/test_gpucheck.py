@@ -147,7 +147,7 @@ def test_gpu_check_sh_refuses_in_one_line(tmp_path, args, code, needle):
 def test_tree_node_bounds_follow_leaf_pruning():
     assert gpucheck.tree_node_bounds(8, 3, 0.1) == (8, 3 + 9 + 27 + 30 * 5)
     assert gpucheck.tree_node_bounds(3, 2, 0.5) == (3, 2 + 4 + 4)
-    assert gpucheck._level_sizes(10, 4) == [3, 3, 2, 2] and gpucheck._level_sizes(2, 4) == [1, 1]
+    assert gpucheck.level_sizes(10, 4) == [3, 3, 2, 2] and gpucheck.level_sizes(2, 4) == [1, 1]
 
 
 class _Linear:

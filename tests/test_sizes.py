@@ -25,9 +25,7 @@ KNOWN_MODULES: set[str] = set()
 
 def modules() -> list[Path]:
     """Every Python file of the package folders (the Alembic migration scripts are generated: left out)."""
-    return sorted(
-        p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py") if "migrations" not in p.parts
-    )
+    return sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py") if "migrations" not in p.parts)
 
 
 def long_modules() -> dict[str, int]:
