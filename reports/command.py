@@ -154,7 +154,8 @@ def report_command(**options: Any) -> None:
     from dtbench.harness.store import db
     from dtbench.reports.compare import Gate
 
-    o = ReportOptions(**{**options, **{k: tuple(options[k]) for k in ("runs", "run_ids", "fail_if") if k in options}})
+    sequences: dict[str, tuple] = {k: tuple(options[k]) for k in ("runs", "run_ids", "fail_if") if k in options}
+    o = ReportOptions(**(options | sequences))
     _check_modes(o)
     gates = [Gate.parse(g) for g in o.fail_if]
     if _own_report(o):
