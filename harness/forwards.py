@@ -1,7 +1,11 @@
-"""The one forward timer: :class:`ForwardCounter` counts and times every forward pass of the target and the draft
-with module hooks (the measurement loop, :mod:`dtbench.harness.measure`, installs it around each sample), and
-:func:`now` is the clock every timing in dtbench reads (``time.perf_counter``; the same clock a push-based decoder
-stamps ``Step.at`` with, :func:`dtbench.decoders.base.commit_clock`).
+"""The one forward timer (issue 49 item 2): :class:`ForwardTimer` times model forwards, with the source chosen once
+per device (CUDA: a pair of ``torch.cuda.Event`` per forward on the current stream, resolved after one synchronize;
+otherwise :func:`now` differences). The measurement's :class:`ForwardCounter` (module hooks: the measurement loop,
+:mod:`dtbench.harness.measure`, installs it around each sample), the calibration (:mod:`dtbench.harness.calibrate`)
+and the GPU check (:mod:`dtbench.gpucheck`) all time forwards through it; :func:`now` is the clock every timing in
+dtbench reads (``time.perf_counter``; the same clock a push-based decoder stamps ``Step.at`` with,
+:func:`dtbench.decoders.base.commit_clock`). ``tests/test_architecture.py`` keeps other modules from reading the
+clock around a forward themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ __all__ = [
     "FED_LAST",
     "FED_MASK",
     "ForwardCounter",
+    "ForwardTimer",
     "Snapshot",
     "StepRecord",
     "cache_argument",
@@ -31,6 +36,74 @@ __all__ = [
 def now() -> float:
     """Seconds from the one monotonic high-resolution clock (:func:`dtbench.decoders.base.clock`)."""
     return base.clock()
+
+
+class ForwardTimer:
+    """Times forward passes on one device, the source chosen once, at construction.
+
+    CUDA (``device.type == "cuda"`` and no ``clock`` given): :meth:`start` and :meth:`stop` record a
+    ``torch.cuda.Event`` pair on the current stream (no host synchronization between forwards); :meth:`resolve`
+    synchronizes once, on the last end event, and reads every pair. Otherwise: ``clock`` (default :func:`now`, read
+    at each call, so a test that replaces :func:`dtbench.decoders.base.clock` replaces it here) is read at
+    :meth:`start` and :meth:`stop` (CPU kernels are synchronous). Every time is in seconds.
+
+    Args:
+        device: the device the timed forwards run on (a ``torch.device`` or its name).
+        clock: a host clock in seconds to time with instead of CUDA events (tests pass a fake one; :meth:`host`
+            passes :func:`now`).
+    """
+
+    def __init__(self, device: torch.device | str, clock: Callable[[], float] | None = None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda" and clock is None
+        self._clock = clock
+        self._laps: list[Any] = []  # CPU: seconds; CUDA: (start, end) event pairs not yet resolved
+        self.source = "cuda events" if self.cuda else "host clock"
+
+    @classmethod
+    def host(cls, device: torch.device | str) -> ForwardTimer:
+        """A timer on the host clock (:func:`now`) even on CUDA: the wall clock around a forward the caller
+        synchronizes itself (the GPU check compares it with the CUDA events)."""
+        return cls(device, now)
+
+    def read(self) -> float:
+        """The host clock in seconds (budgets and the like around whole loops, never a single forward's time)."""
+        return self._clock() if self._clock is not None else now()
+
+    def start(self, host: float | None = None) -> Any:
+        """Mark the start of a forward; returns the mark :meth:`stop` takes. ``host``: the host clock just read by
+        the caller, used as the start on the host clock (saves a second read)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            event.record()
+            return event
+        return self.read() if host is None else host
+
+    def stop(self, mark: Any) -> None:
+        """Mark the end of the forward started at ``mark``; its seconds join the next :meth:`resolve`."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end.record()
+            self._laps.append((mark, end))
+        else:
+            self._laps.append(self.read() - mark)
+
+    def resolve(self) -> list[float]:
+        """Seconds of each forward stopped since the last call, in order (CUDA: after one synchronize, on the last
+        end event)."""
+        laps, self._laps = self._laps, []
+        if not self.cuda:
+            return laps
+        if laps:
+            laps[-1][1].synchronize()
+        return [a.elapsed_time(b) / 1000.0 for a, b in laps]
+
+    def time(self, forward: Callable[[], object]) -> float:
+        """Seconds of one call of ``forward`` (resolved at once: one synchronize on CUDA)."""
+        mark = self.start()
+        forward()
+        self.stop(mark)
+        return self.resolve()[-1]
 
 
 # Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
@@ -74,9 +147,9 @@ class ForwardCounter:
     (a ``generate`` inside transformers' assisted generation is counted the same way). Only the top-level
     module's calls are counted: one call = one forward pass over ``input_ids.shape[-1]`` new tokens.
 
-    Timing (issue 12, where a sample's time goes): on CPU, :func:`now` around each forward (CPU
-    kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per forward recorded on the current stream
-    (no host sync inside the loop; :meth:`forward_seconds` reads them after the sample's final synchronize).
+    Timing (issue 12, where a sample's time goes): one :class:`ForwardTimer` per model, on its device: on CPU,
+    :func:`now` around each forward (CPU kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per
+    forward recorded on the current stream (no host sync inside the loop; :meth:`forward_seconds` resolves them).
 
     Args:
         target, draft: the models (``draft`` may be None). If the draft *is* the target object, every pass is
@@ -98,8 +171,7 @@ class ForwardCounter:
         self._cum_tokens: dict[str, list[int]] = {k: [] for k in ("target", "draft")}
         self._seconds = {k: 0.0 for k in ("target", "draft")}
         self._open: dict[str, Any] = {}
-        self._events: dict[str, list[tuple[Any, Any]]] = {k: [] for k in ("target", "draft")}
-        self._cuda = {k: getattr(m, "device", torch.device("cpu")).type == "cuda" for k, m in self.models.items()}
+        self._timers = {k: ForwardTimer(getattr(m, "device", torch.device("cpu"))) for k, m in self.models.items()}
 
     def _hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -115,38 +187,29 @@ class ForwardCounter:
             called = now()
             self._called[role].append(called)
             self._cum_tokens[role].append(self.tokens[role])
-            if self._cuda[role]:
-                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                start.record()
-                self._open[role] = start
-            else:
-                self._open[role] = called
+            self._open[role] = self._timers[role].start(called)
 
         return pre_hook
 
     def _post_hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def post_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             start = self._open.pop(role, None)
-            if start is None:
-                return
-            if self._cuda[role]:
-                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                end.record()
-                self._events[role].append((start, end))
-            else:
-                self._seconds[role] += now() - start
+            if start is not None:
+                self._timers[role].stop(start)
 
         return post_hook
 
     def forward_seconds(self) -> dict[str, float | None]:
         """Seconds spent inside each model's forward passes so far: ``{"target": s, "draft": s or None}`` (draft
-        None when it is not counted). On CUDA call it after synchronizing the device."""
+        None when it is not counted). On CUDA it synchronizes once, on the last forward's end event
+        (:meth:`ForwardTimer.resolve`)."""
         out: dict[str, float | None] = {}
         for role in ("target", "draft"):
             if role not in self.models:
                 out[role] = None
                 continue
-            out[role] = self._seconds[role] + sum(a.elapsed_time(b) for a, b in self._events[role]) / 1000.0
+            self._seconds[role] += sum(self._timers[role].resolve())
+            out[role] = self._seconds[role]
         return out
 
     def __enter__(self) -> ForwardCounter:

@@ -15,19 +15,24 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dtbench.core import redact_credentials, redact_json
-from dtbench.harness import calibrate_run, chat, data, executors, load, models, questions, registry, selection
+from dtbench.harness import (
+    calibrate_run,
+    chat,
+    executors,
+    load,
+    models,
+    run_inputs,
+)
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.metrics import group_key
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
 from dtbench.harness.preflight import preflight
-from dtbench.harness.prompt import Prompt
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference, SampleRecord
 from dtbench.harness.store.db import Cell, Run, Sample, utcnow
@@ -119,15 +124,7 @@ def run_suite(
     executor = executor or executors.LocalExecutor()
     plan = plan_suite(suite)
     plan.data_dir = data_dir
-    for label in plan.skipped:
-        console.print(
-            f"note: optional decoder '{printable(label)}' is not installed; skipped",
-            style="yellow",
-            markup=False,
-            highlight=False,
-        )
-    for line in registry.scan().warnings("decoder"):
-        console.print(f"warning: {printable(line)}", style="yellow", markup=False, highlight=False)
+    run_inputs.note_skipped_and_plugins(plan, console)
     preflight(suite, plan, console)
     if resume is not None:  # a live or wrong run is refused now, not after the models loaded
         _check_resume(sessions, resume, suite_text, force, console)
@@ -146,71 +143,21 @@ def run_suite(
             models.check_tokenizers(
                 tokenizer, models.load_tokenizer(suite.draft), suite.target.model, suite.draft.model
             )
-        prompts: dict[tuple[str, int], list[Prompt]] = {}
-        sources = []  # where each entry's documents came from: hub id/config/split/revision or local files + sha256
-        for ds in suite.datasets:
-            docs = data.load_documents(ds, data_dir)
-            sources.append({**docs.provenance, **({"label": ds.label} if ds.label else {})})
-            if data.sample_slots(ds, suite.seed, data_dir) is not None:  # questions: chat prompts, turns (issue 21)
-                for l_max in ds.l_maxes:
-                    prompts[(ds.key, l_max)] = questions.prompts(ds, l_max, tokenizer, suite, data_dir)
-                continue
-            for l_max in ds.l_maxes:
-                prompts[(ds.key, l_max)] = selection.select_prompts(docs, tokenizer, ds.prompts, l_max, suite.seed)
+        prompts, sources = run_inputs.load_prompts(suite, tokenizer, data_dir)
         info = executor.start(suite, plan, tokenizer, console)
         for warning in info.warnings:
             console.print(f"warning: {printable(warning)}", style="yellow", markup=False, highlight=False)
 
-        env = dict(info.environment)
-        env["executor"] = executor.describe()
-        if quiet is not None:
-            env["require_quiet"] = quiet  # the 1-minute load it waited for, and the one it found
-        env["datasets"] = sources
-        # whether generation stopped at EOS, per dataset entry (the suite's stop_at_eos, or the dataset's default)
-        env["stop_at_eos"] = {ds.key: data.stops_at_eos(suite.stop_at_eos, ds) for ds in suite.datasets}
-        if any(isinstance(p, chat.ChatPrompts) for p in prompts.values()):
-            env["chat"] = chat.describe(*chat.suite_template(suite, tokenizer), suite.system_prompt)
+        env = run_inputs.run_environment(
+            info.environment, executor.describe(), quiet, sources, suite, prompts, tokenizer
+        )
         with sessions() as session:
             run = open_run(session, suite, suite_text, suite_path, resume, force, env)
             run_id = run.id
             cells = _open_cells(session, run, plan, info.target, info.draft, retry_failed=not skip_failed)
             session.commit()
 
-        status, error = "failed", None
-        heartbeat = Heartbeat(sessions, run_id)
-        try:
-            with (
-                _sigterm_as_interrupt(),
-                heartbeat,
-                Progress(
-                    TextColumn("[bold]{task.description}"),
-                    BarColumn(),
-                    MofNCompleteColumn(),
-                    TimeElapsedColumn(),
-                    TimeRemainingColumn(),
-                    console=console,
-                    disable=not progress,
-                    transient=False,
-                ) as bar,
-            ):
-                # calibrate: true / n_max: auto (issue 12): measured on the executor's (first) worker, stored with
-                # the run by this process, auto budgets resolved in the plan and handed to every worker.
-                if needs_calibration(plan, suite):
-                    calibrate_run.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
-                task = bar.add_task("starting", total=plan.n_samples)
-                sink = _Sink(sessions, run_id, cells, prompts, bar, task, console, suite.repeats)
-                executor.execute(plan.groups(), sink)
-            status = "completed"
-        except KeyboardInterrupt:
-            status = "interrupted"
-        except BaseException as exc:
-            error = clip(f"{type(exc).__name__}: {exc}", 2000)
-            raise RunFailed(
-                f"run {run_id} failed: {clip(error, 300)}; measured samples are kept "
-                f"(continue with --resume-run {run_id})"
-            ) from exc
-        finally:
-            _close_run(sessions, run_id, status, error, console)
+        status = _measure(sessions, run_id, plan, suite, suite_text, executor, prompts, cells, console, progress)
     finally:
         executor.close()  # workers stop (Ray actors killed, Ray shut down if this run started it)
     if status == "interrupted":
@@ -218,6 +165,42 @@ def run_suite(
             f"run {run_id} interrupted; measured samples are kept (continue with --resume-run {run_id})"
         )
     return run_id
+
+
+def _measure(sessions, run_id: int, plan, suite, suite_text, executor, prompts, cells, console, progress: bool) -> str:
+    """Measure every prompt group of the open run ``run_id`` through ``executor`` (after the calibration where the
+    suite asks for one) under a heartbeat and the progress bar, then close the run with its status; returns it
+    (``completed`` or ``interrupted``).
+
+    Raises:
+        RunFailed: the runner itself failed (the run is closed as failed, its samples kept).
+    """
+    status, error = "failed", None
+    heartbeat = Heartbeat(sessions, run_id)
+    try:
+        with (
+            _sigterm_as_interrupt(),
+            heartbeat,
+            run_inputs.progress_bar(console, progress) as bar,
+        ):
+            # calibrate: true / n_max: auto (issue 12): measured on the executor's (first) worker, stored with
+            # the run by this process, auto budgets resolved in the plan and handed to every worker.
+            if needs_calibration(plan, suite):
+                calibrate_run.before_cells(sessions, run_id, plan, suite, suite_text, executor, prompts, console)
+            task = bar.add_task("starting", total=plan.n_samples)
+            sink = _Sink(sessions, run_id, cells, prompts, bar, task, console, suite.repeats)
+            executor.execute(plan.groups(), sink)
+        status = "completed"
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except BaseException as exc:
+        error = clip(f"{type(exc).__name__}: {exc}", 2000)
+        raise RunFailed(
+            f"run {run_id} failed: {clip(error, 300)}; measured samples are kept (continue with --resume-run {run_id})"
+        ) from exc
+    finally:
+        _close_run(sessions, run_id, status, error, console)
+    return status
 
 
 def _check_resume(sessions, resume: int, suite_text: str, force: bool, console: Console) -> None:

@@ -1,7 +1,7 @@
 """The test kit: seeded tiny causal LMs, drafting heads in their published formats and the list of built-in decoders
 with the params every check runs them with.
 
-Shared by the test suite (``tests/``) and the offline GPU check (:mod:`dtbench.cli.gpucheck`, which runs on a node
+Shared by the test suite (``tests/``) and the offline GPU check (:mod:`dtbench.gpucheck`, which runs on a node
 where only the installed package is importable), so an installed module never reaches into the test tree. Nothing
 here is used by a benchmark run: the models are random (no download) and the heads hold random weights.
 

@@ -1,4 +1,4 @@
-"""``dtbench report``: the command's logic (the click declaration and its help live in ``cli/main.py``).
+"""``dtbench report``: the command's logic (its options and help are declared once, in ``cli/report.py``, and arrive here as keywords).
 
 Modes, combinable where it makes sense: the per-cell report (default), ``--compare`` within a run (speedup CIs),
 ``--compare BEFORE AFTER`` between runs (marks, gate), ``--tables`` / ``--out`` (paper Tables 1-5),
@@ -8,7 +8,6 @@ written-file lists and gate verdicts to stderr.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -19,6 +18,7 @@ from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
 from dtbench.reports.output import Document, Note, Report, emit, rendered
+from dtbench.reports.own import OWN_REPORTS, OwnRequest
 
 
 def _note(msg: str) -> None:
@@ -34,237 +34,172 @@ def _run_token(token: str) -> int | None:
         raise DtbenchError(f"run id must be an integer or 'latest', not {token!r}") from None
 
 
-@dataclass
-class OwnRequest:
-    """What a report of its own is produced from: the database's session factory, the run (None: the latest), the
-    output format, its option's value (parsed), ``--profile-json`` and the confidence level (1 - ``--alpha``)."""
-
-    sessions: Any
-    run_id: int | None
-    fmt: str
-    value: Any
-    profile_json: str | None = None
-    confidence: float = 0.95
-    fig_dir: str | None = None
-
-
 @dataclass(frozen=True)
-class OwnReport:
-    """A report of its own: one run, given alone (the report kinds' one table; issue 40 item 4).
+class ReportOptions:
+    """``dtbench report``'s options as parsed (declared with their help in ``cli/report.py``): run ids, output
+    format and the report each flag asks for; the defaults are the command line's."""
 
-    Attributes:
-        option: ``report_command``'s keyword; flag: the command-line flag; takes: what it combines with (the
-            error's parenthesis); produce: renders it from an :class:`OwnRequest`; parse: turns the option's value
-            into the request's ``value`` before the database is opened (raising DtbenchError), or None.
-    """
+    runs: tuple[str, ...] = ()
+    db_url: str | None = None
+    run_ids: tuple[int, ...] = ()
+    fmt: str = "table"
+    compare: bool = False
+    alpha: float = 0.05
+    only_changed: bool = False
+    fail_if: tuple[str, ...] = ()
+    tables: bool = False
+    out_dir: str | None = None
+    fig_dir: str | None = None
+    html_file: str | None = None
+    include_partial: bool = False
+    cost_model: bool = False
+    by: str | None = None
+    spec_bench: bool = False
+    engine: bool = False
+    profile: bool = False
+    profile_json: str | None = None
+    execution: bool = False
+    goodput: str | None = None
+    schedule: str | None = None
+    predict_on: str | None = None
+    export_curves: str | None = None
 
-    option: str
-    flag: str
-    takes: str
-    produce: Callable[[OwnRequest], None]
-    parse: Callable[[Any], Any] | None = None
+    @property
+    def pair(self) -> bool:
+        """Two run ids given: a run-to-run comparison."""
+        return len(self.runs) == 2
 
+    @property
+    def files(self) -> bool:
+        """Paper outputs written to files: tables to a folder, figures, the HTML report."""
+        return bool(self.out_dir or self.fig_dir or self.html_file)
 
-def _schedule(r: OwnRequest) -> None:
-    from dtbench.reports.schedule import schedule_report
-
-    schedule_report(r.sessions, r.run_id, r.fmt, r.value)
-
-
-def _slos(text: str) -> Any:
-    from dtbench.reports.goodput import parse_slos
-
-    return parse_slos(text)
-
-
-def _goodput(r: OwnRequest) -> None:
-    from dtbench.reports.goodput import goodput_report
-
-    goodput_report(r.sessions, r.run_id, r.fmt, r.value, r.confidence)
-
-
-def _execution(r: OwnRequest) -> None:
-    from dtbench.reports.execution import execution_report
-
-    execution_report(r.sessions, r.run_id, r.fmt, r.confidence)
-
-
-def _profile(r: OwnRequest) -> None:
-    from dtbench.reports.profile_report import profile_report
-
-    profile_report(r.sessions, r.run_id, r.fmt, r.profile_json, r.confidence)
-
-
-def _engine(r: OwnRequest) -> None:
-    from dtbench.reports.engine import engine_report
-
-    engine_report(r.sessions, r.run_id, r.fmt, r.confidence)
+    @property
+    def run_id(self) -> int | None:
+        """The run of a one-run report: the first ``--run``, else None (the latest)."""
+        return self.run_ids[0] if self.run_ids else None
 
 
-def _spec_bench(r: OwnRequest) -> None:
-    from dtbench.reports.specbench import spec_bench_report
-
-    spec_bench_report(r.sessions, r.run_id, r.fmt)
-
-
-def _cost_model(r: OwnRequest) -> None:
-    from dtbench.reports.costmodel import cost_report
-
-    cost_report(r.sessions, r.run_id, r.fmt)
-
-
-def _predict_on(r: OwnRequest) -> None:
-    from dtbench.reports.predict import predict_report, write_figure
-
-    predict_report(r.sessions, r.run_id, r.fmt, r.value)
-    if r.fig_dir:
-        for path in write_figure(r.sessions, r.run_id, r.value, r.fig_dir):
-            _note(f"wrote {path}")
-
-
-def _export_curves(r: OwnRequest) -> None:
-    from dtbench.reports.predict import export_curves
-
-    _note(f"wrote {export_curves(r.sessions, r.run_id, r.value)}")
-
-
-RUN_AND_FORMAT = "--run ID and --format"
-OWN_REPORTS: tuple[OwnReport, ...] = (
-    OwnReport("schedule", "--schedule", RUN_AND_FORMAT, _schedule),
-    OwnReport("goodput", "--goodput", "--run ID, --format, --alpha", _goodput, _slos),
-    OwnReport("execution", "--execution", RUN_AND_FORMAT, _execution),
-    OwnReport("profile", "--profile", "--run ID, --format, --profile-json", _profile),
-    OwnReport("engine", "--engine", RUN_AND_FORMAT, _engine),
-    OwnReport("spec_bench", "--spec-bench", RUN_AND_FORMAT, _spec_bench),
-    OwnReport("cost_model", "--cost-model", RUN_AND_FORMAT, _cost_model),
-    OwnReport("predict_on", "--predict-on", "--run ID, --format, --figures DIR", _predict_on),
-    OwnReport("export_curves", "--export-curves", "--run ID", _export_curves),
-)
-
-
-def report_command(
-    *,
-    runs,
-    db_url,
-    run_ids,
-    fmt,
-    compare,
-    alpha,
-    only_changed,
-    fail_if,
-    tables,
-    out_dir,
-    fig_dir,
-    html_file,
-    include_partial: bool = False,
-    cost_model: bool = False,
-    by: str | None = None,
-    spec_bench: bool = False,
-    engine: bool = False,
-    profile: bool = False,
-    profile_json: str | None = None,
-    execution: bool = False,
-    goodput: str | None = None,
-    schedule: str | None = None,
-    predict_on: str | None = None,
-    export_curves: str | None = None,
-) -> None:
-    """Validate the option combination, then produce each requested output.
-
-    ``include_partial`` (``--include-partial``): show the numbers of partial cells (failed after some prompts) in
-    the paper tables, figures and HTML, marked partial; by default they are left out with a note.
+def _check_modes(o: ReportOptions) -> None:
+    """Refuse a combination of the comparison, paper-output and run options that makes no report.
 
     Raises:
-        DtbenchError: a bad combination of options, an unknown run, an empty run, an unwritable path.
-        click.exceptions.Exit: with code 1 when a ``--fail-if`` gate trips.
+        DtbenchError: the combination, or a run id no database can hold, in one line.
     """
-    from dtbench.harness.store import db
-    from dtbench.reports.compare import Gate
-
-    pair = len(runs) == 2
-    if runs and not compare:
+    if o.runs and not o.compare:
         raise DtbenchError("run ids as arguments are for --compare BEFORE AFTER; use --run ID to pick a run")
-    if runs and not pair:
-        raise DtbenchError(f"--compare takes two run ids (BEFORE AFTER) or none, got {len(runs)}")
-    if pair and (run_ids or tables or out_dir or fig_dir or html_file):
+    if o.runs and not o.pair:
+        raise DtbenchError(f"--compare takes two run ids (BEFORE AFTER) or none, got {len(o.runs)}")
+    if o.pair and (o.run_ids or o.tables or o.files):
         raise DtbenchError("--compare BEFORE AFTER cannot be combined with --run, --tables, --out, --figures or --html")
-    if (fail_if or only_changed) and not pair:
+    if (o.fail_if or o.only_changed) and not o.pair:
         raise DtbenchError("--fail-if and --only-changed need a run-to-run comparison: --compare BEFORE AFTER")
-    gates = [Gate.parse(g) for g in fail_if]
-    files = bool(out_dir or fig_dir or html_file)
-    if len(run_ids) > 1 and (compare or not (tables or files)):
+    if len(o.run_ids) > 1 and (o.compare or not (o.tables or o.files)):
         raise DtbenchError("several --run combine only for --tables, --figures and --html; give one --run here")
-    if tables and not out_dir and fmt == "csv":
+    if o.tables and not o.out_dir and o.fmt == "csv":
         raise DtbenchError("--tables prints table, markdown, json or html; for CSV files use --out DIR")
-    if include_partial and not (tables or files):
+    if o.include_partial and not (o.tables or o.files):
         raise DtbenchError(
             "--include-partial is for --tables, --out, --figures and --html (the other reports always "
             "show partial cells, marked partial)"
         )
-
-    for rid in [*run_ids, *(t for t in map(_run_token, runs) if t is not None)]:
+    for rid in [*o.run_ids, *(t for t in map(_run_token, o.runs) if t is not None)]:
         if not valid_id(rid):  # an id no database can hold: no such run (SQLite would overflow on it)
             raise DtbenchError(f"no run {rid} in the database")
-    if profile_json and not profile:
+    if o.profile_json and not o.profile:
         raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
-    given = {
-        "cost_model": cost_model,
-        "spec_bench": spec_bench,
-        "engine": engine,
-        "profile": profile,
-        "execution": execution,
-        "goodput": goodput,
-        "schedule": schedule,
-        "predict_on": predict_on,
-        "export_curves": export_curves,
-    }
-    chosen = [kind for kind in OWN_REPORTS if given[kind.option] not in (None, False)]
-    if by and spec_bench:
+
+
+def _own_report(o: ReportOptions) -> bool:
+    """Produce the report of its own that ``o`` asks for (:data:`~dtbench.reports.own.OWN_REPORTS`); False when
+    none is asked for.
+
+    Raises:
+        DtbenchError: one combined with another report or mode, or a bad argument (before the database opens).
+    """
+    from dtbench.harness.store import db
+
+    chosen = [kind for kind in OWN_REPORTS if getattr(o, kind.option) not in (None, False)]
+    if o.by and o.spec_bench:
         raise DtbenchError("--spec-bench already breaks the run down by task group; give --by or --spec-bench")
-    own_files = bool(out_dir or html_file or (fig_dir and not predict_on))  # --predict-on draws its own figure
-    if chosen and (len(chosen) > 1 or pair or compare or tables or own_files or by or len(run_ids) > 1):
+    own_files = bool(o.out_dir or o.html_file or (o.fig_dir and not o.predict_on))  # --predict-on draws its own figure
+    if chosen and (len(chosen) > 1 or o.pair or o.compare or o.tables or own_files or o.by or len(o.run_ids) > 1):
         raise DtbenchError(f"{chosen[0].flag} is a report of its own; give it alone (with {chosen[0].takes})")
-    if by and (pair or compare or tables or files or len(run_ids) > 1):
+    if o.by and (o.pair or o.compare or o.tables or o.files or len(o.run_ids) > 1):
         raise DtbenchError("--by breaks one run's cell report down; give it alone (with --run ID and --format)")
-    if chosen:
-        kind = chosen[0]
-        value = given[kind.option]
-        arg = kind.parse(value) if kind.parse else value  # a bad argument is one line before the database is opened
-        request = OwnRequest(db.connect(db_url, create=False), run_ids[0] if run_ids else None, fmt, arg)
-        request.profile_json, request.confidence, request.fig_dir = profile_json, 1 - alpha, fig_dir
-        kind.produce(request)
+    if not chosen:
+        return False
+    kind = chosen[0]
+    value = getattr(o, kind.option)
+    arg = kind.parse(value) if kind.parse else value  # a bad argument is one line before the database is opened
+    request = OwnRequest(db.connect(o.db_url, create=False), o.run_id, o.fmt, arg)
+    request.profile_json, request.confidence, request.fig_dir = o.profile_json, 1 - o.alpha, o.fig_dir
+    kind.produce(request)
+    return True
+
+
+def report_command(**options: Any) -> None:
+    """Validate the option combination, then produce each requested output.
+
+    Args:
+        options: :class:`ReportOptions`' fields by name (``run_ids`` and ``fail_if`` any sequence). ``include_partial``
+            (``--include-partial``): show the numbers of partial cells (failed after some prompts) in the paper
+            tables, figures and HTML, marked partial; by default they are left out with a note.
+
+    Raises:
+        DtbenchError: a bad combination of options, an unknown run, an empty run, an unwritable path.
+        click.exceptions.Exit: with code 1 when a ``--fail-if`` gate trips.
+        TypeError: an option that is not a field of :class:`ReportOptions`.
+    """
+    from dtbench.harness.store import db
+    from dtbench.reports.compare import Gate
+
+    sequences: dict[str, tuple] = {k: tuple(options[k]) for k in ("runs", "run_ids", "fail_if") if k in options}
+    o = ReportOptions(**(options | sequences))
+    _check_modes(o)
+    gates = [Gate.parse(g) for g in o.fail_if]
+    if _own_report(o):
         return
-    sessions = db.connect(db_url, create=False)
-    if pair:
-        failures = compare_pair(
-            sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates
-        )
-        if failures:
-            for line in failures:
-                _note(f"gate tripped: {line}")
-            raise click.exceptions.Exit(1)
-        if gates:
-            _note(f"gate passed: {', '.join(g.text for g in gates)}")
+    sessions = db.connect(o.db_url, create=False)
+    if o.pair:
+        _compare_and_gate(sessions, o.runs, fmt=o.fmt, alpha=o.alpha, only_changed=o.only_changed, gates=gates)
         return
-    if compare:
-        speedups(sessions, run_ids[0] if run_ids else None, fmt=fmt, alpha=alpha)
-    if tables or files:
+    if o.compare:
+        speedups(sessions, o.run_id, fmt=o.fmt, alpha=o.alpha)
+    if o.tables or o.files:
         paper_outputs(
             sessions,
-            run_ids,
-            fmt=fmt,
-            tables=tables or bool(out_dir),
-            out_dir=out_dir,
-            fig_dir=fig_dir,
-            html_file=html_file,
-            alpha=alpha,
-            include_partial=include_partial,
+            list(o.run_ids),
+            fmt=o.fmt,
+            tables=o.tables or bool(o.out_dir),
+            out_dir=o.out_dir,
+            fig_dir=o.fig_dir,
+            html_file=o.html_file,
+            alpha=o.alpha,
+            include_partial=o.include_partial,
         )
-    if not (compare or tables or files):
-        cell_report(sessions, run_ids[0] if run_ids else None, fmt, by)
+    if not (o.compare or o.tables or o.files):
+        cell_report(sessions, o.run_id, o.fmt, o.by)
         from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
 
-        print_tuning_line(sessions, run_ids[0] if run_ids else None, _note)
+        print_tuning_line(sessions, o.run_id, _note)
+
+
+def _compare_and_gate(sessions, runs, *, fmt: str, alpha: float, only_changed: bool, gates) -> None:
+    """``--compare BEFORE AFTER``: the comparison (:func:`compare_pair`), then the gate's verdict on stderr.
+
+    Raises:
+        click.exceptions.Exit: with code 1 when a gate tripped.
+    """
+    failures = compare_pair(
+        sessions, [_run_token(r) for r in runs], fmt=fmt, alpha=alpha, only_changed=only_changed, gates=gates
+    )
+    if failures:
+        for line in failures:
+            _note(f"gate tripped: {line}")
+        raise click.exceptions.Exit(1)
+    if gates:
+        _note(f"gate passed: {', '.join(g.text for g in gates)}")
 
 
 # --- every cell of a run ---------------------------------------------------------------------------------------

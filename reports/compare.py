@@ -326,6 +326,23 @@ def env_differences(before_env: dict, after_env: dict) -> list[str]:
     return out
 
 
+def _tripped(gates: Sequence[Gate], vb: pd.DataFrame, va: pd.DataFrame, where: str, alpha: float) -> list[str]:
+    """One line per gate tripped by a comparable cell: its metric moved beyond the threshold in the bad direction
+    and the change is significant (Mann-Whitney U p < ``alpha`` on the per-prompt values ``vb`` -> ``va``)."""
+    failures = []
+    for g in gates:
+        col = g.metric.name
+        mb, ma = cell_value(vb, col), cell_value(va, col)
+        if g.beyond(mb, ma):
+            pg = mann_whitney(vb[col], va[col])
+            if pg < alpha:
+                change = (
+                    f"{100 * (ma - mb) / abs(mb):+.1f}%" if g.relative and mb else f"{ma - mb:+.4g} {g.metric.unit}"
+                )
+                failures.append(f"{g.text}: {where} {col} {mb:.4g} → {ma:.4g} ({change}, p={pg:.3g})")
+    return failures
+
+
 def compare_runs(
     before: pd.DataFrame,
     after: pd.DataFrame,
@@ -407,18 +424,7 @@ def compare_runs(
                 row["mark"] = BETTER if row["after"] > row["before"] else WORSE
             else:
                 row["mark"] = NOT_SIGNIFICANT
-            for g in gates:
-                col = g.metric.name
-                mb, ma = cell_value(vb, col), cell_value(va, col)
-                if g.beyond(mb, ma):
-                    pg = mann_whitney(vb[col], va[col])
-                    if pg < alpha:
-                        change = (
-                            f"{100 * (ma - mb) / abs(mb):+.1f}%"
-                            if g.relative and mb
-                            else f"{ma - mb:+.4g} {g.metric.unit}"
-                        )
-                        failures.append(f"{g.text}: {where} {col} {mb:.4g} → {ma:.4g} ({change}, p={pg:.3g})")
+            failures += _tripped(gates, vb, va, where, alpha)
         rows.append(row)
     return pd.DataFrame(
         rows,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from sqlalchemy import select
@@ -71,11 +72,43 @@ def uses_draft_model(cell) -> bool:
     return cell.draft_model is not None
 
 
+def _best_configs(family: str, cell, samples: list, curves) -> dict[str, Any]:
+    """The predicted best configuration of a cell (the cost table's ``predicted_best_*`` columns it has): K of a
+    chain decoder from its per-position acceptance, total_token of a tree decoder recording its node budget, else
+    N_max of a tree decoder (:func:`~dtbench.harness.curves.auto_budget`)."""
+    from dtbench.harness.curves import auto_budget
+
+    out: dict[str, Any] = {}
+    if family == "chain":
+        accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
+        depth = [d for s in samples for d in (s.step_stats or {}).get("depth", [])]
+        p = position_acceptance(accepted, depth)
+        if p:
+            speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
+            best = max(speed, key=lambda k: speed[k])
+            out.update(
+                predicted_best_k=best,
+                predicted_best_speedup=speed[best],
+                predicted_k_speedup=speed.get(len(p)),  # len(p): the most it drafted, its own K
+                acceptance_by_position=[round(x, 4) for x in p],
+            )
+    states = [(s.step_stats or {}).get("state") for s in samples]
+    if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
+        iters = sum(int((st or {}).get("drafting_iterations") or 0) for st in states)
+        head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
+        speed = budget_speedups(curves, states, head / iters if iters else 0.0, cell.l_max + cell.gen_length // 2)
+        if speed:
+            best = max(speed, key=lambda k: speed[k])
+            out.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
+    if "predicted_best_total_token" not in out and family == "tree" and "target" in curves.roles():
+        out["predicted_best_n_max"] = auto_budget(curves, cell.l_max + cell.gen_length // 2, DEFAULT_FACTOR)
+    return out
+
+
 def cost_table(session, run, curves) -> pd.DataFrame:
     """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
     predicted share of target and draft forwards, for chain-family cells the predicted best K and for tree-family
     cells the predicted best N_max (module docstring)."""
-    from dtbench.harness.curves import auto_budget
     from dtbench.harness.store.db import Cell, Sample
 
     rows = session.execute(
@@ -136,29 +169,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             "predicted_best_total_token": None,
             "predicted_best_total_token_speedup": None,
         }
-        if row["family"] == "chain":
-            accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
-            depth = [d for s in samples for d in (s.step_stats or {}).get("depth", [])]
-            p = position_acceptance(accepted, depth)
-            if p:
-                speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
-                best = max(speed, key=lambda k: speed[k])
-                row.update(
-                    predicted_best_k=best,
-                    predicted_best_speedup=speed[best],
-                    predicted_k_speedup=speed.get(len(p)),  # len(p): the most it drafted, its own K
-                    acceptance_by_position=[round(x, 4) for x in p],
-                )
-        states = [(s.step_stats or {}).get("state") for s in samples]
-        if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
-            iters = sum(int((st or {}).get("drafting_iterations") or 0) for st in states)
-            head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
-            speed = budget_speedups(curves, states, head / iters if iters else 0.0, cell.l_max + cell.gen_length // 2)
-            if speed:
-                best = max(speed, key=lambda k: speed[k])
-                row.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
-        if row["predicted_best_total_token"] is None and row["family"] == "tree" and "target" in curves.roles():
-            row["predicted_best_n_max"] = auto_budget(curves, cell.l_max + cell.gen_length // 2, DEFAULT_FACTOR)
+        row.update(_best_configs(row["family"], cell, samples, curves))
         out.append(row)
     table = pd.DataFrame(out)
     if table.empty:
@@ -212,6 +223,98 @@ REGIME_MEANING = {
 }
 
 
+COST_COLUMNS = (  # the cost table's data columns (CSV, JSON), in order
+    "dataset",
+    "l_max",
+    "gen_length",
+    "label",
+    "decoder",
+    "family",
+    "sampling",
+    "n",
+    "predicted_s",
+    "measured_s",
+    "efficiency",
+    "in_forward_s",
+    "forward_share",
+    "forward_speed",
+    "target_s",
+    "draft_s",
+    "predicted_throughput",
+    "measured_throughput",
+    "predicted_speedup",
+    "measured_speedup",
+    "predicted_best_k",
+    "predicted_best_speedup",
+    "predicted_k_speedup",
+    "acceptance_by_position",
+    "predicted_best_total_token",
+    "predicted_best_total_token_speedup",
+    "predicted_best_n_max",
+    "approx",
+)
+
+
+def _cost_display(table: pd.DataFrame) -> pd.DataFrame:
+    """The cost table as shown: one row per cell, numbers formatted, the best configuration as text."""
+    return pd.DataFrame(
+        [
+            {
+                "Dataset": r["dataset"],
+                "L_max": str(r["l_max"]),
+                "T": str(r["gen_length"]),
+                "Decoder": r["label"],
+                "n": str(r["n"]),
+                "Measured (s)": show(r["measured_s"], ".3f"),
+                "Predicted (s)": show(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
+                "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}",
+                "Efficiency": show(r["efficiency"], ".2f"),
+                "In fwd": show(r["forward_share"], ".0%"),
+                "Fwd speed": show(r["forward_speed"], ".2f"),
+                "Measured t/s": show(r["measured_throughput"], ".1f"),
+                "Predicted t/s": show(r["predicted_throughput"], ".1f"),
+                "Speedup meas.": show(r["measured_speedup"], ".2f", "×")
+                + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""),
+                PRED_FORWARDS: show(r["predicted_speedup"], ".2f", "×"),
+                "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
+            }
+            for _, r in table.iterrows()
+        ]
+    )
+
+
+def _batch_report(rid: int, batched: pd.DataFrame, batch_notes: list[str]) -> Report:
+    """The batch table's report: measured speedup vs batch size with its CI beside the steady-state prediction."""
+    shown = pd.DataFrame(
+        [
+            {
+                "Dataset": r["dataset"],
+                "L_max": str(r["l_max"]),
+                "T": str(r["gen_length"]),
+                "Decoder": r["label"],
+                "B": str(r["batch_size"]),
+                "n": str(r["n"]),
+                "Speedup meas.": show(r["measured_speedup"], ".2f", "×"),
+                "95% CI": (
+                    f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+                    if not is_missing(r["ci_low"])
+                    else (r["ci_method"] or MISSING)
+                ),
+                PRED_STEADY: show(r["predicted_speedup"], ".2f", "×"),
+            }
+            for _, r in batched.iterrows()
+        ]
+    )
+    return Report(
+        "batch_cost_model",
+        f"run {rid}: speedup vs batch size, measured and predicted",
+        BATCH_CAPTION,
+        shown,
+        batched,
+        notes=[Note(n) for n in batch_notes],
+    )
+
+
 def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     """``dtbench report --cost-model [--run ID]``.
 
@@ -257,61 +360,9 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
             "; a standalone calibration was measured in another process, whose forward costs can differ from "
             "the run's (calibrate: true measures in the run's own process)"
         )
-    cols = [
-        "dataset",
-        "l_max",
-        "gen_length",
-        "label",
-        "decoder",
-        "family",
-        "sampling",
-        "n",
-        "predicted_s",
-        "measured_s",
-        "efficiency",
-        "in_forward_s",
-        "forward_share",
-        "forward_speed",
-        "target_s",
-        "draft_s",
-        "predicted_throughput",
-        "measured_throughput",
-        "predicted_speedup",
-        "measured_speedup",
-        "predicted_best_k",
-        "predicted_best_speedup",
-        "predicted_k_speedup",
-        "acceptance_by_position",
-        "predicted_best_total_token",
-        "predicted_best_total_token_speedup",
-        "predicted_best_n_max",
-        "approx",
-    ]
+    cols = list(COST_COLUMNS)
 
-    display = pd.DataFrame(
-        [
-            {
-                "Dataset": r["dataset"],
-                "L_max": str(r["l_max"]),
-                "T": str(r["gen_length"]),
-                "Decoder": r["label"],
-                "n": str(r["n"]),
-                "Measured (s)": show(r["measured_s"], ".3f"),
-                "Predicted (s)": show(r["predicted_s"], ".3f") + (" ~" if r["approx"] else ""),
-                "target/draft (s)": f"{r['target_s']:.3f}/{r['draft_s']:.3f}",
-                "Efficiency": show(r["efficiency"], ".2f"),
-                "In fwd": show(r["forward_share"], ".0%"),
-                "Fwd speed": show(r["forward_speed"], ".2f"),
-                "Measured t/s": show(r["measured_throughput"], ".1f"),
-                "Predicted t/s": show(r["predicted_throughput"], ".1f"),
-                "Speedup meas.": show(r["measured_speedup"], ".2f", "×")
-                + (NOT_LOSSLESS_MARK if r["not_lossless"] else ""),
-                PRED_FORWARDS: show(r["predicted_speedup"], ".2f", "×"),
-                "Best config (pred.)": MISSING + NOT_LOSSLESS_MARK if r["not_lossless"] else best_config(r),
-            }
-            for _, r in table.iterrows()
-        ]
-    )
+    display = _cost_display(table)
     regimes = forward_regimes(curves, environment)
     regime_notes = [Note(f"{role} forwards: {regime} ({REGIME_MEANING[regime]})") for role, regime in regimes.items()]
     if not table.empty and regimes:  # per decoder: the regimes of the models its forwards run on
@@ -337,36 +388,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     # per-position acceptance as ';'-joined shares and the sampling settings as JSON text
     reports = [] if table.empty else [Report("cost_model", title, caption, display, table[cols], notes=regime_notes)]
     if not batched.empty:
-        shown = pd.DataFrame(
-            [
-                {
-                    "Dataset": r["dataset"],
-                    "L_max": str(r["l_max"]),
-                    "T": str(r["gen_length"]),
-                    "Decoder": r["label"],
-                    "B": str(r["batch_size"]),
-                    "n": str(r["n"]),
-                    "Speedup meas.": show(r["measured_speedup"], ".2f", "×"),
-                    "95% CI": (
-                        f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
-                        if not is_missing(r["ci_low"])
-                        else (r["ci_method"] or MISSING)
-                    ),
-                    PRED_STEADY: show(r["predicted_speedup"], ".2f", "×"),
-                }
-                for _, r in batched.iterrows()
-            ]
-        )
-        reports.append(
-            Report(
-                "batch_cost_model",
-                f"run {rid}: speedup vs batch size, measured and predicted",
-                BATCH_CAPTION,
-                shown,
-                batched,
-                notes=[Note(n) for n in batch_notes],
-            )
-        )
+        reports.append(_batch_report(rid, batched, batch_notes))
     meta = {"run": rid, "calibration": {"batch": curves.batch, "run_id": curves.run_id}}
     if not batched.empty and not table.empty:  # JSON: the batch rows and notes beside the cells (CSV: the cells)
         meta["batch_sizes"] = {

@@ -229,30 +229,17 @@ def budget_at(curves, batch: int, past: int, factor: float = DEFAULT_FACTOR, cei
     return best
 
 
-def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
-    """Per greedy cell of a run with batch sizes: measured speedup at its B with the paired CI, predicted speedup
-    (:func:`predicted_batch_speedup` from the same decoder's B = 1 cell), and per decoder the measured and predicted
-    crossover B* and the predicted best K / N_max per B (notes). Empty when the run has no batched curve or no B > 1.
-    """
+def _b1_params(session, run, curves) -> dict[tuple, dict]:
+    """{(dataset, L_max, T, label): the B = 1 parameters of that greedy cell} (:func:`b1_parameters`, its family and
+    its rows' traces, :func:`price_proposers` applied): what the batched cells of the same decoder are predicted
+    from."""
     from dtbench.harness.store.db import Cell
-    from dtbench.reports.compare import speedup_table
-    from dtbench.reports.summary import samples_frame
 
-    sizes = curves.batch_sizes()
-    frame = samples_frame(session, run.id)
-    if not sizes or frame.empty or not (frame["batch_size"] > 1).any():
-        return pd.DataFrame(), []
-    speed = speedup_table(frame)
-    speed = speed[speed["verdict"] != "failed"]
-    full = {c.id: c for c in session.scalars(select(Cell).where(Cell.run_id == run.id))}
-    samples = {cid: [s for s in full[cid].samples] for cid in full}
-    rows: list[dict] = []
-    notes: list[str] = []
     by_label: dict[tuple, dict] = {}
-    for cid, cell in full.items():
+    for cell in session.scalars(select(Cell).where(Cell.run_id == run.id)):
         if (cell.batch_size or 1) != 1 or cell.sampling:
             continue
-        frame_rows = b1_frame(samples[cid])
+        frame_rows = b1_frame(list(cell.samples))
         if frame_rows.empty:
             continue
         got = b1_parameters(frame_rows)
@@ -266,6 +253,41 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
     for key, v in by_label.items():
         v["traces"] = row_traces(v.pop("frame"), curves, key[1], ar_outside.get(key[:3]))
     price_proposers(by_label)
+    return by_label
+
+
+def _measured_crossover(part: pd.DataFrame) -> str:
+    """The measured crossover of one decoder's rows sorted by batch size: the first B whose speedup is below 1,
+    with its CI, or "none up to B=..."."""
+    below = part[part["measured_speedup"] < 1]
+    if below.empty:
+        return f"none up to B={int(part['batch_size'].max())}"
+    at = below.iloc[0]
+    ci = (
+        f"95% CI [{at['ci_low']:.2f}, {at['ci_high']:.2f}]"
+        if not math.isnan(at["ci_low"])
+        else f"CI: {at['ci_method'] or N_TOO_SMALL}"
+    )
+    return f"B*={int(at['batch_size'])} ({at['measured_speedup']:.2f}×, {ci})"
+
+
+def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
+    """Per greedy cell of a run with batch sizes: measured speedup at its B with the paired CI, predicted speedup
+    (:func:`predicted_batch_speedup` from the same decoder's B = 1 cell), and per decoder the measured and predicted
+    crossover B* and the predicted best K / N_max per B (notes). Empty when the run has no batched curve or no B > 1.
+    """
+    from dtbench.reports.compare import speedup_table
+    from dtbench.reports.summary import samples_frame
+
+    sizes = curves.batch_sizes()
+    frame = samples_frame(session, run.id)
+    if not sizes or frame.empty or not (frame["batch_size"] > 1).any():
+        return pd.DataFrame(), []
+    speed = speedup_table(frame)
+    speed = speed[speed["verdict"] != "failed"]
+    by_label = _b1_params(session, run, curves)
+    rows: list[dict] = []
+    notes: list[str] = []
 
     def predict(params: dict | None, b: int, l_max: int, T: int) -> float:
         if not priced(params):
@@ -302,18 +324,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
     if table.empty:
         return table, notes
     for (ds, l_max, T, label), part in table.groupby(["dataset", "l_max", "gen_length", "label"], sort=False):
-        part = part.sort_values("batch_size")
-        below = part[part["measured_speedup"] < 1]
-        if below.empty:
-            measured = f"none up to B={int(part['batch_size'].max())}"
-        else:
-            at = below.iloc[0]
-            ci = (
-                f"95% CI [{at['ci_low']:.2f}, {at['ci_high']:.2f}]"
-                if not math.isnan(at["ci_low"])
-                else f"CI: {at['ci_method'] or N_TOO_SMALL}"
-            )
-            measured = f"B*={int(at['batch_size'])} ({at['measured_speedup']:.2f}×, {ci})"
+        measured = _measured_crossover(part.sort_values("batch_size"))
         params = by_label.get((ds, l_max, T, label))
         past = l_max + T // 2
         if params is None:

@@ -1,5 +1,5 @@
 """The offline GPU check (issue 31) on the CPU: the kit's builder and checker, tools/gpu-check.sh's refusals, each
-step of cli/gpucheck.py at small shapes, and the JSON's schema (tools/gpu-check.schema.json)."""
+step of the gpucheck package (gpucheck/, dtbench.gpucheck) at small shapes, and the JSON's schema (tools/gpu-check.schema.json)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 import torch
 
-from dtbench.cli import gpucheck, offline
+from dtbench import gpucheck
+from dtbench.cli import offline
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((REPO / "tools" / "gpu-check.schema.json").read_text())
@@ -146,7 +147,7 @@ def test_gpu_check_sh_refuses_in_one_line(tmp_path, args, code, needle):
 def test_tree_node_bounds_follow_leaf_pruning():
     assert gpucheck.tree_node_bounds(8, 3, 0.1) == (8, 3 + 9 + 27 + 30 * 5)
     assert gpucheck.tree_node_bounds(3, 2, 0.5) == (3, 2 + 4 + 4)
-    assert gpucheck._level_sizes(10, 4) == [3, 3, 2, 2] and gpucheck._level_sizes(2, 4) == [1, 1]
+    assert gpucheck.level_sizes(10, 4) == [3, 3, 2, 2] and gpucheck.level_sizes(2, 4) == [1, 1]
 
 
 class _Linear:
@@ -174,7 +175,7 @@ def _log(lines):
 
 
 def test_lossless_step_passes_and_fails_a_corrupt_decoder(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpucheck, "ONLY", {"ar", "linear", "dynatree"})
+    monkeypatch.setattr(gpucheck.common, "ONLY", {"ar", "linear", "dynatree"})
     lines: list[str] = []
     res = gpucheck.step_lossless(CPU, True, tmp_path, _log(lines))
     assert res["ok"] and {r["decoder"] for r in res["rows"]} == {"ar", "linear", "dynatree"}
@@ -227,13 +228,13 @@ def test_overhead_step_is_differential(tmp_path, small_pair, monkeypatch):
             steps=[None] * (1 + iters),
         )
 
-    monkeypatch.setattr(gpucheck, "ONLY", {"ar"})
+    monkeypatch.setattr(gpucheck.common, "ONLY", {"ar"})
     monkeypatch.setattr(measure_mod, "measure", fake)
     row = gpucheck.step_overhead(CPU, *small_pair, True, tmp_path, _log([]))["rows"][0]
     assert row["iterations"] == 12 and row["overhead_s_per_iter"] == pytest.approx(0.5)
     assert row["forward_s_per_iter"] == pytest.approx(1.5) and row["tokens_per_iter"] == pytest.approx(2.0)
     monkeypatch.undo()
-    monkeypatch.setattr(gpucheck, "ONLY", {"ar", "linear"})
+    monkeypatch.setattr(gpucheck.common, "ONLY", {"ar", "linear"})
     res = gpucheck.step_overhead(CPU, *small_pair, True, tmp_path, _log([]))
     assert res["ok"] and [r["decoder"] for r in res["rows"]] == ["ar", "linear"]
     assert all(r["iterations"] > 0 and r["overhead_s_per_iter"] >= 0 for r in res["rows"])
@@ -244,7 +245,7 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path, monkeypatch):
     `make gpu-check-dry`'s), then the schema; the schema rejects a broken file."""
     from click.testing import CliRunner
 
-    monkeypatch.setattr(gpucheck, "TEST_MODULES", ("tests/test_equivalence.py",))
+    monkeypatch.setattr(gpucheck.proptests, "TEST_MODULES", ("tests/test_equivalence.py",))
     out = tmp_path / "out"
     result = CliRunner().invoke(
         gpucheck.main, ["--out", str(out), "--device", "cpu", "--small", "--decoders", "ar,linear"]
@@ -362,7 +363,7 @@ def test_a_budget_runs_the_most_valuable_steps_that_fit_and_lists_the_rest(tmp_p
     listed with why; the check's verdict is over the steps it ran; --plan prints the lease's plan and exits."""
     from click.testing import CliRunner
 
-    from dtbench.cli import gpu_budget
+    from dtbench.gpucheck import budget as gpu_budget
 
     run, skipped = gpu_budget.plan_steps(["timing", "lossless", "tests"], "cpu", 80.0)
     assert run == ["tests", "lossless"] and set(skipped) == {"timing"}  # tests 45 + lossless 33 fit; timing 11 not

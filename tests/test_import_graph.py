@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("harness", "decoders", "reports", "cli")  # folder -> dtbench.<folder> (pyproject's package-dir)
+PACKAGES = ("harness", "decoders", "reports", "cli", "gpucheck")  # folder -> dtbench.<folder> (pyproject's package-dir)
 CORE = ("core", "registry", "api")  # dtbench/<name>.py -> dtbench.<name>
 MIGRATIONS = Path("harness", "store", "migrations")  # Alembic loads env.py and versions/ by path: data, not modules
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_editable_install_maps_the_folders(tmp_path):
-    for sub in ("harness", "decoders", "reports", "cli"):
+    for sub in ("harness", "decoders", "reports", "cli", "gpucheck"):
         spec = importlib.util.find_spec(f"dtbench.{sub}")
         assert spec is not None and Path(spec.origin).parent == ROOT / sub
     spec = importlib.util.find_spec("dtbench.api")
@@ -39,7 +39,7 @@ def test_wheel_installs_and_imports(tmp_path):
     # the checkout would shadow the editable install's entry points for every later test.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "dtbench", "harness", "decoders", "reports", "cli"):
+    for name in ("pyproject.toml", "README.md", "dtbench", "harness", "decoders", "reports", "cli", "gpucheck"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, src / name)
     out = subprocess.run(
         [
@@ -62,7 +62,7 @@ def test_wheel_installs_and_imports(tmp_path):
     assert "absent from the `packages` configuration" not in out.stderr, out.stderr[-2000:]
     wheel = next(tmp_path.glob("dtbench-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for sub in ("harness", "decoders", "reports", "cli"):
+    for sub in ("harness", "decoders", "reports", "cli", "gpucheck"):
         assert f"dtbench/{sub}/__init__.py" in names
         assert not any(n.startswith(f"{sub}/") for n in names), f"{sub} installed as a top-level package"
     assert any(n.endswith("entry_points.txt") for n in names)
@@ -74,6 +74,7 @@ def test_wheel_installs_and_imports(tmp_path):
         "dtbench/py.typed",
         "dtbench/decoders/tree/__init__.py",
         "dtbench/decoders/tree/structure.py",
+        "dtbench/gpucheck/paper.json",  # the GPU check's paper tables: package data
     } <= set(names)
     # The Alembic migrations ship as package data: without them no database can be created or upgraded.
     migrations = {

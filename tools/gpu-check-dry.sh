@@ -60,7 +60,7 @@ PYTHON="$VENV/bin/python" GPUKIT=.gpukit-dry SITE="${TMPDIR:-/tmp}/dtbench-site-
 import json; r = json.load(open('$OUT/gpu-check.json')); print('gpu-check-dry:', 'ok' if r['ok'] else 'FAILED', json.dumps(r['summary'])[:400])"
 # The lease's plan (issue 46 item 7): planned minutes per step on a GPU against the 9-minute budget, and the steps'
 # seconds here; then the curves file and --predict-on end to end on the dry run's own smoke database (issue 48).
-PYTHONPATH="${TMPDIR:-/tmp}/dtbench-site-dry" "$VENV/bin/python" -P -m dtbench.cli.gpucheck --out "$OUT" --plan
+PYTHONPATH="${TMPDIR:-/tmp}/dtbench-site-dry" "$VENV/bin/python" -P -m dtbench.gpucheck --out "$OUT" --plan
 "$VENV/bin/python" -c "
 import json; r = json.load(open('$OUT/gpu-check.json'))
 print('gpu-check-dry: seconds here:', ', '.join(f'{k} {v.get(\"seconds\", 0):.0f}' for k, v in r['steps'].items()))

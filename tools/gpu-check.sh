@@ -4,12 +4,12 @@
 #     tools/gpu-check.sh OUT [--device cuda|cpu] [--small] [--steps ...] [--budget SECONDS]
 #
 # On a lease: `tools/gpu-check.sh OUT --budget 540` (9 minutes, the install included: the steps run most valuable
-# first and a step that does not fit is skipped and listed in gpu-check.json; cli/gpu_budget.py).
+# first and a step that does not fit is skipped and listed in gpu-check.json; gpucheck/budget.py).
 #
 # 1. installs the kit (.gpukit/, made by `make gpu-kit`) and dtbench itself into a folder of their own with
 #    pip --no-index --no-deps, ON TOP of the node's Python and its torch: nothing of the node is replaced (the torch
 #    that imports afterwards is checked to be the node's);
-# 2. runs `python -m dtbench.cli.gpucheck --out OUT ...` (cli/gpucheck.py): OUT/gpu-check.json and OUT/gpu-check.log.
+# 2. runs `python -m dtbench.gpucheck --out OUT ...` (gpucheck/): OUT/gpu-check.json and OUT/gpu-check.log.
 #
 # Environment: PYTHON (default python3, the node's), GPUKIT (default .gpukit), SITE (default /tmp/dtbench-site).
 # Exit code: the check's (0 passed, 1 a step failed, 2 bad arguments); 3 when the install fails.
@@ -58,4 +58,4 @@ if [ "$torch_after" != "$torch_before" ]; then
 fi
 say "installed $(ls "$GPUKIT"/*.whl | wc -l) wheels and dtbench into $SITE in $(( $(date +%s) - t0 )) s"
 # -P: the checkout's own dtbench/ folder (dtbench.core, dtbench.api) must not shadow the installed package
-PYTHONUNBUFFERED=1 "$PYTHON" -P -m dtbench.cli.gpucheck --out "$OUT" --spent "$(( $(date +%s) - t0 ))" "$@"
+PYTHONUNBUFFERED=1 "$PYTHON" -P -m dtbench.gpucheck --out "$OUT" --spent "$(( $(date +%s) - t0 ))" "$@"

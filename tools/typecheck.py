@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("harness", "decoders", "reports", "cli")  # dtbench.<name> lives in <name>/
+FOLDERS = ("harness", "decoders", "reports", "cli", "gpucheck")  # dtbench.<name> lives in <name>/
 
 
 def link_tree(base: Path) -> None:
