@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from dtbench.harness.forwards import ForwardTimer
+
 __all__ = ["profile_call"]
 
 
@@ -34,8 +36,8 @@ def profile_call(
         A JSON-ready dict: ``device_busy_s`` (kernel time per call, seconds; None off CUDA), ``span_s`` (first kernel
         start to last kernel end per call, seconds; None off CUDA), ``busy_share`` (busy / span: 1 - the launch gaps'
         share), ``kernels_per_call``, ``top_kernels`` ([{name, calls per call, seconds per call, share}], by device
-        time), ``top_host_ops`` (the same for host-side ops, by self CPU time), ``wall_s`` (profiled wall per call,
-        which includes the profiler's own overhead: compare within one summary only).
+        time), ``top_host_ops`` (the same for host-side ops, by self CPU time), ``wall_s`` (profiled seconds per call by the
+        forward timer, the profiler's own overhead included: compare within one summary only).
 
     Raises:
         Whatever ``fn`` raises.
@@ -48,14 +50,9 @@ def profile_call(
         fn()
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    import time
-
+    timer = ForwardTimer(device)  # the one forward timer (CUDA events on a GPU)
     with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-            sync()
-        wall = (time.perf_counter() - start) / repeats
+        wall = sum(timer.time(fn) for _ in range(repeats)) / repeats
     averages = prof.key_averages()
     host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
     host_total = sum(e.self_cpu_time_total for e in averages) or 1.0

@@ -18,7 +18,6 @@ KNOWN_FUNCTIONS = {
     "harness/cells.py:measure_cell",
     "harness/measure.py:measure_rows",
     "harness/serving/client.py:measure_requests",
-    "decoders/tree/loop.py:speculate_tree_rows",
 }
 KNOWN_MODULES: set[str] = set()
 
