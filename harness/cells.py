@@ -36,6 +36,7 @@ from dtbench.harness.measurers import (
 )
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup
 from dtbench.harness.sample import Reference
+from dtbench.harness.store import db
 from dtbench.harness.suite import Suite
 
 __all__ = [  # Outcome lives in harness/measurers.py since issue 49; executors, the runner and isolation import it here
@@ -48,10 +49,26 @@ __all__ = [  # Outcome lives in harness/measurers.py since issue 49; executors, 
     "cpu_timeout",
     "make_decoder",
     "measure_cell",
+    "registered_measurer",
     "run_group",
     "sample_timeout",
     "sampling_for",
 ]
+
+
+def registered_measurer(decoder: str) -> str:
+    """The measurer of a registered decoder's cells (:func:`~dtbench.harness.measurers.measurer_name`; ``local`` for a
+    name that is not registered now): what the store writes as ``cells.measurer`` when the runner does not set it."""
+    from dtbench.harness import registry
+    from dtbench.harness.errors import DtbenchError
+
+    try:
+        return measurer_name(registry.get(decoder))
+    except DtbenchError:
+        return "local"
+
+
+db.set_measurer_of(registered_measurer)  # the runner measures through this module: its new cells get their measurer
 
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
 

@@ -86,7 +86,10 @@ def add_cell(
     family: str | None = None,
 ) -> Cell:
     """A cell as the runner stores it; ``family`` defaults to the one the installed decoder declares (None for an
-    unknown decoder name, as an old database would hold)."""
+    unknown decoder name, as an old database would hold), ``measurer`` to its decoder's (``served`` for ``server``,
+    :func:`dtbench.harness.cells.registered_measurer`)."""
+    from dtbench.harness.cells import registered_measurer
+
     decoder = decoder or label
     if family is None:
         try:
@@ -100,6 +103,7 @@ def add_cell(
         gen_length=T,
         decoder=decoder,
         family=family,
+        measurer=registered_measurer(decoder),
         label=label,
         decoder_version=version,
         decoder_distribution="dtbench",
