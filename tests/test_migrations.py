@@ -406,14 +406,8 @@ def test_0016_backfills_the_measurer_from_the_params_and_a_served_run_reports_th
     path = tmp_path / "served.db"
     with reportdb.connect(path)() as session:
         run = reportdb.add_run(session)
-        reportdb.add_samples(session, reportdb.add_cell(session, run, "ar"), [1.0] * 6, warmup=1)
-        plain = reportdb.add_cell(session, run, "plain", "server", params={"base_url": "http://x:1"})
-        plain.reference_label = None
-        spec = reportdb.add_cell(session, run, "spec", "server", params={"launch": ["srv", "{port}"]})
-        spec.reference_label = "plain"
+        reportdb.add_served_pair(session, run, {"launch": ["srv", "{port}"]})
         lookalike = reportdb.add_cell(session, run, "lin", "linear", params={"k": 2})  # a local cell
-        reportdb.add_samples(session, plain, [100.0] * 6, warmup=1)
-        reportdb.add_samples(session, spec, [40.0] * 6, warmup=1)
         reportdb.add_samples(session, lookalike, [2.0] * 6, warmup=1)
         session.commit()
     before = invoke("report", "--db", str(path), "--format", "json")

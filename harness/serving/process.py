@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtbench.decoders.engines import llama_cpp
-from dtbench.decoders.engines.llama_cpp import LLAMA_SERVER_ENV, MAKE_ENGINE
+from dtbench.decoders.engines.llama_cpp import LLAMA_SERVER_ENV as LLAMA_SERVER_ENV  # the names before issue 49
+from dtbench.decoders.engines.llama_cpp import MAKE_ENGINE as MAKE_ENGINE
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.serving.params import ServerParams, auth_headers, engine_placeholders, launch_argv
 
@@ -34,23 +35,6 @@ LOG_DIR_ENV = "DTBENCH_SERVER_LOG_DIR"
 
 class ServerError(DtbenchError):
     """A server that did not start, exited, or answered with an error: one line naming it and its log."""
-
-
-__all__ = [
-    "HOST",
-    "LLAMA_SERVER_ENV",
-    "LOG_DIR_ENV",
-    "MAKE_ENGINE",
-    "STOP_GRACE_S",
-    "Launched",
-    "ServerError",
-    "ServerPool",
-    "check_launch",
-    "free_port",
-    "launches_llama_server",
-    "llama_server_binary",
-    "port_taken",
-]
 
 
 def _embedded_model() -> str:
