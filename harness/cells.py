@@ -1,19 +1,20 @@
 """Measuring one prompt group's cells (split from :mod:`dtbench.harness.worker`, which owns the models): the per-sample
-time limits, the :class:`Outcome` of one decoder on one group, a worker's :class:`Hardware` (the roofline's inputs and
-the compile step of compiled cells), and the measurement itself.
+time limits, a worker's :class:`Hardware` (the roofline's inputs and the compile step of compiled cells), the local
+measurer, and :func:`run_group`.
 
-:func:`run_group` yields one :class:`Outcome` per decoder as soon as it is measured, :func:`measure_cell` times one
-decoder on one prompt group, B = 1 a group of one (the one timing loop, :func:`dtbench.harness.measure.measure_rows`),
-and never raises for a decoder's fault; :func:`measure_served` measures a server cell through requests. Nothing here
+:func:`run_group` yields one :class:`~dtbench.harness.measurers.Outcome` per decoder as soon as it is measured: each
+cell by one :class:`~dtbench.harness.measurers.Measurer` (:class:`LocalMeasurer`: dtbench's own decoders through the
+one timing loop :func:`dtbench.harness.measure.measure_rows`, B = 1 a group of one; the served measurer of
+:mod:`dtbench.harness.serving.measurer` for a server's requests), then one shared tail
+(:func:`~dtbench.harness.measurers.measure_outcome`: rows, batch columns, record, the one-line error). Nothing here
 touches the database: the driver (:mod:`dtbench.harness.runner`) commits what it yields.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 
@@ -23,13 +24,51 @@ from dtbench.harness.deadline import Deadline
 from dtbench.harness.errors import clip, error_line
 from dtbench.harness.measure import SampleTimeout, measure_rows
 from dtbench.harness.measure import now as measure_now
-from dtbench.harness.metrics import sample_row
+from dtbench.harness.measurers import (
+    Batch,
+    CellError,
+    Measured,
+    Measurer,
+    Observed,
+    Outcome,
+    measure_outcome,
+    measurer_name,
+)
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup
-from dtbench.harness.sample import Reference, SampleRecord
+from dtbench.harness.sample import Reference
+from dtbench.harness.store import db
 from dtbench.harness.suite import Suite
 
-if TYPE_CHECKING:
-    from dtbench.decoders.server import ServerParams
+__all__ = [  # Outcome lives in harness/measurers.py since issue 49; executors, the runner and isolation import it here
+    "AUTO_TIMEOUT_FACTOR",
+    "AUTO_TIMEOUT_MIN_S",
+    "AUTO_TIMEOUT_REFERENCE_S",
+    "Hardware",
+    "LocalMeasurer",
+    "Outcome",
+    "cpu_timeout",
+    "make_decoder",
+    "measure_cell",
+    "registered_measurer",
+    "run_group",
+    "sample_timeout",
+    "sampling_for",
+]
+
+
+def registered_measurer(decoder: str) -> str:
+    """The measurer of a registered decoder's cells (:func:`~dtbench.harness.measurers.measurer_name`; ``local`` for a
+    name that is not registered now): what the store writes as ``cells.measurer`` when the runner does not set it."""
+    from dtbench.harness import registry
+    from dtbench.harness.errors import DtbenchError
+
+    try:
+        return measurer_name(registry.get(decoder))
+    except DtbenchError:
+        return "local"
+
+
+db.set_measurer_of(registered_measurer)  # the runner measures through this module: its new cells get their measurer
 
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
 
@@ -67,31 +106,6 @@ def cpu_timeout(
         max(AUTO_TIMEOUT_REFERENCE_S, AUTO_TIMEOUT_FACTOR * reference_s),
         max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_cpu_s),
     )
-
-
-@dataclass
-class Outcome:
-    """The result of one decoder on one prompt group: its samples rows (one per row; one at B = 1), or the error
-    that fails the cell.
-
-    Each row is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
-    """
-
-    label: str
-    rows: list[dict[str, Any]] | None = None
-    error: str | None = None
-    cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
-    load: dict[str, Any] | None = None  # the machine's load during the measurement (harness/load.py: span)
-    compile_s: float | None = None  # compiled cells, first sample: seconds of the compile step before it (issue 37)
-    compile_graphs: int | None = None  # graphs torch.compile made in that step
-
-    def reference(self) -> Reference:
-        """What a dependent decoder compares with: every row's output tokens, and the group's wall time (the batch's
-        ``batch_total_s`` where the rows were decoded or paired together, else the one row's ``total_s``)."""
-        assert self.rows is not None
-        first = self.rows[0]
-        total = first["batch_total_s"] if first.get("batch_total_s") is not None else first["total_s"]
-        return Reference([r["output_tokens"] for r in self.rows], total, self.cpu_s)
 
 
 @dataclass
@@ -189,6 +203,141 @@ def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None
     return decoder
 
 
+class LocalMeasurer:
+    """The local :class:`~dtbench.harness.measurers.Measurer`: dtbench's own decoders on the loaded models, a group's
+    B prompts decoded together (B = 1: one prompt, ``generate``; B > 1: ``generate_batch``) through the one timing
+    loop (:func:`~dtbench.harness.measure.measure_rows`).
+
+    Every row becomes its own samples row (its own tokens, TTFT, TPOT, acceptance, output check); at B > 1 its
+    :class:`~dtbench.harness.measurers.Batch` is the group (first prompt index, rows, the batch's wall time). The
+    output check is per row: the reference's row (the reference decoder at the same B) for ``first_divergence``, and
+    the tie-aware teacher-forced check of every emitted token of each row (:func:`lossless.sample_columns`, batch 1,
+    the other rows as companions at B > 1), outside the timed region.
+
+    Args:
+        target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None); device: theirs.
+        stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
+        data_dir: the run's data folder, where a corpus the decoder declares (:meth:`Decoder.corpus_of`) is read:
+            its documents, held out from the suite's prompts with the suite's seed, are handed to the decoder
+            (:meth:`Decoder.use_corpus`) before timing starts.
+        hardware: the worker's :class:`Hardware`: each sample's roofline fraction (the batch's forwards, weights once
+            each, over the row's own time); for a compiled cell its compile step (per batch size) (before its first sample,
+            timed apart as ``compile_s``) and the compiled execution it runs in, with the graphs torch.compile made
+            during the sample stored as ``step_stats["compiled"]["recompiles"]``.
+    """
+
+    def __init__(
+        self,
+        target,
+        draft,
+        device,
+        suite: Suite,
+        stop_at_eos: bool = False,
+        data_dir: str | None = None,
+        hardware: Hardware | None = None,
+    ):
+        self.target, self.draft, self.device, self.suite = target, draft, device, suite
+        self.stop_at_eos, self.data_dir, self.hardware = stop_at_eos, data_dir, hardware
+
+    def measure(
+        self, cp: CellPlan, prompts: list, group: PromptGroup, ref: Reference | None, compare: bool
+    ) -> Measured:
+        """The group's rows through the one timing loop, under the cell's limits (:func:`cpu_timeout`).
+
+        Raises:
+            CellError: the decoder ran past its limit (while made, compiled or measured).
+        """
+        timeout, cpu_limit = cpu_timeout(self.suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
+        phase = " (making the decoder)"
+        try:
+            with Deadline(timeout):  # the decoder's own code (its constructor, use_corpus) under the cell's limit too
+                decoder = make_decoder(cp, self.target, self.draft, self.suite, self.data_dir)
+            phase = ""
+            if cp.sampling is not None:  # greedy only at B > 1 (plan._check_batching)
+                decoder.sampling, decoder.generator = sampling_for(
+                    cp.sampling, self.suite.seed, prompts[0].index, self.device
+                )
+            if self.stop_at_eos:
+                decoder.eos_token_id = models.eos_token_id(self.target.model)
+            hw = self.hardware
+            ex = hw.execution if hw is not None and cp.execution == "compiled" else None
+            if ex is not None:  # at every batch size (a batch of B rows: its own (B, bucket) graphs)
+                phase = " (in the compile step)"
+                rows = [p.token_ids for p in prompts]
+                compiled = hw.compile_step(cp, decoder, rows, group.gen_length, self._used(cp), timeout)  # type: ignore[union-attr]
+                phase = ""
+                return self._rows(cp, decoder, prompts, group, ref, compare, (timeout, cpu_limit), ex, compiled)
+            return self._rows(cp, decoder, prompts, group, ref, compare, (timeout, cpu_limit), None, None)
+        except SampleTimeout:
+            raise CellError(_timed_out(unit_of(prompts, group), timeout, cpu_limit, phase)) from None
+
+    def _used(self, cp: CellPlan) -> list:
+        """The models a cell's decoder runs: the target, and the draft where it needs one."""
+        draft = self.draft
+        return [self.target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
+
+    def _rows(self, cp, decoder, prompts, group, ref, compare, limits, ex, compiled) -> Measured:
+        """The timed rows (in the compiled execution ``ex`` when not None) as observations."""
+        batched = group.batch_size > 1
+        ids = [p.token_ids for p in prompts]
+        timeout, cpu_limit = limits
+        run = dict(timeout_s=timeout, cpu_timeout_s=cpu_limit, batched=batched)
+        state: dict[str, Any] = {"ids": ids, "batched": batched}
+        if ex is not None:
+            graphs0 = static_kv.compiled_graphs()
+            with static_kv.compiled(ex):
+                ex.begin_sample()
+                ms = measure_rows(decoder, ids, group.gen_length, self.device, **run)
+            state["recompiles"] = static_kv.compiled_graphs() - graphs0
+        else:
+            ms = measure_rows(decoder, ids, group.gen_length, self.device, **run)
+        batch = Batch(group.prompt_index, len(prompts), max(m.step_times[-1] for m in ms)) if batched else None
+        rows = [
+            Observed(m, prompt, ref.tokens[r] if ref and compare else None, batch)
+            for r, (m, prompt) in enumerate(zip(ms, prompts))
+        ]
+        return Measured(rows, cpu_s=ms[0].cpu_s, compile=compiled, state=state)
+
+    def finish(self, cp: CellPlan, measured: Measured, r: int, row: dict[str, Any]) -> dict[str, Any]:
+        """Row ``r``'s roofline fraction, compile statistics and the lossless check of every emitted token (a
+        greedy lossless decoder only; outside the timed region)."""
+        out: dict[str, Any] = {}
+        observed = measured.rows[r]
+        if self.hardware is not None:
+            out["roofline"] = self.hardware.roofline_of(observed.observation, row["total_s"], cp.cls.needs_draft)
+        if "recompiles" in measured.state:
+            row["step_stats"]["compiled"] = {"recompiles": measured.state["recompiles"]}
+        if cp.cls.lossless and cp.sampling is None:
+            ids = measured.state["ids"]
+            others = [p for j, p in enumerate(ids) if j != r] if measured.state["batched"] else None
+            out.update(
+                lossless.sample_columns(
+                    self.target.model,
+                    list(observed.prompt.token_ids),
+                    row,
+                    observed.reference,
+                    self.device,
+                    self.suite.lossless_check,
+                    companions=others,
+                )
+            )
+        return out
+
+    def failure(self, cp: CellPlan, prompts: list, group: PromptGroup, exc: BaseException) -> str:
+        """``<prompt or group>: <the error's line>``; a decoder calling ``sys.exit`` says so."""
+        where = unit_of(prompts, group)
+        if isinstance(exc, SystemExit):
+            return f"{where}: SystemExit (the decoder called sys.exit): {clip(exc, 1500)}"
+        return f"{where}: {error_line(exc)}"
+
+
+def unit_of(prompts: list, group: PromptGroup) -> str:
+    """How a local cell's error names the group: ``prompt i``, or ``prompts i-j (B=b)`` for a batch."""
+    if group.batch_size > 1:
+        return f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
+    return f"prompt {prompts[0].index}"
+
+
 def measure_cell(
     cp: CellPlan,
     prompts: list,
@@ -203,101 +352,11 @@ def measure_cell(
     data_dir: str | None = None,
     hardware: Hardware | None = None,
 ) -> Outcome:
-    """Measure one decoder on a prompt group, its B prompts decoded together (B = 1: one prompt, ``generate``;
-    B > 1: ``generate_batch``) through the one timing loop (:func:`~dtbench.harness.measure.measure_rows`); never
-    raises for what the decoder does wrong.
-
-    Anything the decoder does wrong — raising, calling ``sys.exit``, yielding Steps that cannot become a sample,
-    running past the time limit — comes back as an :class:`Outcome` with the error; only Ctrl-C propagates.
-    Every row becomes its own samples row (its own tokens, TTFT, TPOT, acceptance, output check); at B > 1 plus
-    the group's ``batch_group`` (first prompt index), ``batch_rows`` and ``batch_total_s`` (the batch's wall time).
-    The output check is per row: the reference's row (the reference decoder at the same B) for
-    ``first_divergence``, and the tie-aware teacher-forced check of every emitted token of each row
-    (:func:`lossless.sample_columns`, batch 1, the other rows as companions at B > 1).
-
-    Args:
-        cp: the decoder's plan entry; prompts: the group's :class:`~dtbench.harness.prompt.Prompt` objects, in row
-            order (one at B = 1); group: the unit of work (T, warmup, B).
-        ref: the reference decoder's :class:`Reference` on this group (tokens: one list per row; total_s: the
-            batch's wall time), or None for a reference itself.
-        compare: check the output token for token against the reference's (False when either samples: a sampled
-            output is checked as a distribution, by the tests, never against one draw; sampling is B = 1 only).
-        stop_at_eos: end the generation at the target's first EOS (:func:`models.eos_token_id`), T at most.
-        target, draft: :class:`~dtbench.harness.models.LoadedModel` (draft may be None).
-        data_dir: the run's data folder, where a corpus the decoder declares (:meth:`Decoder.corpus_of`) is read:
-            its documents, held out from the suite's prompts with the suite's seed, are handed to the decoder
-            (:meth:`Decoder.use_corpus`) before timing starts.
-        hardware: the worker's :class:`Hardware`: each sample's roofline fraction (the batch's forwards, weights once
-            each, over the row's own time); for a compiled cell (B = 1) its compile step (before its first sample,
-            timed apart as ``compile_s``) and the compiled execution it runs in, with the graphs torch.compile made
-            during the sample stored as ``step_stats["compiled"]["recompiles"]``.
-    """
-    batched = group.batch_size > 1
-    where = (
-        f"prompts {group.prompt_indices[0]}-{group.prompt_indices[-1]} (B={group.batch_size})"
-        if batched
-        else f"prompt {prompts[0].index}"
-    )
-    if cp.reference_label and ref is None:
-        what = f"the prompt group {group.prompt_index}" if batched else f"prompt {prompts[0].index}"
-        return Outcome(cp.label, error=f"reference decoder '{cp.reference_label}' has no output for {what}")
-    timeout, cpu_limit = cpu_timeout(suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
-    T = group.gen_length
-    ids = [p.token_ids for p in prompts]
-    compiled, phase = None, " (making the decoder)"
-    try:
-        with Deadline(timeout):  # the decoder's own code (its constructor, use_corpus) under the cell's limit too
-            decoder = make_decoder(cp, target, draft, suite, data_dir)
-        phase = ""
-        if cp.sampling is not None:  # greedy only at B > 1 (plan._check_batching)
-            decoder.sampling, decoder.generator = sampling_for(cp.sampling, suite.seed, prompts[0].index, device)
-        if stop_at_eos:
-            decoder.eos_token_id = models.eos_token_id(target.model)
-        ex = hardware.execution if hardware is not None and cp.execution == "compiled" else None
-        if ex is not None:  # at every batch size (a batch of B rows: its own (B, bucket) graphs)
-            used = [target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
-            phase = " (in the compile step)"
-            compiled = hardware.compile_step(cp, decoder, ids, T, used, timeout)  # type: ignore[union-attr]
-            phase = ""
-            graphs0 = static_kv.compiled_graphs()
-            with static_kv.compiled(ex):
-                ex.begin_sample()
-                ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit, batched=batched)
-            recompiles = static_kv.compiled_graphs() - graphs0
-        else:
-            ms = measure_rows(decoder, ids, T, device, timeout_s=timeout, cpu_timeout_s=cpu_limit, batched=batched)
-        wall = max(m.step_times[-1] for m in ms)
-        rows = []
-        for r, (m, prompt) in enumerate(zip(ms, prompts)):
-            reference = ref.tokens[r] if ref and compare else None
-            row = sample_row(m, prompt, group.warmup, reference)
-            if batched:
-                row.update(batch_group=group.prompt_index, batch_rows=len(prompts), batch_total_s=wall)
-            if hardware is not None:
-                row["roofline"] = hardware.roofline_of(m, row["total_s"], cp.cls.needs_draft)
-            if ex is not None:
-                row["step_stats"]["compiled"] = {"recompiles": recompiles}
-            if cp.cls.lossless and cp.sampling is None:  # every emitted token checked, outside the timed region
-                others = [p for j, p in enumerate(ids) if j != r] if batched else None
-                row.update(
-                    lossless.sample_columns(
-                        target.model, prompt.token_ids, row, reference, device, suite.lossless_check, companions=others
-                    )
-                )
-            rows.append(SampleRecord.from_row(row).as_row())  # exactly the sample's columns (harness/sample.py)
-        json.dumps(rows)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
-    except KeyboardInterrupt:
-        raise
-    except SampleTimeout:
-        return Outcome(cp.label, error=_timed_out(where, timeout, cpu_limit, phase))
-    except (Exception, SystemExit) as exc:  # a decoder failing mid-run fails its cell, never the run
-        if isinstance(exc, SystemExit):
-            return Outcome(cp.label, error=f"{where}: SystemExit (the decoder called sys.exit): {clip(exc, 1500)}")
-        return Outcome(cp.label, error=f"{where}: {error_line(exc)}")
-    outcome = Outcome(cp.label, rows=rows, cpu_s=ms[0].cpu_s)
-    if compiled is not None:
-        outcome.compile_s, outcome.compile_graphs = compiled
-    return outcome
+    """Measure one decoder on a prompt group with the :class:`LocalMeasurer` and the shared tail
+    (:func:`~dtbench.harness.measurers.measure_outcome`); never raises for what the decoder does wrong (its error
+    comes back in the :class:`Outcome`). Arguments as :class:`LocalMeasurer` and :meth:`LocalMeasurer.measure`."""
+    measurer = LocalMeasurer(target, draft, device, suite, stop_at_eos, data_dir, hardware)
+    return measure_outcome(measurer, cp, prompts, group, ref, compare)
 
 
 def _timed_out(where: str, timeout: float | None, cpu_limit: float | None, phase: str) -> str:
@@ -306,76 +365,6 @@ def _timed_out(where: str, timeout: float | None, cpu_limit: float | None, phase
     if cpu_limit and not phase:
         return f"{where}: timed out after ({cpu_limit:g} s of CPU time, 10x the reference's, or {timeout:g} s)"
     return f"{where}: timed out after {timeout:g} s{phase}"
-
-
-def measure_served(
-    cp: CellPlan,
-    prompts: list,
-    group: PromptGroup,
-    ref_rows: list[dict] | None,
-    suite: Suite,
-    servers,
-    tokenizer,
-    stop_at_eos: bool = False,
-) -> Outcome:
-    """Measure a server cell (a decoder declaring ``requests``, issue 30) on one prompt group through requests
-    (:func:`dtbench.harness.serving.measure_requests`); never raises for what the server does wrong (as
-    :func:`measure_cell`): a server that does not start, exits, or answers with an error fails its cell with one line
-    naming the server and its log.
-
-    Args:
-        prompts: the group's prompts in row order (one at B = 1).
-        ref_rows: the reference server's rows on this group (their output tokens), or None.
-        servers: the worker's :class:`~dtbench.harness.serving.ServerPool`.
-    """
-    from dtbench.harness import serving
-
-    if cp.reference_label and ref_rows is None:
-        return Outcome(
-            cp.label, error=f"reference decoder '{cp.reference_label}' has no output for prompt {group.prompt_index}"
-        )
-    batched = group.batch_size > 1  # rows paired per block of C prompts (serving.blocks_of); at C = 1 per prompt
-    try:
-        rows = serving.measure_requests(
-            cp.label,
-            cast("ServerParams", cp.params),  # a decoder declaring ``requests`` takes a server's params
-            prompts,
-            group.warmup,
-            group.gen_length,
-            group.batch_size,
-            (group.dataset.name, group.l_max, group.gen_length, group.batch_size),
-            servers,
-            seed=suite.seed,
-            stop_at_eos=stop_at_eos,
-            references=[r["output_tokens"] for r in ref_rows] if ref_rows else None,
-            reference=next(
-                ((c.label, cast("ServerParams", c.params)) for c in group.decoders if c.label == cp.reference_label),
-                None,
-            ),
-            rule=suite.lossless_check,
-            tokenizer=tokenizer,
-            batch_group=group.prompt_index if batched else None,
-        )
-        rows = [SampleRecord.from_row(row).as_row() for row in rows]
-        json.dumps(rows)
-    except KeyboardInterrupt:
-        raise
-    except (Exception, SystemExit) as exc:
-        return Outcome(cp.label, error=error_line(exc))  # an exception group: its first real error (issue 50)
-    return Outcome(cp.label, rows=rows)
-
-
-def _served_reference(cp: CellPlan, served: dict[str, list[dict]], outputs: dict[str, Reference]) -> list[dict] | None:
-    """The reference server's rows on this group: measured now, or read back from the database on a resumed run;
-    None without a reference."""
-    if not cp.reference_label:
-        return None
-    if cp.reference_label in served:
-        return served[cp.reference_label]
-    ref = outputs.get(cp.reference_label)
-    if ref is None:
-        return None
-    return [{"output_tokens": t} for t in ref.tokens]
 
 
 def sampling_for(spec, suite_seed: int, prompt_index: int, device) -> tuple[Any, torch.Generator]:
@@ -406,25 +395,27 @@ def run_group(
     hardware: Hardware | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> Iterator[Outcome]:
-    """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured.
+    """Measure a prompt group's decoders in order (references first), yielding each outcome as it is measured: each
+    cell by its :class:`~dtbench.harness.measurers.Measurer` (:func:`~dtbench.harness.measurers.measurer_name`: the
+    :class:`LocalMeasurer`, or the served one for a decoder that declares ``requests``), then the one shared tail
+    (:func:`~dtbench.harness.measurers.measure_outcome`).
 
     Args:
         group: the unit of work; prompt: its :class:`~dtbench.harness.prompt.Prompt` (when ``group.multi``, the
-            list of its rows' prompts, decoded together by :func:`measure_cell`).
+            list of its rows' prompts, decoded together).
         done: :class:`Reference` (per-row tokens, the group's seconds) of decoders already stored for this group (a
             resumed run): not re-measured, but available as references.
         skip: labels of cells that already failed: not measured.
-        servers, tokenizer: the worker's server pool and the target's tokenizer, for server cells (decoders that
-            declare ``requests``: :func:`measure_served`, at every B).
+        servers, tokenizer: the worker's server pool and the target's tokenizer, for served cells (at every B).
         hardware: the worker's :class:`Hardware` (roofline inputs, compiled execution), or None.
         announce: called with a decoder's label right before it is measured (crash isolation names the cell a
             dying process was measuring, :mod:`dtbench.harness.isolation`).
     """
     outputs = dict(done)
-    served: dict[str, list[dict]] = {}  # server cells' rows of this group: a dependent server's reference rows
     stop = data.stops_at_eos(suite.stop_at_eos, group.dataset)
     prompts = prompt if group.multi else [prompt]
     by_label = {cp.label: cp for cp in group.decoders}
+    measurers: dict[str, Measurer] = {}
     for cp in group.decoders:
         if cp.label in outputs or cp.label in skip:
             continue
@@ -433,21 +424,26 @@ def run_group(
         compare = cp.sampling is None and (ref_plan is None or ref_plan.sampling is None)
         if announce is not None:
             announce(cp.label)
+        kind = measurer_name(cp.cls)
+        if kind not in measurers:
+            measurers[kind] = _measurer(
+                kind, target, draft, device, suite, stop, data_dir, hardware, servers, tokenizer
+            )
         start = load.probe()
-        if cp.cls.requests:
-            outcome = measure_served(
-                cp, prompts, group, _served_reference(cp, served, outputs), suite, servers, tokenizer, stop
-            )
-            if outcome.rows is not None:
-                served[cp.label] = outcome.rows
-        else:
-            outcome = measure_cell(
-                cp, prompts, group, ref, target, draft, device, suite, compare, stop, data_dir, hardware
-            )
+        outcome = measure_outcome(measurers[kind], cp, prompts, group, ref, compare)
         _finish(outcome, group, start)
         if outcome.rows is not None:
             outputs[cp.label] = outcome.reference()
         yield outcome
+
+
+def _measurer(kind: str, target, draft, device, suite, stop, data_dir, hardware, servers, tokenizer) -> Measurer:
+    """The worker's measurer of ``kind`` (``local`` or ``served``)."""
+    if kind == "served":
+        from dtbench.harness.serving.measurer import ServedMeasurer
+
+        return ServedMeasurer(suite, servers, tokenizer, stop)
+    return LocalMeasurer(target, draft, device, suite, stop, data_dir, hardware)
 
 
 def _finish(outcome: Outcome, group: PromptGroup, start: load.Reading) -> None:

@@ -44,7 +44,7 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Worker, WorkerInfo, work_key
+from dtbench.harness.worker import Worker, WorkerInfo
 from dtbench.registry import Registry, subclass_of
 
 
@@ -209,7 +209,7 @@ class LocalExecutor(Executor):
                 continue
             if self.isolation != "process":  # a native crash kills this process: record which cell it measures
                 announce = lambda label, group=group: sink.started(group, label)  # noqa: E731
-                for outcome in self.worker.run(work_key(group), prompt, done, failed, announce=announce):
+                for outcome in self.worker.run(group, prompt, done, failed, announce=announce):
                     sink.commit(group, outcome, self.worker.info)
                 continue
             # issue 38: decoders whose own_process names this device run in a child of their own, in plan order
@@ -217,7 +217,7 @@ class LocalExecutor(Executor):
             labels = {cp.label for cp in group.decoders}
             for key, segment in own_process_segments(group.decoders, self.device.type):
                 worker = self._worker_for(key)
-                for outcome in worker.run(work_key(group), prompt, done, failed | (labels - segment)):
+                for outcome in worker.run(group, prompt, done, failed | (labels - segment)):  # the group itself
                     sink.commit(group, outcome, worker.info)
                     remember(outcome, done, failed)
 

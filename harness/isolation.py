@@ -325,5 +325,8 @@ class IsolatedWorker:
 
 
 def _first(key) -> int:
-    """The (first) prompt index of a work key (:func:`~dtbench.harness.worker.work_key`)."""
-    return int(key[4]) if isinstance(key, tuple) and len(key) > 4 else 0
+    """The (first) prompt index of a unit of work: a :class:`~dtbench.harness.plan.PromptGroup` (issue 49 item 5) or
+    a work key (:func:`~dtbench.harness.worker.work_key`)."""
+    if isinstance(key, tuple):
+        return int(key[4]) if len(key) > 4 else 0
+    return int(getattr(key, "prompt_index", 0))

@@ -3,8 +3,10 @@
 A :class:`Worker` loads the target and draft once and measures whole prompt groups (a reference and every decoder
 that depends on it, in plan order, on one device) with :mod:`dtbench.harness.cells`
 (:func:`~dtbench.harness.cells.run_group` yields one :class:`~dtbench.harness.cells.Outcome` per decoder as soon as
-it is measured). This module owns the worker itself: the unit-of-work key (:func:`work_key`), who measures
-(:class:`WorkerInfo`) and :class:`Worker`. It runs in the driver's process (the local executor) or inside a Ray
+it is measured). This module owns the worker itself: who measures (:class:`WorkerInfo`) and :class:`Worker`. A unit
+of work travels as the plan's :class:`~dtbench.harness.plan.PromptGroup` itself (issue 49 item 5: the local executor,
+and pickled to an isolated child); the 7-tuple :func:`work_key` is kept for the Ray executor, whose actors plan the
+suite themselves and look the group up by it. It runs in the driver's process (the local executor) or inside a Ray
 actor (:mod:`dtbench.harness.ray_executor`); it never touches the database: the driver (:mod:`dtbench.harness.runner`)
 commits what it yields.
 """
@@ -187,16 +189,24 @@ class Worker:
 
     def run(
         self,
-        key: WorkKey,
+        unit: PromptGroup | WorkKey,
         prompt,
         done: dict[str, Reference],
         skip: set[str],
         announce: Callable[[str], None] | None = None,
     ) -> Iterator[Outcome]:
-        """Measure one prompt group (see :func:`~dtbench.harness.cells.run_group`), yielding each outcome."""
-        group = self.groups.get(key)
+        """Measure one prompt group (see :func:`~dtbench.harness.cells.run_group`), yielding each outcome.
+
+        Args:
+            unit: the plan's :class:`~dtbench.harness.plan.PromptGroup` itself, or (Ray actors, which plan the suite
+                themselves) its :func:`work_key`, looked up in this worker's plan.
+
+        Raises:
+            DtbenchError: a work key this worker's plan does not have.
+        """
+        group = self.groups.get(unit) if isinstance(unit, tuple) else unit
         if group is None:
-            raise DtbenchError(f"this worker's plan has no prompt group {key}")
+            raise DtbenchError(f"this worker's plan has no prompt group {unit}")
         yield from run_group(
             group,
             prompt,

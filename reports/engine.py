@@ -95,7 +95,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         mine = [s for s in by_cell.get(c.id, []) if not s.warmup]
         server = [((s.step_stats or {}).get("server") or {}) for s in mine]
         is_server = any(server)
-        through_requests = served(c.params)
+        through_requests = served(c.measurer)
         ref_label = c.reference_label if through_requests else (None if c.decoder == BASELINE else BASELINE)
         ref = by_label.get((*key, ref_label)) if ref_label else None
         row = dict(
@@ -161,8 +161,8 @@ def unit_loads(server: list[dict]) -> list[dict]:
 def steady_walls(session, run_id: int) -> dict[int, float]:
     """Per steady server cell of a run (issue 39 item 1), its measured wall time in seconds: the sum of its units'
     first send to last token (its blocks of C overlap, so the sum of their walls is no wall time)."""
-    cells = session.execute(select(Cell.id, Cell.params).where(Cell.run_id == run_id)).all()
-    ids = [cell_id for cell_id, params in cells if served(params)]
+    cells = session.execute(select(Cell.id, Cell.measurer).where(Cell.run_id == run_id)).all()
+    ids = [cell_id for cell_id, measurer in cells if served(measurer)]
     rows = session.execute(
         select(Sample.cell_id, Sample.step_stats).where(Sample.cell_id.in_(ids), Sample.warmup.is_(False))
     ).all()

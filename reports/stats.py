@@ -187,16 +187,19 @@ def pairing_key(frame: pd.DataFrame, extra: tuple[str, ...] = ()) -> list[tuple]
     )
 
 
-def served(params: object) -> bool:
-    """Whether a cell was measured through requests to a server (a decoder with the ``requests`` capability, issue
-    30), read from its stored params: they name the server's engine adapter (``engine``,
-    :mod:`dtbench.decoders.engines`) or where the server runs (``base_url``, ``launch``), which the harness reads
-    every such decoder through. Such a cell is compared with its own reference server (``cells.reference_label``),
-    never with ``ar``: that would compare an engine with dtbench's loop."""
-    return isinstance(params, dict) and any(isinstance(params.get(k), (str, list)) for k in SERVER_PARAMS)
+def served(measurer: object) -> bool:
+    """Whether a cell was measured through requests to a server (issue 30), read from what is stored: its
+    ``cells.measurer`` (``served``; revision 0016, backfilled for older cells), given as that value or as a cell, a
+    row or a mapping holding it. Such a cell is compared with its own reference server (``cells.reference_label``),
+    never with ``ar``: that would compare an engine with dtbench's loop. Anything without a measurer is local."""
+    if isinstance(measurer, str):
+        return measurer == SERVED
+    if isinstance(measurer, dict):
+        return measurer.get("measurer") == SERVED
+    return getattr(measurer, "measurer", None) == SERVED
 
 
-SERVER_PARAMS = ("engine", "base_url", "launch")  # the params that declare a server (decoders/server.py)
+SERVED = "served"  # cells.measurer of a cell measured through requests (harness/measurers.py: measurer_name)
 
 
 def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (), missing=math.nan) -> pd.Series:
@@ -204,7 +207,7 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
     with the same :func:`pairing_key` (same run, dataset, L_max, T and ``extra`` columns, same decoding: greedy
     with greedy, a sampling setting with the same setting). NaN where there is none.
 
-    A cell measured through requests to a server (:func:`served`, read from its stored ``params``) is paired with
+    A cell measured through requests to a server (:func:`served`, read from its stored ``measurer``) is paired with
     its reference server (the row of its ``reference_label``, or the summary's
     ``reference``, with the same key), never with ``ar`` in this process: a server against dtbench's own loop is an
     engine-vs-harness comparison, not a speedup of speculation (issue 42 item 6), so a plain server (no reference)
@@ -229,7 +232,7 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
         by_label.setdefault((key, label), value)
     ref_column = next((c for c in ("reference_label", "reference") if c in frame), None)
     refs = frame[ref_column] if ref_column else pd.Series([None] * len(frame), index=frame.index)
-    through = frame["params"].map(served) if "params" in frame else pd.Series(False, index=frame.index)
+    through = frame["measurer"].map(served) if "measurer" in frame else pd.Series(False, index=frame.index)
     values = [
         (by_label.get((k, ref), missing) if isinstance(ref, str) and ref else missing) if via else base.get(k, missing)
         for k, via, ref in zip(keys, through, refs)

@@ -86,7 +86,10 @@ def add_cell(
     family: str | None = None,
 ) -> Cell:
     """A cell as the runner stores it; ``family`` defaults to the one the installed decoder declares (None for an
-    unknown decoder name, as an old database would hold)."""
+    unknown decoder name, as an old database would hold), ``measurer`` to its decoder's (``served`` for ``server``,
+    :func:`dtbench.harness.cells.registered_measurer`)."""
+    from dtbench.harness.cells import registered_measurer
+
     decoder = decoder or label
     if family is None:
         try:
@@ -100,6 +103,7 @@ def add_cell(
         gen_length=T,
         decoder=decoder,
         family=family,
+        measurer=registered_measurer(decoder),
         label=label,
         decoder_version=version,
         decoder_distribution="dtbench",
@@ -116,6 +120,19 @@ def add_cell(
     session.add(cell)
     session.flush()
     return cell
+
+
+def add_served_pair(session, run: Run, spec_params: dict | None = None) -> tuple[Cell, Cell]:
+    """A plain server ``plain`` (100 tokens/s) and a speculating one ``spec`` (40 tokens/s, its reference ``plain``),
+    6 samples each with one warmup, beside ``ar`` (1 token/s): a served speedup of 0.4, never 40 against ar."""
+    add_samples(session, add_cell(session, run, "ar"), [1.0] * 6, warmup=1)
+    plain = add_cell(session, run, "plain", "server", params={"base_url": "http://x:1"})
+    plain.reference_label = None
+    spec = add_cell(session, run, "spec", "server", params=spec_params or {"base_url": "http://x:2"})
+    spec.reference_label = "plain"
+    add_samples(session, plain, [100.0] * 6, warmup=1)
+    add_samples(session, spec, [40.0] * 6, warmup=1)
+    return plain, spec
 
 
 def add_samples(

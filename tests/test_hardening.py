@@ -1650,13 +1650,7 @@ def test_a_server_speedup_is_against_its_plain_server_in_every_report(tmp_path):
     path = tmp_path / "r.db"
     with reportdb.connect(path)() as session:
         run = reportdb.add_run(session)
-        reportdb.add_samples(session, reportdb.add_cell(session, run, "ar"), [1.0] * 6, warmup=1)
-        plain = reportdb.add_cell(session, run, "plain", "server", params={"base_url": "http://x:1"})
-        plain.reference_label = None
-        spec = reportdb.add_cell(session, run, "spec", "server", params={"base_url": "http://x:2"})
-        spec.reference_label = "plain"
-        reportdb.add_samples(session, plain, [100.0] * 6, warmup=1)
-        reportdb.add_samples(session, spec, [40.0] * 6, warmup=1)
+        reportdb.add_served_pair(session, run)
         session.commit()
     result = invoke("report", "--db", str(path), "--format", "json")
     assert result.exit_code == 0, result.output

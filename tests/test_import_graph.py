@@ -198,23 +198,27 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
 
 
 def test_serving_is_a_package_by_its_seams():
-    """harness/serving (issue 40): the servers' processes and the traffic model import no other part of it; the output
-    check and the request record only the processes' error; the client the rest. Engines are adapters in the decoder layer
-    (dtbench.decoders.engines), which imports nothing of the server decoder (its params are a protocol there)."""
+    """harness/serving (issue 40, issue 49): the traffic model and the params import no other part of it; the servers'
+    processes only the params; the output check and the request record the processes' error (the check the params
+    too); the client the rest but the measurer, which stands on the client. Engines are adapters in the decoder layer
+    (dtbench.decoders.engines), which imports nothing of the server entry (the params live beside the adapters)."""
     edges, _ = imports(modules())
     serving = "dtbench.harness.serving"
     inside = {
         m: sorted(t for t in ts if t.startswith(serving + ".")) for m, ts in edges.items() if m.startswith(serving)
     }
-    assert inside[f"{serving}.process"] == [] and inside[f"{serving}.traffic"] == []
-    assert inside[f"{serving}.check"] == [f"{serving}.process"]
+    assert inside[f"{serving}.params"] == [] and inside[f"{serving}.traffic"] == []
+    assert inside[f"{serving}.process"] == [f"{serving}.params"]
+    assert inside[f"{serving}.check"] == [f"{serving}.params", f"{serving}.process"]
     assert inside[f"{serving}.record"] == [f"{serving}.process"]
     assert inside[f"{serving}.client"] == [
         f"{serving}.check",
+        f"{serving}.params",
         f"{serving}.process",
         f"{serving}.record",
         f"{serving}.traffic",
     ]
+    assert inside[f"{serving}.measurer"] == [f"{serving}.client", f"{serving}.params", f"{serving}.process"]
     engines = [t for m, ts in edges.items() if m.startswith("dtbench.decoders.engines") for t in ts]
     assert "dtbench.decoders.server" not in engines and not any(t.startswith("dtbench.harness") for t in engines)
 

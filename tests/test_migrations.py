@@ -392,3 +392,58 @@ def test_0014_old_samples_are_repeat_0_old_cells_have_no_load_and_the_unique_key
         s.add(db.Sample(**{**columns, "repeat": 1}))
         with pytest.raises(IntegrityError):
             s.commit()
+
+
+def test_0016_backfills_the_measurer_from_the_params_and_a_served_run_reports_the_same(tmp_path):
+    """Issue 49 item 4: a database written before 0016 learns each cell's measurer from the params the reports read
+    before (a server's engine, base_url or launch: served; anything else: local), so a run with servers reports the
+    same speedups (a server against its plain server, never against ar) after the upgrade as before it."""
+    import json
+
+    import reportdb
+    from alembic import command
+
+    path = tmp_path / "served.db"
+    with reportdb.connect(path)() as session:
+        run = reportdb.add_run(session)
+        reportdb.add_served_pair(session, run, {"launch": ["srv", "{port}"]})
+        lookalike = reportdb.add_cell(session, run, "lin", "linear", params={"k": 2})  # a local cell
+        reportdb.add_samples(session, lookalike, [2.0] * 6, warmup=1)
+        session.commit()
+    before = invoke("report", "--db", str(path), "--format", "json")
+    assert before.exit_code == 0, before.output
+    url = f"sqlite:///{path}"
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            command.downgrade(schema._config(conn), "0015")
+        assert "measurer" not in {c["name"] for c in inspect(engine).get_columns("cells")}
+    finally:
+        engine.dispose()
+    assert invoke("db", "upgrade", "--db", str(path)).exit_code == 0
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            got = dict(conn.execute(text("SELECT label, measurer FROM cells")).all())
+    finally:
+        engine.dispose()
+    assert got == {"ar": "local", "plain": "served", "spec": "served", "lin": "local"}
+    after = invoke("report", "--db", str(path), "--format", "json")
+    assert after.exit_code == 0, after.output
+    rows = {r["label"]: r for r in json.loads(after.stdout)["cells"]}
+    assert rows["spec"]["speedup"] == pytest.approx(0.4) and rows["plain"]["speedup"] is None
+    assert json.loads(after.stdout)["cells"] == json.loads(before.stdout)["cells"]
+
+
+def test_a_new_cell_gets_its_decoders_measurer_when_its_writer_sets_none(tmp_path):
+    """The runner stores no measurer of its own: the store asks the harness (cells.registered_measurer)."""
+    import dtbench.harness.cells  # noqa: F401  (registers the measurer of a new cell)
+
+    with db.connect(f"sqlite:///{tmp_path / 'new.db'}")() as s:
+        run = db.Run(suite_name="s", suite_text="", suite_hash="h", status="done", environment={})
+        common = dict(dataset="d", l_max=8, gen_length=4, decoder_version="1", decoder_distribution="dtbench")
+        common.update(params={}, lossless_expected=True, target_model="m", status="done")
+        s.add(db.Cell(run=run, decoder="ar", label="ar", **common))
+        s.add(db.Cell(run=run, decoder="server", label="srv", **common))
+        s.commit()
+        assert {c.label: c.measurer for c in s.scalars(select(db.Cell))} == {"ar": "local", "srv": "served"}

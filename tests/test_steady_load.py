@@ -172,8 +172,7 @@ def test_a_server_that_keeps_closing_before_any_response_fails_its_cell(monkeypa
     import httpx
 
     from dtbench.decoders.engines import engine_for
-    from dtbench.decoders.server import ServerParams
-    from dtbench.harness.serving import ServerError
+    from dtbench.harness.serving import ServerError, ServerParams
     from dtbench.harness.serving import client as served
 
     monkeypatch.setattr(served, "RESENDS", 0)
@@ -185,17 +184,8 @@ def test_a_server_that_keeps_closing_before_any_response_fails_its_cell(monkeypa
                 rec = served.RequestRecord(row=0)
                 body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
                 params = ServerParams(base_url=url)
-                await served._one(
-                    c,
-                    url + "/v1/completions",
-                    body,
-                    params,
-                    engine_for("llama.cpp"),
-                    rec,
-                    0.0,
-                    0.0,
-                    asyncio.Semaphore(1),
-                    lambda t: [],
+                await served._request(
+                    c, url + "/v1/completions", body, params, engine_for("llama.cpp"), rec, 0.0, lambda t: []
                 )
 
         with pytest.raises(ServerError, match="closed the connection without a response to each of 1 sends"):

@@ -11,6 +11,7 @@ metrics endpoint). Adapters are registered by name (:mod:`dtbench.decoders.engin
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -137,6 +138,12 @@ class OpenAICompatible:
 
     metrics_path: ClassVar[str | None] = None
     schedules: ClassVar[bool] = False
+
+    def placeholders(self) -> dict[str, Callable[[], str]]:
+        """The engine's own placeholders of a ``launch:`` command (e.g. ``{llama_server}``), each with the function
+        that resolves it when a server is launched (raising DtbenchError, one line, when it cannot); none here.
+        Optional for an adapter that does not extend this class (the harness reads it with ``getattr``)."""
+        return {}
 
     def stream_fields(self, stop_at_eos: bool) -> dict[str, Any]:
         """The engine's own fields of a timed request (token ids, EOS handling); none in the OpenAI format."""

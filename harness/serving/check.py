@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dtbench.core import redact_credentials
 from dtbench.decoders.engines import engine_for
-from dtbench.decoders.server import ServerParams, auth_headers
 from dtbench.harness.errors import clip
-from dtbench.harness.serving.process import ServerError
+from dtbench.harness.serving.params import ServerParams, auth_headers
+from dtbench.harness.serving.process import ServerError, ServerPool
 from dtbench.harness.values import first_divergence
 
 Shapes = tuple[list[tuple[Any, float]] | None, list[tuple[Any, float]] | None]  # (decode, prefill) candidates
@@ -172,3 +173,38 @@ def top_candidates(
     if tokens > 1:
         return chunk.top or None
     return chunk.top[0] if chunk.top else None
+
+
+def check_row(
+    tokens: list[int],
+    ref: list[int] | None,
+    prompt: Any,
+    params: ServerParams,
+    reference: tuple[str, ServerParams] | None,
+    pool: ServerPool,
+    cell: tuple[Any, ...],
+    concurrency: int,
+    rule: str,
+) -> dict[str, Any]:
+    """The output check of one request (:func:`~dtbench.harness.serving.check.check_request`), asking the reference
+    server of this load level for its candidates at a divergence.
+
+    Raises:
+        ServerError: the reference server failed a check request (one line naming it and its log).
+    """
+    top_at: Callable[[int], Shapes] | None = None
+    ref_label = reference[0] if reference is not None else ""
+    ref_where = ""
+    if reference is not None and ref is not None:
+        ref_url, ref_server = pool.endpoint(reference[0], reference[1], cell, concurrency)
+        ref_where = f"see its log {ref_server.log_path}" if ref_server else f"at {redact_credentials(ref_url)}"
+        ids, ref_params, ref_tokens, n = list(prompt.token_ids), reference[1], ref, max(params.top_logprobs, 5)
+
+        def shapes_at(i: int) -> Shapes:
+            return candidate_shapes(ref_url, ref_params, ids, ref_tokens, i, n)
+
+        top_at = shapes_at
+    try:
+        return check_request(tokens, ref, top_at, params, rule)
+    except ServerError as exc:
+        raise ServerError(f"reference server '{ref_label}' {exc}; {ref_where}") from None

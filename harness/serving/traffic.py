@@ -8,8 +8,10 @@ Arrival processes are a small registry (:data:`ARRIVALS`, name -> the gap to the
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 ArrivalGap = Callable[[random.Random, float, float], float]  # (seeded rng, rate 1/s, burstiness) -> seconds
@@ -54,6 +56,41 @@ def arrival_delays(n: int, rate: float | None, seed: int, burstiness: float = 1.
         out.append(t)
         t += gap(rng, rate, burstiness)
     return out
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a unit's requests may start and how many may be in flight: ``delays`` per request its arrival offset in
+    seconds from the unit's start (:func:`arrival_delays`), ``concurrency`` the cap C (the cell's load level)."""
+
+    delays: list[float]
+    concurrency: int
+
+
+def schedule(n: int, concurrency: int, rate: float | None, seed: int, burstiness: float = 1.0) -> Schedule:
+    """The :class:`Schedule` of ``n`` requests at load level ``concurrency`` (>= 1), arriving at ``rate`` per second
+    (None: all at once) with gaps of shape ``burstiness``, seeded by ``seed``."""
+    return Schedule(arrival_delays(n, rate, seed, burstiness), concurrency)
+
+
+async def dispatch(plan: Schedule, send: Callable[[int], Awaitable[None]]) -> None:
+    """Run ``send(i)`` for every request i of ``plan``: each from its arrival offset on, at most ``concurrency`` at
+    once (a new request starts when one finishes, or at its arrival when later: steady concurrency, vLLM
+    ``bench serve --max-concurrency``). When one send raises, the others are cancelled and the error propagates."""
+    gate = asyncio.Semaphore(plan.concurrency)
+
+    async def one(i: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        async with gate:
+            await send(i)
+
+    tasks = [asyncio.create_task(one(i, d)) for i, d in enumerate(plan.delays)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def load_profile(spans: list[tuple[float, float]], concurrency: int, rate: float | None) -> dict[str, Any]:
@@ -109,6 +146,25 @@ def load_profile(spans: list[tuple[float, float]], concurrency: int, rate: float
         steady=[lo <= b <= hi for _, b in spans],
     )
     return out
+
+
+def unit_load(
+    requests: list[tuple[float, float, list[tuple[float, int]], int]], wall: float, concurrency: int, rate: float | None
+) -> tuple[dict[str, Any], list[bool]]:
+    """A unit's load profile (:func:`load_profile`, the same for every row of the unit, with its steady and whole
+    throughput in tokens/s) and per request whether it finished in the steady window.
+
+    Args:
+        requests: per request (send, last token: seconds from the unit's start; its reads: [(seconds from the send,
+            tokens the read brought)]; its tokens counted, T at most); wall: the unit's wall time in seconds.
+    """
+    profile = load_profile([(sent, done) for sent, done, _, _ in requests], concurrency, rate)
+    cell_load = {k: v for k, v in profile.items() if k != "steady"}
+    cell_load["steady_throughput"] = steady_throughput(
+        [(sent, reads) for sent, _, reads, _ in requests], profile["steady_window_s"]
+    )
+    cell_load["throughput"] = sum(n for *_, n in requests) / wall if wall > 0 else None
+    return cell_load, profile["steady"]
 
 
 def steady_throughput(reads: list[tuple[float, list[tuple[float, int]]]], window: list[float] | None) -> float | None:

@@ -1,0 +1,78 @@
+"""The served :class:`~dtbench.harness.measurers.Measurer` (issue 49 item 1): a server cell's unit of prompts measured
+through requests by the client (:func:`~dtbench.harness.serving.client.observe_requests`), then the shared tail of
+every cell (:func:`~dtbench.harness.measurers.measure_outcome`) makes its rows, as for dtbench's own decoders.
+
+A server that does not start, exits, or answers with an error fails its cell with one line naming the server and its
+log (an exception group: its first real error, issue 50).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtbench.harness.errors import error_line
+from dtbench.harness.measurers import Measured
+from dtbench.harness.plan import CellPlan, PromptGroup
+from dtbench.harness.sample import Reference
+from dtbench.harness.serving.client import observe_requests
+from dtbench.harness.serving.params import ServerParams
+from dtbench.harness.serving.process import ServerPool
+from dtbench.harness.suite import Suite
+
+
+class ServedMeasurer:
+    """Measures a cell whose decoder declares ``requests`` (the ``server`` entry) on one unit of prompts: at every
+    load level C the unit's requests are kept C in flight, paired in blocks of C (at C = 1: per prompt).
+
+    Args:
+        suite: the run's suite (its seed seeds the arrivals, its ``lossless_check`` is the output check's rule).
+        servers: the worker's :class:`~dtbench.harness.serving.process.ServerPool`.
+        tokenizer: the target's tokenizer (text prompts, text-only engines, the vocabulary's size).
+        stop_at_eos: end each request at the target's EOS (T at most).
+    """
+
+    def __init__(self, suite: Suite, servers: ServerPool, tokenizer: Any, stop_at_eos: bool = False):
+        self.suite, self.servers, self.tokenizer, self.stop_at_eos = suite, servers, tokenizer, stop_at_eos
+
+    def measure(
+        self, cp: CellPlan, prompts: list[Any], group: PromptGroup, ref: Reference | None, compare: bool
+    ) -> Measured:
+        """The unit's requests as observations (``compare`` is always True for a server: it does not sample).
+
+        Raises:
+            ServerError: as :func:`~dtbench.harness.serving.client.observe_requests`.
+        """
+        params = _server_params(cp)
+        reference = next(((c.label, _server_params(c)) for c in group.decoders if c.label == cp.reference_label), None)
+        observed = observe_requests(
+            cp.label,
+            params,
+            prompts,
+            group.gen_length,
+            group.batch_size,
+            (group.dataset.name, group.l_max, group.gen_length, group.batch_size),
+            self.servers,
+            seed=self.suite.seed,
+            stop_at_eos=self.stop_at_eos,
+            references=ref.tokens if ref is not None else None,
+            reference=reference,
+            rule=self.suite.lossless_check,
+            tokenizer=self.tokenizer,
+            batch_group=group.prompt_index if group.batch_size > 1 else None,  # blocks of C (at C = 1 per prompt)
+        )
+        return Measured(observed)
+
+    def finish(self, cp: CellPlan, measured: Measured, r: int, row: dict[str, Any]) -> dict[str, Any]:
+        """Nothing more: a request's output check came with its observation (the reference server's candidates are
+        asked while its server runs)."""
+        return {}
+
+    def failure(self, cp: CellPlan, prompts: list[Any], group: PromptGroup, exc: BaseException) -> str:
+        """The error's one line (it names the server and its log)."""
+        return error_line(exc)
+
+
+def _server_params(cp: CellPlan) -> ServerParams:
+    """A served cell's params: a decoder declaring ``requests`` takes a server's params."""
+    assert isinstance(cp.params, ServerParams), f"{cp.label}: a served cell takes ServerParams"
+    return cp.params
