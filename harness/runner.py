@@ -30,6 +30,7 @@ from dtbench.harness import (
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.measurers import measurer_name
 from dtbench.harness.metrics import group_key
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
 from dtbench.harness.preflight import preflight
@@ -346,6 +347,7 @@ def _open_cells(
                 execution=cp.execution,
                 decoder=cp.spec.name,
                 family=cp.cls.family,
+                measurer=measurer_name(cp.cls),  # local or served: stored, never guessed by a report (issue 49)
                 label=redact_credentials(cp.label),  # labels name params: masked like them (issue 50)
                 decoder_version=str(cp.version),
                 decoder_distribution=cp.distribution,

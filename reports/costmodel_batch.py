@@ -382,7 +382,7 @@ def _servers_against_their_reference(session, run, measured, frame):
 
     if measured.empty:
         return measured
-    servers_labels = set(frame.loc[[served(p) for p in frame["params"]], "label"])
+    servers_labels = set(frame.loc[[served(m) for m in frame["measurer"]], "label"])
     is_server = measured["label"].isin(servers_labels)
     if not is_server.any():
         return measured
