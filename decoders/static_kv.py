@@ -119,7 +119,9 @@ class Execution:
                 cache = StaticKV(self, batch_owner(batch))
                 dev = device_of(model)
 
-                def causal(n: int, cache: StaticKV = cache, dev: torch.device = dev) -> tuple[torch.Tensor, ...]:
+                def causal(
+                    n: int, cache: StaticKV = cache, dev: torch.device = dev
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                     L = cache.length
                     allowed = torch.ones(batch, n, L + n, dtype=torch.bool, device=dev)
                     allowed[:, :, L:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()

@@ -149,6 +149,53 @@ def _commit_time(out: dict[int, Step], it: int, previous: float) -> float | None
     return at
 
 
+class _Rows:
+    """The rows of :func:`measure_rows` as their Steps arrive: each Step checked, its ids made plain ints, cut after
+    the row's first EOS, and kept with the iteration's forward record until the row has its T tokens."""
+
+    def __init__(self, b: int, gen_length: int, eos: frozenset[int], batched: bool):
+        self.b, self.gen_length, self.eos, self.batched = b, gen_length, eos, batched
+        self.tokens: list[list[int]] = [[] for _ in range(b)]
+        self.steps: list[list[Any]] = [[] for _ in range(b)]
+        self.records: list[list[StepRecord]] = [[] for _ in range(b)]
+        self.done = [False] * b
+
+    def where(self, r: int) -> str:
+        """A row named in errors only in a batch."""
+        return f" for row {r}" if self.batched else ""
+
+    def add(self, r: object, step: Any, record: StepRecord, it: int) -> None:
+        """Take row ``r``'s Step of iteration ``it`` (ignored once the row is done).
+
+        Raises:
+            DtbenchError: a row that does not exist, a Step with no tokens or a token that is not an integer id.
+        """
+        import operator
+
+        from dtbench.decoders.base import Step, cut_at_eos
+        from dtbench.harness.errors import DtbenchError
+
+        if not (isinstance(r, int) and 0 <= r < self.b):
+            raise DtbenchError(f"decoder yielded a step for row {r!r} of a batch of {self.b} at iteration {it}")
+        if self.done[r]:
+            return
+        if not step.tokens:
+            raise DtbenchError(f"decoder yielded a step with no tokens{self.where(r)} at iteration {it}")
+        try:
+            ids = [operator.index(x) for x in step.tokens]
+        except TypeError:
+            raise DtbenchError(
+                f"decoder yielded a token that is not an integer id{self.where(r)} at "
+                f"iteration {it}: {step.tokens[:8]!r}"
+            ) from None
+        step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
+        step, ended = cut_at_eos(step, self.eos) if self.eos else (step, False)
+        self.steps[r].append(step)
+        self.records[r].append(record)
+        self.tokens[r].extend(step.tokens)
+        self.done[r] = ended or len(self.tokens[r]) >= self.gen_length
+
+
 def measure_rows(
     decoder: Decoder[Any],
     prompts: Sequence[Sequence[int]],
@@ -188,24 +235,13 @@ def measure_rows(
         SampleTimeout: the batch ran past ``timeout_s`` (or ``cpu_timeout_s``).
         Exception: whatever the decoder raises (the runner fails the cell).
     """
-    import operator
-
-    from dtbench.decoders.base import Step, cut_at_eos, eos_ids
+    from dtbench.decoders.base import eos_ids
     from dtbench.harness.errors import DtbenchError
 
-    eos = eos_ids(getattr(decoder, "eos_token_id", None))
     b = len(prompts)
     batched = b > 1 if batched is None else batched
     inputs = [torch.tensor([list(p)], dtype=torch.long, device=device) for p in prompts]
-    tokens: list[list[int]] = [[] for _ in range(b)]
-    steps: list[list[Step]] = [[] for _ in range(b)]
-    records: list[list[StepRecord]] = [[] for _ in range(b)]
-    done = [False] * b
-    ended = [False] * b
-
-    def where(r: int) -> str:  # a row named in errors only in a batch
-        return f" for row {r}" if batched else ""
-
+    rows = _Rows(b, gen_length, eos_ids(getattr(decoder, "eos_token_id", None)), batched)
     synchronize(device)
     counter = ForwardCounter(decoder.target, decoder.draft)
     cpu0 = time.process_time()
@@ -230,31 +266,15 @@ def measure_rows(
                 record = counter.record(at - start, last, snap)
                 last = snap
                 for r, step in out.items():
-                    if not (isinstance(r, int) and 0 <= r < b):
-                        raise DtbenchError(f"decoder yielded a step for row {r!r} of a batch of {b} at iteration {it}")
-                    if done[r]:
-                        continue
-                    if not step.tokens:
-                        raise DtbenchError(f"decoder yielded a step with no tokens{where(r)} at iteration {it}")
-                    try:
-                        ids = [operator.index(x) for x in step.tokens]
-                    except TypeError:
-                        raise DtbenchError(
-                            f"decoder yielded a token that is not an integer id{where(r)} at "
-                            f"iteration {it}: {step.tokens[:8]!r}"
-                        ) from None
-                    step = Step(tuple(ids), step.drafted, step.accepted, step.depth)  # plain int ids from here on
-                    step, ended[r] = cut_at_eos(step, eos) if eos else (step, False)
-                    steps[r].append(step)
-                    records[r].append(record)
-                    tokens[r].extend(step.tokens)
-                    done[r] = ended[r] or len(tokens[r]) >= gen_length
-                if all(done):
+                    rows.add(r, step, record, it)
+                if all(rows.done):
                     break
         finally:
             close = getattr(gen, "close", None)  # a generator (the contract's usual generate_batch) is closed
             if close is not None:
                 close()
+    tokens, steps, records, done = rows.tokens, rows.steps, rows.records, rows.done
+    where = rows.where
     short = [r for r in range(b) if not done[r]]
     if short:
         raise DtbenchError(f"decoder stopped{where(short[0])} after {len(tokens[short[0]])} of {gen_length} tokens")

@@ -16,6 +16,7 @@ import inspect
 import json
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from dtbench.core import redact_credentials
 from dtbench.decoders.base import Decoder, DecoderParams
@@ -219,43 +220,10 @@ def plan_suite(suite: Suite) -> Plan:
     plans: list[CellPlan] = []
     skipped: list[str] = []
     for spec in suite.expanded_decoders():
-        where = f"{spec.where}: " if spec.where else ""
         if spec.optional and spec.name not in entries and spec.name not in found.ambiguous:
             skipped.append(spec.display)
             continue
-        try:
-            cls = registry.get(spec.name)
-            params = registry.validate_params(spec.name, spec.params)
-        except DtbenchError as exc:
-            raise DtbenchError(f"{where}{exc}") from None
-        if cls.needs_draft and suite.draft is None:
-            raise DtbenchError(f"{where}decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
-        e = entries[spec.name]
-        sampling = None if spec.sampling == "greedy" else (spec.sampling or suite.sampling)
-        if sampling is not None and not cls.supports_sampling:
-            raise DtbenchError(
-                f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
-                f"set `sampling: greedy` on it or remove the suite's `sampling:`"
-            )
-        corpus = cls.corpus_of(params)
-        if corpus is not None:
-            try:
-                selection.check_corpus(corpus, suite.datasets)
-            except DtbenchError as exc:
-                raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
-        if sampling is not None and (why := cls.sampling_error(params)):
-            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {why}")
-        plans.append(
-            CellPlan(
-                spec,
-                cls,
-                params,
-                e.distribution,
-                f"{cls.version} ({e.distribution} {e.version})",
-                points=_points(suite, spec),
-                sampling=sampling,
-            )
-        )
+        plans.append(_plan_entry(suite, spec, entries))
     by_key: dict[str, CellPlan] = {}
     for p in plans:  # the first of equal eager configurations is the reference of the others' dependents
         if p.execution == "eager":  # references run eager: a compiled cell is checked against eager output
@@ -277,31 +245,7 @@ def plan_suite(suite: Suite) -> Plan:
         rsampling = p.sampling if rcls.supports_sampling else None
         key = _params_key(name, rparams, rsampling)
         if key not in by_key:
-            # the reference's params name it, credentials masked like its stored params (issue 50 item 2)
-            label = name if not raw else f"{name} ({redact_credentials(', '.join(f'{k}={v}' for k, v in raw.items()))})"
-            if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
-                label += (
-                    " (greedy)"
-                    if rsampling is None
-                    else f" (T={rsampling.temperature:g}, top_k={rsampling.top_k}, top_p={rsampling.top_p:g})"
-                )
-            e = entries[name]
-            rp = CellPlan(
-                DecoderSpec(name=name, label=label, params=raw),
-                rcls,
-                rparams,
-                e.distribution,
-                f"{rcls.version} ({e.distribution} {e.version})",
-                implicit=True,
-                sampling=rsampling,
-            )
-            clash = next((q for q in plans if q.spec.display == label), None)
-            if clash is not None:
-                where = f"{clash.spec.where}: " if clash.spec.where else ""
-                raise DtbenchError(
-                    f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
-                    f"the reference decoder '{name}' that dtbench adds; choose another label"
-                )
+            rp = _implicit_reference(suite, name, raw, rparams, rsampling, entries, plans)
             by_key[key] = rp
             plans.append(rp)
             queue.append(rp)
@@ -310,6 +254,88 @@ def plan_suite(suite: Suite) -> Plan:
     check_batching(suite, plans)
     check_execution(plans)
     return Plan(suite=suite, decoders=_reference_order(plans), skipped=skipped)
+
+
+def _plan_entry(suite: Suite, spec: DecoderSpec, entries: dict[str, Any]) -> CellPlan:
+    """One decoder entry of the suite, validated against the registry: its class, params, sampling and corpus.
+
+    Raises:
+        DtbenchError: as :func:`plan_suite`, naming the entry's file and line.
+    """
+    where = f"{spec.where}: " if spec.where else ""
+    try:
+        cls = registry.get(spec.name)
+        params = registry.validate_params(spec.name, spec.params)
+    except DtbenchError as exc:
+        raise DtbenchError(f"{where}{exc}") from None
+    if cls.needs_draft and suite.draft is None:
+        raise DtbenchError(f"{where}decoder '{spec.display}' needs a draft model: add `draft:` to the suite")
+    e = entries[spec.name]
+    sampling = None if spec.sampling == "greedy" else (spec.sampling or suite.sampling)
+    if sampling is not None and not cls.supports_sampling:
+        raise DtbenchError(
+            f"{where}decoder '{clip(spec.display, 80)}' does not support sampling (greedy only); "
+            f"set `sampling: greedy` on it or remove the suite's `sampling:`"
+        )
+    corpus = cls.corpus_of(params)
+    if corpus is not None:
+        try:
+            selection.check_corpus(corpus, suite.datasets)
+        except DtbenchError as exc:
+            raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {exc}") from None
+    if sampling is not None and (why := cls.sampling_error(params)):
+        raise DtbenchError(f"{where}decoder '{clip(spec.display, 80)}': {why}")
+    return CellPlan(
+        spec,
+        cls,
+        params,
+        e.distribution,
+        f"{cls.version} ({e.distribution} {e.version})",
+        points=_points(suite, spec),
+        sampling=sampling,
+    )
+
+
+def _implicit_reference(
+    suite: Suite,
+    name: str,
+    raw: dict[str, Any],
+    rparams: Any,
+    rsampling: Any,
+    entries: dict[str, Any],
+    plans: list[CellPlan],
+) -> CellPlan:
+    """The reference decoder dtbench adds for a dependent (labelled by its params and, when it is not the suite's,
+    its decoding).
+
+    Raises:
+        DtbenchError: an entry of the suite already has that label.
+    """
+    # the reference's params name it, credentials masked like its stored params (issue 50 item 2)
+    label = name if not raw else f"{name} ({redact_credentials(', '.join(f'{k}={v}' for k, v in raw.items()))})"
+    if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
+        label += (
+            " (greedy)"
+            if rsampling is None
+            else f" (T={rsampling.temperature:g}, top_k={rsampling.top_k}, top_p={rsampling.top_p:g})"
+        )
+    rcls, e = registry.get(name), entries[name]
+    clash = next((q for q in plans if q.spec.display == label), None)
+    if clash is not None:
+        where = f"{clash.spec.where}: " if clash.spec.where else ""
+        raise DtbenchError(
+            f"{where}label '{clip(label, 80)}' of decoder '{clash.spec.name}' is the label of "
+            f"the reference decoder '{name}' that dtbench adds; choose another label"
+        )
+    return CellPlan(
+        DecoderSpec(name=name, label=label, params=raw),
+        rcls,
+        rparams,
+        e.distribution,
+        f"{rcls.version} ({e.distribution} {e.version})",
+        implicit=True,
+        sampling=rsampling,
+    )
 
 
 def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int, int]]:

@@ -13,10 +13,7 @@ MAX_FUNCTION_LINES = 100
 
 # Over the limit today in files other branches own: split by the owners' branches, removed at merge. The test fails
 # when one of them is no longer over it, so the list cannot rot.
-KNOWN_FUNCTIONS = {
-    "harness/plan.py:plan_suite",
-    "harness/measure.py:measure_rows",
-}
+KNOWN_FUNCTIONS: set[str] = set()  # every function is under the limit (the owners' branches split theirs)
 KNOWN_MODULES: set[str] = set()
 
 
