@@ -47,6 +47,26 @@ def _forward_s(ex, target, prompt: list[int], device, compiled: bool, n: int) ->
     return statistics.median(times[1:])
 
 
+def _profile(ex, target, prompt: list[int], device, compiled: bool) -> dict:
+    """A ``torch.profiler`` summary of one target forward of one new token after the prompt's cache, in one mode
+    (issue 46 item 3: where a compiled forward's time goes; :func:`~dtbench.harness.kernel_profile.profile_call`)."""
+    import torch
+
+    from dtbench.decoders import kv
+    from dtbench.harness.kernel_profile import profile_call
+
+    ids = torch.tensor([prompt], device=device)
+    with torch.inference_mode(), _mode(ex, compiled):
+        ex.begin_sample()
+        cache, _ = kv.prefill(target, ids)
+
+        def one() -> None:
+            kv.crop(cache, len(prompt))
+            kv.forward(target, [5], cache)
+
+        return profile_call(one, device)
+
+
 def _overhead_row(ex, name: str, params: dict, run: Callable[[int], Any], T0: int, T: int, compiled: bool) -> dict:
     """One decoder's loop overhead per iteration in one mode (:func:`~dtbench.gpucheck.overhead.differential` of
     ``run(T0)`` and ``run(T0 + T)``, :data:`REPEATS` each, after a warmup that compiles its other shapes)."""
@@ -75,7 +95,8 @@ def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dic
 
     Returns:
         {"ok", "compile_s", "graphs", "bandwidth", "forwards": [{n, eager_s, compiled_s, limit_s, eager_roofline,
-        compiled_roofline}], "ar": {mode: {tokens_per_s, roofline}}, "overhead": [{decoder, mode,
+        compiled_roofline}], "profile_n1": {mode: the kernel_profile summary of one n = 1 forward}, "ar": {mode:
+        {tokens_per_s, roofline}}, "overhead": [{decoder, mode,
         overhead_s_per_iter, forward_s_per_iter, overhead_share}]}.
     """
     import torch
@@ -113,6 +134,13 @@ def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dic
             }
         )
 
+    profiles = {}
+    for compiled in (False, True):
+        try:
+            profiles["compiled" if compiled else "eager"] = _profile(ex, target, prompt, device, compiled)
+        except Exception as exc:  # a diagnostic: its failure is recorded, never fails the step
+            profiles["compiled" if compiled else "eager"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
     def run(name: str, params: dict, length: int):  # one sample from a fresh static cache
         ex.begin_sample()
         return measure(build(name, params, target, draft, workdir), prompt, length, device)
@@ -143,6 +171,7 @@ def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dic
         "prompt_tokens": L,
         "T": T,
         "forwards": forwards,
+        "profile_n1": profiles,
         "ar": ar,
         "overhead": overhead,
     }

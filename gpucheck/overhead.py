@@ -23,6 +23,11 @@ OVERHEAD_DECODERS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
     ("hf_generate", {}),
     ("hf_assisted", {}),
+    # the same trees with their drafting decided on the device (decoders/tree/resident.py, issue 46 item 1): the
+    # loop overhead and host reads of each mode beside the host-driven rows above (ids stay stable: appended)
+    ("dynatree", {"resident": "draft"}),
+    ("dynatree", {"resident": "full"}),
+    ("fixed_tree", {"depth": 8, "branching": 3, "tau": 0.1, "resident": "full"}),
 )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from dtbench.gpucheck.common import tests_dir
 
 # the property tests parametrized over the device (models.DEVICES): equivalence, batched (B > 1), heads, training-free,
-# compiled execution
+# compiled execution, resident tree drafting
 TEST_MODULES = (
     "tests/test_equivalence.py",
     "tests/test_batching.py",
@@ -18,6 +18,7 @@ TEST_MODULES = (
     "tests/test_training_free.py",
     "tests/test_recycling_lookahead.py",
     "tests/test_compiled.py",
+    "tests/test_tree_resident.py",
 )
 TEST_EXAMPLES = 5  # hypothesis examples per property test (models.EXAMPLES_ENV): within the check's 8 minutes
 TEST_TIMEOUT_S = 300
