@@ -13,7 +13,7 @@ touches the database: the driver (:mod:`dtbench.harness.runner`) commits what it
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -449,5 +449,5 @@ def _measurer(kind: str, target, draft, device, suite, stop, data_dir, hardware,
 def _finish(outcome: Outcome, group: PromptGroup, start: load.Reading) -> None:
     """Stamp an outcome with its group's repeat (every row) and the machine's load since ``start``."""
     outcome.load = load.span(start, load.probe())
-    for row in outcome.rows or []:
-        row["repeat"] = group.repeat
+    if outcome.rows is not None:
+        outcome.rows = [replace(row, repeat=group.repeat) for row in outcome.rows]

@@ -45,11 +45,13 @@ class Outcome:
     """The result of one decoder on one prompt group: its samples rows (one per row; one at B = 1), or the error
     that fails the cell.
 
-    Each row is a dict of ``samples`` columns (plain JSON-able values, so an executor can ship it between processes).
+    Each row is a frozen :class:`~dtbench.harness.sample.SampleRecord` (issue 49 item 5: one shape from the
+    measurement to the database; it pickles, so an executor ships it between processes as it is), mapped to the
+    ``samples`` table once, by the runner (:func:`~dtbench.harness.runner.commit_outcome`).
     """
 
     label: str
-    rows: list[dict[str, Any]] | None = None
+    rows: list[SampleRecord] | None = None
     error: str | None = None
     cpu_s: float | None = None  # the process's CPU seconds during the sample (the next decoders' timeout yardstick)
     load: dict[str, Any] | None = None  # the machine's load during the measurement (harness/load.py: span)
@@ -61,8 +63,8 @@ class Outcome:
         ``batch_total_s`` where the rows were decoded or paired together, else the one row's ``total_s``)."""
         assert self.rows is not None
         first = self.rows[0]
-        total = first["batch_total_s"] if first.get("batch_total_s") is not None else first["total_s"]
-        return Reference([r["output_tokens"] for r in self.rows], total, self.cpu_s)
+        total = first.batch_total_s if first.batch_total_s is not None else first.total_s
+        return Reference([list(r.output_tokens) for r in self.rows], total, self.cpu_s)
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ class Measurer(Protocol):
 
 def record_rows(
     observed: list[Observed], warmup: bool, finish: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
-) -> list[dict[str, Any]]:
+) -> list[SampleRecord]:
     """The ``samples`` rows of a measurement: per row the one row builder
     (:func:`~dtbench.harness.metrics.sample_row`), its batch columns, the observation's own columns, then
     ``finish(r, row)``'s (a measurer's :meth:`Measurer.finish`), as exactly the sample's columns
@@ -152,8 +154,8 @@ def record_rows(
         row.update(o.columns)
         if finish is not None:
             row.update(finish(r, row))
-        rows.append(SampleRecord.from_row(row).as_row())
-    json.dumps(rows)  # the JSON columns must serialize: a bad Step is the decoder's failure, not the run's
+        rows.append(SampleRecord.from_row(row))
+    json.dumps([r.as_row() for r in rows])  # the JSON columns must serialize: a bad Step is the decoder's failure
     return rows
 
 

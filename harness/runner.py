@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -35,7 +36,7 @@ from dtbench.harness.metrics import group_key
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
 from dtbench.harness.preflight import preflight
 from dtbench.harness.safetext import printable
-from dtbench.harness.sample import Reference, SampleRecord
+from dtbench.harness.sample import Reference
 from dtbench.harness.store.db import Cell, Run, Sample, utcnow
 from dtbench.harness.store.runs import Heartbeat, check_resumable, mark_crashed, open_run
 from dtbench.harness.suite import Suite
@@ -436,9 +437,8 @@ def commit_outcome(sessions, run_id: int, cell_id: int, outcome: Outcome, extra:
             for key, value in load.merge({k: getattr(cell, k) for k in load.COLUMNS}, outcome.load).items():
                 setattr(cell, key, value)
         if outcome.rows is not None:
-            for row in outcome.rows:  # a batch's rows in one transaction
-                record = SampleRecord.from_row(redact_json({**row, **(extra or {})}))
-                session.add(Sample(cell_id=cell_id, **record.as_row()))
+            for row in outcome.rows:  # a batch's rows in one transaction; each record mapped to the ORM once
+                session.add(Sample(cell_id=cell_id, **redact_json(replace(row, **(extra or {})).as_row())))
             if cell.status == "pending":
                 cell.status = "running"
             if outcome.compile_s is not None:  # a compiled cell's compile step, before its first sample

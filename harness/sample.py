@@ -4,8 +4,10 @@ sample is compared with.
 :class:`SampleRecord` is what a worker produces for one (cell, prompt) and the ``samples`` table stores (the table's
 columns are these fields plus its bookkeeping ``id``, ``cell_id`` and ``created_at``; tests/test_db.py asserts they
 are equal, so a new column is a field here, a column in :class:`dtbench.harness.store.db.Sample` and a migration). Every
-other shape is derived from it: the plain dict shipped between processes (:meth:`SampleRecord.as_row`), the row the
-runner stores, the columns the reports read back (:data:`COLUMNS`). Definitions of the metrics:
+other shape is derived from it (issue 49 item 5: one shape from the measurement to the database): the measurers build
+one record per row (:func:`~dtbench.harness.measurers.record_rows`), executors ship it as it is (it pickles), and the
+runner maps it to the ORM once (:meth:`SampleRecord.as_row`, credentials masked); the reports read the columns back
+(:data:`COLUMNS`). Definitions of the metrics:
 :mod:`dtbench.harness.metrics` (:func:`~dtbench.harness.metrics.sample_row` fills the measurement's part).
 """
 
