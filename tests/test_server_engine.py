@@ -219,8 +219,8 @@ def test_base_url_server_the_user_runs(tmp_path, tokenizer, no_leftovers):
             tokenizer=tokenizer,
             batch_group=0,
         )
-        assert [len(r["output_tokens"]) for r in rows] == [8, 8]
-        assert rows[0]["step_stats"]["server"]["log"] is None and rows[0]["batch_rows"] == 2
+        assert [len(r.output_tokens) for r in rows] == [8, 8]  # frozen SampleRecords (issue 49 item 5)
+        assert rows[0].step_stats["server"]["log"] is None and rows[0].batch_rows == 2
         assert launched.exited() is None  # a base_url server is never stopped by dtbench
     finally:
         pool.close()

@@ -101,7 +101,7 @@ def test_level_slots_bound_each_level():
     assert level_slots(2, 2, 1, 8) == []  # depth cap 1: the root's children are leaves
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("on", DEVICES)
 @pytest.mark.parametrize("resident", ["draft", "full"])
 @pytest.mark.parametrize(
     ("name", "params"),
@@ -113,10 +113,10 @@ def test_level_slots_bound_each_level():
     ],
     ids=["fixed-paper", "fixed-pending-skip", "dynatree", "dynatree-rebuild"],
 )
-def test_resident_decoders_are_lossless_and_match_the_host_loop(device, resident, name, params):
+def test_resident_decoders_are_lossless_and_match_the_host_loop(on, resident, name, params):
     """Every committed token equals greedy ``ar``'s (under the device's rule), and the Steps (tokens, drafted,
     accepted, depth) equal the host loop's on CPU, where both compute in float64."""
-    dev, dtype, rule = device
+    dev, dtype, rule = on
     target, draft = device_zoo(dev, dtype, sharpness=SHARP)["perturbed"]
     cls = registry.get(name)
     T = 40
