@@ -70,11 +70,11 @@ def summary(result: dict) -> dict:
         ]
     if "overhead" in steps and "rows" in steps["overhead"]:
         out["overhead_ms_per_iter"] = {
-            r["decoder"]: (None if r.get("overhead_s_per_iter") is None else round(r["overhead_s_per_iter"] * 1e3, 3))
+            _row_name(r): (None if r.get("overhead_s_per_iter") is None else round(r["overhead_s_per_iter"] * 1e3, 3))
             for r in steps["overhead"]["rows"]
         }
         out["host_reads_per_iter_max"] = {  # issue 46 item 1: at most 1 is the target
-            r["decoder"]: (r.get("host_reads_per_iter_max"), r.get("cuda_syncs_per_iter_max"))
+            _row_name(r): (r.get("host_reads_per_iter_max"), r.get("cuda_syncs_per_iter_max"))
             for r in steps["overhead"]["rows"]
         }
     if "compiled" in steps and "forwards" in steps["compiled"]:
@@ -94,3 +94,10 @@ def summary(result: dict) -> dict:
             },
         }
     return out
+
+
+def _row_name(row: dict) -> str:
+    """An overhead row's name in the summary: the decoder, and its drafting mode when not the host's (a resident tree
+    row beside the host-driven one of the same decoder)."""
+    resident = (row.get("params") or {}).get("resident")
+    return row["decoder"] if resident in (None, "off") else f"{row['decoder']} resident={resident}"

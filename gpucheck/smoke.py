@@ -76,6 +76,8 @@ def write_paper_curves(result: dict, out_dir: Path, log) -> None:
         r["decoder"]: r["overhead_s_per_iter"]
         for r in (steps.get("overhead") or {}).get("rows", [])
         if r.get("overhead_s_per_iter") is not None
+        # per decoder name, as predict looks it up: the default (host-driven) rows, not the resident tree rows
+        and (r.get("params") or {}).get("resident", "off") == "off"
     }
     if overhead:
         overhead["*"] = statistics.median(overhead.values())
