@@ -232,27 +232,26 @@ class StaticKV:
         L, n = self.length, int(ids.shape[-1])
         dev = device_of(model)
         pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
+        allowed = None  # causal: set in place by forward_rows (no relation tensor built)
         if attention_mask is not None:
             given = attention_mask[0, 0].to(dev)
-            allowed = given if given.dtype == torch.bool else given == 0
-        else:
-            allowed = torch.ones(n, L + n, dtype=torch.bool, device=dev)
-            allowed[:, L:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
-        return self.forward_rows(model, ids.to(dev), pos, allowed.unsqueeze(0), [n - 1] if last_only else None)[0]
+            allowed = (given if given.dtype == torch.bool else given == 0).unsqueeze(0)
+        return self.forward_rows(model, ids.to(dev), pos, allowed, [n - 1] if last_only else None)[0]
 
     def forward_rows(
         self,
         model: torch.nn.Module,
         ids: torch.Tensor,
         position_ids: torch.Tensor,
-        allowed: torch.Tensor,
+        allowed: torch.Tensor | None,
         keep: list[int] | None = None,
     ) -> torch.Tensor:
         """One forward of B rows' new tokens at slots ``[length, length + n)`` of this (batch-B) cache.
 
         Args:
             ids, position_ids: (B, n) int64 on the model's device.
-            allowed: (B, n, length + n) bool: which slots each new token attends to (its row's prefix and relation).
+            allowed: (B, n, length + n) bool: which slots each new token attends to (its row's prefix and relation);
+                None: causal after the whole prefix (every row the same).
             keep: new-token indices whose logits are returned (all: None).
 
         Returns:
@@ -272,7 +271,10 @@ class StaticKV:
             raise ValueError(f"static KV cache of {ex.max_len} positions is full ({L} held, {width} more fed)")
         dev = device_of(model)
         full = (torch.arange(ex.max_len, device=dev) < L).expand(b, width, ex.max_len).clone()
-        full[:, :n, : L + n] = allowed
+        if allowed is None:
+            full[:, :n, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        else:
+            full[:, :n, : L + n] = allowed
         pos = position_ids
         if width > n:  # bucket padding: repeat the last token at the last position, attending to itself only
             ids = torch.cat([ids, ids[:, -1:].expand(b, width - n)], dim=1)
@@ -307,7 +309,9 @@ class StaticKV:
         self.length = L + n
         if nb is None:
             return out.logits
-        return out.logits[:, keep] if keep is not None else out.logits[:, :n]
+        if keep is None:
+            return out.logits[:, :n]
+        return out.logits[:, n - 1 : n] if keep == [n - 1] else out.logits[:, keep]  # a view for the last one
 
 
 # target -> (compile options, its compiled forward): one compiled forward per model and options, reused by every call
