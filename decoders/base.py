@@ -247,6 +247,21 @@ class Decoder(ABC, Generic[P]):
         return max(cls.verify_sizes(params))
 
     @classmethod
+    def compiled_sizes(cls, params: P) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        """The forward sizes a configuration runs through compiled execution's static caches after each cache's
+        prefill, in new tokens per forward: ``(target's, draft's)``. A compiled cell's compile step compiles the
+        buckets holding these sizes and no others (issue 46 item 4: compile time is a budget; on a GPU each bucket
+        graph costs tens of seconds).
+
+        ``None`` (the default, for both): every size up to the largest of :meth:`verify_sizes` (safe for any loop);
+        ``()``: none (a model this decoder never runs through :class:`~dtbench.decoders.static_kv.StaticKV`, e.g.
+        transformers' own compiled forward). A size left out that a sample then uses compiles during that sample and
+        is stored as a recompile (``step_stats["compiled"]["recompiles"]``); tests/test_compiled.py holds every
+        built-in to zero. Called without models (params only).
+        """
+        return None, None
+
+    @classmethod
     def reference(cls, params: P) -> tuple[str, dict[str, Any]] | None:
         """The (decoder name, params) whose output this decoder's output is compared against, from the params alone
         (the plan asks before any model loads).

@@ -107,6 +107,11 @@ class KVTarget(ChainTarget):
         kv.crop(self.cache, self._prefix + n)
 
 
+# New tokens a DraftModelProposer feeds its draft model in one forward after the prefill: the backlog (the pending
+# token, after a full acceptance the last draft too) or one draft. What compiled execution compiles for its draft.
+DRAFT_FEEDS: tuple[int, ...] = (1, 2)
+
+
 class DraftModelProposer(Proposer):
     """Greedy drafts from a draft model with its own ``DynamicCache`` (Leviathan et al. 2023).
 

@@ -296,6 +296,12 @@ class HFGenerate(_StreamedGenerate):
         return None
 
     @classmethod
+    def compiled_sizes(cls, params: HFGenerateParams) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        """None through dtbench's static caches: transformers compiles its own decoding forward (the cell's compile
+        step runs it once, :meth:`~dtbench.harness.cells.Hardware.compile_step`)."""
+        return (), ()
+
+    @classmethod
     def batching_error(cls, params: HFGenerateParams) -> str | None:
         """transformers' prompt lookup decoding takes one sequence at a time."""
         if params.prompt_lookup_num_tokens is not None:
@@ -326,6 +332,7 @@ class HFGenerate(_StreamedGenerate):
 
         cache = execution.static_cache(self.target, owner="transformers")
         cache.reset()
+        cache.dtbench_length = 0  # kept by static_kv.hooks_outside_compiled: the KV positions, read without a sync
         cuda = self.target.device.type == "cuda"
         config = CompileConfig(fullgraph=False, dynamic=False, mode="reduce-overhead" if cuda else "default")
         # transformers' switch for compiling on devices other than CUDA (declared "= None", so typed as None)

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import DraftModelProposer, KVTarget, speculate_chain, speculate_chain_batch
+from dtbench.decoders.chain import DRAFT_FEEDS, DraftModelProposer, KVTarget, speculate_chain, speculate_chain_batch
 
 
 class LinearParams(DecoderParams):
@@ -39,6 +39,12 @@ class LinearSpeculative(Decoder[LinearParams]):
     def verify_sizes(cls, params: LinearParams) -> tuple[int, int]:
         """(K + 1, 0): the pending token and K drafts in one causal target forward."""
         return params.k + 1, 0
+
+    @classmethod
+    def compiled_sizes(cls, params: LinearParams) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        """Target: every chain length up to K + 1 (the chain is cut short near T). Draft: 1 or 2 new tokens
+        (:data:`~dtbench.decoders.chain.DRAFT_FEEDS`), never K + 1."""
+        return None, DRAFT_FEEDS
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:

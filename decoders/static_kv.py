@@ -37,6 +37,14 @@ def bucket(n: int) -> int | None:
     return None
 
 
+def buckets_of(largest: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """The buckets holding forwards of ``sizes`` new tokens (None: of every size up to ``largest``), ascending; a size
+    past the largest bucket counts as the largest (what :meth:`Execution.precompile` compiles)."""
+    if sizes is not None:
+        return sorted({bucket(n) or BUCKETS[-1] for n in sizes})
+    return [b for b in BUCKETS if b <= (bucket(largest) or BUCKETS[-1])]
+
+
 class Execution:
     """Compiled execution for one worker: the compiled forwards and static caches, shared by every compiled cell.
 
@@ -60,6 +68,28 @@ class Execution:
         _allow_every_bucket()
         self._pool: dict[tuple[int, int, int, str], Any] = {}
         self._slot: dict[tuple[int, str], int] = {}
+        # (id(model), batch size) -> the buckets its forwards ran compiled: what a decoder's declared
+        # compiled_sizes are checked against (tests/test_compiled.py)
+        self.used: dict[tuple[int, int], set[int]] = {}
+        self._iota: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._mask_values: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def iota(self, size: int, device: torch.device) -> torch.Tensor:
+        """``arange(size)`` (int64) on ``device``, made once: the index vectors every forward's mask is built from."""
+        t = self._iota.get((device, size))
+        if t is None:
+            t = self._iota[(device, size)] = torch.arange(size, device=device)
+        return t
+
+    def mask_values(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(0, the dtype's minimum) as 0-d tensors of ``dtype`` on ``device``: an additive mask's two values."""
+        key = (device, dtype)
+        if key not in self._mask_values:
+            self._mask_values[key] = (
+                torch.zeros((), dtype=dtype, device=device),
+                torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device),
+            )
+        return self._mask_values[key]
 
     def resize(self, max_len: int) -> None:
         """Static caches made from now on hold ``max_len`` positions (a cell with a longer prompt cap or T)."""
@@ -108,11 +138,7 @@ class Execution:
             (seconds it took, graphs compiled: the number torch.compile reported, 0 when all were cached).
         """
         t0, graphs0 = time.perf_counter(), compiled_graphs()
-        buckets = (
-            sorted({bucket(n) or BUCKETS[-1] for n in sizes})
-            if sizes is not None
-            else [b for b in BUCKETS if b <= (bucket(largest) or BUCKETS[-1])]
-        )
+        buckets = buckets_of(largest, sizes)
         with torch.inference_mode(), compiled(self):
             for model in models:
                 self.begin_sample()
@@ -206,6 +232,7 @@ class StaticKV:
         self.cache: Any = None
         self.model: torch.nn.Module | None = None
         self.owner = owner  # the pool it draws from (:meth:`Execution.static_cache`): a batch of B rows its own
+        self._length_tensors: list[torch.Tensor] | None = None
 
     def get_seq_length(self) -> int:
         """The logical length (positions held), as ``DynamicCache.get_seq_length``."""
@@ -229,27 +256,88 @@ class StaticKV:
         """:func:`forward` on this cache: (1, n) new tokens at slots ``[length, length + n)``; logits (n, vocab)
         (or (1, vocab) with ``last_only``). The first forward (the prefill) and forwards over the largest bucket run
         eager at their own size; the others are padded to their bucket and run the compiled forward."""
-        L, n = self.length, int(ids.shape[-1])
+        n = int(ids.shape[-1])
         dev = device_of(model)
-        pos = position_ids.to(dev) if position_ids is not None else torch.arange(L, L + n, device=dev).unsqueeze(0)
+        pos = position_ids.to(dev) if position_ids is not None else None  # None: after the prefix (forward_rows)
         allowed = None  # causal: set in place by forward_rows (no relation tensor built)
         if attention_mask is not None:
             given = attention_mask[0, 0].to(dev)
             allowed = (given if given.dtype == torch.bool else given == 0).unsqueeze(0)
         return self.forward_rows(model, ids.to(dev), pos, allowed, [n - 1] if last_only else None)[0]
 
+    def _lengths(self) -> list[torch.Tensor]:
+        """Every initialized layer's write position (a 0-d device tensor), listed once after the prefill."""
+        if self._length_tensors is None:
+            self._length_tensors = [
+                layer.cumulative_length for layer in self.cache.layers if getattr(layer, "is_initialized", False)
+            ]
+        return self._length_tensors
+
+    def _causal(
+        self, model: torch.nn.Module, b: int, width: int, L: int, dev: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention mask (B, 1, width, max_len), position ids (B, width)) of ``width`` new tokens at slots
+        ``[L, L + width)``, causal after the whole prefix: token i attends to the slots before ``L + 1 + i``. Three
+        device ops from cached index vectors (the per-forward host work of a chain's or AR's loop, issue 46 item 3).
+        Bucket padding (tokens past the real ``n``) attends causally too and sits at its own positions: no real token
+        attends to it, and its slots are stale (masked out until overwritten)."""
+        ex = self.execution
+        steps = ex.iota(width, dev)
+        allowed = ex.iota(ex.max_len, dev) < (steps + (L + 1)).unsqueeze(1)  # (width, max_len)
+        pos = (steps + L).unsqueeze(0)
+        allowed = allowed.view(1, 1, width, ex.max_len)
+        if b > 1:
+            allowed, pos = allowed.expand(b, 1, width, ex.max_len).contiguous(), pos.expand(b, width).contiguous()
+        return self._as_mask(model, allowed), pos
+
+    def _masked(
+        self,
+        model: torch.nn.Module,
+        b: int,
+        n: int,
+        width: int,
+        L: int,
+        dev: torch.device,
+        position_ids: torch.Tensor | None,
+        allowed: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention mask, position ids) of an explicit relation ``allowed`` (B, n, L + n) or explicit positions;
+        bucket padding repeats each row's last position and attends to the prefix and itself."""
+        ex = self.execution
+        full = (ex.iota(ex.max_len, dev) < L).expand(b, width, ex.max_len).clone()
+        if allowed is None:
+            full[:, :n, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        else:
+            full[:, :n, : L + n] = allowed
+        pos = position_ids if position_ids is not None else torch.arange(L, L + n, device=dev).expand(b, n)
+        if width > n:
+            pos = torch.cat([pos, pos[:, -1:].expand(b, width - n)], dim=1)
+            pad = torch.arange(n, width, device=dev)
+            full[:, pad, L + pad] = True
+        return self._as_mask(model, full.unsqueeze(1)), pos
+
+    def _as_mask(self, model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+        """``allowed`` (bool, B x 1 x width x max_len) as the model takes its mask: itself, or 0 / the dtype's
+        minimum (one ``where`` against cached scalars)."""
+        from dtbench.decoders.tree.structure import attention_mask_kind
+
+        if attention_mask_kind(model) == "bool":
+            return allowed
+        zero, low = self.execution.mask_values(dtype_of(model), allowed.device)
+        return torch.where(allowed, zero, low)
+
     def forward_rows(
         self,
         model: torch.nn.Module,
         ids: torch.Tensor,
-        position_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
         allowed: torch.Tensor | None,
         keep: list[int] | None = None,
     ) -> torch.Tensor:
         """One forward of B rows' new tokens at slots ``[length, length + n)`` of this (batch-B) cache.
 
         Args:
-            ids, position_ids: (B, n) int64 on the model's device.
+            ids, position_ids: (B, n) int64 on the model's device; positions None: ``length + i`` for every row.
             allowed: (B, n, length + n) bool: which slots each new token attends to (its row's prefix and relation);
                 None: causal after the whole prefix (every row the same).
             keep: new-token indices whose logits are returned (all: None).
@@ -257,7 +345,8 @@ class StaticKV:
         Returns:
             Logits (B, n or len(keep), vocab). The first forward (the prefill) and forwards over the largest bucket
             run eager at their own size; the others are padded to their bucket (the pad tokens repeat each row's
-            last token at its last position and attend to the prefix and themselves) and run the compiled forward.
+            last token; with explicit positions or relation they sit at its last position and attend to the prefix
+            and themselves, else they continue the causal run) and run the compiled forward.
 
         Raises:
             ValueError: the forward would write past the static length.
@@ -270,29 +359,21 @@ class StaticKV:
         if L + width > ex.max_len:
             raise ValueError(f"static KV cache of {ex.max_len} positions is full ({L} held, {width} more fed)")
         dev = device_of(model)
-        full = (torch.arange(ex.max_len, device=dev) < L).expand(b, width, ex.max_len).clone()
-        if allowed is None:
-            full[:, :n, L : L + n] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
+        if allowed is None and position_ids is None:
+            mask, pos = self._causal(model, b, width, L, dev)
         else:
-            full[:, :n, : L + n] = allowed
-        pos = position_ids
-        if width > n:  # bucket padding: repeat the last token at the last position, attending to itself only
+            mask, pos = self._masked(model, b, n, width, L, dev, position_ids, allowed)
+        if width > n:  # bucket padding: the pad tokens repeat each row's last token
             ids = torch.cat([ids, ids[:, -1:].expand(b, width - n)], dim=1)
-            pos = torch.cat([pos, pos[:, -1:].expand(b, width - n)], dim=1)
-            pad = torch.arange(n, width, device=dev)
-            full[:, pad, L + pad] = True
-        from dtbench.decoders.tree.structure import attention_mask_kind
-
-        if attention_mask_kind(model) == "bool":
-            mask = full.unsqueeze(1)
+        if nb is not None:  # every layer's write position (transformers' StaticLayer.cumulative_length) set to L
+            lengths = self._lengths()
+            torch._foreach_zero_(lengths)
+            torch._foreach_add_(lengths, L)
         else:
-            dtype = dtype_of(model)
-            mask = torch.zeros((b, 1, width, ex.max_len), dtype=dtype, device=dev).masked_fill_(
-                ~full.unsqueeze(1), torch.finfo(dtype).min
-            )
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.fill_(L)
+            for layer in self.cache.layers:
+                if getattr(layer, "is_initialized", False):
+                    layer.cumulative_length.fill_(L)
+        self.cache.dtbench_length = L  # the hooks' KV positions without a device read (harness.forwards.past_length)
         kwargs: dict[str, Any] = {cache_keyword(model): self.cache}
         if nb is None and keep is not None:
             kwargs["logits_to_keep"] = 1 if keep == [n - 1] else torch.tensor(keep, dtype=torch.long, device=dev)
@@ -301,6 +382,7 @@ class StaticKV:
         else:
             # Through the module's __call__ (its forward hooks, e.g. the runner's forward counter, still fire),
             # with the instance's forward replaced by the compiled one for this call only.
+            ex.used.setdefault((id(model), b), set()).add(nb)
             model.forward = ex.compiled_forward(model)
             try:
                 out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)
@@ -346,8 +428,18 @@ def hooks_outside_compiled(target: torch.nn.Module) -> Iterator[None]:
 
         return call
 
+    def grown(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        # transformers' static cache only grows under generate: its length as a Python int beside the device tensor,
+        # what the harness's hooks read instead of the tensor (no device read per forward)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if getattr(cache, "dtbench_length", None) is not None and ids is not None:
+            cache.dtbench_length += int(ids.shape[-1])
+
     target.__dict__["get_compiled_call"] = get_compiled_call
+    handle = target.register_forward_hook(grown, with_kwargs=True)
     try:
         yield
     finally:
+        handle.remove()
         target.__dict__.pop("get_compiled_call", None)

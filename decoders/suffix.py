@@ -236,6 +236,12 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
         """(chain tokens, masked tokens) of one verification: the pending token and up to k drafts."""
         return params.k + 1, 0
 
+    @classmethod
+    def compiled_sizes(cls, params: SuffixParams) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+        """Target: every chain length up to k + 1. Draft: any size with ``fallback: draft`` (its cache catches up on
+        what the automaton drafted), none without (the draft model is never run)."""
+        return None, (None if params.fallback == "draft" else ())
+
     def state_stats(self) -> dict[str, int] | None:
         """The last generate() call's automaton size and how many steps each source drafted; None before one."""
         proposer = getattr(self, "_proposer", None)

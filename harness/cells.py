@@ -149,9 +149,10 @@ class Hardware:
     def compile_step(
         self, cp: CellPlan, decoder, rows: list, T: int, models_: list, timeout_s: float | None = None
     ) -> tuple[float, int] | None:
-        """The compile step of a compiled cell, once per worker, before its first sample (the warmup's): every
-        bucket up to the cell's largest verification compiled for each model it uses
-        (:meth:`~dtbench.decoders.static_kv.Execution.precompile`), then the decoder run once on the prompt for up to 16
+        """The compile step of a compiled cell, once per worker, before its first sample (the warmup's): the
+        buckets of the forward sizes the decoder declares for each model it uses compiled
+        (:meth:`~dtbench.decoders.base.Decoder.compiled_sizes`, by default every bucket up to its largest verification;
+        :meth:`~dtbench.decoders.static_kv.Execution.precompile`), then the decoder run once on the prompt for up to 16
         tokens (shapes only its own loop makes: transformers' compiled ``generate``), untimed and not stored. That run
         is the decoder's code, so it runs under the cell's wall-time limit ``timeout_s`` (seconds; None: none).
 
@@ -166,9 +167,11 @@ class Hardware:
             return None
         t0, graphs0 = measure_now(), static_kv.compiled_graphs()
         largest = max(cp.cls.verify_sizes(cp.params))
-        self.execution.precompile(models_[:1], largest, batch=len(rows))  # the target verifies the batch together
-        if len(models_) > 1:
-            self.execution.precompile(models_[1:], largest)  # a draft model drafts each row with its own cache
+        target_sizes, draft_sizes = cp.cls.compiled_sizes(cp.params)  # only the buckets the cell uses (issue 46)
+        if target_sizes != ():  # the target verifies the batch together
+            self.execution.precompile(models_[:1], largest, target_sizes, batch=len(rows))
+        if len(models_) > 1 and draft_sizes != ():  # a draft model drafts each row with its own cache
+            self.execution.precompile(models_[1:], largest, draft_sizes)
         with static_kv.compiled(self.execution), Deadline(timeout_s):
             self.execution.begin_sample()
             device = models_[0].device

@@ -117,14 +117,32 @@ def cache_argument(kwargs: dict[str, Any]) -> Any:
     return kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
 
 
-def past_length(cache: Any) -> int | None:
-    """KV positions a forward's cache held before it ran (None where unknown)."""
+def past_length(cache: Any, kwargs: dict[str, Any] | None = None, n: int = 0) -> int | None:
+    """KV positions a forward's cache held before it ran (None where unknown), learnt without reading the device:
+    a host read in a forward hook would synchronize a GPU with the host once per forward (issue 46: the harness must
+    not slow the loop it measures).
+
+    In order: a cache compiled execution drives (:class:`~dtbench.decoders.static_kv.StaticKV`) carries its logical
+    length as a Python int (``dtbench_length``); a cache whose ``get_seq_length()`` is an int (``DynamicCache``) gives
+    it; a cache holding its length in a device tensor (transformers' ``StaticCache``) is read off the forward's 2D
+    attention mask, which covers the past and the ``n`` new tokens (``kwargs["attention_mask"]``, shape (B, past + n));
+    without one, None.
+    """
     if cache is None:
         return 0
+    held = getattr(cache, "dtbench_length", None)
+    if held is not None:
+        return int(held)
     try:
-        return int(cache.get_seq_length())
+        length = cache.get_seq_length()
     except Exception:
         return None
+    if not torch.is_tensor(length):
+        return int(length)
+    mask = (kwargs or {}).get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2 and mask.shape[-1] >= n:
+        return int(mask.shape[-1]) - n
+    return None
 
 
 def fed_flags(kwargs: dict[str, Any]) -> int:
@@ -183,7 +201,7 @@ class ForwardCounter:
                 n = int(ids.shape[-1])
             self.forwards[role] += 1
             self.tokens[role] += n
-            self.fed[role].append((n, past_length(cache_argument(kwargs)), fed_flags(kwargs)))
+            self.fed[role].append((n, past_length(cache_argument(kwargs), kwargs, n), fed_flags(kwargs)))
             called = now()
             self._called[role].append(called)
             self._cum_tokens[role].append(self.tokens[role])

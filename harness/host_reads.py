@@ -67,7 +67,12 @@ class _CudaSyncs:
 
 
 def reads_per_iteration(
-    decoder: Any, prompt_ids: Sequence[int], gen_length: int, device: torch.device, execution: Any = None
+    decoder: Any,
+    prompt_ids: Sequence[int],
+    gen_length: int,
+    device: torch.device,
+    execution: Any = None,
+    counted: bool = False,
 ) -> dict[str, list[int]]:
     """Run ``decoder`` (``generate``) on one prompt for ``gen_length`` tokens and count per iteration (iteration i:
     the work between Step i-1 and Step i, the prefill's first) the host reads (:class:`HostReads`) and, on CUDA,
@@ -79,6 +84,8 @@ def reads_per_iteration(
         gen_length: T.
         device: where the models live.
         execution: a :class:`~dtbench.decoders.static_kv.Execution` to run in compiled execution (None: eager).
+        counted: with the measurement's :class:`~dtbench.harness.forwards.ForwardCounter` installed, as a cell
+            measures: its hooks' reads count too (the harness must not add a read per forward).
 
     Returns:
         ``{"host_reads": [...], "cuda_syncs": [...]}`` (``cuda_syncs`` all 0 off CUDA), one entry per iteration.
@@ -91,7 +98,10 @@ def reads_per_iteration(
             execution.begin_sample()
         gen = decoder.generate(torch.tensor([list(prompt_ids)], device=device), gen_length)
         produced = 0
-        with HostReads() as counter, _CudaSyncs(device) as cuda:
+        from dtbench.harness.forwards import ForwardCounter
+
+        hooks = ForwardCounter(decoder.target, decoder.draft) if counted else nullcontext()
+        with hooks, HostReads() as counter, _CudaSyncs(device) as cuda:
             last = (0, 0)
             for step in gen:
                 reads.append(counter.count - last[0])

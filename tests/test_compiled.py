@@ -54,9 +54,20 @@ def compiled_zoo():
 def in_compiled(decoder, prompt, T):
     with static_kv.compiled(EXECUTION):
         EXECUTION.begin_sample()
+        EXECUTION.used.clear()
         before = static_kv.compiled_graphs()
         tokens = run_decoder(decoder, prompt, T)
         return tokens, static_kv.compiled_graphs() - before
+
+
+def assert_declared_buckets(decoder) -> None:
+    """Every bucket the last :func:`in_compiled` run used for the target and the draft is one the decoder declares
+    (``Decoder.compiled_sizes``: what a cell's compile step compiles, issue 46 item 4)."""
+    largest = max(decoder.verify_sizes(decoder.params))
+    for model, sizes in zip((decoder.target, decoder.draft), decoder.compiled_sizes(decoder.params), strict=True):
+        used = EXECUTION.used.get((id(model), 1), set())
+        declared = set(static_kv.buckets_of(largest, sizes)) if sizes != () else set()
+        assert used <= declared, (type(decoder).__name__, "target" if model is decoder.target else "draft", used)
 
 
 DECODERS = [
@@ -76,9 +87,25 @@ def test_compiled_decoders_equal_eager_ar(on, cls, params, prompt, T):
     device, dtype, rule = on
     target, draft = compiled_pair(device, dtype)
     ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
-    tokens, recompiles = in_compiled(cls(target, draft, params), prompt, T)
+    decoder = cls(target, draft, params)
+    tokens, recompiles = in_compiled(decoder, prompt, T)
     assert_lossless(target, prompt, tokens, ar, rule)
     assert recompiles == 0  # every bucket these decoders use was compiled before the sample
+    assert_declared_buckets(decoder)  # ... and each cell's compile step compiles only the declared ones
+
+
+def test_hf_generate_runs_nothing_through_dtbench_static_caches(compiled_zoo):
+    """hf_generate declares no compiled sizes (transformers compiles its own decoding forward), so its compile step
+    compiles no bucket of dtbench's: none of its forwards may go through one."""
+    from dtbench.decoders.hf_assisted import HFGenerate, HFGenerateParams
+
+    target, _ = compiled_zoo
+    prompt = [5, 9, 11, 4, 7]
+    decoder = HFGenerate(target, None, HFGenerateParams())
+    tokens, _ = in_compiled(decoder, prompt, 12)
+    assert tokens == run_decoder(Autoregressive(target, None, ARParams()), prompt, 12)
+    assert decoder.compiled_sizes(decoder.params) == ((), ())
+    assert not EXECUTION.used.get((id(target), 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

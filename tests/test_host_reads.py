@@ -35,9 +35,11 @@ T = 40
 EXECUTION = static_kv.Execution(max_len=128)
 
 
-def reads_per_iteration(decoder, compiled: bool) -> tuple[list[int], list]:
-    """(host reads during each iteration, the Steps), through the harness's counter (harness/host_reads.py)."""
-    counts = host_reads.reads_per_iteration(decoder, PROMPT, T, torch.device("cpu"), EXECUTION if compiled else None)
+def reads_per_iteration(decoder, compiled: bool, counted: bool = False) -> tuple[list[int], list]:
+    """(host reads during each iteration, the Steps), through the harness's counter (harness/host_reads.py);
+    ``counted``: with the measurement's forward counter and timer installed."""
+    ex = EXECUTION if compiled else None
+    counts = host_reads.reads_per_iteration(decoder, PROMPT, T, torch.device("cpu"), ex, counted=counted)
     steps = []
     gen = decoder.generate(torch.tensor([PROMPT]), T)  # the Steps again (deterministic), for their fields
     with static_kv.compiled(EXECUTION) if compiled else nullcontext():
@@ -79,6 +81,25 @@ def test_at_most_one_host_read_per_iteration(name, params, compiled):
     assert max(per) <= 1, per
     if name == "linear":  # the drafts really were proposed and verified (not a degenerate AR run)
         assert [s.drafted for s in steps[1:4]] == [4, 4, 4]
+
+
+MEASURED = [*ONE_READ, ("hf_generate", {})]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize(("name", "params"), MEASURED, ids=[n for n, _ in MEASURED])
+def test_the_measurements_hooks_add_no_host_read(name, params, compiled):
+    """As a cell measures (the forward counter's hooks around every forward), each iteration reads exactly as often
+    as the bare loop: the hooks learn a forward's KV positions without reading the device (a static cache's length
+    is a device tensor; reading it in every forward's hook synchronized a GPU with the host once per forward)."""
+    if compiled and not registry.get(name).compiles:
+        pytest.skip(f"{name} has no compiled execution")
+    decoder = build(name, params, compiled)
+    reads_per_iteration(decoder, compiled)  # once first: transformers' prefill reads less on a fresh static cache
+    bare, steps = reads_per_iteration(decoder, compiled)
+    measured, _ = reads_per_iteration(decoder, compiled, counted=True)
+    assert len(steps) > 3
+    assert measured == bare
 
 
 TREES = [
@@ -139,3 +160,23 @@ def test_no_graph_break_in_any_compiled_region(name, params):
         from dtbench.decoders.static_kv import COMPILED_FORWARDS
 
         assert decoder.target in COMPILED_FORWARDS
+
+
+@pytest.mark.parametrize("name", ["ar", "hf_generate"])
+def test_compiled_forwards_are_counted_at_their_kv_positions(name):
+    """The hooks' KV positions (read without the device, harness/forwards.past_length) are the positions each forward
+    really attended: compiled, every forward's (new tokens, past) equals eager's (one token per forward here, so
+    no bucket padding differs)."""
+    from dtbench.harness.measure import measure
+
+    def fed(compiled: bool) -> list:
+        decoder = build(name, {}, compiled)
+        with static_kv.compiled(EXECUTION) if compiled else nullcontext():
+            if compiled:
+                EXECUTION.begin_sample()
+            m = measure(decoder, PROMPT, 12, torch.device("cpu"))
+        return [tuple(e[:2]) for r in m.records for e in r.target_fed]
+
+    eager = fed(False)
+    assert eager[:2] == [(len(PROMPT), 0), (1, len(PROMPT))]
+    assert fed(True) == eager
