@@ -431,10 +431,11 @@ def hooks_outside_compiled(target: torch.nn.Module) -> Iterator[None]:
     def grown(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         # transformers' static cache only grows under generate: its length as a Python int beside the device tensor,
         # what the harness's hooks read instead of the tensor (no device read per forward)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache: Any = kwargs.get("cache", kwargs.get("past_key_values"))
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if getattr(cache, "dtbench_length", None) is not None and ids is not None:
-            cache.dtbench_length += int(ids.shape[-1])
+        held = getattr(cache, "dtbench_length", None)
+        if held is not None and ids is not None:
+            cache.dtbench_length = held + int(ids.shape[-1])
 
     target.__dict__["get_compiled_call"] = get_compiled_call
     handle = target.register_forward_hook(grown, with_kwargs=True)
