@@ -196,6 +196,13 @@ class Decoder(ABC, Generic[P]):
         """
         return None
 
+    @classmethod
+    def eager_error(cls, params: P) -> str | None:
+        """Why this decoder cannot run eager with ``params`` (a one-line reason: an option that exists only in
+        compiled execution), or None if it can. Asked for every cell of ``execution: eager`` (the plan refuses it).
+        """
+        return None
+
     def state_stats(self) -> dict[str, int] | None:
         """The size of the state the decoder built during its last ``generate()`` call, or None (no such state).
 
@@ -260,6 +267,14 @@ class Decoder(ABC, Generic[P]):
         built-in to zero. Called without models (params only).
         """
         return None, None
+
+    @classmethod
+    def compiled_chains(cls, params: P) -> tuple[int, ...]:
+        """Draft chain lengths K this configuration runs as one compiled region in compiled execution
+        (:func:`~dtbench.decoders.draft_region.draft_chain`, issue 46 item 2): a compiled cell's compile step compiles
+        each one's graphs (:func:`~dtbench.decoders.draft_region.precompile_chain`). Default ``()``: none (every draft
+        forward runs by itself). Called without models (params only)."""
+        return ()
 
     @classmethod
     def reference(cls, params: P) -> tuple[str, dict[str, Any]] | None:

@@ -28,6 +28,7 @@ from dtbench.decoders.base import (
     verify_chain_read,
 )
 from dtbench.decoders.sampling import SamplingSettings, sample, verify_chain_sampled
+from dtbench.decoders.static_kv import StaticKV
 
 
 class Proposer(ABC):
@@ -122,12 +123,19 @@ class DraftModelProposer(Proposer):
     Greedy drafts stay on the device (``resident``, issue 46): each draft forward's argmax is fed to the next one as
     a tensor and :meth:`propose` returns the chain as one tensor, so K drafts cost no device-to-host read; a subclass
     whose :meth:`forward` needs host token ids sets ``resident = False``.
+
+    Args:
+        draft: the draft model.
+        fused: in compiled execution, a chain of exactly this many greedy drafts runs as ONE compiled region
+            (:func:`~dtbench.decoders.draft_region.draft_chain`, issue 46 item 2; ``linear``'s ``fused_draft``);
+            0 (the default), or eager execution, or a shorter chain: one forward per draft.
     """
 
     resident: ClassVar[bool] = True
 
-    def __init__(self, draft: torch.nn.Module):
+    def __init__(self, draft: torch.nn.Module, fused: int = 0):
         self.draft = draft
+        self.fused = fused
 
     def begin(self, prompt: list[int], pending: int) -> None:
         self.cache = kv.new_cache()
@@ -167,6 +175,11 @@ class DraftModelProposer(Proposer):
         """Greedy drafts without a read: each argmax, shape (1, 1) int64 on the device, is the next forward's input;
         the chain is returned as one (K,) tensor (``[]`` for K = 0)."""
         self.draft_probs = None
+        static = self._fusable() if max_tokens and max_tokens == self.fused else None
+        if static is not None:
+            from dtbench.decoders import draft_region
+
+            return draft_region.draft_chain(static, self.draft, self.backlog, max_tokens)
         chain: list[torch.Tensor] = []
         feed: list[int] | torch.Tensor = self.backlog
         for _ in range(max_tokens):
@@ -174,6 +187,17 @@ class DraftModelProposer(Proposer):
             feed = torch.argmax(logits, dim=-1).view(1, 1)
             chain.append(feed)
         return torch.cat(chain, dim=1).view(-1) if chain else []
+
+    def _fusable(self) -> StaticKV | None:
+        """The draft's static cache when this iteration's drafts can run as one compiled region (compiled execution,
+        the cache prefilled, a backlog of 1 or 2 ids, this class's own cache operations: a subclass's are kept),
+        else None."""
+        cls = type(self)
+        own = cls.forward is DraftModelProposer.forward and cls.rollback is DraftModelProposer.rollback
+        cache = getattr(self, "cache", None)
+        if own and isinstance(cache, StaticKV) and cache.length > 0 and len(self.backlog) in DRAFT_FEEDS:
+            return cache
+        return None
 
     def accept(self, drafts: list[int], accepted: int, committed: tuple[int, ...]) -> None:
         self.rollback(min(self.cached(), self.context + 1 + accepted))

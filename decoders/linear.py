@@ -16,9 +16,16 @@ class LinearParams(DecoderParams):
 
     Attributes:
         k: draft chain length K, tokens drafted per iteration (paper: K=8 on WikiText-2, K=5 on PG-19).
+        fused_draft: compiled execution only: the K draft forwards of a full chain as ONE compiled region
+            (:mod:`dtbench.decoders.draft_region`, issue 46 item 2) instead of K compiled forwards launched one by
+            one from Python. Same tokens (the target verifies them as before); costs one compiled graph per feed
+            width (1 and 2 ids) of K unrolled draft forwards in the compile step. Off by default (the paper's loop).
     """
 
     k: int = Field(5, ge=1, le=64, description="draft tokens per iteration (K)")
+    fused_draft: bool = Field(
+        False, description="compiled execution: the K draft forwards as one compiled region (issue 46 item 2)"
+    )
 
 
 class LinearSpeculative(Decoder[LinearParams]):
@@ -46,12 +53,23 @@ class LinearSpeculative(Decoder[LinearParams]):
         (:data:`~dtbench.decoders.chain.DRAFT_FEEDS`), never K + 1."""
         return None, DRAFT_FEEDS
 
+    @classmethod
+    def compiled_chains(cls, params: LinearParams) -> tuple[int, ...]:
+        """(K,) with ``fused_draft``: the one chain length that runs as a compiled region; else ()."""
+        return (params.k,) if params.fused_draft else ()
+
+    @classmethod
+    def eager_error(cls, params: LinearParams) -> str | None:
+        if params.fused_draft:
+            return "fused_draft fuses compiled draft forwards and has no eager form"
+        return None
+
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
         yield from speculate_chain(
             KVTarget(self.target),
-            DraftModelProposer(self.draft),
+            DraftModelProposer(self.draft, fused=self.params.k if self.params.fused_draft else 0),
             input_ids,
             max_new_tokens,
             self.params.k,

@@ -73,6 +73,8 @@ class Execution:
         self.used: dict[tuple[int, int], set[int]] = {}
         self._iota: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._mask_values: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (id(model), K, max_len) -> the compiled K-draft region (decoders/draft_region.py, issue 46 item 2)
+        self.regions: dict[tuple[int, int, int], Any] = {}
 
     def iota(self, size: int, device: torch.device) -> torch.Tensor:
         """``arange(size)`` (int64) on ``device``, made once: the index vectors every forward's mask is built from."""

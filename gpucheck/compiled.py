@@ -13,6 +13,9 @@ from dtbench.gpucheck.common import build, sync
 from dtbench.gpucheck.overhead import REPEATS, differential, medians
 
 COMPILED_DECODERS: tuple[tuple[str, dict[str, Any]], ...] = (("linear", {"k": 8}), ("dynatree", {}))
+# linear's K = 8 draft forwards as one compiled region (issue 46 item 2), compiled only (it has no eager form): its
+# overhead row beside the per-forward one above
+FUSED_DRAFT: tuple[str, dict[str, Any]] = ("linear", {"k": 8, "fused_draft": True})
 
 
 def _mode(ex, compiled: bool):
@@ -156,12 +159,12 @@ def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dic
             "roofline": roofline.sample_fraction(m.records, total, sizes, None, bw),
         }
     overhead = []
-    for name, params in COMPILED_DECODERS:
-        for compiled in (False, True):
+    for name, params in (*COMPILED_DECODERS, FUSED_DRAFT):
+        for compiled in (True,) if params.get("fused_draft") else (False, True):
             row = _overhead_row(ex, name, params, partial(run, name, params), T0, T, compiled)
             overhead.append(row)
             log(
-                f"compiled {row['mode']} {name}: overhead {row.get('overhead_s_per_iter')} s/iter {row.get('error', '')}"
+                f"compiled {row['mode']} {name} {params}: overhead {row.get('overhead_s_per_iter')} s/iter {row.get('error', '')}"
             )
     return {
         "ok": all(r["ok"] for r in overhead),

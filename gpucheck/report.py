@@ -87,7 +87,7 @@ def summary(result: dict) -> dict:
             "ar_tokens_per_s": {k: round(v["tokens_per_s"], 1) for k, v in c["ar"].items()},
             "ar_roofline": {k: v["roofline"] for k, v in c["ar"].items()},
             "overhead_ms_per_iter": {
-                f"{r['decoder']} {r['mode']}": None
+                f"{_row_name(r)} {r['mode']}": None
                 if r.get("overhead_s_per_iter") is None
                 else round(r["overhead_s_per_iter"] * 1e3, 3)
                 for r in c["overhead"]
@@ -98,6 +98,8 @@ def summary(result: dict) -> dict:
 
 def _row_name(row: dict) -> str:
     """An overhead row's name in the summary: the decoder, and its drafting mode when not the host's (a resident tree
-    row beside the host-driven one of the same decoder)."""
-    resident = (row.get("params") or {}).get("resident")
-    return row["decoder"] if resident in (None, "off") else f"{row['decoder']} resident={resident}"
+    row beside the host-driven one of the same decoder; a chain drafted in one compiled region: ``fused_draft``)."""
+    params = row.get("params") or {}
+    resident = params.get("resident")
+    name = row["decoder"] if resident in (None, "off") else f"{row['decoder']} resident={resident}"
+    return f"{name} fused_draft" if params.get("fused_draft") else name

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dtbench.decoders import static_kv
+from dtbench.decoders import draft_region, static_kv
 from dtbench.harness import data, load, lossless, models, roofline, selection
 from dtbench.harness.deadline import Deadline
 from dtbench.harness.errors import clip, error_line
@@ -172,6 +172,9 @@ class Hardware:
             self.execution.precompile(models_[:1], largest, target_sizes, batch=len(rows))
         if len(models_) > 1 and draft_sizes != ():  # a draft model drafts each row with its own cache
             self.execution.precompile(models_[1:], largest, draft_sizes)
+        if len(models_) > 1 and len(rows) == 1:  # draft chains run as one compiled region (B = 1, issue 46 item 2)
+            for k in cp.cls.compiled_chains(cp.params):
+                draft_region.precompile_chain(self.execution, models_[1], k)
         with static_kv.compiled(self.execution), Deadline(timeout_s):
             self.execution.begin_sample()
             device = models_[0].device

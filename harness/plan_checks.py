@@ -69,17 +69,20 @@ def check_batching(suite: Suite, plans: list[Any]) -> None:
 
 
 def check_execution(plans: list[Any]) -> None:
-    """Compiled execution only for decoders that declare ``compiles`` (a capability); at every batch size the
+    """Compiled execution only for decoders that declare ``compiles`` (a capability), eager only for params with an
+    eager form (:meth:`~dtbench.decoders.base.Decoder.eager_error`); compiled at every batch size the
     decoder batches at (issue 46 item 6: a batch runs on a batch-B static cache, :class:`~dtbench.decoders.kv.RaggedBatch`).
 
     Raises:
         DtbenchError: one line naming the decoder and what to change.
     """
     for p in plans:
-        if p.execution != "compiled":
-            continue
         where = f"{p.spec.where}: " if p.spec.where else ""
         name = clip(p.spec.display, 80)
+        if p.execution != "compiled":
+            if why := p.cls.eager_error(p.params):
+                raise DtbenchError(f"{where}decoder '{name}': {why}; set `execution: [compiled]` on it")
+            continue
         if not p.cls.compiles:
             raise DtbenchError(
                 f"{where}decoder '{name}' cannot run compiled (its class does not declare compiles); "

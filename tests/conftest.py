@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+# Inductor's first compile in a process imports setuptools (torch.utils.cpp_extension). After tests/test_plugin.py's
+# `pip install --force-reinstall` of the example plugin, a first import of setuptools in this process fails
+# (`_distutils_hack`: "distutils/core.py" is the stdlib's), so a compiled test that a worker runs after it would fail
+# in the compiler. Imported once here, before any test, it is already loaded when inductor asks.
+import setuptools  # noqa: F401, E402
+
 DATA_DIR = Path(os.environ.get("DTBENCH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 

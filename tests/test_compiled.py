@@ -207,6 +207,7 @@ def test_validate_refuses_what_cannot_run_compiled(pair, tmp_path, data_dir):
         ({"name": "hf_generate", "params": {"prompt_lookup_num_tokens": 3}}, {}, "prompt lookup decoding"),
         ({"name": "linear", "execution": ["fast"]}, {}, "execution"),
         ({"name": "linear", "execution": ["compiled"]}, {"execution": "eager"}, "not in the suite's execution"),
+        ({"name": "linear", "params": {"fused_draft": True}}, {}, "fused_draft fuses compiled draft forwards"),
     ]
     for decoder, extra, needle in cases:
         suite = suite_dict(*pair, [{"name": "ar"}, decoder], **{"execution": ["eager", "compiled"], **extra})
@@ -224,6 +225,8 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
         {"name": "suffix"},
         {"name": "hf_generate", "execution": ["compiled"]},
         {"name": "hf_assisted", "execution": ["eager"]},
+        # the K draft forwards as one compiled region (issue 46 item 2): its compile step compiles the region too
+        {"name": "linear", "label": "linear fused", "params": {"k": 3, "fused_draft": True}, "execution": ["compiled"]},
     ]
     suite = suite_dict(*pair, decoders, execution=["eager", "compiled"])
     dbfile = tmp_path / "c.db"
@@ -246,6 +249,7 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
             "ngram [compiled]",
             "suffix [compiled]",
             "hf_generate [compiled]",
+            "linear fused [compiled]",
         }
         ar = {x.prompt_index: x.output_tokens for x in cells["ar"].samples}
         for label, cell in cells.items():
@@ -281,7 +285,9 @@ def test_a_run_eager_and_compiled(pair, tmp_path, data_dir):
         assert r["compile_s"] > 0 and r["eager_lossless"] == r["compiled_lossless"] == "yes"
     shown = invoke("report", "--db", str(dbfile), "--execution", "--format", "markdown")
     assert shown.exit_code == 0 and "Compiled/eager" in shown.stdout
-    assert "one execution only (no pair): hf_assisted, hf_generate \\[compiled\\]" in shown.output  # Markdown-escaped
+    assert (
+        "one execution only (no pair): hf_assisted, hf_generate \\[compiled\\], linear fused" in shown.output
+    )  # Markdown-escaped
     one_line_error(invoke("report", "--db", str(dbfile), "--execution", "--compare"), "a report of its own")
 
 
