@@ -261,6 +261,9 @@ def test_whole_check_writes_json_matching_the_schema(tmp_path, monkeypatch):
     assert {(r["decoder"], r["mode"]) for r in compiled["overhead"]} == {
         (d, m) for d, _ in gpucheck.COMPILED_DECODERS for m in ("eager", "compiled")
     }
+    fused = [r for r in compiled["overhead"] if r["params"].get("fused_draft")]  # issue 46 item 2, compiled only
+    assert [(r["decoder"], r["mode"], r["ok"]) for r in fused] == [("linear", "compiled", True)]
+    assert "linear fused_draft compiled" in data["summary"]["compiled"]["overhead_ms_per_iter"]
     tests = data["steps"]["tests"]  # issue 38: the property suite's CPU parametrization, a few examples each
     assert tests["selection"] == "cpu" and tests["failed"] == 0 and tests["passed"] >= 4
     assert any("test_linear_equals_ar" in t for t in tests["hypothesis"]) and tests["examples_total"] > 0
