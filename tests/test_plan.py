@@ -135,8 +135,9 @@ def test_cells_store_their_sweep_point(tmp_path, data_dir):
     with db.connect(str(dbfile))() as s:
         cells = {c.label: (c.sweep_group, c.swept, c.params) for c in s.scalars(select(db.Cell))}
     assert cells["ar"] == (None, None, {})
-    assert cells["Lin (k=1)"] == ("Lin", {"k": 1}, {"k": 1})
-    assert cells["Lin (k=2)"] == ("Lin", {"k": 2}, {"k": 2})
+    # cells.params: the whole validated params, defaults included (linear's fused_draft since issue 46 item 2)
+    assert cells["Lin (k=1)"] == ("Lin", {"k": 1}, {"k": 1, "fused_draft": False})
+    assert cells["Lin (k=2)"] == ("Lin", {"k": 2}, {"k": 2, "fused_draft": False})
 
 
 def test_references_decode_the_way_their_dependents_do():
