@@ -22,7 +22,7 @@ LEASE_BUDGET_S = 540.0  # 9 minutes: 15 of device time less the start (1-2 min) 
 PLANNED_S: dict[str, dict[str, float]] = {
     "cuda": {
         "tests": 244.0,
-        "compiled": 381.0,
+        "compiled": 441.0,  # 381 s measured; + 60 s estimated (not measured) for the fused_draft row's two region graphs
         "smoke": 111.0,
         "lossless": 88.0,
         "costmodel": 49.0,
