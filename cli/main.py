@@ -413,6 +413,9 @@ cli.add_command(calibrate_command)
 from dtbench.cli.doctor import doctor_command  # noqa: E402
 
 cli.add_command(doctor_command)  # dtbench doctor (make gpu-check)
+from dtbench.cli.check import check_command  # noqa: E402
+
+cli.add_command(check_command)  # dtbench check (cli/check.py; the kit: dtbench/testing.py)
 
 
 def main() -> None:

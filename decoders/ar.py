@@ -32,6 +32,12 @@ class Autoregressive(Decoder[ARParams]):
     compiles = True
 
     @classmethod
+    def host_reads_bound(cls, params: ARParams, step: Step) -> int | None:
+        """One read per iteration, the prefill's included (issue 46 item 1: the committed tokens come back in one
+        read)."""
+        return 1
+
+    @classmethod
     def reference(cls, params: ARParams) -> tuple[str, dict[str, Any]] | None:
         return None  # it *is* the reference
 

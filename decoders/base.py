@@ -277,6 +277,33 @@ class Decoder(ABC, Generic[P]):
         return ()
 
     @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """The params the conformance kit (:mod:`dtbench.testing`, ``dtbench check``) checks this decoder with: a short
+        list of params dicts (each validated by :attr:`Params`), or a hypothesis strategy drawing such dicts.
+
+        Args:
+            ctx: a :class:`dtbench.testing.CheckContext`: the tiny seeded target the settings are for (its
+                ``config`` sizes a head) and helpers that write what params name (``medusa_head()``,
+                ``eagle_head()``, ``token_file()``) into a scratch folder.
+
+        Returns:
+            ``[{}]`` by default (the params' own defaults); a decoder whose params have required fields, or whose
+            interesting settings are not its defaults, overrides it. Built-ins declare theirs here, exactly as a
+            third party does (issue 56 item 2).
+        """
+        return [{}]
+
+    @classmethod
+    def host_reads_bound(cls, params: P, step: Step) -> int | None:
+        """The most device-to-host reads (``.item()``, ``.tolist()``, ``bool(t)``, ...; :mod:`dtbench.harness.
+        host_reads`) one iteration of this configuration may make, the iteration that committed ``step`` (the
+        prefill's first), or None: not declared (the conformance kit reports the counts without judging them).
+
+        On a GPU every read waits for the queued kernels (issue 46 item 1), so a loop that declares a bound is held to
+        it by ``dtbench check``'s ``host_reads`` check."""
+        return None
+
+    @classmethod
     def reference(cls, params: P) -> tuple[str, dict[str, Any]] | None:
         """The (decoder name, params) whose output this decoder's output is compared against, from the params alone
         (the plan asks before any model loads).

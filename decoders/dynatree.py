@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import overload
+from typing import Any, overload
 
 import torch
 from pydantic import AliasChoices, Field, model_validator
@@ -271,6 +271,14 @@ class DynaTree(TreeDecoder[DynaTreeParams]):
     """DynaTree tree speculative decoder (paper section 3); lossless for greedy decoding."""
 
     Params = DynaTreeParams
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """The paper's defaults (Appendix A), and a small budget with drafting decided on the device."""
+        return [
+            {},
+            {"n_max": 16, "tau": 0.0, "d0": 3, "d_max": 4, "rho_stop": 1e-4, "rho_deep": 1e-3, "resident": "full"},
+        ]
 
     @classmethod
     def tree_bounds(cls, params: DynaTreeParams) -> tuple[int, int]:

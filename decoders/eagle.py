@@ -45,7 +45,7 @@ leaves tie order open); the tree's depth is capped by the tokens left to generat
 
 from __future__ import annotations
 
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 import torch
 from pydantic import Field
@@ -259,6 +259,12 @@ class Eagle(HeadDecoder):
     Params = EagleParams
     version = "1"
     supports_sampling = True
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """An EAGLE-1/2 head in the published format (random weights) sized for the context's target; a small tree."""
+        return [{"head": ctx.eagle_head(), "top_k": 3, "depth": 3, "total_token": 10}]
+
     load_head = staticmethod(load_eagle)
     check_head = staticmethod(check_eagle)
 

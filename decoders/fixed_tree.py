@@ -8,6 +8,8 @@ toolkit's (:mod:`dtbench.decoders.tree`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from pydantic import Field
 
@@ -67,6 +69,16 @@ class FixedTree(TreeDecoder[FixedTreeParams]):
     """Static tree speculative decoder (depth D, branching B, pruning tau, budget N_max); lossless."""
 
     Params = FixedTreeParams
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """D = 3, B = 2 with the compact and the paper's rebuild cache, per-level and per-node drafting, resident."""
+        return [
+            {"depth": 3, "branching": 2},
+            {"depth": 3, "branching": 2, "cache_strategy": "rebuild"},
+            {"depth": 3, "branching": 2, "draft_strategy": "per_node"},
+            {"depth": 3, "branching": 2, "tau": 0.0, "resident": "full"},
+        ]
 
     @classmethod
     def tree_bounds(cls, params: FixedTreeParams) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from pydantic import Field
@@ -370,6 +370,12 @@ class HFAssisted(_StreamedGenerate):
     Params = HFAssistedParams
     needs_draft = True
     lossless = True
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """transformers' defaults, and 4 candidates with a confidence threshold."""
+        return [{}, {"num_assistant_tokens": 4, "assistant_confidence_threshold": 0.4}]
+
     supports_sampling = True  # transformers' assisted generation samples with speculative sampling
     family = "external"  # transformers' own loop: its draft length schedule is transformers', not a fixed K
 

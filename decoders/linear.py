@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from pydantic import Field
@@ -41,6 +42,17 @@ class LinearSpeculative(Decoder[LinearParams]):
     supports_sampling = True
     batching = True
     compiles = True
+
+    @classmethod
+    def host_reads_bound(cls, params: LinearParams, step: Step) -> int | None:
+        """One read per iteration, the prefill's included (issue 46 item 1: the committed tokens come back in one
+        read)."""
+        return 1
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """K = 1, 3 and 8 (one draft, a short chain, the paper's WikiText-2 K)."""
+        return [{"k": 1}, {"k": 3}, {"k": 8}]
 
     @classmethod
     def verify_sizes(cls, params: LinearParams) -> tuple[int, int]:

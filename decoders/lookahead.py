@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from pydantic import Field
@@ -204,6 +205,11 @@ class Lookahead(Decoder):
     lossless = True
     supports_sampling = False
     version = "1"
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """A small window (W = 4, N = 3, G = 4): pool hits within the checked lengths."""
+        return [{"window_size": 4, "ngram_size": 3, "guess_set_size": 4}]
 
     def __init__(self, target, draft, params: LookaheadParams):
         super().__init__(target, None, params)

@@ -18,7 +18,7 @@ i + 1. The feature comes from the verify forward that committed x_{t+1} (no extr
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 import torch
 from pydantic import Field
@@ -212,6 +212,11 @@ class Medusa(HeadDecoder):
     supports_sampling = True  # only with acceptance: typical (sampling_error), lossy by design
     load_head = staticmethod(load_medusa)
     check_head = staticmethod(check_medusa)
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """A Medusa-1 head in the published format (random weights) sized for the context's target."""
+        return [{"head": ctx.medusa_head()}]
 
     @classmethod
     def lossless_with(cls, params: MedusaParams) -> bool:

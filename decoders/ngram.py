@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -152,6 +152,17 @@ class Ngram(Decoder[NgramParams]):
     batching = True
     compiles = True
     version = "1"
+
+    @classmethod
+    def host_reads_bound(cls, params: NgramParams, step: Step) -> int | None:
+        """One read per iteration, the prefill's included (issue 46 item 1: the committed tokens come back in one
+        read)."""
+        return 1
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """K = 4 (default lookup) and K = 1."""
+        return [{"k": 4}, {"k": 1}]
 
     @classmethod
     def verify_sizes(cls, params: NgramParams) -> tuple[int, int]:

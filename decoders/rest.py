@@ -31,7 +31,7 @@ suite's seed, or from a ``.npy`` tokens file; its size, token count and build ti
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -186,6 +186,11 @@ class Rest(CorpusDecoder[RestParams]):
     lossless = True
     supports_sampling = False
     version = "2"  # 2: REST's cut_to_choices (prune: reference) and min_suffix 2 by default, as the reference
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """A datastore of the context's token file (its prompt and random tokens)."""
+        return [{"tokens": ctx.token_file()}]
 
     def __init__(self, target, draft, params: RestParams):
         super().__init__(target, None, params)

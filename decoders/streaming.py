@@ -72,6 +72,12 @@ class StreamingAR(Decoder):
     Params = StreamingParams
     needs_draft = False
     lossless = False
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """A window wider than any checked text (nothing evicted) and one that evicts."""
+        return [{"sinks": 4, "window": 64}, {"sinks": 2, "window": 12}]
+
     supports_sampling = True
     family = "ar"
 
@@ -116,6 +122,12 @@ class StreamingSpeculative(Decoder):
     Params = StreamingSpecParams
     needs_draft = True
     lossless = False
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """As streaming_ar's, K = 3."""
+        return [{"sinks": 4, "window": 64, "k": 3}, {"sinks": 2, "window": 12, "k": 3}]
+
     supports_sampling = True
     family = "chain"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -213,6 +213,17 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
     batching = True
     version = "1"
 
+    @classmethod
+    def host_reads_bound(cls, params: SuffixParams, step: Step) -> int | None:
+        """One read per iteration, the prefill's included (issue 46 item 1: the committed tokens come back in one
+        read)."""
+        return 1
+
+    @classmethod
+    def check_settings(cls, ctx: Any) -> Any:
+        """Matches of one token and up, and the draft model as the fallback proposer."""
+        return [{"k": 3, "min_match": 1}, {"k": 3, "fallback": "draft"}]
+
     def __init__(self, target, draft, params: SuffixParams):
         """Bind the models; the draft model is required only with ``fallback: draft``.
 
@@ -245,7 +256,7 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
     def state_stats(self) -> dict[str, int] | None:
         """The last generate() call's automaton size and how many steps each source drafted; None before one."""
         proposer = getattr(self, "_proposer", None)
-        if proposer is None:
+        if proposer is None or not hasattr(proposer, "sam"):  # T = 1: the prefill only, nothing proposed (issue 56)
             return None
         info = {**proposer.sam.state(), **{f"{k}_draft_steps": v for k, v in proposer.counts.items()}}
         if self.store is not None:

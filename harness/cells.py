@@ -165,29 +165,7 @@ class Hardware:
         key = cp.label if len(rows) == 1 else f"{cp.label} B={len(rows)}"
         if self.execution is None or key in self.compiled:
             return None
-        t0, graphs0 = measure_now(), static_kv.compiled_graphs()
-        largest = max(cp.cls.verify_sizes(cp.params))
-        target_sizes, draft_sizes = cp.cls.compiled_sizes(cp.params)  # only the buckets the cell uses (issue 46)
-        if target_sizes != ():  # the target verifies the batch together
-            self.execution.precompile(models_[:1], largest, target_sizes, batch=len(rows))
-        if len(models_) > 1 and draft_sizes != ():  # a draft model drafts each row with its own cache
-            self.execution.precompile(models_[1:], largest, draft_sizes)
-        if len(models_) > 1 and len(rows) == 1:  # draft chains run as one compiled region (B = 1, issue 46 item 2)
-            for k in cp.cls.compiled_chains(cp.params):
-                draft_region.precompile_chain(self.execution, models_[1], k)
-        with static_kv.compiled(self.execution), Deadline(timeout_s):
-            self.execution.begin_sample()
-            device = models_[0].device
-            if len(rows) > 1:  # a batch compiles its (B, bucket) graphs: the decoder's batched loop, as measured
-                for _ in decoder.generate_batch([torch.as_tensor([list(r)], device=device) for r in rows], min(T, 16)):
-                    pass
-            else:
-                n = 0
-                for step in decoder.generate(torch.as_tensor([list(rows[0])], device=device), min(T, 16)):
-                    n += len(step.tokens)
-                    if n >= min(T, 16):
-                        break
-        self.compiled[key] = (measure_now() - t0, static_kv.compiled_graphs() - graphs0)
+        self.compiled[key] = compile_decoder(self.execution, decoder, rows, T, models_, timeout_s)
         return self.compiled[key]
 
     def roofline_of(self, m, total_s: float, uses_draft: bool) -> float | None:
@@ -195,6 +173,52 @@ class Hardware:
         return roofline.sample_fraction(
             m.records, total_s, self.target_bytes, self.draft_bytes if uses_draft else None, self.bandwidth
         )
+
+
+def compile_decoder(
+    execution: static_kv.Execution, decoder, rows: list, T: int, models_: list, timeout_s: float | None = None
+) -> tuple[float, int]:
+    """The compile step of a compiled cell (:meth:`CellContext.compile_step`) and of the conformance kit's
+    ``compiled_equals_eager`` check (:mod:`dtbench.testing`): the same code, so the kit holds a decoder to exactly
+    the buckets a cell compiles.
+
+    Args:
+    execution: the compiled execution (static caches, bucketed forwards).
+    decoder: the bound decoder (its class's ``compiled_sizes``/``compiled_chains`` of its params are read).
+    rows: the prompt ids of the batch (B = len(rows)); T: new tokens (the untimed run decodes min(T, 16)).
+    models_: [target] or [target, draft].
+    timeout_s: the wall-time limit of the decoder's own run, seconds (None: none).
+
+    Returns:
+    (seconds, graphs torch.compile made).
+
+    Raises:
+    SampleTimeout: the decoder's run took longer than ``timeout_s``.
+    """
+    cls, params = type(decoder), decoder.params
+    t0, graphs0 = measure_now(), static_kv.compiled_graphs()
+    largest = max(cls.verify_sizes(params))
+    target_sizes, draft_sizes = cls.compiled_sizes(params)  # only the buckets the cell uses (issue 46)
+    if target_sizes != ():  # the target verifies the batch together
+        execution.precompile(models_[:1], largest, target_sizes, batch=len(rows))
+    if len(models_) > 1 and draft_sizes != ():  # a draft model drafts each row with its own cache
+        execution.precompile(models_[1:], largest, draft_sizes)
+    if len(models_) > 1 and len(rows) == 1:  # draft chains run as one compiled region (B = 1, issue 46 item 2)
+        for k in cls.compiled_chains(params):
+            draft_region.precompile_chain(execution, models_[1], k)
+    with static_kv.compiled(execution), Deadline(timeout_s):
+        execution.begin_sample()
+        device = models_[0].device
+        if len(rows) > 1:  # a batch compiles its (B, bucket) graphs: the decoder's batched loop, as measured
+            for _ in decoder.generate_batch([torch.as_tensor([list(r)], device=device) for r in rows], min(T, 16)):
+                pass
+        else:
+            n = 0
+            for step in decoder.generate(torch.as_tensor([list(rows[0])], device=device), min(T, 16)):
+                n += len(step.tokens)
+                if n >= min(T, 16):
+                    break
+    return measure_now() - t0, static_kv.compiled_graphs() - graphs0
 
 
 def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None = None):

@@ -207,6 +207,15 @@ class TreeDecoder(Decoder[TP]):
     version = "2"  # 2: tree_root/prune options, defaults paper/leaf (1: the pending/skip tree only)
 
     @classmethod
+    def host_reads_bound(cls, params: TP, step: Step) -> int | None:
+        """``resident: full`` one read per iteration, ``draft`` two (the tree's size, then the path); ``off`` one
+        per drafted level and one to select the path (1 + max(depth, 1)); None for the paper's per-node drafting and
+        crop-and-re-run cache (not bounded yet)."""
+        if params.draft_strategy != "per_level" or params.cache_strategy != "compact":
+            return None
+        return {"full": 1, "draft": 2}.get(params.resident, 1 + max(step.depth, 1))
+
+    @classmethod
     @abstractmethod
     def tree_bounds(cls, params: TP) -> tuple[int, int]:
         """(largest breadth B, largest depth D) a tree of this configuration can have (params only)."""

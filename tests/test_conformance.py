@@ -1,0 +1,45 @@
+"""Every built-in decoder through the conformance kit (issue 56 item 4): the one source of the built-ins' property
+tests (greedy equals the reference, batch rows, Step accounting, host reads, no state across prompts, compiled equals
+eager, sampling), one pytest id per decoder x check, exactly as a plugin's own tests call the kit
+(examples/dtbench-prompt-lookup/tests). Which checks apply follows from each decoder's declarations; its params from
+its ``check_settings``.
+
+The fast tier runs the cheap checks at the fast tier's example cap; compiled execution and sampling (compiles, a
+thousand generations per setting) run in the full tier. On CUDA (``--device`` of the GPU check's tests step) the same
+ids with ``-cuda`` and ``-cuda-float16`` suffixes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dtbench.harness import registry
+from dtbench.testing import parametrize_with_checks
+
+TIER = "fast"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUILTINS = sorted(n for n, e in registry.discover().items() if e.distribution == "dtbench")
+CHEAP = ["state", "greedy_equals_reference", "batch_rows", "step_accounting", "host_reads"]
+DEVICES = ("cpu", "cuda", "cuda-float16")
+
+
+@parametrize_with_checks(BUILTINS, devices=DEVICES, checks=CHEAP)
+def test_builtin(decoder, check):
+    check(decoder)
+
+
+@pytest.mark.full
+@parametrize_with_checks(BUILTINS, devices=DEVICES, checks=["compiled_equals_eager", "sampling"])
+def test_builtin_full(decoder, check):
+    check(decoder)
+
+
+def test_every_builtin_declares_valid_settings():
+    """Every built-in's declared settings validate (a bad declaration would fail every check, late)."""
+    from dtbench.harness.conformance import PRECISIONS, CheckContext, pair, settings_of
+
+    ctx = CheckContext(pair("llama", "self", 8.0, PRECISIONS["cpu"])[0])
+    for name in BUILTINS:
+        settings = settings_of(registry.get(name), ctx)
+        assert isinstance(settings, list) and settings, name
