@@ -6,7 +6,7 @@ runs the same on this CPU with ``--device cpu --small``. Every model is built on
 download, no embedded GGUF):
 
 a. **lossless** (:func:`step_lossless`): every built-in lossless decoder (the parameter list
-   :data:`dtbench.harness.testkit.BUILTIN`, which ``tests/test_measurement.py`` keeps complete) against ``ar`` on tiny
+   :func:`dtbench.harness.testkit.builtin_settings`: each decoder's declared check settings) against ``ar`` on tiny
    Llama and GPT-NeoX pairs (:mod:`dtbench.harness.testkit`: target and a perturbed copy as the draft, sharp output
    layer). float32: the exact rule (token for token). float16 (bfloat16 on a CPU): the tie-aware rule of
    :mod:`dtbench.harness.lossless` (every emitted token is the target's argmax given the decoder's own prefix, up to

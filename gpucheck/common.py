@@ -116,11 +116,11 @@ ONLY: set[str] | None = None  # --decoders: restrict steps a and d to these name
 
 def lossless_decoders() -> list[tuple[str, dict]]:
     """(name, params) of every built-in lossless decoder, as ``tests/test_measurement.py`` covers them
-    (:data:`dtbench.harness.testkit.BUILTIN`; ``--decoders`` restricts them)."""
+    (:func:`dtbench.harness.testkit.builtin_settings`, each decoder's declared settings; ``--decoders`` restricts them)."""
     from dtbench.harness import registry
-    from dtbench.harness.testkit import BUILTIN
+    from dtbench.harness.testkit import builtin_settings
 
-    return [(n, p) for n, p in BUILTIN if registry.get(n).lossless and (ONLY is None or n in ONLY)]
+    return [(n, p) for n, p in builtin_settings() if registry.get(n).lossless and (ONLY is None or n in ONLY)]
 
 
 def build(name: str, params: dict, target, draft, workdir: Path):

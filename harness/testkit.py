@@ -23,9 +23,9 @@ here is used by a benchmark run: the models are random (no download) and the hea
     midlayer.self_attn.{q,k,v}_proj.weight over 2h, midlayer.self_attn.o_proj.weight, midlayer.mlp.*, norm.weight,
     lm_head.weight (draft_vocab_size rows), d2t (int64), t2d (bool); embed_tokens.weight optional (``embedding``).
 
-- :data:`BUILTIN`: (name, params) of every built-in decoder that decodes in this process, with :data:`HEAD` and
-  :data:`STORE` placeholders for the files a caller writes (a head folder, a REST datastore);
-  ``tests/test_measurement.py`` keeps the list complete.
+- :func:`builtin_settings`: (name, params) of every built-in decoder that decodes in this process, from each one's
+  declared ``check_settings``, with :data:`HEAD` and :data:`STORE` placeholders for the files a caller writes (a head
+  folder, a REST datastore).
 """
 
 from __future__ import annotations
@@ -229,23 +229,33 @@ def write_eagle(
 
 HEAD = "<head written by build()>"  # params placeholder: a head folder the caller writes (write_medusa/write_eagle)
 STORE = "<rest tokens file written by build()>"  # params placeholder: a REST datastore the caller writes
-BUILTIN: list[tuple[str, dict[str, Any]]] = [
-    ("ar", {}),
-    ("linear", {"k": 3}),
-    ("fixed_tree", {"depth": 3, "branching": 2}),
-    ("fixed_tree", {"depth": 3, "branching": 2, "cache_strategy": "rebuild"}),
-    ("fixed_tree", {"depth": 3, "branching": 2, "draft_strategy": "per_node"}),
-    ("dynatree", {}),
-    ("hf_assisted", {}),
-    ("hf_generate", {}),
-    ("streaming_ar", {"sinks": 4, "window": 64}),
-    ("streaming_spec", {"sinks": 4, "window": 64, "k": 3}),
-    ("medusa", {"head": HEAD}),
-    ("eagle", {"head": HEAD, "top_k": 3, "depth": 3, "total_token": 10}),
-    ("token_recycling", {}),
-    ("lookahead", {"window_size": 4, "ngram_size": 3, "guess_set_size": 4}),
-    ("ngram", {"k": 4}),
-    ("suffix", {"k": 3, "min_match": 1}),
-    ("suffix", {"k": 3, "fallback": "draft"}),
-    ("rest", {"tokens": STORE}),
-]
+
+
+class Placeholders:
+    """A :class:`~dtbench.harness.conformance.CheckContext` stand-in for callers that write the files params name
+    themselves, sized for their own target (the GPU check's Pythia-shaped models): the file helpers return
+    :data:`HEAD` / :data:`STORE` placeholders."""
+
+    def medusa_head(self, heads: int = 4) -> str:
+        return HEAD
+
+    def eagle_head(self, version: int = 1) -> str:
+        return HEAD
+
+    def token_file(self, tokens: list[int] | None = None) -> str:
+        return STORE
+
+
+def builtin_settings() -> list[tuple[str, dict[str, Any]]]:
+    """(name, params) of every built-in decoder that decodes in this process, one entry per setting it declares
+    (:meth:`~dtbench.decoders.base.Decoder.check_settings`, issue 56: the list lives in the decoders), with
+    :data:`HEAD` and :data:`STORE` placeholders for the files a caller writes."""
+    from dtbench.harness import registry
+
+    out = []
+    for name, entry in sorted(registry.discover().items()):
+        cls = registry.get(name)
+        if entry.distribution != "dtbench" or cls.requests:
+            continue
+        out.extend((name, dict(p)) for p in cls.check_settings(Placeholders()))
+    return out

@@ -41,5 +41,7 @@ def test_every_builtin_declares_valid_settings():
 
     ctx = CheckContext(pair("llama", "self", 8.0, PRECISIONS["cpu"])[0])
     for name in BUILTINS:
+        if registry.get(name).requests:  # a server's params name an endpoint: no check runs it in this process
+            continue
         settings = settings_of(registry.get(name), ctx)
         assert isinstance(settings, list) and settings, name

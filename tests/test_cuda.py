@@ -27,7 +27,7 @@ from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.suite import ModelSpec
-from dtbench.harness.testkit import BUILTIN, HEAD
+from dtbench.harness.testkit import HEAD, builtin_settings
 
 pytestmark = [
     pytest.mark.cuda,
@@ -52,7 +52,7 @@ def lossless_builtins() -> set[str]:
 
 
 # Every built-in lossless decoder with the small params test_measurement gives it (which must cover every built-in).
-LOSSLESS = [(n, p) for n, p in BUILTIN if registry.get(n).lossless]
+LOSSLESS = [(n, p) for n, p in builtin_settings() if registry.get(n).lossless]
 
 
 @pytest.fixture(scope="module")
