@@ -9,9 +9,11 @@ from pathlib import Path
 
 from dtbench.gpucheck.common import tests_dir
 
-# the property tests parametrized over the device (models.DEVICES): equivalence, batched (B > 1), heads, training-free,
+# the property tests parametrized over the device (models.DEVICES): the conformance kit on every built-in first (issue
+# 56: `dtbench check --all --device cuda` as pytest ids), then equivalence, batched (B > 1), heads, training-free,
 # compiled execution, resident tree drafting
 TEST_MODULES = (
+    "tests/test_conformance.py",
     "tests/test_equivalence.py",
     "tests/test_batching.py",
     "tests/test_heads.py",
@@ -41,6 +43,19 @@ def parse_hypothesis_statistics(text: str) -> dict[str, dict[str, int]]:
             for key, value in zip(("passing", "failing", "invalid"), counts.groups(), strict=True):
                 current[key] += int(value)
     return out
+
+
+def parse_verbose(text: str) -> dict:
+    """passed/failed/skipped counts and the failed test ids from ``pytest -v`` lines (``path::test[id] PASSED``): what a
+    child stopped at its time limit leaves (it writes no JUnit XML)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    failures = []
+    for test, outcome in re.findall(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", text, re.M):
+        key = {"PASSED": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
+        counts[key] += 1
+        if key == "failed":
+            failures.append({"test": test, "falsifying_example": None, "message": outcome})
+    return {**counts, "failures": failures}
 
 
 def parse_junit(path: Path) -> dict:
@@ -81,13 +96,17 @@ def step_tests(device, out_dir: Path, log) -> dict:
     junit = out_dir / "tests.junit.xml"
     junit.unlink(missing_ok=True)
     selector = "cuda" if device.type == "cuda" else "cpu"
-    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_MODULES, "-k", selector]
+    cmd = [sys.executable, "-P", "-m", "pytest", "-v", "-p", "no:cacheprovider", *TEST_MODULES, "-k", selector]
     cmd += [f"--junitxml={junit}", "--hypothesis-show-statistics"]
     env = {**os.environ, "DTBENCH_HYPOTHESIS_EXAMPLES": str(TEST_EXAMPLES)}
     try:
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"pytest ran past {TEST_TIMEOUT_S} s", "modules": list(TEST_MODULES)}
+    except subprocess.TimeoutExpired as exc:  # what finished before the limit is kept (-v: a line per test)
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        (out_dir / "tests.log").write_text(text, encoding="utf-8")
+        partial = parse_verbose(text)
+        log(f"tests: ran past {TEST_TIMEOUT_S} s; {partial['passed']} passed, {partial['failed']} failed before it")
+        return {"ok": False, "error": f"pytest ran past {TEST_TIMEOUT_S} s", "modules": list(TEST_MODULES), **partial}
     (out_dir / "tests.log").write_text(done.stdout + done.stderr, encoding="utf-8")
     if not junit.exists():
         return {

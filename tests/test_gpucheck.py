@@ -351,12 +351,16 @@ def test_hypothesis_statistics_and_junit_are_parsed(tmp_path):
 
 
 def test_the_tests_step_runs_every_device_parametrized_module():
-    """Every test module parametrized over the device (``models.DEVICES``) is in the tests step's list, and only
+    """Every test module parametrized over the device (``models.DEVICES``, or the conformance kit's ``devices=``) is in the tests step's list, and only
     those: a module parametrized later is run on the node without editing the check by hand being forgotten."""
     parametrized = {
         f"tests/{p.name}"
         for p in sorted((REPO / "tests").glob("test_*.py"))
-        if re.search(r'^@pytest\.mark\.parametrize\("on", DEVICES\)', p.read_text(encoding="utf-8"), re.M)
+        if re.search(
+            r'^@pytest\.mark\.parametrize\("on", DEVICES\)|^@parametrize_with_checks\(.*devices=',
+            p.read_text(encoding="utf-8"),
+            re.M,
+        )
     }
     assert set(gpucheck.TEST_MODULES) == parametrized
 
@@ -384,3 +388,15 @@ def test_a_budget_runs_the_most_valuable_steps_that_fit_and_lists_the_rest(tmp_p
     assert data["skipped_steps"] == {"timing": "planned 11 s, 2 s of the 40 s budget left"}
     plan = CliRunner().invoke(gpucheck.main, ["--out", str(out), "--plan"])
     assert plan.exit_code == 0 and "against a 9.0-minute budget" in plan.output and "compiled" in plan.output
+
+
+def test_a_tests_step_stopped_at_its_limit_keeps_what_finished():
+    """pytest -v lines of a child killed at the time limit (it writes no JUnit XML): counts and failed ids survive."""
+    text = (
+        "tests/test_conformance.py::test_builtin[ar-state-cuda] PASSED [  1%]\n"
+        "tests/test_conformance.py::test_builtin[ar-batch_rows-cuda] FAILED [  2%]\n"
+        "tests/test_conformance.py::test_builtin[eagle-batch_rows-cuda] SKIPPED (declares batching = False) [  3%]\n"
+    )
+    res = gpucheck.proptests.parse_verbose(text)
+    assert (res["passed"], res["failed"], res["skipped"]) == (1, 1, 1)
+    assert res["failures"][0]["test"] == "tests/test_conformance.py::test_builtin[ar-batch_rows-cuda]"

@@ -128,6 +128,11 @@ class PromptLookup(Decoder):
     compiles = True  # every forward goes through speculate_chain + KVTarget: it runs under `execution: compiled`
 
     @classmethod
+    def check_settings(cls, ctx) -> list[dict]:
+        """What ``dtbench check`` / ``dtbench.testing`` checks: the defaults (10 drafts) and a short, one-token match."""
+        return [{}, {"ngram_size": 1, "num_draft_tokens": 4}]
+
+    @classmethod
     def verify_sizes(cls, params: PromptLookupParams) -> tuple[int, int]:
         """(num_draft_tokens + 1, 0): the pending token and the looked-up drafts in one causal forward."""
         return params.num_draft_tokens + 1, 0
