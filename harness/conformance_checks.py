@@ -148,15 +148,15 @@ def greedy_equals_reference(job: Job) -> None:
 
 
 def batch_rows(job: Job) -> None:
-    """At B = 2..4 (ragged prompts, rows ending early at an EOS) every row equals that prompt decoded alone by the
-    same decoder."""
+    """At B = 2..5 (ragged prompts, rows ending early at an EOS; Llama and GPT-NeoX pairs, every kind of draft) every
+    row equals that prompt decoded alone by the same decoder."""
     st, cls = _st(), job.cls
     if not cls.batching:
         raise NotApplicable("declares batching = False")
     params = job.params(lambda p: cls.batching_error(p))
 
-    def body(rows, T, kind, params, eos_at):
-        target, draft = pair("llama", kind, FLAT, job.precision)
+    def body(rows, T, arch, kind, sharpness, params, eos_at):
+        target, draft = pair(arch, kind, sharpness, job.precision)
         alone_full = [collect(build(cls, params, target, draft), p, T) for p in rows]
         eos = _eos(alone_full[0], eos_at)
         alone = [cut(a, T, eos) for a in alone_full]
@@ -181,8 +181,14 @@ def batch_rows(job: Job) -> None:
                     },
                 )
 
-    rows = st.integers(2, 4).flatmap(lambda b: st.lists(prompts(1, 16), min_size=b, max_size=b))
-    strategies = {"rows": rows, "T": st.integers(1, 24), "kind": st.sampled_from(DRAFT_KINDS), "params": params}
+    rows = st.integers(2, 5).flatmap(lambda b: st.lists(prompts(1, 16), min_size=b, max_size=b))
+    strategies = {
+        "rows": rows,
+        "T": st.integers(1, 24),
+        "arch": st.sampled_from(ARCHS),
+        "kind": st.sampled_from(DRAFT_KINDS),
+    }
+    strategies |= {"sharpness": st.sampled_from(SHARPNESS), "params": params}
     search(job.examples(8), {**strategies, "eos_at": st.none() | st.integers(0, 23)}, body)
 
 

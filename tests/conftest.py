@@ -14,6 +14,62 @@ import pytest
 # in the compiler. Imported once here, before any test, it is already loaded when inductor asks.
 import setuptools  # noqa: F401, E402
 
+# --- tiers (issue 57): the fast tier by default, the full tier with --tier full (make test-full, CI) ---------------
+# Every test module declares ``TIER = "fast"`` or ``TIER = "full"`` (tests/test_tiers.py fails on one that does not).
+# The fast tier leaves out full modules, tests marked ``full`` or ``slow`` (the embedded SmolLM2), the PostgreSQL half
+# of ``db_url`` tests, and caps every hypothesis test at FAST_EXAMPLES examples (the ``dev`` profile); the full tier
+# runs everything with each test's own example count (the ``ci`` profile).
+TIERS = ("fast", "full")
+TIER_CHOICES = (*TIERS, "rest")  # rest: what the fast tier leaves out (CI runs fast, then rest: a total per tier)
+FAST_EXAMPLES = 3
+EXAMPLES_ENV = "DTBENCH_HYPOTHESIS_EXAMPLES"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tier",
+        choices=TIER_CHOICES,
+        default=os.environ.get("DTBENCH_TIER", "fast"),
+        help="fast (default: no compiles, end-to-end runs or services; few hypothesis examples), full (everything), "
+        "or rest (full minus fast)",
+    )
+
+
+def pytest_configure(config):
+    from hypothesis import settings
+
+    settings.register_profile("dev", max_examples=FAST_EXAMPLES, deadline=None)
+    settings.register_profile("ci", deadline=None)
+    fast = config.getoption("--tier") == "fast"
+    settings.load_profile("dev" if fast else "ci")
+    if fast:  # an explicit @settings(max_examples=examples(n)) reads the cap (tests/models.py, dtbench.testing)
+        os.environ.setdefault(EXAMPLES_ENV, str(FAST_EXAMPLES))
+
+
+def in_full_tier_only(item) -> bool:
+    """Whether the fast tier leaves ``item`` out (the rules above)."""
+    if getattr(item.module, "TIER", "fast") == "full" and not item.get_closest_marker("fast"):
+        return True
+    if item.get_closest_marker("full") or item.get_closest_marker("slow"):
+        return True
+    callspec = getattr(item, "callspec", None)
+    return bool(callspec and callspec.params.get("db_url") == "postgresql")
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = sorted({item.module.__name__ for item in items if getattr(item.module, "TIER", None) not in TIERS})
+    if missing:
+        raise pytest.UsageError(f"test modules without TIER = 'fast' or 'full': {', '.join(missing)}")
+    tier = config.getoption("--tier")
+    if tier == "full":
+        return
+    kept = [item for item in items if in_full_tier_only(item) == (tier == "rest")]
+    dropped = [item for item in items if in_full_tier_only(item) != (tier == "rest")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 DATA_DIR = Path(os.environ.get("DTBENCH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 

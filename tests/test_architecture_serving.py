@@ -17,6 +17,8 @@ import ast
 
 from test_import_graph import ROOT, imports, modules
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 SERVING_LAYER = ("dtbench.harness.serving", "dtbench.decoders.server", "dtbench.decoders.engines")
 SERVER_NAMES = {"base_url", "launch"}  # params only a server has
 

@@ -40,6 +40,8 @@ from dtbench.harness.store import db
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import SHARP, VOCAB
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -105,39 +107,6 @@ def assert_rows_lossless(target, prompts, out, reference, rule):
         return
     for r, prompt in enumerate(prompts):
         assert_lossless(target, prompt, out[r], reference[r], rule, companions=prompts[:r] + prompts[r + 1 :])
-
-
-@pytest.mark.parametrize("on", DEVICES)
-@pytest.mark.parametrize("arch", ["llama", "neox"])
-@pytest.mark.parametrize("name", DECODERS)
-@settings(max_examples=examples(8), deadline=None)
-@given(prompts=rows_st, T=st.integers(1, 24))
-def test_every_row_equals_batch1_ar(on, arch, name, prompts, T):
-    device, dtype, rule = on
-    target, draft = device_zoo(device, dtype, arch=arch, sharpness=SHARP)["perturbed"]
-    out, steps = batched(make(name, target, draft), prompts, T)
-    assert_rows_lossless(target, prompts, out, [alone(target, p, T) for p in prompts], rule)
-    for r in steps:
-        for s in steps[r][1:]:
-            assert 0 <= s.accepted <= s.drafted and len(s.tokens) <= s.accepted + 1 or name == "hf_generate"
-
-
-@pytest.mark.parametrize("on", DEVICES)
-@pytest.mark.parametrize("arch", ["llama", "neox"])
-@pytest.mark.parametrize("name", DECODERS)
-@settings(max_examples=examples(6), deadline=None)
-@given(prompts=rows_st, T=st.integers(2, 24), pick=st.integers(0, 10))
-def test_every_row_stops_at_its_eos(on, arch, name, prompts, T, pick):
-    """EOS = a token some row's greedy output holds (so at least one row ends early): each row equals batch-1 ar
-    stopping at EOS, i.e. its output up to and including its own first EOS."""
-    device, dtype, rule = on
-    target, draft = device_zoo(device, dtype, arch=arch, sharpness=SHARP)["perturbed"]
-    first = alone(target, prompts[0], T)
-    eos = first[min(pick, len(first) - 1)]
-    out, _ = batched(make(name, target, draft), prompts, T, eos)
-    assert_rows_lossless(target, prompts, out, [alone(target, p, T, eos) for p in prompts], rule)
-    if rule == "exact":  # (under the tie-aware rule a batched tie may lead row 0 past its batch-1 EOS)
-        assert eos in out[0]
 
 
 class Oracle(Proposer):

@@ -16,6 +16,8 @@ from dtbench.decoders.base import FAMILIES, Decoder
 from dtbench.harness import calibrate as cal
 from dtbench.harness import calibrate_run, registry
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PLUGINS = """

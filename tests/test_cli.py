@@ -12,6 +12,8 @@ from sqlalchemy import func, select
 from dtbench.harness import registry
 from dtbench.harness.store import db
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 TINY = {
     "name": "tiny",
     "seed": 0,

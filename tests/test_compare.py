@@ -14,6 +14,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.reports.compare import Gate, compare_runs, mann_whitney
 from dtbench.reports.summary import samples_frame
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 BASE = [100.0, 101.0, 99.0, 100.5, 99.5, 100.2, 99.8, 100.1]
 FASTER = [v * 1.2 for v in BASE]
 SLOWER = [v * 0.9 for v in BASE]

@@ -33,6 +33,8 @@ from dtbench.harness import roofline
 from dtbench.harness.store import db
 from dtbench.harness.testkit import VOCAB
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 EXECUTION = static_kv.Execution(max_len=192)  # shared: graphs compiled by one test are reused by the next

@@ -19,6 +19,8 @@ from dtbench.api import Decoder, DecoderParams, Step
 from dtbench.decoders.ar import Autoregressive
 from dtbench.testing import check_decoder
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 CHEAP = ["state", "greedy_equals_reference", "batch_rows", "step_accounting"]

@@ -19,7 +19,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit import fast_calibration_settings
-from models import model_zoo
+from models import examples, model_zoo
 
 from dtbench.decoders import base as decoder_base
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
@@ -32,6 +32,8 @@ from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import VOCAB
 from dtbench.reports import costmodel, pricing
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -217,7 +219,9 @@ def test_calibrate_with_fake_clock_measures_the_cost_exactly():
     assert max(p.n for p in points if p.tree_mask) == 21  # root + n_max
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(data=st.data(), table=cost_tables())
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
@@ -252,7 +256,7 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
         assert priced["draft_s"] == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     table=cost_tables(),
     steps=st.lists(

@@ -29,6 +29,8 @@ from dtbench.harness.prompt import Prompt
 from dtbench.harness.suite import ModelSpec
 from dtbench.harness.testkit import HEAD, builtin_settings
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `make gpu-check` on a GPU node)"),

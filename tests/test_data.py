@@ -14,6 +14,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suite import DatasetSpec
 from dtbench.harness.suitefile import load_suite
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 SUITES = Path(__file__).resolve().parents[1] / "suites"
 
 

@@ -13,6 +13,8 @@ from kit import invoke, one_line_error, tiny_pair, write_suite
 from dtbench.harness import data
 from dtbench.harness.suite import DatasetSpec
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HUMANEVAL_SHA256 = "1d49078ba3e2b196b9344535bef34a43021f038fad9561d6ee7c53450609a6a2"  # ../shared/data/README.md

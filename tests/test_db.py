@@ -20,6 +20,8 @@ from dtbench.harness.prompt import Prompt
 from dtbench.harness.store import db
 from dtbench.harness.values import first_divergence
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 
 @pytest.fixture()
 def sessions(db_url):

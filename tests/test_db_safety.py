@@ -27,6 +27,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store import db
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "results-0001.db"
 
 # A child process: wait for the start gate (a wall-clock instant shared by all children), then open the database

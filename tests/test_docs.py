@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

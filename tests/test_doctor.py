@@ -23,6 +23,8 @@ from dtbench.cli import doctor, offline
 from dtbench.cli.main import cli
 from dtbench.harness.suitefile import load_suite
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from models import examples
 
 from dtbench.decoders.dynatree import (
     DynamicPolicy,
@@ -21,7 +22,9 @@ from dtbench.decoders.dynatree import (
     depth_gate,
 )
 
-FAST = settings(max_examples=60, deadline=None)
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
+FAST = settings(max_examples=examples(60), deadline=None)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one thread
 

@@ -24,6 +24,8 @@ from dtbench.harness.runner import run_suite
 from dtbench.harness.store import db
 from dtbench.harness.suitefile import load_suite
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
 

@@ -13,6 +13,8 @@ from dtbench.decoders.server import ServerParams, parse_chunk, request_body
 from dtbench.harness.metrics import Served, sample_row
 from dtbench.harness.prompt import Prompt
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 MY_ENGINE = """
 from dtbench.api import OpenAICompatible
 

@@ -1,6 +1,6 @@
-"""Lossless property tests: `ar` equals transformers' greedy generate, `linear` equals `ar`, token for token; and
-(issue 47) transformers' `hf_assisted` and `hf_generate` equal `ar`, `streaming_spec` equals `streaming_ar`, and
-`streaming_ar` with nothing evicted equals `ar`.
+"""Lossless property tests the conformance kit does not make (issue 56 moved `linear`, `hf_assisted` and `hf_generate`
+equal `ar` into it: tests/test_conformance.py): `ar` equals transformers' greedy generate; `streaming_spec` equals
+`streaming_ar` (a reference other than `ar`, lossy by declaration); `streaming_ar` with nothing evicted equals `ar`.
 
 Parametrized over the device (issue 38 item 3, ``models.DEVICES``): CPU float64 as always; on CUDA (skipped without
 one) the same seeded pairs in float32 token for token and in float16 under the tie-aware rule."""
@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 from models import DEVICES, assert_lossless, device_zoo, examples, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
-from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams, HFGenerate, HFGenerateParams
+from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpecParams, StreamingSpeculative
 from dtbench.harness.testkit import VOCAB
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,25 +35,6 @@ def test_ar_equals_hf_generate(on, prompt, T):
     target, _ = device_zoo(device, dtype)["self"]
     out = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
     assert_lossless(target, prompt, out, hf_greedy(target, prompt, T), rule)
-
-
-@pytest.mark.parametrize("on", DEVICES)
-@pytest.mark.parametrize("kind", DRAFTS)
-@settings(max_examples=examples(20), deadline=None)
-@given(prompt=prompts, T=st.integers(1, 48), k=st.integers(1, 8))
-def test_linear_equals_ar(on, kind, prompt, T, k):
-    device, dtype, rule = on
-    target, draft = device_zoo(device, dtype)[kind]
-    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
-    dec = LinearSpeculative(target, draft, LinearParams(k=k))
-    steps = list(_steps(dec, prompt, T))
-    tokens = [t for s in steps for t in s.tokens][:T]
-    assert_lossless(target, prompt, tokens, ar, rule)
-    for s in steps[1:]:
-        assert 0 <= s.accepted <= s.drafted <= k
-        assert len(s.tokens) == s.accepted + 1  # accepted drafts plus the bonus token
-    if kind == "self":  # a draft equal to the target is always right
-        assert all(s.accepted == s.drafted for s in steps[1:])
 
 
 def _steps(decoder, prompt, T):
@@ -88,28 +71,6 @@ def test_linear_equals_ar_on_smollm2(smollm2, data_dir, k):
 
 
 # --- the decoders a GPU user meets first (issue 47): transformers' pair and the StreamingLLM pair, on every device ---
-
-
-@pytest.mark.parametrize("on", DEVICES)
-@pytest.mark.parametrize("kind", DRAFTS)
-@settings(max_examples=examples(10), deadline=None)
-@given(prompt=prompts, T=st.integers(1, 40), n=st.integers(1, 8), threshold=st.sampled_from([0.0, 0.4]))
-def test_hf_assisted_equals_ar(on, kind, prompt, T, n, threshold):
-    device, dtype, rule = on
-    target, draft = device_zoo(device, dtype)[kind]
-    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
-    params = HFAssistedParams(num_assistant_tokens=n, assistant_confidence_threshold=threshold)
-    assert_lossless(target, prompt, run_decoder(HFAssisted(target, draft, params), prompt, T), ar, rule)
-
-
-@pytest.mark.parametrize("on", DEVICES)
-@settings(max_examples=examples(10), deadline=None)
-@given(prompt=prompts, T=st.integers(1, 40))
-def test_hf_generate_equals_ar(on, prompt, T):
-    device, dtype, rule = on
-    target, _ = device_zoo(device, dtype)["self"]
-    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
-    assert_lossless(target, prompt, run_decoder(HFGenerate(target, None, HFGenerateParams()), prompt, T), ar, rule)
 
 
 @pytest.mark.parametrize("on", DEVICES)

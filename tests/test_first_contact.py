@@ -11,6 +11,8 @@ import torch
 
 from dtbench.decoders import kv, modelinfo
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -25,6 +25,8 @@ from dtbench.harness import host_reads
 from dtbench.harness.measure import measure
 from dtbench.harness.testkit import VOCAB
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 K = 2

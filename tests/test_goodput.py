@@ -11,6 +11,8 @@ from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.goodput import goodput_frame, meets, parse_slos, wilson
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 
 def test_targets_parse_in_milliseconds_and_bad_ones_are_one_line():
     assert parse_slos("ttft:200, tpot:50,e2el:5000") == {"ttft": 0.2, "tpot": 0.05, "e2el": 5.0}

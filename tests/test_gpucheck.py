@@ -17,6 +17,8 @@ import torch
 from dtbench import gpucheck
 from dtbench.cli import offline
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = json.loads((REPO / "tools" / "gpu-check.schema.json").read_text())
 CPU = torch.device("cpu")

@@ -18,6 +18,8 @@ from kit import invoke, one_line_error, write_suite
 
 from dtbench.harness.errors import DtbenchError
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 TINY = {
     "name": "tiny",
     "seed": 0,

@@ -26,6 +26,8 @@ from dtbench.decoders.tree import speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
 from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama, tiny_neox, write_eagle, write_medusa
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = list(range(3, 20))
 HIDDEN = 32

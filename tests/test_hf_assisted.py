@@ -10,11 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import hf_greedy, model_zoo, run_decoder
+from models import examples, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams
 from dtbench.harness.testkit import VOCAB
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24)
 DRAFTS = ["self", "perturbed", "unrelated"]
@@ -41,7 +43,7 @@ def _untouched(target, draft):
 
 
 @pytest.mark.parametrize("kind", DRAFTS)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 48), params=params_st)
 def test_lossless_vs_ar(kind, prompt, T, params):
     target, draft = model_zoo()[kind]

@@ -28,6 +28,8 @@ from models import model_zoo
 from dtbench.decoders import static_kv
 from dtbench.harness import host_reads, registry
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = list(range(3, 30))
@@ -71,7 +73,7 @@ def build(name: str, params: dict, compiled: bool):
 ONE_READ = [("ar", {}), ("linear", {"k": 4}), ("ngram", {"k": 3}), ("suffix", {"k": 6})]
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [True], ids=["compiled"])  # eager: the kit's host_reads check (issue 56)
 @pytest.mark.parametrize(("name", "params"), ONE_READ, ids=[n for n, _ in ONE_READ])
 def test_at_most_one_host_read_per_iteration(name, params, compiled):
     if compiled and not registry.get(name).compiles:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("harness", "decoders", "reports", "cli", "gpucheck")  # folder -> dtbench.<folder> (pyproject's package-dir)
 CORE = ("core", "registry", "api")  # dtbench/<name>.py -> dtbench.<name>

@@ -19,6 +19,8 @@ from sqlalchemy import func, select
 from dtbench.harness import cells, registry
 from dtbench.harness.store import db, runs
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PLUGINS = '''

@@ -18,6 +18,8 @@ from dtbench.harness.isolation import isolation_of, signal_name
 from dtbench.harness.store import db
 from dtbench.harness.suite import Suite
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ABORTING = '''
 import os
 from dtbench.decoders.ar import Autoregressive

@@ -9,6 +9,8 @@ import torch
 from dtbench.harness.kernel_profile import profile_call
 from dtbench.harness.testkit import tiny_model
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -22,6 +22,8 @@ from dtbench.harness import load
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store import db
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUSY_NOTE = "measured on a busy machine"

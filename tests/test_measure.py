@@ -14,6 +14,8 @@ import torch
 
 from dtbench.harness import machine, memory
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 MIB = 2**20
 CUDA0 = torch.device("cuda", 0)
 

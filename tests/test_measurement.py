@@ -14,13 +14,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import model_zoo
+from models import examples, model_zoo
 
 from dtbench.harness import registry
 from dtbench.harness.measure import ForwardCounter, measure
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.testkit import HEAD, STORE, builtin_settings, write_eagle, write_medusa
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 # Every declared setting but StreamingLLM's evicting windows (their prefill runs in chunks and they are lossy against
 # ar by design: tests/test_streaming.py counts their forwards).
@@ -123,7 +125,7 @@ def test_forward_counter_with_shared_target_and_draft():
     assert counter.snapshot()[0] == 1
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     T=st.integers(1, 16),
     k=st.integers(1, 6),

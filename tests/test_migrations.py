@@ -15,6 +15,8 @@ from sqlalchemy import MetaData, create_engine, inspect, select, text
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store import db, engines, schema
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 OLD_DB = FIXTURES / "results-0001.db"
 RUNS = (1, 2)

@@ -14,6 +14,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.reports import output
 from dtbench.reports.output import FORMATS, RENDERERS, Document, Note, Report, emit, rendered, renderer
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 
 def _report(**kw) -> Report:
     display = pd.DataFrame([{"Decoder": "a|b", "Speedup": "1.50×"}])

@@ -9,6 +9,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

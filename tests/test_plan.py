@@ -10,6 +10,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import load_suite, parse_suite
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 SUITE = """
 name: grid
 device: cpu

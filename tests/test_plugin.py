@@ -14,10 +14,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import model_zoo, run_decoder
+from models import examples, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.harness.testkit import VOCAB
+
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "examples" / "dtbench-prompt-lookup"
 
@@ -77,7 +79,7 @@ prompts = st.one_of(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 48), n=st.integers(1, 4), d=st.integers(1, 10))
 def test_reproduces_ar(plugin, prompt, T, n, d):
     target, _ = model_zoo()["self"]

@@ -19,6 +19,8 @@ from dtbench.decoders import base as decoder_base
 from dtbench.harness import calibrate_run, curves_file, models
 from dtbench.harness.curves import FED_LAST, FED_MASK
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DECODERS = [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}, {"name": "dynatree", "params": {"n_max": 8}}]

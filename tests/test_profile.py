@@ -12,6 +12,8 @@ from dtbench.reports import pricing, profile, profile_report
 from tests import reportdb
 from tests.kit import invoke
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 # Per request after warmup: (accepted per step, drafted depth per step); the first step is the prefill (depth 0).
 CHAIN = [  # linear, K = 3; the last request's last step was truncated to depth 1 (the end of the generation)
     ([0, 3, 1, 0], [0, 3, 3, 3]),

@@ -14,6 +14,8 @@ from dtbench.decoders.base import Step, commit_clock
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.measure import measure, measure_rows
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
 PROMPT = list(range(3, 20))

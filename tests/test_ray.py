@@ -36,6 +36,8 @@ from dtbench.harness.runner import run_suite
 from dtbench.harness.store import db
 from dtbench.harness.suitefile import load_suite
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'dtbench[ray]')")
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.skipif(os.name != "posix", reason="POSIX signals")]

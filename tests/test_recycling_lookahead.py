@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit import invoke, one_line_error, write_suite
-from models import DEVICES, assert_lossless, decoder_steps, device_zoo, examples, model_zoo, run_decoder
+from models import decoder_steps, device_zoo, model_zoo, run_decoder
 from pydantic import ValidationError
 
 from dtbench.decoders import kv
@@ -20,6 +19,8 @@ from dtbench.decoders.lookahead import Lookahead, LookaheadDrafter, LookaheadPar
 from dtbench.decoders.token_recycling import TokenRecycling, TokenRecyclingDrafter, TokenRecyclingParams
 from dtbench.decoders.tree import TokenTree, attention_mask_kind, tree_logits
 from dtbench.harness.testkit import ARCHS, SHARP, VOCAB
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -47,32 +48,6 @@ def build(name, params, arch="llama", sharpness=SHARP, device="cpu", dtype=torch
     target, _ = device_zoo(device, dtype, arch=arch, sharpness=sharpness)["self"]
     cls = DECODERS[name]
     return target, cls(target, None, cls.Params(**params))
-
-
-@pytest.mark.parametrize("on", DEVICES)
-@pytest.mark.parametrize("name", list(DECODERS))
-@pytest.mark.parametrize("arch", ARCHS)
-@settings(max_examples=examples(12), deadline=None)
-@given(
-    data=st.data(),
-    prompt=st.one_of(random_prompts, repeating_prompts),
-    T=st.integers(1, 40),
-    sharpness=st.sampled_from([SHARP, 8.0]),
-)
-def test_greedy_equivalence(on, name, arch, data, prompt, T, sharpness):
-    device, dtype, rule = on
-    params = data.draw(PARAMS[name])
-    target, dec = build(name, params, arch, sharpness, device, dtype)
-    steps = decoder_steps(dec, prompt, T)
-    ar = run_decoder(Autoregressive(target, None, ARParams()), prompt, T)
-    assert_lossless(target, prompt, [t for s in steps for t in s.tokens][:T], ar, rule)
-    n_max = (
-        len(dec.template_of(dec.params))
-        if name == "token_recycling"
-        else (params["guess_set_size"] * (params["ngram_size"] - 1))
-    )
-    for s in steps[1:]:
-        assert 0 <= s.accepted <= s.depth and s.drafted <= n_max and len(s.tokens) == s.accepted + 1
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,8 @@ from dtbench.harness.runner import make_executor
 from dtbench.registry import BUILTIN_DISTRIBUTION
 from dtbench.reports.output import FORMAT_REGISTRY
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ALL = {
     "dtbench.decoders": decoders.DECODERS,
     "dtbench.datasets": DATASETS,

@@ -25,6 +25,8 @@ from dtbench.reports import compare, figures, html, paper, render
 from dtbench.reports.compare import compare_runs, speedup_table
 from dtbench.reports.summary import combined_summary, samples_frame, summarize
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 
 def invoke(*args):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)

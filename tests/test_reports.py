@@ -19,6 +19,8 @@ from dtbench.cli.main import cli
 from dtbench.reports import compare, figures, paper
 from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 
 def invoke(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)

@@ -17,6 +17,8 @@ import time
 import pytest
 import yaml
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.name != "posix", reason="SIGKILL is POSIX")]
 
 SUITE = {

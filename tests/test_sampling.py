@@ -23,6 +23,8 @@ from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.streaming import StreamingSpecParams, StreamingSpeculative
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, M, RUNS, ALPHA = 6, 3, 1500, 1e-4

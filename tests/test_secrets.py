@@ -14,6 +14,8 @@ import sqlite3
 import pytest
 from kit import invoke, one_line_error, write_suite
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 TINY = {
     "name": "tiny",
     "seed": 0,

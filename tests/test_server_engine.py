@@ -23,6 +23,8 @@ import yaml
 from dtbench.decoders.server import ServerParams
 from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary, measure_requests
 
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 try:  # the binary {llama_server} stands for (DTBENCH_LLAMA_SERVER, the engine extra, PATH): `make engine`
     llama_server_binary()
 except ServerError as _exc:

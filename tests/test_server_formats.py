@@ -22,6 +22,8 @@ from dtbench.decoders.server import (
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.serving import _events, arrival_delays, check_output
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 FIX = Path(__file__).parent / "fixtures" / "engines"
 PLAIN = {"launch": ["server-binary", "--port", "{port}"]}
 

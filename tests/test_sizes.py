@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("cli", "harness", "decoders", "reports", "dtbench", "gpucheck")
 MAX_MODULE_LINES = 500

@@ -16,6 +16,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store import db
 from dtbench.harness.suite import ModelSpec
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "gpu-smoke.yaml"
 
 

@@ -20,6 +20,8 @@ from dtbench.harness import chat, questions
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.suite import DatasetSpec
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 USER_QUESTIONS = [

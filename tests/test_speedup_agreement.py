@@ -17,6 +17,8 @@ from dtbench.reports.html import build_html
 from dtbench.reports.paper import paper_tables
 from dtbench.reports.summary import combined_summary, samples_frame, summarize
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 GREEDY, T07, T10 = None, {"temperature": 0.7}, {"temperature": 1.0}
 # (label, decoder, sampling, throughputs: 1 warmup + 5 prompts); per-prompt values vary, so a mean of per-prompt
 # ratios differs from the ratio of means, and the AR cells differ, so pairing with the wrong one shows.

@@ -13,6 +13,8 @@ from kit import invoke, write_suite
 
 from dtbench.harness.serving import arrival_delays, load_profile
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 SUITE = {
     "name": "steady",
     "seed": 0,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import model_zoo, run_decoder
+from models import examples, model_zoo, run_decoder
 
 from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids
@@ -29,6 +29,8 @@ from dtbench.decoders.suffix import SuffixDecoding, SuffixParams
 from dtbench.decoders.token_recycling import TokenRecycling
 from dtbench.harness.measure import measure
 from dtbench.harness.testkit import VOCAB
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,7 +108,7 @@ def collect(decoder, prompt):
 
 
 @pytest.mark.parametrize("kind", ["self", "perturbed"])
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(prompt=prompts, j=st.integers(0, T - 1))
 def test_every_decoder_stops_at_eos(kind, prompt, j):
     target, draft = model_zoo()[kind]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import model_zoo, run_decoder
+from models import examples, model_zoo, run_decoder
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 from transformers.models.gpt_neox import modeling_gpt_neox
 from transformers.models.llama import modeling_llama
@@ -23,6 +23,8 @@ from dtbench.decoders.streaming import (
     StreamingSpeculative,
 )
 from dtbench.harness.testkit import VOCAB, perturbed
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,7 +115,7 @@ def literal_streaming(model, prompt: list[int], T: int, S: int, R: int, *, logit
 
 
 @pytest.mark.parametrize("kind", DRAFTS)
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 48), S=st.integers(0, 3), R=st.integers(1, 16), k=st.integers(1, 8))
 def test_spec_equals_streaming_ar(kind, prompt, T, S, R, k):
     target, draft = model_zoo()[kind]
@@ -122,7 +124,7 @@ def test_spec_equals_streaming_ar(kind, prompt, T, S, R, k):
     assert run_decoder(spec, prompt, T) == expected
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 40), S=st.integers(0, 3), R=st.integers(1, 12))
 def test_streaming_ar_equals_literal_streamingllm(prompt, T, S, R):
     target, _ = model_zoo()["self"]
@@ -147,7 +149,7 @@ def test_logits_match_literal_streamingllm():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 40))
 def test_no_eviction_equals_ar(prompt, T):
     """With S + R beyond prompt + T nothing is evicted: the position handling reduces to plain ar."""
@@ -156,7 +158,7 @@ def test_no_eviction_equals_ar(prompt, T):
     assert run_decoder(StreamingAR(target, None, StreamingParams(sinks=4, window=len(prompt) + T)), prompt, T) == ar
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 40), S=st.integers(0, 3), R=st.integers(1, 12), k=st.integers(1, 6))
 def test_eager_attention(prompt, T, S, R, k):
     """The additive float mask of the eager attention path gives the same result as the literal version."""
@@ -167,7 +169,7 @@ def test_eager_attention(prompt, T, S, R, k):
     assert run_decoder(spec, prompt, T) == expected
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(prompt=prompts, T=st.integers(1, 40), S=st.integers(0, 3), R=st.integers(1, 12), k=st.integers(1, 6))
 def test_gpt_neox_partial_rotary(prompt, T, S, R, k):
     """Pythia's architecture (rotary on part of each head): streaming_ar = literal, streaming_spec = streaming_ar."""

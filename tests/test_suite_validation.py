@@ -15,6 +15,8 @@ from dtbench.harness.store import db
 from dtbench.harness.suitebase import MAX_GRID
 from dtbench.harness.suitefile import MAX_NODES
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 BASE = {
     "name": "v",
     "device": "cpu",

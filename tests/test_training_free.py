@@ -22,6 +22,8 @@ from dtbench.decoders.rest import Datastore, Rest, RestParams, cut_to_choices, f
 from dtbench.decoders.suffix import SuffixAutomaton, SuffixDecoding, SuffixParams
 from dtbench.harness.testkit import ARCHS, SHARP, VOCAB
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -34,7 +36,7 @@ def brute_match(tokens, min_n, max_n, occurrence):
     return 0, 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 3), max_size=40),
     min_n=st.integers(1, 4),
@@ -47,7 +49,7 @@ def test_kmp_search_finds_the_longest_earlier_suffix(tokens, min_n, extra, occur
     )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), max_size=40))
 def test_suffix_automaton_tracks_the_longest_repeated_suffix(tokens):
     sam = SuffixAutomaton()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import hf_greedy, model_zoo, run_decoder
+from models import examples, hf_greedy, model_zoo, run_decoder
 
 from dtbench.decoders import kv
 from dtbench.decoders import tree as T
@@ -21,6 +21,8 @@ from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
 from dtbench.decoders.tree import verify as loop  # select_path is looked up where the tree verification calls it
 from dtbench.harness.testkit import ARCHS, FLAT, SHARP, VOCAB
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 ATTNS = ["sdpa", "eager"]
 KINDS = ["self", "perturbed", "unrelated"]
@@ -113,7 +115,7 @@ def random_bfs_tree(data, max_nodes=14):
     return [-1] + [pos[parents[u]] for u in order[1:]], [depths[u] for u in order]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.data(), st.sampled_from(ATTNS))
 def test_tree_masked_forward_equals_sequential_decoding(data, attn):
     """Tree mask + position ids + cache: each node's logits are those of its root-to-node path decoded alone;
@@ -162,7 +164,7 @@ def test_tree_masked_forward_equals_sequential_decoding(data, attn):
         assert torch.allclose(got.values, want.values, atol=tol, rtol=0)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.data(), st.sampled_from(ATTNS))
 def test_draft_session_matches_sequential_decoding(data, attn):
     """The draft cache: root forward, tree-masked feeds (whole levels or single nodes, as the two drafting
@@ -225,7 +227,7 @@ def tree_guaranteed(params, n) -> bool:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("attn", ATTNS)
 @pytest.mark.parametrize("arch", ARCHS)
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(data=st.data())
 def test_lossless_every_strategy(arch, attn, kind, name, data):
     """fixed_tree / dynatree x {compact, rebuild} x {per_level, per_node} x tree_root {paper, pending} x prune

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import DEVICES, assert_lossless, decoder_steps, device_zoo, model_zoo, run_decoder
+from models import DEVICES, assert_lossless, decoder_steps, device_zoo, examples, model_zoo, run_decoder
 
 from dtbench.decoders import fixed_tree
 from dtbench.decoders.dynatree import DynamicPolicy, DynaTreeParams
@@ -29,6 +29,8 @@ from dtbench.decoders.tree import (
 )
 from dtbench.harness import registry
 from dtbench.harness.testkit import SHARP
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +61,7 @@ def _assert_same_tree(host: TokenTree, resident: TokenTree) -> None:
     assert torch.equal(resident.ancestors(), host.ancestors())
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     depth=st.integers(1, 4),
     branching=st.integers(1, 3),
@@ -77,7 +79,7 @@ def test_resident_draft_builds_the_host_tree(depth, branching, n_max, tau, tree_
     _assert_same_tree(host, resident)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n_max=st.integers(1, 40),
     d0=st.integers(1, 4),

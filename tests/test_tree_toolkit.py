@@ -15,13 +15,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import examples
 from pydantic import ValidationError
 
 from dtbench.decoders import tree as T
 from dtbench.decoders.dynatree import DynamicPolicy, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedPolicy, FixedTreeParams
 
-FAST = settings(max_examples=60, deadline=None)
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
+FAST = settings(max_examples=examples(60), deadline=None)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny models, one thread
@@ -181,7 +184,7 @@ def select_brute(parents, tokens, pred):
     return best, [tokens[u] for u in best[1:]] + [pred[best[-1]]]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(bfs_parents(), st.integers(1, 4), st.data())
 def test_select_path_matches_brute_force(parents, vocab, data):
     n = len(parents)
@@ -264,7 +267,7 @@ def random_dynatree_params(data) -> DynaTreeParams:
     )
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(st.data())
 def test_drafted_tree_obeys_rules_and_strategies_agree(data):
     vocab = data.draw(st.integers(2, 12))
@@ -458,7 +461,7 @@ def test_paper_tree_on_a_scripted_draft_by_hand(strategy):
     assert as_paper_nodes(small) == [(0, -1, 0), (1, 0, 1), (2, 0, 1), (3, 1, 2)]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(st.data())
 def test_paper_tree_equals_algorithm_1(data):
     """tree_root=paper, prune=leaf builds exactly Algorithm 1's DRAFTTREE (node set, depths, BFS order) for

@@ -11,6 +11,8 @@ from dtbench.harness.store import db
 from dtbench.reports.summary import samples_frame, summarize
 from dtbench.reports.tuning import best_setting, tuning_line
 
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
 
 def tuning_db(path, settings, ars=({},)):
     """A run with AR at 10 tokens/s (one cell per options dict of ``ars``: greedy at T=64 by default) and one
