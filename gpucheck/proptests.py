@@ -18,8 +18,6 @@ TEST_MODULES = (
     "tests/test_batching.py",
     "tests/test_heads.py",
     "tests/test_training_free.py",
-    "tests/test_recycling_lookahead.py",
-    "tests/test_compiled.py",
     "tests/test_tree_resident.py",
 )
 TEST_EXAMPLES = 5  # hypothesis examples per property test (models.EXAMPLES_ENV): within the check's 8 minutes

@@ -351,7 +351,19 @@ def search(n: int, strategies: dict[str, Any], body: Callable[..., None]) -> Non
         suppress_health_check=list(HealthCheck),
         phases=tuple(Phase) if os.environ.get(SHRINK_ENV) == "1" else tuple(p for p in Phase if p != Phase.shrink),
     )(given(**strategies)(guarded))
-    test()
+    from hypothesis.errors import Flaky
+
+    try:
+        test()
+    except Flaky as exc:  # failed once, passed when replayed: state the first run left (a first compile, a cache)
+        inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, CheckFailed)]
+        if not inner:
+            raise CheckFailed(
+                f"fails only on a first run (not reproducible on replay): {str(exc).splitlines()[0]}"
+            ) from exc
+        raise CheckFailed(
+            f"{inner[0].message} (on the first run only: replayed, it passed)", inner[0].counterexample
+        ) from exc
 
 
 def _shown(kw: dict[str, Any]) -> dict[str, Any]:

@@ -192,11 +192,26 @@ def batch_rows(job: Job) -> None:
     search(job.examples(8), {**strategies, "eos_at": st.none() | st.integers(0, 23)}, body)
 
 
+MAX_PROMPT, MAX_T = 20, 40  # the compiled check's draws: a static cache holds prompt + T + the decoder's headroom
+MAX_LEN = 512  # one static cache length for every decoder of a process, as one run has (mixing lengths on the same
+# models made transformers' compiled forward recompile: an artifact of the kit, not of a decoder)
+
+
 @cache
 def _execution(precision: Precision) -> Any:
     from dtbench.decoders import static_kv
 
-    return static_kv.Execution(max_len=192)
+    return static_kv.Execution(max_len=MAX_LEN)
+
+
+@cache
+def _compiled_pair(cls: type, precision: Precision) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The perturbed pair copied for one decoder class: its compiled graphs are its own, as a cell's are in the
+    process the runner isolates it in (``isolation: process``, the default), never another decoder's."""
+    import copy
+
+    target, draft = pair("llama", "perturbed", FLAT, precision)
+    return copy.deepcopy(target), copy.deepcopy(draft)
 
 
 _COMPILED: set[tuple] = set()
@@ -213,16 +228,20 @@ def compiled_equals_eager(job: Job) -> None:
     if not cls.compiles:
         raise NotApplicable("declares compiles = False")
     params = job.params(lambda p: cls.compile_error(p))
-    ex = _execution(job.precision)
 
     def body(prompt, T, params):
-        target, draft = pair("llama", "perturbed", FLAT, job.precision)
+        ex = _execution(job.precision)
+        if MAX_PROMPT + MAX_T + cls.cache_headroom(params) > MAX_LEN:
+            raise CheckFailed(
+                f"declared setting needs a static cache over {MAX_LEN} positions", {"params": describe(params)}
+            )
+        target, draft = _compiled_pair(cls, job.precision)
         eager = collect(build(cls, params, target, draft), prompt, T)
         decoder = build(cls, params, target, draft)
         models = [target, draft] if cls.needs_draft else [target]
         key = (cls, params.model_dump_json(), job.precision)
         if key not in _COMPILED:
-            compile_decoder(ex, decoder, [prompt], T, models)
+            compile_decoder(ex, decoder, [prompt], MAX_T, models)  # as a cell of T >= 16 compiles
             _COMPILED.add(key)
         with static_kv.compiled(ex):
             ex.begin_sample()
@@ -247,7 +266,7 @@ def compiled_equals_eager(job: Job) -> None:
                 {**shown, **diff},
             )
 
-    strategies = {"prompt": prompts(2, 20), "T": st.integers(1, 40), "params": params}
+    strategies = {"prompt": prompts(2, MAX_PROMPT), "T": st.integers(1, MAX_T), "params": params}
     search(job.examples(3), strategies, body)
 
 
@@ -466,5 +485,7 @@ def run_check(
         out.status, out.detail, out.counterexample = "failed", exc.message, exc.counterexample
     except DtbenchError as exc:
         out.status, out.detail = "error", str(exc)
+    except Exception as exc:  # the kit's own failure (or a declaration it cannot use): one line, never a traceback
+        out.status, out.detail = "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     out.seconds = time.perf_counter() - t0
     return out
