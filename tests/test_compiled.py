@@ -150,6 +150,7 @@ def test_a_full_static_cache_is_a_clear_error(compiled_zoo):
         kv.prefill(target, torch.tensor([list(range(3, 20))]))
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_roofline_counts_weights_and_attended_kv_once_per_forward():
     model, _ = model_zoo()["self"]
     sizes = roofline.model_bytes(model)
@@ -316,6 +317,7 @@ def test_an_eager_run_has_no_execution_report_and_its_table_no_execution_column(
     one_line_error(invoke("report", "--db", str(dbfile), "--execution"), "no compiled cell with an eager twin")
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_0013_an_old_database_reports_as_eager_with_no_roofline(tmp_path):
     """Migration 0013: every cell written before it ran eager and has no compile time, every sample no roofline; its
     table gains no Execution or Roofline column (the numbers are test_migrations' identical-report check)."""

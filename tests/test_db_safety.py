@@ -209,6 +209,7 @@ BAD_FILES = {
 }
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 @pytest.mark.parametrize("kind", list(BAD_FILES))
 def test_not_a_dtbench_database_is_one_line_and_untouched(tmp_path, kind):
     """Fails on the code before migrations: a multi-line SQL error, and the file switched to WAL."""
@@ -227,6 +228,7 @@ def test_not_a_dtbench_database_is_one_line_and_untouched(tmp_path, kind):
         assert snapshot(path)[0] == before[0]
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_missing_file_and_folder_are_one_line_errors(tmp_path):
     one_line_error(invoke("report", "--db", str(tmp_path / "nope.db")), "no results database at")
     assert not (tmp_path / "nope.db").exists()

@@ -32,6 +32,7 @@ def _no_subprocess(*args, **kwargs):
     raise AssertionError(f"ran {args}")
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_without_a_gpu_one_line_exit_0_nothing_run(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(doctor, "nvml_gpus", lambda: [])
@@ -222,6 +223,7 @@ def test_install_is_offline_from_the_wheelhouse_and_holds_torch(tmp_path):
     assert offline.torch_constraint(str(tmp_path / "no-python")) == ""
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_offline_module_needs_only_the_standard_library():
     source = (REPO / "cli" / "offline.py").read_text()
     imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}

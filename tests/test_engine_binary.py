@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from dtbench.cli.main import cli
 from dtbench.harness.serving import MAKE_ENGINE, ServerError, llama_server_binary
 
-TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -159,6 +159,7 @@ def test_run_prints_no_password(tmp_path, monkeypatch):
 ESC_LABELS = ["red \x1b[31mlabel", "title \x1b]0;pwned\x07", "two\nlines", "bell\x07", "c1 \x9b31m"]
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 @pytest.mark.parametrize("label", ESC_LABELS)
 def test_control_characters_in_labels_are_refused(tmp_path, label):
     suite = write_suite(tmp_path, _suite(decoders=[{"name": "ar", "label": label}]))
@@ -205,6 +206,7 @@ def _hostile_db(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_csv_neutralises_formulas(tmp_path):
     import csv
     import io

@@ -46,6 +46,7 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("models"))
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_signal_names_and_the_default_isolation():
     assert signal_name(-signal.SIGSEGV) == "SIGSEGV" and signal_name(-signal.SIGABRT) == "SIGABRT"
     assert signal_name(3) == "exit code 3" and signal_name(None) == "unknown"

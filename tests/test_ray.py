@@ -335,6 +335,7 @@ def test_driver_killed_then_resumed(cluster, pair, tmp_path, data_dir, resume_wi
         assert s.scalar(select(func.count()).select_from(db.Sample).where(db.Sample.worker_host.is_(None))) == 0
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_ray_options_and_a_missing_ray_are_one_line_errors(pair, tmp_path, monkeypatch):
     path = write_suite(tmp_path, suite_dict(*pair, [{"name": "ar"}]))
     one_line_error(invoke("run", path, "--workers", "2"), "--address and --workers need --executor ray")
@@ -455,6 +456,7 @@ class _FakeHandle:
             return cal.Measured([], "node-a", 11, "cuda:0", "NVIDIA A100")
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_workers_with_different_devices_calibrate_on_the_first_with_a_warning():
     from dtbench.harness.ray_executor import _Actor
     from dtbench.harness.worker import WorkerInfo
