@@ -75,13 +75,16 @@ def still_fits(step: str, device_type: str, budget_s: float | None, elapsed_s: f
     return None if need <= left else f"planned {need:.0f} s, {max(left, 0.0):.0f} s left when its turn came"
 
 
-def plan_lines(device_type: str, budget_s: float = LEASE_BUDGET_S, spent_s: float = 0.0) -> list[str]:
-    """The plan of the whole check on ``device_type`` against ``budget_s``: one line per step (planned minutes,
-    run or skipped) and a total."""
+def plan_lines(
+    device_type: str, budget_s: float = LEASE_BUDGET_S, spent_s: float = 0.0, steps: list[str] | None = None
+) -> list[str]:
+    """The plan of the check on ``device_type`` against ``budget_s``: one line per step asked for (``steps``; None:
+    every step), its planned minutes, run or skipped, and a total."""
     planned = PLANNED_S.get(device_type, PLANNED_S["cuda"])
-    run, skipped = plan_steps(VALUE_ORDER, device_type, budget_s, spent_s)
+    asked = [s for s in VALUE_ORDER if steps is None or s in steps]
+    run, skipped = plan_steps(asked, device_type, budget_s, spent_s)
     lines = [f"plan on {device_type} against a {budget_s / 60:.1f}-minute budget ({spent_s:.0f} s already spent):"]
-    for step in VALUE_ORDER:
+    for step in asked:
         verdict = "run" if step in run else f"skip ({skipped[step]})"
         lines.append(f"  {step:10} {planned[step] / 60:5.1f} min  {verdict}")
     total = sum(planned[s] for s in run)

@@ -48,11 +48,16 @@ from dtbench.gpucheck.smoke import step_smoke, write_paper_curves
     "--budget",
     type=click.FloatRange(min=1),
     default=None,
+    callback=lambda ctx, param, value: _finite(value, "--budget"),
     help="Seconds the whole check may take (a lease: 540). Steps then run most valuable first (tests, compiled, "
     "smoke, lossless, costmodel, overhead, timing); a step whose planned seconds do not fit is skipped and listed.",
 )
 @click.option(
-    "--spent", type=click.FloatRange(min=0), default=0.0, help="Seconds of the budget already used (the install)."
+    "--spent",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    callback=lambda ctx, param, value: _finite(value, "--spent"),
+    help="Seconds of the budget already used (the install).",
 )
 @click.option("--plan", "plan_only", is_flag=True, help="Print the GPU plan against the budget (default 540 s); exit.")
 @click.option("--child", default=None, hidden=True)
@@ -83,8 +88,16 @@ def main(
             if bad
             else "--steps: name at least one step"
         )
-    if plan_only:
-        for line in budget_plan.plan_lines("cuda", budget or budget_plan.LEASE_BUDGET_S, spent):
+    if common.ONLY is not None:
+        known = {n for n, _ in common.lossless_decoders()} | {"ar"}
+        unknown = sorted(common.ONLY - known)
+        if unknown:
+            raise click.UsageError(
+                f"--decoders: unknown decoder {', '.join(unknown)} (built-in lossless decoders: {', '.join(sorted(known))})"
+            )
+    if plan_only:  # the plan for --device (auto: the node's cuda) and the --steps asked for
+        plan_device = "cpu" if device_name == "cpu" else "cuda"
+        for line in budget_plan.plan_lines(plan_device, budget or budget_plan.LEASE_BUDGET_S, spent, chosen):
             click.echo(line)
         return
     device = _device(device_name)
@@ -105,6 +118,16 @@ def main(
     result = _run_steps(chosen, argv_base, device, small, out_dir, budget, spent, log)
     log(json.dumps(result["summary"], default=str))
     sys.exit(0 if result["ok"] else 1)
+
+
+def _finite(value: float | None, option: str) -> float | None:
+    """``value`` unless it is NaN or infinite (click's FloatRange lets NaN through: every comparison with it is
+    false, so a NaN budget skipped every step and wrote NaN, which is not JSON)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number of seconds", param_hint=option)
+    return value
 
 
 def _device(name: str):
@@ -175,7 +198,7 @@ def _run_steps(
     order, skipped = budget_plan.plan_steps(chosen, device.type, budget, spent)
     result["budget_s"], result["skipped_steps"] = budget, skipped
     if budget is not None:
-        for line in budget_plan.plan_lines(device.type, budget, spent):
+        for line in budget_plan.plan_lines(device.type, budget, spent, chosen):
             log(line)
     for step in order:
         why = budget_plan.still_fits(step, device.type, budget, spent + log.elapsed())

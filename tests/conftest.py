@@ -16,8 +16,8 @@ import setuptools  # noqa: F401, E402
 
 # --- tiers (issue 57): the fast tier by default, the full tier with --tier full (make test-full, CI) ---------------
 # Every test module declares ``TIER = "fast"`` or ``TIER = "full"`` (tests/test_tiers.py fails on one that does not).
-# The fast tier leaves out full modules, tests marked ``full`` or ``slow`` (the embedded SmolLM2), the PostgreSQL half
-# of ``db_url`` tests, and caps every hypothesis test at FAST_EXAMPLES examples (the ``dev`` profile); the full tier
+# The fast tier leaves out full modules, tests marked ``full`` or ``slow`` (the embedded SmolLM2), tests using
+# FULL_FIXTURES (end-to-end runs, services), the PostgreSQL half of ``db_url`` tests, and caps every hypothesis test at FAST_EXAMPLES examples (the ``dev`` profile); the full tier
 # runs everything with each test's own example count (the ``ci`` profile).
 TIERS = ("fast", "full")
 TIER_CHOICES = (*TIERS, "rest")  # rest: what the fast tier leaves out (CI runs fast, then rest: a total per tier)
@@ -46,9 +46,16 @@ def pytest_configure(config):
         os.environ.setdefault(EXAMPLES_ENV, str(FAST_EXAMPLES))
 
 
+# Fixtures that mean a full-tier test: the embedded SmolLM2, a PostgreSQL server, a Ray cluster, a tiny model pair
+# saved for end-to-end `dtbench run`s, a module's own end-to-end run.
+FULL_FIXTURES = frozenset({"smollm2", "pg_server", "cluster", "pair", "tiny_run"})
+
+
 def in_full_tier_only(item) -> bool:
     """Whether the fast tier leaves ``item`` out (the rules above)."""
-    if getattr(item.module, "TIER", "fast") == "full" and not item.get_closest_marker("fast"):
+    if item.get_closest_marker("fast"):
+        return False
+    if getattr(item.module, "TIER", "fast") == "full" or FULL_FIXTURES.intersection(item.fixturenames):
         return True
     if item.get_closest_marker("full") or item.get_closest_marker("slow"):
         return True

@@ -69,6 +69,7 @@ def test_one_dataset_twice_needs_labels(tmp_path):
     one_line_error(invoke("validate", write_suite(tmp_path, _suite(target, draft, same))), "label 'a'", "listed twice")
 
 
+@pytest.mark.full  # end-to-end runs
 def test_spec_bench_twice_and_humaneval_run_side_by_side(tmp_path, data_dir):
     """Spec-Bench's own questions (one group) beside a user's question file, both `spec-bench`, under two labels,
     and HumanEval: every label has its own cells, prompts and provenance, and reports show the labels."""

@@ -126,7 +126,6 @@ def test_every_hook_fires_once_per_fused_forward():
     assert cache.length == len(PROMPT) + 2 + K - 1
 
 
-@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_a_fused_chain_refuses_what_it_cannot_run():
     _, draft = _pair()
     with torch.inference_mode(), static_kv.compiled(EXECUTION):

@@ -283,6 +283,7 @@ def test_float64_models_have_no_ties_and_the_same_verdicts_under_both_rules(pair
 # --- the embedded pair in bfloat16 -----------------------------------------------------------------------------
 
 
+@pytest.mark.full  # the embedded SmolLM2 end to end
 def test_embedded_pair_with_a_bfloat16_target_stores_and_reports_a_consistent_verdict(smollm2, tmp_path, data_dir):
     """The real case of issue 20 (small): SmolLM2-135M target and draft in bfloat16, 2 prompts. Whether a tie occurs
     depends on the CPU's kernels; what must hold is that every sample is checked, every divergence is diagnosed,

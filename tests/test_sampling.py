@@ -23,7 +23,7 @@ from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.streaming import StreamingSpecParams, StreamingSpeculative
 
-TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,6 +183,7 @@ def test_seeded_sampling_is_reproducible_and_greedy_untouched():
     assert greedy == ar
 
 
+@pytest.mark.fast  # the module is full tier; these keep its subject in the fast tier
 def test_processing_matches_transformers_warpers():
     from transformers.generation.logits_process import (
         LogitsProcessorList,
@@ -407,6 +408,7 @@ def test_tree_sampling_is_reproducible_and_greedy_untouched():
         assert [t for s in TREES[name]("perturbed").generate(torch.tensor([PROMPT]), 12) for t in s.tokens][:12] == ar
 
 
+@pytest.mark.fast  # the module is full tier; these keep its subject in the fast tier
 def test_prune_skip_refuses_sampling():
     from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
 
@@ -471,6 +473,7 @@ def test_eagle_sampling_drafts_real_trees_and_a_wrong_rule_fails(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast  # the module is full tier; these keep its subject in the fast tier
 def test_typical_acceptance_by_hand():
     """Root 0 with children 1 (token 2) and 2 (token 3); node 1 has child 3 (token 4). Row 0 puts p = 0.5 on token
     2 and 0.3 on token 3; row 1 puts 0.05 on token 4 (below the 0.09 cap and alpha * exp(-H)): the path is root ->

@@ -77,6 +77,7 @@ PASSWORDS = {  # label -> (password, how the suite's YAML writes the URL: {url} 
 }
 
 
+@pytest.mark.full  # end-to-end runs against a fake server
 def test_passwords_with_quotes_spaces_and_brackets_are_masked_everywhere(tmp_path, data_dir, fake_server):
     url, _ = fake_server()
     host = url.removeprefix("http://")
@@ -142,6 +143,7 @@ def test_a_reference_servers_label_holds_no_password(tmp_path, data_dir, fake_se
 # --- 50.3 an API key: read from the environment at request time, sent as a bearer token, never stored ---------------
 
 
+@pytest.mark.full  # end-to-end runs against a fake server
 def test_an_api_key_is_read_from_the_environment_and_never_stored(tmp_path, data_dir, fake_server, monkeypatch):
     plain, plain_server = fake_server(tokens=(5, 9, 7))
     spec, spec_server = fake_server(tokens=(5, 6, 7))

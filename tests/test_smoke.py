@@ -16,7 +16,7 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store import db
 from dtbench.harness.suite import ModelSpec
 
-TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 SUITE = Path(__file__).resolve().parents[1] / "suites" / "gpu-smoke.yaml"
 
@@ -36,6 +36,7 @@ def tiny_smoke(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_random_models_by_shape_are_seeded_and_tokenizer_free():
     a = models.load_model(ModelSpec(model="random:tiny:3"), models.resolve_device("cpu")).model
     b = models.load_model(ModelSpec(model="random:tiny:3"), models.resolve_device("cpu")).model

@@ -13,7 +13,7 @@ from kit import invoke, write_suite
 
 from dtbench.harness.serving import arrival_delays, load_profile
 
-TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 SUITE = {
     "name": "steady",
@@ -49,6 +49,7 @@ def _rows(db: Path) -> list[tuple]:
         ).fetchall()
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_load_profile_tells_ramp_steady_and_drain_apart():
     # C = 2: two requests start at 0; the third starts when the first ends (1 s); the last send is at 1 s, the first
     # completion at or after it is 2 s: steady [0, 2], drain to 3 s
@@ -89,6 +90,7 @@ def test_a_server_cell_keeps_its_concurrency_in_flight_over_the_dataset(tmp_path
     assert rps == pytest.approx(24 / cell["wall_s"])  # over the cell's wall time, not the overlapping blocks' sum
 
 
+@pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_seeded_arrivals_have_the_right_mean_and_variation():
     for burstiness in (1.0, 0.25, 4.0):
         times = arrival_delays(20001, 5.0, seed=3, burstiness=burstiness)

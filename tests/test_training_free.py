@@ -263,6 +263,7 @@ def test_suffix_fallback_uses_the_draft_model_only_on_short_matches():
 # ---------------------------------------------------------------------------------------------------- sampling
 
 
+@pytest.mark.full  # a thousand sampled generations per setting
 @pytest.mark.parametrize("decoder, setting", [("ngram", "t0.7-topk4"), ("suffix", "t1"), ("suffix-draft", "topp0.8")])
 def test_chain_methods_sample_the_target_distribution(decoder, setting):
     from test_sampling import ALPHA, SETTINGS, models, p_value
