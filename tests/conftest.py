@@ -59,8 +59,8 @@ def in_full_tier_only(item) -> bool:
         return True
     if item.get_closest_marker("full") or item.get_closest_marker("slow"):
         return True
-    callspec = getattr(item, "callspec", None)
-    return bool(callspec and callspec.params.get("db_url") == "postgresql")
+    callspec = getattr(item, "callspec", None)  # the PostgreSQL half of db_url tests; compiled halves (compiles)
+    return bool(callspec and (callspec.params.get("db_url") == "postgresql" or callspec.params.get("compiled") is True))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -143,6 +143,7 @@ COMPILED = [
 @pytest.mark.parametrize(
     ("name", "params"), COMPILED, ids=[n + ("-resident" if "resident" in p else "") for n, p in COMPILED]
 )
+@pytest.mark.full  # compiles every region
 def test_no_graph_break_in_any_compiled_region(name, params):
     """Measured as a cell measures (the runner's forward counter and timer installed by ``measure``), no compiled
     region breaks its graph: the harness's hooks run outside it (issue 46 item 3; transformers' compiled decoding

@@ -106,6 +106,7 @@ def _report(*args: str) -> dict:
     return {c["label"]: c for c in json.loads(result.output)["cells"]}
 
 
+@pytest.mark.full  # two end-to-end runs
 def test_acceptance_here_timing_there_predicts_what_there_measures(machines, tmp_path, data_dir):
     """Two stored runs and a curves file from a third: a run "here" on machine A (acceptance traces), curves exported
     from a calibrated run on machine B, and a run "there" on B. The prediction of the first run on the curves equals,

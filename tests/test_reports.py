@@ -266,6 +266,7 @@ def paper_db(tmp_path_factory):
     return path, summary, ids
 
 
+@pytest.mark.full  # paper-like end-to-end runs
 def test_paper_like_runs_give_every_table_and_figure(paper_db, tmp_path):
     path, summary, ids = paper_db
     made, skipped = paper.paper_tables(summary)

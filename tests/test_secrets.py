@@ -122,6 +122,7 @@ def test_redaction_parses_urls_in_free_text_and_structures():
 # --- 50.2 a reference server's label: built from its params, masked like them ---------------------------------------
 
 
+@pytest.mark.full  # end-to-end runs against a fake server
 def test_a_reference_servers_label_holds_no_password(tmp_path, data_dir, fake_server):
     plain, _ = fake_server()
     spec, _ = fake_server()
@@ -277,6 +278,7 @@ def test_list_axes_name_themselves_and_refuse_equal_values(tmp_path, changes, ne
     assert "batch_sizes" not in line
 
 
+@pytest.mark.full  # end-to-end runs against a fake server
 def test_a_divergence_found_by_the_exact_rule_is_noted_by_that_rule(tmp_path, data_dir, fake_server):
     no_top = json.dumps({"choices": [{"text": "x", "index": 0}]})  # a check answer without top candidates
     plain, _ = fake_server(tokens=(5, 9, 7), check=no_top)  # so the exact rule applies

@@ -223,6 +223,7 @@ def tree_guaranteed(params, n) -> bool:
     return n >= 3 and (params.tree_root == "paper" or params.prune == "leaf" or params.tau < 1 / VOCAB)
 
 
+@pytest.mark.full  # every strategy x arch x draft; the fast tier's tree losslessness: tests/test_conformance.py
 @pytest.mark.parametrize("name", list(DECODERS))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("attn", ATTNS)
@@ -393,6 +394,7 @@ def test_accepted_paths_use_side_branches(monkeypatch):
             assert any(side), (cache_strategy, draft_strategy, prompt)
 
 
+@pytest.mark.full  # every strategy x arch x draft; the fast tier's tree losslessness: tests/test_conformance.py
 @pytest.mark.parametrize("kind", KINDS)
 def test_dynatree_without_components_is_the_fixed_tree(kind):
     target, draft = model_zoo("sdpa")[kind]
