@@ -161,8 +161,8 @@ def parametrize_with_checks(
     checks: Iterable[str] | None = None,
     examples: int | None = None,
 ) -> Any:
-    """A ``pytest.mark.parametrize`` over decoder x check x precision: one test id per ``decoder-check[-precision]``
-    (``pytest -k greedy`` selects one check). CUDA precisions are skipped without a GPU.
+    """A ``pytest.mark.parametrize`` over decoder x check x precision: one test id per ``decoder-check-precision``
+    (``pytest -k greedy`` selects one check, ``-k cuda`` the GPU's). CUDA precisions are skipped without a GPU.
 
     Args:
         decoders: registered names or Decoder subclasses.
@@ -183,7 +183,6 @@ def parametrize_with_checks(
             if precision.device == "cuda":
                 marks.append(pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))
             for check in _checks(checks):
-                suffix = "" if device == "cpu" else f"-{device}"
-                bound = _Bound(check, precision, examples)
-                params.append(pytest.param(decoder, bound, id=f"{label}-{check.name}{suffix}", marks=marks))
+                bound = _Bound(check, precision, examples)  # ids end in the device: `-k cuda` selects the GPU's
+                params.append(pytest.param(decoder, bound, id=f"{label}-{check.name}-{device}", marks=marks))
     return pytest.mark.parametrize("decoder, check", params)

@@ -149,8 +149,8 @@ class CheckContext:
 
     prompt = tuple(range(3, 20))
 
-    def __init__(self, target: torch.nn.Module, folder: Path | None = None):
-        self.target = target
+    def __init__(self, target: Any, folder: Path | None = None):
+        self.target: Any = target  # a transformers PreTrainedModel (``config``, ``device``)
         self.folder = folder or Path(tempfile.mkdtemp(prefix="dtbench-check-"))
 
     def medusa_head(self, heads: int = 4) -> str:
@@ -226,7 +226,8 @@ def collect(decoder: Decoder[Any], prompt: list[int], T: int) -> list[int]:
     T tokens or an EOS are committed. Empty Steps are tolerated here (the ``step_accounting`` check judges them)."""
     eos = eos_ids(decoder.eos_token_id)
     tokens: list[int] = []
-    gen = decoder.generate(torch.tensor([prompt], device=decoder.target.device), T)
+    device = _device_of(decoder)
+    gen: Any = decoder.generate(torch.tensor([prompt], device=device), T)
     try:
         for step in gen:
             tokens.extend(int(t) for t in step.tokens)
@@ -242,8 +243,8 @@ def collect_rows(decoder: Decoder[Any], prompts: list[list[int]], T: int) -> lis
     eos = eos_ids(decoder.eos_token_id)
     rows: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    device = decoder.target.device
-    gen = decoder.generate_batch([torch.tensor([p], device=device) for p in prompts], T)
+    device = _device_of(decoder)
+    gen: Any = decoder.generate_batch([torch.tensor([p], device=device) for p in prompts], T)
     try:
         for out in gen:
             for r, step in out.items():
@@ -257,8 +258,13 @@ def collect_rows(decoder: Decoder[Any], prompts: list[list[int]], T: int) -> lis
     return [cut(r, T, eos) for r in rows]
 
 
+def _device_of(decoder: Decoder[Any]) -> torch.device:
+    """The device of the decoder's target (a transformers model's ``device``)."""
+    return torch.device(getattr(decoder.target, "device", "cpu"))
+
+
 @torch.inference_mode()
-def greedy(target: torch.nn.Module, prompt: list[int], T: int, eos: frozenset[int]) -> list[int]:
+def greedy(target: Any, prompt: list[int], T: int, eos: frozenset[int]) -> list[int]:
     """The target's greedy continuation computed from scratch at every position (no KV cache, nothing of dtbench's
     loops): the independent ground truth of a decoder whose reference is ``ar``."""
     ids = torch.tensor([prompt], device=target.device)

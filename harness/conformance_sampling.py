@@ -41,7 +41,8 @@ def _tiny(seed: int, sharpness: float = 2.0) -> torch.nn.Module:
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    model: Any = LlamaForCausalLM(cfg)
+    model = model.to(torch.float64).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpness)
     return model

@@ -252,7 +252,7 @@ def builtin_settings() -> list[tuple[str, dict[str, Any]]]:
     :data:`HEAD` and :data:`STORE` placeholders for the files a caller writes."""
     from dtbench.harness import registry
 
-    out = []
+    out: list[tuple[str, dict[str, Any]]] = []
     for name, entry in sorted(registry.discover().items()):
         cls = registry.get(name)
         if entry.distribution != "dtbench" or cls.requests:

@@ -1,12 +1,12 @@
 """Every built-in decoder through the conformance kit (issue 56 item 4): the one source of the built-ins' property
 tests (greedy equals the reference, batch rows, Step accounting, host reads, no state across prompts, compiled equals
-eager, sampling), one pytest id per decoder x check, exactly as a plugin's own tests call the kit
+eager, sampling), one pytest id per decoder x check x device, exactly as a plugin's own tests call the kit
 (examples/dtbench-prompt-lookup/tests). Which checks apply follows from each decoder's declarations; its params from
 its ``check_settings``.
 
 The fast tier runs the cheap checks at the fast tier's example cap; compiled execution and sampling (compiles, a
-thousand generations per setting) run in the full tier. On CUDA (``--device`` of the GPU check's tests step) the same
-ids with ``-cuda`` and ``-cuda-float16`` suffixes.
+thousand generations per setting) run in the full tier. Ids end in the device (``-cpu``, ``-cuda``,
+``-cuda-float16``): the GPU check's tests step selects ``-k cuda``, its CPU dry run ``-k cpu``.
 """
 
 from __future__ import annotations
