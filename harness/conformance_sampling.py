@@ -24,7 +24,9 @@ PROMPT = [1, 4, 2, 5]
 MAX_SETTINGS = 2  # declared settings tested per decoder (each costs RUNS generations)
 
 
-def _tiny(seed: int, sharpness: float = 2.0) -> torch.nn.Module:
+def tiny(seed: int, sharpness: float = 2.0, layers: int = 1) -> torch.nn.Module:
+    """A float64 Llama over a 6-token vocabulary (hidden 16, ``layers`` layers), lm_head scaled by ``sharpness``: the
+    model whose sampled law is enumerable (tests/test_sampling.py uses it too)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -32,7 +34,7 @@ def _tiny(seed: int, sharpness: float = 2.0) -> torch.nn.Module:
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=64,
@@ -51,7 +53,7 @@ def _tiny(seed: int, sharpness: float = 2.0) -> torch.nn.Module:
 @cache
 def models() -> tuple[torch.nn.Module, torch.nn.Module]:
     """(target, draft): the 6-token target and a perturbed copy (partial acceptance)."""
-    target = _tiny(0)
+    target = tiny(0)
     draft = copy.deepcopy(target)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():

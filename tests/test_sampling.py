@@ -22,6 +22,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.streaming import StreamingSpecParams, StreamingSpeculative
+from dtbench.harness.conformance_sampling import tiny
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -29,29 +30,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, M, RUNS, ALPHA = 6, 3, 1500, 1e-4
 PROMPT = [1, 4, 2, 5]
-
-
-def tiny(seed: int, sharpness: float = 2.0, layers: int = 1):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).to(torch.float64).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpness)
-    return model
 
 
 @cache

@@ -26,25 +26,23 @@ def test_every_module_declares_its_tier():
     assert not undeclared, f"declare TIER = 'fast' or 'full' in: {undeclared}"
 
 
+def _pytest(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=120,
+    )
+
+
 def test_the_collection_refuses_an_unmarked_module(tmp_path):
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_unmarked.py").write_text("def test_x():\n    assert 1 + 1 == 2\n")
     (tmp_path / "test_marked.py").write_text("TIER = 'fast'\n\n\ndef test_y():\n    assert 2 * 2 == 4\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    done = _pytest(tmp_path)
     assert done.returncode != 0
     assert "test modules without TIER" in done.stdout + done.stderr and "test_unmarked" in done.stdout + done.stderr
     (tmp_path / "test_unmarked.py").unlink()
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    done = _pytest(tmp_path)
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
