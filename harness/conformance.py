@@ -226,7 +226,7 @@ def collect(decoder: Decoder[Any], prompt: list[int], T: int) -> list[int]:
     T tokens or an EOS are committed. Empty Steps are tolerated here (the ``step_accounting`` check judges them)."""
     eos = eos_ids(decoder.eos_token_id)
     tokens: list[int] = []
-    device = _device_of(decoder)
+    device = device_of(decoder)
     gen: Any = decoder.generate(torch.tensor([prompt], device=device), T)
     try:
         for step in gen:
@@ -243,7 +243,7 @@ def collect_rows(decoder: Decoder[Any], prompts: list[list[int]], T: int) -> lis
     eos = eos_ids(decoder.eos_token_id)
     rows: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    device = _device_of(decoder)
+    device = device_of(decoder)
     gen: Any = decoder.generate_batch([torch.tensor([p], device=device) for p in prompts], T)
     try:
         for out in gen:
@@ -258,7 +258,7 @@ def collect_rows(decoder: Decoder[Any], prompts: list[list[int]], T: int) -> lis
     return [cut(r, T, eos) for r in rows]
 
 
-def _device_of(decoder: Decoder[Any]) -> torch.device:
+def device_of(decoder: Decoder[Any]) -> torch.device:
     """The device of the decoder's target (a transformers model's ``device``)."""
     return torch.device(getattr(decoder.target, "device", "cpu"))
 

@@ -367,10 +367,10 @@ def host_reads(job: Job) -> None:
 
 
 def _steps(decoder: Decoder[Any], prompt: list[int], T: int) -> list[Any]:
-    from dtbench.harness.conformance import _device_of
+    from dtbench.harness.conformance import device_of
 
     steps, n = [], 0
-    gen: Any = decoder.generate(torch.tensor([prompt], device=_device_of(decoder)), T)
+    gen: Any = decoder.generate(torch.tensor([prompt], device=device_of(decoder)), T)
     for step in gen:
         steps.append(step)
         n += len(step.tokens)

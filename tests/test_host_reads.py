@@ -165,6 +165,7 @@ def test_no_graph_break_in_any_compiled_region(name, params):
         assert decoder.target in COMPILED_FORWARDS
 
 
+@pytest.mark.full  # compiles (issue 57)
 @pytest.mark.parametrize("name", ["ar", "hf_generate"])
 def test_compiled_forwards_are_counted_at_their_kv_positions(name):
     """The hooks' KV positions (read without the device, harness/forwards.past_length) are the positions each forward
