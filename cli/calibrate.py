@@ -89,6 +89,10 @@ def calibrate_command(
 
     if max_time < min_time:
         raise DtbenchError(f"--max-time ({max_time:g}) must be at least --min-time ({min_time:g})")
+    if export_path:  # tried before the minutes of calibrating, not after them (issue 59 item 8)
+        from dtbench.harness.outpaths import writable_file
+
+        writable_file(export_path, "the curves file")
     suite, text = load_suite(suite_path)
     plan = plan_suite(suite)
     sessions = db.connect(db_url)

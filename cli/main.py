@@ -235,6 +235,9 @@ def run(
         if resume is None:
             raise DtbenchError(f"no unfinished run of {suite_path} to resume")
     console = Console(stderr=True)
+    if not no_report:  # the report's formats load now, not after the run is stored completed (issue 59 item 3)
+        for problem in output.load_format_plugins():
+            console.print(f"warning: {printable(problem)}", style="yellow", markup=False, highlight=False)
     run_id = run_suite(
         suite,
         text,

@@ -14,12 +14,24 @@ The policy:
 - The loaded object is type-checked at :meth:`Registry.get` (a subclass, an instance or a callable of what the
   registry expects: its :class:`Expect`); a plugin that fails to import, or loads the wrong thing, is a one-line
   :class:`~dtbench.core.DtbenchError` naming its distribution.
+- A plugin's import runs under a time limit (issue 59 item 3): ``DTBENCH_PLUGIN_IMPORT_TIMEOUT`` seconds
+  (:data:`DEFAULT_IMPORT_TIMEOUT_S` by default). The import runs in a daemon thread that the caller joins with that
+  timeout; one that has not finished is a broken plugin ("did not finish importing within N s"), a problem line in
+  ``dtbench plugins`` and a warning elsewhere, never a hang. Python cannot stop a thread, so the import goes on in
+  the background (a daemon thread does not keep the process alive at exit); the entry is not imported again in this
+  process, and if the import finishes later its object is used at the next :meth:`Registry.load`. A thread rather
+  than a child process: the loaded object must live in this process, and a process per plugin would cost every
+  command an interpreter start. Built-ins (dtbench's own entry points, trusted, and the first to import torch) load
+  on the caller's thread without a limit. A plugin whose import needs the main thread (``signal.signal`` at import)
+  fails to load under the limit; that is the plugin's error, reported by name.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -31,11 +43,79 @@ T = TypeVar("T")  # what a registry's get returns: a class (type[Decoder]) or a 
 
 BUILTIN_DISTRIBUTION = "dtbench"
 DISABLE_ENV = "DTBENCH_DISABLE_PLUGINS"
+IMPORT_TIMEOUT_ENV = "DTBENCH_PLUGIN_IMPORT_TIMEOUT"
+DEFAULT_IMPORT_TIMEOUT_S = 10.0  # seconds a plugin's module may take to import (a plugin importing torch: ~2-5 s)
 
 
 def plugins_disabled() -> bool:
     """Whether ``DTBENCH_DISABLE_PLUGINS`` is set (to anything but "" or "0"): only built-ins are registered."""
     return os.environ.get(DISABLE_ENV, "") not in ("", "0")
+
+
+def import_timeout_s() -> float:
+    """Seconds a plugin's import may take: ``DTBENCH_PLUGIN_IMPORT_TIMEOUT``, else :data:`DEFAULT_IMPORT_TIMEOUT_S`
+    (issue 59 item 3).
+
+    Raises:
+        DtbenchError: the variable is set to something other than a finite number of seconds > 0.
+    """
+    raw = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_IMPORT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise DtbenchError(f"{IMPORT_TIMEOUT_ENV}={clip(raw, 40)!r} is not a number of seconds > 0")
+    return value
+
+
+class ImportTimedOut(Exception):
+    """A plugin's import that has not finished within its time limit (:func:`load_within`)."""
+
+
+class _Import:
+    """One plugin import running in a daemon thread (:func:`load_within`): its result or exception once done."""
+
+    def __init__(self, entry_point: Any):
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(entry_point,), daemon=True, name="dtbench-plugin")
+        self.thread.start()
+
+    def _run(self, entry_point: Any) -> None:
+        try:
+            self.result = entry_point.load()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which reports it by name
+            self.error = exc
+
+
+_PENDING: dict[Any, _Import] = {}  # imports that outlived their time limit, by entry: never started twice
+
+
+def load_within(entry_point: Any, timeout_s: float) -> Any:
+    """``entry_point.load()`` in a daemon thread, waiting at most ``timeout_s`` seconds (issue 59 item 3).
+
+    An import still running when the time is up stays pending: a later call for the same entry point does not wait
+    again, it returns the object if the import has finished meanwhile and raises TimeoutError otherwise.
+
+    Raises:
+        ImportTimedOut: the import has not finished; whatever the import raised is re-raised here.
+    """
+    job = _PENDING.pop(entry_point, None)
+    if job is None:
+        job = _Import(entry_point)
+        job.thread.join(timeout_s)
+    if job.thread.is_alive():
+        _PENDING[entry_point] = job
+        raise ImportTimedOut(
+            f"did not finish importing within {timeout_s:g} s (left importing in the background; "
+            f"{IMPORT_TIMEOUT_ENV} sets the limit)"
+        )
+    if job.error is not None:
+        raise job.error
+    return job.result
 
 
 @dataclass(frozen=True)
@@ -176,14 +256,16 @@ class Registry(Generic[T]):
         """Import one registration and check what it loads to (kept after the first success).
 
         Raises:
-            DtbenchError: naming the distribution, if the import fails or the object is not what the registry
-                expects.
+            DtbenchError: naming the distribution, if the import fails, does not finish within
+                :func:`import_timeout_s` (a plugin; issue 59 item 3), or the object is not what the registry expects.
         """
         if entry in self._loaded:
             return self._loaded[entry]
         what = f"{self.kind} '{clip(entry.name, 80)}' from distribution {entry.label}"
         try:
-            obj = entry.entry_point.load()
+            obj = entry.entry_point.load() if entry.builtin else load_within(entry.entry_point, import_timeout_s())
+        except ImportTimedOut as exc:
+            raise DtbenchError(f"{what} {exc}") from None
         except (Exception, SystemExit) as exc:  # any import-time failure of a plugin is the plugin's, reported by name
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise DtbenchError(f"{what} failed to load: {type(exc).__name__}: {clip(first, 200)}") from None

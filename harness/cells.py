@@ -175,6 +175,9 @@ class Hardware:
         )
 
 
+COMPILE_PHASE = "in the compile step"  # how a time-out of the compile step names it (issue 59 item 8)
+
+
 def compile_decoder(
     execution: static_kv.Execution, decoder, rows: list, T: int, models_: list, timeout_s: float | None = None
 ) -> tuple[float, int]:
@@ -206,7 +209,7 @@ def compile_decoder(
     if len(models_) > 1 and len(rows) == 1:  # draft chains run as one compiled region (B = 1, issue 46 item 2)
         for k in cls.compiled_chains(params):
             draft_region.precompile_chain(execution, models_[1], k)
-    with static_kv.compiled(execution), Deadline(timeout_s):
+    with static_kv.compiled(execution), Deadline(timeout_s, phase=COMPILE_PHASE):
         execution.begin_sample()
         device = models_[0].device
         if len(rows) > 1:  # a batch compiles its (B, bucket) graphs: the decoder's batched loop, as measured
@@ -280,7 +283,8 @@ class LocalMeasurer:
         timeout, cpu_limit = cpu_timeout(self.suite.timeout_s, ref.total_s if ref else None, ref.cpu_s if ref else None)
         phase = " (making the decoder)"
         try:
-            with Deadline(timeout):  # the decoder's own code (its constructor, use_corpus) under the cell's limit too
+            # the decoder's own code (its constructor, use_corpus) under the cell's limit too
+            with Deadline(timeout, phase="making the decoder"):
                 decoder = make_decoder(cp, self.target, self.draft, self.suite, self.data_dir)
             phase = ""
             if cp.sampling is not None:  # greedy only at B > 1 (plan._check_batching)
@@ -292,7 +296,7 @@ class LocalMeasurer:
             hw = self.hardware
             ex = hw.execution if hw is not None and cp.execution == "compiled" else None
             if ex is not None:  # at every batch size (a batch of B rows: its own (B, bucket) graphs)
-                phase = " (in the compile step)"
+                phase = f" ({COMPILE_PHASE})"
                 rows = [p.token_ids for p in prompts]
                 compiled = hw.compile_step(cp, decoder, rows, group.gen_length, self._used(cp), timeout)  # type: ignore[union-attr]
                 phase = ""

@@ -28,10 +28,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from dtbench.core import read_regular_file
 from dtbench.harness.curves import Curves
-from dtbench.harness.errors import DtbenchError
+from dtbench.harness.errors import DtbenchError, clip
 
 FORMAT, VERSION = "dtbench-curves", 1
+MAX_BYTES = 64 << 20  # the largest curves file read (a real one is a few hundred KB): /dev/zero is refused
+ROLES = ("target", "draft")  # the roles a curves row prices (issue 59 item 4: anything else is refused)
 # What makes two models cost the same per forward: the architecture's shape (weights may differ: random vs real).
 SHAPE_KEYS = (
     "model_type",
@@ -77,6 +80,7 @@ class PortableCurves:
     overhead_s: dict[str, float] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     source: str = ""
+    path: str = ""
 
     def overhead(self, decoder: str) -> float | None:
         """Seconds of loop overhead per iteration for ``decoder`` (its own, else ``"*"``), None when none."""
@@ -143,19 +147,20 @@ def write(path: str | Path, doc: dict[str, Any]) -> Path:
 
 
 def read(path: str | Path) -> PortableCurves:
-    """Read a curves file written by :func:`write`.
+    """Read a curves file written by :func:`write`, validated completely (issue 59 item 4): every row's fields in
+    range (:func:`check_row`), target rows present.
 
     Raises:
-        DtbenchError: unreadable, not JSON, not a dtbench curves file, a newer version, or a row without its keys
-            or with a non-positive time (one line naming the file).
+        DtbenchError: not a regular file or larger than :data:`MAX_BYTES` (``/dev/zero``), unreadable, not JSON, not a
+            dtbench curves file, a newer version, no target rows or no target model, or a row out of range (one line
+            naming the file and the row).
     """
     p = Path(path)
+    raw = read_regular_file(p, MAX_BYTES, "curves file")
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise DtbenchError(f"cannot read the curves file {p}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise DtbenchError(f"{p} is not a curves file (not JSON: {exc})") from None
+        doc = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError
+        raise DtbenchError(f"{p} is not a curves file (not JSON: {clip(exc, 120)})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise DtbenchError(f"{p} is not a dtbench curves file (no 'format: {FORMAT}')")
     if not isinstance(doc.get("version"), int) or doc["version"] > VERSION:
@@ -163,19 +168,14 @@ def read(path: str | Path) -> PortableCurves:
     rows = doc.get("rows")
     if not isinstance(rows, list) or not rows:
         raise DtbenchError(f"{p} holds no calibration rows")
-    points = []
-    for i, r in enumerate(rows):
-        if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS):
-            raise DtbenchError(f"{p}: row {i} lacks one of {', '.join(ROW_KEYS)}")
-        sec = r["median_s"]
-        if not isinstance(sec, int | float) or not math.isfinite(sec) or sec <= 0:
-            raise DtbenchError(f"{p}: row {i} has median_s {sec!r}, not a positive number of seconds")
-        points.append(SimpleNamespace(**{k: r[k] for k in ROW_KEYS}))
+    points = [SimpleNamespace(**check_row(p, i, r)) for i, r in enumerate(rows)]
+    if not any(r.role == "target" for r in points):
+        raise DtbenchError(f"{p} holds no target rows: a prediction prices the target's forwards on them")
     models = doc.get("models") or {}
-    if "target" not in models:
+    if not isinstance(models, dict) or not isinstance(models.get("target"), dict):
         raise DtbenchError(f"{p} names no target model")
     overhead = doc.get("overhead_s") or {}
-    if not all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in overhead.values()):
+    if not isinstance(overhead, dict) or not all(_seconds(v, zero=True) for v in overhead.values()):
         raise DtbenchError(f"{p}: overhead_s must map decoder names to seconds >= 0")
     return PortableCurves(
         curves=Curves(points),
@@ -186,7 +186,48 @@ def read(path: str | Path) -> PortableCurves:
         overhead_s=overhead,
         versions=doc.get("versions") or {},
         source=str(doc.get("source", "")),
+        path=str(p),
     )
+
+
+def _seconds(value: Any, zero: bool = False) -> bool:
+    """Whether ``value`` is a finite number of seconds > 0 (>= 0 with ``zero``), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return value >= 0 if zero else value > 0
+
+
+def _whole(value: Any, least: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def check_row(path: Path, i: int, row: Any) -> dict[str, Any]:
+    """Row ``i`` of a curves file checked field by field (issue 59 item 4): ``role`` target or draft (``oracle`` or
+    any other refused), ``n`` an integer > 0 (tokens fed), ``cache_len`` an integer >= 0 (cached positions),
+    ``rows`` an integer >= 1 (batch rows), ``tree_mask`` and ``last_only`` booleans, ``median_s`` seconds > 0.
+
+    Returns:
+        the row's :data:`ROW_KEYS` values.
+
+    Raises:
+        DtbenchError: the first field out of range, one line naming the file, the row and the field.
+    """
+    if not isinstance(row, dict) or any(k not in row for k in ROW_KEYS):
+        raise DtbenchError(f"{path}: row {i} lacks one of {', '.join(ROW_KEYS)}")
+    problems = {
+        "role": (row["role"] in ROLES, f"not one of {', '.join(ROLES)}"),
+        "n": (_whole(row["n"], 1), "not an integer > 0 (tokens fed)"),
+        "cache_len": (_whole(row["cache_len"], 0), "not an integer >= 0 (cached positions)"),
+        "rows": (_whole(row["rows"], 1), "not an integer >= 1 (batch rows)"),
+        "tree_mask": (isinstance(row["tree_mask"], bool), "not true or false"),
+        "last_only": (isinstance(row["last_only"], bool), "not true or false"),
+        "median_s": (_seconds(row["median_s"]), "not a positive number of seconds"),
+    }
+    for key, (ok, why) in problems.items():
+        if not ok:
+            raise DtbenchError(f"{path}: row {i} has {key} {clip(repr(row[key]), 60)}, {why}")
+    return {k: row[k] for k in ROW_KEYS}
 
 
 def describe(model: dict[str, Any]) -> str:

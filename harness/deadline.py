@@ -15,13 +15,15 @@ import threading
 import time
 from collections.abc import Callable
 
-_observer: Callable[[float | None], None] | None = None
+_observer: Callable[[float | None, str], None] | None = None
 
 
-def observe(callback: Callable[[float | None], None] | None) -> None:
-    """Call ``callback(seconds)`` in the measuring thread when a :class:`Deadline` with a wall limit of ``seconds``
-    is entered and ``callback(None)`` when it is left (None: stop observing). Used by the isolated child to hand its
-    deadlines to the parent; a deadline without a wall limit is not reported."""
+def observe(callback: Callable[[float | None, str], None] | None) -> None:
+    """Call ``callback(seconds, phase)`` in the measuring thread when a :class:`Deadline` with a wall limit of
+    ``seconds`` is entered (``phase``: its words, e.g. ``in the compile step``, "" for a sample) and
+    ``callback(None, "")`` when it is left (None: stop observing). Used by the isolated child to hand its deadlines to
+    the parent (which names the phase when it kills the child: issue 59 item 8); a deadline without a wall limit is
+    not reported."""
     global _observer
     _observer = callback
 
@@ -42,12 +44,13 @@ class Deadline:
     (one huge matmul) is interrupted when it returns. The CPU-time limit is the load-independent one: on a machine
     shared with other work the process gets less CPU per wall second, so wall time stretches with the load and CPU
     time does not (a busy decoder still burns CPU and is stopped by it; a blocked one by the wall limit).
+    ``phase``: words naming what runs under it (``in the compile step``; "" for a sample), handed to the observer.
     """
 
     POLL_S = 0.25
 
-    def __init__(self, seconds: float | None, cpu_seconds: float | None = None):
-        self.seconds, self.cpu_seconds = seconds, cpu_seconds
+    def __init__(self, seconds: float | None, cpu_seconds: float | None = None, phase: str = ""):
+        self.seconds, self.cpu_seconds, self.phase = seconds, cpu_seconds, phase
         self.fired = False
         self._lock = threading.Lock()
         self._armed = False
@@ -73,7 +76,7 @@ class Deadline:
 
     def __enter__(self) -> Deadline:
         if self.seconds is not None and _observer is not None:
-            _observer(self.seconds)
+            _observer(self.seconds, self.phase)
         if self.seconds is not None or self.cpu_seconds is not None:
             self._armed = True
             self._timer = threading.Thread(
@@ -84,7 +87,7 @@ class Deadline:
 
     def __exit__(self, *exc: object) -> None:
         if self.seconds is not None and _observer is not None:
-            _observer(None)
+            _observer(None, "")
         if self._timer is None:
             return
         import ctypes

@@ -8,7 +8,9 @@ the child). The parent only forwards requests and outcomes. When the child dies,
 the signal's name (``SIGSEGV``, ``SIGABRT``, ...) and the tail of the faulthandler trace the child wrote; a fresh
 child is started (its models loaded again) and the group goes on with its remaining decoders; results stored before
 are untouched and ``--resume`` does not redo done cells. The child ignores Ctrl-C (the parent stops it), and its
-stderr goes to the trace file, so a crash prints nothing on the terminal but the runner's own lines.
+stderr goes to the trace file, so a crash prints nothing on the terminal but the runner's own lines. The log is
+emptied as each cell starts (:func:`begin_cell_log`, issue 59 item 8), so a crashed or killed cell's error, and the
+log kept for it, hold that cell's own output only, never an earlier cell's.
 
 Cost: one process start plus one model load per child (once per run unless a cell crashes) and a pipe round trip per
 decoder per group; docs/measurement.md gives the measured figure.
@@ -66,6 +68,20 @@ def _after_cell(worker, trace_path: str) -> None:
         pass
 
 
+def begin_cell_log(trace_path: str) -> None:
+    """In the child as a cell starts: empty its log (issue 59 item 8), so the tail a crash or a kill shows, and the
+    log kept for it, are this cell's own output. The log is open for appending: later output starts at 0."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        os.truncate(trace_path, 0)
+    except OSError:
+        pass
+
+
 def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads: int | None) -> None:
     """The child process: a :class:`~dtbench.harness.worker.Worker` serving requests from ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
@@ -77,7 +93,7 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
     os.dup2(trace.fileno(), 2)  # native crash messages and tracebacks go to the log too
     sys.stdout = sys.stderr = trace
     faulthandler.enable(file=trace, all_threads=True)
-    deadline.observe(lambda seconds: conn.send(("deadline", seconds)))  # the parent kills past it
+    deadline.observe(lambda seconds, phase: conn.send(("deadline", seconds, phase)))  # the parent kills past it
     from dtbench.harness.worker import Worker
 
     try:
@@ -96,7 +112,12 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
             break
         if kind == "run":
             _, key, prompt, done, skip = message
-            for outcome in worker.run(key, prompt, done, skip, announce=lambda label: conn.send(("start", label))):
+
+            def announce(label: str) -> None:
+                begin_cell_log(trace_path)  # the cell's error shows its own output only
+                conn.send(("start", label))
+
+            for outcome in worker.run(key, prompt, done, skip, announce=announce):
                 _after_cell(worker, trace_path)
                 conn.send(("outcome", outcome))
             conn.send(("end",))
@@ -160,7 +181,8 @@ class IsolatedWorker:
         self.budgets: dict[str, int] | None = None
         self.children = 0  # processes started (1 + crashes survived)
         self.kept: list[str] = []  # logs of children that crashed or were killed (kept for the user)
-        self._deadline: tuple[float, float] | None = None  # the child's current (limit s, kill at monotonic s)
+        # the child's current deadline: (limit s, kill at monotonic s, its phase's words, "" for a sample)
+        self._deadline: tuple[float, float, str] | None = None
         self._start()
 
     def _start(self) -> None:
@@ -195,21 +217,22 @@ class IsolatedWorker:
                 if self.conn.poll(0.5):
                     message = self.conn.recv()
                     if message[0] == "deadline":
-                        limit = message[1]
+                        limit, phase = message[1], (message[2] if len(message) > 2 else "")
                         self._deadline = (
-                            None if limit is None else (limit, time.monotonic() + limit + kill_grace(limit))
+                            None if limit is None else (limit, time.monotonic() + limit + kill_grace(limit), phase)
                         )
                         continue
                     return message[0], (message[1] if len(message) > 1 else None)
             except (EOFError, OSError):  # the pipe closed: the child is gone
                 break
             if self._deadline is not None and time.monotonic() > self._deadline[1]:
-                limit, self._deadline = self._deadline[0], None
+                limit, _, phase = self._deadline
+                self._deadline = None
                 proctree.kill_tree(self.proc.pid or 0)
                 self.proc.join(5)
                 return "killed", (
-                    f"timed out after {limit:g} s and did not stop (blocked outside Python): its measuring process "
-                    f"and process group were killed{self._output_tail()}"
+                    f"timed out after {limit:g} s{f' ({phase})' if phase else ''} and did not stop (blocked outside "
+                    f"Python): its measuring process and process group were killed{self._output_tail()}"
                 )
             if not self.proc.is_alive() and not self.conn.poll(0):
                 break

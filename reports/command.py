@@ -110,6 +110,21 @@ def _check_modes(o: ReportOptions) -> None:
         raise DtbenchError("--profile-json is where --profile writes its JSON; give it with --profile")
 
 
+def _check_paths(o: ReportOptions) -> None:
+    """The folders ``o`` writes, tried before any work (issue 59 item 8: ``--figures /proc/x`` or a folder under a
+    regular file is one line before the database is read, never an internal error after the figures are drawn).
+
+    Raises:
+        DtbenchError: a folder that cannot be created or written, in one line.
+    """
+    from dtbench.harness.outpaths import writable_dir
+
+    if o.fig_dir:
+        writable_dir(o.fig_dir, "figures")
+    if o.out_dir:
+        writable_dir(o.out_dir, "tables")
+
+
 def _own_report(o: ReportOptions) -> bool:
     """Produce the report of its own that ``o`` asks for (:data:`~dtbench.reports.own.OWN_REPORTS`); False when
     none is asked for.
@@ -157,6 +172,7 @@ def report_command(**options: Any) -> None:
     sequences: dict[str, tuple] = {k: tuple(options[k]) for k in ("runs", "run_ids", "fail_if") if k in options}
     o = ReportOptions(**(options | sequences))
     _check_modes(o)
+    _check_paths(o)
     gates = [Gate.parse(g) for g in o.fail_if]
     if _own_report(o):
         return

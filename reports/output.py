@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dtbench.core import redact_json
+from dtbench.core import clip, redact_json
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import MISSING
 from dtbench.harness.safetext import html_text, markdown_cell, printable, to_csv
@@ -437,11 +437,34 @@ def rendered(fmt: str, doc: Document | Sequence[Report]) -> object:
 
     Raises:
         KeyError: an unregistered format (the CLI's choices are :data:`RENDERERS`' keys).
-        DtbenchError: the reports make no one table for ``csv`` (:meth:`Document.frame`).
+        DtbenchError: the reports make no one table for ``csv`` (:meth:`Document.frame`); a plugin's renderer
+            raised or returned something other than text (one line naming the plugin; issue 59 item 8).
     """
     if fmt not in RENDERERS:
         load_format_plugins()  # the registry's formats, loaded at the first use
-    return RENDERERS[fmt](doc if isinstance(doc, Document) else Document(list(doc)))
+    render = RENDERERS[fmt]
+    doc = doc if isinstance(doc, Document) else Document(list(doc))
+    if (
+        getattr(render, "__module__", None) == __name__
+    ):  # dtbench's own: its errors are dtbench's (``table``: a callable)
+        return render(doc)
+    try:
+        result = render(doc)
+    except DtbenchError:
+        raise
+    except Exception as exc:  # a plugin's failure is the plugin's, named in one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise DtbenchError(f"{_origin(fmt)} failed: {type(exc).__name__}: {clip(first, 200)}") from None
+    if not isinstance(result, str):
+        raise DtbenchError(f"{_origin(fmt)} returned {type(result).__name__}, not text (a renderer returns a str)")
+    return result
+
+
+def _origin(fmt: str) -> str:
+    """A plugin's format as messages name it: with its distribution, or registered in-process (:func:`renderer`)."""
+    entry = FORMAT_REGISTRY.scan().entries.get(fmt)
+    where = f"from distribution {entry.label}" if entry is not None else "(registered in-process)"
+    return f"report format '{clip(fmt, 80)}' {where}"
 
 
 def emit(fmt: str, doc: Document | Sequence[Report]) -> None:

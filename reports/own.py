@@ -95,6 +95,14 @@ def _cost_model(r: OwnRequest) -> None:
     cost_report(r.sessions, r.run_id, r.fmt)
 
 
+def _curves(path: str) -> Any:
+    """``--predict-on``'s file read and validated before the database opens (issue 59 item 8: ``/dev/zero`` or a
+    huge file is one line, never a MemoryError)."""
+    from dtbench.harness.curves_file import read
+
+    return read(path)
+
+
 def _predict_on(r: OwnRequest) -> None:
     from dtbench.reports.predict import predict_report, write_figure
 
@@ -119,6 +127,6 @@ OWN_REPORTS: tuple[OwnReport, ...] = (
     OwnReport("engine", "--engine", RUN_AND_FORMAT, _engine),
     OwnReport("spec_bench", "--spec-bench", RUN_AND_FORMAT, _spec_bench),
     OwnReport("cost_model", "--cost-model", RUN_AND_FORMAT, _cost_model),
-    OwnReport("predict_on", "--predict-on", "--run ID, --format, --figures DIR", _predict_on),
+    OwnReport("predict_on", "--predict-on", "--run ID, --format, --figures DIR", _predict_on, _curves),
     OwnReport("export_curves", "--export-curves", "--run ID", _export_curves),
 )

@@ -33,7 +33,7 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.reports.costmodel import NO_CALIBRATION, uses_draft_model
 from dtbench.reports.output import Document, Note, Report, emit
 from dtbench.reports.pricing import price_sample
-from dtbench.reports.stats import GROUP, baseline_values, family_of, group_key, show
+from dtbench.reports.stats import GROUP, baseline_values, family_of, group_key, served, show
 
 FIG_STEM = "predicted_speedup"
 
@@ -55,22 +55,33 @@ def _cells(session, run) -> list[tuple[Any, list[Any]]]:
 
 def predict_table(session, run, pc: curves_file.PortableCurves) -> tuple[pd.DataFrame, list[str]]:
     """One row per priced cell: predicted seconds, throughput and speedup on the curves' device beside the measured
-    ones here; and the labels of cells not priced (B > 1, another execution, an external loop without forward
-    records), each with why.
+    ones here; and the labels of cells not priced (served through requests, B > 1, another execution, an external
+    loop without forward records), each with why.
 
     Raises:
-        DtbenchError: the curves cannot price the run's models (a shape mismatch, in one line).
+        DtbenchError: the curves cannot price the run's models: a shape mismatch, or no rows of a role the run's
+            cells need (the draft's, for cells running the draft model: issue 59 item 4), in one line.
     """
     env = run.environment or {}
     roles = {"target": env.get("target"), "draft": env.get("draft")}
     cells = _cells(session, run)
-    if not any(uses_draft_model(c) for c, _ in cells):
+    drafting = [c.label for c, _ in cells if uses_draft_model(c) and not served(c)]
+    if not drafting:
         roles["draft"] = None
     problem = curves_file.shape_mismatch(pc.models, roles)
+    if problem is None:
+        missing = [role for role in ("target", "draft") if roles[role] and role not in pc.curves.roles()]
+        if missing:
+            problem = f"the curves hold no {missing[0]} rows" + (
+                f"; the run's cells {', '.join(drafting[:3])} run the draft model" if missing[0] == "draft" else ""
+            )
     if problem:
         raise DtbenchError(f"cannot predict run {run.id} on {pc.device_name}: {problem}")
     out, skipped = [], []
     for cell, samples in cells:
+        if served(cell):  # its time is the server's: no forward of it ran here to price (issue 59 item 4)
+            skipped.append(f"{cell.label} (served: measured through requests to a server, no forwards to price)")
+            continue
         if (cell.batch_size or 1) > 1:
             skipped.append(f"{cell.label} (B = {cell.batch_size}: the curves are batch-1 curves)")
             continue
@@ -108,15 +119,17 @@ def predict_table(session, run, pc: curves_file.PortableCurves) -> tuple[pd.Data
     return table, skipped
 
 
-def predict_report(sessions, run_id: int | None, fmt: str, curves_path: str) -> None:
-    """``dtbench report --predict-on CURVES [--run ID]``: the table of :func:`predict_table`.
+def predict_report(sessions, run_id: int | None, fmt: str, curves: str | curves_file.PortableCurves) -> None:
+    """``dtbench report --predict-on CURVES [--run ID]``: the table of :func:`predict_table`. ``curves``: the file's
+    path, or the file read (:func:`~dtbench.harness.curves_file.read`, as ``report`` does before any other work).
 
     Raises:
         DtbenchError: an unreadable curves file, a shape mismatch, an unknown run, nothing to price (one line).
     """
     from dtbench.reports.summary import get_run
 
-    pc = curves_file.read(curves_path)
+    pc = curves if isinstance(curves, curves_file.PortableCurves) else curves_file.read(curves)
+    curves_path = pc.path
     with sessions() as session:
         run = get_run(session, run_id)
         table, skipped = predict_table(session, run, pc)
@@ -165,9 +178,12 @@ def predict_report(sessions, run_id: int | None, fmt: str, curves_path: str) -> 
     )
 
 
-def write_figure(sessions, run_id: int | None, curves_path: str, out_dir: str | Path) -> list[Path]:
+def write_figure(
+    sessions, run_id: int | None, curves: str | curves_file.PortableCurves, out_dir: str | Path
+) -> list[Path]:
     """One figure: predicted speedup per decoder on the curves' device beside the speedup measured here, one pair of
-    bars per cell (``--predict-on CURVES --figures DIR``); the PNG and SVG paths written."""
+    bars per cell (``--predict-on CURVES --figures DIR``); the PNG and SVG paths written. ``curves``: as
+    :func:`predict_report`'s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +191,7 @@ def write_figure(sessions, run_id: int | None, curves_path: str, out_dir: str | 
 
     from dtbench.reports.summary import get_run
 
-    pc = curves_file.read(curves_path)
+    pc = curves if isinstance(curves, curves_file.PortableCurves) else curves_file.read(curves)
     with sessions() as session:
         run = get_run(session, run_id)
         table, _ = predict_table(session, run, pc)
