@@ -38,6 +38,7 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _AUTHORITY_END = re.compile(r"[/?#\r\n]")  # what ends a URL's authority (urllib's netloc rule; a line ends a URL)
 _PATH_END = re.compile(r"[?#\s]")  # what ends a path in free text (a URL holds no raw whitespace)
 _QUERY_END = re.compile(r"[#\s]")
+_FRAGMENT_END = re.compile(r"\s")
 _CLOSING_QUOTE = re.compile(r"[\"'](?=\s*(?:[,:;)\]}]|$))")
 _CLOSERS = "\"'`,;)]}>"  # closing punctuation after a URL in free text: kept, never part of a masked value
 _NAME_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -77,6 +78,81 @@ def secret_name(name: str) -> bool:
     return bool(words & SECRET_WORDS) or letters.endswith(_SECRET_ENDINGS)
 
 
+# --- secrets by value (issue 59 item 1): what the run knows is a secret is masked wherever it appears --------------
+
+MIN_SECRET = 4  # characters: a shorter value (a password "ab") would mask ordinary text wherever it appears
+_SECRETS: set[str] = set()
+_ORDERED: tuple[str, ...] = ()  # the registered values, longest first (a value holding another is masked whole)
+
+
+def register_secret(value: str | None) -> None:
+    """Register ``value`` (an API key, a password) as a secret of this process: :func:`scrub_secrets` (and so
+    :func:`redact_credentials`, every message, printed text and stored value) replaces it with ``***`` wherever it
+    appears, as GitHub Actions masks a registered secret in its logs, in the encodings a server may echo it in: as
+    given, percent-encoded (``quote``, ``quote_plus``) and JSON-escaped. Values shorter than :data:`MIN_SECRET`
+    characters are not registered (issue 59 item 1)."""
+    global _ORDERED
+    if not value or len(value) < MIN_SECRET:
+        return
+    import json
+    from urllib.parse import quote, quote_plus
+
+    forms = {value, quote(value, safe=""), quote_plus(value), json.dumps(value)[1:-1]}
+    forms.add(json.dumps(value, ensure_ascii=False)[1:-1])
+    if forms <= _SECRETS:
+        return
+    _SECRETS.update(forms)
+    _ORDERED = tuple(sorted(_SECRETS, key=len, reverse=True))
+
+
+def register_url_secrets(url: str | None) -> None:
+    """Register the secrets of a URL (:func:`register_secret`): its password (with its user where the password alone
+    is shorter than :data:`MIN_SECRET`) and the base64 of ``user:password`` (the ``Authorization: Basic`` header
+    httpx sends for a URL with credentials; a lone user part, a token, as ``user:``), each as written and
+    percent-decoded, and the value of every query or fragment parameter whose name looks like a credential
+    (:func:`secret_name`). A URL urllib cannot split registers nothing (issue 59 item 1)."""
+    import base64
+    from urllib.parse import parse_qsl, urlsplit
+
+    if not url or "://" not in url:
+        return
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return
+    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+    if userinfo:
+        user, colon, password = userinfo.partition(":")
+        for u, p in ((user, password), (unquote(user), unquote(password))):
+            register_secret(p if colon else u)  # the user name is kept where shown: user:***@host
+            if len(p if colon else u) < MIN_SECRET:
+                register_secret(f"{u}:{p}")  # a password too short to mask alone is masked with its user
+            for encoding in ("utf-8", "latin-1"):
+                try:
+                    register_secret(base64.b64encode(f"{u}:{p}".encode(encoding)).decode())
+                except UnicodeEncodeError:
+                    pass
+    for text in (parts.query, parts.fragment):
+        for name, value in parse_qsl(text, keep_blank_values=False):
+            if secret_name(name):
+                register_secret(value)
+
+
+def scrub_secrets(text: str) -> str:
+    """``text`` with every registered secret (:func:`register_secret`) replaced by ``***`` (issue 59 item 1)."""
+    for secret in _ORDERED:
+        if secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def forget_secrets() -> None:
+    """Forget every registered secret (tests: one test's secrets are not another's)."""
+    global _ORDERED
+    _SECRETS.clear()
+    _ORDERED = ()
+
+
 def _mask_userinfo(userinfo: str) -> str:
     if not userinfo:
         return userinfo
@@ -85,8 +161,8 @@ def _mask_userinfo(userinfo: str) -> str:
 
 
 def _mask_query(query: str) -> str:
-    """A query string (without ``?``) with every value of a credential-like parameter masked; closing punctuation
-    after the last value (a quote or bracket of the text around the URL) is kept."""
+    """A query string (without ``?``) or a fragment (without ``#``) with every value of a credential-like parameter
+    masked; closing punctuation after the last value (a quote or bracket of the text around the URL) is kept."""
     stripped = query.rstrip(_CLOSERS)
     query, tail = stripped, query[len(stripped) :]
     parts = []
@@ -96,6 +172,8 @@ def _mask_query(query: str) -> str:
             part = f"{name}={MASK}"
         elif "://" in value:  # a URL in a parameter (a redirect): its own credentials
             part = f"{name}={redact_credentials(value)}"
+        elif not eq and "://" in part:  # a URL as the whole part (?http://u:p@x, #http://...)
+            part = redact_credentials(part)
         parts.append(part)
     return "&".join(parts) + tail
 
@@ -118,26 +196,35 @@ def _authority_end(text: str, start: int, whole: bool) -> int:
 def _mask_at(text: str, start: int, whole: bool) -> tuple[str, int]:
     """The URL whose authority starts at ``start`` (just after ``scheme://``) masked: (its masked text, where the
     scan goes on). The userinfo runs to the *last* ``@`` before the authority ends (:func:`_authority_end`), so
-    quotes, spaces, ``<`` and ``@`` in a password are masked with it; a query (up to ``#`` or whitespace) has its
-    credential-like parameters masked."""
+    quotes, spaces, ``<`` and ``@`` in a password are masked with it; a query (up to ``#`` or whitespace) and a
+    fragment (up to whitespace) have their credential-like parameters masked."""
     stop = _authority_end(text, start, whole)
     at = text.rfind("@", start, stop)
     out = _mask_userinfo(text[start:at]) + text[at:stop] if at >= 0 else text[start:stop]
     path_end = _PATH_END.search(text, stop)
     query = path_end.start() if path_end else len(text)
-    if query == len(text) or text[query] != "?":
+    if query == len(text) or text[query] not in "?#":
         return out, stop  # the scan goes on over the path (a URL inside it is found there)
-    q_end = _QUERY_END.search(text, query + 1)
-    q_stop = q_end.start() if q_end else len(text)
-    path = redact_credentials(text[stop:query])
-    return out + path + "?" + _mask_query(text[query + 1 : q_stop]), q_stop
+    out += redact_credentials(text[stop:query])
+    pos = query
+    if text[pos] == "?":
+        q_end = _QUERY_END.search(text, pos + 1)
+        q_stop = q_end.start() if q_end else len(text)
+        out, pos = out + "?" + _mask_query(text[pos + 1 : q_stop]), q_stop
+    if pos < len(text) and text[pos] == "#":  # a fragment's parameters (#access_token=...: issue 59 item 2)
+        f_end = _FRAGMENT_END.search(text, pos + 1)
+        f_stop = f_end.start() if f_end else len(text)
+        out, pos = out + "#" + _mask_query(text[pos + 1 : f_stop]), f_stop
+    return out, pos
 
 
 def redact_credentials(value: Any) -> str:
     """``str(value)`` with the credentials of every URL in it masked: the password of ``http://user:secret@host``
     (``http://user:***@host``, the form SQLAlchemy's ``hide_password`` shows a database URL in), a user part without
-    a password (``https://TOKEN@host``: ``***@``), and the value of every query parameter whose name looks like a
-    credential (:func:`secret_name`: ``?api_key=***``).
+    a password (``https://TOKEN@host``: ``***@``), and the value of every query or fragment parameter whose name
+    looks like a credential (:func:`secret_name`: ``?api_key=***``, ``#access_token=***``). First, every secret
+    registered by value (:func:`register_secret`: an API key read from ``api_key_env``, a URL's password and its
+    ``Authorization: Basic`` form) is masked wherever it appears (:func:`scrub_secrets`, issue 59 item 1).
 
     Each URL is read the way urllib splits one: its userinfo runs to the last ``@`` of its authority, which ends at
     ``/``, ``?``, ``#`` or a line break; quotes, spaces and brackets do not end it, so a password holding them is
@@ -147,7 +234,7 @@ def redact_credentials(value: Any) -> str:
     The one rule for secrets in URLs (issue 42 item 1): every message (:func:`clip`), every printed or rendered text
     (``harness/safetext.printable``) and every value written to the database (:func:`redact_json`, and a suite's
     text: :func:`redact_yaml`) goes through it. The request itself still uses the URL as given."""
-    text = str(value)
+    text = scrub_secrets(str(value))
     if "://" not in text:
         return text
     whole = _SCHEME.match(text) is not None and "\n" not in text  # the text is one URL: urllib's rule alone
@@ -162,15 +249,15 @@ def redact_credentials(value: Any) -> str:
 
 def redact_yaml(text: str) -> str:
     """A YAML document (a suite's text) with every URL credential masked: :func:`redact_credentials` over the text,
-    then each scalar whose *parsed* value still holds a credential (a password or key split by YAML's escapes,
-    quoting or line folding) rewritten in place as a double-quoted scalar of its masked value; the rest of the text
+    then each scalar whose *parsed* value still holds a credential or a registered secret (:func:`register_secret`;
+    a password or key split by YAML's escapes, quoting or line folding) rewritten in place as a double-quoted scalar of its masked value; the rest of the text
     is kept byte for byte. Text that is no YAML gets :func:`redact_credentials` only."""
     import json
 
     import yaml
 
     text = redact_credentials(text)
-    if "://" not in text:
+    if "://" not in text and not _ORDERED:  # no URL, no registered secret: no scalar can hold one
         return text
     try:
         roots = list(yaml.compose_all(text, Loader=yaml.SafeLoader))

@@ -14,15 +14,31 @@ placeholders`: ``{llama_server}`` is the llama.cpp adapter's).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dtbench.core import DtbenchError, clip, redact_credentials, secret_name
+from dtbench.core import (
+    SECRET_WORDS,
+    DtbenchError,
+    clip,
+    redact_credentials,
+    register_secret,
+    register_url_secrets,
+    secret_name,
+)
 from dtbench.decoders.base import DecoderParams
 from dtbench.decoders.engines import engine_for
 
-__all__ = ["LAUNCH_PLACEHOLDERS", "ServerParams", "auth_headers", "literal_credential"]
+__all__ = [
+    "LAUNCH_PLACEHOLDERS",
+    "NOT_KEY_VARIABLES",
+    "ServerParams",
+    "auth_headers",
+    "literal_credential",
+    "register_secrets",
+]
 
 LAUNCH_PLACEHOLDERS = ("{port}", "{host}", "{model}", "{concurrency}")  # the harness's; engines add their own
 
@@ -44,7 +60,7 @@ class ServerParams(DecoderParams):
         min_length=1,
         description="the command that starts the server for the "
         "cell (argument list; placeholders {port} {host} {model} {concurrency} "
-        "{llama_server})",
+        "{llama_server}; no key: --api-key KEY is refused, the server reads it from its environment)",
     )
     port: int | Literal["auto"] = Field("auto", description="the launched server's port (auto: a free one)")
     engine: str = Field(
@@ -104,14 +120,16 @@ class ServerParams(DecoderParams):
     )
     extra_body: dict[str, Any] = Field(
         default_factory=dict,
-        description="more request fields, sent as given (no credentials: a literal key is refused, use api_key_env)",
+        description="more request fields, sent as given (no credentials: a literal key of any type is refused, use "
+        "api_key_env)",
     )
     api_key_env: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         max_length=200,
         description="the environment variable holding the server's API key, read at request time and sent as "
-        "`Authorization: Bearer <key>` (the key itself is never stored: only this name is)",
+        "`Authorization: Bearer <key>` (the key itself is never stored: only this name is, and the key is masked "
+        "wherever a server echoes it; PATH, HOME and other system variables are refused)",
     )
 
     @field_validator("engine")
@@ -125,6 +143,7 @@ class ServerParams(DecoderParams):
 
     @model_validator(mode="after")
     def _one_source(self):
+        register_secrets(self)  # first: every message below is masked by value too (issue 59 item 1)
         if (self.base_url is None) == (self.launch is None):
             raise ValueError("give exactly one of base_url (a running server) and launch (a command to start one)")
         if self.burstiness != 1.0 and self.request_rate is None:
@@ -137,10 +156,18 @@ class ServerParams(DecoderParams):
             )
         if self.base_url is not None:
             _valid_port(self.base_url)
-        if (where := literal_credential(self.base_url, self.extra_body)) is not None:
+        if (where := literal_credential(self.base_url, self.extra_body, self.launch)) is not None:
+            fix = "put the key in an environment variable and name the variable with api_key_env"
+            if where.startswith("launch"):  # a launched server reads its key from the environment it inherits
+                fix = (
+                    "let the server read the key from its environment (llama-server: LLAMA_API_KEY, vLLM: "
+                    "VLLM_API_KEY) and name that variable with api_key_env"
+                )
+            raise ValueError(f"{where}: a literal credential, which a run would store; {fix}")
+        if self.api_key_env is not None and not_a_key_variable(self.api_key_env):
             raise ValueError(
-                f"{where}: a literal credential, which a run would store; put the key in an environment variable "
-                "and name the variable with api_key_env"
+                f"api_key_env: {self.api_key_env} is a system variable, not an API key's; put the key in a variable "
+                "of its own (e.g. export DTB_KEY=...) and name that one"
             )
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(_unset(self.api_key_env))
@@ -162,21 +189,30 @@ def _unset(name: str) -> str:
     return f"api_key_env: the environment variable {name} is not set (it holds the server's API key)"
 
 
-def literal_credential(base_url: str | None, extra_body: dict[str, Any]) -> str | None:
-    """Where a server's params hold a literal credential, or None: a query parameter of ``base_url`` or a field of
-    ``extra_body`` (at any depth) whose name looks like a key (:func:`dtbench.core.secret_name`: ``api_key``,
-    ``token``, ``password``, ...) with a non-empty text value (``extra_body.api_key``, ``base_url: query parameter
-    'key'``). The key belongs in an environment variable named by ``api_key_env`` (issue 50 item 3)."""
+def literal_credential(base_url: str | None, extra_body: dict[str, Any], launch: list[str] | None = None) -> str | None:
+    """Where a server's params hold a literal credential, or None: a query or fragment parameter of ``base_url``, a
+    field of ``extra_body`` (at any depth) whose name looks like a key (:func:`dtbench.core.secret_name`: ``api_key``,
+    ``token``, ``password``, ...) holding a value (a non-blank text, a number, or a list holding one: issue 59 item 2),
+    or a ``launch`` flag naming a key with its value (``--api-key KEY``, ``--api-key=KEY``; ``--api-key-file`` names
+    a file and is fine). Answers like ``extra_body.api_key``, ``base_url: query parameter 'key'``, ``base_url:
+    fragment parameter 'access_token'``, ``launch: argument '--api-key'``. The key belongs in an environment variable
+    named by ``api_key_env`` (issue 50 item 3)."""
     from urllib.parse import parse_qsl, urlsplit
 
     if base_url:
         try:
-            query = urlsplit(base_url).query
+            parts = urlsplit(base_url)
         except ValueError:
-            query = ""
-        for name, _value in parse_qsl(query, keep_blank_values=False):
-            if secret_name(name):
-                return f"base_url: query parameter {clip(name, 40)!r}"
+            parts = None
+        for kind, text in (("query", parts.query), ("fragment", parts.fragment)) if parts else ():
+            for name, _value in parse_qsl(text, keep_blank_values=False):
+                if secret_name(name):
+                    return f"base_url: {kind} parameter {clip(name, 40)!r}"
+    argv = launch or []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if _credential_flag(flag) and (value if eq else i + 1 < len(argv) and not argv[i + 1].startswith("-")):
+            return f"launch: argument {clip(flag, 40)!r}"
     stack: list[tuple[str, Any]] = [("extra_body", extra_body)]
     while stack:
         path, value = stack.pop()
@@ -191,7 +227,62 @@ def literal_credential(base_url: str | None, extra_body: dict[str, Any]) -> str 
 
 
 def _literal(name: Any, value: Any) -> bool:
-    return isinstance(name, str) and secret_name(name) and isinstance(value, str) and bool(value.strip())
+    return isinstance(name, str) and secret_name(name) and _holds_value(value)
+
+
+def _holds_value(value: Any) -> bool:
+    """A non-blank text, a number (not a bool), or a list holding one at any depth: what a key can be written as (a
+    dict is looked into by its own fields' names)."""
+    if isinstance(value, bool) or value is None:
+        return False
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, (int, float)):
+        return True
+    return isinstance(value, list) and any(_holds_value(v) for v in value)
+
+
+def _credential_flag(arg: str) -> bool:
+    """Whether a command-line argument is a flag whose last word names a credential (``--api-key``, ``--hf-token``,
+    ``--apikey``, ``--password``), not a file or variable holding one (``--api-key-file``, ``--ssl-keyfile``)."""
+    if not arg.startswith("-"):
+        return False
+    words = re.findall(r"[a-z]+", arg.lower())
+    return bool(words) and (words[-1] in SECRET_WORDS or words[-1].endswith(("apikey", "token", "password")))
+
+
+NOT_KEY_VARIABLES = frozenset(
+    {
+        "PATH", "HOME", "USER", "USERNAME", "LOGNAME", "SHELL", "PWD", "OLDPWD", "LANG", "LANGUAGE", "TERM",
+        "TZ", "HOSTNAME", "HOST", "TMPDIR", "TMP", "TEMP", "DISPLAY", "EDITOR", "VISUAL", "PAGER", "MAIL",
+        "SHLVL", "COLUMNS", "LINES", "PS1", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CONDA_PREFIX",
+        "LD_LIBRARY_PATH", "LD_PRELOAD", "MANPATH", "CUDA_VISIBLE_DEVICES",
+    }
+)  # fmt: skip
+
+
+def not_a_key_variable(name: str) -> bool:
+    """Whether the environment variable ``name`` is obviously not an API key's (:data:`NOT_KEY_VARIABLES`: ``PATH``,
+    ``HOME``, ``USER``, ...; a locale ``LC_*`` or ``XDG_*`` folder variable), so ``api_key_env`` naming it is refused
+    instead of sending ``$PATH`` as the bearer token (issue 59 item 2)."""
+    upper = name.upper()
+    return upper in NOT_KEY_VARIABLES or upper.startswith(("LC_", "XDG_"))
+
+
+def register_secrets(params: ServerParams) -> None:
+    """Register every secret of a server's params by value (:func:`dtbench.core.register_secret`): the API key read
+    now from ``api_key_env``, the ``base_url``'s password, ``user:password`` and its base64 (``Authorization: Basic``)
+    and key-like query and fragment values, its reference's too; from then on every message, printed text and stored
+    value of this process has them masked, wherever a server echoes them (issue 59 item 1). Called when the params are
+    validated and again by :func:`auth_headers` (a measuring child process receives them unvalidated)."""
+    register_url_secrets(params.base_url)
+    if params.api_key_env is not None and not not_a_key_variable(params.api_key_env):
+        register_secret(os.environ.get(params.api_key_env))
+    reference = params.reference or {}
+    register_url_secrets(reference.get("base_url") if isinstance(reference.get("base_url"), str) else None)
+    env = reference.get("api_key_env")
+    if isinstance(env, str) and not not_a_key_variable(env):
+        register_secret(os.environ.get(env))
 
 
 def auth_headers(params: ServerParams) -> dict[str, str]:
@@ -201,6 +292,7 @@ def auth_headers(params: ServerParams) -> dict[str, str]:
     Raises:
         DtbenchError: the variable is not set (or empty).
     """
+    register_secrets(params)  # masked wherever the server echoes it (issue 59 item 1)
     if params.api_key_env is None:
         return {}
     key = os.environ.get(params.api_key_env)

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from dtbench.core import redact_yaml
+from dtbench.core import redact_json, redact_yaml
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store.db import Run, utcnow
@@ -153,6 +153,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
 
     ``env``: the measuring worker's environment (versions, device, target/draft) plus the executor's description.
     """
+    env = redact_json(env)  # stored, and compared on resume, with every secret masked (issue 59 item 1)
     owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
     if resume is None:
         run = Run(
