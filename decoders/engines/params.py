@@ -159,10 +159,7 @@ class ServerParams(DecoderParams):
         if (where := literal_credential(self.base_url, self.extra_body, self.launch)) is not None:
             fix = "put the key in an environment variable and name the variable with api_key_env"
             if where.startswith("launch"):  # a launched server reads its key from the environment it inherits
-                fix = (
-                    "let the server read the key from its environment (llama-server: LLAMA_API_KEY, vLLM: "
-                    "VLLM_API_KEY) and name that variable with api_key_env"
-                )
+                fix = "export LLAMA_API_KEY or VLLM_API_KEY (the server reads it) and name it with api_key_env"
             raise ValueError(f"{where}: a literal credential, which a run would store; {fix}")
         if self.api_key_env is not None and not_a_key_variable(self.api_key_env):
             raise ValueError(
