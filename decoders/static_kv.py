@@ -153,7 +153,7 @@ class Execution:
                     L = cache.length
                     allowed = torch.ones(batch, n, L + n, dtype=torch.bool, device=dev)
                     allowed[:, :, L:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
-                    pos = torch.arange(L, L + n, device=dev).expand(batch, n)
+                    pos = torch.arange(L, L + n, device=dev).expand(batch, n).contiguous()  # the strides the loops pass
                     return torch.zeros((batch, n), dtype=torch.long, device=dev), pos, allowed
 
                 cache.forward_rows(model, *causal(4))  # the prefill (eager) initialises the buffers

@@ -12,7 +12,8 @@ Which checks apply follows from what a decoder declares, never from its name; it
 - ``batch_rows`` (``batching``): at B = 2..4, ragged prompts, rows ending early, each row equals its prompt alone.
 - ``step_accounting``: every Step commits a token, ``accepted <= depth <= drafted``, forward counts consistent.
 - ``host_reads``: device-to-host reads per iteration within ``host_reads_bound`` (reported when none is declared).
-- ``compiled_equals_eager`` (``compiles``): the compile step's buckets only, zero recompiles, same tokens as eager.
+- ``compiled_equals_eager`` (``compiles``): the compile step's buckets only, zero recompiles, same tokens as eager;
+  at B = 1 and, for a decoder that batches, at B = 3 over every T from 17 to 40.
 - ``sampling`` (``supports_sampling``): a chi-square test of sampled outputs against the target's distribution.
 
 In a plugin's own tests (what ``examples/dtbench-prompt-lookup/tests`` does)::

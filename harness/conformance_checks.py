@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from dtbench.harness.conformance import (
     search,
     settings_of,
 )
+from dtbench.harness.conformance_compiled import compiled_equals_eager
 
 
 @dataclass
@@ -190,84 +190,6 @@ def batch_rows(job: Job) -> None:
     }
     strategies |= {"sharpness": st.sampled_from(SHARPNESS), "params": params}
     search(job.examples(8), {**strategies, "eos_at": st.none() | st.integers(0, 23)}, body)
-
-
-MAX_PROMPT, MAX_T = 20, 40  # the compiled check's draws: a static cache holds prompt + T + the decoder's headroom
-MAX_LEN = 512  # one static cache length for every decoder of a process, as one run has (mixing lengths on the same
-# models made transformers' compiled forward recompile: an artifact of the kit, not of a decoder)
-
-
-@cache
-def _execution(precision: Precision) -> Any:
-    from dtbench.decoders import static_kv
-
-    return static_kv.Execution(max_len=MAX_LEN)
-
-
-@cache
-def _compiled_pair(cls: type, precision: Precision) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The perturbed pair copied for one decoder class: its compiled graphs are its own, as a cell's are in the
-    process the runner isolates it in (``isolation: process``, the default), never another decoder's."""
-    import copy
-
-    target, draft = pair("llama", "perturbed", FLAT, precision)
-    return copy.deepcopy(target), copy.deepcopy(draft)
-
-
-_COMPILED: set[tuple] = set()
-
-
-def compiled_equals_eager(job: Job) -> None:
-    """Compiled execution (static caches, bucketed ``torch.compile``) after the cell's own compile step equals eager
-    execution of the same decoder, with zero recompiles inside the sample and only the buckets ``compiled_sizes``
-    declares."""
-    from dtbench.decoders import static_kv
-    from dtbench.harness.cells import compile_decoder
-
-    st, cls = _st(), job.cls
-    if not cls.compiles:
-        raise NotApplicable("declares compiles = False")
-    params = job.params(lambda p: cls.compile_error(p))
-
-    def body(prompt, T, params):
-        ex = _execution(job.precision)
-        if MAX_PROMPT + MAX_T + cls.cache_headroom(params) > MAX_LEN:
-            raise CheckFailed(
-                f"declared setting needs a static cache over {MAX_LEN} positions", {"params": describe(params)}
-            )
-        target, draft = _compiled_pair(cls, job.precision)
-        eager = collect(build(cls, params, target, draft), prompt, T)
-        decoder = build(cls, params, target, draft)
-        models = [target, draft] if cls.needs_draft else [target]
-        key = (cls, params.model_dump_json(), job.precision)
-        if key not in _COMPILED:
-            compile_decoder(ex, decoder, [prompt], MAX_T, models)  # as a cell of T >= 16 compiles
-            _COMPILED.add(key)
-        with static_kv.compiled(ex):
-            ex.begin_sample()
-            ex.used.clear()
-            before = static_kv.compiled_graphs()
-            output = collect(decoder, prompt, T)
-            recompiles = static_kv.compiled_graphs() - before
-        shown = {"prompt": prompt, "T": T, "params": describe(params)}
-        if recompiles:
-            raise CheckFailed(f"{recompiles} graph(s) compiled inside the sample, after the compile step", shown)
-        largest = max(cls.verify_sizes(params))
-        for role, model, sizes in zip(("target", "draft"), models, cls.compiled_sizes(params)):
-            used = ex.used.get((id(model), 1), set())
-            declared = set(static_kv.buckets_of(largest, sizes)) if sizes != () else set()
-            if not used <= declared:
-                raise CheckFailed(f"the {role} ran buckets {sorted(used - declared)} outside compiled_sizes", shown)
-        diff = compare(job.precision, target, prompt, output, eager)
-        if diff:
-            raise CheckFailed(
-                f"compiled differs from eager at position {diff.get('position')}: "
-                f"eager {diff.get('expected')}, compiled {diff.get('got')}",
-                {**shown, **diff},
-            )
-
-    strategies = {"prompt": prompts(2, MAX_PROMPT), "T": st.integers(1, MAX_T), "params": params}
-    search(job.examples(3), strategies, body)
 
 
 def step_accounting(job: Job) -> None:
