@@ -30,14 +30,12 @@ from typing import Any
 
 import torch
 
-from dtbench.decoders.modelinfo import cache_keyword, device_of, dtype_of
+from dtbench.decoders.modelinfo import attention_mask_kind, cache_keyword, device_of, dtype_of
 from dtbench.decoders.static_kv import Execution, StaticKV
 
 
 def _region(execution: Execution, model: torch.nn.Module, k: int) -> Any:
     """The compiled K-draft function of ``model`` in ``execution`` (made once per (model, K, static length))."""
-    from dtbench.decoders.tree.structure import attention_mask_kind
-
     key = (id(model), k, execution.max_len)
     fn = execution.regions.get(key)
     if fn is not None:

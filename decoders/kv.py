@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 from transformers import DynamicCache
 
-from dtbench.decoders.modelinfo import cache_keyword, device_of, dtype_of, layers
+from dtbench.decoders.modelinfo import attention_mask_kind, cache_keyword, device_of, dtype_of, layers
 from dtbench.decoders.static_kv import StaticKV, current
 
 if TYPE_CHECKING:
@@ -232,8 +232,6 @@ class RaggedBatch:
     """
 
     def __init__(self, model: torch.nn.Module):
-        from dtbench.decoders.tree.structure import attention_mask_kind
-
         self.model = model
         self.kind = attention_mask_kind(model)
         self.cache = new_cache()

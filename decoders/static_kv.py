@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     pass
 
-from dtbench.decoders.modelinfo import cache_keyword, config_of, device_of, dtype_of
+from dtbench.decoders.modelinfo import attention_mask_kind, cache_keyword, config_of, device_of, dtype_of
 
 # Forward sizes (new tokens per row) compiled execution pads to: powers of two as vLLM's default CUDA-graph capture
 # sizes are. A forward of more new tokens than the largest runs eager (a long prompt's prefill is never compiled).
@@ -321,8 +321,6 @@ class StaticKV:
     def _as_mask(self, model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
         """``allowed`` (bool, B x 1 x width x max_len) as the model takes its mask: itself, or 0 / the dtype's
         minimum (one ``where`` against cached scalars)."""
-        from dtbench.decoders.tree.structure import attention_mask_kind
-
         if attention_mask_kind(model) == "bool":
             return allowed
         zero, low = self.execution.mask_values(dtype_of(model), allowed.device)

@@ -73,6 +73,22 @@ def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
     return edges, private
 
 
+def with_packages(edges: dict[str, set[str]], mods: dict[str, Path]) -> dict[str, set[str]]:
+    """``edges`` plus the imports Python makes implicitly: importing ``a.b.c`` first runs the packages ``a.b`` (its
+    ``__init__``), so a module importing ``a.b.c`` depends on ``a.b`` too, unless it sits inside that package (a
+    package's ``__init__`` importing its own submodules is no cycle). Issue 58 item 6: ``decoders/kv.py`` imported
+    ``decoders/tree/structure.py`` inside a function, whose package ``__init__`` imports ``kv`` back."""
+    out = {m: set(ts) for m, ts in edges.items()}
+    for m, ts in edges.items():
+        for t in ts:
+            parts = t.split(".")
+            for i in range(2, len(parts)):
+                pkg = ".".join(parts[:i])
+                if pkg in mods and pkg != m and not m.startswith(pkg + "."):
+                    out[m].add(pkg)
+    return out
+
+
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -129,10 +145,44 @@ def test_the_checker_reads_imports_inside_functions(tmp_path):
     ]
 
 
+def test_the_checker_sees_cycles_through_a_packages_init(tmp_path):
+    """Issue 58 item 6: ``kv -> tree.structure`` (in a function) closes a cycle through ``tree/__init__``, which
+    imports ``tree.draft``, which imports ``kv``; a package's ``__init__`` importing its own submodules does not."""
+    (tmp_path / "tree").mkdir()
+    files = {
+        "kv.py": "def f():\n    from dtbench.decoders.tree.structure import kind\n",
+        "tree/__init__.py": "from dtbench.decoders.tree.draft import x\nfrom dtbench.decoders.tree.structure import kind\n",
+        "tree/draft.py": "from dtbench.decoders import kv\nfrom dtbench.decoders.tree.structure import kind\n",
+        "tree/structure.py": "kind = 1\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    mods = {
+        "dtbench.decoders.kv": tmp_path / "kv.py",
+        "dtbench.decoders.tree": tmp_path / "tree" / "__init__.py",
+        "dtbench.decoders.tree.draft": tmp_path / "tree" / "draft.py",
+        "dtbench.decoders.tree.structure": tmp_path / "tree" / "structure.py",
+    }
+    edges, _ = imports(mods)
+    assert cycles(edges) == []  # the explicit edges alone miss it
+    assert cycles(with_packages(edges, mods)) == [
+        ["dtbench.decoders.kv", "dtbench.decoders.tree", "dtbench.decoders.tree.draft"]
+    ]
+
+
 def test_no_import_cycles():
-    edges, _ = imports(modules())
+    """No cycle, counting imports inside functions and the package ``__init__`` each import runs first."""
+    mods = modules()
+    edges, _ = imports(mods)
     assert len(edges) > 50
-    assert cycles(edges) == []
+    assert cycles(with_packages(edges, mods)) == []
+
+
+def test_the_kv_caches_import_nothing_from_the_tree_toolkit():
+    """Issue 58 item 6: the caches read the mask kind from dtbench.decoders.modelinfo, at module level."""
+    edges, _ = imports(modules())
+    caches = ("dtbench.decoders.kv", "dtbench.decoders.static_kv", "dtbench.decoders.draft_region")
+    assert [f"{m} -> {t}" for m in caches for t in edges[m] if t.startswith("dtbench.decoders.tree")] == []
 
 
 def test_no_module_imports_another_modules_private_names():

@@ -14,9 +14,10 @@ from typing import Literal
 
 import torch
 
+from dtbench.decoders.modelinfo import MaskKind, attention_mask_kind  # noqa: F401  (re-exported: issue 58 item 6)
+
 CacheStrategy = Literal["compact", "rebuild"]
 DraftStrategy = Literal["per_level", "per_node"]
-MaskKind = Literal["bool", "additive"]
 TreeRoot = Literal["paper", "pending"]
 Prune = Literal["leaf", "skip"]
 
@@ -250,28 +251,6 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # Masks and positions
 # ----------------------------------------------------------------------------------------------------------
-
-
-def attention_mask_kind(model: torch.nn.Module) -> MaskKind:
-    """The 4D-mask format ``model``'s attention implementation needs (transformers 5.x uses it as-is).
-
-    Returns:
-        "additive" for ``eager`` (it adds the mask to the scores: 0 where allowed, dtype-min elsewhere);
-        "bool" for ``sdpa`` (True = attend).
-
-    Raises:
-        ValueError: for any other implementation (flash_attention_2/3, flex_attention, ...): they accept only
-            causal/padding masks and cannot express a tree.
-    """
-    impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if impl == "eager":
-        return "additive"
-    if impl == "sdpa":
-        return "bool"
-    raise ValueError(
-        f"tree attention needs an explicit 4D attention mask, which attention implementation {impl!r} cannot "
-        "take; load the model with attn_implementation='sdpa' or 'eager'"
-    )
 
 
 def tree_attention_mask(
