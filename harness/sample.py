@@ -148,10 +148,11 @@ class Reference(NamedTuple):
 
     Attributes:
         tokens: its output token ids, one list per row (one row at B = 1).
-        total_s: its wall time (s; the batch's at B > 1), the yardstick of ``timeout_s: auto``.
+        total_s: its wall time (s; the batch's at B > 1), the yardstick of ``timeout_s: auto``; None when unknown (a
+            NamedTuple takes plain defaults, not ``dataclasses.field``: issue 58 item 6).
         cpu_s: its CPU seconds when measured in this process; None when read back from the database (a resumed run).
     """
 
     tokens: list[list[int]]
-    total_s: float = field(metadata=WHOLE)
+    total_s: float | None = None
     cpu_s: float | None = None

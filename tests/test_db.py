@@ -223,3 +223,15 @@ def test_a_row_with_an_unknown_or_missing_column_is_refused():
         SampleRecord.from_row({"bogus": 1})
     with pytest.raises(ValueError, match="prompt_index"):
         SampleRecord.from_row({"document": "d"})
+
+
+def test_a_reference_without_times_has_none():
+    """Issue 58 item 6: ``Reference``'s ``total_s`` defaulted to a ``dataclasses.Field`` object (a NamedTuple is no
+    dataclass), so a reference built without its wall time carried that object into ``timeout_s: auto``."""
+    from dtbench.harness.cells import cpu_timeout
+    from dtbench.harness.sample import Reference
+
+    ref = Reference([[1, 2, 3]])
+    assert ref.total_s is None and ref.cpu_s is None
+    assert cpu_timeout("auto", ref.total_s, ref.cpu_s) == (1800.0, None)  # unknown reference time: 1800 s
+    assert Reference([[1]], 4.2, 8.0).total_s == 4.2
