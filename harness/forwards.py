@@ -188,6 +188,8 @@ class ForwardCounter:
         self._called: dict[str, list[float]] = {k: [] for k in ("target", "draft")}
         self._cum_tokens: dict[str, list[int]] = {k: [] for k in ("target", "draft")}
         self._seconds = {k: 0.0 for k in ("target", "draft")}
+        self._prefill_s = {k: 0.0 for k in ("target", "draft")}  # of forwards from an empty cache (the prefill)
+        self._resolved = {k: 0 for k in ("target", "draft")}  # forwards whose seconds were resolved (fed's index)
         self._open: dict[str, Any] = {}
         self._timers = {k: ForwardTimer(getattr(m, "device", torch.device("cpu"))) for k, m in self.models.items()}
 
@@ -218,16 +220,22 @@ class ForwardCounter:
         return post_hook
 
     def forward_seconds(self) -> dict[str, float | None]:
-        """Seconds spent inside each model's forward passes so far: ``{"target": s, "draft": s or None}`` (draft
-        None when it is not counted). On CUDA it synchronizes once, on the last forward's end event
-        (:meth:`ForwardTimer.resolve`)."""
+        """Seconds spent inside each model's forward passes so far: ``{"target": s, "draft": s or None,
+        "target_prefill": s, "draft_prefill": s or None}`` (draft None when it is not counted); ``*_prefill`` is the
+        part in forwards that started from an empty cache (KV positions before it 0: the prompt's prefill), which a
+        speedup's explanation sets apart (issue 58 item 2). On CUDA it synchronizes once, on the last forward's end
+        event (:meth:`ForwardTimer.resolve`)."""
         out: dict[str, float | None] = {}
         for role in ("target", "draft"):
             if role not in self.models:
-                out[role] = None
+                out[role] = out[f"{role}_prefill"] = None
                 continue
-            self._seconds[role] += sum(self._timers[role].resolve())
-            out[role] = self._seconds[role]
+            laps = self._timers[role].resolve()
+            fed = self.fed[role][self._resolved[role] : self._resolved[role] + len(laps)]
+            self._resolved[role] += len(laps)
+            self._seconds[role] += sum(laps)
+            self._prefill_s[role] += sum(s for s, (_, past, _) in zip(laps, fed) if past == 0)
+            out[role], out[f"{role}_prefill"] = self._seconds[role], self._prefill_s[role]
         return out
 
     def __enter__(self) -> ForwardCounter:

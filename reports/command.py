@@ -17,6 +17,7 @@ import click
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
+from dtbench.reports import explain
 from dtbench.reports.output import Document, Note, Report, emit, rendered
 from dtbench.reports.own import OWN_REPORTS, OwnRequest
 
@@ -248,12 +249,13 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
             "environment": run.environment or {},
         }
         frame = samples_frame(session, run.id)
+        sums = explain.load_sums(session, [int(c) for c in frame["cell_id"].unique()]) if not by else {}
     if by:
         from dtbench.reports.specbench import by_task
 
         summary = by_task(frame, by)
     else:
-        summary = summarize(frame)
+        summary = explain.explain(summarize(frame), sums)  # why each speculative cell is as fast as it is (issue 58)
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
     emit(fmt, render.cell_document(summary, meta))

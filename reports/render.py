@@ -11,6 +11,7 @@ import pandas as pd
 from dtbench.harness import load
 from dtbench.harness.metrics import METRICS, SPEEDUP, Metric
 from dtbench.harness.safetext import printable
+from dtbench.reports import explain
 from dtbench.reports.notes import cell_notes, lossless_detail
 from dtbench.reports.output import Document, Note, Report
 from dtbench.reports.stats import BASELINE, GROUP, MIN_PROMPTS, MISSING, N_TOO_SMALL, SAMPLED, is_missing, show
@@ -150,7 +151,7 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
         ]
         notes = [
             Note(note, "red" if row["status"] == "failed" else "yellow") for row in rows for note in cell_notes(row)
-        ]
+        ] + [Note(note, None) for row in rows for note in explain.note(row)]
         n = int(group["n"].max()) if len(group) else 0
         unit = (
             "prompts"
@@ -170,7 +171,7 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
                 _title(key),
                 caption,
                 display,
-                group[CELL_DATA],
+                group[[c for c in CELL_DATA if c in group]],  # explain.COLUMNS where explained
                 notes=notes,
                 row_styles=styles,
                 left=frozenset({"Decoder", "Execution", "Lossless"}),
@@ -188,7 +189,7 @@ def cell_document(summary: pd.DataFrame, run_meta: dict) -> Document:
         header=run_header(run_meta),
         meta={"run": run_meta},
         rows="cells",
-        data=summary[CELL_DATA],
+        data=summary[[c for c in CELL_DATA if c in summary]],
         title=f"run {run_meta['id']}: every cell",
     )
 
@@ -233,6 +234,7 @@ MACHINE_COLUMNS = [
     "others_cpu_share",
     "busy",
     "load_note",
+    *explain.COLUMNS,
 ]
 
 

@@ -30,6 +30,7 @@ from dtbench.harness.load import COLUMNS as LOAD_COLUMNS
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
 from dtbench.harness.sample import SCALAR_COLUMNS
 from dtbench.harness.store.db import Cell, Run, Sample
+from dtbench.reports import explain
 from dtbench.reports.stats import (
     GROUP,
     KEY,
@@ -326,6 +327,7 @@ def run_summary(session: Session, run: Run) -> pd.DataFrame:
     table = summarize(samples_frame(session, run.id))
     if table.empty:
         return table
+    table = explain.explain(table, explain.load_sums(session, [int(c) for c in table["cell_id"]]))  # issue 58 item 2
     table.insert(0, "run_id", run.id)
     table["sweep_of"] = table["sweep_group"]  # stored on the cell by the runner (migration 0003 for older runs)
     table["sweep"] = table["sweep_of"].notna()

@@ -1,0 +1,133 @@
+"""Every speculative cell explains its speedup with no calibration (issue 58 item 2, reports/explain.py): the time
+split, the draft/target cost per forward and the speedup the measured costs and acceptance allow, checked on a fake
+clock against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from dtbench.decoders import base as decoder_base
+from dtbench.harness import forwards, measure
+from dtbench.harness.conformance import PRECISIONS, pair
+from dtbench.harness.metrics import sample_row
+from dtbench.harness.testkit import FLAT
+from dtbench.reports import explain
+
+TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
+
+# seconds per forward: (role, prefill?) -> cost; the clock moves only inside forwards, so "other" is 0
+COST = {("target", True): 0.5, ("target", False): 0.1, ("draft", True): 0.3, ("draft", False): 0.02}
+PROMPT, T = [5, 9, 14, 3, 22, 7, 30, 11], 24
+
+
+class Clock:
+    """A fake clock: each hooked forward adds its :data:`COST` when it returns (the runner's forward timer, whose
+    hooks wrap the forward, sees it)."""
+
+    def __init__(self):
+        self.t, self.handles = 0.0, []
+
+    def now(self) -> float:
+        return self.t
+
+    def attach(self, model, role: str) -> None:
+        pending = []
+
+        def pre(module, args, kwargs):
+            pending.append(COST[(role, forwards.past_length(forwards.cache_argument(kwargs)) == 0)])
+
+        def post(module, args, kwargs, output):
+            self.t += pending.pop()
+
+        self.handles += [
+            model.register_forward_pre_hook(pre, with_kwargs=True),
+            model.register_forward_hook(post, with_kwargs=True, always_call=True),
+        ]
+
+
+def measured(name: str, monkeypatch) -> dict:
+    from dtbench.harness import registry
+
+    target, draft = pair("llama", "perturbed", FLAT, PRECISIONS["cpu"])
+    cls = registry.get(name)
+    decoder = cls(
+        target, draft if cls.needs_draft else None, registry.validate_params(name, {"k": 3} if name == "linear" else {})
+    )
+    clock = Clock()
+    clock.attach(target, "target")
+    clock.attach(draft, "draft")
+    try:
+        monkeypatch.setattr(decoder_base, "clock", clock.now)
+        m = measure.measure(decoder, PROMPT, T, torch.device("cpu"))
+    finally:
+        for h in clock.handles:
+            h.remove()
+    prompt = type("P", (), {"index": 0, "document": "", "token_ids": PROMPT})()
+    return sample_row(m, prompt, False, None)
+
+
+def test_a_chain_cells_time_split_cost_and_allowed_speedup_by_hand(monkeypatch):
+    rows = {name: measured(name, monkeypatch) for name in ("ar", "linear")}
+    st = rows["linear"]["step_stats"]
+    n_target = sum(1 for step in st["target_fed"] for e in step if e[1] != 0)  # decode forwards
+    n_draft = sum(1 for step in st["draft_fed"] for e in step if e[1] != 0)
+    iterations = len(st["accepted"]) - 1  # Steps after the prefill's token
+    drafted, accepted = sum(st["drafted"][1:]), sum(st["accepted"][1:])
+    assert iterations > 2 and 0 < accepted < drafted  # drafts both accepted and rejected: the formulas are exercised
+    wall = 0.5 + 0.1 * n_target + 0.3 + 0.02 * n_draft
+    assert rows["linear"]["total_s"] == pytest.approx(wall)
+    assert st["forward_s"]["draft_prefill"] == pytest.approx(0.3) and st["forward_s"]["target_prefill"] == 0.5
+
+    sums = {
+        i: explain.cell_sums([(r["total_s"], {**r["step_stats"], "step_tokens_n": r["step_tokens"][1:]})])
+        for i, r in enumerate(rows.values())
+    }
+    table = pd.DataFrame(
+        {
+            "cell_id": [0, 1],
+            "dataset": "d",
+            "l_max": 8,
+            "gen_length": T,
+            "batch_size": 1,
+            "label": ["ar", "linear"],
+            "decoder": ["ar", "linear"],
+            "family": ["ar", "chain"],
+            "speedup": [1.0, rows["ar"]["total_s"] / wall],
+        }
+    )
+    why = explain.explain(table, sums).set_index("label")
+    lin = why.loc["linear"]
+    assert lin["time_target_share"] == pytest.approx((0.5 + 0.1 * n_target) / wall)
+    assert lin["time_draft_share"] == pytest.approx(0.02 * n_draft / wall)
+    assert lin["time_draft_prefill_share"] == pytest.approx(0.3 / wall)
+    assert lin["time_other_share"] == pytest.approx(0.0, abs=1e-12)
+    assert lin["target_forward_ms"] == pytest.approx(100.0) and lin["draft_forward_ms"] == pytest.approx(20.0)
+    assert why.loc["ar", "target_forward_ms"] == pytest.approx(100.0)
+    assert lin["draft_target_cost"] == pytest.approx(0.2)
+    tau = (T - 1) / iterations  # committed tokens per verification, the prefill's token apart
+    assert lin["forwards_allow_speedup"] == pytest.approx(tau * 0.1 / ((0.1 * n_target + 0.02 * n_draft) / iterations))
+    alpha, k = accepted / drafted, drafted / iterations
+    assert lin["chain_allows_speedup"] == pytest.approx((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.2 + 1)))
+    assert all(math.isnan(why.loc["ar", c]) for c in ("time_target_share", "forwards_allow_speedup"))
+    (line,) = explain.note(lin.rename(None).to_frame().T.assign(label="linear").iloc[0])
+    assert line.startswith(f"linear: time in target forwards {lin['time_target_share']:.0%}, draft ")
+    assert f"its decode forwards and acceptance allow {lin['forwards_allow_speedup']:.2f}x" in line
+    assert f"measured {lin['speedup']:.2f}x" in line and "a draft forward costs 0.20 of AR's" in line
+
+
+def test_the_chain_formula_by_hand():
+    """Leviathan et al. 2023, eq. 1 / Section 3.4: alpha = 0.8, K = 4, c = 0.05 -> (1 - 0.8^5) / (0.2 * 1.2);
+    alpha = 1: (K + 1) / (K c + 1)."""
+    assert explain.chain_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+    assert explain.chain_speedup(1.0, 4, 0.05) == pytest.approx(5 / 1.2)
+
+
+def test_cells_stored_before_the_prefill_split_get_no_explanation():
+    """An old sample's forward seconds have no ``target_prefill``: no explanation (its report stays as it was)."""
+    old = {"forward_s": {"target": 1.0, "draft": 0.5}, "accepted": [0, 2], "drafted": [0, 3], "target_fed": []}
+    assert explain.cell_sums([(2.0, old)]) is None
+    assert explain.cell_sums([]) is None
