@@ -330,7 +330,7 @@ def read_regular_file(path: Path, limit: int, what: str) -> bytes:
     except OSError as exc:
         raise DtbenchError(f"cannot read {what} {path}: {exc.strerror}") from None
     if len(raw) > limit:
-        raise DtbenchError(f"{what} {path} is larger than {limit:,} bytes (the limit for a {what} file)")
+        raise DtbenchError(f"{what} {path} is larger than {limit:,} bytes (the limit for a {what})")
     return raw
 
 
