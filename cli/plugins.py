@@ -4,7 +4,8 @@ Every kind of plugin is found by the one :class:`~dtbench.registry.Registry` in 
 datasets, report formats, serving engines and executors. This command lists each registry's usable entries (name,
 distribution and version, built-in or plugin, loaded or broken) and every problem in one line: a third-party
 registration of a built-in name (refused), a name two distributions claim (ambiguous), an entry that fails to import
-or loads the wrong kind of object (broken). It exits 0 whatever it finds: it is the place to look, not a gate.
+or loads the wrong kind of object (broken). It exits 0 whatever it finds: it is the place to look, not a gate. An
+object registered by code in this process (a report format's ``@renderer``) is listed too, origin ``in-process``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import click
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
-from dtbench.registry import Registry, ambiguous_line, refused_line
+from dtbench.registry import IN_PROCESS, Registry, ambiguous_line, refused_line
 
 
 class ExecutorChoice(click.Choice):
@@ -96,13 +97,18 @@ def inventory(regs: list[Registry]) -> tuple[list[Listed], list[str]]:
     return rows, problems
 
 
+def origin(row: Listed) -> str:
+    """``built-in``, ``in-process`` (registered by code in this process: :meth:`Registry.register`, issue 58 item 6)
+    or ``plugin`` (an installed distribution's entry point)."""
+    if row.builtin:
+        return "built-in"
+    return "in-process" if row.distribution == IN_PROCESS else "plugin"
+
+
 def _text(rows: list[Listed], problems: list[str]) -> None:
     """The listing as aligned columns, then one line per problem (user strings made printable)."""
     header = ("group", "name", "distribution", "origin", "status")
-    cells = [header] + [
-        (r.group, r.name, f"{r.distribution} {r.version}", "built-in" if r.builtin else "plugin", r.status)
-        for r in rows
-    ]
+    cells = [header] + [(r.group, r.name, f"{r.distribution} {r.version}", origin(r), r.status) for r in rows]
     table = [[printable(c) for c in row] for row in cells]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:

@@ -24,6 +24,13 @@ The policy:
   command an interpreter start. Built-ins (dtbench's own entry points, trusted, and the first to import torch) load
   on the caller's thread without a limit. A plugin whose import needs the main thread (``signal.signal`` at import)
   fails to load under the limit; that is the plugin's error, reported by name.
+- A group is scanned once per process (issue 58 item 6: a run scanned the entry points 35 times for two cells): the
+  scan is kept while ``sys.path`` and ``DTBENCH_DISABLE_PLUGINS`` stay as they were (a distribution put on the path
+  is seen at the next :meth:`Registry.scan`); :meth:`Registry.refresh` reads the group again.
+- Code in this process registers an object with :meth:`Registry.register` (the report formats' ``@renderer``): it is
+  an entry of the one registry like an entry point's, distribution ``in-process``, listed by ``dtbench plugins``;
+  a built-in name is refused, a name a plugin also claims is ambiguous. ``DTBENCH_DISABLE_PLUGINS`` does not hide it
+  (it keeps installed distributions out, and this is no installed distribution).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +50,7 @@ from dtbench.core import DtbenchError, clip
 T = TypeVar("T")  # what a registry's get returns: a class (type[Decoder]) or a function (a renderer)
 
 BUILTIN_DISTRIBUTION = "dtbench"
+IN_PROCESS = "in-process"  # the distribution of an object registered with Registry.register (issue 58 item 6)
 DISABLE_ENV = "DTBENCH_DISABLE_PLUGINS"
 IMPORT_TIMEOUT_ENV = "DTBENCH_PLUGIN_IMPORT_TIMEOUT"
 DEFAULT_IMPORT_TIMEOUT_S = 10.0  # seconds a plugin's module may take to import (a plugin importing torch: ~2-5 s)
@@ -137,9 +146,25 @@ class Entry:
         return self.distribution == BUILTIN_DISTRIBUTION
 
     @property
+    def in_process(self) -> bool:
+        """Whether code in this process registered it (:meth:`Registry.register`; its version is its module)."""
+        return self.distribution == IN_PROCESS
+
+    @property
     def label(self) -> str:
         """``distribution version``, as messages name it."""
         return f"{self.distribution} {self.version}"
+
+
+@dataclass(frozen=True, eq=False)
+class Registered:
+    """The entry point of an object registered in-process (:meth:`Registry.register`): ``load()`` returns it."""
+
+    obj: Any
+
+    def load(self) -> Any:
+        """The registered object."""
+        return self.obj
 
 
 @dataclass(frozen=True)
@@ -218,12 +243,65 @@ class Registry(Generic[T]):
     def __init__(self, group: str, kind: str, expect: Expect):
         self.group, self.kind, self.expect = group, kind, expect
         self._loaded: dict[Entry, T] = {}
+        self._local: dict[str, Entry] = {}  # registered in this process (register), by name
+        self._scanned: tuple[object, Discovery] | None = None  # (sys.path and the disable flag, their scan)
+        self.reads = 0  # times the entry-point group was read in this process (tests count them)
 
     def __repr__(self) -> str:
         return f"Registry({self.group!r})"
 
     def scan(self) -> Discovery:
-        """Read the entry-point group (nothing imported). ``DTBENCH_DISABLE_PLUGINS=1`` keeps built-ins only."""
+        """The group's registrations (nothing imported): the entry points, read once per process while ``sys.path``
+        and ``DTBENCH_DISABLE_PLUGINS`` stay the same (``=1`` keeps built-ins only), then this process's own
+        (:meth:`register`). A new :class:`Discovery` each call: the caller may edit it."""
+        key = (tuple(sys.path), plugins_disabled())
+        if self._scanned is None or self._scanned[0] != key:
+            self._scanned = (key, self._read())
+        base = self._scanned[1]
+        found = Discovery(dict(base.entries), list(base.refused), {n: list(es) for n, es in base.ambiguous.items()})
+        for name, entry in self._local.items():
+            if name in found.ambiguous:
+                found.ambiguous[name].append(entry)
+            elif name in found.entries:  # a plugin's name (a built-in's is refused by register)
+                found.ambiguous[name] = [found.entries.pop(name), entry]
+            else:
+                found.entries[name] = entry
+        return found
+
+    def refresh(self) -> None:
+        """Forget the kept scan: the next :meth:`scan` reads the entry-point group again (a distribution installed
+        into a folder already on ``sys.path`` since the last scan)."""
+        self._scanned = None
+
+    def register(self, name: str, obj: T) -> T:
+        """Register ``obj`` under ``name`` from this process (issue 58 item 6): an entry of this registry like an
+        entry point's (distribution ``in-process``, version its module), so :meth:`get`, :meth:`load_all` and
+        ``dtbench plugins`` see it. Registering a name again replaces this process's earlier registration.
+
+        Returns:
+            ``obj`` (so a decorator can return the function it registers).
+
+        Raises:
+            DtbenchError: ``name`` is a built-in's (never taken over), or ``obj`` is not what the registry expects.
+        """
+        builtin = self.scan().entries.get(name)
+        if builtin is not None and builtin.builtin:
+            raise DtbenchError(
+                f"{self.kind} '{clip(name, 80)}' is a built-in name of dtbench and cannot be registered again"
+            )
+        if not self.expect.accepts(obj):
+            raise DtbenchError(f"{self.kind} '{clip(name, 80)}' is {clip(repr(obj), 80)}, not {self.expect.what}")
+        module = getattr(obj, "__module__", None) or "?"
+        self._local[name] = Entry(name, IN_PROCESS, str(module), Registered(obj))
+        return obj
+
+    def unregister(self, name: str) -> None:
+        """Drop this process's registration of ``name`` (:meth:`register`); nothing if there is none."""
+        self._local.pop(name, None)
+
+    def _read(self) -> Discovery:
+        """Read the entry-point group: built-ins, and the others refused, ambiguous or usable."""
+        self.reads += 1
         only_builtin = plugins_disabled()
         builtin: dict[str, Entry] = {}
         third: dict[str, list[Entry]] = {}
@@ -263,7 +341,8 @@ class Registry(Generic[T]):
             return self._loaded[entry]
         what = f"{self.kind} '{clip(entry.name, 80)}' from distribution {entry.label}"
         try:
-            obj = entry.entry_point.load() if entry.builtin else load_within(entry.entry_point, import_timeout_s())
+            trusted = entry.builtin or entry.in_process  # imported already, or dtbench's own: no time limit
+            obj = entry.entry_point.load() if trusted else load_within(entry.entry_point, import_timeout_s())
         except ImportTimedOut as exc:
             raise DtbenchError(f"{what} {exc}") from None
         except (Exception, SystemExit) as exc:  # any import-time failure of a plugin is the plugin's, reported by name

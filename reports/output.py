@@ -5,7 +5,8 @@ A :class:`Report` carries a title, caption, notes, a display frame (strings, wha
 (the run header) and the envelope of its machine-readable form (JSON keys such as ``run``, the key of its rows).
 The ``--format`` renderers (``table``, ``markdown``, ``csv``, ``json``, ``html``) are entry points of the group
 ``dtbench.formats`` in pyproject.toml, like a plugin's, read by the one registry (:data:`FORMAT_REGISTRY`) into
-:data:`RENDERERS` (the CLI's ``--format`` choices); ``FORMATS`` is the built-in ones' names.
+:data:`RENDERERS` (the CLI's ``--format`` choices); ``FORMATS`` is the built-in ones' names. A format registered
+in-process with :func:`renderer` is an entry of the same registry (issue 58 item 6).
 Every report, the run's cell table included, is printed by :func:`emit`; ``--out DIR`` and ``--html FILE`` write
 what the same renderers return.
 
@@ -136,8 +137,8 @@ FORMAT_REGISTRY: Registry[Renderer] = Registry(
     FORMATS_GROUP, "report format", a_callable("a renderer function (Document -> text)")
 )
 
-#: format name -> renderer: the registry's formats once loaded (:func:`load_format_plugins`; built-ins first, sorted),
-#: plus any registered in-process with :func:`renderer`.
+#: format name -> renderer: the registry's usable formats once loaded (:func:`load_format_plugins`; built-ins first,
+#: sorted), those registered in-process with :func:`renderer` among them.
 RENDERERS: dict[str, Renderer] = {}
 _WARNED: set[str] = set()  # problem lines already returned by load_format_plugins (each is warned once)
 
@@ -148,8 +149,8 @@ def load_format_plugins() -> list[str]:
     An entry point names a renderer function (``tsv = "my_pkg.formats:render_tsv"``), registered under the entry
     point's name by the one :class:`~dtbench.registry.Registry` policy: dtbench's own formats are entry points too, a
     built-in name is never taken over (a plugin claiming one is refused), two distributions claiming one name make it
-    ambiguous, ``DTBENCH_DISABLE_PLUGINS=1`` keeps the built-ins. The group is scanned on every call (metadata only),
-    each entry point imported once, so a plugin installed in a running session is a choice at the next call.
+    ambiguous, ``DTBENCH_DISABLE_PLUGINS=1`` keeps the built-ins. The group is scanned once per process (while
+    ``sys.path`` stays the same; issue 58 item 6), each entry point imported once.
 
     Returns:
         One line per unusable registration (refused, ambiguous, or failed to load), each returned once per process
@@ -168,17 +169,21 @@ def builtin_formats() -> tuple[str, ...]:
 
 
 def renderer(name: str) -> Callable[[Renderer], Renderer]:
-    """Register the renderer of output format ``name`` in this process (a decorator); the CLI's ``--format``
-    choices are :data:`RENDERERS`. A package registers its formats with entry points instead (docs/plugins.md).
+    """Register the renderer of output format ``name`` in this process (a decorator): an entry of
+    :data:`FORMAT_REGISTRY` (:meth:`~dtbench.registry.Registry.register`, listed by ``dtbench plugins``; issue 58
+    item 6) and a ``--format`` choice (:data:`RENDERERS`). A package registers its formats with entry points instead
+    (docs/plugins.md).
 
     Raises:
-        DtbenchError: ``name`` is a built-in format's (never taken over).
+        DtbenchError: ``name`` is a built-in format's (never taken over), or ``fn`` is not a function.
     """
 
     def register(fn: Renderer) -> Renderer:
-        if name in builtin_formats():
-            raise DtbenchError(f"report format '{name}' is a built-in name of dtbench and cannot be registered again")
-        RENDERERS[name] = fn
+        FORMAT_REGISTRY.register(name, fn)
+        if name in FORMAT_REGISTRY.scan().entries:
+            RENDERERS[name] = fn
+        else:  # a plugin claims the name too: ambiguous, no choice (load_format_plugins names both)
+            RENDERERS.pop(name, None)
         return fn
 
     return register
@@ -463,7 +468,9 @@ def rendered(fmt: str, doc: Document | Sequence[Report]) -> object:
 def _origin(fmt: str) -> str:
     """A plugin's format as messages name it: with its distribution, or registered in-process (:func:`renderer`)."""
     entry = FORMAT_REGISTRY.scan().entries.get(fmt)
-    where = f"from distribution {entry.label}" if entry is not None else "(registered in-process)"
+    where = (
+        f"from distribution {entry.label}" if entry is not None and not entry.in_process else "(registered in-process)"
+    )
     return f"report format '{clip(fmt, 80)}' {where}"
 
 

@@ -164,3 +164,76 @@ def test_disable_plugins_keeps_the_builtins_in_every_registry(monkeypatch, tmp_p
         assert all(e.builtin for e in found.entries.values()) and not found.refused and not found.ambiguous, group
     res = invoke("plugins")
     assert res.exit_code == 0 and "problems: none" in res.stdout and "plugin" not in res.stdout.split("problems")[0]
+
+
+# --- issue 58 item 6: in-process registrations in the one registry; each group read once per process ------------
+
+
+def test_a_format_registered_in_process_is_in_the_one_registry_and_listed(monkeypatch, tmp_path, request):
+    """Before: ``@renderer`` wrote a second dict beside the registry, which ``dtbench plugins`` never saw."""
+    from dtbench.reports import output
+
+    monkeypatch.setattr(output, "RENDERERS", dict(output.RENDERERS))
+    request.addfinalizer(lambda: FORMAT_REGISTRY.unregister("shout"))
+
+    @output.renderer("shout")
+    def shout(doc):
+        return "LOUD"
+
+    entry = FORMAT_REGISTRY.scan().entries["shout"]
+    assert entry.in_process and entry.label == f"in-process {__name__}" and FORMAT_REGISTRY.get("shout") is shout
+    assert output.rendered("shout", []) == "LOUD"
+    res = invoke("plugins")
+    assert res.exit_code == 0 and "problems: none" in res.stdout, res.output
+    rows = [ln.split() for ln in res.stdout.splitlines() if ln.split()[:2] == ["dtbench.formats", "shout"]]
+    assert rows == [["dtbench.formats", "shout", "in-process", __name__, "in-process", "ok"]]
+    body = json.loads(invoke("plugins", "--format", "json").stdout)
+    formats = next(r for r in body["registries"] if r["group"] == "dtbench.formats")
+    assert [(e["distribution"], e["status"]) for e in formats["entries"] if e["name"] == "shout"] == [
+        ("in-process", "ok")
+    ]
+    with pytest.raises(DtbenchError, match="^report format 'json' is a built-in name of dtbench"):
+        FORMAT_REGISTRY.register("json", shout)
+    with pytest.raises(DtbenchError, match="^report format 'cls' is <class 'int'>, not a renderer function"):
+        FORMAT_REGISTRY.register("cls", int)
+    install_plugin(
+        monkeypatch,
+        tmp_path / "site",
+        "dtbench-shout",
+        {"shout": "dtbench_shout:render"},
+        "def render(d):\n    return 'x'\n",
+        group="dtbench.formats",
+    )
+    ambiguous = f"report format 'shout' is registered by dtbench-shout 0.1 and in-process {__name__}"
+    assert ambiguous in invoke("plugins").stdout
+    FORMAT_REGISTRY.unregister("shout")
+    assert FORMAT_REGISTRY.get("shout").__module__ == "dtbench_shout"  # the plugin's alone again
+
+
+def test_each_entry_point_group_is_read_once_per_process(monkeypatch, tmp_path):
+    """Before: validating a two-decoder suite read the entry points 22 times (a two-cell run 35 times, 13 ms each);
+    now each group once, again only when ``sys.path`` changes or :meth:`Registry.refresh` is called."""
+    import dtbench.registry as registry_module
+
+    reads: list[str] = []
+    real = registry_module.entry_points
+
+    def counting(group: str):
+        reads.append(group)
+        return real(group=group)
+
+    monkeypatch.setattr(registry_module, "entry_points", counting)
+    monkeypatch.syspath_prepend(str(tmp_path / "empty"))  # a changed path: every group is read again
+    decoders_ = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}, {"name": "dynatree"}]
+    suite = {**SUITE, "draft": {"model": "smollm2-135m", "dtype": "bfloat16"}, "decoders": decoders_}
+    res = invoke("validate", write_suite(tmp_path, suite))
+    assert res.exit_code == 0, res.output
+    assert sorted(reads) == sorted(set(reads)) and set(reads) <= set(ALL)
+    assert invoke("validate", write_suite(tmp_path, suite)).exit_code == 0
+    assert len(reads) == len(set(reads))  # the second command in this process reads nothing
+    monkeypatch.syspath_prepend(str(tmp_path))  # a folder on the path may hold a new distribution: read again
+    decoders.DECODERS.scan()
+    assert reads.count("dtbench.decoders") == 2
+    decoders.DECODERS.refresh()
+    decoders.DECODERS.scan()
+    assert reads.count("dtbench.decoders") == 3
