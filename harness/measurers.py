@@ -64,7 +64,8 @@ class Outcome:
         assert self.rows is not None
         first = self.rows[0]
         total = first.batch_total_s if first.batch_total_s is not None else first.total_s
-        return Reference([list(r.output_tokens) for r in self.rows], total, self.cpu_s)
+        prompts = tuple(r.prompt_index for r in self.rows)
+        return Reference([list(r.output_tokens) for r in self.rows], total, self.cpu_s, prompts)
 
 
 @dataclass(frozen=True)

@@ -394,8 +394,9 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
                     )
                     .order_by(Sample.prompt_index)
                 ).all()
-                if len(rows) == len(group.prompt_indices):
-                    done[cp.label] = Reference([r.output_tokens for r in rows], rows[0].batch_total_s)
+                if rows:  # committed (a served unit keeps the rows of the requests that did not fail: issue 59)
+                    prompts = tuple(r.prompt_index for r in rows)
+                    done[cp.label] = Reference([r.output_tokens for r in rows], rows[0].batch_total_s, None, prompts)
                 continue
             sample = session.scalar(
                 select(Sample).where(

@@ -151,8 +151,11 @@ class Reference(NamedTuple):
         total_s: its wall time (s; the batch's at B > 1), the yardstick of ``timeout_s: auto``; None when unknown (a
             NamedTuple takes plain defaults, not ``dataclasses.field``: issue 58 item 6).
         cpu_s: its CPU seconds when measured in this process; None when read back from the database (a resumed run).
+        prompts: the prompt index of each row of ``tokens``; None: the group's prompts in order. A served unit keeps
+            the rows of the requests that did not fail (issue 59 item 7), so a dependent looks its rows up by prompt.
     """
 
     tokens: list[list[int]]
     total_s: float | None = None
     cpu_s: float | None = None
+    prompts: tuple[int, ...] | None = None

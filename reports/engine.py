@@ -39,7 +39,9 @@ CAPTION = (
     "to last token); cell t/s = the cell's tokens over its wall time, steady t/s = the tokens that arrived from the "
     "moment C requests were first in flight (with arrivals: the first completion) to the first completion after the "
     "last send, over that window; in flight = time-weighted mean of requests in flight; ramp/steady/drain = the "
-    "seconds before, in and after that window"
+    "seconds before, in and after that window; failed = a server cell's requests after warmup that failed (an "
+    "HTTP error, an error event, a timeout, a dropped connection) of those sent: they have no latencies and miss "
+    "every goodput target"
 )
 
 
@@ -134,6 +136,7 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
             row.update({f"{name}_p50_s": p50, f"{name}_p90_s": p90, f"{name}_p99_s": p99})
         row.update(_acceptance(mine, server, is_server))
         row.update(load_kind(c.batch_size or 1, server, is_server))
+        row.update(failure_counts(server, is_server))
         verdicts = [s.lossless for s in by_cell.get(c.id, []) if s.lossless is not None]
         row["lossless"] = MISSING if not verdicts else ("yes" if all(verdicts) else "no")
         row["ties"] = sum(s.lossless_ties or 0 for s in by_cell.get(c.id, []))
@@ -158,9 +161,8 @@ def unit_loads(server: list[dict]) -> list[dict]:
     return list(units.values())
 
 
-def steady_walls(session, run_id: int) -> dict[int, float]:
-    """Per steady server cell of a run (issue 39 item 1), its measured wall time in seconds: the sum of its units'
-    first send to last token (its blocks of C overlap, so the sum of their walls is no wall time)."""
+def served_stats(session, run_id: int) -> dict[int, list[dict]]:
+    """Per server cell of a run, its samples' ``step_stats.server`` after warmup."""
     cells = session.execute(select(Cell.id, Cell.measurer).where(Cell.run_id == run_id)).all()
     ids = [cell_id for cell_id, measurer in cells if served(measurer)]
     rows = session.execute(
@@ -169,8 +171,34 @@ def steady_walls(session, run_id: int) -> dict[int, float]:
     by_cell: dict[int, list[dict]] = {}
     for cell_id, stats in rows:
         by_cell.setdefault(cell_id, []).append((stats or {}).get("server") or {})
-    walls = {cid: sum(u["wall_s"] for u in unit_loads(server)) for cid, server in by_cell.items()}
+    return by_cell
+
+
+def steady_walls(session, run_id: int) -> dict[int, float]:
+    """Per steady server cell of a run (issue 39 item 1), its measured wall time in seconds: the sum of its units'
+    first send to last token (its blocks of C overlap, so the sum of their walls is no wall time)."""
+    walls = {cid: sum(u["wall_s"] for u in unit_loads(server)) for cid, server in served_stats(session, run_id).items()}
     return {cid: wall for cid, wall in walls.items() if wall > 0}
+
+
+def failed_requests(session, run_id: int) -> dict[int, int]:
+    """Per server cell of a run, its requests after warmup that failed (:func:`failure_counts`; issue 59 item 7)."""
+    return {cid: int(failure_counts(server, True)["failed"]) for cid, server in served_stats(session, run_id).items()}
+
+
+def failure_counts(server: list[dict], is_server: bool) -> dict:
+    """A server cell's requests after warmup (issue 59 item 7): ``requests`` sent, ``failed`` and ``failure_rate``,
+    summed over its units (``cell_load.requests`` / ``cell_load.failed``, each unit once). A cell measured before
+    issue 59 kept no unit that lost a request: its rows are its requests, none failed. NaN for dtbench's own
+    decoders (they send no requests)."""
+    if not is_server:
+        return {"requests": math.nan, "failed": math.nan, "failure_rate": math.nan}
+    loads = unit_loads(server)
+    if loads and all("requests" in u for u in loads):
+        sent, failed = sum(int(u["requests"]) for u in loads), sum(int(u["failed"]) for u in loads)
+    else:
+        sent, failed = len(server), 0
+    return {"requests": sent, "failed": failed, "failure_rate": failed / sent if sent else math.nan}
 
 
 def load_kind(batch_size: int, server: list[dict], is_server: bool) -> dict:
@@ -263,6 +291,13 @@ def _ms(v) -> str:
     return MISSING if is_missing(v) else f"{v * 1e3:.1f}"
 
 
+def _failed(r) -> str:
+    """``failed/sent (rate)`` of a server cell's requests after warmup; MISSING for dtbench's own decoders."""
+    if is_missing(r.get("requests")):
+        return MISSING
+    return f"{int(r['failed'])}/{int(r['requests'])} ({show(r['failure_rate'], '.0%')})"
+
+
 def display(frame: pd.DataFrame) -> pd.DataFrame:
     """The table's display strings."""
     out = []
@@ -284,6 +319,7 @@ def display(frame: pd.DataFrame) -> pd.DataFrame:
                 else f"{r['ramp_s']:.2f}/{r['steady_s']:.2f}/{r['drain_s']:.2f}",
                 "Speedup": show(r["speedup"], ".2f"),
                 "CI": ci,
+                "Failed": _failed(r),
                 "TTFT p50/p99": f"{_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p99_s'])}",
                 "ITL p50/p99": f"{_ms(r['itl_p50_s'])}/{_ms(r['itl_p99_s'])}",
                 "TPOT p50/p90/p99": f"{_ms(r['tpot_p50_s'])}/{_ms(r['tpot_p90_s'])}/{_ms(r['tpot_p99_s'])}",

@@ -8,7 +8,9 @@ vLLM's option. Per cell, over its requests after warmup (a server cell's request
 B > 1 each row of each batch, with its own TTFT, TPOT and latency as the runner timed them; repeats each count):
 
 - ``goodput``: the share of requests meeting every target, with a Wilson score interval (``scipy.stats.binomtest``;
-  exact enough at the 5-50 requests a cell has, unlike the normal approximation near 0 or 1);
+  exact enough at the 5-50 requests a cell has, unlike the normal approximation near 0 or 1). A server cell's
+  requests that failed (issue 59 item 7: an HTTP error, a timeout, a dropped connection; they have no row) are
+  requests that met no target: counted in ``n`` and ``failed``, never in ``good``, as vLLM counts them;
 - ``token_goodput``: the share of output tokens that belong to such requests;
 - ``goodput_rps``: good requests per second of the cell's wall time (at B = 1 the sum of its samples' times; at
   B > 1, the sum of its prompt groups' wall times; a steady server cell, issue 39 item 1, its measured prompts' first
@@ -79,22 +81,30 @@ def meets(samples: pd.DataFrame, slos: dict[str, float]) -> pd.Series:
 
 
 def goodput_frame(
-    frame: pd.DataFrame, slos: dict[str, float], confidence: float = 0.95, walls: dict[int, float] | None = None
+    frame: pd.DataFrame,
+    slos: dict[str, float],
+    confidence: float = 0.95,
+    walls: dict[int, float] | None = None,
+    failed: dict[int, int] | None = None,
 ) -> pd.DataFrame:
-    """One row per cell with samples after warmup: n requests, good, goodput and its CI, token_goodput, goodput_rps.
+    """One row per cell with samples after warmup: n requests, failed, good, goodput and its CI, token_goodput,
+    goodput_rps.
 
     Args:
         frame: :func:`~dtbench.reports.summary.samples_frame` of one run.
         slos: :func:`parse_slos`'s targets (seconds).
         walls: per cell id, its wall time (s) where it is not a sum of its samples' or groups' times: a steady
             server cell's (:func:`~dtbench.reports.engine.steady_walls`).
+        failed: per cell id, its requests after warmup that failed (:func:`~dtbench.reports.engine.failed_requests`):
+            misses of every target, counted in ``n`` (issue 59 item 7).
     """
     s = frame[frame["has_sample"] & ~frame["warmup"].fillna(True).astype(bool)]
     rows = []
     for cell_id, cell in s.groupby("cell_id", sort=False):
         first = cell.iloc[0]
         ok = meets(cell, slos)
-        n, good = len(cell), int(ok.sum())
+        lost = int((failed or {}).get(cell_id, 0))
+        n, good = len(cell) + lost, int(ok.sum())
         low, high = wilson(good, n, confidence)
         tokens = pd.to_numeric(cell["new_tokens"], errors="coerce").fillna(0)
         if walls and cell_id in walls:  # a steady server cell: its units' wall times (its blocks overlap)
@@ -112,6 +122,7 @@ def goodput_frame(
                 "label": first["label"],
                 "decoder": first["decoder"],
                 "n": n,
+                "failed": lost,
                 "good": good,
                 "goodput": good / n if n else math.nan,
                 "ci_low": low,
@@ -133,6 +144,7 @@ def display(rows: pd.DataFrame, confidence: float) -> pd.DataFrame:
                 "Decoder": r["label"],
                 "Load": str(int(r["batch_size"])),
                 "n": str(int(r["n"])),
+                "Failed": str(int(r["failed"])),
                 "Good": str(int(r["good"])),
                 "Goodput": show(r["goodput"], ".0%"),
                 ci: MISSING if math.isnan(r["ci_low"]) else f"[{r['ci_low']:.0%}, {r['ci_high']:.0%}]",
@@ -150,7 +162,7 @@ def goodput_report(sessions, run_id: int | None, fmt: str, slos: dict[str, float
     Raises:
         DtbenchError: unknown run, or no samples after warmup.
     """
-    from dtbench.reports.engine import steady_walls
+    from dtbench.reports.engine import failed_requests, steady_walls
     from dtbench.reports.output import Document, Report, emit
     from dtbench.reports.summary import get_run, samples_frame
 
@@ -158,14 +170,16 @@ def goodput_report(sessions, run_id: int | None, fmt: str, slos: dict[str, float
         run = get_run(session, run_id)
         frame = samples_frame(session, run.id)
         walls = steady_walls(session, run.id)
-    rows = goodput_frame(frame, slos, confidence, walls)
+        failed = failed_requests(session, run.id)
+    rows = goodput_frame(frame, slos, confidence, walls, failed)
     if rows.empty:
         raise DtbenchError(f"run {run.id} has no samples after warmup")
     targets = ", ".join(f"{name} <= {limit * 1e3:g} ms" for name, limit in slos.items())
     caption = (
         f"goodput: the share of requests after warmup meeting every target ({targets}), CI a Wilson score "
         "interval; tokens: the share of output tokens in such requests; good req/s: good requests per second of the "
-        "cell's wall time. In-process cells: each prompt (each row of a batch) is a request"
+        "cell's wall time; failed: a server cell's requests that failed, counted as misses. In-process cells: each "
+        "prompt (each row of a batch) is a request"
     )
     reports = []
     for i, (key, part) in enumerate(rows.groupby(GROUP[:3], sort=False)):

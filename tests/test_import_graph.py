@@ -263,8 +263,10 @@ def test_serving_is_a_package_by_its_seams():
     assert inside[f"{serving}.process"] == [f"{serving}.params"]
     assert inside[f"{serving}.check"] == [f"{serving}.params", f"{serving}.process"]
     assert inside[f"{serving}.record"] == [f"{serving}.process"]
+    assert inside[f"{serving}.failures"] == [f"{serving}.process", f"{serving}.record"]  # issue 59 item 7
     assert inside[f"{serving}.client"] == [
         f"{serving}.check",
+        f"{serving}.failures",
         f"{serving}.params",
         f"{serving}.process",
         f"{serving}.record",

@@ -145,6 +145,14 @@ class OpenAICompatible:
         Optional for an adapter that does not extend this class (the harness reads it with ``getattr``)."""
         return {}
 
+    def ready(self, status: int, body: str) -> bool:
+        """Whether the answer of the server's health endpoint (``health_path``: its HTTP ``status`` and ``body``) says
+        it is ready to serve: an HTTP 200 here (llama.cpp answers 503 while it loads its model; vLLM and SGLang 200
+        once they serve). The launch's readiness wait asks the adapter (issue 59 item 7), so an engine whose health
+        answer says more (a 200 that still loads) overrides this. Optional for an adapter that does not extend this
+        class (the harness reads it with ``getattr``, and takes a 200 as ready without it)."""
+        return status == 200
+
     def stream_fields(self, stop_at_eos: bool) -> dict[str, Any]:
         """The engine's own fields of a timed request (token ids, EOS handling); none in the OpenAI format."""
         return {}

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import dtbench.harness.serving.failures as failures
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
 from dtbench.harness.errors import DtbenchError, clip, error_line
@@ -189,7 +190,11 @@ async def _group(
         t0 = time.perf_counter()
 
         async def send(i: int) -> None:
-            await _request(client, url, bodies[i], params, engine, records[i], t0, tokenize)
+            try:
+                await _request(client, url, bodies[i], params, engine, records[i], t0, tokenize)
+            except Exception as exc:  # a request that failed is data, the unit goes on (issue 59 item 7) ...
+                if not failures.record_failure(records[i], exc, t0):  # ... unless the server is unreachable
+                    raise
 
         await dispatch(traffic, send)
         wall = time.perf_counter() - t0
@@ -246,8 +251,9 @@ def _send(
     """The unit's requests through the client: (records, wall seconds, the engine's counters over the unit).
 
     Raises:
-        ServerError: an HTTP error status, an error event, an event that is not JSON, a dropped connection or a
-            timeout, a server that exited; impossible counters.
+        ServerError: every request failed (an HTTP error status, an error event, an event that is not JSON, a
+            dropped connection or a timeout: one that failed alone is recorded, issue 59 item 7), the server is
+            unreachable or exited; impossible counters.
     """
     label, params, engine, server = unit.label, unit.params, unit.engine, unit.server
     try:
@@ -266,8 +272,9 @@ def _send(
                 f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}"
             ) from None
         raise ServerError(f"server '{label}': {error_line(exc, 300)}; {unit.where}") from None
+    failures.check_unit(label, unit.where, records, server)  # all requests failed, or the server exited: cell fails
     for rec, body in zip(records, bodies):
-        if rec.decoded and len(rec.tokens) < rec.decoded:
+        if rec.error is None and rec.decoded and len(rec.tokens) < rec.decoded:
             recover_ids(
                 unit.base_url, body, rec, engine, label, unit.where, detokenize, token_bytes, auth_headers(params)
             )
@@ -300,7 +307,7 @@ def observe_requests(
     *,
     seed: int,
     stop_at_eos: bool,
-    references: list[list[int]] | None,
+    references: list[list[int] | None] | None,
     reference: tuple[str, ServerParams] | None,
     rule: str,
     tokenizer: Any,
@@ -317,7 +324,8 @@ def observe_requests(
         gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
         pool: the worker's :class:`~dtbench.harness.serving.process.ServerPool`; seed: the arrivals' seed (with the
             unit's first prompt index).
-        references: per row the reference server's output tokens (None: this cell is a reference itself).
+        references: per row the reference server's output tokens (None: this cell is a reference itself; a row's
+            None: the reference's request for that prompt failed, not compared).
         reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
             server of this cell's load level is running: the pool stops servers only when the load level moves on).
         rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
@@ -330,7 +338,8 @@ def observe_requests(
         request, its block and its output check's columns.
 
     Raises:
-        ServerError: the server did not start, exited, answered with an error, or sent fewer than T tokens.
+        ServerError: the server did not start, is unreachable or exited, every request failed (a request that
+            failed alone has no row: :mod:`~dtbench.harness.serving.failures`), or one sent fewer than T tokens.
         DtbenchError: ``params.engine`` is not a registered engine.
     """
     engine = engine_for(params.engine)
@@ -350,15 +359,18 @@ def observe_requests(
     traffic = schedule(len(prompts), concurrency, params.request_rate, seed_of, params.burstiness)
     records, wall, group_metrics = _send(unit, bodies, traffic, tokenize, detokenize, token_bytes_of(tokenizer))
     cell_load, steady = unit_load(
-        [(rec.sent_s, rec.done_s, rec.reads, min(len(rec.tokens), gen_length)) for rec in records],
+        failures.load_spans(records, gen_length),  # a failed request held its slot, brought no tokens (issue 59)
         wall,
         concurrency,
         params.request_rate,
     )
+    cell_load.update(failures.unit_requests(records))  # requests sent and failed (issue 59 item 7)
     blocks = blocks_of(len(prompts), concurrency) if batch_group is not None else [()] * len(prompts)
     shared = {"cell_load": cell_load, "group_metrics": group_metrics or None, "group_wall_s": wall}
-    observed = []
+    observed: list[Observed] = []
     for r, (prompt, rec) in enumerate(zip(prompts, records)):
+        if rec.error is not None:  # a failed request has no row: the unit's first row lists it (failures.py)
+            continue
         tokens = _tokens(unit, rec, prompt, gen_length, stop_at_eos, len(tokenizer))
         try:
             spec = engine.acceptance(rec.counters, len(tokens))
@@ -372,9 +384,11 @@ def observe_requests(
             "arrival_s": traffic.delays[r],
             "prompt": prompt_checks[r],
             "lossless_rule": check.pop("lossless_rule"),
+            **({} if observed else {"failed_requests": failures.failed_requests(records, prompts)}),
         }
         block = blocks[r]
-        batch = Batch(prompts[block[0]].index, len(block), block_wall(records, block)) if block else None
+        kept = failures.kept_rows(records, block)  # a block that lost a request is partial (issue 59 item 7)
+        batch = Batch(prompts[block[0]].index, kept, block_wall(records, block)) if block else None
         observed.append(Observed(_served(unit, rec, tokens, spec, unit_stats), prompt, ref, batch, check))
     if server is not None and (code := server.exited()) is not None:
         raise ServerError(f"server '{label}' exited with code {code} during the cell; see its log {server.log_path}")
@@ -465,6 +479,8 @@ def _served(
         "resent": rec.resent,
         "lossless_rule": unit_stats["lossless_rule"],
     }
+    if "failed_requests" in unit_stats:  # the unit's first row: its failed requests (issue 59 item 7)
+        server_stats["failed_requests"] = unit_stats["failed_requests"]
     return Served(
         tokens=tokens,
         step_times=times,

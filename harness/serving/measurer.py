@@ -54,7 +54,7 @@ class ServedMeasurer:
             self.servers,
             seed=self.suite.seed,
             stop_at_eos=self.stop_at_eos,
-            references=ref.tokens if ref is not None else None,
+            references=references_of(ref, prompts),
             reference=reference,
             rule=self.suite.lossless_check,
             tokenizer=self.tokenizer,
@@ -70,6 +70,17 @@ class ServedMeasurer:
     def failure(self, cp: CellPlan, prompts: list[Any], group: PromptGroup, exc: BaseException) -> str:
         """The error's one line (it names the server and its log)."""
         return error_line(exc)
+
+
+def references_of(ref: Reference | None, prompts: list[Any]) -> list[list[int] | None] | None:
+    """Per prompt the reference's output tokens (None where its request failed: not compared), looked up by prompt
+    index where the reference says which rows it kept (issue 59 item 7); None without a reference."""
+    if ref is None:
+        return None
+    if ref.prompts is None:
+        return list(ref.tokens)
+    by_prompt = dict(zip(ref.prompts, ref.tokens))
+    return [by_prompt.get(p.index) for p in prompts]
 
 
 def _server_params(cp: CellPlan) -> ServerParams:

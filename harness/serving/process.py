@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,20 @@ try:  # loaded here, not in the forked child (no import or loader lock taken bet
     _LIBC = ctypes.CDLL("libc.so.6", use_errno=True) if sys.platform.startswith("linux") else None
 except OSError:
     _LIBC = None
+
+
+def readiness(params: ServerParams) -> Callable[[int, str], bool]:
+    """How the launch's readiness wait reads the answer of ``params.health_path`` (HTTP status, body): the engine
+    adapter's :meth:`~dtbench.decoders.engines.OpenAICompatible.ready` (issue 59 item 7), an HTTP 200 for an adapter
+    without one.
+
+    Raises:
+        DtbenchError: ``params.engine`` is not a registered engine.
+    """
+    from dtbench.decoders.engines import engine_for
+
+    ready = getattr(engine_for(params.engine), "ready", None)
+    return ready if callable(ready) else lambda status, body: status == 200
 
 
 def _die_with_parent() -> None:
@@ -196,6 +211,7 @@ class ServerPool:
         values = {"port": str(port), "host": HOST, "concurrency": str(concurrency)}
         try:
             argv = launch_argv(params, values, _embedded_model)
+            ready = readiness(params)
         except ServerError:
             raise
         except DtbenchError as exc:  # an engine placeholder that cannot be resolved (no llama-server)
@@ -225,7 +241,8 @@ class ServerPool:
                         f"server '{label}' exited with code {code} before it was ready; see its log {log_path}"
                     )
                 try:
-                    if httpx.get(base_url + params.health_path, timeout=2.0, headers=headers).status_code == 200:
+                    answer = httpx.get(base_url + params.health_path, timeout=2.0, headers=headers)
+                    if ready(answer.status_code, answer.text):  # the engine adapter says (issue 59 item 7)
                         return server
                 except httpx.HTTPError:
                     pass

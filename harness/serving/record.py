@@ -33,6 +33,9 @@ class RequestRecord:
     gap_events: list[tuple[str, list[int]] | None] = field(default_factory=list)
     recovered: str | None = None  # how the held-back ids were found: "repeat" or "prefix" (see recover_ids)
     resent: int = 0  # sends the server closed before any response (see client._one): the request was sent again
+    # why the request failed, one line (an HTTP error status, an error event, a timeout, a dropped connection); None:
+    # it succeeded. A failed request is data, not the unit's end (issue 59 item 7: serving/failures.py)
+    error: str | None = None
 
 
 class TokenBytes:
