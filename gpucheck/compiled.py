@@ -3,13 +3,12 @@ the package docstring)."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dtbench.gpucheck.common import build, sync
+from dtbench.gpucheck.common import build
 from dtbench.gpucheck.overhead import REPEATS, differential, medians
 
 COMPILED_DECODERS: tuple[tuple[str, dict[str, Any]], ...] = (("linear", {"k": 8}), ("dynatree", {}))
@@ -29,25 +28,29 @@ def _mode(ex, compiled: bool):
 
 
 def _forward_s(ex, target, prompt: list[int], device, compiled: bool, n: int) -> float:
-    """Median seconds of one target forward of ``n`` new tokens after the prompt's cache, in one mode (the forward
-    timer: :class:`~dtbench.harness.forwards.ForwardTimer`; the first forward warms the shape)."""
+    """Median seconds of one target forward of ``n`` new tokens after the prompt's cache, in one mode (one session
+    of the forward timer, :meth:`~dtbench.harness.forwards.ForwardTimer.session`: one untimed forward warms the
+    shape, then :data:`REPEATS` timed ones, the cache cropped back after each)."""
     import torch
 
     from dtbench.decoders import kv
-    from dtbench.harness.forwards import ForwardTimer
+    from dtbench.harness.forwards import ForwardTimer, StopRule
 
-    timer = ForwardTimer(device)
     ids = torch.tensor([prompt], device=device)
     new = torch.randint(3, target.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     with torch.inference_mode(), _mode(ex, compiled):
         ex.begin_sample()
         cache, _ = kv.prefill(target, ids)
-        times = []
-        for _ in range(REPEATS + 1):  # the first warms this shape
-            kv.crop(cache, len(prompt))
-            sync(device)
-            times.append(timer.time(lambda: kv.forward(target, new, cache)))
-    return statistics.median(times[1:])
+        return (
+            ForwardTimer(device)
+            .session(
+                lambda: kv.forward(target, new, cache),
+                StopRule(min_repeats=REPEATS),
+                reset=lambda: kv.crop(cache, len(prompt)),
+                warmup=1,
+            )
+            .median
+        )
 
 
 def _profile(ex, target, prompt: list[int], device, compiled: bool) -> dict:

@@ -49,7 +49,6 @@ cells record. Storing a calibration, ``n_max: auto`` and the runner's step befor
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -58,6 +57,8 @@ from rich.console import Console
 
 if TYPE_CHECKING:  # torch is imported lazily, so `dtbench --help` stays fast
     import torch
+
+    from dtbench.harness.forwards import StopRule
 
 # torch, numpy and the measurement module are imported where used: `dtbench --help` stays fast.
 
@@ -78,7 +79,8 @@ def n_grid(n_max: int) -> list[int]:
 class Settings:
     """When one point's timing stops (see the module docstring): over all its visits (``passes``), at least
     ``min_repeats`` forwards and ``min_time_s`` seconds, at most ``max_time_s`` (point by point, :func:`time_point`:
-    also stopped once the median is stable within ``rel_tol``)."""
+    also stopped once the median is stable within ``rel_tol``). Stated as the forward timer's stop rules by
+    :func:`point_rule` and :func:`visit_rule` (issue 58 item 5)."""
 
     min_repeats: int = 5
     min_time_s: float = 0.1
@@ -190,13 +192,22 @@ def curves_for(plan, suite, uses_draft: bool, grown_cache: bool = True) -> list[
 # --- measuring ---------------------------------------------------------------------------------------------------
 
 
-def _iqr(xs: list[float]) -> float:
-    import numpy as np
+def point_rule(settings: Settings) -> StopRule:
+    """The stop rule of one point timed point by point (:func:`time_point`): ``min_repeats`` forwards and
+    ``min_time_s`` seconds and a median stable within ``rel_tol``, or ``max_time_s`` with at least 3 forwards."""
+    from dtbench.harness.forwards import StopRule
 
-    if len(xs) < 2:
-        return 0.0
-    q = np.percentile(xs, [25, 75])
-    return float(q[1] - q[0])
+    return StopRule(settings.min_repeats, settings.min_time_s, settings.max_time_s, settings.rel_tol, floor=3)
+
+
+def visit_rule(settings: Settings) -> StopRule:
+    """The stop rule of one visit of an interleaved point (:func:`measure_interleaved`): its share of the point,
+    ceil(``min_repeats`` / passes) forwards and ``min_time_s`` / passes seconds, or ``max_time_s`` / passes seconds
+    (at least one forward)."""
+    from dtbench.harness.forwards import StopRule
+
+    passes = max(1, settings.passes)
+    return StopRule(-(-settings.min_repeats // passes), settings.min_time_s / passes, settings.max_time_s / passes)
 
 
 def time_point(
@@ -207,28 +218,13 @@ def time_point(
     clock: Callable[[], float] | None = None,
 ) -> tuple[float, float, int]:
     """(median s, IQR s, repeats) of ``run_once`` timed by the forward timer (:class:`ForwardTimer` on ``device``,
-    or on ``clock`` where given, synchronized before each call); ``reset`` (untimed) after each call."""
+    or on ``clock`` where given, synchronized before each call) in one session under :func:`point_rule`; ``reset``
+    (untimed) after each call."""
     from dtbench.harness.forwards import ForwardTimer
-    from dtbench.harness.memory import synchronize
 
     timer = ForwardTimer(device, clock)
-    for _ in range(settings.warmup):
-        run_once()
-        reset()
-    times: list[float] = []
-    begin = timer.read()
-    while True:
-        synchronize(device)
-        times.append(timer.time(run_once))
-        reset()
-        elapsed = timer.read() - begin
-        if elapsed >= settings.max_time_s and len(times) >= 3:
-            break
-        if len(times) >= settings.min_repeats and elapsed >= settings.min_time_s:
-            med, first = statistics.median(times), statistics.median(times[: max(1, len(times) // 2)])
-            if med == 0 or abs(med - first) <= settings.rel_tol * med:
-                break
-    return statistics.median(times), _iqr(times), len(times)
+    latency = timer.session(run_once, point_rule(settings), reset=reset, warmup=settings.warmup)
+    return latency.median, latency.iqr, latency.repeats
 
 
 def _tree_inputs(model, n: int, cache_len: int):
@@ -352,43 +348,29 @@ def measure_interleaved(
 
     import torch
 
-    from dtbench.harness.forwards import ForwardTimer
-    from dtbench.harness.memory import synchronize
+    from dtbench.harness.forwards import ForwardTimer, Latency
 
     timer = ForwardTimer(device, clock)
     order = random.Random(seed)
     times: dict[tuple[Curve, int], list[float]] = {(c, n): [] for c in curves for n in c.ns}
-    passes = max(1, settings.passes)
-    per_visit, least, budget = (
-        -(-settings.min_repeats // passes),
-        settings.min_time_s / passes,
-        settings.max_time_s / passes,
-    )
+    rule = visit_rule(settings)
     with torch.inference_mode():
         caches: dict = {}
         forwards = {c: _forwards(models[c.role], c, contexts.get(c.prompt_len, []), caches) for c in curves}
-        for p in range(passes):
+        for p in range(max(1, settings.passes)):
             if progress is not None:
                 progress(p)
             visits = list(times)
             order.shuffle(visits)
             for c, n in visits:
                 once, reset = forwards[c](n)
-                for _ in range(settings.warmup if p == 0 else 0):  # a point's first visit only
-                    once()
-                    reset()
-                begin, visit = timer.read(), 0
-                while (
-                    visit == 0 or (visit < per_visit or timer.read() - begin < least) and timer.read() - begin < budget
-                ):
-                    synchronize(device)
-                    times[(c, n)].append(timer.time(once))
-                    reset()
-                    visit += 1
-    return {
-        c: [(n, statistics.median(times[(c, n)]), _iqr(times[(c, n)]), len(times[(c, n)])) for n in c.ns]
-        for c in curves
-    }
+                warmup = settings.warmup if p == 0 else 0  # a point's first visit only
+                times[(c, n)] += timer.session(once, rule, reset=reset, warmup=warmup).times
+    out: dict[Curve, list[tuple[int, float, float, int]]] = {}
+    for c in curves:
+        points = [(n, Latency(tuple(times[(c, n)]))) for n in c.ns]  # a point's statistics over all its visits
+        out[c] = [(n, lat.median, lat.iqr, lat.repeats) for n, lat in points]
+    return out
 
 
 def calibrate(

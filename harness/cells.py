@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
-from dtbench.decoders import draft_region, static_kv
+from dtbench.decoders import base, draft_region, static_kv
 from dtbench.harness import data, load, lossless, models, roofline, selection
 from dtbench.harness.deadline import Deadline
 from dtbench.harness.errors import clip, error_line
 from dtbench.harness.measure import SampleTimeout, measure_rows
-from dtbench.harness.measure import now as measure_now
 from dtbench.harness.measurers import (
     Batch,
     CellError,
@@ -199,7 +198,7 @@ def compile_decoder(
     SampleTimeout: the decoder's run took longer than ``timeout_s``.
     """
     cls, params = type(decoder), decoder.params
-    t0, graphs0 = measure_now(), static_kv.compiled_graphs()
+    t0, graphs0 = base.clock(), static_kv.compiled_graphs()
     largest = max(cls.verify_sizes(params))
     target_sizes, draft_sizes = cls.compiled_sizes(params)  # only the buckets the cell uses (issue 46)
     if target_sizes != ():  # the target verifies the batch together
@@ -221,7 +220,7 @@ def compile_decoder(
                 n += len(step.tokens)
                 if n >= min(T, 16):
                     break
-    return measure_now() - t0, static_kv.compiled_graphs() - graphs0
+    return base.clock() - t0, static_kv.compiled_graphs() - graphs0
 
 
 def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None = None):

@@ -1,22 +1,30 @@
 """The one forward timer (issue 49 item 2): :class:`ForwardTimer` times model forwards, with the source chosen once
 per device (CUDA: a pair of ``torch.cuda.Event`` per forward on the current stream, resolved after one synchronize;
-otherwise :func:`now` differences). The measurement's :class:`ForwardCounter` (module hooks: the measurement loop,
+otherwise host clock differences). The measurement's :class:`ForwardCounter` (module hooks: the measurement loop,
 :mod:`dtbench.harness.measure`, installs it around each sample), the calibration (:mod:`dtbench.harness.calibrate`)
-and the GPU check (:mod:`dtbench.gpucheck`) all time forwards through it; :func:`now` is the clock every timing in
-dtbench reads (``time.perf_counter``; the same clock a push-based decoder stamps ``Step.at`` with,
-:func:`dtbench.decoders.base.commit_clock`). ``tests/test_architecture.py`` keeps other modules from reading the
-clock around a forward themselves.
+and the GPU check (:mod:`dtbench.gpucheck`) all time forwards through it. The host clock has one name,
+:func:`dtbench.decoders.base.clock` (``time.perf_counter``; the same clock a push-based decoder stamps ``Step.at``
+with, :func:`dtbench.decoders.base.commit_clock`; issue 58 item 5). ``tests/test_architecture.py`` keeps other modules
+from reading a clock around a forward themselves.
+
+Repeated timing (issue 58 item 5, after optimum-benchmark's ``LatencySessionTracker``): :meth:`ForwardTimer.session`
+times calls until a :class:`StopRule` says enough and returns one :class:`Latency` (the calibration's points and
+visits, the GPU check's compiled forwards and the kernel profile's calls): the rule "repeat until enough samples" is
+written once, here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dtbench.decoders import base
+from dtbench.harness import memory
 from dtbench.harness.curves import FED_LAST, FED_MASK  # defined once, torch-free, with the pricing
 
 __all__ = [
@@ -24,51 +32,115 @@ __all__ = [
     "FED_MASK",
     "ForwardCounter",
     "ForwardTimer",
+    "Latency",
     "Snapshot",
     "StepRecord",
+    "StopRule",
     "cache_argument",
     "fed_flags",
-    "now",
     "past_length",
 ]
 
 
-def now() -> float:
-    """Seconds from the one monotonic high-resolution clock (:func:`dtbench.decoders.base.clock`)."""
-    return base.clock()
+@dataclass(frozen=True)
+class StopRule:
+    """When a timing session stops (issue 58 item 5): asked after each timed call with every time so far and the
+    seconds since the session's first timed call began, it stops once ``max_time_s`` have passed with at least
+    ``floor`` calls, or once there are ``min_repeats`` calls and ``min_time_s`` seconds and (with ``rel_tol``) the
+    median of all calls lies within ``rel_tol`` of the median of the first half (a stable median).
+
+    ``StopRule(min_repeats=n)`` is a fixed count of n calls.
+    """
+
+    min_repeats: int = 1
+    min_time_s: float = 0.0
+    max_time_s: float = math.inf
+    rel_tol: float | None = None
+    floor: int = 1
+
+    def done(self, times: Sequence[float], elapsed_s: float) -> bool:
+        """Whether to stop after ``times`` (seconds per call so far) and ``elapsed_s`` seconds."""
+        n = len(times)
+        if elapsed_s >= self.max_time_s and n >= self.floor:
+            return True
+        if n < self.min_repeats or elapsed_s < self.min_time_s:
+            return False
+        if self.rel_tol is None:
+            return True
+        med, first = statistics.median(times), statistics.median(times[: max(1, n // 2)])
+        return med == 0 or abs(med - first) <= self.rel_tol * med
+
+
+@dataclass(frozen=True)
+class Latency:
+    """The seconds of each timed call of one session (or of several visits of one point), with their statistics.
+
+    Attributes:
+        times: seconds per call, in order.
+    """
+
+    times: tuple[float, ...]
+
+    @property
+    def repeats(self) -> int:
+        """Timed calls."""
+        return len(self.times)
+
+    @property
+    def median(self) -> float:
+        """Median seconds per call."""
+        return statistics.median(self.times)
+
+    @property
+    def mean(self) -> float:
+        """Mean seconds per call."""
+        return sum(self.times) / len(self.times)
+
+    def percentile(self, q: float) -> float:
+        """The ``q``-th percentile (0-100) of the seconds, numpy's linear interpolation."""
+        import numpy as np
+
+        return float(np.percentile(self.times, q))
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range in seconds (75th - 25th percentile); 0 for fewer than two calls."""
+        if len(self.times) < 2:
+            return 0.0
+        return self.percentile(75) - self.percentile(25)
 
 
 class ForwardTimer:
     """Times forward passes on one device, the source chosen once, at construction.
 
-    CUDA (``device.type == "cuda"`` and no ``clock`` given): :meth:`start` and :meth:`stop` record a
+    CUDA (``device.type == "cuda"``, no ``clock`` given and not ``host``): :meth:`start` and :meth:`stop` record a
     ``torch.cuda.Event`` pair on the current stream (no host synchronization between forwards); :meth:`resolve`
-    synchronizes once, on the last end event, and reads every pair. Otherwise: ``clock`` (default :func:`now`, read
-    at each call, so a test that replaces :func:`dtbench.decoders.base.clock` replaces it here) is read at
-    :meth:`start` and :meth:`stop` (CPU kernels are synchronous). Every time is in seconds.
+    synchronizes once, on the last end event, and reads every pair. Otherwise: ``clock`` (default
+    :func:`dtbench.decoders.base.clock`, looked up at each call, so a test that replaces it replaces it here) is read
+    at :meth:`start` and :meth:`stop` (CPU kernels are synchronous). Every time is in seconds.
 
     Args:
         device: the device the timed forwards run on (a ``torch.device`` or its name).
-        clock: a host clock in seconds to time with instead of CUDA events (tests pass a fake one; :meth:`host`
-            passes :func:`now`).
+        clock: a host clock in seconds to time with instead of CUDA events (tests pass a fake one).
+        host: time with the host clock even on CUDA (:meth:`host`).
     """
 
-    def __init__(self, device: torch.device | str, clock: Callable[[], float] | None = None):
+    def __init__(self, device: torch.device | str, clock: Callable[[], float] | None = None, *, host: bool = False):
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda" and clock is None
+        self.cuda = self.device.type == "cuda" and clock is None and not host
         self._clock = clock
         self._laps: list[Any] = []  # CPU: seconds; CUDA: (start, end) event pairs not yet resolved
         self.source = "cuda events" if self.cuda else "host clock"
 
     @classmethod
     def host(cls, device: torch.device | str) -> ForwardTimer:
-        """A timer on the host clock (:func:`now`) even on CUDA: the wall clock around a forward the caller
-        synchronizes itself (the GPU check compares it with the CUDA events)."""
-        return cls(device, now)
+        """A timer on the host clock (:func:`dtbench.decoders.base.clock`) even on CUDA: the wall clock around a
+        forward the caller synchronizes itself (the GPU check compares it with the CUDA events)."""
+        return cls(device, host=True)
 
     def read(self) -> float:
         """The host clock in seconds (budgets and the like around whole loops, never a single forward's time)."""
-        return self._clock() if self._clock is not None else now()
+        return self._clock() if self._clock is not None else base.clock()
 
     def start(self, host: float | None = None) -> Any:
         """Mark the start of a forward; returns the mark :meth:`stop` takes. ``host``: the host clock just read by
@@ -104,6 +176,38 @@ class ForwardTimer:
         forward()
         self.stop(mark)
         return self.resolve()[-1]
+
+    def session(
+        self,
+        forward: Callable[[], object],
+        rule: StopRule,
+        *,
+        reset: Callable[[], object] | None = None,
+        warmup: int = 0,
+        synchronize: bool = True,
+    ) -> Latency:
+        """Time calls of ``forward`` until ``rule`` says enough (issue 58 item 5): ``warmup`` untimed calls (each
+        followed by ``reset``), then per call: the device synchronized (with ``synchronize``), one timed call
+        (:meth:`time`), ``reset`` (untimed), and ``rule`` asked with the seconds since the first timed call began
+        (:meth:`read`). At least one call is timed.
+
+        Returns:
+            the seconds of every timed call.
+        """
+        for _ in range(warmup):
+            forward()
+            if reset is not None:
+                reset()
+        times: list[float] = []
+        begin = self.read()
+        while True:
+            if synchronize:
+                memory.synchronize(self.device)
+            times.append(self.time(forward))
+            if reset is not None:
+                reset()
+            if rule.done(times, self.read() - begin):
+                return Latency(tuple(times))
 
 
 # Flags of one counted forward: FED_MASK = an explicit 4D attention mask was passed (tree verification, tree
@@ -166,7 +270,7 @@ class ForwardCounter:
     module's calls are counted: one call = one forward pass over ``input_ids.shape[-1]`` new tokens.
 
     Timing (issue 12, where a sample's time goes): one :class:`ForwardTimer` per model, on its device: on CPU,
-    :func:`now` around each forward (CPU kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per
+    the host clock around each forward (CPU kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per
     forward recorded on the current stream (no host sync inside the loop; :meth:`forward_seconds` resolves them).
 
     Args:
@@ -183,7 +287,7 @@ class ForwardCounter:
         # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
         self.fed: dict[str, list[tuple[int, int | None, int]]] = {k: [] for k in ("target", "draft")}
         self._handles: list[Any] = []
-        # Per forward, in call order: the host clock (:func:`now`) when it was called, and the tokens fed up to and
+        # Per forward, in call order: the host clock (base.clock) when it was called, and the tokens fed up to and
         # including it: what :meth:`snapshot_at` bisects for a push-based Step's commit time (Step.at).
         self._called: dict[str, list[float]] = {k: [] for k in ("target", "draft")}
         self._cum_tokens: dict[str, list[int]] = {k: [] for k in ("target", "draft")}
@@ -204,7 +308,7 @@ class ForwardCounter:
             self.forwards[role] += 1
             self.tokens[role] += n
             self.fed[role].append((n, past_length(cache_argument(kwargs), kwargs, n), fed_flags(kwargs)))
-            called = now()
+            called = base.clock()
             self._called[role].append(called)
             self._cum_tokens[role].append(self.tokens[role])
             self._open[role] = self._timers[role].start(called)
@@ -267,7 +371,7 @@ class ForwardCounter:
         )
 
     def snapshot_at(self, at: float) -> Snapshot:
-        """:meth:`snapshot` as it was at host time ``at`` (seconds on :func:`now`'s clock): the forwards called
+        """:meth:`snapshot` as it was at host time ``at`` (seconds on :func:`dtbench.decoders.base.clock`): the forwards called
         before ``at`` and the tokens they fed. A push-based decoder stamps a Step's ``at`` after its iteration's
         forwards returned and before the next iteration's began, so this attributes every forward to the iteration
         it ran in, exactly as :meth:`snapshot` at a yield does."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dtbench.harness.forwards import ForwardTimer
+from dtbench.harness.forwards import ForwardTimer, StopRule
 
 __all__ = ["profile_call"]
 
@@ -50,9 +50,9 @@ def profile_call(
         fn()
     sync()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    timer = ForwardTimer(device)  # the one forward timer (CUDA events on a GPU)
+    timer = ForwardTimer(device)  # the one forward timer (CUDA events on a GPU), one session of `repeats` calls
     with profile(activities=activities) as prof:
-        wall = sum(timer.time(fn) for _ in range(repeats)) / repeats
+        wall = timer.session(fn, StopRule(min_repeats=repeats), synchronize=False).mean
     averages = prof.key_averages()
     host = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
     host_total = sum(e.self_cpu_time_total for e in averages) or 1.0

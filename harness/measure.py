@@ -1,7 +1,8 @@
 """The measurement loop and what it records: the runner owns the clock, decoders never time themselves.
 
-- Clock: ``time.perf_counter`` after synchronizing the device (CUDA work is asynchronous; a step's tokens are
-  only known once its kernels finish, so a sync per step costs nothing extra: the decoder already reads them). A
+- Clock: :func:`dtbench.decoders.base.clock` (``time.perf_counter``; the clock's one name, issue 58 item 5) after
+  synchronizing the device (CUDA work is asynchronous; a step's tokens are only known once its kernels finish, so a
+  sync per step costs nothing extra: the decoder already reads them). A
   push-based decoder (a blocking call such as transformers' ``generate``, issue 47) stamps each Step with the same
   clock at the moment its tokens were known (``Step.at``, :func:`dtbench.decoders.base.commit_clock`), and the loop
   takes the time and the forwards counted up to it from there (:meth:`ForwardCounter.snapshot_at`).
@@ -20,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dtbench.decoders import base
 from dtbench.harness.deadline import Deadline as _Deadline  # the per-sample time limit (harness/deadline.py)
 from dtbench.harness.deadline import SampleTimeout as SampleTimeout  # re-exported: raised by measure_rows
 from dtbench.harness.energy import EnergyReading, EnergyTracker
-from dtbench.harness.forwards import FED_LAST, FED_MASK, ForwardCounter, StepRecord, cache_argument, now
+from dtbench.harness.forwards import FED_LAST, FED_MASK, ForwardCounter, StepRecord, cache_argument
 from dtbench.harness.memory import MemoryPeak, MemoryTracker, synchronize
 
 if TYPE_CHECKING:
@@ -40,7 +42,6 @@ __all__ = [
     "cache_argument",
     "measure",
     "measure_rows",
-    "now",
 ]
 
 
@@ -247,7 +248,7 @@ def measure_rows(
     cpu0 = time.process_time()
     with _Deadline(timeout_s, cpu_timeout_s), counter, MemoryTracker(device) as mem, EnergyTracker(device) as energy:
         last = counter.snapshot()
-        start = now()
+        start = base.clock()
         stamped = start  # the previous iteration's commit time (Step.at must not go back)
         gen = (
             decoder.generate_batch(inputs, gen_length) if batched else _one_row(decoder.generate(inputs[0], gen_length))
@@ -257,10 +258,10 @@ def measure_rows(
                 at = _commit_time(out, it, stamped)
                 if at is None:  # pull-based: the iteration ended when its Step was yielded
                     synchronize(device)
-                    at, snap = now(), counter.snapshot()
+                    at, snap = base.clock(), counter.snapshot()
                 else:  # push-based (Step.at): the time and the forwards counted up to it
                     snap = counter.snapshot_at(at)
-                if not start <= at <= now():
+                if not start <= at <= base.clock():
                     raise DtbenchError(f"decoder stamped iteration {it} at a time outside its sample (Step.at)")
                 stamped = at
                 record = counter.record(at - start, last, snap)

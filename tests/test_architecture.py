@@ -1,10 +1,13 @@
-"""Architecture rules checked statically (issue 49 item 2): one forward timer.
+"""Architecture rules checked statically (issue 49 item 2, issue 58 item 5): one forward timer, one clock name, one
+stop rule.
 
 Model forwards are timed by :class:`dtbench.harness.forwards.ForwardTimer` (the measurement's ForwardCounter, the
 calibration and the GPU check all use it: CUDA events on a GPU, the one clock otherwise), so no other module reads
-the clock itself: ``time.perf_counter``, :func:`dtbench.decoders.base.clock`, ``now`` of
-:mod:`dtbench.harness.forwards` / :mod:`dtbench.harness.measure`, or a ``clock()`` handed in as an argument.
-The modules that do read it are listed with why; none of them times a single model forward with it.
+a clock itself: ``time.perf_counter``, ``time.monotonic``, ``time.process_time``, ``time.time`` (and their ``_ns``
+forms), :func:`dtbench.decoders.base.clock` (the one clock's one name), or a ``clock()`` handed in as an argument.
+The modules that do read one are listed with why; none of them times a single model forward with it. Repeated timing
+("repeat until enough samples") is one session of the forward timer (:meth:`ForwardTimer.session` with a
+``StopRule``), never a loop of its own.
 """
 
 from __future__ import annotations
@@ -19,25 +22,37 @@ FOLDERS = ("harness", "decoders", "cli", "gpucheck", "reports", "dtbench")
 
 # (module, name) pairs that read the clock, called or passed on
 CLOCKS = {
-    ("time", "perf_counter"),
-    ("time", "perf_counter_ns"),
+    *(("time", name) for name in ("perf_counter", "monotonic", "process_time", "time")),
+    *(("time", f"{name}_ns") for name in ("perf_counter", "monotonic", "process_time", "time")),
     ("dtbench.decoders.base", "clock"),
-    ("dtbench.harness.forwards", "now"),
-    ("dtbench.harness.measure", "now"),
 }
 
 ALLOWED = {
-    # the forward timer itself: ForwardTimer, ForwardCounter and now()
+    # the forward timer itself: ForwardTimer (and its session), ForwardCounter
     "harness/forwards.py",
     # defines the one clock (base.clock) and commit_clock, the stamp of a push-based decoder's Step
     "decoders/base.py",
-    # the measurement loop's per-Step timestamps and a sample's wall time; its forwards are timed by ForwardCounter
+    # the measurement loop's per-Step timestamps, a sample's wall time and CPU seconds; its forwards are timed by
+    # ForwardCounter
     "harness/measure.py",
+    # a sample's time limit: wall and CPU seconds since it began, watched from a thread
+    "harness/deadline.py",
+    # a child process's kill deadline (a whole cell)
+    "harness/isolation.py",
+    # the machine-load probe's timestamps and this process's age (CPU share), no model forward
+    "harness/load.py",
+    # the Ray connection's time limit
+    "harness/ray_connect.py",
+    # the SQLite lock's retry deadline
+    "harness/store/schema.py",
+    # a server's start-up deadline (the model runs in another process)
+    "harness/serving/process.py",
     # the compile time of a whole precompile (many forwards: a section, reported apart from any forward's time)
     "harness/cells.py",
     "decoders/static_kv.py",
-    # request timestamps of an HTTP client (the model runs in another process)
+    # request timestamps of an HTTP client (the model runs in another process), a failed request's among them
     "harness/serving/client.py",
+    "harness/serving/failures.py",
     # the seconds a whole lossless check took (its cost, shown beside it)
     "harness/lossless.py",
     # the copy benchmark of the memory bandwidth: a tensor copy, no model forward
@@ -107,8 +122,74 @@ def test_the_check_catches_a_clock_around_a_forward_in_the_calibration():
     for added in (
         "import time\ndef f(m, x):\n    t0 = time.perf_counter()\n    m(x)\n    return time.perf_counter() - t0\n",
         "from time import perf_counter as pc\ndef f(m, x):\n    t0 = pc()\n    m(x)\n    return pc() - t0\n",
-        "from dtbench.harness import measure\ndef f(m, x):\n    t0 = measure.now()\n    m(x)\n",
+        "import time\ndef f(m, x):\n    t0 = time.monotonic()\n    m(x)\n    return time.monotonic() - t0\n",
+        "from time import process_time\ndef f(m, x):\n    t0 = process_time()\n    m(x)\n",
+        "import time as t\ndef f(m, x):\n    t0 = t.time()\n    m(x)\n",
         "from dtbench.decoders import base as b\ndef f(m, x):\n    t0 = b.clock()\n    m(x)\n",
         "def f(m, x, clock):\n    t0 = clock()\n    m(x)\n    return clock() - t0\n",
     ):
         assert clock_reads(calibrate + "\n" + added), added
+
+
+# --- one clock name, one stop rule (issue 58 item 5) ----------------------------------------------------------------
+
+
+def clock_aliases(source: str) -> list[str]:
+    """Names of the module-level functions of ``source`` that are only another name for a clock: no parameters and a
+    body (after a docstring) of ``return <a clock read>`` (:func:`clock_reads`)."""
+    tree = ast.parse(source)
+    imports = [ast.unparse(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    out = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.args.args or node.args.posonlyargs or node.args.kwonlyargs:
+            continue
+        body = [b for b in node.body if not (isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant))]
+        if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
+            if clock_reads("\n".join([*imports, ast.unparse(body[0].value)])):  # the returned value, not the imports
+                out.append(node.name)
+    return out
+
+
+def timed_in_loops(source: str) -> list[int]:
+    """Lines where ``source`` calls a timer's ``.time(...)`` (not the ``time`` module's) inside a loop or a
+    comprehension: a "repeat until enough samples" rule of its own."""
+    loops = (ast.For, ast.While, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+    lines = set()
+    for loop in ast.walk(ast.parse(source)):
+        if isinstance(loop, loops):
+            for node in ast.walk(loop):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "time"
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "time")
+                ):
+                    lines.add(node.lineno)
+    return sorted(lines)
+
+
+def sources() -> dict[str, str]:
+    """{module path: source} of every module under :data:`FOLDERS`."""
+    return {
+        str(path.relative_to(ROOT)): path.read_text(encoding="utf-8")
+        for folder in FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+    }
+
+
+def test_the_clock_has_one_name():
+    """Before: ``dtbench.decoders.base.clock``, ``dtbench.harness.forwards.now`` and ``dtbench.harness.measure.now``
+    (re-exported) were one clock under three names."""
+    found = {path: names for path, text in sources().items() if (names := clock_aliases(text))}
+    assert found == {"decoders/base.py": ["clock"]}
+    assert clock_aliases("from dtbench.decoders import base\ndef now():\n    'x'\n    return base.clock()\n") == ["now"]
+
+
+def test_repeated_forward_timing_is_one_session_of_the_forward_timer():
+    """Before: the calibration's points and visits, the GPU check's compiled forwards and the kernel profile each
+    looped over ``ForwardTimer.time`` with a stop rule of their own. The GPU check's timing step compares each
+    forward's CUDA events with its own wall time (no statistic), so its loop stays."""
+    found = {path for path, text in sources().items() if timed_in_loops(text)}
+    assert found == {"harness/forwards.py", "gpucheck/timing.py"}
+    assert timed_in_loops("def f(timer, g):\n    return [timer.time(g) for _ in range(3)]\n") == [2]
+    assert timed_in_loops("import time\nwhile True:\n    time.time()\n") == []
