@@ -69,7 +69,7 @@ DECODERS = [
 
 
 # Compiled equals eager (every compiled built-in, zero recompiles after the compile step, only the declared buckets)
-# is the conformance kit's compiled_equals_eager check since issue 56: tests/test_conformance.py.
+# is the conformance kit's compiled_equals_eager check since issue 56: tests/test_conformance_compiled.py.
 
 
 def test_hf_generate_runs_nothing_through_dtbench_static_caches(compiled_zoo):

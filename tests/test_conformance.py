@@ -5,7 +5,8 @@ eager, sampling), one pytest id per decoder x check x device, exactly as a plugi
 its ``check_settings``.
 
 The fast tier runs the cheap checks at the fast tier's example cap; compiled execution and sampling (compiles, a
-thousand generations per setting) run in the full tier. Ids end in the device (``-cpu``, ``-cuda``,
+thousand generations per setting) run in the full tier, each in a module of its own (test_conformance_compiled.py,
+test_conformance_sampling.py) so that two xdist workers share them (``--dist loadfile``). Ids end in the device (``-cpu``, ``-cuda``,
 ``-cuda-float16``): the GPU check's tests step selects ``-k cuda``, its CPU dry run ``-k cpu``.
 """
 
@@ -26,12 +27,6 @@ DEVICES = ("cpu", "cuda", "cuda-float16")
 
 @parametrize_with_checks(BUILTINS, devices=DEVICES, checks=CHEAP)
 def test_builtin(decoder, check):
-    check(decoder)
-
-
-@pytest.mark.full
-@parametrize_with_checks(BUILTINS, devices=DEVICES, checks=["compiled_equals_eager", "sampling"])
-def test_builtin_full(decoder, check):
     check(decoder)
 
 
