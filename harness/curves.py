@@ -136,6 +136,26 @@ class Curves:
         y0, y1 = at(lo), at(hi)
         return y0 + (y1 - y0) * (rows - lo) / (hi - lo)
 
+    def target_cost(self, n: int, past: int | None, batch: int = 1, flags: int = 0) -> float:
+        """Seconds of one target forward of ``n`` new tokens per row at batch size ``batch``: :func:`target_cost`."""
+        return target_cost(self, n, past, batch, flags)
+
+    def verify_sizes(self, past: int | None, batch: int = 1) -> list[int]:
+        """The calibrated verification sizes (tokens per row, root included) of the target at batch size ``batch``,
+        on the calibrated cache length nearest ``past`` (None: the shortest): B = 1 the tree-masked curve's (the
+        causal one's without it), B > 1 every batched curve's (the calibration visits one n grid at every B); the
+        candidates of :func:`tree_budget`. [] without such a curve."""
+        kinds = ["tree" if self.has("target", "tree") else "causal"] if batch <= 1 else []
+        kinds += [f"batched:{b}" for b in self.batch_sizes()] if batch > 1 else []
+        sizes: set[int] = set()
+        for kind in kinds:
+            if not self.has("target", kind):
+                continue
+            per = self._table[("target", kind)]
+            near = min(per) if past is None else min(per, key=lambda c: abs(c - past))
+            sizes.update(int(n) for n in per[near][0])
+        return sorted(sizes)
+
     def batched_prefill(self, n: int, rows: int, role: str = "target") -> float | None:
         """Seconds of one prefill forward of ``rows`` prompts of ``n`` tokens each (right-padded, one forward:
         :meth:`~dtbench.decoders.kv.RaggedBatch.prefill`); B = 1 is the plain prefill curve; between calibrated
@@ -192,6 +212,21 @@ class Curves:
         return y0 + (y1 - y0) * (past - c0) / (c1 - c0)
 
 
+def target_cost(curves, n: int, past: int | None, batch: int = 1, flags: int = 0) -> float:
+    """Seconds of one target forward of ``n`` new tokens per row at batch size ``batch`` after ``past`` cached
+    positions on ``curves`` (:class:`Curves`, or any object with its ``cost`` and ``batched_cost``): B = 1 the curve
+    of ``flags`` (:meth:`Curves.cost`: 0 causal, ``FED_MASK`` tree), B > 1 the batched verification curves
+    (:meth:`Curves.batched_cost`, tree mask; ``flags`` does not apply). The one ``batched_cost if batch > 1 else
+    cost`` of every prediction (issue 58 item 1).
+
+    Raises:
+        KeyError: no calibration of the target, or B > 1 without a batched curve.
+    """
+    if batch > 1:
+        return curves.batched_cost(n, past, batch)
+    return curves.cost("target", n, past, flags)
+
+
 def load_curves(session, run) -> Curves | None:
     """The calibration of ``run``: its own (newest batch linked to it), else the newest standalone calibration of
     the same target (model, dtype), device and device name (and draft, where both have one); None without any."""
@@ -228,24 +263,39 @@ def load_curves(session, run) -> Curves | None:
     return None
 
 
-def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
-    """``n_max: auto``: the largest calibrated n (drafted nodes) whose tree verification — one target forward over
-    the root and n nodes with the tree mask — costs at most ``factor`` x one AR step (one causal target forward
-    over 1 token), on a cache of ``cache_len`` positions; at least 1, at most
-    :data:`dtbench.decoders.tree.N_MAX_AUTO_CEILING`.
+def tree_budget(
+    curves: Curves, past: int, batch: int = 1, factor: float = DEFAULT_FACTOR, ceiling: int | None = None
+) -> int:
+    """The node budget (drafted nodes) a tree decoder can afford at batch size ``batch``: the largest n whose
+    verification — one target forward over the root and n nodes per row (B = 1: the tree mask) — costs at most
+    ``factor`` x one AR step at the same B (B = 1: one causal target forward over 1 token), on a cache of ``past``
+    positions; at least 1, at most ``ceiling`` (None: :data:`dtbench.decoders.tree.N_MAX_AUTO_CEILING`). The one
+    budget rule of ``n_max: auto`` (:func:`auto_budget`), the cost model's N_max and the batch table's N_max per B
+    (issue 58 item 1).
 
-    Only calibrated sizes are candidates (the curve need not be monotonic: on CPUs n = 2..3 can cost more than
-    n = 4..8, so the largest n within the factor is taken, not the first n beyond it).
+    Candidates: the calibrated verification sizes only (:meth:`Curves.verify_sizes`). Between them the cost is
+    interpolated and beyond the largest extrapolated along the end segment, so a budget from every n up to the
+    ceiling would rest on costs nobody measured (a flat or falling end segment extrapolates to ever larger budgets);
+    a calibrated size was measured. The curve need not be monotonic (on CPUs n = 2..3 can cost more than n = 4..8),
+    so the largest n within the factor is taken, not the first n beyond it.
+
+    Raises:
+        KeyError: no calibration of the target (B > 1: no batched curve).
     """
     from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 
-    one = curves.cost("target", 1, cache_len, 0)
-    kind = "tree" if curves.has("target", "tree") else "causal"
-    per = curves._table[("target", kind)]
-    ns, _ = per[min(per, key=lambda c: abs(c - cache_len))]
+    top = N_MAX_AUTO_CEILING if ceiling is None else ceiling
+    one = curves.target_cost(1, past, batch, 0)
     best = 1
-    for size in ns:
-        n = int(size) - 1
-        if 1 <= n <= N_MAX_AUTO_CEILING and curves.cost("target", int(size), cache_len, FED_MASK) <= factor * one:
+    for size in curves.verify_sizes(past, batch):
+        n = size - 1
+        if 1 <= n <= top and curves.target_cost(size, past, batch, FED_MASK) <= factor * one:
             best = max(best, n)
     return best
+
+
+def auto_budget(curves: Curves, cache_len: int, factor: float) -> int:
+    """``n_max: auto``: :func:`tree_budget` at B = 1 on a cache of ``cache_len`` positions (the largest calibrated
+    n of drafted nodes whose tree verification costs at most ``factor`` x one AR step; at least 1, at most
+    :data:`dtbench.decoders.tree.N_MAX_AUTO_CEILING`)."""
+    return tree_budget(curves, cache_len, 1, factor)

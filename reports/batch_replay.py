@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dtbench.harness.curves import FED_MASK
+from dtbench.harness.curves import FED_MASK, target_cost
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,7 @@ def row_traces(rows: pd.DataFrame, curves, l_max: int, ar_outside: float | None)
 def _verify_cost(curves, n: int, past: int, rows: int, family: str) -> float:
     """One target verification forward of ``rows`` rows of n tokens (B = 1: the causal curve, or the tree-masked
     one for a tree decoder; B > 1: the batched curves)."""
-    if rows > 1:
-        return curves.batched_cost(n, past, rows)
-    return curves.cost("target", n, past, FED_MASK if family == "tree" else 0)
+    return target_cost(curves, n, past, rows, FED_MASK if family == "tree" else 0)
 
 
 def replay_group(curves, group: list[RowTrace], l_max: int, family: str) -> float:

@@ -25,8 +25,10 @@ curves of ``dtbench calibrate`` / ``calibrate: true``) and each sample's per-ste
   of cells that ran each K (``suites/linear-k.yaml``). The cell's own K is the most it drafted in one iteration.
 - tree-family decoders: the predicted best node budget N_max = the largest calibrated tree whose verification (root +
   n nodes, one target forward with the tree mask) costs at most 2x one AR token on the cache at mid-generation
-  (:func:`dtbench.harness.curves.auto_budget`, the budget ``n_max: auto`` would choose; a forward-cost-only
-  prediction, to compare with measured sweeps over ``n_max``).
+  (:func:`dtbench.harness.curves.tree_budget`, the budget ``n_max: auto`` would choose; candidates: the calibrated
+  sizes; a forward-cost-only prediction, to compare with measured sweeps over ``n_max``).
+- every number here is priced by the one pricing model, :class:`dtbench.reports.pricing.Pricer` (issue 58 item 1):
+  S(k) only for k up to the deepest drafted position (p is not extended beyond what was measured).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from dtbench.harness.curves import DEFAULT_FACTOR
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.costmodel_batch import BATCH_CAPTION, PRED_FORWARDS, PRED_STEADY, batch_table
 from dtbench.reports.output import Document, Note, Report, emit
-from dtbench.reports.pricing import budget_speedups, chain_speedups, position_acceptance, price_sample
+from dtbench.reports.pricing import Pricer, position_acceptance
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 from dtbench.reports.stats import (
     GROUP,
@@ -75,16 +77,15 @@ def uses_draft_model(cell) -> bool:
 def _best_configs(family: str, cell, samples: list, curves) -> dict[str, Any]:
     """The predicted best configuration of a cell (the cost table's ``predicted_best_*`` columns it has): K of a
     chain decoder from its per-position acceptance, total_token of a tree decoder recording its node budget, else
-    N_max of a tree decoder (:func:`~dtbench.harness.curves.auto_budget`)."""
-    from dtbench.harness.curves import auto_budget
-
+    N_max of a tree decoder (:meth:`~dtbench.reports.pricing.Pricer.budget`, the rule of ``n_max: auto``)."""
+    pricer = Pricer(curves)
     out: dict[str, Any] = {}
     if family == "chain":
         accepted = [a for s in samples for a in (s.step_stats or {}).get("accepted", [])]
         depth = [d for s in samples for d in (s.step_stats or {}).get("depth", [])]
         p = position_acceptance(accepted, depth)
         if p:
-            speed = chain_speedups(curves, p, cell.l_max + cell.gen_length // 2)
+            speed = pricer.chain_speedups(p, cell.l_max + cell.gen_length // 2)
             best = max(speed, key=lambda k: speed[k])
             out.update(
                 predicted_best_k=best,
@@ -96,12 +97,12 @@ def _best_configs(family: str, cell, samples: list, curves) -> dict[str, Any]:
     if any(st and "drafting_iterations" in st for st in states):  # a tree decoder recording its node budget
         iters = sum(int((st or {}).get("drafting_iterations") or 0) for st in states)
         head = sum(((s.step_stats or {}).get("forward_s") or {}).get("draft") or 0.0 for s in samples)
-        speed = budget_speedups(curves, states, head / iters if iters else 0.0, cell.l_max + cell.gen_length // 2)
+        speed = pricer.budget_speedups(states, head / iters if iters else 0.0, cell.l_max + cell.gen_length // 2)
         if speed:
             best = max(speed, key=lambda k: speed[k])
             out.update(predicted_best_total_token=best, predicted_best_total_token_speedup=speed[best])
     if "predicted_best_total_token" not in out and family == "tree" and "target" in curves.roles():
-        out["predicted_best_n_max"] = auto_budget(curves, cell.l_max + cell.gen_length // 2, DEFAULT_FACTOR)
+        out["predicted_best_n_max"] = pricer.budget(cell.l_max + cell.gen_length // 2, 1, DEFAULT_FACTOR)
     return out
 
 
@@ -123,13 +124,14 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         if not s.warmup:
             c["samples"].append(s)
     out = []
+    pricer = Pricer(curves)
     for c in cells.values():
         cell, samples = c["cell"], c["samples"]
         if not samples or (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
             continue
         if (cell.execution or "eager") == "compiled":  # calibration measures eager forwards: not this cell's price
             continue
-        priced = [price_sample(curves, s.step_stats or {}, uses_draft_model(cell)) for s in samples]
+        priced = [pricer.sample(s.step_stats or {}, uses_draft_model(cell)) for s in samples]
         measured = sum(s.total_s for s in samples) / len(samples)
         predicted = sum(p["predicted_s"] for p in priced) / len(priced)
         timed = [(s.step_stats or {}).get("forward_s") for s in samples]

@@ -7,10 +7,10 @@ import math
 import pandas as pd
 from sqlalchemy import select
 
-from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK
+from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK, target_cost
 from dtbench.harness.metrics import group_key
 from dtbench.reports.batch_replay import replay_speedup, row_traces
-from dtbench.reports.pricing import expected_tokens, position_acceptance
+from dtbench.reports.pricing import Pricer, position_acceptance
 from dtbench.reports.stats import (
     FAMILY_UNKNOWN,
     N_TOO_SMALL,
@@ -38,8 +38,8 @@ BATCH_CAPTION = (
     "throughputs, the measured speedup's definition. Samples stored without per-step drafts fall back to S(B) = L x "
     "c_B(1) / (E[c_B(w_max)] + B x d) from the cell's means; external loops (hf_generate, servers) are not "
     "predicted. B* = the first batch size whose speedup is below 1 (measured: the point estimate; predicted: over "
-    "the calibrated batch sizes). Best K / N_max per B: from the B = 1 per-position acceptance (chain) and the "
-    "largest tree verified within 2x one ar step at B (tree)."
+    "the calibrated batch sizes). Best K / N_max per B: from the B = 1 per-position acceptance (chain, K up to the "
+    "deepest drafted position) and the largest calibrated tree verified within 2x one ar step at B (tree)."
 )
 
 
@@ -181,7 +181,7 @@ def predicted_batch_speedup(
     flags = FED_MASK if family == "tree" else 0
 
     def cost(n: float) -> float:
-        return curves.batched_cost(n, past, batch) if batch > 1 else curves.cost("target", n, past, flags)
+        return target_cost(curves, n, past, batch, flags)
 
     widths = params.get("widths")
     verify = sum(p * cost(w) for w, p in widest_of(widths, batch).items()) if widths else cost(params["n"])
@@ -200,33 +200,17 @@ def predicted_batch_speedup(
 
 
 def best_k_at(
-    curves, p: list[float], draft_token_s: float, batch: int, past: int, k_max: int = 16
+    curves, p: list[float], draft_token_s: float, batch: int, past: int, k_max: int | None = None
 ) -> tuple[int, float] | None:
-    """The chain length K maximising E(K) x c_B(1) / (c_B(K + 1) + B x K x draft seconds per token) at batch size
-    B (the per-position acceptance ``p`` of B = 1, extended with its last value up to ``k_max``); None without p."""
-    if not p:
-        return None
-    p = list(p) + [p[-1]] * max(0, k_max - len(p))
-    ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
-    best = None
-    for k in range(1, k_max + 1):
-        verify = curves.batched_cost(k + 1, past, batch) if batch > 1 else curves.cost("target", k + 1, past, 0)
-        s = expected_tokens(p, k) * ar / (verify + batch * k * draft_token_s)
-        if best is None or s > best[1]:
-            best = (k, s)
-    return best
+    """The chain length K maximising S(K) at batch size B with ``draft_token_s`` seconds per drafted token, K up to
+    len(p) (at most ``k_max``): :meth:`~dtbench.reports.pricing.Pricer.best_k`, the one S(K); None without p."""
+    return Pricer(curves).best_k(p, past, batch, draft_token_s, k_max)
 
 
-def budget_at(curves, batch: int, past: int, factor: float = DEFAULT_FACTOR, ceiling: int = 256) -> int:
-    """The largest node budget n (drafted nodes) whose verification at batch size B (root + n per row) costs at most
-    ``factor`` x one ar step at B (``n_max: auto``'s rule at B)."""
-    ar = curves.batched_cost(1, past, batch) if batch > 1 else curves.cost("target", 1, past, 0)
-    best = 1
-    for n in range(1, ceiling + 1):
-        c = curves.batched_cost(n + 1, past, batch) if batch > 1 else curves.cost("target", n + 1, past, FED_MASK)
-        if c <= factor * ar:
-            best = n
-    return best
+def budget_at(curves, batch: int, past: int, factor: float = DEFAULT_FACTOR, ceiling: int | None = None) -> int:
+    """The node budget at batch size B: :func:`~dtbench.harness.curves.tree_budget` (``n_max: auto``'s rule at B:
+    the largest calibrated verification within ``factor`` x one ar step at B)."""
+    return Pricer(curves).budget(past, batch, factor, ceiling)
 
 
 def _b1_params(session, run, curves) -> dict[tuple, dict]:
@@ -336,12 +320,13 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
             pred_at = {b: predict(params, b, l_max, T) for b in grid}
             first = next((b for b in grid if pred_at[b] < 1), None)
             predicted = f"B*={first} ({pred_at[first]:.2f}×)" if first is not None else f"none up to B={grid[-1]}"
+            pricer = Pricer(curves)
             if params["family"] == "chain" and params["p"]:
-                ks = {b: best_k_at(curves, params["p"], params["draft_tokens_s"], b, past) for b in grid}
+                ks = {b: pricer.best_k(params["p"], past, b, params["draft_tokens_s"]) for b in grid}
                 predicted += "; best K per B: " + ", ".join(f"B={b}: K={k[0]}" for b, k in ks.items() if k)
             if params["family"] == "tree":
                 predicted += "; N_max per B (verify <= 2x ar step): " + ", ".join(
-                    f"B={b}: {budget_at(curves, b, past)}" for b in grid
+                    f"B={b}: {pricer.budget(past, b)}" for b in grid
                 )
         notes.append(f"{label} ({ds}, L_max={l_max}, T={T}): measured {measured}; predicted {predicted}")
     if errors:

@@ -3,7 +3,7 @@
 ``dtbench report --predict-on CURVES [--run ID]``: every cell of the run (batch size 1, the curves' execution) is
 replayed sample by sample: each forward its steps ran (``step_stats["target_fed"]``/``["draft_fed"]``: tokens fed,
 cache positions before it, mask flags) is priced on the imported curves (:func:`~dtbench.reports.pricing.
-price_sample`, the cost model's pricing), and each iteration pays the loop overhead per iteration measured on that
+Pricer.sample`, the cost model's pricing), and each iteration pays the loop overhead per iteration measured on that
 device for that decoder (``overhead_s`` of the curves file; none: forwards only, and the report says so). So
 
     predicted time of a sample on the device = sum of its forwards' prices + iterations x overhead(decoder)
@@ -32,7 +32,7 @@ from dtbench.harness import curves_file
 from dtbench.harness.errors import DtbenchError
 from dtbench.reports.costmodel import NO_CALIBRATION, uses_draft_model
 from dtbench.reports.output import Document, Note, Report, emit
-from dtbench.reports.pricing import price_sample
+from dtbench.reports.pricing import Pricer
 from dtbench.reports.stats import GROUP, baseline_values, family_of, group_key, served, show
 
 FIG_STEM = "predicted_speedup"
@@ -88,11 +88,12 @@ def predict_table(session, run, pc: curves_file.PortableCurves) -> tuple[pd.Data
         if (cell.execution or "eager") != pc.execution:
             skipped.append(f"{cell.label} ({cell.execution} execution; the curves are {pc.execution})")
             continue
-        overhead = pc.overhead(cell.decoder) or 0.0
-        predicted = []
-        for s in samples:
-            priced = price_sample(pc.curves, s.step_stats or {}, uses_draft_model(cell))
-            predicted.append(priced["predicted_s"] + s.iterations * overhead)
+        pricer = Pricer(pc.curves, pc.overhead)
+        overhead = pricer.loop_overhead(cell.decoder)
+        predicted = [
+            pricer.sample(s.step_stats or {}, uses_draft_model(cell), s.iterations, cell.decoder)["predicted_s"]
+            for s in samples
+        ]
         if not all(p > 0 for p in predicted):
             skipped.append(f"{cell.label} (no forward records to price)")
             continue

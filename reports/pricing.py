@@ -1,11 +1,27 @@
-"""Pricing a measured sample on the calibration curves, and the chain and node-budget speedups predicted from them
-(the cost model's arithmetic; :mod:`dtbench.reports.costmodel` tabulates it per cell and per batch size)."""
+"""The one pricing model of every prediction (issue 58 item 1): :class:`Pricer` prices forwards on calibration
+curves — a sample's forwards (plus iterations x loop overhead), the target's cost of n tokens at batch size B, the
+chain speedup S(K) at B, the best K at B, the tree budget at B. The cost model (``--cost-model``), ``--predict-on``,
+the batch table and its replay, the schedules and ``n_max: auto`` (:func:`dtbench.harness.curves.tree_budget`, the
+budget rule, where harness code can import it) are views of it.
+
+S(K) at B (Leviathan et al. 2023, the walltime improvement of a chain of K drafts, at batch size B):
+
+    S(K) = E(K) x c_B(1) / (c_B(K + 1) + B x K x d),  E(K) = 1 + sum_{j<=K} prod_{i<=j} p_i
+
+with c_B(n) the target's forward of n tokens per row at B (:func:`~dtbench.harness.curves.target_cost`:
+causal at B = 1, the batched curves above), d the seconds of one drafted token (the calibrated draft step c_D(1)
+unless the caller measured its own) and p the per-position acceptance. One rule for K: K = 1 .. len(p), the measured
+positions only: p is never extended beyond the deepest drafted position (acceptance past it was not measured, and
+the conditional p_j is not flat in j), so a best K is one the cell drafted to.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from dtbench.harness.curves import FED_MASK
+from dtbench.harness.curves import DEFAULT_FACTOR, FED_LAST, FED_MASK, Curves, target_cost, tree_budget
 
 # --- pricing a sample -------------------------------------------------------------------------------------------
 
@@ -27,27 +43,8 @@ def step_forwards(stats: dict, role: str) -> tuple[list[list[list]], bool] | Non
 
 
 def price_sample(curves, stats: dict, draft_model: bool = True) -> dict:
-    """Predicted seconds of one sample: ``{"target_s", "draft_s", "predicted_s", "approx"}`` (``approx``: some
-    forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and are left out).
-    ``draft_model=False``: the sample's draft forwards are not the suite's draft model's (a learned head's, a
-    decoder without ``needs_draft``), so the draft curve does not price them: unpriced, flagged."""
-    out: dict[str, Any] = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
-    for role in ("target", "draft"):
-        got = step_forwards(stats, role)
-        if got is None:
-            continue
-        steps, approx = got
-        if role not in curves.roles() or (role == "draft" and not draft_model):  # unpriced, flagged
-            out["approx"] |= any(steps)
-            continue
-        out["approx"] |= approx
-        total = 0.0
-        for forwards in steps:
-            for n, past, flags in forwards:
-                total += curves.cost(role, n, past, int(flags or 0))
-        out[f"{role}_s"] = total
-    out["predicted_s"] = out["target_s"] + out["draft_s"]
-    return out
+    """:meth:`Pricer.sample` of ``curves`` without loop overhead (the cost model's pricing of one sample)."""
+    return Pricer(curves).sample(stats, draft_model)
 
 
 # --- chain decoders: acceptance per position, best K -------------------------------------------------------------
@@ -72,40 +69,150 @@ def expected_tokens(p: list[float], k: int) -> float:
 
 
 def chain_speedups(curves, p: list[float], past: int) -> dict[int, float]:
-    """S(k) for k = 1..len(p) (module docstring)."""
-    ar = curves.cost("target", 1, past, 0)
-    step = curves.cost("draft", 1, past, 2) if "draft" in curves.roles() else 0.0
-    return {
-        k: ar * expected_tokens(p, k) / (k * step + curves.cost("target", k + 1, past, 0)) for k in range(1, len(p) + 1)
-    }
+    """S(k) for k = 1..len(p) at B = 1 with the calibrated draft step: :meth:`Pricer.chain_speedups`."""
+    return Pricer(curves).chain_speedups(p, past)
 
 
 # --- tree decoders that record their node budget: best total_token ------------------------------------------------
 
 
 def budget_speedups(curves, states: list[dict | None], head_s: float, past: int) -> dict[int, float]:
-    """S(N) for verification sizes N = 2 .. the run's (root included) of a tree decoder whose samples record, per
-    accepted token, the drafted-node budget its tree needed (``eagle``: ``accepted_tokens_needing_{m}_nodes`` and
-    ``drafting_iterations`` in ``step_stats["state"]``). E(N) = 1 + (accepted tokens needing at most N - 1 nodes)
-    / drafting iterations is exact for greedy verification of the best-N - 1 subtree; S(N) = AR token cost x E(N)
-    / (``head_s`` + calibrated tree verification of N tokens), ``head_s`` the measured head seconds per drafting
-    iteration (a head is not calibrated; its drafting does not depend on N). {} when nothing was recorded."""
+    """:meth:`Pricer.budget_speedups` of ``curves``."""
+    return Pricer(curves).budget_speedups(states, head_s, past)
 
-    prefix = "accepted_tokens_needing_"
-    needing: dict[int, int] = {}
-    iterations = 0
-    for state in states:
-        iterations += int((state or {}).get("drafting_iterations") or 0)
-        for key, count in (state or {}).items():
-            if key.startswith(prefix) and key.endswith("_nodes"):
-                m = int(key[len(prefix) : -len("_nodes")])
-                needing[m] = needing.get(m, 0) + int(count)
-    budget = max((int((state or {}).get("drafted_nodes") or 0) for state in states), default=0)
-    if not iterations or not budget:
-        return {}
-    ar = curves.cost("target", 1, past, 0)
-    out, accepted = {}, 0
-    for n in range(2, budget + 2):
-        accepted += needing.get(n - 1, 0)
-        out[n] = ar * (1 + accepted / iterations) / (head_s + curves.cost("target", n, past, FED_MASK))
-    return out
+
+# --- the pricing model ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pricer:
+    """The one pricing model (module docstring; issue 58 item 1): forwards priced on ``curves``.
+
+    Attributes:
+        curves: the calibration (:class:`~dtbench.harness.curves.Curves`, seconds per forward).
+        overhead: loop overhead per iteration in seconds, per decoder name (a mapping, ``"*"`` for any other) or a
+            function of the decoder name (:meth:`~dtbench.harness.curves_file.PortableCurves.overhead`); None: none
+            (forwards only).
+    """
+
+    curves: Curves
+    overhead: Mapping[str, float] | Callable[[str], float | None] | None = None
+
+    def loop_overhead(self, decoder: str | None) -> float:
+        """Seconds of loop overhead per iteration of ``decoder`` (0 without any)."""
+        if self.overhead is None or decoder is None:
+            return 0.0
+        if callable(self.overhead):
+            got = self.overhead(decoder)
+        else:
+            got = self.overhead.get(decoder, self.overhead.get("*"))
+        return float(got or 0.0)
+
+    def target_cost(self, n: int, past: int | None, batch: int = 1, flags: int = 0) -> float:
+        """Seconds of one target forward of n tokens per row at batch size B
+        (:func:`~dtbench.harness.curves.target_cost`: the one ``batched_cost if batch > 1 else cost``)."""
+        return target_cost(self.curves, n, past, batch, flags)
+
+    def verify_cost(self, n: int, past: int | None, batch: int, family: str) -> float:
+        """One verification forward of n tokens per row at B: the tree mask for a tree decoder at B = 1, else
+        causal (B > 1: the batched curves)."""
+        return self.target_cost(n, past, batch, FED_MASK if family == "tree" else 0)
+
+    def draft_step(self, past: int | None) -> float:
+        """Seconds of one calibrated draft step (one token, last-position logits) on a cache of ``past``; 0 where
+        the calibration has no draft."""
+        return self.curves.cost("draft", 1, past, FED_LAST) if "draft" in self.curves.roles() else 0.0
+
+    def sample(
+        self, stats: dict, draft_model: bool = True, iterations: int = 0, decoder: str | None = None
+    ) -> dict[str, Any]:
+        """Predicted seconds of one sample: ``{"target_s", "draft_s", "overhead_s", "predicted_s", "approx"}`` — every
+        forward its steps ran priced on the curves, plus ``iterations`` x :meth:`loop_overhead` of ``decoder``
+        (``approx``: some forwards were rebuilt from per-step counts, or belong to a model the calibration lacks and
+        are left out). ``draft_model=False``: the sample's draft forwards are not the suite's draft model's (a
+        learned head's, a decoder without ``needs_draft``), so the draft curve does not price them: unpriced,
+        flagged."""
+        curves = self.curves
+        out: dict[str, Any] = {"target_s": 0.0, "draft_s": 0.0, "approx": False}
+        for role in ("target", "draft"):
+            got = step_forwards(stats, role)
+            if got is None:
+                continue
+            steps, approx = got
+            if role not in curves.roles() or (role == "draft" and not draft_model):  # unpriced, flagged
+                out["approx"] |= any(steps)
+                continue
+            out["approx"] |= approx
+            total = 0.0
+            for forwards in steps:
+                for n, past, flags in forwards:
+                    total += curves.cost(role, n, past, int(flags or 0))
+            out[f"{role}_s"] = total
+        out["overhead_s"] = iterations * self.loop_overhead(decoder)
+        out["predicted_s"] = out["target_s"] + out["draft_s"] + out["overhead_s"]
+        return out
+
+    def chain_speedups(
+        self,
+        p: list[float],
+        past: int,
+        batch: int = 1,
+        draft_token_s: float | None = None,
+        k_max: int | None = None,
+    ) -> dict[int, float]:
+        """S(K) at batch size ``batch`` for K = 1 .. len(p) (at most ``k_max``), the one chain speedup (module
+        docstring): ``draft_token_s`` the seconds of one drafted token per row (None: :meth:`draft_step`), the
+        target on a cache of ``past``. {} without p."""
+        d = self.draft_step(past) if draft_token_s is None else draft_token_s
+        ar = self.target_cost(1, past, batch, 0)
+        top = len(p) if k_max is None else min(len(p), k_max)
+        return {
+            k: expected_tokens(p, k) * ar / (self.target_cost(k + 1, past, batch, 0) + batch * k * d)
+            for k in range(1, top + 1)
+        }
+
+    def best_k(
+        self,
+        p: list[float],
+        past: int,
+        batch: int = 1,
+        draft_token_s: float | None = None,
+        k_max: int | None = None,
+    ) -> tuple[int, float] | None:
+        """(K, S(K)) of the highest :meth:`chain_speedups` (the smallest K on a tie); None without p."""
+        speed = self.chain_speedups(p, past, batch, draft_token_s, k_max)
+        if not speed:
+            return None
+        best = max(speed, key=lambda k: speed[k])
+        return best, speed[best]
+
+    def budget(self, past: int, batch: int = 1, factor: float = DEFAULT_FACTOR, ceiling: int | None = None) -> int:
+        """The tree budget at B: :func:`dtbench.harness.curves.tree_budget` (the rule of ``n_max: auto``)."""
+        return tree_budget(self.curves, past, batch, factor, ceiling)
+
+    def budget_speedups(self, states: list[dict | None], head_s: float, past: int) -> dict[int, float]:
+        """S(N) for verification sizes N = 2 .. the run's (root included) of a tree decoder whose samples record,
+        per accepted token, the drafted-node budget its tree needed (``eagle``: ``accepted_tokens_needing_{m}_nodes``
+        and ``drafting_iterations`` in ``step_stats["state"]``). E(N) = 1 + (accepted tokens needing at most N - 1
+        nodes) / drafting iterations is exact for greedy verification of the best-N - 1 subtree; S(N) = AR token
+        cost x E(N) / (``head_s`` + calibrated tree verification of N tokens), ``head_s`` the measured head seconds
+        per drafting iteration (a head is not calibrated; its drafting does not depend on N). {} when nothing was
+        recorded."""
+        prefix = "accepted_tokens_needing_"
+        needing: dict[int, int] = {}
+        iterations = 0
+        for state in states:
+            iterations += int((state or {}).get("drafting_iterations") or 0)
+            for key, count in (state or {}).items():
+                if key.startswith(prefix) and key.endswith("_nodes"):
+                    m = int(key[len(prefix) : -len("_nodes")])
+                    needing[m] = needing.get(m, 0) + int(count)
+        budget = max((int((state or {}).get("drafted_nodes") or 0) for state in states), default=0)
+        if not iterations or not budget:
+            return {}
+        ar = self.target_cost(1, past, 1, 0)
+        out, accepted = {}, 0
+        for n in range(2, budget + 2):
+            accepted += needing.get(n - 1, 0)
+            out[n] = ar * (1 + accepted / iterations) / (head_s + self.target_cost(n, past, 1, FED_MASK))
+        return out

@@ -6,7 +6,8 @@ Engines choose how much to speculate per batch size by hand or by a measured swe
 NVIDIA/TensorRT-LLM PR #10860: ``{4: 4, 8: 2, 32: 1}`` = K 4 up to B 4, 2 up to 8, 1 up to 32, none above). dtbench's
 cost model predicts it: for every greedy chain cell of a calibrated run at B = 1 (its per-position acceptance and
 draft seconds per token, :func:`~dtbench.reports.costmodel_batch.b1_parameters`) and every calibrated batch size B, the
-chain length K that maximises the predicted speedup (:func:`~dtbench.reports.costmodel_batch.best_k_at`); 0 where even the
+chain length K up to the deepest drafted position that maximises the predicted speedup
+(:meth:`~dtbench.reports.pricing.Pricer.best_k`, the one S(K)); 0 where even the
 best K is predicted slower than ``ar`` (speculation stops paying). Consecutive batch sizes with the same K form one
 range. Where the run measured several K of one method at a B (a K sweep with ``batch_sizes``), the measured best K
 is shown beside the prediction.
@@ -49,7 +50,8 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     """
     from dtbench.harness.store.db import Cell
     from dtbench.reports.compare import speedup_table
-    from dtbench.reports.costmodel_batch import b1_frame, b1_parameters, best_k_at, price_proposers
+    from dtbench.reports.costmodel_batch import b1_frame, b1_parameters, price_proposers
+    from dtbench.reports.pricing import Pricer
     from dtbench.reports.stats import family_of
     from dtbench.reports.summary import samples_frame
 
@@ -75,13 +77,14 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
         if got is not None:
             params_of[(*group_key(c)[:3], c.label)] = {**got, "family": family_of(c.family), "cell": c}
     price_proposers(params_of)  # a proposer's own CPU time is draft cost at every B (issue 39 item 5)
+    pricer = Pricer(curves)
     for params in params_of.values():
         c = params["cell"]
         if params["family"] != "chain" or not params["p"]:
             continue
         past = c.l_max + c.gen_length // 2
         for b in sizes:
-            best = best_k_at(curves, params["p"], params["draft_tokens_s"], b, past)
+            best = pricer.best_k(params["p"], past, b, params["draft_tokens_s"])
             if best is None:
                 continue
             k, s = best
