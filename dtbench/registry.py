@@ -36,6 +36,7 @@ The policy:
 from __future__ import annotations
 
 import difflib
+import importlib
 import math
 import os
 import sys
@@ -342,6 +343,9 @@ class Registry(Generic[T]):
         what = f"{self.kind} '{clip(entry.name, 80)}' from distribution {entry.label}"
         try:
             trusted = entry.builtin or entry.in_process  # imported already, or dtbench's own: no time limit
+            if not trusted:  # the plugin API every plugin imports (torch, transformers: seconds on a busy machine) is
+                # dtbench's own and imported without a limit first, so the limit times the plugin's own import only
+                importlib.import_module("dtbench.api")
             obj = entry.entry_point.load() if trusted else load_within(entry.entry_point, import_timeout_s())
         except ImportTimedOut as exc:
             raise DtbenchError(f"{what} {exc}") from None
