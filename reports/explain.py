@@ -13,7 +13,7 @@ target's, and what the two allow. Here each term is measured, per cell at B = 1 
   forwards cost time: ``tau`` committed tokens per verification (the measured tokens per iteration), ``F_*`` the decode
   forward seconds (prefill apart) and ``I`` the verifications. For a chain (``family: chain``) also Leviathan et al.
   2023, eq. 1 and its walltime improvement (Section 3.4): ``S_chain = (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1))``
-  with ``alpha`` the measured acceptance rate and ``K`` the mean drafted chain length. It is the speedup a chain of K
+  with ``alpha`` the measured acceptance rate and ``K`` the longest drafted chain (the decoder's K). It is the speedup a chain of K
   i.i.d. acceptances at rate alpha allows; ``S_forwards`` uses the measured tokens per iteration instead.
 
 Beside the measured speedup, the gap is the loop's overhead and the prefills'. Cells stored before the prefill seconds
@@ -32,6 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from dtbench.harness.store.db import Sample
+from dtbench.reports.pricing import expected_tokens
 from dtbench.reports.stats import baseline_values
 
 # the columns :func:`explain` adds to a summary (CSV and JSON carry them; NaN where a cell has no explanation)
@@ -55,7 +56,7 @@ def cell_sums(samples: Iterable[tuple[float, dict[str, Any] | None]]) -> dict[st
     that did not start from an empty cache, from ``step_stats.target_fed``/``draft_fed``); verifications (Steps
     after the first, the prefill's token); drafted and accepted tokens; committed tokens after the prefill's.
     None when a sample lacks the forward seconds or their prefill split (stored before issue 58)."""
-    out = dict.fromkeys((*_SUMS, "drafted", "accepted", "committed"), 0.0)
+    out = dict.fromkeys((*_SUMS, "drafted", "accepted", "committed", "k"), 0.0)
     n = 0
     for total_s, st in samples:
         fs = (st or {}).get("forward_s") or {}
@@ -71,6 +72,7 @@ def cell_sums(samples: Iterable[tuple[float, dict[str, Any] | None]]) -> dict[st
         accepted, drafted = st["accepted"], st.get("drafted") or []
         out["iterations"] += len(accepted) - 1
         out["drafted"] += sum(drafted[1:])
+        out["k"] = max(out["k"], *drafted[1:], 0)  # the longest chain drafted: K
         out["accepted"] += sum(accepted[1:])
         out["committed"] += sum(st.get("step_tokens_n") or [a + 1 for a in accepted[1:]])
     return out if n else None
@@ -125,18 +127,16 @@ def explain(table: pd.DataFrame, sums: dict[int, dict[str, float] | None]) -> pd
         tau = s["committed"] / s["iterations"]
         table.loc[at, "forwards_allow_speedup"] = _div(tau * ar_s, per_iteration)
         if table["family"].iloc[i] == "chain" and s["drafted"] > 0:
-            table.loc[at, "chain_allows_speedup"] = chain_speedup(
-                s["accepted"] / s["drafted"], s["drafted"] / s["iterations"], c
-            )
+            table.loc[at, "chain_allows_speedup"] = chain_speedup(s["accepted"] / s["drafted"], int(s["k"]), c)
     return table
 
 
-def chain_speedup(alpha: float, k: float, c: float) -> float:
+def chain_speedup(alpha: float, k: int, c: float) -> float:
     """Leviathan et al. 2023 (eq. 1 and Section 3.4): the walltime improvement of a chain of ``k`` drafts accepted
-    i.i.d. at rate ``alpha`` (0..1) with a draft forward costing ``c`` target forwards: ``(1 - alpha^(k+1)) / ((1 -
-    alpha) (k c + 1))``; ``(k + 1) / (k c + 1)`` at alpha = 1."""
-    expected = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return expected / (k * c + 1)
+    i.i.d. at rate ``alpha`` (0..1) with a draft forward costing ``c`` target forwards, E(k) / (k c + 1), where E(k) =
+    (1 - alpha^(k+1)) / (1 - alpha) is the one expected committed length of the pricing model
+    (:func:`dtbench.reports.pricing.expected_tokens` with every position accepted at ``alpha``)."""
+    return expected_tokens([alpha] * k, k) / (k * c + 1)
 
 
 def _div(a: float, b: float) -> float:

@@ -110,7 +110,7 @@ def test_a_chain_cells_time_split_cost_and_allowed_speedup_by_hand(monkeypatch):
     assert lin["draft_target_cost"] == pytest.approx(0.2)
     tau = (T - 1) / iterations  # committed tokens per verification, the prefill's token apart
     assert lin["forwards_allow_speedup"] == pytest.approx(tau * 0.1 / ((0.1 * n_target + 0.02 * n_draft) / iterations))
-    alpha, k = accepted / drafted, drafted / iterations
+    alpha, k = accepted / drafted, max(st["drafted"])  # K: the longest chain drafted
     assert lin["chain_allows_speedup"] == pytest.approx((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.2 + 1)))
     assert all(math.isnan(why.loc["ar", c]) for c in ("time_target_share", "forwards_allow_speedup"))
     (line,) = explain.note(lin.rename(None).to_frame().T.assign(label="linear").iloc[0])
