@@ -133,6 +133,7 @@ def test_the_run_records_file_hashes_and_stop_at_eos(tmp_path, data_dir):
     assert env["stop_at_eos"] == {"wikitext-2": False}
 
 
+@pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
     from types import SimpleNamespace
 

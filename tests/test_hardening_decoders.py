@@ -264,6 +264,7 @@ def test_a_tokens_file_is_bounded_like_a_dataset_file(tmp_path, monkeypatch):
     one_line_error(invoke("validate", _tokens_suite(tmp_path, path)), "is larger than 1,000 bytes")
 
 
+@pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_a_tokens_file_is_kept_in_numpy():
     """from_flat (the tokens file's path) builds exactly from_documents' datastore, without Python lists."""
     import numpy as np

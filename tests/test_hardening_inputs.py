@@ -82,6 +82,7 @@ def test_remote_code_opt_in_is_warned_and_recorded(tmp_path):
     assert not marker.exists()  # validate reads configs, never imports
 
 
+@pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_every_load_passes_trust_remote_code_false(monkeypatch):
     """models.py's loaders hand transformers an explicit trust_remote_code (False unless the spec opts in)."""
     import transformers

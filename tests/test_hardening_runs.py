@@ -124,6 +124,7 @@ def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
         measure(_Paced(0.3, spin=True), [1, 2], 40, cpu, timeout_s=None, cpu_timeout_s=0.5)
 
 
+@pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_auto_timeout_uses_the_reference_cpu_time():
     from dtbench.harness import cells as runner
 

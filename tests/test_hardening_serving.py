@@ -258,6 +258,7 @@ def test_server_credentials_are_never_shown_nor_stored(tmp_path, data_dir, fake_
     assert "PASSWORD" not in bad.output and "PASSWORD" not in line
 
 
+@pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_redaction_masks_every_form_of_userinfo():
     from dtbench.core import clip, redact_credentials, redact_json
 
