@@ -212,7 +212,7 @@ class Curves:
         return y0 + (y1 - y0) * (past - c0) / (c1 - c0)
 
 
-def target_cost(curves, n: int, past: int | None, batch: int = 1, flags: int = 0) -> float:
+def target_cost(curves, n: float, past: int | None, batch: int = 1, flags: int = 0) -> float:
     """Seconds of one target forward of ``n`` new tokens per row at batch size ``batch`` after ``past`` cached
     positions on ``curves`` (:class:`Curves`, or any object with its ``cost`` and ``batched_cost``): B = 1 the curve
     of ``flags`` (:meth:`Curves.cost`: 0 causal, ``FED_MASK`` tree), B > 1 the batched verification curves

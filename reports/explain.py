@@ -58,8 +58,9 @@ def cell_sums(samples: Iterable[tuple[float, dict[str, Any] | None]]) -> dict[st
     None when a sample lacks the forward seconds or their prefill split (stored before issue 58)."""
     out = dict.fromkeys((*_SUMS, "drafted", "accepted", "committed", "k"), 0.0)
     n = 0
-    for total_s, st in samples:
-        fs = (st or {}).get("forward_s") or {}
+    for total_s, stats in samples:
+        st = stats or {}
+        fs = st.get("forward_s") or {}
         if fs.get("target") is None or "target_prefill" not in fs or not st.get("accepted"):
             return None
         n += 1
