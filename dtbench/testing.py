@@ -13,7 +13,7 @@ Which checks apply follows from what a decoder declares, never from its name; it
 - ``step_accounting``: every Step commits a token, ``accepted <= depth <= drafted``, forward counts consistent.
 - ``host_reads``: device-to-host reads per iteration within ``host_reads_bound`` (reported when none is declared).
 - ``compiled_equals_eager`` (``compiles``): the compile step's buckets only, zero recompiles, same tokens as eager;
-  at B = 1 and, for a decoder that batches, at B = 3 over every T from 17 to 40.
+  at B = 1 and, for a decoder that batches, at B = 3 over T = 32..40 (each way a chain of K <= 8 ends).
 - ``sampling`` (``supports_sampling``): a chi-square test of sampled outputs against the target's distribution.
 
 In a plugin's own tests (what ``examples/dtbench-prompt-lookup/tests`` does)::

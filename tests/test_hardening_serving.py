@@ -379,13 +379,14 @@ def test_sigint_during_a_server_request_interrupts_the_run(tmp_path, data_dir):
         server_pid = int(mark.read_text().split()[0])
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130 and took < 15, (proc.returncode, took, err[-2000:])
+    # well under the request's 120 s timeout (the run did not wait for it); 15 s was missed by 7 ms on a loaded 2-core VM
+    assert proc.returncode == 130 and took < 40, (proc.returncode, took, err[-2000:])
     assert "interrupted" in err and "Traceback" not in err
     with sqlite3.connect(tmp_path / "r.db") as con:
         assert con.execute("select status from runs").fetchall() == [("interrupted",)]
