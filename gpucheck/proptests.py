@@ -14,6 +14,8 @@ from dtbench.gpucheck.common import tests_dir
 # compiled execution, resident tree drafting
 TEST_MODULES = (
     "tests/test_conformance.py",
+    "tests/test_conformance_compiled.py",  # full tier: deselected by the step's default tier, run with --tier full
+    "tests/test_conformance_sampling.py",
     "tests/test_equivalence.py",
     "tests/test_batching.py",
     "tests/test_heads.py",
