@@ -25,8 +25,9 @@ The policy:
   on the caller's thread without a limit. A plugin whose import needs the main thread (``signal.signal`` at import)
   fails to load under the limit; that is the plugin's error, reported by name.
 - A group is scanned once per process (issue 58 item 6: a run scanned the entry points 35 times for two cells): the
-  scan is kept while ``sys.path`` and ``DTBENCH_DISABLE_PLUGINS`` stay as they were (a distribution put on the path
-  is seen at the next :meth:`Registry.scan`); :meth:`Registry.refresh` reads the group again.
+  scan is kept while ``sys.path``, its folders' modification times and ``DTBENCH_DISABLE_PLUGINS`` stay as they were
+  (a distribution put on the path or ``pip install``-ed into a folder on it is seen at the next
+  :meth:`Registry.scan`); :meth:`Registry.refresh` reads the group again.
 - Code in this process registers an object with :meth:`Registry.register` (the report formats' ``@renderer``): it is
   an entry of the one registry like an entry point's, distribution ``in-process``, listed by ``dtbench plugins``;
   a built-in name is refused, a name a plugin also claims is ambiguous. ``DTBENCH_DISABLE_PLUGINS`` does not hide it
@@ -55,6 +56,20 @@ IN_PROCESS = "in-process"  # the distribution of an object registered with Regis
 DISABLE_ENV = "DTBENCH_DISABLE_PLUGINS"
 IMPORT_TIMEOUT_ENV = "DTBENCH_PLUGIN_IMPORT_TIMEOUT"
 DEFAULT_IMPORT_TIMEOUT_S = 10.0  # seconds a plugin's module may take to import (a plugin importing torch: ~2-5 s)
+
+
+def path_state() -> tuple[tuple[str, int], ...]:
+    """``sys.path`` with each folder's modification time in ns (-1 where it is not a folder): installing or removing a
+    distribution adds or drops a ``*.dist-info`` folder in one of them, so a kept entry-point scan is read again
+    (:meth:`Registry.scan`). One ``stat`` per entry (~20 us each)."""
+    state = []
+    for entry in sys.path:
+        try:
+            mtime = os.stat(entry or ".").st_mtime_ns
+        except OSError:
+            mtime = -1
+        state.append((entry, mtime))
+    return tuple(state)
 
 
 def plugins_disabled() -> bool:
@@ -252,10 +267,11 @@ class Registry(Generic[T]):
         return f"Registry({self.group!r})"
 
     def scan(self) -> Discovery:
-        """The group's registrations (nothing imported): the entry points, read once per process while ``sys.path``
-        and ``DTBENCH_DISABLE_PLUGINS`` stay the same (``=1`` keeps built-ins only), then this process's own
+        """The group's registrations (nothing imported): the entry points, read once per process while ``sys.path``,
+        its folders' modification times (:func:`path_state`: a ``pip install`` since the last read changes them) and
+        ``DTBENCH_DISABLE_PLUGINS`` stay the same (``=1`` keeps built-ins only), then this process's own
         (:meth:`register`). A new :class:`Discovery` each call: the caller may edit it."""
-        key = (tuple(sys.path), plugins_disabled())
+        key = (path_state(), plugins_disabled())
         if self._scanned is None or self._scanned[0] != key:
             self._scanned = (key, self._read())
         base = self._scanned[1]

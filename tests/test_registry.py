@@ -237,3 +237,22 @@ def test_each_entry_point_group_is_read_once_per_process(monkeypatch, tmp_path):
     decoders.DECODERS.refresh()
     decoders.DECODERS.scan()
     assert reads.count("dtbench.decoders") == 3
+
+
+def test_a_distribution_installed_into_a_folder_already_on_the_path_is_seen(monkeypatch, tmp_path):
+    """CI (stop 60): a session fixture ``pip install``-ed the example plugin into site-packages after another test
+    of the same worker had scanned the group; the kept scan (keyed on ``sys.path`` alone) hid it. The key holds the
+    path folders' modification times, so the next scan reads the group again."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    assert "late_decoder" not in decoders.discover()
+    path_before = list(sys.path)
+    (root / "late_plugin.py").write_text("from dtbench.decoders.ar import Autoregressive as Late\n")
+    info = root / "late_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: late-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dtbench.decoders]\nlate_decoder = late_plugin:Late\n")
+    assert sys.path == path_before  # the same path: only a folder on it changed, as pip install changes one
+    entry = decoders.discover()["late_decoder"]
+    assert entry.distribution == "late-plugin"
