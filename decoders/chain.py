@@ -129,13 +129,20 @@ class DraftModelProposer(Proposer):
         fused: in compiled execution, a chain of exactly this many greedy drafts runs as ONE compiled region
             (:func:`~dtbench.decoders.draft_region.draft_chain`, issue 46 item 2; ``linear``'s ``fused_draft``);
             0 (the default), or eager execution, or a shorter chain: one forward per draft.
+        max_feed: in compiled execution, the most backlog tokens one catch-up forward feeds (a longer backlog is fed
+            in pieces of this size, the last piece with the first draft forward), so the draft runs only the buckets
+            its decoder's ``compiled_sizes`` declares; None (the default): the whole backlog in one forward, as
+            eager execution always does. A proposer whose backlog can outgrow 2 tokens sets it (``suffix``'s
+            fallback: the committed tokens of the steps the automaton drafted wait in the backlog; issue 59 item 6,
+            found by the kit's B = 3 leg: a backlog of 17+ tokens ran bucket 32 and compiled inside the sample).
     """
 
     resident: ClassVar[bool] = True
 
-    def __init__(self, draft: torch.nn.Module, fused: int = 0):
+    def __init__(self, draft: torch.nn.Module, fused: int = 0, max_feed: int | None = None):
         self.draft = draft
         self.fused = fused
+        self.max_feed = max_feed
 
     def begin(self, prompt: list[int], pending: int) -> None:
         self.cache = kv.new_cache()
@@ -154,7 +161,20 @@ class DraftModelProposer(Proposer):
     def cached(self) -> int:
         return kv.cache_len(self.cache)
 
+    def catch_up(self) -> None:
+        """Compiled execution with ``max_feed``: feed the backlog's head in pieces of ``max_feed`` tokens until at
+        most ``max_feed`` are left (fed with the first draft forward). Eager execution, or no ``max_feed``: nothing
+        (one forward takes the whole backlog)."""
+        cache = getattr(self, "cache", None)
+        if self.max_feed is None or not isinstance(cache, StaticKV) or cache.length == 0:
+            return
+        while len(self.backlog) > self.max_feed:
+            self.forward(self.backlog[: self.max_feed], True)
+            self.backlog = self.backlog[self.max_feed :]
+
     def propose(self, max_tokens: int) -> list[int] | torch.Tensor:
+        if max_tokens > 0:
+            self.catch_up()
         if self.sampling is None and self.resident:
             return self._propose_resident(max_tokens)
         drafts: list[int] = []

@@ -148,7 +148,7 @@ class _StreamedGenerate(Decoder):
     # own bookkeeping between two Steps that versions 1-2 charged to the next iteration.
     version = "3"
 
-    def _generate_kwargs(self, bridge: _Commits) -> dict:
+    def _generate_kwargs(self, bridge: _Commits, batch: int) -> dict:
         return {}
 
     def _around_call(self, bridge: _Commits):
@@ -247,7 +247,7 @@ class _StreamedGenerate(Decoder):
                 pad_token_id=pad,
                 streamer=bridge,
                 **settings,
-                **self._generate_kwargs(bridge),
+                **self._generate_kwargs(bridge, int(input_ids.shape[0])),
             )
 
 
@@ -311,16 +311,18 @@ class HFGenerate(_StreamedGenerate):
     def _lookup(self) -> bool:
         return self.params.prompt_lookup_num_tokens is not None
 
-    def _generate_kwargs(self, bridge: _Commits) -> dict:
+    def _generate_kwargs(self, bridge: _Commits, batch: int) -> dict:
         if not self._lookup():
-            return self._compiled_kwargs()
+            return self._compiled_kwargs(batch)
         p = self.params
         extra = {} if p.max_matching_ngram_size is None else {"max_matching_ngram_size": p.max_matching_ngram_size}
         return {"prompt_lookup_num_tokens": p.prompt_lookup_num_tokens, **extra}
 
-    def _compiled_kwargs(self) -> dict:
+    def _compiled_kwargs(self, batch: int) -> dict:
         """In compiled execution (:func:`dtbench.decoders.static_kv.compiled`): transformers' own recipe, a static cache
-        (the execution's pooled one, reset, so every prompt compiles to the same shapes) and ``compile_config``
+        (the execution's pooled one for ``batch`` rows, reset, so every prompt compiles to the same shapes: a pooled
+        cache's batch size is fixed by its first call, so one process running B = 1 then B = 3 draws two; found by the
+        kit's B = 3 leg, issue 59 item 6, where B = 3 failed in index_copy_ on the B = 1 cache) and ``compile_config``
         (``torch.compile`` of the decoding forward; ``mode="reduce-overhead"`` on CUDA, inductor's default on CPU,
         which transformers compiles only when asked: ``_compile_all_devices``). Eager: nothing."""
         from dtbench.decoders import modelinfo, static_kv
@@ -330,7 +332,7 @@ class HFGenerate(_StreamedGenerate):
             return {}
         from transformers import CompileConfig
 
-        cache = execution.static_cache(self.target, owner="transformers")
+        cache = execution.static_cache(self.target, owner="transformers" + static_kv.batch_owner(batch))
         cache.reset()
         cache.dtbench_length = 0  # kept by static_kv.hooks_outside_compiled: the KV positions, read without a sync
         cuda = self.target.device.type == "cuda"
@@ -401,7 +403,7 @@ class HFAssisted(_StreamedGenerate):
     def _step(self, tokens: tuple[int, ...], drafted: int) -> Step:
         return Step(tokens=tokens, drafted=drafted, accepted=len(tokens) - 1, depth=drafted)
 
-    def _generate_kwargs(self, bridge: _Commits) -> dict:
+    def _generate_kwargs(self, bridge: _Commits, batch: int) -> dict:
         return {"assistant_model": self.draft}
 
     @contextmanager

@@ -240,7 +240,7 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
         if self.params.fallback != "draft":
             return None
         assert self.draft is not None
-        return DraftModelProposer(self.draft)
+        return DraftModelProposer(self.draft, max_feed=self.params.k + 1)  # within compiled_sizes (issue 59 item 6)
 
     @classmethod
     def verify_sizes(cls, params: SuffixParams) -> tuple[int, int]:
@@ -249,8 +249,9 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
 
     @classmethod
     def compiled_sizes(cls, params: SuffixParams) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
-        """Target: every chain length up to k + 1. Draft: any size with ``fallback: draft`` (its cache catches up on
-        what the automaton drafted), none without (the draft model is never run)."""
+        """Target: every chain length up to k + 1. Draft: with ``fallback: draft`` every size up to k + 1 (its cache
+        catches up on what the automaton drafted in pieces of at most k + 1 tokens: ``max_feed``), none without (the
+        draft model is never run)."""
         return None, (None if params.fallback == "draft" else ())
 
     def state_stats(self) -> dict[str, int] | None:

@@ -15,20 +15,10 @@ TIER = "full"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# What the kit's B = 3 leg (issue 59 item 6) found and this session did not fix: expected to fail (strict: a fix turns
-# the test red until the mark is removed). Found on CPU, 2026-11-28; see the closing note of issue 59.
-FOUND_AT_B3 = {
-    "hf_generate": "B = 3 compiled: transformers' static cache rejects the batch (index_copy_: destination slice 1 2 8, "
-    "source 3 2 8) after the B = 1 leg compiled it in the same process; kit artifact or a real B = 1 -> B = 3 bug in "
-    "one process, not yet told apart",
-    "suffix": "B = 3 compiled with fallback: draft: the draft ran bucket 32, outside compiled_sizes (a catch-up feed of "
-    "a row's context at B > 1), so a cell would compile inside a timed sample",
-}
-
-
 @parametrize_with_checks(BUILTINS, devices=DEVICES, checks=["compiled_equals_eager"])
-def test_builtin_compiled_equals_eager(decoder, check, request):
-    name = request.node.callspec.id.split("-compiled_equals_eager")[0]
-    if name in FOUND_AT_B3 and request.node.callspec.id.endswith("-cpu"):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=FOUND_AT_B3[name]))
+def test_builtin_compiled_equals_eager(decoder, check):
+    """What the B = 3 leg found on CPU (2026-11-28, issue 59 item 6) is fixed: ``suffix``'s fallback draft caught
+    up on a 17+ token backlog in bucket 32, outside its compiled sizes (now fed in pieces of k + 1:
+    ``DraftModelProposer.max_feed``); ``hf_generate`` at B = 3 after B = 1 in one process reused the B = 1 pooled
+    static cache (index_copy_ shape error; now a pool per batch size)."""
     check(decoder)

@@ -335,3 +335,32 @@ def test_rest_corpus_skip_leaves_out_the_prompt_documents():
                 used = {p.document for p in select_prompts(docs, Chars(), k, l_max, seed)}
                 assert len(used) == k and not used & set(kept)
             assert kept == order[len(order) - len(kept) :] and len(kept) <= len(docs) - k
+
+
+def test_suffix_fallback_catches_up_in_pieces_within_its_compiled_sizes():
+    """Compiled execution: the fallback draft's backlog (the committed tokens of the steps the automaton drafted)
+    is fed in pieces of at most k + 1 tokens, the sizes ``compiled_sizes`` declares for the draft (issue 59 item 6:
+    the kit's B = 3 leg saw a 17+ token catch-up run bucket 32, compiled inside the sample). Eager: one forward."""
+    from dtbench.decoders.chain import DraftModelProposer
+    from dtbench.decoders.static_kv import StaticKV
+
+    class Recording(DraftModelProposer):
+        def forward(self, feed, exact):
+            self.fed.append(len(feed))
+            return torch.zeros(VOCAB)
+
+    params = SuffixParams(k=3, fallback="draft")
+    decoder = SuffixDecoding(torch.nn.Identity(), torch.nn.Identity(), params)
+    proposer = decoder._fallback()
+    assert proposer is not None and proposer.max_feed == params.k + 1
+    for compiled, expected in ((True, [4, 4, 4, 4, 1, 1, 1]), (False, [17, 1, 1])):
+        rec = Recording(torch.nn.Identity(), max_feed=proposer.max_feed)
+        rec.sampling, rec.generator, rec.resident, rec.fed = None, None, False, []
+        rec.cache = StaticKV.__new__(StaticKV) if compiled else object()
+        if compiled:
+            rec.cache.length = 40  # prefilled
+        rec.backlog = list(range(17))
+        rec.propose(3)
+        assert rec.fed == expected
+        largest = max(SuffixDecoding.verify_sizes(params))
+        assert max(rec.fed) <= (largest if compiled else 17)
