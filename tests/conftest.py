@@ -77,6 +77,28 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+# --- where the time goes (issue 57 item 4): seconds per module, summed over its tests' setup, call and teardown ----
+# With two xdist workers and ``--dist loadfile`` a module runs on one worker, so the slowest module bounds the
+# tier's wall time from below; CI's log shows the list beside ``--durations``.
+MODULE_SECONDS: dict[str, float] = {}
+SLOWEST_MODULES = 12
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not MODULE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # the controller reports, not workers
+        return
+    slowest = sorted(MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
+    terminalreporter.write_sep("=", f"slowest {len(slowest)} modules (seconds: setup + call + teardown, summed)")
+    for module, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    terminalreporter.write_line(f"{sum(MODULE_SECONDS.values()):8.1f}s  in all (worker seconds)")
+
+
 DATA_DIR = Path(os.environ.get("DTBENCH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
