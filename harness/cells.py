@@ -12,7 +12,7 @@ touches the database: the driver (:mod:`dtbench.harness.runner`) commits what it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,7 +35,6 @@ from dtbench.harness.measurers import (
 )
 from dtbench.harness.plan import CellPlan, Plan, PromptGroup
 from dtbench.harness.sample import Reference
-from dtbench.harness.store import db
 from dtbench.harness.suite import Suite
 
 __all__ = [  # Outcome lives in harness/measurers.py since issue 49; executors, the runner and isolation import it here
@@ -44,30 +43,16 @@ __all__ = [  # Outcome lives in harness/measurers.py since issue 49; executors, 
     "AUTO_TIMEOUT_REFERENCE_S",
     "Hardware",
     "LocalMeasurer",
+    "LocalState",
     "Outcome",
     "cpu_timeout",
     "make_decoder",
     "measure_cell",
-    "registered_measurer",
     "run_group",
     "sample_timeout",
     "sampling_for",
 ]
 
-
-def registered_measurer(decoder: str) -> str:
-    """The measurer of a registered decoder's cells (:func:`~dtbench.harness.measurers.measurer_name`; ``local`` for a
-    name that is not registered now): what the store writes as ``cells.measurer`` when the runner does not set it."""
-    from dtbench.harness import registry
-    from dtbench.harness.errors import DtbenchError
-
-    try:
-        return measurer_name(registry.get(decoder))
-    except DtbenchError:
-        return "local"
-
-
-db.set_measurer_of(registered_measurer)  # the runner measures through this module: its new cells get their measurer
 
 AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
 
@@ -235,6 +220,17 @@ def make_decoder(cp: CellPlan, target, draft, suite: Suite, data_dir: str | None
     return decoder
 
 
+@dataclass(frozen=True)
+class LocalState:
+    """What the local measurer's :meth:`LocalMeasurer.finish` needs of one measurement (issue 58 item 4: a typed
+    value, not a dict): the rows' prompt token ids (the lossless check's companions at B > 1), whether the rows were
+    decoded as one batch, and the graphs torch.compile made during the sample (a compiled cell; None: eager)."""
+
+    ids: list[Sequence[int]]
+    batched: bool
+    recompiles: int | None = None
+
+
 class LocalMeasurer:
     """The local :class:`~dtbench.harness.measurers.Measurer`: dtbench's own decoders on the loaded models, a group's
     B prompts decoded together (B = 1: one prompt, ``generate``; B > 1: ``generate_batch``) through the one timing
@@ -273,7 +269,7 @@ class LocalMeasurer:
 
     def measure(
         self, cp: CellPlan, prompts: list, group: PromptGroup, ref: Reference | None, compare: bool
-    ) -> Measured:
+    ) -> Measured[LocalState]:
         """The group's rows through the one timing loop, under the cell's limits (:func:`cpu_timeout`).
 
         Raises:
@@ -309,19 +305,19 @@ class LocalMeasurer:
         draft = self.draft
         return [self.target.model] + ([draft.model] if draft is not None and cp.cls.needs_draft else [])
 
-    def _rows(self, cp, decoder, prompts, group, ref, compare, limits, ex, compiled) -> Measured:
+    def _rows(self, cp, decoder, prompts, group, ref, compare, limits, ex, compiled) -> Measured[LocalState]:
         """The timed rows (in the compiled execution ``ex`` when not None) as observations."""
         batched = group.batch_size > 1
         ids = [p.token_ids for p in prompts]
         timeout, cpu_limit = limits
         run = dict(timeout_s=timeout, cpu_timeout_s=cpu_limit, batched=batched)
-        state: dict[str, Any] = {"ids": ids, "batched": batched}
+        recompiles = None
         if ex is not None:
             graphs0 = static_kv.compiled_graphs()
             with static_kv.compiled(ex):
                 ex.begin_sample()
                 ms = measure_rows(decoder, ids, group.gen_length, self.device, **run)
-            state["recompiles"] = static_kv.compiled_graphs() - graphs0
+            recompiles = static_kv.compiled_graphs() - graphs0
         else:
             ms = measure_rows(decoder, ids, group.gen_length, self.device, **run)
         batch = Batch(group.prompt_index, len(prompts), max(m.step_times[-1] for m in ms)) if batched else None
@@ -329,25 +325,28 @@ class LocalMeasurer:
             Observed(m, prompt, ref.tokens[r] if ref and compare else None, batch)
             for r, (m, prompt) in enumerate(zip(ms, prompts))
         ]
+        state = LocalState(ids, batched, recompiles)
         return Measured(rows, cpu_s=ms[0].cpu_s, compile=compiled, state=state)
 
-    def finish(self, cp: CellPlan, measured: Measured, r: int, row: dict[str, Any]) -> dict[str, Any]:
-        """Row ``r``'s roofline fraction, compile statistics and the lossless check of every emitted token (a
-        greedy lossless decoder only; outside the timed region)."""
+    def finish(self, cp: CellPlan, measured: Measured[LocalState], r: int, row: Mapping[str, Any]) -> dict[str, Any]:
+        """Row ``r``'s columns added by this measurer, returned (the row is not edited; issue 58 item 4): its
+        roofline fraction, its ``step_stats`` with the compile statistics (a compiled cell: ``compiled.recompiles``,
+        the graphs torch.compile made during the sample) and the lossless check of every emitted token (a greedy
+        lossless decoder only; outside the timed region)."""
         out: dict[str, Any] = {}
-        observed = measured.rows[r]
+        observed, state = measured.rows[r], measured.state
+        assert state is not None, "the local measurer's own Measured"
         if self.hardware is not None:
             out["roofline"] = self.hardware.roofline_of(observed.observation, row["total_s"], cp.cls.needs_draft)
-        if "recompiles" in measured.state:
-            row["step_stats"]["compiled"] = {"recompiles": measured.state["recompiles"]}
+        if state.recompiles is not None:
+            out["step_stats"] = {**row["step_stats"], "compiled": {"recompiles": state.recompiles}}
         if cp.cls.lossless and cp.sampling is None:
-            ids = measured.state["ids"]
-            others = [p for j, p in enumerate(ids) if j != r] if measured.state["batched"] else None
+            others = [p for j, p in enumerate(state.ids) if j != r] if state.batched else None
             out.update(
                 lossless.sample_columns(
                     self.target.model,
                     list(observed.prompt.token_ids),
-                    row,
+                    dict(row),
                     observed.reference,
                     self.device,
                     self.suite.lossless_check,

@@ -1,9 +1,51 @@
 """How a dataset's prompts are grouped into units of work (split from :mod:`dtbench.harness.plan`, whose
 :meth:`~dtbench.harness.plan.Plan.groups` uses them): prompt indices only, at batch size B (raw text and single-turn
-questions) and for a server cell's whole-cell units.
+questions) and for a server cell's whole-cell units; and the frozen keys of a cell's point and of a unit of work
+(:class:`CellKey`, :class:`GroupKey`, issue 58 item 3).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CellKey:
+    """The identity of a cell's point (issue 58 item 3): the dataset entry's key (``DatasetSpec.key``: its label, else
+    its name; never the name alone, which two entries may share), the prompt cap L_max, the generation length T and
+    the batch size (or a server's concurrency) B. With a decoder's label it names one ``cells`` row; a server pool
+    keys its launched servers by it (:class:`~dtbench.harness.serving.process.ServerPool`)."""
+
+    dataset: str
+    l_max: int
+    gen_length: int
+    batch_size: int
+
+    @classmethod
+    def of_row(cls, cell: Any) -> CellKey:
+        """The key of a stored ``cells`` row (anything with ``dataset``, ``l_max``, ``gen_length``, ``batch_size``;
+        a row written before batch sizes has B = 1)."""
+        return cls(str(cell.dataset), int(cell.l_max), int(cell.gen_length), int(cell.batch_size or 1))
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """The identity of a unit of work (issue 58 item 3: one frozen key instead of tuples rebuilt by hand): its cells'
+    point (:class:`CellKey`), its (first) prompt index, the repeat, and whether it is a server cell's whole-cell
+    unit (:func:`cell_units`: it starts at the same prompt as a group of dtbench's own decoders at the same point).
+    The plan's :attr:`~dtbench.harness.plan.PromptGroup.key`; the driver's sink counts progress by it, the Ray
+    executor counts attempts by it and sends it to an actor, which looks the group up in the driver's plan."""
+
+    cell: CellKey
+    prompt_index: int
+    repeat: int = 0
+    served: bool = False
+
+    @property
+    def dataset(self) -> str:
+        """The dataset entry's key (:attr:`CellKey.dataset`)."""
+        return self.cell.dataset
 
 
 def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, ...]]:
@@ -20,7 +62,7 @@ def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, 
 def cell_units(prompts: int, warmup: int, slot_warmup: list[bool] | None = None) -> list[tuple[int, ...]]:
     """The work units of a server cell (a decoder declaring ``requests``) at any concurrency C (issue 39 item 1): its
     warmup prompts as one unit and its measured prompts as another, each sent as one stream of requests that keeps C
-    in flight (a new request starts when one finishes; :func:`dtbench.harness.serving.measure_requests`), not as
+    in flight (a new request starts when one finishes; :func:`dtbench.harness.serving.observe_requests`), not as
     groups of C that each wait for their slowest request. ``slot_warmup``: a question dataset's per-slot warmup
     flags (single-turn questions), else the first ``warmup`` of ``prompts`` are the warmup.
     """

@@ -31,7 +31,7 @@ from typing import Any
 from dtbench.harness import deadline, proctree
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.plan import Plan
+from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
@@ -111,13 +111,13 @@ def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads
         if kind == "close":
             break
         if kind == "run":
-            _, key, prompt, done, skip = message
+            _, group, prompt, done, skip = message
 
             def announce(label: str) -> None:
                 begin_cell_log(trace_path)  # the cell's error shows its own output only
                 conn.send(("start", label))
 
-            for outcome in worker.run(key, prompt, done, skip, announce=announce):
+            for outcome in worker.run(group, prompt, done, skip, announce=announce):
                 _after_cell(worker, trace_path)
                 conn.send(("outcome", outcome))
             conn.send(("end",))
@@ -279,13 +279,15 @@ class IsolatedWorker:
         self._stop()
         self._start()
 
-    def run(self, key, prompt, done: dict[str, Reference], skip: set[str], announce=None) -> Iterator[Outcome]:
+    def run(
+        self, group: PromptGroup, prompt, done: dict[str, Reference], skip: set[str], announce=None
+    ) -> Iterator[Outcome]:
         """Measure one prompt group in the child, yielding each outcome; a crash fails the decoder being measured
         (an :class:`~dtbench.harness.cells.Outcome` with the signal and trace) and the group goes on in a fresh
         child with the remaining decoders. ``announce(label)``: called as the child starts each decoder."""
         done, skip = dict(done), set(skip)
         while True:
-            self.conn.send(("run", key, prompt, done, skip))
+            self.conn.send(("run", group, prompt, done, skip))
             current = None
             while True:
                 kind, payload = self._receive()
@@ -304,7 +306,7 @@ class IsolatedWorker:
                         self._restart()
                         break
                     why = "crashed: " if kind == "crashed" else ""
-                    yield Outcome(current, error=f"prompt {_first(key)}: {why}{payload}")
+                    yield Outcome(current, error=f"prompt {group.prompt_index}: {why}{payload}")
                     skip.add(current)
                     self._restart()
                     break
@@ -345,11 +347,3 @@ class IsolatedWorker:
             self._stop()
         except Exception:  # noqa: BLE001
             pass
-
-
-def _first(key) -> int:
-    """The (first) prompt index of a unit of work: a :class:`~dtbench.harness.plan.PromptGroup` (issue 49 item 5) or
-    a work key (:func:`~dtbench.harness.worker.work_key`)."""
-    if isinstance(key, tuple):
-        return int(key[4]) if len(key) > 4 else 0
-    return int(getattr(key, "prompt_index", 0))

@@ -10,8 +10,8 @@ guessing from params.
 
 The shared tail (:func:`measure_outcome`, :func:`record_rows`): the one row builder
 (:func:`~dtbench.harness.metrics.sample_row`), the batch columns (a :class:`Batch`, set here only), the measurer's
-own columns (:meth:`Measurer.finish`: the local roofline, compile statistics and lossless check; a served request's
-output check came with its observation), the record (:class:`~dtbench.harness.sample.SampleRecord`, JSON-checked) and
+own columns (:meth:`Measurer.finish`, returned, never written into the row: the local roofline, compile statistics
+and lossless check; a served request's output check came with its observation), the record (:class:`~dtbench.harness.sample.SampleRecord`, JSON-checked) and
 the one-line error that fails a cell (a measurer never fails the run for what a decoder or server does wrong).
 
 This module imports no torch and nothing of :mod:`dtbench.harness.serving` (the request client imports it).
@@ -20,9 +20,10 @@ This module imports no torch and nothing of :mod:`dtbench.harness.serving` (the 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 from dtbench.harness.metrics import Observation, sample_row
 from dtbench.harness.sample import Reference, SampleRecord
@@ -38,6 +39,19 @@ MEASURERS: tuple[MeasurerName, ...] = ("local", "served")  # the values of ``cel
 def measurer_name(decoder_cls: Any) -> MeasurerName:
     """``served`` for a decoder class measured through requests (it declares ``requests``), else ``local``."""
     return "served" if getattr(decoder_cls, "requests", False) else "local"
+
+
+def registered_measurer(decoder: str) -> str:
+    """The measurer of a registered decoder's cells (:func:`~dtbench.harness.measurers.measurer_name`; ``local`` for a
+    name that is not registered now), for a writer of cells that has only the decoder's name (the runner names the
+    measurer of every cell it writes from its class; issue 58 item 4: the store has no hook to ask for it)."""
+    from dtbench.harness import registry
+    from dtbench.harness.errors import DtbenchError
+
+    try:
+        return measurer_name(registry.get(decoder))
+    except DtbenchError:
+        return "local"
 
 
 @dataclass
@@ -95,16 +109,20 @@ class Observed:
     columns: dict[str, Any] = field(default_factory=dict)
 
 
+StateT = TypeVar("StateT")
+
+
 @dataclass
-class Measured:
+class Measured(Generic[StateT]):
     """A measurer's observation of one prompt group: one :class:`Observed` per row in row order, the process's CPU
     seconds during it (None: not measured), the compile step's (seconds, graphs) when one ran before it, and
-    ``state``: what the measurer's :meth:`Measurer.finish` needs of this measurement (its own business)."""
+    ``state``: what the measurer's :meth:`Measurer.finish` needs of this measurement, a value of the measurer's own
+    type (issue 58 item 4: the local measurer's :class:`~dtbench.harness.cells.LocalState`; None: nothing)."""
 
     rows: list[Observed]
     cpu_s: float | None = None
     compile: tuple[float, int] | None = None
-    state: dict[str, Any] = field(default_factory=dict)
+    state: StateT | None = None
 
 
 class CellError(Exception):
@@ -126,8 +144,9 @@ class Measurer(Protocol):
         """
         ...
 
-    def finish(self, cp: CellPlan, measured: Measured, r: int, row: dict[str, Any]) -> dict[str, Any]:
-        """The measurer's own columns of row ``r`` after the shared row builder made ``row`` ({}: none)."""
+    def finish(self, cp: CellPlan, measured: Measured[Any], r: int, row: Mapping[str, Any]) -> dict[str, Any]:
+        """The measurer's own columns of row ``r`` after the shared row builder made ``row`` (read-only: a column it
+        changes, e.g. ``step_stats``, is returned whole; {}: none), stored over the row's by :func:`record_rows`."""
         ...
 
     def failure(self, cp: CellPlan, prompts: list[Prompt], group: PromptGroup, exc: BaseException) -> str:
@@ -136,12 +155,14 @@ class Measurer(Protocol):
 
 
 def record_rows(
-    observed: list[Observed], warmup: bool, finish: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
+    observed: list[Observed],
+    warmup: bool,
+    finish: Callable[[int, Mapping[str, Any]], dict[str, Any]] | None = None,
 ) -> list[SampleRecord]:
     """The ``samples`` rows of a measurement: per row the one row builder
-    (:func:`~dtbench.harness.metrics.sample_row`), its batch columns, the observation's own columns, then
-    ``finish(r, row)``'s (a measurer's :meth:`Measurer.finish`), as exactly the sample's columns
-    (:class:`~dtbench.harness.sample.SampleRecord`).
+    (:func:`~dtbench.harness.metrics.sample_row`), its batch columns, the observation's own columns, then the columns
+    ``finish(r, row)`` returns (a measurer's :meth:`Measurer.finish`, given the row read-only), as exactly the
+    sample's columns (:class:`~dtbench.harness.sample.SampleRecord`).
 
     Raises:
         TypeError: a Step's counters are not integers, or a row that does not serialize as JSON (the decoder's fault:
@@ -154,7 +175,7 @@ def record_rows(
             row.update(o.batch.columns())
         row.update(o.columns)
         if finish is not None:
-            row.update(finish(r, row))
+            row.update(finish(r, MappingProxyType(row)))
         rows.append(SampleRecord.from_row(row))
     json.dumps([r.as_row() for r in rows])  # the JSON columns must serialize: a bad Step is the decoder's failure
     return rows

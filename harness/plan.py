@@ -23,7 +23,7 @@ from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, registry, selection
 from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.grouping import batch_groups, cell_units, slot_groups
+from dtbench.harness.grouping import CellKey, GroupKey, batch_groups, cell_units, slot_groups
 from dtbench.harness.plan_checks import check_batching, check_execution
 from dtbench.harness.suite import DatasetSpec, Suite
 
@@ -80,6 +80,18 @@ class PromptGroup:
     rows: tuple[int, ...] = ()  # the prompt indices decoded together (B > 1); () at B = 1: (prompt_index,)
     repeat: int = 0  # which measurement of the group (suite key repeats: 0 .. N-1; warmup groups only 0)
     repeats: int = 1  # how many times the group is measured (Plan.repeats_at; warmup groups once)
+
+    @property
+    def key(self) -> GroupKey:
+        """The group's frozen identity (:class:`~dtbench.harness.grouping.GroupKey`, issue 58 item 3): its cells' point
+        (the dataset entry's key, L_max, T, B), first prompt index, repeat, and whether it is a server cell's unit."""
+        served = bool(self.decoders) and all(cp.cls.requests for cp in self.decoders)
+        return GroupKey(self.cell, self.prompt_index, self.repeat, served)
+
+    @property
+    def cell(self) -> CellKey:
+        """The point of the group's cells (:attr:`key`'s :class:`~dtbench.harness.grouping.CellKey`)."""
+        return CellKey(self.dataset.key, self.l_max, self.gen_length, self.batch_size)
 
     @property
     def prompt_indices(self) -> tuple[int, ...]:

@@ -20,10 +20,11 @@ from dtbench.harness.cells import Outcome
 from dtbench.harness.chat import PromptFailed, TurnNotReady
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.executors import Executor, Sink
+from dtbench.harness.grouping import GroupKey
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.ray_connect import join
 from dtbench.harness.suite import Suite
-from dtbench.harness.worker import Worker, WorkerInfo, WorkKey, work_key
+from dtbench.harness.worker import PlanSnapshot, Worker, WorkerInfo
 
 RAY_MISSING = "--executor ray needs Ray, which is not installed: pip install 'dtbench[ray]'"
 MAX_ATTEMPTS = 2  # a group whose worker dies is retried once, then its remaining samples fail their cells
@@ -97,17 +98,27 @@ def import_ray():
 
 
 class RayWorker:
-    """The body of a Ray actor: a :class:`Worker` built in the actor's process. Never raises from ``__init__``
-    (the error comes back from :meth:`ready`, as one line), so a bad model is a user error, not a dead actor.
-    ``budgets``: ``n_max: auto`` budgets the driver resolved already (a replacement started mid-run)."""
+    """The body of a Ray actor: a :class:`Worker` built in the actor's process from the driver's plan (``plan``: a
+    pickled :class:`~dtbench.harness.worker.PlanSnapshot`, sent once per actor; issue 58 item 3: the actor never
+    plans the suite with its own registry). Never raises from ``__init__`` (the error comes back from :meth:`ready`,
+    as one line), so a bad model or a plugin missing on the node is a user error, not a dead actor. ``budgets``:
+    ``n_max: auto`` budgets the driver resolved already (a replacement started mid-run)."""
 
     def __init__(
-        self, suite: Suite, device: str, threads: int | None, cwd: str | None, budgets: dict[str, int] | None = None
+        self,
+        suite: Suite,
+        plan: bytes,
+        device: str,
+        threads: int | None,
+        cwd: str | None,
+        budgets: dict[str, int] | None = None,
     ):
         self.worker: Worker | None = None
         self.error: str | None = None
+        self.snapshot: PlanSnapshot | None = None
         try:
-            self.worker = Worker(suite, device, threads=threads, cwd=cwd)
+            self.snapshot = PlanSnapshot.loads(plan)
+            self.worker = Worker(suite, device, plan=self.snapshot.plan, threads=threads, cwd=cwd)
             if budgets:
                 self.worker.set_budgets(budgets)
         except DtbenchError as exc:
@@ -126,9 +137,12 @@ class RayWorker:
         assert self.worker is not None, self.error
         return self.worker
 
-    def run(self, key: WorkKey, prompt, done, skip) -> Iterator[Outcome]:
-        """A streaming generator: each outcome travels to the driver as soon as it is measured."""
-        yield from self._loaded().run(key, prompt, done, skip)
+    def run(self, key: GroupKey, prompt, done, skip) -> Iterator[Outcome]:
+        """A streaming generator: each outcome travels to the driver as soon as it is measured. ``key``: the group's
+        :class:`~dtbench.harness.grouping.GroupKey`, looked up in the driver's plan (a DtbenchError if it has none)."""
+        worker = self._loaded()
+        assert self.snapshot is not None
+        yield from worker.run(self.snapshot.group(key), prompt, done, skip)
 
     def calibrate(self, contexts: dict[int, list[int]], settings: dict) -> calibrate.Measured | str:
         """The cost model's curves measured in this actor (plain data), or the one-line error that stopped it.
@@ -204,6 +218,7 @@ class RayExecutor(Executor):
         self.device = "cpu"
         self.restarts_left = 0
         self.budgets: dict[str, int] = {}  # resolved n_max: auto, handed to every worker (replacements too)
+        self.plan_ref: Any = None  # the driver's PlanSnapshot, pickled and put in Ray's object store once (start)
 
     def prepare(self, suite: Suite) -> None:
         ray = self.ray = import_ray()
@@ -251,13 +266,14 @@ class RayExecutor(Executor):
             self._remote = self.ray.remote(RayWorker).options(
                 num_cpus=self.threads, num_gpus=1 if self.device == "cuda" else 0, max_restarts=0, max_concurrency=1
             )
-        handle = self._remote.remote(suite, self.device, self.threads, os.getcwd(), self.budgets or None)
+        handle = self._remote.remote(suite, self.plan_ref, self.device, self.threads, os.getcwd(), self.budgets or None)
         return _Actor(handle, handle.ready.remote())
 
     def start(self, suite: Suite, plan: Plan, tokenizer, console: Console) -> WorkerInfo:
         assert self.n_workers is not None, "prepare() sets the number of workers"
         ray = self.ray
         self.suite, self.plan = suite, plan
+        self.plan_ref = ray.put(PlanSnapshot.of(plan).dumps())  # once: every actor (and replacement) gets this plan
         self.actors = [self._spawn(suite) for _ in range(self.n_workers)]
         expected = [(p.label, p.version) for p in plan.decoders]
         pending = {a.ready_ref: a for a in self.actors}
@@ -336,7 +352,7 @@ class RayExecutor(Executor):
         from ray.exceptions import ObjectLostError, RayActorError
 
         queue: deque[PromptGroup] = deque(groups)
-        attempts: dict[WorkKey, int] = {}
+        attempts: dict[GroupKey, int] = {}
         idle: deque[_Actor] = deque(self.actors)
         starting: dict[Any, _Actor] = {}
         running: dict[Any, tuple[_Actor, PromptGroup]] = {}
@@ -358,7 +374,7 @@ class RayExecutor(Executor):
                     sink.fail(group, str(exc), None)
                     continue
                 actor = idle.popleft()
-                gen = actor.handle.run.options(num_returns="streaming").remote(work_key(group), prompt, done, skip)
+                gen = actor.handle.run.options(num_returns="streaming").remote(group.key, prompt, done, skip)
                 running[gen] = (actor, group)
             if not running and queue and not idle and not starting:
                 raise DtbenchError("every Ray worker died and none could be restarted; measured samples are kept")
@@ -395,7 +411,7 @@ class RayExecutor(Executor):
         """A worker died mid-group: retry the group once (first in the queue), else fail its remaining samples;
         start a replacement worker while the restart budget lasts."""
         self._kill(actor)
-        key = work_key(group)
+        key = group.key
         attempts[key] = attempts.get(key, 0) + 1
         what = (
             f"Ray worker {actor.loaded.where} died while measuring {group.dataset.key} L_max={group.l_max} "

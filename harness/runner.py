@@ -31,8 +31,8 @@ from dtbench.harness import (
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.grouping import CellKey, GroupKey
 from dtbench.harness.measurers import measurer_name
-from dtbench.harness.metrics import group_key
 from dtbench.harness.plan import Plan, PromptGroup, plan_suite
 from dtbench.harness.preflight import preflight
 from dtbench.harness.safetext import printable
@@ -234,7 +234,7 @@ class _Sink:
         self.sessions, self.run_id, self.cells, self.prompts = sessions, run_id, cells, prompts
         self.bar, self.task, self.console = bar, task, console
         self.repeats = repeats
-        self.counted: dict[tuple, set[str]] = {}
+        self.counted: dict[GroupKey, set[str]] = {}  # labels counted on the bar, per unit of work
         self.failed_cells: set[int] = set()
 
     def _where(self, group: PromptGroup) -> str:
@@ -252,16 +252,13 @@ class _Sink:
         )
 
     def _count(self, group: PromptGroup, labels, description: str) -> None:
-        seen = self.counted.setdefault(
-            (group.dataset.key, group.l_max, group.gen_length, group.batch_size, group.prompt_index, group.repeat),
-            set(),
-        )
+        seen = self.counted.setdefault(group.key, set())
         new = set(labels) - seen
         seen |= new
         self.bar.update(self.task, advance=len(new) * len(group.prompt_indices), description=description)
 
     def _cell(self, group: PromptGroup, label: str) -> int:
-        return self.cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, label)]
+        return self.cells[group.cell][label]
 
     def prompt(self, group: PromptGroup):
         if group.multi:  # raw-text prompts only (the plan refuses question datasets at B > 1)
@@ -332,12 +329,15 @@ def _close_run(sessions, run_id: int, status: str, error: str | None, console: C
 
 def _open_cells(
     session, run, plan: Plan, target: dict[str, Any], draft: dict[str, Any] | None, retry_failed: bool = True
-) -> dict[tuple[str, int, int, int, str], int]:
-    existing = {(*group_key(c), c.label): c for c in run.cells}
-    ids = {}
+) -> dict[CellKey, dict[str, int]]:
+    """The run's cells, written where new (the runner names each one's measurer: ``local`` or ``served``, issue 49;
+    issue 58 item 4: no store hook), reopened where resumed; their ids by point
+    (:class:`~dtbench.harness.grouping.CellKey`) and label."""
+    existing = {(CellKey.of_row(c), c.label): c for c in run.cells}
+    ids: dict[CellKey, dict[str, int]] = {}
     for ds, l_max, T, B, cp in plan.cells():
-        key = (ds.key, l_max, T, B, cp.label)
-        cell = existing.get((*key[:4], redact_credentials(cp.label)))  # stored masked (issue 50 item 2)
+        key = CellKey(ds.key, l_max, T, B)
+        cell = existing.get((key, redact_credentials(cp.label)))  # stored masked (issue 50 item 2)
         if cell is None:
             cell = Cell(
                 run=run,
@@ -368,7 +368,7 @@ def _open_cells(
         elif cell.status == "interrupted":
             cell.status = "running"  # it holds samples
         session.flush()
-        ids[key] = cell.id
+        ids.setdefault(key, {})[cp.label] = cell.id
     return ids
 
 
@@ -378,9 +378,7 @@ def _group_state(sessions, cells, group: PromptGroup) -> tuple[dict[str, Referen
     failed: set[str] = set()
     with sessions() as session:
         for cp in group.decoders:
-            cell = session.get(
-                Cell, cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, cp.label)]
-            )
+            cell = session.get(Cell, cells[group.cell][cp.label])
             if cell.status == "failed":
                 failed.add(cp.label)
                 continue
@@ -416,8 +414,7 @@ def _reference_output(sessions, cells, group: PromptGroup, index: int) -> list[i
         return session.scalar(
             select(Sample.output_tokens)
             .where(
-                Sample.cell_id
-                == cells[(group.dataset.key, group.l_max, group.gen_length, group.batch_size, ref.label)],
+                Sample.cell_id == cells[group.cell][ref.label],
                 Sample.prompt_index == index,
             )
             .order_by(Sample.repeat)

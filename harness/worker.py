@@ -5,19 +5,22 @@ that depends on it, in plan order, on one device) with :mod:`dtbench.harness.cel
 (:func:`~dtbench.harness.cells.run_group` yields one :class:`~dtbench.harness.cells.Outcome` per decoder as soon as
 it is measured). This module owns the worker itself: who measures (:class:`WorkerInfo`) and :class:`Worker`. A unit
 of work travels as the plan's :class:`~dtbench.harness.plan.PromptGroup` itself (issue 49 item 5: the local executor,
-and pickled to an isolated child); the 7-tuple :func:`work_key` is kept for the Ray executor, whose actors plan the
-suite themselves and look the group up by it. It runs in the driver's process (the local executor) or inside a Ray
-actor (:mod:`dtbench.harness.ray_executor`); it never touches the database: the driver (:mod:`dtbench.harness.runner`)
-commits what it yields.
+and pickled to an isolated child). A Ray actor receives the driver's plan once, as a :class:`PlanSnapshot` (the
+plan, its decoder classes and validated params, and its prompt groups by :class:`~dtbench.harness.grouping.GroupKey`;
+issue 58 item 3: it never plans the suite with its own registry), and each task sends a group's key. It runs in the
+driver's process (the local executor) or inside a Ray actor (:mod:`dtbench.harness.ray_executor`); it never touches
+the database: the driver (:mod:`dtbench.harness.runner`) commits what it yields.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, overload
 
 import torch
@@ -25,29 +28,77 @@ from rich.console import Console
 
 from dtbench.harness import calibrate, calibrate_run, fingerprint, models
 from dtbench.harness.cells import Hardware, Outcome, run_group
-from dtbench.harness.errors import DtbenchError
+from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.grouping import GroupKey
 from dtbench.harness.machine import device_name, environment
-from dtbench.harness.plan import Plan, PromptGroup, plan_suite
+from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
 
-WorkKey = tuple[str, int, int, int, int, int, bool]  # (dataset, L_max, T, B, first prompt index, repeat, served)
+
+@dataclass(frozen=True)
+class PlanSnapshot:
+    """The driver's plan as a Ray actor receives it, once (issue 58 item 3): the plan (its decoder classes and
+    validated params: the registry as the driver planned with it, never scanned again by the actor) and every prompt
+    group of it by :attr:`~dtbench.harness.plan.PromptGroup.key`, so a task sends a key and the actor looks its group
+    up here (no dataset read either: question datasets' slots were read by the driver)."""
+
+    plan: Plan
+    groups: Mapping[GroupKey, PromptGroup]
+
+    @classmethod
+    def of(cls, plan: Plan) -> PlanSnapshot:
+        """The snapshot of the driver's ``plan`` (its groups as :meth:`~dtbench.harness.plan.Plan.groups` gives them)."""
+        return cls(plan, {g.key: g for g in plan.groups()})
+
+    def dumps(self) -> bytes:
+        """The snapshot pickled (decoder classes by reference: a node must have them installed to load it)."""
+        return pickle.dumps(self)
+
+    @staticmethod
+    def loads(data: bytes) -> PlanSnapshot:
+        """A snapshot from :meth:`dumps`.
+
+        Raises:
+            DtbenchError: it cannot be loaded here (a decoder's module not installed: one line saying so).
+        """
+        try:
+            snapshot = pickle.loads(data)
+        except Exception as exc:  # ModuleNotFoundError of a plugin the driver has, AttributeError of a renamed class
+            raise DtbenchError(
+                f"cannot load the driver's plan: {type(exc).__name__}: {clip(exc, 300)}; install the same dtbench and "
+                f"plugins on every node"
+            ) from None
+        assert isinstance(snapshot, PlanSnapshot)
+        return snapshot
+
+    def group(self, key: GroupKey) -> PromptGroup:
+        """The prompt group of ``key``.
+
+        Raises:
+            DtbenchError: a key the plan does not have.
+        """
+        group = self.groups.get(key)
+        if group is None:
+            raise DtbenchError(f"the driver's plan has no prompt group {key}")
+        return group
 
 
-def work_key(group: PromptGroup) -> WorkKey:
-    """The key of a unit of work shipped to a worker: its cells' group (dataset, L_max, T, B), the (first) prompt
-    index, the repeat, and whether it is a server cell's whole-cell unit (:func:`~dtbench.harness.grouping.cell_units`:
-    it starts at the same prompt as a group of dtbench's own decoders at the same point)."""
-    served = bool(group.decoders) and all(cp.cls.requests for cp in group.decoders)
-    return (
-        group.dataset.key,
-        group.l_max,
-        group.gen_length,
-        group.batch_size,
-        group.prompt_index,
-        group.repeat,
-        served,
-    )
+def installed_versions(plan: Plan) -> list[tuple[str, str]]:
+    """(label, version) of the plan's decoders as installed in this process: the class's own ``version`` and its
+    distribution's installed version (:func:`importlib.metadata.version`), written as the plan writes them
+    (:attr:`~dtbench.harness.plan.CellPlan.version`), so a Ray actor given the driver's plan still tells a node
+    with other plugin versions apart. A distribution that metadata does not know (registered in-process) keeps the
+    plan's version."""
+    out = []
+    for p in plan.decoders:
+        try:
+            dist_version = metadata.version(p.distribution)
+        except (metadata.PackageNotFoundError, ValueError):
+            out.append((p.label, p.version))
+            continue
+        out.append((p.label, f"{p.cls.version} ({p.distribution} {dist_version})"))
+    return out
 
 
 @dataclass
@@ -56,7 +107,8 @@ class WorkerInfo:
 
     ``environment`` is :func:`~dtbench.harness.machine.environment` of the worker's device plus ``target``/``draft``
     descriptions: the first worker's becomes the run's (``runs.environment``). ``decoders`` lists the (label,
-    version) of the worker's own plan, which must equal the driver's.
+    version) of the plan's decoders as installed where the worker runs (:func:`installed_versions`), which must
+    equal the driver's.
     """
 
     host: str
@@ -109,7 +161,7 @@ class Worker:
 
     Args:
         suite: the validated suite; device: ``cpu``/``cuda``/``auto`` as the worker resolves it.
-        plan: the driver's plan (local); a Ray worker plans the suite itself with its own decoder registry.
+        plan: the driver's plan (a Ray actor's from its :class:`PlanSnapshot`; never planned again here).
         tokenizer: the target's tokenizer, if already loaded (checked against the models' embeddings).
         threads: ``torch.set_num_threads`` for this worker (None: leave it).
         cwd: a folder to change to first, so relative model paths mean what they mean to the driver.
@@ -125,7 +177,7 @@ class Worker:
         suite: Suite,
         device: str,
         *,
-        plan: Plan | None = None,
+        plan: Plan,
         tokenizer=None,
         threads: int | None = None,
         cwd: str | None = None,
@@ -137,7 +189,7 @@ class Worker:
             torch.set_num_threads(threads)
         status = status or (lambda _text: nullcontext())
         self.suite = suite
-        self.plan = plan if plan is not None else plan_suite(suite)
+        self.plan = plan
         self.device = models.resolve_device(device)
         if tokenizer is None:
             tokenizer = models.load_tokenizer(suite.target)
@@ -168,7 +220,6 @@ class Worker:
                     check(p.params, self.target.model)
                 except ValueError as exc:
                     raise DtbenchError(f"decoder '{p.label}': {exc}") from None
-        self.groups = {work_key(g): g for g in self.plan.groups()}
         self.hardware = Hardware.of(self.plan, suite, self.target, self.draft, self.device)
         env = environment(self.device)
         env["memory_bandwidth_bytes_per_s"] = self.hardware.bandwidth  # the roofline's denominator (issue 37)
@@ -183,30 +234,20 @@ class Worker:
             environment=env,
             target=model_info(self.target),
             draft=model_info(self.draft),
-            decoders=[(p.label, p.version) for p in self.plan.decoders],
+            decoders=installed_versions(self.plan),
             warnings=warnings,
         )
 
     def run(
         self,
-        unit: PromptGroup | WorkKey,
+        group: PromptGroup,
         prompt,
         done: dict[str, Reference],
         skip: set[str],
         announce: Callable[[str], None] | None = None,
     ) -> Iterator[Outcome]:
-        """Measure one prompt group (see :func:`~dtbench.harness.cells.run_group`), yielding each outcome.
-
-        Args:
-            unit: the plan's :class:`~dtbench.harness.plan.PromptGroup` itself, or (Ray actors, which plan the suite
-                themselves) its :func:`work_key`, looked up in this worker's plan.
-
-        Raises:
-            DtbenchError: a work key this worker's plan does not have.
-        """
-        group = self.groups.get(unit) if isinstance(unit, tuple) else unit
-        if group is None:
-            raise DtbenchError(f"this worker's plan has no prompt group {unit}")
+        """Measure one prompt group of the plan (see :func:`~dtbench.harness.cells.run_group`), yielding each
+        outcome. A Ray actor looks ``group`` up by its key in the driver's :class:`PlanSnapshot` first."""
         yield from run_group(
             group,
             prompt,

@@ -87,8 +87,8 @@ def add_cell(
 ) -> Cell:
     """A cell as the runner stores it; ``family`` defaults to the one the installed decoder declares (None for an
     unknown decoder name, as an old database would hold), ``measurer`` to its decoder's (``served`` for ``server``,
-    :func:`dtbench.harness.cells.registered_measurer`)."""
-    from dtbench.harness.cells import registered_measurer
+    :func:`dtbench.harness.measurers.registered_measurer`)."""
+    from dtbench.harness.measurers import registered_measurer
 
     decoder = decoder or label
     if family is None:

@@ -437,15 +437,20 @@ def test_0016_backfills_the_measurer_from_the_params_and_a_served_run_reports_th
     assert json.loads(after.stdout)["cells"] == json.loads(before.stdout)["cells"]
 
 
-def test_a_new_cell_gets_its_decoders_measurer_when_its_writer_sets_none(tmp_path):
-    """The runner stores no measurer of its own: the store asks the harness (cells.registered_measurer)."""
-    import dtbench.harness.cells  # noqa: F401  (registers the measurer of a new cell)
+def test_the_store_guesses_no_measurer_its_writer_names_it(tmp_path):
+    """Issue 58 item 4: no import-time hook of the harness fills ``cells.measurer`` (the runner writes it for every
+    cell: tests/test_group_keys.py); a writer that sets none gets the column's default, ``local``, whatever decoder
+    the cell names. Before, importing dtbench.harness.cells made the store ask the registry (``srv`` -> served)."""
+    import dtbench.harness.cells  # noqa: F401  (it registered the store's hook before issue 58)
 
+    assert not hasattr(db, "set_measurer_of")
     with db.connect(f"sqlite:///{tmp_path / 'new.db'}")() as s:
         run = db.Run(suite_name="s", suite_text="", suite_hash="h", status="done", environment={})
         common = dict(dataset="d", l_max=8, gen_length=4, decoder_version="1", decoder_distribution="dtbench")
         common.update(params={}, lossless_expected=True, target_model="m", status="done")
         s.add(db.Cell(run=run, decoder="ar", label="ar", **common))
         s.add(db.Cell(run=run, decoder="server", label="srv", **common))
+        s.add(db.Cell(run=run, decoder="server", label="named", measurer="served", **common))
         s.commit()
-        assert {c.label: c.measurer for c in s.scalars(select(db.Cell))} == {"ar": "local", "srv": "served"}
+        got = {c.label: c.measurer for c in s.scalars(select(db.Cell))}
+        assert got == {"ar": "local", "srv": "local", "named": "served"}

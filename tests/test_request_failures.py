@@ -220,6 +220,7 @@ def test_readiness_is_read_by_the_engine_adapter(tmp_path, monkeypatch):
     """A launched server is ready when its engine adapter says its health answer means ready (``ready``), not when
     any 200 comes: an adapter that wants more keeps the server waiting (here: never ready, one line)."""
     from dtbench.decoders.engines import OpenAICompatible
+    from dtbench.harness.grouping import CellKey
     from dtbench.harness.serving import ServerError, ServerParams, ServerPool
 
     seen = []
@@ -234,7 +235,7 @@ def test_readiness_is_read_by_the_engine_adapter(tmp_path, monkeypatch):
     pool = ServerPool(tmp_path / "logs")
     try:
         with pytest.raises(ServerError, match=r"server 'r' was not healthy \(/health\) after 3 s"):
-            pool.endpoint("r", params, ("d", 8, 4, 1), 1)
+            pool.endpoint("r", params, CellKey("d", 8, 4, 1), 1)
     finally:
         pool.close()
     assert (200, "ok") in seen  # the fake's health answer, read by the adapter

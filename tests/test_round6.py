@@ -13,6 +13,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
@@ -395,7 +396,8 @@ def test_a_compile_step_killed_past_its_deadline_says_so(monkeypatch, tmp_path):
     Path(worker.trace_path).write_text("")
     worker.conn = _Conn([("start", "linear"), ("deadline", 0.05, "in the compile step")])
     worker._restart = lambda: None  # noqa: SLF001
-    outcome = next(worker.run(("wikitext-2", 16, 4, 1, 0), None, {}, set()))
+    group = SimpleNamespace(prompt_index=0)  # a PromptGroup as the child's messages name it (its first prompt)
+    outcome = next(worker.run(group, None, {}, set()))
     assert outcome.label == "linear"
     assert outcome.error.startswith(
         "prompt 0: timed out after 0.05 s (in the compile step) and did not stop (blocked outside Python)"

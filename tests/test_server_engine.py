@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from dtbench.decoders.server import ServerParams
-from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary, measure_requests
+from dtbench.harness.grouping import CellKey
+from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -116,6 +117,28 @@ def _prompts(tokenizer, n: int, repeat: int = 1) -> list[_P]:
     return [_P(i, tokenizer(f"{i}: {text}", add_special_tokens=False)["input_ids"]) for i in range(n)]
 
 
+def measure_unit(label: str, params, prompts: list, gen_length: int, concurrency: int, cell: CellKey, pool, tokenizer):
+    """One unit of a server cell (measured, not warmup) through the served measurer and the shared tail, as a run
+    measures it (issue 58 item 4: the old ``measure_requests`` path is gone): its frozen SampleRecords. Raises what
+    the measurer raises (:class:`ServerError`)."""
+    from types import SimpleNamespace
+
+    from dtbench.harness import registry
+    from dtbench.harness.decoderspec import DecoderSpec
+    from dtbench.harness.measurers import record_rows
+    from dtbench.harness.plan import CellPlan, PromptGroup
+    from dtbench.harness.serving.measurer import ServedMeasurer
+    from dtbench.harness.suite import DatasetSpec
+
+    cp = CellPlan(DecoderSpec(name="server", label=label), registry.get("server"), params, "dtbench", "test")
+    ds = DatasetSpec.model_validate({"name": "wikitext-2", "label": cell.dataset, "warmup": 0, "L_max": cell.l_max})
+    rows = tuple(p.index for p in prompts)
+    group = PromptGroup(ds, cell.l_max, gen_length, rows[0], (cp,), batch_size=concurrency, rows=rows)
+    assert group.cell == cell and not group.warmup
+    measurer = ServedMeasurer(SimpleNamespace(seed=0, lossless_check="tie_aware"), pool, tokenizer)  # type: ignore[arg-type]
+    return record_rows(measurer.measure(cp, prompts, group, None, True).rows, group.warmup)
+
+
 def _suite_file(tmp_path: Path, decoders: list[dict], **extra) -> Path:
     suite = {
         "name": "engine-test",
@@ -203,23 +226,9 @@ def test_plain_vs_speculative_end_to_end(tmp_path, data_dir, no_leftovers):
 def test_base_url_server_the_user_runs(tmp_path, tokenizer, no_leftovers):
     pool = ServerPool(tmp_path / "logs")
     try:
-        base, launched = pool.endpoint("mine", ServerParams(**PLAIN), ("d", 1, 8, 1), 1)  # a server someone started
-        rows = measure_requests(
-            "user's",
-            ServerParams(base_url=base),
-            _prompts(tokenizer, 2),
-            False,
-            8,
-            2,
-            ("d", 1, 8, 2),
-            pool,
-            seed=0,
-            stop_at_eos=False,
-            references=None,
-            reference=None,
-            rule="tie_aware",
-            tokenizer=tokenizer,
-            batch_group=0,
+        base, launched = pool.endpoint("mine", ServerParams(**PLAIN), CellKey("d", 1, 8, 1), 1)  # someone's server
+        rows = measure_unit(
+            "user's", ServerParams(base_url=base), _prompts(tokenizer, 2), 8, 2, CellKey("d", 1, 8, 2), pool, tokenizer
         )
         assert [len(r.output_tokens) for r in rows] == [8, 8]  # frozen SampleRecords (issue 49 item 5)
         assert rows[0].step_stats["server"]["log"] is None and rows[0].batch_rows == 2
@@ -257,7 +266,7 @@ def test_port_taken(tmp_path, tokenizer, no_leftovers):
         port = s.getsockname()[1]
         pool = ServerPool(tmp_path / "logs")
         with pytest.raises(ServerError, match=f"server 'p': port {port} is taken"):
-            pool.endpoint("p", ServerParams(**{**PLAIN, "port": port}), ("d", 1, 8, 1), 1)
+            pool.endpoint("p", ServerParams(**{**PLAIN, "port": port}), CellKey("d", 1, 8, 1), 1)
         pool.close()
 
 
@@ -265,45 +274,14 @@ def test_server_exits_during_a_cell_and_error_answers(tmp_path, tokenizer, no_le
     pool = ServerPool(tmp_path / "logs")
     try:
         params = ServerParams(**PLAIN)
-        _, server = pool.endpoint("dies", params, ("d", 1, 600, 1), 1)
+        _, server = pool.endpoint("dies", params, CellKey("d", 1, 600, 1), 1)
         threading.Timer(1.5, server.proc.kill).start()  # while the request streams (600 tokens take longer)
         with pytest.raises(ServerError, match=r"server 'dies' exited with code -9 during the cell; see its log"):
-            measure_requests(
-                "dies",
-                params,
-                _prompts(tokenizer, 1),
-                False,
-                600,
-                1,
-                ("d", 1, 600, 1),
-                pool,
-                seed=0,
-                stop_at_eos=False,
-                references=None,
-                reference=None,
-                rule="tie_aware",
-                tokenizer=tokenizer,
-                batch_group=None,
-            )
+            measure_unit("dies", params, _prompts(tokenizer, 1), 600, 1, CellKey("d", 1, 600, 1), pool, tokenizer)
         small = ServerParams(**{**PLAIN, "launch": [a if a != "4096" else "128" for a in PLAIN["launch"]]})
         with pytest.raises(ServerError, match=r"server 'small': answered HTTP 4\d\d: .*; see its log"):
-            measure_requests(
-                "small",
-                small,
-                _prompts(tokenizer, 1, repeat=40),
-                False,
-                8,
-                1,
-                ("d", 2, 8, 1),
-                pool,
-                seed=0,
-                stop_at_eos=False,
-                references=None,
-                reference=None,
-                rule="tie_aware",
-                tokenizer=tokenizer,
-                batch_group=None,
-            )
+            prompts = _prompts(tokenizer, 1, repeat=40)
+            measure_unit("small", small, prompts, 8, 1, CellKey("d", 2, 8, 1), pool, tokenizer)
     finally:
         pool.close()
 

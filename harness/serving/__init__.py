@@ -28,7 +28,7 @@ branch on the engine's name. The names other modules import are re-exported here
 from __future__ import annotations
 
 from dtbench.harness.serving.check import candidate_shapes, check_request, top_candidates
-from dtbench.harness.serving.client import RequestRecord, block_wall, measure_requests, observe_requests, sse_events
+from dtbench.harness.serving.client import RequestRecord, block_wall, observe_requests, sse_events
 from dtbench.harness.serving.params import ServerParams, auth_headers, launch_argv
 from dtbench.harness.serving.process import (
     HOST,
@@ -88,7 +88,6 @@ __all__ = [
     "launches_llama_server",
     "llama_server_binary",
     "load_profile",
-    "measure_requests",
     "observe_requests",
     "port_taken",
     "schedule",

@@ -15,6 +15,7 @@ from typing import Any
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import engine_for
 from dtbench.harness.errors import clip
+from dtbench.harness.grouping import CellKey
 from dtbench.harness.serving.params import ServerParams, auth_headers
 from dtbench.harness.serving.process import ServerError, ServerPool
 from dtbench.harness.values import first_divergence
@@ -182,7 +183,7 @@ def check_row(
     params: ServerParams,
     reference: tuple[str, ServerParams] | None,
     pool: ServerPool,
-    cell: tuple[Any, ...],
+    cell: CellKey,
     concurrency: int,
     rule: str,
 ) -> dict[str, Any]:

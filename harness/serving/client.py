@@ -1,6 +1,6 @@
 """One unit of a server cell through the bounded async client (issue 30, issue 39): the requests, the clock, the rows.
 
-:func:`measure_requests` sends a unit (its warmup prompts, or all its measured prompts:
+:func:`observe_requests` sends a unit (its warmup prompts, or all its measured prompts:
 :func:`~dtbench.harness.grouping.cell_units`) as streamed ``/v1/completions`` requests by one ``httpx.AsyncClient``
 through a semaphore of C (the load level is the concurrency): C in flight all the time, a new request starting when
 one finishes (steady concurrency, issue 39; vLLM ``bench serve --max-concurrency``, GuideLLM's ``concurrent``
@@ -29,7 +29,8 @@ import dtbench.harness.serving.failures as failures
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
 from dtbench.harness.errors import DtbenchError, clip, error_line
-from dtbench.harness.measurers import Batch, Observed, record_rows
+from dtbench.harness.grouping import CellKey
+from dtbench.harness.measurers import Batch, Observed
 from dtbench.harness.metrics import Served
 from dtbench.harness.serving.check import check_row
 from dtbench.harness.serving.params import ServerParams, auth_headers
@@ -232,7 +233,7 @@ class _Unit:
     server: Any
     where: str
     pool: ServerPool
-    cell: tuple[Any, ...]
+    cell: CellKey
     concurrency: int
 
     def error(self, what: str) -> ServerError:
@@ -285,24 +286,13 @@ def _send(
     return records, wall, group_metrics
 
 
-def measure_requests(label: str, params: ServerParams, prompts: list[Any], warmup: bool, *args: Any, **kwargs: Any):
-    """Measure one unit of a server cell (:func:`observe_requests`, the same arguments after ``warmup``: the unit's
-    warmup flag) and make its ``samples`` rows with the shared tail (:func:`~dtbench.harness.measurers.record_rows`):
-    one plain dict of :class:`~dtbench.harness.sample.SampleRecord` columns per prompt.
-
-    Raises:
-        ServerError, DtbenchError: as :func:`observe_requests`.
-    """
-    return record_rows(observe_requests(label, params, prompts, *args, **kwargs), warmup)
-
-
 def observe_requests(
     label: str,
     params: ServerParams,
     prompts: list[Any],
     gen_length: int,
     concurrency: int,
-    cell: tuple[Any, ...],
+    cell: CellKey,
     pool: ServerPool,
     *,
     seed: int,
@@ -321,7 +311,8 @@ def observe_requests(
     Args:
         label: the cell's label (errors and logs name it); params: the server's params.
         prompts: the unit's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
-        gen_length: T (max_tokens); cell: (dataset, L_max, T, B) of the cell.
+        gen_length: T (max_tokens); cell: the cell's point (:class:`~dtbench.harness.grouping.CellKey`: the dataset
+            entry's key, L_max, T, B), which the pool keys its servers by.
         pool: the worker's :class:`~dtbench.harness.serving.process.ServerPool`; seed: the arrivals' seed (with the
             unit's first prompt index).
         references: per row the reference server's output tokens (None: this cell is a reference itself; a row's

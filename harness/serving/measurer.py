@@ -8,6 +8,7 @@ log (an exception group: its first real error, issue 50).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from dtbench.harness.errors import error_line
@@ -36,7 +37,7 @@ class ServedMeasurer:
 
     def measure(
         self, cp: CellPlan, prompts: list[Any], group: PromptGroup, ref: Reference | None, compare: bool
-    ) -> Measured:
+    ) -> Measured[None]:
         """The unit's requests as observations (``compare`` is always True for a server: it does not sample).
 
         Raises:
@@ -50,7 +51,7 @@ class ServedMeasurer:
             prompts,
             group.gen_length,
             group.batch_size,
-            (group.dataset.name, group.l_max, group.gen_length, group.batch_size),
+            group.cell,  # the dataset entry's key, not its name (issue 58 item 3)
             self.servers,
             seed=self.suite.seed,
             stop_at_eos=self.stop_at_eos,
@@ -62,7 +63,7 @@ class ServedMeasurer:
         )
         return Measured(observed)
 
-    def finish(self, cp: CellPlan, measured: Measured, r: int, row: dict[str, Any]) -> dict[str, Any]:
+    def finish(self, cp: CellPlan, measured: Measured[None], r: int, row: Mapping[str, Any]) -> dict[str, Any]:
         """Nothing more: a request's output check came with its observation (the reference server's candidates are
         asked while its server runs)."""
         return {}

@@ -27,6 +27,7 @@ from dtbench.decoders.engines import llama_cpp
 from dtbench.decoders.engines.llama_cpp import LLAMA_SERVER_ENV as LLAMA_SERVER_ENV  # the names before issue 49
 from dtbench.decoders.engines.llama_cpp import MAKE_ENGINE as MAKE_ENGINE
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.grouping import CellKey
 from dtbench.harness.serving.params import ServerParams, auth_headers, engine_placeholders, launch_argv
 
 HOST = "127.0.0.1"
@@ -136,7 +137,7 @@ class Launched:
     base_url: str
     log_path: Path
     proc: subprocess.Popen
-    cell: tuple
+    cell: CellKey
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -171,9 +172,11 @@ class ServerPool:
 
     def __init__(self, log_dir: str | Path | None = None):
         self.log_dir = Path(log_dir or os.environ.get(LOG_DIR_ENV) or "dtbench-server-logs")
-        self.servers: dict[tuple, Launched] = {}
+        self.servers: dict[tuple[CellKey, str], Launched] = {}  # by (cell, label)
 
-    def endpoint(self, label: str, params: ServerParams, cell: tuple, concurrency: int) -> tuple[str, Launched | None]:
+    def endpoint(
+        self, label: str, params: ServerParams, cell: CellKey, concurrency: int
+    ) -> tuple[str, Launched | None]:
         """The base URL of the cell's server: ``base_url``, or the cell's launched server (started now if needed;
         servers of other cells are stopped first, so at most the current cell's servers run).
 
@@ -182,8 +185,8 @@ class ServerPool:
         """
         if params.base_url is not None:
             return params.base_url.rstrip("/"), None
-        key = (*cell, label)
-        for other in [k for k in self.servers if k[:-1] != tuple(cell)]:
+        key = (cell, label)
+        for other in [k for k in self.servers if k[0] != cell]:
             self.servers.pop(other).stop()
         server = self.servers.get(key)
         if server is not None:
@@ -197,7 +200,7 @@ class ServerPool:
         self.servers[key] = server
         return server.base_url, server
 
-    def _launch(self, label: str, params: ServerParams, cell: tuple, concurrency: int) -> Launched:
+    def _launch(self, label: str, params: ServerParams, cell: CellKey, concurrency: int) -> Launched:
         import httpx
 
         if params.port == "auto":
@@ -231,7 +234,7 @@ class ServerPool:
                     f"server '{label}' could not be started ({clip(exc, 200)}); see its log {log_path}"
                 ) from None
         base_url = f"http://{HOST}:{port}"
-        server = Launched(label, argv, base_url, log_path, proc, tuple(cell))
+        server = Launched(label, argv, base_url, log_path, proc, cell)
         deadline = time.monotonic() + params.startup_timeout_s
         headers = auth_headers(params)
         try:

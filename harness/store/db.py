@@ -78,28 +78,6 @@ class Base(DeclarativeBase):
     pass
 
 
-MeasurerOf = Callable[[str], str]  # a decoder's registered name -> the measurer of its cells ("local" | "served")
-_MEASURER_OF: list[MeasurerOf] = []
-
-
-def set_measurer_of(measurer_of: MeasurerOf) -> None:
-    """Name how a new cell's ``measurer`` is found when its writer does not set it: ``measurer_of(decoder name)``.
-
-    The harness registers it (:mod:`dtbench.harness.measurers`, which knows the decoders' capabilities; the store
-    imports no decoder): a cell inserted without a measurer gets its decoder's, and ``local`` when none is registered
-    (the column's server default too).
-    """
-    _MEASURER_OF[:] = [measurer_of]
-
-
-def _measurer_default(context: Any) -> str:
-    """``cells.measurer`` of a new cell whose writer did not set it: its decoder's (:func:`set_measurer_of`)."""
-    decoder = context.get_current_parameters().get("decoder")
-    if _MEASURER_OF and isinstance(decoder, str):
-        return _MEASURER_OF[0](decoder)
-    return "local"
-
-
 class Run(Base):
     """One invocation of ``dtbench run``: the suite and the environment it ran in."""
 
@@ -153,7 +131,8 @@ class Cell(Base):
     family: Mapped[str | None] = mapped_column(String(20))  # the decoder's declared family: ar|chain|tree|external
     # 0016 (issue 49): who measured it: local (dtbench's own loop) | served (requests to a server); reports tell a
     # served cell by this, never by its params' names. Backfilled from the params for cells written before 0016
-    measurer: Mapped[str] = mapped_column(String(10), default=_measurer_default, server_default="local")
+    # (the runner writes it for every cell, issue 58 item 4: no hook guesses it; a writer that sets none gets local)
+    measurer: Mapped[str] = mapped_column(String(10), default="local", server_default="local")
     label: Mapped[str] = mapped_column(String(300))
     decoder_version: Mapped[str] = mapped_column(String(100))
     decoder_distribution: Mapped[str] = mapped_column(String(200))
