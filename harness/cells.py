@@ -341,7 +341,7 @@ class LocalMeasurer:
         if state.recompiles is not None:
             out["step_stats"] = {**row["step_stats"], "compiled": {"recompiles": state.recompiles}}
         if cp.cls.lossless and cp.sampling is None:
-            others = [p for j, p in enumerate(state.ids) if j != r] if state.batched else None
+            others = [list(p) for j, p in enumerate(state.ids) if j != r] if state.batched else None
             out.update(
                 lossless.sample_columns(
                     self.target.model,

@@ -170,3 +170,24 @@ class _Row:
     l_max: int
     gen_length: int
     batch_size: int | None
+
+
+@pytest.mark.fast
+def test_the_local_measurers_finish_returns_its_columns_and_leaves_the_row_alone():
+    """Its state is a typed value (``LocalState``) and ``finish`` returns the row's new ``step_stats`` (a compiled
+    cell's recompiles) instead of writing them into the row it is given; the shared tail hands it the row read-only.
+    Before, ``finish`` set ``row["step_stats"]["compiled"]`` in place from an untyped state dict."""
+    from types import MappingProxyType, SimpleNamespace
+
+    from dtbench.harness.cells import LocalMeasurer, LocalState
+    from dtbench.harness.measurers import Measured
+
+    measurer = LocalMeasurer(None, None, "cpu", SimpleNamespace(lossless_check="exact"))  # type: ignore[arg-type]
+    cp = SimpleNamespace(cls=SimpleNamespace(lossless=False, needs_draft=False), sampling=None)
+    measured = Measured([SimpleNamespace()], state=LocalState([(1, 2, 3)], batched=False, recompiles=3))
+    row = {"total_s": 1.0, "step_stats": {"forward_s": [0.5]}}
+    out = measurer.finish(cp, measured, 0, MappingProxyType(row))  # type: ignore[arg-type]
+    assert out == {"step_stats": {"forward_s": [0.5], "compiled": {"recompiles": 3}}}
+    assert row == {"total_s": 1.0, "step_stats": {"forward_s": [0.5]}}  # untouched
+    eager = Measured([SimpleNamespace()], state=LocalState([(1, 2, 3)], batched=False))
+    assert measurer.finish(cp, eager, 0, MappingProxyType(row)) == {}  # type: ignore[arg-type]
