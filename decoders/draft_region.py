@@ -158,7 +158,7 @@ class _AtLength:
 def precompile_chain(execution: Execution, model: torch.nn.Module, k: int) -> None:
     """Compile :func:`draft_chain`'s graphs for ``k`` drafts (feeds of 1 and 2 ids) on ``model``, each run twice on
     a scratch static cache (on CUDA the second run records the CUDA graph), outside any timed region: a cell's
-    compile step (:meth:`dtbench.harness.cells.Hardware.compile_step`)."""
+    compile step (:meth:`dtbench.harness.hardware.Hardware.compile_step`)."""
     with torch.inference_mode():
         from dtbench.decoders import static_kv
 

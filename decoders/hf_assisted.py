@@ -298,7 +298,7 @@ class HFGenerate(_StreamedGenerate):
     @classmethod
     def compiled_sizes(cls, params: HFGenerateParams) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
         """None through dtbench's static caches: transformers compiles its own decoding forward (the cell's compile
-        step runs it once, :meth:`~dtbench.harness.cells.Hardware.compile_step`)."""
+        step runs it once, :meth:`~dtbench.harness.hardware.Hardware.compile_step`)."""
         return (), ()
 
     @classmethod

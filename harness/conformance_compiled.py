@@ -1,5 +1,5 @@
 """The conformance kit's ``compiled_equals_eager`` check (issue 56; B > 1 since issue 59 item 6): compiled execution
-after the cell's own compile step (:func:`dtbench.harness.cells.compile_decoder`) against eager execution of the same
+after the cell's own compile step (:func:`dtbench.harness.hardware.compile_decoder`) against eager execution of the same
 decoder. Public through :mod:`dtbench.testing`; the other checks are in :mod:`dtbench.harness.conformance_checks`."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _compiled_case(job: Job, rows: list[list[int]], Ts: Sequence[int], params: A
     """Draws of :func:`compiled_equals_eager`: ``rows`` decoded compiled at each T of ``Ts`` (one compile step per
     decoder class, params, precision and B) against each row decoded alone, eager (once, at the largest T: a
     lossless decoder's output at T is the first T tokens of its output at a larger T)."""
-    from dtbench.harness.cells import compile_decoder
+    from dtbench.harness.hardware import compile_decoder
 
     cls, B = job.cls, len(rows)
     if MAX_PROMPT + MAX_T + cls.cache_headroom(params) > MAX_LEN:

@@ -1,7 +1,7 @@
 """The time limit of a decoder's code (issue 19, issue 50): :class:`Deadline` and :class:`SampleTimeout`.
 
 Every call of a decoder's code runs under its cell's deadline: its construction and corpus (``make_decoder``), the
-compile step of a compiled cell (:meth:`~dtbench.harness.cells.Hardware.compile_step`) and each sample
+compile step of a compiled cell (:meth:`~dtbench.harness.hardware.Hardware.compile_step`) and each sample
 (:func:`~dtbench.harness.measure.measure_rows`). A deadline raises :class:`SampleTimeout` asynchronously in the
 measuring thread; a decoder blocked in one native call (``time.sleep(10**6)``, a hung kernel) cannot be interrupted
 that way, so a process that measures in a child (``isolation: process``, :mod:`dtbench.harness.isolation`) also tells
@@ -97,3 +97,43 @@ class Deadline:
             if self.fired:  # not delivered yet (we left on our own): withdraw it
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
         self._stop.set()
+
+
+# --- the limits of a cell's samples (suite ``timeout_s``; moved from harness/cells.py, issue 58 item 7) ---------
+
+AUTO_TIMEOUT_FACTOR, AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_REFERENCE_S = 10.0, 60.0, 1800.0
+
+
+def sample_timeout(setting: float | str | None, reference_s: float | None) -> float | None:
+    """The time limit of one sample in seconds (suite ``timeout_s``).
+
+    ``auto``: 10x the reference decoder's time on the same prompt, at least 60 s; a reference itself (or a
+    decoder whose reference time is unknown) gets 1800 s. A number is used as is; None means no limit.
+    """
+    if setting is None:
+        return None
+    if setting != "auto":
+        return float(setting)
+    if reference_s is None:
+        return AUTO_TIMEOUT_REFERENCE_S
+    return max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_s)
+
+
+def cpu_timeout(
+    setting: float | str | None, reference_s: float | None, reference_cpu_s: float | None
+) -> tuple[float | None, float | None]:
+    """(wall limit, CPU limit) of one sample in seconds: ``auto`` measured in CPU time when the reference's is known.
+
+    On a shared machine the wall time of a sample stretches with whatever else runs, so ``10x the reference's wall
+    time`` failed cells that would have finished when the load rose between the reference and the decoder (issue
+    19: ``hf_assisted`` past 60 s while ``ar`` took 4.2 s). The process's CPU time stretches far less with the load:
+    ``auto`` with the reference's CPU time gives the decoder 10x that (at least 60 s) of CPU time, and keeps a wall
+    limit of max(1800 s, 10x the reference's wall time) for a decoder that blocks without computing. A number, None,
+    or a reference measured without CPU time (a resumed run's stored samples): :func:`sample_timeout`, wall only.
+    """
+    if setting != "auto" or reference_s is None or reference_cpu_s is None:
+        return sample_timeout(setting, reference_s), None
+    return (
+        max(AUTO_TIMEOUT_REFERENCE_S, AUTO_TIMEOUT_FACTOR * reference_s),
+        max(AUTO_TIMEOUT_MIN_S, AUTO_TIMEOUT_FACTOR * reference_cpu_s),
+    )

@@ -7,7 +7,7 @@ not one number: the reference decoder computes them incrementally (one token on 
 inside a verification forward over n tokens, and the two reductions round differently. Where the top two logits are
 closer than that noise, the argmax can flip (SpecInfer/EAGLE/Medusa users meet it as "not lossless in fp16").
 
-:func:`check_output` runs after the timed region (the worker calls it from :func:`~dtbench.harness.cells.measure_cell`):
+:func:`check_output` runs after the timed region (the worker calls it from :func:`~dtbench.harness.local_measurer.measure_cell`):
 
 1. **Teacher-forced pass.** One pass of the target over prompt + output, chunked (:data:`CHUNK` output tokens per
    forward on the KV cache, the verification shape), gives the target's argmax at every output position given the

@@ -1,7 +1,7 @@
 """One measuring interface (issue 49 item 1): a :class:`Measurer` observes a cell on a prompt group, and one shared
 tail turns what it observed into ``samples`` rows.
 
-Two measurers implement it: the *local* one (:class:`dtbench.harness.cells.LocalMeasurer`: dtbench's own decoders,
+Two measurers implement it: the *local* one (:class:`dtbench.harness.local_measurer.LocalMeasurer`: dtbench's own decoders,
 their Steps timed by the one timing loop :func:`~dtbench.harness.measure.measure_rows`) and the *served* one
 (:class:`dtbench.harness.serving.measurer.ServedMeasurer`: a server's requests, timed by the request client). Which
 one measures a cell is what the cell's decoder declares (:attr:`~dtbench.decoders.base.Decoder.requests`:
@@ -117,7 +117,7 @@ class Measured(Generic[StateT]):
     """A measurer's observation of one prompt group: one :class:`Observed` per row in row order, the process's CPU
     seconds during it (None: not measured), the compile step's (seconds, graphs) when one ran before it, and
     ``state``: what the measurer's :meth:`Measurer.finish` needs of this measurement, a value of the measurer's own
-    type (issue 58 item 4: the local measurer's :class:`~dtbench.harness.cells.LocalState`; None: nothing)."""
+    type (issue 58 item 4: the local measurer's :class:`~dtbench.harness.local_measurer.LocalState`; None: nothing)."""
 
     rows: list[Observed]
     cpu_s: float | None = None

@@ -27,9 +27,10 @@ import torch
 from rich.console import Console
 
 from dtbench.harness import calibrate, calibrate_run, fingerprint, models
-from dtbench.harness.cells import Hardware, Outcome, run_group
+from dtbench.harness.cells import Outcome, run_group
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.grouping import GroupKey
+from dtbench.harness.hardware import Hardware
 from dtbench.harness.machine import device_name, environment
 from dtbench.harness.plan import Plan, PromptGroup
 from dtbench.harness.sample import Reference

@@ -48,7 +48,7 @@ ALLOWED = {
     # a server's start-up deadline (the model runs in another process)
     "harness/serving/process.py",
     # the compile time of a whole precompile (many forwards: a section, reported apart from any forward's time)
-    "harness/cells.py",
+    "harness/hardware.py",
     "decoders/static_kv.py",
     # request timestamps of an HTTP client (the model runs in another process), a failed request's among them
     "harness/serving/client.py",

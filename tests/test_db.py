@@ -228,7 +228,7 @@ def test_a_row_with_an_unknown_or_missing_column_is_refused():
 def test_a_reference_without_times_has_none():
     """Issue 58 item 6: ``Reference``'s ``total_s`` defaulted to a ``dataclasses.Field`` object (a NamedTuple is no
     dataclass), so a reference built without its wall time carried that object into ``timeout_s: auto``."""
-    from dtbench.harness.cells import cpu_timeout
+    from dtbench.harness.deadline import cpu_timeout
     from dtbench.harness.sample import Reference
 
     ref = Reference([[1, 2, 3]])

@@ -179,7 +179,7 @@ def test_the_local_measurers_finish_returns_its_columns_and_leaves_the_row_alone
     Before, ``finish`` set ``row["step_stats"]["compiled"]`` in place from an untyped state dict."""
     from types import MappingProxyType, SimpleNamespace
 
-    from dtbench.harness.cells import LocalMeasurer, LocalState
+    from dtbench.harness.local_measurer import LocalMeasurer, LocalState
     from dtbench.harness.measurers import Measured
 
     measurer = LocalMeasurer(None, None, "cpu", SimpleNamespace(lossless_check="exact"))  # type: ignore[arg-type]

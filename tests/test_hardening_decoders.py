@@ -287,7 +287,7 @@ def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp
     used to crash generation with IndexError, exit 4)."""
     import numpy as np
 
-    from dtbench.harness import cells
+    from dtbench.harness import local_measurer as cells
 
     path = npy_file(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
     monkeypatch.setattr(cells, "measure_rows", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))

@@ -126,7 +126,7 @@ def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
 
 @pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_auto_timeout_uses_the_reference_cpu_time():
-    from dtbench.harness import cells as runner
+    from dtbench.harness import deadline as runner
 
     assert runner.cpu_timeout("auto", 4.2, 8.0) == (runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)
     assert runner.cpu_timeout("auto", 300.0, 2.0) == (3000.0, 60.0)
@@ -136,7 +136,7 @@ def test_auto_timeout_uses_the_reference_cpu_time():
 
 def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     """run_group passes the reference's CPU seconds to measure_cell, which sets the CPU limit from them."""
-    from dtbench.harness import cells as runner
+    from dtbench.harness import local_measurer as runner
 
     seen = []
     monkeypatch.setattr(
@@ -162,7 +162,9 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
 
     group = SimpleNamespace(batch_size=1, gen_length=4, warmup=False, prompt_index=0, prompt_indices=(0,))
     runner.measure_cell(cp, [prompt], group, Reference([[5] * 4], 4.2, 8.0), target, None, None, suite)
-    assert seen == [(runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)]
+    from dtbench.harness.deadline import AUTO_TIMEOUT_REFERENCE_S
+
+    assert seen == [(AUTO_TIMEOUT_REFERENCE_S, 80.0)]
 
 
 # --- issue 50: nothing runs that nobody asked for (round 5) --------------------------------------------------------

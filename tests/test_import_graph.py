@@ -239,6 +239,8 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
             "dtbench.harness.plan",
             "dtbench.harness.worker",
             "dtbench.harness.cells",
+            "dtbench.harness.hardware",
+            "dtbench.harness.local_measurer",
             "dtbench.harness.models",
         )
         or t.startswith("dtbench.decoders")

@@ -16,7 +16,7 @@ import pytest
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 from sqlalchemy import func, select
 
-from dtbench.harness import cells, registry
+from dtbench.harness import deadline, registry
 from dtbench.harness.store import db, runs
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -193,10 +193,10 @@ def test_hanging_decoder_times_out_and_the_run_goes_on(plugins, pair, tmp_path, 
 
 
 def test_auto_timeout_is_derived_from_the_reference():
-    assert cells.sample_timeout("auto", 2.0) == 60.0
-    assert cells.sample_timeout("auto", 30.0) == 300.0
-    assert cells.sample_timeout("auto", None) == cells.AUTO_TIMEOUT_REFERENCE_S
-    assert cells.sample_timeout(5, 30.0) == 5.0 and cells.sample_timeout(None, 30.0) is None
+    assert deadline.sample_timeout("auto", 2.0) == 60.0
+    assert deadline.sample_timeout("auto", 30.0) == 300.0
+    assert deadline.sample_timeout("auto", None) == deadline.AUTO_TIMEOUT_REFERENCE_S
+    assert deadline.sample_timeout(5, 30.0) == 5.0 and deadline.sample_timeout(None, 30.0) is None
 
 
 def test_exit_code_for_divergence_and_for_both(plugins, pair, tmp_path, data_dir):

@@ -377,12 +377,12 @@ class _Proc:
 @fast
 def test_a_compile_step_killed_past_its_deadline_says_so(monkeypatch, tmp_path):
     """Before: `prompt 0: timed out after 5 s and did not stop ...`, naming no compile step."""
-    from dtbench.harness import cells
+    from dtbench.harness import hardware
 
     seen = []
     deadline.observe(lambda seconds, phase: seen.append((seconds, phase)))
     try:
-        with deadline.Deadline(5.0, phase=cells.COMPILE_PHASE):
+        with deadline.Deadline(5.0, phase=hardware.COMPILE_PHASE):
             pass
     finally:
         deadline.observe(None)
