@@ -69,7 +69,7 @@ def resolve_auto(plan, curves: Curves, console: Console | None = None) -> dict[s
     (one budget per decoder entry); return {label: n_max}."""
     out = {}
     for cp in auto_cells(plan):
-        l_max = min(l_max for _, l_max, *_ in cp.points) if cp.points else 0
+        l_max = min(k.l_max for k in cp.points) if cp.points else 0
         factor = float(getattr(cp.params, "n_max_factor", DEFAULT_FACTOR))
         n = auto_budget(curves, l_max, factor)
         cp.params = cp.params.model_copy(update={"n_max": n})

@@ -47,6 +47,12 @@ class GroupKey:
         """The dataset entry's key (:attr:`CellKey.dataset`)."""
         return self.cell.dataset
 
+    @property
+    def unit(self) -> GroupKey:
+        """The kind of unit this is, whatever its prompts and repeat: its point, and whether it is a server cell's
+        whole-cell unit (what the plan counts a point's measured groups by, for ``min_groups``)."""
+        return GroupKey(self.cell, 0, 0, self.served)
+
 
 def batch_groups(prompts: int, warmup: int, batch_size: int) -> list[tuple[int, ...]]:
     """The prompt groups of a dataset at batch size B: prompt indices in order, the W warmup prompts in groups of at

@@ -31,7 +31,7 @@ from dtbench.harness.suite import DatasetSpec, Suite
 @dataclass
 class CellPlan:
     """A decoder configuration with its validated params, its reference's label (None for ``ar``) and the
-    (dataset, L_max, T, B) points it runs at."""
+    (dataset, L_max, T, B) points it runs at (:class:`~dtbench.harness.grouping.CellKey`, issue 58 item 3)."""
 
     spec: DecoderSpec
     cls: type[Decoder]
@@ -40,7 +40,7 @@ class CellPlan:
     version: str
     reference_label: str | None = None
     implicit: bool = False
-    points: set[tuple[str, int, int, int]] = field(default_factory=set)
+    points: set[CellKey] = field(default_factory=set)
     sampling: SamplingSpec | None = None  # effective sampling settings (None: greedy)
 
     @property
@@ -137,7 +137,8 @@ class Plan:
 
     def decoders_at(self, dataset: str, l_max: int, gen_length: int, batch_size: int = 1) -> list[CellPlan]:
         """The decoders that run at one (dataset, L_max, T, B), references first."""
-        return [c for c in self.decoders if (dataset, l_max, gen_length, batch_size) in c.points]
+        point = CellKey(dataset, l_max, gen_length, batch_size)
+        return [c for c in self.decoders if point in c.points]
 
     def cells(self) -> list[tuple[DatasetSpec, int, int, int, CellPlan]]:
         """Every cell (dataset, L_max, T, B, decoder) in run order."""
@@ -149,10 +150,10 @@ class Plan:
         """Every prompt group in run order: (dataset, L_max, T, B) major, then prompt index, then repeat
         (:meth:`repeats_at` times for a group after the warmup, once for a warmup group; :class:`PromptGroup`)."""
         groups = self._groups()
-        measured = Counter(_point_of(g) for g in groups if not g.warmup and not g.remainder)
+        measured = Counter(g.key.unit for g in groups if not g.warmup and not g.remainder)
         out: list[PromptGroup] = []
         for g in groups:
-            n = 1 if g.warmup else self.repeats_at(measured[_point_of(g)])
+            n = 1 if g.warmup else self.repeats_at(measured[g.key.unit])
             out.extend(replace(g, repeat=r, repeats=n) if r or n > 1 else g for r in range(n))
         return out
 
@@ -200,11 +201,6 @@ class Plan:
     @property
     def n_samples(self) -> int:
         return sum(len(g.decoders) * len(g.prompt_indices) for g in self.groups())
-
-
-def _point_of(group: PromptGroup) -> tuple:
-    """The (dataset, L_max, T, B) point a group measures and its decoders (a server's whole-cell units apart)."""
-    return group.dataset.key, group.l_max, group.gen_length, group.batch_size, tuple(c.label for c in group.decoders)
 
 
 def _params_key(name: str, params: DecoderParams, sampling: SamplingSpec | None = None) -> str:
@@ -350,7 +346,7 @@ def _implicit_reference(
     )
 
 
-def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int, int]]:
+def _points(suite: Suite, spec: DecoderSpec) -> set[CellKey]:
     """The (dataset, L_max, T, B) a suite entry runs at, after its ``datasets``/``L_max``/``generation_lengths``/
     ``batch_sizes``.
 
@@ -385,7 +381,9 @@ def _points(suite: Suite, spec: DecoderSpec) -> set[tuple[str, int, int, int]]:
                 f"{where}decoder '{clip(spec.display, 80)}': batch_sizes {extra} are not in the suite's batch_sizes"
             )
     return {
-        (ds.key, l_max, T, B)  # a restriction names an entry by its label or every entry of a dataset by its name
+        CellKey(
+            ds.key, l_max, T, B
+        )  # a restriction names an entry by its label or every entry of a dataset by its name
         for ds in suite.datasets
         if spec.datasets is None or ds.key in spec.datasets or ds.name in spec.datasets
         for l_max in ds.l_maxes

@@ -8,6 +8,7 @@ from typing import Any
 
 from dtbench.harness import data
 from dtbench.harness.errors import DtbenchError, clip
+from dtbench.harness.grouping import CellKey
 from dtbench.harness.suite import DatasetSpec, Suite
 
 
@@ -20,7 +21,7 @@ def check_batching(suite: Suite, plans: list[Any]) -> None:
         DtbenchError: one line naming the decoder (or dataset) and what to change.
     """
     for p in plans:
-        sizes = sorted({b for *_, b in p.points if b > 1})
+        sizes = sorted({k.batch_size for k in p.points if k.batch_size > 1})
         if not sizes:
             continue
         where = f"{p.spec.where}: " if p.spec.where else ""
@@ -38,7 +39,7 @@ def check_batching(suite: Suite, plans: list[Any]) -> None:
                 f"`sampling: greedy` on it or `batch_sizes: [1]`"
             )
     for ds in suite.datasets:  # a batch size above the measured prompts has no full batch: nothing to report at B
-        used = sorted({b for p in plans for (key, *_, b) in p.points if key == ds.key and b > 1})
+        used = sorted({k.batch_size for p in plans for k in p.points if k.dataset == ds.key and k.batch_size > 1})
         measured = ds.prompts - ds.warmup
         if not data.is_chat(ds) and used and used[-1] > measured:
             where = f"{ds.where}: " if ds.where else ""
@@ -50,7 +51,7 @@ def check_batching(suite: Suite, plans: list[Any]) -> None:
         if data.is_chat(ds) and any(
             p.points
             & {
-                (ds.key, c, T, B)
+                CellKey(ds.key, c, T, B)
                 for c in ds.l_maxes
                 for T in suite.generation_lengths
                 for B in suite.batch_sizes

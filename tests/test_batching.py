@@ -34,7 +34,7 @@ from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.suffix import SuffixDecoding
 from dtbench.harness import measure
 from dtbench.harness import models as harness_models
-from dtbench.harness.grouping import batch_groups
+from dtbench.harness.grouping import CellKey, batch_groups
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.store import db
 from dtbench.harness.suitefile import parse_suite
@@ -221,8 +221,8 @@ decoders:
 def test_plan_groups_are_the_same_for_every_decoder_and_b1_is_unchanged():
     plan = plan_suite(parse_suite(SUITE + "  - {name: linear}\n  - {name: ngram, batch_sizes: [4]}\n"))
     by = {c.label: c for c in plan.decoders}
-    assert by["ngram"].points == {("wikitext-2", 32, 8, 4)}
-    assert by["ar"].points == by["linear"].points == {("wikitext-2", 32, 8, 1), ("wikitext-2", 32, 8, 4)}
+    assert by["ngram"].points == {CellKey("wikitext-2", 32, 8, 4)}
+    assert by["ar"].points == by["linear"].points == {CellKey("wikitext-2", 32, 8, 1), CellKey("wikitext-2", 32, 8, 4)}
     groups = plan.groups()
     b1 = [g for g in groups if g.batch_size == 1]
     assert [(g.prompt_index, g.rows, g.warmup) for g in b1] == [(i, (), i == 0) for i in range(7)]

@@ -7,6 +7,7 @@ import pytest
 from kit import invoke, one_line_error
 
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.grouping import CellKey
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import load_suite, parse_suite
 
@@ -37,8 +38,8 @@ def test_restrictions_and_reference_spreading():
     )
     by = {c.label: c for c in plan.decoders}
     # a point is (dataset, L_max, T, batch size B); the suite's batch_sizes default to [1]
-    assert by["L-scaling"].points == {("pg19", 64, 16, 1), ("pg19", 64, 32, 1)}
-    assert by["S"].points == {("pg19", 64, 32, 1)}
+    assert by["L-scaling"].points == {CellKey("pg19", 64, 16, 1), CellKey("pg19", 64, 32, 1)}
+    assert by["S"].points == {CellKey("pg19", 64, 32, 1)}
     assert by["streaming_ar (sinks=4, window=32)"].points == by["S"].points  # only where its dependent runs
     assert by["ar"].points == by["L"].points  # ar everywhere L runs (L is unrestricted): 3 caps x 3 T
     assert len(by["ar"].points) == 9

@@ -211,7 +211,7 @@ def test_plan_pairs_speculative_server_with_its_plain_server():
     by = {c.label: c for c in plan.decoders}
     assert by["spec"].reference_label == "plain" and by["plain"].reference_label is None
     assert by["spec"].cls.requests and by["spec"].cls.family == "external" and not by["ar"].cls.requests
-    assert {b for *_, b in by["spec"].points} == {1, 2}
+    assert {k.batch_size for k in by["spec"].points} == {1, 2}
     assert [c.label for c in plan.decoders].index("plain") < [c.label for c in plan.decoders].index("spec")
 
 
