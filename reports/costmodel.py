@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import select
 
 from dtbench.harness.curves import DEFAULT_FACTOR
 from dtbench.harness.errors import DtbenchError
+from dtbench.reports import explain, loading
 from dtbench.reports.costmodel_batch import BATCH_CAPTION, PRED_FORWARDS, PRED_STEADY, batch_table
 from dtbench.reports.output import Document, Note, Report, emit
 from dtbench.reports.pricing import Pricer, position_acceptance
@@ -110,24 +110,10 @@ def cost_table(session, run, curves) -> pd.DataFrame:
     """One row per cell with samples after warmup: predicted vs measured time and throughput, efficiency, the
     predicted share of target and draft forwards, for chain-family cells the predicted best K and for tree-family
     cells the predicted best N_max (module docstring)."""
-    from dtbench.harness.store.db import Cell, Sample
-
-    rows = session.execute(
-        select(Cell, Sample)
-        .join(Sample, Sample.cell_id == Cell.id)
-        .where(Cell.run_id == run.id)
-        .order_by(Cell.id, Sample.prompt_index)
-    ).all()
-    cells: dict[int, dict] = {}
-    for cell, s in rows:
-        c = cells.setdefault(cell.id, {"cell": cell, "samples": []})
-        if not s.warmup:
-            c["samples"].append(s)
     out = []
     pricer = Pricer(curves)
-    for c in cells.values():
-        cell, samples = c["cell"], c["samples"]
-        if not samples or (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
+    for cell, samples in loading.measured_cells(session, run.id, by_prompt=True):
+        if (cell.batch_size or 1) > 1:  # B > 1 is not priced here: these curves are batch-1 curves
             continue
         if (cell.execution or "eager") == "compiled":  # calibration measures eager forwards: not this cell's price
             continue
@@ -141,6 +127,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
             else math.nan
         )
         row = {
+            "cell_id": cell.id,
             **dict(zip(GROUP, group_key(cell))),
             "label": cell.label,
             "decoder": cell.decoder,
@@ -333,7 +320,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         if curves is None:
             raise DtbenchError(NO_CALIBRATION.format(run=run.id))
         assert curves.batch is not None  # a stored calibration's curves carry its batch id
-        table = cost_table(session, run, curves)
+        table = explained(session, run, cost_table(session, run, curves))
         batched, batch_notes = batch_table(session, run, curves)
         rid = run.id
         environment = dict(run.environment or {})
@@ -357,12 +344,17 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
         "records the node budget each accepted token needed (eagle: calibrated verify cost + the head's "
         "measured time)"
     )
+    if "time_target_share" in table:  # the run's cells explain themselves (issue 58 item 2)
+        caption += (
+            "; notes: each speculative cell's explanation from its own forward seconds (as the default report's), "
+            "then the calibrated prediction, which takes over"
+        )
     if curves.run_id is None:  # measured on the embedded CPU pair: the same forward cost 10-25% apart between processes
         caption += (
             "; a standalone calibration was measured in another process, whose forward costs can differ from "
             "the run's (calibrate: true measures in the run's own process)"
         )
-    cols = list(COST_COLUMNS)
+    cols = list(COST_COLUMNS) + (list(explain.COLUMNS) if "time_target_share" in table else [])
 
     display = _cost_display(table)
     regimes = forward_regimes(curves, environment)
@@ -386,6 +378,7 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
                 f"not priced (compiled execution; the calibration measures eager forwards): {', '.join(compiled_cells)}"
             )
         )
+    regime_notes += [Note(line) for line in explain_notes(table)]
     # the one output layer (reports/output.py): the same renderers as every other report; CSV holds the
     # per-position acceptance as ';'-joined shares and the sampling settings as JSON text
     reports = [] if table.empty else [Report("cost_model", title, caption, display, table[cols], notes=regime_notes)]
@@ -400,6 +393,36 @@ def cost_report(sessions, run_id: int | None, fmt: str) -> None:
     emit(
         fmt, Document(reports, meta=meta, rows="cells", precision=15, data=table[cols] if not table.empty else batched)
     )
+
+
+def explained(session, run, table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` (:func:`cost_table`) with :data:`dtbench.reports.explain.COLUMNS` added per cell (issue 58 item 2):
+    the numbers of the default report, taken from the run's explained summary
+    (:func:`~dtbench.reports.summary.run_summary`) by cell id, so both reports show one computation. ``table`` as it
+    was where the run explains no cell (stored before the prefill split)."""
+    from dtbench.reports.summary import run_summary
+
+    if table.empty:
+        return table
+    summary = run_summary(session, run)
+    if "time_target_share" not in summary:
+        return table
+    return table.merge(summary[["cell_id", *explain.COLUMNS]], on="cell_id", how="left")
+
+
+def explain_notes(table: pd.DataFrame) -> list[str]:
+    """Per explained cell of an :func:`explained` cost table, the default report's one-line note
+    (:func:`dtbench.reports.explain.note`, beside this table's measured speedup) followed by the calibrated
+    prediction, which takes over: ``...; measured 1.31x; calibrated: predicted 1.52x, efficiency 0.86 (takes
+    over)`` (issue 58 item 2: "with a calibration, the calibrated numbers take over")."""
+    out = []
+    for _, row in table.iterrows():
+        for line in explain.note(row.rename({"measured_speedup": "speedup"})):
+            predicted, efficiency = row["predicted_speedup"], row["efficiency"]
+            calibrated = [f"predicted {predicted:.2f}x"] if not is_missing(predicted) else []
+            calibrated += [f"efficiency {efficiency:.2f}"] if not is_missing(efficiency) else []
+            out.append(line + (f"; calibrated: {', '.join(calibrated)} (takes over)" if calibrated else ""))
+    return out
 
 
 def best_config(row) -> str:
@@ -445,7 +468,6 @@ def verify_figure(curves, sizes: dict[str, float]):
 def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> list[Path]:
     """Write ``cost_verify_curve.png/.svg`` for the first given run that has a calibration; [] when none has."""
     from dtbench.harness.curves import load_curves
-    from dtbench.harness.store.db import Cell, Sample
     from dtbench.reports.plotting import save_figures
     from dtbench.reports.summary import get_run
 
@@ -456,9 +478,7 @@ def write_figure(sessions, run_ids: list[int | None], out_dir: str | Path) -> li
             if curves is None:
                 continue
             sizes: dict[str, list[int]] = {}
-            for cell, s in session.execute(
-                select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id).where(Cell.run_id == run.id)
-            ).all():
+            for cell, s in loading.cell_rows(session, run.id):
                 ts = (s.step_stats or {}).get("drafted") or []  # old rows' "tree_size" is the same list
                 if any(ts[1:]):  # cells that drafted: their verification sizes
                     sizes.setdefault(cell.label, []).extend(x + 1 for x in ts[1:])

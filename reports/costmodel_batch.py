@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pandas as pd
-from sqlalchemy import select
 
 from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK, target_cost
 from dtbench.harness.metrics import group_key
+from dtbench.reports import loading
 from dtbench.reports.batch_replay import replay_speedup, row_traces
 from dtbench.reports.pricing import Pricer, position_acceptance
 from dtbench.reports.stats import (
@@ -217,13 +217,11 @@ def _b1_params(session, run, curves) -> dict[tuple, dict]:
     """{(dataset, L_max, T, label): the B = 1 parameters of that greedy cell} (:func:`b1_parameters`, its family and
     its rows' traces, :func:`price_proposers` applied): what the batched cells of the same decoder are predicted
     from."""
-    from dtbench.harness.store.db import Cell
-
     by_label: dict[tuple, dict] = {}
-    for cell in session.scalars(select(Cell).where(Cell.run_id == run.id)):
+    for cell, samples in loading.cells_with_samples(session, run.id):
         if (cell.batch_size or 1) != 1 or cell.sampling:
             continue
-        frame_rows = b1_frame(list(cell.samples))
+        frame_rows = b1_frame(samples)
         if frame_rows.empty:
             continue
         got = b1_parameters(frame_rows)

@@ -22,11 +22,11 @@ import json
 import math
 
 import pandas as pd
-from sqlalchemy import select
 
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING, group_key
-from dtbench.harness.store.db import Cell, Sample
+from dtbench.harness.store.db import Sample
 from dtbench.harness.values import percentiles
+from dtbench.reports import loading
 from dtbench.reports.stats import is_missing, per_prompt_rows, remainder_mask, served, show
 
 CAPTION = (
@@ -59,8 +59,8 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
     """The report's rows (one per cell), numbers in seconds, tokens and ratios (see the module docstring)."""
     from dtbench.reports.compare import paired_ratio_ci
 
-    cells = session.scalars(select(Cell).where(Cell.run_id == run_id).order_by(Cell.id)).all()
-    samples = session.scalars(select(Sample).join(Cell, Sample.cell_id == Cell.id).where(Cell.run_id == run_id)).all()
+    cells = loading.run_cells(session, run_id)
+    samples = [s for _, s in loading.cell_rows(session, run_id)]
     by_cell: dict[int, list[Sample]] = {}
     for s in samples:
         by_cell.setdefault(s.cell_id, []).append(s)
@@ -163,11 +163,8 @@ def unit_loads(server: list[dict]) -> list[dict]:
 
 def served_stats(session, run_id: int) -> dict[int, list[dict]]:
     """Per server cell of a run, its samples' ``step_stats.server`` after warmup."""
-    cells = session.execute(select(Cell.id, Cell.measurer).where(Cell.run_id == run_id)).all()
-    ids = [cell_id for cell_id, measurer in cells if served(measurer)]
-    rows = session.execute(
-        select(Sample.cell_id, Sample.step_stats).where(Sample.cell_id.in_(ids), Sample.warmup.is_(False))
-    ).all()
+    ids = [cell.id for cell in loading.run_cells(session, run_id) if served(cell.measurer)]
+    rows = loading.sample_values(session, ids, "step_stats")
     by_cell: dict[int, list[dict]] = {}
     for cell_id, stats in rows:
         by_cell.setdefault(cell_id, []).append((stats or {}).get("server") or {})

@@ -28,10 +28,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from dtbench.harness.store.db import Sample
+from dtbench.reports import loading
 from dtbench.reports.pricing import expected_tokens
 from dtbench.reports.stats import baseline_values
 
@@ -81,11 +80,7 @@ def cell_sums(samples: Iterable[tuple[float, dict[str, Any] | None]]) -> dict[st
 
 def load_sums(session: Session, cell_ids: list[int]) -> dict[int, dict[str, float] | None]:
     """:func:`cell_sums` of each cell's samples after warmup, read from the database."""
-    rows = session.execute(
-        select(Sample.cell_id, Sample.total_s, Sample.step_stats, Sample.step_tokens).where(
-            Sample.cell_id.in_(cell_ids), Sample.warmup.is_(False)
-        )
-    ).all()
+    rows = loading.sample_values(session, cell_ids, "total_s", "step_stats", "step_tokens")
     by_cell: dict[int, list[tuple[float, dict[str, Any] | None]]] = {}
     for cell_id, total_s, stats, step_tokens in rows:
         if stats is not None and step_tokens:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import select
 
 from dtbench.harness import curves_file
 from dtbench.harness.errors import DtbenchError
+from dtbench.reports import loading
 from dtbench.reports.costmodel import NO_CALIBRATION, uses_draft_model
 from dtbench.reports.output import Document, Note, Report, emit
 from dtbench.reports.pricing import Pricer
@@ -40,17 +40,7 @@ FIG_STEM = "predicted_speedup"
 
 def _cells(session, run) -> list[tuple[Any, list[Any]]]:
     """(cell, its samples after warmup) for every cell of ``run`` with such samples."""
-    from dtbench.harness.store.db import Cell, Sample
-
-    out: dict[int, tuple[Any, list[Any]]] = {}
-    rows = session.execute(
-        select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id).where(Cell.run_id == run.id).order_by(Cell.id)
-    ).all()
-    for cell, s in rows:
-        entry = out.setdefault(cell.id, (cell, []))
-        if not s.warmup:
-            entry[1].append(s)
-    return [(c, ss) for c, ss in out.values() if ss]
+    return list(loading.measured_cells(session, run.id))
 
 
 def predict_table(session, run, pc: curves_file.PortableCurves) -> tuple[pd.DataFrame, list[str]]:

@@ -30,18 +30,11 @@ def run_profiles(session, run_id: int, confidence: float = 0.95) -> tuple[list[P
     Raises:
         DtbenchError: the run has no samples after warmup.
     """
-    from sqlalchemy import select
+    from dtbench.reports import loading
 
-    from dtbench.harness.store.db import Cell, Sample
-
-    rows = session.execute(
-        select(Cell, Sample)
-        .join(Sample, Sample.cell_id == Cell.id)
-        # one request per prompt: its repeats (suite key repeats) decode the same tokens with the same seed, so a
-        # repeat would count the same acceptance twice and narrow the intervals
-        .where(Cell.run_id == run_id, Sample.repeat == 0)
-        .order_by(Cell.id, Sample.prompt_index)
-    ).all()
+    # one request per prompt: its repeats (suite key repeats) decode the same tokens with the same seed, so a repeat
+    # would count the same acceptance twice and narrow the intervals
+    rows = loading.cell_rows(session, run_id, by_prompt=True, first_repeat=True)
     cells: dict[int, tuple[Any, list[Request]]] = {}
     from dtbench.reports.stats import is_remainder
 

@@ -31,11 +31,11 @@ import json
 import math
 
 import pandas as pd
-from sqlalchemy import select
 
 from dtbench.decoders.engines import engine_for, schedule_engines
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import group_key
+from dtbench.reports import loading
 
 
 def schedule_rows(session, run, curves) -> pd.DataFrame:
@@ -48,7 +48,6 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
         pay), predicted_speedup, top_k (the K of the highest predicted speedup, paying or not), measured_best_k,
         measured_top_k (the same two of the measured sweep; None without one), measured_speedup.
     """
-    from dtbench.harness.store.db import Cell
     from dtbench.reports.compare import speedup_table
     from dtbench.reports.costmodel_batch import b1_frame, b1_parameters, price_proposers
     from dtbench.reports.pricing import Pricer
@@ -56,7 +55,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
     from dtbench.reports.summary import samples_frame
 
     sizes = sorted({1, *curves.batch_sizes()})
-    cells = list(session.scalars(select(Cell).where(Cell.run_id == run.id)))
+    cells = loading.run_cells(session, run.id)
     measured: dict[tuple, dict[int, float]] = {}  # (dataset, l_max, T, B, decoder) -> {K: speedup}
     frame = samples_frame(session, run.id)
     speed = speedup_table(frame) if not frame.empty else pd.DataFrame()

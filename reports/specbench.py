@@ -24,12 +24,11 @@ from __future__ import annotations
 import math
 
 import pandas as pd
-from sqlalchemy import select
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.questions import GROUPS
-from dtbench.harness.store.db import Cell, Sample
+from dtbench.reports import loading
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 from dtbench.reports.stats import show
 
@@ -77,49 +76,18 @@ def by_task(frame: pd.DataFrame, by: str) -> pd.DataFrame:
 def task_samples(session, run_id: int) -> pd.DataFrame:
     """One row per greedy sample of a question dataset in the run: the cell's point and label, the task, counts,
     wall time and per-step counters (``step_tokens``, ``drafted``, ``accepted`` lists)."""
-    rows = session.execute(
-        select(
-            Cell.dataset,
-            Cell.l_max,
-            Cell.gen_length,
-            Cell.batch_size,
-            Cell.label,
-            Cell.decoder,
-            Cell.status,
-            Cell.sampling,
-            Sample.prompt_index,
-            Sample.warmup,
-            Sample.new_tokens,
-            Sample.total_s,
-            Sample.step_tokens,
-            Sample.step_stats,
-            Sample.task_group,
-            Sample.category,
-            Sample.turn,
-            Sample.question_id,
-            Sample.lossless,
-            Cell.lossless_expected,
-        )
-        .join(Sample, Sample.cell_id == Cell.id)
-        .where(Cell.run_id == run_id, Sample.task_group.is_not(None))
-        .order_by(Cell.id, Sample.prompt_index)
-    ).all()
+    rows = loading.cell_rows(session, run_id, by_prompt=True, tasked=True)
     records = []
-    for r in rows:
-        if r.sampling:  # a sampled cell: its speedup pairs with sampled AR, not Spec-Bench's greedy protocol
+    for cell, sample in rows:
+        if cell.sampling:  # a sampled cell: its speedup pairs with sampled AR, not Spec-Bench's greedy protocol
             continue
-        stats = r.step_stats or {}
+        stats = sample.step_stats or {}
         records.append(
             {
+                **{k: getattr(cell, k) for k in ("dataset", "l_max", "gen_length", "label", "decoder", "status")},
                 **{
-                    k: getattr(r, k)
+                    k: getattr(sample, k)
                     for k in (
-                        "dataset",
-                        "l_max",
-                        "gen_length",
-                        "label",
-                        "decoder",
-                        "status",
                         "prompt_index",
                         "warmup",
                         "new_tokens",
@@ -130,9 +98,9 @@ def task_samples(session, run_id: int) -> pd.DataFrame:
                         "question_id",
                     )
                 },
-                "batch_size": r.batch_size or 1,  # question datasets run at B = 1 only (the plan's rule)
-                "not_lossless": bool(r.lossless_expected) and r.lossless is False,
-                "step_tokens": list(r.step_tokens or []),
+                "batch_size": cell.batch_size or 1,  # question datasets run at B = 1 only (the plan's rule)
+                "not_lossless": bool(cell.lossless_expected) and sample.lossless is False,
+                "step_tokens": list(sample.step_tokens or []),
                 "drafted": list(stats.get("drafted") or []),
                 "accepted": list(stats.get("accepted") or []),
             }

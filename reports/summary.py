@@ -29,8 +29,8 @@ from dtbench.harness.errors import DtbenchError
 from dtbench.harness.load import COLUMNS as LOAD_COLUMNS
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
 from dtbench.harness.sample import SCALAR_COLUMNS
-from dtbench.harness.store.db import Cell, Run, Sample
-from dtbench.reports import explain
+from dtbench.harness.store.db import Run, Sample
+from dtbench.reports import explain, loading
 from dtbench.reports.stats import (
     GROUP,
     KEY,
@@ -91,11 +91,8 @@ def get_run(session: Session, run_id: int | None) -> Run:
 
 def samples_frame(session: Session, run_id: int) -> pd.DataFrame:
     """One row per sample of a run, with its cell's columns (``cell_id``, dataset, label, params, ...)."""
-    rows = session.execute(
-        select(Cell, Sample).join(Sample, Sample.cell_id == Cell.id, isouter=True).where(Cell.run_id == run_id)
-    ).all()
     records = []
-    for cell, sample in rows:
+    for cell, sample in loading.cell_rows(session, run_id, outer=True):
         rec = {"cell_id": cell.id, **{c: getattr(cell, c) for c in _CELL_COLS}}
         rec["batch_size"] = rec["batch_size"] or 1  # cells written before batch sizes: B = 1
         rec["execution"] = rec["execution"] or "eager"  # cells written before compiled execution (0013): eager

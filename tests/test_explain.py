@@ -131,3 +131,55 @@ def test_cells_stored_before_the_prefill_split_get_no_explanation():
     old = {"forward_s": {"target": 1.0, "draft": 0.5}, "accepted": [0, 2], "drafted": [0, 3], "target_fed": []}
     assert explain.cell_sums([(2.0, old)]) is None
     assert explain.cell_sums([]) is None
+
+
+def test_cost_model_report_explains_each_cell_and_the_calibration_takes_over(tmp_path, monkeypatch):
+    """``dtbench report --cost-model`` carries each speculative cell's explanation (issue 58 item 2: "in full in JSON
+    and CSV and --cost-model"): the default report's numbers in its JSON, the default report's note line in its notes,
+    followed by the calibrated prediction, which takes over. Calibrated with the fake clock's own costs, the
+    prediction is the measured time (efficiency 1.00)."""
+    import json
+
+    from kit import invoke
+    from reportdb import add_cell, add_run
+
+    from dtbench.harness import calibrate_run
+    from dtbench.harness.calibrate import Point
+    from dtbench.harness.store import db
+
+    path = tmp_path / "r.db"
+    sessions = db.connect(f"sqlite:///{path}")
+    with sessions() as s:
+        run = add_run(s)
+        for name in ("ar", "linear"):
+            cell = add_cell(s, run, name, params={"k": 3} if name == "linear" else {}, l_max=len(PROMPT), T=T)
+            s.add(db.Sample(cell_id=cell.id, **measured(name, monkeypatch)))
+        s.commit()
+        rid = run.id
+    points = [  # every forward costs what the fake clock charges: a prefill from an empty cache, else a decode
+        Point(role, "m", "float32", len(PROMPT), cache, n, mask, last, COST[(role, cache == 0)], 0.0, 3)
+        for role in ("target", "draft")
+        for cache in (0, 1, 256)
+        for n in (1, 2, 4, 8, 16, 32)
+        for mask, last in ((False, False), (True, False), (False, True))
+    ]
+    calibrate_run.store(sessions, points, run_id=rid, suite_name="t", suite_hash="h" * 64, device=torch.device("cpu"))
+
+    default = json.loads(invoke("report", "--db", str(path), "--format", "json").output)["cells"]
+    cost = invoke("report", "--db", str(path), "--cost-model", "--format", "json")
+    assert cost.exit_code == 0, cost.output
+    cells = {c["label"]: c for c in json.loads(cost.stdout)["cells"]}
+    lin = next(c for c in default if c["label"] == "linear")
+    assert lin["time_target_share"] > 0.5 and lin["forwards_allow_speedup"] > 0  # explained in the default report
+    for col in explain.COLUMNS:  # the same numbers in both reports (one computation)
+        assert cells["linear"][col] == pytest.approx(lin[col]), col
+    assert cells["linear"]["efficiency"] == pytest.approx(1.0)  # the calibrated prediction: the measured time
+
+    shown = invoke("report", "--db", str(path), "--cost-model", "--format", "markdown").output.splitlines()
+    note = next(line for line in shown if "time in target forwards" in line)  # the linear cell's; AR has none
+    assert f"linear: time in target forwards {lin['time_target_share']:.0%}, draft " in note
+    assert f"its decode forwards and acceptance allow {lin['forwards_allow_speedup']:.2f}x" in note
+    assert f"measured {cells['linear']['measured_speedup']:.2f}x" in note
+    predicted = cells["linear"]["predicted_speedup"]
+    assert note.rstrip().endswith(f"calibrated: predicted {predicted:.2f}x, efficiency 1.00 (takes over)")
+    assert sum("time in target forwards" in line for line in shown) == 1
