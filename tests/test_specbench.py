@@ -166,7 +166,7 @@ def test_template_rendering_equals_apply_chat_template(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def specbench_run(tmp_path_factory):
     """A run of a two-turn question suite on the tiny pair, with every prompt each decoder was given recorded."""
-    import dtbench.harness.cells as cells
+    import dtbench.harness.local_measurer as cells
 
     root = tmp_path_factory.mktemp("sb")
     target, draft = tiny_pair(root)
