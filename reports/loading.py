@@ -16,7 +16,7 @@ them (:func:`measured_cells`, :func:`sample_values`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal, overload
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -29,6 +29,30 @@ def run_cells(session: Session, run_id: int) -> list[Cell]:
     return list(session.scalars(select(Cell).where(Cell.run_id == run_id).order_by(Cell.id)))
 
 
+@overload
+def cell_rows(
+    session: Session,
+    run_id: int,
+    *,
+    outer: Literal[False] = False,
+    by_prompt: bool = False,
+    first_repeat: bool = False,
+    tasked: bool = False,
+) -> list[tuple[Cell, Sample]]: ...
+
+
+@overload
+def cell_rows(
+    session: Session,
+    run_id: int,
+    *,
+    outer: Literal[True],
+    by_prompt: bool = False,
+    first_repeat: bool = False,
+    tasked: bool = False,
+) -> list[tuple[Cell, Sample | None]]: ...
+
+
 def cell_rows(
     session: Session,
     run_id: int,
@@ -37,7 +61,7 @@ def cell_rows(
     by_prompt: bool = False,
     first_repeat: bool = False,
     tasked: bool = False,
-) -> list[tuple[Cell, Sample | None]]:
+) -> list[tuple[Cell, Sample]] | list[tuple[Cell, Sample | None]]:
     """(cell, sample) for every sample of run ``run_id``'s cells, warmup samples included, cells in id order.
 
     Args:
