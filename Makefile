@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 DATA_DIR ?= ../shared/data
 DB ?= results.db
 
-.PHONY: setup setup-dev engine demo test test-full test-tiers lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
+.PHONY: setup setup-dev engine demo test test-full lint check report clean wheelhouse gpu-check gpu-kit gpu-check-dry
 
 # `make setup`: what `make demo` needs (PyTorch, the embedded model, dtbench and its runtime dependencies);
 # `make setup-dev` adds what the tests and the lint gate need (pytest, hypothesis, PostgreSQL's driver, Ray, ruff,
@@ -61,19 +61,16 @@ report: setup
 # Two workers by default (each loads torch and the models: a worker per core on a large machine would multiply the
 # memory); `make test PYTEST_JOBS=auto` uses every core, `PYTEST_JOBS=0` one process.
 # Tiers (issue 57, tests/conftest.py): `make test` runs the fast tier (no compiles, end-to-end runs or services; 3
-# hypothesis examples a test), `make test-full` everything with each test's own example count. `make check` (CI) runs
-# the fast tier, then the rest of the full tier, each with its total and its 20 slowest tests.
+# hypothesis examples a test), `make test-full` everything with each test's own example count (hypothesis' `ci`
+# profile), printing the 20 slowest tests, the worker seconds of each tier and the slowest modules. CI runs the full
+# tier in one run: a fast-tier module run apart at the `dev` profile would never meet its own example counts in CI.
 PYTEST_JOBS ?= 2
 PYTEST = DTBENCH_DATA_DIR=$(abspath $(DATA_DIR)) $(PY) -m pytest -q $(if $(filter 0,$(PYTEST_JOBS)),,-n $(PYTEST_JOBS) --dist loadfile)
 test: setup-dev
 	$(PYTEST) --tier fast
 
 test-full: setup-dev
-	$(PYTEST) --tier full
-
-test-tiers: setup-dev
-	$(PYTEST) --tier fast --durations=20
-	$(PYTEST) --tier rest --durations=20
+	$(PYTEST) --tier full --durations=20
 
 # The lint and type gate (pyproject's [tool.ruff] and [tool.mypy]; CONTRIBUTING.md): ruff, then mypy through
 # tools/typecheck.py (the checkout's folders linked as the installed dtbench/ package).
@@ -82,8 +79,8 @@ lint: setup-dev
 	$(VENV)/bin/ruff format --check .
 	$(PY) tools/typecheck.py
 
-# What CI runs (.ci/run): the gate, then the full tier as two runs (fast, then the rest), each timed.
-check: lint test-tiers
+# What CI runs (.ci/run): the gate, then the full tier (its time per tier in the summary).
+check: lint test-full
 
 # --- On a GPU node without network (README) --------------------------------------------------------------------
 # `make wheelhouse` (on a machine with network, after `make setup`): every runtime and test dependency as wheels in

@@ -20,7 +20,7 @@ import setuptools  # noqa: F401, E402
 # FULL_FIXTURES (end-to-end runs, services), the PostgreSQL half of ``db_url`` tests, and caps every hypothesis test at FAST_EXAMPLES examples (the ``dev`` profile); the full tier
 # runs everything with each test's own example count (the ``ci`` profile).
 TIERS = ("fast", "full")
-TIER_CHOICES = (*TIERS, "rest")  # rest: what the fast tier leaves out (CI runs fast, then rest: a total per tier)
+TIER_CHOICES = (*TIERS, "rest")  # rest: what the fast tier leaves out (a full run prints the seconds of each)
 FAST_EXAMPLES = 3
 EXAMPLES_ENV = "DTBENCH_HYPOTHESIS_EXAMPLES"
 
@@ -67,6 +67,8 @@ def pytest_collection_modifyitems(config, items):
     missing = sorted({item.module.__name__ for item in items if getattr(item.module, "TIER", None) not in TIERS})
     if missing:
         raise pytest.UsageError(f"test modules without TIER = 'fast' or 'full': {', '.join(missing)}")
+    for item in items:  # which tier each test belongs to, for the per-tier totals of a full run (the summary below)
+        item.user_properties.append(("tier", "rest" if in_full_tier_only(item) else "fast"))
     tier = config.getoption("--tier")
     if tier == "full":
         return
@@ -77,26 +79,74 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-# --- where the time goes (issue 57 item 4): seconds per module, summed over its tests' setup, call and teardown ----
+# --- where the time goes (issue 57 item 4): seconds per module and per tier, summed over setup, call and teardown ---
 # With two xdist workers and ``--dist loadfile`` a module runs on one worker, so the slowest module bounds the
-# tier's wall time from below; CI's log shows the list beside ``--durations``.
+# tier's wall time from below; CI's log shows the list beside ``--durations``. Each module's line counts the graphs
+# inductor compiled in the test processes (cache misses: ~15-20 s each on 2 cores) and those its FX graph cache served
+# (~3 s: dynamo's trace); child processes are not counted.
 MODULE_SECONDS: dict[str, float] = {}
+MODULE_GRAPHS: dict[str, list[int]] = {}
+TIER_SECONDS: dict[str, float] = {}
+TIER_TESTS: dict[str, int] = {}
 SLOWEST_MODULES = 12
+
+
+def inductor_graphs() -> tuple[int, int]:
+    """(graphs inductor compiled, graphs its FX graph cache served) in this process so far; (0, 0) before torch's
+    compiler is imported (importing it here would cost every test process seconds)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0, 0
+    counts = utils.counters["inductor"]
+    return int(counts["fxgraph_cache_miss"]), int(counts["fxgraph_cache_hit"])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[GRAPHS_BEFORE] = inductor_graphs()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield
+    before = item.stash.get(GRAPHS_BEFORE, (0, 0))
+    after = inductor_graphs()
+    item.user_properties.append(("graphs", (after[0] - before[0], after[1] - before[1])))  # on the teardown report
+
+
+GRAPHS_BEFORE = pytest.StashKey[tuple[int, int]]()
 
 
 def pytest_runtest_logreport(report):
     module = report.nodeid.split("::")[0]
-    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+    seconds = float(getattr(report, "duration", 0.0) or 0.0)
+    props = dict(report.user_properties)
+    MODULE_SECONDS[module] = MODULE_SECONDS.get(module, 0.0) + seconds
+    tier = props.get("tier", "?")
+    TIER_SECONDS[tier] = TIER_SECONDS.get(tier, 0.0) + seconds
+    if report.when == "teardown":
+        TIER_TESTS[tier] = TIER_TESTS.get(tier, 0) + 1
+        compiled, cached = props.get("graphs", (0, 0))
+        counts = MODULE_GRAPHS.setdefault(module, [0, 0])
+        counts[0], counts[1] = counts[0] + compiled, counts[1] + cached
 
 
 def pytest_terminal_summary(terminalreporter):
     if not MODULE_SECONDS or hasattr(terminalreporter.config, "workerinput"):  # the controller reports, not workers
         return
+    write = terminalreporter.write_line
+    terminalreporter.write_sep("=", "worker seconds per tier (setup + call + teardown, summed)")
+    for tier in sorted(TIER_SECONDS):
+        write(f"{TIER_SECONDS[tier]:8.1f}s  {tier} tier ({TIER_TESTS.get(tier, 0)} tests)")
     slowest = sorted(MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
     terminalreporter.write_sep("=", f"slowest {len(slowest)} modules (seconds: setup + call + teardown, summed)")
     for module, seconds in slowest:
-        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
-    terminalreporter.write_line(f"{sum(MODULE_SECONDS.values()):8.1f}s  in all (worker seconds)")
+        compiled, cached = MODULE_GRAPHS.get(module, (0, 0))
+        graphs = f"  (inductor: {compiled} graphs compiled, {cached} from its cache)" if compiled or cached else ""
+        write(f"{seconds:8.1f}s  {module}{graphs}")
+    write(f"{sum(MODULE_SECONDS.values()):8.1f}s  in all (worker seconds)")
 
 
 DATA_DIR = Path(os.environ.get("DTBENCH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
-from models import device_zoo, model_zoo, run_decoder
+from models import COMPILED_MAX_LEN, device_zoo, model_zoo, run_decoder
 from sqlalchemy import select
 from transformers import DynamicCache
 
@@ -34,7 +34,7 @@ TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-EXECUTION = static_kv.Execution(max_len=192)  # shared: graphs compiled by one test are reused by the next
+EXECUTION = static_kv.Execution(max_len=COMPILED_MAX_LEN)  # shared: graphs compiled by one test are reused by the next
 
 
 @cache

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import assert_lossless, examples, model_zoo, run_decoder
+from models import COMPILED_MAX_LEN, assert_lossless, examples, model_zoo, run_decoder
 
 from dtbench.decoders import draft_region, static_kv
 from dtbench.decoders.ar import ARParams, Autoregressive
@@ -30,7 +30,7 @@ TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 K = 2
-EXECUTION = static_kv.Execution(max_len=128)
+EXECUTION = static_kv.Execution(max_len=COMPILED_MAX_LEN)
 PROMPT = list(range(3, 30))
 
 

@@ -23,7 +23,7 @@ from functools import cache
 
 import pytest
 import torch
-from models import model_zoo
+from models import COMPILED_MAX_LEN, model_zoo
 
 from dtbench.decoders import static_kv
 from dtbench.harness import host_reads, registry
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = list(range(3, 30))
 T = 40
-EXECUTION = static_kv.Execution(max_len=128)
+EXECUTION = static_kv.Execution(max_len=COMPILED_MAX_LEN)
 
 
 def reads_per_iteration(decoder, compiled: bool, counted: bool = False) -> tuple[list[int], list]:

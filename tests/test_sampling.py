@@ -60,13 +60,17 @@ def exact(settings: SamplingSettings, target_name: str = "self") -> dict[tuple[i
 
 def empirical(decoder, settings: SamplingSettings, length: int = M) -> dict[tuple[int, ...], int]:
     """Counts of the first M tokens over RUNS seeded generations of ``length`` >= M tokens (a longer generation
-    lets tree decoders draft deeper trees in the first iterations; the first M tokens' law must still be exact)."""
+    lets tree decoders draft deeper trees in the first iterations; the first M tokens' law must still be exact).
+    A generation stops at the step that completes its first M tokens, as the kit's check does: later steps draw
+    after them and cannot change them (issue 57: the iterations past M were half of this module's time)."""
     counts: dict[tuple[int, ...], int] = {}
     for run in range(RUNS):
         decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(run)
         tokens: list[int] = []
         for step in decoder.generate(torch.tensor([PROMPT]), length):
             tokens.extend(step.tokens)
+            if len(tokens) >= M:
+                break
         key = tuple(tokens[:M])
         counts[key] = counts.get(key, 0) + 1
     return counts
