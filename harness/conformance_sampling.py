@@ -4,7 +4,11 @@ On a tiny float64 Llama with a 6-token vocabulary, the exact law of the first M 
 target (temperature, top-k, top-p in transformers' order: :class:`~dtbench.decoders.sampling.SamplingSettings`) is
 computed by enumeration; the decoder generates RUNS times with independently seeded generators and a chi-square test
 compares the counts (bins expecting fewer than 5 merged). An exact decoder fails with probability ALPHA per setting.
-The draft is a perturbed copy of the target (noise 0.3: drafts accepted and rejected). Lossless speculative sampling:
+Each generation asks for LENGTH = 7 tokens and stops at the step that completes its first M: at T = M a chain's first
+iteration could draft one token only (its drafts are capped by what is left of T), so a wrong rule for a second or
+later drafted token went unseen (issue 57's review); later steps draw after the first M tokens and cannot change them.
+The draft is a perturbed copy of the target (noise 0.3: drafts accepted and rejected). The law is enumerated in
+float64 on the CPU, so the check runs at the ``cpu`` precision only (another precision's id says not applicable). Lossless speculative sampling:
 Leviathan et al. 2023, Algorithm 1; tree decoders: SpecInfer (Miao et al. 2024), multi-draft recursive rejection.
 """
 
@@ -20,6 +24,7 @@ import torch
 from dtbench.harness.conformance import CheckContext, CheckFailed, NotApplicable, build, describe, settings_of
 
 VOCAB, M, RUNS, ALPHA = 6, 3, 1000, 1e-4
+LENGTH = 7  # tokens a generation asks for (its first M are counted): room to draft and verify several at once
 PROMPT = [1, 4, 2, 5]
 MAX_SETTINGS = 2  # declared settings tested per decoder (each costs RUNS generations)
 
@@ -81,7 +86,7 @@ def p_value(decoder: Any, settings: Any) -> tuple[float, dict[tuple[int, ...], i
     for run in range(RUNS):
         decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(run)
         tokens: list[int] = []
-        for step in decoder.generate(torch.tensor([PROMPT]), M):
+        for step in decoder.generate(torch.tensor([PROMPT]), LENGTH):
             tokens.extend(step.tokens)
             if len(tokens) >= M:
                 break
@@ -112,6 +117,8 @@ def sampling(job: Any) -> None:
     cls = job.cls
     if not cls.supports_sampling:
         raise NotApplicable("declares supports_sampling = False")
+    if job.precision.device != "cpu" or job.precision.dtype != torch.float64:
+        raise NotApplicable("the sampled law is enumerated in float64 on the CPU: checked at the cpu precision")
     target, draft = models()
     declared = settings_of(cls, CheckContext(target))
     if not isinstance(declared, list):

@@ -18,3 +18,33 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @parametrize_with_checks(BUILTINS, devices=DEVICES, checks=["sampling"])
 def test_builtin_sampling(decoder, check):
     check(decoder)
+
+
+@pytest.mark.parametrize("length", ["kit", "M"])
+def test_a_wrong_rule_for_a_later_draft_fails_the_sampling_check(monkeypatch, length):
+    """A rule wrong from the second drafted token on (accepted whenever the first is) fails the kit's sampling check on
+    ``linear`` (its declared k = 3). Its generations ask for LENGTH = 7 tokens; asked for M = 3 only, as the check did
+    before, a chain's first iteration drafted one token and the same defect passed (the ``M`` case shows it)."""
+    from dtbench.decoders import chain
+    from dtbench.decoders.linear import LinearSpeculative
+    from dtbench.decoders.sampling import sample
+    from dtbench.harness import conformance_sampling
+    from dtbench.testing import check_decoder
+
+    real = chain.verify_chain_sampled
+
+    def later_drafts_always_accepted(drafts, draft_probs, target_probs, generator):
+        accepted, committed = real(drafts, draft_probs, target_probs, generator)
+        if accepted == 0 or len(drafts) < 2:
+            return accepted, committed
+        return len(drafts), (*drafts, sample(target_probs[len(drafts)], generator))
+
+    monkeypatch.setattr(chain, "verify_chain_sampled", later_drafts_always_accepted)
+    if length == "M":
+        monkeypatch.setattr(conformance_sampling, "LENGTH", conformance_sampling.M)
+    (outcome,) = check_decoder(LinearSpeculative, checks=["sampling"]).outcomes
+    if length == "M":
+        assert outcome.status == "passed", outcome.verdict  # the defect the shorter generations could not see
+    else:
+        assert outcome.status == "failed" and "do not follow the target's distribution" in outcome.verdict
+        assert outcome.counterexample["params"] and outcome.counterexample["runs"] == conformance_sampling.RUNS
