@@ -14,6 +14,13 @@ import pytest
 # in the compiler. Imported once here, before any test, it is already loaded when inductor asks.
 import setuptools  # noqa: F401, E402
 
+# One intra-op thread in every process the tests start (xdist workers, `dtbench run` children, isolated cells, Ray
+# actors, child pytests), set before torch is imported: two workers already fill the 2 cores, and a child left at
+# torch's default (a thread per core) spin-waits in OpenMP while the other worker runs, which made tiny models'
+# forwards 30-70x slower (tests/test_gpucheck.py's smoke step: 150 ms a forward instead of 2-3 ms). A test that needs
+# threads sets them itself (``torch.set_num_threads``; a suite's ``threads:``).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # --- tiers (issue 57): the fast tier by default, the full tier with --tier full (make test-full, CI) ---------------
 # Every test module declares ``TIER = "fast"`` or ``TIER = "full"`` (tests/test_tiers.py fails on one that does not).
 # The fast tier leaves out full modules, tests marked ``full`` or ``slow`` (the embedded SmolLM2), tests using

@@ -24,16 +24,9 @@ SCHEMA = json.loads((REPO / "tools" / "gpu-check.schema.json").read_text())
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def one_thread_children(monkeypatch):
-    """The check's child processes (each decoder step's, the tests step's pytest, the smoke step's ``dtbench run``
-    and reports) start torch with one intra-op thread, as the tests in this process run (``one_thread``,
-    tests/conftest.py): on a 2-core machine shared with another busy process, OpenMP's waiting made the tiny models'
-    2-3 ms forwards take 30-150 ms in two threads (the smoke step's calibration: 149 s of its 165 s `dtbench run`)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-pytestmark = pytest.mark.usefixtures("one_thread", "one_thread_children")
+# the check's child processes start with one intra-op thread too: OMP_NUM_THREADS=1, set for every test process by
+# tests/conftest.py (two threads spin-waiting beside the other worker made the smoke step's calibration 149 s of 165 s)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fake_wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:

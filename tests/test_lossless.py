@@ -292,6 +292,7 @@ def test_embedded_pair_with_a_bfloat16_target_stores_and_reports_a_consistent_ve
         "name": "bf16",
         "seed": 5,
         "device": "cpu",
+        "isolation": "none",  # the verdicts are the subject, not the process boundary: no child loads SmolLM2 per cell
         "target": {"model": "smollm2-135m", "dtype": "bfloat16"},
         "draft": {"model": "smollm2-135m", "dtype": "bfloat16"},
         "datasets": [{"name": "wikitext-2", "prompts": 2, "warmup": 1, "L_max": 32}],
