@@ -86,12 +86,42 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+# --- which worker runs what (issue 57 item 3): with `--dist loadfile` (the Makefile's) a module runs on one worker,
+# except that the modules of one SHARED_WORKER group run on one worker, one after the other: those compiling the
+# float64 zoo's graphs (tests/models.py COMPILED_MAX_LEN, the conformance kit's MAX_LEN) then compile each shape once,
+# a later module reusing it in the process (dynamo) or from inductor's FX graph cache, where two workers compiled the
+# same graphs side by side. Test ids stay as they are (xdist's loadgroup would append "@group" to every id).
+SHARED_WORKER = {
+    "test_compiled.py": "inductor-zoo",
+    "test_conformance_compiled.py": "inductor-zoo",
+    "test_fused_draft.py": "inductor-zoo",
+    "test_host_reads.py": "inductor-zoo",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with :data:`SHARED_WORKER`'s groups; any other ``--dist`` is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SHARED_WORKER.get(module.rsplit("/", 1)[-1], module)
+
+    return GroupedFileScheduling(config, log)
+
+
 # --- where the time goes (issue 57 item 4): seconds per module and per tier, summed over setup, call and teardown ---
 # With two xdist workers and ``--dist loadfile`` a module runs on one worker, so the slowest module bounds the
 # tier's wall time from below; CI's log shows the list beside ``--durations``. Each module's line counts the graphs
 # inductor compiled in the test processes (cache misses: ~15-20 s each on 2 cores) and those its FX graph cache served
-# (~3 s: dynamo's trace); child processes are not counted.
+# (~3 s: dynamo's trace); child processes are not counted. Its CPU seconds (the worker's and its reaped children's, from
+# setup to teardown) against its seconds show how much of them a test waits (a server, a deadline, a child's start)
+# rather than computes; a child still running at teardown (a Ray cluster, a server) is not counted.
 MODULE_SECONDS: dict[str, float] = {}
+MODULE_CPU: dict[str, float] = {}
 MODULE_GRAPHS: dict[str, list[int]] = {}
 TIER_SECONDS: dict[str, float] = {}
 TIER_TESTS: dict[str, int] = {}
@@ -113,6 +143,7 @@ def inductor_graphs() -> tuple[int, int]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     item.stash[GRAPHS_BEFORE] = inductor_graphs()
+    item.stash[CPU_BEFORE] = cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -121,9 +152,17 @@ def pytest_runtest_teardown(item):
     before = item.stash.get(GRAPHS_BEFORE, (0, 0))
     after = inductor_graphs()
     item.user_properties.append(("graphs", (after[0] - before[0], after[1] - before[1])))  # on the teardown report
+    item.user_properties.append(("cpu", cpu_seconds() - item.stash.get(CPU_BEFORE, cpu_seconds())))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its reaped children so far."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 GRAPHS_BEFORE = pytest.StashKey[tuple[int, int]]()
+CPU_BEFORE = pytest.StashKey[float]()
 
 
 def pytest_runtest_logreport(report):
@@ -138,6 +177,7 @@ def pytest_runtest_logreport(report):
         compiled, cached = props.get("graphs", (0, 0))
         counts = MODULE_GRAPHS.setdefault(module, [0, 0])
         counts[0], counts[1] = counts[0] + compiled, counts[1] + cached
+        MODULE_CPU[module] = MODULE_CPU.get(module, 0.0) + float(props.get("cpu", 0.0))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -148,12 +188,16 @@ def pytest_terminal_summary(terminalreporter):
     for tier in sorted(TIER_SECONDS):
         write(f"{TIER_SECONDS[tier]:8.1f}s  {tier} tier ({TIER_TESTS.get(tier, 0)} tests)")
     slowest = sorted(MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_MODULES]
-    terminalreporter.write_sep("=", f"slowest {len(slowest)} modules (seconds: setup + call + teardown, summed)")
+    terminalreporter.write_sep(
+        "=",
+        f"slowest {len(slowest)} modules (seconds: setup + call + teardown, summed; CPU seconds of the process and "
+        "its reaped children)",
+    )
     for module, seconds in slowest:
         compiled, cached = MODULE_GRAPHS.get(module, (0, 0))
         graphs = f"  (inductor: {compiled} graphs compiled, {cached} from its cache)" if compiled or cached else ""
-        write(f"{seconds:8.1f}s  {module}{graphs}")
-    write(f"{sum(MODULE_SECONDS.values()):8.1f}s  in all (worker seconds)")
+        write(f"{seconds:8.1f}s  cpu {MODULE_CPU.get(module, 0.0):7.1f}s  {module}{graphs}")
+    write(f"{sum(MODULE_SECONDS.values()):8.1f}s  cpu {sum(MODULE_CPU.values()):7.1f}s  in all (worker seconds)")
 
 
 DATA_DIR = Path(os.environ.get("DTBENCH_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")

@@ -55,6 +55,7 @@ def _suite(target: Path, draft: Path, datasets: list[dict], decoders=None) -> di
         "datasets": datasets,
         "generation_lengths": [6],
         "decoders": decoders or [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}],
+        "isolation": "none",  # in this process, as tests/kit.py's suites: a child per run is a start and a load
     }
 
 

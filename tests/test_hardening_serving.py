@@ -350,7 +350,9 @@ def test_sigint_during_a_server_request_interrupts_the_run(tmp_path, data_dir):
     fake = Path(__file__).resolve().parent / "fakeserver.py"
     launch = [sys.executable, str(fake), "--port", "{port}", "--mode", "hang", "--mark", str(mark)]
     suite = _served(
-        tmp_path, [{"name": "server", "label": "hung", "params": {"launch": launch, "request_timeout_s": 120}}]
+        tmp_path,
+        [{"name": "server", "label": "hung", "params": {"launch": launch, "request_timeout_s": 120}}],
+        isolation="process",  # the default: the request hangs in the cell's child, SIGINT reaches the whole tree
     )
     proc = subprocess.Popen(
         [
