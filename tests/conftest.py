@@ -86,33 +86,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-# --- which worker runs what (issue 57 item 3): with `--dist loadfile` (the Makefile's) a module runs on one worker,
-# except that the modules of one SHARED_WORKER group run on one worker, one after the other: those compiling the
-# float64 zoo's graphs (tests/models.py COMPILED_MAX_LEN, the conformance kit's MAX_LEN) then compile each shape once,
-# a later module reusing it in the process (dynamo) or from inductor's FX graph cache, where two workers compiled the
-# same graphs side by side. Test ids stay as they are (xdist's loadgroup would append "@group" to every id).
-SHARED_WORKER = {
-    "test_compiled.py": "inductor-zoo",
-    "test_conformance_compiled.py": "inductor-zoo",
-    "test_fused_draft.py": "inductor-zoo",
-    "test_host_reads.py": "inductor-zoo",
-}
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with :data:`SHARED_WORKER`'s groups; any other ``--dist`` is xdist's own."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class GroupedFileScheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid)
-            return SHARED_WORKER.get(module.rsplit("/", 1)[-1], module)
-
-    return GroupedFileScheduling(config, log)
-
-
 # --- where the time goes (issue 57 item 4): seconds per module and per tier, summed over setup, call and teardown ---
 # With two xdist workers and ``--dist loadfile`` a module runs on one worker, so the slowest module bounds the
 # tier's wall time from below; CI's log shows the list beside ``--durations``. Each module's line counts the graphs
