@@ -29,6 +29,16 @@ class FormatChoice(click.Choice):
     def choices(self, value) -> None:  # click.Choice.__init__ assigns it; the registry is the one source
         pass
 
+    def convert(self, value, param, ctx):
+        """A built-in format (the default ``table``, ``json``, ...) loads that renderer only: no plugin is imported
+        for a report that asked for none (a plugin importing the plugin API imports torch: seconds a report;
+        issue 57). Any other name, a listing and the help load every registered format first."""
+        from dtbench.reports.output import load_builtin_format
+
+        if isinstance(value, str) and load_builtin_format(value):
+            return value
+        return super().convert(value, param, ctx)
+
 
 class ScheduleChoice(click.Choice):
     """``--schedule``: the registered engines that state a speculation schedule

@@ -163,6 +163,16 @@ def load_format_plugins() -> list[str]:
     return new
 
 
+def load_builtin_format(name: str) -> bool:
+    """Load the built-in format ``name`` alone into :data:`RENDERERS` (no plugin imported; a report in a built-in
+    format needs none). Returns whether ``name`` is a built-in format; False leaves :data:`RENDERERS` unchanged."""
+    entry = FORMAT_REGISTRY.scan().entries.get(name)
+    if entry is None or not entry.builtin:
+        return False
+    RENDERERS.setdefault(name, FORMAT_REGISTRY.load(entry))
+    return True
+
+
 def builtin_formats() -> tuple[str, ...]:
     """dtbench's own formats, sorted by name (``csv``, ``html``, ``json``, ``markdown``, ``table``)."""
     return tuple(name for name, entry in FORMAT_REGISTRY.scan().entries.items() if entry.builtin)
