@@ -1,9 +1,12 @@
-"""``dtbench check``: the conformance kit (:mod:`dtbench.testing`, issue 56) on registered decoders, third-party ones
-from their entry points exactly as built-ins.
+"""``dtbench check``: the conformance kit (:mod:`dtbench.testing`, issues 56 and 65) on registered decoders, third-party
+ones from their entry points exactly as built-ins, each decoder in a child process of its own under per-check
+deadlines (:mod:`dtbench.harness.conformance_process`).
 
-Prints a table of decoder x check (passed, FAILED, n/a, reported), then for each failure its one-line verdict and the
-first counterexample the search found (shrunk by hypothesis). Exit 0 when nothing failed, 1 on a failure, 2 on bad
-input (an unknown decoder, check or device).
+Prints a table of decoder x check (passed, FAILED, n/a, reported, xfail, XPASS, skipped), then for each failure its
+one-line verdict, the first counterexample the search found (clipped; whole in ``--format json``) and the last lines
+the decoder printed. Everything a decoder or plugin supplies (its name, messages, counterexamples, output) is printed
+as plain text: never read as rich markup, control characters escaped. Exit 0 when nothing failed, 1 when a decoder
+failed (a check, a hang, a crash, a load failure), 2 on bad input (an unknown decoder, check or device).
 """
 
 from __future__ import annotations
@@ -15,20 +18,38 @@ from dataclasses import asdict
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
 
-STYLE = {"passed": "green", "failed": "bold red", "error": "bold red", "n/a": "dim", "reported": "yellow"}
+STYLE = {
+    "passed": "green",
+    "failed": "bold red",
+    "error": "bold red",
+    "xpass": "bold red",
+    "n/a": "dim",
+    "reported": "yellow",
+    "xfail": "yellow",
+    "skipped": "dim",
+}
+SHOWN = {"failed": "FAILED", "xpass": "XPASS", "error": "error"}
+# The kit's checks in the order they run (dtbench.testing.check_names(); kept here so `dtbench --help` imports no
+# torch; tests/test_check_process.py holds the two equal).
 CHECK_NAMES = (
+    "deterministic",
     "state",
     "greedy_equals_reference",
+    "length",
+    "eos",
+    "inputs_unchanged",
     "batch_rows",
     "step_accounting",
     "host_reads",
     "compiled_equals_eager",
     "sampling",
 )
+COUNTEREXAMPLE_CHARS = 2000  # a counterexample's characters in the table format (the whole one: --format json)
 
 
 def _decoders(names: tuple[str, ...], all_: bool) -> list[str]:
@@ -39,9 +60,11 @@ def _decoders(names: tuple[str, ...], all_: bool) -> list[str]:
     if not all_ and not names:
         raise DtbenchError("name the decoders to check (dtbench check NAME ...) or pass --all")
     if all_:
-        return sorted(registry.discover())
+        return sorted(registry.discover())  # metadata only: a broken plugin fails in its own child, as its own row
+    found = registry.DECODERS.scan()
     for name in names:
-        registry.get(name)  # an unknown name: the registry's one-line error, before any check runs
+        if name not in found.entries:
+            registry.get(name)  # unknown or ambiguous: the registry's one-line error, before any check runs
     return list(names)
 
 
@@ -61,12 +84,30 @@ def _decoders(names: tuple[str, ...], all_: bool) -> list[str]:
     help="hypothesis examples per check (default: each check's own, 3-20; $DTBENCH_HYPOTHESIS_EXAMPLES caps it)",
 )
 @click.option("--check", "checks", multiple=True, type=click.Choice(CHECK_NAMES), help="run only these checks")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    help="seconds each check may run before it fails and the decoder's process is killed (default: 900 for "
+    "compiled_equals_eager and sampling, 300 for every other check; sized for a 2-core CPU)",
+)
+@click.option(
+    "--in-process",
+    is_flag=True,
+    help="run the checks in this process (debugging: no deadline, and a decoder that exits or crashes ends the "
+    "command)",
+)
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def check_command(names, all_, device, examples, checks, fmt) -> None:
-    """Check decoders against dtbench's conformance kit: greedy output equals the reference (hypothesis over prompts,
-    T, params, model pairs; tie-aware at fp16/bf16), batch rows, compiled equals eager, sampling's distribution, Step
-    accounting, host reads per iteration, no state leaking across prompts. Which checks apply follows from what each
-    decoder declares; its params from its check_settings.
+def check_command(names, all_, device, examples, checks, timeout, in_process, fmt) -> None:
+    """Check decoders against dtbench's conformance kit: deterministic output, no state across prompts, greedy output
+    equal to the reference (hypothesis over prompts, T, params, model pairs; tie-aware at fp16/bf16), exactly T tokens,
+    nothing after EOS, the caller's input_ids untouched, batch rows, Step accounting, host reads, compiled equals
+    eager, sampling's distribution. Which checks apply follows from what each decoder declares; its params from its
+    check_settings; a check it declares a known failure (xfail_checks) shows as xfail.
+
+    Each decoder is checked in a child process of its own: a check past its deadline (--timeout) fails and the
+    process is killed with its process group; a decoder that exits, crashes or fails to import is that decoder's
+    failure (exit code or signal named, with its last output lines), and the other decoders go on. Its own printing
+    is captured, never mixed into the table.
 
     \b
     Examples:
@@ -75,62 +116,124 @@ def check_command(names, all_, device, examples, checks, fmt) -> None:
       dtbench check linear --check greedy_equals_reference --examples 200
 
     \b
-    Exit codes: 0 nothing failed, 1 a check failed, 2 bad input.
+    Exit codes: 0 nothing failed, 1 a decoder failed (a check, a hang, a crash, a load failure), 2 bad input.
     """
     from dtbench import testing
     from dtbench.harness.conformance import precisions
 
     decoders = _decoders(tuple(names), all_)
     precisions(device)  # bad --device: one line, before anything runs
-    err = Console(stderr=True)
+    err = Console(stderr=True, highlight=False)
     reports = []
     for name in decoders:
 
         def progress(o, name=name):
-            err.print(
-                f"  {printable(name)} {o.check} [{STYLE[o.status]}]{o.status}[/] {o.seconds:.1f} s", highlight=False
-            )
+            line = Text(f"  {printable(name)} {o.check} ")
+            line.append(SHOWN.get(o.status, o.status), style=STYLE.get(o.status, ""))
+            line.append(f" {o.seconds:.1f} s")
+            err.print(line)
 
-        reports.append(
-            testing.check_decoder(name, device=device, examples=examples, checks=checks or None, progress=progress)
+        report = testing.check_decoder(
+            name,
+            device=device,
+            examples=examples,
+            checks=checks or None,
+            progress=progress,
+            timeout=timeout,
+            isolation="none" if in_process else "process",
         )
+        if report.load_error:
+            line = Text(f"  {printable(name)} ")
+            line.append("failed to load", style="bold red")
+            err.print(line)
+        reports.append(report)
     if fmt == "json":
-        doc = [{"decoder": r.decoder, "ok": r.ok, "outcomes": [asdict(o) for o in r.outcomes]} for r in reports]
+        doc = [
+            {
+                "decoder": r.decoder,
+                "ok": r.ok,
+                "load_error": r.load_error or None,
+                "outcomes": [asdict(o) for o in r.outcomes],
+            }
+            for r in reports
+        ]
         click.echo(json.dumps(doc, indent=1, default=str))
     else:
         _print(reports)
     sys.exit(0 if all(r.ok for r in reports) else 1)
 
 
+def _column(o) -> str:
+    return o.check + ("" if o.precision == "cpu" else f" {o.precision}")
+
+
 def _print(reports) -> None:
     from dtbench.reports import output
 
     console = output.stdout()
-    columns = list(
-        dict.fromkeys(
-            f"{o.check}" + ("" if o.precision == "cpu" else f" {o.precision}") for r in reports for o in r.outcomes
-        )
-    )
+    columns = list(dict.fromkeys(_column(o) for r in reports for o in r.outcomes))
     table = Table(title="dtbench check: decoder x check")
     table.add_column("decoder")
-    for col in columns:
+    for col in columns or ["load"]:
         table.add_column(col.replace("_", " "))
     for r in reports:
-        cells = {o.check + ("" if o.precision == "cpu" else f" {o.precision}"): o for o in r.outcomes}
-        table.add_row(printable(r.decoder), *(_cell(cells.get(c)) for c in columns))
+        if r.load_error:
+            cells = [Text("failed to load", style="bold red")] + [Text("-") for _ in columns[1:]]
+        else:
+            by_column = {_column(o): o for o in r.outcomes}
+            cells = [_cell(by_column.get(c)) for c in columns]
+        table.add_row(Text(printable(r.decoder)), *cells)
     console.print(table)
-    failed = [o for r in reports for o in r.outcomes if o.status in ("failed", "error")]
-    for o in failed:
-        console.print(f"[bold red]FAILED[/] {printable(o.verdict)}", highlight=False)
-        if o.counterexample:
-            console.print(f"  counterexample: {printable(json.dumps(o.counterexample, default=str))}", highlight=False)
+    failed = 0
+    for r in reports:
+        if r.load_error:
+            failed += 1
+            _line(console, "FAILED", f"{r.decoder}: failed to load: {r.load_error}")
+        for o in r.outcomes:
+            if o.status in ("failed", "error", "xpass"):
+                failed += 1
+                _line(console, SHOWN[o.status], o.verdict)
+                if o.counterexample:
+                    text = json.dumps(o.counterexample, default=str)
+                    if len(text) > COUNTEREXAMPLE_CHARS:
+                        text = (
+                            f"{text[:COUNTEREXAMPLE_CHARS]}... ({len(text):,} characters; the whole one: --format json)"
+                        )
+                    console.print(Text(f"  counterexample: {printable(text)}"), soft_wrap=True)  # copyable JSON
+            if o.output and o.status in ("failed", "error", "xpass", "xfail"):
+                console.print(Text(f"  its last output ({o.printed} line{'s' if o.printed != 1 else ''}):"))
+                for line in o.output.splitlines():
+                    console.print(Text(f"    {line}"), soft_wrap=True)
+    for r in reports:
+        for o in r.outcomes:
+            if o.status == "xfail":
+                _line(console, "xfail", o.verdict, style="yellow")
     n = sum(len(r.outcomes) for r in reports)
-    passed = sum(o.status in ("passed", "reported") for r in reports for o in r.outcomes)
-    na = sum(o.status == "n/a" for r in reports for o in r.outcomes)
-    console.print(f"{len(reports)} decoder(s), {n} checks: {passed} passed, {len(failed)} failed, {na} not applicable")
+    count = lambda *s: sum(o.status in s for r in reports for o in r.outcomes)  # noqa: E731
+    tail = ", ".join(
+        f"{k} {w}"
+        for k, w in (
+            (count("xfail"), "known failures (xfail)"),
+            (count("skipped"), "skipped"),
+            (count("n/a"), "not applicable"),
+        )
+        if k
+    )
+    console.print(
+        Text(
+            f"{len(reports)} decoder(s), {n} checks: {count('passed', 'reported')} passed, {failed} failed"
+            + (f", {tail}" if tail else "")
+        )
+    )
 
 
-def _cell(o) -> str:
+def _line(console, head: str, text: str, style: str = "bold red") -> None:
+    line = Text(head, style=style)
+    line.append(f" {printable(text)}")
+    console.print(line, soft_wrap=True)
+
+
+def _cell(o) -> Text:
     if o is None:
-        return ""
-    return f"[{STYLE[o.status]}]{'FAILED' if o.status == 'failed' else o.status}[/]"
+        return Text("")
+    return Text(SHOWN.get(o.status, o.status), style=STYLE.get(o.status, ""))

@@ -124,6 +124,12 @@ class Decoder(ABC, Generic[P]):
             a child process of its own, where no other decoder ran (:mod:`dtbench.harness.isolation`; issue 38). No
             built-in sets it since issue 47 (transformers' ``generate``, the decoder it was for, no longer runs in a
             greenlet); it stays for third-party decoders that need a fresh process.
+        xfail_checks: conformance checks (:mod:`dtbench.testing`) this decoder knowingly fails, each with its reason:
+            ``{"check": "why"}`` or, for one precision, ``{"check[cuda-float16]": "why"}`` (scikit-learn's
+            ``_xfail_checks``, issue 65). ``dtbench check`` shows such a failure as ``xfail`` with the reason and a
+            pass as ``xpass``, a failure (strict: the declaration is stale). No built-in declares one.
+
+    ``class X(Decoder[XParams])`` binds ``Params = XParams`` when the class does not set ``Params`` itself.
     """
 
     Params: ClassVar[type[DecoderParams]] = DecoderParams
@@ -136,6 +142,22 @@ class Decoder(ABC, Generic[P]):
     compiles: ClassVar[bool] = False
     requests: ClassVar[bool] = False
     own_process: ClassVar[tuple[str, ...]] = ()
+    xfail_checks: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Bind ``Params`` from the subscripted base (``class X(Decoder[XParams])``) when the class sets none: a
+        decoder written as the type annotation says gets its params model, never the empty base (issue 65 item 6)."""
+        super().__init_subclass__(**kwargs)
+        if "Params" in cls.__dict__:
+            return
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            args = typing.get_args(base)
+            origin = typing.get_origin(base)
+            if isinstance(origin, type) and issubclass(origin, Decoder) and args:
+                model = args[0]
+                if isinstance(model, type) and issubclass(model, DecoderParams):
+                    cls.Params = model
+                    return
 
     # Set by the runner before generate() when the suite samples (dtbench.decoders.sampling); None: greedy.
     sampling: Any = None  # SamplingSettings | None

@@ -383,6 +383,22 @@ def prompts(min_size: int = 1, max_size: int = 24) -> Any:
     return st.lists(st.integers(3, VOCAB - 1), min_size=min_size, max_size=max_size)
 
 
+def distinct_rows(min_rows: int, max_rows: int, max_size: int, min_size: int = 1) -> Any:
+    """B = ``min_rows``..``max_rows`` prompts of distinct lengths and distinct last tokens (ragged rows, no two alike:
+    an example whose rows are identical cannot show a row swap, issue 65)."""
+    from hypothesis import strategies as st
+
+    def rows(b: int) -> Any:
+        return st.lists(
+            prompts(min_size, max_size),
+            min_size=b,
+            max_size=b,
+            unique_by=(len, lambda p: p[-1]),  # type: ignore[arg-type]
+        )
+
+    return st.integers(min_rows, max_rows).flatmap(rows)
+
+
 def iter_params(settings: Any, keep: Callable[[DecoderParams], str | None]) -> Iterator[DecoderParams]:
     """The declared settings (a list) that ``keep`` has no reason against."""
     for params in settings:

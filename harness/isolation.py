@@ -153,6 +153,15 @@ def own_process_segments(decoders, device_type: str) -> list[tuple[str | None, s
     return out
 
 
+def fault_trace(lines: list[str], frames_shown: int = 8) -> list[str]:
+    """What faulthandler wrote of a native crash among a log's ``lines``: its "Fatal Python error" line and the
+    crashing thread's innermost ``frames_shown`` frames (without the extension-module list); [] when it wrote none."""
+    fatal = [line for line in lines if line.startswith("Fatal Python error")]
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    frames = [line for line in lines[start + 1 :] if line.startswith("File ")] if start is not None else []
+    return [*fatal[-1:], *frames[:frames_shown]] if fatal or frames else []
+
+
 def signal_name(exitcode: int | None) -> str:
     """``SIGSEGV`` for an exit code of -11, ``exit code 3`` for 3, ``unknown`` for None."""
     if exitcode is None:
@@ -256,13 +265,9 @@ class IsolatedWorker:
 
     def _crash_text(self) -> str:
         lines = [line.strip() for line in self._log_tail().splitlines() if line.strip()]
-        fatal = [line for line in lines if line.startswith("Fatal Python error")]
-        # the crashing thread's frames, innermost first (faulthandler's order), without the extension-module list
-        start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
-        frames = [line for line in lines[start + 1 :] if line.startswith("File ")] if start is not None else []
-        tail = " | ".join([*fatal[-1:], *frames[:8]]) or " | ".join(lines[-6:])
-        where = f"; faulthandler: {clip(printable(tail), TRACE_TAIL)}" if fatal or frames else self._output_tail()
-        if fatal or frames:
+        trace = fault_trace(lines)
+        where = f"; faulthandler: {clip(printable(' | '.join(trace)), TRACE_TAIL)}" if trace else self._output_tail()
+        if trace:
             self.kept.append(self.trace_path)
             where += f"; log {self.trace_path}"
         return f"the measuring process died of {signal_name(self.proc.exitcode)}{where}"

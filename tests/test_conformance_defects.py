@@ -9,13 +9,14 @@ The planted decoders are written against ``dtbench.api`` as a plugin author woul
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from dtbench.api import Decoder, DecoderParams, Step
+from dtbench.api import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
 from dtbench.decoders.ar import Autoregressive
 from dtbench.testing import check_decoder
 
@@ -30,7 +31,16 @@ def _uncapped(monkeypatch):
     monkeypatch.delenv("DTBENCH_HYPOTHESIS_EXAMPLES", raising=False)
 
 
-CHEAP = ["state", "greedy_equals_reference", "batch_rows", "step_accounting"]
+CHEAP = [
+    "deterministic",
+    "state",
+    "greedy_equals_reference",
+    "length",
+    "eos",
+    "inputs_unchanged",
+    "batch_rows",
+    "step_accounting",
+]
 
 
 class Params(DecoderParams):
@@ -43,36 +53,52 @@ def _argmax(model, ids: list[int]) -> torch.Tensor:
 
 
 class Chain(Decoder[Params]):
-    """A correct chain decoder (K = 3 greedy drafts, greedy verification, no cache): the base of the planted ones."""
+    """A correct chain decoder (K = 3 greedy drafts capped at T, greedy verification, stops at EOS when asked, no
+    cache): the base of the planted ones."""
 
     Params = Params
     needs_draft = True
     lossless = True
     K = 3
 
-    def verify(self, ids: list[int]) -> tuple[list[int], list[int], int]:
+    def verify(self, ids: list[int], k: int) -> tuple[list[int], list[int], int]:
         drafts: list[int] = []
-        for _ in range(self.K):
+        for _ in range(k):
             drafts.append(int(_argmax(self.draft, ids + drafts)[-1]))
         pred = _argmax(self.target, ids + drafts)[len(ids) - 1 :].tolist()
         a = 0
-        while a < self.K and drafts[a] == pred[a]:
+        while a < k and drafts[a] == pred[a]:
             a += 1
         return drafts, pred, a
 
+    def drafts_for(self, produced: int, max_new_tokens: int) -> int:
+        return min(self.K, max_new_tokens - produced - 1)  # with the bonus token, never past T
+
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> Iterator[Step]:
         ids = input_ids[0].tolist()
+        eos = eos_ids(self.eos_token_id)
         first = int(_argmax(self.target, ids)[-1])
         ids.append(first)
         yield Step((first,))
-        while True:
-            drafts, pred, a = self.verify(ids)
+        produced = 1
+        if first in eos:
+            return
+        while produced < max_new_tokens:
+            k = self.drafts_for(produced, max_new_tokens)
+            drafts, pred, a = self.verify(ids, k)
             committed = (*drafts[:a], pred[a])
             ids = self.advance(ids, committed, drafts, a)
-            yield Step(committed, drafted=self.K, accepted=a, depth=self.K)
+            step, hit = self.cut(Step(committed, drafted=k, accepted=a, depth=k), eos)
+            produced += len(step.tokens)
+            yield step
+            if hit:
+                return
 
     def advance(self, ids: list[int], committed: tuple[int, ...], drafts: list[int], a: int) -> list[int]:
         return ids + list(committed)
+
+    def cut(self, step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
+        return cut_at_eos(step, eos)
 
 
 class RollbackOffByOne(Chain):
@@ -80,7 +106,7 @@ class RollbackOffByOne(Chain):
 
     def advance(self, ids, committed, drafts, a):
         ids = ids + list(committed)
-        return ids + [drafts[a]] if a < self.K else ids
+        return ids + [drafts[a]] if a < len(drafts) else ids
 
 
 class OverCounted(Chain):
@@ -115,21 +141,62 @@ class Leaky(Chain):
 class LossyDeclaredLossless(Chain):
     """Commits the draft's tokens without checking them, and declares lossless."""
 
-    def verify(self, ids):
-        drafts, pred, _ = super().verify(ids)
-        return drafts, [*drafts, pred[-1]], self.K
+    def verify(self, ids, k):
+        drafts, pred, _ = super().verify(ids, k)
+        return drafts, [*drafts, pred[-1]], k
+
+
+class Overshoots(Chain):
+    """Drafts K tokens even when fewer remain before T (a chain not capped at T): its last Step commits past T on the
+    prompts where the drafts are accepted, an extra verification the runner's cut at T hides."""
+
+    def drafts_for(self, produced, max_new_tokens):
+        return self.K
+
+
+class PastEos(Chain):
+    """Goes on generating past the EOS it commits when stopping at EOS was asked."""
+
+    def cut(self, step, eos):
+        return step, False
+
+
+class WritesInputs(Chain):
+    """Uses the caller's ``input_ids`` as scratch space once it has read them."""
+
+    def generate(self, input_ids, max_new_tokens):
+        gen = super().generate(input_ids, max_new_tokens)
+        first = next(gen)
+        input_ids.fill_(0)
+        yield first
+        yield from gen
+
+
+class WallClock(Chain):
+    """Commits another token than the target's when the microsecond clock is odd: its output depends on the wall
+    clock (every other check would fail it too, blaming the wrong thing, on some runs and not others)."""
+
+    def verify(self, ids, k):
+        drafts, pred, a = super().verify(ids, k)
+        if time.perf_counter_ns() // 1000 % 2:
+            pred = [*pred[:a], (pred[a] + 1) % 96, *pred[a + 1 :]]
+        return drafts, pred, a
 
 
 class MixedRows(Chain):
-    """Decodes batches, and hands each row's tokens to the next row."""
+    """Decodes batches (one token a row per iteration), and hands each row's tokens to the next live row."""
 
     batching = True
+    K = 0
 
     def generate_batch(self, prompts, max_new_tokens):
         gens = [self.generate(p, max_new_tokens) for p in prompts]
-        while True:
-            steps = [next(g) for g in gens]
-            yield {r: steps[(r + 1) % len(steps)] if len(steps) > 1 else steps[r] for r in range(len(steps))}
+        live = list(range(len(gens)))
+        while live:
+            steps = {r: next(gens[r], None) for r in live}
+            live = [r for r in live if steps[r] is not None]
+            if live:
+                yield {r: steps[live[(i + 1) % len(live)]] for i, r in enumerate(live)}
 
 
 class RecompilesEveryIteration(Autoregressive):
@@ -150,14 +217,24 @@ PLANTED = [
     (EmptyStep, "step_accounting"),
     (Leaky, "state"),
     (MixedRows, "batch_rows"),
+    (Overshoots, "length"),
+    (PastEos, "eos"),
+    (WritesInputs, "inputs_unchanged"),
+    (WallClock, "deterministic"),
 ]
 
 
 @pytest.mark.parametrize(("decoder", "check"), PLANTED, ids=[d.__name__ for d, _ in PLANTED])
 def test_a_planted_defect_fails_its_check_and_only_it(decoder, check):
-    report = check_decoder(decoder, checks=CHEAP, examples=12)
+    """In this process (``isolation="none"``): the subject is what the checks find; the child process and its
+    deadlines are tests/test_check_process.py's."""
+    report = check_decoder(decoder, checks=CHEAP, examples=12, isolation="none")
     failed = {o.check: o for o in report.outcomes if o.status in ("failed", "error")}
     assert set(failed) == {check}, [o.verdict for o in report.outcomes]
+    if check == "deterministic":  # the others are not run: they would blame something else
+        assert {o.status for o in report.outcomes if o.check != check} == {"skipped"}
+        assert failed[check].detail.startswith("nondeterministic")
+        assert {"first", "second"} <= set(failed[check].counterexample) or "first_steps" in failed[check].counterexample
     outcome = failed[check]
     assert outcome.status == "failed" and len(outcome.verdict.splitlines()) == 1
     assert outcome.verdict.startswith(f"{decoder.__name__}: {check} failed on cpu: ")
@@ -169,7 +246,10 @@ def test_a_planted_defect_fails_its_check_and_only_it(decoder, check):
 @pytest.mark.full
 def test_a_recompile_per_iteration_fails_the_compiled_check_only():
     report = check_decoder(
-        RecompilesEveryIteration, checks=["greedy_equals_reference", "compiled_equals_eager"], examples=2
+        RecompilesEveryIteration,
+        checks=["greedy_equals_reference", "compiled_equals_eager"],
+        examples=2,
+        isolation="none",
     )
     status = {o.check: o for o in report.outcomes}
     assert status["greedy_equals_reference"].status == "passed"
@@ -179,11 +259,15 @@ def test_a_recompile_per_iteration_fails_the_compiled_check_only():
 
 
 def test_a_correct_decoder_written_against_the_api_passes():
-    report = check_decoder(Chain, checks=[*CHEAP, "host_reads"], examples=10)
+    report = check_decoder(Chain, checks=[*CHEAP, "host_reads"], examples=10, isolation="none")
     assert report.ok, report.verdicts
     status = {o.check: o.status for o in report.outcomes}
     assert status == {
+        "deterministic": "passed",
         "state": "passed",
+        "length": "passed",
+        "eos": "passed",
+        "inputs_unchanged": "passed",
         "greedy_equals_reference": "passed",
         "batch_rows": "n/a",  # declares batching = False
         "step_accounting": "passed",
@@ -199,7 +283,7 @@ def test_the_example_plugin_passes_from_its_source():
         from dtbench_prompt_lookup import PromptLookup
     finally:
         sys.path.remove(str(src))
-    report = check_decoder(PromptLookup, checks=CHEAP, examples=8)
+    report = check_decoder(PromptLookup, checks=CHEAP, examples=8, isolation="none")
     assert report.ok, report.verdicts
     assert [o.status for o in report.outcomes if o.check == "greedy_equals_reference"] == ["passed"]
 
