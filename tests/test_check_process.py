@@ -87,6 +87,10 @@ class BigStep(Planted):
         yield Step(tuple([7] * 100_000), drafted=1, accepted=5)
 
 
+class Known(Planted):
+    xfail_checks = {"greedy_equals_reference": "emits token 5 whatever the prompt (a planted known failure)"}
+
+
 class Markup(Planted):
     def act(self):
         raise RuntimeError("[link=https://evil.example/]click me[/link] [/] [bold]loud")
@@ -101,6 +105,7 @@ ENTRIES = {
     "p_noisy": "dtbench_planted:Noisy",
     "p_bigstep": "dtbench_planted:BigStep",
     "p_markup": "dtbench_planted:Markup",
+    "p_known": "dtbench_planted:Known",
     "p[/]bracket": "dtbench_planted:Planted",
     "p_broken": "dtbench_broken:Nothing",
 }
@@ -150,8 +155,12 @@ def _cmdline(p) -> list[str]:
         return []
 
 
-def test_hangs_exits_crashes_and_broken_plugins_are_their_decoders_failures(planted):
+def test_hangs_exits_crashes_and_broken_plugins_are_their_decoders_failures(planted, monkeypatch):
+    from dtbench.harness import registry
+
     names = ["p_hang", "p_exit3", "p_segv", "p_exit0", "p_interrupt", "p_noisy", "p_broken", "ar"]
+    planted_only = registry.discover
+    monkeypatch.setattr(registry, "discover", lambda: {n: e for n, e in planted_only().items() if n in names})
     result = invoke(
         "check", "--all", "--device", "cpu", "--check", "greedy_equals_reference", "--check", "length",
         "--examples", "2", "--timeout", "8", "--format", "json",
@@ -234,7 +243,7 @@ def test_a_hung_check_fails_a_plugins_pytest_instead_of_hanging_it(planted, tmp_
             """
             from dtbench.testing import parametrize_with_checks
 
-            @parametrize_with_checks(["p_hang", "p_exit3", "ar"], checks=["greedy_equals_reference"], timeout=8)
+            @parametrize_with_checks(["p_hang", "p_exit3", "ar", "p_known"], checks=["greedy_equals_reference"], timeout=8)
             def test_conformance(decoder, check):
                 check(decoder)
             """
@@ -244,6 +253,6 @@ def test_a_hung_check_fails_a_plugins_pytest_instead_of_hanging_it(planted, tmp_
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(tests)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "2 failed, 1 passed" in result.stdout, result.stdout
+    assert "2 failed, 1 passed, 1 xfailed" in result.stdout, result.stdout
     assert "exceeded 8 s in greedy_equals_reference" in result.stdout
     assert "died of exit code 3 in greedy_equals_reference" in result.stdout

@@ -21,7 +21,17 @@ TIER = "fast"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUILTINS = sorted(n for n, e in registry.discover().items() if e.distribution == "dtbench")
-CHEAP = ["state", "greedy_equals_reference", "batch_rows", "step_accounting", "host_reads"]
+CHEAP = [
+    "deterministic",
+    "state",
+    "greedy_equals_reference",
+    "length",
+    "eos",
+    "inputs_unchanged",
+    "batch_rows",
+    "step_accounting",
+    "host_reads",
+]
 DEVICES = ("cpu", "cuda", "cuda-float16")
 
 

@@ -297,3 +297,58 @@ def test_bad_names_are_one_line_errors():
         check_decoder("ar", device="tpu")
     with pytest.raises(DtbenchError):
         check_decoder("no_such_decoder")
+
+
+class KnownOvershoot(Overshoots):
+    """Overshoots, declaring it (scikit-learn's ``_xfail_checks``)."""
+
+    xfail_checks = {"length": "drafts K past T on purpose (a planted known failure)"}
+
+
+class StaleDeclaration(Chain):
+    """Declares a known failure it no longer has."""
+
+    xfail_checks = {"length[cpu]": "fixed long ago"}
+
+
+def test_a_declared_known_failure_is_xfail_and_a_stale_declaration_fails():
+    report = check_decoder(KnownOvershoot, checks=["greedy_equals_reference", "length"], examples=12, isolation="none")
+    status = {o.check: o for o in report.outcomes}
+    assert status["greedy_equals_reference"].status == "passed"
+    assert status["length"].status == "xfail", status["length"].verdict
+    assert status["length"].detail.startswith("known failure (drafts K past T on purpose")
+    assert "past T" in status["length"].detail  # what the check found, still shown
+    assert report.ok
+    stale = check_decoder(StaleDeclaration, checks=["length"], examples=3, isolation="none")
+    (outcome,) = stale.outcomes
+    assert outcome.status == "xpass" and "remove 'length[cpu]' from xfail_checks" in outcome.detail
+    assert not stale.ok
+
+
+class LimitParams(DecoderParams):
+    k: int = 2
+
+
+class Unbound(Decoder[LimitParams]):
+    """Written as the annotation says, without ``Params = LimitParams`` (issue 65 item 6)."""
+
+    def generate(self, input_ids, max_new_tokens):
+        ids = input_ids[0].tolist()
+        for _ in range(max_new_tokens):
+            token = int(_argmax(self.target, ids)[-1]) if self.params.k == 2 else 0
+            ids.append(token)
+            yield Step((token,))
+
+
+def test_decoder_of_p_without_params_binds_p():
+    assert Unbound.Params is LimitParams
+    assert Chain.Params is Params and Overshoots.Params is Params  # set or inherited: untouched
+    report = check_decoder(Unbound, checks=["greedy_equals_reference", "length"], examples=4, isolation="none")
+    assert report.ok, report.verdicts
+
+
+def test_the_clis_check_names_are_the_kits():
+    from dtbench.cli.check import CHECK_NAMES
+    from dtbench.testing import check_names
+
+    assert list(CHECK_NAMES) == check_names()
