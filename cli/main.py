@@ -419,6 +419,9 @@ cli.add_command(doctor_command)  # dtbench doctor (make gpu-check)
 from dtbench.cli.check import check_command  # noqa: E402
 
 cli.add_command(check_command)  # dtbench check (cli/check.py; the kit: dtbench/testing.py)
+from dtbench.cli.scaffold import new_decoder_command  # noqa: E402
+
+cli.add_command(new_decoder_command)  # dtbench new-decoder (cli/scaffold.py)
 
 
 def main() -> None:

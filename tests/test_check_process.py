@@ -256,3 +256,41 @@ def test_a_hung_check_fails_a_plugins_pytest_instead_of_hanging_it(planted, tmp_
     assert "2 failed, 1 passed, 1 xfailed" in result.stdout, result.stdout
     assert "exceeded 8 s in greedy_equals_reference" in result.stdout
     assert "died of exit code 3 in greedy_equals_reference" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_a_new_decoder_package_installs_and_passes_the_kit(tmp_path, kind):
+    """`dtbench new-decoder` writes a package that installs with pip and passes `dtbench check` as generated (every
+    check), and whose own tests run the kit through parametrize_with_checks."""
+    name = f"fresh_{kind}"
+    result = invoke("new-decoder", name, f"--{kind}", "--dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    package = tmp_path / f"dtbench-fresh-{kind}"
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([*pip, str(package)], check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env["OMP_NUM_THREADS"] = "1"
+    check = subprocess.run(
+        [sys.executable, "-m", "dtbench.cli.main", "check", name, "--device", "cpu", "--format", "json"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    (report,) = json.loads(check.stdout)
+    statuses = {o["check"]: o["status"] for o in report["outcomes"]}
+    assert statuses["greedy_equals_reference"] == statuses["length"] == statuses["sampling"] == "passed", statuses
+    assert statuses["compiled_equals_eager"] == "passed", statuses
+    own = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "greedy or eos", str(package / "tests")],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert own.returncode == 0 and "2 passed" in own.stdout, own.stdout + own.stderr
+
+
+def test_new_decoder_refuses_bad_names_in_one_line(tmp_path):
+    from kit import one_line_error
+
+    one_line_error(invoke("new-decoder", "ar", "--dir", str(tmp_path)), "built-in decoder's name")
+    one_line_error(invoke("new-decoder", "Bad-Name", "--dir", str(tmp_path)), "not a lowercase identifier")
+    assert invoke("new-decoder", "twice", "--dir", str(tmp_path)).exit_code == 0
+    one_line_error(invoke("new-decoder", "twice", "--dir", str(tmp_path)), "exists already")
