@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtbench.core import DtbenchError
+from dtbench.decoders.base import Decoder
 from dtbench.harness.conformance import PRECISIONS, CheckContext, CheckFailed, Precision, precisions
 from dtbench.harness.conformance_checks import CHECKS, FAILING, Check, Outcome, apply_xfail, run_check
 from dtbench.harness.conformance_process import DEFAULT_TIMEOUT_S, DEFAULT_TIMEOUTS, CheckProcess, ChildDied, timeout_of
@@ -59,13 +60,12 @@ def check_names() -> list[str]:
     return [c.name for c in CHECKS]
 
 
-def resolve(decoder: str | type) -> tuple[str, type]:
+def resolve(decoder: str | type) -> tuple[str, type[Decoder[Any]]]:
     """(name, class) of a registered decoder name or a Decoder subclass.
 
     Raises:
         DtbenchError: an unknown name (the registry's one-line message), or a class that is not a Decoder.
     """
-    from dtbench.decoders.base import Decoder
     from dtbench.harness import registry
 
     if isinstance(decoder, str):

@@ -393,7 +393,7 @@ def distinct_rows(min_rows: int, max_rows: int, max_size: int, min_size: int = 1
             prompts(min_size, max_size),
             min_size=b,
             max_size=b,
-            unique_by=(len, lambda p: p[-1]),  # type: ignore[arg-type]
+            unique_by=(len, lambda p: p[-1]),
         )
 
     return st.integers(min_rows, max_rows).flatmap(rows)
