@@ -12,6 +12,7 @@ failed (a check, a hang, a crash, a load failure), 2 on bad input (an unknown de
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict
 
@@ -123,6 +124,11 @@ def check_command(names, all_, device, examples, checks, timeout, in_process, fm
 
     decoders = _decoders(tuple(names), all_)
     precisions(device)  # bad --device: one line, before anything runs
+    if in_process:  # hypothesis' folder in a temporary one, never the current folder (a child does the same)
+        import tempfile
+
+        scratch = tempfile.TemporaryDirectory(prefix="dtbench-check-hypothesis-")
+        os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", scratch.name)
     err = Console(stderr=True, highlight=False)
     reports = []
     for name in decoders:

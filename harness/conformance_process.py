@@ -3,8 +3,9 @@
 A decoder under check may hang (a ``generate`` sleeping in a loop), exit (``sys.exit(0)``, ``os._exit(3)``), crash
 natively (a segfault), raise ``KeyboardInterrupt``, print a million lines or fail to import. None of that may hang
 ``dtbench check`` or a plugin's pytest, end it, or read as a pass. So a decoder's checks run in a child process
-(``multiprocessing``'s *spawn*, as ``dtbench run``'s ``isolation: process``: :mod:`dtbench.harness.isolation`), and the
-parent holds the deadlines:
+(forked from a fork server that imported torch, transformers and the kit once and ran nothing else: :func:`context`;
+``dtbench run``'s ``isolation: process`` is the same idea, :mod:`dtbench.harness.isolation`), and the parent holds the
+deadlines:
 
 - **A check past its deadline** (:data:`DEFAULT_TIMEOUTS`, sized for a 2-core CPU; ``--timeout S`` for every check)
   is that check's failure ("exceeded 300 s in greedy_equals_reference"): the child is killed with its process group
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import multiprocessing
 import os
 import shutil
@@ -59,6 +61,23 @@ def timeout_of(check: str, timeout: float | None) -> float:
     return float(timeout) if timeout is not None else DEFAULT_TIMEOUTS.get(check, DEFAULT_TIMEOUT_S)
 
 
+PRELOAD = ["dtbench.harness.conformance_preload"]  # what the fork server imports once (torch, transformers, the kit)
+
+
+@functools.cache
+def context() -> Any:
+    """The multiprocessing context children start from: a fork server that imported torch, transformers and the kit
+    once (:data:`PRELOAD`), so a decoder's child starts without those seconds of imports, yet from a process that ran
+    no check and holds no CUDA state; *spawn* where the platform has no fork server. The fork server ends with this
+    process. A child takes the caller's environment and current folder with its decoder (the fork server's are
+    those of its start), and its ``sys.path`` from multiprocessing's preparation data."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 # --- the child ----------------------------------------------------------------------------------------------------------
 
 
@@ -74,6 +93,9 @@ def _serve(conn: Any, log_path: str, storage: str) -> None:
     sys.stdout = sys.stderr = log
     faulthandler.enable(file=log, all_threads=True)
     os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = storage  # hypothesis writes here, never into the cwd
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    set_hypothesis_home_dir(storage)  # (hypothesis may have been imported already, and read the variable)
     cls: Any = None
     name = ""
     while True:
@@ -85,6 +107,12 @@ def _serve(conn: Any, log_path: str, storage: str) -> None:
         if kind == "close":
             break
         if kind == "load":
+            _, _, environ, cwd = message
+            os.environ.clear()  # the caller's environment and folder now, not the fork server's at its start
+            os.environ.update(environ)
+            os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = storage
+            with contextlib.suppress(OSError):
+                os.chdir(cwd)
             try:
                 from dtbench.testing import resolve
 
@@ -153,7 +181,7 @@ class CheckProcess:
     """
 
     def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = context()
         self.conn, child = ctx.Pipe()
         fd, self.log_path = tempfile.mkstemp(prefix="dtbench-check-", suffix=".log")
         os.close(fd)
@@ -170,7 +198,7 @@ class CheckProcess:
         """Load ``decoder`` (a registered name or a class) in the child: None, or the one-line reason it failed."""
         try:
             self.busy = True
-            self.conn.send(("load", decoder))
+            self.conn.send(("load", decoder, dict(os.environ), os.getcwd()))
         except Exception as exc:  # noqa: BLE001  (pickling a class defined inside a function)
             raise DtbenchError(
                 f"cannot check {clip(printable(decoder), 80)} in a child process ({_one_line(exc)}): define the class "

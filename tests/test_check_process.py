@@ -133,13 +133,14 @@ def planted(monkeypatch, tmp_path):
 
 def _assert_nothing_left() -> None:
     """No process the checks started is alive: none of this test process's descendants (but multiprocessing's
-    resource tracker and torch's compile workers), and no `sleep` a planted decoder started in a session of its own."""
+    resource tracker and fork server, and torch's compile workers: the harness's own, ending with this process), and
+    no `sleep` a planted decoder started in a session of its own."""
     deadline = time.monotonic() + 10
     while True:
         left = [
             p
             for p in psutil.Process().children(recursive=True)
-            if not any("resource_tracker" in part or "_inductor" in part for part in _cmdline(p))
+            if not any(m in part for part in _cmdline(p) for m in ("resource_tracker", "_inductor", "forkserver"))
         ]
         sleeps = [p for p in psutil.process_iter() if _cmdline(p)[-1:] == [SLEEP_MARK]]
         if not left and not sleeps:
