@@ -87,6 +87,9 @@ def cli() -> None:
       dtbench run suites/quickstart.yaml --data-dir ../shared/data
       dtbench report
     """
+    from dtbench.registry import import_timeout_s
+
+    import_timeout_s()  # a bad DTBENCH_PLUGIN_IMPORT_TIMEOUT: one line and exit 2 before anything loads (issue 67)
 
 
 @cli.command()
@@ -357,11 +360,32 @@ def validate(suite_path, data_dir) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+    _warn_small_samples(suite, console)
     points = sum(1 for ds, l_max, T, B in plan.points() if plan.decoders_at(ds.key, l_max, T, B))
     click.echo(
         f"{printable(suite_path)}: ok — suite '{suite.name}', {points} dataset/L_max/T groups, {len(plan.cells())} cells, "
         f"{plan.n_samples} samples"
     )
+
+
+def _warn_small_samples(suite, console) -> None:
+    """One warning line per dataset entry measuring fewer prompts per cell after warmup than a speedup interval or a
+    comparison needs (issue 67: every interval of such a run reads "n too small"); the suite stays valid (exit 0)."""
+    from dtbench.reports.stats import MIN_PROMPTS
+
+    for ds in suite.datasets:
+        measured = ds.prompts - ds.warmup
+        if measured < MIN_PROMPTS:
+            each = " per category" if ds.categories else ""
+            console.print(
+                f"warning: dataset {printable(ds.key)}: {ds.prompts} prompts with {ds.warmup} warmup leave {measured} "
+                f"measured per cell{each}; a speedup interval or a comparison needs at least {MIN_PROMPTS} (they "
+                f"will read 'n too small'): raise prompts to {ds.warmup + MIN_PROMPTS} or more",
+                style="yellow",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 @cli.command("decoders")
@@ -391,9 +415,9 @@ def list_decoders() -> None:
             )
             continue
         params = ", ".join(
-            f"{k}={f.default!r}" if not f.is_required() else f"{k} (required)"
+            f"{k}={f.get_default(call_default_factory=True)!r}" if not f.is_required() else f"{k} (required)"
             for k, f in cls.Params.model_fields.items()
-        )
+        )  # a default_factory's value, never pydantic's PydanticUndefined (issue 67)
         # a plugin's names and defaults are text from elsewhere: escaped, never parsed as rich markup
         table.add_row(
             plain(name),

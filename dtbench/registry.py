@@ -81,8 +81,11 @@ def import_timeout_s() -> float:
     """Seconds a plugin's import may take: ``DTBENCH_PLUGIN_IMPORT_TIMEOUT``, else :data:`DEFAULT_IMPORT_TIMEOUT_S`
     (issue 59 item 3).
 
+    ``inf`` means no limit (the import is waited for however long it takes).
+
     Raises:
-        DtbenchError: the variable is set to something other than a finite number of seconds > 0.
+        DtbenchError: the variable is set to something other than a number of seconds > 0 or ``inf`` (the command
+            stops with that one line, exit 2: issue 67; before, every plugin read as "failed to load" and exit 0).
     """
     raw = os.environ.get(IMPORT_TIMEOUT_ENV, "").strip()
     if not raw:
@@ -91,8 +94,8 @@ def import_timeout_s() -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise DtbenchError(f"{IMPORT_TIMEOUT_ENV}={clip(raw, 40)!r} is not a number of seconds > 0")
+    if math.isnan(value) or value <= 0:
+        raise DtbenchError(f"{IMPORT_TIMEOUT_ENV}={clip(raw, 40)!r} is not a number of seconds > 0 (or inf: no limit)")
     return value
 
 
@@ -131,7 +134,7 @@ def load_within(entry_point: Any, timeout_s: float) -> Any:
     job = _PENDING.pop(entry_point, None)
     if job is None:
         job = _Import(entry_point)
-        job.thread.join(timeout_s)
+        job.thread.join(None if math.isinf(timeout_s) else timeout_s)
     if job.thread.is_alive():
         _PENDING[entry_point] = job
         raise ImportTimedOut(
@@ -357,12 +360,13 @@ class Registry(Generic[T]):
         if entry in self._loaded:
             return self._loaded[entry]
         what = f"{self.kind} '{clip(entry.name, 80)}' from distribution {entry.label}"
+        trusted = entry.builtin or entry.in_process  # imported already, or dtbench's own: no time limit
+        limit = None if trusted else import_timeout_s()  # a bad setting is the user's one-line error, not the plugin's
         try:
-            trusted = entry.builtin or entry.in_process  # imported already, or dtbench's own: no time limit
             if not trusted:  # the plugin API every plugin imports (torch, transformers: seconds on a busy machine) is
                 # dtbench's own and imported without a limit first, so the limit times the plugin's own import only
                 importlib.import_module("dtbench.api")
-            obj = entry.entry_point.load() if trusted else load_within(entry.entry_point, import_timeout_s())
+            obj = entry.entry_point.load() if limit is None else load_within(entry.entry_point, limit)
         except ImportTimedOut as exc:
             raise DtbenchError(f"{what} {exc}") from None
         except (Exception, SystemExit) as exc:  # any import-time failure of a plugin is the plugin's, reported by name

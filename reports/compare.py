@@ -14,6 +14,7 @@ Two questions, both answered from the stored per-prompt samples (warmup samples 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -285,6 +286,25 @@ def _cells(frame: pd.DataFrame) -> dict[tuple, pd.Series]:
     return {tuple(r[k] for k in KEY): r for _, r in frame.drop_duplicates("cell_id").iterrows()}
 
 
+def _paired_by_identity(cb: dict[tuple, pd.Series], ca: dict[tuple, pd.Series]) -> dict[tuple, tuple]:
+    """{before key: after key} for cells that match under no label but do by what they measured (issue 67): the
+    same point (dataset, L_max, T, B), decoder and params, and exactly one such cell on each side. The label is a
+    name the user chose; renaming it between runs must not turn one cell into a "missing" and a "new" one."""
+
+    def identity(key: tuple, row: pd.Series) -> tuple:
+        return (*key[:-1], row["decoder"], json.dumps(row["params"] or {}, sort_keys=True, default=str))
+
+    def unique(cells: dict[tuple, pd.Series], others: dict[tuple, pd.Series]) -> dict[tuple, tuple]:
+        seen: dict[tuple, list[tuple]] = {}
+        for key, row in cells.items():
+            if key not in others:
+                seen.setdefault(identity(key, row), []).append(key)
+        return {ident: keys[0] for ident, keys in seen.items() if len(keys) == 1}
+
+    before, after = unique(cb, ca), unique(ca, cb)
+    return {key: after[ident] for ident, key in before.items() if ident in after}
+
+
 def _partial_cells(frame: pd.DataFrame) -> set[int]:
     """Ids of the cells of a samples frame that failed after some prompts were measured."""
     measured = frame[frame["has_sample"] & (frame["status"] == "failed")]
@@ -374,9 +394,10 @@ def compare_runs(
     cb, ca = _cells(before), _cells(after)
     partial_b, partial_a = _partial_cells(before), _partial_cells(after)
     env_reasons = env_differences(before_env, after_env)
+    paired = _paired_by_identity(cb, ca)
     rows, failures = [], []
-    for key in list(cb) + [k for k in ca if k not in cb]:
-        b, a = cb.get(key), ca.get(key)
+    for key in list(cb) + [k for k in ca if k not in cb and k not in paired.values()]:
+        b, a = cb.get(key), ca.get(key if key not in paired else paired[key])
         row = dict(
             zip(KEY, key),
             before=math.nan,
@@ -395,6 +416,10 @@ def compare_runs(
             row["after"] = va["throughput"].mean()
         if len(vb) and len(va):
             row["ratio"] = row["after"] / row["before"]
+        pairing = ""
+        if key in paired:
+            row["label"] = f"{key[-1]} → {paired[key][-1]}"
+            pairing = f"paired by decoder and params (labelled '{key[-1]}' before, '{paired[key][-1]}' after)"
         where = f"{key[0]} L_max={key[1]} T={key[2]}" + (f" B={key[3]}" if key[3] != 1 else "") + f" {key[4]}"
         if b is None:
             row["mark"] = NEW
@@ -425,6 +450,8 @@ def compare_runs(
             else:
                 row["mark"] = NOT_SIGNIFICANT
             failures += _tripped(gates, vb, va, where, alpha)
+        if pairing:
+            row["note"] = f"{pairing}; {row['note']}" if row["note"] else pairing
         rows.append(row)
     return pd.DataFrame(
         rows,

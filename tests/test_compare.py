@@ -59,7 +59,8 @@ def two_runs(tmp_path):
             if a is not None:
                 reportdb.add_samples(s, ca, [1.0] + a, warmup=1)
         reportdb.add_samples(s, reportdb.add_cell(s, before, "gone", "linear"), [1.0] + BASE, warmup=1)
-        reportdb.add_samples(s, reportdb.add_cell(s, after, "added", "linear"), [1.0] + BASE, warmup=1)
+        # another decoder's cell: a new cell, never paired with "gone" (same decoder and params would be)
+        reportdb.add_samples(s, reportdb.add_cell(s, after, "added", "ngram"), [1.0] + BASE, warmup=1)
         s.commit()
     return path, sessions
 
@@ -187,3 +188,26 @@ def test_cli_compare_bad_input(two_runs):
         assert res.exit_code == 2, (args, res.output)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, res.stderr)
+
+
+def test_cells_renamed_between_runs_are_paired_by_decoder_and_params(tmp_path):
+    """issue 67: the same decoder and params under another label is the same cell, said so in the note; two
+    candidates on one side stay unpaired (missing / new)."""
+    sessions = reportdb.connect(tmp_path / "r.db")
+    with sessions() as s:
+        before, after = reportdb.add_run(s, "b"), reportdb.add_run(s, "a")
+        for run, label, values in ((before, "lin4", BASE), (after, "linear-k4", FASTER)):
+            reportdb.add_samples(
+                s, reportdb.add_cell(s, run, label, "linear", params={"k": 4}), [1.0] + values, warmup=1
+            )
+        for run, labels in ((before, ["a1", "a2"]), (after, ["b1"])):  # ambiguous: two before, one after
+            for label in labels:
+                reportdb.add_samples(s, reportdb.add_cell(s, run, label, "ngram"), [1.0] + BASE, warmup=1)
+        s.commit()
+    t, _ = marks(sessions)
+    assert t.loc["lin4 → linear-k4", "mark"] == "better"
+    assert (
+        "paired by decoder and params (labelled 'lin4' before, 'linear-k4' after)" in t.loc["lin4 → linear-k4", "note"]
+    )
+    assert "lin4" not in t.index and "linear-k4" not in t.index  # no "missing" and "new" rows for it
+    assert {t.loc["a1", "mark"], t.loc["a2", "mark"], t.loc["b1", "mark"]} == {"missing", "new"}
