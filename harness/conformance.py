@@ -383,6 +383,21 @@ def prompts(min_size: int = 1, max_size: int = 24) -> Any:
     return st.lists(st.integers(3, VOCAB - 1), min_size=min_size, max_size=max_size)
 
 
+def pairs_space(params: Any, max_T: int = 40) -> dict[str, Any]:
+    """The strategies of a check over every tiny pair: ``prompt``, ``T`` (1..``max_T``), ``arch`` (Llama, GPT-NeoX),
+    ``kind`` (draft = target, perturbed, unrelated), ``sharpness`` (flat, sharp) and ``params`` (the strategy given)."""
+    from hypothesis import strategies as st
+
+    return {
+        "prompt": prompts(),
+        "T": st.integers(1, max_T),
+        "arch": st.sampled_from(ARCHS),
+        "kind": st.sampled_from(DRAFT_KINDS),
+        "sharpness": st.sampled_from(SHARPNESS),
+        "params": params,
+    }
+
+
 def distinct_rows(min_rows: int, max_rows: int, max_size: int, min_size: int = 1) -> Any:
     """B = ``min_rows``..``max_rows`` prompts of distinct lengths and distinct last tokens (ragged rows, no two alike:
     an example whose rows are identical cannot show a row swap, issue 65)."""

@@ -36,6 +36,7 @@ from dtbench.harness.conformance import (
     distinct_rows,
     examples,
     pair,
+    pairs_space,
     prompts,
     reference_tokens,
     search,
@@ -137,15 +138,7 @@ def greedy_equals_reference(job: Job) -> None:
                 {**shown, "params": describe(params), "eos": sorted(eos) or None, **diff},
             )
 
-    strategies = {
-        "prompt": prompts(),
-        "T": st.integers(1, 40),
-        "arch": st.sampled_from(ARCHS),
-        "kind": st.sampled_from(DRAFT_KINDS),
-        "sharpness": st.sampled_from(SHARPNESS),
-        "params": params,
-        "eos_at": st.none() | st.integers(0, 39),
-    }
+    strategies = {**pairs_space(params), "eos_at": st.none() | st.integers(0, 39)}
     search(job.examples(20), strategies, body)
 
 

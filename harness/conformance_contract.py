@@ -26,7 +26,6 @@ from dtbench.harness.conformance import (
     ARCHS,
     DRAFT_KINDS,
     FLAT,
-    SHARPNESS,
     CheckFailed,
     NotApplicable,
     build,
@@ -35,6 +34,7 @@ from dtbench.harness.conformance import (
     device_of,
     distinct_rows,
     pair,
+    pairs_space,
     prompts,
     search,
 )
@@ -82,6 +82,16 @@ def drive_rows(decoder: Decoder[Any], rows: list[list[int]], T: int) -> tuple[li
         return out, True
     finally:
         gen.close()
+
+
+def _batched_params(job: Job) -> Any:
+    """The declared settings that batch (a strategy), or None: the decoder does not batch, or none of its settings."""
+    if not job.cls.batching:
+        return None
+    try:
+        return job.params(lambda p: job.cls.batching_error(p))
+    except NotApplicable:
+        return None
 
 
 def _tokens(steps: list[Step]) -> list[int]:
@@ -160,20 +170,9 @@ def length(job: Job) -> None:
                 {**shown, "produced": n},
             )
 
-    strategies = {
-        "prompt": prompts(),
-        "T": st.integers(1, 40),
-        "arch": st.sampled_from(ARCHS),
-        "kind": st.sampled_from(DRAFT_KINDS),
-        "sharpness": st.sampled_from(SHARPNESS),
-        "params": job.params(lambda p: None),
-    }
-    search(job.examples(12), strategies, body)
-    if not cls.batching:
-        return
-    try:
-        batched = job.params(lambda p: cls.batching_error(p))
-    except NotApplicable:
+    search(job.examples(12), pairs_space(job.params(lambda p: None)), body)
+    batched = _batched_params(job)
+    if batched is None:
         return
 
     def batch_body(rows, T, kind, params):
@@ -283,11 +282,8 @@ def inputs_unchanged(job: Job) -> None:
 
     strategies = {"prompt": prompts(), "T": st.integers(1, 24), "kind": st.sampled_from(DRAFT_KINDS)}
     search(job.examples(6), {**strategies, "params": job.params(lambda p: None)}, body)
-    if not cls.batching:
-        return
-    try:
-        batched = job.params(lambda p: cls.batching_error(p))
-    except NotApplicable:
+    batched = _batched_params(job)
+    if batched is None:
         return
 
     def batch_body(rows, T, params):

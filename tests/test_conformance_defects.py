@@ -18,7 +18,7 @@ import torch
 
 from dtbench.api import Decoder, DecoderParams, Step, cut_at_eos, eos_ids
 from dtbench.decoders.ar import Autoregressive
-from dtbench.testing import check_decoder
+from dtbench.testing import check_decoder, check_names
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -31,16 +31,7 @@ def _uncapped(monkeypatch):
     monkeypatch.delenv("DTBENCH_HYPOTHESIS_EXAMPLES", raising=False)
 
 
-CHEAP = [
-    "deterministic",
-    "state",
-    "greedy_equals_reference",
-    "length",
-    "eos",
-    "inputs_unchanged",
-    "batch_rows",
-    "step_accounting",
-]
+CHEAP = [n for n in check_names() if n not in ("host_reads", "compiled_equals_eager", "sampling")]
 
 
 class Params(DecoderParams):
