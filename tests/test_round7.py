@@ -55,3 +55,27 @@ def test_a_bad_import_time_limit_is_one_line_and_inf_is_no_limit(tmp_path, monke
     result = invoke("plugins")
     assert result.exit_code == 0, result.output
     assert "fine" in result.output and "failed to load" not in result.output
+
+
+def test_every_literal_key_form_is_refused():
+    """issue 67 item 2: a dict or a list of dicts under a key-like name, and an environment assignment in a launch
+    argv, are literal keys; values read from a variable and ordinary settings are not."""
+    from dtbench.decoders.engines.params import literal_credential
+
+    assert literal_credential(None, {"api_key": {"x": "sk-LITERAL"}}) == "extra_body.api_key"
+    assert literal_credential(None, {"nested": {"token": [{"v": "sk-LITERAL"}]}}) == "extra_body.nested.token"
+    env_form = ["env", "API_KEY=sk-LITERAL", "python", "-m", "server"]
+    assert literal_credential(None, {}, env_form) == "launch: assignment API_KEY=... in argument 1"
+    shell = ["sh", "-c", "export HF_TOKEN='sk-LITERAL' && llama-server --port {port}"]
+    assert literal_credential(None, {}, shell) == "launch: assignment HF_TOKEN=... in argument 2"
+    fine = ["env", "API_KEY=$KEY", "HF_HOME=/tmp/hf", "llama-server", "--ctx-size=512", "--api-key-file", "k.txt"]
+    assert literal_credential(None, {"api_key": {}, "max_tokens": 3, "stop": ["\n"]}, fine) is None
+
+
+def test_validate_refuses_a_key_in_a_dict_under_a_key_name(tmp_path):
+    from test_secrets import TINY  # the embedded model's suite: validate loads no model
+
+    params = {"base_url": "http://127.0.0.1:8000", "extra_body": {"api_key": {"x": "sk-LITERAL"}}}
+    suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": params}]})
+    line = one_line_error(invoke("validate", suite), "params.extra_body.api_key: a literal credential")
+    assert "LITERAL" not in line

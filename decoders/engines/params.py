@@ -192,8 +192,10 @@ def literal_credential(base_url: str | None, extra_body: dict[str, Any], launch:
     ``token``, ``password``, ...) holding a value (a non-blank text, a number, or a list holding one: issue 59 item 2),
     or a ``launch`` flag naming a key with its value (``--api-key KEY``, ``--api-key=KEY``; ``--api-key-file`` names
     a file and is fine). Answers like ``extra_body.api_key``, ``base_url: query parameter 'key'``, ``base_url:
-    fragment parameter 'access_token'``, ``launch: argument '--api-key'``. The key belongs in an environment variable
-    named by ``api_key_env`` (issue 50 item 3)."""
+    fragment parameter 'access_token'``, ``launch: argument '--api-key'``, ``launch: assignment API_KEY=... in argument
+    1`` (an environment assignment in the argv: ``env API_KEY=...``, a shell's ``export TOKEN=...``; a value read from
+    a variable, ``$KEY``, is fine). The key belongs in an environment variable named by ``api_key_env`` (issue 50 item
+    3)."""
     from urllib.parse import parse_qsl, urlsplit
 
     if base_url:
@@ -210,6 +212,10 @@ def literal_credential(base_url: str | None, extra_body: dict[str, Any], launch:
         flag, eq, value = arg.partition("=")
         if _credential_flag(flag) and (value if eq else i + 1 < len(argv) and not argv[i + 1].startswith("-")):
             return f"launch: argument {clip(flag, 40)!r}"
+        for match in _ASSIGNMENT.finditer(arg):  # `env API_KEY=...`, `sh -c "export TOKEN=... && ..."` (issue 67)
+            name, assigned = match.group(1), match.group(2).strip("'\"")
+            if secret_name(name) and assigned.strip() and not assigned.startswith("$"):
+                return f"launch: assignment {clip(name, 40)}=... in argument {i}"
     stack: list[tuple[str, Any]] = [("extra_body", extra_body)]
     while stack:
         path, value = stack.pop()
@@ -224,19 +230,36 @@ def literal_credential(base_url: str | None, extra_body: dict[str, Any], launch:
 
 
 def _literal(name: Any, value: Any) -> bool:
-    return isinstance(name, str) and secret_name(name) and _holds_value(value)
+    """A key-like name holding a value; under a name that *is* a credential (its letters end in ``key``, ``token``,
+    ``secret``, ``password``, ...: :func:`_credential_word`), a dict or list of dicts holding one too (``api_key: {x:
+    ...}``, ``token: [{v: ...}]``: issue 67). A merely key-like name holding a dict (SGLang's ``session_params``) is
+    looked into by its own fields' names."""
+    if not (isinstance(name, str) and secret_name(name)):
+        return False
+    return _holds_value(value, dicts=_credential_word(name))
 
 
-def _holds_value(value: Any) -> bool:
-    """A non-blank text, a number (not a bool), or a list holding one at any depth: what a key can be written as (a
-    dict is looked into by its own fields' names)."""
+def _credential_word(name: str) -> bool:
+    letters = "".join(c for c in name.lower() if c.isalnum())
+    return letters.endswith(("key", "token", "secret", "password", "passwd", "credential", "credentials"))
+
+
+def _holds_value(value: Any, dicts: bool = False) -> bool:
+    """A non-blank text, a number (not a bool), or a list holding one at any depth (with ``dicts``, a dict's values
+    too): what a key can be written as."""
     if isinstance(value, bool) or value is None:
         return False
     if isinstance(value, str):
         return bool(value.strip())
     if isinstance(value, (int, float)):
         return True
-    return isinstance(value, list) and any(_holds_value(v) for v in value)
+    if isinstance(value, dict):
+        return dicts and any(_holds_value(v, dicts) for v in value.values())
+    return isinstance(value, list) and any(_holds_value(v, dicts) for v in value)
+
+
+# NAME=value in an argument: an environment assignment (`env NAME=value cmd`, a shell's `NAME=value cmd`, `export`)
+_ASSIGNMENT = re.compile(r"(?:^|[\s;&|(])(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(\S+)")
 
 
 def _credential_flag(arg: str) -> bool:
