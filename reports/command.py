@@ -235,7 +235,7 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
         DtbenchError: an unknown run, or a run without cells.
     """
     from dtbench.reports import render
-    from dtbench.reports.summary import get_run, samples_frame, summarize
+    from dtbench.reports.summary import get_run, samples_frame, served_requests, summarize, with_failed_requests
 
     with sessions() as session, session.no_autoflush:
         run = get_run(session, run_id)
@@ -250,12 +250,14 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
         }
         frame = samples_frame(session, run.id)
         sums = explain.load_sums(session, [int(c) for c in frame["cell_id"].unique()]) if not by else {}
+        served = served_requests(session, run.id) if not by else {}
     if by:
         from dtbench.reports.specbench import by_task
 
         summary = by_task(frame, by)
     else:
         summary = explain.explain(summarize(frame), sums)  # why each speculative cell is as fast as it is (issue 58)
+        summary = with_failed_requests(summary, served)  # a served cell's failed requests (issue 67 item 4)
     if summary.empty:
         raise DtbenchError(f"run {meta['id']} has no cells")
     emit(fmt, render.cell_document(summary, meta))

@@ -29,6 +29,7 @@ def cell_notes(row: pd.Series, where: str = "") -> list[str]:
     return (
         smoke_note(row)
         + _state_notes(row, where)
+        + failed_requests_note(row, where)
         + verdict_notes(row, where)
         + mixed_devices_note(row, where)
         + lossless_notes(row, where)
@@ -64,6 +65,19 @@ def energy_note(row, where: str = "") -> list[str]:
     return [
         f"{row['label']}{where}: no energy for {short} of {int(row['n'])} samples: shorter than the energy counter's "
         f"update period"
+    ]
+
+
+def failed_requests_note(row, where: str = "") -> list[str]:
+    """The note owed to a served cell some of whose requests failed (issue 67 item 4): how many of those sent after
+    warmup, the rate, and what its numbers are over; [] for a cell none of whose requests failed, or not served."""
+    failed, sent = row.get("failed_requests"), row.get("requests")
+    if failed is None or sent is None or pd.isna(failed) or pd.isna(sent) or not int(failed):
+        return []
+    failed, sent = int(failed), int(sent)
+    return [
+        f"{row['label']}{where}: {failed} of {sent} requests failed ({failed / sent:.0%}); its numbers are over the "
+        f"{sent - failed} that answered (report --engine lists each failure and --goodput counts them as misses)"
     ]
 
 

@@ -160,11 +160,13 @@ def cell_reports(summary: pd.DataFrame) -> list[Report]:
         )
         rem = int(group["remainder_n"].max()) if "remainder_n" in group and len(group) else 0
         each = f" (each the median of {repeats} repeats; CV: median over prompts of the CV over repeats)"
-        caption = (
-            f"mean ± std over {n} {unit} after warmup"
-            + (each if repeats > 1 else "")
-            + (f"; remainder: {rem} prompts decoded as a smaller batch, left out" if rem else "")
+        lost = "failed_requests" in group and bool((group["failed_requests"].fillna(0) > 0).any())
+        left = (  # a served cell's partial blocks lost a failed request: no smaller batch was decoded (issue 67)
+            f"; {rem} prompts in blocks that lost a failed request, left out (failed requests: the notes)"
+            if lost
+            else f"; remainder: {rem} prompts decoded as a smaller batch, left out"
         )
+        caption = f"mean ± std over {n} {unit} after warmup" + (each if repeats > 1 else "") + (left if rem else "")
         reports.append(
             Report(
                 f"cells_{i}",
@@ -225,6 +227,9 @@ MACHINE_COLUMNS = [
     "mixed_devices",
     "batch_size",
     "remainder_n",
+    "requests",
+    "failed_requests",
+    "failure_rate",
     "execution",
     "compile_s",
     "repeats",

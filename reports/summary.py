@@ -325,9 +325,34 @@ def run_summary(session: Session, run: Run) -> pd.DataFrame:
     if table.empty:
         return table
     table = explain.explain(table, explain.load_sums(session, [int(c) for c in table["cell_id"]]))  # issue 58 item 2
+    table = with_failed_requests(table, served_requests(session, run.id))
     table.insert(0, "run_id", run.id)
     table["sweep_of"] = table["sweep_group"]  # stored on the cell by the runner (migration 0003 for older runs)
     table["sweep"] = table["sweep_of"].notna()
+    return table
+
+
+def served_requests(session: Session, run_id: int) -> dict[int, list[dict]]:
+    """Per served cell of a run, its samples' ``step_stats.server`` after warmup
+    (:func:`dtbench.reports.engine.served_stats`): what :func:`with_failed_requests` counts."""
+    from dtbench.reports.engine import served_stats
+
+    return served_stats(session, run_id)
+
+
+def with_failed_requests(table: pd.DataFrame, stats: dict[int, list[dict]]) -> pd.DataFrame:
+    """``table`` with a served cell's requests after warmup: ``requests`` sent, ``failed_requests`` and
+    ``failure_rate`` (:func:`dtbench.reports.engine.failure_counts`, each unit once; NaN for dtbench's own decoders),
+    so the default report says how many of a served cell's requests its numbers are over (issue 67 item 4)."""
+    from dtbench.reports.engine import failure_counts
+
+    if table.empty:
+        return table
+    counts = [failure_counts(stats.get(int(cid), []), int(cid) in stats) for cid in table["cell_id"]]
+    table = table.copy()
+    table["requests"] = [c["requests"] for c in counts]
+    table["failed_requests"] = [c["failed"] for c in counts]
+    table["failure_rate"] = [c["failure_rate"] for c in counts]
     return table
 
 

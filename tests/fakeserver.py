@@ -7,6 +7,9 @@ It answers ``GET /health`` with 200 and ``POST /v1/completions`` by its *mode*, 
   nothing;
 - ``drop``: closes the first streamed request's connection without a response (as llama-server did on a loaded
   machine), then as ``stream``;
+- ``garbage3`` / ``cut3``: as ``stream``, but every 3rd streamed request (the 3rd, 6th, ...) gets HTTP 200 with a
+  body that is not JSON (``garbage3``) or a stream that ends cleanly after half its tokens, with no final event
+  (``cut3``): one bad answer among good ones (issue 67 item 3);
 - ``stream``: streams ``max_tokens`` token ids (``--tokens`` cycled), then a final event with ``--timings`` (JSON,
   written as given: NaN and Infinity included); a non-streamed request (the check request) gets ``--check``
   verbatim (default: a valid JSON answer with top candidates). With ``durations`` (seconds, cycled over the
@@ -30,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark: str | None = None, durations=None):
     arrived = itertools.count()
     dropped = itertools.count()
+    streamed = itertools.count(1)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -74,6 +78,26 @@ def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark:
                 self.wfile.write(data)
                 return
             n = int(body.get("max_tokens", 1))
+            bad = mode in ("garbage3", "cut3") and next(streamed) % 3 == 0
+            if bad and mode == "garbage3":
+                data = b"<html><body>502 upstream hiccup</body></html>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            if bad:  # half the tokens, no final event: the stream just ends
+                cut = [tokens[i % len(tokens)] for i in range(max(1, n // 2))]
+                events = [{"choices": [{"text": "x", "index": 0, "finish_reason": None}], "__verbose": {"tokens": [t]}}
+                          for t in cut]  # fmt: skip
+                data = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             out = [tokens[i % len(tokens)] for i in range(n)]
             events = [
                 {"choices": [{"text": "x", "index": 0, "finish_reason": None}], "__verbose": {"tokens": [t]}}

@@ -240,3 +240,49 @@ def test_readiness_is_read_by_the_engine_adapter(tmp_path, monkeypatch):
     finally:
         pool.close()
     assert (200, "ok") in seen  # the fake's health answer, read by the adapter
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("garbage3", "HTTP 200 but the body is not a stream of JSON events: <html><body>502 upstream hiccup"),
+        ("cut3", "HTTP 200 but 2 of 4 tokens (the stream ended with no final event)"),
+    ],
+)
+def test_a_bad_answer_among_good_ones_is_one_failed_request_shown_in_the_default_report(
+    tmp_path, data_dir, mode, error
+):
+    """issue 67 items 3 and 4. Before: one 200 whose body is not JSON ended the cell ``FAILED (partial)`` with n = 0
+    ("sent no token for prompt 2"), a stream cut mid-way likewise ("sent 2 of 4 tokens"), and the default report
+    of a cell that lost requests said nothing of them. Now each is one failed request, the cell is done over the
+    others, and the default report (table and JSON) says how many failed."""
+    import fakeserver
+
+    server, url = fakeserver.serve(mode)  # every 3rd streamed request: the 3rd (measured) and the 6th
+    try:
+        suite = {
+            **SUITE,
+            "datasets": [{**SUITE["datasets"][0], "prompts": 7, "warmup": 1}],
+            "concurrency": [1],
+            "decoders": [{"name": "server", "label": "flaky", "params": {"base_url": url}}],
+        }
+        db = tmp_path / "r.db"
+        result = invoke(
+            "run", write_suite(tmp_path, suite), "--db", str(db), "--data-dir", str(data_dir), "--no-progress"
+        )
+    finally:
+        server.shutdown()
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(db) as con:
+        status, cell_error = con.execute("select status, error from cells").fetchone()
+    assert status == "done" and cell_error is None, cell_error
+    rows = [r for r in _samples(db) if not r[2]]
+    assert len(rows) == 4 and all(r[5] == 4 and r[3] > 0 for r in rows)  # the 4 good answers keep their numbers
+    failed = json.loads(rows[0][8])["server"]["failed_requests"]
+    assert len(failed) == 2 and all(f["error"].startswith(error) for f in failed), failed
+    doc = json.loads(invoke("report", "--db", str(db), "--format", "json").output)
+    (cell,) = doc["cells"]
+    assert (cell["requests"], cell["failed_requests"]) == (6, 2) and cell["failure_rate"] == pytest.approx(1 / 3)
+    assert cell["n"] == 4
+    table = invoke("report", "--db", str(db)).output
+    assert "flaky: 2 of 6 requests failed (33%); its numbers are over the 4 that answered" in " ".join(table.split())

@@ -131,9 +131,11 @@ async def _read_stream(
                 raise ServerError(f"answered HTTP {response.status_code}: {clip(text, 300)}")
             buffer = b""
             decoded = 0
+            parsed = 0  # events read: none and a body left over is a 200 whose body is no event stream
             async for raw in response.aiter_bytes():
                 now = time.perf_counter()
                 events, buffer = sse_events(buffer + raw)
+                parsed += len(events)
                 brought = 0
                 for event in events:
                     chunk = engine.parse_event(event)
@@ -162,6 +164,9 @@ async def _read_stream(
                     record.finish = chunk.finish or record.finish
                 if brought:
                     record.reads.append((now - sent, brought))
+            if not parsed and buffer.strip():  # one failed request, never the cell's end (issue 67 item 3)
+                shown = clip(buffer.decode(errors="replace").strip(), 200)
+                raise ServerError(f"HTTP 200 but the body is not a stream of JSON events: {shown}")
             record.decoded = decoded
     except httpx.RemoteProtocolError as exc:
         if not answered and "without sending a response" in str(exc):
@@ -194,7 +199,7 @@ async def _group(
             try:
                 await _request(client, url, bodies[i], params, engine, records[i], t0, tokenize)
             except Exception as exc:  # a request that failed is data, the unit goes on (issue 59 item 7) ...
-                if not failures.record_failure(records[i], exc, t0):  # ... unless the server is unreachable
+                if not failures.record_failure(records[i], exc, t0, params.request_timeout_s):  # ... unless unreachable
                     raise
 
         await dispatch(traffic, send)
@@ -248,6 +253,8 @@ def _send(
     tokenize: Callable[[str], list[int]],
     detokenize: Callable[[list[int]], str],
     token_bytes: TokenBytes | None = None,
+    gen_length: int = 0,
+    stop_at_eos: bool = False,
 ) -> tuple[list[RequestRecord], float, dict[str, Any]]:
     """The unit's requests through the client: (records, wall seconds, the engine's counters over the unit).
 
@@ -279,6 +286,10 @@ def _send(
             recover_ids(
                 unit.base_url, body, rec, engine, label, unit.where, detokenize, token_bytes, auth_headers(params)
             )
+    for rec in records:  # an answer short of its tokens is one failed request, not the cell's end (issue 67 item 3)
+        if rec.error is None and (problem := failures.incomplete(rec, gen_length, stop_at_eos)) is not None:
+            rec.error = problem
+    failures.check_unit(label, unit.where, records, server)
     try:
         group_metrics = engine.metrics_delta(before, after) if after else {}
     except DtbenchError as exc:
@@ -348,7 +359,9 @@ def observe_requests(
     bodies, prompt_checks = _bodies(unit, prompts, gen_length, stop_at_eos, tokenizer, tokenize)
     seed_of = seed * 1_000_003 + (batch_group or prompts[0].index)
     traffic = schedule(len(prompts), concurrency, params.request_rate, seed_of, params.burstiness)
-    records, wall, group_metrics = _send(unit, bodies, traffic, tokenize, detokenize, token_bytes_of(tokenizer))
+    records, wall, group_metrics = _send(
+        unit, bodies, traffic, tokenize, detokenize, token_bytes_of(tokenizer), gen_length, stop_at_eos
+    )
     cell_load, steady = unit_load(
         failures.load_spans(records, gen_length),  # a failed request held its slot, brought no tokens (issue 59)
         wall,

@@ -35,9 +35,9 @@ from dtbench.harness.serving.record import RequestRecord
 ERROR_CHARS = 300  # a request's error line is clipped to this many characters
 
 
-def record_failure(record: RequestRecord, exc: Exception, t0: float) -> bool:
+def record_failure(record: RequestRecord, exc: Exception, t0: float, timeout_s: float | None = None) -> bool:
     """Record ``exc`` as ``record``'s failure (``error``, and ``done_s``: its failure in seconds from the unit's
-    start ``t0``, ``time.perf_counter``). Returns False, recording nothing, when the failure is the server's rather
+    start ``t0``, ``time.perf_counter``; a timeout names the path and ``timeout_s``). Returns False, recording nothing, when the failure is the server's rather
     than the request's: nothing listens at its address (``httpx.ConnectError``: the server is unreachable); the caller
     raises it again and the unit ends (issue 59 item 7)."""
     import httpx
@@ -45,8 +45,31 @@ def record_failure(record: RequestRecord, exc: Exception, t0: float) -> bool:
     if isinstance(exc, httpx.ConnectError):
         return False
     record.error = error_line(exc, ERROR_CHARS) or type(exc).__name__
+    if isinstance(exc, httpx.TimeoutException) and not str(exc).strip():  # httpx's timeouts say nothing
+        request = getattr(exc, "_request", None)
+        path = request.url.path if request is not None else "the request"
+        record.error = (
+            f"{type(exc).__name__}: no answer from {path} within {timeout_s:g} s"
+            if timeout_s
+            else (f"{type(exc).__name__}: no answer from {path} in time")
+        )
     record.done_s = time.perf_counter() - t0
     return True
+
+
+def incomplete(record: RequestRecord, gen_length: int, stop_at_eos: bool) -> str | None:
+    """Why an answered request is no complete answer, or None: it brought no token (a 200 whose events hold none), or
+    fewer than T (``gen_length``) without stopping at EOS as asked (a stream that ended early: ``finish_reason``
+    missing or ``length``). Such a request is one failed request of its unit (issue 67 item 3); T = 0 judges
+    nothing."""
+    if gen_length <= 0:
+        return None
+    if not record.reads or not record.tokens:
+        return "HTTP 200 but no token in the answer"
+    if len(record.tokens) < gen_length and not (stop_at_eos and record.finish == "stop"):
+        how = "the stream ended with no final event" if record.finish is None else f"finish_reason {record.finish!r}"
+        return f"HTTP 200 but {len(record.tokens)} of {gen_length} tokens ({how})"
+    return None
 
 
 def check_unit(label: str, where: str, records: list[RequestRecord], server: Any) -> None:
