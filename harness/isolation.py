@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dtbench.harness import deadline, proctree
+from dtbench.harness import deadline, load, proctree
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.plan import Plan, PromptGroup
@@ -85,6 +85,7 @@ def begin_cell_log(trace_path: str) -> None:
 def _child(conn, trace_path: str, suite: Suite, device: str, plan: Plan, threads: int | None) -> None:
     """The child process: a :class:`~dtbench.harness.worker.Worker` serving requests from ``conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops this process
+    os.environ[load.DRIVER_ENV] = str(os.getppid())  # the load note counts the driver's tree as dtbench's own
     os.setpgid(0, 0)  # its own process group, which the parent kills with it (issue 50)
     proctree.become_subreaper()  # what a decoder starts stays a descendant (proctree)
     proctree.die_with_parent()  # a killed run (SIGKILL) takes its measuring child with it

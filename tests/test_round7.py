@@ -79,3 +79,43 @@ def test_validate_refuses_a_key_in_a_dict_under_a_key_name(tmp_path):
     suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": params}]})
     line = one_line_error(invoke("validate", suite), "params.extra_body.api_key: a literal credential")
     assert "LITERAL" not in line
+
+
+LOOPING_FORMAT = """
+import pathlib, os
+pathlib.Path(os.environ["MARK_IMPORTED"]).write_text("imported")
+while True:
+    pass
+"""
+
+
+def test_a_run_imports_no_format_plugin(tmp_path, monkeypatch, data_dir):
+    """issue 67 item 5: a format plugin looping at import was imported (in a thread left spinning) before the run
+    measured, slowing every measurement; `dtbench run` now loads the built-in table renderer only."""
+    mark = tmp_path / "imported"
+    monkeypatch.setenv("MARK_IMPORTED", str(mark))
+    monkeypatch.setenv("DTBENCH_PLUGIN_IMPORT_TIMEOUT", "1")
+    entries = {"loopfmt": "dtbench_loopfmt:render"}
+    install_plugin(monkeypatch, tmp_path / "site", "dtbench-loopfmt", entries, LOOPING_FORMAT, group="dtbench.formats")
+    target, draft = tiny_pair(tmp_path)
+    suite = write_suite(tmp_path, suite_dict(target, draft, [{"name": "ar"}]))
+    result = invoke("run", suite, "--db", str(tmp_path / "r.db"), "--data-dir", str(data_dir), "--no-progress")
+    assert result.exit_code == 0, result.output
+    assert "Decoder" in result.stdout  # the report printed, in the built-in table format
+    assert not mark.exists(), "the run imported a format plugin"
+    assert "loopfmt" not in result.output
+
+
+def test_the_load_note_counts_the_runs_driver_as_its_own(monkeypatch):
+    """issue 67 item 5: in a measuring child, dtbench's own CPU is its driver's tree (the driver's threads are not
+    "other processes")."""
+    import os
+
+    import psutil
+
+    from dtbench.harness import load
+
+    monkeypatch.setenv(load.DRIVER_ENV, str(os.getppid()))
+    assert load._own_root().pid == os.getppid()
+    monkeypatch.setenv(load.DRIVER_ENV, "")
+    assert load._own_root().pid == psutil.Process().pid
