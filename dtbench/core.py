@@ -89,7 +89,8 @@ def register_secret(value: str | None) -> None:
     """Register ``value`` (an API key, a password) as a secret of this process: :func:`scrub_secrets` (and so
     :func:`redact_credentials`, every message, printed text and stored value) replaces it with ``***`` wherever it
     appears, as GitHub Actions masks a registered secret in its logs, in the encodings a server may echo it in: as
-    given, percent-encoded (``quote``, ``quote_plus``) and JSON-escaped. Values shorter than :data:`MIN_SECRET`
+    given, percent-encoded (``quote``, ``quote_plus``), JSON-escaped, lower- and upper-cased and as Python's ``repr``
+    escapes it (a traceback's). Values shorter than :data:`MIN_SECRET`
     characters are not registered (issue 59 item 1)."""
     global _ORDERED
     if not value or len(value) < MIN_SECRET:
@@ -99,6 +100,7 @@ def register_secret(value: str | None) -> None:
 
     forms = {value, quote(value, safe=""), quote_plus(value), json.dumps(value)[1:-1]}
     forms.add(json.dumps(value, ensure_ascii=False)[1:-1])
+    forms |= {value.lower(), value.upper(), repr(value)[1:-1]}  # echoed lower-cased, or escaped in a repr (issue 67)
     if forms <= _SECRETS:
         return
     _SECRETS.update(forms)
@@ -193,7 +195,7 @@ def _authority_end(text: str, start: int, whole: bool) -> int:
     return stop
 
 
-def _mask_at(text: str, start: int, whole: bool) -> tuple[str, int]:
+def _mask_at(text: str, start: int, whole: bool, by_value: bool = True) -> tuple[str, int]:
     """The URL whose authority starts at ``start`` (just after ``scheme://``) masked: (its masked text, where the
     scan goes on). The userinfo runs to the *last* ``@`` before the authority ends (:func:`_authority_end`), so
     quotes, spaces, ``<`` and ``@`` in a password are masked with it; a query (up to ``#`` or whitespace) and a
@@ -205,7 +207,7 @@ def _mask_at(text: str, start: int, whole: bool) -> tuple[str, int]:
     query = path_end.start() if path_end else len(text)
     if query == len(text) or text[query] not in "?#":
         return out, stop  # the scan goes on over the path (a URL inside it is found there)
-    out += redact_credentials(text[stop:query])
+    out += redact_credentials(text[stop:query], by_value)
     pos = query
     if text[pos] == "?":
         q_end = _QUERY_END.search(text, pos + 1)
@@ -218,7 +220,17 @@ def _mask_at(text: str, start: int, whole: bool) -> tuple[str, int]:
     return out, pos
 
 
-def redact_credentials(value: Any) -> str:
+def mask_urls(value: Any) -> str:
+    """``str(value)`` with the credentials of every URL in it masked by *structure* only (:func:`redact_credentials`
+    without masking registered secrets by value): what dtbench stores and prints of text the user wrote (a suite's
+    text, labels, dataset names, params, the environment record; issue 67 item 1). Those are refused at validate when
+    they hold a literal key, so searching them for a key's value could only rewrite the user's own words: with a key
+    ``wiki``, a dataset ``wikitext-2`` was stored as ``***text-2``. SQLAlchemy's ``URL.render_as_string(
+    hide_password=True)`` hides by structure the same way, never by searching text."""
+    return redact_credentials(value, by_value=False)
+
+
+def redact_credentials(value: Any, by_value: bool = True) -> str:
     """``str(value)`` with the credentials of every URL in it masked: the password of ``http://user:secret@host``
     (``http://user:***@host``, the form SQLAlchemy's ``hide_password`` shows a database URL in), a user part without
     a password (``https://TOKEN@host``: ``***@``), and the value of every query or fragment parameter whose name
@@ -233,14 +245,16 @@ def redact_credentials(value: Any) -> str:
 
     The one rule for secrets in URLs (issue 42 item 1): every message (:func:`clip`), every printed or rendered text
     (``harness/safetext.printable``) and every value written to the database (:func:`redact_json`, and a suite's
-    text: :func:`redact_yaml`) goes through it. The request itself still uses the URL as given."""
-    text = scrub_secrets(str(value))
+    text: :func:`redact_yaml`) goes through it. The request itself still uses the URL as given. Secrets are masked by
+    value (``by_value``) only in text from outside dtbench (a server's answers and errors, exceptions, a child's
+    output): what the user wrote goes through :func:`mask_urls` (issue 67 item 1)."""
+    text = scrub_secrets(str(value)) if by_value else str(value)
     if "://" not in text:
         return text
     whole = _SCHEME.match(text) is not None and "\n" not in text  # the text is one URL: urllib's rule alone
     out, pos = [], 0
     while (m := _SCHEME.search(text, pos)) is not None:
-        masked, end = _mask_at(text, m.end(), whole and m.start() == 0)
+        masked, end = _mask_at(text, m.end(), whole and m.start() == 0, by_value)
         out.append(text[pos : m.end()] + masked)
         pos = end
     out.append(text[pos:])
@@ -248,16 +262,17 @@ def redact_credentials(value: Any) -> str:
 
 
 def redact_yaml(text: str) -> str:
-    """A YAML document (a suite's text) with every URL credential masked: :func:`redact_credentials` over the text,
-    then each scalar whose *parsed* value still holds a credential or a registered secret (:func:`register_secret`;
-    a password or key split by YAML's escapes, quoting or line folding) rewritten in place as a double-quoted scalar of its masked value; the rest of the text
-    is kept byte for byte. Text that is no YAML gets :func:`redact_credentials` only."""
+    """A YAML document (a suite's text) with every URL credential masked by structure: :func:`mask_urls` over the
+    text, then each scalar whose *parsed* value still holds a URL credential (split by YAML's escapes, quoting or line
+    folding) rewritten in place as a double-quoted scalar of its masked value; the rest of the text is kept byte for
+    byte. Text that is no YAML gets :func:`mask_urls` only. No registered secret is searched for: a suite holding a
+    literal key is refused at validate, and a key's value found in the user's own words is no key (issue 67 item 1)."""
     import json
 
     import yaml
 
-    text = redact_credentials(text)
-    if "://" not in text and not _ORDERED:  # no URL, no registered secret: no scalar can hold one
+    text = mask_urls(text)
+    if "://" not in text:  # no URL: no scalar can hold a URL's credentials (a literal key is refused at validate)
         return text
     try:
         roots = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
@@ -265,7 +280,7 @@ def redact_yaml(text: str) -> str:
         return text
     edits = []
     for node in _scalars(roots):
-        masked = redact_credentials(node.value)
+        masked = mask_urls(node.value)
         if masked != node.value:
             edits.append((node.start_mark.index, node.end_mark.index, json.dumps(masked)))
     for start, end, new in sorted(edits, reverse=True):
@@ -292,15 +307,18 @@ def _scalars(roots: list[Any]) -> list[Any]:
     return out
 
 
-def redact_json(value: Any) -> Any:
+def redact_json(value: Any, by_value: bool = True) -> Any:
     """A JSON-like value (dicts, lists, strings, numbers) with :func:`redact_credentials` applied to every string,
-    keys included; other values unchanged (a new container only where something changed is not promised)."""
+    keys included (``by_value`` False: :func:`mask_urls`, for what the user wrote); other values unchanged (a new
+    container only where something changed is not promised)."""
     if isinstance(value, str):
-        return redact_credentials(value)
+        return redact_credentials(value, by_value)
     if isinstance(value, dict):
-        return {redact_json(k) if isinstance(k, str) else k: redact_json(v) for k, v in value.items()}
+        return {
+            redact_json(k, by_value) if isinstance(k, str) else k: redact_json(v, by_value) for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
-        return type(value)(redact_json(v) for v in value)
+        return type(value)(redact_json(v, by_value) for v in value)
     return value
 
 

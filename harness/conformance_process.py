@@ -267,7 +267,7 @@ class CheckProcess:
         if not lines:
             return "", 0
         trace = fault_trace([line.strip() for line in lines], TAIL_LINES - 1) if crashed else []
-        tail = "\n".join(clip(printable(line), 200) for line in (trace or lines[-TAIL_LINES:]))
+        tail = "\n".join(clip(printable(line), 200) for line in (trace or lines[-TAIL_LINES:]))  # clip: by value too
         return (tail[:TAIL_CHARS] if trace else tail[-TAIL_CHARS:]), max(printed, 1)
 
     def _trim(self) -> None:

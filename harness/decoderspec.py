@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from dtbench.core import redact_credentials
+from dtbench.core import mask_urls
 from dtbench.harness.bounds import Seed
 from dtbench.harness.errors import clip
 from dtbench.harness.suitebase import (
@@ -144,7 +144,7 @@ class DecoderSpec(HasLMax):
         out = []
         for values in itertools.product(*(self.sweep[k] for k in keys)):
             point = dict(zip(keys, values))
-            suffix = redact_credentials(", ".join(f"{k}={v}" for k, v in point.items()))  # a swept base_url (issue 50)
+            suffix = mask_urls(", ".join(f"{k}={v}" for k, v in point.items()))  # a swept base_url (issue 50)
             spec = self.model_copy(
                 update={"label": f"{self.display} ({suffix})", "params": {**self.params, **point}, "sweep": {}}
             )

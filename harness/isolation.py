@@ -28,6 +28,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from dtbench.core import redact_credentials
 from dtbench.harness import deadline, load, proctree
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
@@ -261,7 +262,7 @@ class IsolatedWorker:
         """``; output: ...`` with the last lines the child printed (escaped, clipped) and where its log is kept."""
         self.kept.append(self.trace_path)
         lines = [line.strip() for line in self._log_tail(4096).splitlines() if line.strip()]
-        tail = printable(" | ".join(lines[-3:]))[-OUTPUT_TAIL:]
+        tail = printable(redact_credentials(" | ".join(lines[-3:])))[-OUTPUT_TAIL:]  # a child's output: by value too
         return (f"; output: ...{tail}" if tail else "") + f"; log {self.trace_path}"
 
     def _crash_text(self) -> str:

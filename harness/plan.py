@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dtbench.core import redact_credentials
+from dtbench.core import mask_urls
 from dtbench.decoders.base import Decoder, DecoderParams
 from dtbench.harness import data, registry, selection
 from dtbench.harness.decoderspec import DecoderSpec, SamplingSpec
@@ -320,7 +320,7 @@ def _implicit_reference(
         DtbenchError: an entry of the suite already has that label.
     """
     # the reference's params name it, credentials masked like its stored params (issue 50 item 2)
-    label = name if not raw else f"{name} ({redact_credentials(', '.join(f'{k}={v}' for k, v in raw.items()))})"
+    label = name if not raw else f"{name} ({mask_urls(', '.join(f'{k}={v}' for k, v in raw.items()))})"
     if rsampling != suite.sampling:  # not the suite's own decoding: say how this one decodes
         label += (
             " (greedy)"

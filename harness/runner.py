@@ -19,7 +19,7 @@ from rich.console import Console
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dtbench.core import redact_credentials, redact_json
+from dtbench.core import mask_urls, redact_credentials, redact_json
 from dtbench.harness import (
     calibrate_run,
     chat,
@@ -337,7 +337,7 @@ def _open_cells(
     ids: dict[CellKey, dict[str, int]] = {}
     for ds, l_max, T, B, cp in plan.cells():
         key = CellKey(ds.key, l_max, T, B)
-        cell = existing.get((key, redact_credentials(cp.label)))  # stored masked (issue 50 item 2)
+        cell = existing.get((key, mask_urls(cp.label)))  # stored masked (issue 50 item 2)
         if cell is None:
             cell = Cell(
                 run=run,
@@ -349,16 +349,18 @@ def _open_cells(
                 decoder=cp.spec.name,
                 family=cp.cls.family,
                 measurer=measurer_name(cp.cls),  # local or served: stored, never guessed by a report (issue 49)
-                label=redact_credentials(cp.label),  # labels name params: masked like them (issue 50)
+                label=mask_urls(cp.label),  # labels name params: masked like them (issue 50)
                 decoder_version=str(cp.version),
                 decoder_distribution=cp.distribution,
-                params=redact_json(cp.params.model_dump(mode="json")),  # URL credentials masked (issue 42)
+                params=redact_json(
+                    cp.params.model_dump(mode="json"), by_value=False
+                ),  # URL credentials masked (issue 42)
                 lossless_expected=cp.cls.lossless_with(cp.params),
                 lossless_check=plan.suite.lossless_check,
-                sweep_group=redact_credentials(cp.spec.sweep_group) if cp.spec.sweep_group else None,
-                swept=redact_json(cp.spec.swept) or None,
+                sweep_group=mask_urls(cp.spec.sweep_group) if cp.spec.sweep_group else None,
+                swept=redact_json(cp.spec.swept, by_value=False) or None,
                 sampling=cp.sampling.model_dump(mode="json") if cp.sampling else None,
-                reference_label=redact_credentials(cp.reference_label) if cp.reference_label else None,
+                reference_label=mask_urls(cp.reference_label) if cp.reference_label else None,
                 target_model=f"{target['model']} ({target['dtype']})",
                 draft_model=f"{draft['model']} ({draft['dtype']})" if (draft and cp.cls.needs_draft) else None,
             )

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
-from dtbench.core import redact_credentials
+from dtbench.core import mask_urls
 
 if TYPE_CHECKING:  # pandas loads with the first CSV, not with every command that escapes a line of text
     import pandas as pd
@@ -51,7 +51,7 @@ def printable(text: Any) -> str:
     and the credentials of any URL in it masked (``user:***@``, :func:`dtbench.core.redact_credentials`): every
     renderer (terminal, Markdown, CSV, HTML) goes through here, so a database written before issue 42 never shows a
     server's password either."""
-    return _CONTROL.sub(_escape, redact_credentials(text))
+    return _CONTROL.sub(_escape, mask_urls(text))
 
 
 def html_text(text: Any) -> str:

@@ -345,7 +345,9 @@ def render_json(doc: Document) -> str:
                 for r in doc.reports
             },
         }
-    return json.dumps(redact_json(body), indent=2, default=str)  # URL credentials masked, as on every other path
+    return json.dumps(
+        redact_json(body, by_value=False), indent=2, default=str
+    )  # URL credentials masked, as on every other path
 
 
 # --- HTML --------------------------------------------------------------------------------------------------------

@@ -166,14 +166,17 @@ def test_registered_secrets_are_masked_in_every_encoding_a_server_echoes():
         "query": "QUERYKEY1",
         "fragment": "FRAGKEY1",
     }
-    for how, text in echoed.items():
-        assert "***" in redact_credentials(text) and "***" in printable(text), how
+    for how, text in echoed.items():  # text from a server: masked by value (printable masks URLs by structure only)
+        assert "***" in redact_credentials(text), how
         for part in ("sk-a", "p w:d", "QUERYKEY1", "FRAGKEY1", base64.b64encode(b"tok@en:p w:d").decode()):
             assert part not in redact_credentials(text), (how, part)
     assert redact_json({"e": ["x FRAGKEY1 y", 3]}) == {"e": ["x *** y", 3]}
     from dtbench.core import redact_yaml
 
-    assert redact_yaml('a: "QUERY\\x4bEY1"\nb: 1\n') == 'a: "***"\nb: 1\n'  # split by a YAML escape
+    # what the user wrote is never searched for a registered value (issue 67 item 1): a literal key is refused at
+    # validate, and a value found in the user's own words is no key
+    assert redact_yaml('a: "QUERY\\x4bEY1"\nb: wiki QUERYKEY1\n') == 'a: "QUERY\\x4bEY1"\nb: wiki QUERYKEY1\n'
+    assert printable("dataset QUERYKEY1") == "dataset QUERYKEY1"
     # a fragment's key-like parameters are masked by the URL rule too, with nothing registered
     from dtbench.core import forget_secrets
 
@@ -230,3 +233,74 @@ def test_api_key_env_naming_a_system_variable_is_refused(tmp_path, monkeypatch, 
     suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": params}]})
     line = one_line_error(invoke("validate", suite), f"params.api_key_env: {name} is a system variable, not an API key")
     assert "/usr/bin" not in line
+
+
+# --- 67.1 masking never rewrites what the user wrote ----------------------------------------------------------------
+
+
+def test_a_key_that_occurs_in_the_users_own_text_never_rewrites_it(
+    tmp_path, data_dir, echo_server, tiny_target, monkeypatch, request
+):
+    """issue 67 item 1. Before: with a key whose value occurs in the suite name, a label and a dataset name, the run
+    stored ``name: c_***``, the dataset as ``***text-2`` and the label ``srv_***``. Now the user's text is stored and
+    printed as written (byte for byte what a run without the key stores), and the key echoed by a server is still
+    masked in what the server sent."""
+    import sqlite3
+
+    key = "wikitext"  # 8 characters: long enough to be a key; in the suite name, a label and the dataset's name
+    url = echo_server(401)  # answers 401 quoting the request's headers (the key among them)
+    import fakeserver
+
+    server, plain = fakeserver.serve()  # a server that answers: the reports have samples to show
+    request.addfinalizer(server.shutdown)
+
+    def run(folder, with_key: bool):
+        folder.mkdir()
+        params = {"base_url": url, **({"api_key_env": "DTB_WIKI_KEY"} if with_key else {})}
+        decoders = [
+            {"name": "server", "label": "ok", "params": {"base_url": plain}},
+            {"name": "server", "label": "srv_wikitext", "params": params},
+        ]
+        target = {"model": tiny_target, "dtype": "float64"}
+        suite = {**TINY, "name": "c_wikitext", "target": target, "decoders": decoders}
+        db = folder / "r.db"
+        args = ("--db", str(db), "--data-dir", str(data_dir), "--no-progress")
+        result = invoke("run", write_suite(folder, suite), *args)
+        assert "Traceback" not in result.output, result.output
+        with sqlite3.connect(db) as con:
+            text, env = con.execute("select suite_text, environment from runs").fetchone()
+            label, dataset, error = con.execute(
+                "select label, dataset, error from cells where label != 'ok'"
+            ).fetchone()
+        return text, env, label, dataset, error, result, db
+
+    without = run(tmp_path / "plain", False)
+    monkeypatch.setenv("DTB_WIKI_KEY", key)
+    text, env, label, dataset, error, result, db = run(tmp_path / "keyed", True)
+    assert (label, dataset) == (without[2], without[3]) == ("srv_wikitext", "wikitext-2")
+    kept = "".join(line for line in text.splitlines(keepends=True) if "api_key_env" not in line)
+    assert kept == without[0] and "name: c_wikitext" in text  # byte for byte, but the api_key_env line
+    assert "***" not in env and "***" not in without[1]  # the environment record: nothing rewritten
+    assert "Bearer ***" in error and f"Bearer {key}" not in error  # what the server echoed: masked by value
+    shown = "\n".join([result.output, *_reports(db)])
+    assert "srv_wikitext" in shown and "***text" not in shown and f"Bearer {key}" not in shown
+
+
+def test_a_key_too_short_to_mask_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    """issue 67 item 1: a 1-7 character key (``abc``; local servers' dummies such as ``EMPTY``) can be neither masked
+    without rewriting ordinary text nor left shown: refused before the run, naming the variable, never the value."""
+    monkeypatch.setenv("DTB_SHORT_KEY", "abc")
+    params = {"base_url": "http://127.0.0.1:8000", "api_key_env": "DTB_SHORT_KEY"}
+    suite = write_suite(tmp_path, {**TINY, "decoders": [{"name": "server", "params": params}]})
+    line = one_line_error(invoke("validate", suite), "api_key_env: the key in DTB_SHORT_KEY is 3 characters")
+    assert "abc" not in line.split("DTB_SHORT_KEY", 1)[1]
+
+
+def test_a_key_echoed_lower_cased_or_repr_escaped_is_masked():
+    """issue 67 (low): a server lower-casing an echoed header, or a traceback showing the key in a repr."""
+    from dtbench.core import redact_credentials, register_secret
+
+    key = "sk-Mixed\\Case\tKey"  # a backslash and a tab: a repr escapes both
+    register_secret(key)
+    assert redact_credentials(f"echo: {key.lower()}") == "echo: ***"
+    assert redact_credentials(f"KeyError: {key!r}") == "KeyError: '***'"

@@ -129,7 +129,8 @@ class ServerParams(DecoderParams):
         max_length=200,
         description="the environment variable holding the server's API key, read at request time and sent as "
         "`Authorization: Bearer <key>` (the key itself is never stored: only this name is, and the key is masked "
-        "wherever a server echoes it; PATH, HOME and other system variables are refused)",
+        "wherever a server echoes it, never in the suite's own text; a key under 8 characters, PATH, HOME and other "
+        "system variables are refused)",
     )
 
     @field_validator("engine")
@@ -168,6 +169,12 @@ class ServerParams(DecoderParams):
             )
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
             raise ValueError(_unset(self.api_key_env))
+        if self.api_key_env is not None and len(os.environ[self.api_key_env].strip()) < MIN_KEY:
+            raise ValueError(
+                f"api_key_env: the key in {self.api_key_env} is {len(os.environ[self.api_key_env].strip())} "
+                f"characters, too short to mask in a server's answers without rewriting other text (at least "
+                f"{MIN_KEY}); a server that checks no key needs no api_key_env"
+            )
         return self
 
 
@@ -180,6 +187,10 @@ def _valid_port(base_url: str) -> None:
         port = -1
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"base_url: {redact_credentials(base_url)[:80]!r} has no valid port (a port is 1 to 65535)")
+
+
+MIN_KEY = 8  # characters: a shorter API key (`abc`, `test`, `EMPTY`) is refused (issue 67 item 1): masked wherever it
+# appears in a server's answers, it would rewrite ordinary words; unmasked, it would be shown. Real keys are longer.
 
 
 def _unset(name: str) -> str:

@@ -153,7 +153,7 @@ def open_run(session, suite, suite_text, suite_path, resume, force, env: dict[st
 
     ``env``: the measuring worker's environment (versions, device, target/draft) plus the executor's description.
     """
-    env = redact_json(env)  # stored, and compared on resume, with every secret masked (issue 59 item 1)
+    env = redact_json(env, by_value=False)  # dtbench's own record: URL credentials masked, nothing searched (issue 67)
     owner = dict(owner_host=socket.gethostname(), owner_pid=os.getpid(), heartbeat_at=utcnow())
     if resume is None:
         run = Run(
