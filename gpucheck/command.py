@@ -79,6 +79,8 @@ def main(
     """Run the offline GPU check (issue 31) and write OUT/gpu-check.json (each step in a child process).
 
     Exit code 0 when every step run passed, 1 when one failed, 2 for bad arguments (click's usage errors)."""
+    common.ONLY = None  # every built-in lossless decoder: what an unknown --decoders name is told to choose from
+    known = {n for n, _ in common.lossless_decoders()} | {"ar"} if decoders else set()
     common.ONLY = {d.strip() for d in decoders.split(",") if d.strip()} if decoders else None
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     bad = [s for s in chosen if s not in STEPS]
@@ -88,8 +90,7 @@ def main(
             if bad
             else "--steps: name at least one step"
         )
-    if common.ONLY is not None:
-        known = {n for n, _ in common.lossless_decoders()} | {"ar"}
+    if common.ONLY is not None:  # (issue 67: the hint listed only `ar`, the known set filtered by the request)
         unknown = sorted(common.ONLY - known)
         if unknown:
             raise click.UsageError(

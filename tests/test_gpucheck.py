@@ -136,7 +136,16 @@ def test_node_side_lists_the_node_packages_dtbench_needs_pinned_where_known(tmp_
 
 
 @pytest.mark.parametrize(
-    "args, code, needle", [([], 2, "usage"), (["--small"], 2, "usage"), (["OUT"], 3, "no wheels in")]
+    "args, code, needle",
+    [
+        ([], 2, "usage"),
+        (["--small"], 2, "usage"),
+        (["OUT"], 3, "no wheels in"),
+        # issue 67: the arguments are checked before the kit is installed (here: before "no wheels")
+        (["OUT", "--steps", "lossless,nope"], 2, "--steps: unknown step 'nope'"),
+        (["OUT", "--budget", "soon"], 2, "--budget: 'soon' is not a number of seconds"),
+        (["OUT", "--devcie", "cpu"], 2, "unknown option '--devcie'"),
+    ],
 )
 def test_gpu_check_sh_refuses_in_one_line(tmp_path, args, code, needle):
     env = {"PATH": "/usr/bin:/bin", "GPUKIT": str(tmp_path / "empty"), "PYTHON": sys.executable}
@@ -316,6 +325,10 @@ def test_bad_arguments_are_one_line(tmp_path):
 
     r = CliRunner().invoke(gpucheck.main, ["--out", str(tmp_path), "--steps", "nosuch"])
     assert r.exit_code == 2 and "unknown step 'nosuch'" in r.output
+    # issue 67: the hint lists every built-in lossless decoder, not only `ar` (it was filtered by the request)
+    r = CliRunner().invoke(gpucheck.main, ["--out", str(tmp_path), "--decoders", "nope", "--plan"])
+    assert r.exit_code == 2 and "unknown decoder nope" in r.output
+    assert "linear" in r.output and "dynatree" in r.output and "ar" in r.output
 
 
 def test_every_builtin_lossless_decoder_is_checked():

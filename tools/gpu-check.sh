@@ -23,6 +23,8 @@ fi
 OUT=$1; shift
 case "$OUT" in /*) ;; *) OUT="$CALLER_DIR/$OUT" ;; esac
 PYTHON=${PYTHON:-python3}
+# the arguments first: a typo is one line and exit 2 before anything is installed (issue 67; standard library only)
+"$PYTHON" tools/gpu_check_args.py "$@" || exit 2
 GPUKIT=${GPUKIT:-.gpukit}
 SITE=${SITE:-/tmp/dtbench-site}
 # OUT must be a folder this script can write: one line and exit 2 otherwise (never raw mkdir/tee errors, never a
