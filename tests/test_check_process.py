@@ -20,6 +20,8 @@ import psutil
 import pytest
 from kit import install_plugin, invoke
 
+from dtbench.cli.check import CHECK_NAMES
+
 TIER = "full"  # tests/conftest.py: child processes, a deadline waited out, a package installed
 
 SLEEP_MARK = "1234.5"  # the argv of the `sleep` a hanging decoder leaves running: found by it, never by chance
@@ -272,15 +274,25 @@ def test_a_new_decoder_package_installs_and_passes_the_kit(tmp_path, kind):
     subprocess.run([*pip, str(package)], check=True, capture_output=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
     env["OMP_NUM_THREADS"] = "1"
+    # every check for the chain; the tree's compile and sampling law (25 s more here) were run once by hand
+    # (issue 65's closing note): the chain's run shows the package's compiled and sampled paths
+    skip = () if kind == "chain" else ("compiled_equals_eager", "sampling")
+    chosen = [f"--check={c}" for c in CHECK_NAMES if c not in skip]
     check = subprocess.run(
-        [sys.executable, "-m", "dtbench.cli.main", "check", name, "--device", "cpu", "--format", "json"],
+        [sys.executable, "-m", "dtbench.cli.main", "check", name, "--device", "cpu", "--format", "json", *chosen],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
     (report,) = json.loads(check.stdout)
     statuses = {o["check"]: o["status"] for o in report["outcomes"]}
-    assert statuses["greedy_equals_reference"] == statuses["length"] == statuses["sampling"] == "passed", statuses
-    assert statuses["compiled_equals_eager"] == "passed", statuses
+    assert (
+        statuses["greedy_equals_reference"]
+        == statuses["length"]
+        == statuses["batch_rows" if kind == "tree" else "eos"]
+        == "passed"
+    ), statuses
+    if kind == "chain":
+        assert statuses["compiled_equals_eager"] == statuses["sampling"] == "passed", statuses
     own = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "greedy or eos", str(package / "tests")],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
