@@ -80,8 +80,7 @@ def main(
 
     Exit code 0 when every step run passed, 1 when one failed, 2 for bad arguments (click's usage errors)."""
     common.ONLY = None  # every built-in lossless decoder: what an unknown --decoders name is told to choose from
-    known = {n for n, _ in common.lossless_decoders()} | {"ar"} if decoders else set()
-    common.ONLY = {d.strip() for d in decoders.split(",") if d.strip()} if decoders else None
+    requested = {d.strip() for d in decoders.split(",") if d.strip()} if decoders else None
     chosen = [s.strip() for s in steps.split(",") if s.strip()]
     bad = [s for s in chosen if s not in STEPS]
     if bad or not chosen:
@@ -90,12 +89,14 @@ def main(
             if bad
             else "--steps: name at least one step"
         )
-    if common.ONLY is not None:  # (issue 67: the hint listed only `ar`, the known set filtered by the request)
-        unknown = sorted(common.ONLY - known)
+    if requested is not None:  # (issue 67: the hint listed only `ar`, the known set filtered by the request)
+        known = {n for n, _ in common.lossless_decoders()} | {"ar"}
+        unknown = sorted(requested - known)
         if unknown:
             raise click.UsageError(
                 f"--decoders: unknown decoder {', '.join(unknown)} (built-in lossless decoders: {', '.join(sorted(known))})"
             )
+    common.ONLY = requested  # set once valid: a refused request leaves no restriction behind
     if plan_only:  # the plan for --device (auto: the node's cuda) and the --steps asked for
         plan_device = "cpu" if device_name == "cpu" else "cuda"
         for line in budget_plan.plan_lines(plan_device, budget or budget_plan.LEASE_BUDGET_S, spent, chosen):

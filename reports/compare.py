@@ -286,6 +286,15 @@ def _cells(frame: pd.DataFrame) -> dict[tuple, pd.Series]:
     return {tuple(r[k] for k in KEY): r for _, r in frame.drop_duplicates("cell_id").iterrows()}
 
 
+def _pairing(row: dict, key: tuple, paired: dict[tuple, tuple]) -> str:
+    """For a cell paired across a label change: ``row``'s label set to ``before → after``; the note saying so."""
+    if key not in paired:
+        return ""
+    before, after = key[-1], paired[key][-1]
+    row["label"] = f"{before} → {after}"
+    return f"paired by decoder and params (labelled '{before}' before, '{after}' after)"
+
+
 def _paired_by_identity(cb: dict[tuple, pd.Series], ca: dict[tuple, pd.Series]) -> dict[tuple, tuple]:
     """{before key: after key} for cells that match under no label but do by what they measured (issue 67): the
     same point (dataset, L_max, T, B), decoder and params, and exactly one such cell on each side. The label is a
@@ -363,6 +372,11 @@ def _tripped(gates: Sequence[Gate], vb: pd.DataFrame, va: pd.DataFrame, where: s
     return failures
 
 
+# the columns of compare_runs' table, in order
+RUN_COLUMNS = [*GROUP[:3], "label", "before", "after", "before_partial", "after_partial", "ratio", "p_value", "mark"]
+RUN_COLUMNS += ["note", "batch_size"]
+
+
 def compare_runs(
     before: pd.DataFrame,
     after: pd.DataFrame,
@@ -416,10 +430,7 @@ def compare_runs(
             row["after"] = va["throughput"].mean()
         if len(vb) and len(va):
             row["ratio"] = row["after"] / row["before"]
-        pairing = ""
-        if key in paired:
-            row["label"] = f"{key[-1]} → {paired[key][-1]}"
-            pairing = f"paired by decoder and params (labelled '{key[-1]}' before, '{paired[key][-1]}' after)"
+        pairing = _pairing(row, key, paired)
         where = f"{key[0]} L_max={key[1]} T={key[2]}" + (f" B={key[3]}" if key[3] != 1 else "") + f" {key[4]}"
         if b is None:
             row["mark"] = NEW
@@ -453,19 +464,4 @@ def compare_runs(
         if pairing:
             row["note"] = f"{pairing}; {row['note']}" if row["note"] else pairing
         rows.append(row)
-    return pd.DataFrame(
-        rows,
-        columns=[
-            *GROUP[:3],
-            "label",
-            "before",
-            "after",
-            "before_partial",
-            "after_partial",
-            "ratio",
-            "p_value",
-            "mark",
-            "note",
-            "batch_size",
-        ],
-    ), failures
+    return pd.DataFrame(rows, columns=RUN_COLUMNS), failures

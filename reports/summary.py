@@ -334,17 +334,17 @@ def run_summary(session: Session, run: Run) -> pd.DataFrame:
 
 def served_requests(session: Session, run_id: int) -> dict[int, list[dict]]:
     """Per served cell of a run, its samples' ``step_stats.server`` after warmup
-    (:func:`dtbench.reports.engine.served_stats`): what :func:`with_failed_requests` counts."""
-    from dtbench.reports.engine import served_stats
+    (:func:`dtbench.reports.requests.served_stats`): what :func:`with_failed_requests` counts."""
+    from dtbench.reports.requests import served_stats
 
     return served_stats(session, run_id)
 
 
 def with_failed_requests(table: pd.DataFrame, stats: dict[int, list[dict]]) -> pd.DataFrame:
     """``table`` with a served cell's requests after warmup: ``requests`` sent, ``failed_requests`` and
-    ``failure_rate`` (:func:`dtbench.reports.engine.failure_counts`, each unit once; NaN for dtbench's own decoders),
+    ``failure_rate`` (:func:`dtbench.reports.requests.failure_counts`, each unit once; NaN for dtbench's own decoders),
     so the default report says how many of a served cell's requests its numbers are over (issue 67 item 4)."""
-    from dtbench.reports.engine import failure_counts
+    from dtbench.reports.requests import failure_counts
 
     if table.empty:
         return table

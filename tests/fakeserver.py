@@ -79,21 +79,16 @@ def handler(mode: str, tokens: list[int], timings: str, check: str | None, mark:
                 return
             n = int(body.get("max_tokens", 1))
             bad = mode in ("garbage3", "cut3") and next(streamed) % 3 == 0
-            if bad and mode == "garbage3":
-                data = b"<html><body>502 upstream hiccup</body></html>"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                return
-            if bad:  # half the tokens, no final event: the stream just ends
+            if bad:  # a body that is no event stream, or half the tokens and no final event (the stream just ends)
                 cut = [tokens[i % len(tokens)] for i in range(max(1, n // 2))]
                 events = [{"choices": [{"text": "x", "index": 0, "finish_reason": None}], "__verbose": {"tokens": [t]}}
                           for t in cut]  # fmt: skip
                 data = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode()
+                if mode == "garbage3":
+                    data = b"<html><body>502 upstream hiccup</body></html>"
+                kind = "text/html" if mode == "garbage3" else "text/event-stream"
                 self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
