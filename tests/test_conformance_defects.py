@@ -274,6 +274,7 @@ def test_the_example_plugin_passes_from_its_source():
         from dtbench_prompt_lookup import PromptLookup
     finally:
         sys.path.remove(str(src))
+        sys.modules.pop("dtbench_prompt_lookup", None)  # tests/test_plugin.py imports the installed copy after us
     report = check_decoder(PromptLookup, checks=CHEAP, examples=8, isolation="none")
     assert report.ok, report.verdicts
     assert [o.status for o in report.outcomes if o.check == "greedy_equals_reference"] == ["passed"]

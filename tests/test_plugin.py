@@ -44,6 +44,7 @@ def plugin():
         check=True,
     )
     importlib.invalidate_caches()
+    sys.modules.pop("dtbench_prompt_lookup", None)  # a copy imported from the source tree by another test module
     return importlib.import_module("dtbench_prompt_lookup")
 
 
