@@ -83,6 +83,8 @@ def secret_name(name: str) -> bool:
 MIN_SECRET = 4  # characters: a shorter value (a password "ab") would mask ordinary text wherever it appears
 _SECRETS: set[str] = set()
 _ORDERED: tuple[str, ...] = ()  # the registered values, longest first (a value holding another is masked whole)
+_SPLIT: re.Pattern[str] | None = None  # the registered values broken across lines anywhere (issue 67 item 1)
+_BREAK = r"(?:\r?\n|\\r\\n|\\n)[ \t]*"  # a line break, real or JSON/repr-escaped, and the next line's indent
 
 
 def register_secret(value: str | None) -> None:
@@ -90,7 +92,7 @@ def register_secret(value: str | None) -> None:
     :func:`redact_credentials`, every message, printed text and stored value) replaces it with ``***`` wherever it
     appears, as GitHub Actions masks a registered secret in its logs, in the encodings a server may echo it in: as
     given, percent-encoded (``quote``, ``quote_plus``), JSON-escaped, lower- and upper-cased and as Python's ``repr``
-    escapes it (a traceback's). Values shorter than :data:`MIN_SECRET`
+    escapes it (a traceback's), and each of those broken across two lines anywhere. Values shorter than :data:`MIN_SECRET`
     characters are not registered (issue 59 item 1)."""
     global _ORDERED
     if not value or len(value) < MIN_SECRET:
@@ -105,6 +107,16 @@ def register_secret(value: str | None) -> None:
         return
     _SECRETS.update(forms)
     _ORDERED = tuple(sorted(_SECRETS, key=len, reverse=True))
+    _compile_split()
+
+
+def _compile_split() -> None:
+    """One pattern matching every registered value with a line break (and indent) between any two of its characters:
+    a key a server echoes wrapped over two lines (issue 67 item 1)."""
+    global _SPLIT
+    gap = f"(?:{_BREAK})?"
+    alternatives = [gap.join(re.escape(c) for c in form) for form in _ORDERED if len(form) > 1]
+    _SPLIT = re.compile("|".join(alternatives)) if alternatives else None
 
 
 def register_url_secrets(url: str | None) -> None:
@@ -145,14 +157,17 @@ def scrub_secrets(text: str) -> str:
     for secret in _ORDERED:
         if secret in text:
             text = text.replace(secret, MASK)
+    if _SPLIT is not None and ("\n" in text or "\\n" in text):  # a line break, real or escaped: a key wrapped over it
+        text = _SPLIT.sub(MASK, text)
     return text
 
 
 def forget_secrets() -> None:
     """Forget every registered secret (tests: one test's secrets are not another's)."""
-    global _ORDERED
+    global _ORDERED, _SPLIT
     _SECRETS.clear()
     _ORDERED = ()
+    _SPLIT = None
 
 
 def _mask_userinfo(userinfo: str) -> str:

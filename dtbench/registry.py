@@ -15,15 +15,14 @@ The policy:
   registry expects: its :class:`Expect`); a plugin that fails to import, or loads the wrong thing, is a one-line
   :class:`~dtbench.core.DtbenchError` naming its distribution.
 - A plugin's import runs under a time limit (issue 59 item 3): ``DTBENCH_PLUGIN_IMPORT_TIMEOUT`` seconds
-  (:data:`DEFAULT_IMPORT_TIMEOUT_S` by default). The import runs in a daemon thread that the caller joins with that
-  timeout; one that has not finished is a broken plugin ("did not finish importing within N s"), a problem line in
-  ``dtbench plugins`` and a warning elsewhere, never a hang. Python cannot stop a thread, so the import goes on in
-  the background (a daemon thread does not keep the process alive at exit); the entry is not imported again in this
-  process, and if the import finishes later its object is used at the next :meth:`Registry.load`. A thread rather
-  than a child process: the loaded object must live in this process, and a process per plugin would cost every
-  command an interpreter start. Built-ins (dtbench's own entry points, trusted, and the first to import torch) load
-  on the caller's thread without a limit. A plugin whose import needs the main thread (``signal.signal`` at import)
-  fails to load under the limit; that is the plugin's error, reported by name.
+  (:data:`DEFAULT_IMPORT_TIMEOUT_S` by default; ``inf``: no limit). The import is tried first in a child process
+  forked from the kit's fork server (issue 67 item 5: :mod:`dtbench.harness.plugin_probe`); one that has not finished
+  within the limit is killed with its process and is a broken plugin ("did not finish importing within N s"), a
+  problem line in ``dtbench plugins`` and a warning elsewhere, never a hang and never an import left running beside a
+  measurement (before, a daemon thread the caller could not stop kept a core busy). An import that raises, exits or
+  crashes in the child is reported the same way, by name; one that finished is imported in the caller without a
+  limit (the loaded object must live in this process). Built-ins (dtbench's own entry points, trusted, and the first
+  to import torch) load on the caller's thread without a limit.
 - A group is scanned once per process (issue 58 item 6: a run scanned the entry points 35 times for two cells): the
   scan is kept while ``sys.path``, its folders' modification times and ``DTBENCH_DISABLE_PLUGINS`` stay as they were
   (a distribution put on the path or ``pip install``-ed into a folder on it is seen at the next
@@ -41,7 +40,6 @@ import importlib
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -99,51 +97,42 @@ def import_timeout_s() -> float:
     return value
 
 
-class ImportTimedOut(Exception):
-    """A plugin's import that has not finished within its time limit (:func:`load_within`)."""
+_PROBED: dict[tuple[Any, ...], str | None] = {}  # (name, value, group, sys.path) -> None (its import ends) or why not
 
 
-class _Import:
-    """One plugin import running in a daemon thread (:func:`load_within`): its result or exception once done."""
-
-    def __init__(self, entry_point: Any):
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(entry_point,), daemon=True, name="dtbench-plugin")
-        self.thread.start()
-
-    def _run(self, entry_point: Any) -> None:
-        try:
-            self.result = entry_point.load()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which reports it by name
-            self.error = exc
-
-
-_PENDING: dict[Any, _Import] = {}  # imports that outlived their time limit, by entry: never started twice
-
-
-def load_within(entry_point: Any, timeout_s: float) -> Any:
-    """``entry_point.load()`` in a daemon thread, waiting at most ``timeout_s`` seconds (issue 59 item 3).
-
-    An import still running when the time is up stays pending: a later call for the same entry point does not wait
-    again, it returns the object if the import has finished meanwhile and raises TimeoutError otherwise.
+def load_bounded(entry_point: Any, timeout_s: float) -> Any:
+    """``entry_point.load()`` once a child process showed, within ``timeout_s`` seconds, that the import ends (issue 67
+    item 5: :func:`dtbench.harness.plugin_probe.probe`); nothing is left importing beside the caller. The child's
+    verdict is kept for the process: an entry is tried once. Where no child can start (a ``__main__`` read from
+    standard input) the entry is imported without a limit. An object without ``value`` and ``group`` (a test's
+    stand-in with ``load()`` only) has no module to try and is loaded as it is.
 
     Raises:
-        ImportTimedOut: the import has not finished; whatever the import raised is re-raised here.
+        PluginImportFailed: the import did not finish within the limit, raised or ended its process (the message says
+            which); nothing of it was imported here.
     """
-    job = _PENDING.pop(entry_point, None)
-    if job is None:
-        job = _Import(entry_point)
-        job.thread.join(None if math.isinf(timeout_s) else timeout_s)
-    if job.thread.is_alive():
-        _PENDING[entry_point] = job
-        raise ImportTimedOut(
-            f"did not finish importing within {timeout_s:g} s (left importing in the background; "
-            f"{IMPORT_TIMEOUT_ENV} sets the limit)"
-        )
-    if job.error is not None:
-        raise job.error
-    return job.result
+    value, group, name = (getattr(entry_point, attr, None) for attr in ("value", "group", "name"))
+    if not (isinstance(value, str) and isinstance(group, str)):
+        return entry_point.load()
+    key = (str(name), value, group, tuple(sys.path))
+    if key not in _PROBED:
+        from dtbench.harness.plugin_probe import ProbeFailed, ProbeUnavailable, probe
+
+        try:
+            probe(str(name), value, group, timeout_s)
+            _PROBED[key] = None
+        except ProbeFailed as exc:
+            _PROBED[key] = str(exc)
+        except ProbeUnavailable:  # no child could be started here: imported as it is, without a limit
+            _PROBED[key] = None
+    if _PROBED[key] is not None:
+        raise PluginImportFailed(_PROBED[key])
+    return entry_point.load()
+
+
+class PluginImportFailed(Exception):
+    """A plugin's import that did not finish within its time limit, raised or ended its process, in the child
+    process that tried it (:func:`load_bounded`); ``str()`` follows "from distribution X 1.0"."""
 
 
 @dataclass(frozen=True)
@@ -366,8 +355,8 @@ class Registry(Generic[T]):
             if not trusted:  # the plugin API every plugin imports (torch, transformers: seconds on a busy machine) is
                 # dtbench's own and imported without a limit first, so the limit times the plugin's own import only
                 importlib.import_module("dtbench.api")
-            obj = entry.entry_point.load() if limit is None else load_within(entry.entry_point, limit)
-        except ImportTimedOut as exc:
+            obj = entry.entry_point.load() if limit is None else load_bounded(entry.entry_point, limit)
+        except PluginImportFailed as exc:
             raise DtbenchError(f"{what} {exc}") from None
         except (Exception, SystemExit) as exc:  # any import-time failure of a plugin is the plugin's, reported by name
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

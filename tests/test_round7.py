@@ -7,6 +7,9 @@ tests/test_compare.py.)
 
 from __future__ import annotations
 
+import os
+import sys
+
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -119,3 +122,50 @@ def test_the_load_note_counts_the_runs_driver_as_its_own(monkeypatch):
     assert load._own_root().pid == os.getppid()
     monkeypatch.setenv(load.DRIVER_ENV, "")
     assert load._own_root().pid == psutil.Process().pid
+
+
+LOOPING = """
+import os
+import pathlib
+
+pathlib.Path(os.environ["DTBENCH_LOOP_PID"]).write_text(str(os.getpid()))
+while True:  # a plugin that never finishes importing, busy
+    pass
+"""
+
+EXITING = """
+import os
+
+os._exit(3)  # a plugin that ends whatever imports it
+"""
+
+
+def test_an_import_past_its_limit_is_killed_not_left_running(tmp_path, monkeypatch):
+    """Issue 67 item 5: before, the import ran on in a daemon thread of the caller (one core busy for the rest of the
+    command, a measurement slowed 2x); now it runs in a child process that is killed at the limit, and an import that
+    calls ``os._exit`` is that plugin's problem line (before, it ended the caller)."""
+    import threading
+
+    import psutil
+
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("DTBENCH_LOOP_PID", str(pid_file))
+    monkeypatch.setenv("DTBENCH_PLUGIN_IMPORT_TIMEOUT", "1")
+    site = tmp_path / "site"
+    install_plugin(monkeypatch, site, "dtbench-loop", {"loop": "dtbench_loop:X"}, LOOPING)
+    install_plugin(monkeypatch, site, "dtbench-quit", {"quit": "dtbench_quit:X"}, EXITING)
+    result = invoke("plugins")
+    assert result.exit_code == 0, result.output
+    problems = [line.strip() for line in result.stdout.splitlines() if "from distribution dtbench-" in line]
+    assert (
+        "decoder 'loop' from distribution dtbench-loop 0.1 did not finish importing within 1 s (its import ran in a "
+        "child process, killed; DTBENCH_PLUGIN_IMPORT_TIMEOUT sets the limit)"
+    ) in problems, result.stdout
+    assert (
+        "decoder 'quit' from distribution dtbench-quit 0.1 failed to load: its import ended the process (exit code 3)"
+    ) in problems, result.stdout
+    child = int(pid_file.read_text())
+    assert child != os.getpid()
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert not [t for t in threading.enumerate() if t.name == "dtbench-plugin"]
+    assert "dtbench_loop" not in sys.modules and "dtbench_quit" not in sys.modules

@@ -304,3 +304,19 @@ def test_a_key_echoed_lower_cased_or_repr_escaped_is_masked():
     register_secret(key)
     assert redact_credentials(f"echo: {key.lower()}") == "echo: ***"
     assert redact_credentials(f"KeyError: {key!r}") == "KeyError: '***'"
+
+
+@pytest.mark.parametrize("cut", [1, 7, 14])
+def test_a_key_echoed_split_across_two_lines_is_masked(cut):
+    """issue 67 (low): a server wrapping a long header over two lines (a real line break with the next line's indent,
+    CRLF, or a JSON/repr-escaped ``\\n``) echoed the key in two halves that no exact match finds."""
+    from dtbench.core import redact_credentials, register_secret
+
+    register_secret(KEY)
+    head, tail = KEY[:cut], KEY[cut:]
+    for joint in ("\n", "\n    ", "\r\n\t", "\\n", "\\r\\n  "):
+        text = f"Authorization: Bearer {head}{joint}{tail} was refused\nnext line"
+        assert redact_credentials(text) == "Authorization: Bearer *** was refused\nnext line", joint
+    upper = f"{KEY.upper()[:cut]}\n{KEY.upper()[cut:]}"
+    assert KEY.upper()[cut:] not in redact_credentials(upper)
+    assert redact_credentials("a line\nand another, no key") == "a line\nand another, no key"
