@@ -50,6 +50,16 @@ CHECK_NAMES = (
     "compiled_equals_eager",
     "sampling",
 )
+# The server kit's checks (dtbench.harness.serving.kit.SERVER_CHECKS; tests/test_server_kit.py holds the two equal).
+SERVER_CHECK_NAMES = (
+    "deterministic",
+    "greedy_equals_reference",
+    "concurrency",
+    "length",
+    "stop",
+    "streaming",
+    "accounting",
+)
 COUNTEREXAMPLE_CHARS = 2000  # a counterexample's characters in the table format (the whole one: --format json)
 
 
@@ -84,7 +94,13 @@ def _decoders(names: tuple[str, ...], all_: bool) -> list[str]:
     type=click.IntRange(1, 100_000),
     help="hypothesis examples per check (default: each check's own, 3-20; $DTBENCH_HYPOTHESIS_EXAMPLES caps it)",
 )
-@click.option("--check", "checks", multiple=True, type=click.Choice(CHECK_NAMES), help="run only these checks")
+@click.option(
+    "--check",
+    "checks",
+    multiple=True,
+    type=click.Choice(list(dict.fromkeys(CHECK_NAMES + SERVER_CHECK_NAMES))),
+    help="run only these checks (a served engine's: " + ", ".join(SERVER_CHECK_NAMES) + ")",
+)
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -98,7 +114,33 @@ def _decoders(names: tuple[str, ...], all_: bool) -> list[str]:
     "command)",
 )
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def check_command(names, all_, device, examples, checks, timeout, in_process, fmt) -> None:
+@click.option("--server", metavar="URL", help="a served engine's root URL (no /v1): check it instead of decoders")
+@click.option("--reference", metavar="URL", help="the same engine without speculation: greedy_equals_reference")
+@click.option("--suite", "suite_path", metavar="FILE", help="check the server entry LABEL of this suite (launch: "
+              "starts and stops it and its reference)")  # fmt: skip
+@click.option("--engine", default="llama.cpp", show_default=True, help="the served engine's adapter (--server)")
+@click.option("--served-model", help="the requests' `model` field (vLLM and SGLang want the served model's name)")
+@click.option("--api-key-env", metavar="NAME", help="the environment variable holding the server's API key")
+@click.option("--tokenizer", "tokenizer_model", default="smollm2-135m", show_default=True,
+              help="the served model's tokenizer (--server; a suite uses its target's): prompts and token text")  # fmt: skip
+@click.option("--dataset", default="wikitext-2", show_default=True, help="text prompts from this dataset (--server)")
+@click.option("--data-dir", help="the local data folder (default $DTBENCH_DATA_DIR; else the hub)")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+              help="seconds for a served engine's whole search, shrinking included, shared by its checks")  # fmt: skip
+@click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="seconds one request to a served engine may take (past it the check fails, the rest do not run)")  # fmt: skip
+@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="requests sent together by the concurrency check")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(1, 4096), help="largest max_tokens T drawn (default 32; a suite: "
+              "its largest generation length, at most 64)")  # fmt: skip
+@click.option("--context-length", type=click.IntRange(16), help="the engine's context length (default: what it "
+              "reports, llama.cpp /props or vLLM /v1/models): near-context prompts")  # fmt: skip
+@click.option("--tie-margin", type=click.FloatRange(0, 10), help="a divergence within this top-2 margin (nats) is a "
+              "numeric tie (default: the entry's tie_margin, 0.05)")  # fmt: skip
+@click.option("--no-shrink", is_flag=True, help="report a served engine's first failing prompt, unshrunk")
+def check_command(names, all_, device, examples, checks, timeout, in_process, fmt, server, reference, suite_path,
+                  engine, served_model, api_key_env, tokenizer_model, dataset, data_dir, budget, request_timeout,
+                  concurrency, max_tokens, context_length, tie_margin, no_shrink) -> None:  # fmt: skip
     """Check decoders against dtbench's conformance kit: deterministic output, no state across prompts, greedy output
     equal to the reference (hypothesis over prompts, T, params, model pairs; tie-aware at fp16/bf16), exactly T tokens,
     nothing after EOS, the caller's input_ids untouched, batch rows, Step accounting, host reads, compiled equals
@@ -116,9 +158,55 @@ def check_command(names, all_, device, examples, checks, timeout, in_process, fm
       dtbench check --all                    # every registered decoder
       dtbench check linear --check greedy_equals_reference --examples 200
 
+    A served engine (--server URL, and --reference URL for the same engine without speculation; or --suite FILE
+    LABEL, which launches both): deterministic, greedy output equal to the reference (tie-aware), a prompt among C
+    concurrent requests equal to it alone, length, stop strings, streaming equal to not streaming, speculation
+    counters consistent, over a hypothesis search of prompts (dataset text, random ids, repeated n-grams and words,
+    near the context length) within --budget; a failure is shrunk and printed with both requests as curl commands.
+
+    \b
+    Examples:
+      dtbench check --server http://127.0.0.1:8081 --reference http://127.0.0.1:8080
+      dtbench check --suite suites/engine-cpu.yaml "llama.cpp ngram" --budget 300
+
     \b
     Exit codes: 0 nothing failed, 1 a decoder failed (a check, a hang, a crash, a load failure), 2 bad input.
     """
+    if server or reference or suite_path:
+        from dtbench.cli.check_server import run_server_check
+
+        if all_:
+            raise DtbenchError("--all checks decoders; a served engine is --server URL or --suite FILE LABEL")
+        if reference and not server:
+            raise DtbenchError("--reference URL needs --server URL (the engine to check against it)")
+        sys.exit(
+            run_server_check(
+                server=server,
+                reference=reference,
+                suite_path=suite_path,
+                labels=tuple(names),
+                engine=engine,
+                served_model=served_model,
+                api_key_env=api_key_env,
+                tokenizer_model=tokenizer_model,
+                dataset=dataset,
+                data_dir=data_dir,
+                budget=budget,
+                request_timeout=request_timeout,
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+                context_length=context_length,
+                tie_margin=tie_margin,
+                examples=examples,
+                checks=tuple(checks),
+                shrink=not no_shrink,
+                fmt=fmt,
+            )
+        )
+    bad = [c for c in checks if c not in CHECK_NAMES]
+    if bad:
+        raise DtbenchError(f"--check {bad[0]} is a served engine's check (--server URL); a decoder has: "
+                           + ", ".join(CHECK_NAMES))  # fmt: skip
     from dtbench import testing
     from dtbench.harness.conformance import precisions
 

@@ -325,19 +325,61 @@ def compare(precision: Precision, target, prompt, output, expected, companions=N
 SHRINK_ENV = "DTBENCH_CHECK_SHRINK"  # "1": shrink a failing example to a minimal one (slower: minutes per failure)
 
 
-def search(n: int, strategies: dict[str, Any], body: Callable[..., None]) -> None:
+@dataclass
+class SearchStats:
+    """What one :func:`search` did: ``examples`` run (the shrinker's tries included), ``shrinks`` (tries after the
+    first failure), ``out_of_time`` (the deadline cut it: examples after it were not run)."""
+
+    examples: int = 0
+    shrinks: int = 0
+    out_of_time: bool = False
+
+
+def search(
+    n: int,
+    strategies: dict[str, Any],
+    body: Callable[..., None],
+    *,
+    shrink: bool | None = None,
+    deadline: float | None = None,
+    size: Callable[[dict[str, Any]], int] | None = None,
+) -> SearchStats:
     """Run ``body`` on ``n`` hypothesis examples drawn from ``strategies`` (derandomized: the same examples every
     run); the first failing example's :class:`CheckFailed` is re-raised (other exceptions become one).
 
     Hypothesis generates small examples first, so the first failure is usually small already; shrinking it further
-    (``$DTBENCH_CHECK_SHRINK=1``) reruns the decoder hundreds of times (4 minutes for one planted state leak on a
-    2-core CPU, against 4 seconds without), so it is opt-in."""
-    from hypothesis import HealthCheck, Phase, given, settings
+    reruns the body hundreds of times (4 minutes for one planted state leak on a 2-core CPU, against 4 seconds
+    without), so for a decoder it is opt-in (``$DTBENCH_CHECK_SHRINK=1``, or ``shrink``).
+
+    Args:
+        shrink: shrink a failing example (None: ``$DTBENCH_CHECK_SHRINK``).
+        deadline: ``time.monotonic()`` after which no example runs (each is rejected at once, so the generation and
+            the shrinking end); with it, the smallest failure seen is raised, whatever hypothesis ends with.
+        size: an example's size (the server kit: its prompt's tokens); the failure raised is the smallest by it,
+            its counterexample carrying ``shrunk``: {``from_size``, ``to_size``, ``tries``}.
+
+    Returns:
+        The :class:`SearchStats` of a search that found no failure.
+    """
+    import time
+
+    from hypothesis import HealthCheck, Phase, given, reject, settings
+
+    stats = SearchStats()
+    failures: list[tuple[int, int, CheckFailed]] = []  # (size, order, failure)
 
     def guarded(**kw: Any) -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            stats.out_of_time = True
+            reject()
+        stats.examples += 1
+        stats.shrinks += bool(failures)
         try:
             body(**kw)
-        except (CheckFailed, NotApplicable):
+        except NotApplicable:
+            raise
+        except CheckFailed as exc:
+            failures.append((size(kw) if size else 0, len(failures), exc))
             raise
         except Exception as exc:  # a crash is a finding: the inputs that make the decoder raise
             from hypothesis.errors import HypothesisException
@@ -345,8 +387,11 @@ def search(n: int, strategies: dict[str, Any], body: Callable[..., None]) -> Non
             if isinstance(exc, HypothesisException):
                 raise
             detail = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            raise CheckFailed(f"raised {detail}", _shown(kw)) from exc
+            failure = CheckFailed(f"raised {detail}", _shown(kw))
+            failures.append((size(kw) if size else 0, len(failures), failure))
+            raise failure from exc
 
+    shrinking = os.environ.get(SHRINK_ENV) == "1" if shrink is None else shrink
     test = settings(
         max_examples=n,
         deadline=None,
@@ -355,14 +400,21 @@ def search(n: int, strategies: dict[str, Any], body: Callable[..., None]) -> Non
         report_multiple_bugs=False,
         print_blob=False,
         suppress_health_check=list(HealthCheck),
-        phases=tuple(Phase) if os.environ.get(SHRINK_ENV) == "1" else tuple(p for p in Phase if p != Phase.shrink),
+        phases=tuple(Phase) if shrinking else tuple(p for p in Phase if p != Phase.shrink),
     )(given(**strategies)(guarded))
-    from hypothesis.errors import Flaky
+    from hypothesis.errors import Flaky, Unsatisfiable
 
     try:
         test()
+    except NotApplicable:
+        raise
+    except Unsatisfiable:  # every example rejected: the deadline came before the first
+        if not failures:
+            return stats
     except Flaky as exc:  # failed once, passed when replayed: state the first run left (a first compile, a cache)
         inner = [e for e in getattr(exc, "exceptions", ()) if isinstance(e, CheckFailed)]
+        if size is not None and failures and stats.out_of_time:  # the replay came after the deadline: not flaky
+            raise _smallest(failures, stats) from None
         if not inner:
             raise CheckFailed(
                 f"fails only on a first run (not reproducible on replay): {str(exc).splitlines()[0]}"
@@ -370,6 +422,24 @@ def search(n: int, strategies: dict[str, Any], body: Callable[..., None]) -> Non
         raise CheckFailed(
             f"{inner[0].message} (on the first run only: replayed, it passed)", inner[0].counterexample
         ) from exc
+    except CheckFailed:
+        if size is None:
+            raise
+    if failures:
+        if size is None:
+            raise failures[0][2]
+        raise _smallest(failures, stats)
+    return stats
+
+
+def _smallest(failures: list[tuple[int, int, CheckFailed]], stats: SearchStats) -> CheckFailed:
+    """The smallest failure (the first of that size), its counterexample saying how far it shrank."""
+    best = min(failures, key=lambda f: (f[0], f[1]))[2]
+    best.counterexample = {
+        **best.counterexample,
+        "shrunk": {"from_size": failures[0][0], "to_size": min(f[0] for f in failures), "tries": stats.shrinks},
+    }
+    return best
 
 
 def _shown(kw: dict[str, Any]) -> dict[str, Any]:

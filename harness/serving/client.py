@@ -208,6 +208,26 @@ async def _group(
     return records, wall, before, after
 
 
+def send_requests(
+    base_url: str,
+    bodies: list[dict[str, Any]],
+    params: ServerParams,
+    concurrency: int,
+    tokenize: Callable[[str], list[int]],
+    engine: Engine,
+) -> list[RequestRecord]:
+    """The bodies as streamed requests by the run's client (:func:`_group`), ``concurrency`` in flight, all ready at
+    once: one record per body, in order (a request that failed alone has its ``error``). The server kit's sender
+    (:mod:`dtbench.harness.serving.kit`).
+
+    Raises:
+        httpx.ConnectError: nothing listens at ``base_url``; DtbenchError: an event that is not JSON.
+    """
+    traffic = schedule(len(bodies), concurrency, None, 0)
+    records, _, _, _ = asyncio.run(_group(base_url, bodies, params, traffic, tokenize, engine))
+    return records
+
+
 async def _metrics(client: Any, base_url: str, engine: Engine) -> dict[str, Any]:
     """The engine's counters endpoint (:attr:`~dtbench.decoders.engines.Engine.metrics_path`, vLLM's ``/metrics``),
     parsed; {} for an engine that reports per response, or an answer other than 200."""
