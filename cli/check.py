@@ -21,20 +21,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dtbench.cli.check_server import SHOWN, STYLE, run_server_check  # noqa: E402  (the verdicts' display)
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
 
-STYLE = {
-    "passed": "green",
-    "failed": "bold red",
-    "error": "bold red",
-    "xpass": "bold red",
-    "n/a": "dim",
-    "reported": "yellow",
-    "xfail": "yellow",
-    "skipped": "dim",
-}
-SHOWN = {"failed": "FAILED", "xpass": "XPASS", "error": "error"}
 # The kit's checks in the order they run (dtbench.testing.check_names(); kept here so `dtbench --help` imports no
 # torch; tests/test_check_process.py holds the two equal).
 CHECK_NAMES = (
@@ -173,8 +163,6 @@ def check_command(names, all_, device, examples, checks, timeout, in_process, fm
     Exit codes: 0 nothing failed, 1 a decoder failed (a check, a hang, a crash, a load failure), 2 bad input.
     """
     if server or reference or suite_path:
-        from dtbench.cli.check_server import run_server_check
-
         if all_:
             raise DtbenchError("--all checks decoders; a served engine is --server URL or --suite FILE LABEL")
         if reference and not server:

@@ -20,6 +20,19 @@ from rich.text import Text
 from dtbench.core import DtbenchError, scrub_secrets
 from dtbench.harness.safetext import printable
 
+# how each verdict is shown, for decoders and served engines alike (cli/check.py's table too)
+STYLE = {
+    "passed": "green",
+    "failed": "bold red",
+    "error": "bold red",
+    "xpass": "bold red",
+    "n/a": "dim",
+    "reported": "yellow",
+    "xfail": "yellow",
+    "skipped": "dim",
+}
+SHOWN = {"failed": "FAILED", "xpass": "XPASS", "error": "error"}
+
 
 def _params(engine: str, url: str, served_model: str | None, api_key_env: str | None, tie_margin: float | None,
             timeout: float) -> Any:  # fmt: skip
@@ -159,12 +172,9 @@ def run_server_check(
             click.echo(f"note: no dataset text prompts ({exc})", err=True)
             documents = []
 
-        def tokenize(text: str) -> list[int]:
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-        engine_ep = Endpoint(label, params, url, launched, tokenize)
+        engine_ep = Endpoint(label, params, url, launched, tokenizer)
         ref_ep = (
-            Endpoint(f"{label} reference", ref_params, ref_url, ref_launched, tokenize)
+            Endpoint(f"{label} reference", ref_params, ref_url, ref_launched, tokenizer)
             if ref_params is not None and ref_url is not None
             else None
         )
@@ -183,8 +193,6 @@ def run_server_check(
         )
 
         def progress(o: Any) -> None:
-            from dtbench.cli.check import SHOWN
-
             click.echo(scrub_secrets(f"  {printable(o.decoder)} {o.check} {SHOWN.get(o.status, o.status)} "
                                      f"{o.seconds:.1f} s"), err=True)  # fmt: skip
 
@@ -219,7 +227,6 @@ def run_server_check(
 def _print(label: str, outcomes: list[Any], engine: Any, reference: Any, budget: float) -> None:
     from rich.table import Table
 
-    from dtbench.cli.check import SHOWN, STYLE
     from dtbench.reports import output
 
     console = output.stdout()

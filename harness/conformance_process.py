@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
-import multiprocessing
 import os
 import shutil
 import signal
@@ -42,7 +40,8 @@ from typing import Any
 
 from dtbench.harness import proctree
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.isolation import fault_trace, signal_name
+from dtbench.harness.isolation import fault_trace
+from dtbench.harness.proctree import signal_name
 from dtbench.harness.safetext import printable
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -61,22 +60,7 @@ def timeout_of(check: str, timeout: float | None) -> float:
     return float(timeout) if timeout is not None else DEFAULT_TIMEOUTS.get(check, DEFAULT_TIMEOUT_S)
 
 
-PRELOAD = ["dtbench.harness.conformance_preload"]  # what the fork server imports once (torch, transformers, the kit)
-
-
-@functools.cache
-def context() -> Any:
-    """The multiprocessing context children start from: a fork server that imported torch, transformers and the kit
-    once (:data:`PRELOAD`), so a decoder's child starts without those seconds of imports, yet from a process that ran
-    no check and holds no CUDA state; *spawn* where the platform has no fork server. The fork server ends with this
-    process. A child takes the caller's environment and current folder with its decoder (the fork server's are
-    those of its start), and its ``sys.path`` from multiprocessing's preparation data."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
+from dtbench.harness.forkserver import PRELOAD, context  # noqa: E402,F401  (the children's start: one fork server)
 
 # --- the child ----------------------------------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from dtbench.harness import deadline, load, proctree
 from dtbench.harness.cells import Outcome
 from dtbench.harness.errors import DtbenchError, clip
 from dtbench.harness.plan import Plan, PromptGroup
+from dtbench.harness.proctree import signal_name
 from dtbench.harness.safetext import printable
 from dtbench.harness.sample import Reference
 from dtbench.harness.suite import Suite
@@ -162,18 +163,6 @@ def fault_trace(lines: list[str], frames_shown: int = 8) -> list[str]:
     start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
     frames = [line for line in lines[start + 1 :] if line.startswith("File ")] if start is not None else []
     return [*fatal[-1:], *frames[:frames_shown]] if fatal or frames else []
-
-
-def signal_name(exitcode: int | None) -> str:
-    """``SIGSEGV`` for an exit code of -11, ``exit code 3`` for 3, ``unknown`` for None."""
-    if exitcode is None:
-        return "unknown"
-    if exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 class IsolatedWorker:

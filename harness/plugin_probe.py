@@ -29,8 +29,9 @@ import time
 from typing import Any
 
 from dtbench.harness import proctree
-from dtbench.harness.isolation import signal_name
+from dtbench.harness.proctree import signal_name
 
+PLUGIN_API = "dtbench.api"  # imported in the child before the plugin, without a limit
 READY_TIMEOUT_S = 300.0  # the child's start and the plugin API's import (torch, transformers), not timed by the limit
 
 
@@ -56,9 +57,10 @@ def _child(conn: Any, spec: tuple[str, str, str], environ: dict[str, str], cwd: 
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # what the import prints is the caller's to see when it imports it, once
     os.dup2(devnull, 2)
+    import importlib
     from importlib.metadata import EntryPoint
 
-    import dtbench.api  # noqa: F401  (the plugin API: not the plugin's time)
+    importlib.import_module(PLUGIN_API)  # the plugin API: not the plugin's time (named: this module imports no API)
 
     conn.send(("ready",))
     try:
@@ -79,10 +81,15 @@ def probe(name: str, value: str, group: str, timeout_s: float) -> float:
     Raises:
         ProbeFailed: the import did not finish within ``timeout_s`` (the child was killed), raised (its type and first
             line), or ended the child (its exit code or signal).
-        ProbeUnavailable: the child did not reach the plugin (it did not start); nothing was tried.
+        ProbeUnavailable: the child did not reach the plugin (it did not start), or this process may not start one (a
+            daemonic process: the kit's check child, whose own deadline bounds the import); nothing was tried.
     """
-    from dtbench.harness.conformance_process import context
+    import multiprocessing
 
+    from dtbench.harness.forkserver import context
+
+    if multiprocessing.current_process().daemon:  # the kit's check child: its own deadline kills it with the import
+        raise ProbeUnavailable("a daemonic process (the conformance kit's check child) cannot start one")
     ctx = context()
     conn, child = ctx.Pipe()
     proc = ctx.Process(

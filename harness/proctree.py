@@ -104,3 +104,15 @@ def kill_group(pgid: int) -> None:
         return
     with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def signal_name(exitcode: int | None) -> str:
+    """``SIGSEGV`` for an exit code of -11, ``exit code 3`` for 3, ``unknown`` for None."""
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"

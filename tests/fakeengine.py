@@ -96,8 +96,10 @@ def handler(mode: str, detok, n_ctx: int = 256):
             self.wfile.write(data)
 
         def do_GET(self):
-            if self.path == "/props":
-                return self._json({"build_info": f"fake-engine 1.0 ({mode})", "model_path": "fake-lm.gguf",
+            if self.path == "/props":  # echoes the Authorization header, as a careless server might
+                auth = self.headers.get("Authorization")
+                build = f"fake-engine 1.0 ({mode})" + (f" auth={auth}" if auth else "")
+                return self._json({"build_info": build, "model_path": "fake-lm.gguf",
                                    "default_generation_settings": {"n_ctx": n_ctx}})  # fmt: skip
             if self.path == "/health":
                 return self._json({"status": "ok"})

@@ -14,7 +14,8 @@ import pytest
 from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
 from sqlalchemy import select
 
-from dtbench.harness.isolation import isolation_of, signal_name
+from dtbench.harness.isolation import isolation_of
+from dtbench.harness.proctree import signal_name
 from dtbench.harness.store import db
 from dtbench.harness.suite import Suite
 

@@ -213,3 +213,51 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert res.exit_code == 2 and "no server entry labelled 'nope'" in res.output
     res = invoke("check", "--server", "http://127.0.0.1:9", "--api-key-env", "DTBENCH_TEST_UNSET_KEY")
     assert res.exit_code in (1, 2) and "Traceback" not in res.output
+
+
+def test_the_api_key_comes_from_the_environment_and_is_masked_everywhere(engines, monkeypatch):
+    engine, reference = engines("bug")
+    key = "kit-secret-4f9a1c77"
+    monkeypatch.setenv("DTBENCH_KIT_TEST_KEY", key)
+    res, _ = check("--server", engine, "--reference", reference, "--api-key-env", "DTBENCH_KIT_TEST_KEY",
+                   "--check", "greedy_equals_reference", "--budget", "30")  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert key not in res.output  # the fake echoes "Bearer <key>" in its version: masked
+    assert "auth=Bearer ***" in res.output
+    assert '-H "Authorization: Bearer $DTBENCH_KIT_TEST_KEY"' in res.output  # copyable, never the value
+    res, _ = check("--server", engine, "--api-key-env", "DTBENCH_KIT_UNSET_KEY", "--budget", "5")
+    assert res.exit_code != 0 and key not in res.output and "Traceback" not in res.output
+
+
+try:  # the binary {llama_server} stands for (DTBENCH_LLAMA_SERVER, the engine extra, PATH): `make engine`
+    from dtbench.harness.serving import ServerError, llama_server_binary
+
+    llama_server_binary()
+    NO_SERVER = ""
+except ServerError as _exc:
+    NO_SERVER = f"no llama.cpp server: {_exc}"
+
+
+@pytest.mark.skipif(bool(NO_SERVER), reason=NO_SERVER or "llama-server available")
+@pytest.mark.parametrize("label", ["llama.cpp ngram", "llama.cpp draft"])
+def test_real_llama_server_speculation_checked(label):
+    """llama.cpp's server with n-gram and with draft-model speculation against the plain server (SmolLM2 Q4_1): every
+    check gives a verdict; the properties llama.cpp holds pass; a greedy divergence, if any, is filed with its curl
+    commands and its margin (a tie passes, listed)."""
+    suite = str(HERE.parent / "suites" / "engine-check-cpu.yaml")
+    before = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True).stdout.split()
+    res, wall = check("--suite", suite, label, "--budget", "90", "--format", "json")
+    doc = json.loads(res.output[res.output.index("{") :])
+    by = {o["check"]: o for o in doc["outcomes"]}
+    assert list(by) == ["deterministic", "greedy_equals_reference", "concurrency", "length", "stop", "streaming",
+                        "accounting"]  # fmt: skip
+    for name in ("deterministic", "length", "streaming", "accounting"):
+        assert by[name]["status"] == "passed", by[name]
+    assert "speculation counters in" in by["accounting"]["detail"]  # llama.cpp's timings.draft_n
+    for o in doc["outcomes"]:
+        if o["status"] == "failed":
+            assert o["counterexample"]["curl"] and o["counterexample"]["prompt_sha256"], o
+    assert res.exit_code == (0 if doc["ok"] else 1) and wall < 90 + 120
+    time.sleep(1)
+    after = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True).stdout.split()
+    assert set(after) <= set(before), "a llama-server was left behind"

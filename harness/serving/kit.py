@@ -59,13 +59,13 @@ SERVER_CHECKS = (
     "accounting",
 )
 EXAMPLES = {  # hypothesis examples per check by default (each example is one to C + 1 requests)
-    "deterministic": 6,
-    "greedy_equals_reference": 40,
-    "concurrency": 6,
-    "length": 8,
-    "stop": 6,
-    "streaming": 6,
-    "accounting": 8,
+    "deterministic": 8,
+    "greedy_equals_reference": 100,
+    "concurrency": 8,
+    "length": 10,
+    "stop": 8,
+    "streaming": 8,
+    "accounting": 10,
 }
 DEFAULT_BUDGET_S = 600.0  # the whole search, shrinking included
 DEFAULT_REQUEST_TIMEOUT_S = 60.0
@@ -101,13 +101,16 @@ class Endpoint:
     writes and reads each one); a non-streamed one goes through ``httpx`` with the adapter's body, ``stream`` false.
     Answers to requests sent alone are cached by body (hypothesis replays an example while it shrinks)."""
 
-    def __init__(self, label: str, params: ServerParams, base_url: str, server: Any = None, tokenize=None):
+    def __init__(self, label: str, params: ServerParams, base_url: str, server: Any = None, tokenizer: Any = None):
+        from dtbench.harness.serving.record import token_bytes_of
+
         self.label, self.params, self.server = label, params, server
         self.base_url = base_url.rstrip("/")
         self.shown_url = redact_credentials(self.base_url)
         self.engine: Engine = engine_for(params.engine)
         self.where = f"see its log {server.log_path}" if server is not None else f"at {self.shown_url}"
-        self.tokenize: Callable[[str], list[int]] = tokenize or (lambda text: [])
+        self.tokenizer = tokenizer
+        self.token_bytes = token_bytes_of(tokenizer) if tokenizer is not None else None
         self.down: str | None = None  # why it cannot be asked any more
         self.cache: dict[str, Answer] = {}
         self.answers: list[Answer] = []  # every answer read (the accounting check's material)
@@ -143,14 +146,36 @@ class Endpoint:
         except (DtbenchError, OSError, Exception) as exc:  # unreachable (ConnectError), an error event, ...
             raise self._fail(f"is unreachable: {clip(exc, 200)}") from None
         out = []
-        for rec in records:
+        for rec, body in zip(records, bodies):
             if rec.error is not None and ("no answer from" in rec.error or "Timeout" in rec.error):
                 raise self._fail(f"did not answer in time: {rec.error}")
+            if rec.error is None and rec.decoded and len(rec.tokens) < rec.decoded:
+                self._recover(body, rec)  # ids llama.cpp held back inside a UTF-8 character: the run's recovery
             out.append(Answer(list(rec.tokens), rec.text, rec.finish, dict(rec.counters), rec.error))
         if self.server is not None and self.server.exited() is not None:
             raise self._fail("exited")
         self.answers.extend(a for a in out if a.error is None)
         return out
+
+    def tokenize(self, text: str) -> list[int]:
+        """Text as the tokenizer's ids ([] without a tokenizer): a text-only engine's output."""
+        if self.tokenizer is None:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else str(self.tokenizer.decode(ids, clean_up_tokenization_spaces=False))
+
+    def _recover(self, body: dict[str, Any], rec: Any) -> None:
+        """A stream's held-back token ids, as a run recovers them (:func:`~dtbench.harness.serving.record.
+        recover_ids`); when they cannot be told, the answer is a failed request saying so, never a divergence."""
+        from dtbench.harness.serving.record import recover_ids
+
+        try:
+            recover_ids(self.base_url, body, rec, self.engine, self.label, self.where, self.detokenize,
+                        self.token_bytes, auth_headers(self.params))  # fmt: skip
+        except DtbenchError as exc:
+            rec.error = f"its stream held back token ids that could not be recovered: {clip(exc, 200)}"
 
     def once(self, body: dict[str, Any]) -> Answer:
         """One streamed request sent alone (cached by its body)."""
@@ -682,6 +707,8 @@ def run_checks(s: Session, checks: list[str] | None = None, progress: Callable[[
                 outcome.detail = f"{stats['examples']} example(s)" + (
                     " (the budget ran out: fewer than asked)" if stats["out_of_time"] else ""
                 )
+                if "counted" in stats:
+                    outcome.detail += f"; speculation counters in {stats['counted']} answer(s)"
                 if ties:
                     margins = ", ".join(f"{t['margin']:.3g}" for t in ties if isinstance(t.get("margin"), float))
                     outcome.detail += f"; {len(ties)} tie(s) (margins {margins} nats)"
