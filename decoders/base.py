@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -379,6 +379,29 @@ def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset
     return frozenset(int(t) for t in eos_token_id)
 
 
+def cut_tokens(tokens: Sequence[int], T: int, eos: frozenset[int]) -> list[int]:
+    """A row's output as every reader takes it (issue 68 item 5: the one cut, the runner's and the kit's): its first
+    ``T`` tokens, and nothing after the first EOS among them.
+
+    Args:
+        tokens: the committed token ids, in order (plain ints).
+        T: the generation length (new tokens asked for).
+        eos: the EOS ids (:func:`eos_ids`); empty: no EOS cut.
+    """
+    out = list(tokens[:T])
+    end = eos_end(out, eos)
+    return out if end is None else out[:end]
+
+
+def eos_end(tokens: Sequence[int], eos: frozenset[int]) -> int | None:
+    """The length of ``tokens`` kept by the EOS cut (the first EOS's index + 1), None when none is an EOS."""
+    if eos:
+        for i, token in enumerate(tokens):
+            if token in eos:
+                return i + 1
+    return None
+
+
 def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
     """``step`` with every token after its first EOS removed, and whether it held an EOS (generation ends then).
 
@@ -394,15 +417,11 @@ def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:
     Returns:
         (the step, cut after its first EOS if any; True if it held an EOS).
     """
-    if not eos:
+    end = eos_end(step.tokens, eos)
+    if end is None:
         return step, False
-    for i, token in enumerate(step.tokens):
-        if token in eos:
-            tokens = step.tokens[: i + 1]
-            return Step(
-                tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)), depth=step.depth
-            ), True
-    return step, False
+    tokens = step.tokens[:end]
+    return Step(tokens=tokens, drafted=step.drafted, accepted=min(step.accepted, len(tokens)), depth=step.depth), True
 
 
 def greedy_token(logits: torch.Tensor) -> int:

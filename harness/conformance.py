@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dtbench.core import DtbenchError
-from dtbench.decoders.base import Decoder, DecoderParams, eos_ids
+from dtbench.decoders.base import Decoder, DecoderParams, cut_tokens, eos_ids
 from dtbench.harness.testkit import FLAT, SHARP, VOCAB, perturbed, tiny_model, write_eagle, write_medusa
 
 EXAMPLES_ENV = "DTBENCH_HYPOTHESIS_EXAMPLES"  # caps every check's hypothesis examples (the GPU check's tests step)
@@ -212,18 +212,10 @@ def describe(params: DecoderParams) -> dict[str, Any]:
 # --- tokens as the runner cuts them ---------------------------------------------------------------------------------
 
 
-def cut(tokens: list[int], T: int, eos: frozenset[int]) -> list[int]:
-    """The first ``T`` tokens, and nothing after the first EOS (the runner's cut, harness/measure.py)."""
-    tokens = tokens[:T]
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1]
-    return tokens
-
-
 def collect(decoder: Decoder[Any], prompt: list[int], T: int) -> list[int]:
     """The decoder's committed tokens on ``prompt`` (``generate``), cut as the runner cuts them; iteration stops once
-    T tokens or an EOS are committed. Empty Steps are tolerated here (the ``step_accounting`` check judges them)."""
+    T tokens or an EOS are committed (:func:`~dtbench.decoders.base.cut_tokens`, the runner's one cut). Empty Steps are
+    tolerated here (the ``step_accounting`` check judges them)."""
     eos = eos_ids(decoder.eos_token_id)
     tokens: list[int] = []
     device = device_of(decoder)
@@ -235,7 +227,7 @@ def collect(decoder: Decoder[Any], prompt: list[int], T: int) -> list[int]:
                 break
     finally:
         gen.close()
-    return cut(tokens, T, eos)
+    return cut_tokens(tokens, T, eos)
 
 
 def collect_rows(decoder: Decoder[Any], prompts: list[list[int]], T: int) -> list[list[int]]:
@@ -255,7 +247,7 @@ def collect_rows(decoder: Decoder[Any], prompts: list[list[int]], T: int) -> lis
                 break
     finally:
         gen.close()
-    return [cut(r, T, eos) for r in rows]
+    return [cut_tokens(r, T, eos) for r in rows]
 
 
 def device_of(decoder: Decoder[Any]) -> torch.device:

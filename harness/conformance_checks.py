@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dtbench.core import DtbenchError
-from dtbench.decoders.base import Decoder, DecoderParams
+from dtbench.decoders.base import Decoder, DecoderParams, cut_tokens
 from dtbench.harness import conformance_contract as contract
 from dtbench.harness.conformance import (
     ARCHS,
@@ -31,7 +31,6 @@ from dtbench.harness.conformance import (
     collect,
     collect_rows,
     compare,
-    cut,
     describe,
     distinct_rows,
     examples,
@@ -125,7 +124,7 @@ def greedy_equals_reference(job: Job) -> None:
         target, draft = pair(arch, kind, sharpness, job.precision)
         full = reference_tokens(cls, params, target, draft, prompt, T, frozenset())
         eos = _eos(full, eos_at)
-        expected = cut(full, T, eos)
+        expected = cut_tokens(full, T, eos)
         decoder = build(cls, params, target, draft)
         decoder.eos_token_id = next(iter(eos)) if eos else None
         output = collect(decoder, prompt, T)
@@ -154,7 +153,7 @@ def batch_rows(job: Job) -> None:
         target, draft = pair(arch, kind, sharpness, job.precision)
         alone_full = [collect(build(cls, params, target, draft), p, T) for p in rows]
         eos = _eos(alone_full[0], eos_at)
-        alone = [cut(a, T, eos) for a in alone_full]
+        alone = [cut_tokens(a, T, eos) for a in alone_full]
         decoder = build(cls, params, target, draft)
         decoder.eos_token_id = next(iter(eos)) if eos else None
         batched = collect_rows(decoder, rows, T)

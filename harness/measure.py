@@ -236,7 +236,7 @@ def measure_rows(
         SampleTimeout: the batch ran past ``timeout_s`` (or ``cpu_timeout_s``).
         Exception: whatever the decoder raises (the runner fails the cell).
     """
-    from dtbench.decoders.base import eos_ids
+    from dtbench.decoders.base import cut_tokens, eos_ids
     from dtbench.harness.errors import DtbenchError
 
     b = len(prompts)
@@ -286,7 +286,7 @@ def measure_rows(
     forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
     return [
         Measurement(
-            tokens=tokens[r][:gen_length],
+            tokens=cut_tokens(tokens[r], gen_length, rows.eos),  # the one cut (its Steps cut at EOS already)
             steps=steps[r],
             records=records[r],
             memory=mem.peak,
