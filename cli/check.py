@@ -162,35 +162,8 @@ def check_command(names, all_, device, examples, checks, timeout, in_process, fm
     \b
     Exit codes: 0 nothing failed, 1 a decoder failed (a check, a hang, a crash, a load failure), 2 bad input.
     """
-    if server or reference or suite_path:
-        if all_:
-            raise DtbenchError("--all checks decoders; a served engine is --server URL or --suite FILE LABEL")
-        if reference and not server:
-            raise DtbenchError("--reference URL needs --server URL (the engine to check against it)")
-        sys.exit(
-            run_server_check(
-                server=server,
-                reference=reference,
-                suite_path=suite_path,
-                labels=tuple(names),
-                engine=engine,
-                served_model=served_model,
-                api_key_env=api_key_env,
-                tokenizer_model=tokenizer_model,
-                dataset=dataset,
-                data_dir=data_dir,
-                budget=budget,
-                request_timeout=request_timeout,
-                concurrency=concurrency,
-                max_tokens=max_tokens,
-                context_length=context_length,
-                tie_margin=tie_margin,
-                examples=examples,
-                checks=tuple(checks),
-                shrink=not no_shrink,
-                fmt=fmt,
-            )
-        )
+    if server or reference or suite_path:  # a served engine (cli/check_server.py)
+        sys.exit(run_server_check(click.get_current_context().params))
     bad = [c for c in checks if c not in CHECK_NAMES]
     if bad:
         raise DtbenchError(f"--check {bad[0]} is a served engine's check (--server URL); a decoder has: "

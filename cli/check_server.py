@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -34,7 +35,7 @@ STYLE = {
 SHOWN = {"failed": "FAILED", "xpass": "XPASS", "error": "error"}
 
 
-def _params(engine: str, url: str, served_model: str | None, api_key_env: str | None, tie_margin: float | None,
+def _params(url: str, engine: str, served_model: str | None, api_key_env: str | None, tie_margin: float | None,
             timeout: float) -> Any:  # fmt: skip
     from dtbench.harness.serving.params import ServerParams
 
@@ -82,146 +83,159 @@ def _suite_entry(path: str, label: str) -> tuple[Any, Any, Any]:
     return suite, params, reference
 
 
-def run_server_check(
-    *,
-    server: str | None,
-    reference: str | None,
-    suite_path: str | None,
-    labels: tuple[str, ...],
-    engine: str,
-    served_model: str | None,
-    api_key_env: str | None,
-    tokenizer_model: str,
-    dataset: str,
-    data_dir: str | None,
-    budget: float,
-    request_timeout: float,
-    concurrency: int,
-    max_tokens: int | None,
-    context_length: int | None,
-    tie_margin: float | None,
-    examples: int | None,
-    checks: tuple[str, ...],
-    shrink: bool,
-    fmt: str,
-) -> int:
-    """Check one served engine (see the module docstring); returns the exit code (0 or 1).
+@dataclass
+class _Engines:
+    """What a served check runs against: the engine's label, params, URL and launched process (None: not launched),
+    the reference's (None: no reference), the tokenizer's model, the dataset entry and max T."""
+
+    label: str
+    params: Any
+    url: str
+    launched: Any
+    ref_params: Any
+    ref_url: str | None
+    ref_launched: Any
+    target: Any
+    docs: Any
+    max_T: int
+
+
+def _engines(o: dict[str, Any], pool: Any) -> _Engines:
+    """The engines of ``dtbench check --server``/``--suite`` (a suite's are launched now, with their reference).
+
+    Raises:
+        DtbenchError: bad input; ServerError: a launched server that did not start.
+    """
+    from dtbench.harness.grouping import CellKey
+    from dtbench.harness.suite import DatasetSpec, ModelSpec
+
+    timeout, margin, C = o["request_timeout"], o["tie_margin"], o["concurrency"]
+    if o["suite_path"] is None:
+        if o["server"] is None:
+            raise DtbenchError("name a served engine: --server URL (and --reference URL) or --suite FILE LABEL")
+        args = (o["engine"], o["served_model"], o["api_key_env"], margin, timeout)
+        ref = _params(o["reference"], *args) if o["reference"] else None
+        return _Engines("engine", _params(o["server"], *args), o["server"], None, ref, o["reference"], None,
+                        ModelSpec(model=o["tokenizer_model"]), DatasetSpec(name=o["dataset"]), o["max_tokens"] or 32)  # fmt: skip
+    label = o["names"][0]
+    suite, params, ref_params = _suite_entry(o["suite_path"], label)
+    update = {"request_timeout_s": timeout, **({"tie_margin": margin} if margin is not None else {})}
+    params = params.model_copy(update=update)
+    T = o["max_tokens"] or min(max(suite.generation_lengths), 64)
+    spec = suite.datasets[0]
+    cell = CellKey(spec.key, 0, T, C)
+    click.echo(f"launching {label!r}" + (" and its reference" if ref_params else "") + f" from {o['suite_path']}",
+               err=True)  # fmt: skip
+    url, launched = pool.endpoint(label, params, cell, C)
+    ref_url, ref_launched = None, None
+    if ref_params is not None:
+        ref_params = ref_params.model_copy(update={"request_timeout_s": timeout})
+        ref_url, ref_launched = pool.endpoint(f"{label} reference", ref_params, cell, C)
+    return _Engines(label, params, url, launched, ref_params, ref_url, ref_launched, suite.target, spec, T)
+
+
+def _check_input(o: dict[str, Any]) -> None:
+    from dtbench.harness.serving.kit import SERVER_CHECKS
+
+    unknown = [c for c in o["checks"] if c not in SERVER_CHECKS]
+    if unknown:
+        raise DtbenchError(f"--check {unknown[0]} is a decoder check; a served engine has: {', '.join(SERVER_CHECKS)}")
+    if o["all_"]:
+        raise DtbenchError("--all checks decoders; a served engine is --server URL or --suite FILE LABEL")
+    if o["reference"] and not o["server"]:
+        raise DtbenchError("--reference URL needs --server URL (the engine to check against it)")
+    if o["suite_path"] is not None and o["server"] is not None:
+        raise DtbenchError("give --server URL or --suite FILE LABEL, not both")
+    if o["suite_path"] is not None and len(o["names"]) != 1:
+        raise DtbenchError("--suite FILE takes one server entry's label: dtbench check --suite FILE LABEL")
+    if o["server"] is not None and o["names"]:
+        raise DtbenchError("--server URL checks one engine: give no decoder names with it")
+
+
+def run_server_check(o: dict[str, Any]) -> int:
+    """Check one served engine (see the module docstring) with ``dtbench check``'s parsed options ``o``; returns the
+    exit code: 0 nothing failed, 1 a check failed or a launched server did not start.
 
     Raises:
         DtbenchError: bad input (a check that is no server check, a missing suite entry, an unset key variable, a
-            tokenizer or dataset that cannot be loaded): one line, exit 2.
+            tokenizer that cannot be loaded): one line, exit 2.
     """
-    from dtbench.harness.serving.kit import SERVER_CHECKS, Endpoint, PromptSpace, Session, run_checks
-
-    unknown = [c for c in checks if c not in SERVER_CHECKS]
-    if unknown:
-        raise DtbenchError(f"--check {unknown[0]} is a decoder check; a served engine has: {', '.join(SERVER_CHECKS)}")
-    if suite_path is not None and server is not None:
-        raise DtbenchError("give --server URL or --suite FILE LABEL, not both")
-    if suite_path is not None and len(labels) != 1:
-        raise DtbenchError("--suite FILE takes one server entry's label: dtbench check --suite FILE LABEL")
-    if server is not None and labels:
-        raise DtbenchError("--server URL checks one engine: give no decoder names with it")
     from dtbench.harness.data import load_documents
-    from dtbench.harness.grouping import CellKey
     from dtbench.harness.models import load_tokenizer
+    from dtbench.harness.serving.endpoint import Endpoint
+    from dtbench.harness.serving.kit import Session, run_checks
     from dtbench.harness.serving.process import ServerError, ServerPool
-    from dtbench.harness.suite import DatasetSpec, ModelSpec
+    from dtbench.harness.serving.prompt_space import PromptSpace
 
+    _check_input(o)
     pool = ServerPool()
     try:
-        if suite_path is not None:
-            suite, params, ref_params = _suite_entry(suite_path, labels[0])
-            label = labels[0]
-            if tie_margin is not None:
-                params = params.model_copy(update={"tie_margin": tie_margin})
-            params = params.model_copy(update={"request_timeout_s": request_timeout})
-            target, spec = suite.target, suite.datasets[0]
-            T = max_tokens or min(max(suite.generation_lengths), 64)
-            cell = CellKey(spec.key, 0, T, concurrency)
-            click.echo(f"launching {label!r}" + (" and its reference" if ref_params else "") + f" from {suite_path}",
-                       err=True)  # fmt: skip
-            ref_url, ref_launched = (None, None)
-            try:
-                url, launched = pool.endpoint(label, params, cell, concurrency)
-                if ref_params is not None:
-                    ref_params = ref_params.model_copy(update={"request_timeout_s": request_timeout})
-                    ref_url, ref_launched = pool.endpoint(f"{label} reference", ref_params, cell, concurrency)
-            except ServerError as exc:  # a server that does not start fails every check: the decoder kit's load row
-                _line(output_console(), "FAILED", f"{label}: could not be checked: {exc}")
-                return 1
-            docs_spec = spec
-        else:
-            if server is None:
-                raise DtbenchError("name a served engine: --server URL (and --reference URL) or --suite FILE LABEL")
-            label = "engine"
-            params = _params(engine, server, served_model, api_key_env, tie_margin, request_timeout)
-            ref_params = (
-                _params(engine, reference, served_model, api_key_env, tie_margin, request_timeout)
-                if reference
-                else None
-            )
-            url, launched, ref_url, ref_launched = server, None, reference, None
-            target = ModelSpec(model=tokenizer_model)
-            docs_spec = DatasetSpec(name=dataset)
-            T = max_tokens or 32
-        tokenizer = load_tokenizer(target)
         try:
-            documents = [text for _, text in load_documents(docs_spec, data_dir or os.environ.get("DTBENCH_DATA_DIR"))]
+            e = _engines(o, pool)
+        except ServerError as exc:  # a server that does not start fails every check: the decoder kit's load row
+            _line(
+                output_console(), "FAILED", f"{o['names'][0] if o['names'] else 'engine'}: could not be checked: {exc}"
+            )
+            return 1
+        tokenizer = load_tokenizer(e.target)
+        try:
+            documents = [
+                text for _, text in load_documents(e.docs, o["data_dir"] or os.environ.get("DTBENCH_DATA_DIR"))
+            ]
         except DtbenchError as exc:  # no text prompts: the other kinds still run
             click.echo(f"note: no dataset text prompts ({exc})", err=True)
             documents = []
-
-        engine_ep = Endpoint(label, params, url, launched, tokenizer)
-        ref_ep = (
-            Endpoint(f"{label} reference", ref_params, ref_url, ref_launched, tokenizer)
-            if ref_params is not None and ref_url is not None
-            else None
-        )
-        n_ctx = context_length or engine_ep.identity().get("n_ctx")
+        engine = Endpoint(e.label, e.params, e.url, e.launched, tokenizer)
+        reference = None
+        if e.ref_params is not None and e.ref_url is not None:
+            reference = Endpoint(f"{e.label} reference", e.ref_params, e.ref_url, e.ref_launched, tokenizer)
+        n_ctx = o["context_length"] or engine.identity().get("n_ctx")
         eos = getattr(tokenizer, "eos_token_id", None)
         session = Session(
-            engine=engine_ep,
-            reference=ref_ep,
-            space=PromptSpace(tokenizer, documents, n_ctx if isinstance(n_ctx, int) else None, T),
-            deadline=time.monotonic() + budget,
-            max_T=T,
-            concurrency=concurrency,
+            engine=engine,
+            reference=reference,
+            space=PromptSpace(tokenizer, documents, n_ctx if isinstance(n_ctx, int) else None, e.max_T),
+            deadline=time.monotonic() + o["budget"],
+            max_T=e.max_T,
+            concurrency=o["concurrency"],
             eos=frozenset([eos] if isinstance(eos, int) else eos or []),
-            examples=examples,
-            shrink=shrink,
+            examples=o["examples"],
+            shrink=not o["no_shrink"],
         )
 
-        def progress(o: Any) -> None:
-            click.echo(scrub_secrets(f"  {printable(o.decoder)} {o.check} {SHOWN.get(o.status, o.status)} "
-                                     f"{o.seconds:.1f} s"), err=True)  # fmt: skip
+        def progress(out: Any) -> None:
+            shown = f"  {printable(out.decoder)} {out.check} {SHOWN.get(out.status, out.status)} {out.seconds:.1f} s"
+            click.echo(scrub_secrets(shown), err=True)
 
-        outcomes = run_checks(session, list(checks) or None, progress)
+        outcomes = run_checks(session, list(o["checks"]) or None, progress)
     except ServerError as exc:
         raise DtbenchError(str(exc)) from None
     finally:
         pool.close()  # a launched server never outlives the command
-    failed = any(o.status == "failed" for o in outcomes)
-    if fmt == "json":
-        doc = {
-            "engine": label,
-            "ok": not failed,
-            "requests": {"engine": engine_ep.sent, "reference": ref_ep.sent if ref_ep else 0},
-            "outcomes": [
-                {
-                    "check": o.check,
-                    "status": o.status,
-                    "detail": o.detail,
-                    "seconds": o.seconds,
-                    "counterexample": o.counterexample or None,
-                }  # fmt: skip
-                for o in outcomes
-            ],
-        }
-        click.echo(scrub_secrets(json.dumps(doc, indent=1, default=str)))
-    else:
-        _print(label, outcomes, engine_ep, ref_ep, budget)
-    return 1 if failed else 0
+    _report(e.label, outcomes, engine, reference, o)
+    return 1 if any(out.status == "failed" for out in outcomes) else 0
+
+
+def _report(label: str, outcomes: list[Any], engine: Any, reference: Any, o: dict[str, Any]) -> None:
+    if o["fmt"] != "json":
+        _print(label, outcomes, engine, reference, o["budget"])
+        return
+    doc = {
+        "engine": label,
+        "ok": not any(out.status == "failed" for out in outcomes),
+        "requests": {"engine": engine.sent, "reference": reference.sent if reference else 0},
+        "outcomes": [
+            {
+                "check": out.check,
+                "status": out.status,
+                "detail": out.detail,
+                "seconds": out.seconds,
+                "counterexample": out.counterexample or None,
+            }  # fmt: skip
+            for out in outcomes
+        ],
+    }
+    click.echo(scrub_secrets(json.dumps(doc, indent=1, default=str)))
 
 
 def _print(label: str, outcomes: list[Any], engine: Any, reference: Any, budget: float) -> None:

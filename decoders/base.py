@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -22,6 +22,7 @@ import torch
 from pydantic import ConfigDict
 
 from dtbench.core import Corpus, CorpusSpec, StrictBools
+from dtbench.decoders.cut import eos_end
 
 if TYPE_CHECKING:
     from dtbench.decoders.sampling import SamplingSettings
@@ -377,29 +378,6 @@ def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> frozenset
     if isinstance(eos_token_id, int):
         return frozenset((eos_token_id,))
     return frozenset(int(t) for t in eos_token_id)
-
-
-def cut_tokens(tokens: Sequence[int], T: int, eos: frozenset[int]) -> list[int]:
-    """A row's output as every reader takes it (issue 68 item 5: the one cut, the runner's and the kit's): its first
-    ``T`` tokens, and nothing after the first EOS among them.
-
-    Args:
-        tokens: the committed token ids, in order (plain ints).
-        T: the generation length (new tokens asked for).
-        eos: the EOS ids (:func:`eos_ids`); empty: no EOS cut.
-    """
-    out = list(tokens[:T])
-    end = eos_end(out, eos)
-    return out if end is None else out[:end]
-
-
-def eos_end(tokens: Sequence[int], eos: frozenset[int]) -> int | None:
-    """The length of ``tokens`` kept by the EOS cut (the first EOS's index + 1), None when none is an EOS."""
-    if eos:
-        for i, token in enumerate(tokens):
-            if token in eos:
-                return i + 1
-    return None
 
 
 def cut_at_eos(step: Step, eos: frozenset[int]) -> tuple[Step, bool]:

@@ -27,6 +27,7 @@ from dtbench.decoders.base import (
     greedy_token,
     verify_chain_read,
 )
+from dtbench.decoders.roles import drafting
 from dtbench.decoders.sampling import SamplingSettings, sample, verify_chain_sampled
 from dtbench.decoders.static_kv import StaticKV
 
@@ -324,7 +325,8 @@ def _proposed(proposer: Proposer, max_tokens: int) -> list[int] | torch.Tensor:
     Raises:
         DtbenchError: more drafts than ``max_tokens`` (the cell fails with this one line).
     """
-    proposed = proposer.propose(max_tokens)
+    with drafting():  # its forwards are draft forwards, whatever model it runs (issue 68 item 2)
+        proposed = proposer.propose(max_tokens)
     drafts = proposed.view(-1) if torch.is_tensor(proposed) else list(proposed)
     count = int(drafts.shape[0]) if torch.is_tensor(drafts) else len(drafts)  # a tensor's length: no read
     if count > max_tokens:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from dtbench.core import DtbenchError
-from dtbench.decoders.base import Decoder, DecoderParams, cut_tokens, eos_ids
+from dtbench.decoders.base import Decoder, DecoderParams, eos_ids
+from dtbench.decoders.cut import cut_tokens
 from dtbench.harness.testkit import FLAT, SHARP, VOCAB, perturbed, tiny_model, write_eagle, write_medusa
 
 EXAMPLES_ENV = "DTBENCH_HYPOTHESIS_EXAMPLES"  # caps every check's hypothesis examples (the GPU check's tests step)
@@ -214,7 +215,7 @@ def describe(params: DecoderParams) -> dict[str, Any]:
 
 def collect(decoder: Decoder[Any], prompt: list[int], T: int) -> list[int]:
     """The decoder's committed tokens on ``prompt`` (``generate``), cut as the runner cuts them; iteration stops once
-    T tokens or an EOS are committed (:func:`~dtbench.decoders.base.cut_tokens`, the runner's one cut). Empty Steps are
+    T tokens or an EOS are committed (:func:`~dtbench.decoders.cut.cut_tokens`, the runner's one cut). Empty Steps are
     tolerated here (the ``step_accounting`` check judges them)."""
     eos = eos_ids(decoder.eos_token_id)
     tokens: list[int] = []

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from dtbench.core import DtbenchError
-from dtbench.decoders.base import Decoder, DecoderParams, cut_tokens
+from dtbench.decoders.base import Decoder, DecoderParams
+from dtbench.decoders.cut import cut_tokens
 from dtbench.harness import conformance_contract as contract
 from dtbench.harness.conformance import (
     ARCHS,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dtbench.decoders import base
+from dtbench.decoders import base, roles
 from dtbench.harness import memory
 from dtbench.harness.curves import FED_LAST, FED_MASK  # defined once, torch-free, with the pricing
 
@@ -273,15 +273,21 @@ class ForwardCounter:
     the host clock around each forward (CPU kernels are synchronous); on CUDA, a pair of ``torch.cuda.Event`` per
     forward recorded on the current stream (no host sync inside the loop; :meth:`forward_seconds` resolves them).
 
+    Roles (issue 68 item 2): a forward is counted and timed by its *role*, not by its model object. Every forward of
+    the draft object is a draft forward; a forward of the target object is a draft forward when it runs inside
+    :func:`~dtbench.decoders.roles.drafting` (a Proposer, a tree's drafting: a decoder that drafts with its own
+    target, or whose draft *is* the target object), else the target's. Without a draft object the draft counts stay
+    None until the first draft forward; steps before it count 0 then (:func:`dtbench.harness.metrics` reads them so).
+
     Args:
-        target, draft: the models (``draft`` may be None). If the draft *is* the target object, every pass is
-            counted as the target's and the draft counts stay None.
+        target, draft: the models (``draft`` may be None or the target object itself).
     """
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None):
         self.models = {"target": target}
         if draft is not None and draft is not target:
             self.models["draft"] = draft
+        self.self_drafted = False  # a draft-role forward of the target object was counted
         self.forwards = {k: 0 for k in ("target", "draft")}
         self.tokens = {k: 0 for k in ("target", "draft")}
         # One entry per forward, in call order: (new tokens n, KV positions before it, flags) — see FED_MASK.
@@ -295,10 +301,22 @@ class ForwardCounter:
         self._prefill_s = {k: 0.0 for k in ("target", "draft")}  # of forwards from an empty cache (the prefill)
         self._resolved = {k: 0 for k in ("target", "draft")}  # forwards whose seconds were resolved (fed's index)
         self._open: dict[str, Any] = {}
-        self._timers = {k: ForwardTimer(getattr(m, "device", torch.device("cpu"))) for k, m in self.models.items()}
+        self._roles: list[str] = []  # the role of each forward still open (pre hook -> post hook)
+        device = getattr(target, "device", torch.device("cpu"))
+        self._timers = {
+            k: ForwardTimer(getattr(self.models.get(k, target), "device", device)) for k in ("target", "draft")
+        }
 
-    def _hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+    def counts_draft(self) -> bool:
+        """Whether draft forwards are counted: a draft object, or a draft-role forward of the target seen."""
+        return "draft" in self.models or self.self_drafted
+
+    def _hook(self, owner: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None]:
         def pre_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            role = "draft" if owner == "draft" or roles.forward_role() == "draft" else "target"
+            if role == "draft" and owner == "target":
+                self.self_drafted = True
+            self._roles.append(role)
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:  # called with inputs_embeds
                 ids = kwargs.get("inputs_embeds")
@@ -315,8 +333,9 @@ class ForwardCounter:
 
         return pre_hook
 
-    def _post_hook(self, role: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+    def _post_hook(self, owner: str) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         def post_hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            role = self._roles.pop() if self._roles else owner
             start = self._open.pop(role, None)
             if start is not None:
                 self._timers[role].stop(start)
@@ -331,7 +350,7 @@ class ForwardCounter:
         event (:meth:`ForwardTimer.resolve`)."""
         out: dict[str, float | None] = {}
         for role in ("target", "draft"):
-            if role not in self.models:
+            if role == "draft" and not self.counts_draft():
                 out[role] = out[f"{role}_prefill"] = None
                 continue
             laps = self._timers[role].resolve()
@@ -356,13 +375,13 @@ class ForwardCounter:
     def fed_between(self, role: str, start: int, end: int) -> list[list[int | None]] | None:
         """The per-forward entries ``[n, past, flags]`` of ``role``'s forwards ``start..end-1`` (None for an
         uncounted draft)."""
-        if role not in self.models:
+        if role == "draft" and not self.counts_draft():
             return None
         return [list(e) for e in self.fed[role][start:end]]
 
     def snapshot(self) -> Snapshot:
         """(target forwards, draft forwards, target tokens fed, draft tokens fed) so far; draft None if uncounted."""
-        has_draft = "draft" in self.models
+        has_draft = self.counts_draft()
         return (
             self.forwards["target"],
             self.forwards["draft"] if has_draft else None,
@@ -382,7 +401,7 @@ class ForwardCounter:
             return k, self._cum_tokens[role][k - 1] if k else 0
 
         target_fw, target_tok = upto("target")
-        if "draft" not in self.models:
+        if not self.counts_draft():
             return target_fw, None, target_tok, None
         draft_fw, draft_tok = upto("draft")
         return target_fw, draft_fw, target_tok, draft_tok
@@ -390,8 +409,9 @@ class ForwardCounter:
     def record(self, t: float, last: Snapshot, snap: Snapshot) -> StepRecord:
         """The :class:`StepRecord` of one step ending at ``t`` seconds: the forwards and tokens counted between the
         snapshots ``last`` and ``snap`` (:meth:`snapshot`), the draft's None where it is not counted."""
-        draft_fw = None if snap[1] is None or last[1] is None else snap[1] - last[1]
-        draft_tok = None if snap[3] is None or last[3] is None else snap[3] - last[3]
+        # a self-drafting decoder's draft counts start at its first draft forward: before it they were 0
+        draft_fw = None if snap[1] is None else snap[1] - (last[1] or 0)
+        draft_tok = None if snap[3] is None else snap[3] - (last[3] or 0)
         return StepRecord(
             t,
             snap[0] - last[0],
@@ -399,7 +419,7 @@ class ForwardCounter:
             snap[2] - last[2],
             draft_tok,
             self.fed_between("target", last[0], snap[0]) or [],
-            None if snap[1] is None or last[1] is None else self.fed_between("draft", last[1], snap[1]),
+            None if snap[1] is None else self.fed_between("draft", last[1] or 0, snap[1]),
         )
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dtbench.decoders import base
+from dtbench.decoders.cut import cut_tokens
 from dtbench.harness.deadline import Deadline as _Deadline  # the per-sample time limit (harness/deadline.py)
 from dtbench.harness.deadline import SampleTimeout as SampleTimeout  # re-exported: raised by measure_rows
 from dtbench.harness.energy import EnergyReading, EnergyTracker
@@ -236,7 +237,7 @@ def measure_rows(
         SampleTimeout: the batch ran past ``timeout_s`` (or ``cpu_timeout_s``).
         Exception: whatever the decoder raises (the runner fails the cell).
     """
-    from dtbench.decoders.base import cut_tokens, eos_ids
+    from dtbench.decoders.base import eos_ids
     from dtbench.harness.errors import DtbenchError
 
     b = len(prompts)
@@ -286,7 +287,7 @@ def measure_rows(
     forward_s, cpu_s = counter.forward_seconds(), time.process_time() - cpu0
     return [
         Measurement(
-            tokens=cut_tokens(tokens[r], gen_length, rows.eos),  # the one cut (its Steps cut at EOS already)
+            tokens=cut_tokens(tokens[r], gen_length, rows.eos),  # the one cut (its Steps were cut at EOS)
             steps=steps[r],
             records=records[r],
             memory=mem.peak,

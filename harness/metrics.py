@@ -396,8 +396,10 @@ def measured_columns(m: Stepped) -> dict[str, Any]:
     drafting = [i for i, d in enumerate(drafted) if d > 0]
     depth_sum = sum(depth)
     target_fw = [r.target_forwards for r in m.records]
-    draft_fw = [r.draft_forwards for r in m.records]
-    draft_counted = all(d is not None for d in draft_fw)
+    # counted from a self-drafting decoder's first draft forward on (issue 68 item 2): the steps before it drafted
+    # nothing, 0; all None: no draft forwards counted (no draft model, no drafting)
+    draft_counted = any(r.draft_forwards is not None for r in m.records)
+    draft_fw = [r.draft_forwards or 0 for r in m.records] if draft_counted else [None for _ in m.records]
     return dict(
         iterations=iterations,
         drafted=sum(drafted),
@@ -417,7 +419,7 @@ def measured_columns(m: Stepped) -> dict[str, Any]:
             "target_forwards": target_fw,
             "draft_forwards": draft_fw if draft_counted else None,
             "target_tokens": [r.target_tokens for r in m.records],
-            "draft_tokens": [r.draft_tokens for r in m.records] if draft_counted else None,
+            "draft_tokens": [r.draft_tokens or 0 for r in m.records] if draft_counted else None,
             # per step, per forward in call order: [tokens fed n, KV positions before it, flags (measure.FED_*)]
             "target_fed": [getattr(r, "target_fed", None) or [] for r in m.records],
             "draft_fed": [getattr(r, "draft_fed", None) or [] for r in m.records] if draft_counted else None,

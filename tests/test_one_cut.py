@@ -1,12 +1,13 @@
 """Issue 68 item 5: one cut of a row's output (its first T tokens, nothing after the first EOS), shared by the runner
-(harness/measure.py) and the conformance kit (harness/conformance.py): written once, in decoders/base.py."""
+(harness/measure.py) and the conformance kit (harness/conformance.py): written once, in decoders/cut.py."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from dtbench.decoders.base import Step, cut_at_eos, cut_tokens
+from dtbench.decoders.base import Step, cut_at_eos
+from dtbench.decoders.cut import cut_tokens
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ def test_the_cut_keeps_T_tokens_and_nothing_after_the_first_eos():
 
 
 def test_no_other_module_writes_its_own_cut():
-    """The runner and the kit call decoders/base.cut_tokens; a function named like a cut anywhere else is a copy."""
+    """The runner and the kit call decoders/cut.cut_tokens; a function named like a cut anywhere else is a copy."""
     names = {"cut", "cut_tokens", "cut_output", "_cut"}
     found = []
     for folder in ("harness", "decoders", "reports", "dtbench", "cli", "gpucheck"):
@@ -31,6 +32,6 @@ def test_no_other_module_writes_its_own_cut():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.FunctionDef) and node.name in names:
                     found.append(f"{path.relative_to(ROOT)}:{node.name}")
-    assert found == ["decoders/base.py:cut_tokens"], found
+    assert found == ["decoders/cut.py:cut_tokens"], found
     for user in ("harness/measure.py", "harness/conformance.py", "harness/conformance_checks.py"):
         assert "cut_tokens(" in (ROOT / user).read_text(), user

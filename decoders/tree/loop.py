@@ -11,6 +11,7 @@ import torch
 
 from dtbench.decoders import kv, modelinfo
 from dtbench.decoders.base import Step, cut_at_eos, eos_ids, first_tokens, next_token
+from dtbench.decoders.roles import drafting
 from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.tree.draft import (
     DraftSession,
@@ -332,14 +333,17 @@ def _draft_row(
     )
     if depth_cap < 1:
         return tree, None
-    if session is None:
-        assert isinstance(policy, TreeDrafter), "a row without a draft session has a tree drafter"
-        policy.draft(tree, pending, depth_cap)
-        return tree, None
-    assert isinstance(policy, ExpansionPolicy), "rows without a tree drafter have expansion policies"
-    if resident != "off":
-        return tree, draft_tree_resident(session, tree, pending, policy, depth_cap, tree_root=tree_root, prune=prune)
-    draft_tree(
-        session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune, sampling=drawn
-    )
+    with drafting():  # every forward of a tree's drafting is a draft forward, whatever model runs it (issue 68)
+        if session is None:
+            assert isinstance(policy, TreeDrafter), "a row without a draft session has a tree drafter"
+            policy.draft(tree, pending, depth_cap)
+            return tree, None
+        assert isinstance(policy, ExpansionPolicy), "rows without a tree drafter have expansion policies"
+        if resident != "off":
+            return tree, draft_tree_resident(
+                session, tree, pending, policy, depth_cap, tree_root=tree_root, prune=prune
+            )
+        draft_tree(
+            session, tree, pending, policy, depth_cap, draft_strategy, tree_root=tree_root, prune=prune, sampling=drawn
+        )
     return tree, None

@@ -174,7 +174,7 @@ async def _read_stream(
         raise
 
 
-async def _group(
+async def group_requests(
     base_url: str,
     bodies: list[dict[str, Any]],
     params: ServerParams,
@@ -183,7 +183,8 @@ async def _group(
     engine: Engine,
 ) -> tuple[list[RequestRecord], float, dict[str, Any], dict[str, Any]]:
     """A unit's requests by one client, as ``traffic`` dispatches them (:func:`~dtbench.harness.serving.traffic.
-    dispatch`): (records, wall seconds, the engine's counters before, after)."""
+    dispatch`): (records, wall seconds, the engine's counters before, after). The server kit sends through it too
+    (:mod:`dtbench.harness.serving.endpoint`)."""
     import httpx
 
     url = base_url + "/v1/completions"
@@ -206,26 +207,6 @@ async def _group(
         wall = time.perf_counter() - t0
         after = await _metrics(client, base_url, engine)
     return records, wall, before, after
-
-
-def send_requests(
-    base_url: str,
-    bodies: list[dict[str, Any]],
-    params: ServerParams,
-    concurrency: int,
-    tokenize: Callable[[str], list[int]],
-    engine: Engine,
-) -> list[RequestRecord]:
-    """The bodies as streamed requests by the run's client (:func:`_group`), ``concurrency`` in flight, all ready at
-    once: one record per body, in order (a request that failed alone has its ``error``). The server kit's sender
-    (:mod:`dtbench.harness.serving.kit`).
-
-    Raises:
-        httpx.ConnectError: nothing listens at ``base_url``; DtbenchError: an event that is not JSON.
-    """
-    traffic = schedule(len(bodies), concurrency, None, 0)
-    records, _, _, _ = asyncio.run(_group(base_url, bodies, params, traffic, tokenize, engine))
-    return records
 
 
 async def _metrics(client: Any, base_url: str, engine: Engine) -> dict[str, Any]:
@@ -285,7 +266,9 @@ def _send(
     """
     label, params, engine, server = unit.label, unit.params, unit.engine, unit.server
     try:
-        records, wall, before, after = asyncio.run(_group(unit.base_url, bodies, params, traffic, tokenize, engine))
+        records, wall, before, after = asyncio.run(
+            group_requests(unit.base_url, bodies, params, traffic, tokenize, engine)
+        )
     except DtbenchError as exc:  # an HTTP error status, an error event, an event that is not JSON
         raise ServerError(f"server '{label}': {exc}; {unit.where}") from None
     except (OSError, Exception) as exc:  # httpx errors, a dropped connection, a timeout
