@@ -24,9 +24,46 @@ class CellKey:
 
     @classmethod
     def of_row(cls, cell: Any) -> CellKey:
-        """The key of a stored ``cells`` row (anything with ``dataset``, ``l_max``, ``gen_length``, ``batch_size``;
-        a row written before batch sizes has B = 1)."""
-        return cls(str(cell.dataset), int(cell.l_max), int(cell.gen_length), int(cell.batch_size or 1))
+        """The key of a stored ``cells`` row, a report's summary row or any mapping or pandas row with ``dataset``,
+        ``l_max``, ``gen_length`` and ``batch_size`` (issue 68 item 4: the reports' one group key; a row written
+        before batch sizes, or a missing or NULL ``batch_size``, is B = 1)."""
+        from dtbench.harness.values import is_missing
+
+        def get(name: str) -> Any:
+            if isinstance(cell, dict) or hasattr(cell, "iloc"):
+                return cell[name] if name in cell else None
+            return getattr(cell, name, None)
+
+        b = get("batch_size")
+        return cls(str(get("dataset")), int(get("l_max")), int(get("gen_length")), 1 if is_missing(b) else int(b))
+
+    def columns(self) -> dict[str, Any]:
+        """The key as a report's group columns (:data:`dtbench.harness.metrics.GROUP`)."""
+        return {
+            "dataset": self.dataset,
+            "l_max": self.l_max,
+            "gen_length": self.gen_length,
+            "batch_size": self.batch_size,
+        }
+
+    @property
+    def point(self) -> PointKey:
+        """The cell's point without its load level: what a batch-size sweep or a schedule compares across B."""
+        return PointKey(self.dataset, self.l_max, self.gen_length)
+
+
+@dataclass(frozen=True)
+class PointKey:
+    """A cell's point without its batch size (or a server's concurrency): the dataset entry's key, L_max and T
+    (:attr:`CellKey.point`; issue 68 item 4: the reports' keys are typed, never a tuple sliced by position)."""
+
+    dataset: str
+    l_max: int
+    gen_length: int
+
+    def at(self, batch_size: int) -> CellKey:
+        """The cell at this point with batch size (or concurrency) ``batch_size``."""
+        return CellKey(self.dataset, self.l_max, self.gen_length, batch_size)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from dtbench.harness.prompt import Prompt
 
 BASELINE = "ar"  # the reference decoder every speedup is measured against
-# the columns of a cell's group, (dataset, L_max, T, batch size B): group_key
+# the columns of a cell's group, (dataset, L_max, T, batch size B): harness.grouping.CellKey (its columns())
 GROUP = ["dataset", "l_max", "gen_length", "batch_size"]
 MIB = 2**20
 MISSING = "—"  # how every report shows a value it does not have (no AR baseline, all warmup, not applicable)
@@ -55,18 +55,6 @@ MISSING = "—"  # how every report shows a value it does not have (no AR baseli
 def column_of(record: Any, name: str) -> Any:
     """A column of a sample or cell: an ORM object's attribute, or a mapping's / pandas row's item."""
     return record[name] if isinstance(record, dict) or hasattr(record, "iloc") else getattr(record, name)
-
-
-def group_key(cell: Any) -> tuple[str, int, int, int]:
-    """A cell's group, (dataset, L_max, T, batch size B) (:data:`GROUP`): the cells a speedup, a paper table or a
-    cost-model row compares. ``cell``: an ORM :class:`~dtbench.harness.store.db.Cell`, a mapping or a summary row; a
-    cell stored before batch sizes existed (no or a NULL ``batch_size``) is B = 1."""
-    try:
-        b = column_of(cell, "batch_size")
-    except (KeyError, AttributeError):
-        b = None
-    b = 1 if is_missing(b) else int(b)
-    return (str(column_of(cell, "dataset")), int(column_of(cell, "l_max")), int(column_of(cell, "gen_length")), b)
 
 
 def peak_memory_bytes(row: Mapping[str, Any]) -> float | None:

@@ -42,18 +42,17 @@ import pandas as pd
 
 from dtbench.harness.curves import DEFAULT_FACTOR
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.grouping import CellKey
 from dtbench.reports import explain, loading
 from dtbench.reports.costmodel_batch import BATCH_CAPTION, PRED_FORWARDS, PRED_STEADY, batch_table
 from dtbench.reports.output import Document, Note, Report, emit
 from dtbench.reports.pricing import Pricer, position_acceptance
 from dtbench.reports.render import NOT_LOSSLESS_MARK
 from dtbench.reports.stats import (
-    GROUP,
     MISSING,
     baseline_values,
     cell_throughput,
     family_of,
-    group_key,
     is_missing,
     show,
 )
@@ -128,7 +127,7 @@ def cost_table(session, run, curves) -> pd.DataFrame:
         )
         row = {
             "cell_id": cell.id,
-            **dict(zip(GROUP, group_key(cell))),
+            **CellKey.of_row(cell).columns(),
             "label": cell.label,
             "decoder": cell.decoder,
             "family": family_of(cell.family),

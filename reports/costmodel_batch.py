@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK, target_cost
-from dtbench.harness.metrics import group_key
+from dtbench.harness.grouping import CellKey, PointKey
 from dtbench.reports import loading
 from dtbench.reports.batch_replay import replay_speedup, row_traces
 from dtbench.reports.pricing import Pricer, position_acceptance
@@ -131,20 +131,20 @@ def widest_of(widths: dict[int, float], batch: int) -> dict[int, float]:
     return out
 
 
-def price_proposers(params: dict[tuple, dict]) -> None:
+def price_proposers(params: dict[tuple[PointKey, str], dict]) -> None:
     """Price each decoder's own CPU work as draft cost (issue 39 item 5), in place.
 
-    ``params``: {(dataset, L_max, T, label): :func:`b1_parameters` + ``family``}. A decoder's seconds per iteration
+    ``params``: {(point, label): :func:`b1_parameters` + ``family``} (:class:`~dtbench.harness.grouping.PointKey`). A decoder's seconds per iteration
     outside model forwards beyond ``ar``'s of the same (dataset, L_max, T) are its proposer's own work (an n-gram
     lookup, a suffix automaton, a tree's bookkeeping), which a batch pays per row as it pays draft forwards: added to
     ``d`` (seconds per row and iteration) and, spread over the drafted tokens, to ``draft_tokens_s``; stored as
     ``proposer_s``. Nothing is added where either side's forward times are unknown.
     """
-    base = {k[:3]: v["outside"] for k, v in params.items() if v.get("family") == "ar" and v.get("outside") is not None}
-    for key, v in params.items():
+    base = {p: v["outside"] for (p, _), v in params.items() if v.get("family") == "ar" and v.get("outside") is not None}
+    for (point, _), v in params.items():
         extra = 0.0
-        if v.get("family") != "ar" and v.get("outside") is not None and key[:3] in base:
-            extra = max(0.0, v["outside"] - base[key[:3]])
+        if v.get("family") != "ar" and v.get("outside") is not None and point in base:
+            extra = max(0.0, v["outside"] - base[point])
         v["proposer_s"] = extra
         v["d"] += extra
         if v["n"] > 1:
@@ -217,7 +217,7 @@ def _b1_params(session, run, curves) -> dict[tuple, dict]:
     """{(dataset, L_max, T, label): the B = 1 parameters of that greedy cell} (:func:`b1_parameters`, its family and
     its rows' traces, :func:`price_proposers` applied): what the batched cells of the same decoder are predicted
     from."""
-    by_label: dict[tuple, dict] = {}
+    by_label: dict[tuple[PointKey, str], dict] = {}  # (point, label) -> B = 1 parameters
     for cell, samples in loading.cells_with_samples(session, run.id):
         if (cell.batch_size or 1) != 1 or cell.sampling:
             continue
@@ -226,14 +226,14 @@ def _b1_params(session, run, curves) -> dict[tuple, dict]:
             continue
         got = b1_parameters(frame_rows)
         if got is not None:
-            by_label[(*group_key(cell)[:3], cell.label)] = {
+            by_label[(CellKey.of_row(cell).point, cell.label)] = {
                 **got,
                 "family": family_of(cell.family),
                 "frame": frame_rows,
             }
-    ar_outside = {k[:3]: v["outside"] for k, v in by_label.items() if v["family"] == "ar"}
-    for key, v in by_label.items():
-        v["traces"] = row_traces(v.pop("frame"), curves, key[1], ar_outside.get(key[:3]))
+    ar_outside = {point: v["outside"] for (point, _), v in by_label.items() if v["family"] == "ar"}
+    for (point, _), v in by_label.items():
+        v["traces"] = row_traces(v.pop("frame"), curves, point.l_max, ar_outside.get(point))
     price_proposers(by_label)
     return by_label
 
@@ -281,7 +281,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
 
     errors = []
     for _, r in speed.iterrows():
-        key = (*group_key(r)[:3], r["label"])
+        key = (CellKey.of_row(r).point, r["label"])
         params = by_label.get(key)
         b = int(r["batch_size"])
         pred = predict(params, b, int(r["l_max"]), int(r["gen_length"]))
@@ -307,7 +307,7 @@ def batch_table(session, run, curves) -> tuple[pd.DataFrame, list[str]]:
         return table, notes
     for (ds, l_max, T, label), part in table.groupby(["dataset", "l_max", "gen_length", "label"], sort=False):
         measured = _measured_crossover(part.sort_values("batch_size"))
-        params = by_label.get((ds, l_max, T, label))
+        params = by_label.get((PointKey(str(ds), int(l_max), int(T)), label))
         past = l_max + T // 2
         if params is None:
             predicted = "no B = 1 cell to predict from"

@@ -22,7 +22,8 @@ import math
 
 import pandas as pd
 
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING, group_key
+from dtbench.harness.grouping import CellKey
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING
 from dtbench.harness.store.db import Sample
 from dtbench.harness.values import percentiles
 from dtbench.reports import loading
@@ -89,8 +90,8 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
     groups = per_prompt_rows(flat)  # a prompt group (B > 1) and a prompt's repeats: one row each
     groups = groups[~groups["warmup"].astype(bool)]
     thr = {cid: g.set_index("prompt_index")["throughput"] for cid, g in groups.groupby("cell_id")}
-    key_of = {c.id: group_key(c) for c in cells}
-    by_label = {(*key_of[c.id], c.label): c for c in cells}
+    key_of = {c.id: CellKey.of_row(c) for c in cells}
+    by_label = {(key_of[c.id], c.label): c for c in cells}
     rows = []
     for c in cells:
         key = key_of[c.id]
@@ -99,9 +100,9 @@ def engine_frame(session, run_id: int, confidence: float = 0.95) -> pd.DataFrame
         is_server = any(server)
         through_requests = served(c.measurer)
         ref_label = c.reference_label if through_requests else (None if c.decoder == BASELINE else BASELINE)
-        ref = by_label.get((*key, ref_label)) if ref_label else None
+        ref = by_label.get((key, ref_label)) if ref_label else None
         row = dict(
-            zip(GROUP, key),
+            key.columns(),
             label=c.label,
             decoder=c.decoder,
             family=c.family,

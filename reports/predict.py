@@ -29,11 +29,12 @@ import pandas as pd
 
 from dtbench.harness import curves_file
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.grouping import CellKey
 from dtbench.reports import loading
 from dtbench.reports.costmodel import NO_CALIBRATION, uses_draft_model
 from dtbench.reports.output import Document, Note, Report, emit
 from dtbench.reports.pricing import Pricer
-from dtbench.reports.stats import GROUP, baseline_values, family_of, group_key, served, show
+from dtbench.reports.stats import GROUP, baseline_values, family_of, served, show
 
 FIG_STEM = "predicted_speedup"
 
@@ -89,7 +90,7 @@ def predict_table(session, run, pc: curves_file.PortableCurves) -> tuple[pd.Data
             continue
         out.append(
             {
-                **dict(zip(GROUP, group_key(cell))),
+                **CellKey.of_row(cell).columns(),
                 "label": cell.label,
                 "decoder": cell.decoder,
                 "family": family_of(cell.family),

@@ -34,7 +34,7 @@ import pandas as pd
 
 from dtbench.decoders.engines import engine_for, schedule_engines
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import group_key
+from dtbench.harness.grouping import CellKey, PointKey
 from dtbench.reports import loading
 
 
@@ -56,25 +56,25 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
 
     sizes = sorted({1, *curves.batch_sizes()})
     cells = loading.run_cells(session, run.id)
-    measured: dict[tuple, dict[int, float]] = {}  # (dataset, l_max, T, B, decoder) -> {K: speedup}
+    measured: dict[tuple[CellKey, str], dict[int, float]] = {}  # (cell, decoder) -> {K: speedup}
     frame = samples_frame(session, run.id)
     speed = speedup_table(frame) if not frame.empty else pd.DataFrame()
-    by_label = {(*group_key(c), c.label): c for c in cells}
+    by_label = {(CellKey.of_row(c), c.label): c for c in cells}
     for _, r in speed.iterrows():
-        c = by_label.get((*group_key(r), r["label"]))
+        c = by_label.get((CellKey.of_row(r), r["label"]))
         k = (c.params or {}).get("k") if c is not None else None
         if c is None or family_of(c.family) != "chain" or not isinstance(k, int) or math.isnan(r["speedup"]):
             continue
-        measured.setdefault((*group_key(c), c.decoder), {})[k] = r["speedup"]
+        measured.setdefault((CellKey.of_row(c), c.decoder), {})[k] = r["speedup"]
     rows = []
-    params_of: dict[tuple, dict] = {}
+    params_of: dict[tuple[PointKey, str], dict] = {}  # (point, label) -> B = 1 parameters
     for c in cells:
         if (c.batch_size or 1) != 1 or c.sampling or family_of(c.family) not in ("ar", "chain") or c.status == "failed":
             continue
         samples = b1_frame(c.samples)
         got = b1_parameters(samples) if not samples.empty else None
         if got is not None:
-            params_of[(*group_key(c)[:3], c.label)] = {**got, "family": family_of(c.family), "cell": c}
+            params_of[(CellKey.of_row(c).point, c.label)] = {**got, "family": family_of(c.family), "cell": c}
     price_proposers(params_of)  # a proposer's own CPU time is draft cost at every B (issue 39 item 5)
     pricer = Pricer(curves)
     for params in params_of.values():
@@ -87,7 +87,7 @@ def schedule_rows(session, run, curves) -> pd.DataFrame:
             if best is None:
                 continue
             k, s = best
-            seen = measured.get((*group_key(c)[:3], b, c.decoder), {})
+            seen = measured.get((CellKey.of_row(c).point.at(b), c.decoder), {})
             top = max(seen, key=lambda x: seen[x]) if len(seen) > 1 else None
             rows.append(
                 {
@@ -166,10 +166,12 @@ def schedule_report(sessions, run_id: int | None, fmt: str, engine: str) -> None
         + ("" if batched else "; this calibration has no batched curves (B = 1 only): add batch_sizes to the suite")
     )
     reports, configs = [], {}
-    for i, (key, part) in enumerate(rows.groupby(["dataset", "l_max", "gen_length", "label"], sort=False)):
+    for i, ((dataset, l_max, gen_length, label), part) in enumerate(
+        rows.groupby(["dataset", "l_max", "gen_length", "label"], sort=False)
+    ):
         spans = ranges(part)
         config = engine_config(engine, spans)
-        configs["/".join(map(str, key))] = config
+        configs["/".join(map(str, (dataset, l_max, gen_length, label)))] = config
         display = pd.DataFrame(
             [
                 {
@@ -187,7 +189,7 @@ def schedule_report(sessions, run_id: int | None, fmt: str, engine: str) -> None
         reports.append(
             Report(
                 f"schedule_{i}",
-                f"Schedule for {engine} · run {run.id} · {key[3]} · {key[0]} · L_max={key[1]} · T={key[2]}",
+                f"Schedule for {engine} · run {run.id} · {label} · {dataset} · L_max={l_max} · T={gen_length}",
                 caption,
                 display,
                 part,

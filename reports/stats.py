@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING, column_of, group_key
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING, column_of
 from dtbench.harness.sample import aggregated
 from dtbench.harness.values import is_missing as is_missing  # the one missing-value test, re-exported for reports
 
@@ -67,7 +67,6 @@ __all__ = [
     "cell_value",
     "decoding",
     "family_of",
-    "group_key",
     "is_missing",
     "pairing_key",
     "show",

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 from dtbench.harness import load
 from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.grouping import CellKey
 from dtbench.harness.load import COLUMNS as LOAD_COLUMNS
 from dtbench.harness.metrics import METRICS, peak_memory_bytes
 from dtbench.harness.sample import SCALAR_COLUMNS
@@ -39,7 +40,6 @@ from dtbench.reports.stats import (
     cell_throughput,
     execution_of,
     family_of,
-    group_key,
     per_prompt_rows,
     remainder_mask,
     repeated,
@@ -241,7 +241,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         out.append(
             {
                 "cell_id": cell_id,
-                **dict(zip(GROUP, group_key(first))),
+                **CellKey.of_row(first).columns(),
                 "label": first["label"],
                 "decoder": first["decoder"],
                 "execution": execution_of(first),

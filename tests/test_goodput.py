@@ -134,17 +134,18 @@ def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_
 
 def test_a_proposers_own_cpu_time_is_priced_as_draft_cost():
     """Issue 39 item 5: seconds outside forwards per iteration beyond ar's are the proposer's, paid per row."""
+    from dtbench.harness.grouping import PointKey
     from dtbench.reports.costmodel_batch import price_proposers
 
-    g = ("d", 128, 64)
+    g = PointKey("d", 128, 64)
     params = {
-        (*g, "ar"): {"family": "ar", "outside": 0.001, "d": 0.0, "n": 1.0, "draft_tokens_s": 0.0},
-        (*g, "ngram"): {"family": "chain", "outside": 0.004, "d": 0.0, "n": 4.0, "draft_tokens_s": 0.0},
-        (*g, "linear"): {"family": "chain", "outside": 0.0005, "d": 0.01, "n": 5.0, "draft_tokens_s": 0.0025},
-        (*g, "unknown"): {"family": "chain", "outside": None, "d": 0.0, "n": 3.0, "draft_tokens_s": 0.0},
+        (g, "ar"): {"family": "ar", "outside": 0.001, "d": 0.0, "n": 1.0, "draft_tokens_s": 0.0},
+        (g, "ngram"): {"family": "chain", "outside": 0.004, "d": 0.0, "n": 4.0, "draft_tokens_s": 0.0},
+        (g, "linear"): {"family": "chain", "outside": 0.0005, "d": 0.01, "n": 5.0, "draft_tokens_s": 0.0025},
+        (g, "unknown"): {"family": "chain", "outside": None, "d": 0.0, "n": 3.0, "draft_tokens_s": 0.0},
     }
     price_proposers(params)
-    assert params[(*g, "ngram")]["d"] == pytest.approx(0.003)
-    assert params[(*g, "ngram")]["draft_tokens_s"] == pytest.approx(0.001)  # over its 3 drafted tokens
-    assert params[(*g, "linear")]["d"] == pytest.approx(0.01)  # less outside time than ar: nothing added
-    assert params[(*g, "unknown")]["proposer_s"] == 0.0 and params[(*g, "ar")]["d"] == 0.0
+    assert params[(g, "ngram")]["d"] == pytest.approx(0.003)
+    assert params[(g, "ngram")]["draft_tokens_s"] == pytest.approx(0.001)  # over its 3 drafted tokens
+    assert params[(g, "linear")]["d"] == pytest.approx(0.01)  # less outside time than ar: nothing added
+    assert params[(g, "unknown")]["proposer_s"] == 0.0 and params[(g, "ar")]["d"] == 0.0

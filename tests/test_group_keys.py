@@ -191,3 +191,23 @@ def test_the_local_measurers_finish_returns_its_columns_and_leaves_the_row_alone
     assert row == {"total_s": 1.0, "step_stats": {"forward_s": [0.5]}}  # untouched
     eager = Measured([SimpleNamespace()], state=LocalState([(1, 2, 3)], batched=False))
     assert measurer.finish(cp, eager, 0, MappingProxyType(row)) == {}  # type: ignore[arg-type]
+
+
+def test_reports_key_groups_by_typed_keys_never_by_tuples():
+    """Issue 68 item 4: the reports' group key is CellKey (its point a PointKey), never harness.metrics' 4-tuple
+    ``group_key`` nor a key sliced by position."""
+    import re
+    from pathlib import Path
+
+    from dtbench.harness.grouping import CellKey, PointKey
+
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "reports").glob("*.py"):
+        text = path.read_text()
+        assert "group_key(" not in text, path.name
+        assert not re.search(r"\bkey\[:3\]|\bk\[:3\]|\)\[:3\]", text), path.name
+    row = {"dataset": "wikitext-2", "l_max": 64, "gen_length": 32, "batch_size": float("nan")}
+    key = CellKey.of_row(row)
+    assert key == CellKey("wikitext-2", 64, 32, 1) and key.point == PointKey("wikitext-2", 64, 32)
+    assert key.point.at(4) == CellKey("wikitext-2", 64, 32, 4)
+    assert key.columns() == {"dataset": "wikitext-2", "l_max": 64, "gen_length": 32, "batch_size": 1}

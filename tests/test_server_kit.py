@@ -86,8 +86,8 @@ def test_search_shrinks_to_the_smallest_failure_and_stops_at_its_deadline():
 
 def test_a_planted_divergence_is_shrunk_and_printed_ready_to_file(engines):
     engine, reference = engines("bug")
-    budget = 60
-    res, wall = check("--server", engine, "--reference", reference, "--budget", str(budget))
+    budget = 40
+    res, wall = check("--server", engine, "--reference", reference, "--budget", str(budget), "--examples", "25")
     out = res.output
     assert res.exit_code == 1, out
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
@@ -102,8 +102,8 @@ def test_a_planted_divergence_is_shrunk_and_printed_ready_to_file(engines):
     for name in ("deterministic", "concurrency", "length", "stop", "streaming", "accounting"):
         assert f"{name.replace('_', ' ')} " in out
     # --format json carries the same counterexample
-    res, _ = check("--server", engine, "--reference", reference, "--budget", "30", "--format", "json",
-                   "--check", "greedy_equals_reference")  # fmt: skip
+    res, _ = check("--server", engine, "--reference", reference, "--budget", "20", "--format", "json",
+                   "--check", "greedy_equals_reference", "--examples", "25")  # fmt: skip
     doc = json.loads(res.output[res.output.index("{") :])
     (o,) = doc["outcomes"]
     c = o["counterexample"]
@@ -118,7 +118,7 @@ def test_a_planted_divergence_is_shrunk_and_printed_ready_to_file(engines):
 
 def test_an_engine_with_only_ties_passes_and_lists_them(engines):
     engine, reference = engines("ties")
-    res, _ = check("--server", engine, "--reference", reference, "--budget", "40")
+    res, _ = check("--server", engine, "--reference", reference, "--budget", "30", "--examples", "15")
     assert res.exit_code == 0, res.output
     ties = [line for line in res.output.splitlines() if line.startswith("tie greedy_equals_reference")]
     assert ties and all("margin 0.01 <= max(tie_margin 0.05" in line for line in ties)
@@ -127,7 +127,7 @@ def test_an_engine_with_only_ties_passes_and_lists_them(engines):
 
 def test_batch_variance_is_a_tie_not_a_failure(engines):
     engine, _ = engines("batchtie")
-    res, _ = check("--server", engine, "--check", "concurrency", "--check", "deterministic", "--budget", "40")
+    res, _ = check("--server", engine, "--check", "concurrency", "--check", "deterministic", "--budget", "30")
     assert res.exit_code == 0, res.output
     assert any(line.startswith("tie concurrency") for line in res.output.splitlines()), res.output
     # without a reference the greedy check does not apply, and says why
@@ -142,7 +142,7 @@ def test_batch_variance_is_a_tie_not_a_failure(engines):
 )
 def test_impossible_counters_and_text_after_a_stop_fail_their_check(engines, mode, name, says):
     engine, _ = engines(mode)
-    res, _ = check("--server", engine, "--budget", "40")
+    res, _ = check("--server", engine, "--budget", "30", "--examples", "8")
     assert res.exit_code == 1, res.output
     failed = [line for line in res.output.splitlines() if line.startswith("FAILED")]
     assert len(failed) == 1 and f": {name}: " in failed[0] and says in failed[0], res.output
@@ -220,7 +220,7 @@ def test_the_api_key_comes_from_the_environment_and_is_masked_everywhere(engines
     key = "kit-secret-4f9a1c77"
     monkeypatch.setenv("DTBENCH_KIT_TEST_KEY", key)
     res, _ = check("--server", engine, "--reference", reference, "--api-key-env", "DTBENCH_KIT_TEST_KEY",
-                   "--check", "greedy_equals_reference", "--budget", "30")  # fmt: skip
+                   "--check", "greedy_equals_reference", "--budget", "20", "--examples", "25", "--no-shrink")  # fmt: skip
     assert res.exit_code == 1, res.output
     assert key not in res.output  # the fake echoes "Bearer <key>" in its version: masked
     assert "auth=Bearer ***" in res.output
@@ -246,7 +246,7 @@ def test_real_llama_server_speculation_checked(label):
     commands and its margin (a tie passes, listed)."""
     suite = str(HERE.parent / "suites" / "engine-check-cpu.yaml")
     before = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True).stdout.split()
-    res, wall = check("--suite", suite, label, "--budget", "90", "--format", "json")
+    res, wall = check("--suite", suite, label, "--budget", "30", "--examples", "15", "--format", "json")
     doc = json.loads(res.output[res.output.index("{") :])
     by = {o["check"]: o for o in doc["outcomes"]}
     assert list(by) == ["deterministic", "greedy_equals_reference", "concurrency", "length", "stop", "streaming",
@@ -257,7 +257,7 @@ def test_real_llama_server_speculation_checked(label):
     for o in doc["outcomes"]:
         if o["status"] == "failed":
             assert o["counterexample"]["curl"] and o["counterexample"]["prompt_sha256"], o
-    assert res.exit_code == (0 if doc["ok"] else 1) and wall < 90 + 120
+    assert res.exit_code == (0 if doc["ok"] else 1) and wall < 30 + 120
     time.sleep(1)
     after = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True).stdout.split()
     assert set(after) <= set(before), "a llama-server was left behind"
