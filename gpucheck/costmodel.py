@@ -34,17 +34,19 @@ def predict(curves, row: PaperRow, nodes: int | None = None) -> dict:
     in between the calibrated L_max and L_max + T).
     """
     from dtbench.harness.curves import FED_LAST, FED_MASK
+    from dtbench.reports.pricing import Pricer
 
+    pricer = Pricer(curves)
     past = row.l_max + T_PAPER // 2
-    ar = curves.cost("target", row.l_max, 0) + T_PAPER * curves.cost("target", 1, past)
-    prefill = curves.cost("target", row.l_max, 0) + curves.cost("draft", row.l_max, 0)
+    ar = pricer.target_cost(row.l_max, 0) + T_PAPER * pricer.target_cost(1, past)
+    prefill = pricer.target_cost(row.l_max, 0) + pricer.draft_prefill(row.l_max)
     if row.k is not None:
-        draft = row.k * curves.cost("draft", 1, past, FED_LAST)
-        verify = curves.cost("target", row.k + 1, past)
+        draft = row.k * pricer.forward_cost("draft", 1, past, FED_LAST)
+        verify = pricer.verify_cost(row.k + 1, past, 1, "chain")
     else:
         assert nodes is not None and row.depth is not None
-        draft = sum(curves.cost("draft", s, past, FED_MASK) for s in level_sizes(nodes, row.depth))
-        verify = curves.cost("target", 1 + nodes, past, FED_MASK)
+        draft = sum(pricer.forward_cost("draft", s, past, FED_MASK) for s in level_sizes(nodes, row.depth))
+        verify = pricer.verify_cost(1 + nodes, past, 1, "tree")
     method = prefill + row.iterations * (draft + verify)
     return {
         "ar_s": ar,
@@ -117,6 +119,7 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
     (:class:`~dtbench.harness.forwards.ForwardTimer`: CUDA events on a GPU)."""
     from dtbench.harness.calibrate import Settings, measure_curve, n_grid
     from dtbench.harness.curves import Curves
+    from dtbench.reports.pricing import Pricer
 
     settings = (  # small shapes: the arithmetic exercised on toy curves, so the fewest repeats that still time each n
         Settings(min_repeats=3, min_time_s=0.0, max_time_s=0.05, warmup=1, rel_tol=0.5)
@@ -158,7 +161,7 @@ def step_costmodel(device, target, draft, small: bool, log) -> dict:
         predictions.append(_prediction(curves, row))
         shown = predictions[-1].get("predicted_speedup", predictions[-1].get("predicted_speedup_range"))
         log(f"predicted {row.method} {row.dataset}: {shown} (paper {row.speedup})")
-    ar_tpot = {l_max: curves.cost("target", 1, l_max + T // 2) for l_max in l_maxes}
+    ar_tpot = {l_max: Pricer(curves).target_cost(1, l_max + T // 2) for l_max in l_maxes}
     return {  # "seconds": the step's, added by the command
         "ok": bool(rows) and all(r["median_s"] > 0 for r in rows),
         "caps": list(l_maxes),

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from dtbench.harness.curves import FED_MASK, target_cost
+from dtbench.reports.pricing import Pricer
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def row_traces(rows: pd.DataFrame, curves, l_max: int, ar_outside: float | None)
             return None
         fs = st.get("forward_s") or {}
         draft_s = float(fs.get("draft") or 0.0)
-        draft_prefill = curves.cost("draft", l_max, 0) if draft_s > 0 and "draft" in curves.roles() else 0.0
+        draft_prefill = Pricer(curves).draft_prefill(l_max, draft_s > 0)
         decode = max(1, len(drafted) - 1)
         extra = 0.0
         if ar_outside is not None and fs.get("target") is not None and not pd.isna(r["total_s"]):
@@ -71,24 +71,19 @@ def row_traces(rows: pd.DataFrame, curves, l_max: int, ar_outside: float | None)
     return out or None
 
 
-def _verify_cost(curves, n: int, past: int, rows: int, family: str) -> float:
-    """One target verification forward of ``rows`` rows of n tokens (B = 1: the causal curve, or the tree-masked
-    one for a tree decoder; B > 1: the batched curves)."""
-    return target_cost(curves, n, past, rows, FED_MASK if family == "tree" else 0)
-
-
 def replay_group(curves, group: list[RowTrace], l_max: int, family: str) -> float:
     """Predicted seconds of one prompt group decoded together: the prefill of its B prompts (where calibrated, plus
     each row's draft prefill), then per iteration one verification at the widest active row's width (a batch pads
     every row to it) over the rows still decoding (a row that is done leaves the batch), plus every active row's own
     seconds (drafts run per row), the cache at ``l_max`` + the longest row's commits."""
-    prefill = curves.batched_prefill(l_max, len(group))
+    pricer = Pricer(curves)
+    prefill = pricer.prefill(l_max, len(group))
     seconds = (prefill + sum(r.draft_prefill for r in group)) if prefill is not None else 0.0
     done = [1] * len(group)  # tokens committed so far (the prefill's token)
     for j in range(max(len(r.widths) for r in group)):
         active = [i for i, r in enumerate(group) if j < len(r.widths)]
         width = max(group[i].widths[j] for i in active)
-        seconds += _verify_cost(curves, width, l_max + max(done), len(active), family)
+        seconds += pricer.verify_cost(width, l_max + max(done), len(active), family)
         for i in active:
             seconds += group[i].seconds
             done[i] += group[i].committed[j]

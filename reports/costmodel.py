@@ -195,7 +195,8 @@ def forward_regimes(curves, environment: dict) -> dict[str, str]:
         info = environment.get(role) or {}
         element = DTYPE_BYTES.get(str(info.get("dtype")))
         sizes = {"weights": int(info["params"]) * element} if info.get("params") and element else None
-        regime = forward_regime({n: curves.cost(role, n, None) for n in (1, ns[-1])}, sizes, bandwidth)
+        pricer = Pricer(curves)
+        regime = forward_regime({n: pricer.forward_cost(role, n, None) for n in (1, ns[-1])}, sizes, bandwidth)
         if regime is not None:
             out[role] = regime
     return out

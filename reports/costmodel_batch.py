@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from dtbench.harness.curves import DEFAULT_FACTOR, FED_MASK, target_cost
+from dtbench.harness.curves import DEFAULT_FACTOR
 from dtbench.harness.grouping import CellKey, PointKey
 from dtbench.reports import loading
 from dtbench.reports.batch_replay import replay_speedup, row_traces
@@ -178,23 +178,21 @@ def predicted_batch_speedup(
     prefill is a quarter of ar's time on the embedded pair. Otherwise the steady state L x c_B(1) / (E[c_B(w_max)] +
     B x d) (no prefill).
     """
-    flags = FED_MASK if family == "tree" else 0
+    pricer = Pricer(curves)
 
-    def cost(n: float) -> float:
-        return target_cost(curves, n, past, batch, flags)
+    def verify_at(n: float) -> float:
+        return pricer.verify_cost(n, past, batch, family)
 
     widths = params.get("widths")
-    verify = sum(p * cost(w) for w, p in widest_of(widths, batch).items()) if widths else cost(params["n"])
-    prefill = curves.batched_prefill(l_max, batch) if gen_length and l_max and "iters" in params else None
+    verify = sum(p * verify_at(w) for w, p in widest_of(widths, batch).items()) if widths else verify_at(params["n"])
+    prefill = pricer.prefill(l_max, batch) if gen_length and l_max and "iters" in params else None
     if prefill is None or gen_length is None or l_max is None:
-        return params["L"] * cost(1) / (verify + batch * params["d"])
+        return pricer.iteration_speedup(params["L"], verify, params["d"], past, batch)
     iters, samples = params["iters"], params["samples"]
-    draft_prefill = 0.0
-    if params.get("has_draft") and "draft" in curves.roles():
-        draft_prefill = curves.cost("draft", l_max, 0)
+    draft_prefill = pricer.draft_prefill(l_max, bool(params.get("has_draft")))
     decode = max(iters - samples, 1.0)
     d_dec = max(0.0, params["d"] * iters - samples * draft_prefill) / decode
-    ar = prefill + (gen_length - 1) * cost(1)
+    ar = prefill + (gen_length - 1) * pricer.target_cost(1, past, batch)
     spec = prefill + batch * draft_prefill + (gen_length - 1) / params["L_dec"] * (verify + batch * d_dec)
     return ar / spec
 

@@ -11,10 +11,19 @@ target's, and what the two allow. Here each term is measured, per cell at B = 1 
   mean decode forward (one token, the same target, the same prompts), Leviathan et al. 2023's ``c``;
 - **what they allow**: ``S_forwards = tau * t_AR / ((F_target + F_draft) / I)``, the speedup if nothing but the decode
   forwards cost time: ``tau`` committed tokens per verification (the measured tokens per iteration), ``F_*`` the decode
-  forward seconds (prefill apart) and ``I`` the verifications. For a chain (``family: chain``) also Leviathan et al.
-  2023, eq. 1 and its walltime improvement (Section 3.4): ``S_chain = (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1))``
-  with ``alpha`` the measured acceptance rate and ``K`` the longest drafted chain (the decoder's K). It is the speedup a chain of K
-  i.i.d. acceptances at rate alpha allows; ``S_forwards`` uses the measured tokens per iteration instead.
+  forward seconds (prefill apart) and ``I`` the verifications;
+- **what the pricing model allows** (issue 68 item 1): ``attainable_speedup``, the one pricing model
+  (:class:`~dtbench.reports.pricing.Pricer`) over the cell's own measured forwards
+  (:class:`~dtbench.reports.pricing.MeasuredCosts`): ``tau * t_AR / (t_verify + D)`` with ``t_verify`` the cell's
+  mean verification forward (its K + 1 or tree tokens) priced once per iteration and ``D`` its draft decode seconds
+  per iteration (a chain: K drafted tokens at the measured seconds per drafted token). Where the decoder runs one
+  verification per iteration it equals ``S_forwards``; the gap is forwards beyond the model's (re-forwards,
+  catch-ups);
+- for a chain (``family: chain``) also **Leviathan et al. 2023's bound** (eq. 1 and its walltime improvement, Section
+  3.4), ``leviathan_bound = (1 - alpha^(K+1)) / ((1 - alpha) (K c + 1))`` with ``alpha`` the measured acceptance rate,
+  ``K`` the longest drafted chain and ``c`` the draft forward over AR's: the same Pricer with a verification priced as
+  one AR forward and K i.i.d. acceptances, which overstates a chain whose K + 1-token verification costs more than
+  one AR forward (it is labelled as that paper's bound, not as what the cell allows).
 
 Beside the measured speedup, the gap is the loop's overhead and the prefills'. Cells stored before the prefill seconds
 were recorded (``forward_s.target_prefill``), served cells and batches (B > 1: the batch shares its forwards) get
@@ -31,7 +40,7 @@ import pandas as pd
 from sqlalchemy.orm import Session
 
 from dtbench.reports import loading
-from dtbench.reports.pricing import expected_tokens
+from dtbench.reports.pricing import MeasuredCosts, Pricer, leviathan_bound
 from dtbench.reports.stats import baseline_values
 
 # the columns :func:`explain` adds to a summary (CSV and JSON carry them; NaN where a cell has no explanation)
@@ -44,7 +53,8 @@ COLUMNS = [
     "draft_forward_ms",
     "draft_target_cost",
     "forwards_allow_speedup",
-    "chain_allows_speedup",
+    "attainable_speedup",
+    "leviathan_bound",
 ]
 _SUMS = ("wall_s", "target_s", "target_prefill_s", "draft_s", "draft_prefill_s", "target_n", "draft_n", "iterations")
 
@@ -122,17 +132,30 @@ def explain(table: pd.DataFrame, sums: dict[int, dict[str, float] | None]) -> pd
         per_iteration = (s["target_s"] - s["target_prefill_s"] + draft_decode) / s["iterations"]
         tau = s["committed"] / s["iterations"]
         table.loc[at, "forwards_allow_speedup"] = _div(tau * ar_s, per_iteration)
-        if table["family"].iloc[i] == "chain" and s["drafted"] > 0:
-            table.loc[at, "chain_allows_speedup"] = chain_speedup(s["accepted"] / s["drafted"], int(s["k"]), c)
+        for col, value in attainable(table["family"].iloc[i], s, tau, ar_s, c).items():
+            table.loc[at, col] = value
     return table
 
 
-def chain_speedup(alpha: float, k: int, c: float) -> float:
-    """Leviathan et al. 2023 (eq. 1 and Section 3.4): the walltime improvement of a chain of ``k`` drafts accepted
-    i.i.d. at rate ``alpha`` (0..1) with a draft forward costing ``c`` target forwards, E(k) / (k c + 1), where E(k) =
-    (1 - alpha^(k+1)) / (1 - alpha) is the one expected committed length of the pricing model
-    (:func:`dtbench.reports.pricing.expected_tokens` with every position accepted at ``alpha``)."""
-    return expected_tokens([alpha] * k, k) / (k * c + 1)
+def attainable(family: str, s: dict[str, float], tau: float, ar_s: float, c: float) -> dict[str, float]:
+    """``attainable_speedup`` and, for a chain, ``leviathan_bound`` (module docstring) of one cell's :func:`cell_sums`
+    ``s``, ``tau`` its committed tokens per verification, ``ar_s`` AR's mean decode forward (seconds) and ``c`` its
+    draft forward over AR's; both priced by the one :class:`~dtbench.reports.pricing.Pricer` on the cell's
+    :class:`~dtbench.reports.pricing.MeasuredCosts`. {} for a family that is neither chain nor tree, or without a
+    verification forward."""
+    if family not in ("chain", "tree") or not s["target_n"]:
+        return {}
+    verify = (s["target_s"] - s["target_prefill_s"]) / s["target_n"]
+    draft_per_iteration = (s["draft_s"] - s["draft_prefill_s"]) / s["iterations"]
+    if family == "tree":
+        priced = Pricer(MeasuredCosts(ar_s, verify))
+        return {"attainable_speedup": priced.iteration_speedup(tau, verify, draft_per_iteration, None)}
+    k_mean = s["drafted"] / s["iterations"]
+    per_token = draft_per_iteration / k_mean if k_mean else 0.0
+    out = {"attainable_speedup": Pricer(MeasuredCosts(ar_s, verify, per_token)).chain_speedup(tau, k_mean, None)}
+    if s["drafted"] > 0:
+        out["leviathan_bound"] = leviathan_bound(s["accepted"] / s["drafted"], int(s["k"]), c)
+    return out
 
 
 def _div(a: float, b: float) -> float:
@@ -158,9 +181,16 @@ def note(row: pd.Series) -> list[str]:
         cost = row.get("draft_target_cost")
         if cost is not None and not pd.isna(cost) and cost > 0:
             parts.append(f"a draft forward costs {cost:.2f} of AR's")
-        chain = row.get("chain_allows_speedup")
-        chain_text = f"; chain formula {chain:.2f}x" if chain is not None and not pd.isna(chain) else ""
-        parts.append(f"its decode forwards and acceptance allow {allow:.2f}x{chain_text}")
+        parts.append(f"its decode forwards and acceptance allow {allow:.2f}x")
+        priced = row.get("attainable_speedup")
+        if priced is not None and not pd.isna(priced):
+            bound = row.get("leviathan_bound")
+            bound_text = (
+                f" (Leviathan et al.'s bound, a verification priced as one AR forward: {bound:.2f}x)"
+                if bound is not None and not pd.isna(bound)
+                else ""
+            )
+            parts.append(f"priced per forward {priced:.2f}x{bound_text}")
         measured = row.get("speedup")
         if measured is not None and not pd.isna(measured):
             parts.append(f"measured {measured:.2f}x")

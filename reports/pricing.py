@@ -2,9 +2,16 @@
 curves — a sample's forwards (plus iterations x loop overhead), the target's cost of n tokens at batch size B, the
 chain speedup S(K) at B, the best K at B, the tree budget at B. The cost model (``--cost-model``), ``--predict-on``,
 the batch table and its replay, the schedules and ``n_max: auto`` (:func:`dtbench.harness.curves.tree_budget`, the
-budget rule, where harness code can import it) are views of it.
+budget rule, where harness code can import it) are views of it, and so is the explanation of a measured cell
+(``reports/explain.py``: the Pricer over the cell's own measured forwards, :class:`MeasuredCosts`).
 
-S(K) at B (Leviathan et al. 2023, the walltime improvement of a chain of K drafts, at batch size B):
+One speedup formula (:meth:`Pricer.iteration_speedup`; issue 68 item 1): an iteration committing L tokens per row,
+with a verification forward of V seconds and D drafting seconds per row, allows
+
+    S = L x c_B(1) / (V + B x D)
+
+and every speedup in reports/ and gpucheck/ is that, or a whole-cell ratio of costs read through the Pricer. S(K) at
+B (Leviathan et al. 2023, the walltime improvement of a chain of K drafts, at batch size B) is its chain case:
 
     S(K) = E(K) x c_B(1) / (c_B(K + 1) + B x K x d),  E(K) = 1 + sum_{j<=K} prod_{i<=j} p_i
 
@@ -89,13 +96,14 @@ class Pricer:
     """The one pricing model (module docstring; issue 58 item 1): forwards priced on ``curves``.
 
     Attributes:
-        curves: the calibration (:class:`~dtbench.harness.curves.Curves`, seconds per forward).
+        curves: the calibration (:class:`~dtbench.harness.curves.Curves`, seconds per forward), or one cell's
+            measured means (:class:`MeasuredCosts`, the explanation's).
         overhead: loop overhead per iteration in seconds, per decoder name (a mapping, ``"*"`` for any other) or a
             function of the decoder name (:meth:`~dtbench.harness.curves_file.PortableCurves.overhead`); None: none
             (forwards only).
     """
 
-    curves: Curves
+    curves: Curves | MeasuredCosts
     overhead: Mapping[str, float] | Callable[[str], float | None] | None = None
 
     def loop_overhead(self, decoder: str | None) -> float:
@@ -108,12 +116,12 @@ class Pricer:
             got = self.overhead.get(decoder, self.overhead.get("*"))
         return float(got or 0.0)
 
-    def target_cost(self, n: int, past: int | None, batch: int = 1, flags: int = 0) -> float:
+    def target_cost(self, n: float, past: int | None, batch: int = 1, flags: int = 0) -> float:
         """Seconds of one target forward of n tokens per row at batch size B
         (:func:`~dtbench.harness.curves.target_cost`: the one ``batched_cost if batch > 1 else cost``)."""
         return target_cost(self.curves, n, past, batch, flags)
 
-    def verify_cost(self, n: int, past: int | None, batch: int, family: str) -> float:
+    def verify_cost(self, n: float, past: int | None, batch: int, family: str) -> float:
         """One verification forward of n tokens per row at B: the tree mask for a tree decoder at B = 1, else
         causal (B > 1: the batched curves)."""
         return self.target_cost(n, past, batch, FED_MASK if family == "tree" else 0)
@@ -163,13 +171,45 @@ class Pricer:
         """S(K) at batch size ``batch`` for K = 1 .. len(p) (at most ``k_max``), the one chain speedup (module
         docstring): ``draft_token_s`` the seconds of one drafted token per row (None: :meth:`draft_step`), the
         target on a cache of ``past``. {} without p."""
-        d = self.draft_step(past) if draft_token_s is None else draft_token_s
-        ar = self.target_cost(1, past, batch, 0)
         top = len(p) if k_max is None else min(len(p), k_max)
-        return {
-            k: expected_tokens(p, k) * ar / (self.target_cost(k + 1, past, batch, 0) + batch * k * d)
-            for k in range(1, top + 1)
-        }
+        return {k: self.chain_speedup(expected_tokens(p, k), k, past, batch, draft_token_s) for k in range(1, top + 1)}
+
+    def chain_speedup(
+        self, tokens: float, k: float, past: int | None, batch: int = 1, draft_token_s: float | None = None
+    ) -> float:
+        """S of a chain committing ``tokens`` per iteration with ``k`` drafted tokens per row (a mean is fine): one
+        causal verification of k + 1 tokens per row and k drafted tokens at ``draft_token_s`` seconds each (None:
+        :meth:`draft_step`), :meth:`iteration_speedup`. :meth:`chain_speedups` calls it with E(K)."""
+        d = self.draft_step(past) if draft_token_s is None else draft_token_s
+        return self.iteration_speedup(tokens, self.target_cost(k + 1, past, batch, 0), k * d, past, batch)
+
+    def iteration_speedup(
+        self, tokens: float, verify_s: float, draft_s: float, past: int | None, batch: int = 1
+    ) -> float:
+        """The one speedup formula of every prediction (module docstring): ``tokens`` committed per row and
+        iteration x c_B(1) / (``verify_s`` + B x ``draft_s``), with ``verify_s`` the seconds of the iteration's
+        verification forward (all B rows) and ``draft_s`` the drafting seconds per row and iteration; the target on
+        a cache of ``past``. NaN when the iteration costs nothing."""
+        spent = verify_s + batch * draft_s
+        return tokens * self.target_cost(1, past, batch, 0) / spent if spent > 0 else float("nan")
+
+    def draft_prefill(self, l_max: int, has_draft: bool = True) -> float:
+        """Seconds of one draft prefill of ``l_max`` prompt tokens: 0 without a draft model (``has_draft`` False)
+        or without a draft in the calibration (the one guard of every prediction)."""
+        return self.curves.cost("draft", l_max, 0) if has_draft and "draft" in self.curves.roles() else 0.0
+
+    def prefill(self, l_max: int, batch: int = 1) -> float | None:
+        """Seconds of the target's prefill of ``batch`` prompts of ``l_max`` tokens (None where not calibrated:
+        :meth:`~dtbench.harness.curves.Curves.batched_prefill`)."""
+        return self.curves.batched_prefill(l_max, batch)
+
+    def forward_cost(self, role: str, n: int, past: int | None, flags: int = 0) -> float:
+        """Seconds of one forward of ``role`` ("target" or "draft") feeding ``n`` tokens after ``past`` cached
+        positions with mask ``flags`` (:meth:`~dtbench.harness.curves.Curves.cost`).
+
+        Raises:
+            KeyError: the calibration has no such role."""
+        return self.curves.cost(role, n, past, flags)
 
     def best_k(
         self,
@@ -187,7 +227,12 @@ class Pricer:
         return best, speed[best]
 
     def budget(self, past: int, batch: int = 1, factor: float = DEFAULT_FACTOR, ceiling: int | None = None) -> int:
-        """The tree budget at B: :func:`dtbench.harness.curves.tree_budget` (the rule of ``n_max: auto``)."""
+        """The tree budget at B: :func:`dtbench.harness.curves.tree_budget` (the rule of ``n_max: auto``).
+
+        Raises:
+            TypeError: the Pricer prices a cell's measured means (:class:`MeasuredCosts`), not calibration curves."""
+        if isinstance(self.curves, MeasuredCosts):
+            raise TypeError("a tree budget needs calibration curves, not one cell's measured means")
         return tree_budget(self.curves, past, batch, factor, ceiling)
 
     def budget_speedups(self, states: list[dict | None], head_s: float, past: int) -> dict[int, float]:
@@ -210,9 +255,54 @@ class Pricer:
         budget = max((int((state or {}).get("drafted_nodes") or 0) for state in states), default=0)
         if not iterations or not budget:
             return {}
-        ar = self.target_cost(1, past, 1, 0)
         out, accepted = {}, 0
         for n in range(2, budget + 2):
             accepted += needing.get(n - 1, 0)
-            out[n] = ar * (1 + accepted / iterations) / (head_s + self.target_cost(n, past, 1, FED_MASK))
+            verify = self.verify_cost(n, past, 1, "tree")
+            out[n] = self.iteration_speedup(1 + accepted / iterations, verify, head_s, past)
         return out
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """One cell's own measured per-forward seconds served as curves (issue 68 item 1), so that the explanation of
+    a measured cell is priced by the same :class:`Pricer` as every prediction: a target forward of one token costs
+    ``ar_s`` (the reference ``ar`` cell's mean decode forward), any wider target forward ``verify_s`` (the cell's
+    own mean decode forward: its verification of K + 1 or tree tokens), a draft forward ``draft_s`` (the cell's
+    mean draft decode forward; 0 without a draft). Seconds; cache length and mask flags do not apply (the means
+    are over the cell's own)."""
+
+    ar_s: float
+    verify_s: float
+    draft_s: float = 0.0
+
+    def roles(self) -> set[str]:
+        """The roles priced: the target, and the draft where one ran."""
+        return {"target", "draft"} if self.draft_s > 0 else {"target"}
+
+    def cost(self, role: str, n: float, past: int | None, flags: int = 0) -> float:
+        """Seconds of one forward of ``role`` feeding ``n`` tokens (the measured means above)."""
+        if role == "draft":
+            return self.draft_s
+        return self.ar_s if n <= 1 else self.verify_s
+
+    def batched_cost(self, n: float, past: int | None, rows: int, role: str = "target") -> float:
+        """Not measured: a cell's means are at its own batch size.
+
+        Raises:
+            KeyError: always (the explanation prices B = 1 cells only)."""
+        raise KeyError("a cell's measured costs are at B = 1")
+
+    def batched_prefill(self, n: int, rows: int, role: str = "target") -> float | None:
+        """None: the explanation leaves the prefill apart."""
+        return None
+
+
+def leviathan_bound(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al. 2023 (eq. 1 and Section 3.4): the walltime improvement of a chain of ``k`` drafts accepted
+    i.i.d. at rate ``alpha`` (0..1) with a draft forward costing ``c`` target forwards, E(k) / (k c + 1), where E(k) =
+    (1 - alpha^(k+1)) / (1 - alpha) is the one expected committed length of the pricing model
+    (:func:`expected_tokens` with every position accepted at ``alpha``), priced by the one
+    :class:`Pricer` with a verification of k + 1 tokens costing one AR forward (the paper's
+    assumption: that is why it bounds a chain whose verification costs more)."""
+    return Pricer(MeasuredCosts(1.0, 1.0, c)).chain_speedup(expected_tokens([alpha] * k, k), k, None)

@@ -203,3 +203,51 @@ def test_repeated_forward_timing_is_one_session_of_the_forward_timer():
     assert found == {"harness/forwards.py", "gpucheck/timing.py"}
     assert timed_in_loops("def f(timer, g):\n    return [timer.time(g) for _ in range(3)]\n") == [2]
     assert timed_in_loops("import time\nwhile True:\n    time.time()\n") == []
+
+
+# reading a calibration's costs, or an expected committed length, is the Pricer's (issue 68 item 1): a module of
+# reports/ or gpucheck/ that calls one of these itself re-derives a cost or a speedup beside the one pricing model
+PRICING = "reports/pricing.py"
+COST_CALLS = {"cost", "batched_cost", "batched_prefill", "target_cost", "expected_tokens", "tree_budget"}
+
+
+def cost_calls(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every call in ``source`` of a function or method named in :data:`COST_CALLS` that is not a
+    Pricer's method (``pricer.target_cost`` / ``Pricer(c).target_cost`` are the one model; ``curves.cost`` is not)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in COST_CALLS:
+            out.append((node.lineno, func.id))
+        elif isinstance(func, ast.Attribute) and func.attr in COST_CALLS:
+            owner = func.value
+            pricer = (isinstance(owner, ast.Name) and "pricer" in owner.id.lower()) or (
+                isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "Pricer"
+            )
+            if not pricer:
+                out.append((node.lineno, func.attr))
+    return out
+
+
+def test_every_cost_and_speedup_is_priced_by_the_one_pricer():
+    """Issue 68 item 1: no module of reports/ or gpucheck/ but the pricing model reads a calibration's cost or
+    computes E(K) itself; each goes through :class:`dtbench.reports.pricing.Pricer`."""
+    found = {}
+    for folder in ("reports", "gpucheck"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel != PRICING and (calls := cost_calls(path.read_text(encoding="utf-8"))):
+                found[rel] = calls
+    assert found == {}
+
+
+def test_the_cost_rule_finds_a_re_derived_formula():
+    """The rule above is not vacuous: a chain speedup written out beside the Pricer is found, a Pricer's is not."""
+    written = (
+        "def s(curves, k, d):\n    return curves.cost('target', 1, 0) / (curves.cost('target', k + 1, 0) + k * d)\n"
+    )
+    assert cost_calls(written) == [(2, "cost"), (2, "cost")]
+    assert cost_calls("def s(c, k):\n    return Pricer(c).target_cost(1, 0) + pricer.verify_cost(k, 0, 1, 'x')\n") == []
+    assert cost_calls("from x import expected_tokens\ne = expected_tokens([0.5], 1)\n") == [(2, "expected_tokens")]

@@ -16,6 +16,7 @@ from dtbench.harness.conformance import PRECISIONS, pair
 from dtbench.harness.metrics import sample_row
 from dtbench.harness.testkit import FLAT
 from dtbench.reports import explain
+from dtbench.reports.pricing import MeasuredCosts, Pricer
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -111,7 +112,15 @@ def test_a_chain_cells_time_split_cost_and_allowed_speedup_by_hand(monkeypatch):
     tau = (T - 1) / iterations  # committed tokens per verification, the prefill's token apart
     assert lin["forwards_allow_speedup"] == pytest.approx(tau * 0.1 / ((0.1 * n_target + 0.02 * n_draft) / iterations))
     alpha, k = accepted / drafted, max(st["drafted"])  # K: the longest chain drafted
-    assert lin["chain_allows_speedup"] == pytest.approx((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.2 + 1)))
+    assert lin["leviathan_bound"] == pytest.approx((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.2 + 1)))
+    # the pricing model on the cell's own forwards: one verification of K + 1 tokens per iteration at its measured
+    # 100 ms, the drafted tokens at their measured seconds (the same Pricer as every prediction)
+    draft_per_iteration = 0.02 * n_draft / iterations
+    assert lin["attainable_speedup"] == pytest.approx(tau * 0.1 / (0.1 + draft_per_iteration))
+    priced = Pricer(MeasuredCosts(0.1, 0.1, draft_per_iteration / (drafted / iterations)))
+    assert lin["attainable_speedup"] == pytest.approx(priced.chain_speedup(tau, drafted / iterations, None))
+    if n_target == iterations:  # one verification per iteration: the model is what was measured
+        assert lin["attainable_speedup"] == pytest.approx(lin["forwards_allow_speedup"])
     assert all(math.isnan(why.loc["ar", c]) for c in ("time_target_share", "forwards_allow_speedup"))
     (line,) = explain.note(lin.rename(None).to_frame().T.assign(label="linear").iloc[0])
     assert line.startswith(f"linear: time in target forwards {lin['time_target_share']:.0%}, draft ")
@@ -122,8 +131,8 @@ def test_a_chain_cells_time_split_cost_and_allowed_speedup_by_hand(monkeypatch):
 def test_the_chain_formula_by_hand():
     """Leviathan et al. 2023, eq. 1 / Section 3.4: alpha = 0.8, K = 4, c = 0.05 -> (1 - 0.8^5) / (0.2 * 1.2);
     alpha = 1: (K + 1) / (K c + 1)."""
-    assert explain.chain_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
-    assert explain.chain_speedup(1.0, 4, 0.05) == pytest.approx(5 / 1.2)
+    assert explain.leviathan_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+    assert explain.leviathan_bound(1.0, 4, 0.05) == pytest.approx(5 / 1.2)
 
 
 def test_cells_stored_before_the_prefill_split_get_no_explanation():

@@ -173,6 +173,9 @@ class _Linear:
         scale = 1.0 if role == "target" else 0.1
         return scale * (0.01 + 0.0001 * n)
 
+    def roles(self):
+        return {"target", "draft"}
+
 
 def test_predict_by_hand():
     row = gpucheck.PAPER[0]  # linear K = 8 on WikiText-2: 220 iterations
