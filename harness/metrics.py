@@ -9,7 +9,9 @@ Definitions (docs/measurement.md):
 
 - throughput = T / total wall time (tokens/s, prefill included); TTFT = time to the first committed token;
   TPOT = (total - TTFT) / (T - 1), seconds.
-- iterations = target verifications (the prefill is the first); tokens per iteration L = T / iterations. A server's
+- iterations = target verifications (the prefill is the first); tokens per iteration L = T / iterations (the
+  DynaTree paper's L-bar, Table 3); acceptance_length tau = (T - 1) / (iterations - 1), the field's mean accepted
+  length (Spec-Bench's #MAT), pooled over a cell's samples (:func:`acceptance_length`). A server's
   request (:class:`~Served`): its network reads that brought tokens, and its counters are the server's own totals.
 - acceptance_rate = committed drafted tokens / drafted depth, summed over iterations (accepted / K for linear
   speculation; for trees the committed path length before the bonus over the drafted tree's depth); at most 1.
@@ -72,6 +74,29 @@ def _energy_ratio(row: Mapping[str, Any], per_token: bool) -> float | None:
     if e is None or n is None or (isinstance(e, float) and math.isnan(e)) or e <= 0 or not n:
         return None
     return float(e / n if per_token else n / e)
+
+
+def acceptance_length(tokens: float, iterations: float, samples: float = 1) -> float:
+    """tau, the field's mean accepted length (Spec-Bench's #MAT, EAGLE's tau; issue 68 item 3): tokens committed per
+    drafting iteration, the bonus token included, the prefill's iteration and its one token left out:
+    (tokens - samples) / (iterations - samples) for ``samples`` samples of ``tokens`` committed tokens and
+    ``iterations`` target verifications in all (each sample's first iteration is its prefill). Pooled over a cell's
+    samples, as Spec-Bench pools its steps. Tokens; NaN without an iteration after the prefill.
+
+    The one definition: the summary's ``acceptance_length``, the explanation's tau, ``--spec-bench``'s #MAT and the
+    batch cost model's L_dec call it. ``tokens_per_iteration`` (T / iterations, the prefill's iteration counted) is
+    the DynaTree paper's L-bar (Table 3), kept under that name for the paper tables."""
+    decode = float(iterations) - float(samples)
+    return (float(tokens) - float(samples)) / decode if decode > 0 else math.nan
+
+
+def _sample_acceptance_length(row: Mapping[str, Any]) -> float | None:
+    """A samples row's :func:`acceptance_length` (None without its counts or an iteration after the prefill)."""
+    t, i = row.get("new_tokens"), row.get("iterations")
+    if t is None or i is None or is_missing(t) or is_missing(i):
+        return None
+    got = acceptance_length(t, i)
+    return None if math.isnan(got) else got
 
 
 @dataclass(frozen=True)
@@ -198,6 +223,16 @@ METRICS: list[Metric] = [
         higher_is_better=True,
         aliases=("L",),
         source="T / iterations",
+    ),
+    Metric(
+        "acceptance_length",
+        _sample_acceptance_length,
+        None,
+        "tokens",
+        higher_is_better=True,
+        aliases=("tau", "mat"),
+        source="(T - 1) / (iterations - 1): committed tokens per drafting iteration, the prefill's left out (the "
+        "field's mean accepted length; acceptance_length())",
     ),
     Metric(
         "mean_path_length",

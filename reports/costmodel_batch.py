@@ -8,6 +8,7 @@ import pandas as pd
 
 from dtbench.harness.curves import DEFAULT_FACTOR
 from dtbench.harness.grouping import CellKey, PointKey
+from dtbench.harness.metrics import acceptance_length
 from dtbench.reports import loading
 from dtbench.reports.batch_replay import replay_speedup, row_traces
 from dtbench.reports.pricing import Pricer, position_acceptance
@@ -97,7 +98,7 @@ def b1_parameters(rows: pd.DataFrame) -> dict | None:
         "iters": iters,
         "samples": samples,
         "has_draft": draft_s > 0,
-        "L_dec": (float(basis["new_tokens"].sum()) - samples) / decode if decode > 0 else 1.0,
+        "L_dec": acceptance_length(float(basis["new_tokens"].sum()), iters, samples) if decode > 0 else 1.0,
         "L": float(basis["new_tokens"].sum()) / iters,
         "n": 1.0 + drafted / iters,
         "d": draft_s / iters,

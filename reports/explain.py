@@ -10,7 +10,7 @@ target's, and what the two allow. Here each term is measured, per cell at B = 1 
 - the **cost per forward**: ``c = t_draft / t_AR``, the draft's mean decode forward over the reference ``ar`` cell's
   mean decode forward (one token, the same target, the same prompts), Leviathan et al. 2023's ``c``;
 - **what they allow**: ``S_forwards = tau * t_AR / ((F_target + F_draft) / I)``, the speedup if nothing but the decode
-  forwards cost time: ``tau`` committed tokens per verification (the measured tokens per iteration), ``F_*`` the decode
+  forwards cost time: ``tau`` committed tokens per verification, the prefill's apart (:func:`~dtbench.harness.metrics.acceptance_length`), ``F_*`` the decode
   forward seconds (prefill apart) and ``I`` the verifications;
 - **what the pricing model allows** (issue 68 item 1): ``attainable_speedup``, the one pricing model
   (:class:`~dtbench.reports.pricing.Pricer`) over the cell's own measured forwards
@@ -39,6 +39,7 @@ from typing import Any
 import pandas as pd
 from sqlalchemy.orm import Session
 
+from dtbench.harness.metrics import acceptance_length
 from dtbench.reports import loading
 from dtbench.reports.pricing import MeasuredCosts, Pricer, leviathan_bound
 from dtbench.reports.stats import baseline_values
@@ -65,7 +66,7 @@ def cell_sums(samples: Iterable[tuple[float, dict[str, Any] | None]]) -> dict[st
     that did not start from an empty cache, from ``step_stats.target_fed``/``draft_fed``); verifications (Steps
     after the first, the prefill's token); drafted and accepted tokens; committed tokens after the prefill's.
     None when a sample lacks the forward seconds or their prefill split (stored before issue 58)."""
-    out = dict.fromkeys((*_SUMS, "drafted", "accepted", "committed", "k"), 0.0)
+    out = dict.fromkeys((*_SUMS, "drafted", "accepted", "committed", "k", "samples"), 0.0)
     n = 0
     for total_s, stats in samples:
         st = stats or {}
@@ -73,6 +74,7 @@ def cell_sums(samples: Iterable[tuple[float, dict[str, Any] | None]]) -> dict[st
         if fs.get("target") is None or "target_prefill" not in fs or not st.get("accepted"):
             return None
         n += 1
+        out["samples"] += 1
         out["wall_s"] += float(total_s)
         for role in ("target", "draft"):
             out[f"{role}_s"] += float(fs.get(role) or 0.0)
@@ -130,7 +132,8 @@ def explain(table: pd.DataFrame, sums: dict[int, dict[str, float] | None]) -> pd
         c = table.loc[at, "draft_forward_ms"] / 1e3 / ar_s if s["draft_n"] else 0.0
         table.loc[at, "draft_target_cost"] = c
         per_iteration = (s["target_s"] - s["target_prefill_s"] + draft_decode) / s["iterations"]
-        tau = s["committed"] / s["iterations"]
+        # the one acceptance length (committed tokens per drafting iteration, the prefill's left out)
+        tau = acceptance_length(s["committed"] + s["samples"], s["iterations"] + s["samples"], s["samples"])
         table.loc[at, "forwards_allow_speedup"] = _div(tau * ar_s, per_iteration)
         for col, value in attainable(table["family"].iloc[i], s, tau, ar_s, c).items():
             table.loc[at, col] = value

@@ -26,7 +26,7 @@ import math
 import pandas as pd
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING
+from dtbench.harness.metrics import BASELINE, GROUP, MISSING, acceptance_length
 from dtbench.harness.questions import GROUPS
 from dtbench.reports import loading
 from dtbench.reports.render import NOT_LOSSLESS_MARK
@@ -147,9 +147,11 @@ def vllm_metrics(samples: pd.DataFrame) -> dict:
 
 
 def mean_accepted_tokens(samples: pd.DataFrame) -> float:
-    """#MAT: the mean of the tokens committed per verification step (bonus included), the prefill's token left out."""
-    steps = [n for tokens in samples["step_tokens"] for n in tokens[1:]]
-    return sum(steps) / len(steps) if steps else math.nan
+    """#MAT: the mean of the tokens committed per verification step (bonus included), the prefill's step left out,
+    pooled over the samples' ``step_tokens``: the one :func:`~dtbench.harness.metrics.acceptance_length`."""
+    committed = [tokens for tokens in samples["step_tokens"] if tokens]
+    n = len(committed)  # each sample's first step is its prefill's (one token, whatever it stored)
+    return acceptance_length(sum(sum(t[1:]) for t in committed) + n, sum(len(t) for t in committed), n)
 
 
 def leaderboard(samples: pd.DataFrame) -> pd.DataFrame:

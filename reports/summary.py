@@ -28,7 +28,7 @@ from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.grouping import CellKey
 from dtbench.harness.load import COLUMNS as LOAD_COLUMNS
-from dtbench.harness.metrics import METRICS, peak_memory_bytes
+from dtbench.harness.metrics import METRICS, acceptance_length, peak_memory_bytes
 from dtbench.harness.sample import SCALAR_COLUMNS
 from dtbench.harness.store.db import Run, Sample
 from dtbench.reports import explain, loading
@@ -129,6 +129,13 @@ def _aggregates(basis: pd.DataFrame) -> dict[str, float]:
         mean = values.mean() if len(values) else float("nan")
         if m.name == "throughput":
             mean = cell_throughput(basis.to_dict("records"))
+        if m.name == "acceptance_length":  # pooled over the samples, as Spec-Bench pools its steps
+            counted = basis[basis["new_tokens"].notna() & basis["iterations"].notna()] if len(basis) else basis
+            mean = (
+                acceptance_length(counted["new_tokens"].sum(), counted["iterations"].sum(), len(counted))
+                if len(counted)
+                else float("nan")
+            )
         if m.spread:
             out[f"{m.name}_mean"], out[f"{m.name}_std"] = mean, values.std(ddof=1) if len(values) else float("nan")
         else:
