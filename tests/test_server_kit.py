@@ -246,7 +246,9 @@ def test_real_llama_server_speculation_checked(label):
     commands and its margin (a tie passes, listed)."""
     suite = str(HERE.parent / "suites" / "engine-check-cpu.yaml")
     before = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True).stdout.split()
-    res, wall = check("--suite", suite, label, "--budget", "30", "--examples", "15", "--format", "json")
+    # a budget every check reaches on a busy CI machine (a concurrency example alone took 21 s there beside other
+    # tests): a check the budget never reaches is skipped, and this test asks for each verdict
+    res, wall = check("--suite", suite, label, "--budget", "90", "--examples", "10", "--format", "json")
     doc = json.loads(res.output[res.output.index("{") :])
     by = {o["check"]: o for o in doc["outcomes"]}
     assert list(by) == ["deterministic", "greedy_equals_reference", "concurrency", "length", "stop", "streaming",
@@ -257,7 +259,7 @@ def test_real_llama_server_speculation_checked(label):
     for o in doc["outcomes"]:
         if o["status"] == "failed":
             assert o["counterexample"]["curl"] and o["counterexample"]["prompt_sha256"], o
-    assert res.exit_code == (0 if doc["ok"] else 1) and wall < 30 + 120
+    assert res.exit_code == (0 if doc["ok"] else 1) and wall < 90 + 120
     time.sleep(1)
     after = subprocess.run(["pgrep", "-f", "llama-server"], capture_output=True, text=True).stdout.split()
     assert set(after) <= set(before), "a llama-server was left behind"
