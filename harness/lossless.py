@@ -338,7 +338,7 @@ def sample_columns(
     """The ``samples`` columns the check adds to a greedy lossless decoder's row (the runner's one hook).
 
     Args:
-        model: the target; prompt: the prompt's token ids; row: the row of :func:`~dtbench.harness.metrics.sample_row`
+        model: the target; prompt: the prompt's token ids; row: the row of :func:`~dtbench.harness.observation.sample_row`
             (its ``output_tokens`` and ``first_divergence`` are read).
         reference: the reference's output on the prompt (None: the sample is a reference, or is not compared).
         rule: the suite's ``lossless_check`` (:data:`RULES`).

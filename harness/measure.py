@@ -78,9 +78,9 @@ class Measurement:
         return [r.time_s for r in self.records]
 
     def counted(self) -> dict[str, Any]:
-        """The counter, memory and energy columns (:func:`~dtbench.harness.metrics.measured_columns`): what makes
-        a Measurement a :class:`~dtbench.harness.metrics.Observation`."""
-        from dtbench.harness.metrics import measured_columns
+        """The counter, memory and energy columns (:func:`~dtbench.harness.observation.measured_columns`): what makes
+        a Measurement a :class:`~dtbench.harness.observation.Observation`."""
+        from dtbench.harness.observation import measured_columns
 
         return measured_columns(self)
 

@@ -9,7 +9,7 @@ one measures a cell is what the cell's decoder declares (:attr:`~dtbench.decoder
 guessing from params.
 
 The shared tail (:func:`measure_outcome`, :func:`record_rows`): the one row builder
-(:func:`~dtbench.harness.metrics.sample_row`), the batch columns (a :class:`Batch`, set here only), the measurer's
+(:func:`~dtbench.harness.observation.sample_row`), the batch columns (a :class:`Batch`, set here only), the measurer's
 own columns (:meth:`Measurer.finish`, returned, never written into the row: the local roofline, compile statistics
 and lossless check; a served request's output check came with its observation), the record (:class:`~dtbench.harness.sample.SampleRecord`, JSON-checked) and
 the one-line error that fails a cell (a measurer never fails the run for what a decoder or server does wrong).
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
-from dtbench.harness.metrics import Observation, sample_row
+from dtbench.harness.observation import Observation, sample_row
 from dtbench.harness.sample import Reference, SampleRecord
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Batch:
 
 @dataclass
 class Observed:
-    """What a measurer observed of one row: its :class:`~dtbench.harness.metrics.Observation` (a Measurement's Steps
+    """What a measurer observed of one row: its :class:`~dtbench.harness.observation.Observation` (a Measurement's Steps
     or a Served request), the prompt, the reference's tokens on it (None: not compared), its :class:`Batch` (None:
     unbatched) and the measurer's own columns known at observation time (a served request's output check)."""
 
@@ -160,7 +160,7 @@ def record_rows(
     finish: Callable[[int, Mapping[str, Any]], dict[str, Any]] | None = None,
 ) -> list[SampleRecord]:
     """The ``samples`` rows of a measurement: per row the one row builder
-    (:func:`~dtbench.harness.metrics.sample_row`), its batch columns, the observation's own columns, then the columns
+    (:func:`~dtbench.harness.observation.sample_row`), its batch columns, the observation's own columns, then the columns
     ``finish(r, row)`` returns (a measurer's :meth:`Measurer.finish`, given the row read-only), as exactly the
     sample's columns (:class:`~dtbench.harness.sample.SampleRecord`).
 

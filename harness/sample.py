@@ -8,7 +8,7 @@ other shape is derived from it (issue 49 item 5: one shape from the measurement 
 one record per row (:func:`~dtbench.harness.measurers.record_rows`), executors ship it as it is (it pickles), and the
 runner maps it to the ORM once (:meth:`SampleRecord.as_row`, credentials masked); the reports read the columns back
 (:data:`COLUMNS`). Definitions of the metrics:
-:mod:`dtbench.harness.metrics` (:func:`~dtbench.harness.metrics.sample_row` fills the measurement's part).
+:mod:`dtbench.harness.metrics` (:func:`~dtbench.harness.observation.sample_row` fills the measurement's part).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every decoder's samples store, per target verification (a *step*), ``step_stats["accepted"]`` (drafted tokens
 committed before the bonus token: for a tree, the accepted path's length) and ``step_stats["depth"]`` (the drafted
-depth: K for a chain, the tree's depth for a tree) (:func:`dtbench.harness.metrics.sample_row`). A *drafting step*
+depth: K for a chain, the tree's depth for a tree) (:func:`dtbench.harness.observation.sample_row`). A *drafting step*
 has depth > 0; steps that drafted nothing (the prefill, ``ar``) are left out. Position j (1-based) is depth j along
 the accepted path, for chains and trees alike. Over a cell's drafting steps after warmup:
 

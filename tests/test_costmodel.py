@@ -26,8 +26,8 @@ from dtbench.decoders.tree import N_MAX_AUTO_CEILING
 from dtbench.harness import calibrate as cal
 from dtbench.harness import calibrate_run, forwards, machine, measure, registry
 from dtbench.harness import curves as curves_mod
-from dtbench.harness.metrics import sample_row
 from dtbench.harness.models import LoadedModel
+from dtbench.harness.observation import sample_row
 from dtbench.harness.plan import plan_suite
 from dtbench.harness.suitefile import parse_suite
 from dtbench.harness.testkit import VOCAB

@@ -24,7 +24,7 @@ import torch
 
 from dtbench.harness import models, registry
 from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
-from dtbench.harness.metrics import sample_row
+from dtbench.harness.observation import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.suite import ModelSpec
 from dtbench.harness.testkit import HEAD, builtin_settings

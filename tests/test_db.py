@@ -15,7 +15,7 @@ from sqlalchemy.exc import IntegrityError
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.harness.measure import measure
-from dtbench.harness.metrics import sample_row
+from dtbench.harness.observation import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.store import db
 from dtbench.harness.values import first_divergence

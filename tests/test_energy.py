@@ -18,7 +18,8 @@ from sqlalchemy import select
 from dtbench.harness import energy
 from dtbench.harness.energy import COUNTER_RESET, MEASURED, TOO_SHORT, UNAVAILABLE, Counter, EnergyTracker, Meter
 from dtbench.harness.measure import measure
-from dtbench.harness.metrics import BY_NAME, sample_row
+from dtbench.harness.metrics import BY_NAME
+from dtbench.harness.observation import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.runner import run_suite
 from dtbench.harness.store import db

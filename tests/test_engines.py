@@ -10,7 +10,7 @@ from kit import install_plugin, invoke, one_line_error, write_suite
 
 from dtbench.decoders.engines import engine_for, engine_names, load_engine_plugins, schedule_engines
 from dtbench.decoders.server import ServerParams, parse_chunk, request_body
-from dtbench.harness.metrics import Served, sample_row
+from dtbench.harness.observation import Served, sample_row
 from dtbench.harness.prompt import Prompt
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)

@@ -13,7 +13,7 @@ import torch
 from dtbench.decoders import base as decoder_base
 from dtbench.harness import forwards, measure
 from dtbench.harness.conformance import PRECISIONS, pair
-from dtbench.harness.metrics import sample_row
+from dtbench.harness.observation import sample_row
 from dtbench.harness.testkit import FLAT
 from dtbench.reports import explain
 from dtbench.reports.pricing import MeasuredCosts, Pricer

@@ -11,7 +11,7 @@ from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.roles import drafting, forward_role
 from dtbench.harness.forwards import ForwardCounter
 from dtbench.harness.measure import measure
-from dtbench.harness.metrics import measured_columns
+from dtbench.harness.observation import measured_columns
 from dtbench.harness.testkit import tiny_model
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)

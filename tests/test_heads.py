@@ -427,7 +427,7 @@ decoders:
 
 def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve(heads):
     from dtbench.harness.measure import measure
-    from dtbench.harness.metrics import sample_row
+    from dtbench.harness.observation import sample_row
     from dtbench.harness.prompt import Prompt
     from dtbench.reports.costmodel import uses_draft_model
     from dtbench.reports.pricing import price_sample

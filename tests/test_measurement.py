@@ -18,7 +18,7 @@ from models import examples, model_zoo
 
 from dtbench.harness import registry
 from dtbench.harness.measure import ForwardCounter, measure
-from dtbench.harness.metrics import sample_row
+from dtbench.harness.observation import sample_row
 from dtbench.harness.prompt import Prompt
 from dtbench.harness.testkit import HEAD, STORE, builtin_settings, write_eagle, write_medusa
 

@@ -9,8 +9,8 @@ Every network read of a response is timestamped (``time.perf_counter``) when it 
 token's arrival minus its send time, its inter-token latencies (ITL) the gaps between reads that brought tokens, its
 end-to-end latency (E2E) the last token's arrival minus its send time. The engine adapter of ``params.engine``
 (:mod:`dtbench.decoders.engines`) writes each request and reads each event and the server's counters; each request
-becomes a :class:`~dtbench.harness.metrics.Served` observation, and its row is
-:func:`~dtbench.harness.metrics.sample_row`'s, as every decoder's (TPOT, throughput, the output's identity), with the
+becomes a :class:`~dtbench.harness.observation.Served` observation, and its row is
+:func:`~dtbench.harness.observation.sample_row`'s, as every decoder's (TPOT, throughput, the output's identity), with the
 server's record (``step_stats.server``), its block of C prompts and the output check
 (:mod:`~dtbench.harness.serving.check`).
 """
@@ -31,7 +31,7 @@ from dtbench.decoders.engines import Engine, engine_for
 from dtbench.harness.errors import DtbenchError, clip, error_line
 from dtbench.harness.grouping import CellKey
 from dtbench.harness.measurers import Batch, Observed
-from dtbench.harness.metrics import Served
+from dtbench.harness.observation import Served
 from dtbench.harness.serving.check import check_row
 from dtbench.harness.serving.params import ServerParams, auth_headers
 from dtbench.harness.serving.process import ServerError, ServerPool
@@ -339,7 +339,7 @@ def observe_requests(
             ``batch_rows``, ``batch_total_s``); None: rows unpaired by block (C = 1).
 
     Returns:
-        one :class:`~dtbench.harness.measurers.Observed` per prompt: its :class:`~dtbench.harness.metrics.Served`
+        one :class:`~dtbench.harness.measurers.Observed` per prompt: its :class:`~dtbench.harness.observation.Served`
         request, its block and its output check's columns.
 
     Raises:
@@ -454,7 +454,7 @@ def _tokens(unit: _Unit, rec: RequestRecord, prompt: Any, gen_length: int, stop_
 def _served(
     unit: _Unit, rec: RequestRecord, tokens: list[int], spec: dict[str, Any], unit_stats: dict[str, Any]
 ) -> Served:
-    """A request as the row builder's :class:`~dtbench.harness.metrics.Served` observation, with the server's record
+    """A request as the row builder's :class:`~dtbench.harness.observation.Served` observation, with the server's record
     (``step_stats.server``: the engine, the load, the latencies, the counters; ``unit_stats``: the unit's and this
     request's place in it)."""
     params, server = unit.params, unit.server
