@@ -16,9 +16,11 @@ import time
 import torch
 
 from dtbench.decoders.ar import ARParams, Autoregressive
-from dtbench.harness import data, models, selection
-from dtbench.harness.measure import measure
-from dtbench.harness.suite import DatasetSpec, ModelSpec
+from dtbench.harness.data import datasets as data
+from dtbench.harness.data import selection
+from dtbench.harness.measurement.measure import measure
+from dtbench.harness.models import loading as models
+from dtbench.harness.suites.suite import DatasetSpec, ModelSpec
 
 
 def hf_generate(model, ids: list[int], T: int) -> tuple[list[int], float]:

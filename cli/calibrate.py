@@ -1,4 +1,4 @@
-"""``dtbench calibrate``: measure and store a suite's forward-latency curves (harness/calibrate.py does the work)."""
+"""``dtbench calibrate``: measure and store a suite's forward-latency curves (harness/calibration/calibrate.py does the work)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from collections.abc import Iterable
 import click
 from rich.console import Console
 
-from dtbench.harness.bounds import CalibrationSeconds, Checked
-from dtbench.harness.calibrate import Settings, calibrate
-from dtbench.harness.calibrate_run import contexts_of, store
-from dtbench.harness.curves import Curves
+from dtbench.harness.calibration.calibrate import Settings, calibrate
+from dtbench.harness.calibration.calibrate_run import contexts_of, store
+from dtbench.harness.calibration.curves import Curves
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.suites.bounds import CalibrationSeconds, Checked
 
 # --- the command ------------------------------------------------------------------------------------------------
 
@@ -82,15 +82,17 @@ def calibrate_command(
     of a run's models, dtype and device; `calibrate: true` in a suite does the same inside `dtbench run`, on the
     worker that measures the cells (this process with --executor local, the first Ray worker with --executor ray).
     """
-    from dtbench.harness import data, models, selection
-    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.data import datasets as data
+    from dtbench.harness.data import selection
+    from dtbench.harness.models import loading as models
     from dtbench.harness.store import db, engines
-    from dtbench.harness.suitefile import load_suite, suite_hash
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suitefile import load_suite, suite_hash
 
     if max_time < min_time:
         raise DtbenchError(f"--max-time ({max_time:g}) must be at least --min-time ({min_time:g})")
     if export_path:  # tried before the minutes of calibrating, not after them (issue 59 item 8)
-        from dtbench.harness.outpaths import writable_file
+        from dtbench.harness.suites.outpaths import writable_file
 
         writable_file(export_path, "the curves file")
     suite, text = load_suite(suite_path)
@@ -124,8 +126,9 @@ def calibrate_command(
     for line in summary_lines(Curves(points)):
         click.echo(line)
     if export_path:
-        from dtbench.harness import curves_file, machine
-        from dtbench.harness.worker import model_info
+        from dtbench.harness.calibration import curves_file
+        from dtbench.harness.execution.worker import model_info
+        from dtbench.harness.measurement import machine
 
         env = machine.environment(device)
         doc = curves_file.document(

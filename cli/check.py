@@ -1,6 +1,6 @@
 """``dtbench check``: the conformance kit (:mod:`dtbench.testing`, issues 56 and 65) on registered decoders, third-party
 ones from their entry points exactly as built-ins, each decoder in a child process of its own under per-check
-deadlines (:mod:`dtbench.harness.conformance_process`).
+deadlines (:mod:`dtbench.testing.process`).
 
 Prints a table of decoder x check (passed, FAILED, n/a, reported, xfail, XPASS, skipped), then for each failure its
 one-line verdict, the first counterexample the search found (clipped; whole in ``--format json``) and the last lines
@@ -169,7 +169,7 @@ def check_command(names, all_, device, examples, checks, timeout, in_process, fm
         raise DtbenchError(f"--check {bad[0]} is a served engine's check (--server URL); a decoder has: "
                            + ", ".join(CHECK_NAMES))  # fmt: skip
     from dtbench import testing
-    from dtbench.harness.conformance import precisions
+    from dtbench.testing.common import precisions
 
     decoders = _decoders(tuple(names), all_)
     precisions(device)  # bad --device: one line, before anything runs
@@ -223,7 +223,7 @@ def _column(o) -> str:
 
 
 def _print(reports) -> None:
-    from dtbench.reports import output
+    from dtbench.reports.rendering import output
 
     console = output.stdout()
     columns = list(dict.fromkeys(_column(o) for r in reports for o in r.outcomes))

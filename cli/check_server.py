@@ -67,7 +67,7 @@ def _suite_entry(path: str, label: str) -> tuple[Any, Any, Any]:
         DtbenchError: no such entry, or it is not a ``server`` decoder.
     """
     from dtbench.harness.serving.params import ServerParams
-    from dtbench.harness.suitefile import load_suite
+    from dtbench.harness.suites.suitefile import load_suite
 
     suite, _ = load_suite(path)
     servers = [d for d in suite.decoders if d.name == "server"]
@@ -106,8 +106,8 @@ def _engines(o: dict[str, Any], pool: Any) -> _Engines:
     Raises:
         DtbenchError: bad input; ServerError: a launched server that did not start.
     """
-    from dtbench.harness.grouping import CellKey
-    from dtbench.harness.suite import DatasetSpec, ModelSpec
+    from dtbench.harness.suites.grouping import CellKey
+    from dtbench.harness.suites.suite import DatasetSpec, ModelSpec
 
     timeout, margin, C = o["request_timeout"], o["tie_margin"], o["concurrency"]
     if o["suite_path"] is None:
@@ -160,8 +160,8 @@ def run_server_check(o: dict[str, Any]) -> int:
         DtbenchError: bad input (a check that is no server check, a missing suite entry, an unset key variable, a
             tokenizer that cannot be loaded): one line, exit 2.
     """
-    from dtbench.harness.data import load_documents
-    from dtbench.harness.models import load_tokenizer
+    from dtbench.harness.data.datasets import load_documents
+    from dtbench.harness.models.loading import load_tokenizer
     from dtbench.harness.serving.endpoint import Endpoint
     from dtbench.harness.serving.kit import Session, run_checks
     from dtbench.harness.serving.process import ServerError, ServerPool
@@ -241,7 +241,7 @@ def _report(label: str, outcomes: list[Any], engine: Any, reference: Any, o: dic
 def _print(label: str, outcomes: list[Any], engine: Any, reference: Any, budget: float) -> None:
     from rich.table import Table
 
-    from dtbench.reports import output
+    from dtbench.reports.rendering import output
 
     console = output.stdout()
     title = (
@@ -297,7 +297,7 @@ TIES_SHOWN = 10  # ties listed per check in the table format
 
 
 def output_console() -> Any:
-    from dtbench.reports import output
+    from dtbench.reports.rendering import output
 
     return output.stdout()
 

@@ -19,11 +19,11 @@ from rich.table import Table
 from dtbench.cli.db import DB_HELP, db_group
 from dtbench.cli.plugins import ExecutorChoice, plugins_command
 from dtbench.cli.report import report
-from dtbench.harness.bounds import Checked, Seconds
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.metrics import MISSING
+from dtbench.harness.measurement.metrics import MISSING
 from dtbench.harness.safetext import printable
-from dtbench.reports import output
+from dtbench.harness.suites.bounds import Checked, Seconds
+from dtbench.reports.rendering import output
 
 # Exit codes of `dtbench run` (docs/measurement.md "Exit codes"); a report still prints before a non-zero exit.
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT = 0, 1, 2
@@ -50,7 +50,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except DtbenchError as exc:
-            from dtbench.harness.runner import RunFailed, RunInterrupted
+            from dtbench.harness.execution.runner import RunFailed, RunInterrupted
 
             message = printable(clip(exc, 1000))  # a user's string in the message never restyles a terminal
             if isinstance(exc, RunInterrupted):
@@ -210,10 +210,10 @@ def run(
     """
     from sqlalchemy import select
 
-    from dtbench.harness import load
-    from dtbench.harness.runner import make_executor, run_suite
+    from dtbench.harness.execution.runner import make_executor, run_suite
+    from dtbench.harness.measurement import load
     from dtbench.harness.store import db, engines
-    from dtbench.harness.suitefile import load_suite, suite_hash
+    from dtbench.harness.suites.suitefile import load_suite, suite_hash
 
     if skip_failed and not (resume_latest or resume is not None):
         raise DtbenchError("--skip-failed needs --resume or --resume-run (a new run has no failed cells)")
@@ -337,9 +337,9 @@ def run_exit_code(sessions, run_id: int) -> int:
 def validate(suite_path, data_dir) -> None:
     """Check SUITE_PATH without running it: YAML, keys, decoder names and params, datasets."""
     from dtbench.harness import registry
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.preflight import preflight
-    from dtbench.harness.suitefile import load_suite
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.preflight import preflight
+    from dtbench.harness.suites.suitefile import load_suite
 
     suite, _ = load_suite(suite_path)
     plan = plan_suite(suite)
@@ -392,7 +392,7 @@ def _warn_small_samples(suite, console) -> None:
 def list_decoders() -> None:
     """List registered decoders: name, distribution, lossless flag, draft model need and params."""
     from dtbench.harness import registry
-    from dtbench.reports.output import plain
+    from dtbench.reports.rendering.output import plain
 
     table = Table(title="registered decoders (entry-point group dtbench.decoders)")
     for col in ("name", "distribution", "lossless", "draft", "params"):
@@ -442,7 +442,7 @@ from dtbench.cli.doctor import doctor_command  # noqa: E402
 cli.add_command(doctor_command)  # dtbench doctor (make gpu-check)
 from dtbench.cli.check import check_command  # noqa: E402
 
-cli.add_command(check_command)  # dtbench check (cli/check.py; the kit: dtbench/testing.py)
+cli.add_command(check_command)  # dtbench check (cli/check.py; the kit: dtbench/testing/__init__.py)
 from dtbench.cli.scaffold import new_decoder_command  # noqa: E402
 
 cli.add_command(new_decoder_command)  # dtbench new-decoder (cli/scaffold.py)

@@ -29,7 +29,7 @@ class ExecutorChoice(click.Choice):
 
     @property
     def choices(self) -> tuple[str, ...]:
-        from dtbench.harness.executors import REGISTRY
+        from dtbench.harness.execution.executors import REGISTRY
 
         return REGISTRY.names()
 
@@ -41,10 +41,10 @@ class ExecutorChoice(click.Choice):
 def registries() -> list[Registry]:
     """Every registry dtbench reads plugins through, in the order ``dtbench plugins`` lists them."""
     from dtbench.decoders.engines import REGISTRY as ENGINES
-    from dtbench.harness.data import REGISTRY as DATASETS
-    from dtbench.harness.executors import REGISTRY as EXECUTORS
+    from dtbench.harness.data.datasets import REGISTRY as DATASETS
+    from dtbench.harness.execution.executors import REGISTRY as EXECUTORS
     from dtbench.harness.registry import DECODERS
-    from dtbench.reports.output import FORMAT_REGISTRY
+    from dtbench.reports.rendering.output import FORMAT_REGISTRY
 
     return [DECODERS, DATASETS, FORMAT_REGISTRY, ENGINES, EXECUTORS]
 

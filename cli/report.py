@@ -6,12 +6,12 @@ from __future__ import annotations
 import click
 
 from dtbench.cli.db import DB_HELP
-from dtbench.harness.bounds import Checked, OpenProbability
-from dtbench.reports.output import RENDERERS
+from dtbench.harness.suites.bounds import Checked, OpenProbability
+from dtbench.reports.rendering.output import RENDERERS
 
 
 class FormatChoice(click.Choice):
-    """``--format``: the registered renderers (:data:`dtbench.reports.output.RENDERERS`), read when the option is
+    """``--format``: the registered renderers (:data:`dtbench.reports.rendering.output.RENDERERS`), read when the option is
     parsed or its help shown, so a format registered with ``@renderer`` is a choice without touching the CLI."""
 
     def __init__(self) -> None:
@@ -19,7 +19,7 @@ class FormatChoice(click.Choice):
 
     @property
     def choices(self) -> tuple[str, ...]:
-        from dtbench.reports.output import load_format_plugins
+        from dtbench.reports.rendering.output import load_format_plugins
 
         for problem in load_format_plugins():  # third-party formats (entry points `dtbench.formats`), each warned once
             click.echo(f"warning: {problem}", err=True)
@@ -33,7 +33,7 @@ class FormatChoice(click.Choice):
         """A built-in format (the default ``table``, ``json``, ...) loads that renderer only: no plugin is imported
         for a report that asked for none (a plugin importing the plugin API imports torch: seconds a report;
         issue 57). Any other name, a listing and the help load every registered format first."""
-        from dtbench.reports.output import load_builtin_format
+        from dtbench.reports.rendering.output import load_builtin_format
 
         if isinstance(value, str) and load_builtin_format(value):
             return value
@@ -253,7 +253,7 @@ def report(**options) -> None:
 
 
 def _gate_metrics() -> str:
-    from dtbench.harness.metrics import GATEABLE
+    from dtbench.harness.measurement.metrics import GATEABLE
 
     return ", ".join(GATEABLE)
 

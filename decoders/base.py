@@ -47,7 +47,7 @@ class Step:
             pull-based decoder: the runner reads the clock when the Step is yielded). A decoder whose loop is a
             blocking call it does not own (transformers' ``generate`` with a streamer, issue 47) records each
             iteration's ``at`` in the call and yields the Steps afterwards; the one timing loop
-            (:func:`dtbench.harness.measure.measure_rows`) takes the time and the forwards counted up to it from
+            (:func:`dtbench.harness.measurement.measure.measure_rows`) takes the time and the forwards counted up to it from
             ``at`` exactly as it would have at a yield.
 
     Forward passes are not part of a Step: the runner counts the target's and the draft's with hooks.
@@ -62,7 +62,7 @@ class Step:
 
 def clock() -> float:
     """The one clock every timing in dtbench reads: ``time.perf_counter``, seconds. The runner's loop and forward
-    timer (:func:`dtbench.harness.forwards.now`) and push-based decoders (:func:`commit_clock`) all call it, so a
+    timer (:func:`dtbench.harness.measurement.forwards.now`) and push-based decoders (:func:`commit_clock`) all call it, so a
     test that replaces it (a fake machine) replaces it everywhere at once."""
     return time.perf_counter()
 
@@ -122,7 +122,7 @@ class Decoder(ABC, Generic[P]):
             request, the load level B being the requests in flight (the suite's ``concurrency:``), and times every
             streamed chunk; :meth:`generate` is never called and no forward runs in dtbench's process.
         own_process: device types ("cuda", "cpu") on which, under ``isolation: process``, the decoder is measured in
-            a child process of its own, where no other decoder ran (:mod:`dtbench.harness.isolation`; issue 38). No
+            a child process of its own, where no other decoder ran (:mod:`dtbench.harness.execution.isolation`; issue 38). No
             built-in sets it since issue 47 (transformers' ``generate``, the decoder it was for, no longer runs in a
             greenlet); it stays for third-party decoders that need a fresh process.
         xfail_checks: conformance checks (:mod:`dtbench.testing`) this decoder knowingly fails, each with its reason:
@@ -262,7 +262,7 @@ class Decoder(ABC, Generic[P]):
 
         ``causal``: a forward with plain causal attention (AR steps, chain verification; 0 if it runs none beyond
         the prefill); ``masked``: a forward with an explicit 4D attention mask (tree verification root + nodes,
-        StreamingLLM's masked forwards; 0 if it never passes one). Calibration (:mod:`dtbench.harness.calibrate`)
+        StreamingLLM's masked forwards; 0 if it never passes one). Calibration (:mod:`dtbench.harness.calibration.calibrate`)
         measures the forward-latency curves up to these sizes, so a plugin's configurations are priced by the cost
         model; a chain decoder's ``causal - 1`` is its chain length K. Default ``(1, 0)``: one token per forward.
         Called without models (params only).
@@ -332,7 +332,7 @@ class Decoder(ABC, Generic[P]):
         (the plan asks before any model loads).
 
         Greedy full-cache autoregressive decoding (``ar``, the baseline of every speedup:
-        :data:`dtbench.harness.metrics.BASELINE`) by default; a lossy-by-design decoder such as
+        :data:`dtbench.harness.measurement.metrics.BASELINE`) by default; a lossy-by-design decoder such as
         StreamingLLM + speculation names its own exact reference. None means "compare with nothing" (the baseline
         itself).
         """

@@ -1,5 +1,5 @@
 """The one cut of a row's output (issue 68 item 5): its first T tokens, nothing after the first EOS. The runner
-(:mod:`dtbench.harness.measure`), the conformance kit (:mod:`dtbench.harness.conformance`) and a Step's own cut
+(:mod:`dtbench.harness.measurement.measure`), the conformance kit (:mod:`dtbench.testing.common`) and a Step's own cut
 (:func:`dtbench.decoders.base.cut_at_eos`) all take it from here."""
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ from dtbench.core import Corpus, CorpusSpec, DtbenchError, clip
 from dtbench.decoders.base import Decoder, DecoderParams
 
 SEPARATOR = np.iinfo(np.uint32).max  # between documents: never a token id, so no match or draft crosses it
-MAX_TOKENS_FILE_BYTES = 256 << 20  # a tokens file, bounded like one dataset file (harness.bounds.MAX_DOCUMENT_BYTES)
+MAX_TOKENS_FILE_BYTES = (
+    256 << 20
+)  # a tokens file, bounded like one dataset file (harness.suites.bounds.MAX_DOCUMENT_BYTES)
 
 
 @dataclass

@@ -12,7 +12,7 @@ would. One graph per (feed width w in :data:`~dtbench.decoders.chain.DRAFT_FEEDS
 
 The forwards stay observable: the model's forward pre-hooks fire once per fused forward before the region and its
 forward hooks once per fused forward after it (:func:`_fire`), with the kwargs each forward has (its new tokens'
-shape, the cache at its KV length, a 4D mask). The measurement's :class:`~dtbench.harness.forwards.ForwardCounter`
+shape, the cache at its KV length, a 4D mask). The measurement's :class:`~dtbench.harness.measurement.forwards.ForwardCounter`
 therefore counts K draft forwards of the same sizes and KV positions as without fusion and times the region as the
 draft's forward seconds. What a pre-hook cannot see: the ids of forwards 2..K (they are the region's own argmaxes,
 known only after it ran); it gets a (1, 1) stand-in (the feed's last id).
@@ -143,7 +143,7 @@ def draft_chain(cache: StaticKV, model: torch.nn.Module, feed: list[int], k: int
 
 class _AtLength:
     """The static cache as a hook sees it before one of the fused forwards: ``dtbench_length`` is that forward's KV
-    length (:func:`dtbench.harness.forwards.past_length` reads it); everything else is the cache's own."""
+    length (:func:`dtbench.harness.measurement.forwards.past_length` reads it); everything else is the cache's own."""
 
     def __init__(self, cache: Any, length: int):
         self._cache, self.dtbench_length = cache, length
@@ -158,7 +158,7 @@ class _AtLength:
 def precompile_chain(execution: Execution, model: torch.nn.Module, k: int) -> None:
     """Compile :func:`draft_chain`'s graphs for ``k`` drafts (feeds of 1 and 2 ids) on ``model``, each run twice on
     a scratch static cache (on CUDA the second run records the CUDA graph), outside any timed region: a cell's
-    compile step (:meth:`dtbench.harness.hardware.Hardware.compile_step`)."""
+    compile step (:meth:`dtbench.harness.measurement.hardware.Hardware.compile_step`)."""
     with torch.inference_mode():
         from dtbench.decoders import static_kv
 

@@ -8,7 +8,7 @@ blocking call, and dtbench runs it as a user calls it: in the measuring thread, 
 selecting the matching candidates plus the bonus token), and once beforehand with the prompt, which is skipped.
 ``put`` reads the runner's clock after synchronizing the device (:func:`~dtbench.decoders.base.commit_clock`) and
 keeps (time, tokens, drafted); when the call returns, one Step per verification is yielded carrying that commit time
-(``Step.at``). The one timing loop (:func:`dtbench.harness.measure.measure_rows`) takes a Step's time and the forwards
+(``Step.at``). The one timing loop (:func:`dtbench.harness.measurement.measure.measure_rows`) takes a Step's time and the forwards
 counted up to it from ``at``, so iteration i's time is exactly the time between verification i-1's tokens and
 verification i's, as for every pull-based decoder (issue 47: a push-based decoder measured by the same loop).
 
@@ -298,7 +298,7 @@ class HFGenerate(_StreamedGenerate):
     @classmethod
     def compiled_sizes(cls, params: HFGenerateParams) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
         """None through dtbench's static caches: transformers compiles its own decoding forward (the cell's compile
-        step runs it once, :meth:`~dtbench.harness.hardware.Hardware.compile_step`)."""
+        step runs it once, :meth:`~dtbench.harness.measurement.hardware.Hardware.compile_step`)."""
         return (), ()
 
     @classmethod

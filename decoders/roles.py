@@ -1,4 +1,4 @@
-"""The role a model forward plays (issue 68 item 2): the runner's forward hooks (:class:`~dtbench.harness.forwards.
+"""The role a model forward plays (issue 68 item 2): the runner's forward hooks (:class:`~dtbench.harness.measurement.forwards.
 ForwardCounter`) count and time a forward as a draft forward inside :func:`drafting`, whatever model runs it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ _FORWARD_ROLE: contextvars.ContextVar[str] = contextvars.ContextVar("dtbench_for
 @contextlib.contextmanager
 def drafting() -> Iterator[None]:
     """Every model forward inside is a *draft* forward, whatever model runs it (issue 68 item 2): the runner's forward
-    hooks (:class:`~dtbench.harness.forwards.ForwardCounter`) time a forward by its role, not by its model object, so
+    hooks (:class:`~dtbench.harness.measurement.forwards.ForwardCounter`) time a forward by its role, not by its model object, so
     a decoder that drafts with its own target (LayerSkip, Kangaroo, SWIFT-style early exit, a plugin's Proposer on
     ``self.target``) has its drafting's share and draft cost right. The chain loop calls every Proposer inside it
     (:mod:`dtbench.decoders.chain`) and the tree loop every drafting of a tree (:mod:`dtbench.decoders.tree.loop`); a

@@ -10,11 +10,11 @@ How a server cell is registered (issue 49 item 1): still through the decoders' r
 the group ``dtbench.decoders``), as a :class:`~dtbench.decoders.base.Decoder` subclass *without* ``generate`` (an
 abstract class: it cannot be instantiated, so nothing can run it as a decoder) whose ``requests`` flag selects the
 served measurer. Why not a separate kind of entry: a suite's ``decoders:`` list, the plan, the validation
-(:mod:`dtbench.harness.plan_checks`, the preflight), calibration and the reports read every entry through the same
+(:mod:`dtbench.harness.suites.plan_checks`, the preflight), calibration and the reports read every entry through the same
 capability class methods (``Params``, ``reference``, ``verify_sizes``, ``lossless_with``, ``batching_error``,
 ``corpus_of``, ...) and one registry policy; a second registry or a non-Decoder class would duplicate all of them
 for one entry. What was wrong before was a Decoder whose ``generate`` raised: now the measurer is chosen by the flag
-(:func:`dtbench.harness.measurers.measurer_name`) and stored with the cell (``cells.measurer``), and the class
+(:func:`dtbench.harness.measurement.measurers.measurer_name`) and stored with the cell (``cells.measurer``), and the class
 cannot be run. Its params (:class:`~dtbench.decoders.engines.params.ServerParams`) belong to the serving layer and
 are re-exported here under their old names.
 

@@ -373,7 +373,9 @@ class StaticKV:
             for layer in self.cache.layers:
                 if getattr(layer, "is_initialized", False):
                     layer.cumulative_length.fill_(L)
-        self.cache.dtbench_length = L  # the hooks' KV positions without a device read (harness.forwards.past_length)
+        self.cache.dtbench_length = (
+            L  # the hooks' KV positions without a device read (harness.measurement.forwards.past_length)
+        )
         kwargs: dict[str, Any] = {cache_keyword(model): self.cache}
         if nb is None and keep is not None:
             kwargs["logits_to_keep"] = 1 if keep == [n - 1] else torch.tensor(keep, dtype=torch.long, device=dev)

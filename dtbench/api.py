@@ -55,10 +55,10 @@ from dtbench.decoders.tree import (
     TreeParams,
     speculate_tree,
 )
-from dtbench.harness.data import Dataset, DatasetParams, Documents
-from dtbench.harness.sources import HubSource
-from dtbench.harness.suite import DatasetSpec
-from dtbench.reports.output import Document, Report, renderer
+from dtbench.harness.data.datasets import Dataset, DatasetParams, Documents
+from dtbench.harness.data.sources import HubSource
+from dtbench.harness.suites.suite import DatasetSpec
+from dtbench.reports.rendering.output import Document, Report, renderer
 
 __all__ = [
     # errors and strict types

@@ -1,8 +1,8 @@
 """What every layer of dtbench shares, without torch: the user-facing error, strict pydantic types and the corpus
 declaration a decoder's params may hold.
 
-Importing this module imports pydantic only, so the suite schema and loader (:mod:`dtbench.harness.suite`,
-:mod:`dtbench.harness.suitefile`), which build on it, load without torch (tests/test_import_graph.py checks it).
+Importing this module imports pydantic only, so the suite schema and loader (:mod:`dtbench.harness.suites.suite`,
+:mod:`dtbench.harness.suites.suitefile`), which build on it, load without torch (tests/test_import_graph.py checks it).
 The layers above: ``dtbench.decoders`` (torch), ``dtbench.harness``, ``dtbench.reports``, ``dtbench.cli``
 (docs/architecture.md).
 """
@@ -439,7 +439,7 @@ class CorpusSpec(StrictBools):
 
     The decoder only *declares* it: the harness loads the documents, tokenizes them with the decoder's tokenizer and
     hands them over (:meth:`dtbench.decoders.base.Decoder.use_corpus`), left out by the one prompt-selection rule
-    (:func:`dtbench.harness.selection.held_out_documents`) with the suite's seed: the first ``skip`` usable documents of
+    (:func:`dtbench.harness.data.selection.held_out_documents`) with the suite's seed: the first ``skip`` usable documents of
     the seeded order (and every document before them) are never in the corpus, which are exactly the documents the
     suite's prompts of that dataset come from when ``prompts <= skip``. The plan refuses a corpus whose ``skip`` is
     smaller than the prompts of a suite entry of the same dataset (so no prompt's own text is ever retrieved).

@@ -16,7 +16,7 @@ The policy:
   :class:`~dtbench.core.DtbenchError` naming its distribution.
 - A plugin's import runs under a time limit (issue 59 item 3): ``DTBENCH_PLUGIN_IMPORT_TIMEOUT`` seconds
   (:data:`DEFAULT_IMPORT_TIMEOUT_S` by default; ``inf``: no limit). The import is tried first in a child process
-  forked from the kit's fork server (issue 67 item 5: :mod:`dtbench.harness.plugin_probe`); one that has not finished
+  forked from the kit's fork server (issue 67 item 5: :mod:`dtbench.harness.execution.plugin_probe`); one that has not finished
   within the limit is killed with its process and is a broken plugin ("did not finish importing within N s"), a
   problem line in ``dtbench plugins`` and a warning elsewhere, never a hang and never an import left running beside a
   measurement (before, a daemon thread the caller could not stop kept a core busy). An import that raises, exits or
@@ -102,7 +102,7 @@ _PROBED: dict[tuple[Any, ...], str | None] = {}  # (name, value, group, sys.path
 
 def load_bounded(entry_point: Any, timeout_s: float) -> Any:
     """``entry_point.load()`` once a child process showed, within ``timeout_s`` seconds, that the import ends (issue 67
-    item 5: :func:`dtbench.harness.plugin_probe.probe`); nothing is left importing beside the caller. The child's
+    item 5: :func:`dtbench.harness.execution.plugin_probe.probe`); nothing is left importing beside the caller. The child's
     verdict is kept for the process: an entry is tried once. Where no child can start (a ``__main__`` read from
     standard input) the entry is imported without a limit. An object without ``value`` and ``group`` (a test's
     stand-in with ``load()`` only) has no module to try and is loaded as it is.
@@ -116,7 +116,7 @@ def load_bounded(entry_point: Any, timeout_s: float) -> Any:
         return entry_point.load()
     key = (str(name), value, group, tuple(sys.path))
     if key not in _PROBED:
-        from dtbench.harness.plugin_probe import ProbeFailed, ProbeUnavailable, probe
+        from dtbench.harness.execution.plugin_probe import ProbeFailed, ProbeUnavailable, probe
 
         try:
             probe(str(name), value, group, timeout_s)

@@ -6,17 +6,17 @@ runs the same on this CPU with ``--device cpu --small``. Every model is built on
 download, no embedded GGUF):
 
 a. **lossless** (:func:`step_lossless`): every built-in lossless decoder (the parameter list
-   :func:`dtbench.harness.testkit.builtin_settings`: each decoder's declared check settings) against ``ar`` on tiny
-   Llama and GPT-NeoX pairs (:mod:`dtbench.harness.testkit`: target and a perturbed copy as the draft, sharp output
+   :func:`dtbench.testing.fixtures.builtin_settings`: each decoder's declared check settings) against ``ar`` on tiny
+   Llama and GPT-NeoX pairs (:mod:`dtbench.testing.fixtures`: target and a perturbed copy as the draft, sharp output
    layer). float32: the exact rule (token for token). float16 (bfloat16 on a CPU): the tie-aware rule of
-   :mod:`dtbench.harness.lossless` (every emitted token is the target's argmax given the decoder's own prefix, up to
+   :mod:`dtbench.harness.measurement.lossless` (every emitted token is the target's argmax given the decoder's own prefix, up to
    the measured numeric noise).
 b. **timing** (:func:`step_timing`): the forward timer's CUDA-event forward times
-   (:class:`~dtbench.harness.forwards.ForwardTimer` in :class:`~dtbench.harness.measure.ForwardCounter`)
+   (:class:`~dtbench.harness.measurement.forwards.ForwardTimer` in :class:`~dtbench.harness.measurement.measure.ForwardCounter`)
    against the wall clock around synchronized forwards of the Pythia-2.8B-shaped target; NVML's per-process peak
-   against the allocator's peak (:class:`~dtbench.harness.memory.MemoryTracker`); energy per token of ``ar`` through
-   Zeus (:mod:`dtbench.harness.energy`; "unavailable" with its reason where no counter can be read).
-c. **cost model** (:func:`step_costmodel`): the calibration of :mod:`dtbench.harness.calibrate` for GPT-NeoX at
+   against the allocator's peak (:class:`~dtbench.harness.measurement.memory.MemoryTracker`); energy per token of ``ar`` through
+   Zeus (:mod:`dtbench.harness.measurement.energy`; "unavailable" with its reason where no counter can be read).
+c. **cost model** (:func:`step_costmodel`): the calibration of :mod:`dtbench.harness.calibration.calibrate` for GPT-NeoX at
    Pythia-2.8B's and Pythia-70M's shapes (fp16, random weights): target verification latency (causal and tree mask)
    for 1..256 new tokens on caches of L_max and L_max + T positions, L_max = 800 (WikiText-2) and 1000 (PG-19),
    T = 1500 (paper Section 4.1), and the draft's per-token latency; then the speedups these curves predict from the
@@ -29,7 +29,7 @@ d. **loop overhead** (:func:`step_overhead`): each decoder at the same shapes, r
 e. **compiled** (:func:`step_compiled`, issue 37): the same shapes eager and compiled (static KV cache, bucketed
    ``torch.compile``, CUDA graphs on CUDA; :mod:`dtbench.decoders.kv`): one target forward's time for n = 1, 9, 64
    and 190 new tokens on a cache of L_max = 800 beside its memory-bandwidth limit (weights + attended KV over the
-   copy-benchmark bandwidth, :mod:`dtbench.harness.roofline`), ``ar``'s tokens/s and roofline fraction both ways,
+   copy-benchmark bandwidth, :mod:`dtbench.harness.calibration.roofline`), ``ar``'s tokens/s and roofline fraction both ways,
    and the loop overhead per iteration of ``linear`` and ``dynatree`` both ways; the compile time apart.
 
 Output: ``OUT/gpu-check.json`` (:data:`SCHEMA`, validated by ``tests/test_gpucheck.py``) and ``OUT/gpu-check.log``.

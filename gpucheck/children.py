@@ -48,7 +48,7 @@ def build_models(device, small: bool):
     """(target, draft, description): GPT-NeoX at Pythia-2.8B/70M shapes (fp16 on CUDA, fp32 on a CPU) or small."""
     import torch
 
-    from dtbench.harness.curves_file import model_shape
+    from dtbench.harness.calibration.curves_file import model_shape
 
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     shapes = (SMALL_TARGET, SMALL_DRAFT) if small else (PYTHIA_2_8B, PYTHIA_70M)

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from dtbench.harness.random_models import RANDOM_SHAPES
+from dtbench.harness.models.random_models import RANDOM_SHAPES
 
 
 def tests_dir() -> Path:
@@ -31,7 +31,7 @@ def tests_dir() -> Path:
 SCHEMA = "dtbench.gpu-check/1"
 STEPS = ("lossless", "timing", "costmodel", "overhead", "compiled", "tests", "smoke")
 
-# Pythia's GPT-NeoX shapes (the paper's target and draft) and the --small pair: harness/models.py's table, which
+# Pythia's GPT-NeoX shapes (the paper's target and draft) and the --small pair: harness/models/loading.py's table, which
 # `random:<shape>` models of a suite use too (issue 38 item 4).
 PYTHIA_2_8B = RANDOM_SHAPES["pythia-2.8b"]
 PYTHIA_70M = RANDOM_SHAPES["pythia-70m"]
@@ -84,16 +84,16 @@ def utc_now() -> str:
 
 
 def sync(device) -> None:
-    """Wait for ``device``'s queued work (:func:`dtbench.harness.memory.synchronize`; a no-op on a CPU)."""
-    from dtbench.harness.memory import synchronize
+    """Wait for ``device``'s queued work (:func:`dtbench.harness.measurement.memory.synchronize`; a no-op on a CPU)."""
+    from dtbench.harness.measurement.memory import synchronize
 
     synchronize(device)
 
 
 def neox(shape: dict, dtype, device, seed: int):
     """A GPT-NeoX causal LM of ``shape`` with seeded random weights on ``device`` in ``dtype``
-    (:func:`dtbench.harness.random_models.random_neox`)."""
-    from dtbench.harness.random_models import random_neox
+    (:func:`dtbench.harness.models.random_models.random_neox`)."""
+    from dtbench.harness.models.random_models import random_neox
 
     return random_neox(shape, dtype, device, seed)
 
@@ -116,9 +116,9 @@ ONLY: set[str] | None = None  # --decoders: restrict steps a and d to these name
 
 def lossless_decoders() -> list[tuple[str, dict]]:
     """(name, params) of every built-in lossless decoder, as ``tests/test_measurement.py`` covers them
-    (:func:`dtbench.harness.testkit.builtin_settings`, each decoder's declared settings; ``--decoders`` restricts them)."""
+    (:func:`dtbench.testing.fixtures.builtin_settings`, each decoder's declared settings; ``--decoders`` restricts them)."""
     from dtbench.harness import registry
-    from dtbench.harness.testkit import builtin_settings
+    from dtbench.testing.fixtures import builtin_settings
 
     return [(n, p) for n, p in builtin_settings() if registry.get(n).lossless and (ONLY is None or n in ONLY)]
 
@@ -129,7 +129,7 @@ def build(name: str, params: dict, target, draft, workdir: Path):
     import numpy as np
 
     from dtbench.harness import registry
-    from dtbench.harness.testkit import HEAD, STORE, write_eagle, write_medusa
+    from dtbench.testing.fixtures import HEAD, STORE, write_eagle, write_medusa
 
     cls = registry.get(name)
     if params.get("head") == HEAD:

@@ -29,12 +29,12 @@ def _mode(ex, compiled: bool):
 
 def _forward_s(ex, target, prompt: list[int], device, compiled: bool, n: int) -> float:
     """Median seconds of one target forward of ``n`` new tokens after the prompt's cache, in one mode (one session
-    of the forward timer, :meth:`~dtbench.harness.forwards.ForwardTimer.session`: one untimed forward warms the
+    of the forward timer, :meth:`~dtbench.harness.measurement.forwards.ForwardTimer.session`: one untimed forward warms the
     shape, then :data:`REPEATS` timed ones, the cache cropped back after each)."""
     import torch
 
     from dtbench.decoders import kv
-    from dtbench.harness.forwards import ForwardTimer, StopRule
+    from dtbench.harness.measurement.forwards import ForwardTimer, StopRule
 
     ids = torch.tensor([prompt], device=device)
     new = torch.randint(3, target.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
@@ -55,11 +55,11 @@ def _forward_s(ex, target, prompt: list[int], device, compiled: bool, n: int) ->
 
 def _profile(ex, target, prompt: list[int], device, compiled: bool) -> dict:
     """A ``torch.profiler`` summary of one target forward of one new token after the prompt's cache, in one mode
-    (issue 46 item 3: where a compiled forward's time goes; :func:`~dtbench.harness.kernel_profile.profile_call`)."""
+    (issue 46 item 3: where a compiled forward's time goes; :func:`~dtbench.harness.measurement.kernel_profile.profile_call`)."""
     import torch
 
     from dtbench.decoders import kv
-    from dtbench.harness.kernel_profile import profile_call
+    from dtbench.harness.measurement.kernel_profile import profile_call
 
     ids = torch.tensor([prompt], device=device)
     with torch.inference_mode(), _mode(ex, compiled):
@@ -108,8 +108,8 @@ def step_compiled(device, target, draft, small: bool, workdir: Path, log) -> dic
     import torch
 
     from dtbench.decoders import static_kv
-    from dtbench.harness import roofline
-    from dtbench.harness.measure import measure
+    from dtbench.harness.calibration import roofline
+    from dtbench.harness.measurement.measure import measure
 
     vocab = target.config.vocab_size
     L, T0, T = (24, 2, 16) if small else (800, 8, 64)

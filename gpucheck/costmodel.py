@@ -33,8 +33,8 @@ def predict(curves, row: PaperRow, nodes: int | None = None) -> dict:
     verification of 1 + ``nodes`` tokens (tree mask). The cache is priced at its mean length, L_max + T/2 (linear
     in between the calibrated L_max and L_max + T).
     """
-    from dtbench.harness.curves import FED_LAST, FED_MASK
-    from dtbench.reports.pricing import Pricer
+    from dtbench.harness.calibration.curves import FED_LAST, FED_MASK
+    from dtbench.reports.pricing.pricing import Pricer
 
     pricer = Pricer(curves)
     past = row.l_max + T_PAPER // 2
@@ -61,7 +61,7 @@ def _curves_to_measure(l_maxes: tuple[int, ...], T: int, ns: tuple[int, ...]) ->
     """The calibration curves of step c: per prompt cap, the target's causal and tree verification and the draft's
     last-only and tree forwards on caches of L_max and L_max + T positions (one cache length serves every cap that
     reaches it), and both models' prefill of L_max tokens."""
-    from dtbench.harness.calibrate import THIN, Curve
+    from dtbench.harness.calibration.calibrate import THIN, Curve
 
     curves_spec, seen = [], set()
     for l_max in l_maxes:
@@ -116,10 +116,10 @@ def _prediction(curves, row: PaperRow) -> dict[str, Any]:
 def step_costmodel(device, target, draft, small: bool, log) -> dict:
     """Calibrate the target and draft at the paper's prompt caps and predict Table 1's speedups (step c; small
     shapes: the same arithmetic on toy curves, exercised, not meaningful). Forwards are timed by the forward timer
-    (:class:`~dtbench.harness.forwards.ForwardTimer`: CUDA events on a GPU)."""
-    from dtbench.harness.calibrate import Settings, measure_curve, n_grid
-    from dtbench.harness.curves import Curves
-    from dtbench.reports.pricing import Pricer
+    (:class:`~dtbench.harness.measurement.forwards.ForwardTimer`: CUDA events on a GPU)."""
+    from dtbench.harness.calibration.calibrate import Settings, measure_curve, n_grid
+    from dtbench.harness.calibration.curves import Curves
+    from dtbench.reports.pricing.pricing import Pricer
 
     settings = (  # small shapes: the arithmetic exercised on toy curves, so the fewest repeats that still time each n
         Settings(min_repeats=3, min_time_s=0.0, max_time_s=0.05, warmup=1, rel_tol=0.5)

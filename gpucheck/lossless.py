@@ -16,10 +16,10 @@ def step_lossless(device, small: bool, workdir: Path, log, skip: frozenset = fro
     decoder): tokens, first divergence from ``ar``, the check's ties/errors/largest tie margin/noise, ok."""
     import torch
 
-    from dtbench.harness.lossless import check_output
-    from dtbench.harness.measure import measure
-    from dtbench.harness.testkit import SHARP, perturbed, tiny_model
+    from dtbench.harness.measurement.lossless import check_output
+    from dtbench.harness.measurement.measure import measure
     from dtbench.harness.values import first_divergence
+    from dtbench.testing.fixtures import SHARP, perturbed, tiny_model
 
     T = 16 if small else 48
     prompt = list(range(3, 20))

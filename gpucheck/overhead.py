@@ -42,7 +42,7 @@ def totals(m) -> tuple[float, float, int]:
 
 def medians(run: Callable[[], Any]) -> tuple[float, float, int, Any]:
     """(median wall seconds, median forward seconds, iterations of the first, the last measurement) of
-    :data:`REPEATS` calls of ``run`` (each returns a :class:`~dtbench.harness.measure.Measurement`)."""
+    :data:`REPEATS` calls of ``run`` (each returns a :class:`~dtbench.harness.measurement.measure.Measurement`)."""
     runs = [run() for _ in range(REPEATS)]
     each = [totals(m) for m in runs]
     return statistics.median(t[0] for t in each), statistics.median(t[1] for t in each), each[0][2], runs[-1]
@@ -57,9 +57,9 @@ def differential(short: tuple[float, float, int, Any], long: tuple[float, float,
 
 def _reads(decoder, prompt: list[int], T: int, device) -> dict[str, Any]:
     """Device-to-host reads and (on CUDA) the synchronizations CUDA reports, per iteration after the prefill's
-    (issue 46 item 1, :func:`dtbench.harness.host_reads.reads_per_iteration`): the most in one iteration and the
+    (issue 46 item 1, :func:`dtbench.harness.measurement.host_reads.reads_per_iteration`): the most in one iteration and the
     median."""
-    from dtbench.harness.host_reads import reads_per_iteration
+    from dtbench.harness.measurement.host_reads import reads_per_iteration
 
     counts = reads_per_iteration(decoder, prompt, T, device)
     out: dict[str, Any] = {}
@@ -77,11 +77,11 @@ def step_overhead(
     Differential, so the prefill cancels: the decoder runs to T0 and to T0 + T new tokens on the same prompt (random
     weights: the same iterations both times), :data:`REPEATS` times each (medians of wall and forward seconds), and
     overhead per iteration = (extra wall time - extra time inside forwards) / extra iterations. Forward times are the
-    forward timer's (:class:`~dtbench.harness.forwards.ForwardTimer`: CUDA events on a GPU).
+    forward timer's (:class:`~dtbench.harness.measurement.forwards.ForwardTimer`: CUDA events on a GPU).
     """
     import torch
 
-    from dtbench.harness.measure import measure
+    from dtbench.harness.measurement.measure import measure
 
     vocab = target.config.vocab_size
     L, T0, T = (24, 2, 24) if small else (800, 8, 64)

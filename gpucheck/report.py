@@ -10,7 +10,7 @@ def environment(device) -> dict:
     """Versions and the device the check ran on."""
     import torch
 
-    from dtbench.harness.machine import device_name
+    from dtbench.harness.measurement.machine import device_name
 
     def version(dist: str) -> str | None:
         from importlib import metadata

@@ -66,7 +66,7 @@ def write_paper_curves(result: dict, out_dir: Path, log) -> None:
     ``overhead`` step's loop overhead per iteration per decoder (eager), as a portable curves file for ``dtbench
     report --predict-on`` on a run of the real Pythia pair made elsewhere. Written when the costmodel step has
     points; its path goes into ``result["curves_files"]``."""
-    from dtbench.harness import curves_file
+    from dtbench.harness.calibration import curves_file
 
     steps, models = result["steps"], result.get("models") or {}
     points = (steps.get("costmodel") or {}).get("points")

@@ -18,10 +18,10 @@ def step_timing(device, target, log) -> dict:
     """CUDA events vs the wall clock, NVML vs the allocator, energy per token (module docstring, step b)."""
     import torch
 
-    from dtbench.harness.energy import MEASURED
-    from dtbench.harness.forwards import ForwardTimer
-    from dtbench.harness.measure import ForwardCounter, measure
-    from dtbench.harness.memory import MemoryTracker
+    from dtbench.harness.measurement.energy import MEASURED
+    from dtbench.harness.measurement.forwards import ForwardTimer
+    from dtbench.harness.measurement.measure import ForwardCounter, measure
+    from dtbench.harness.measurement.memory import MemoryTracker
 
     out: dict[str, Any] = {}
     vocab = target.config.vocab_size

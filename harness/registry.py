@@ -74,7 +74,7 @@ def validate_params(name: str, params: dict[str, Any]) -> DecoderParams:
 def validate_model(kind: str, name: str, model: type[BaseModel], params: dict[str, Any]) -> Any:
     """Validate a suite entry's ``params:`` against a plugin's own pydantic ``Params`` model: the one code path for
     decoders' and datasets' params (:data:`dtbench.decoders.base.DecoderParams`,
-    :class:`dtbench.harness.data.DatasetParams`).
+    :class:`dtbench.harness.data.datasets.DatasetParams`).
 
     Args:
         kind: the plugin kind in messages ("decoder", "dataset").

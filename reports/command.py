@@ -14,12 +14,12 @@ from typing import Any, cast
 
 import click
 
-from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.safetext import printable
-from dtbench.reports import explain
-from dtbench.reports.output import Document, Note, Report, emit, rendered
+from dtbench.harness.suites.bounds import valid_id
 from dtbench.reports.own import OWN_REPORTS, OwnRequest
+from dtbench.reports.pricing import explain
+from dtbench.reports.rendering.output import Document, Note, Report, emit, rendered
 
 
 def _note(msg: str) -> None:
@@ -118,7 +118,7 @@ def _check_paths(o: ReportOptions) -> None:
     Raises:
         DtbenchError: a folder that cannot be created or written, in one line.
     """
-    from dtbench.harness.outpaths import writable_dir
+    from dtbench.harness.suites.outpaths import writable_dir
 
     if o.fig_dir:
         writable_dir(o.fig_dir, "figures")
@@ -168,7 +168,7 @@ def report_command(**options: Any) -> None:
         TypeError: an option that is not a field of :class:`ReportOptions`.
     """
     from dtbench.harness.store import db
-    from dtbench.reports.compare import Gate
+    from dtbench.reports.views.compare import Gate
 
     sequences: dict[str, tuple] = {k: tuple(options[k]) for k in ("runs", "run_ids", "fail_if") if k in options}
     o = ReportOptions(**(options | sequences))
@@ -197,7 +197,9 @@ def report_command(**options: Any) -> None:
         )
     if not (o.compare or o.tables or o.files):
         cell_report(sessions, o.run_id, o.fmt, o.by)
-        from dtbench.reports.tuning import print_tuning_line  # runs comparing settings of a decoder: name the best
+        from dtbench.reports.pricing.tuning import (
+            print_tuning_line,  # runs comparing settings of a decoder: name the best
+        )
 
         print_tuning_line(sessions, o.run_id, _note)
 
@@ -227,15 +229,15 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
 
     A header line (run, suite, status, device, versions; a second line with the hardware flags where the run
     recorded ``environment["hardware"]``), then one report per (dataset, L_max, T) with notes for failed, partial
-    and warmup-only cells (:func:`dtbench.reports.render.cell_document`), in any registered format; CSV and JSON
+    and warmup-only cells (:func:`dtbench.reports.rendering.render.cell_document`), in any registered format; CSV and JSON
     are one row per cell, JSON with the run's whole environment, hardware flags included. ``by`` (``group``/``category``): every cell per
-    task of a question dataset (:func:`dtbench.reports.specbench.by_task`).
+    task of a question dataset (:func:`dtbench.reports.views.specbench.by_task`).
 
     Raises:
         DtbenchError: an unknown run, or a run without cells.
     """
-    from dtbench.reports import render
-    from dtbench.reports.summary import get_run, samples_frame, served_requests, summarize, with_failed_requests
+    from dtbench.reports.rendering import render
+    from dtbench.reports.views.summary import get_run, samples_frame, served_requests, summarize, with_failed_requests
 
     with sessions() as session, session.no_autoflush:
         run = get_run(session, run_id)
@@ -252,7 +254,7 @@ def cell_report(sessions, run_id: int | None, fmt: str, by: str | None = None) -
         sums = explain.load_sums(session, [int(c) for c in frame["cell_id"].unique()]) if not by else {}
         served = served_requests(session, run.id) if not by else {}
     if by:
-        from dtbench.reports.specbench import by_task
+        from dtbench.reports.views.specbench import by_task
 
         summary = by_task(frame, by)
     else:
@@ -282,11 +284,11 @@ def _settle(session, run) -> bool:
 
 def speedups(sessions, run_id: int | None, *, fmt: str, alpha: float) -> None:
     """Print every decoder's speedup vs AR with a paired t (1 - alpha) CI (``--compare`` alone); "n too small" in
-    place of the CI and the verdict below :data:`~dtbench.reports.compare.MIN_PROMPTS` paired prompts."""
-    from dtbench.reports import render
-    from dtbench.reports.compare import SPEEDUP_CI_METHOD, speedup_table
-    from dtbench.reports.notes import load_note
-    from dtbench.reports.summary import get_run, samples_frame
+    place of the CI and the verdict below :data:`~dtbench.reports.views.compare.MIN_PROMPTS` paired prompts."""
+    from dtbench.reports.rendering import render
+    from dtbench.reports.views.compare import SPEEDUP_CI_METHOD, speedup_table
+    from dtbench.reports.views.notes import load_note
+    from dtbench.reports.views.summary import get_run, samples_frame
 
     with sessions() as session:
         run = get_run(session, run_id)
@@ -320,10 +322,10 @@ def compare_pair(
     sessions, run_ids: list[int | None], *, fmt: str, alpha: float, only_changed: bool, gates
 ) -> list[str]:
     """Print the run-to-run comparison; return the gate failures (empty when none tripped)."""
-    from dtbench.harness import load
-    from dtbench.reports import render
-    from dtbench.reports.compare import UNCHANGED_MARKS, compare_runs
-    from dtbench.reports.summary import get_run, samples_frame
+    from dtbench.harness.measurement import load
+    from dtbench.reports.rendering import render
+    from dtbench.reports.views.compare import UNCHANGED_MARKS, compare_runs
+    from dtbench.reports.views.summary import get_run, samples_frame
 
     with sessions() as session:
         before, after = (get_run(session, r) for r in run_ids)
@@ -369,8 +371,8 @@ def compare_pair(
 def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file, alpha, include_partial=False) -> None:
     """Paper tables (stdout or ``out_dir``), figures (``fig_dir``) and the HTML report (``html_file``); partial
     cells' numbers only with ``include_partial``."""
-    from dtbench.reports.compare import speedup_table
-    from dtbench.reports.summary import combined_summary, samples_frame
+    from dtbench.reports.views.compare import speedup_table
+    from dtbench.reports.views.summary import combined_summary, samples_frame
 
     with sessions() as session:
         summary, runs = combined_summary(session, run_ids)
@@ -381,7 +383,7 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
     if "execution" in summary:  # ... and eager transformers, as the paper measured (compiled: report --execution)
         summary = summary[summary["execution"] != "compiled"].reset_index(drop=True)
     if tables:
-        from dtbench.reports.paper import paper_tables
+        from dtbench.reports.views.paper import paper_tables
 
         made, skipped = paper_tables(summary, include_partial)
         for note in skipped:
@@ -391,14 +393,14 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
         else:  # csv of several tables is refused up front (--out writes one CSV per table)
             emit(fmt, Document(made, title="paper tables"))
     if fig_dir:
-        from dtbench.reports.figures import write_figures
+        from dtbench.reports.views.figures import write_figures
 
         paths, notes = write_figures(summary, fig_dir, include_partial)
-        from dtbench.reports.costmodel import write_figure
+        from dtbench.reports.pricing.costmodel import write_figure
 
         paths += write_figure(sessions, run_ids, fig_dir)  # the verify-cost curve, when a run has a calibration
-        from dtbench.reports.costmodel_batch import batch_figures
-        from dtbench.reports.plotting import save_figures
+        from dtbench.reports.pricing.costmodel_batch import batch_figures
+        from dtbench.reports.rendering.plotting import save_figures
 
         batch_figs, batch_notes = batch_figures(sessions, run_ids)  # speedup vs batch size (issue 29)
         paths += save_figures(batch_figs, fig_dir)
@@ -408,10 +410,10 @@ def paper_outputs(sessions, run_ids, *, fmt, tables, out_dir, fig_dir, html_file
             _note(f"note: {note}")
         _note(f"wrote {len(paths)} figure files to {fig_dir}: " + ", ".join(sorted({p.stem for p in paths})))
     if html_file:
-        from dtbench.reports.html import build_html, write_html
+        from dtbench.reports.rendering.html import build_html, write_html
 
         cis = {rid: speedup_table(f, confidence=1 - alpha) for rid, f in frames.items() if not f.empty}
-        from dtbench.reports.costmodel_batch import batch_figures
+        from dtbench.reports.pricing.costmodel_batch import batch_figures
 
         extra, extra_notes = batch_figures(sessions, [r.id for r in runs])
         for note in extra_notes:

@@ -48,49 +48,49 @@ class OwnReport:
 
 
 def _schedule(r: OwnRequest) -> None:
-    from dtbench.reports.schedule import schedule_report
+    from dtbench.reports.pricing.schedule import schedule_report
 
     schedule_report(r.sessions, r.run_id, r.fmt, r.value)
 
 
 def _slos(text: str) -> Any:
-    from dtbench.reports.goodput import parse_slos
+    from dtbench.reports.views.goodput import parse_slos
 
     return parse_slos(text)
 
 
 def _goodput(r: OwnRequest) -> None:
-    from dtbench.reports.goodput import goodput_report
+    from dtbench.reports.views.goodput import goodput_report
 
     goodput_report(r.sessions, r.run_id, r.fmt, r.value, r.confidence)
 
 
 def _execution(r: OwnRequest) -> None:
-    from dtbench.reports.execution import execution_report
+    from dtbench.reports.views.execution import execution_report
 
     execution_report(r.sessions, r.run_id, r.fmt, r.confidence)
 
 
 def _profile(r: OwnRequest) -> None:
-    from dtbench.reports.profile_report import profile_report
+    from dtbench.reports.views.profile_report import profile_report
 
     profile_report(r.sessions, r.run_id, r.fmt, r.profile_json, r.confidence)
 
 
 def _engine(r: OwnRequest) -> None:
-    from dtbench.reports.engine import engine_report
+    from dtbench.reports.views.engine import engine_report
 
     engine_report(r.sessions, r.run_id, r.fmt, r.confidence)
 
 
 def _spec_bench(r: OwnRequest) -> None:
-    from dtbench.reports.specbench import spec_bench_report
+    from dtbench.reports.views.specbench import spec_bench_report
 
     spec_bench_report(r.sessions, r.run_id, r.fmt)
 
 
 def _cost_model(r: OwnRequest) -> None:
-    from dtbench.reports.costmodel import cost_report
+    from dtbench.reports.pricing.costmodel import cost_report
 
     cost_report(r.sessions, r.run_id, r.fmt)
 
@@ -98,13 +98,13 @@ def _cost_model(r: OwnRequest) -> None:
 def _curves(path: str) -> Any:
     """``--predict-on``'s file read and validated before the database opens (issue 59 item 8: ``/dev/zero`` or a
     huge file is one line, never a MemoryError)."""
-    from dtbench.harness.curves_file import read
+    from dtbench.harness.calibration.curves_file import read
 
     return read(path)
 
 
 def _predict_on(r: OwnRequest) -> None:
-    from dtbench.reports.predict import predict_report, write_figure
+    from dtbench.reports.pricing.predict import predict_report, write_figure
 
     predict_report(r.sessions, r.run_id, r.fmt, r.value)
     if r.fig_dir:
@@ -113,7 +113,7 @@ def _predict_on(r: OwnRequest) -> None:
 
 
 def _export_curves(r: OwnRequest) -> None:
-    from dtbench.reports.predict import export_curves
+    from dtbench.reports.pricing.predict import export_curves
 
     _note(f"wrote {export_curves(r.sessions, r.run_id, r.value)}")
 

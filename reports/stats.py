@@ -25,8 +25,8 @@ from collections.abc import Iterable
 
 import pandas as pd
 
-from dtbench.harness.metrics import BASELINE, GROUP, MISSING, column_of
-from dtbench.harness.sample import aggregated
+from dtbench.harness.measurement.metrics import BASELINE, GROUP, MISSING, column_of
+from dtbench.harness.measurement.sample import aggregated
 from dtbench.harness.values import is_missing as is_missing  # the one missing-value test, re-exported for reports
 
 KEY = [*GROUP, "label"]
@@ -135,7 +135,7 @@ def decoding(sampling) -> str:
 
 
 def cell_value(rows: pd.DataFrame, metric: str) -> float:
-    """One cell's value of ``metric`` from its per-prompt rows after warmup (:func:`dtbench.reports.compare.per_prompt`).
+    """One cell's value of ``metric`` from its per-prompt rows after warmup (:func:`dtbench.reports.views.compare.per_prompt`).
 
     ``speedup`` is the paper's (Table 1): mean throughput / mean baseline throughput over the paired prompts (those
     with a baseline sample), the number every report shows for the cell; every other metric is the mean of the
@@ -198,7 +198,9 @@ def served(measurer: object) -> bool:
     return getattr(measurer, "measurer", None) == SERVED
 
 
-SERVED = "served"  # cells.measurer of a cell measured through requests (harness/measurers.py: measurer_name)
+SERVED = (
+    "served"  # cells.measurer of a cell measured through requests (harness/measurement/measurers.py: measurer_name)
+)
 
 
 def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (), missing=math.nan) -> pd.Series:
@@ -241,13 +243,13 @@ def baseline_values(frame: pd.DataFrame, column: str, extra: tuple[str, ...] = (
 
 
 # Per-row columns a prompt group's row averages over its rows (the others are the batch's, or summed); declared with
-# each column (harness/sample.py, ``aggregate`` metadata).
+# each column (harness/measurement/sample.py, ``aggregate`` metadata).
 _ROW_MEANS = aggregated("row")
 
 
 def is_remainder(batch_rows, batch_size, warmup) -> bool:
     """Whether one sample belongs to a remainder group: a batched cell's group of fewer than B prompts after the
-    warmup (decoded as a smaller batch and marked, :class:`dtbench.harness.plan.PromptGroup`). The one rule every
+    warmup (decoded as a smaller batch and marked, :class:`dtbench.harness.suites.plan.PromptGroup`). The one rule every
     report applies (the cell table through :func:`remainder_mask`, ``--profile`` per sample)."""
     if is_missing(batch_rows) or bool(warmup) is True:
         return False

@@ -202,8 +202,8 @@ def smollm2():
 
     import torch
 
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     spec = ModelSpec(model="smollm2-135m", dtype="float32")
     target = models.load_model(spec, torch.device("cpu")).model

@@ -1,7 +1,7 @@
 """Test-only companions of the random drafting heads: a deeper Llama for EAGLE-3 and an oracle drafter.
 
 The heads themselves (Medusa-1, EAGLE-1/2/3 in their published file formats) are written by
-:func:`dtbench.harness.testkit.write_medusa` and :func:`~dtbench.harness.testkit.write_eagle`.
+:func:`dtbench.testing.fixtures.write_medusa` and :func:`~dtbench.testing.fixtures.write_eagle`.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def save_tiny_llama(folder: Path, tokenizer, *, vocab: int | None = None, seed: 
 
 def tiny_pair(root: Path) -> tuple[Path, Path]:
     """(target folder, draft folder): a tiny model and a slightly perturbed copy, both over SmolLM2's tokenizer."""
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     tok = models.load_tokenizer(ModelSpec())
     return save_tiny_llama(root / "target", tok), save_tiny_llama(root / "draft", tok, noise=0.02)
@@ -126,7 +126,7 @@ def fast_calibration_settings():
     ``calibrate.Settings.min_time_s`` still works when tests patch it in), for runs' calibrations in tests."""
     from dataclasses import dataclass
 
-    from dtbench.harness import calibrate as cal
+    from dtbench.harness.calibration import calibrate as cal
 
     @dataclass
     class Fast(cal.Settings):

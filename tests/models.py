@@ -1,5 +1,5 @@
 """Seeded random-weight causal LMs for exact equivalence tests (no download): pairs of the test kit's tiny models
-(:mod:`dtbench.harness.testkit`), the device axis of the property suite and helpers that run decoders.
+(:mod:`dtbench.testing.fixtures`), the device axis of the property suite and helpers that run decoders.
 
 float64 keeps greedy argmaxes free of the near-ties that small random models produce in float32.
 """
@@ -13,8 +13,8 @@ from functools import cache
 import pytest
 import torch
 
-from dtbench.harness.conformance_compiled import MAX_LEN
-from dtbench.harness.testkit import FLAT, perturbed, tiny_model
+from dtbench.testing.compiled import MAX_LEN
+from dtbench.testing.fixtures import FLAT, perturbed, tiny_model
 
 # One static KV length for the compiled tests of the float64 zoo (issue 57 item 3): a graph's shapes include the static
 # cache, so tests at 128, 192 and 512 compiled the same buckets of the same model shape three times over. At one length
@@ -91,7 +91,7 @@ def _cuda() -> bool:
 
 
 # (device, dtype, rule): CPU float64 as always; on CUDA float32 token for token and float16 under the tie-aware rule
-# of harness/lossless.py. The CUDA entries are skipped without a GPU (CPU behaviour and runtime unchanged).
+# of harness/measurement/lossless.py. The CUDA entries are skipped without a GPU (CPU behaviour and runtime unchanged).
 DEVICES = [
     pytest.param(("cpu", torch.float64, "exact"), id="cpu"),
     pytest.param(
@@ -131,13 +131,13 @@ def assert_lossless(
     rule: str,
     companions: list[list[int]] | None = None,
 ):
-    """``exact``: ``output == reference``. ``tie_aware``: no error under harness/lossless.py's rule (every emitted
+    """``exact``: ``output == reference``. ``tie_aware``: no error under harness/measurement/lossless.py's rule (every emitted
     token the target's argmax up to the numeric noise of its two computation shapes; a row decoded at B > 1 passes
     the other rows' prompts as ``companions``, so the batched shape is a third computation the rule counts)."""
     if rule == "exact":
         assert output == reference
         return
-    from dtbench.harness.lossless import check_output
+    from dtbench.harness.measurement.lossless import check_output
 
     check = check_output(target, prompt, output, reference, target.device, companions=companions)
     assert check.errors == 0, check

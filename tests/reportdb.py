@@ -25,7 +25,7 @@ ENV = {
     "device_name": "test cpu",
     "git_sha": "abc",
 }
-# environment["hardware"] as harness.machine.hardware_flags writes it (runs recorded before it existed lack it).
+# environment["hardware"] as harness.measurement.machine.hardware_flags writes it (runs recorded before it existed lack it).
 HARDWARE = {
     "cpu_flags": {
         "avx2": True,
@@ -87,8 +87,8 @@ def add_cell(
 ) -> Cell:
     """A cell as the runner stores it; ``family`` defaults to the one the installed decoder declares (None for an
     unknown decoder name, as an old database would hold), ``measurer`` to its decoder's (``served`` for ``server``,
-    :func:`dtbench.harness.measurers.registered_measurer`)."""
-    from dtbench.harness.measurers import registered_measurer
+    :func:`dtbench.harness.measurement.measurers.registered_measurer`)."""
+    from dtbench.harness.measurement.measurers import registered_measurer
 
     decoder = decoder or label
     if family is None:

@@ -1,7 +1,7 @@
 """Architecture rules checked statically (issue 49 item 2, issue 58 item 5): one forward timer, one clock name, one
 stop rule.
 
-Model forwards are timed by :class:`dtbench.harness.forwards.ForwardTimer` (the measurement's ForwardCounter, the
+Model forwards are timed by :class:`dtbench.harness.measurement.forwards.ForwardTimer` (the measurement's ForwardCounter, the
 calibration and the GPU check all use it: CUDA events on a GPU, the one clock otherwise), so no other module reads
 a clock itself: ``time.perf_counter``, ``time.monotonic``, ``time.process_time``, ``time.time`` (and their ``_ns``
 forms), :func:`dtbench.decoders.base.clock` (the one clock's one name), or a ``clock()`` handed in as an argument.
@@ -29,36 +29,36 @@ CLOCKS = {
 
 ALLOWED = {
     # the forward timer itself: ForwardTimer (and its session), ForwardCounter
-    "harness/forwards.py",
+    "harness/measurement/forwards.py",
     # defines the one clock (base.clock) and commit_clock, the stamp of a push-based decoder's Step
     "decoders/base.py",
     # the measurement loop's per-Step timestamps, a sample's wall time and CPU seconds; its forwards are timed by
     # ForwardCounter
-    "harness/measure.py",
+    "harness/measurement/measure.py",
     # a sample's time limit: wall and CPU seconds since it began, watched from a thread
-    "harness/deadline.py",
+    "harness/execution/deadline.py",
     # a child process's kill deadline (a whole cell)
-    "harness/isolation.py",
+    "harness/execution/isolation.py",
     # the machine-load probe's timestamps and this process's age (CPU share), no model forward
-    "harness/load.py",
+    "harness/measurement/load.py",
     # the Ray connection's time limit
-    "harness/ray_connect.py",
+    "harness/execution/ray_connect.py",
     # the SQLite lock's retry deadline
     "harness/store/schema.py",
     # a server's start-up deadline (the model runs in another process)
     "harness/serving/process.py",
     # the compile time of a whole precompile (many forwards: a section, reported apart from any forward's time)
-    "harness/hardware.py",
+    "harness/measurement/hardware.py",
     "decoders/static_kv.py",
     # request timestamps of an HTTP client (the model runs in another process), a failed request's among them
     "harness/serving/client.py",
     "harness/serving/failures.py",
     # the seconds a whole lossless check took (its cost, shown beside it)
-    "harness/lossless.py",
+    "harness/measurement/lossless.py",
     # the copy benchmark of the memory bandwidth: a tensor copy, no model forward
-    "harness/roofline.py",
+    "harness/calibration/roofline.py",
     # the probe of an energy counter's update interval: no model forward
-    "harness/energy.py",
+    "harness/measurement/energy.py",
     # the time a datastore takes to build: no model forward
     "decoders/datastore.py",
     # the seconds of whole doctor steps (a pytest child, a `dtbench run` child)
@@ -66,15 +66,15 @@ ALLOWED = {
     # the GPU check's log stamps and each whole step's seconds (steps run in child processes)
     "gpucheck/command.py",
     # the seconds a whole conformance check took (dtbench check's table; no timing is judged)
-    "harness/conformance_checks.py",
+    "dtbench/testing/checks.py",
     # the conformance kit's per-check deadlines in the parent (issue 65) and a killed check's seconds
-    "harness/conformance_process.py",
-    "dtbench/testing.py",
+    "dtbench/testing/process.py",
+    "dtbench/testing/__init__.py",
     # a plugin's import time limit in its probe child (issue 67 item 5): no model forward
-    "harness/plugin_probe.py",
+    "harness/execution/plugin_probe.py",
     # the kit's search deadline (a budget of whole examples, issue 66), and a served engine's check budget (the model
     # runs in another process)
-    "harness/conformance.py",
+    "dtbench/testing/common.py",
     "harness/serving/kit.py",
     "cli/check_server.py",
 }
@@ -122,12 +122,12 @@ def readers() -> dict[str, list[int]]:
 def test_only_the_forward_timer_and_the_listed_modules_read_the_clock():
     found = readers()
     others = {m: lines for m, lines in found.items() if m not in ALLOWED}
-    assert not others, f"time forwards with dtbench.harness.forwards.ForwardTimer, not the clock: {others}"
+    assert not others, f"time forwards with dtbench.harness.measurement.forwards.ForwardTimer, not the clock: {others}"
     assert ALLOWED <= set(found), f"no longer read the clock (remove from ALLOWED): {ALLOWED - set(found)}"
 
 
 def test_the_check_catches_a_clock_around_a_forward_in_the_calibration():
-    calibrate = (ROOT / "harness" / "calibrate.py").read_text(encoding="utf-8")
+    calibrate = (ROOT / "harness" / "calibration" / "calibrate.py").read_text(encoding="utf-8")
     assert clock_reads(calibrate) == []
     for added in (
         "import time\ndef f(m, x):\n    t0 = time.perf_counter()\n    m(x)\n    return time.perf_counter() - t0\n",
@@ -188,7 +188,7 @@ def sources() -> dict[str, str]:
 
 
 def test_the_clock_has_one_name():
-    """Before: ``dtbench.decoders.base.clock``, ``dtbench.harness.forwards.now`` and ``dtbench.harness.measure.now``
+    """Before: ``dtbench.decoders.base.clock``, ``dtbench.harness.measurement.forwards.now`` and ``dtbench.harness.measurement.measure.now``
     (re-exported) were one clock under three names."""
     found = {path: names for path, text in sources().items() if (names := clock_aliases(text))}
     assert found == {"decoders/base.py": ["clock"]}
@@ -200,14 +200,14 @@ def test_repeated_forward_timing_is_one_session_of_the_forward_timer():
     looped over ``ForwardTimer.time`` with a stop rule of their own. The GPU check's timing step compares each
     forward's CUDA events with its own wall time (no statistic), so its loop stays."""
     found = {path for path, text in sources().items() if timed_in_loops(text)}
-    assert found == {"harness/forwards.py", "gpucheck/timing.py"}
+    assert found == {"harness/measurement/forwards.py", "gpucheck/timing.py"}
     assert timed_in_loops("def f(timer, g):\n    return [timer.time(g) for _ in range(3)]\n") == [2]
     assert timed_in_loops("import time\nwhile True:\n    time.time()\n") == []
 
 
 # reading a calibration's costs, or an expected committed length, is the Pricer's (issue 68 item 1): a module of
 # reports/ or gpucheck/ that calls one of these itself re-derives a cost or a speedup beside the one pricing model
-PRICING = "reports/pricing.py"
+PRICING = "reports/pricing/pricing.py"
 COST_CALLS = {"cost", "batched_cost", "batched_prefill", "target_cost", "expected_tokens", "tree_budget"}
 
 
@@ -233,7 +233,7 @@ def cost_calls(source: str) -> list[tuple[int, str]]:
 
 def test_every_cost_and_speedup_is_priced_by_the_one_pricer():
     """Issue 68 item 1: no module of reports/ or gpucheck/ but the pricing model reads a calibration's cost or
-    computes E(K) itself; each goes through :class:`dtbench.reports.pricing.Pricer`."""
+    computes E(K) itself; each goes through :class:`dtbench.reports.pricing.pricing.Pricer`."""
     found = {}
     for folder in ("reports", "gpucheck"):
         for path in sorted((ROOT / folder).rglob("*.py")):

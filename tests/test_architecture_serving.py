@@ -70,11 +70,11 @@ def test_no_module_outside_the_serving_layer_imports_the_server_entry():
 
 def test_the_import_check_sees_an_outside_import():
     edges = {
-        "dtbench.harness.cells": {"dtbench.decoders.server"},
+        "dtbench.harness.measurement.cells": {"dtbench.decoders.server"},
         "dtbench.harness.serving.client": {"dtbench.decoders.server"},
         "dtbench.decoders.engines.params": {"dtbench.decoders.base"},
     }
-    assert outside_imports(edges) == ["dtbench.harness.cells -> dtbench.decoders.server"]
+    assert outside_imports(edges) == ["dtbench.harness.measurement.cells -> dtbench.decoders.server"]
 
 
 def test_reports_do_not_tell_a_server_by_its_param_names():
@@ -128,7 +128,7 @@ def test_the_server_entry_cannot_run_as_a_decoder():
     import inspect
 
     from dtbench.decoders.server import Server
-    from dtbench.harness.measurers import measurer_name
+    from dtbench.harness.measurement.measurers import measurer_name
 
     assert inspect.isabstract(Server) and "generate" in Server.__abstractmethods__
     assert measurer_name(Server) == "served"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,13 +33,13 @@ from dtbench.decoders.hf_assisted import HFGenerate
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.ngram import Ngram, NgramParams
 from dtbench.decoders.suffix import SuffixDecoding
-from dtbench.harness import measure
-from dtbench.harness import models as harness_models
-from dtbench.harness.grouping import CellKey, batch_groups
-from dtbench.harness.plan import plan_suite
+from dtbench.harness.measurement import measure
+from dtbench.harness.models import loading as harness_models
 from dtbench.harness.store import db
-from dtbench.harness.suitefile import parse_suite
-from dtbench.harness.testkit import SHARP, VOCAB
+from dtbench.harness.suites.grouping import CellKey, batch_groups
+from dtbench.harness.suites.plan import plan_suite
+from dtbench.harness.suites.suitefile import parse_suite
+from dtbench.testing.fixtures import SHARP, VOCAB
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -470,7 +471,7 @@ class _Row:
 def synthetic_curves():
     """Forward costs of a compute-bound target: c_B(n) = 1 ms x max(1, B x n / 8) (flat until 8 tokens in the
     forward, then linear); a draft token costs 0.1 ms."""
-    from dtbench.harness.curves import Curves
+    from dtbench.harness.calibration.curves import Curves
 
     rows = []
     for b in (1, 2, 4, 8, 16):
@@ -485,7 +486,7 @@ def synthetic_curves():
 
 
 def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
-    from dtbench.reports.costmodel_batch import best_k_at, budget_at, predicted_batch_speedup
+    from dtbench.reports.pricing.costmodel_batch import B1Params, best_k_at, budget_at, predicted_batch_speedup
 
     curves = synthetic_curves()
     assert curves.batch_sizes() == [2, 4, 8, 16]
@@ -493,12 +494,12 @@ def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
     assert curves.batched_cost(4, 64, 6) == pytest.approx(3e-3)  # between B=4 and B=8, linear in B
     assert curves.batched_cost(4, 64, 1) == pytest.approx(1e-3)  # B = 1: the plain curve
     # a chain decoder committing 3 tokens per iteration, verifying 5, drafting 4 tokens per row (0.4 ms)
-    chain = {"L": 3.0, "n": 5.0, "d": 4e-4}
-    s = {b: predicted_batch_speedup(curves, chain, b, 64, "chain") for b in (1, 2, 4, 8, 16)}
+    chain = B1Params(L=3.0, n=5.0, d=4e-4)
+    s = {b: predicted_batch_speedup(curves, chain, b, 64) for b in (1, 2, 4, 8, 16)}
     assert s[1] == pytest.approx(3 * 1e-3 / (1e-3 + 4e-4))  # memory-bound: verifying is nearly free
     assert s[1] > s[2] > s[4] > s[8] >= s[16] and s[16] < 1 < s[1]  # compute-bound at large B: B* exists
-    ar = {"L": 1.0, "n": 1.0, "d": 0.0}
-    assert all(predicted_batch_speedup(curves, ar, b, 64, "ar") == pytest.approx(1.0) for b in (1, 4, 16))
+    ar = B1Params(L=1.0, n=1.0, d=0.0, family="ar")
+    assert all(predicted_batch_speedup(curves, ar, b, 64) == pytest.approx(1.0) for b in (1, 4, 16))
     # the best K shrinks as B grows (drafts stop being free), the node budget too
     p = [0.8] * 8
     ks = {b: best_k_at(curves, p, 1e-4, b, 64)[0] for b in (1, 16)}
@@ -509,7 +510,7 @@ def test_batched_curves_interpolate_in_b_and_the_prediction_crosses_one():
 def test_a_batch_pays_for_its_widest_row():
     """Issue 39 item 5: ragged drafts are padded to the widest row, so a copy method that drafts 10 tokens in one
     iteration of five verifies 11 per row at B = 16 in nearly every iteration; the mean width (3) undercounts it."""
-    from dtbench.reports.costmodel_batch import predicted_batch_speedup, widest_of, width_distribution
+    from dtbench.reports.pricing.costmodel_batch import B1Params, predicted_batch_speedup, widest_of, width_distribution
 
     widths = width_distribution([1, 1, 1, 1, 11])
     assert widths == {1: 0.8, 11: pytest.approx(0.2)}
@@ -518,21 +519,19 @@ def test_a_batch_pays_for_its_widest_row():
     assert at16[1] == pytest.approx(0.8**16) and at16[11] == pytest.approx(1 - 0.8**16)
     assert sum(widest_of({1: 0.5, 3: 0.25, 9: 0.25}, 4).values()) == pytest.approx(1.0)
     curves = synthetic_curves()
-    mean = {"L": 1.2, "n": 3.0, "d": 0.0, "family": "chain"}
-    padded = {**mean, "widths": widths}
+    mean = B1Params(L=1.2, n=3.0, d=0.0, family="chain")
+    padded = replace(mean, widths=widths)
     # B = 16: c_16(11) = 22 ms in 97% of iterations vs c_16(3) = 6 ms at the mean width
-    assert predicted_batch_speedup(curves, padded, 16, 64, "chain") < 0.5 * predicted_batch_speedup(
-        curves, mean, 16, 64, "chain"
-    )
+    assert predicted_batch_speedup(curves, padded, 16, 64) < 0.5 * predicted_batch_speedup(curves, mean, 16, 64)
     expected = 1.2 * 2e-3 / (0.8**16 * 2e-3 + (1 - 0.8**16) * 22e-3)
-    assert predicted_batch_speedup(curves, padded, 16, 64, "chain") == pytest.approx(expected)
+    assert predicted_batch_speedup(curves, padded, 16, 64) == pytest.approx(expected)
 
 
 def test_the_whole_cell_prediction_pays_the_prefill_of_b_prompts():
     """Measured speedups are whole-cell ratios: with the prefill of B prompts calibrated, ar and the decoder both pay
     it (and a draft model one draft prefill per row), so a slow decoder's speedup is pulled toward 1."""
-    from dtbench.harness.curves import Curves
-    from dtbench.reports.costmodel_batch import predicted_batch_speedup
+    from dtbench.harness.calibration.curves import Curves
+    from dtbench.reports.pricing.costmodel_batch import B1Params, predicted_batch_speedup
 
     rows = list(synthetic_curves().rows)
     rows += [_Row("target", 16, 4e-3, cache_len=0)] + [
@@ -543,16 +542,16 @@ def test_the_whole_cell_prediction_pays_the_prefill_of_b_prompts():
     assert curves.batched_prefill(16, 1) == pytest.approx(4e-3)
     assert curves.batched_prefill(16, 3) == pytest.approx(12e-3)  # linear in B between calibrated sizes
     assert Curves(synthetic_curves().rows).batched_prefill(16, 4) is None  # a calibration from before issue 39
-    ar = {"L": 1.0, "L_dec": 1.0, "n": 1.0, "d": 0.0, "iters": 32.0, "samples": 1.0, "widths": {1: 1.0}}
-    assert all(predicted_batch_speedup(curves, ar, b, 64, "ar", 32, 16) == pytest.approx(1.0) for b in (1, 2, 4))
+    ar = B1Params(L=1.0, L_dec=1.0, n=1.0, d=0.0, iters=32.0, samples=1.0, widths={1: 1.0}, family="ar")
+    assert all(predicted_batch_speedup(curves, ar, b, 64, 32, 16) == pytest.approx(1.0) for b in (1, 2, 4))
     # 4 drafts per decode iteration at 0.1 ms each (draft_s 0.4 ms x 8 iterations + one 1 ms draft prefill)
-    chain = {"L": 4.0, "L_dec": 31 / 7, "n": 5.0, "d": (7 * 4e-4 + 1e-3) / 8, "iters": 8.0, "samples": 1.0}
-    chain.update(widths={5: 1.0}, has_draft=True)
-    at4 = predicted_batch_speedup(curves, chain, 4, 64, "chain", 32, 16)
+    chain = B1Params(L=4.0, L_dec=31 / 7, n=5.0, d=(7 * 4e-4 + 1e-3) / 8, iters=8.0, samples=1.0)
+    chain = replace(chain, widths={5: 1.0}, has_draft=True)
+    at4 = predicted_batch_speedup(curves, chain, 4, 64, 32, 16)
     ar_time = 16e-3 + 31 * curves.batched_cost(1, 64, 4)
     spec_time = 16e-3 + 4 * 1e-3 + 7 * (curves.batched_cost(5, 64, 4) + 4 * 4e-4)
     assert at4 == pytest.approx(ar_time / spec_time)
-    steady = predicted_batch_speedup(curves, chain, 4, 64, "chain")
+    steady = predicted_batch_speedup(curves, chain, 4, 64)
     assert abs(at4 - 1) < abs(steady - 1)  # the shared prefill pulls the ratio toward 1
 
 
@@ -560,7 +559,7 @@ def test_a_batch_replays_its_rows_b1_iterations():
     """Issue 39 item 5: a group at B replays its rows' B = 1 iterations (greedy lossless rows commit the same tokens
     in the same iterations at any B): each iteration verifies the widest active row's width over the rows still
     decoding, every active row pays its own draft seconds, and the speedup is the ratio of mean group throughputs."""
-    from dtbench.reports.batch_replay import RowTrace, replay_group, replay_speedup
+    from dtbench.reports.pricing.batch_replay import RowTrace, replay_group, replay_speedup
 
     curves = synthetic_curves()  # c_B(n) = 1 ms x max(1, B x n / 8); no prefill calibrated: none is priced
     fast = RowTrace(widths=(5, 5), committed=(5, 2), seconds=1e-4, tokens=8, draft_prefill=0.0)
@@ -580,10 +579,13 @@ def test_a_batch_replays_its_rows_b1_iterations():
 
 def test_an_external_loop_gets_no_batch_prediction():
     """hf_generate and servers run their own loop: the steady-state model has nothing to price them with."""
-    from dtbench.reports.costmodel_batch import priced
+    from dtbench.reports.pricing.costmodel_batch import B1Params, priced
 
-    assert priced({"family": "chain"}) and priced({"family": "tree"}) and priced({"family": "ar"})
-    assert not priced({"family": "external"}) and not priced(None)
+    def of(family: str) -> B1Params:
+        return B1Params(L=1.0, n=1.0, d=0.0, family=family)
+
+    assert priced(of("chain")) and priced(of("tree")) and priced(of("ar"))
+    assert not priced(of("external")) and not priced(None)
 
 
 def test_calibration_visits_every_point_in_interleaved_passes(monkeypatch):
@@ -591,7 +593,7 @@ def test_calibration_visits_every_point_in_interleaved_passes(monkeypatch):
     not curve after curve, so a slow spell of the machine does not skew one curve; a point's repeats are over all its
     visits; the B = 1 curves of one cache share it (cropped back after each forward)."""
     from dtbench.decoders import kv
-    from dtbench.harness import calibrate
+    from dtbench.harness.calibration import calibrate
 
     fed: list[tuple[str, int, int]] = []  # (kind, rows, new tokens) of every forward, warmups included
 
@@ -648,7 +650,7 @@ def test_calibration_visits_every_point_in_interleaved_passes(monkeypatch):
 def test_speedup_vs_batch_figure_bands_prediction_and_b_star():
     import pandas as pd
 
-    from dtbench.reports.plotting import speedup_vs_batch
+    from dtbench.reports.rendering.plotting import speedup_vs_batch
 
     measured = pd.DataFrame(
         [
@@ -672,7 +674,7 @@ def test_a_calibrated_run_reports_speedup_vs_b_with_prediction_and_figure(monkey
     (measured with CI, predicted), B* lines and the mean absolute error; --figures writes the figure."""
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate_run
+    from dtbench.harness.calibration import calibrate_run
 
     monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     suite = suite_dict(

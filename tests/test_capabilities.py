@@ -13,8 +13,9 @@ import pytest
 from kit import fast_calibration_settings, install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 from dtbench.decoders.base import FAMILIES, Decoder
-from dtbench.harness import calibrate as cal
-from dtbench.harness import calibrate_run, registry
+from dtbench.harness import registry
+from dtbench.harness.calibration import calibrate as cal
+from dtbench.harness.calibration import calibrate_run
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -104,8 +105,8 @@ def test_every_builtin_declares_a_family_and_sizes_from_params_alone():
 
 
 def test_plugin_sizes_drive_calibration(plugins):
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suitefile import parse_suite
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suitefile import parse_suite
 
     suite = parse_suite(
         json.dumps(

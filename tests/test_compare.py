@@ -11,8 +11,8 @@ from scipy import stats
 
 from dtbench.cli.main import cli
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.compare import Gate, compare_runs, mann_whitney
-from dtbench.reports.summary import samples_frame
+from dtbench.reports.views.compare import Gate, compare_runs, mann_whitney
+from dtbench.reports.views.summary import samples_frame
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -26,7 +26,7 @@ from dtbench.decoders.dynatree import DynaTree
 from dtbench.decoders.fixed_tree import FixedTree
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.ngram import Ngram, NgramParams
-from dtbench.harness import roofline
+from dtbench.harness.calibration import roofline
 from dtbench.harness.store import db
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -66,28 +66,14 @@ DECODERS = [
 # is the conformance kit's compiled_equals_eager check since issue 56: tests/test_conformance_compiled.py.
 
 
-def test_hf_generate_runs_nothing_through_dtbench_static_caches(compiled_zoo):
-    """hf_generate declares no compiled sizes (transformers compiles its own decoding forward), so its compile step
-    compiles no bucket of dtbench's: none of its forwards may go through one."""
-    from dtbench.decoders.hf_assisted import HFGenerate, HFGenerateParams
-
-    target, _ = compiled_zoo
-    prompt = [5, 9, 11, 4, 7]
-    decoder = HFGenerate(target, None, HFGenerateParams())
-    tokens, _ = in_compiled(decoder, prompt, 12)
-    assert tokens == run_decoder(Autoregressive(target, None, ARParams()), prompt, 12)
-    assert decoder.compiled_sizes(decoder.params) == ((), ())
-    assert not EXECUTION.used.get((id(target), 1))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_decoders_pass_the_tie_aware_check_at_reduced_precision(dtype):
     """At the precision people run (bf16 here; fp16 on the GPU node), compiled decoders are checked as every cell is:
     each emitted token is the target's greedy choice given the decoder's own prefix, numeric near ties allowed
-    (harness/lossless.py), with zero errors; float32 token for token against eager ar."""
+    (harness/measurement/lossless.py), with zero errors; float32 token for token against eager ar."""
     import copy
 
-    from dtbench.harness import lossless
+    from dtbench.harness.measurement import lossless
 
     base, drafted = model_zoo()["perturbed"]  # shared by other tests: copied, never cast in place
     target, draft = copy.deepcopy(base).to(dtype), copy.deepcopy(drafted).to(dtype)
@@ -336,7 +322,7 @@ def test_the_cost_model_names_each_models_regime_and_leaves_compiled_cells_unpri
 ):
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate_run
+    from dtbench.harness.calibration import calibrate_run
 
     monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 2}, "execution": ["eager"]}]
@@ -384,8 +370,8 @@ def test_more_buckets_than_dynamos_default_limit_all_compile(monkeypatch):
 def test_compiled_ar_has_the_eager_ar_as_its_reference(pair, tmp_path, executions):
     """Compiled ar is checked against eager ar (issue 46 item 6): a compiled-only suite gets an implicit eager ar,
     and every compiled decoder's reference is the eager one."""
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suitefile import parse_suite
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suitefile import parse_suite
 
     suite = suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}], execution=executions)
     plan = plan_suite(parse_suite(yaml.safe_dump(suite)))

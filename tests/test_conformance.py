@@ -32,7 +32,7 @@ def test_builtin(decoder, check):
 
 def test_every_builtin_declares_valid_settings():
     """Every built-in's declared settings validate (a bad declaration would fail every check, late)."""
-    from dtbench.harness.conformance import PRECISIONS, CheckContext, pair, settings_of
+    from dtbench.testing.common import PRECISIONS, CheckContext, pair, settings_of
 
     ctx = CheckContext(pair("llama", "self", 8.0, PRECISIONS["cpu"])[0])
     for name in BUILTINS:

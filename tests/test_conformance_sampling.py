@@ -28,8 +28,8 @@ def test_a_wrong_rule_for_a_later_draft_fails_the_sampling_check(monkeypatch, le
     from dtbench.decoders import chain
     from dtbench.decoders.linear import LinearSpeculative
     from dtbench.decoders.sampling import sample
-    from dtbench.harness import conformance_sampling
     from dtbench.testing import check_decoder
+    from dtbench.testing import sampling as conformance_sampling
 
     real = chain.verify_chain_sampled
 

@@ -23,15 +23,17 @@ from models import examples, model_zoo
 
 from dtbench.decoders import base as decoder_base
 from dtbench.decoders.tree import N_MAX_AUTO_CEILING
-from dtbench.harness import calibrate as cal
-from dtbench.harness import calibrate_run, forwards, machine, measure, registry
-from dtbench.harness import curves as curves_mod
-from dtbench.harness.models import LoadedModel
-from dtbench.harness.observation import sample_row
-from dtbench.harness.plan import plan_suite
-from dtbench.harness.suitefile import parse_suite
-from dtbench.harness.testkit import VOCAB
-from dtbench.reports import costmodel, pricing
+from dtbench.harness import registry
+from dtbench.harness.calibration import calibrate as cal
+from dtbench.harness.calibration import calibrate_run
+from dtbench.harness.calibration import curves as curves_mod
+from dtbench.harness.measurement import forwards, machine, measure
+from dtbench.harness.measurement.observation import sample_row
+from dtbench.harness.models.loading import LoadedModel
+from dtbench.harness.suites.plan import plan_suite
+from dtbench.harness.suites.suitefile import parse_suite
+from dtbench.reports.pricing import costmodel, pricing
+from dtbench.testing.fixtures import VOCAB
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -246,14 +248,14 @@ def test_predictions_are_exact_for_every_builtin_decoder(name, data, table):
         clock.detach()
     row = sample_row(m, type("P", (), {"index": 0, "document": "", "token_ids": prompt})(), False, None)
     priced = pricing.price_sample(curves, json.loads(json.dumps(row["step_stats"])))
-    assert not priced["approx"]
-    assert priced["predicted_s"] == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
+    assert not priced.approx
+    assert priced.predicted_s == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
     # the runner's forward timer sees exactly the clock's movement: all of it happens inside forwards
     timed = row["step_stats"]["forward_s"]
     assert timed["target"] + (timed["draft"] or 0.0) == pytest.approx(row["total_s"], rel=1e-9, abs=1e-12)
-    assert timed["target"] == pytest.approx(priced["target_s"], rel=1e-9, abs=1e-12)
+    assert timed["target"] == pytest.approx(priced.target_s, rel=1e-9, abs=1e-12)
     if not cls.needs_draft:
-        assert priced["draft_s"] == 0
+        assert priced.draft_s == 0
 
 
 @settings(max_examples=examples(40), deadline=None)
@@ -286,8 +288,8 @@ def test_price_of_random_step_sequences_is_the_sum_of_forward_costs(table, steps
             stats[f"{role}_fed"].append(mine)
             expected[role] += sum(cost(role, n, past, flags) for n, past, flags in mine)
     priced = pricing.price_sample(curves, stats)
-    assert priced["target_s"] == pytest.approx(expected["target"], rel=1e-9, abs=1e-12)
-    assert priced["draft_s"] == pytest.approx(expected["draft"], rel=1e-9, abs=1e-12)
+    assert priced.target_s == pytest.approx(expected["target"], rel=1e-9, abs=1e-12)
+    assert priced.draft_s == pytest.approx(expected["draft"], rel=1e-9, abs=1e-12)
 
 
 def test_old_samples_without_per_forward_records_are_priced_approximately():
@@ -303,8 +305,8 @@ def test_old_samples_without_per_forward_records_are_priced_approximately():
     priced = pricing.price_sample(
         curves, {"target_forwards": [1, 1], "target_tokens": [4, 4], "draft_forwards": None, "draft_tokens": None}
     )
-    assert priced["approx"] and priced["draft_s"] == 0
-    assert priced["target_s"] == pytest.approx(2 * 0.04)
+    assert priced.approx and priced.draft_s == 0
+    assert priced.target_s == pytest.approx(2 * 0.04)
 
 
 # --- chain decoders: per-position acceptance and the best K ---------------------------------------------------------

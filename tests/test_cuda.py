@@ -6,7 +6,7 @@ Collected everywhere and skipped with a reason without a GPU. On a GPU they chec
   a real model, so near-ties are rare), and in float16 every emitted token passes a teacher-forced, tie-aware check:
   its logit is within :data:`FP16_TIE_LOGITS` of the best logit the target gives at that position over the same
   prefix (fp16 rounding differs between a chain/tree verification and one full forward);
-- CUDA-event forward times (:class:`~dtbench.harness.measure.ForwardCounter`) agree with the wall clock around
+- CUDA-event forward times (:class:`~dtbench.harness.measurement.measure.ForwardCounter`) agree with the wall clock around
   synchronized forwards within :data:`EVENT_REL_TOL` (relative) + :data:`EVENT_ABS_TOL_S`;
 - NVML's per-process peak memory is at least the torch allocator's peak (NVML adds the CUDA context and the
   allocator's cache) and not more than :data:`NVML_OVER_ALLOCATOR` above it;
@@ -22,12 +22,13 @@ import time
 import pytest
 import torch
 
-from dtbench.harness import models, registry
-from dtbench.harness.measure import ForwardCounter, MemoryTracker, measure
-from dtbench.harness.observation import sample_row
-from dtbench.harness.prompt import Prompt
-from dtbench.harness.suite import ModelSpec
-from dtbench.harness.testkit import HEAD, builtin_settings
+from dtbench.harness import registry
+from dtbench.harness.data.prompt import Prompt
+from dtbench.harness.measurement.measure import ForwardCounter, MemoryTracker, measure
+from dtbench.harness.measurement.observation import sample_row
+from dtbench.harness.models import loading as models
+from dtbench.harness.suites.suite import ModelSpec
+from dtbench.testing.fixtures import HEAD, builtin_settings
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -74,7 +75,7 @@ def prompt(embedded, data_dir):
 def build(name: str, params: dict, target, draft, tmp_path):
     cls = registry.get(name)
     if params.get("head") == HEAD:  # a random head in the published format, sized for the target
-        from dtbench.harness.testkit import write_eagle, write_medusa
+        from dtbench.testing.fixtures import write_eagle, write_medusa
 
         cfg = target.config
         write = write_medusa if name == "medusa" else write_eagle
@@ -146,10 +147,10 @@ def test_ray_executor_one_worker_per_gpu(tmp_path, data_dir):
     from rich.console import Console
     from sqlalchemy import select
 
-    from dtbench.harness.executors import RayExecutor
-    from dtbench.harness.runner import run_suite
+    from dtbench.harness.execution.executors import RayExecutor
+    from dtbench.harness.execution.runner import run_suite
     from dtbench.harness.store import db
-    from dtbench.harness.suitefile import load_suite
+    from dtbench.harness.suites.suitefile import load_suite
 
     suite = suite_dict(*tiny_pair(tmp_path), [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}], device="cuda")
     for role in ("target", "draft"):

@@ -1,4 +1,4 @@
-"""harness/data.py, sources.py and selection.py: the hub's parquet path (offline, on parquet files written here), provenance, held-out
+"""harness/data/datasets.py, sources.py and selection.py: the hub's parquet path (offline, on parquet files written here), provenance, held-out
 selection (``skip``), and that the tuning suite's prompts share no document with any benchmark suite's."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dtbench.harness import data, selection, sources
+from dtbench.harness.data import datasets as data
+from dtbench.harness.data import selection, sources
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.suite import DatasetSpec
-from dtbench.harness.suitefile import load_suite
+from dtbench.harness.suites.suite import DatasetSpec
+from dtbench.harness.suites.suitefile import load_suite
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -147,7 +148,7 @@ def test_skip_leaves_out_the_documents_of_smaller_selections():
 def test_tuning_prompts_come_from_other_documents_than_every_benchmark(data_dir):
     """suites/dynatree-tuning.yaml against every suite that measures the embedded pair on the same datasets:
     the prompts it tunes on and the prompts the benchmarks measure share no document."""
-    from dtbench.harness import models
+    from dtbench.harness.models import loading as models
 
     tuning, _ = load_suite(SUITES / "dynatree-tuning.yaml")
     tokenizer = models.load_tokenizer(tuning.target)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from kit import invoke, one_line_error, tiny_pair, write_suite
 
-from dtbench.harness import data
-from dtbench.harness.suite import DatasetSpec
+from dtbench.harness.data import datasets as data
+from dtbench.harness.suites.suite import DatasetSpec
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

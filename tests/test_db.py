@@ -14,9 +14,9 @@ from sqlalchemy.exc import IntegrityError
 
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
-from dtbench.harness.measure import measure
-from dtbench.harness.observation import sample_row
-from dtbench.harness.prompt import Prompt
+from dtbench.harness.data.prompt import Prompt
+from dtbench.harness.measurement.measure import measure
+from dtbench.harness.measurement.observation import sample_row
 from dtbench.harness.store import db
 from dtbench.harness.values import first_divergence
 
@@ -201,11 +201,11 @@ def test_json_timestamps_bytes_and_unique_constraints_behave_the_same(sessions):
 
 
 def test_the_sample_record_is_the_samples_table():
-    """One declaration of a sample's columns (harness/sample.py): the table holds exactly its fields, and the types
+    """One declaration of a sample's columns (harness/measurement/sample.py): the table holds exactly its fields, and the types
     agree on nullability (a field with a default of None is a nullable column)."""
     import dataclasses
 
-    from dtbench.harness.sample import COLUMNS, SampleRecord
+    from dtbench.harness.measurement.sample import COLUMNS, SampleRecord
     from dtbench.harness.store.db import Sample
 
     table = {c.name: c for c in Sample.__table__.columns}
@@ -217,7 +217,7 @@ def test_the_sample_record_is_the_samples_table():
 def test_a_row_with_an_unknown_or_missing_column_is_refused():
     import pytest
 
-    from dtbench.harness.sample import SampleRecord
+    from dtbench.harness.measurement.sample import SampleRecord
 
     with pytest.raises(ValueError, match="not sample columns: bogus"):
         SampleRecord.from_row({"bogus": 1})
@@ -228,8 +228,8 @@ def test_a_row_with_an_unknown_or_missing_column_is_refused():
 def test_a_reference_without_times_has_none():
     """Issue 58 item 6: ``Reference``'s ``total_s`` defaulted to a ``dataclasses.Field`` object (a NamedTuple is no
     dataclass), so a reference built without its wall time carried that object into ``timeout_s: auto``."""
-    from dtbench.harness.deadline import cpu_timeout
-    from dtbench.harness.sample import Reference
+    from dtbench.harness.execution.deadline import cpu_timeout
+    from dtbench.harness.measurement.sample import Reference
 
     ref = Reference([[1, 2, 3]])
     assert ref.total_s is None and ref.cpu_s is None

@@ -15,15 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_suite_reference_is_current():
     """docs/suite-reference.md is what the schema's field descriptions generate (a changed field, default or
-    description makes it stale: run `python -m dtbench.harness.suitedoc --write`)."""
-    from dtbench.harness.suitedoc import DOC, reference_markdown
+    description makes it stale: run `python -m dtbench.harness.suites.suitedoc --write`)."""
+    from dtbench.harness.suites.suitedoc import DOC, reference_markdown
 
-    assert DOC.read_text() == reference_markdown(), "stale: python -m dtbench.harness.suitedoc --write"
+    assert DOC.read_text() == reference_markdown(), "stale: python -m dtbench.harness.suites.suitedoc --write"
 
 
 def test_the_reference_check_can_fail(monkeypatch):
-    from dtbench.harness import suitedoc
-    from dtbench.harness.suite import Suite
+    from dtbench.harness.suites import suitedoc
+    from dtbench.harness.suites.suite import Suite
 
     before = suitedoc.reference_markdown()
     monkeypatch.setattr(Suite.model_fields["seed"], "description", "changed")

@@ -21,7 +21,7 @@ from kit import suite_dict, tiny_pair, write_suite
 
 from dtbench.cli import doctor, offline
 from dtbench.cli.main import cli
-from dtbench.harness.suitefile import load_suite
+from dtbench.harness.suites.suitefile import load_suite
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -249,8 +249,8 @@ def test_amdsmi_without_rocm_is_detected_for_removal(tmp_path):
 
 
 def test_ray_import_failure_is_one_line(monkeypatch):
-    from dtbench.harness import ray_executor
     from dtbench.harness.errors import DtbenchError
+    from dtbench.harness.execution import ray_executor
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(DtbenchError, match="pip install 'dtbench\\[ray\\]'|Ray"):

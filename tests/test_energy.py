@@ -15,15 +15,23 @@ from models import model_zoo
 from rich.console import Console
 from sqlalchemy import select
 
-from dtbench.harness import energy
-from dtbench.harness.energy import COUNTER_RESET, MEASURED, TOO_SHORT, UNAVAILABLE, Counter, EnergyTracker, Meter
-from dtbench.harness.measure import measure
-from dtbench.harness.metrics import BY_NAME
-from dtbench.harness.observation import sample_row
-from dtbench.harness.prompt import Prompt
-from dtbench.harness.runner import run_suite
+from dtbench.harness.data.prompt import Prompt
+from dtbench.harness.execution.runner import run_suite
+from dtbench.harness.measurement import energy
+from dtbench.harness.measurement.energy import (
+    COUNTER_RESET,
+    MEASURED,
+    TOO_SHORT,
+    UNAVAILABLE,
+    Counter,
+    EnergyTracker,
+    Meter,
+)
+from dtbench.harness.measurement.measure import measure
+from dtbench.harness.measurement.metrics import BY_NAME
+from dtbench.harness.measurement.observation import sample_row
 from dtbench.harness.store import db
-from dtbench.harness.suitefile import load_suite
+from dtbench.harness.suites.suitefile import load_suite
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

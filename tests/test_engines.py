@@ -10,8 +10,8 @@ from kit import install_plugin, invoke, one_line_error, write_suite
 
 from dtbench.decoders.engines import engine_for, engine_names, load_engine_plugins, schedule_engines
 from dtbench.decoders.server import ServerParams, parse_chunk, request_body
-from dtbench.harness.observation import Served, sample_row
-from dtbench.harness.prompt import Prompt
+from dtbench.harness.data.prompt import Prompt
+from dtbench.harness.measurement.observation import Served, sample_row
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -66,7 +66,7 @@ def test_a_plugin_engine_is_one_class_and_one_entry_point(monkeypatch, tmp_path)
     assert chunk.tokens == [7, 8] and chunk.text == "ab"
     assert engine_for("my-engine").acceptance(chunk.counters, 4)["steps"] == 2
     assert "my-engine" in engine_names() and "my-engine" in schedule_engines()
-    from dtbench.reports.schedule import engine_config
+    from dtbench.reports.pricing.schedule import engine_config
 
     assert engine_config("my-engine", [(1, 2, 3), (4, 4, 0)]) == {"k_by_batch": {2: 3, 4: 0}}
 
@@ -116,7 +116,7 @@ def test_a_served_request_is_a_row_of_the_one_row_builder():
 def test_one_tie_rule_decides_both_lossless_checks(monkeypatch):
     import torch
 
-    from dtbench.harness import lossless
+    from dtbench.harness.measurement import lossless
     from dtbench.harness.serving import check_request
 
     params = ServerParams(base_url="http://127.0.0.1:1", tie_margin=0.01)

@@ -17,7 +17,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.hf_assisted import HFAssisted, HFAssistedParams
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpecParams, StreamingSpeculative
-from dtbench.harness.testkit import VOCAB
+from dtbench.testing.fixtures import VOCAB
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -106,7 +106,7 @@ def test_streaming_spec_equals_streaming_ar(on, kind, prompt, T, k, sinks, windo
 def test_hf_assisted_after_another_decoder_and_after_a_first_prompt(on):
     """The two orders in which hf_assisted crashed on CUDA when generate ran in a greenlet (issues 38, 47): after
     another decoder in the same process, and on its second prompt. Both through the measurement loop, as a cell runs."""
-    from dtbench.harness.measure import measure
+    from dtbench.harness.measurement.measure import measure
 
     device, dtype, rule = on
     target, draft = device_zoo(device, dtype)["perturbed"]

@@ -1,4 +1,4 @@
-"""Every speculative cell explains its speedup with no calibration (issue 58 item 2, reports/explain.py): the time
+"""Every speculative cell explains its speedup with no calibration (issue 58 item 2, reports/pricing/explain.py): the time
 split, the draft/target cost per forward and the speedup the measured costs and acceptance allow, checked on a fake
 clock against hand-computed values."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from dtbench.decoders import base as decoder_base
-from dtbench.harness import forwards, measure
-from dtbench.harness.conformance import PRECISIONS, pair
-from dtbench.harness.observation import sample_row
-from dtbench.harness.testkit import FLAT
-from dtbench.reports import explain
-from dtbench.reports.pricing import MeasuredCosts, Pricer
+from dtbench.harness.measurement import forwards, measure
+from dtbench.harness.measurement.observation import sample_row
+from dtbench.reports.pricing import explain
+from dtbench.reports.pricing.pricing import MeasuredCosts, Pricer
+from dtbench.testing.common import PRECISIONS, pair
+from dtbench.testing.fixtures import FLAT
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -152,8 +152,8 @@ def test_cost_model_report_explains_each_cell_and_the_calibration_takes_over(tmp
     from kit import invoke
     from reportdb import add_cell, add_run
 
-    from dtbench.harness import calibrate_run
-    from dtbench.harness.calibrate import Point
+    from dtbench.harness.calibration import calibrate_run
+    from dtbench.harness.calibration.calibrate import Point
     from dtbench.harness.store import db
 
     path = tmp_path / "r.db"

@@ -9,10 +9,10 @@ import torch
 
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.roles import drafting, forward_role
-from dtbench.harness.forwards import ForwardCounter
-from dtbench.harness.measure import measure
-from dtbench.harness.observation import measured_columns
-from dtbench.harness.testkit import tiny_model
+from dtbench.harness.measurement.forwards import ForwardCounter
+from dtbench.harness.measurement.measure import measure
+from dtbench.harness.measurement.observation import measured_columns
+from dtbench.testing.fixtures import tiny_model
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 CPU = torch.device("cpu")

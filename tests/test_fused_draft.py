@@ -21,9 +21,9 @@ from dtbench.decoders import draft_region, static_kv
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.chain import DRAFT_FEEDS
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
-from dtbench.harness import host_reads
-from dtbench.harness.measure import measure
-from dtbench.harness.testkit import VOCAB
+from dtbench.harness.measurement import host_reads
+from dtbench.harness.measurement.measure import measure
+from dtbench.testing.fixtures import VOCAB
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -9,7 +9,7 @@ import pytest
 from kit import invoke, one_line_error, suite_dict, tiny_pair, write_suite
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports.goodput import goodput_frame, meets, parse_slos, wilson
+from dtbench.reports.views.goodput import goodput_frame, meets, parse_slos, wilson
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -90,7 +90,7 @@ def test_goodput_of_a_run_with_batch_sizes(pair, tmp_path, data_dir):
 
 
 def test_schedule_ranges_and_engine_terms():
-    from dtbench.reports.schedule import engine_config, ranges
+    from dtbench.reports.pricing.schedule import engine_config, ranges
 
     rows = pd.DataFrame({"batch_size": [1, 2, 4, 8, 16], "best_k": [4, 4, 2, 0, 0]})
     spans = ranges(rows)
@@ -107,7 +107,7 @@ def test_schedule_ranges_and_engine_terms():
 def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_path, data_dir):
     from kit import fast_calibration_settings
 
-    from dtbench.harness import calibrate_run
+    from dtbench.harness.calibration import calibrate_run
 
     monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     decoders = [{"name": "ar"}, {"name": "linear", "label": "linear", "sweep": {"k": [1, 3]}}]
@@ -134,18 +134,20 @@ def test_schedule_of_a_calibrated_k_sweep_at_batch_sizes(monkeypatch, pair, tmp_
 
 def test_a_proposers_own_cpu_time_is_priced_as_draft_cost():
     """Issue 39 item 5: seconds outside forwards per iteration beyond ar's are the proposer's, paid per row."""
-    from dtbench.harness.grouping import PointKey
-    from dtbench.reports.costmodel_batch import price_proposers
+    from dtbench.harness.suites.grouping import PointKey
+    from dtbench.reports.pricing.costmodel_batch import B1Params, price_proposers
 
     g = PointKey("d", 128, 64)
-    params = {
-        (g, "ar"): {"family": "ar", "outside": 0.001, "d": 0.0, "n": 1.0, "draft_tokens_s": 0.0},
-        (g, "ngram"): {"family": "chain", "outside": 0.004, "d": 0.0, "n": 4.0, "draft_tokens_s": 0.0},
-        (g, "linear"): {"family": "chain", "outside": 0.0005, "d": 0.01, "n": 5.0, "draft_tokens_s": 0.0025},
-        (g, "unknown"): {"family": "chain", "outside": None, "d": 0.0, "n": 3.0, "draft_tokens_s": 0.0},
+    given = {
+        (g, "ar"): B1Params(L=1.0, n=1.0, d=0.0, family="ar", outside=0.001),
+        (g, "ngram"): B1Params(L=2.0, n=4.0, d=0.0, family="chain", outside=0.004),
+        (g, "linear"): B1Params(L=2.0, n=5.0, d=0.01, draft_tokens_s=0.0025, family="chain", outside=0.0005),
+        (g, "unknown"): B1Params(L=2.0, n=3.0, d=0.0, family="chain", outside=None),
     }
-    price_proposers(params)
-    assert params[(g, "ngram")]["d"] == pytest.approx(0.003)
-    assert params[(g, "ngram")]["draft_tokens_s"] == pytest.approx(0.001)  # over its 3 drafted tokens
-    assert params[(g, "linear")]["d"] == pytest.approx(0.01)  # less outside time than ar: nothing added
-    assert params[(g, "unknown")]["proposer_s"] == 0.0 and params[(g, "ar")]["d"] == 0.0
+    params = price_proposers(given)
+    assert params[(g, "ngram")].d == pytest.approx(0.003) and params[(g, "ngram")].proposer_s == pytest.approx(0.003)
+    assert params[(g, "ngram")].draft_tokens_s == pytest.approx(0.001)  # over its 3 drafted tokens
+    assert given[(g, "ngram")].d == 0.0  # frozen: the given parameters are not changed
+    assert params[(g, "unknown")].d == 0.0  # its outside time unknown: nothing added
+    assert params[(g, "linear")].d == pytest.approx(0.01)  # less outside time than ar: nothing added
+    assert params[(g, "unknown")].proposer_s == 0.0 and params[(g, "ar")].d == 0.0

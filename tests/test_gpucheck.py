@@ -201,7 +201,7 @@ def test_lossless_step_passes_and_fails_a_corrupt_decoder(tmp_path, monkeypatch)
     assert res["ok"] and {r["decoder"] for r in res["rows"]} == {"ar", "linear", "dynatree"}
     assert {r["rule"] for r in res["rows"]} == {"exact", "tie_aware"} and len(lines) == len(res["rows"])
 
-    from dtbench.harness import measure as measure_mod
+    from dtbench.harness.measurement import measure as measure_mod
 
     real = measure_mod.measure
 
@@ -238,7 +238,7 @@ def test_overhead_step_is_differential(tmp_path, small_pair, monkeypatch):
     with known times, then once on the real small models (structure only: CPU timings under load are noise)."""
     from types import SimpleNamespace
 
-    from dtbench.harness import measure as measure_mod
+    from dtbench.harness.measurement import measure as measure_mod
 
     def fake(decoder, prompt, T, device, **kw):  # 1 s prefill + 0.5 s forwards; each iteration 2 s wall, 1.5 s fwd
         iters = T // 2

@@ -1,5 +1,5 @@
-"""Issue 58 items 3 and 4: one frozen key for a prompt group and a cell (:class:`~dtbench.harness.grouping.GroupKey`,
-:class:`~dtbench.harness.grouping.CellKey`) used by the sink, the served measurer and Ray; a Ray actor gets the
+"""Issue 58 items 3 and 4: one frozen key for a prompt group and a cell (:class:`~dtbench.harness.suites.grouping.GroupKey`,
+:class:`~dtbench.harness.suites.grouping.CellKey`) used by the sink, the served measurer and Ray; a Ray actor gets the
 driver's plan once and never plans the suite with its own registry; the local measurer's state is a typed value and
 its ``finish`` returns columns; the runner names every cell's measurer (no store hook)."""
 
@@ -16,11 +16,11 @@ import yaml
 from kit import suite_dict, tiny_pair, write_suite
 from rich.console import Console
 
-from dtbench.harness import plan as plan_module
 from dtbench.harness import registry
-from dtbench.harness.grouping import CellKey, GroupKey
-from dtbench.harness.plan import plan_suite
-from dtbench.harness.suitefile import parse_suite
+from dtbench.harness.suites import plan as plan_module
+from dtbench.harness.suites.grouping import CellKey, GroupKey
+from dtbench.harness.suites.plan import plan_suite
+from dtbench.harness.suites.suitefile import parse_suite
 
 TIER = "full"  # tests/conftest.py: runs whole suites on tiny models in this process
 
@@ -59,11 +59,11 @@ def test_a_group_key_is_frozen_unique_and_names_the_dataset_entry_not_its_name(p
 
 
 def test_a_ray_actor_measures_the_drivers_plan_without_planning(pair, monkeypatch):
-    """The actor's body (:class:`~dtbench.harness.ray_executor.RayWorker`, here in this process) is given the
+    """The actor's body (:class:`~dtbench.harness.execution.ray_executor.RayWorker`, here in this process) is given the
     driver's plan once (a pickled snapshot) and each task a group's key: it plans nothing and reads no registry.
     Before, it called ``plan_suite`` with its own registry (and without the driver's ``--data-dir``)."""
-    from dtbench.harness.ray_executor import RayWorker
-    from dtbench.harness.worker import PlanSnapshot, installed_versions
+    from dtbench.harness.execution.ray_executor import RayWorker
+    from dtbench.harness.execution.worker import PlanSnapshot, installed_versions
 
     suite = parse_suite(yaml.safe_dump(suite_dict(*pair, [{"name": "ar"}, {"name": "linear", "params": {"k": 2}}])))
     plan = plan_suite(suite)
@@ -99,7 +99,7 @@ def test_a_ray_actor_measures_the_drivers_plan_without_planning(pair, monkeypatc
 
 
 def _prompt(tokenizer, index: int):
-    from dtbench.harness.prompt import Prompt
+    from dtbench.harness.data.prompt import Prompt
 
     ids = tokenizer("The quick brown fox jumps over the lazy dog", add_special_tokens=False)["input_ids"]
     return Prompt(index=index, document="doc", token_ids=tuple(ids))
@@ -109,7 +109,7 @@ def _prompt(tokenizer, index: int):
 def test_a_missing_plugin_on_a_node_is_one_line():
     """A node without a plugin the driver's plan uses cannot load the plan: one line saying what to install."""
     from dtbench.harness.errors import DtbenchError
-    from dtbench.harness.worker import PlanSnapshot
+    from dtbench.harness.execution.worker import PlanSnapshot
 
     broken = b"cdtbench_absent_plugin\nStall\n."  # a pickle naming a class of a module this node lacks
     with pytest.raises(DtbenchError, match="cannot load the driver's plan: ModuleNotFoundError") as exc:
@@ -123,10 +123,10 @@ def test_a_served_and_a_local_cell_store_the_same_key_fields(pair, tmp_path, dat
     its groups' keys and the measurer the runner names, and samples of the same prompts and repeats; each entry's
     cell gets its own server. Before, the served measurer keyed its servers on the dataset's name, so entry ``b``
     reused the server launched for ``a`` (one log, not two)."""
-    from dtbench.harness.runner import run_suite
+    from dtbench.harness.execution.runner import run_suite
     from dtbench.harness.serving import LOG_DIR_ENV
     from dtbench.harness.store import db
-    from dtbench.harness.suitefile import load_suite
+    from dtbench.harness.suites.suitefile import load_suite
 
     monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path / "logs"))
     fake = Path(__file__).resolve().parent / "fakeserver.py"
@@ -179,8 +179,8 @@ def test_the_local_measurers_finish_returns_its_columns_and_leaves_the_row_alone
     Before, ``finish`` set ``row["step_stats"]["compiled"]`` in place from an untyped state dict."""
     from types import MappingProxyType, SimpleNamespace
 
-    from dtbench.harness.local_measurer import LocalMeasurer, LocalState
-    from dtbench.harness.measurers import Measured
+    from dtbench.harness.measurement.local_measurer import LocalMeasurer, LocalState
+    from dtbench.harness.measurement.measurers import Measured
 
     measurer = LocalMeasurer(None, None, "cpu", SimpleNamespace(lossless_check="exact"))  # type: ignore[arg-type]
     cp = SimpleNamespace(cls=SimpleNamespace(lossless=False, needs_draft=False), sampling=None)
@@ -194,15 +194,15 @@ def test_the_local_measurers_finish_returns_its_columns_and_leaves_the_row_alone
 
 
 def test_reports_key_groups_by_typed_keys_never_by_tuples():
-    """Issue 68 item 4: the reports' group key is CellKey (its point a PointKey), never harness.metrics' 4-tuple
+    """Issue 68 item 4: the reports' group key is CellKey (its point a PointKey), never harness.measurement.metrics' 4-tuple
     ``group_key`` nor a key sliced by position."""
     import re
     from pathlib import Path
 
-    from dtbench.harness.grouping import CellKey, PointKey
+    from dtbench.harness.suites.grouping import CellKey, PointKey
 
     root = Path(__file__).resolve().parents[1]
-    for path in (root / "reports").glob("*.py"):
+    for path in (root / "reports").rglob("*.py"):
         text = path.read_text()
         assert "group_key(" not in text, path.name
         assert not re.search(r"\bkey\[:3\]|\bk\[:3\]|\)\[:3\]", text), path.name

@@ -53,7 +53,7 @@ def _stored_db(folder) -> str:
 
 
 def test_run_on_a_read_only_database_fails_before_loading_models(tmp_path, monkeypatch):
-    from dtbench.harness import models
+    from dtbench.harness.models import loading as models
 
     _as_non_root(monkeypatch)
     path = _stored_db(tmp_path / "ro")
@@ -101,8 +101,8 @@ def test_the_run_records_file_hashes_and_stop_at_eos(tmp_path, data_dir):
     from kit import save_tiny_llama
     from sqlalchemy import create_engine, text
 
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     target = save_tiny_llama(tmp_path / "target", models.load_tokenizer(ModelSpec()))
     tokens = npy_file(tmp_path, "t.npy", np.array([5, 6, 7, 8, -1, 5, 6, 9], dtype=np.int64))
@@ -137,8 +137,8 @@ def test_the_run_records_file_hashes_and_stop_at_eos(tmp_path, data_dir):
 def test_hub_models_and_heads_record_their_commit(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from dtbench.harness import fingerprint
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import fingerprint
+    from dtbench.harness.suites.suite import ModelSpec
 
     loaded = SimpleNamespace(config=SimpleNamespace(_commit_hash="a" * 40))
     assert fingerprint.model(ModelSpec(model="org/model"), loaded) == {"hub_id": "org/model", "revision": "a" * 40}

@@ -105,7 +105,7 @@ def test_rest_own_seed_and_a_too_small_skip_are_refused(tmp_path):
 def _head(tmp_path, kind: str, config: dict | None = None, tensors=None) -> str:
     """A tiny head folder (heads_kit's published layouts, hidden 32, vocabulary 96), config.json updated with
     ``config`` (a non-dict replaces it), the weights changed by ``tensors``."""
-    from dtbench.harness.testkit import write_eagle, write_medusa
+    from dtbench.testing.fixtures import write_eagle, write_medusa
 
     folder = tmp_path / kind
     if kind == "medusa":
@@ -175,7 +175,7 @@ HEAD_CASES = {
 @pytest.mark.parametrize("case", sorted(HEAD_CASES))
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_bad_heads_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
-    from dtbench.harness import models
+    from dtbench.harness.models import loading as models
 
     kind, config, tensors, needle = HEAD_CASES[case]
     head = _head(tmp_path, kind, config, tensors)
@@ -238,7 +238,7 @@ TOKEN_FILES = {
 def test_bad_tokens_files_are_one_line_before_models_load(tmp_path, monkeypatch, case, command):
     import numpy as np
 
-    from dtbench.harness import models
+    from dtbench.harness.models import loading as models
 
     name, make, needle = TOKEN_FILES[case]
     path = npy_file(tmp_path, name, make(np))
@@ -287,7 +287,7 @@ def test_rest_tokens_outside_the_vocabulary_are_refused_when_the_models_load(tmp
     used to crash generation with IndexError, exit 4)."""
     import numpy as np
 
-    from dtbench.harness import local_measurer as cells
+    from dtbench.harness.measurement import local_measurer as cells
 
     path = npy_file(tmp_path, "t.npy", np.array([5, 6, 7, -1, 60_000, 8, 9], dtype=np.int64))
     monkeypatch.setattr(cells, "measure_rows", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
@@ -353,7 +353,7 @@ def test_a_proposer_returning_more_drafts_than_asked_is_refused(batched):
     import torch
 
     from dtbench import api
-    from dtbench.harness.testkit import tiny_llama
+    from dtbench.testing.fixtures import tiny_llama
 
     torch.manual_seed(0)
     model = tiny_llama(seed=0).eval()

@@ -24,8 +24,8 @@ TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 def _evil_folder(root, marker):
     """A local model folder whose config maps AutoConfig/AutoModelForCausalLM/AutoTokenizer to code in the folder;
     importing that code creates ``marker``."""
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     folder = root / "evil-model"
     folder.mkdir()
@@ -87,8 +87,8 @@ def test_every_load_passes_trust_remote_code_false(monkeypatch):
     """models.py's loaders hand transformers an explicit trust_remote_code (False unless the spec opts in)."""
     import transformers
 
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     seen = []
 
@@ -255,7 +255,8 @@ TEMPLATES = {
 @pytest.mark.parametrize("kind", sorted(TEMPLATES))
 @pytest.mark.parametrize("command", ["validate", "run"])
 def test_chat_template_failures_are_one_line_before_models_load(tmp_path, monkeypatch, kind, command):
-    from dtbench.harness import chat, models
+    from dtbench.harness.data import chat
+    from dtbench.harness.models import loading as models
 
     monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0, raising=False)  # raising: the test fails on old code too
     text, needle = TEMPLATES[kind]
@@ -274,7 +275,7 @@ def test_chat_template_failures_are_one_line_before_models_load(tmp_path, monkey
 
 def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
     """Rendered with the reference's real answer (after validate rendered a placeholder), turn 2 fails its cells."""
-    from dtbench.harness import chat
+    from dtbench.harness.data import chat
 
     class Tok:
         special_tokens_map: dict = {}
@@ -289,7 +290,7 @@ def test_a_later_turn_the_template_fails_on_fails_its_cells(tmp_path):
         "{% for m in messages %}{% if m.content == 'BOOM' %}{{ raise_exception('bad answer') }}{% endif %}"
         "{{ m.content }}{% endfor %}"
     )
-    from dtbench.harness.prompt import Prompt
+    from dtbench.harness.data.prompt import Prompt
 
     renderer = chat.Renderer(Tok(), template, None, 64, "t.jinja")
     prompts = chat.ChatPrompts(

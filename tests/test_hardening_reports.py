@@ -107,8 +107,8 @@ def test_huge_run_ids_are_no_such_run(tmp_path, args):
 
 def test_every_error_line_is_escaped(tmp_path, monkeypatch):
     """The CLI's one error line escapes whatever message reaches it (a DtbenchError or an internal error)."""
-    from dtbench.harness import suitefile
     from dtbench.harness.errors import DtbenchError
+    from dtbench.harness.suites import suitefile
 
     for exc, prefix in (
         (DtbenchError("bad \x1b]0;title\x07 thing"), "error: "),
@@ -213,8 +213,8 @@ def test_a_speedup_that_is_not_lossless_is_marked_and_never_best(tmp_path):
 def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
     import reportdb
 
-    from dtbench.reports.summary import get_run, samples_frame, summarize
-    from dtbench.reports.tuning import best_setting
+    from dtbench.reports.pricing.tuning import best_setting
+    from dtbench.reports.views.summary import get_run, samples_frame, summarize
 
     with reportdb.connect(_lossy_db(tmp_path))() as s:
         summary = summarize(samples_frame(s, get_run(s, None).id))
@@ -225,7 +225,7 @@ def test_best_setting_skips_cells_that_failed_the_lossless_check(tmp_path):
 def test_exact_rule_note_agrees_with_its_verdict():
     """'yes 2/2 (1 tie)' under the exact rule: the tie did not change the output, so the note must not say that the
     exact rule counts ties as divergences."""
-    from dtbench.reports.notes import lossless_notes
+    from dtbench.reports.views.notes import lossless_notes
 
     row = {
         "label": "linear",
@@ -296,8 +296,8 @@ def test_a_server_speedup_is_against_its_plain_server_in_every_report(tmp_path):
     rows = {r["label"]: r for r in json.loads(result.stdout)["cells"]}
     assert rows["spec"]["speedup"] == pytest.approx(0.4)  # 40 / 100, never 40 / 1 against ar in this process
     assert rows["plain"]["speedup"] is None  # a plain server against ar would be an engine-vs-harness comparison
-    from dtbench.reports.compare import speedup_table
-    from dtbench.reports.summary import samples_frame
+    from dtbench.reports.views.compare import speedup_table
+    from dtbench.reports.views.summary import samples_frame
 
     with reportdb.connect(path)() as session:
         table = speedup_table(samples_frame(session, run.id)).set_index("label")
@@ -328,7 +328,7 @@ def _batched_run(path, remainder_accepted: list[int]):
 
 
 def test_the_profile_leaves_out_the_remainder_the_cell_table_leaves_out(tmp_path):
-    from dtbench.reports import profile_report as profile
+    from dtbench.reports.views import profile_report as profile
 
     path = tmp_path / "r.db"
     rid = _batched_run(path, [2, 2, 2])
@@ -366,8 +366,8 @@ def test_profile_report_writes_no_file_unless_asked(tmp_path, monkeypatch, fmt):
 def test_cost_model_tables_name_their_predicted_speedup(tmp_path, data_dir, monkeypatch):
     from kit import fast_calibration_settings, suite_dict, tiny_pair
 
-    from dtbench.harness import calibrate_run
-    from dtbench.reports import costmodel_batch
+    from dtbench.harness.calibration import calibrate_run
+    from dtbench.reports.pricing import costmodel_batch
 
     monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     suite = suite_dict(

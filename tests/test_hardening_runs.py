@@ -47,9 +47,9 @@ def test_resuming_a_live_run_is_refused_before_models_load(tmp_path, monkeypatch
 
     from sqlalchemy import select
 
-    from dtbench.harness import models
+    from dtbench.harness.models import loading as models
     from dtbench.harness.store import db
-    from dtbench.harness.suitefile import load_suite, suite_hash
+    from dtbench.harness.suites.suitefile import load_suite, suite_hash
 
     path = write_suite(tmp_path, TINY)
     _, text = load_suite(path)
@@ -115,7 +115,7 @@ class _Paced:
 def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
     import torch
 
-    from dtbench.harness.measure import SampleTimeout, measure
+    from dtbench.harness.measurement.measure import SampleTimeout, measure
 
     cpu = torch.device("cpu")
     m = measure(_Paced(0.3, spin=False), [1, 2], 4, cpu, timeout_s=None, cpu_timeout_s=0.5)  # 1.2 s wall, ~0 CPU
@@ -126,7 +126,7 @@ def test_cpu_limit_spares_a_descheduled_decoder_and_stops_a_spinning_one():
 
 @pytest.mark.fast  # keeps the module's subject in the fast tier (issue 57)
 def test_auto_timeout_uses_the_reference_cpu_time():
-    from dtbench.harness import deadline as runner
+    from dtbench.harness.execution import deadline as runner
 
     assert runner.cpu_timeout("auto", 4.2, 8.0) == (runner.AUTO_TIMEOUT_REFERENCE_S, 80.0)
     assert runner.cpu_timeout("auto", 300.0, 2.0) == (3000.0, 60.0)
@@ -136,7 +136,7 @@ def test_auto_timeout_uses_the_reference_cpu_time():
 
 def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     """run_group passes the reference's CPU seconds to measure_cell, which sets the CPU limit from them."""
-    from dtbench.harness import local_measurer as runner
+    from dtbench.harness.measurement import local_measurer as runner
 
     seen = []
     monkeypatch.setattr(
@@ -158,11 +158,11 @@ def test_references_hand_their_cpu_time_to_the_next_decoders(monkeypatch):
     suite = SimpleNamespace(timeout_s="auto", seed=0)
     prompt = SimpleNamespace(index=0, token_ids=(1, 2))
     target = SimpleNamespace(model=None)
-    from dtbench.harness.sample import Reference
+    from dtbench.harness.measurement.sample import Reference
 
     group = SimpleNamespace(batch_size=1, gen_length=4, warmup=False, prompt_index=0, prompt_indices=(0,))
     runner.measure_cell(cp, [prompt], group, Reference([[5] * 4], 4.2, 8.0), target, None, None, suite)
-    from dtbench.harness.deadline import AUTO_TIMEOUT_REFERENCE_S
+    from dtbench.harness.execution.deadline import AUTO_TIMEOUT_REFERENCE_S
 
     assert seen == [(AUTO_TIMEOUT_REFERENCE_S, 80.0)]
 
@@ -323,8 +323,8 @@ def test_an_interrupted_run_marks_cells_with_samples_interrupted_and_keeps_every
     from kit import install_plugin, suite_dict
     from sqlalchemy import select
 
-    from dtbench.harness.cells import Outcome
-    from dtbench.harness.runner import commit_outcome
+    from dtbench.harness.execution.runner import commit_outcome
+    from dtbench.harness.measurement.cells import Outcome
     from dtbench.harness.store import db
 
     site = tmp_path / "site"

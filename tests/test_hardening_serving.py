@@ -27,7 +27,7 @@ TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 def test_run_prints_no_password(tmp_path, monkeypatch):
     """`run` ends with 'run N stored in URL': the URL's password is masked. (The database and the run are stubbed:
     no PostgreSQL server is needed to see what is printed.)"""
-    from dtbench.harness import runner
+    from dtbench.harness.execution import runner
     from dtbench.harness.store import db
 
     real_connect = db.connect
@@ -176,7 +176,7 @@ def test_ray_imports_beside_an_amdsmi_without_rocm(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     probe = (
         "import json, os, subprocess, sys\n"
-        "from dtbench.harness.ray_executor import import_ray\n"
+        "from dtbench.harness.execution.ray_executor import import_ray\n"
         "ray = import_ray()\n"
         "child = subprocess.run([sys.executable, '-c', 'import ray; print(\"worker ok\")'], capture_output=True,"
         " text=True, env=os.environ)\n"

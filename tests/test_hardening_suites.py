@@ -98,7 +98,7 @@ def test_largest_seed_and_timeout_validate(tmp_path):
 
 
 def test_include_fan_out_reads_each_file_once(tmp_path, monkeypatch):
-    from dtbench.harness import suitefile
+    from dtbench.harness.suites import suitefile
 
     for i in range(5):
         body = {"include": [f"f{i + 1}.yaml"] * 10} if i < 4 else tiny_suite()
@@ -170,8 +170,8 @@ def test_validate_warns_about_cuda_without_cuda(tmp_path, monkeypatch):
 
 
 def test_hub_id_ignored_with_a_data_dir_is_noted(tmp_path, data_dir, capfd):
-    from dtbench.harness import data
-    from dtbench.harness.suite import DatasetSpec
+    from dtbench.harness.data import datasets as data
+    from dtbench.harness.suites.suite import DatasetSpec
 
     spec = DatasetSpec.model_validate({"name": "wikitext-2", "prompts": 2, "warmup": 1, "hub_id": "me/wiki"})
     data.load_documents(spec, str(data_dir))
@@ -179,7 +179,7 @@ def test_hub_id_ignored_with_a_data_dir_is_noted(tmp_path, data_dir, capfd):
 
 
 def test_chat_template_file_of_a_device():
-    from dtbench.harness import chat
+    from dtbench.harness.data import chat
     from dtbench.harness.errors import DtbenchError
 
     with pytest.raises(DtbenchError, match="not a regular file"):

@@ -24,7 +24,7 @@ from dtbench.decoders.medusa import MC_SIM_7B_63, Medusa, MedusaDrafter, MedusaP
 from dtbench.decoders.medusa_head import load_medusa
 from dtbench.decoders.tree import speculate_tree
 from dtbench.decoders.tree.structure import TokenTree
-from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama, tiny_neox, write_eagle, write_medusa
+from dtbench.testing.fixtures import SHARP, VOCAB, tiny_llama, tiny_neox, write_eagle, write_medusa
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -385,9 +385,9 @@ decoders:
 
 
 def test_calibration_covers_the_declared_verify_sizes():
-    from dtbench.harness.calibrate import decoder_sizes
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suitefile import parse_suite
+    from dtbench.harness.calibration.calibrate import decoder_sizes
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suitefile import parse_suite
 
     suite = parse_suite("""
 name: heads
@@ -426,11 +426,11 @@ decoders:
 
 
 def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve(heads):
-    from dtbench.harness.measure import measure
-    from dtbench.harness.observation import sample_row
-    from dtbench.harness.prompt import Prompt
-    from dtbench.reports.costmodel import uses_draft_model
-    from dtbench.reports.pricing import price_sample
+    from dtbench.harness.data.prompt import Prompt
+    from dtbench.harness.measurement.measure import measure
+    from dtbench.harness.measurement.observation import sample_row
+    from dtbench.reports.pricing.costmodel import uses_draft_model
+    from dtbench.reports.pricing.pricing import price_sample
 
     class Flat:  # every forward of either role costs 1 s
         def roles(self):
@@ -446,8 +446,8 @@ def test_the_cost_model_does_not_price_head_forwards_with_the_draft_models_curve
     assert stats["forward_s"]["draft"] > 0
     as_draft = price_sample(Flat(), stats)
     head = price_sample(Flat(), stats, draft_model=False)
-    assert as_draft["draft_s"] == sum(stats["draft_forwards"]) and not as_draft["approx"]
-    assert head["draft_s"] == 0.0 and head["approx"] and head["target_s"] == as_draft["target_s"]
+    assert as_draft.draft_s == sum(stats["draft_forwards"]) and not as_draft.approx
+    assert head.draft_s == 0.0 and head.approx and head.target_s == as_draft.target_s
     # the database says which cells ran the draft model: the runner records cells.draft_model only for those
     from types import SimpleNamespace
 
@@ -493,7 +493,7 @@ def test_the_recorded_node_budget_predicts_the_acceptance_of_smaller_trees(heads
     """eagle records, per accepted token, how many best-scored drafted nodes its tree needed. Rerun with exactly
     the budget the run needed, the same oracle accepts the same tokens in every iteration; every accepted token is
     accounted for once; the cost model turns the record into a speedup per total_token."""
-    from dtbench.reports.pricing import budget_speedups
+    from dtbench.reports.pricing.pricing import budget_speedups
 
     target = TARGETS[1]
     head = load_eagle(str(heads[1]), target)
@@ -529,7 +529,7 @@ def test_a_calibrated_run_prices_eagle_and_predicts_its_best_total_token(tmp_pat
     from kit import fast_calibration_settings, suite_dict, tiny_pair, write_suite
 
     import dtbench.cli.main  # noqa: F401  (imported before Settings is patched: its options read the defaults)
-    from dtbench.harness import calibrate_run
+    from dtbench.harness.calibration import calibrate_run
 
     monkeypatch.setattr(calibrate_run, "Settings", fast_calibration_settings())
     target, draft = tiny_pair(tmp_path)

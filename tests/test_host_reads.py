@@ -26,7 +26,8 @@ import torch
 from models import COMPILED_MAX_LEN, model_zoo
 
 from dtbench.decoders import static_kv
-from dtbench.harness import host_reads, registry
+from dtbench.harness import registry
+from dtbench.harness.measurement import host_reads
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -38,7 +39,7 @@ EXECUTION = static_kv.Execution(max_len=COMPILED_MAX_LEN)
 
 
 def reads_per_iteration(decoder, compiled: bool, counted: bool = False) -> tuple[list[int], list]:
-    """(host reads during each iteration, the Steps), through the harness's counter (harness/host_reads.py);
+    """(host reads during each iteration, the Steps), through the harness's counter (harness/measurement/host_reads.py);
     ``counted``: with the measurement's forward counter and timer installed."""
     ex = EXECUTION if compiled else None
     counts = host_reads.reads_per_iteration(decoder, PROMPT, T, torch.device("cpu"), ex, counted=counted)
@@ -150,7 +151,7 @@ def test_no_graph_break_in_any_compiled_region(name, params):
     used to trace them and break at ``Tensor.item()`` and ``time.perf_counter`` at every step)."""
     import torch._dynamo.utils as dynamo_utils
 
-    from dtbench.harness.measure import measure
+    from dtbench.harness.measurement.measure import measure
 
     decoder = build(name, params, compiled=True)
     dynamo_utils.counters["graph_break"].clear()  # only these: the run summary counts inductor's graphs (conftest)
@@ -168,10 +169,10 @@ def test_no_graph_break_in_any_compiled_region(name, params):
 @pytest.mark.full  # compiles (issue 57)
 @pytest.mark.parametrize("name", ["ar", "hf_generate"])
 def test_compiled_forwards_are_counted_at_their_kv_positions(name):
-    """The hooks' KV positions (read without the device, harness/forwards.past_length) are the positions each forward
+    """The hooks' KV positions (read without the device, harness/measurement/forwards.past_length) are the positions each forward
     really attended: compiled, every forward's (new tokens, past) equals eager's (one token per forward here, so
     no bucket padding differs)."""
-    from dtbench.harness.measure import measure
+    from dtbench.harness.measurement.measure import measure
 
     def fed(compiled: bool) -> list:
         decoder = build(name, {}, compiled)

@@ -32,6 +32,8 @@ def modules() -> dict[str, Path]:
             out[".".join(["dtbench", *parts])] = f
     for name in CORE:
         out[f"dtbench.{name}"] = ROOT / "dtbench" / f"{name}.py"
+    for f in sorted((ROOT / "dtbench" / "testing").glob("*.py")):  # the conformance kit's public home
+        out["dtbench.testing" if f.stem == "__init__" else f"dtbench.testing.{f.stem}"] = f
     return out
 
 
@@ -222,9 +224,9 @@ def test_the_core_imports_no_other_dtbench_module():
 
 
 def test_reports_read_the_database_not_the_registry_or_calibration():
-    """Reports read the database; the documented exceptions: the tuning line's decoder defaults (reports/tuning.py
+    """Reports read the database; the documented exceptions: the tuning line's decoder defaults (reports/pricing/tuning.py
     default_params) name installed decoders' params, and the schedule report states a schedule in an engine's terms,
-    which its adapter knows (reports/schedule.py, dtbench.decoders.engines; issue 40)."""
+    which its adapter knows (reports/pricing/schedule.py, dtbench.decoders.engines; issue 40)."""
     edges, _ = imports(modules())
     bad = sorted(
         f"{m} -> {t}"
@@ -234,20 +236,20 @@ def test_reports_read_the_database_not_the_registry_or_calibration():
         if t
         in (
             "dtbench.harness.registry",
-            "dtbench.harness.calibrate",
-            "dtbench.harness.calibrate_run",
-            "dtbench.harness.plan",
-            "dtbench.harness.worker",
-            "dtbench.harness.cells",
-            "dtbench.harness.hardware",
-            "dtbench.harness.local_measurer",
-            "dtbench.harness.models",
+            "dtbench.harness.calibration.calibrate",
+            "dtbench.harness.calibration.calibrate_run",
+            "dtbench.harness.suites.plan",
+            "dtbench.harness.execution.worker",
+            "dtbench.harness.measurement.cells",
+            "dtbench.harness.measurement.hardware",
+            "dtbench.harness.measurement.local_measurer",
+            "dtbench.harness.models.loading",
         )
         or t.startswith("dtbench.decoders")
     )
     assert bad == [
-        "dtbench.reports.schedule -> dtbench.decoders.engines",
-        "dtbench.reports.tuning -> dtbench.harness.registry",
+        "dtbench.reports.pricing.schedule -> dtbench.decoders.engines",
+        "dtbench.reports.pricing.tuning -> dtbench.harness.registry",
     ]
 
 
@@ -303,10 +305,10 @@ def test_store_is_a_package_by_its_seams():
     outside = sorted({t for m, ts in edges.items() if m.startswith(store) for t in ts if not t.startswith(store)})
     assert outside == [
         "dtbench.core",
-        "dtbench.harness.bounds",
         "dtbench.harness.errors",
         "dtbench.harness.safetext",
-        "dtbench.harness.suitefile",
+        "dtbench.harness.suites.bounds",
+        "dtbench.harness.suites.suitefile",
     ]
     serving = "dtbench.harness.serving"
     assert not [f"{m} -> {t}" for m, ts in edges.items() if m.startswith(serving) for t in ts if t.startswith(store)]
@@ -355,8 +357,8 @@ def test_loading_a_suite_imports_no_torch(tmp_path):
         "name: s\ndatasets: [{name: wikitext-2, prompts: 2, warmup: 0, L_max: 16}]\n"
         "generation_lengths: [4]\ndecoders: [{name: ar}]\n"
     )
-    loaded = _fresh_import(f"from dtbench.harness.suitefile import load_suite\nload_suite({str(suite)!r})")
-    assert "dtbench.harness.suite" in loaded and "torch" not in loaded
+    loaded = _fresh_import(f"from dtbench.harness.suites.suitefile import load_suite\nload_suite({str(suite)!r})")
+    assert "dtbench.harness.suites.suite" in loaded and "torch" not in loaded
     assert "torch" not in _fresh_import("import dtbench.core")
 
 

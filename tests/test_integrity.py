@@ -16,7 +16,8 @@ import pytest
 from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, write_suite
 from sqlalchemy import func, select
 
-from dtbench.harness import deadline, registry
+from dtbench.harness import registry
+from dtbench.harness.execution import deadline
 from dtbench.harness.store import db, runs
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)

@@ -14,10 +14,10 @@ import pytest
 from kit import install_plugin, invoke, suite_dict, tiny_pair, write_suite
 from sqlalchemy import select
 
-from dtbench.harness.isolation import isolation_of
-from dtbench.harness.proctree import signal_name
+from dtbench.harness.execution.isolation import isolation_of
+from dtbench.harness.execution.proctree import signal_name
 from dtbench.harness.store import db
-from dtbench.harness.suite import Suite
+from dtbench.harness.suites.suite import Suite
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 

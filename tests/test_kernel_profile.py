@@ -1,4 +1,4 @@
-"""The GPU check's forward profile (issue 46 item 3; harness/kernel_profile.py), on the CPU: host ops are listed with
+"""The GPU check's forward profile (issue 46 item 3; harness/measurement/kernel_profile.py), on the CPU: host ops are listed with
 their time and share, per call; the device fields stay empty off CUDA."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtbench.harness.kernel_profile import profile_call
-from dtbench.harness.testkit import tiny_model
+from dtbench.harness.measurement.kernel_profile import profile_call
+from dtbench.testing.fixtures import tiny_model
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -1,6 +1,6 @@
 """The machine's load with every cell and repeats (issue 41 items 2 and 3).
 
-The load is read by :func:`dtbench.harness.load.probe`; the runner tests inject its readings (a machine with three
+The load is read by :func:`dtbench.harness.measurement.load.probe`; the runner tests inject its readings (a machine with three
 busy loops beside the run, a quiet one), so their verdicts do not depend on what else this machine runs; one smoke
 test reads the real machine."""
 
@@ -18,8 +18,8 @@ import yaml
 from kit import invoke, suite_dict, tiny_pair, write_suite
 from sqlalchemy import select
 
-from dtbench.harness import load
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.measurement import load
 from dtbench.harness.store import db
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -228,8 +228,8 @@ def test_min_groups_repeats_the_groups_of_points_with_few(tmp_path):
     ``repeats`` and the raised count wins."""
     from collections import Counter
 
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suitefile import parse_suite
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suitefile import parse_suite
 
     def groups(**extra):
         suite = suite_dict(tmp_path, tmp_path, [{"name": "ar"}], batch_sizes=[1, 4, 8], **extra)

@@ -36,7 +36,7 @@ def queries_on_cells(path: Path) -> list[str]:
 def test_only_the_loader_queries_a_runs_cells():
     """Issue 58 item 1: "one loader of a run's cells for every report"; before it seven modules wrote their own
     ``select(Cell ...)`` (costmodel, schedule, engine, profile_report, costmodel_batch, predict, summary)."""
-    outside = [hit for f in sorted(REPORTS.glob("*.py")) if f.name != "loading.py" for hit in queries_on_cells(f)]
+    outside = [hit for f in sorted(REPORTS.rglob("*.py")) if f.name != "loading.py" for hit in queries_on_cells(f)]
     assert outside == [], f"query cells through reports/loading.py, not: {outside}"
     assert queries_on_cells(REPORTS / "loading.py")  # the rule's detector sees the loader's own queries
 

@@ -1,4 +1,4 @@
-"""The tie-aware lossless check (issue 20, harness/lossless.py): a numeric near tie is told from a decoder bug, every
+"""The tie-aware lossless check (issue 20, harness/measurement/lossless.py): a numeric near tie is told from a decoder bug, every
 emitted token is checked against the target's greedy choice given the decoder's own prefix, verdicts and exit codes
 follow the suite's ``lossless_check`` rule.
 
@@ -20,10 +20,10 @@ from models import examples
 from sqlalchemy import select
 
 from dtbench.decoders import kv
-from dtbench.harness import lossless, measure
-from dtbench.harness import models as harness_models
+from dtbench.harness.measurement import lossless, measure
+from dtbench.harness.models import loading as harness_models
 from dtbench.harness.store import db
-from dtbench.harness.testkit import SHARP, VOCAB, tiny_llama
+from dtbench.testing.fixtures import SHARP, VOCAB, tiny_llama
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

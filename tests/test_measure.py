@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from dtbench.harness import machine, memory
+from dtbench.harness.measurement import machine, memory
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

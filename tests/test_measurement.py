@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from models import examples, model_zoo
 
 from dtbench.harness import registry
-from dtbench.harness.measure import ForwardCounter, measure
-from dtbench.harness.observation import sample_row
-from dtbench.harness.prompt import Prompt
-from dtbench.harness.testkit import HEAD, STORE, builtin_settings, write_eagle, write_medusa
+from dtbench.harness.data.prompt import Prompt
+from dtbench.harness.measurement.measure import ForwardCounter, measure
+from dtbench.harness.measurement.observation import sample_row
+from dtbench.testing.fixtures import HEAD, STORE, builtin_settings, write_eagle, write_medusa
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

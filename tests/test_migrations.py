@@ -274,7 +274,7 @@ def test_0006_renames_prompt_cap_to_l_max_keeping_values_and_old_suites_parse(ol
     says prompt_cap:) still parses, to the L_max its cells were measured at (what ``--resume`` re-reads)."""
     import sqlite3
 
-    from dtbench.harness.suitefile import parse_suite
+    from dtbench.harness.suites.suitefile import parse_suite
 
     con = sqlite3.connect(old_db)
     before = con.execute("SELECT id, run_id, prompt_cap FROM cells ORDER BY id").fetchall()
@@ -372,7 +372,7 @@ def test_0014_old_samples_are_repeat_0_old_cells_have_no_load_and_the_unique_key
     report); a second repeat of a stored prompt may be added, the same repeat twice may not."""
     from sqlalchemy.exc import IntegrityError
 
-    from dtbench.harness import load
+    from dtbench.harness.measurement import load
 
     url = f"sqlite:///{old_db}"
     assert invoke("db", "upgrade", "--db", str(old_db)).exit_code == 0
@@ -440,8 +440,8 @@ def test_0016_backfills_the_measurer_from_the_params_and_a_served_run_reports_th
 def test_the_store_guesses_no_measurer_its_writer_names_it(tmp_path):
     """Issue 58 item 4: no import-time hook of the harness fills ``cells.measurer`` (the runner writes it for every
     cell: tests/test_group_keys.py); a writer that sets none gets the column's default, ``local``, whatever decoder
-    the cell names. Before, importing dtbench.harness.cells made the store ask the registry (``srv`` -> served)."""
-    import dtbench.harness.cells  # noqa: F401  (it registered the store's hook before issue 58)
+    the cell names. Before, importing dtbench.harness.measurement.cells made the store ask the registry (``srv`` -> served)."""
+    import dtbench.harness.measurement.cells  # noqa: F401  (it registered the store's hook before issue 58)
 
     assert not hasattr(db, "set_measurer_of")
     with db.connect(f"sqlite:///{tmp_path / 'new.db'}")() as s:

@@ -1,5 +1,5 @@
 """Issue 68 item 5: one cut of a row's output (its first T tokens, nothing after the first EOS), shared by the runner
-(harness/measure.py) and the conformance kit (harness/conformance.py): written once, in decoders/cut.py."""
+(harness/measurement/measure.py) and the conformance kit (dtbench/testing/common.py): written once, in decoders/cut.py."""
 
 from __future__ import annotations
 
@@ -33,5 +33,5 @@ def test_no_other_module_writes_its_own_cut():
                 if isinstance(node, ast.FunctionDef) and node.name in names:
                     found.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert found == ["decoders/cut.py:cut_tokens"], found
-    for user in ("harness/measure.py", "harness/conformance.py", "harness/conformance_checks.py"):
+    for user in ("harness/measurement/measure.py", "dtbench/testing/common.py", "dtbench/testing/checks.py"):
         assert "cut_tokens(" in (ROOT / user).read_text(), user

@@ -3,7 +3,7 @@
 Every report that calls a number "speedup" (the summary, ``--compare``, the paper tables, their JSON) shows one
 statistic, mean throughput over the mean ``ar`` throughput (Table 1's), and the geometric mean of the per-prompt
 ratios is ``paired_speedup``; the README says the same. The acceptance length (committed tokens per drafting
-iteration, the prefill's left out: Spec-Bench's #MAT) is one function, :func:`dtbench.harness.metrics.
+iteration, the prefill's left out: Spec-Bench's #MAT) is one function, :func:`dtbench.harness.measurement.metrics.
 acceptance_length`, whose value the summary, ``--spec-bench``'s #MAT and the batch cost model agree on; the paper's
 L-bar (T / iterations, prefill counted) stays ``tokens_per_iteration``.
 """
@@ -19,10 +19,10 @@ import reportdb
 from click.testing import CliRunner
 
 from dtbench.cli.main import cli
-from dtbench.harness.metrics import acceptance_length
+from dtbench.harness.measurement.metrics import acceptance_length
 from dtbench.harness.store.db import Sample
-from dtbench.reports.costmodel_batch import b1_frame, b1_parameters
-from dtbench.reports.specbench import mean_accepted_tokens
+from dtbench.reports.pricing.costmodel_batch import b1_frame, b1_parameters
+from dtbench.reports.views.specbench import mean_accepted_tokens
 
 TIER = "fast"
 T = 64
@@ -92,5 +92,5 @@ def test_one_acceptance_length_in_the_summary_spec_bench_and_the_cost_model(db):
     measured = frame[~frame["warmup"]]
     assert mean_accepted_tokens(measured) == pytest.approx(tau)  # --spec-bench's #MAT
     params = b1_parameters(frame)
-    assert params is not None and params["L_dec"] == pytest.approx(tau)  # the batch cost model's
+    assert params is not None and params.L_dec == pytest.approx(tau)  # the batch cost model's
     assert math.isnan(acceptance_length(T, 1))  # no iteration after the prefill: none

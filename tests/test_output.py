@@ -1,4 +1,4 @@
-"""The one output layer (reports/output.py): a report object, a document envelope, renderers registered once,
+"""The one output layer (reports/rendering/output.py): a report object, a document envelope, renderers registered once,
 escaping on every path, and every report command printed through the registry (issue 18, item 5)."""
 
 import json
@@ -11,8 +11,8 @@ from kit import invoke
 from rich.console import Console
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports import output
-from dtbench.reports.output import FORMATS, RENDERERS, Document, Note, Report, emit, rendered, renderer
+from dtbench.reports.rendering import output
+from dtbench.reports.rendering.output import FORMATS, RENDERERS, Document, Note, Report, emit, rendered, renderer
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -179,8 +179,8 @@ def test_cell_table_reads_the_same_in_every_format(two_runs):
 
 
 def test_out_dir_writes_what_the_markdown_and_csv_formats_print(two_runs, tmp_path):
-    from dtbench.reports.paper import paper_tables
-    from dtbench.reports.summary import combined_summary
+    from dtbench.reports.views.paper import paper_tables
+    from dtbench.reports.views.summary import combined_summary
 
     path, first, _ = two_runs
     out = tmp_path / "tables"

@@ -96,7 +96,7 @@ def test_wheel_installs_and_imports(tmp_path):
     # A fresh interpreter that sees only the unpacked wheel (plus dependencies), not the source tree.
     code = (
         "import sys; sys.path = [p for p in sys.path if p not in ('', '.', {!r})]; sys.path.insert(0, {!r});"
-        "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.summary, dtbench.harness.runner as r;"
+        "import dtbench.cli.main, dtbench.decoders.ar, dtbench.reports.views.summary, dtbench.harness.execution.runner as r;"
         "assert {!r} in r.__file__, r.__file__;"
         # the installed migrations create a database at the newest revision
         "from dtbench.harness.store import db, schema; assert {!r} in schema.MIGRATIONS.as_posix();"

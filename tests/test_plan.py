@@ -1,4 +1,4 @@
-"""The run plan (harness/plan.py) and suite includes: one grid, per-decoder restrictions, references spread to
+"""The run plan (harness/suites/plan.py) and suite includes: one grid, per-decoder restrictions, references spread to
 wherever a dependent runs, and `include:` merging with errors that name the right file and line."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 from kit import invoke, one_line_error
 
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.grouping import CellKey
-from dtbench.harness.plan import plan_suite
-from dtbench.harness.suitefile import load_suite, parse_suite
+from dtbench.harness.suites.grouping import CellKey
+from dtbench.harness.suites.plan import plan_suite
+from dtbench.harness.suites.suitefile import load_suite, parse_suite
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

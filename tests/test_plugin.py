@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from models import examples, model_zoo, run_decoder
 
 from dtbench.decoders.ar import ARParams, Autoregressive
-from dtbench.harness.testkit import VOCAB
+from dtbench.testing.fixtures import VOCAB
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -196,8 +196,8 @@ def test_third_party_dataset_through_the_one_registry(plugin, tmp_path):
     decoders, with its distribution; built-in dataset names are reserved the same way."""
     import json
 
-    from dtbench.harness import data
-    from dtbench.harness.suite import DatasetSpec
+    from dtbench.harness.data import datasets as data
+    from dtbench.harness.suites.suite import DatasetSpec
 
     found = data.REGISTRY.scan()
     assert found.entries["jsonl-text"].distribution == "dtbench-prompt-lookup"
@@ -231,9 +231,9 @@ def test_plugin_dataset_declares_its_own_params(plugin, tmp_path):
     one-line error at `dtbench validate`, before any model loads."""
     import json
 
-    from dtbench.harness import data
+    from dtbench.harness.data import datasets as data
     from dtbench.harness.errors import DtbenchError
-    from dtbench.harness.suite import DatasetSpec
+    from dtbench.harness.suites.suite import DatasetSpec
 
     corpus = tmp_path / "answers.jsonl"
     corpus.write_text("\n".join(json.dumps({"body": f"answer {i} " * 40, "text": "x"}) for i in range(2)) + "\n")

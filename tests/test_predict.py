@@ -16,8 +16,9 @@ import pytest
 from kit import fast_calibration_settings, invoke, suite_dict, tiny_pair, write_suite
 
 from dtbench.decoders import base as decoder_base
-from dtbench.harness import calibrate_run, curves_file, models
-from dtbench.harness.curves import FED_LAST, FED_MASK
+from dtbench.harness.calibration import calibrate_run, curves_file
+from dtbench.harness.calibration.curves import FED_LAST, FED_MASK
+from dtbench.harness.models import loading as models
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -49,7 +50,7 @@ class FakeMachine:
         return per_forward + extra + per_token * n
 
     def attach(self, model, role: str) -> None:
-        from dtbench.harness import forwards
+        from dtbench.harness.measurement import forwards
 
         pending: list[float] = []
 

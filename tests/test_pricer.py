@@ -1,5 +1,5 @@
 """One pricing model (issue 58 item 1): the cost model, ``--predict-on``, the batch table's replay and the schedule
-price the same stored run on the same curves through :class:`dtbench.reports.pricing.Pricer`, so they name the same
+price the same stored run on the same curves through :class:`dtbench.reports.pricing.pricing.Pricer`, so they name the same
 S(K), best K and tree budget, and price a sample the same."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import re
 
 import pytest
 
-from dtbench.harness import curves_file
-from dtbench.harness.curves import FED_LAST, FED_MASK, auto_budget, load_curves
+from dtbench.harness.calibration import curves_file
+from dtbench.harness.calibration.curves import FED_LAST, FED_MASK, auto_budget, load_curves
 from dtbench.harness.store.db import Calibration
-from dtbench.reports.costmodel import cost_table
-from dtbench.reports.costmodel_batch import batch_table
-from dtbench.reports.predict import predict_table
-from dtbench.reports.pricing import Pricer, position_acceptance
-from dtbench.reports.schedule import schedule_rows
+from dtbench.reports.pricing.costmodel import cost_table
+from dtbench.reports.pricing.costmodel_batch import batch_table
+from dtbench.reports.pricing.predict import predict_table
+from dtbench.reports.pricing.pricing import Pricer, position_acceptance
+from dtbench.reports.pricing.schedule import schedule_rows
 from tests import reportdb
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -93,8 +93,8 @@ def _cell(session, run, curves, label, decoder, steps, batch=1) -> None:
     cell.batch_size = batch
     stats = _steps(*steps, tree=decoder == "dynatree")
     priced = Pricer(curves).sample(stats, decoder != "ar")
-    stats["forward_s"] = {"target": priced["target_s"], "draft": priced["draft_s"]}
-    for s in reportdb.add_samples(session, cell, [T / priced["predicted_s"]] * 4, warmup=1):
+    stats["forward_s"] = {"target": priced.target_s, "draft": priced.draft_s}
+    for s in reportdb.add_samples(session, cell, [T / priced.predicted_s] * 4, warmup=1):
         s.step_stats, s.iterations, s.drafted = stats, len(steps[0]), sum(steps[0])
     session.flush()
 

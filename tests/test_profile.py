@@ -8,7 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from dtbench.reports import pricing, profile, profile_report
+from dtbench.reports.pricing import pricing
+from dtbench.reports.views import profile, profile_report
 from tests import reportdb
 from tests.kit import invoke
 

@@ -12,7 +12,7 @@ from models import model_zoo
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.base import Step, commit_clock
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.measure import measure, measure_rows
+from dtbench.harness.measurement.measure import measure, measure_rows
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

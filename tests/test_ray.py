@@ -27,14 +27,14 @@ from kit import fast_calibration_settings, invoke, one_line_error, suite_dict, t
 from rich.console import Console
 from sqlalchemy import func, select
 
-from dtbench.harness import calibrate as cal
-from dtbench.harness import calibrate_run
-from dtbench.harness.curves import FED_MASK
-from dtbench.harness.executors import LocalExecutor
-from dtbench.harness.ray_executor import RayExecutor
-from dtbench.harness.runner import run_suite
+from dtbench.harness.calibration import calibrate as cal
+from dtbench.harness.calibration import calibrate_run
+from dtbench.harness.calibration.curves import FED_MASK
+from dtbench.harness.execution.executors import LocalExecutor
+from dtbench.harness.execution.ray_executor import RayExecutor
+from dtbench.harness.execution.runner import run_suite
 from dtbench.harness.store import db
-from dtbench.harness.suitefile import load_suite
+from dtbench.harness.suites.suitefile import load_suite
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -458,8 +458,8 @@ class _FakeHandle:
 
 @pytest.mark.fast  # the module is full tier; this keeps its subject in the fast tier
 def test_workers_with_different_devices_calibrate_on_the_first_with_a_warning():
-    from dtbench.harness.ray_executor import _Actor
-    from dtbench.harness.worker import WorkerInfo
+    from dtbench.harness.execution.ray_executor import _Actor
+    from dtbench.harness.execution.worker import WorkerInfo
 
     def actor(host, name):
         return _Actor(_FakeHandle(), None, WorkerInfo(host, 11, "cuda:0", name, {}, {}, None, []))

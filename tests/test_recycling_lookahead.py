@@ -18,7 +18,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.lookahead import Lookahead, LookaheadDrafter, LookaheadParams, NgramPool
 from dtbench.decoders.token_recycling import TokenRecycling, TokenRecyclingDrafter, TokenRecyclingParams
 from dtbench.decoders.tree import TokenTree, attention_mask_kind, tree_logits
-from dtbench.harness.testkit import ARCHS, SHARP, VOCAB
+from dtbench.testing.fixtures import ARCHS, SHARP, VOCAB
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -14,13 +14,13 @@ from kit import install_plugin, invoke, write_suite
 
 from dtbench.decoders.engines import REGISTRY as ENGINES
 from dtbench.decoders.engines import engine_for
-from dtbench.harness import executors
 from dtbench.harness import registry as decoders
-from dtbench.harness.data import REGISTRY as DATASETS
+from dtbench.harness.data.datasets import REGISTRY as DATASETS
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.runner import make_executor
+from dtbench.harness.execution import executors
+from dtbench.harness.execution.runner import make_executor
 from dtbench.registry import BUILTIN_DISTRIBUTION
-from dtbench.reports.output import FORMAT_REGISTRY
+from dtbench.reports.rendering.output import FORMAT_REGISTRY
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -96,7 +96,7 @@ def test_plugins_lists_a_broken_and_a_refused_plugin_in_one_line_each(problems):
     formats = next(r for r in body["registries"] if r["group"] == "dtbench.formats")
     csvs = {e["distribution"]: e["status"] for e in formats["entries"] if e["name"] == "csv"}
     assert csvs == {"dtbench": "ok", "dtbench-fakecsv": "refused"}
-    assert FORMAT_REGISTRY.get("csv").__module__ == "dtbench.reports.output"  # the built-in still answers
+    assert FORMAT_REGISTRY.get("csv").__module__ == "dtbench.reports.rendering.output"  # the built-in still answers
 
 
 def test_validate_with_a_builtin_still_works_beside_broken_plugins(problems, tmp_path):
@@ -114,7 +114,7 @@ def test_run_with_a_builtin_still_works_beside_broken_plugins(problems, tmp_path
 
 def test_two_plugins_claiming_one_name_are_ambiguous_in_every_registry(monkeypatch, tmp_path):
     site = tmp_path / "site"
-    source = "from dtbench.harness.executors import LocalExecutor\n\nclass Mine(LocalExecutor):\n    name = 'mine'\n"
+    source = "from dtbench.harness.execution.executors import LocalExecutor\n\nclass Mine(LocalExecutor):\n    name = 'mine'\n"
     for dist in ("dtbench-one", "dtbench-two"):
         install_plugin(
             monkeypatch, site, dist, {"mine": f"{dist.replace('-', '_')}:Mine"}, source, group="dtbench.executors"
@@ -127,7 +127,7 @@ def test_two_plugins_claiming_one_name_are_ambiguous_in_every_registry(monkeypat
 
 def test_a_plugin_executor_is_a_run_choice_and_type_checked(monkeypatch, tmp_path):
     site = tmp_path / "site"
-    source = "from dtbench.harness.executors import LocalExecutor\n\nclass Mine(LocalExecutor):\n    name = 'mine'\n"
+    source = "from dtbench.harness.execution.executors import LocalExecutor\n\nclass Mine(LocalExecutor):\n    name = 'mine'\n"
     install_plugin(monkeypatch, site, "dtbench-mine", {"mine": "dtbench_mine:Mine"}, source, group="dtbench.executors")
     install_plugin(
         monkeypatch,
@@ -171,7 +171,7 @@ def test_disable_plugins_keeps_the_builtins_in_every_registry(monkeypatch, tmp_p
 
 def test_a_format_registered_in_process_is_in_the_one_registry_and_listed(monkeypatch, tmp_path, request):
     """Before: ``@renderer`` wrote a second dict beside the registry, which ``dtbench plugins`` never saw."""
-    from dtbench.reports import output
+    from dtbench.reports.rendering import output
 
     monkeypatch.setattr(output, "RENDERERS", dict(output.RENDERERS))
     request.addfinalizer(lambda: FORMAT_REGISTRY.unregister("shout"))

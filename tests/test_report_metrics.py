@@ -21,9 +21,10 @@ import reportdb
 from click.testing import CliRunner
 
 from dtbench.cli.main import cli
-from dtbench.reports import compare, figures, html, paper, render
-from dtbench.reports.compare import compare_runs, speedup_table
-from dtbench.reports.summary import combined_summary, samples_frame, summarize
+from dtbench.reports.rendering import html, render
+from dtbench.reports.views import compare, figures, paper
+from dtbench.reports.views.compare import compare_runs, speedup_table
+from dtbench.reports.views.summary import combined_summary, samples_frame, summarize
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

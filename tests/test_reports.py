@@ -16,8 +16,8 @@ import reportdb
 from click.testing import CliRunner
 
 from dtbench.cli.main import cli
-from dtbench.reports import compare, figures, paper
-from dtbench.reports.summary import base_label, combined_summary, samples_frame, summarize
+from dtbench.reports.views import compare, figures, paper
+from dtbench.reports.views.summary import base_label, combined_summary, samples_frame, summarize
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -184,9 +184,9 @@ def test_failures_are_recorded_and_an_unreachable_server_ends_the_unit():
 
 @pytest.mark.fast
 def test_goodput_counts_failed_requests_as_misses_and_references_are_looked_up_by_prompt():
-    from dtbench.harness.sample import Reference
+    from dtbench.harness.measurement.sample import Reference
     from dtbench.harness.serving.measurer import references_of
-    from dtbench.reports.goodput import goodput_frame
+    from dtbench.reports.views.goodput import goodput_frame
 
     frame = pd.DataFrame(
         {
@@ -221,8 +221,8 @@ def test_readiness_is_read_by_the_engine_adapter(tmp_path, monkeypatch):
     """A launched server is ready when its engine adapter says its health answer means ready (``ready``), not when
     any 200 comes: an adapter that wants more keeps the server waiting (here: never ready, one line)."""
     from dtbench.decoders.engines import OpenAICompatible
-    from dtbench.harness.grouping import CellKey
     from dtbench.harness.serving import ServerError, ServerParams, ServerPool
+    from dtbench.harness.suites.grouping import CellKey
 
     seen = []
 

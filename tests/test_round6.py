@@ -20,9 +20,10 @@ from kit import install_plugin, invoke, one_line_error, suite_dict, tiny_pair, w
 from reportdb import ENV, add_cell, add_run, add_samples, connect
 
 from dtbench import registry as plugin_registry
-from dtbench.harness import curves_file, deadline, isolation
+from dtbench.harness.calibration import curves_file
 from dtbench.harness.errors import DtbenchError
-from dtbench.reports import output
+from dtbench.harness.execution import deadline, isolation
+from dtbench.reports.rendering import output
 
 TIER = "full"  # tests/conftest.py: one end-to-end run (a killed cell); the rest are marked fast
 
@@ -175,7 +176,7 @@ def test_run_loads_the_report_formats_before_it_measures(hanging, tmp_path, monk
     """Before: `run` stored the run completed, then loaded the formats to print it (and hung there). Now the table
     renderer it prints with loads before the run starts, so nothing is written after `completed`; and it alone
     (issue 67 item 5): a format plugin, the hanging one too, is never imported beside a measurement."""
-    from dtbench.harness import runner
+    from dtbench.harness.execution import runner
 
     calls: list[str] = []
     load = output.load_builtin_format
@@ -332,7 +333,7 @@ def test_predict_on_a_device_or_a_huge_file_is_one_line_before_any_work(tmp_path
 @fast
 def test_calibrate_export_to_an_unwritable_path_fails_before_calibrating(monkeypatch, tmp_path):
     """Before: the path was tried only after the calibration (minutes on a GPU lease)."""
-    from dtbench.harness import models
+    from dtbench.harness.models import loading as models
 
     def started(*args, **kwargs):
         raise DtbenchError("calibration started")
@@ -384,7 +385,7 @@ class _Proc:
 @fast
 def test_a_compile_step_killed_past_its_deadline_says_so(monkeypatch, tmp_path):
     """Before: `prompt 0: timed out after 5 s and did not stop ...`, naming no compile step."""
-    from dtbench.harness import hardware
+    from dtbench.harness.measurement import hardware
 
     seen = []
     deadline.observe(lambda seconds, phase: seen.append((seconds, phase)))

@@ -116,7 +116,7 @@ def test_the_load_note_counts_the_runs_driver_as_its_own(monkeypatch):
 
     import psutil
 
-    from dtbench.harness import load
+    from dtbench.harness.measurement import load
 
     monkeypatch.setenv(load.DRIVER_ENV, str(os.getppid()))
     assert load._own_root().pid == os.getppid()

@@ -294,7 +294,7 @@ def test_a_divergence_found_by_the_exact_rule_is_noted_by_that_rule(tmp_path, da
 
 
 def test_a_vllm_schedule_where_no_k_pays_is_no_speculative_config():
-    from dtbench.reports.schedule import engine_config
+    from dtbench.reports.pricing.schedule import engine_config
 
     config = engine_config("vllm", [(1, 16, 0)])
     assert config["speculative_config"] is None and "num_speculative_tokens" not in json.dumps(config)

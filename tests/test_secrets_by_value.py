@@ -88,8 +88,8 @@ def tiny_target(tmp_path_factory):
     and this one loads in a fraction of the embedded SmolLM2's seconds."""
     from kit import save_tiny_llama
 
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     return str(save_tiny_llama(tmp_path_factory.mktemp("tiny"), models.load_tokenizer(ModelSpec())))
 

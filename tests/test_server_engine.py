@@ -21,8 +21,8 @@ import pytest
 import yaml
 
 from dtbench.decoders.server import ServerParams
-from dtbench.harness.grouping import CellKey
 from dtbench.harness.serving import ServerError, ServerPool, llama_server_binary
+from dtbench.harness.suites.grouping import CellKey
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -101,8 +101,8 @@ def no_leftovers():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     return models.load_tokenizer(ModelSpec())
 
@@ -124,11 +124,11 @@ def measure_unit(label: str, params, prompts: list, gen_length: int, concurrency
     from types import SimpleNamespace
 
     from dtbench.harness import registry
-    from dtbench.harness.decoderspec import DecoderSpec
-    from dtbench.harness.measurers import record_rows
-    from dtbench.harness.plan import CellPlan, PromptGroup
+    from dtbench.harness.measurement.measurers import record_rows
     from dtbench.harness.serving.measurer import ServedMeasurer
-    from dtbench.harness.suite import DatasetSpec
+    from dtbench.harness.suites.decoderspec import DecoderSpec
+    from dtbench.harness.suites.plan import CellPlan, PromptGroup
+    from dtbench.harness.suites.suite import DatasetSpec
 
     cp = CellPlan(DecoderSpec(name="server", label=label), registry.get("server"), params, "dtbench", "test")
     ds = DatasetSpec.model_validate({"name": "wikitext-2", "label": cell.dataset, "warmup": 0, "L_max": cell.l_max})

@@ -175,7 +175,7 @@ def test_poisson_arrivals_seeded():
 
 
 def _suite(extra: dict, decoders: list[dict]):
-    from dtbench.harness.suite import Suite
+    from dtbench.harness.suites.suite import Suite
 
     return Suite.model_validate(
         {
@@ -196,7 +196,7 @@ def test_concurrency_is_the_batch_size_axis():
 
 
 def test_plan_pairs_speculative_server_with_its_plain_server():
-    from dtbench.harness.plan import plan_suite
+    from dtbench.harness.suites.plan import plan_suite
 
     plan = plan_suite(
         _suite(
@@ -216,9 +216,9 @@ def test_plan_pairs_speculative_server_with_its_plain_server():
 
 
 def test_single_turn_questions_batch_and_multi_turn_are_refused():
-    from dtbench.harness.grouping import slot_groups
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suite import Suite
+    from dtbench.harness.suites.grouping import slot_groups
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suite import Suite
 
     base = {"name": "s", "generation_lengths": [8], "concurrency": [1, 2], "decoders": [{"name": "ar"}]}
     ok = Suite.model_validate(
@@ -330,9 +330,9 @@ def test_a_stream_records_each_gap_with_the_text_of_the_event_that_ended_it():
     import httpx
 
     from dtbench.decoders.engines import engine_for
-    from dtbench.harness.models import load_tokenizer
+    from dtbench.harness.models.loading import load_tokenizer
     from dtbench.harness.serving.client import RequestRecord, _read_stream
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.suites.suite import ModelSpec
 
     tokenizer = load_tokenizer(ModelSpec())
     events, ids = _katakana_stream(tokenizer)
@@ -358,11 +358,11 @@ def test_held_back_ids_from_the_streamed_text_when_repeat_and_prefix_diverge(mon
     import httpx
 
     from dtbench.decoders.engines import engine_for
-    from dtbench.harness.models import load_tokenizer
+    from dtbench.harness.models.loading import load_tokenizer
     from dtbench.harness.serving import ServerError
     from dtbench.harness.serving.client import RequestRecord
     from dtbench.harness.serving.record import TokenBytes, recover_ids
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.suites.suite import ModelSpec
 
     tokenizer = load_tokenizer(ModelSpec())
     events, ids = _katakana_stream(tokenizer)

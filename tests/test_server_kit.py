@@ -26,8 +26,8 @@ sys.path.insert(0, str(HERE))
 
 @pytest.fixture(scope="module")
 def detok():
-    from dtbench.harness.models import load_tokenizer
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models.loading import load_tokenizer
+    from dtbench.harness.suites.suite import ModelSpec
 
     tok = load_tokenizer(ModelSpec(model="smollm2-135m"))
     return lambda ids: tok.decode(ids, clean_up_tokenization_spaces=False)
@@ -68,7 +68,7 @@ def test_the_clis_server_check_names_are_the_kits():
 def test_search_shrinks_to_the_smallest_failure_and_stops_at_its_deadline():
     from hypothesis import strategies as st
 
-    from dtbench.harness.conformance import CheckFailed, search
+    from dtbench.testing.common import CheckFailed, search
 
     def body(prompt):
         if len(prompt) >= 5 and 7 in prompt:

@@ -11,10 +11,10 @@ import yaml
 from kit import invoke
 from sqlalchemy import select
 
-from dtbench.harness import models
 from dtbench.harness.errors import DtbenchError
+from dtbench.harness.models import loading as models
 from dtbench.harness.store import db
-from dtbench.harness.suite import ModelSpec
+from dtbench.harness.suites.suite import ModelSpec
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 

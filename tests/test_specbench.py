@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from kit import invoke, one_line_error, save_tiny_llama, tiny_pair, write_suite
 
-from dtbench.harness import chat, questions
+from dtbench.harness.data import chat, questions
 from dtbench.harness.errors import DtbenchError
-from dtbench.harness.suite import DatasetSpec
+from dtbench.harness.suites.suite import DatasetSpec
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -125,8 +125,8 @@ def test_download_pinned_sha256_and_cache(tmp_path, data_dir, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     return models.load_tokenizer(ModelSpec())
 
@@ -166,7 +166,7 @@ def test_template_rendering_equals_apply_chat_template(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def specbench_run(tmp_path_factory):
     """A run of a two-turn question suite on the tiny pair, with every prompt each decoder was given recorded."""
-    import dtbench.harness.local_measurer as cells
+    import dtbench.harness.measurement.local_measurer as cells
 
     root = tmp_path_factory.mktemp("sb")
     target, draft = tiny_pair(root)
@@ -209,8 +209,8 @@ def specbench_run(tmp_path_factory):
 def test_turn_two_prompt_holds_the_references_answer(specbench_run):
     from sqlalchemy import create_engine, text
 
-    from dtbench.harness import models
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.models import loading as models
+    from dtbench.harness.suites.suite import ModelSpec
 
     db, seen, target = specbench_run
     engine = create_engine(db)
@@ -294,7 +294,7 @@ def test_leaderboard_arithmetic():
     questions; divided by ar's; #MAT over steps after the prefill; vLLM's rates over drafting steps."""
     import pandas as pd
 
-    from dtbench.reports.specbench import leaderboard
+    from dtbench.reports.views.specbench import leaderboard
 
     def s(label, decoder, q, turn, tokens, secs, steps, drafted, accepted, group="mt_bench"):
         return dict(
@@ -373,8 +373,8 @@ def test_bad_input_is_one_line_at_validate(tmp_path, change, needle, tokenizer):
 def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokenizer):
     """When the reference's turn-1 sample is missing (its cell failed), the turn-2 group's cells fail with a one-line
     reason and the run goes on; chat.resolve itself says which answer is missing."""
-    from dtbench.harness.chat import ChatPrompts, Renderer, TurnNotReady, resolve
-    from dtbench.harness.prompt import Prompt
+    from dtbench.harness.data.chat import ChatPrompts, Renderer, TurnNotReady, resolve
+    from dtbench.harness.data.prompt import Prompt
 
     prompts = ChatPrompts(
         [Prompt(0, "q", (5, 6), "g", "c", 1, "7"), Prompt(1, "q2", (), "g", "c", 2, "7")],
@@ -386,7 +386,7 @@ def test_turn_two_without_the_reference_answer_fails_its_cells(tmp_path, tokeniz
     ids = resolve(prompts, 1, lambda index: tokenizer.encode("fine"))
     assert ids.token_ids == tuple(tokenizer.encode("a\n\nfine\n\nb"))
 
-    from dtbench.harness.executors import LocalExecutor
+    from dtbench.harness.execution.executors import LocalExecutor
 
     class Sink:
         failed: list = []

@@ -11,11 +11,12 @@ import pytest
 import reportdb
 
 from dtbench.harness.store import db
-from dtbench.reports import costmodel, stats
-from dtbench.reports.compare import per_prompt, speedup_table
-from dtbench.reports.html import build_html
-from dtbench.reports.paper import paper_tables
-from dtbench.reports.summary import combined_summary, samples_frame, summarize
+from dtbench.reports import stats
+from dtbench.reports.pricing import costmodel
+from dtbench.reports.rendering.html import build_html
+from dtbench.reports.views.compare import per_prompt, speedup_table
+from dtbench.reports.views.paper import paper_tables
+from dtbench.reports.views.summary import combined_summary, samples_frame, summarize
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -128,7 +129,7 @@ def test_the_baseline_pairs_by_run_group_and_decoding():
 
 def test_compare_and_resume_check_the_same_environment_keys():
     from dtbench.harness.store.runs import MUST_MATCH
-    from dtbench.reports.compare import env_differences
+    from dtbench.reports.views.compare import env_differences
 
     base = dict(reportdb.ENV, target={"model": "t"}, draft=None)
     for key in MUST_MATCH:

@@ -140,7 +140,7 @@ def test_a_list_of_rates_is_a_sweep_with_one_cell_per_rate(tmp_path, data_dir, f
 
 
 def test_load_kinds_are_named_apart_and_an_old_server_cell_reports_as_before():
-    from dtbench.reports.engine import GROUPS, STATIC, STEADY, load_kind
+    from dtbench.reports.views.engine import GROUPS, STATIC, STEADY, load_kind
 
     assert load_kind(4, [], False)["load_kind"] == STATIC
     old = load_kind(4, [{"concurrency": 4, "group_wall_s": 1.0}], True)  # a server cell measured before issue 39

@@ -27,8 +27,8 @@ from dtbench.decoders.rest import Rest, RestParams
 from dtbench.decoders.streaming import StreamingAR, StreamingParams, StreamingSpecParams, StreamingSpeculative
 from dtbench.decoders.suffix import SuffixDecoding, SuffixParams
 from dtbench.decoders.token_recycling import TokenRecycling
-from dtbench.harness.measure import measure
-from dtbench.harness.testkit import VOCAB
+from dtbench.harness.measurement.measure import measure
+from dtbench.testing.fixtures import VOCAB
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -161,7 +161,7 @@ def test_medusa_tree_drafter_stops_at_eos(tmp_path):
     from dtbench.decoders.medusa import MC_SIM_7B_63, MedusaDrafter
     from dtbench.decoders.medusa_head import load_medusa
     from dtbench.decoders.tree import speculate_tree
-    from dtbench.harness.testkit import write_medusa
+    from dtbench.testing.fixtures import write_medusa
 
     target, _ = model_zoo()["self"]
     write_medusa(tmp_path / "head", hidden=target.config.hidden_size, vocab=VOCAB)

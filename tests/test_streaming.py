@@ -22,7 +22,7 @@ from dtbench.decoders.streaming import (
     StreamingSpecParams,
     StreamingSpeculative,
 )
-from dtbench.harness.testkit import VOCAB, perturbed
+from dtbench.testing.fixtures import VOCAB, perturbed
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

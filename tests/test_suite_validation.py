@@ -10,10 +10,10 @@ import pytest
 from kit import invoke, one_line_error, save_tiny_llama, suite_dict, write_suite
 from sqlalchemy import func, select
 
-from dtbench.harness import models
+from dtbench.harness.models import loading as models
 from dtbench.harness.store import db
-from dtbench.harness.suitebase import MAX_GRID
-from dtbench.harness.suitefile import MAX_NODES
+from dtbench.harness.suites.suitebase import MAX_GRID
+from dtbench.harness.suites.suitefile import MAX_NODES
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -128,7 +128,7 @@ def test_text_files_that_are_not_text(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.suites.suite import ModelSpec
 
     return models.load_tokenizer(ModelSpec())
 
@@ -162,7 +162,7 @@ def test_embedding_must_cover_the_tokenizer(tmp_path, tokenizer, data_dir):
 
 def test_context_limits(tmp_path, tokenizer):
     folder = save_tiny_llama(tmp_path / "m", tokenizer)  # 256 positions, rotary: a warning, not an error
-    from dtbench.harness.suite import ModelSpec
+    from dtbench.harness.suites.suite import ModelSpec
 
     assert "trained on 256 positions" in models.check_context(ModelSpec(model=str(folder)), 300)
     assert models.check_context(ModelSpec(model=str(folder)), 200) is None
@@ -184,7 +184,7 @@ def test_context_limits(tmp_path, tokenizer):
 
 
 def test_network_hint_only_for_hub_ids():
-    from dtbench.harness.models import _short
+    from dtbench.harness.models.loading import _short
 
     exc = ConnectionError("cannot connect to host")
     assert "no network?" in _short(exc, "EleutherAI/pythia-70m")
@@ -194,8 +194,8 @@ def test_network_hint_only_for_hub_ids():
 def test_prompt_cap_is_the_deprecated_name_of_l_max(tmp_path):
     """Suites written before L_max (and the suite text stored with their runs) load the same, with one note;
     an entry that sets both names is a one-line error."""
-    from dtbench.harness.plan import plan_suite
-    from dtbench.harness.suitefile import load_suite
+    from dtbench.harness.suites.plan import plan_suite
+    from dtbench.harness.suites.suitefile import load_suite
 
     def entries(key):
         return {

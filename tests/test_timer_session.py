@@ -10,8 +10,8 @@ import statistics
 import numpy as np
 import pytest
 
-from dtbench.harness import calibrate
-from dtbench.harness.forwards import ForwardTimer, Latency, StopRule
+from dtbench.harness.calibration import calibrate
+from dtbench.harness.measurement.forwards import ForwardTimer, Latency, StopRule
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -20,7 +20,7 @@ from dtbench.decoders.ar import Autoregressive
 from dtbench.decoders.dynatree import DynaTree, DynaTreeParams
 from dtbench.decoders.fixed_tree import FixedTree, FixedTreeParams
 from dtbench.decoders.tree import verify as loop  # select_path is looked up where the tree verification calls it
-from dtbench.harness.testkit import ARCHS, FLAT, SHARP, VOCAB
+from dtbench.testing.fixtures import ARCHS, FLAT, SHARP, VOCAB
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

@@ -28,7 +28,7 @@ from dtbench.decoders.tree import (
     tree_capacity,
 )
 from dtbench.harness import registry
-from dtbench.harness.testkit import SHARP
+from dtbench.testing.fixtures import SHARP
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

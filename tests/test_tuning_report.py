@@ -1,4 +1,4 @@
-"""reports/tuning.py: the line naming the fastest DynaTree setting of a tuning run (database only)."""
+"""reports/pricing/tuning.py: the line naming the fastest DynaTree setting of a tuning run (database only)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from reportdb import add_cell, add_run, add_samples
 from dtbench.cli.main import cli
 from dtbench.decoders.dynatree import DynaTreeParams
 from dtbench.harness.store import db
-from dtbench.reports.summary import samples_frame, summarize
-from dtbench.reports.tuning import best_setting, tuning_line
+from dtbench.reports.pricing.tuning import best_setting, tuning_line
+from dtbench.reports.views.summary import samples_frame, summarize
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 

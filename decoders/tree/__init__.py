@@ -122,7 +122,7 @@ class TreeParams(DecoderParams):
         n_max: node budget N_max, drafted nodes per tree (paper Appendix A: 256). ``"auto"`` (an extension, not
             the paper's default): the runner sets it before the first cell to the largest calibrated n whose
             tree verification (root + n nodes, one target forward) costs at most ``n_max_factor`` x one AR token
-            (:func:`dtbench.harness.curves.auto_budget`); the chosen value is stored in the cell's params.
+            (:func:`dtbench.harness.calibration.curves.auto_budget`); the chosen value is stored in the cell's params.
         n_max_factor: the factor of ``n_max: "auto"`` (default 2.0); unused otherwise.
 
     Defaults: ``tree_root="paper"`` and ``prune="leaf"``, so a bare ``{name: dynatree}`` or ``{name: fixed_tree}``
@@ -154,7 +154,7 @@ class TreeParams(DecoderParams):
     n_max: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
         256,
         description="node budget N_max (drafted nodes per tree); 'auto': chosen by the runner from "
-        "the calibrated verify curve (harness/curves.py auto_budget; an extension, not the paper's)",
+        "the calibrated verify curve (harness/calibration/curves.py auto_budget; an extension, not the paper's)",
     )
     n_max_factor: float = Field(
         2.0,
@@ -184,7 +184,7 @@ TP = TypeVar("TP", bound=TreeParams)  # a tree decoder's params model
 
 def resolved_n_max(params: TreeParams) -> int:
     """``params.n_max`` as an int: ``"auto"`` is replaced by the calibrated budget before any cell decodes (the
-    runner, :func:`dtbench.harness.curves.auto_budget`), so an expansion policy never sees it."""
+    runner, :func:`dtbench.harness.calibration.curves.auto_budget`), so an expansion policy never sees it."""
     assert params.n_max != "auto", "n_max: auto is resolved before the first cell"
     return params.n_max
 

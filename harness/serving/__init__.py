@@ -1,25 +1,25 @@
 """Measuring a server through requests (issue 30): an entry that declares
 :attr:`~dtbench.decoders.base.Decoder.requests` (``server``) is measured here by the served measurer; the
-harness still owns the clock, exactly as :mod:`dtbench.harness.measure` owns it for dtbench's own loops.
+harness still owns the clock, exactly as :mod:`dtbench.harness.measurement.measure` owns it for dtbench's own loops.
 
 The package by its seams (issue 40 item 3):
 
 - :mod:`~dtbench.harness.serving.params`: a server cell's params (:class:`ServerParams`, defined beside the engine
   adapters), its API key's header, a ``launch:`` command's placeholders (the harness's and its engine adapter's).
-- :mod:`~dtbench.harness.serving.measurer`: the served :class:`~dtbench.harness.measurers.Measurer` (a cell's unit
+- :mod:`~dtbench.harness.serving.measurer`: the served :class:`~dtbench.harness.measurement.measurers.Measurer` (a cell's unit
   through the client, then the shared tail of every cell).
 - :mod:`~dtbench.harness.serving.process`: the servers a worker launches (:class:`ServerPool`): process groups, logs,
   health, stop; :class:`ServerError`, the one-line error naming a server and its log.
 - :mod:`~dtbench.harness.serving.client`: one unit of a cell through the bounded async client
   (:func:`observe_requests`): the requests, the clock, each request's observation (rows by the shared tail,
-  :func:`~dtbench.harness.measurers.record_rows`, as every cell's).
+  :func:`~dtbench.harness.measurement.measurers.record_rows`, as every cell's).
 - :mod:`~dtbench.harness.serving.record`: what the client saw of a request (:class:`RequestRecord`) and the
   recovery of token ids a stream held back (:func:`~dtbench.harness.serving.record.recover_ids`).
 - :mod:`~dtbench.harness.serving.traffic`: arrival processes (:func:`arrival_delays`), a unit's :class:`Schedule` and
   its :func:`dispatch` (concurrency and arrivals, apart from the request code), the load profile
   (:func:`load_profile`) and the blocks of C prompts a speedup pairs (:func:`blocks_of`).
 - :mod:`~dtbench.harness.serving.check`: the output check against the reference server (:func:`check_request`), with
-  the one tie rule of :mod:`dtbench.harness.lossless`.
+  the one tie rule of :mod:`dtbench.harness.measurement.lossless`.
 
 How a request is written and its answer read is the engine adapter's (:mod:`dtbench.decoders.engines`), never a
 branch on the engine's name. The names other modules import are re-exported here.
@@ -57,7 +57,7 @@ from dtbench.harness.serving.traffic import (
     steady_throughput,
 )
 
-check_output = check_request  # the name before issue 40 (harness/lossless.py has its own check_output)
+check_output = check_request  # the name before issue 40 (harness/measurement/lossless.py has its own check_output)
 _events = sse_events  # the name before issue 40 (tests/test_server_formats.py)
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 *Tie-aware* (the suite's ``lossless_check: tie_aware`` and ``top_logprobs`` >= 2): the first divergence is a tie when
 the reference server's top-2 log-probability margin there, asked in check requests after the timed ones, is within
-the engine's measured noise or ``tie_margin`` (the one tie rule, :func:`dtbench.harness.lossless.tie_or_error`); the
+the engine's measured noise or ``tie_margin`` (the one tie rule, :func:`dtbench.harness.measurement.lossless.tie_or_error`); the
 tokens after it follow another prefix and are not compared. Otherwise *exact*. The rule that applied is stored with
 every sample (``step_stats.server.lossless_rule``).
 """
@@ -15,9 +15,9 @@ from typing import Any
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import engine_for
 from dtbench.harness.errors import clip
-from dtbench.harness.grouping import CellKey
 from dtbench.harness.serving.params import ServerParams, auth_headers
 from dtbench.harness.serving.process import ServerError, ServerPool
+from dtbench.harness.suites.grouping import CellKey
 from dtbench.harness.values import first_divergence
 
 Shapes = tuple[list[tuple[Any, float]] | None, list[tuple[Any, float]] | None]  # (decode, prefill) candidates
@@ -38,7 +38,7 @@ def check_request(
     shape of the timed run) and inside a prefill over the whole prefix. Their largest disagreement on a candidate both list
     is the engine's measured *noise* there (batch shapes and quantized kernels round differently: on CPU llama.cpp
     switches matrix kernels with the batch size). The divergence is a *tie* when both tokens are among the decode
-    shape's candidates and ``lp[a] - lp[b] <= max(tie_margin, noise)`` (:func:`~dtbench.harness.lossless.tie_or_error`),
+    shape's candidates and ``lp[a] - lp[b] <= max(tie_margin, noise)`` (:func:`~dtbench.harness.measurement.lossless.tie_or_error`),
     else an *error*; positions after a tie follow
     another prefix and are not compared. Exact otherwise: the outputs must be equal token for token.
 
@@ -54,7 +54,9 @@ def check_request(
     out: dict[str, Any] = {"lossless": None, "first_divergence": None, "lossless_rule": None}
     if reference is None:
         return out
-    from dtbench.harness.lossless import tie_or_error  # the one tie rule (imports torch: after the timed requests)
+    from dtbench.harness.measurement.lossless import (
+        tie_or_error,  # the one tie rule (imports torch: after the timed requests)
+    )
 
     div = first_divergence(tokens, reference)
     tie_rule = (

@@ -1,7 +1,7 @@
 """One unit of a server cell through the bounded async client (issue 30, issue 39): the requests, the clock, the rows.
 
 :func:`observe_requests` sends a unit (its warmup prompts, or all its measured prompts:
-:func:`~dtbench.harness.grouping.cell_units`) as streamed ``/v1/completions`` requests by one ``httpx.AsyncClient``
+:func:`~dtbench.harness.suites.grouping.cell_units`) as streamed ``/v1/completions`` requests by one ``httpx.AsyncClient``
 through a semaphore of C (the load level is the concurrency): C in flight all the time, a new request starting when
 one finishes (steady concurrency, issue 39; vLLM ``bench serve --max-concurrency``, GuideLLM's ``concurrent``
 profile), every request ready at the start or arriving at seeded gaps (:mod:`~dtbench.harness.serving.traffic`).
@@ -9,8 +9,8 @@ Every network read of a response is timestamped (``time.perf_counter``) when it 
 token's arrival minus its send time, its inter-token latencies (ITL) the gaps between reads that brought tokens, its
 end-to-end latency (E2E) the last token's arrival minus its send time. The engine adapter of ``params.engine``
 (:mod:`dtbench.decoders.engines`) writes each request and reads each event and the server's counters; each request
-becomes a :class:`~dtbench.harness.observation.Served` observation, and its row is
-:func:`~dtbench.harness.observation.sample_row`'s, as every decoder's (TPOT, throughput, the output's identity), with the
+becomes a :class:`~dtbench.harness.measurement.observation.Served` observation, and its row is
+:func:`~dtbench.harness.measurement.observation.sample_row`'s, as every decoder's (TPOT, throughput, the output's identity), with the
 server's record (``step_stats.server``), its block of C prompts and the output check
 (:mod:`~dtbench.harness.serving.check`).
 """
@@ -29,14 +29,14 @@ import dtbench.harness.serving.failures as failures
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
 from dtbench.harness.errors import DtbenchError, clip, error_line
-from dtbench.harness.grouping import CellKey
-from dtbench.harness.measurers import Batch, Observed
-from dtbench.harness.observation import Served
+from dtbench.harness.measurement.measurers import Batch, Observed
+from dtbench.harness.measurement.observation import Served
 from dtbench.harness.serving.check import check_row
 from dtbench.harness.serving.params import ServerParams, auth_headers
 from dtbench.harness.serving.process import ServerError, ServerPool
 from dtbench.harness.serving.record import RequestRecord, TokenBytes, recover_ids, token_bytes_of
 from dtbench.harness.serving.traffic import Schedule, blocks_of, dispatch, schedule, unit_load
+from dtbench.harness.suites.grouping import CellKey
 
 
 def sse_events(buffer: bytes) -> tuple[list[dict[str, Any]], bytes]:
@@ -324,8 +324,8 @@ def observe_requests(
 
     Args:
         label: the cell's label (errors and logs name it); params: the server's params.
-        prompts: the unit's :class:`~dtbench.harness.prompt.Prompt` objects, in row order.
-        gen_length: T (max_tokens); cell: the cell's point (:class:`~dtbench.harness.grouping.CellKey`: the dataset
+        prompts: the unit's :class:`~dtbench.harness.data.prompt.Prompt` objects, in row order.
+        gen_length: T (max_tokens); cell: the cell's point (:class:`~dtbench.harness.suites.grouping.CellKey`: the dataset
             entry's key, L_max, T, B), which the pool keys its servers by.
         pool: the worker's :class:`~dtbench.harness.serving.process.ServerPool`; seed: the arrivals' seed (with the
             unit's first prompt index).
@@ -334,12 +334,12 @@ def observe_requests(
         reference: (label, params) of the reference server, asked for its top candidates at a divergence (its
             server of this cell's load level is running: the pool stops servers only when the load level moves on).
         rule: the suite's ``lossless_check``; tokenizer: the target's (text prompts and text-only engines).
-        batch_group: not None when C > 1: every row's :class:`~dtbench.harness.measurers.Batch` is its block of C
+        batch_group: not None when C > 1: every row's :class:`~dtbench.harness.measurement.measurers.Batch` is its block of C
             prompts (:func:`~dtbench.harness.serving.traffic.blocks_of`: the pairing key ``batch_group``,
             ``batch_rows``, ``batch_total_s``); None: rows unpaired by block (C = 1).
 
     Returns:
-        one :class:`~dtbench.harness.measurers.Observed` per prompt: its :class:`~dtbench.harness.observation.Served`
+        one :class:`~dtbench.harness.measurement.measurers.Observed` per prompt: its :class:`~dtbench.harness.measurement.observation.Served`
         request, its block and its output check's columns.
 
     Raises:
@@ -454,7 +454,7 @@ def _tokens(unit: _Unit, rec: RequestRecord, prompt: Any, gen_length: int, stop_
 def _served(
     unit: _Unit, rec: RequestRecord, tokens: list[int], spec: dict[str, Any], unit_stats: dict[str, Any]
 ) -> Served:
-    """A request as the row builder's :class:`~dtbench.harness.observation.Served` observation, with the server's record
+    """A request as the row builder's :class:`~dtbench.harness.measurement.observation.Served` observation, with the server's record
     (``step_stats.server``: the engine, the load, the latencies, the counters; ``unit_stats``: the unit's and this
     request's place in it)."""
     params, server = unit.params, unit.server

@@ -9,7 +9,7 @@ keep their rows and numbers. No new column holds it (the ``samples`` row of a re
 times, tokens or output to store, and every report reads those columns); ``samples.step_stats.server`` does:
 
 - ``cell_load.requests`` and ``cell_load.failed``: the unit's requests sent and failed, on every row of the unit as
-  the rest of its load profile (a report counts each unit once: :func:`dtbench.reports.engine.unit_loads`);
+  the rest of its load profile (a report counts each unit once: :func:`dtbench.reports.views.engine.unit_loads`);
 - ``failed_requests``: on the unit's first stored row only (once per unit, not once per row), per failed request its
   ``prompt_index``, ``sent_s`` and ``failed_s`` (seconds from the unit's start) and its ``error``.
 

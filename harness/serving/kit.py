@@ -4,7 +4,7 @@ People who deploy speculative decoding find its correctness bugs by hand (vLLM i
 changed greedy output on the prompt ``"serving" * 48``; #11466 asks whether speculation preserves the target's output
 at all; PR #7962: log-probabilities are not stable across batch sizes, so a divergence can be a numeric tie or a bug).
 This module runs the kit's idea against an engine over HTTP: named checks, a hypothesis search over prompts
-(:func:`dtbench.harness.conformance.search`, the same search as the decoder kit's, here with shrinking inside a time
+(:func:`dtbench.testing.common.search`, the same search as the decoder kit's, here with shrinking inside a time
 budget), and a counterexample ready to file: both requests as ``curl`` commands (the key masked), the prompt's
 SHA-256, the first differing position, both tokens and their text, the reference's margin and the measured noise,
 and the engine's version and model as the server reports them.
@@ -28,7 +28,7 @@ and prompts near the context length):
 - ``accounting``: where the engine reports speculation counters (per response, or its metrics endpoint), accepted <=
   drafted, steps >= 1 and the acceptance length equal to tokens / steps (n/a where it reports none).
 
-A check's verdict is one of the decoder kit's (:class:`~dtbench.harness.conformance_checks.Outcome`): passed (its
+A check's verdict is one of the decoder kit's (:class:`~dtbench.testing.checks.Outcome`): passed (its
 ties listed), failed (the counterexample), n/a (why), skipped (the budget was spent, or the server died before it).
 """
 
@@ -40,12 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtbench.core import DtbenchError
-from dtbench.harness.conformance import CheckFailed, NotApplicable, search
-from dtbench.harness.conformance_checks import Outcome
 from dtbench.harness.serving.check import check_request
 from dtbench.harness.serving.endpoint import Answer, Endpoint, ServerDown
 from dtbench.harness.serving.params import auth_headers
 from dtbench.harness.serving.prompt_space import PromptSpace, prompt_sha256
+from dtbench.testing.checks import Outcome
+from dtbench.testing.common import CheckFailed, NotApplicable, search
 
 SERVER_CHECKS = (
     "deterministic",
@@ -362,7 +362,7 @@ def _size(kw: dict[str, Any]) -> int:
 
 
 def _search(s: Session, check: str, space: dict[str, Any], body: Callable[..., None], size=_size) -> dict[str, Any]:
-    """:func:`~dtbench.harness.conformance.search` with shrinking until the check's deadline; the ``ServerDown``
+    """:func:`~dtbench.testing.common.search` with shrinking until the check's deadline; the ``ServerDown``
     a request raises ends the search at once."""
     down: list[ServerDown] = []
 
@@ -385,7 +385,7 @@ def run_checks(s: Session, checks: list[str] | None = None, progress: Callable[[
     time left divided by the checks left (a check that ends early leaves its time to the others).
 
     Returns:
-        One :class:`~dtbench.harness.conformance_checks.Outcome` per check (``precision`` ``served``): its examples
+        One :class:`~dtbench.testing.checks.Outcome` per check (``precision`` ``served``): its examples
         and ties in ``detail``, the ties in ``counterexample["ties"]`` for a pass, the shrunk counterexample for a
         failure.
     """

@@ -1,6 +1,6 @@
-"""The served :class:`~dtbench.harness.measurers.Measurer` (issue 49 item 1): a server cell's unit of prompts measured
+"""The served :class:`~dtbench.harness.measurement.measurers.Measurer` (issue 49 item 1): a server cell's unit of prompts measured
 through requests by the client (:func:`~dtbench.harness.serving.client.observe_requests`), then the shared tail of
-every cell (:func:`~dtbench.harness.measurers.measure_outcome`) makes its rows, as for dtbench's own decoders.
+every cell (:func:`~dtbench.harness.measurement.measurers.measure_outcome`) makes its rows, as for dtbench's own decoders.
 
 A server that does not start, exits, or answers with an error fails its cell with one line naming the server and its
 log (an exception group: its first real error, issue 50).
@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtbench.harness.errors import error_line
-from dtbench.harness.measurers import Measured
-from dtbench.harness.plan import CellPlan, PromptGroup
-from dtbench.harness.sample import Reference
+from dtbench.harness.measurement.measurers import Measured
+from dtbench.harness.measurement.sample import Reference
 from dtbench.harness.serving.client import observe_requests
 from dtbench.harness.serving.params import ServerParams
 from dtbench.harness.serving.process import ServerPool
-from dtbench.harness.suite import Suite
+from dtbench.harness.suites.plan import CellPlan, PromptGroup
+from dtbench.harness.suites.suite import Suite
 
 
 class ServedMeasurer:

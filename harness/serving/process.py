@@ -27,8 +27,8 @@ from dtbench.decoders.engines import llama_cpp
 from dtbench.decoders.engines.llama_cpp import LLAMA_SERVER_ENV as LLAMA_SERVER_ENV  # the names before issue 49
 from dtbench.decoders.engines.llama_cpp import MAKE_ENGINE as MAKE_ENGINE
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.grouping import CellKey
 from dtbench.harness.serving.params import ServerParams, auth_headers, engine_placeholders, launch_argv
+from dtbench.harness.suites.grouping import CellKey
 
 HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0
@@ -41,7 +41,7 @@ class ServerError(DtbenchError):
 
 def _embedded_model() -> str:
     """``{model}``: the embedded SmolLM2 GGUF's path."""
-    from dtbench.harness.models import embedded_gguf
+    from dtbench.harness.models.loading import embedded_gguf
 
     folder, name = embedded_gguf()
     return str(folder / name)

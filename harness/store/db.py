@@ -141,7 +141,7 @@ class Cell(Base):
     swept: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # its point of that sweep grid
     sampling: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # temperature, top_k, top_p, seed; None: greedy
     lossless_expected: Mapped[bool] = mapped_column(Boolean, default=True)
-    # 0008: the rule of its samples' lossless verdict (exact | tie_aware; harness/lossless.py); NULL before: exact
+    # 0008: the rule of its samples' lossless verdict (exact | tie_aware; harness/measurement/lossless.py); NULL before: exact
     lossless_check: Mapped[str | None] = mapped_column(String(20))
     reference_label: Mapped[str | None] = mapped_column(String(300))
     target_model: Mapped[str] = mapped_column(String(500))
@@ -150,7 +150,7 @@ class Cell(Base):
         String(20), default="pending"
     )  # pending|running|done|failed|interrupted (holds samples, run stopped)
     error: Mapped[str | None] = mapped_column(Text)
-    # 0014, the machine's load while the cell was measured (harness/load.py; NULL before 0014): logical CPUs, the
+    # 0014, the machine's load while the cell was measured (harness/measurement/load.py; NULL before 0014): logical CPUs, the
     # 1-minute load average before its first sample and after its last, the largest load less this process tree's
     # own share, CPU seconds other processes took during its samples and the CPU seconds there were (wall x CPUs),
     # the CPU frequency (MHz) at its start and end (NULL where unreadable)
@@ -169,7 +169,7 @@ class Cell(Base):
 class Sample(Base):
     """One prompt decoded by one cell: times (s), counters, memory (bytes), output identity.
 
-    Its columns are :class:`dtbench.harness.sample.SampleRecord`'s fields plus ``id``, ``cell_id`` and
+    Its columns are :class:`dtbench.harness.measurement.sample.SampleRecord`'s fields plus ``id``, ``cell_id`` and
     ``created_at`` (tests/test_db.py asserts it): a new column is a field there, a column here and a migration."""
 
     __tablename__ = "samples"
@@ -195,13 +195,13 @@ class Sample(Base):
     # Forward passes counted by the runner's hooks (counts; nullable since revision 0002, None where not counted).
     target_forwards: Mapped[int | None] = mapped_column(Integer)
     draft_forwards: Mapped[int | None] = mapped_column(Integer)  # 0002
-    # 0002 (definitions: harness/metrics.py). acceptance_incl_bonus: committed tokens including the bonus token /
+    # 0002 (definitions: harness/measurement/metrics.py). acceptance_incl_bonus: committed tokens including the bonus token /
     # drafted depth, summed over drafting iterations (a ratio, may exceed 1: the paper's Table 3 "Accept.").
     # mean_path_length_all: committed path length before the bonus token, in tokens, averaged over every iteration.
     acceptance_incl_bonus: Mapped[float | None] = mapped_column(Float)
     mean_path_length_all: Mapped[float | None] = mapped_column(Float)
     step_tokens: Mapped[list[int]] = mapped_column(JSON)  # committed tokens per iteration
-    # per iteration: drafted, accepted, depth, forwards (harness/metrics.py); rows written before the Step lost its
+    # per iteration: drafted, accepted, depth, forwards (harness/measurement/metrics.py); rows written before the Step lost its
     # duplicate tree_size field also hold "tree_size", always equal to "drafted" (readers use "drafted")
     step_stats: Mapped[dict[str, Any]] = mapped_column(JSON)
     step_times_s: Mapped[list[float]] = mapped_column(JSON)  # seconds from start at each iteration's end
@@ -214,7 +214,7 @@ class Sample(Base):
     output_tokens: Mapped[list[int]] = mapped_column(JSON)
     lossless: Mapped[bool | None] = mapped_column(Boolean)
     first_divergence: Mapped[int | None] = mapped_column(Integer)
-    # 0008, the teacher-forced check of every emitted token (harness/lossless.py; NULL: not checked): output positions
+    # 0008, the teacher-forced check of every emitted token (harness/measurement/lossless.py; NULL: not checked): output positions
     # checked, positions classified tie / error, the first error's output position, margins and measured noise in
     # logits, the check's seconds (outside the timed region), the diagnosed positions (JSON list of dicts)
     lossless_checked: Mapped[int | None] = mapped_column(Integer)
@@ -229,7 +229,7 @@ class Sample(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     worker_host: Mapped[str | None] = mapped_column(String(255))  # host of the worker that measured it
     device_name: Mapped[str | None] = mapped_column(String(200))  # its device (GPU model, or CPU model and threads)
-    # 0007 (harness/energy.py): joules over the sample (None unless energy_status is "measured"); energy_status:
+    # 0007 (harness/measurement/energy.py): joules over the sample (None unless energy_status is "measured"); energy_status:
     # measured | unavailable | too_short | counter_reset (NULL: measured before energy existed); energy_source: the
     # counter ("nvml:gpu0", "rapl:package") or why none was readable.
     energy_j: Mapped[float | None] = mapped_column(Float)
@@ -248,7 +248,7 @@ class Sample(Base):
     batch_total_s: Mapped[float | None] = mapped_column(Float)
     # 0014: the 0-based repeat of this prompt (suite key repeats; 0 for every sample written before it)
     repeat: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # 0013 (issue 37): memory-bandwidth-limit seconds of its forwards / total_s (harness/roofline.py); NULL: unknown
+    # 0013 (issue 37): memory-bandwidth-limit seconds of its forwards / total_s (harness/calibration/roofline.py); NULL: unknown
     roofline: Mapped[float | None] = mapped_column(Float)
     cell: Mapped[Cell] = relationship(back_populates="samples")
 

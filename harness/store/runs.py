@@ -3,7 +3,7 @@
 A running run belongs to one process, recorded as ``runs.owner_host``/``owner_pid`` and refreshed in
 ``runs.heartbeat_at`` (:class:`Heartbeat`, every HEARTBEAT_S seconds and at every committed sample). ``--resume-run``
 continues a run only when its owner is gone (:func:`owner_alive`), its suite text is the same, and the measuring
-environment matches on :data:`MUST_MATCH` (:func:`open_run`); the driver (:mod:`dtbench.harness.runner`) does the rest.
+environment matches on :data:`MUST_MATCH` (:func:`open_run`); the driver (:mod:`dtbench.harness.execution.runner`) does the rest.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 import psutil
 
 from dtbench.core import redact_json, redact_yaml
-from dtbench.harness.bounds import valid_id
 from dtbench.harness.errors import DtbenchError
 from dtbench.harness.store.db import Run, utcnow
-from dtbench.harness.suitefile import suite_hash
+from dtbench.harness.suites.bounds import valid_id
+from dtbench.harness.suites.suitefile import suite_hash
 
 HEARTBEAT_S = 30.0  # a running run refreshes runs.heartbeat_at this often (and at every committed sample)
 STALE_S = 300.0  # a run of another host whose heartbeat is older than this is taken as dead

@@ -1,0 +1,1 @@
+"""Execution: the run driver, workers, executors (local, Ray), crash isolation, child processes, deadlines, the fork server and the plugins' import probe. (``dtbench.harness.execution``; docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""Measurement: the timing loop, the measurers and the one row builder, the metrics, memory, energy, forwards by role, host reads, the lossless check, the machine and its load. (``dtbench.harness.measurement``; docs/architecture.md)."""

@@ -1,0 +1,1 @@
+"""The pricing family: the one Pricer and every prediction priced through it (cost model, batch model and replay, device prediction, engine schedules, the explanation, tuning). (``dtbench.reports.pricing``; docs/architecture.md)."""

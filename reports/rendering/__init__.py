@@ -1,0 +1,1 @@
+"""The output layer: a report is an object, every format one registered renderer (table, Markdown, CSV, JSON, HTML), display strings, the figure toolkit. (``dtbench.reports.rendering``; docs/architecture.md)."""

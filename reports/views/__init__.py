@@ -1,0 +1,1 @@
+"""The views: each report a view of the one loader's cells (summary, comparisons, paper tables and figures, Spec-Bench, profiles, engines, execution, goodput, notes). (``dtbench.reports.views``; docs/architecture.md)."""
