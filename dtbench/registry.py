@@ -16,7 +16,9 @@ The policy:
   :class:`~dtbench.core.DtbenchError` naming its distribution.
 - A plugin's import runs under a time limit (issue 59 item 3): ``DTBENCH_PLUGIN_IMPORT_TIMEOUT`` seconds
   (:data:`DEFAULT_IMPORT_TIMEOUT_S` by default; ``inf``: no limit). The import is tried first in a child process
-  forked from the kit's fork server (issue 67 item 5: :mod:`dtbench.harness.execution.plugin_probe`); one that has not finished
+  forked from the kit's fork server (issue 67 item 5: :mod:`dtbench.harness.execution.plugin_probe`, the
+  :class:`ImportGuard` the harness installs at its import with :func:`guard_imports`; this module imports nothing
+  above :mod:`dtbench.core`, issue 68 item 5, so without a guard a plugin is imported as it is); one that has not finished
   within the limit is killed with its process and is a broken plugin ("did not finish importing within N s"), a
   problem line in ``dtbench plugins`` and a warning elsewhere, never a hang and never an import left running beside a
   measurement (before, a daemon thread the caller could not stop kept a core busy). An import that raises, exits or
@@ -36,7 +38,6 @@ The policy:
 from __future__ import annotations
 
 import difflib
-import importlib
 import math
 import os
 import sys
@@ -100,31 +101,52 @@ def import_timeout_s() -> float:
 _PROBED: dict[tuple[Any, ...], str | None] = {}  # (name, value, group, sys.path) -> None (its import ends) or why not
 
 
+@dataclass(frozen=True)
+class ImportGuard:
+    """How a plugin's import is bounded, installed by the layer that can start processes (:func:`guard_imports`;
+    the harness's :func:`dtbench.harness.execution.plugin_probe.install`), so that the registry imports nothing above
+    the core (issue 68 item 5: it imported the harness's probe and the plugin API by name, the one import pointing up).
+
+    Attributes:
+        probe: ``probe(name, value, group, timeout_s)`` tries the entry point's import where it can be stopped;
+            returns when it ends (or where nothing could be tried), raises :class:`PluginImportFailed` saying why not.
+        preload: imports what every plugin imports (the plugin API: torch, transformers) without a limit, before
+            the plugin's own import is timed.
+    """
+
+    probe: Callable[[str, str, str, float], None]
+    preload: Callable[[], None]
+
+
+_GUARD: list[ImportGuard] = []  # the installed guard, if any (a list: set once, read at every bounded load)
+
+
+def guard_imports(guard: ImportGuard) -> None:
+    """Install ``guard`` for every registry of this process (the last one installed is used)."""
+    _GUARD[:] = [guard]
+
+
 def load_bounded(entry_point: Any, timeout_s: float) -> Any:
     """``entry_point.load()`` once a child process showed, within ``timeout_s`` seconds, that the import ends (issue 67
-    item 5: :func:`dtbench.harness.execution.plugin_probe.probe`); nothing is left importing beside the caller. The child's
+    item 5: the installed :class:`ImportGuard`'s probe); nothing is left importing beside the caller. The child's
     verdict is kept for the process: an entry is tried once. Where no child can start (a ``__main__`` read from
-    standard input) the entry is imported without a limit. An object without ``value`` and ``group`` (a test's
-    stand-in with ``load()`` only) has no module to try and is loaded as it is.
+    standard input), or where no guard is installed, the entry is imported without a limit. An object without
+    ``value`` and ``group`` (a test's stand-in with ``load()`` only) has no module to try and is loaded as it is.
 
     Raises:
         PluginImportFailed: the import did not finish within the limit, raised or ended its process (the message says
             which); nothing of it was imported here.
     """
     value, group, name = (getattr(entry_point, attr, None) for attr in ("value", "group", "name"))
-    if not (isinstance(value, str) and isinstance(group, str)):
+    if not (isinstance(value, str) and isinstance(group, str)) or not _GUARD:
         return entry_point.load()
     key = (str(name), value, group, tuple(sys.path))
     if key not in _PROBED:
-        from dtbench.harness.execution.plugin_probe import ProbeFailed, ProbeUnavailable, probe
-
         try:
-            probe(str(name), value, group, timeout_s)
+            _GUARD[0].probe(str(name), value, group, timeout_s)
             _PROBED[key] = None
-        except ProbeFailed as exc:
+        except PluginImportFailed as exc:
             _PROBED[key] = str(exc)
-        except ProbeUnavailable:  # no child could be started here: imported as it is, without a limit
-            _PROBED[key] = None
     if _PROBED[key] is not None:
         raise PluginImportFailed(_PROBED[key])
     return entry_point.load()
@@ -352,9 +374,9 @@ class Registry(Generic[T]):
         trusted = entry.builtin or entry.in_process  # imported already, or dtbench's own: no time limit
         limit = None if trusted else import_timeout_s()  # a bad setting is the user's one-line error, not the plugin's
         try:
-            if not trusted:  # the plugin API every plugin imports (torch, transformers: seconds on a busy machine) is
-                # dtbench's own and imported without a limit first, so the limit times the plugin's own import only
-                importlib.import_module("dtbench.api")
+            if not trusted and _GUARD:  # the plugin API every plugin imports (torch, transformers: seconds on a
+                # busy machine) is dtbench's own and imported without a limit first: the limit times the plugin's own
+                _GUARD[0].preload()
             obj = entry.entry_point.load() if limit is None else load_bounded(entry.entry_point, limit)
         except PluginImportFailed as exc:
             raise DtbenchError(f"{what} {exc}") from None

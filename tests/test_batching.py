@@ -27,12 +27,6 @@ from sqlalchemy import select
 from dtbench.decoders import kv
 from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.chain import Proposer, speculate_chain_batch
-from dtbench.decoders.dynatree import DynaTree
-from dtbench.decoders.fixed_tree import FixedTree
-from dtbench.decoders.hf_assisted import HFGenerate
-from dtbench.decoders.linear import LinearParams, LinearSpeculative
-from dtbench.decoders.ngram import Ngram, NgramParams
-from dtbench.decoders.suffix import SuffixDecoding
 from dtbench.harness.measurement import measure
 from dtbench.harness.models import loading as harness_models
 from dtbench.harness.store import db
@@ -44,23 +38,6 @@ from dtbench.testing.fixtures import SHARP, VOCAB
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make(name: str, target, draft):
-    """A batching decoder by name on the pair (tree decoders with small trees: fast, still branching)."""
-    return {
-        "ar": lambda: Autoregressive(target, None, ARParams()),
-        "linear": lambda: LinearSpeculative(target, draft, LinearParams(k=3)),
-        "fixed_tree": lambda: FixedTree(target, draft, FixedTree.Params(depth=3, branching=2, n_max=12)),
-        "dynatree": lambda: DynaTree(target, draft, DynaTree.Params(n_max=16)),
-        "dynatree_rebuild": lambda: DynaTree(target, draft, DynaTree.Params(n_max=16, cache_strategy="rebuild")),
-        "ngram": lambda: Ngram(target, None, NgramParams(k=4)),
-        "suffix": lambda: SuffixDecoding(target, None, SuffixDecoding.Params(k=4, min_match=1)),
-        "hf_generate": lambda: HFGenerate(target, None, HFGenerate.Params()),
-    }[name]()
-
-
-DECODERS = ["ar", "linear", "fixed_tree", "dynatree", "dynatree_rebuild", "ngram", "suffix", "hf_generate"]
 
 
 def alone(target, prompt: list[int], T: int, eos: int | None = None) -> list[int]:
@@ -96,9 +73,6 @@ def batched(decoder, prompts: list[list[int]], T: int, eos: int | None = None):
             row = row[: row.index(eos) + 1]
         cut.append(row[:T])
     return cut, steps
-
-
-rows_st = st.lists(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20), min_size=1, max_size=6)
 
 
 def assert_rows_lossless(target, prompts, out, reference, rule):

@@ -7,6 +7,8 @@ Parsed with :mod:`ast` from the source files, so an import hidden in a function 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -364,3 +366,18 @@ def test_loading_a_suite_imports_no_torch(tmp_path):
 
 def test_the_torch_check_can_fail():
     assert "torch" in _fresh_import("import dtbench.decoders.base")
+
+
+def test_the_registry_imports_nothing_above_the_core():
+    """Issue 68 item 5: ``dtbench/registry.py`` imports ``dtbench.core`` only and names no dtbench module to import at
+    run time; the bound on plugins' imports is the guard the harness installs (plugin_probe.install), found here."""
+    edges, _ = imports(modules())
+    assert edges["dtbench.registry"] <= {"dtbench.core"}
+    assert "import_module(" not in (ROOT / "dtbench" / "registry.py").read_text()
+    code = (
+        "import dtbench.registry as r; assert not r._GUARD, 'installed before the harness';"
+        "import dtbench.harness; g = r._GUARD[0];"
+        "from dtbench.harness.execution import plugin_probe as p; assert g.probe is p.bounded_import, g"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]  # every harness user gets the guard, the core alone none

@@ -72,6 +72,36 @@ def _child(conn: Any, spec: tuple[str, str, str], environ: dict[str, str], cwd: 
     conn.send(("ok",))
 
 
+def bounded_import(name: str, value: str, group: str, timeout_s: float) -> None:
+    """The registry's probe (:class:`dtbench.registry.ImportGuard`): :func:`probe`, its failure as the registry's
+    :class:`~dtbench.registry.PluginImportFailed`; where no child can start (:class:`ProbeUnavailable`) it returns
+    and the plugin is imported as it is, without a limit."""
+    from dtbench.registry import PluginImportFailed
+
+    try:
+        probe(name, value, group, timeout_s)
+    except ProbeFailed as exc:
+        raise PluginImportFailed(str(exc)) from None
+    except ProbeUnavailable:
+        return
+
+
+def preload_api() -> None:
+    """Import the plugin API (``dtbench.api``: torch, transformers) in this process, without a limit, named here so
+    that the registry names nothing above the core."""
+    import importlib
+
+    importlib.import_module(PLUGIN_API)
+
+
+def install() -> None:
+    """Install :func:`bounded_import` and :func:`preload_api` as every registry's :class:`~dtbench.registry.ImportGuard`
+    (the harness's package does at its import)."""
+    from dtbench.registry import ImportGuard, guard_imports
+
+    guard_imports(ImportGuard(probe=bounded_import, preload=preload_api))
+
+
 def probe(name: str, value: str, group: str, timeout_s: float) -> float:
     """Import the entry point ``name = value`` of ``group`` in a child process, within ``timeout_s`` seconds.
 
