@@ -79,9 +79,14 @@ class Interrupt(Planted):
 
 
 class Noisy(Planted):
+    noisy = True
+
     def act(self):
-        for i in range(1_000_000):
-            print(f"noise line {i}")
+        # a million lines, once per check process, in one write: the check's deadline must not race the printing
+        if Noisy.noisy:
+            Noisy.noisy = False
+            sys.stdout.write("".join(f"noise line {i}\\n" for i in range(1_000_000)))
+            sys.stdout.flush()
 
 
 class BigStep(Planted):
