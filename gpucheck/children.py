@@ -4,6 +4,7 @@ crash of native code fails one row, not the check (:func:`run_step`); :func:`run
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import traceback
@@ -94,6 +95,8 @@ def run_child(step: str, device, small: bool, rows_file: Path, skip: frozenset, 
     except Exception as exc:  # the step failed in Python: recorded, the parent goes on
         res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], "trace": traceback.format_exc()[-2000:]}
         log(f"{step} FAILED: {res['error']}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # the heads and datastores written for the step
     res.pop("rows", None) if step in ("lossless", "overhead") else None
     emit({"result": res, "models": models})
 

@@ -266,6 +266,25 @@ def test_a_hung_check_fails_a_plugins_pytest_instead_of_hanging_it(planted, tmp_
     assert "died of exit code 3 in greedy_equals_reference" in result.stdout
 
 
+def test_a_check_leaves_nothing_in_the_temporary_folder(tmp_path):
+    """The heads and datastores the declared settings write (medusa, rest), the children's logs and hypothesis
+    folders: all gone when `dtbench check` ends. (Each settings lookup once made a scratch folder nobody removed:
+    thousands of them in /tmp after a day of runs.)"""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dtbench.cli.main", "check", "medusa", "rest", "--device", "cpu"]
+    check = subprocess.run(
+        [*cmd, "--check", "greedy_equals_reference", "--check", "length", "--examples", "2", "--format", "json"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    statuses = {(r["decoder"], o["check"]): o["status"] for r in json.loads(check.stdout) for o in r["outcomes"]}
+    assert statuses == {(d, c): "passed" for d in ("medusa", "rest") for c in ("greedy_equals_reference", "length")}
+    left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_"))  # a cache, kept
+    assert left == []
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_a_new_decoder_package_installs_and_passes_the_kit(tmp_path, kind):
     """`dtbench new-decoder` writes a package that installs with pip and passes `dtbench check` as generated (every

@@ -20,6 +20,7 @@ from dtbench.harness import registry
 from dtbench.harness.data.prompt import Prompt
 from dtbench.harness.measurement.measure import ForwardCounter, measure
 from dtbench.harness.measurement.observation import sample_row
+from dtbench.testing.common import scratch_root
 from dtbench.testing.fixtures import HEAD, STORE, builtin_settings, write_eagle, write_medusa
 
 TIER = "fast"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -37,12 +38,12 @@ def build(name, params, kind="perturbed"):
     target, draft = model_zoo()[kind]
     cls = registry.get(name)
     if params.get("head") == HEAD:  # a random head in the published format (Medusa-1, EAGLE-1/2), sized for the target
-        folder = Path(tempfile.mkdtemp(prefix=f"dtbench-{name}-"))
+        folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=scratch_root()))
         cfg = target.config
         write = write_medusa if name == "medusa" else write_eagle
         params = {**params, "head": str(write(folder, hidden=cfg.hidden_size, vocab=cfg.vocab_size))}
     if params.get("tokens") == STORE:  # a REST datastore: the prompt's tokens and random ones
-        path = Path(tempfile.mkdtemp(prefix="dtbench-rest-")) / "store.npy"
+        path = Path(tempfile.mkdtemp(prefix="rest-", dir=scratch_root())) / "store.npy"
         np.save(path, np.array([*PROMPT, 30, 31, -1, *range(90, 3, -1)]))
         params = {**params, "tokens": str(path)}
     return cls(target, draft if cls.needs_draft else None, cls.Params(**params))

@@ -22,6 +22,7 @@ from dtbench.decoders.ar import ARParams, Autoregressive
 from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.streaming import StreamingSpecParams, StreamingSpeculative
+from dtbench.testing.common import scratch_root
 from dtbench.testing.sampling import tiny
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
@@ -414,7 +415,7 @@ def eagle_head(version: int) -> str:
 
     from dtbench.testing.fixtures import write_eagle
 
-    root = Path(tempfile.mkdtemp(prefix=f"eagle{version}-"))
+    root = Path(tempfile.mkdtemp(prefix=f"eagle{version}-", dir=scratch_root()))
     hidden = models()[EAGLE_TARGET[version]].config.hidden_size
     extra = {"draft_vocab": 5} if version == 3 else {}
     return str(write_eagle(root / "head", hidden=hidden, vocab=VOCAB, version=version, seed=version, **extra))
@@ -492,7 +493,9 @@ def medusa_typical(**params):
     from dtbench.testing.fixtures import write_medusa
 
     hidden = models()["self"].config.hidden_size
-    folder = write_medusa(Path(tempfile.mkdtemp(prefix="medusa-")) / "head", hidden=hidden, vocab=VOCAB, heads=2)
+    folder = write_medusa(
+        Path(tempfile.mkdtemp(prefix="medusa-", dir=scratch_root())) / "head", hidden=hidden, vocab=VOCAB, heads=2
+    )
     choices = [[0], [1], [0, 0], [1, 0]]
     return Medusa(models()["self"], None, MedusaParams(head=str(folder), choices=choices, **params))
 

@@ -93,7 +93,9 @@ _CONTEXTS: dict[int, CheckContext] = {}
 
 def _settings(cls: type[Decoder[Any]], precision: Precision) -> Any:
     target = pair("llama", "self", FLAT, precision)[0]
-    ctx = _CONTEXTS.setdefault(id(target), CheckContext(target))
+    if id(target) not in _CONTEXTS:  # (setdefault would make a scratch folder on every call)
+        _CONTEXTS[id(target)] = CheckContext(target)
+    ctx = _CONTEXTS[id(target)]
     return settings_of(cls, ctx)
 
 

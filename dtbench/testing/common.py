@@ -9,7 +9,9 @@ PyTorch's OpInfo (one declaration per decoder, every property derived from it).
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -138,13 +140,29 @@ ARCHS = ("llama", "neox")
 # --- the context a decoder draws its settings from --------------------------------------------------------------------
 
 
+_SCRATCH: list[str] = []  # this process's scratch root: made on first use (or set by a check child), one at most
+
+
+def scratch_root(root: str | None = None) -> str:
+    """The folder this process's :class:`CheckContext` folders are made in; ``root`` sets it (a check child's: its
+    parent removes it, even after killing the child). Made on first use otherwise, and removed when the process
+    exits (a ``multiprocessing`` exit finalizer: it runs in a main process and in a multiprocessing child alike)."""
+    if root is not None:
+        _SCRATCH[:] = [root]
+    elif not _SCRATCH:
+        made = tempfile.mkdtemp(prefix="dtbench-check-")
+        multiprocessing.util.Finalize(None, shutil.rmtree, args=(made,), kwargs={"ignore_errors": True}, exitpriority=0)
+        _SCRATCH.append(made)
+    return _SCRATCH[0]
+
+
 class CheckContext:
     """What :meth:`~dtbench.decoders.base.Decoder.check_settings` receives: the tiny target the settings are for and
     helpers writing the files params name, into a scratch folder of this process.
 
     Attributes:
         target: the seeded target (a transformers causal LM; ``target.config`` gives ``hidden_size``, ``vocab_size``).
-        folder: a scratch folder (deleted with the process's temporary files).
+        folder: a scratch folder, under :func:`scratch_root` (removed when the process ends).
         prompt: token ids a datastore may be built around (ids 3..19).
     """
 
@@ -152,7 +170,7 @@ class CheckContext:
 
     def __init__(self, target: Any, folder: Path | None = None):
         self.target: Any = target  # a transformers PreTrainedModel (``config``, ``device``)
-        self.folder = folder or Path(tempfile.mkdtemp(prefix="dtbench-check-"))
+        self.folder = folder or Path(tempfile.mkdtemp(prefix="context-", dir=scratch_root()))
 
     def medusa_head(self, heads: int = 4) -> str:
         """A Medusa-1 head folder in the published layout (random weights) sized for :attr:`target`; its path."""

@@ -80,6 +80,9 @@ def _serve(conn: Any, log_path: str, storage: str) -> None:
     from hypothesis.configuration import set_hypothesis_home_dir
 
     set_hypothesis_home_dir(storage)  # (hypothesis may have been imported already, and read the variable)
+    from dtbench.testing.common import scratch_root
+
+    scratch_root(storage)  # the heads and datastores a decoder's declared settings write: removed by the parent
     cls: Any = None
     name = ""
     while True:
