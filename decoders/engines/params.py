@@ -316,6 +316,23 @@ def register_secrets(params: ServerParams) -> None:
         register_secret(os.environ.get(env))
 
 
+_TLS: dict[tuple[str | None, str | None], Any] = {}
+
+
+def tls_context() -> Any:
+    """The one ``ssl.SSLContext`` of this process's HTTP clients: httpx's default (``httpx.create_ssl_context()``:
+    certifi's CA bundle, or ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set), built once per value of those variables.
+    Building one reads the whole CA bundle (about 50 ms); httpx does it for every client it makes, and the harness
+    and the server kit make a client per request group or probe (the kit's fake-engine check spent 22 s of 70 in it,
+    423 clients). Pass it as ``verify=`` to ``httpx.Client``, ``httpx.AsyncClient``, ``httpx.get`` and ``httpx.post``."""
+    key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    if key not in _TLS:
+        import httpx
+
+        _TLS[key] = httpx.create_ssl_context()
+    return _TLS[key]
+
+
 def auth_headers(params: ServerParams) -> dict[str, str]:
     """The request headers that carry the server's API key: ``{"Authorization": "Bearer <key>"}`` with the key read
     now from the environment variable ``params.api_key_env``; {} without one. The key is never stored or shown.

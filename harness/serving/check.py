@@ -15,7 +15,7 @@ from typing import Any
 from dtbench.core import redact_credentials
 from dtbench.decoders.engines import engine_for
 from dtbench.harness.errors import clip
-from dtbench.harness.serving.params import ServerParams, auth_headers
+from dtbench.harness.serving.params import ServerParams, auth_headers, tls_context
 from dtbench.harness.serving.process import ServerError, ServerPool
 from dtbench.harness.suites.grouping import CellKey
 from dtbench.harness.values import first_divergence
@@ -160,6 +160,7 @@ def top_candidates(
         json=engine.top_body(params, prompt, n, tokens),
         timeout=timeout,
         headers=auth_headers(params),
+        verify=tls_context(),
     )
     if response.status_code != 200:
         raise ServerError(f"answered the check request with HTTP {response.status_code}: {clip(response.text, 200)}")

@@ -32,7 +32,7 @@ from dtbench.harness.errors import DtbenchError, clip, error_line
 from dtbench.harness.measurement.measurers import Batch, Observed
 from dtbench.harness.measurement.observation import Served
 from dtbench.harness.serving.check import check_row
-from dtbench.harness.serving.params import ServerParams, auth_headers
+from dtbench.harness.serving.params import ServerParams, auth_headers, tls_context
 from dtbench.harness.serving.process import ServerError, ServerPool
 from dtbench.harness.serving.record import RequestRecord, TokenBytes, recover_ids, token_bytes_of
 from dtbench.harness.serving.traffic import Schedule, blocks_of, dispatch, schedule, unit_load
@@ -190,8 +190,8 @@ async def group_requests(
     url = base_url + "/v1/completions"
     concurrency = traffic.concurrency
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    headers = auth_headers(params)  # the API key, read from its environment variable now (issue 50 item 3)
-    async with httpx.AsyncClient(limits=limits, timeout=params.request_timeout_s, headers=headers) as client:
+    kw = {"headers": auth_headers(params), "verify": tls_context()}  # the API key read now (issue 50 item 3)
+    async with httpx.AsyncClient(limits=limits, timeout=params.request_timeout_s, **kw) as client:
         before = await _metrics(client, base_url, engine)
         records = [RequestRecord(row=i) for i in range(len(bodies))]
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from typing import Any
 from dtbench.core import DtbenchError, clip, redact_credentials
 from dtbench.decoders.engines import Engine, engine_for
 from dtbench.harness.serving.check import candidate_shapes
-from dtbench.harness.serving.params import ServerParams, auth_headers
+from dtbench.harness.serving.params import ServerParams, auth_headers, tls_context
 
 
 class ServerDown(DtbenchError):
@@ -151,6 +151,7 @@ class Endpoint:
                 json=plain,
                 timeout=self.params.request_timeout_s,
                 headers=auth_headers(self.params),
+                verify=tls_context(),
             )
         except httpx.TimeoutException:
             raise self._fail(
@@ -205,7 +206,7 @@ class Endpoint:
 
         def get(path: str) -> Any:
             try:
-                answer = httpx.get(self.base_url + path, timeout=5.0, headers=headers)
+                answer = httpx.get(self.base_url + path, timeout=5.0, headers=headers, verify=tls_context())
                 return answer.json() if answer.status_code == 200 else None
             except (httpx.HTTPError, ValueError):
                 return None

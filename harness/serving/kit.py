@@ -42,7 +42,7 @@ from typing import Any
 from dtbench.core import DtbenchError
 from dtbench.harness.serving.check import check_request
 from dtbench.harness.serving.endpoint import Answer, Endpoint, ServerDown
-from dtbench.harness.serving.params import auth_headers
+from dtbench.harness.serving.params import auth_headers, tls_context
 from dtbench.harness.serving.prompt_space import PromptSpace, prompt_sha256
 from dtbench.testing.checks import Outcome
 from dtbench.testing.common import CheckFailed, NotApplicable, search
@@ -340,7 +340,7 @@ def _metrics(ep: Endpoint) -> dict[str, Any] | None:
     if path is None or ep.down:
         return None
     try:
-        answer = httpx.get(ep.base_url + path, timeout=10.0, headers=auth_headers(ep.params))
+        answer = httpx.get(ep.base_url + path, timeout=10.0, headers=auth_headers(ep.params), verify=tls_context())
     except httpx.HTTPError:
         return None
     return ep.engine.parse_metrics(answer.text) if answer.status_code == 200 else None

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from dtbench.decoders.engines import engine_for
-from dtbench.decoders.engines.params import LAUNCH_PLACEHOLDERS, ServerParams, auth_headers, literal_credential
+from dtbench.decoders.engines.params import (
+    LAUNCH_PLACEHOLDERS,
+    ServerParams,
+    auth_headers,
+    literal_credential,
+    tls_context,
+)
 
 __all__ = [
     "LAUNCH_PLACEHOLDERS",
@@ -21,6 +27,7 @@ __all__ = [
     "engine_placeholders",
     "launch_argv",
     "literal_credential",
+    "tls_context",
 ]
 
 

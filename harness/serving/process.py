@@ -27,7 +27,7 @@ from dtbench.decoders.engines import llama_cpp
 from dtbench.decoders.engines.llama_cpp import LLAMA_SERVER_ENV as LLAMA_SERVER_ENV  # the names before issue 49
 from dtbench.decoders.engines.llama_cpp import MAKE_ENGINE as MAKE_ENGINE
 from dtbench.harness.errors import DtbenchError, clip
-from dtbench.harness.serving.params import ServerParams, auth_headers, engine_placeholders, launch_argv
+from dtbench.harness.serving.params import ServerParams, auth_headers, engine_placeholders, launch_argv, tls_context
 from dtbench.harness.suites.grouping import CellKey
 
 HOST = "127.0.0.1"
@@ -244,7 +244,9 @@ class ServerPool:
                         f"server '{label}' exited with code {code} before it was ready; see its log {log_path}"
                     )
                 try:
-                    answer = httpx.get(base_url + params.health_path, timeout=2.0, headers=headers)
+                    answer = httpx.get(
+                        base_url + params.health_path, timeout=2.0, headers=headers, verify=tls_context()
+                    )
                     if ready(answer.status_code, answer.text):  # the engine adapter says (issue 59 item 7)
                         return server
                 except httpx.HTTPError:

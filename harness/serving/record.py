@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtbench.decoders.engines import Engine
+from dtbench.decoders.engines.params import tls_context
 from dtbench.harness.serving.process import ServerError
 
 
@@ -149,7 +150,11 @@ def recover_ids(
 
     def ask(extra: dict[str, Any]) -> list[int] | None:
         response = httpx.post(
-            base_url + "/v1/completions", json={**body, **extra, "stream": False}, timeout=600, headers=headers
+            base_url + "/v1/completions",
+            json={**body, **extra, "stream": False},
+            timeout=600,
+            headers=headers,
+            verify=tls_context(),
         )
         try:
             data = response.json() if response.status_code == 200 else {}
