@@ -261,7 +261,9 @@ def test_held_back_ids_from_a_repeat(monkeypatch):
 
     sent = []
     monkeypatch.setattr(
-        httpx, "post", lambda url, json, timeout, headers=None, verify=None: sent.append(json) or _Answer([10, 21, 12, 13, 22, 23])
+        httpx,
+        "post",
+        lambda url, json, timeout, headers=None, verify=None: sent.append(json) or _Answer([10, 21, 12, 13, 22, 23]),
     )
     rec = _held_back_record()
     _recover_ids("http://x", {"prompt": [1, 2], "max_tokens": 6}, rec, engine_for("llama.cpp"), "s", "log", _detok)
@@ -300,7 +302,9 @@ def test_held_back_ids_that_nothing_reproduces_fail_in_one_line(monkeypatch):
     from dtbench.harness.serving.record import recover_ids as _recover_ids
 
     monkeypatch.setattr(
-        httpx, "post", lambda url, json, timeout, headers=None, verify=None: _Answer([10, 1, 12, 14, 22, 23][: json["max_tokens"]])
+        httpx,
+        "post",
+        lambda url, json, timeout, headers=None, verify=None: _Answer([10, 1, 12, 14, 22, 23][: json["max_tokens"]]),
     )
     rec = _held_back_record()
     with pytest.raises(ServerError, match="streamed 3 token ids for 6 tokens and neither a repeat nor requests"):
@@ -368,7 +372,9 @@ def test_held_back_ids_from_the_streamed_text_when_repeat_and_prefix_diverge(mon
     events, ids = _katakana_stream(tokenizer)
     sent = []
     monkeypatch.setattr(
-        httpx, "post", lambda url, json, timeout, headers=None, verify=None: sent.append(json) or _Answer([7] * json["max_tokens"])
+        httpx,
+        "post",
+        lambda url, json, timeout, headers=None, verify=None: sent.append(json) or _Answer([7] * json["max_tokens"]),
     )
 
     def detok(t):
