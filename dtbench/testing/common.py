@@ -296,6 +296,7 @@ def search(
     shrink: bool | None = None,
     deadline: float | None = None,
     size: Callable[[dict[str, Any]], int] | None = None,
+    at_least: int = 0,
 ) -> SearchStats:
     """Run ``body`` on ``n`` hypothesis examples drawn from ``strategies`` (derandomized: the same examples every
     run); the first failing example's :class:`CheckFailed` is re-raised (other exceptions become one).
@@ -310,6 +311,8 @@ def search(
             the shrinking end); with it, the smallest failure seen is raised, whatever hypothesis ends with.
         size: an example's size (the server kit: its prompt's tokens); the failure raised is the smallest by it,
             its counterexample carrying ``shrunk``: {``from_size``, ``to_size``, ``tries``}.
+        at_least: the first ``at_least`` examples run even past ``deadline`` (the server kit asks 1: every check
+            a verdict, however little budget is left).
 
     Returns:
         The :class:`SearchStats` of a search that found no failure.
@@ -322,7 +325,7 @@ def search(
     failures: list[tuple[int, int, CheckFailed]] = []  # (size, order, failure)
 
     def guarded(**kw: Any) -> None:
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and stats.examples >= at_least and time.monotonic() > deadline:
             stats.out_of_time = True
             reject()
         stats.examples += 1
