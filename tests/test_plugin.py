@@ -45,6 +45,11 @@ def plugin():
     )
     importlib.invalidate_caches()
     sys.modules.pop("dtbench_prompt_lookup", None)  # a copy imported from the source tree by another test module
+    from dtbench.harness import registry
+
+    # and the registry's loaded classes: a module run before this one on the same xdist worker may have loaded the
+    # copy installed before the reinstall (test_found_by_the_registry then saw two PromptLookup classes)
+    registry.DECODERS._loaded.clear()
     return importlib.import_module("dtbench_prompt_lookup")
 
 
