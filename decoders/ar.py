@@ -29,6 +29,7 @@ class Autoregressive(Decoder[ARParams]):
     supports_sampling = True
     family = "ar"
     batching = True
+    batch_sampling = True
     compiles = True
 
     @classmethod
@@ -56,10 +57,18 @@ class Autoregressive(Decoder[ARParams]):
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
-        """Greedy AR over B prompts together: the one chain loop with no drafts (one batched target forward per
-        token, every row its own position and cache length; a finished row leaves the batch)."""
+        """AR over B prompts together, greedy or sampled (``batch_sampling``): the one chain loop with no drafts (one
+        batched target forward per token, every row its own position and cache length; a finished row leaves the
+        batch)."""
         from dtbench.decoders.chain import NoDrafts, speculate_chain_batch
 
         yield from speculate_chain_batch(
-            self.target, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0, self.eos_token_id
+            self.target,
+            [NoDrafts() for _ in prompts],
+            prompts,
+            max_new_tokens,
+            0,
+            self.eos_token_id,
+            sampling=self.sampling,
+            generator=self.generator,
         )

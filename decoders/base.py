@@ -106,6 +106,10 @@ class Decoder(ABC, Generic[P]):
             ``ar``, the chain and tree decoders through the one chain/tree loop, ``hf_generate`` through transformers'
             batched ``generate``. A suite asking a decoder without it for B > 1 is refused at validate (a
             capability, never a name).
+        batch_sampling: True if :meth:`generate_batch` samples too when ``self.sampling`` is set: every row an
+            independent draw of the target's processed law, the rows sharing ``self.generator`` (a row's tokens are
+            not those its prompt draws alone). ``ar`` and the chain decoders; a sampled suite at B > 1 is refused for
+            a decoder without it, and the kit's ``sampling`` check draws the batched law too.
         family: what kind of loop it runs, stored on every cell (``cells.family``) and read by the reports:
             ``"ar"`` one target forward per token, nothing drafted (the paper's AR rows); ``"chain"`` a drafted
             chain of K tokens verified in one target forward (:func:`dtbench.decoders.chain.speculate_chain`; the
@@ -140,6 +144,7 @@ class Decoder(ABC, Generic[P]):
     version: ClassVar[str] = "1"
     supports_sampling: ClassVar[bool] = False
     batching: ClassVar[bool] = False
+    batch_sampling: ClassVar[bool] = False
     compiles: ClassVar[bool] = False
     requests: ClassVar[bool] = False
     own_process: ClassVar[tuple[str, ...]] = ()
@@ -353,7 +358,8 @@ class Decoder(ABC, Generic[P]):
         """
 
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
-        """Decode B prompts together (batch size B = ``len(prompts)``, greedy; only when ``batching`` is True).
+        """Decode B prompts together (batch size B = ``len(prompts)``; only when ``batching`` is True): greedy, or
+        sampled when ``batch_sampling`` is True and ``self.sampling`` is set (rows share ``self.generator``).
 
         Args:
             prompts: per row the prompt ids, shape (1, prompt_len_r) int64 (ragged lengths), on the target's device.

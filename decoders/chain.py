@@ -383,10 +383,17 @@ def speculate_chain_batch(
     max_new_tokens: int,
     k: int,
     eos_token_id: int | tuple[int, ...] | None = None,
+    *,
+    sampling: SamplingSettings | None = None,
+    generator: torch.Generator | None = None,
 ) -> Iterator[dict[int, Step]]:
-    """Greedy chain speculation of B prompts together (batch size B = ``len(prompts)``): the one chain loop over a
-    :class:`RaggedRows` target, one proposer per row. Yields as :func:`speculate_chain_rows`."""
-    yield from speculate_chain_rows(RaggedRows(model), proposers, prompts, max_new_tokens, k, None, None, eos_token_id)
+    """Chain speculation of B prompts together (batch size B = ``len(prompts)``): the one chain loop over a
+    :class:`RaggedRows` target, one proposer per row; greedy, or with ``sampling`` each row verified by speculative
+    sampling (Leviathan et al. 2023, Algorithm 1), every row drawing from the one ``generator`` (rows are
+    independent draws). Yields as :func:`speculate_chain_rows`."""
+    yield from speculate_chain_rows(
+        RaggedRows(model), proposers, prompts, max_new_tokens, k, sampling, generator, eos_token_id
+    )
 
 
 def speculate_chain_rows(
@@ -412,7 +419,8 @@ def speculate_chain_rows(
         target: the rows' target (:class:`OneRow` or :class:`RaggedRows`).
         proposers: one fresh proposer per row.
         prompts: per row the prompt ids, shape (1, prompt_len_r), int64, on the target's device.
-        max_new_tokens, k, sampling, generator, eos_token_id: as :func:`speculate_chain` (sampling: one row only).
+        max_new_tokens, k, sampling, generator, eos_token_id: as :func:`speculate_chain` (sampling: the rows share
+            the generator, each row an independent draw).
 
     Yields:
         Per iteration a dict {row index: Step} of the rows that committed in it (the first: every row's prefill

@@ -41,6 +41,7 @@ class LinearSpeculative(Decoder[LinearParams]):
     family = "chain"
     supports_sampling = True
     batching = True
+    batch_sampling = True
     compiles = True
 
     @classmethod
@@ -92,7 +93,8 @@ class LinearSpeculative(Decoder[LinearParams]):
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[torch.Tensor], max_new_tokens: int) -> Iterator[dict[int, Step]]:
-        """B prompts through the one chain loop: one draft proposer per row, one batched target verification."""
+        """B prompts through the one chain loop, greedy or sampled (``batch_sampling``): one draft proposer per row,
+        one batched target verification."""
         assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
         yield from speculate_chain_batch(
             self.target,
@@ -101,4 +103,6 @@ class LinearSpeculative(Decoder[LinearParams]):
             max_new_tokens,
             self.params.k,
             self.eos_token_id,
+            sampling=self.sampling,
+            generator=self.generator,
         )

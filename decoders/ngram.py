@@ -150,6 +150,7 @@ class Ngram(Decoder[NgramParams]):
     lossless = True
     supports_sampling = True
     batching = True
+    batch_sampling = True
     compiles = True
     version = "1"
 
@@ -204,4 +205,13 @@ class Ngram(Decoder[NgramParams]):
         p = self.params
         proposers = [NgramProposer(p.min_n, p.max_n, p.occurrence) for _ in prompts]
         self._proposer = proposers[-1]
-        yield from speculate_chain_batch(self.target, proposers, prompts, max_new_tokens, p.k, self.eos_token_id)
+        yield from speculate_chain_batch(
+            self.target,
+            proposers,
+            prompts,
+            max_new_tokens,
+            p.k,
+            self.eos_token_id,
+            sampling=self.sampling,
+            generator=self.generator,
+        )

@@ -211,6 +211,7 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
     lossless = True
     supports_sampling = True
     batching = True
+    batch_sampling = True
     version = "1"
 
     @classmethod
@@ -304,4 +305,13 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
             for _ in prompts
         ]
         self._proposer = proposers[-1]
-        yield from speculate_chain_batch(self.target, proposers, prompts, max_new_tokens, p.k, self.eos_token_id)
+        yield from speculate_chain_batch(
+            self.target,
+            proposers,
+            prompts,
+            max_new_tokens,
+            p.k,
+            self.eos_token_id,
+            sampling=self.sampling,
+            generator=self.generator,
+        )

@@ -216,7 +216,10 @@ def test_plan_groups_are_the_same_for_every_decoder_and_b1_is_unchanged():
     [
         ("{name: streaming_ar}", "decoder 'streaming_ar' cannot decode batches (its class does not declare batching)"),
         ("{name: hf_generate, params: {prompt_lookup_num_tokens: 4}}", "decodes batch size 1 only"),
-        ("{name: linear, sampling: {temperature: 0.7}}", "decode greedily only"),
+        (
+            "{name: dynatree, sampling: {temperature: 0.7}}",
+            "decode greedily only (its class does not declare batch_sampling)",
+        ),
         ("{name: ar, batch_sizes: [2]}", "batch_sizes [2] are not in the suite's batch_sizes"),
     ],
 )
@@ -226,7 +229,12 @@ def test_validate_refuses_what_cannot_batch_in_one_line(tmp_path, entry, needle)
 
 
 def test_a_restricted_decoder_is_not_refused(tmp_path):
-    (tmp_path / "s.yaml").write_text(SUITE + "  - {name: streaming_ar, batch_sizes: [1]}\n  - {name: linear}\n")
+    """Nor a sampled decoder declaring ``batch_sampling`` at B > 1 (issue 68: ar and the chain decoders)."""
+    (tmp_path / "s.yaml").write_text(
+        SUITE
+        + "  - {name: streaming_ar, batch_sizes: [1]}\n  - {name: linear}\n"
+        + "  - {name: ngram, sampling: {temperature: 0.7}}\n"
+    )
     result = invoke("validate", str(tmp_path / "s.yaml"))
     assert result.exit_code == 0, result.output
 
@@ -262,6 +270,32 @@ def cells_of(dbfile) -> dict[tuple[str, int], list[db.Sample]]:
             for x in out[(cell.label, cell.batch_size)]:
                 s.expunge(x)
     return out
+
+
+def test_a_sampled_run_at_b_above_one(pair, tmp_path, data_dir):
+    """A sampled suite at B = 2 for the decoders declaring ``batch_sampling`` (issue 68): every row sampled (its
+    tokens are not the greedy ones everywhere), the sampling stored on the cell, the same seed giving the same rows in
+    a second run, and no row checked against one greedy draw."""
+    decoders = [{"name": "ar"}, {"name": "linear", "params": {"k": 3}}, {"name": "ngram"}, {"name": "suffix"}]
+    suite = suite_dict(*pair, decoders, batch_sizes=[2], sampling={"temperature": 1.5}, generation_lengths=[12])
+    suite["datasets"][0].update(prompts=5, warmup=1)
+    runs = []
+    for name in ("a.db", "b.db"):
+        result, dbfile = run_cli(tmp_path, data_dir, suite, name)
+        assert result.exit_code == 0, result.output
+        runs.append(cells_of(dbfile))
+    assert runs[0].keys() == {(d["name"], 2) for d in decoders}
+    for key, samples in runs[0].items():
+        assert [x.output_tokens for x in samples] == [x.output_tokens for x in runs[1][key]], key
+        assert all(len(x.output_tokens) == 12 and x.lossless is None for x in samples), key
+        assert [(x.batch_group, x.batch_rows) for x in samples][1:] == [(1, 2), (1, 2), (3, 2), (3, 2)], key
+    with db.connect(str(tmp_path / "a.db"))() as s:
+        assert {c.sampling["temperature"] for c in s.scalars(select(db.Cell))} == {1.5}
+    # hot sampling on a confident tiny model: the rows are not all greedy AR's tokens
+    greedy, _ = run_cli(tmp_path, data_dir, {**suite, "sampling": None, "decoders": [{"name": "ar"}]}, "g.db")
+    assert greedy.exit_code == 0, greedy.output
+    ar_greedy = [x.output_tokens for x in cells_of(tmp_path / "g.db")[("ar", 2)]]
+    assert [x.output_tokens for x in runs[0][("linear", 2)]] != ar_greedy
 
 
 def test_a_run_at_several_batch_sizes(pair, tmp_path, data_dir):

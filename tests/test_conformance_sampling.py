@@ -48,3 +48,28 @@ def test_a_wrong_rule_for_a_later_draft_fails_the_sampling_check(monkeypatch, le
     else:
         assert outcome.status == "failed" and "do not follow the target's distribution" in outcome.verdict
         assert outcome.counterexample["params"] and outcome.counterexample["runs"] == conformance_sampling.RUNS
+
+
+def test_batched_rows_that_do_not_sample_fail_the_sampling_check():
+    """A decoder declaring ``batch_sampling`` whose ``generate_batch`` decodes its rows greedily (its ``generate``
+    samples right) fails the kit's sampling check on the batched leg (issue 68 item 7); declaring no
+    ``batch_sampling``, the same class passes (only its B = 1 law is drawn, twice as two legs would be one setting)."""
+    from dtbench.decoders.ar import Autoregressive
+    from dtbench.testing import check_decoder
+    from dtbench.testing import sampling as conformance_sampling
+
+    class GreedyRows(Autoregressive):
+        def generate_batch(self, prompts, max_new_tokens):
+            sampling, self.sampling = self.sampling, None
+            try:
+                yield from super().generate_batch(prompts, max_new_tokens)
+            finally:
+                self.sampling = sampling
+
+    (outcome,) = check_decoder(GreedyRows, checks=["sampling"], isolation="none").outcomes
+    assert outcome.status == "failed", outcome.verdict
+    assert f"at B = {conformance_sampling.ROWS}" in outcome.verdict
+    assert outcome.counterexample["batch_rows"] == conformance_sampling.ROWS
+    GreedyRows.batch_sampling = False
+    (outcome,) = check_decoder(GreedyRows, checks=["sampling"], isolation="none").outcomes
+    assert outcome.status == "passed", outcome.verdict

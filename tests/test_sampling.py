@@ -23,7 +23,7 @@ from dtbench.decoders.linear import LinearParams, LinearSpeculative
 from dtbench.decoders.sampling import SamplingSettings
 from dtbench.decoders.streaming import StreamingSpecParams, StreamingSpeculative
 from dtbench.testing.common import scratch_root
-from dtbench.testing.sampling import tiny
+from dtbench.testing.sampling import ROWS, draw, tiny
 
 TIER = "full"  # tests/conftest.py: the tier this module runs in (issue 57)
 
@@ -61,20 +61,12 @@ def exact(settings: SamplingSettings, target_name: str = "self") -> dict[tuple[i
 
 def empirical(decoder, settings: SamplingSettings, length: int = M) -> dict[tuple[int, ...], int]:
     """Counts of the first M tokens over RUNS seeded generations of ``length`` >= M tokens (a longer generation
-    lets tree decoders draft deeper trees in the first iterations; the first M tokens' law must still be exact).
-    A generation stops at the step that completes its first M tokens, as the kit's check does: later steps draw
-    after them and cannot change them (issue 57: the iterations past M were half of this module's time)."""
-    counts: dict[tuple[int, ...], int] = {}
-    for run in range(RUNS):
-        decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(run)
-        tokens: list[int] = []
-        for step in decoder.generate(torch.tensor([PROMPT]), length):
-            tokens.extend(step.tokens)
-            if len(tokens) >= M:
-                break
-        key = tuple(tokens[:M])
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    lets tree decoders draft deeper trees in the first iterations; the first M tokens' law must still be exact),
+    drawn by the kit's :func:`~dtbench.testing.sampling.draw`: as the rows of RUNS / ROWS batched generations when
+    the decoder declares ``batch_sampling`` (issue 68 item 7; its B = 1 law is the kit's sampling check's), else one
+    generation per run."""
+    cls = type(decoder)
+    return draw(decoder, settings, RUNS, length, ROWS if cls.batching and cls.batch_sampling else 1, PROMPT)
 
 
 def p_value(decoder, settings: SamplingSettings, length: int = M, target_name: str = "self") -> float:

@@ -7,7 +7,9 @@ compares the counts (bins expecting fewer than 5 merged). An exact decoder fails
 Each generation asks for LENGTH = 7 tokens and stops at the step that completes its first M: at T = M a chain's first
 iteration could draft one token only (its drafts are capped by what is left of T), so a wrong rule for a second or
 later drafted token went unseen (issue 57's review); later steps draw after the first M tokens and cannot change them.
-The draft is a perturbed copy of the target (noise 0.3: drafts accepted and rejected). The law is enumerated in
+The draft is a perturbed copy of the target (noise 0.3: drafts accepted and rejected). A decoder that declares
+``batch_sampling`` has one of its laws drawn as the rows of batched generations (:func:`legs_of`), so its
+``generate_batch`` sampling is checked too. The law is enumerated in
 float64 on the CPU, so the check runs at the ``cpu`` precision only (another precision's id says not applicable). Lossless speculative sampling:
 Leviathan et al. 2023, Algorithm 1; tree decoders: SpecInfer (Miao et al. 2024), multi-draft recursive rejection.
 """
@@ -27,6 +29,7 @@ VOCAB, M, RUNS, ALPHA = 6, 3, 1000, 1e-4
 LENGTH = 7  # tokens a generation asks for (its first M are counted): room to draft and verify several at once
 PROMPT = [1, 4, 2, 5]
 MAX_SETTINGS = 2  # declared settings tested per decoder (each costs RUNS generations)
+ROWS = 250  # rows of one generate_batch call when a batched law is drawn (batch_sampling): RUNS / ROWS calls
 
 
 def tiny(seed: int, sharpness: float = 2.0, layers: int = 1) -> torch.nn.Module:
@@ -78,19 +81,43 @@ def exact(settings: Any) -> dict[tuple[int, ...], float]:
     return out
 
 
-def p_value(decoder: Any, settings: Any) -> tuple[float, dict[tuple[int, ...], int]]:
-    """(chi-square p-value of RUNS seeded generations against :func:`exact`, the counts)."""
+def draw(
+    decoder: Any, settings: Any, runs: int = RUNS, length: int = LENGTH, rows: int = 1, prompt: list[int] = PROMPT
+) -> dict[tuple[int, ...], int]:
+    """Counts of the first M tokens of ``runs`` seeded generations of ``length`` tokens from ``prompt``.
+
+    ``rows = 1``: one :meth:`~dtbench.decoders.base.Decoder.generate` per run, its generator seeded by the run's
+    index. ``rows > 1`` (a decoder declaring ``batch_sampling``): the runs drawn as the rows of ceil(runs / rows)
+    :meth:`~dtbench.decoders.base.Decoder.generate_batch` calls, the rows of one call sharing a generator seeded by
+    the call's index (each row an independent draw: the contract). A generation stops at the step that completes
+    its first M tokens (a batch: once every row has them); later steps draw after them and cannot change them.
+    """
+    counts: dict[tuple[int, ...], int] = {}
+    for call in range(-(-runs // rows)):
+        n = min(rows, runs - call * rows)
+        decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(call)
+        got: list[list[int]] = [[] for _ in range(n)]
+        if rows == 1:
+            steps: Any = ({0: step} for step in decoder.generate(torch.tensor([prompt]), length))
+        else:
+            steps = decoder.generate_batch([torch.tensor([prompt]) for _ in range(n)], length)
+        for out in steps:
+            for r, step in out.items():
+                got[r].extend(step.tokens)
+            if all(len(tokens) >= M for tokens in got):
+                break
+        getattr(steps, "close", lambda: None)()
+        for tokens in got:
+            counts[tuple(tokens[:M])] = counts.get(tuple(tokens[:M]), 0) + 1
+    return counts
+
+
+def p_value(decoder: Any, settings: Any, rows: int = 1) -> tuple[float, dict[tuple[int, ...], int]]:
+    """(chi-square p-value of RUNS seeded generations (:func:`draw`, ``rows`` per generation) against
+    :func:`exact`, the counts)."""
     from scipy import stats
 
-    counts: dict[tuple[int, ...], int] = {}
-    for run in range(RUNS):
-        decoder.sampling, decoder.generator = settings, torch.Generator().manual_seed(run)
-        tokens: list[int] = []
-        for step in decoder.generate(torch.tensor([PROMPT]), LENGTH):
-            tokens.extend(step.tokens)
-            if len(tokens) >= M:
-                break
-        counts[tuple(tokens[:M])] = counts.get(tuple(tokens[:M]), 0) + 1
+    counts = draw(decoder, settings, rows=rows)
     probs = exact(settings)
     impossible = [k for k in counts if probs.get(k, 0.0) == 0.0]
     if impossible:
@@ -130,20 +157,41 @@ def sampling(job: Any) -> None:
         reason = cls.sampling_error(declared[0]) if declared else None
         raise NotApplicable(reason or "no declared setting is lossless under sampling (lossless_with)")
     settings = SamplingSettings(temperature=1.0)
-    for params in usable[:MAX_SETTINGS]:
-        p, counts = p_value(build(cls, params, target, draft), settings)
+    legs = legs_of(cls, usable[:MAX_SETTINGS])
+    for params, rows in legs:
+        p, counts = p_value(build(cls, params, target, draft), settings, rows)
         if p <= ALPHA:
             probs = exact(settings)
             worst = max(counts, key=lambda k: counts[k] - probs.get(k, 0.0) * RUNS)
+            at = f" at B = {rows} (generate_batch rows)" if rows > 1 else ""
             raise CheckFailed(
-                f"sampled tokens do not follow the target's distribution (chi-square p = {p:.2g} <= {ALPHA:g})",
+                f"sampled tokens{at} do not follow the target's distribution (chi-square p = {p:.2g} <= {ALPHA:g})",
                 {
                     "params": describe(params),
                     "temperature": 1.0,
                     "runs": RUNS,
+                    "batch_rows": rows,
                     "most_overdrawn": list(worst),
                     "observed": counts[worst],
                     "expected": round(probs.get(worst, 0.0) * RUNS, 1),
                 },
             )
-    job.notes.append(f"{min(len(usable), MAX_SETTINGS)} setting(s) x {RUNS} runs")
+    batched = sum(rows > 1 for _, rows in legs)
+    job.notes.append(f"{len(legs)} leg(s) x {RUNS} runs" + (f", {batched} drawn as B = {ROWS} rows" if batched else ""))
+
+
+def legs_of(cls: Any, usable: list[Any]) -> list[tuple[Any, int]]:
+    """(params, rows per generation) of each law the check draws: every usable setting at B = 1; for a decoder
+    declaring ``batching`` and ``batch_sampling``, the last batchable one drawn as B = ROWS rows instead (with a
+    single setting, that setting twice): both paths checked at full power for the cost of as many draws."""
+    legs = [(params, 1) for params in usable]
+    if not (cls.batching and cls.batch_sampling):
+        return legs
+    batchable = [i for i, params in enumerate(usable) if cls.batching_error(params) is None]
+    if not batchable:
+        return legs
+    if len(legs) > 1:
+        legs[batchable[-1]] = (usable[batchable[-1]], ROWS)
+    else:
+        legs.append((usable[batchable[-1]], ROWS))
+    return legs

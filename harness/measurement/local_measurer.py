@@ -103,7 +103,9 @@ class LocalMeasurer:
             with Deadline(timeout, phase="making the decoder"):
                 decoder = make_decoder(cp, self.target, self.draft, self.suite, self.data_dir)
             phase = ""
-            if cp.sampling is not None:  # greedy only at B > 1 (plan._check_batching)
+            if (
+                cp.sampling is not None
+            ):  # at B > 1 only for batch_sampling decoders (plan_checks); rows share the generator
                 decoder.sampling, decoder.generator = sampling_for(
                     cp.sampling, self.suite.seed, prompts[0].index, self.device
                 )

@@ -33,10 +33,10 @@ def check_batching(suite: Suite, plans: list[Any]) -> None:
             )
         if why := p.cls.batching_error(p.params):
             raise DtbenchError(f"{where}decoder '{name}': {why}; restrict it with `batch_sizes: [1]`")
-        if p.sampling is not None:
+        if p.sampling is not None and not p.cls.batch_sampling:
             raise DtbenchError(
-                f"{where}decoder '{name}': batch sizes {sizes} decode greedily only; set "
-                f"`sampling: greedy` on it or `batch_sizes: [1]`"
+                f"{where}decoder '{name}': batch sizes {sizes} decode greedily only (its class does not declare "
+                f"batch_sampling); set `sampling: greedy` on it or `batch_sizes: [1]`"
             )
     for ds in suite.datasets:  # a batch size above the measured prompts has no full batch: nothing to report at B
         used = sorted({k.batch_size for p in plans for k in p.points if k.dataset == ds.key and k.batch_size > 1})
