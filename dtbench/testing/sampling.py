@@ -82,9 +82,10 @@ def exact(settings: Any) -> dict[tuple[int, ...], float]:
 
 
 def draw(
-    decoder: Any, settings: Any, runs: int = RUNS, length: int = LENGTH, rows: int = 1, prompt: list[int] = PROMPT
+    decoder: Any, settings: Any, runs: int = RUNS, length: int | None = None, rows: int = 1, prompt: list[int] = PROMPT
 ) -> dict[tuple[int, ...], int]:
-    """Counts of the first M tokens of ``runs`` seeded generations of ``length`` tokens from ``prompt``.
+    """Counts of the first M tokens of ``runs`` seeded generations of ``length`` tokens (default: the module's
+    LENGTH, read at call time) from ``prompt``.
 
     ``rows = 1``: one :meth:`~dtbench.decoders.base.Decoder.generate` per run, its generator seeded by the run's
     index. ``rows > 1`` (a decoder declaring ``batch_sampling``): the runs drawn as the rows of ceil(runs / rows)
@@ -92,6 +93,7 @@ def draw(
     the call's index (each row an independent draw: the contract). A generation stops at the step that completes
     its first M tokens (a batch: once every row has them); later steps draw after them and cannot change them.
     """
+    length = LENGTH if length is None else length
     counts: dict[tuple[int, ...], int] = {}
     for call in range(-(-runs // rows)):
         n = min(rows, runs - call * rows)
