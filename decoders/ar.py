@@ -60,15 +60,6 @@ class Autoregressive(Decoder[ARParams]):
         """AR over B prompts together, greedy or sampled (``batch_sampling``): the one chain loop with no drafts (one
         batched target forward per token, every row its own position and cache length; a finished row leaves the
         batch)."""
-        from dtbench.decoders.chain import NoDrafts, speculate_chain_batch
+        from dtbench.decoders.chain import NoDrafts, decoder_rows
 
-        yield from speculate_chain_batch(
-            self.target,
-            [NoDrafts() for _ in prompts],
-            prompts,
-            max_new_tokens,
-            0,
-            self.eos_token_id,
-            sampling=self.sampling,
-            generator=self.generator,
-        )
+        yield from decoder_rows(self, [NoDrafts() for _ in prompts], prompts, max_new_tokens, 0)

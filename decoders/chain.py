@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -393,6 +393,24 @@ def speculate_chain_batch(
     independent draws). Yields as :func:`speculate_chain_rows`."""
     yield from speculate_chain_rows(
         RaggedRows(model), proposers, prompts, max_new_tokens, k, sampling, generator, eos_token_id
+    )
+
+
+def decoder_rows(
+    decoder: Any, proposers: Sequence[Proposer], prompts: list[torch.Tensor], max_new_tokens: int, k: int
+) -> Iterator[dict[int, Step]]:
+    """A chain decoder's ``generate_batch``: :func:`speculate_chain_batch` of ``decoder``'s target, EOS, sampling
+    settings and generator (``batch_sampling``) over ``prompts`` (each ``(1, L_i)`` int64), one proposer per row,
+    at most ``k`` drafts per row and iteration. Yields as :func:`speculate_chain_rows`."""
+    return speculate_chain_batch(
+        decoder.target,
+        proposers,
+        prompts,
+        max_new_tokens,
+        k,
+        decoder.eos_token_id,
+        sampling=decoder.sampling,
+        generator=decoder.generator,
     )
 
 

@@ -9,7 +9,7 @@ import torch
 from pydantic import Field
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import DRAFT_FEEDS, DraftModelProposer, KVTarget, speculate_chain, speculate_chain_batch
+from dtbench.decoders.chain import DRAFT_FEEDS, DraftModelProposer, KVTarget, decoder_rows, speculate_chain
 
 
 class LinearParams(DecoderParams):
@@ -96,13 +96,6 @@ class LinearSpeculative(Decoder[LinearParams]):
         """B prompts through the one chain loop, greedy or sampled (``batch_sampling``): one draft proposer per row,
         one batched target verification."""
         assert self.draft is not None  # needs_draft: the constructor refused a missing draft model
-        yield from speculate_chain_batch(
-            self.target,
-            [DraftModelProposer(self.draft) for _ in prompts],
-            prompts,
-            max_new_tokens,
-            self.params.k,
-            self.eos_token_id,
-            sampling=self.sampling,
-            generator=self.generator,
+        yield from decoder_rows(
+            self, [DraftModelProposer(self.draft) for _ in prompts], prompts, max_new_tokens, self.params.k
         )

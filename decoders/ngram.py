@@ -23,7 +23,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dtbench.decoders.base import Decoder, DecoderParams, Step
-from dtbench.decoders.chain import KVTarget, Proposer, speculate_chain, speculate_chain_batch
+from dtbench.decoders.chain import KVTarget, Proposer, decoder_rows, speculate_chain
 
 Occurrence = Literal["earliest", "latest"]
 
@@ -205,13 +205,4 @@ class Ngram(Decoder[NgramParams]):
         p = self.params
         proposers = [NgramProposer(p.min_n, p.max_n, p.occurrence) for _ in prompts]
         self._proposer = proposers[-1]
-        yield from speculate_chain_batch(
-            self.target,
-            proposers,
-            prompts,
-            max_new_tokens,
-            p.k,
-            self.eos_token_id,
-            sampling=self.sampling,
-            generator=self.generator,
-        )
+        yield from decoder_rows(self, proposers, prompts, max_new_tokens, p.k)

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from dtbench.core import DtbenchError
 from dtbench.decoders.base import Step
-from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, speculate_chain, speculate_chain_batch
+from dtbench.decoders.chain import DraftModelProposer, KVTarget, Proposer, decoder_rows, speculate_chain
 from dtbench.decoders.datastore import CorpusDecoder, CorpusParams, Datastore, tokens_datastore
 
 
@@ -305,13 +305,4 @@ class SuffixDecoding(CorpusDecoder[SuffixParams]):
             for _ in prompts
         ]
         self._proposer = proposers[-1]
-        yield from speculate_chain_batch(
-            self.target,
-            proposers,
-            prompts,
-            max_new_tokens,
-            p.k,
-            self.eos_token_id,
-            sampling=self.sampling,
-            generator=self.generator,
-        )
+        yield from decoder_rows(self, proposers, prompts, max_new_tokens, p.k)
